@@ -1,0 +1,85 @@
+# nanovllm.cu — plain nvcc, no CMake.
+#
+#   make               build ./nanovllm for the visible GPU (or sm_80/86/89/90 when none is visible)
+#   make test          build and run every test (GPU suites are skipped, and say so, without a GPU)
+#   make bench         run ./bench.sh
+#   make clean
+#
+# Knobs: CUDA_ARCH=90a (or 80, 86, ...: one target), NVCC=..., SANITIZE=1 (host tests under ASan+UBSan),
+#        UTF8PROC_LIB=path/to/libutf8proc.a, EXTRA_INCLUDES=-I...
+
+NVCC      ?= nvcc
+export UTF8PROC_LIB
+BUILD     := build
+SHELL     := /bin/bash
+
+# ---- GPU architecture ---------------------------------------------------------------------------------
+# The visible GPU's compute capability, else a fat binary for A100, RTX 30, RTX 40 and H100.
+ifeq ($(origin CUDA_ARCH), undefined)
+  CUDA_ARCH := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d '. ')
+  ifeq ($(CUDA_ARCH),90)
+    CUDA_ARCH := 90a
+  endif
+endif
+ifeq ($(strip $(CUDA_ARCH)),)
+  GENCODE    := -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_86,code=sm_86 \
+                -gencode=arch=compute_89,code=sm_89 -gencode=arch=compute_90a,code=sm_90a \
+                -gencode=arch=compute_90,code=compute_90
+  ARCH_NAME  := sm_80+sm_86+sm_89+sm_90a (no GPU visible: fat binary)
+  # Host tests never launch a kernel: one architecture keeps their build fast on CPU-only machines.
+  TEST_GENCODE := -gencode=arch=compute_80,code=sm_80
+else
+  GENCODE    := -gencode=arch=compute_$(CUDA_ARCH),code=sm_$(CUDA_ARCH)
+  ARCH_NAME  := sm_$(CUDA_ARCH)
+  TEST_GENCODE := $(GENCODE)
+endif
+
+# ---- dependencies --------------------------------------------------------------------------------------
+EXTRA_INCLUDES ?=
+
+NVFLAGS  := -std=c++17 -O3 -lineinfo -Xcompiler -Wall,-Wno-unused-function $(EXTRA_INCLUDES) \
+            --expt-relaxed-constexpr -diag-suppress 177,550
+# utf8proc is looked up when linking, after `deps` may have installed it.
+LDLIBS   := -lcublasLt -lnccl $$(bash test/deps.sh --utf8proc-lib)
+ifeq ($(SANITIZE),1)
+  HOSTSAN := -Xcompiler -fsanitize=address,undefined,-fno-omit-frame-pointer -Xlinker -fsanitize=address,undefined
+endif
+
+HEADERS  := nanovllm.cu safetensors.h tokenizer.h
+HOST_TESTS := $(patsubst test/%.cu,$(BUILD)/%,$(wildcard test/test_*.cu))
+GPU_TESTS  := $(patsubst test/%.cu,$(BUILD)/%,$(wildcard test/gpu_*.cu))
+
+.PHONY: all deps test test-build bench clean
+all: deps nanovllm
+
+# Print what was found; install a missing Debian package when root, else print the command and stop.
+deps:
+	@CUDA_ARCH_NAME="$(ARCH_NAME)" NVCC="$(NVCC)" \
+	  EXTRA_INCLUDES="$(EXTRA_INCLUDES)" bash test/deps.sh
+
+nanovllm: $(HEADERS) | deps
+	$(NVCC) $(NVFLAGS) $(GENCODE) -o $@ nanovllm.cu $(LDLIBS)
+
+$(BUILD)/test_%: test/test_%.cu test/test.h $(HEADERS) | deps
+	@mkdir -p $(BUILD)
+	$(NVCC) $(NVFLAGS) $(TEST_GENCODE) $(HOSTSAN) -o $@ $< $(LDLIBS)
+
+$(BUILD)/gpu_%: test/gpu_%.cu test/test.h $(HEADERS) | deps
+	@mkdir -p $(BUILD)
+	$(NVCC) $(NVFLAGS) $(GENCODE) -o $@ $< $(LDLIBS)
+
+# GPU test binaries are only built where a GPU is visible (or CUDA_ARCH is given).
+ifeq ($(strip $(CUDA_ARCH)),)
+test-build: nanovllm $(HOST_TESTS)
+else
+test-build: nanovllm $(HOST_TESTS) $(GPU_TESTS)
+endif
+
+test: test-build
+	@bash test/run.sh $(BUILD)
+
+bench: nanovllm
+	./bench.sh
+
+clean:
+	rm -rf $(BUILD) nanovllm

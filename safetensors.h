@@ -1,0 +1,2 @@
+// safetensors.h — the checkpoint reader (placeholder).
+#pragma once

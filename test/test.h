@@ -1,0 +1,130 @@
+// test.h — the whole test framework: TEST() registers a case, CHECK* record failures, test_main() runs
+// them. Every test binary ends with one line "RESULT passed=N failed=N skipped=N" that test/run.sh sums.
+//
+// A case fails when any CHECK fails; it is skipped (never counted as passed) when it calls SKIP(why).
+// Usage:   #define NANOVLLM_TESTING
+//          #include "../nanovllm.cu"
+//          #include "test.h"
+//          TEST(block_hash_known_values) { CHECK_EQ(x, y); }
+//          int main(int argc, char** argv) { return test_main(argc, argv); }
+// Run one case with `./build/test_x NAME_SUBSTRING`.
+#pragma once
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+struct TestCase {
+  const char* name;
+  std::function<void()> fn;
+};
+static std::vector<TestCase>& test_registry() {
+  static std::vector<TestCase> r;
+  return r;
+}
+struct TestRegistrar {
+  TestRegistrar(const char* name, std::function<void()> fn) { test_registry().push_back({name, fn}); }
+};
+static int g_test_failures = 0;   // failures recorded in the running case
+static bool g_test_skipped = false;
+static std::string g_skip_reason;
+
+#define TEST(name)                                                   \
+  static void test_##name();                                         \
+  static TestRegistrar test_registrar_##name(#name, test_##name);    \
+  static void test_##name()
+
+#define CHECK(cond)                                                                                \
+  do {                                                                                             \
+    if (!(cond)) {                                                                                 \
+      fprintf(stderr, "    CHECK failed at %s:%d: %s\n", __FILE__, __LINE__, #cond);               \
+      g_test_failures++;                                                                           \
+    }                                                                                              \
+  } while (0)
+
+#define CHECK_EQ(a, b)                                                                             \
+  do {                                                                                             \
+    auto va_ = (a);                                                                                \
+    auto vb_ = (b);                                                                                \
+    if (!(va_ == vb_)) {                                                                           \
+      std::ostringstream os_;                                                                      \
+      os_ << va_ << " != " << vb_;                                                                 \
+      fprintf(stderr, "    CHECK_EQ failed at %s:%d: %s == %s (%s)\n", __FILE__, __LINE__, #a, #b, \
+              os_.str().c_str());                                                                  \
+      g_test_failures++;                                                                           \
+    }                                                                                              \
+  } while (0)
+
+// Message-carrying check, for loops that would otherwise print thousands of lines: returns cond.
+#define CHECK_MSG(cond, ...)                                                                       \
+  ([&]() {                                                                                         \
+    bool ok_ = (cond);                                                                             \
+    if (!ok_) {                                                                                    \
+      fprintf(stderr, "    CHECK failed at %s:%d: %s: ", __FILE__, __LINE__, #cond);               \
+      fprintf(stderr, __VA_ARGS__);                                                                \
+      fprintf(stderr, "\n");                                                                       \
+      g_test_failures++;                                                                           \
+    }                                                                                              \
+    return ok_;                                                                                    \
+  }())
+
+#define SKIP(...)                                  \
+  do {                                             \
+    char buf_[512];                                \
+    snprintf(buf_, sizeof buf_, __VA_ARGS__);      \
+    g_test_skipped = true;                         \
+    g_skip_reason = buf_;                          \
+    return;                                        \
+  } while (0)
+
+// Compare two float arrays with |got - want| <= atol + rtol * |want|; print the worst element on failure.
+static bool check_close(const char* what, const float* got, const float* want, size_t n, float atol,
+                        float rtol) {
+  size_t worst = 0, bad = 0;
+  double worst_excess = -1;
+  for (size_t i = 0; i < n; i++) {
+    double tol = atol + rtol * fabs(want[i]);
+    double err = fabs((double)got[i] - want[i]);
+    if (!(err <= tol)) {  // NaN fails
+      bad++;
+      double excess = std::isnan(err) ? 1e30 : err - tol;
+      if (excess > worst_excess) worst_excess = excess, worst = i;
+    }
+  }
+  if (bad) {
+    fprintf(stderr, "    %s: %zu of %zu elements out of tolerance; worst at [%zu]: got %g want %g\n", what,
+            bad, n, worst, got[worst], want[worst]);
+    g_test_failures++;
+    return false;
+  }
+  return true;
+}
+
+static int test_main(int argc, char** argv) {
+  const char* filter = argc > 1 ? argv[1] : nullptr;
+  int passed = 0, failed = 0, skipped = 0;
+  for (auto& t : test_registry()) {
+    if (filter && !strstr(t.name, filter)) continue;
+    g_test_failures = 0;
+    g_test_skipped = false;
+    auto t0 = std::chrono::steady_clock::now();
+    t.fn();
+    double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (g_test_failures) {
+      printf("FAIL %s (%d checks failed)\n", t.name, g_test_failures);
+      failed++;
+    } else if (g_test_skipped) {
+      printf("SKIPPED %s: %s\n", t.name, g_skip_reason.c_str());
+      skipped++;
+    } else {
+      printf("PASS %s (%.0f ms)\n", t.name, ms);
+      passed++;
+    }
+    fflush(stdout);
+  }
+  printf("RESULT passed=%d failed=%d skipped=%d\n", passed, failed, skipped);
+  return failed ? 1 : 0;
+}
