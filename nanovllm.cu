@@ -318,8 +318,249 @@ static void validate_sampling(const SamplingParams& p, const std::string& where)
 
 
 // ==== 3. Weights: safetensors -> GPU, fused q/k/v and gate/up =========================================
+//
+// The checkpoint is read once, straight from the mmap()ed files into one GPU arena. Two fusions happen at
+// load time (nano-vllm: packed_modules_mapping and the weight_loader of QKVParallelLinear /
+// MergedColumnParallelLinear):
+//   q_proj [NH*D, H] ; k_proj [NKV*D, H] ; v_proj [NKV*D, H]  ->  qkv_proj [(NH+2*NKV)*D, H]   one GEMM
+//   gate_proj [I, H] ; up_proj [I, H]                          ->  gate_up  [2*I, H]            one GEMM
+// so a layer runs 4 matrix products instead of 7. Every matrix stays in PyTorch's [out, in] row-major layout;
+// section 6 explains how cuBLASLt reads it.
+//
+// Tensor parallelism slices while loading, so each rank reads only its share (section 12 of the map):
+//   column-parallel (qkv, gate_up): each rank takes its rows: its q heads, its k/v heads, its I/tp slice;
+//   row-parallel (o_proj, down): each rank takes its columns; the partial products are summed by all-reduce;
+//   vocab-parallel (embed_tokens, lm_head): each rank takes V/tp rows.
+// fp16 and fp32 checkpoints are converted to bf16 on the way in.
+
+struct LayerWeights {
+  bf16* input_layernorm;           // [H]
+  bf16* post_attention_layernorm;  // [H]
+  bf16* qkv_proj;                  // [(NH+2*NKV)/tp * D, H]
+  bf16* q_norm;                    // [D]
+  bf16* k_norm;                    // [D]
+  bf16* o_proj;                    // [H, NH/tp * D]
+  bf16* gate_up_proj;              // [2 * I/tp, H]   gate rows first, then up rows
+  bf16* down_proj;                 // [H, I/tp]
+};
+
+struct Weights {
+  bf16* embed_tokens;  // [V/tp, H]
+  bf16* lm_head;       // [V/tp, H] (== embed_tokens when tie_word_embeddings)
+  bf16* norm;          // [H]
+  std::vector<LayerWeights> layers;
+  void* arena = nullptr;
+  size_t bytes = 0;
+};
+
+static float bf16_bits_to_float(uint16_t b) {
+  uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+static uint16_t float_to_bf16_bits(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffff) > 0x7f800000) return 0x7fc0;
+  return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+static float half_bits_to_float(uint16_t h) {
+  uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, u;
+  if (exp == 0) {
+    if (mant == 0) u = sign;
+    else {  // subnormal: renormalise
+      int e = -1;
+      do { mant <<= 1; e++; } while (!(mant & 0x400));
+      u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((mant & 0x3ff) << 13);
+    }
+  } else if (exp == 31) u = sign | 0x7f800000 | (mant << 13);
+  else u = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+// Copies tensor slices into the GPU arena through two pinned staging buffers, so the CPU fills one while the
+// GPU copy engine drains the other. A slice is rows [r0, r0+nr) and columns [c0, c0+nc) of a 2-D tensor
+// (1-D tensors are one row).
+struct WeightLoader {
+  const SafeTensors& st;
+  const ModelConfig& cfg;
+  cudaStream_t stream;
+  static constexpr size_t kStage = 64 << 20;
+  uint16_t* stage[2] = {nullptr, nullptr};
+  cudaEvent_t done[2];
+  int cur = 0;
+  size_t fill = 0;       // bytes in stage[cur]
+  bf16* fill_dst = nullptr;  // where stage[cur]'s contents go (contiguous)
+  size_t bytes_read = 0;
+
+  WeightLoader(const SafeTensors& s, const ModelConfig& c, cudaStream_t st_) : st(s), cfg(c), stream(st_) {
+    for (int i = 0; i < 2; i++) {
+      CUDA_CHECK(cudaMallocHost(&stage[i], kStage));
+      CUDA_CHECK(cudaEventCreateWithFlags(&done[i], cudaEventDisableTiming));
+      CUDA_CHECK(cudaEventRecord(done[i], stream));
+    }
+  }
+  ~WeightLoader() {
+    for (int i = 0; i < 2; i++) {
+      cudaEventSynchronize(done[i]);
+      cudaFreeHost(stage[i]);
+      cudaEventDestroy(done[i]);
+    }
+  }
+  void flush() {
+    if (!fill) return;
+    CUDA_CHECK(cudaMemcpyAsync(fill_dst, stage[cur], fill, cudaMemcpyHostToDevice, stream));
+    CUDA_CHECK(cudaEventRecord(done[cur], stream));
+    cur ^= 1;
+    CUDA_CHECK(cudaEventSynchronize(done[cur]));  // the other buffer is free again
+    fill = 0;
+  }
+  // Look a tensor up and check its shape against the config: a wrong checkpoint is a clear error.
+  const TensorView& get(const std::string& name, std::vector<int64_t> shape) {
+    const TensorView* t = st.find(name);
+    if (!t) die("checkpoint has no tensor '%s' (needed by the config: is this a Qwen3 checkpoint?)", name.c_str());
+    if (t->shape != shape) {
+      TensorView want;
+      want.shape = shape;
+      die("tensor '%s' in %s has shape %s, but config.json implies %s", name.c_str(), t->file.c_str(),
+          t->shape_str().c_str(), want.shape_str().c_str());
+    }
+    if (t->dtype != DType::BF16 && t->dtype != DType::F16 && t->dtype != DType::F32)
+      die("tensor '%s' has dtype %s; nanovllm loads BF16, F16 or F32 checkpoints", name.c_str(), dtype_name(t->dtype));
+    return *t;
+  }
+  // Append rows [r0, r0+nr) x cols [c0, c0+nc) of `t` (converted to bf16) at `dst`, contiguously.
+  void load(bf16* dst, const TensorView& t, int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
+    int64_t cols = t.shape.size() == 2 ? t.shape[1] : t.numel();
+    int esize = dtype_size(t.dtype);
+    const uint8_t* base = (const uint8_t*)t.data;
+    for (int64_t r = r0; r < r0 + nr; r++) {
+      int64_t c = c0;
+      while (c < c0 + nc) {
+        if (fill == kStage || (fill && fill_dst + fill / 2 != dst)) flush();
+        if (!fill) fill_dst = dst;
+        int64_t n = std::min<int64_t>(c0 + nc - c, (kStage - fill) / 2);
+        const uint8_t* src = base + (r * cols + c) * esize;
+        uint16_t* out = stage[cur] + fill / 2;
+        if (t.dtype == DType::BF16) memcpy(out, src, n * 2);
+        else if (t.dtype == DType::F16)
+          for (int64_t i = 0; i < n; i++) out[i] = float_to_bf16_bits(half_bits_to_float(((const uint16_t*)src)[i]));
+        else
+          for (int64_t i = 0; i < n; i++) out[i] = float_to_bf16_bits(((const float*)src)[i]);
+        fill += n * 2;
+        dst += n;
+        c += n;
+        bytes_read += n * esize;
+      }
+    }
+  }
+};
+
+// Load (this rank's share of) every weight. Returns the arena; prints nothing (the caller reports timing).
+static Weights load_weights(const std::string& dir, const ModelConfig& c, int rank, int tp, cudaStream_t stream,
+                            size_t* bytes_read) {
+  SafeTensors st;
+  try {
+    st = SafeTensors::open_dir(dir);
+  } catch (const SafeTensorsError& e) {
+    die("%s", e.what());
+  }
+  const int64_t H = c.hidden_size, I = c.intermediate_size / tp, D = c.head_dim;
+  const int64_t NH = c.num_attention_heads / tp, NKV = c.num_key_value_heads / tp;
+  const int64_t V = cdiv(c.vocab_size, tp), L = c.num_hidden_layers;
+  if (c.intermediate_size % tp) die("intermediate_size %d is not divisible by --tensor-parallel-size %d",
+                                    c.intermediate_size, tp);
+  const int64_t qkv_rows = (NH + 2 * NKV) * D;
+  // Element counts of everything, to size the arena once.
+  int64_t per_layer = 2 * H + qkv_rows * H + 2 * D + H * NH * D + 2 * I * H + H * I;
+  int64_t total = V * H * (c.tie_word_embeddings ? 1 : 2) + H + L * per_layer;
+  Weights w;
+  w.bytes = total * sizeof(bf16);
+  CUDA_CHECK(cudaMalloc(&w.arena, w.bytes));
+  bf16* p = (bf16*)w.arena;
+  auto take = [&](int64_t n) { bf16* r = p; p += n; return r; };
+  WeightLoader ld(st, c, stream);
+  // Vocab-parallel rows; the last rank's slice may run past V (zero-filled, never selected).
+  auto load_vocab = [&](bf16* dst, const TensorView& t) {
+    int64_t r0 = rank * V, nr = std::max<int64_t>(0, std::min<int64_t>(V, c.vocab_size - r0));
+    if (nr < V) CUDA_CHECK(cudaMemsetAsync(dst, 0, V * H * sizeof(bf16), stream));
+    ld.load(dst, t, r0, nr, 0, H);
+  };
+  w.embed_tokens = take(V * H);
+  load_vocab(w.embed_tokens, ld.get("model.embed_tokens.weight", {c.vocab_size, H}));
+  if (c.tie_word_embeddings) w.lm_head = w.embed_tokens;
+  else {
+    w.lm_head = take(V * H);
+    load_vocab(w.lm_head, ld.get("lm_head.weight", {c.vocab_size, H}));
+  }
+  w.norm = take(H);
+  ld.load(w.norm, ld.get("model.norm.weight", {H}), 0, 1, 0, H);
+  for (int64_t l = 0; l < L; l++) {
+    std::string pre = "model.layers." + std::to_string(l) + ".";
+    LayerWeights lw;
+    lw.input_layernorm = take(H);
+    ld.load(lw.input_layernorm, ld.get(pre + "input_layernorm.weight", {H}), 0, 1, 0, H);
+    lw.post_attention_layernorm = take(H);
+    ld.load(lw.post_attention_layernorm, ld.get(pre + "post_attention_layernorm.weight", {H}), 0, 1, 0, H);
+    lw.qkv_proj = take(qkv_rows * H);
+    const int64_t NHf = c.num_attention_heads, NKVf = c.num_key_value_heads;
+    ld.load(lw.qkv_proj, ld.get(pre + "self_attn.q_proj.weight", {NHf * D, H}), rank * NH * D, NH * D, 0, H);
+    ld.load(lw.qkv_proj + NH * D * H, ld.get(pre + "self_attn.k_proj.weight", {NKVf * D, H}), rank * NKV * D,
+            NKV * D, 0, H);
+    ld.load(lw.qkv_proj + (NH + NKV) * D * H, ld.get(pre + "self_attn.v_proj.weight", {NKVf * D, H}),
+            rank * NKV * D, NKV * D, 0, H);
+    lw.q_norm = take(D);
+    ld.load(lw.q_norm, ld.get(pre + "self_attn.q_norm.weight", {D}), 0, 1, 0, D);
+    lw.k_norm = take(D);
+    ld.load(lw.k_norm, ld.get(pre + "self_attn.k_norm.weight", {D}), 0, 1, 0, D);
+    lw.o_proj = take(H * NH * D);
+    ld.load(lw.o_proj, ld.get(pre + "self_attn.o_proj.weight", {H, NHf * D}), 0, H, rank * NH * D, NH * D);
+    lw.gate_up_proj = take(2 * I * H);
+    const int64_t If = c.intermediate_size;
+    ld.load(lw.gate_up_proj, ld.get(pre + "mlp.gate_proj.weight", {If, H}), rank * I, I, 0, H);
+    ld.load(lw.gate_up_proj + I * H, ld.get(pre + "mlp.up_proj.weight", {If, H}), rank * I, I, 0, H);
+    lw.down_proj = take(H * I);
+    ld.load(lw.down_proj, ld.get(pre + "mlp.down_proj.weight", {H, If}), 0, H, rank * I, I);
+    w.layers.push_back(lw);
+  }
+  ld.flush();
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  *bytes_read = ld.bytes_read;
+  return w;
+}
 
 // ==== 4. The KV cache layout ==========================================================================
+//
+// One cudaMalloc holds every layer's keys and values (nano-vllm: ModelRunner.allocate_kv_cache):
+//
+//   kv_cache  [L, 2, NB, NKV/tp, P, D]  bf16
+//              |  |   |    |     |  '-- head dim (128)
+//              |  |   |    |     '---- token slot inside the block
+//              |  |   |    '---------- KV head (this rank's share)
+//              |  |   '--------------- physical block (what block tables point at)
+//              |  '------------------- 0 = keys, 1 = values
+//              '---------------------- layer
+//
+// One (block, head) tile is P*D contiguous values: the decode kernel streams it with wide loads, and every
+// query head of a GQA group reuses it. Token t of a sequence lives in block block_table[t / P], slot t % P;
+// the flat slot number block * P + t % P is what slot_mapping carries. A block costs
+//   block_bytes = 2 * L * P * NKV/tp * D * 2 bytes   (28 MiB for Qwen3-0.6B at P = 256)
+// and the pool gets whatever gpu_memory_utilization leaves after weights and activations (section 11).
+
+struct KVCache {
+  bf16* base = nullptr;
+  int64_t num_blocks = 0, layer_stride = 0, kv_stride = 0;  // elements
+  size_t bytes = 0;
+  bf16* k(int layer) const { return base + layer * layer_stride; }
+  bf16* v(int layer) const { return base + layer * layer_stride + kv_stride; }
+};
+
+static size_t kv_block_bytes(const ModelConfig& c, int P, int tp) {
+  return (size_t)2 * c.num_hidden_layers * P * (c.num_key_value_heads / tp) * c.head_dim * sizeof(bf16);
+}
 
 // ==== 5. Kernels (each followed by its launcher) ======================================================
 //
@@ -344,8 +585,161 @@ static void validate_sampling(const SamplingParams& p, const std::string& where)
 // (end of 5c)
 
 // ==== 6. Matrix products with cuBLASLt ================================================================
+//
+// Every linear layer is y = x @ W^T with x [M, K] (M tokens) and W [N, K] in PyTorch's row-major [out, in]
+// layout. cuBLASLt thinks in column-major, where a row-major [M, N] matrix is the column-major [N, M] one,
+// so we ask it for  y^T [N, M] = W [N, K] (i.e. column-major K x N, transposed) * x^T (column-major K x M):
+// transa = T, transb = N, m = N, n = M, k = K. bf16 inputs, fp32 accumulation, bf16 (or fp32 for logits) out.
+//
+// Choosing an algorithm costs tens of microseconds, so it is done once per (M, N, K, output type) and cached;
+// a CUDA graph captures the chosen algorithm and the one preallocated workspace.
+
+struct GemmPlan {
+  cublasLtMatmulDesc_t desc;
+  cublasLtMatrixLayout_t a, b, c;
+  cublasLtMatmulAlgo_t algo;
+};
+
+struct Gemm {
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 32 << 20;
+  std::map<std::tuple<int, int, int, int>, GemmPlan> plans;
+
+  void init() {
+    CUBLAS_CHECK(cublasLtCreate(&handle));
+    CUDA_CHECK(cudaMalloc(&workspace, workspace_bytes));
+  }
+
+  GemmPlan& plan(int M, int N, int K, cudaDataType out_type) {
+    auto key = std::make_tuple(M, N, K, (int)out_type);
+    auto it = plans.find(key);
+    if (it != plans.end()) return it->second;
+    GemmPlan p;
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, K, N, K));  // W, read transposed
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, K, M, K));  // x
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, out_type, N, M, N));     // y
+    cublasLtMatmulPreference_t pref;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                      &workspace_bytes, sizeof workspace_bytes));
+    cublasLtMatmulHeuristicResult_t res;
+    int found = 0;
+    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.c, pref, 1, &res, &found));
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (!found) die("cuBLASLt found no algorithm for a %d x %d x %d bf16 matrix product", M, N, K);
+    p.algo = res.algo;
+    return plans[key] = p;
+  }
+
+  // y [M, N] = x [M, K] @ W[N, K]^T ; y is bf16, or fp32 when out_type is CUDA_R_32F.
+  void run(void* y, const bf16* x, const bf16* W, int M, int N, int K, cudaStream_t stream,
+           cudaDataType out_type = CUDA_R_16BF) {
+    if (M == 0) return;
+    GemmPlan& p = plan(M, N, K, out_type);
+    const float alpha = 1.0f, beta = 0.0f;
+    CUBLAS_CHECK(cublasLtMatmul(handle, p.desc, &alpha, W, p.a, x, p.b, &beta, y, p.c, y, p.c, &p.algo, workspace,
+                                workspace_bytes, stream));
+  }
+};
 
 // ==== 7. The Qwen3 forward pass =======================================================================
+//
+// One step, prefill or decode, T tokens from B sequences (nano-vllm: models/qwen3.py). Per layer:
+//
+//   x = RMSNorm(residual)                              (layer 0: residual = embedding)
+//   qkv = x @ Wqkv^T                                   [T, (NH+2NKV)*D]
+//   q, k = RMSNorm_head(q), RMSNorm_head(k); RoPE(q, k)   in place
+//   K/V cache[slot_mapping] = k, v                     this step's keys/values join the cache
+//   a = attention(q, cache, block_tables)              causal, GQA; prefill or decode kernel
+//   h = a @ Wo^T                 (+ all-reduce)        [T, H]
+//   x = RMSNorm(residual += h)
+//   h = (SiLU(x @ Wg^T) * (x @ Wu^T)) @ Wd^T   (+ all-reduce)
+//   residual += h  (folded into the next layer's norm)
+// then x = RMSNorm(residual += h), keep each sequence's last row, logits = x @ lm_head^T (fp32).
+//
+// Every buffer is allocated once for the largest step (ModelRunner), so a step allocates nothing and a
+// decode step can be captured in a CUDA graph.
+
+struct Activations {
+  bf16* residual;  // [Tmax, H]
+  bf16* hidden;    // [Tmax, H]  a sub-layer's output
+  bf16* x;         // [Tmax, H]  normed input of a sub-layer
+  bf16* qkv;       // [Tmax, (NH+2NKV)/tp * D]
+  bf16* attn;      // [Tmax, NH/tp * D]
+  bf16* gate_up;   // [Tmax, 2 * I/tp]
+  bf16* act;       // [Tmax, I/tp]
+  bf16* last;      // [Bmax, H]  final normed row of each sequence
+  float* logits;   // [Bmax, V/tp]
+  float* attn_workspace;  // decode split-K partials
+};
+
+// Device pointers to one step's inputs (built on the host by ModelRunner::prepare_*).
+struct StepInputs {
+  int* input_ids;     // [T]
+  int* positions;     // [T]
+  int* slot_mapping;  // [T]  -1 = do not store
+  int* cu_seqlens_q;  // [B+1] prefill: row offsets of each sequence's new tokens
+  int* seqlens_k;     // [B]   prefill: keys each sequence attends (cached + new); decode: context lengths
+  int* block_tables;  // [B, MB]
+  int max_seqlen_q;   // host value (prefill)
+};
+
+struct TPComm;  // section 12a; null without tensor parallelism
+static void all_reduce_sum(TPComm* comm, bf16* x, size_t n, cudaStream_t stream);
+
+struct Qwen3 {
+  ModelConfig cfg;
+  Weights w;
+  KVCache kv;
+  Gemm gemm;
+  Activations act;
+  int tp = 1, rank = 0;
+  TPComm* comm = nullptr;
+  int P = 256, MB = 16, max_model_len = 4096;
+
+  // Runs the model on one step and leaves fp32 logits of each sequence's last token in act.logits.
+  void forward(const StepInputs& in, int T, int B, bool is_prefill, cudaStream_t s) {
+    const int H = cfg.hidden_size, I = cfg.intermediate_size / tp, D = cfg.head_dim;
+    const int NH = cfg.num_attention_heads / tp, NKV = cfg.num_key_value_heads / tp;
+    const int V = (int)cdiv(cfg.vocab_size, tp);
+    const float eps = cfg.rms_norm_eps, scale = 1.0f / sqrtf((float)D);
+    embedding(act.residual, in.input_ids, w.embed_tokens, T, H, rank * V, V, s);
+    if (tp > 1) all_reduce_sum(comm, act.residual, (size_t)T * H, s);
+    for (int l = 0; l < cfg.num_hidden_layers; l++) {
+      const LayerWeights& lw = w.layers[l];
+      if (l == 0) rmsnorm(act.x, act.residual, lw.input_layernorm, T, H, eps, s);
+      else add_rmsnorm(act.x, act.residual, act.hidden, lw.input_layernorm, T, H, eps, s);
+      gemm.run(act.qkv, act.x, lw.qkv_proj, T, (NH + 2 * NKV) * D, H, s);
+      qk_norm_rope(act.qkv, in.positions, lw.q_norm, lw.k_norm, T, NH, NKV, cfg.rope_theta, eps, s);
+      store_kvcache(kv.k(l), kv.v(l), act.qkv, in.slot_mapping, T, NH, NKV, P, s);
+      if (is_prefill)
+        attention_prefill(act.attn, act.qkv, kv.k(l), kv.v(l), in.cu_seqlens_q, in.seqlens_k, in.block_tables, B,
+                          in.max_seqlen_q, NH, NKV, P, MB, scale, s);
+      else
+        attention_decode(act.attn, act.qkv, kv.k(l), kv.v(l), in.seqlens_k, in.block_tables, B, NH, NKV, P, MB,
+                         max_model_len, act.attn_workspace, scale, s);
+      gemm.run(act.hidden, act.attn, lw.o_proj, T, H, NH * D, s);
+      if (tp > 1) all_reduce_sum(comm, act.hidden, (size_t)T * H, s);
+      add_rmsnorm(act.x, act.residual, act.hidden, lw.post_attention_layernorm, T, H, eps, s);
+      gemm.run(act.gate_up, act.x, lw.gate_up_proj, T, 2 * I, H, s);
+      silu_and_mul(act.act, act.gate_up, T, I, s);
+      gemm.run(act.hidden, act.act, lw.down_proj, T, H, I, s);
+      if (tp > 1) all_reduce_sum(comm, act.hidden, (size_t)T * H, s);
+    }
+    add_rmsnorm(act.x, act.residual, act.hidden, w.norm, T, H, eps, s);
+    const bf16* last = act.x;
+    if (is_prefill) {  // only each sequence's last position needs logits (nano-vllm: ParallelLMHead)
+      gather_last_tokens(act.last, act.x, in.cu_seqlens_q, B, H, s);
+      last = act.last;
+    }
+    gemm.run(act.logits, last, w.lm_head, B, V, H, s, CUDA_R_32F);
+  }
+};
 
 // ==== 8. Sequence =====================================================================================
 //
