@@ -608,7 +608,6 @@ static size_t kv_block_bytes(const ModelConfig& c, int P, int tp) {
 
 __device__ __forceinline__ int cdiv_dev(int a, int b) { return (a + b - 1) / b; }
 
-constexpr int HEAD_DIM = 128;          // D for every Qwen3 model; both kernels are written for exactly this
 constexpr int ATTN_KV_TILE = 64;       // keys per shared-memory tile (K and V each: 64 x 128 bf16 = 16 KiB)
 constexpr int ATTN_STAGES = 2;         // K/V tiles in shared memory: tile t+1 loads while tile t computes
                                        // (3 stages measured 1-3% slower: fewer CTAs fit per SM)
