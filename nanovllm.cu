@@ -39,9 +39,10 @@
 //    9. BlockManager: paged KV blocks and prefix caching
 //   10. Scheduler: continuous batching, chunked prefill, preemption
 //   11. ModelRunner: step inputs, CUDA graphs, sampling
-//   12. LLMEngine: add_request, step, generate
-//   13. Prompts in, completions out
-//   14. Command line and main
+//   12. Tensor parallelism
+//   13. LLMEngine: add_request, step, generate
+//   14. Prompts in, completions out
+//   15. Command line and main
 
 #include <algorithm>
 #include <cerrno>
@@ -63,6 +64,7 @@
 #include <vector>
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cublasLt.h>
 #include <cuda_bf16.h>
@@ -1653,17 +1655,743 @@ struct Scheduler {
 };
 
 // ==== 11. ModelRunner: step inputs, CUDA graphs, sampling =============================================
+//
+// The bridge between the host's sequences and the GPU (nano-vllm: engine/model_runner.py ModelRunner).
+// Per step: prepare_prefill or prepare_decode lays the step's flat int arrays out in a pinned host region,
+// ONE cudaMemcpyAsync moves the region to its device twin, the model runs, the sampler picks one token per
+// sequence, and ONE synchronisation brings the tokens back. Nothing is allocated inside a step.
+//
+//   prefill region: input_ids [T] positions [T] slot_mapping [T] cu_seqlens_q [B+1] seqlens_k [B]
+//                   block_tables [B, MB] sampling slots [B]
+//   decode region:  input_ids [B] positions [B] slot_mapping [B] context_lens [B] block_tables [B, MB]
+//                   sampling slots [B]         (fixed addresses: the CUDA graphs read them)
+//
+// CUDA graphs (decode only): a decode step of Qwen3-0.6B is ~400 small kernel launches whose launch cost
+// would rival their run time. They are captured once per batch size 1, 2, 4, 8, 16, 32, ..., 512 (largest
+// first) and replayed; a batch of 37 replays the 48 graph with 11 padding rows (slot -1: nothing stored,
+// context 1: a harmless read, token discarded). The attention grid depends only on max_model_len, never on
+// the contexts, so one capture serves every step.
 
-// ==== 12. LLMEngine: add_request, step, generate ======================================================
+// A pinned host array and its device twin inside one of the two step regions.
+template <typename Tp>
+struct Field {
+  Tp* h = nullptr;
+  Tp* d = nullptr;
+};
 
-// ==== 13. Prompts in, completions out =================================================================
+struct StepRegion {
+  char* h = nullptr;
+  char* d = nullptr;
+  size_t bytes = 0, used = 0;
+  template <typename Tp>
+  Field<Tp> field(size_t n) {  // carve n elements, 16-byte aligned
+    Field<Tp> f;
+    f.h = (Tp*)(h + used);
+    f.d = (Tp*)(d + used);
+    used += (n * sizeof(Tp) + 15) / 16 * 16;
+    return f;
+  }
+  void alloc(size_t n) {
+    bytes = n;
+    CUDA_CHECK(cudaMallocHost(&h, n));
+    CUDA_CHECK(cudaMalloc(&d, n));
+  }
+};
 
-// ==== 14. Command line and main =======================================================================
+static uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+struct ModelRunner {
+  Config& config;
+  Qwen3 model;
+  cudaStream_t stream;
+  int Tmax, Bmax, MB, P;
+  uint64_t engine_seed = 0;
+  StepRegion prefill_region, decode_region;
+  Field<int> p_ids, p_pos, p_slots, p_cu_q, p_seqlens_k, p_bt;
+  Field<SamplingSlot> p_samp;
+  Field<int> d_ids, d_pos, d_slots, d_ctx, d_bt;
+  Field<SamplingSlot> d_samp;
+  int* out_tokens_d = nullptr;  // [Bmax]
+  int* out_tokens_h = nullptr;  // pinned
+  void* sample_ws = nullptr;
+  size_t sample_ws_bytes = 0;
+  std::vector<int> graph_bs;                 // captured batch sizes, ascending
+  std::map<int, cudaGraphExec_t> graphs;
+  double load_seconds = 0, load_gbps = 0, capture_seconds = 0;
+  double gpu_seconds = 0;                    // time spent waiting for the GPU (the rest of a step is host work)
+
+  ModelRunner(Config& c, const ModelConfig& mc, int rank = 0) : config(c) {
+    model.cfg = mc;
+    model.rank = rank;
+    model.tp = c.tensor_parallel_size;
+    P = model.P = c.kvcache_block_size;
+    MB = model.MB = (int)cdiv(c.max_model_len, P);
+    model.max_model_len = c.max_model_len;
+    Tmax = std::max(c.max_num_batched_tokens, c.max_num_seqs);
+    Bmax = c.max_num_seqs;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    double t0 = now_seconds();
+    size_t bytes_read = 0;
+    model.w = load_weights(c.model, mc, rank, model.tp, stream, &bytes_read);
+    load_seconds = now_seconds() - t0;
+    load_gbps = bytes_read / load_seconds / 1e9;
+    model.gemm.init();
+    allocate_activations();
+    allocate_inputs();
+    allocate_kv_cache();
+  }
+
+  void allocate_activations() {
+    const ModelConfig& mc = model.cfg;
+    const int tp = model.tp, H = mc.hidden_size, D = mc.head_dim, I = mc.intermediate_size / tp;
+    const int NH = mc.num_attention_heads / tp, NKV = mc.num_key_value_heads / tp;
+    const int V = (int)cdiv(mc.vocab_size, tp);
+    Activations& a = model.act;
+    auto alloc = [&](auto** p, size_t n) { CUDA_CHECK(cudaMalloc((void**)p, n * sizeof(**p))); };
+    alloc(&a.residual, (size_t)Tmax * H);
+    alloc(&a.hidden, (size_t)Tmax * H);
+    alloc(&a.x, (size_t)Tmax * H);
+    alloc(&a.qkv, (size_t)Tmax * (NH + 2 * NKV) * D);
+    alloc(&a.attn, (size_t)Tmax * NH * D);
+    alloc(&a.gate_up, (size_t)Tmax * 2 * I);
+    alloc(&a.act, (size_t)Tmax * I);
+    alloc(&a.last, (size_t)Bmax * H);
+    alloc(&a.logits, (size_t)Bmax * V);
+    CUDA_CHECK(cudaMalloc(&a.attn_workspace, attention_decode_workspace_bytes(Bmax, NH, config.max_model_len)));
+    sample_ws_bytes = sample_workspace_bytes(Bmax, V);
+    CUDA_CHECK(cudaMalloc(&sample_ws, sample_ws_bytes));
+  }
+
+  void allocate_inputs() {
+    size_t pb = 3 * 16 * cdiv(Tmax, 4) + 2 * 16 * cdiv(Bmax + 1, 4) + 16 * cdiv((size_t)Bmax * MB, 4) +
+                sizeof(SamplingSlot) * Bmax + 16 * 8;
+    prefill_region.alloc(pb);
+    p_ids = prefill_region.field<int>(Tmax);
+    p_pos = prefill_region.field<int>(Tmax);
+    p_slots = prefill_region.field<int>(Tmax);
+    p_cu_q = prefill_region.field<int>(Bmax + 1);
+    p_seqlens_k = prefill_region.field<int>(Bmax);
+    p_bt = prefill_region.field<int>((size_t)Bmax * MB);
+    p_samp = prefill_region.field<SamplingSlot>(Bmax);
+    size_t db = 4 * 16 * cdiv(Bmax, 4) + 16 * cdiv((size_t)Bmax * MB, 4) + sizeof(SamplingSlot) * Bmax + 16 * 8;
+    decode_region.alloc(db);
+    d_ids = decode_region.field<int>(Bmax);
+    d_pos = decode_region.field<int>(Bmax);
+    d_slots = decode_region.field<int>(Bmax);
+    d_ctx = decode_region.field<int>(Bmax);
+    d_bt = decode_region.field<int>((size_t)Bmax * MB);
+    d_samp = decode_region.field<SamplingSlot>(Bmax);
+    CUDA_CHECK(cudaMalloc(&out_tokens_d, Bmax * sizeof(int)));
+    CUDA_CHECK(cudaMallocHost(&out_tokens_h, Bmax * sizeof(int)));
+  }
+
+  // nano-vllm: allocate_kv_cache. Everything else is already allocated, so what is free now, minus the
+  // (1 - gpu_memory_utilization) share of the card, is the KV pool.
+  void allocate_kv_cache() {
+    size_t free_b, total_b;
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    size_t block_bytes = kv_block_bytes(model.cfg, P, model.tp);
+    double budget = (double)total_b * config.gpu_memory_utilization - (double)(total_b - free_b);
+    int64_t fit = budget > 0 ? (int64_t)(budget / block_bytes) : 0;
+    if (config.num_kvcache_blocks > 0) {
+      if (config.num_kvcache_blocks > fit)
+        die("--num-kvcache-blocks %d needs %.2f GiB but only %.2f GiB are left under --gpu-memory-utilization %g",
+            config.num_kvcache_blocks, config.num_kvcache_blocks * (double)block_bytes / (1 << 30),
+            std::max(budget, 0.0) / (1 << 30), config.gpu_memory_utilization);
+    } else {
+      config.num_kvcache_blocks = (int)std::min<int64_t>(fit, 1 << 30);
+    }
+    int need = MB;
+    if (config.num_kvcache_blocks < need)
+      die("the KV cache has room for %d blocks of %d tokens (%.2f GiB free under --gpu-memory-utilization %g), "
+          "but one sequence of --max-model-len %d needs %d. Raise --gpu-memory-utilization or "
+          "--num-kvcache-blocks, or lower --max-model-len",
+          config.num_kvcache_blocks, P, std::max(budget, 0.0) / (1 << 30), config.gpu_memory_utilization,
+          config.max_model_len, need);
+    KVCache& kv = model.kv;
+    kv.num_blocks = config.num_kvcache_blocks;
+    kv.kv_stride = kv.num_blocks * (model.cfg.num_key_value_heads / model.tp) * P * model.cfg.head_dim;
+    kv.layer_stride = 2 * kv.kv_stride;
+    kv.bytes = (size_t)kv.num_blocks * block_bytes;
+    CUDA_CHECK(cudaMalloc(&kv.base, kv.bytes));
+  }
+
+  SamplingSlot sampling_slot(const Sequence& seq) const {
+    SamplingSlot s{};
+    s.temperature = seq.params.temperature;
+    s.top_k = seq.params.top_k;
+    s.top_p = seq.params.top_p;
+    s.seed = seq.params.seed >= 0 ? (uint64_t)seq.params.seed : splitmix64(engine_seed ^ splitmix64(seq.seq_id));
+    s.offset = (uint64_t)seq.num_completion_tokens();  // the draw for the n-th token is fixed by (seed, n)
+    return s;
+  }
+
+  void fill_block_table(int* row, const Sequence& seq) {
+    int n = (int)seq.block_table.size();
+    memcpy(row, seq.block_table.data(), n * sizeof(int));
+    for (int i = n; i < MB; i++) row[i] = 0;  // never read (beyond the sequence's length)
+  }
+
+  // nano-vllm: prepare_prefill. Each sequence contributes its scheduled tokens [start, end).
+  StepInputs prepare_prefill(const std::vector<Sequence*>& seqs, int& T) {
+    T = 0;
+    int max_q = 0;
+    p_cu_q.h[0] = 0;
+    for (size_t b = 0; b < seqs.size(); b++) {
+      const Sequence& seq = *seqs[b];
+      int start = seq.num_cached_tokens, end = start + seq.num_scheduled_tokens;
+      for (int t = start; t < end; t++) {
+        p_ids.h[T] = seq.token_ids[t];
+        p_pos.h[T] = t;
+        p_slots.h[T] = seq.block_table[t / P] * P + t % P;
+        T++;
+      }
+      p_cu_q.h[b + 1] = T;
+      p_seqlens_k.h[b] = end;
+      max_q = std::max(max_q, end - start);
+      fill_block_table(p_bt.h + b * MB, seq);
+      p_samp.h[b] = sampling_slot(seq);
+    }
+    CUDA_CHECK(cudaMemcpyAsync(prefill_region.d, prefill_region.h, prefill_region.used, cudaMemcpyHostToDevice,
+                               stream));
+    return StepInputs{p_ids.d, p_pos.d, p_slots.d, p_cu_q.d, p_seqlens_k.d, p_bt.d, max_q};
+  }
+
+  // nano-vllm: prepare_decode. One token per sequence: its last one, at position len-1. Rows bs..padded_bs-1
+  // are padding for a CUDA graph of size padded_bs.
+  StepInputs prepare_decode(const std::vector<Sequence*>& seqs, int padded_bs) {
+    int bs = (int)seqs.size();
+    for (int b = 0; b < padded_bs; b++) {
+      if (b < bs) {
+        const Sequence& seq = *seqs[b];
+        int pos = seq.size() - 1;
+        d_ids.h[b] = seq.last_token;
+        d_pos.h[b] = pos;
+        d_slots.h[b] = seq.block_table[pos / P] * P + pos % P;
+        d_ctx.h[b] = seq.size();
+        fill_block_table(d_bt.h + b * MB, seq);
+        d_samp.h[b] = sampling_slot(seq);
+      } else {
+        d_ids.h[b] = 0, d_pos.h[b] = 0, d_slots.h[b] = -1, d_ctx.h[b] = 1;
+        std::fill(d_bt.h + b * MB, d_bt.h + (b + 1) * MB, 0);
+        d_samp.h[b] = SamplingSlot{};  // greedy
+      }
+    }
+    CUDA_CHECK(cudaMemcpyAsync(decode_region.d, decode_region.h, decode_region.used, cudaMemcpyHostToDevice,
+                               stream));
+    return StepInputs{d_ids.d, d_pos.d, d_slots.d, nullptr, d_ctx.d, d_bt.d, 1};
+  }
+
+  void forward_and_sample(const StepInputs& in, int T, int B, bool is_prefill, const SamplingSlot* slots_d) {
+    model.forward(in, T, B, is_prefill, stream);
+    if (model.rank == 0)
+      sample(out_tokens_d, model.act.logits, slots_d, B, (int)cdiv(model.cfg.vocab_size, model.tp), sample_ws,
+             sample_ws_bytes, stream);
+  }
+
+  int graph_size_for(int bs) const {
+    for (int g : graph_bs)
+      if (g >= bs) return g;
+    return 0;
+  }
+
+  // nano-vllm: run. Returns one sampled token per sequence.
+  std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) {
+    int B = (int)seqs.size();
+    if (is_prefill) {
+      int T;
+      StepInputs in = prepare_prefill(seqs, T);
+      forward_and_sample(in, T, B, true, p_samp.d);
+    } else {
+      int g = config.enforce_eager ? 0 : graph_size_for(B);
+      StepInputs in = prepare_decode(seqs, g ? g : B);
+      if (g) CUDA_CHECK(cudaGraphLaunch(graphs[g], stream));
+      else forward_and_sample(in, B, B, false, d_samp.d);
+    }
+    CUDA_CHECK(cudaMemcpyAsync(out_tokens_h, out_tokens_d, B * sizeof(int), cudaMemcpyDeviceToHost, stream));
+    double t0 = now_seconds();
+    CUDA_CHECK(cudaStreamSynchronize(stream));  // the one synchronisation of the step
+    gpu_seconds += now_seconds() - t0;
+    return std::vector<int>(out_tokens_h, out_tokens_h + B);
+  }
+
+  // nano-vllm: capture_cudagraph. Batch sizes 1, 2, 4, 8, then every 16 up to max_num_seqs (capped at 512).
+  void capture_cudagraphs() {
+    if (config.enforce_eager) return;
+    double t0 = now_seconds();
+    int max_bs = std::min(Bmax, 512);
+    for (int bs : {1, 2, 4, 8})
+      if (bs <= max_bs) graph_bs.push_back(bs);
+    for (int bs = 16; bs <= max_bs; bs += 16) graph_bs.push_back(bs);
+    if (graph_bs.back() < max_bs) graph_bs.push_back(max_bs);
+    std::vector<Sequence*> none;
+    for (auto it = graph_bs.rbegin(); it != graph_bs.rend(); ++it) {
+      int bs = *it;
+      StepInputs in = prepare_decode(none, bs);  // all padding rows: valid inputs that store nothing
+      forward_and_sample(in, bs, bs, false, d_samp.d);  // warm-up: cuBLASLt picks its algorithms here
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      cudaGraph_t graph;
+      CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      forward_and_sample(in, bs, bs, false, d_samp.d);
+      CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+      cudaGraphExec_t exec;
+      CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      CUDA_CHECK(cudaGraphDestroy(graph));
+      graphs[bs] = exec;
+    }
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    capture_seconds = now_seconds() - t0;
+  }
+};
+
+// ==== 12. Tensor parallelism ==========================================================================
+//
+// Not yet built: --tensor-parallel-size above 1 is refused at start-up. The forward pass already calls
+// all_reduce_sum() where the row-parallel layers need it, and load_weights() slices for any rank.
+
+struct TPComm {};
+static void all_reduce_sum(TPComm*, bf16*, size_t, cudaStream_t) {
+  die("internal error: all_reduce_sum without tensor parallelism");
+}
+
+// ==== 13. LLMEngine: add_request, step, generate ======================================================
+//
+// The loop that ties it together (nano-vllm: engine/llm_engine.py LLMEngine): requests become Sequences in
+// the scheduler's waiting queue; each step() is one schedule() -> run() -> postprocess(); generate() steps
+// until every request is finished and returns the completions in input order.
+
+struct Request {
+  std::vector<int> prompt_token_ids;
+  SamplingParams params;
+  std::string source;  // "prompts.txt:12", for messages
+};
+
+struct Completion {
+  std::vector<int> token_ids;
+  const char* finish_reason;
+  int prompt_tokens;
+};
+
+struct RunStats {
+  double seconds = 0;
+  int64_t prefill_tokens = 0, decode_tokens = 0, steps_prefill = 0, steps_decode = 0;
+  double prefill_seconds = 0, decode_seconds = 0;
+  double first_token_at = -1;  // seconds since generate() began
+  int peak_blocks_used = 0;
+};
+
+struct LLMEngine {
+  Config& config;
+  ModelRunner& runner;
+  Scheduler scheduler;
+  std::vector<std::unique_ptr<Sequence>> seqs;
+  RunStats stats;
+  bool progress = true;
+
+  LLMEngine(Config& c, ModelRunner& r) : config(c), runner(r), scheduler(c) {}
+
+  Sequence* add_request(const std::vector<int>& prompt, const SamplingParams& sp) {
+    seqs.emplace_back(new Sequence((int64_t)seqs.size(), prompt, sp, config.kvcache_block_size));
+    scheduler.add(seqs.back().get());
+    return seqs.back().get();
+  }
+
+  // One step: schedule, run the model, append the sampled tokens.
+  void step() {
+    bool is_prefill;
+    double t0 = now_seconds();
+    std::vector<Sequence*> batch = scheduler.schedule(is_prefill);
+    int64_t num_tokens = 0;
+    for (auto* s : batch) num_tokens += s->num_scheduled_tokens;
+    std::vector<int> token_ids = runner.run(batch, is_prefill);
+    scheduler.postprocess(batch, token_ids, is_prefill);
+    double dt = now_seconds() - t0;
+    if (is_prefill) {
+      stats.prefill_tokens += num_tokens;
+      stats.prefill_seconds += dt;
+      stats.steps_prefill++;
+    } else {
+      stats.decode_tokens += num_tokens;
+      stats.decode_seconds += dt;
+      stats.steps_decode++;
+    }
+    stats.peak_blocks_used = std::max(stats.peak_blocks_used, scheduler.block_manager.num_used);
+  }
+
+  std::vector<Completion> generate(const std::vector<Request>& requests) {
+    double t0 = now_seconds(), last_print = t0;
+    size_t first = seqs.size();
+    for (auto& r : requests) add_request(r.prompt_token_ids, r.params);
+    bool tty = isatty(2);
+    int done = 0;
+    while (!scheduler.is_finished()) {
+      step();
+      if (stats.first_token_at < 0) stats.first_token_at = now_seconds() - t0;
+      double t = now_seconds();
+      if (progress && t - last_print > (tty ? 0.25 : 5.0)) {
+        done = 0;
+        for (size_t i = first; i < seqs.size(); i++) done += seqs[i]->is_finished();
+        fprintf(stderr, "%s[progress] %d/%zu done | prefill %.0f tok/s | decode %.0f tok/s | KV %d/%lld blocks%s",
+                tty ? "\r" : "", done, requests.size(), stats.prefill_tokens / std::max(stats.prefill_seconds, 1e-9),
+                stats.decode_tokens / std::max(stats.decode_seconds, 1e-9), scheduler.block_manager.num_used,
+                (long long)config.num_kvcache_blocks, tty ? "   " : "\n");
+        last_print = t;
+      }
+    }
+    if (progress && tty) fprintf(stderr, "\n");
+    stats.seconds = now_seconds() - t0;
+    std::vector<Completion> out;
+    for (size_t i = first; i < seqs.size(); i++) {
+      Sequence& s = *seqs[i];
+      out.push_back({std::vector<int>(s.token_ids.begin() + s.num_prompt_tokens, s.token_ids.end()),
+                     s.finish_reason, s.num_prompt_tokens});
+    }
+    return out;
+  }
+};
+
+// ==== 14. Prompts in, completions out =================================================================
+//
+// PROMPTS is either a text file, one prompt per line (the chat template is applied unless --raw), or a
+// .jsonl file whose lines are objects with one of
+//   "prompt": "text"   "prompt_token_ids": [1, 2, 3]   "messages": [{"role": "user", "content": "..."}]
+// and optional per-request "max_tokens", "temperature", "top_k", "top_p", "ignore_eos", "seed".
+// Everything is checked before the GPU is touched: a bad line is reported by number in a second, not after
+// a model load. A prompt that cannot fit (prompt tokens + max_tokens > max_model_len) refuses the whole run,
+// naming the line: silently dropping or truncating a request would hand back garbage.
+
+static bool valid_utf8(const std::string& s, size_t* bad_at) {
+  const unsigned char* p = (const unsigned char*)s.data();
+  size_t n = s.size(), i = 0;
+  while (i < n) {
+    unsigned c = p[i];
+    int len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+    if (!len || i + len > n) break;
+    unsigned cp = len == 1 ? c : len == 2 ? c & 31 : len == 3 ? c & 15 : c & 7;
+    bool ok = true;
+    for (int k = 1; k < len; k++) {
+      if ((p[i + k] & 0xC0) != 0x80) ok = false;
+      cp = (cp << 6) | (p[i + k] & 63);
+    }
+    // reject overlong forms, surrogates and code points past U+10FFFF
+    if (!ok || (len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000) ||
+        (cp >= 0xD800 && cp <= 0xDFFF) || cp > 0x10FFFF)
+      break;
+    i += len;
+  }
+  if (bad_at) *bad_at = i;
+  return i == n;
+}
+
+struct PromptOptions {
+  bool raw = false;          // send text as is, no chat template
+  bool enable_thinking = true;
+  SamplingParams defaults;   // from the command line
+};
+
+// Per-request overrides of a JSONL line; each must have the right type.
+static void jsonl_sampling(const json& j, SamplingParams& sp, const std::string& where) {
+  auto num = [&](const char* k) -> const json* {
+    if (!j.contains(k)) return nullptr;
+    if (!j[k].is_number()) die("%s: \"%s\" must be a number, found %s", where.c_str(), k, j[k].dump().c_str());
+    return &j[k];
+  };
+  if (auto v = num("max_tokens")) sp.max_tokens = v->get<int>();
+  if (auto v = num("temperature")) sp.temperature = v->get<float>();
+  if (auto v = num("top_k")) sp.top_k = v->get<int>();
+  if (auto v = num("top_p")) sp.top_p = v->get<float>();
+  if (auto v = num("seed")) sp.seed = v->get<int64_t>();
+  if (j.contains("ignore_eos")) {
+    if (!j["ignore_eos"].is_boolean()) die("%s: \"ignore_eos\" must be true or false", where.c_str());
+    sp.ignore_eos = j["ignore_eos"].get<bool>();
+  }
+  validate_sampling(sp, where);
+}
+
+static std::vector<Request> read_prompts(const std::string& path, const Tokenizer& tok, const PromptOptions& opt,
+                                         const Config& cfg, const ModelConfig& mc) {
+  std::string text = read_file(path, "prompts file");
+  bool jsonl = path.size() >= 6 && path.compare(path.size() - 6, 6, ".jsonl") == 0;
+  std::vector<Request> reqs;
+  size_t pos = 0;
+  int lineno = 0;
+  while (pos < text.size()) {
+    size_t nl = text.find('\n', pos);
+    std::string line = text.substr(pos, nl == std::string::npos ? std::string::npos : nl - pos);
+    pos = nl == std::string::npos ? text.size() : nl + 1;
+    lineno++;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    std::string where = path + ":" + std::to_string(lineno);
+    size_t bad;
+    if (!valid_utf8(line, &bad)) die("%s: invalid UTF-8 at byte %zu of the line", where.c_str(), bad + 1);
+    if (line.find_first_not_of(" \t") == std::string::npos) continue;  // blank lines separate nothing
+    Request r;
+    r.source = where;
+    r.params = opt.defaults;
+    if (!jsonl) {
+      r.prompt_token_ids =
+          opt.raw ? tok.encode(line) : tok.encode(tok.apply_chat_template({{"user", line}}, true, opt.enable_thinking));
+    } else {
+      json j;
+      try {
+        j = json::parse(line);
+      } catch (const json::exception& e) {
+        die("%s: not valid JSON: %s", where.c_str(), e.what());
+      }
+      if (!j.is_object()) die("%s: each line must be a JSON object", where.c_str());
+      int kinds = j.contains("prompt") + j.contains("prompt_token_ids") + j.contains("messages");
+      if (kinds != 1)
+        die("%s: give exactly one of \"prompt\", \"prompt_token_ids\" or \"messages\" (found %d)", where.c_str(),
+            kinds);
+      if (j.contains("prompt")) {
+        if (!j["prompt"].is_string()) die("%s: \"prompt\" must be a string", where.c_str());
+        std::string p = j["prompt"];
+        r.prompt_token_ids =
+            opt.raw ? tok.encode(p) : tok.encode(tok.apply_chat_template({{"user", p}}, true, opt.enable_thinking));
+      } else if (j.contains("messages")) {
+        if (!j["messages"].is_array() || j["messages"].empty())
+          die("%s: \"messages\" must be a non-empty array of {\"role\", \"content\"}", where.c_str());
+        std::vector<ChatMessage> msgs;
+        for (auto& m : j["messages"]) {
+          if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content") ||
+              !m["content"].is_string())
+            die("%s: each message must be {\"role\": string, \"content\": string}", where.c_str());
+          msgs.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+        }
+        r.prompt_token_ids = tok.encode(tok.apply_chat_template(msgs, true, opt.enable_thinking));
+      } else {
+        if (!j["prompt_token_ids"].is_array()) die("%s: \"prompt_token_ids\" must be an array", where.c_str());
+        for (auto& v : j["prompt_token_ids"]) {
+          if (!v.is_number_integer()) die("%s: token ids must be integers, found %s", where.c_str(), v.dump().c_str());
+          int64_t id = v.get<int64_t>();
+          if (id < 0 || id >= mc.vocab_size)
+            die("%s: token id %lld is outside the vocabulary [0, %d)", where.c_str(), (long long)id, mc.vocab_size);
+          r.prompt_token_ids.push_back((int)id);
+        }
+      }
+      jsonl_sampling(j, r.params, where);
+    }
+    if (r.prompt_token_ids.empty()) die("%s: the prompt is empty", where.c_str());
+    int n = (int)r.prompt_token_ids.size();
+    if (n + r.params.max_tokens > cfg.max_model_len)
+      die("%s: prompt of %d tokens + max_tokens %d = %d exceeds --max-model-len %d; shorten the prompt, lower "
+          "max_tokens or raise --max-model-len (up to %d for this model)",
+          where.c_str(), n, r.params.max_tokens, n + r.params.max_tokens, cfg.max_model_len,
+          mc.max_position_embeddings);
+    reqs.push_back(std::move(r));
+  }
+  if (reqs.empty()) die("prompts file '%s' has no prompts", path.c_str());
+  return reqs;
+}
+
+static std::string json_escape_text(const std::string& s) { return json(s).dump(); }
+
+static void write_completions(const std::vector<Request>& reqs, const std::vector<Completion>& outs,
+                              const Tokenizer& tok, FILE* jsonl) {
+  for (size_t i = 0; i < outs.size(); i++) {
+    std::string text = tok.decode(outs[i].token_ids);
+    printf("==> request %zu | %d prompt tokens | %zu tokens | finish: %s\n%s\n\n", i, outs[i].prompt_tokens,
+           outs[i].token_ids.size(), outs[i].finish_reason, text.c_str());
+    if (jsonl) {
+      json o = {{"index", i},
+                {"text", text},
+                {"token_ids", outs[i].token_ids},
+                {"finish_reason", outs[i].finish_reason},
+                {"prompt_tokens", outs[i].prompt_tokens}};
+      fprintf(jsonl, "%s\n", o.dump(-1, ' ', false, json::error_handler_t::replace).c_str());
+    }
+  }
+  (void)reqs;
+  fflush(stdout);
+}
+
+// ==== 15. Command line and main =======================================================================
+
+struct Cli {
+  Config config;
+  PromptOptions prompts;
+  std::string prompts_path;  // empty: nano-vllm example.py's two prompts
+  std::string output_path;
+  int64_t seed = 0;
+};
+
+static const char* kUsage =
+    "usage: nanovllm [MODEL_DIR] [PROMPTS] [flags]\n"
+    "       nanovllm encode MODEL_DIR [--jsonl | --chat [--no-thinking]]   (stdin -> token ids)\n"
+    "       nanovllm decode MODEL_DIR                                      (token ids -> text)\n"
+    "\n"
+    "MODEL_DIR  a Hugging Face Qwen3 folder (default ~/huggingface/Qwen3-0.6B/)\n"
+    "PROMPTS    a text file (one prompt per line) or a .jsonl file (see README); default: two example prompts\n"
+    "\n"
+    "engine (nano-vllm Config):\n"
+    "  --max-num-batched-tokens N   token budget of a prefill step            (16384)\n"
+    "  --max-num-seqs N             sequences in one step                     (512)\n"
+    "  --max-model-len N            prompt + completion tokens, at most       (4096)\n"
+    "  --gpu-memory-utilization F   share of GPU memory to use, in (0, 1]     (0.9)\n"
+    "  --tensor-parallel-size N     GPUs (alias --tp)                         (1)\n"
+    "  --enforce-eager              no CUDA graphs\n"
+    "  --kvcache-block-size N       tokens per KV block, power of two 16-256  (256)\n"
+    "  --num-kvcache-blocks N       KV blocks (default: as many as fit)\n"
+    "sampling (defaults for every request; a .jsonl line may override them):\n"
+    "  --temperature F              0 = greedy                                (1.0)\n"
+    "  --top-k N                    keep the N most likely tokens, -1 = off   (-1)\n"
+    "  --top-p F                    nucleus sampling, 1 = off                 (1.0)\n"
+    "  --max-tokens N               tokens to generate                        (64)\n"
+    "  --ignore-eos                 do not stop at end-of-sequence tokens\n"
+    "  --seed N                     seed of the sampler                       (0)\n"
+    "prompts and output:\n"
+    "  --raw                        do not apply the chat template\n"
+    "  --no-thinking                chat template with enable_thinking=false\n"
+    "  --output FILE.jsonl          also write one JSON object per request\n"
+    "  --help                       this text\n";
+
+static Cli parse_args(int argc, char** argv) {
+  Cli cli;
+  const char* home = getenv("HOME");
+  cli.config.model = std::string(home ? home : ".") + "/huggingface/Qwen3-0.6B/";
+  std::vector<std::string> positional;
+  for (int i = 1; i < argc; i++) {
+    std::string a = argv[i], val;
+    bool has_eq = false;
+    if (a.rfind("--", 0) == 0 && a.find('=') != std::string::npos) {
+      val = a.substr(a.find('=') + 1);
+      a = a.substr(0, a.find('='));
+      has_eq = true;
+    }
+    auto value = [&]() -> std::string {
+      if (has_eq) return val;
+      if (i + 1 >= argc) die("flag %s needs a value (see --help)", a.c_str());
+      return argv[++i];
+    };
+    auto as_int = [&](const std::string& v) -> int64_t {
+      char* end;
+      errno = 0;
+      long long x = strtoll(v.c_str(), &end, 10);
+      if (v.empty() || *end || errno) die("flag %s expects an integer, found '%s'", a.c_str(), v.c_str());
+      return x;
+    };
+    auto as_float = [&](const std::string& v) -> float {
+      char* end;
+      float x = strtof(v.c_str(), &end);
+      if (v.empty() || *end) die("flag %s expects a number, found '%s'", a.c_str(), v.c_str());
+      return x;
+    };
+    auto as_int32 = [&](const std::string& v) -> int {
+      int64_t x = as_int(v);
+      if (x < INT32_MIN || x > INT32_MAX) die("flag %s: %s is out of range", a.c_str(), v.c_str());
+      return (int)x;
+    };
+    auto flag_only = [&]() {
+      if (has_eq) die("flag %s takes no value", a.c_str());
+    };
+    Config& c = cli.config;
+    SamplingParams& sp = cli.prompts.defaults;
+    if (a == "--help" || a == "-h") {
+      fputs(kUsage, stdout);
+      exit(0);
+    } else if (a == "--max-num-batched-tokens") c.max_num_batched_tokens = as_int32(value());
+    else if (a == "--max-num-seqs") c.max_num_seqs = as_int32(value());
+    else if (a == "--max-model-len") c.max_model_len = as_int32(value());
+    else if (a == "--gpu-memory-utilization") c.gpu_memory_utilization = as_float(value());
+    else if (a == "--tensor-parallel-size" || a == "--tp") c.tensor_parallel_size = as_int32(value());
+    else if (a == "--enforce-eager") flag_only(), c.enforce_eager = true;
+    else if (a == "--kvcache-block-size") c.kvcache_block_size = as_int32(value());
+    else if (a == "--num-kvcache-blocks") c.num_kvcache_blocks = as_int32(value());
+    else if (a == "--temperature") sp.temperature = as_float(value());
+    else if (a == "--top-k") sp.top_k = as_int32(value());
+    else if (a == "--top-p") sp.top_p = as_float(value());
+    else if (a == "--max-tokens") sp.max_tokens = as_int32(value());
+    else if (a == "--ignore-eos") flag_only(), sp.ignore_eos = true;
+    else if (a == "--seed") cli.seed = as_int(value());
+    else if (a == "--raw") flag_only(), cli.prompts.raw = true;
+    else if (a == "--no-thinking") flag_only(), cli.prompts.enable_thinking = false;
+    else if (a == "--output") cli.output_path = value();
+    else if (a.rfind("-", 0) == 0 && a.size() > 1) die("unknown flag '%s' (see --help)", a.c_str());
+    else positional.push_back(a);
+  }
+  if (positional.size() > 2) die("too many arguments: '%s' (expected MODEL_DIR [PROMPTS])", positional[2].c_str());
+  if (positional.size() >= 1) cli.config.model = positional[0];
+  if (positional.size() == 2) cli.prompts_path = positional[1];
+  validate_sampling(cli.prompts.defaults, "command line");
+  return cli;
+}
+
+// The requests when no PROMPTS file is given: nano-vllm example.py's two chat prompts.
+static std::vector<Request> example_requests(const Tokenizer& tok, const PromptOptions& opt) {
+  std::vector<Request> reqs;
+  for (const char* p : {"introduce yourself", "list all prime numbers within 100"}) {
+    Request r;
+    r.params = opt.defaults;
+    r.prompt_token_ids = opt.raw ? tok.encode(p) : tok.encode(tok.apply_chat_template({{"user", p}}, true,
+                                                                                    opt.enable_thinking));
+    reqs.push_back(r);
+  }
+  return reqs;
+}
+
+static int check_gpus(int needed) {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess || n == 0)
+    die("no CUDA GPU is visible (%s). nanovllm needs an NVIDIA GPU of compute capability 8.0 or newer "
+        "(encode/decode work without one)",
+        e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+  if (needed > n) die("--tensor-parallel-size %d needs %d GPUs, but %d are visible", needed, needed, n);
+  return n;
+}
 
 #ifndef NANOVLLM_TESTING
 int main(int argc, char** argv) {
-  (void)argc;
-  (void)argv;
+  double t_start = now_seconds();
+  if (argc > 1 && (!strcmp(argv[1], "encode") || !strcmp(argv[1], "decode")))
+    return tokenizer_command(argc - 1, argv + 1);
+  Cli cli = parse_args(argc, argv);
+  Config& config = cli.config;
+  // 1. Everything that can be checked without a GPU.
+  ModelConfig mc = load_model_config(config.model);
+  validate_config(config, mc);
+  if (config.tensor_parallel_size > 1)
+    die("--tensor-parallel-size %d: tensor parallelism is not built yet; use 1", config.tensor_parallel_size);
+  Tokenizer tok = Tokenizer::load(config.model);
+  std::vector<Request> requests = cli.prompts_path.empty() ? example_requests(tok, cli.prompts)
+                                                           : read_prompts(cli.prompts_path, tok, cli.prompts, config, mc);
+  FILE* jsonl = nullptr;
+  if (!cli.output_path.empty() && !(jsonl = fopen(cli.output_path.c_str(), "w")))
+    die("cannot write --output '%s': %s", cli.output_path.c_str(), strerror(errno));
+  // 2. The GPU: weights, KV cache, CUDA graphs.
+  check_gpus(config.tensor_parallel_size);
+  ModelRunner runner(config, mc);
+  runner.engine_seed = (uint64_t)cli.seed;
+  runner.capture_cudagraphs();
+  cudaDeviceProp prop;
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  fprintf(stderr,
+          "nanovllm: %s | weights %.2f GB loaded in %.2f s (%.1f GB/s) | KV cache %d blocks x %d tokens = %lld "
+          "tokens, %.2f GiB | %zu CUDA graphs in %.2f s | ready after %.2f s\n",
+          prop.name, runner.model.w.bytes / 1e9, runner.load_seconds, runner.load_gbps, config.num_kvcache_blocks,
+          config.kvcache_block_size, (long long)config.num_kvcache_blocks * config.kvcache_block_size,
+          runner.model.kv.bytes / (double)(1 << 30), runner.graphs.size(), runner.capture_seconds,
+          now_seconds() - t_start);
+  // 3. Generate.
+  LLMEngine engine(config, runner);
+  double t_gen = now_seconds();
+  std::vector<Completion> outs = engine.generate(requests);
+  write_completions(requests, outs, tok, jsonl);
+  if (jsonl) fclose(jsonl);
+  const RunStats& st = engine.stats;
+  int64_t out_tokens = 0;
+  for (auto& o : outs) out_tokens += (int64_t)o.token_ids.size();
+  fprintf(stderr,
+          "nanovllm: %zu requests | %lld prompt + %lld generated tokens in %.2f s | %.0f generated tok/s | "
+          "prefill %.0f tok/s, decode %.0f tok/s | first token %.3f s after start\n",
+          outs.size(), (long long)st.prefill_tokens, (long long)out_tokens, st.seconds, out_tokens / st.seconds,
+          st.prefill_tokens / std::max(st.prefill_seconds, 1e-9), st.decode_tokens / std::max(st.decode_seconds, 1e-9),
+          t_gen - t_start + st.first_token_at);
   return 0;
 }
 #endif
