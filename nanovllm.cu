@@ -579,7 +579,6 @@ static size_t kv_block_bytes(const ModelConfig& c, int P, int tp) {
 //     stored), so our activations match the reference bit for bit in the common case.
 //   * Zero-sized launches (T == 0) are skipped in the launcher: a grid of 0 blocks is a CUDA error.
 
-constexpr int HEAD_DIM = 128;  // D: every Qwen3 model uses 128, so the kernels below hard-code it
 
 // 8 bf16 <-> 8 floats, through one 16-byte register quad (uint4).
 __device__ __forceinline__ void bf16x8_to_float(const uint4& u, float f[8]) {
