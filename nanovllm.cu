@@ -172,8 +172,8 @@ static std::string read_file(const std::string& path, const char* what) {
 
 #ifndef NANOVLLM_TESTING
 int main(int argc, char** argv) {
-  (void)argc;
-  (void)argv;
+  if (argc > 1 && (!strcmp(argv[1], "encode") || !strcmp(argv[1], "decode")))
+    return tokenizer_command(argc - 1, argv + 1);
   return 0;
 }
 #endif
