@@ -3032,6 +3032,7 @@ static const char* kUsage =
     "usage: nanovllm [MODEL_DIR] [PROMPTS] [flags]\n"
     "       nanovllm encode MODEL_DIR [--jsonl | --chat [--no-thinking]]   (stdin -> token ids)\n"
     "       nanovllm decode MODEL_DIR                                      (token ids -> text)\n"
+    "       nanovllm roofline          (this GPU's copy bandwidth and bf16 GEMM rate)\n"
     "\n"
     "MODEL_DIR  a Hugging Face Qwen3 folder (default ~/huggingface/Qwen3-0.6B/)\n"
     "PROMPTS    a text file (one prompt per line) or a .jsonl file (see README); default: two example prompts\n"
@@ -3153,11 +3154,65 @@ static int check_gpus(int needed) {
   return n;
 }
 
+// `nanovllm roofline`: the two ceilings every speed figure is measured against, on this GPU: device-to-device
+// copy bandwidth (bytes read + written) and a large bf16 cuBLASLt matrix product. bench.sh uses both.
+static int roofline_command() {
+  check_gpus(1);
+  cudaStream_t s;
+  CUDA_CHECK(cudaStreamCreate(&s));
+  cudaEvent_t e0, e1;
+  CUDA_CHECK(cudaEventCreate(&e0));
+  CUDA_CHECK(cudaEventCreate(&e1));
+  auto median_ms = [&](auto&& fn, int reps) {
+    std::vector<float> t;
+    for (int i = 0; i < reps + 3; i++) {
+      CUDA_CHECK(cudaEventRecord(e0, s));
+      fn();
+      CUDA_CHECK(cudaEventRecord(e1, s));
+      CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms;
+      CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      if (i >= 3) t.push_back(ms);  // the first runs are warm-up
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  };
+  size_t n = (size_t)2 << 30;  // 2 GiB each way: far beyond L2
+  void *a, *b;
+  CUDA_CHECK(cudaMalloc(&a, n));
+  CUDA_CHECK(cudaMalloc(&b, n));
+  CUDA_CHECK(cudaMemsetAsync(a, 0x5a, n, s));
+  float ms = median_ms([&] { CUDA_CHECK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice, s)); }, 20);
+  double gbps = 2.0 * n / (ms * 1e-3) / 1e9;
+  CUDA_CHECK(cudaFree(a));
+  CUDA_CHECK(cudaFree(b));
+  const int M = 8192;
+  bf16 *x, *w, *y;
+  CUDA_CHECK(cudaMalloc(&x, (size_t)M * M * 2));
+  CUDA_CHECK(cudaMalloc(&w, (size_t)M * M * 2));
+  CUDA_CHECK(cudaMalloc(&y, (size_t)M * M * 2));
+  std::vector<uint16_t> h((size_t)M * M);
+  uint64_t r = 1;
+  for (auto& v : h) r = splitmix64(r), v = float_to_bf16_bits((float)((int64_t)(r % 2001) - 1000) / 1000.0f);
+  CUDA_CHECK(cudaMemcpy(x, h.data(), h.size() * 2, cudaMemcpyHostToDevice));  // random data, not zeros
+  CUDA_CHECK(cudaMemcpy(w, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+  Gemm g;
+  g.init();
+  ms = median_ms([&] { g.run(y, x, w, M, M, M, s); }, 10);
+  double tflops = 2.0 * M * M * M / (ms * 1e-3) / 1e12;
+  cudaDeviceProp prop;
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  printf("gpu: %s\ncopy bandwidth: %.0f GB/s (read + write)\nbf16 GEMM 8192^3: %.0f TFLOP/s\n", prop.name, gbps,
+         tflops);
+  return 0;
+}
+
 #ifndef NANOVLLM_TESTING
 int main(int argc, char** argv) {
   double t_start = now_seconds();
   if (argc > 1 && (!strcmp(argv[1], "encode") || !strcmp(argv[1], "decode")))
     return tokenizer_command(argc - 1, argv + 1);
+  if (argc > 1 && !strcmp(argv[1], "roofline")) return roofline_command();
   Cli cli = parse_args(argc, argv);
   Config& config = cli.config;
   // 1. Everything that can be checked without a GPU.

@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# bench.sh — nano-vllm's benchmark and three latency/throughput probes, with roofline fractions.
+#
+#   ./bench.sh --model DIR            a Qwen3 checkpoint folder (with tokenizer.json)
+#   ./bench.sh --random 0.6b|8b       first make a random-weight checkpoint of that exact shape (needs python3
+#                                     with torch and transformers; speed does not depend on the weights'
+#                                     values when ignore_eos is set) in build/bench-SHAPE
+# Options: --nanovllm PATH (default ./nanovllm), --log-dir DIR (default build/bench-logs),
+#          --only throughput|latency|prefill (one measure). TOKENIZER_DIR: tokenizer for --random.
+#
+# 1. throughput: nano-vllm bench.py exactly — python3 random.seed(0); 256 prompts of randint(100, 1024)
+#    tokens of randint(0, 10000), then 256 max_tokens randint(100, 1024); temperature 0.6, ignore_eos,
+#    max_model_len 4096. Throughput = generated tokens / generate() wall time. The totals are checked.
+# 2. batch-1 decode: one 512-token prompt, 512 greedy tokens: ms per output token.
+# 3. prefill: 64 prompts of 2048 tokens, max_tokens 1: prompt tokens per second.
+# 4. cold start: process start to first generated token (model load and graph capture included), from run 2.
+# Roofline: `nanovllm roofline` measures this GPU's copy bandwidth and bf16 GEMM rate in the same run.
+set -euo pipefail
+cd "$(dirname "$0")"
+MODEL= RANDOM_SHAPE= NANOVLLM=./nanovllm LOG_DIR=build/bench-logs ONLY=
+while [ $# -gt 0 ]; do
+  case $1 in
+    --model) MODEL=$2; shift 2 ;;
+    --random) RANDOM_SHAPE=$2; shift 2 ;;
+    --nanovllm) NANOVLLM=$2; shift 2 ;;
+    --log-dir) LOG_DIR=$2; shift 2 ;;
+    --only) ONLY=$2; shift 2 ;;
+    -h|--help) sed -n 2,20p "$0"; exit 0 ;;
+    *) echo "bench.sh: unknown argument '$1' (see --help)" >&2; exit 1 ;;
+  esac
+done
+mkdir -p "$LOG_DIR"
+if [ -n "$RANDOM_SHAPE" ]; then
+  case $RANDOM_SHAPE in 0.6b|8b) ;; *) echo "bench.sh: --random takes 0.6b or 8b" >&2; exit 1 ;; esac
+  MODEL=build/bench-$RANDOM_SHAPE
+  if [ ! -f "$MODEL/config.json" ]; then
+    TOK=${TOKENIZER_DIR:-$(bash test/fetch_tokenizer.sh | tail -n1)}
+    python3 - "$MODEL" "$RANDOM_SHAPE" "$TOK" <<'PY'
+import json, os, shutil, sys, torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+out, shape, tok = sys.argv[1:]
+dims = {"0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                     num_key_value_heads=8, tie_word_embeddings=True),
+        "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                   num_key_value_heads=8, tie_word_embeddings=False)}[shape]
+torch.manual_seed(0)
+cfg = Qwen3Config(vocab_size=151936, head_dim=128, max_position_embeddings=40960, rope_theta=1e6,
+                  rms_norm_eps=1e-6, eos_token_id=[151645, 151643], torch_dtype="bfloat16", **dims)
+with torch.device("cuda"):
+    model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+model.save_pretrained(out, safe_serialization=True)
+json.dump({"eos_token_id": [151645, 151643]}, open(os.path.join(out, "generation_config.json"), "w"))
+for f in ("tokenizer.json", "tokenizer_config.json"):
+    if os.path.exists(os.path.join(tok, f)): shutil.copy(os.path.join(tok, f), out)
+PY
+  fi
+fi
+[ -n "$MODEL" ] || { echo "bench.sh: give --model DIR or --random 0.6b|8b" >&2; exit 1; }
+[ -x "$NANOVLLM" ] || { echo "bench.sh: $NANOVLLM not found; run make first" >&2; exit 1; }
+
+# The workloads, as JSONL of prompt_token_ids (+ per-request max_tokens).
+python3 - "$LOG_DIR" <<'PY'
+import json, random, sys
+d = sys.argv[1]
+random.seed(0)  # nano-vllm bench.py, in its draw order
+prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+max_tokens = [random.randint(100, 1024) for _ in range(256)]
+with open(f"{d}/throughput.jsonl", "w") as f:
+    for p, m in zip(prompts, max_tokens):
+        f.write(json.dumps({"prompt_token_ids": p, "max_tokens": m}) + "\n")
+rng = random.Random(1)
+with open(f"{d}/latency.jsonl", "w") as f:
+    f.write(json.dumps({"prompt_token_ids": [rng.randint(0, 10000) for _ in range(512)], "max_tokens": 512}) + "\n")
+with open(f"{d}/prefill.jsonl", "w") as f:
+    for _ in range(64):
+        f.write(json.dumps({"prompt_token_ids": [rng.randint(0, 10000) for _ in range(2048)], "max_tokens": 1}) + "\n")
+PY
+
+"$NANOVLLM" roofline | tee "$LOG_DIR/roofline.txt"
+BW=$(sed -n 's/^copy bandwidth: \([0-9]*\).*/\1/p' "$LOG_DIR/roofline.txt")
+TF=$(sed -n 's/^bf16 GEMM.*: \([0-9]*\).*/\1/p' "$LOG_DIR/roofline.txt")
+GPU=$(sed -n 's/^gpu: //p' "$LOG_DIR/roofline.txt")
+
+run() {  # run NAME FLAGS... : ./nanovllm on LOG_DIR/NAME.jsonl, summary line -> LOG_DIR/NAME.log
+  local name=$1; shift
+  "$NANOVLLM" "$MODEL" "$LOG_DIR/$name.jsonl" --ignore-eos --max-model-len 4096 --output "$LOG_DIR/$name.out.jsonl" \
+    "$@" >"$LOG_DIR/$name.stdout" 2>"$LOG_DIR/$name.log" || { cat "$LOG_DIR/$name.log" >&2; exit 1; }
+  grep '^nanovllm:' "$LOG_DIR/$name.log"
+}
+[ -z "$ONLY" ] || [ "$ONLY" = throughput ] && run throughput --temperature 0.6
+[ -z "$ONLY" ] || [ "$ONLY" = latency ] && run latency --temperature 0
+[ -z "$ONLY" ] || [ "$ONLY" = prefill ] && run prefill --temperature 0
+
+# The table, with roofline fractions computed from the model's shape and the measured ceilings.
+python3 - "$LOG_DIR" "$MODEL" "$BW" "$TF" "$GPU" "$ONLY" <<'PY'
+import json, os, re, sys
+d, model, bw, tf, gpu, only = sys.argv[1], sys.argv[2], float(sys.argv[3]) * 1e9, float(sys.argv[4]) * 1e12, sys.argv[5], sys.argv[6]
+c = json.load(open(f"{model}/config.json"))
+H, I, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+NH, NKV, D = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+tied = c.get("tie_word_embeddings", False)
+layer = H * (NH + 2 * NKV) * D + NH * D * H + 3 * H * I + 2 * H + 2 * D
+params = L * layer + V * H * (1 if tied else 2) + H
+wbytes = 2 * (params - (0 if tied else V * H))  # decode reads every weight once per step (not the embedding table)
+kv_tok = 2 * L * NKV * D * 2  # K and V bytes per token
+def summary(name):
+    line = [l for l in open(f"{d}/{name}.log") if l.startswith("nanovllm:") and "requests" in l][-1]
+    num = lambda pat: float(re.search(pat, line).group(1))
+    return dict(seconds=num(r"tokens in ([\d.]+) s"), gen=num(r"\+ (\d+) generated"), prompt=num(r"\| (\d+) prompt"),
+                prefill=num(r"prefill (\d+) tok/s"), decode=num(r"decode (\d+) tok/s"), first=num(r"first token ([\d.]+) s"))
+rows = []
+print(f"\nGPU: {gpu} | copy bandwidth {bw/1e9:.0f} GB/s | bf16 GEMM {tf/1e12:.0f} TFLOP/s | model {model}: {params/1e9:.3f} B params")
+if only in ("", "throughput"):
+    s = summary("throughput")
+    outs = [json.loads(l) for l in open(f"{d}/throughput.out.jsonl")]
+    ptok, gtok = sum(o["prompt_tokens"] for o in outs), sum(len(o["token_ids"]) for o in outs)
+    reqs = [json.loads(l) for l in open(f"{d}/throughput.jsonl")]
+    assert ptok == 142827 and gtok == 133966, f"workload totals {ptok} prompt / {gtok} output, expected 142827 / 133966"
+    # Roofline: each decode step reads the weights once plus the KV of every running sequence.
+    steps = max(r["max_tokens"] for r in reqs) - 1
+    kv = sum(sum(len(r["prompt_token_ids"]) + k for k in range(1, r["max_tokens"])) for r in reqs) * kv_tok
+    floor = (steps * wbytes + kv) / bw
+    tput = gtok / s["seconds"]
+    print(f"Total: {gtok} tok, Time: {s['seconds']:.2f} s, Throughput: {tput:.0f} tok/s "
+          f"({100 * tput / (gtok / floor):.0f}% of the {gtok / floor:.0f} tok/s bandwidth roofline)")
+    rows.append(("bench.py throughput", f"{tput:.0f} tok/s", f"{100 * tput / (gtok / floor):.0f}% of {gtok / floor:.0f} tok/s"))
+if only in ("", "latency"):
+    s = summary("latency")
+    ms = 1000 / s["decode"]
+    floor_ms = (wbytes + (512 + 256) * kv_tok) / bw * 1000  # mean context of the 512 decode steps
+    rows.append(("batch-1 decode", f"{ms:.3f} ms/token", f"{100 * floor_ms / ms:.0f}% of the {floor_ms:.3f} ms floor"))
+    rows.append(("cold start", f"{s['first']:.2f} s to first token", "process start, load and graphs included"))
+if only in ("", "prefill"):
+    s = summary("prefill")
+    flops = 2 * L * layer + 4 * NH * D * 1024 * L  # per token: the layers' weights + causal attention (mean 1024 keys)
+    ceil = tf / flops
+    rows.append(("prefill (64 x 2048)", f"{s['prefill']:.0f} tok/s", f"{100 * s['prefill'] / ceil:.0f}% of the {ceil:.0f} tok/s GEMM ceiling"))
+print(f"\n{'measure':<22} {'result':<26} roofline")
+for r in rows:
+    print(f"{r[0]:<22} {r[1]:<26} {r[2]}")
+PY
