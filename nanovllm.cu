@@ -957,12 +957,19 @@ constexpr int ATTN_STAGES = 2;         // K/V tiles in shared memory: tile t+1 l
 constexpr int PREFILL_WARPS = 8;       // warps of one prefill CTA, 16 query rows each
 constexpr int PREFILL_BLOCK_M = 16 * PREFILL_WARPS;  // query rows of one prefill CTA
 constexpr int DECODE_WARPS = 4;        // warps of one decode CTA, 16 keys of every tile each
-constexpr int DECODE_PARTITION = 512;  // keys per decode CTA: the split-K partition size (256 measured
-                                       // equal at B=128 and 3-6% slower at B=131 mixed and B=256)
+constexpr int DECODE_PARTITION = 512;  // keys per decode CTA at large batches: the split-K partition size
+                                       // (256 measured equal at B=128 and 3-6% slower at B=131 mixed and
+                                       // B=256). Small batches split finer: decode_partition() below.
 constexpr int DECODE_ROWS = 16;        // MMA rows in decode: the query heads of one GQA group, padded to 16
 static_assert(DECODE_WARPS * 32 == HEAD_DIM, "the decode epilogue gives each thread one output dim");
 static_assert(DECODE_WARPS * 16 == ATTN_KV_TILE, "decode warps split each tile 16 keys apiece");
 static_assert(DECODE_PARTITION % ATTN_KV_TILE == 0, "partitions are made of whole tiles");
+
+// Keys per decode CTA for a batch of B sequences. With few sequences, 512-key partitions leave most of the
+// GPU idle (B = 1, NKV = 8, a 768-token context: 16 CTAs for 132 SMs), so small batches use shorter
+// partitions and more CTAs; the merge kernel pays for it with a few more partials. Depends on B only, so a
+// graph captured for a batch size keeps its grid.
+static int decode_partition(int B) { return B <= 4 ? 64 : B <= 32 ? 128 : DECODE_PARTITION; }
 
 // A shared-memory tile row is HEAD_DIM bf16 = 256 bytes = 16 chunks of 16 bytes. ldmatrix reads one chunk
 // column of 8 consecutive rows at once; stored plainly those 8 chunks are 256 bytes apart, all in the same
@@ -1272,9 +1279,9 @@ static void attention_prefill(bf16* out, const bf16* qkv, const bf16* k_cache, c
 //   Replaces: flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens,
 //             block_table=block_tables, causal=True) in nano-vllm's Attention.forward (decode branch).
 //   out[b, h*D + d] = sum_j softmax_j(scale * q_b,h . k_j) v_j[d] over j = 0 .. context_lens[b]-1.
-//   Split-K: CTA (part, kvh, b) handles keys [part*512, min(part*512 + 512, ctx)) for the NH/NKV query heads
-//   of kv head kvh, so each K/V tile is read from memory exactly once. Warp w takes keys 16w .. 16w+15 of
-//   every 64-key tile; at the end the four warps' (m, l, O) are combined through shared memory.
+//   Split-K: CTA (part, kvh, b) handles keys [part*S, min(part*S + S, ctx)), S = decode_partition(B), for
+//   the NH/NKV query heads of kv head kvh, so each K/V tile is read from memory exactly once. Warp w takes
+//   keys 16w .. 16w+15 of every 64-key tile; at the end the four warps' (m, l, O) are combined through shared memory.
 //   If the context fits in one partition the CTA writes the final bf16 output; otherwise it writes its
 //   unnormalised O and (m, l) to the workspace and attention_decode_merge_kernel combines them.
 //   Why a grid sized by max_context_len (a host bound) and not by the real contexts: a CUDA graph captured
@@ -1287,13 +1294,13 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
     attention_decode_kernel(bf16* __restrict__ out, const bf16* __restrict__ qkv,
                             const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
                             const int* __restrict__ context_lens, const int* __restrict__ block_tables,
-                            int NH, int NKV, int log2P, int MB, int max_parts, float* __restrict__ ws_o,
-                            float* __restrict__ ws_ml, float scale_log2) {
+                            int NH, int NKV, int log2P, int MB, int max_parts, int partition,
+                            float* __restrict__ ws_o, float* __restrict__ ws_ml, float scale_log2) {
   const int part = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int ctx = context_lens[b];
-  const int key_begin = part * DECODE_PARTITION;
+  const int key_begin = part * partition;
   if (key_begin >= ctx) return;
-  const int key_end = min(ctx, key_begin + DECODE_PARTITION);
+  const int key_end = min(ctx, key_begin + partition);
   const int n_tiles = cdiv_dev(key_end - key_begin, ATTN_KV_TILE);
   const int group = NH / NKV;  // query heads kvh*group .. kvh*group + group-1 share this kv head
   const int* block_table = block_tables + (size_t)b * MB;
@@ -1394,9 +1401,9 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
 __global__ void __launch_bounds__(HEAD_DIM)
     attention_decode_merge_kernel(bf16* __restrict__ out, const int* __restrict__ context_lens,
                                   const float* __restrict__ ws_o, const float* __restrict__ ws_ml, int NH,
-                                  int max_parts) {
+                                  int max_parts, int partition) {
   const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
-  const int n_parts = cdiv_dev(context_lens[b], DECODE_PARTITION);
+  const int n_parts = cdiv_dev(context_lens[b], partition);
   if (n_parts <= 1) return;
   const size_t base = ((size_t)b * NH + h) * max_parts;
   float m_max = -INFINITY;
@@ -1411,9 +1418,13 @@ __global__ void __launch_bounds__(HEAD_DIM)
 }
 
 // Bytes of float workspace attention_decode needs: partial O and (m, l) for every (sequence, head,
-// partition). B = 512, NH = 16, max_context_len = 4096 (nano-vllm defaults) -> 8 partitions, 34 MB.
+// partition), for any batch of at most B. B = 512, NH = 16, max_context_len = 4096 (nano-vllm defaults) ->
+// 8 partitions of 512, 34 MB.
 static size_t attention_decode_workspace_bytes(int B, int NH, int max_context_len) {
-  return (size_t)B * NH * cdiv(max_context_len, DECODE_PARTITION) * (HEAD_DIM + 2) * sizeof(float);
+  size_t parts = 0;
+  for (int b : {std::min(B, 4), std::min(B, 32), B})
+    parts = std::max(parts, (size_t)b * cdiv(max_context_len, decode_partition(b)));
+  return parts * NH * (HEAD_DIM + 2) * sizeof(float);
 }
 
 // out: bf16 [B, NH*D]; qkv: bf16 [B, (NH+2NKV)*D]; k_cache, v_cache: bf16 [NB, NKV, P, D];
@@ -1428,19 +1439,20 @@ static void attention_decode(bf16* out, const bf16* qkv, const bf16* k_cache, co
   if (NH / NKV > DECODE_ROWS)
     die("attention_decode: NH/NKV = %d query heads per kv head, at most %d", NH / NKV, DECODE_ROWS);
   if (B == 0) return;
-  const int max_parts = (int)cdiv(max_context_len, DECODE_PARTITION);
+  const int partition = decode_partition(B);
+  const int max_parts = (int)cdiv(max_context_len, partition);
   float* ws_o = workspace;                                          // [B, NH, max_parts, D]
   float* ws_ml = workspace + (size_t)B * NH * max_parts * HEAD_DIM;  // [B, NH, max_parts, 2]
   const size_t smem = (DECODE_ROWS + 2 * ATTN_STAGES * ATTN_KV_TILE) * HEAD_DIM * sizeof(bf16);  // 68 KiB
   CUDA_CHECK(cudaFuncSetAttribute(attention_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   (int)smem));
   attention_decode_kernel<<<dim3(max_parts, NKV, B), DECODE_WARPS * 32, smem, stream>>>(
-      out, qkv, k_cache, v_cache, context_lens, block_tables, NH, NKV, __builtin_ctz(P), MB, max_parts, ws_o,
-      ws_ml, scale * (float)M_LOG2E);
+      out, qkv, k_cache, v_cache, context_lens, block_tables, NH, NKV, __builtin_ctz(P), MB, max_parts, partition,
+      ws_o, ws_ml, scale * (float)M_LOG2E);
   CUDA_CHECK(cudaGetLastError());
   if (max_parts > 1) {
     attention_decode_merge_kernel<<<dim3(NH, B), HEAD_DIM, 0, stream>>>(out, context_lens, ws_o, ws_ml, NH,
-                                                                        max_parts);
+                                                                        max_parts, partition);
     CUDA_CHECK(cudaGetLastError());
   }
 }
