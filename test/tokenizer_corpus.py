@@ -61,19 +61,23 @@ CODE = {
     "c": '#include <stdio.h>\n\nint main(int argc, char** argv) {\n\tfor (int i = 0; i < argc; i++) {\n'
          '\t\tprintf("%d: %s\\n", i, argv[i]);\n\t}\n\treturn 0;\n}\n',
     "python": 'def fib(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n    a, b = 0, 1\n'
-              '    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n\nif __name__ == "__main__":\n'
+              '    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n\n'
+              'if __name__ == "__main__":\n'
               '    print(fib(10))  # 55\n',
     "javascript": "const xs = [1, 2, 3].map((x) => x ** 2);\nconsole.log(`squares: ${xs.join(', ')}`);\n"
                   "export default async function f() { await Promise.all([]); }\r\n",
     "rust": "fn main() {\n    let v: Vec<u32> = (0..10).filter(|x| x % 2 == 0).collect();\n"
             "    println!(\"{:?}\", v);\n}\n",
-    "html": '<!DOCTYPE html>\n<html lang="en">\n  <body><p class="x">Hello &amp; goodbye</p></body>\n</html>\n',
+    "html": '<!DOCTYPE html>\n<html lang="en">\n  <body><p class="x">Hello &amp; goodbye</p></body>\n'
+            '</html>\n',
     "json": '{"name": "nanovllm", "version": [0, 1, 2], "nested": {"a": null, "b": true, "c": -1.5e-3}}',
-    "shell": "#!/usr/bin/env bash\nset -euo pipefail\nfor f in *.txt; do wc -l \"$f\" | awk '{print $1}'; done\n",
+    "shell": "#!/usr/bin/env bash\nset -euo pipefail\n"
+             "for f in *.txt; do wc -l \"$f\" | awk '{print $1}'; done\n",
     "sql": "SELECT id, COUNT(*) AS n FROM users WHERE name LIKE 'A%' GROUP BY id HAVING n > 1;\n",
     "cuda": "__global__ void k(float* __restrict__ y, const float* x, int n) {\n"
             "  int i = blockIdx.x * blockDim.x + threadIdx.x;\n  if (i < n) y[i] = x[i] * 2.0f;\n}\n",
-    "regex_and_symbols": r"s/^\s*(\w+)\s*=\s*(.*?);?$/\1: \2/g  =>  !== ||= &&= ::<> ->* ... ### @@ -1,2 +1,3 @@",
+    "regex_and_symbols": r"s/^\s*(\w+)\s*=\s*(.*?);?$/\1: \2/g  =>  !== ||= &&= ::<> ->* ... "
+                         r"### @@ -1,2 +1,3 @@",
     "markdown": "# Title\n\n* item one\n* item **two**\n\n```py\nprint('x')\n```\n\n| a | b |\n|---|---|\n",
     "latex": r"\begin{equation} \int_0^\infty e^{-x^2}\,dx = \frac{\sqrt{\pi}}{2} \end{equation}",
 }
@@ -149,7 +153,7 @@ NFC = {
     "less_than_overlay": "<\u0338 =\u0338 >\u0338",
 }
 
-# ---- 7. Emoji -----------------------------------------------------------------------------------------------
+# ---- 7. Emoji ----------------------------------------------------------------------------------------------
 EMOJI = {
     "simple": "I ❤️ tokenizers 😀😃😄 🚀🔥",
     "zwj_family": "👨‍👩‍👧‍👦 👩‍💻 🏳️‍🌈 🧑‍🤝‍🧑",
@@ -579,7 +583,8 @@ def random_regex_cases(rng, n):
 
 def random_ascii_cases(rng, n):
     alphabet = [chr(c) for c in range(32, 127)] + ["\n", "\t", "\r"] * 3 + [" "] * 10
-    return [(f"ascii/{i}", "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60)))) for i in range(n)]
+    return [(f"ascii/{i}", "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60))))
+            for i in range(n)]
 
 
 def random_codepoint_cases(rng, n):
@@ -598,8 +603,9 @@ def random_codepoint_cases(rng, n):
 
 def cases():
     out = []
-    for group, table in [("lang", LANGUAGES), ("code", CODE), ("num", NUMBERS), ("contraction", CONTRACTIONS),
-                         ("ws", WHITESPACE), ("nfc", NFC), ("emoji", EMOJI), ("added", ADDED), ("long", LONG)]:
+    groups = [("lang", LANGUAGES), ("code", CODE), ("num", NUMBERS), ("contraction", CONTRACTIONS),
+              ("ws", WHITESPACE), ("nfc", NFC), ("emoji", EMOJI), ("added", ADDED), ("long", LONG)]
+    for group, table in groups:
         out += [(f"{group}/{k}", v) for k, v in table.items()]
     out.append(("lang/all_joined", "\n".join(LANGUAGES.values())))
     out.append(("code/all_joined", "\n\n".join(CODE.values())))

@@ -162,7 +162,8 @@ def decode_cases(tok):
     for s in ["é", "中", "😀", "👨‍👩‍👧", "\u0301", "a\u00e9b"]:
         bs = s.encode("utf-8")
         cases.append((f"decode/bytes/{s.encode('unicode_escape').decode()}", [byte_ids[b] for b in bs]))
-        cases.append((f"decode/bytes_cut/{s.encode('unicode_escape').decode()}", [byte_ids[b] for b in bs[:-1]]))
+        cases.append((f"decode/bytes_cut/{s.encode('unicode_escape').decode()}",
+                      [byte_ids[b] for b in bs[:-1]]))
     cases.append(("decode/empty", []))
     cases.append(("decode/beyond_vocab", [9707, n_all, n_all + 100, 151935, 1879]))
     return [{"kind": "decode", "name": name, "ids": ids, "text": tok.decode(ids, skip_special_tokens=False)}
@@ -187,7 +188,8 @@ def reference(tok_dir, out_dir):
         for c in lines:
             pieces = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str(c["nfc"])]
             tokens = tok.encode(c["text"], add_special_tokens=False).tokens
-            f.write(json.dumps({"name": c["name"], "pieces": pieces, "tokens": tokens}, ensure_ascii=False) + "\n")
+            row = {"name": c["name"], "pieces": pieces, "tokens": tokens}
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
     lines += decode_cases(tok)
     lines += chat_reference(tok_dir, tok)
     path = os.path.join(out_dir, "tokenizer_reference.jsonl")
@@ -217,7 +219,8 @@ def _n(s):
 
 
 def _classify(rng_):
-    """Class of each code point in [a, b) as the split regex sees it: L, N, W (\\s), O (other), X (surrogate)."""
+    """Class of each code point in [a, b) as the split regex sees it: L, N, W (\\s), O (other),
+    X (surrogate)."""
     a, b = rng_
     out = []
     extra = {"single": [], "first_rv": [], "first_l": [], "second_e": [], "second_l": []}
@@ -266,7 +269,8 @@ def _normalize(rng_):
         if y != c and not (0xAC00 <= cp <= 0xD7A3):
             res["nfd"][cp] = y
         if y == c:
-            if nfd.normalize_str("\u0345" + c) == c + "\u0345" or nfd.normalize_str(c + "\u0301") == "\u0301" + c:
+            if (nfd.normalize_str("\u0345" + c) == c + "\u0345"
+                    or nfd.normalize_str(c + "\u0301") == "\u0301" + c):
                 res["nonstarter"].append(cp)
     return res
 
@@ -297,7 +301,8 @@ def unicode_tables(tok_dir, out_dir):
     hangul_ok = True
     for s in range(0xAC00, 0xD7A4):
         i = s - 0xAC00
-        want = chr(0x1100 + i // 588) + chr(0x1161 + (i % 588) // 28) + (chr(0x11A7 + i % 28) if i % 28 else "")
+        want = chr(0x1100 + i // 588) + chr(0x1161 + (i % 588) // 28)
+        want += chr(0x11A7 + i % 28) if i % 28 else ""
         hangul_ok &= nfdn.normalize_str(chr(s)) == want
     ranges = []
     for cp in sorted(nonstarter):
@@ -314,7 +319,8 @@ def unicode_tables(tok_dir, out_dir):
     counts = {k: classes.count(k) for k in "LNWOX"}
     print(f"unicode: {path}: {len(runs)} class runs {counts}, contraction letters "
           f"{ {k: [hex(c) for c in v[:40]] for k, v in contraction.items()} }, {len(nfc)} NFC changes, "
-          f"{len(nfd)} NFD changes, {len(nonstarter)} non-starters, hangul ok {hangul_ok}, {time.time() - t0:.1f} s")
+          f"{len(nfd)} NFD changes, {len(nonstarter)} non-starters, hangul ok {hangul_ok}, "
+          f"{time.time() - t0:.1f} s")
 
 
 # ---- bench ------------------------------------------------------------------------------------------------
@@ -345,7 +351,8 @@ def bench(tok_dir, out_dir, ours=None):
         os.sched_setaffinity(0, {os.sched_getaffinity(0).pop()})  # one core for HF and for ours
     except (AttributeError, OSError):
         pass
-    print(f"bench: one core {sorted(os.sched_getaffinity(0))}, RAYON_NUM_THREADS={os.environ['RAYON_NUM_THREADS']}")
+    print(f"bench: one core {sorted(os.sched_getaffinity(0))}, "
+          f"RAYON_NUM_THREADS={os.environ['RAYON_NUM_THREADS']}")
     for name, text in bench_texts():
         data = text.encode("utf-8")
         mb = len(data) / 1e6
@@ -359,8 +366,9 @@ def bench(tok_dir, out_dir, ours=None):
             hf_one.append(time.perf_counter() - t0)
             tok = load(tok_dir)
             t0 = time.perf_counter()
-            tok.encode_batch(lines, add_special_tokens=False)
+            batch = tok.encode_batch(lines, add_special_tokens=False)
             hf_lines.append(time.perf_counter() - t0)
+            batch_ids = [e.ids for e in batch]
         print(f"bench {name}: {mb:.2f} MB, {len(lines)} lines, {len(ids)} tokens")
         print(f"  HF tokenizers one string  : {mb / min(hf_one):7.2f} MB/s  (best of {len(hf_one)}: "
               f"{min(hf_one):.3f} s)")
@@ -386,19 +394,21 @@ def bench(tok_dir, out_dir, ours=None):
 
         empty = os.path.join(out_dir, "empty.txt")
         open(empty, "w").close()
-        load_s = min(run([], empty)[0] for _ in range(3))
+        load_s = min(run([], empty)[0] for _ in range(5))
         one, lines_t = [], []
         out = b""
-        for _ in range(2):
+        for _ in range(5):
             dt, out = run([], txt)
             one.append(dt)
             dt, out_l = run(["--jsonl"], jl)
             lines_t.append(dt)
         same = json.loads(out) == ids if out else False
+        same_lines = [json.loads(x) for x in out_l.decode().splitlines()] == batch_ids
         print(f"  ours load only            : {load_s:.3f} s")
         print(f"  ours one string           : {mb / (min(one) - load_s):7.2f} MB/s  ({min(one):.3f} s total, "
               f"{min(one) - load_s:.3f} s after load); ids identical to HF: {same}")
-        print(f"  ours --jsonl lines        : {mb / (min(lines_t) - load_s):7.2f} MB/s  ({min(lines_t):.3f} s total)")
+        print(f"  ours --jsonl lines        : {mb / (min(lines_t) - load_s):7.2f} MB/s  "
+              f"({min(lines_t):.3f} s total); ids identical to HF: {same_lines}")
         os.remove(txt)
         os.remove(jl)
 
