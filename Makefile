@@ -42,7 +42,7 @@ NVFLAGS  := -std=c++17 -O3 -lineinfo -Xcompiler -Wall,-Wno-unused-function $(EXT
 # utf8proc is looked up when linking, after `deps` may have installed it.
 LDLIBS   := -lcublasLt -lnccl $$(bash test/deps.sh --utf8proc-lib)
 ifeq ($(SANITIZE),1)
-  HOSTSAN := -Xcompiler -fsanitize=address,undefined,-fno-omit-frame-pointer -Xlinker -fsanitize=address,undefined
+  HOSTSAN := -Xcompiler -fsanitize=address -Xcompiler -fsanitize=undefined -Xcompiler -fno-omit-frame-pointer
 endif
 
 HEADERS  := nanovllm.cu safetensors.h tokenizer.h
