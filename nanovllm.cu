@@ -89,14 +89,11 @@ typedef __nv_bfloat16 bf16;
 //   * a broken invariant of our own or a failed CUDA call: the *_CHECK macros print the call, file, line
 //     and the library's message, then exit 1.
 
-[[noreturn]] static void die(const char* fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  fprintf(stderr, "nanovllm: error: ");
-  vfprintf(stderr, fmt, ap);
-  fprintf(stderr, "\n");
-  va_end(ap);
-  exit(1);
+// die() is tokenizer.h's tok_die(): that header is included first and needed the same function, so the
+// engine forwards to it rather than keep a second copy.
+template <typename... Args>
+[[noreturn]] static void die(const char* fmt, Args... args) {
+  tok_die(fmt, args...);
 }
 
 #define CUDA_CHECK(call)                                                                             \
