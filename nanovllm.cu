@@ -726,17 +726,22 @@ void add_rmsnorm(bf16* out, bf16* residual, const bf16* x, const bf16* w, int T,
   CUDA_CHECK(cudaGetLastError());
 }
 
-// ---- qk_norm_rope ------------------------------------------------------------------------------------
+// ---- qk_norm_rope (and the KV-cache store) ---------------------------------------------------------------
 // Replaces (Qwen3Attention.forward, between the qkv projection and attention):
 //     q = q_norm(q.view(T, NH, D));  k = k_norm(k.view(T, NKV, D))     # RMSNorm over D, semantics above
 //     q, k = rotary_emb(positions, q, k)                               # rotate-half (NeoX) RoPE, full D
+//     store_kvcache(k, v, k_cache, v_cache, slot_mapping)              # nano-vllm's Triton kernel
+// The store is fused in: the thread that writes a finished k head also writes it to its cache slot, and
+// the block copies the token's v heads, so K/V never take a second trip through memory and a decode step
+// launches one kernel fewer per layer. Cache layout [NB, NKV, P, D]: head h of the token goes to
+// [slot / P, h, slot % P, :]; slot -1 (padding) stores nothing. Every head is 256 contiguous bytes.
 // RoPE, as nano-vllm computes it (fp32 math, one bf16 rounding at the end):
 //     inv_freq[i] = 1 / theta^(2i/D)  (i < D/2)      angle = float(pos) * inv_freq[i]
 //     out[i]       = x[i] * cos(angle) - x[i+D/2] * sin(angle)
 //     out[i+D/2]   = x[i+D/2] * cos(angle) + x[i] * sin(angle)
 // (Hugging Face rounds cos/sin to bf16 first and rounds after each product; the difference is within
 //  bf16 noise and nano-vllm's fp32 path is the more accurate of the two.)
-// Reads and writes the q and k heads of qkv [T, (NH + 2*NKV) * D] in place; v heads are untouched.
+// Reads and writes the q and k heads of qkv [T, (NH + 2*NKV) * D] in place; v heads are only read.
 // Block = one token: its 64 (cos, sin) pairs are computed once into shared memory and shared by all of
 // its NH + NKV heads. 8 threads own one head: thread j holds dims [8j, 8j+8) and their RoPE partners
 // [64+8j, 64+8j+8), two 16-byte loads; the sum of squares is reduced over the 8 threads with shuffles.
@@ -751,9 +756,12 @@ struct RopeInvFreq {
 };
 
 __global__ void qk_norm_rope_kernel(bf16* qkv, const int* positions, const bf16* q_norm_w,
-                                    const bf16* k_norm_w, int NH, int NKV, float eps, RopeInvFreq inv_freq) {
+                                    const bf16* k_norm_w, bf16* k_cache, bf16* v_cache, const int* slot_mapping,
+                                    int NH, int NKV, int P, float eps, RopeInvFreq inv_freq) {
   __shared__ float cos_s[HEAD_DIM / 2], sin_s[HEAD_DIM / 2];
   int t = blockIdx.x;
+  const int slot = slot_mapping[t];
+  const int64_t cache_block = slot / P, cache_offset = slot % P;  // used only when slot >= 0
   if (threadIdx.x < HEAD_DIM / 2) {
     float angle = (float)positions[t] * inv_freq.v[threadIdx.x];
     sincosf(angle, &sin_s[threadIdx.x], &cos_s[threadIdx.x]);
@@ -792,12 +800,28 @@ __global__ void qk_norm_rope_kernel(bf16* qkv, const int* positions, const bf16*
       oa[i] = na * c - nb * s;
       ob[i] = nb * c + na * s;
     }
-    head[j] = float_to_bf16x8(oa);
-    head[j + 8] = float_to_bf16x8(ob);
+    uint4 ua = float_to_bf16x8(oa), ub = float_to_bf16x8(ob);
+    head[j] = ua;
+    head[j + 8] = ub;
+    if (h >= NH && slot >= 0) {  // a k head: into its cache slot too
+      uint4* dst = reinterpret_cast<uint4*>(k_cache + ((cache_block * NKV + (h - NH)) * P + cache_offset) * HEAD_DIM);
+      dst[j] = ua;
+      dst[j + 8] = ub;
+    }
+  }
+  if (slot < 0) return;
+  constexpr int CHUNKS_PER_HEAD = HEAD_DIM / 8;  // the v heads go to the cache as they are
+  const uint4* v_src = reinterpret_cast<const uint4*>(row + (int64_t)(NH + NKV) * HEAD_DIM);
+  for (int c = threadIdx.x; c < NKV * CHUNKS_PER_HEAD; c += blockDim.x) {
+    int h = c / CHUNKS_PER_HEAD, chunk = c % CHUNKS_PER_HEAD;
+    uint4* dst = reinterpret_cast<uint4*>(v_cache + ((cache_block * NKV + h) * P + cache_offset) * HEAD_DIM);
+    dst[chunk] = v_src[c];
   }
 }
-void qk_norm_rope(bf16* qkv, const int* positions, const bf16* q_norm_w, const bf16* k_norm_w, int T, int NH,
-                  int NKV, float rope_theta, float eps, cudaStream_t stream) {
+// k_cache, v_cache: one layer's [NB, NKV, P, D]; slot_mapping [T] (device; -1 = do not store).
+void qk_norm_rope(bf16* qkv, const int* positions, const bf16* q_norm_w, const bf16* k_norm_w, bf16* k_cache,
+                  bf16* v_cache, const int* slot_mapping, int T, int NH, int NKV, int P, float rope_theta,
+                  float eps, cudaStream_t stream) {
   // As PyTorch: inv_freq = 1.0 / (theta ** (arange(0, D, 2).float() / D)), every step in float. The pow
   // is evaluated in double and rounded once, i.e. the correctly rounded float of PyTorch's expression.
   // Cached: the launcher runs once per layer per step and theta never changes within a run.
@@ -814,49 +838,15 @@ void qk_norm_rope(bf16* qkv, const int* positions, const bf16* q_norm_w, const b
   check_aligned16("qk_norm_rope", "qkv", qkv);
   check_aligned16("qk_norm_rope", "q_norm_w", q_norm_w);
   check_aligned16("qk_norm_rope", "k_norm_w", k_norm_w);
+  check_aligned16("qk_norm_rope", "k_cache", k_cache);
+  check_aligned16("qk_norm_rope", "v_cache", v_cache);
+  if (P <= 0) die("qk_norm_rope: block size P = %d must be positive", P);
   if (T == 0) return;
   int heads = NH + NKV;
   int threads = (int)std::min<int64_t>(512, std::max<int64_t>(HEAD_DIM / 2,
                                            cdiv((int64_t)heads * ROPE_THREADS_PER_HEAD, 32) * 32));
-  qk_norm_rope_kernel<<<T, threads, 0, stream>>>(qkv, positions, q_norm_w, k_norm_w, NH, NKV, eps, inv_freq);
-  CUDA_CHECK(cudaGetLastError());
-}
-
-// ---- store_kvcache -------------------------------------------------------------------------------------
-// Replaces: nano-vllm store_kvcache (a Triton kernel): k_cache[slot] = k; v_cache[slot] = v for slot != -1.
-// Reads  qkv [T, (NH + 2*NKV) * D] (the k heads start at column NH*D, the v heads at (NH+NKV)*D),
-//        slot_mapping [T] (slot = block_id * P + offset; -1 = padding, skip).
-// Writes k_cache, v_cache [NB, NKV, P, D]: head h of the token goes to [block_id, h, offset, :].
-// Block = one token; its 2 * NKV * 16 chunks of 16 bytes (k then v, 256 chunks for NKV = 8) are spread
-// over the threads. Each head is 256 contiguous bytes on both sides, so every access is a full sector.
-// 64-bit offsets: one layer's cache can exceed 2^31 elements on an 80 GB GPU.
-__global__ void store_kvcache_kernel(bf16* k_cache, bf16* v_cache, const bf16* qkv, const int* slot_mapping,
-                                     int NH, int NKV, int P) {
-  int t = blockIdx.x;
-  int slot = slot_mapping[t];
-  if (slot < 0) return;
-  int64_t block = slot / P, offset = slot % P;
-  constexpr int CHUNKS_PER_HEAD = HEAD_DIM / 8;
-  int per_tensor = NKV * CHUNKS_PER_HEAD;
-  const bf16* row = qkv + (int64_t)t * (NH + 2 * NKV) * HEAD_DIM;
-  for (int c = threadIdx.x; c < 2 * per_tensor; c += blockDim.x) {
-    int is_v = c >= per_tensor;
-    int h = (c - is_v * per_tensor) / CHUNKS_PER_HEAD, chunk = c % CHUNKS_PER_HEAD;
-    const uint4* src = reinterpret_cast<const uint4*>(row + (int64_t)(NH + is_v * NKV + h) * HEAD_DIM);
-    bf16* cache = is_v ? v_cache : k_cache;
-    uint4* dst = reinterpret_cast<uint4*>(cache + ((block * NKV + h) * P + offset) * HEAD_DIM);
-    dst[chunk] = src[chunk];
-  }
-}
-void store_kvcache(bf16* k_cache, bf16* v_cache, const bf16* qkv, const int* slot_mapping, int T, int NH,
-                   int NKV, int P, cudaStream_t stream) {
-  check_aligned16("store_kvcache", "k_cache", k_cache);
-  check_aligned16("store_kvcache", "v_cache", v_cache);
-  check_aligned16("store_kvcache", "qkv", qkv);
-  if (P <= 0) die("store_kvcache: block size P = %d must be positive", P);
-  if (T == 0) return;
-  int threads = row_threads(2 * NKV * HEAD_DIM / 8, 256);
-  store_kvcache_kernel<<<T, threads, 0, stream>>>(k_cache, v_cache, qkv, slot_mapping, NH, NKV, P);
+  qk_norm_rope_kernel<<<T, threads, 0, stream>>>(qkv, positions, q_norm_w, k_norm_w, k_cache, v_cache,
+                                                 slot_mapping, NH, NKV, P, eps, inv_freq);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -915,14 +905,14 @@ void gather_last_tokens(bf16* out, const bf16* x, const int* cu_seqlens_q, int B
 //
 // ---- 5b. Paged attention: prefill (tensor cores, online softmax) and decode (split-K) -------------------
 //
-// What attention sees of the paged KV cache (section 4 allocates it; store_kvcache in 5a fills it):
+// What attention sees of the paged KV cache (section 4 allocates it; qk_norm_rope in 5a fills it):
 //   k_cache, v_cache   bf16 [NB, NKV, P, D] per layer: block, then kv head, then token in block, then dim.
 //                      One (block, kv head) tile is P*D contiguous bf16 (P * 256 bytes), so the keys of one
 //                      head inside one block are a single contiguous run, the unit every kernel streams.
 //   block_tables       int [B, MB]: token j of sequence b lives in block block_tables[b*MB + j/P] at offset
 //                      j%P (its slot is block*P + offset). Entries past the sequence's last block are -1.
 //   qkv                bf16 [T, (NH + 2*NKV)*D]: per token the NH q heads, then the NKV k heads, then v.
-// By the time attention runs, store_kvcache has already written this step's k and v into their slots, so
+// By the time attention runs, qk_norm_rope has already written this step's k and v into their slots, so
 // attention reads every key, cached prefix and new ones alike, through the block table, and reads only q
 // from qkv. That is why prefix-cache hits and chunked prefill need no special case here.
 //
@@ -1950,6 +1940,7 @@ struct Gemm {
   void* workspace = nullptr;
   size_t workspace_bytes = 32 << 20;
   std::map<std::tuple<int, int, int, int>, GemmPlan> plans;
+  bool use_gemv = true;  // small batches through gemv() (section 6, below); tests turn it off to compare
 
   void init() {
     CUBLAS_CHECK(cublasLtCreate(&handle));
@@ -1982,15 +1973,91 @@ struct Gemm {
   }
 
   // y [M, N] = x [M, K] @ W[N, K]^T ; y is bf16, or fp32 when out_type is CUDA_R_32F.
+  // Small decode batches (M <= GEMV_MAX_M, bf16 out) take the hand-written gemv below instead.
   void run(void* y, const bf16* x, const bf16* W, int M, int N, int K, cudaStream_t stream,
-           cudaDataType out_type = CUDA_R_16BF) {
-    if (M == 0) return;
-    GemmPlan& p = plan(M, N, K, out_type);
-    const float alpha = 1.0f, beta = 0.0f;
-    CUBLAS_CHECK(cublasLtMatmul(handle, p.desc, &alpha, W, p.a, x, p.b, &beta, y, p.c, y, p.c, &p.algo, workspace,
-                                workspace_bytes, stream));
-  }
+           cudaDataType out_type = CUDA_R_16BF);
 };
+
+// gemv_kernel — the matrix products of a tiny decode batch: y [M, N] = x [M, K] @ W [N, K]^T, M <= 2.
+//   With a handful of tokens a "matrix product" is a pass over W that does 2*M FLOPs per weight it reads:
+//   pure memory traffic. cuBLASLt's kernels for this shape left a third of the bandwidth unused on an H100
+//   (measured with ncu on Qwen3-0.6B's layers at M = 1: 64x8 tiles on 96 CTAs, split-K plus a reduction
+//   kernel for down_proj; test/gpu_gemm.cu times both), so batch-1 and -2 decode get this simpler kernel: one warp per output
+//   column n streams row n of W once with 16-byte loads (all of a row's loads issued before the first use),
+//   dots it with the M rows of x (tiny, served from L1), reduces across the warp, and writes y[:, n].
+//   Layouts: x bf16 [M, K] row-major; W bf16 [N, K] row-major (PyTorch's [out, in]); y bf16 [M, N].
+//   Preconditions: K % 8 == 0; x, W 16-byte aligned. fp32 accumulation, one bf16 rounding.
+constexpr int GEMV_MAX_M = 2;  // measured on H100: at M = 4 cuBLASLt is faster on half of Qwen3's shapes
+constexpr int GEMV_WARPS = 8;
+constexpr int GEMV_UNROLL = 4;  // 16-byte loads per lane in flight per iteration (4 x 256 = 1024 columns)
+
+template <int M>
+__global__ void __launch_bounds__(GEMV_WARPS * 32)
+    gemv_kernel(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ W, int N, int K) {
+  const int n = blockIdx.x * GEMV_WARPS + threadIdx.x / 32, lane = threadIdx.x & 31;
+  if (n >= N) return;
+  const bf16* w = W + (size_t)n * K;
+  float acc[M];
+#pragma unroll
+  for (int m = 0; m < M; m++) acc[m] = 0.f;
+  for (int k0 = 0; k0 < K; k0 += GEMV_UNROLL * 256) {
+    uint4 wv[GEMV_UNROLL];
+#pragma unroll
+    for (int u = 0; u < GEMV_UNROLL; u++) {  // issue every load of this stretch first
+      const int k = k0 + u * 256 + lane * 8;
+      if (k < K) wv[u] = __ldcs(reinterpret_cast<const uint4*>(w + k));  // streamed: read once
+    }
+#pragma unroll
+    for (int u = 0; u < GEMV_UNROLL; u++) {
+      const int k = k0 + u * 256 + lane * 8;
+      if (k >= K) break;
+      float wf[8];
+      bf16x8_to_float(wv[u], wf);
+#pragma unroll
+      for (int m = 0; m < M; m++) {
+        float xf[8];
+        bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(x + (size_t)m * K + k)), xf);
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[m] = fmaf(wf[j], xf[j], acc[m]);
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; m++) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], off);
+  }
+  if (lane < M) {  // lane m writes row m (registers are indexed with constants only)
+#pragma unroll
+    for (int m = 0; m < M; m++)
+      if (lane == m) y[(size_t)m * N + n] = __float2bfloat16(acc[m]);
+  }
+}
+
+static void gemv(bf16* y, const bf16* x, const bf16* W, int M, int N, int K, cudaStream_t stream) {
+  if (K % 8) die("gemv: K = %d must be a multiple of 8", K);
+  if (((uintptr_t)x | (uintptr_t)W) % 16) die("gemv: x and W must be 16-byte aligned");
+  dim3 grid((unsigned)cdiv(N, GEMV_WARPS)), block(GEMV_WARPS * 32);
+  switch (M) {
+    case 1: gemv_kernel<1><<<grid, block, 0, stream>>>(y, x, W, N, K); break;
+    case 2: gemv_kernel<2><<<grid, block, 0, stream>>>(y, x, W, N, K); break;
+    default: die("gemv: M = %d, at most %d", M, GEMV_MAX_M);
+  }
+  CUDA_CHECK(cudaGetLastError());
+}
+
+void Gemm::run(void* y, const bf16* x, const bf16* W, int M, int N, int K, cudaStream_t stream,
+               cudaDataType out_type) {
+  if (M == 0) return;
+  if (use_gemv && M <= GEMV_MAX_M && out_type == CUDA_R_16BF && K % 8 == 0) {
+    gemv((bf16*)y, x, W, M, N, K, stream);
+    return;
+  }
+  GemmPlan& p = plan(M, N, K, out_type);
+  const float alpha = 1.0f, beta = 0.0f;
+  CUBLAS_CHECK(cublasLtMatmul(handle, p.desc, &alpha, W, p.a, x, p.b, &beta, y, p.c, y, p.c, &p.algo, workspace,
+                              workspace_bytes, stream));
+}
 
 // ==== 7. The Qwen3 forward pass =======================================================================
 //
@@ -2060,8 +2127,8 @@ struct Qwen3 {
       if (l == 0) rmsnorm(act.x, act.residual, lw.input_layernorm, T, H, eps, s);
       else add_rmsnorm(act.x, act.residual, act.hidden, lw.input_layernorm, T, H, eps, s);
       gemm.run(act.qkv, act.x, lw.qkv_proj, T, (NH + 2 * NKV) * D, H, s);
-      qk_norm_rope(act.qkv, in.positions, lw.q_norm, lw.k_norm, T, NH, NKV, cfg.rope_theta, eps, s);
-      store_kvcache(kv.k(l), kv.v(l), act.qkv, in.slot_mapping, T, NH, NKV, P, s);
+      qk_norm_rope(act.qkv, in.positions, lw.q_norm, lw.k_norm, kv.k(l), kv.v(l), in.slot_mapping, T, NH, NKV, P,
+                   cfg.rope_theta, eps, s);
       if (is_prefill)
         attention_prefill(act.attn, act.qkv, kv.k(l), kv.v(l), in.cu_seqlens_q, in.seqlens_k, in.block_tables, B,
                           in.max_seqlen_q, NH, NKV, P, MB, scale, s);

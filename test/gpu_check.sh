@@ -2,7 +2,7 @@
 # The GPU half of the test suite in one call: kernel suites, a CLI smoke run, and the end-to-end comparison
 # with Hugging Face transformers (needs python3 with torch + transformers on the GPU machine).
 #
-#   bash test/gpu_check.sh [BIN_DIR]      BIN_DIR holds nanovllm, gpu_kernels, gpu_attention, gpu_e2e
+#   bash test/gpu_check.sh [BIN_DIR]      BIN_DIR holds nanovllm, gpu_kernels, gpu_attention, gpu_gemm, gpu_e2e
 #                                         (default: . for nanovllm and build/ for the rest)
 # Env: TOKENIZER_DIR (a folder with Qwen3's tokenizer.json; default: test/fetch_tokenizer.sh),
 #      LOG_DIR (default build/logs), WORK_DIR (checkpoints; default build/e2e), SHAPES (tiny 0.6b 8b-short)
@@ -26,6 +26,7 @@ suite() {  # suite NAME LOGFILE CMD...
 nvidia-smi -L | tee "$LOG_DIR/gpu.txt"
 suite gpu_kernels gpu_kernels.txt "$TB/gpu_kernels"
 suite gpu_attention gpu_attention.txt "$TB/gpu_attention"
+suite gpu_gemm gpu_gemm.txt "$TB/gpu_gemm"
 python3 test/hf_reference.py "$WORK_DIR" "$TOKENIZER_DIR" $SHAPES 2>&1 | tee "$LOG_DIR/hf_reference.txt" | grep -v Warning
 printf 'introduce yourself\nlist all prime numbers within 100\n' >"$WORK_DIR/prompts.txt"
 "$NANOVLLM" "$WORK_DIR/tiny" "$WORK_DIR/prompts.txt" --max-tokens 16 --temperature 0 --output "$WORK_DIR/out.jsonl" \

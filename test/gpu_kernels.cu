@@ -210,9 +210,10 @@ TEST(qk_norm_rope_matches_reference) {
     for (int& p : pos) p = pd(rng);
     int edge[] = {40959, 0, 40000, 1, 32768};
     for (int i = 0; i < c.T && i < 5; i++) pos[i] = edge[i];
-    DevBuf<bf16> d_qkv(qkv), d_qw(qw), d_kw(kw);
-    DevBuf<int> d_pos(pos);
-    qk_norm_rope(d_qkv.p, d_pos.p, d_qw.p, d_kw.p, c.T, c.NH, c.NKV, c.theta, eps, 0);
+    DevBuf<bf16> d_qkv(qkv), d_qw(qw), d_kw(kw), d_cache((size_t)c.NKV * 16 * HEAD_DIM);
+    DevBuf<int> d_pos(pos), d_slots(std::vector<int>(c.T, -1));  // no store here: see the next test
+    qk_norm_rope(d_qkv.p, d_pos.p, d_qw.p, d_kw.p, d_cache.p, d_cache.p, d_slots.p, c.T, c.NH, c.NKV, 16, c.theta,
+                 eps, 0);
     auto got = to_float(d_qkv.download());
     auto want = to_float(qkv);
     auto qwf = to_float(qw), kwf = to_float(kw);
@@ -223,6 +224,8 @@ TEST(qk_norm_rope_matches_reference) {
   }
 }
 
+// The KV store fused into qk_norm_rope: every k head lands in its slot exactly as qk_norm_rope left it in
+// qkv, every v head as it came in; slot -1 stores nothing; nothing else in the cache is touched.
 TEST(store_kvcache_slots_and_padding) {
   REQUIRE_GPU();
   std::mt19937 rng(4);
@@ -238,12 +241,16 @@ TEST(store_kvcache_slots_and_padding) {
       slots[0] = NB * P - 1;  // the very last slot
       for (int i : {3, 10, 11, 36}) slots[i] = -1;
       size_t cache_n = (size_t)NB * NKV * P * D;
-      DevBuf<bf16> d_qkv(qkv), d_k(cache_n), d_v(cache_n);
-      DevBuf<int> d_slots(slots);
+      auto w = random_bf16(HEAD_DIM, rng, 1.f, 0.3f);
+      std::vector<int> pos(T);
+      for (int t = 0; t < T; t++) pos[t] = 7 * t;
+      DevBuf<bf16> d_qkv(qkv), d_k(cache_n), d_v(cache_n), d_w(w);
+      DevBuf<int> d_slots(slots), d_pos(pos);
       d_k.poison();
       d_v.poison();
-      store_kvcache(d_k.p, d_v.p, d_qkv.p, d_slots.p, T, NH, NKV, P, 0);
+      qk_norm_rope(d_qkv.p, d_pos.p, d_w.p, d_w.p, d_k.p, d_v.p, d_slots.p, T, NH, NKV, P, 1e6f, 1e-6f, 0);
       auto k = d_k.download(), v = d_v.download();
+      auto roped = d_qkv.download();  // k heads as qk_norm_rope wrote them
       std::vector<uint16_t> want_k(cache_n, 0xFFFF), want_v(cache_n, 0xFFFF);
       for (int t = 0; t < T; t++) {
         if (slots[t] < 0) continue;
@@ -251,7 +258,7 @@ TEST(store_kvcache_slots_and_padding) {
         for (int h = 0; h < NKV; h++)
           for (int d = 0; d < D; d++) {
             size_t dst = (((size_t)blk * NKV + h) * P + off) * D + d;
-            want_k[dst] = bits_of(qkv[(size_t)t * W + (NH + h) * D + d]);
+            want_k[dst] = bits_of(roped[(size_t)t * W + (NH + h) * D + d]);
             want_v[dst] = bits_of(qkv[(size_t)t * W + (NH + NKV + h) * D + d]);
           }
       }
@@ -326,10 +333,10 @@ TEST(bench_5a_bandwidth) {
        time_ms([&] { embedding(out.p, d_ids.p, in.p, T, H, 0, 1000, 0); })},
       {"add_rmsnorm    T=16384 H=1024", 4.0 * T * H * 2,
        time_ms([&] { add_rmsnorm(out.p, res.p, in.p, w.p, T, H, 1e-6f, 0); })},
-      {"qk_norm_rope   T=16384 NH=16 NKV=8", 2.0 * T * (NH + NKV) * HEAD_DIM * 2,
-       time_ms([&] { qk_norm_rope(out.p, d_pos.p, w.p, w.p, T, NH, NKV, 1e6f, 1e-6f, 0); })},
-      {"store_kvcache  T=16384 NKV=8", 4.0 * T * NKV * HEAD_DIM * 2,
-       time_ms([&] { store_kvcache(kc.p, vc.p, in.p, d_slots.p, T, NH, NKV, P, 0); })},
+      {"qk_norm_rope + KV store T=16384 NH=16 NKV=8", (2.0 * (NH + NKV) + 3.0 * NKV) * T * HEAD_DIM * 2,
+       time_ms([&] {
+         qk_norm_rope(out.p, d_pos.p, w.p, w.p, kc.p, vc.p, d_slots.p, T, NH, NKV, P, 1e6f, 1e-6f, 0);
+       })},
       {"silu_and_mul   T=16384 I=3072", 3.0 * T * I * 2,
        time_ms([&] { silu_and_mul(out.p, in.p, T, I, 0); })},
   };
