@@ -2848,6 +2848,10 @@ static void all_reduce_sum(TPComm*, bf16*, size_t, cudaStream_t) {
 // The loop that ties it together (nano-vllm: engine/llm_engine.py LLMEngine): requests become Sequences in
 // the scheduler's waiting queue; each step() is one schedule() -> run() -> postprocess(); generate() steps
 // until every request is finished and returns the completions in input order.
+//
+// Watching the scheduler think. With --trace every step prints one line on stderr (format_trace below), and
+// every run ends with a summary (run_summary). Both only read what the scheduler and the runner already
+// keep; with --trace off no line is built, so the trace costs nothing.
 
 struct Request {
   std::vector<int> prompt_token_ids;
@@ -2866,8 +2870,79 @@ struct RunStats {
   int64_t prefill_tokens = 0, decode_tokens = 0, steps_prefill = 0, steps_decode = 0;
   double prefill_seconds = 0, decode_seconds = 0;
   double first_token_at = -1;  // seconds since generate() began
-  int peak_blocks_used = 0;
+  int peak_blocks_used = 0;    // taken right after schedule(), when a step holds the most blocks
+  // Where step time goes. The engine is synchronous: the host schedules and prepares, launches, then waits
+  // for the GPU in the step's one synchronisation (ModelRunner::run). In eager mode kernels already run
+  // while the host is still launching later ones, so part of the GPU's work hides in prepare_seconds.
+  double schedule_seconds = 0, prepare_seconds = 0, gpu_wait_seconds = 0, postprocess_seconds = 0;
+  int last_batch = 0;          // sequences in the last step: the logits rows left in the buffer
 };
+
+// One --trace line's worth of state, taken right after schedule() (the ms of the whole step added later).
+struct StepTrace {
+  int64_t step = 0;
+  bool is_prefill = false;
+  int batch = 0;
+  int64_t tokens = 0;    // tokens the model computes this step (decode: one per sequence)
+  int prefix_hit = 0;    // prompt tokens admitted this step whose K/V was already cached
+  int waiting = 0, running = 0;
+  int free_blocks = 0, num_blocks = 0;
+  int hashes = 0;        // full blocks registered in the prefix cache (hash_to_block_id)
+  std::vector<std::pair<int64_t, int>> preempted;  // (seq_id, length) of each victim, in order
+  double ms = 0;
+};
+
+static StepTrace trace_after_schedule(const Scheduler& s, const std::vector<Sequence*>& batch,
+                                      bool is_prefill, int64_t step) {
+  StepTrace t;
+  t.step = step;
+  t.is_prefill = is_prefill;
+  t.batch = (int)batch.size();
+  for (auto* seq : batch) t.tokens += seq->num_scheduled_tokens;
+  t.prefix_hit = s.last_cached_tokens;
+  t.waiting = (int)s.waiting.size();
+  t.running = (int)s.running.size();
+  t.free_blocks = s.block_manager.num_free_blocks();
+  t.num_blocks = (int)s.block_manager.blocks.size();
+  t.hashes = (int)s.block_manager.hash_to_block_id.size();
+  t.preempted = s.last_preempted;
+  return t;
+}
+
+// The trace line, then one indented line per preemption of this step (README: "Watching the scheduler
+// think"):
+//   [trace] step 9 DECODE  batch=31 tokens=31 hit=0 waiting=0 running=31 free=4469/4508 hashes=9 ms=1.62
+//   [trace]   preempt seq=11 len=513
+// batch, tokens: sequences and tokens computed this step; hit: prompt tokens found in the prefix cache at
+// admission this step; waiting, running: the queues after schedule(); free: free blocks / pool size;
+// hashes: full blocks in the prefix cache; ms: the step's wall time; preempt: a victim's id and length.
+static std::string format_trace(const StepTrace& t) {
+  char buf[256];
+  snprintf(buf, sizeof buf,
+           "[trace] step %lld %s batch=%d tokens=%lld hit=%d waiting=%d running=%d free=%d/%d hashes=%d "
+           "ms=%.2f\n",
+           (long long)t.step, t.is_prefill ? "PREFILL" : "DECODE ", t.batch, (long long)t.tokens,
+           t.prefix_hit, t.waiting, t.running, t.free_blocks, t.num_blocks, t.hashes, t.ms);
+  std::string line = buf;
+  for (auto& p : t.preempted) {
+    snprintf(buf, sizeof buf, "[trace]   preempt seq=%lld len=%d\n", (long long)p.first, p.second);
+    line += buf;
+  }
+  return line;
+}
+
+// xxHash64 (seed 0) of every completion in input order, each as its length then its token ids, all
+// little-endian int32: the same bytes as, in Python over the --output records,
+//   xxhash.xxh64(b"".join(struct.pack(f"<i{len(t)}i", len(t), *t) for t in token_id_lists)).hexdigest()
+// Equal hashes mean identical generated text, whatever the batching, chunking or preemption on the way.
+static uint64_t completions_xxh64(const std::vector<Completion>& outs) {
+  std::vector<int32_t> buf;
+  for (auto& o : outs) {
+    buf.push_back((int32_t)o.token_ids.size());
+    buf.insert(buf.end(), o.token_ids.begin(), o.token_ids.end());
+  }
+  return XXH64(buf.data(), buf.size() * sizeof(int32_t), 0);
+}
 
 struct LLMEngine {
   Config& config;
@@ -2876,6 +2951,7 @@ struct LLMEngine {
   std::vector<std::unique_ptr<Sequence>> seqs;
   RunStats stats;
   bool progress = true;
+  bool trace = false;  // --trace: one line per step on stderr
 
   LLMEngine(Config& c, ModelRunner& r) : config(c), runner(r), scheduler(c) {}
 
@@ -2890,11 +2966,23 @@ struct LLMEngine {
     bool is_prefill;
     double t0 = now_seconds();
     std::vector<Sequence*> batch = scheduler.schedule(is_prefill);
+    double t1 = now_seconds();
     int64_t num_tokens = 0;
     for (auto* s : batch) num_tokens += s->num_scheduled_tokens;
+    stats.peak_blocks_used = std::max(stats.peak_blocks_used, scheduler.block_manager.num_used);
+    StepTrace tr;
+    int64_t step_no = stats.steps_prefill + stats.steps_decode + 1;
+    if (trace) tr = trace_after_schedule(scheduler, batch, is_prefill, step_no);
+    double gpu_before = runner.gpu_seconds;
     std::vector<int> token_ids = runner.run(batch, is_prefill);
+    double t2 = now_seconds(), gpu_wait = runner.gpu_seconds - gpu_before;
     scheduler.postprocess(batch, token_ids, is_prefill);
-    double dt = now_seconds() - t0;
+    double t3 = now_seconds(), dt = t3 - t0;
+    stats.schedule_seconds += t1 - t0;
+    stats.prepare_seconds += (t2 - t1) - gpu_wait;
+    stats.gpu_wait_seconds += gpu_wait;
+    stats.postprocess_seconds += t3 - t2;
+    stats.last_batch = (int)batch.size();
     if (is_prefill) {
       stats.prefill_tokens += num_tokens;
       stats.prefill_seconds += dt;
@@ -2904,7 +2992,26 @@ struct LLMEngine {
       stats.decode_seconds += dt;
       stats.steps_decode++;
     }
-    stats.peak_blocks_used = std::max(stats.peak_blocks_used, scheduler.block_manager.num_used);
+    if (trace) {
+      tr.ms = dt * 1e3;
+      fputs(format_trace(tr).c_str(), stderr);
+    }
+  }
+
+  // xxHash64 (seed 0) of the last step's logits as the GPU left them: rows [0, last_batch) of [B, V] fp32,
+  // row by row. A bit-exact fingerprint of the arithmetic: stricter than the tokens' hash (a different
+  // cuBLASLt algorithm or a padded CUDA-graph batch may change low bits without changing any token).
+  uint64_t last_logits_xxh64() {
+    size_t V = (size_t)cdiv(runner.model.cfg.vocab_size, runner.model.tp);
+    std::vector<float> row(V);
+    XXH64_state_t st;
+    XXH64_reset(&st, 0);
+    for (int b = 0; b < stats.last_batch; b++) {  // run() has synchronised its stream: the rows are final
+      const float* logits_row = runner.model.act.logits + b * V;
+      CUDA_CHECK(cudaMemcpy(row.data(), logits_row, V * sizeof(float), cudaMemcpyDeviceToHost));
+      XXH64_update(&st, row.data(), V * sizeof(float));
+    }
+    return XXH64_digest(&st);
   }
 
   std::vector<Completion> generate(const std::vector<Request>& requests) {
@@ -2912,12 +3019,13 @@ struct LLMEngine {
     size_t first = seqs.size();
     for (auto& r : requests) add_request(r.prompt_token_ids, r.params);
     bool tty = isatty(2);
+    bool show_progress = progress && !trace;  // both write stderr; the trace says more
     int done = 0;
     while (!scheduler.is_finished()) {
       step();
       if (stats.first_token_at < 0) stats.first_token_at = now_seconds() - t0;
       double t = now_seconds();
-      if (progress && t - last_print > (tty ? 0.25 : 5.0)) {
+      if (show_progress && t - last_print > (tty ? 0.25 : 5.0)) {
         done = 0;
         for (size_t i = first; i < seqs.size(); i++) done += seqs[i]->is_finished();
         fprintf(stderr, "%s[progress] %d/%zu done | prefill %.0f tok/s | decode %.0f tok/s | KV %d/%lld blocks%s",
@@ -2927,7 +3035,7 @@ struct LLMEngine {
         last_print = t;
       }
     }
-    if (progress && tty) fprintf(stderr, "\n");
+    if (show_progress && tty) fprintf(stderr, "\n");
     stats.seconds = now_seconds() - t0;
     std::vector<Completion> out;
     for (size_t i = first; i < seqs.size(); i++) {
@@ -2938,6 +3046,98 @@ struct LLMEngine {
     return out;
   }
 };
+
+// The run summary: what the scheduler did and where the time went, plus two fingerprints of the results.
+// Counters add up over every generate() of an engine. Admitted tokens count every admission, so a
+// preempted sequence that comes back counts again (with its generated tokens), and so do its hits.
+struct RunSummary {
+  int64_t prompt_tokens = 0, generated_tokens = 0, steps_prefill = 0, steps_decode = 0;
+  int64_t prefix_hit_tokens = 0, admitted_tokens = 0, preemptions = 0;
+  double prefix_hit_rate = 0, mean_decode_batch = 0;
+  int peak_kv_blocks = 0, kv_blocks = 0;
+  double steps_s = 0, schedule_s = 0, prepare_s = 0, gpu_wait_s = 0, postprocess_s = 0;
+  uint64_t tokens_xxh64 = 0, logits_xxh64 = 0;
+  int logits_rows = 0;
+  double host_s() const { return schedule_s + prepare_s + postprocess_s; }
+};
+
+static RunSummary run_summary(const RunStats& st, const SchedulerStats& ss, int num_kvcache_blocks,
+                              const std::vector<Completion>& outs, uint64_t logits_xxh64) {
+  RunSummary r;
+  for (auto& o : outs) r.prompt_tokens += o.prompt_tokens, r.generated_tokens += (int64_t)o.token_ids.size();
+  r.steps_prefill = st.steps_prefill;
+  r.steps_decode = st.steps_decode;
+  r.prefix_hit_tokens = ss.prefix_hit_tokens;
+  r.admitted_tokens = ss.prompt_tokens_admitted;
+  r.preemptions = ss.num_preemptions;
+  r.prefix_hit_rate = r.admitted_tokens ? (double)r.prefix_hit_tokens / r.admitted_tokens : 0.0;
+  r.mean_decode_batch = st.steps_decode ? (double)st.decode_tokens / st.steps_decode : 0.0;
+  r.peak_kv_blocks = st.peak_blocks_used;
+  r.kv_blocks = num_kvcache_blocks;
+  r.steps_s = st.prefill_seconds + st.decode_seconds;
+  r.schedule_s = st.schedule_seconds;
+  r.prepare_s = st.prepare_seconds;
+  r.gpu_wait_s = st.gpu_wait_seconds;
+  r.postprocess_s = st.postprocess_seconds;
+  r.tokens_xxh64 = completions_xxh64(outs);
+  r.logits_xxh64 = logits_xxh64;
+  r.logits_rows = st.last_batch;
+  return r;
+}
+
+static std::string hex64(uint64_t h) {
+  char b[17];
+  snprintf(b, sizeof b, "%016llx", (unsigned long long)h);
+  return b;
+}
+
+// The --output file's last record: {"summary": {...}}.
+static json summary_json(const RunSummary& r) {
+  return json{{"summary",
+               {{"prompt_tokens", r.prompt_tokens},
+                {"generated_tokens", r.generated_tokens},
+                {"steps_prefill", r.steps_prefill},
+                {"steps_decode", r.steps_decode},
+                {"prefix_hit_tokens", r.prefix_hit_tokens},
+                {"admitted_tokens", r.admitted_tokens},
+                {"prefix_hit_rate", r.prefix_hit_rate},
+                {"preemptions", r.preemptions},
+                {"mean_decode_batch", r.mean_decode_batch},
+                {"peak_kv_blocks", r.peak_kv_blocks},
+                {"kv_blocks", r.kv_blocks},
+                {"seconds",
+                 {{"steps", r.steps_s},
+                  {"schedule", r.schedule_s},
+                  {"prepare_and_launch", r.prepare_s},
+                  {"gpu_wait", r.gpu_wait_s},
+                  {"postprocess", r.postprocess_s}}},
+                {"tokens_xxh64", hex64(r.tokens_xxh64)},
+                {"logits_xxh64", hex64(r.logits_xxh64)},
+                {"logits_rows", r.logits_rows}}}};
+}
+
+// The summary's three stderr lines. None contains the word "requests": bench.sh parses the last line
+// that does.
+static std::string format_summary(const RunSummary& r) {
+  auto pct = [](double part, double whole) { return 100.0 * part / std::max(whole, 1e-9); };
+  char buf[3][512];
+  snprintf(buf[0], sizeof buf[0],
+           "nanovllm: summary | prefix cache hit %lld of %lld admitted tokens (%.1f%%) | %lld preemptions | "
+           "mean decode batch %.2f over %lld steps | peak KV %d of %d blocks (%.1f%%)\n",
+           (long long)r.prefix_hit_tokens, (long long)r.admitted_tokens, 100.0 * r.prefix_hit_rate,
+           (long long)r.preemptions, r.mean_decode_batch, (long long)r.steps_decode, r.peak_kv_blocks,
+           r.kv_blocks, pct(r.peak_kv_blocks, r.kv_blocks));
+  snprintf(buf[1], sizeof buf[1],
+           "nanovllm: time | %.3f s in %lld steps | host %.3f s (%.0f%%): schedule %.3f, prepare + launch "
+           "%.3f, postprocess %.3f | waiting for the GPU %.3f s (%.0f%%)\n",
+           r.steps_s, (long long)(r.steps_prefill + r.steps_decode), r.host_s(), pct(r.host_s(), r.steps_s),
+           r.schedule_s, r.prepare_s, r.postprocess_s, r.gpu_wait_s, pct(r.gpu_wait_s, r.steps_s));
+  snprintf(buf[2], sizeof buf[2],
+           "nanovllm: check | tokens xxh64 %s (all completions, in input order) | logits xxh64 %s "
+           "(last step, %d rows)\n",
+           hex64(r.tokens_xxh64).c_str(), hex64(r.logits_xxh64).c_str(), r.logits_rows);
+  return std::string(buf[0]) + buf[1] + buf[2];
+}
 
 // ==== 14. Prompts in, completions out =================================================================
 //
@@ -3094,6 +3294,11 @@ static void write_completions(const std::vector<Request>& reqs, const std::vecto
   fflush(stdout);
 }
 
+// The --output file's last line: {"summary": {...}} (section 13's RunSummary).
+static void write_summary(const RunSummary& summary, FILE* jsonl) {
+  if (jsonl) fprintf(jsonl, "%s\n", summary_json(summary).dump().c_str());
+}
+
 // ==== 15. Command line and main =======================================================================
 
 struct Cli {
@@ -3102,6 +3307,7 @@ struct Cli {
   std::string prompts_path;  // empty: nano-vllm example.py's two prompts
   std::string output_path;
   int64_t seed = 0;
+  bool trace = false;
 };
 
 static const char* kUsage =
@@ -3132,7 +3338,8 @@ static const char* kUsage =
     "prompts and output:\n"
     "  --raw                        do not apply the chat template\n"
     "  --no-thinking                chat template with enable_thinking=false\n"
-    "  --output FILE.jsonl          also write one JSON object per request\n"
+    "  --output FILE.jsonl          also write one JSON object per request, then a summary\n"
+    "  --trace                      one line per scheduler step on stderr\n"
     "  --help                       this text\n";
 
 static Cli parse_args(int argc, char** argv) {
@@ -3196,6 +3403,7 @@ static Cli parse_args(int argc, char** argv) {
     else if (a == "--raw") flag_only(), cli.prompts.raw = true;
     else if (a == "--no-thinking") flag_only(), cli.prompts.enable_thinking = false;
     else if (a == "--output") cli.output_path = value();
+    else if (a == "--trace") flag_only(), cli.trace = true;
     else if (a.rfind("-", 0) == 0 && a.size() > 1) die("unknown flag '%s' (see --help)", a.c_str());
     else positional.push_back(a);
   }
@@ -3318,9 +3526,13 @@ int main(int argc, char** argv) {
           now_seconds() - t_start);
   // 3. Generate.
   LLMEngine engine(config, runner);
+  engine.trace = cli.trace;
   double t_gen = now_seconds();
   std::vector<Completion> outs = engine.generate(requests);
+  RunSummary summary = run_summary(engine.stats, engine.scheduler.stats, config.num_kvcache_blocks, outs,
+                             engine.last_logits_xxh64());
   write_completions(requests, outs, tok, jsonl);
+  write_summary(summary, jsonl);
   if (jsonl) fclose(jsonl);
   const RunStats& st = engine.stats;
   int64_t out_tokens = 0;
@@ -3331,6 +3543,7 @@ int main(int argc, char** argv) {
           outs.size(), (long long)st.prefill_tokens, (long long)out_tokens, st.seconds, out_tokens / st.seconds,
           st.prefill_tokens / std::max(st.prefill_seconds, 1e-9), st.decode_tokens / std::max(st.decode_seconds, 1e-9),
           t_gen - t_start + st.first_token_at);
+  fputs(format_summary(summary).c_str(), stderr);
   return 0;
 }
 #endif
