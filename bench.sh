@@ -112,7 +112,7 @@ rows = []
 print(f"\nGPU: {gpu} | copy bandwidth {bw/1e9:.0f} GB/s | bf16 GEMM {tf/1e12:.0f} TFLOP/s | model {model}: {params/1e9:.3f} B params")
 if only in ("", "throughput"):
     s = summary("throughput")
-    outs = [json.loads(l) for l in open(f"{d}/throughput.out.jsonl")]
+    outs = [o for o in map(json.loads, open(f"{d}/throughput.out.jsonl")) if "summary" not in o]
     ptok, gtok = sum(o["prompt_tokens"] for o in outs), sum(len(o["token_ids"]) for o in outs)
     reqs = [json.loads(l) for l in open(f"{d}/throughput.jsonl")]
     assert ptok == 142827 and gtok == 133966, f"workload totals {ptok} prompt / {gtok} output, expected 142827 / 133966"
