@@ -1268,7 +1268,8 @@ static void attention_prefill(bf16* out, const bf16* qkv, const bf16* k_cache, c
 //   out[b, h*D + d] = sum_j softmax_j(scale * q_b,h . k_j) v_j[d] over j = 0 .. context_lens[b]-1.
 //   Split-K: CTA (part, kvh, b) handles keys [part*S, min(part*S + S, ctx)), S = decode_partition(B), for
 //   the NH/NKV query heads of kv head kvh, so each K/V tile is read from memory exactly once. Warp w takes
-//   keys 16w .. 16w+15 of every 64-key tile; at the end the four warps' (m, l, O) are combined through shared memory.
+//   keys 16w .. 16w+15 of every 64-key tile; at the end the four warps' (m, l, O) are combined through
+//   shared memory.
 //   If the context fits in one partition the CTA writes the final bf16 output; otherwise it writes its
 //   unnormalised O and (m, l) to the workspace and attention_decode_merge_kernel combines them.
 //   Why a grid sized by max_context_len (a host bound) and not by the real contexts: a CUDA graph captured
@@ -1982,9 +1983,10 @@ struct Gemm {
 //   With a handful of tokens a "matrix product" is a pass over W that does 2*M FLOPs per weight it reads:
 //   pure memory traffic. cuBLASLt's kernels for this shape left a third of the bandwidth unused on an H100
 //   (measured with ncu on Qwen3-0.6B's layers at M = 1: 64x8 tiles on 96 CTAs, split-K plus a reduction
-//   kernel for down_proj; test/gpu_gemm.cu times both), so batch-1 and -2 decode get this simpler kernel: one warp per output
-//   column n streams row n of W once with 16-byte loads (all of a row's loads issued before the first use),
-//   dots it with the M rows of x (tiny, served from L1), reduces across the warp, and writes y[:, n].
+//   kernel for down_proj; test/gpu_gemm.cu times both), so batch-1 and -2 decode get this simpler kernel:
+//   one warp per output column n streams row n of W once with 16-byte loads (all of a row's loads issued
+//   before the first use), dots it with the M rows of x (tiny, served from L1), reduces across the warp,
+//   and writes y[:, n].
 //   Layouts: x bf16 [M, K] row-major; W bf16 [N, K] row-major (PyTorch's [out, in]); y bf16 [M, N].
 //   Preconditions: K % 8 == 0; x, W 16-byte aligned. fp32 accumulation, one bf16 rounding.
 constexpr int GEMV_MAX_M = 2;  // measured on H100: at M = 4 cuBLASLt is faster on half of Qwen3's shapes
