@@ -3,10 +3,11 @@
 #   make               build ./nanovllm for the visible GPU (or sm_80/86/89/90 when none is visible)
 #   make test          build and run every test (GPU suites are skipped, and say so, without a GPU)
 #   make bench         run ./bench.sh
+#   make fuzz          run each libFuzzer target (test/fuzz) for FUZZ_SECONDS (60); needs clang + libFuzzer
 #   make clean
 #
 # Knobs: CUDA_ARCH=90a (or 80, 86, ...: one target), NVCC=..., SANITIZE=1 (host tests under ASan+UBSan),
-#        UTF8PROC_LIB=path/to/libutf8proc.a, EXTRA_INCLUDES=-I...
+#        UTF8PROC_LIB=path/to/libutf8proc.a, EXTRA_INCLUDES=-I..., CLANGXX=clang++, FUZZ_SECONDS=60
 
 NVCC      ?= nvcc
 export UTF8PROC_LIB
@@ -42,14 +43,29 @@ NVFLAGS  := -std=c++17 -O3 -lineinfo -Xcompiler -Wall,-Wno-unused-function $(EXT
 # utf8proc is looked up when linking, after `deps` may have installed it.
 LDLIBS   := -lcublasLt -lnccl $$(bash test/deps.sh --utf8proc-lib)
 ifeq ($(SANITIZE),1)
-  HOSTSAN := -Xcompiler -fsanitize=address -Xcompiler -fsanitize=undefined -Xcompiler -fno-omit-frame-pointer
+  # -fno-sanitize-recover: an UndefinedBehaviorSanitizer report stops the test (a failure), not a warning.
+  HOSTSAN := -Xcompiler -fsanitize=address -Xcompiler -fsanitize=undefined -Xcompiler -fno-omit-frame-pointer \
+             -Xcompiler -fno-sanitize-recover=all
 endif
 
 HEADERS  := nanovllm.cu safetensors.h tokenizer.h
 HOST_TESTS := $(patsubst test/%.cu,$(BUILD)/%,$(wildcard test/test_*.cu))
 GPU_TESTS  := $(patsubst test/%.cu,$(BUILD)/%,$(wildcard test/gpu_*.cu))
 
-.PHONY: all deps test test-build bench clean
+# ---- fuzzing ------------------------------------------------------------------------------------------
+# The targets (test/fuzz/targets.cu) include nanovllm.cu like every test, so nvcc compiles them with clang as
+# its host compiler: that is what adds libFuzzer's coverage hooks and the sanitizers to the host code. Device
+# code is PTX for one architecture (never run). One object, four small entry points (test/fuzz/main.cpp).
+CLANGXX      ?= clang++
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS := safetensors config tokenizer prompts
+FUZZ_BINS    := $(patsubst %,$(BUILD)/fuzz/fuzz_%,$(FUZZ_TARGETS))
+FUZZ_SAN     := -fsanitize=address -fsanitize=undefined -fno-sanitize-recover=all
+# Whether $(CLANGXX) can link a libFuzzer binary (Debian: apt-get install clang libclang-rt-dev).
+LIBFUZZER_PROBE := echo 'extern "C" int LLVMFuzzerTestOneInput(const char*, long) { return 0; }' | \
+                   $(CLANGXX) -x c++ -fsanitize=fuzzer - -o /dev/null 2>/dev/null
+
+.PHONY: all deps test test-build bench clean fuzz fuzz-build
 all: deps nanovllm
 
 # Print what was found; install a missing Debian package when root, else print the command and stop.
@@ -68,11 +84,32 @@ $(BUILD)/gpu_%: test/gpu_%.cu test/test.h $(HEADERS) | deps
 	@mkdir -p $(BUILD)
 	$(NVCC) $(NVFLAGS) $(GENCODE) -o $@ $< $(LDLIBS)
 
-# GPU test binaries are only built where a GPU is visible (or CUDA_ARCH is given).
+$(BUILD)/fuzz/targets.o: test/fuzz/targets.cu $(HEADERS) | deps
+	@mkdir -p $(BUILD)/fuzz
+	$(NVCC) -ccbin $(CLANGXX) -std=c++17 -O1 -g --expt-relaxed-constexpr -diag-suppress 177,550 \
+	  $(EXTRA_INCLUDES) -gencode=arch=compute_80,code=compute_80 -Xcompiler=-fsanitize=fuzzer-no-link \
+	  $(addprefix -Xcompiler=,$(FUZZ_SAN)) -c -o $@ $<
+
+$(BUILD)/fuzz/fuzz_%: test/fuzz/main.cpp $(BUILD)/fuzz/targets.o
+	$(CLANGXX) -c -DTARGET=nanovllm_fuzz_$* -o $@.o $<
+	$(NVCC) -ccbin $(CLANGXX) -Xcompiler=-fsanitize=fuzzer $(addprefix -Xcompiler=,$(FUZZ_SAN)) \
+	  -o $@ $@.o $(BUILD)/fuzz/targets.o $(LDLIBS)
+
+fuzz-build:
+	@if $(LIBFUZZER_PROBE); then $(MAKE) --no-print-directory $(FUZZ_BINS); \
+	 else echo "fuzz: $(CLANGXX) cannot link libFuzzer binaries, fuzz targets not built" \
+	           "(apt-get install clang libclang-rt-dev)"; fi
+
+# Each target for FUZZ_SECONDS, growing a corpus in build/fuzz/corpus-NAME from test/fuzz/corpus/NAME.
+fuzz: fuzz-build
+	@FUZZ_SECONDS=$(FUZZ_SECONDS) FUZZ_KEEP_CORPUS=1 bash test/fuzz.sh $(BUILD)
+
+# GPU test binaries are only built where a GPU is visible (or CUDA_ARCH is given). The fuzz targets are built
+# where clang can link them; test/fuzz.sh then gives each a short pass (FUZZ_SECONDS=10).
 ifeq ($(strip $(CUDA_ARCH)),)
-test-build: nanovllm $(HOST_TESTS)
+test-build: nanovllm $(HOST_TESTS) fuzz-build
 else
-test-build: nanovllm $(HOST_TESTS) $(GPU_TESTS)
+test-build: nanovllm $(HOST_TESTS) $(GPU_TESTS) fuzz-build
 endif
 
 test: test-build

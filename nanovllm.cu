@@ -156,12 +156,31 @@ static double config_number(const json& j, const char* key, const std::string& p
   return j[key].get<double>();
 }
 
+// An integer field (a count or a size): a fraction or a value past int is refused, never truncated.
+static int config_int(const json& j, const char* key, const std::string& path) {
+  double v = config_number(j, key, path);
+  if (v != std::floor(v) || v < INT32_MIN || v > INT32_MAX)
+    die("%s: field \"%s\" must be an integer, found %s", path.c_str(), key, j[key].dump().c_str());
+  return (int)v;
+}
+
+// A true/false field that may be absent.
+static bool config_bool(const json& j, const char* key, bool absent, const std::string& path) {
+  if (!j.contains(key) || j[key].is_null()) return absent;
+  if (!j[key].is_boolean()) die("%s: field \"%s\" must be true or false, found %s", path.c_str(), key,
+                                j[key].dump().c_str());
+  return j[key].get<bool>();
+}
+
 static std::vector<int> eos_ids_from(const json& v) {
   std::vector<int> ids;
-  if (v.is_number_integer()) ids.push_back(v.get<int>());
+  auto add = [&](const json& x) {
+    if (x.is_number_integer() && x.get<int64_t>() >= 0 && x.get<int64_t>() <= INT32_MAX)
+      ids.push_back(x.get<int>());
+  };
+  add(v);
   if (v.is_array())
-    for (auto& x : v)
-      if (x.is_number_integer()) ids.push_back(x.get<int>());
+    for (auto& x : v) add(x);
   return ids;
 }
 
@@ -183,17 +202,17 @@ static ModelConfig parse_model_config(const std::string& text, const std::string
     die("%s: architecture %s is not supported; nanovllm runs Qwen3ForCausalLM (dense Qwen3 models only)",
         path.c_str(), arch.c_str());
   ModelConfig c;
-  c.hidden_size = (int)config_number(j, "hidden_size", path);
-  c.intermediate_size = (int)config_number(j, "intermediate_size", path);
-  c.num_hidden_layers = (int)config_number(j, "num_hidden_layers", path);
-  c.num_attention_heads = (int)config_number(j, "num_attention_heads", path);
-  c.num_key_value_heads = (int)config_number(j, "num_key_value_heads", path);
-  c.vocab_size = (int)config_number(j, "vocab_size", path);
-  c.max_position_embeddings = (int)config_number(j, "max_position_embeddings", path);
+  c.hidden_size = config_int(j, "hidden_size", path);
+  c.intermediate_size = config_int(j, "intermediate_size", path);
+  c.num_hidden_layers = config_int(j, "num_hidden_layers", path);
+  c.num_attention_heads = config_int(j, "num_attention_heads", path);
+  c.num_key_value_heads = config_int(j, "num_key_value_heads", path);
+  c.vocab_size = config_int(j, "vocab_size", path);
+  c.max_position_embeddings = config_int(j, "max_position_embeddings", path);
   c.rms_norm_eps = (float)config_number(j, "rms_norm_eps", path);
   if (!j.contains("head_dim"))
     die("%s: missing field \"head_dim\" (Qwen3 configs state it; nanovllm does not guess it)", path.c_str());
-  c.head_dim = (int)config_number(j, "head_dim", path);
+  c.head_dim = config_int(j, "head_dim", path);
   // transformers < 5 writes rope_theta at the top level; transformers 5 nests it in rope_parameters.
   const json* rope = j.contains("rope_parameters") && j["rope_parameters"].is_object() ? &j["rope_parameters"]
                      : j.contains("rope_scaling") && j["rope_scaling"].is_object() ? &j["rope_scaling"] : nullptr;
@@ -202,9 +221,15 @@ static ModelConfig parse_model_config(const std::string& text, const std::string
   if (j.contains("rope_theta")) c.rope_theta = (float)config_number(j, "rope_theta", path);
   else if (rope && rope->contains("rope_theta")) c.rope_theta = (float)config_number(*rope, "rope_theta", path);
   else die("%s: missing field \"rope_theta\"", path.c_str());
-  if (j.value("attention_bias", false)) die("%s: attention_bias=true is not supported (Qwen3 has none)", path.c_str());
-  if (j.value("use_sliding_window", false)) die("%s: sliding-window attention is not supported", path.c_str());
-  c.tie_word_embeddings = j.value("tie_word_embeddings", false);
+  if (config_bool(j, "attention_bias", false, path))
+    die("%s: attention_bias=true is not supported (Qwen3 has none)", path.c_str());
+  if (config_bool(j, "use_sliding_window", false, path))
+    die("%s: sliding-window attention is not supported", path.c_str());
+  c.tie_word_embeddings = config_bool(j, "tie_word_embeddings", false, path);
+  bool eps_ok = c.rms_norm_eps > 0 && std::isfinite(c.rms_norm_eps);
+  if (!eps_ok || !(c.rope_theta > 0 && std::isfinite(c.rope_theta)))
+    die("%s: rms_norm_eps (%g) and rope_theta (%g) must be positive and finite", path.c_str(), c.rms_norm_eps,
+        c.rope_theta);
   if (j.contains("dtype") && j["dtype"].is_string()) c.dtype = j["dtype"];
   else if (j.contains("torch_dtype") && j["torch_dtype"].is_string()) c.dtype = j["torch_dtype"];
   if (j.contains("eos_token_id")) c.eos_token_ids = eos_ids_from(j["eos_token_id"]);
@@ -246,6 +271,8 @@ static ModelConfig load_model_config(const std::string& dir) {
     die("model folder '%s' does not exist or is not a folder.\n  Get one with: huggingface-cli download "
         "Qwen/Qwen3-0.6B --local-dir ~/huggingface/Qwen3-0.6B",
         dir.c_str());
+  if (access(dir.c_str(), R_OK | X_OK) != 0)
+    die("cannot read model folder '%s': %s", dir.c_str(), strerror(errno));
   std::string path = dir + "/config.json";
   if (!is_file(path)) die("no config.json in model folder '%s' (is it a Hugging Face model folder?)", dir.c_str());
   ModelConfig c = parse_model_config(read_file(path, "model config"), path);
@@ -294,6 +321,9 @@ static void validate_config(Config& c, const ModelConfig& m) {
   if (m.num_attention_heads % c.tensor_parallel_size || m.num_key_value_heads % c.tensor_parallel_size)
     die("--tensor-parallel-size %d must divide the number of query heads (%d) and of KV heads (%d)",
         c.tensor_parallel_size, m.num_attention_heads, m.num_key_value_heads);
+  if (m.intermediate_size % c.tensor_parallel_size)
+    die("--tensor-parallel-size %d must divide intermediate_size (%d)", c.tensor_parallel_size,
+        m.intermediate_size);
   c.eos = m.eos_token_ids;
 }
 
@@ -417,20 +447,6 @@ struct WeightLoader {
     CUDA_CHECK(cudaEventSynchronize(done[cur]));  // the other buffer is free again
     fill = 0;
   }
-  // Look a tensor up and check its shape against the config: a wrong checkpoint is a clear error.
-  const TensorView& get(const std::string& name, std::vector<int64_t> shape) {
-    const TensorView* t = st.find(name);
-    if (!t) die("checkpoint has no tensor '%s' (needed by the config: is this a Qwen3 checkpoint?)", name.c_str());
-    if (t->shape != shape) {
-      TensorView want;
-      want.shape = shape;
-      die("tensor '%s' in %s has shape %s, but config.json implies %s", name.c_str(), t->file.c_str(),
-          t->shape_str().c_str(), want.shape_str().c_str());
-    }
-    if (t->dtype != DType::BF16 && t->dtype != DType::F16 && t->dtype != DType::F32)
-      die("tensor '%s' has dtype %s; nanovllm loads BF16, F16 or F32 checkpoints", name.c_str(), dtype_name(t->dtype));
-    return *t;
-  }
   // Append rows [r0, r0+nr) x cols [c0, c0+nc) of `t` (converted to bf16) at `dst`, contiguously.
   void load(bf16* dst, const TensorView& t, int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
     int64_t cols = t.shape.size() == 2 ? t.shape[1] : t.numel();
@@ -458,20 +474,86 @@ struct WeightLoader {
   }
 };
 
-// Load (this rank's share of) every weight. Returns the arena; prints nothing (the caller reports timing).
-static Weights load_weights(const std::string& dir, const ModelConfig& c, int rank, int tp, cudaStream_t stream,
-                            size_t* bytes_read) {
-  SafeTensors st;
+// Every tensor the config needs, with its full (unsliced) shape: the one list that both the check before
+// any GPU work (validate_checkpoint) and load_weights go by.
+struct TensorSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+static std::vector<TensorSpec> checkpoint_tensors(const ModelConfig& c) {
+  const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim, V = c.vocab_size;
+  const int64_t NH = c.num_attention_heads, NKV = c.num_key_value_heads;
+  std::vector<TensorSpec> specs = {{"model.embed_tokens.weight", {V, H}}, {"model.norm.weight", {H}}};
+  if (!c.tie_word_embeddings) specs.push_back({"lm_head.weight", {V, H}});
+  for (int l = 0; l < c.num_hidden_layers; l++) {
+    std::string pre = "model.layers." + std::to_string(l) + ".";
+    for (const TensorSpec& t : std::vector<TensorSpec>{{"input_layernorm.weight", {H}},
+                                                       {"post_attention_layernorm.weight", {H}},
+                                                       {"self_attn.q_proj.weight", {NH * D, H}},
+                                                       {"self_attn.k_proj.weight", {NKV * D, H}},
+                                                       {"self_attn.v_proj.weight", {NKV * D, H}},
+                                                       {"self_attn.q_norm.weight", {D}},
+                                                       {"self_attn.k_norm.weight", {D}},
+                                                       {"self_attn.o_proj.weight", {H, NH * D}},
+                                                       {"mlp.gate_proj.weight", {I, H}},
+                                                       {"mlp.up_proj.weight", {I, H}},
+                                                       {"mlp.down_proj.weight", {H, I}}})
+      specs.push_back({pre + t.name, t.shape});
+  }
+  return specs;
+}
+
+// Look a tensor up and check it against its spec: a wrong checkpoint is a clear error, not a crash.
+static const TensorView& checked_tensor(const SafeTensors& st, const TensorSpec& spec,
+                                        const std::string& dir) {
+  const TensorView* t = st.find(spec.name);
+  if (!t)
+    die("the checkpoint in %s has no tensor '%s' (config.json needs it: is this a Qwen3 checkpoint?)",
+        dir.c_str(), spec.name.c_str());
+  if (t->shape != spec.shape) {
+    TensorView want;
+    want.shape = spec.shape;
+    die("tensor '%s' in %s has shape %s, but config.json implies %s", spec.name.c_str(), t->file.c_str(),
+        t->shape_str().c_str(), want.shape_str().c_str());
+  }
+  if (t->dtype != DType::BF16 && t->dtype != DType::F16 && t->dtype != DType::F32)
+    die("tensor '%s' in %s has dtype %s; nanovllm loads BF16, F16 or F32 checkpoints", spec.name.c_str(),
+        t->file.c_str(), dtype_name(t->dtype));
+  return *t;
+}
+
+static SafeTensors open_checkpoint(const std::string& dir) {
   try {
-    st = SafeTensors::open_dir(dir);
+    return SafeTensors::open_dir(dir);
   } catch (const SafeTensorsError& e) {
     die("%s", e.what());
   }
+}
+
+// Before any GPU work: open every shard (headers, sizes, offsets) and check every tensor the config needs,
+// so a broken download is reported in a second rather than after CUDA start-up. Reads no weight bytes.
+static void validate_checkpoint(const std::string& dir, const ModelConfig& c) {
+  SafeTensors st = open_checkpoint(dir);
+  // Before listing 11 tensors per layer: a config that claims millions of layers gets a message, not an OOM.
+  if (11 * (int64_t)c.num_hidden_layers > (int64_t)st.names().size())
+    die("config.json has num_hidden_layers %d (11 tensors each), but the checkpoint in %s holds only %zu "
+        "tensors: config.json does not describe this checkpoint", c.num_hidden_layers, dir.c_str(),
+        st.names().size());
+  for (const TensorSpec& spec : checkpoint_tensors(c)) checked_tensor(st, spec, dir);
+}
+
+// Load (this rank's share of) every weight. Returns the arena; prints nothing (the caller reports timing).
+static Weights load_weights(const std::string& dir, const ModelConfig& c, int rank, int tp, cudaStream_t stream,
+                            size_t* bytes_read) {
+  SafeTensors st = open_checkpoint(dir);
+  std::map<std::string, TensorSpec> spec;
+  for (TensorSpec& t : checkpoint_tensors(c)) spec[t.name] = t;
+  auto get = [&](const std::string& name) -> const TensorView& {
+    return checked_tensor(st, spec.at(name), dir);
+  };
   const int64_t H = c.hidden_size, I = c.intermediate_size / tp, D = c.head_dim;
   const int64_t NH = c.num_attention_heads / tp, NKV = c.num_key_value_heads / tp;
   const int64_t V = cdiv(c.vocab_size, tp), L = c.num_hidden_layers;
-  if (c.intermediate_size % tp) die("intermediate_size %d is not divisible by --tensor-parallel-size %d",
-                                    c.intermediate_size, tp);
   const int64_t qkv_rows = (NH + 2 * NKV) * D;
   // Element counts of everything, to size the arena once.
   int64_t per_layer = 2 * H + qkv_rows * H + 2 * D + H * NH * D + 2 * I * H + H * I;
@@ -489,40 +571,37 @@ static Weights load_weights(const std::string& dir, const ModelConfig& c, int ra
     ld.load(dst, t, r0, nr, 0, H);
   };
   w.embed_tokens = take(V * H);
-  load_vocab(w.embed_tokens, ld.get("model.embed_tokens.weight", {c.vocab_size, H}));
+  load_vocab(w.embed_tokens, get("model.embed_tokens.weight"));
   if (c.tie_word_embeddings) w.lm_head = w.embed_tokens;
   else {
     w.lm_head = take(V * H);
-    load_vocab(w.lm_head, ld.get("lm_head.weight", {c.vocab_size, H}));
+    load_vocab(w.lm_head, get("lm_head.weight"));
   }
   w.norm = take(H);
-  ld.load(w.norm, ld.get("model.norm.weight", {H}), 0, 1, 0, H);
+  ld.load(w.norm, get("model.norm.weight"), 0, 1, 0, H);
   for (int64_t l = 0; l < L; l++) {
     std::string pre = "model.layers." + std::to_string(l) + ".";
     LayerWeights lw;
     lw.input_layernorm = take(H);
-    ld.load(lw.input_layernorm, ld.get(pre + "input_layernorm.weight", {H}), 0, 1, 0, H);
+    ld.load(lw.input_layernorm, get(pre + "input_layernorm.weight"), 0, 1, 0, H);
     lw.post_attention_layernorm = take(H);
-    ld.load(lw.post_attention_layernorm, ld.get(pre + "post_attention_layernorm.weight", {H}), 0, 1, 0, H);
+    ld.load(lw.post_attention_layernorm, get(pre + "post_attention_layernorm.weight"), 0, 1, 0, H);
     lw.qkv_proj = take(qkv_rows * H);
-    const int64_t NHf = c.num_attention_heads, NKVf = c.num_key_value_heads;
-    ld.load(lw.qkv_proj, ld.get(pre + "self_attn.q_proj.weight", {NHf * D, H}), rank * NH * D, NH * D, 0, H);
-    ld.load(lw.qkv_proj + NH * D * H, ld.get(pre + "self_attn.k_proj.weight", {NKVf * D, H}), rank * NKV * D,
-            NKV * D, 0, H);
-    ld.load(lw.qkv_proj + (NH + NKV) * D * H, ld.get(pre + "self_attn.v_proj.weight", {NKVf * D, H}),
-            rank * NKV * D, NKV * D, 0, H);
+    ld.load(lw.qkv_proj, get(pre + "self_attn.q_proj.weight"), rank * NH * D, NH * D, 0, H);
+    ld.load(lw.qkv_proj + NH * D * H, get(pre + "self_attn.k_proj.weight"), rank * NKV * D, NKV * D, 0, H);
+    ld.load(lw.qkv_proj + (NH + NKV) * D * H, get(pre + "self_attn.v_proj.weight"), rank * NKV * D, NKV * D,
+            0, H);
     lw.q_norm = take(D);
-    ld.load(lw.q_norm, ld.get(pre + "self_attn.q_norm.weight", {D}), 0, 1, 0, D);
+    ld.load(lw.q_norm, get(pre + "self_attn.q_norm.weight"), 0, 1, 0, D);
     lw.k_norm = take(D);
-    ld.load(lw.k_norm, ld.get(pre + "self_attn.k_norm.weight", {D}), 0, 1, 0, D);
+    ld.load(lw.k_norm, get(pre + "self_attn.k_norm.weight"), 0, 1, 0, D);
     lw.o_proj = take(H * NH * D);
-    ld.load(lw.o_proj, ld.get(pre + "self_attn.o_proj.weight", {H, NHf * D}), 0, H, rank * NH * D, NH * D);
+    ld.load(lw.o_proj, get(pre + "self_attn.o_proj.weight"), 0, H, rank * NH * D, NH * D);
     lw.gate_up_proj = take(2 * I * H);
-    const int64_t If = c.intermediate_size;
-    ld.load(lw.gate_up_proj, ld.get(pre + "mlp.gate_proj.weight", {If, H}), rank * I, I, 0, H);
-    ld.load(lw.gate_up_proj + I * H, ld.get(pre + "mlp.up_proj.weight", {If, H}), rank * I, I, 0, H);
+    ld.load(lw.gate_up_proj, get(pre + "mlp.gate_proj.weight"), rank * I, I, 0, H);
+    ld.load(lw.gate_up_proj + I * H, get(pre + "mlp.up_proj.weight"), rank * I, I, 0, H);
     lw.down_proj = take(H * I);
-    ld.load(lw.down_proj, ld.get(pre + "mlp.down_proj.weight", {H, If}), 0, H, rank * I, I);
+    ld.load(lw.down_proj, get(pre + "mlp.down_proj.weight"), 0, H, rank * I, I);
     w.layers.push_back(lw);
   }
   ld.flush();
@@ -3187,11 +3266,18 @@ static void jsonl_sampling(const json& j, SamplingParams& sp, const std::string&
     if (!j[k].is_number()) die("%s: \"%s\" must be a number, found %s", where.c_str(), k, j[k].dump().c_str());
     return &j[k];
   };
-  if (auto v = num("max_tokens")) sp.max_tokens = v->get<int>();
-  if (auto v = num("temperature")) sp.temperature = v->get<float>();
-  if (auto v = num("top_k")) sp.top_k = v->get<int>();
-  if (auto v = num("top_p")) sp.top_p = v->get<float>();
-  if (auto v = num("seed")) sp.seed = v->get<int64_t>();
+  auto integer = [&](const char* k, int64_t lo, int64_t hi) -> const json* {
+    const json* v = num(k);
+    if (v && (!v->is_number_integer() || v->get<int64_t>() < lo || v->get<int64_t>() > hi))
+      die("%s: \"%s\" must be an integer in [%lld, %lld], found %s", where.c_str(), k, (long long)lo,
+          (long long)hi, v->dump().c_str());
+    return v;
+  };
+  if (auto v = integer("max_tokens", INT32_MIN, INT32_MAX)) sp.max_tokens = v->get<int>();
+  if (auto v = num("temperature")) sp.temperature = (float)v->get<double>();
+  if (auto v = integer("top_k", INT32_MIN, INT32_MAX)) sp.top_k = v->get<int>();
+  if (auto v = num("top_p")) sp.top_p = (float)v->get<double>();
+  if (auto v = integer("seed", INT64_MIN, INT64_MAX)) sp.seed = v->get<int64_t>();
   if (j.contains("ignore_eos")) {
     if (!j["ignore_eos"].is_boolean()) die("%s: \"ignore_eos\" must be true or false", where.c_str());
     sp.ignore_eos = j["ignore_eos"].get<bool>();
@@ -3199,9 +3285,11 @@ static void jsonl_sampling(const json& j, SamplingParams& sp, const std::string&
   validate_sampling(sp, where);
 }
 
-static std::vector<Request> read_prompts(const std::string& path, const Tokenizer& tok, const PromptOptions& opt,
-                                         const Config& cfg, const ModelConfig& mc) {
-  std::string text = read_file(path, "prompts file");
+// The requests of a prompts file's text; `path` names the file in messages and its ".jsonl" ending picks
+// the format. Separate from reading the file so the fuzz target (test/fuzz) can feed it bytes.
+static std::vector<Request> parse_prompts(const std::string& text, const std::string& path,
+                                          const Tokenizer& tok, const PromptOptions& opt, const Config& cfg,
+                                          const ModelConfig& mc) {
   bool jsonl = path.size() >= 6 && path.compare(path.size() - 6, 6, ".jsonl") == 0;
   std::vector<Request> reqs;
   size_t pos = 0;
@@ -3247,7 +3335,11 @@ static std::vector<Request> read_prompts(const std::string& path, const Tokenize
           if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content") ||
               !m["content"].is_string())
             die("%s: each message must be {\"role\": string, \"content\": string}", where.c_str());
-          msgs.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+          std::string role = m["role"];
+          if (role != "system" && role != "user" && role != "assistant")
+            die("%s: message role '%s' is not supported; use system, user or assistant", where.c_str(),
+                role.c_str());
+          msgs.push_back({role, m["content"].get<std::string>()});
         }
         r.prompt_token_ids = tok.encode(tok.apply_chat_template(msgs, true, opt.enable_thinking));
       } else {
@@ -3263,16 +3355,38 @@ static std::vector<Request> read_prompts(const std::string& path, const Tokenize
       jsonl_sampling(j, r.params, where);
     }
     if (r.prompt_token_ids.empty()) die("%s: the prompt is empty", where.c_str());
-    int n = (int)r.prompt_token_ids.size();
+    int64_t n = (int64_t)r.prompt_token_ids.size();
     if (n + r.params.max_tokens > cfg.max_model_len)
-      die("%s: prompt of %d tokens + max_tokens %d = %d exceeds --max-model-len %d; shorten the prompt, lower "
-          "max_tokens or raise --max-model-len (up to %d for this model)",
-          where.c_str(), n, r.params.max_tokens, n + r.params.max_tokens, cfg.max_model_len,
-          mc.max_position_embeddings);
+      die("%s: prompt of %lld tokens + max_tokens %d = %lld exceeds --max-model-len %d; shorten the prompt, "
+          "lower max_tokens or raise --max-model-len (up to %d for this model)",
+          where.c_str(), (long long)n, r.params.max_tokens, (long long)(n + r.params.max_tokens),
+          cfg.max_model_len, mc.max_position_embeddings);
     reqs.push_back(std::move(r));
   }
   if (reqs.empty()) die("prompts file '%s' has no prompts", path.c_str());
   return reqs;
+}
+
+static std::vector<Request> read_prompts(const std::string& path, const Tokenizer& tok, const PromptOptions& opt,
+                                         const Config& cfg, const ModelConfig& mc) {
+  if (is_dir(path)) die("prompts file '%s' is a folder", path.c_str());
+  return parse_prompts(read_file(path, "prompts file"), path, tok, opt, cfg, mc);
+}
+
+// --output is checked here, before the run, but opened only when the completions are written, so a refused
+// or failed run leaves an existing file as it was.
+static void check_output_path(const std::string& path) {
+  if (is_dir(path)) die("--output '%s' is a folder; give a file name such as out.jsonl", path.c_str());
+  if (access(path.c_str(), F_OK) == 0) {
+    if (access(path.c_str(), W_OK) != 0) die("cannot write --output '%s': %s", path.c_str(), strerror(errno));
+    return;
+  }
+  size_t slash = path.rfind('/');
+  std::string parent = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  if (!is_dir(parent))
+    die("cannot write --output '%s': the folder '%s' does not exist", path.c_str(), parent.c_str());
+  if (access(parent.c_str(), W_OK | X_OK) != 0)
+    die("cannot write --output '%s': folder '%s': %s", path.c_str(), parent.c_str(), strerror(errno));
 }
 
 static std::string json_escape_text(const std::string& s) { return json(s).dump(); }
@@ -3501,17 +3615,19 @@ int main(int argc, char** argv) {
   if (argc > 1 && !strcmp(argv[1], "roofline")) return roofline_command();
   Cli cli = parse_args(argc, argv);
   Config& config = cli.config;
-  // 1. Everything that can be checked without a GPU.
+  // 1. Everything that can be checked without a GPU (test/cli_errors.sh runs each mistake on a CPU machine).
   ModelConfig mc = load_model_config(config.model);
   validate_config(config, mc);
   if (config.tensor_parallel_size > 1)
     die("--tensor-parallel-size %d: tensor parallelism is not built yet; use 1", config.tensor_parallel_size);
+  validate_checkpoint(config.model, mc);
   Tokenizer tok = Tokenizer::load(config.model);
+  if (tok.vocab_size() > mc.vocab_size)
+    die("%s has %d tokens, but vocab_size in %s/config.json is %d: the tokenizer is not this model's",
+        tok.path.c_str(), tok.vocab_size(), config.model.c_str(), mc.vocab_size);
   std::vector<Request> requests = cli.prompts_path.empty() ? example_requests(tok, cli.prompts)
                                                            : read_prompts(cli.prompts_path, tok, cli.prompts, config, mc);
-  FILE* jsonl = nullptr;
-  if (!cli.output_path.empty() && !(jsonl = fopen(cli.output_path.c_str(), "w")))
-    die("cannot write --output '%s': %s", cli.output_path.c_str(), strerror(errno));
+  if (!cli.output_path.empty()) check_output_path(cli.output_path);
   // 2. The GPU: weights, KV cache, CUDA graphs.
   check_gpus(config.tensor_parallel_size);
   ModelRunner runner(config, mc);
@@ -3533,6 +3649,9 @@ int main(int argc, char** argv) {
   std::vector<Completion> outs = engine.generate(requests);
   RunSummary summary = run_summary(engine.stats, engine.scheduler.stats, config.num_kvcache_blocks, outs,
                              engine.last_logits_xxh64());
+  FILE* jsonl = nullptr;
+  if (!cli.output_path.empty() && !(jsonl = fopen(cli.output_path.c_str(), "w")))
+    die("cannot write --output '%s': %s", cli.output_path.c_str(), strerror(errno));
   write_completions(requests, outs, tok, jsonl);
   write_summary(summary, jsonl);
   if (jsonl) fclose(jsonl);

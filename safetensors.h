@@ -190,13 +190,14 @@ class SafeTensors {
       for (auto& d : kDTypes)
         if (dt == d.name) t.dtype = d.dtype, itemsize = d.itemsize;
       if (!itemsize) throw SafeTensorsError(where + ": unknown dtype \"" + dt + "\"");
-      // The product of the dims must not overflow: each dim below 2^40, the product checked as we go.
+      // Nothing may overflow: each dim at most 2^40 and the element count at most 2^56, checked as we go,
+      // so numel * itemsize (itemsize <= 8) below fits in 64 bits and cannot wrap around to a small span.
       uint64_t numel = 1;
       for (auto& d : v["shape"]) {
         if (!d.is_number_unsigned() && !(d.is_number_integer() && d.get<int64_t>() >= 0))
           throw SafeTensorsError(where + ": shape entries must be non-negative integers");
         uint64_t dim = d.get<uint64_t>();
-        if (dim > (1ull << 40) || (dim && numel > (1ull << 62) / dim))
+        if (dim > (1ull << 40) || (dim && numel > (1ull << 56) / dim))
           throw SafeTensorsError(where + ": shape is absurdly large");
         numel *= dim;
         t.shape.push_back((int64_t)dim);

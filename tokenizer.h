@@ -49,6 +49,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -60,10 +61,23 @@
 
 // ==== T1. Errors ========================================================================================
 // tokenizer.h comes before nanovllm.cu's section 1, so it has its own die() with the same output format.
+// The fuzz targets (test/fuzz) set tok_die_throws: a rejection then throws TokDieError with the message
+// instead of exiting, so "refused cleanly" is an outcome they can tell apart from a crash.
+
+struct TokDieError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+static bool tok_die_throws = false;
 
 [[noreturn]] static void tok_die(const char* fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
+  if (tok_die_throws) {
+    char msg[1024];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    throw TokDieError(msg);
+  }
   fprintf(stderr, "nanovllm: error: ");
   vfprintf(stderr, fmt, ap);
   fprintf(stderr, "\n");

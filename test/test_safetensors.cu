@@ -22,7 +22,7 @@ static std::string write_st(const std::string& name, const std::string& header, 
   fwrite(header.data(), 1, header.size(), f);
   std::vector<uint8_t> data(data_bytes);
   for (size_t i = 0; i < data_bytes; i++) data[i] = (uint8_t)(i * 31 + 7);
-  fwrite(data.data(), 1, data.size(), f);
+  if (data_bytes) fwrite(data.data(), 1, data.size(), f);  // data() may be null when empty
   fclose(f);
   return path;
 }
