@@ -6,7 +6,9 @@
 #                                     with torch and transformers; speed does not depend on the weights'
 #                                     values when ignore_eos is set) in build/bench-SHAPE
 # Options: --nanovllm PATH (default ./nanovllm), --log-dir DIR (default build/bench-logs),
-#          --only throughput|latency|prefill (one measure). TOKENIZER_DIR: tokenizer for --random.
+#          --only throughput|latency|prefill (one measure; --only model just makes the --random checkpoint),
+#          --tp N (tensor parallelism on N GPUs; the roofline is then N GPUs' bandwidth and GEMM rate).
+#          TOKENIZER_DIR: tokenizer for --random.
 #
 # 1. throughput: nano-vllm bench.py exactly — python3 random.seed(0); 256 prompts of randint(100, 1024)
 #    tokens of randint(0, 10000), then 256 max_tokens randint(100, 1024); temperature 0.6, ignore_eos,
@@ -17,7 +19,7 @@
 # Roofline: `nanovllm roofline` measures this GPU's copy bandwidth and bf16 GEMM rate in the same run.
 set -euo pipefail
 cd "$(dirname "$0")"
-MODEL= RANDOM_SHAPE= NANOVLLM=./nanovllm LOG_DIR=build/bench-logs ONLY=
+MODEL= RANDOM_SHAPE= NANOVLLM=./nanovllm LOG_DIR=build/bench-logs ONLY= TP=1
 while [ $# -gt 0 ]; do
   case $1 in
     --model) MODEL=$2; shift 2 ;;
@@ -25,6 +27,7 @@ while [ $# -gt 0 ]; do
     --nanovllm) NANOVLLM=$2; shift 2 ;;
     --log-dir) LOG_DIR=$2; shift 2 ;;
     --only) ONLY=$2; shift 2 ;;
+    --tp) TP=$2; shift 2 ;;
     -h|--help) sed -n 2,20p "$0"; exit 0 ;;
     *) echo "bench.sh: unknown argument '$1' (see --help)" >&2; exit 1 ;;
   esac
@@ -55,6 +58,7 @@ for f in ("tokenizer.json", "tokenizer_config.json"):
 PY
   fi
 fi
+[ "$ONLY" = model ] && exit 0
 [ -n "$MODEL" ] || { echo "bench.sh: give --model DIR or --random 0.6b|8b" >&2; exit 1; }
 [ -x "$NANOVLLM" ] || { echo "bench.sh: $NANOVLLM not found; run make first" >&2; exit 1; }
 
@@ -84,7 +88,8 @@ GPU=$(sed -n 's/^gpu: //p' "$LOG_DIR/roofline.txt")
 run() {  # run NAME FLAGS... : ./nanovllm on LOG_DIR/NAME.jsonl, summary line -> LOG_DIR/NAME.log
   local name=$1; shift
   "$NANOVLLM" "$MODEL" "$LOG_DIR/$name.jsonl" --ignore-eos --max-model-len 4096 --output "$LOG_DIR/$name.out.jsonl" \
-    "$@" >"$LOG_DIR/$name.stdout" 2>"$LOG_DIR/$name.log" || { cat "$LOG_DIR/$name.log" >&2; exit 1; }
+    --tensor-parallel-size "$TP" "$@" >"$LOG_DIR/$name.stdout" 2>"$LOG_DIR/$name.log" ||
+    { cat "$LOG_DIR/$name.log" >&2; exit 1; }
   grep '^nanovllm:' "$LOG_DIR/$name.log"
 }
 [ -z "$ONLY" ] || [ "$ONLY" = throughput ] && run throughput --temperature 0.6
@@ -92,9 +97,12 @@ run() {  # run NAME FLAGS... : ./nanovllm on LOG_DIR/NAME.jsonl, summary line ->
 [ -z "$ONLY" ] || [ "$ONLY" = prefill ] && run prefill --temperature 0
 
 # The table, with roofline fractions computed from the model's shape and the measured ceilings.
-python3 - "$LOG_DIR" "$MODEL" "$BW" "$TF" "$GPU" "$ONLY" <<'PY'
+python3 - "$LOG_DIR" "$MODEL" "$BW" "$TF" "$GPU" "$ONLY" "$TP" <<'PY'
 import json, os, re, sys
 d, model, bw, tf, gpu, only = sys.argv[1], sys.argv[2], float(sys.argv[3]) * 1e9, float(sys.argv[4]) * 1e12, sys.argv[5], sys.argv[6]
+tp = int(sys.argv[7])
+bw, tf = bw * tp, tf * tp  # N GPUs each read 1/N of the weights and KV, and do 1/N of the FLOPs
+if tp > 1: gpu = f"{tp} x {gpu} (tensor parallel; ceilings below are the sums)"
 c = json.load(open(f"{model}/config.json"))
 H, I, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
 NH, NKV, D = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]

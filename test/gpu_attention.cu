@@ -342,6 +342,9 @@ TEST(decode_cuda_graph_replay) {
                           cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemset(out.d, 0xFF, out.n * sizeof(bf16)));
     CUDA_CHECK(cudaMemset(ws, 0xFF, ws_bytes));
+    // The copies and memsets above ran on the legacy default stream, which does not order work on a
+    // cudaStreamNonBlocking stream: wait for them before the replay reads their results.
+    CUDA_CHECK(cudaDeviceSynchronize());
     CUDA_CHECK(cudaGraphLaunch(exec, stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));
     compare(pb == &a ? "decode graph replay 1: B=32 ctx 1..700" : "decode graph replay 2: B=32 ctx 300..2048",

@@ -11,6 +11,8 @@
 // (c) the same one at a time, a repeated prompt that hits the prefix cache, chunked prefill
 //     (max_num_batched_tokens 512), and a KV pool so small that preemption must happen.
 // (b) and (c) are written to SHAPE/gen_results.json for the teacher-forcing check in Python.
+// NANOVLLM_E2E_TP=N runs every engine with --tensor-parallel-size N: main() forks the N-1 workers before
+// any CUDA call, and they serve every engine this process builds (section 12).
 #define NANOVLLM_TESTING
 #include "../nanovllm.cu"
 #include "test.h"
@@ -28,6 +30,11 @@ static std::vector<float> read_f32(const std::string& path, size_t n) {
   return v;
 }
 
+static int e2e_tp() {
+  const char* s = getenv("NANOVLLM_E2E_TP");
+  return s ? atoi(s) : 1;
+}
+
 struct Engine {
   Config config;
   ModelConfig mc;
@@ -41,6 +48,7 @@ struct Engine {
     config.max_model_len = max_model_len;
     config.max_num_seqs = 64;
     config.gpu_memory_utilization = 0.95f;
+    config.tensor_parallel_size = e2e_tp();
     mc = load_model_config(dir);
     validate_config(config, mc);
     runner.reset(new ModelRunner(config, mc));
@@ -86,7 +94,7 @@ static void run_shape(const std::string& dir) {
     e.engine->add_request(ids, r.params);
     e.engine->step();
     std::vector<float> got(V);
-    CUDA_CHECK(cudaMemcpy(got.data(), e.runner->model.act.logits, V * sizeof(float), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(got.data(), e.runner->logits, V * sizeof(float), cudaMemcpyDeviceToHost));
     std::vector<float> ref = read_f32(dir + "/ref_logits_" + std::to_string(i) + ".f32", V);
     double num = 0, den = 0, max_abs = 0;
     int arg_got = 0;
@@ -151,9 +159,14 @@ TEST(e2e_against_transformers) {
   if (!d) SKIP("set NANOVLLM_E2E_DIR to the output of test/hf_reference.py");
   const char* shapes = getenv("NANOVLLM_E2E_SHAPES");
   std::string list = shapes ? shapes : "tiny 0.6b 8b-short";
+  printf("    tensor-parallel size %d\n", e2e_tp());
   std::istringstream is(list);
   std::string s;
   while (is >> s) run_shape(std::string(d) + "/" + s);
 }
 
-int main(int argc, char** argv) { return test_main(argc, argv); }
+int main(int argc, char** argv) {
+  tp_launch(e2e_tp());  // before any CUDA call; a no-op for 1
+  int rc = test_main(argc, argv);
+  return tp_shutdown() ? rc : 1;
+}

@@ -1,0 +1,248 @@
+// The tensor-parallel data plane on two GPUs (nanovllm.cu section 12a): all_reduce_sum on both roads (the
+// one-shot NVLink kernel and NCCL) against an fp32 reference, eagerly and replayed from CUDA graphs mixed
+// with eager calls; gather_logits with an odd vocabulary; all_reduce_min; and the latency of one all-reduce
+// at the message sizes of a decode step (the "bench_" case, used for the README's all-reduce share).
+//
+// Two ranks: main() forks rank 1 before any CUDA call and both processes run every case, so each collective
+// has its partner. Rank 0 prints; rank 1 checks its own results too, silently, and its exit status counts.
+// Fewer than 2 GPUs: every case is skipped.
+#define NANOVLLM_TESTING
+#include "../nanovllm.cu"
+#include "test.h"
+
+static int g_rank = 0, g_gpus = 0;
+static TPComm* g_comm = nullptr;
+
+static uint16_t value_bits(int rank, size_t i, int salt) {  // a deterministic bf16 in [-2, 2) per rank
+  uint64_t h = splitmix64(((uint64_t)salt << 40) ^ ((uint64_t)rank << 32) ^ i);
+  return float_to_bf16_bits((float)((int64_t)(h % 4096) - 2048) / 1024.0f);
+}
+
+// Fill x with this rank's values, all-reduce, and compare with bf16(sum over ranks in fp32) bit for bit.
+static void check_all_reduce(bf16* x, size_t n, int salt, cudaStream_t s, const char* what) {
+  std::vector<uint16_t> h(n), want(n), got(n);
+  for (size_t i = 0; i < n; i++) {
+    h[i] = value_bits(g_rank, i, salt);
+    float sum = 0;
+    for (int r = 0; r < g_comm->size; r++) sum += bf16_bits_to_float(value_bits(r, i, salt));
+    want[i] = float_to_bf16_bits(sum);
+  }
+  CUDA_CHECK(cudaMemcpy(x, h.data(), n * 2, cudaMemcpyHostToDevice));
+  all_reduce_sum(g_comm, x, n, s);
+  CUDA_CHECK(cudaStreamSynchronize(s));
+  CUDA_CHECK(cudaMemcpy(got.data(), x, n * 2, cudaMemcpyDeviceToHost));
+  size_t bad = 0, first = 0;
+  for (size_t i = 0; i < n; i++)
+    if (got[i] != want[i] && !bad++) first = i;
+  CHECK_MSG(bad == 0, "%s n=%zu: %zu of %zu wrong, first at [%zu]: got %g want %g", what, n, bad, n, first,
+            bf16_bits_to_float(got[first]), bf16_bits_to_float(want[first]));
+}
+
+#define NEED_TWO_GPUS() \
+  if (g_gpus < 2) SKIP("needs 2 GPUs, %d visible", g_gpus)
+
+TEST(all_reduce_matches_fp32_sum_on_both_roads) {
+  NEED_TWO_GPUS();
+  printf("    one-shot NVLink all-reduce available: %s\n", g_comm->p2p ? "yes" : "no (NCCL only)");
+  const size_t sizes[] = {8, 4096, 4096 * 3, 5120 * 37, 4096 * 512, AR_DATA_BYTES / 2, (size_t)16384 * 4096};
+  bf16* x;
+  CUDA_CHECK(cudaMalloc(&x, sizes[6] * 2));
+  cudaStream_t s;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  TPComm::Mode saved = g_comm->mode;
+  for (TPComm::Mode m : {TPComm::AUTO, TPComm::NCCL_ONLY}) {
+    g_comm->mode = m;
+    for (size_t n : sizes) check_all_reduce(x, n, (int)n + m, s, m == TPComm::AUTO ? "auto" : "nccl");
+  }
+  g_comm->mode = saved;
+  CUDA_CHECK(cudaFree(x));
+}
+
+// Graphs keep the kernel's arguments; the barrier epochs live in device memory, so replays and eager calls
+// can interleave in any order as long as every rank does the same.
+TEST(all_reduce_in_cuda_graphs_mixed_with_eager_calls) {
+  NEED_TWO_GPUS();
+  const size_t na = 4096, nb = 4096 * 40;
+  bf16 *a, *b, *c;
+  CUDA_CHECK(cudaMalloc(&a, na * 2));
+  CUDA_CHECK(cudaMalloc(&b, nb * 2));
+  CUDA_CHECK(cudaMalloc(&c, nb * 2));
+  cudaStream_t s;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  all_reduce_sum(g_comm, a, na, s);
+  all_reduce_sum(g_comm, b, nb, s);
+  CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int rep = 0; rep < 4; rep++) {
+    std::vector<uint16_t> ha(na), hb(nb);
+    for (size_t i = 0; i < na; i++) ha[i] = value_bits(g_rank, i, 100 + rep);
+    for (size_t i = 0; i < nb; i++) hb[i] = value_bits(g_rank, i, 200 + rep);
+    CUDA_CHECK(cudaMemcpy(a, ha.data(), na * 2, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(b, hb.data(), nb * 2, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaGraphLaunch(exec, s));
+    CUDA_CHECK(cudaStreamSynchronize(s));
+    std::vector<uint16_t> ga(na), gb(nb);
+    CUDA_CHECK(cudaMemcpy(ga.data(), a, na * 2, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(gb.data(), b, nb * 2, cudaMemcpyDeviceToHost));
+    size_t bad = 0;
+    for (size_t i = 0; i < na; i++) {
+      float sum = 0;
+      for (int r = 0; r < g_comm->size; r++) sum += bf16_bits_to_float(value_bits(r, i, 100 + rep));
+      bad += ga[i] != float_to_bf16_bits(sum);
+    }
+    for (size_t i = 0; i < nb; i++) {
+      float sum = 0;
+      for (int r = 0; r < g_comm->size; r++) sum += bf16_bits_to_float(value_bits(r, i, 200 + rep));
+      bad += gb[i] != float_to_bf16_bits(sum);
+    }
+    CHECK_MSG(bad == 0, "replay %d: %zu wrong elements", rep, bad);
+    check_all_reduce(c, 4096 * (rep + 1), 300 + rep, s, "eager between replays");
+  }
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
+TEST(gather_logits_to_rank_zero) {
+  NEED_TWO_GPUS();
+  cudaStream_t s;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  for (int V : {151936, 1001}) {
+    for (int B : {1, 3}) {
+      const int64_t Vl = cdiv(V, g_comm->size);
+      std::vector<float> shard((size_t)B * Vl);
+      for (int b = 0; b < B; b++)
+        for (int64_t j = 0; j < Vl; j++) {
+          int64_t v = g_rank * Vl + j;
+          shard[b * Vl + j] = v < V ? (float)(b * 1000003 + v) : 1e30f;  // padding must not arrive
+        }
+      float *d_shard, *staging, *full;
+      CUDA_CHECK(cudaMalloc(&d_shard, shard.size() * 4));
+      CUDA_CHECK(cudaMalloc(&staging, (size_t)(g_comm->size - 1) * B * Vl * 4));
+      CUDA_CHECK(cudaMalloc(&full, (size_t)B * V * 4));
+      CUDA_CHECK(cudaMemset(full, 0xff, (size_t)B * V * 4));  // poison: NaN
+      CUDA_CHECK(cudaMemcpy(d_shard, shard.data(), shard.size() * 4, cudaMemcpyHostToDevice));
+      gather_logits(g_comm, d_shard, staging, full, B, V, s);
+      CUDA_CHECK(cudaStreamSynchronize(s));
+      if (g_rank == 0) {
+        std::vector<float> got((size_t)B * V);
+        CUDA_CHECK(cudaMemcpy(got.data(), full, got.size() * 4, cudaMemcpyDeviceToHost));
+        size_t bad = 0;
+        for (int b = 0; b < B; b++)
+          for (int v = 0; v < V; v++) bad += got[(size_t)b * V + v] != (float)(b * 1000003 + v);
+        CHECK_MSG(bad == 0, "V=%d B=%d: %zu wrong logits", V, B, bad);
+      }
+      CUDA_CHECK(cudaFree(d_shard));
+      CUDA_CHECK(cudaFree(staging));
+      CUDA_CHECK(cudaFree(full));
+    }
+  }
+}
+
+TEST(all_reduce_min_agrees) {
+  NEED_TWO_GPUS();
+  CHECK_EQ(all_reduce_min(g_comm, g_rank == 0 ? 1000 : 37), (int64_t)37);
+  CHECK_EQ(all_reduce_min(g_comm, (int64_t)1 << 40), (int64_t)1 << 40);
+}
+
+// Microseconds per all-reduce, from a CUDA graph of 100 back-to-back calls (how decode runs them), at the
+// sizes of one decode step of a Qwen3-8B-wide model: B rows of H = 4096 bf16.
+TEST(bench_all_reduce_latency) {
+  NEED_TWO_GPUS();
+  cudaStream_t s;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaEvent_t e0, e1;
+  CUDA_CHECK(cudaEventCreate(&e0));
+  CUDA_CHECK(cudaEventCreate(&e1));
+  bf16* x;
+  CUDA_CHECK(cudaMalloc(&x, (size_t)256 * 4096 * 2));
+  CUDA_CHECK(cudaMemset(x, 0, (size_t)256 * 4096 * 2));
+  TPComm::Mode saved = g_comm->mode;
+  for (int B : {1, 8, 64, 256}) {
+    double us[2] = {0, 0};
+    for (int road = 0; road < 2; road++) {
+      g_comm->mode = road == 0 ? TPComm::AUTO : TPComm::NCCL_ONLY;
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+      for (int i = 0; i < 100; i++) all_reduce_sum(g_comm, x, (size_t)B * 4096, s);
+      CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+      CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      CUDA_CHECK(cudaGraphLaunch(exec, s));  // warm-up
+      CUDA_CHECK(cudaEventRecord(e0, s));
+      for (int rep = 0; rep < 10; rep++) CUDA_CHECK(cudaGraphLaunch(exec, s));
+      CUDA_CHECK(cudaEventRecord(e1, s));
+      CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms;
+      CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      us[road] = ms * 1000.0 / 1000;
+      CUDA_CHECK(cudaGraphExecDestroy(exec));
+      CUDA_CHECK(cudaGraphDestroy(graph));
+    }
+    printf("    all-reduce of %4d x 4096 bf16 (%7d bytes): %s %.2f us, NCCL %.2f us per call (in a CUDA graph)\n",
+           B, B * 4096 * 2, g_comm->p2p ? "one-shot" : "auto(NCCL)", us[0], us[1]);
+  }
+  g_comm->mode = saved;
+  // One decode step's logits gather at batch 1 (Qwen3's vocabulary), also from a graph of 100.
+  const int V = 151936;
+  const int64_t Vl = cdiv(V, g_comm->size);
+  float *shard, *staging, *full;
+  CUDA_CHECK(cudaMalloc(&shard, Vl * 4));
+  CUDA_CHECK(cudaMalloc(&staging, (g_comm->size - 1) * Vl * 4));
+  CUDA_CHECK(cudaMalloc(&full, (size_t)V * 4));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < 100; i++) gather_logits(g_comm, shard, staging, full, 1, V, s);
+  CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_CHECK(cudaGraphLaunch(exec, s));
+  CUDA_CHECK(cudaEventRecord(e0, s));
+  for (int rep = 0; rep < 10; rep++) CUDA_CHECK(cudaGraphLaunch(exec, s));
+  CUDA_CHECK(cudaEventRecord(e1, s));
+  CUDA_CHECK(cudaEventSynchronize(e1));
+  float ms;
+  CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  printf("    gather_logits, batch 1, V = %d: %.2f us per call\n", V, ms * 1000.0 / 1000);
+}
+
+int main(int argc, char** argv) {
+  setenv("NCCL_NVLS_ENABLE", "0", 0);
+  struct Shared {
+    volatile int ready;
+    ncclUniqueId id;
+  };
+  auto* sh = static_cast<Shared*>(mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                                       -1, 0));
+  fflush(stdout);
+  pid_t child = fork();
+  if (child == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    g_rank = g_tp_rank = 1;
+    if (!freopen("/dev/null", "w", stdout)) return 1;
+  } else {
+    alarm(300);  // a lost partner would leave a collective waiting forever: fail instead
+  }
+  if (cudaGetDeviceCount(&g_gpus) != cudaSuccess) g_gpus = 0;
+  if (g_gpus >= 2) {
+    if (g_rank == 0) {
+      CUDA_CHECK(cudaSetDevice(0));
+      NCCL_CHECK(ncclGetUniqueId(&sh->id));
+      __atomic_store_n(&sh->ready, 1, __ATOMIC_RELEASE);
+    } else {
+      while (!__atomic_load_n(&sh->ready, __ATOMIC_ACQUIRE)) usleep(1000);
+    }
+    g_comm = tp_comm_init(g_rank, 2, sh->id);
+  }
+  int rc = test_main(argc, argv);
+  if (g_rank == 1) _exit(rc);
+  int st;
+  waitpid(child, &st, 0);
+  if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+    printf("FAIL rank 1 ended with wait status %d: its checks failed or it crashed (see stderr)\n", st);
+    return 1;
+  }
+  return rc;
+}
