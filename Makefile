@@ -76,7 +76,7 @@ deps:
 nanovllm: $(HEADERS) | deps
 	$(NVCC) $(NVFLAGS) $(GENCODE) -o $@ nanovllm.cu $(LDLIBS)
 
-$(BUILD)/test_%: test/test_%.cu test/test.h $(HEADERS) | deps
+$(BUILD)/test_%: test/test_%.cu test/test.h test/engine_fixtures.h $(HEADERS) | deps
 	@mkdir -p $(BUILD)
 	$(NVCC) $(NVFLAGS) $(TEST_GENCODE) $(HOSTSAN) -o $@ $< $(LDLIBS)
 

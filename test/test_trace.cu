@@ -4,29 +4,8 @@
 #define NANOVLLM_TESTING
 #include "../nanovllm.cu"
 #include "test.h"
+#include "engine_fixtures.h"
 
-static Config small_config(int num_blocks, int block_size) {
-  Config c;
-  c.num_kvcache_blocks = num_blocks;
-  c.kvcache_block_size = block_size;
-  c.max_num_batched_tokens = 16384;
-  c.max_num_seqs = 512;
-  c.eos = {151645, 151643};
-  return c;
-}
-
-static std::vector<int> iota_tokens(int n, int start = 0) {
-  std::vector<int> v(n);
-  for (int i = 0; i < n; i++) v[i] = start + i;
-  return v;
-}
-
-static SamplingParams params_len(int max_tokens) {
-  SamplingParams p;
-  p.max_tokens = max_tokens;
-  p.ignore_eos = true;
-  return p;
-}
 
 // One engine step with the fake model, numbered like LLMEngine::step(); returns the step's trace text with
 // the step time fixed at 0.25 ms so the text is exact.
