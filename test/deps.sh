@@ -15,11 +15,16 @@ if [ -z "$nvcc_path" ]; then
        "and put its bin/ on PATH, or run: make NVCC=/path/to/nvcc" >&2
   exit 1
 fi
-cuda_home=$(dirname "$(dirname "$(readlink -f "$nvcc_path")")")
 nvcc_version=$("$NVCC" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p')
-dirs=("$cuda_home/include" /usr/include /usr/local/include)
+# Where nvcc itself looks for headers and libraries: its dry run prints them. This holds when `nvcc` on PATH
+# is a wrapper script or a symlink rather than the toolkit's own bin/nvcc.
+dryrun=$("$NVCC" -dryrun -x cu -c /dev/null -o /dev/null 2>&1)
+nvcc_dirs() { echo "$dryrun" | sed -n "s/^#\$ $1=//p" | grep -o -- "-[IL]\"\?[^\" ]*" | sed 's/^-[IL]"\?//' | xargs -r readlink -f; }
+cuda_home=$(dirname "$(dirname "$(readlink -f "$nvcc_path")")")
+dirs=($(nvcc_dirs INCLUDES) "$cuda_home/include" /usr/include /usr/local/include)
 for inc in ${EXTRA_INCLUDES:-}; do dirs+=("${inc#-I}"); done
-libdirs=("$cuda_home/lib64" "$cuda_home/lib" /usr/lib/x86_64-linux-gnu /usr/lib/aarch64-linux-gnu /usr/local/lib /usr/lib)
+libdirs=($(nvcc_dirs LIBRARIES) "$cuda_home/lib64" "$cuda_home/lib" /usr/lib/x86_64-linux-gnu
+         /usr/lib/aarch64-linux-gnu /usr/local/lib /usr/lib)
 
 find_in() {  # find_in FILE DIR... -> first DIR/FILE that exists
   local f=$1; shift
