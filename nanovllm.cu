@@ -161,6 +161,56 @@ static std::string read_file(const std::string& path, const char* what) {
   return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
 }
 
+// Signal handlers may only use async-signal-safe calls: write(2) instead of fprintf.
+static void sig_puts(const char* s) {
+  ssize_t r = write(2, s, strlen(s));
+  (void)r;
+}
+static void sig_putn(long v) {
+  char b[24];
+  int i = 23;
+  b[i] = 0;
+  unsigned long u = v < 0 ? -(unsigned long)v : (unsigned long)v;
+  do b[--i] = (char)('0' + u % 10), u /= 10;
+  while (u);
+  if (v < 0) b[--i] = '-';
+  sig_puts(b + i);
+}
+
+// Stopping a run: Ctrl-C and SIGTERM. The first Ctrl-C while the engine generates (g_stop_armed, set by
+// main) only raises g_stop_requested: generate() returns after the step in flight (section 13), the requests
+// that had finished are written as usual, the others are counted as unfinished, and the exit status is 130
+// (128 + SIGINT, what a shell reports for Ctrl-C). A second Ctrl-C, a Ctrl-C before the engine runs, or
+// SIGTERM stops at once with 128 + the signal; tensor parallelism hooks in to stop its workers first
+// (g_stop_hook, section 12b). GPU memory needs no cleanup: the driver frees it when the process ends.
+static volatile sig_atomic_t g_stop_armed = 0;
+static volatile sig_atomic_t g_stop_requested = 0;
+static void (*g_stop_hook)() = nullptr;
+
+static void on_stop_signal(int sig) {
+  if (sig == SIGINT && g_stop_armed && !g_stop_requested) {
+    g_stop_requested = 1;
+    sig_puts("\nnanovllm: interrupted: stopping after this step and writing the finished requests "
+             "(Ctrl-C again stops at once)\n");
+    return;
+  }
+  sig_puts(sig == SIGINT ? "\nnanovllm: interrupted" : "nanovllm: terminated");
+  if (g_stop_hook) g_stop_hook();
+  sig_puts("\n");
+  _exit(128 + sig);
+}
+
+// Installs on_stop_signal for SIGINT and SIGTERM; neither interrupts the other's handler (nor SIGCHLD's).
+static void install_stop_handlers() {
+  struct sigaction sa = {};
+  sigemptyset(&sa.sa_mask);
+  sigaddset(&sa.sa_mask, SIGCHLD), sigaddset(&sa.sa_mask, SIGINT), sigaddset(&sa.sa_mask, SIGTERM);
+  sa.sa_flags = SA_RESTART;
+  sa.sa_handler = on_stop_signal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+}
+
 // ==== 2. Config: model config.json, engine settings, sampling parameters ==============================
 //
 // ModelConfig is what the checkpoint says (config.json, generation_config.json); Config is how the engine
@@ -3304,7 +3354,9 @@ static TPComm* tp_comm_init(int rank, int size, const ncclUniqueId& id) {
 //                    never complete (NCCL would wait forever)
 //   rank 0 fails     die() -> exit(1) -> atexit: SIGTERM to the workers, wait; a rank 0 killed outright
 //                    takes the workers with it through PR_SET_PDEATHSIG
-//   Ctrl-C           the terminal signals every rank; workers ignore SIGINT and rank 0 stops them (exit 130)
+//   Ctrl-C           the terminal signals every rank; workers ignore SIGINT. The first Ctrl-C during
+//                    generate() ends the run after the current step, with the normal EXIT message; a
+//                    second one (or SIGTERM, or Ctrl-C before generate) stops the workers at once (exit 130)
 // NANOVLLM_TEST_WORKER_FAIL=RANK:STEP makes worker RANK fail at its STEP-th step, for the test of the above.
 
 enum class TPOp : uint32_t { CONNECT, INIT, CAPTURE, STEP, EXIT };
@@ -3334,21 +3386,6 @@ struct TPGroup {
 };
 static TPGroup g_tp;
 
-// Signal handlers may only use async-signal-safe calls: write(2) instead of fprintf.
-static void sig_puts(const char* s) {
-  ssize_t r = write(2, s, strlen(s));
-  (void)r;
-}
-static void sig_putn(long v) {
-  char b[24];
-  int i = 23;
-  b[i] = 0;
-  unsigned long u = v < 0 ? -(unsigned long)v : (unsigned long)v;
-  do b[--i] = (char)('0' + u % 10), u /= 10;
-  while (u);
-  if (v < 0) b[--i] = '-';
-  sig_puts(b + i);
-}
 static void sig_put_status(int st) {
   if (WIFSIGNALED(st)) sig_puts("was killed by signal "), sig_putn(WTERMSIG(st));
   else sig_puts("exited with status "), sig_putn(WEXITSTATUS(st));
@@ -3393,12 +3430,11 @@ static void tp_on_sigchld(int) {
   errno = saved;
 }
 
-static void tp_on_interrupt(int sig) {
+// Rank 0's part of an immediate stop (section 1's on_stop_signal): end the workers before rank 0 exits.
+static void tp_on_stop() {
   g_tp.stopping = 1;
-  sig_puts(sig == SIGINT ? "\nnanovllm: interrupted" : "nanovllm: terminated");
-  sig_puts("; stopping all "), sig_putn(g_tp.size), sig_puts(" ranks\n");
+  sig_puts("; stopping all "), sig_putn(g_tp.size), sig_puts(" ranks");
   tp_stop_workers(SIGTERM);
-  _exit(128 + sig);
 }
 
 // Rank 0 leaving through exit() (die() included) without tp_shutdown(): the workers must not outlive it.
@@ -3459,9 +3495,8 @@ static void tp_launch(int n) {
   sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
   sa.sa_handler = tp_on_sigchld;
   sigaction(SIGCHLD, &sa, nullptr);
-  sa.sa_handler = tp_on_interrupt;
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
+  g_stop_hook = tp_on_stop;
+  install_stop_handlers();
   atexit(tp_atexit);
   sigprocmask(SIG_SETMASK, &old, nullptr);
 }
@@ -3688,7 +3723,7 @@ struct Request {
 
 struct Completion {
   std::vector<int> token_ids;
-  const char* finish_reason;
+  const char* finish_reason;  // nullptr: unfinished (the run was interrupted, section 1)
   int prompt_tokens;
 };
 
@@ -3841,6 +3876,9 @@ struct LLMEngine {
     return XXH64_digest(&st);
   }
 
+  // Steps until every request has finished, or until a Ctrl-C asks the run to stop (g_stop_requested,
+  // section 1): then the step in flight completes and the unfinished requests come back with
+  // finish_reason nullptr and the tokens they had so far.
   std::vector<Completion> generate(const std::vector<Request>& requests) {
     double t0 = now_seconds(), last_print = t0;
     size_t first = seqs.size();
@@ -3848,7 +3886,7 @@ struct LLMEngine {
     bool tty = isatty(2);
     bool show_progress = progress && !trace;  // both write stderr; the trace says more
     int done = 0;
-    while (!scheduler.is_finished()) {
+    while (!scheduler.is_finished() && !g_stop_requested) {
       step();
       if (stats.first_token_at < 0) stats.first_token_at = now_seconds() - t0;
       double t = now_seconds();
@@ -3885,13 +3923,17 @@ struct RunSummary {
   double steps_s = 0, schedule_s = 0, prepare_s = 0, gpu_wait_s = 0, postprocess_s = 0;
   uint64_t tokens_xxh64 = 0, logits_xxh64 = 0;
   int logits_rows = 0;
+  int64_t unfinished_requests = 0;  // > 0 only when a Ctrl-C stopped the run
   double host_s() const { return schedule_s + prepare_s + postprocess_s; }
 };
 
 static RunSummary run_summary(const RunStats& st, const SchedulerStats& ss, int num_kvcache_blocks,
                               const std::vector<Completion>& outs, uint64_t logits_xxh64) {
   RunSummary r;
-  for (auto& o : outs) r.prompt_tokens += o.prompt_tokens, r.generated_tokens += (int64_t)o.token_ids.size();
+  for (auto& o : outs) {
+    r.prompt_tokens += o.prompt_tokens, r.generated_tokens += (int64_t)o.token_ids.size();
+    r.unfinished_requests += o.finish_reason == nullptr;
+  }
   r.steps_prefill = st.steps_prefill;
   r.steps_decode = st.steps_decode;
   r.prefix_hit_tokens = ss.prefix_hit_tokens;
@@ -3906,7 +3948,10 @@ static RunSummary run_summary(const RunStats& st, const SchedulerStats& ss, int 
   r.prepare_s = st.prepare_seconds;
   r.gpu_wait_s = st.gpu_wait_seconds;
   r.postprocess_s = st.postprocess_seconds;
-  r.tokens_xxh64 = completions_xxh64(outs);
+  std::vector<Completion> finished;  // what --output holds: an interrupted run leaves out the unfinished
+  for (auto& o : outs)
+    if (o.finish_reason) finished.push_back(o);
+  r.tokens_xxh64 = completions_xxh64(finished);
   r.logits_xxh64 = logits_xxh64;
   r.logits_rows = st.last_batch;
   return r;
@@ -3940,7 +3985,8 @@ static json summary_json(const RunSummary& r) {
                   {"postprocess", r.postprocess_s}}},
                 {"tokens_xxh64", hex64(r.tokens_xxh64)},
                 {"logits_xxh64", hex64(r.logits_xxh64)},
-                {"logits_rows", r.logits_rows}}}};
+                {"logits_rows", r.logits_rows},
+                {"unfinished_requests", r.unfinished_requests}}}};
 }
 
 // The summary's three stderr lines. None contains the word "requests": bench.sh parses the last line
@@ -4140,6 +4186,7 @@ static std::string json_escape_text(const std::string& s) { return json(s).dump(
 static void write_completions(const std::vector<Request>& reqs, const std::vector<Completion>& outs,
                               const Tokenizer& tok, FILE* jsonl) {
   for (size_t i = 0; i < outs.size(); i++) {
+    if (!outs[i].finish_reason) continue;  // unfinished (Ctrl-C): counted in the summary, not written
     std::string text = tok.decode(outs[i].token_ids);
     printf("==> request %zu | %d prompt tokens | %zu tokens | finish: %s\n%s\n\n", i, outs[i].prompt_tokens,
            outs[i].token_ids.size(), outs[i].finish_reason, text.c_str());
@@ -4392,10 +4439,12 @@ int main(int argc, char** argv) {
           config.kvcache_block_size, (long long)config.num_kvcache_blocks * config.kvcache_block_size,
           runner.model.kv.bytes / (double)(1 << 30), runner.graphs.size(), runner.capture_seconds,
           now_seconds() - t_start);
-  // 3. Generate.
+  // 3. Generate. From here the first Ctrl-C stops after the current step and still writes what finished.
   LLMEngine engine(config, runner);
   engine.trace = cli.trace;
   double t_gen = now_seconds();
+  install_stop_handlers();
+  g_stop_armed = 1;
   std::vector<Completion> outs = engine.generate(requests);
   RunSummary summary = run_summary(engine.stats, engine.scheduler.stats, config.num_kvcache_blocks, outs,
                              engine.last_logits_xxh64());
@@ -4415,6 +4464,10 @@ int main(int argc, char** argv) {
           st.prefill_tokens / std::max(st.prefill_seconds, 1e-9), st.decode_tokens / std::max(st.decode_seconds, 1e-9),
           t_gen - t_start + st.first_token_at);
   fputs(format_summary(summary).c_str(), stderr);
-  return tp_shutdown() ? 0 : 1;
+  if (summary.unfinished_requests)
+    fprintf(stderr, "nanovllm: stopped by Ctrl-C: %lld of %zu prompts unfinished, not written\n",
+            (long long)summary.unfinished_requests, outs.size());
+  if (!tp_shutdown()) return 1;
+  return g_stop_requested ? 128 + SIGINT : 0;
 }
 #endif

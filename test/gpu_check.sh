@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU half of the test suite in one call: kernel suites, a CLI smoke run, and the end-to-end comparison
-# with Hugging Face transformers (needs python3 with torch + transformers on the GPU machine).
+# The GPU half of the test suite in one call: kernel suites, a CLI smoke run, Ctrl-C and SIGTERM during a run
+# (test/gpu_interrupt.sh), and the end-to-end comparison with Hugging Face transformers (needs python3 with torch + transformers on the GPU machine).
 #
 #   bash test/gpu_check.sh [BIN_DIR]      BIN_DIR holds nanovllm, gpu_kernels, gpu_attention, gpu_gemm, gpu_e2e,
 #                                         gpu_tp
@@ -42,6 +42,8 @@ SMOKE=${SHAPES%% *}
   --output "$WORK_DIR/out.jsonl" >"$LOG_DIR/smoke.txt" 2>&1
 row "smoke_cli ($SMOKE, tp $TP)" "rc=$? $(grep -c finish "$LOG_DIR/smoke.txt") completions"
 tail -n 3 "$LOG_DIR/smoke.txt"
+suite "interrupt (tp $TP)" interrupt.txt bash test/gpu_interrupt.sh "$WORK_DIR/$SMOKE" "$NANOVLLM" "$TP"
+grep -E '^(PASS|FAIL)' "$LOG_DIR/interrupt.txt"
 if [ "$TP" -gt 1 ]; then
   suite tp_shutdown tp_shutdown.txt bash test/gpu_tp_shutdown.sh "$WORK_DIR/$SMOKE" "$NANOVLLM" "$TP"
   grep -E '^PASS' "$LOG_DIR/tp_shutdown.txt"

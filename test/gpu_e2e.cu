@@ -9,7 +9,8 @@
 //     margin is clear of our error;
 // (b) 8 prompts of mixed length, 128 greedy tokens each, generated together;
 // (c) the same one at a time, a repeated prompt that hits the prefix cache, chunked prefill
-//     (max_num_batched_tokens 512), and a KV pool so small that preemption must happen.
+//     (max_num_batched_tokens 512), a KV pool so small that preemption must happen, the smallest pool that
+//     holds one max_model_len sequence (preemption on most steps), and 16 requests behind one long prefix.
 // (b) and (c) are written to SHAPE/gen_results.json for the teacher-forcing check in Python.
 // NANOVLLM_E2E_TP=N runs every engine with --tensor-parallel-size N: main() forks the N-1 workers before
 // any CUDA call, and they serve every engine this process builds (section 12).
@@ -148,6 +149,40 @@ static void run_shape(const std::string& dir) {
     record("preemption", small.generate(prompts, 128), plens);
     printf("    (c) small pool: %lld preemptions\n", (long long)small.engine->scheduler.stats.num_preemptions);
     CHECK(small.engine->scheduler.stats.num_preemptions > 0);
+  }
+  // Stress (issue: reliability): the smallest pool that holds one max_model_len sequence, so that the 8
+  // requests preempt each other over and over; and 16 requests behind one long shared prefix.
+  {
+    int max_len = 0;
+    for (int l : plens) max_len = std::max(max_len, l + 128);
+    Engine tight(dir, 16384, 16, (int)cdiv(max_len, 16), max_len);
+    record("preemption_heavy", tight.generate(prompts, 128), plens);
+    int64_t n = tight.engine->scheduler.stats.num_preemptions;
+    printf("    (c) pool of one max_model_len (%d blocks of 16): %lld preemptions\n", (int)cdiv(max_len, 16),
+           (long long)n);
+    CHECK(n >= 8);
+  }
+  {
+    std::vector<std::vector<int>> shared;
+    std::vector<int> shared_lens;
+    for (int i = 0; i < 16; i++) {
+      std::vector<int> p = prompts[6];  // the common prefix, then a distinct tail from another prompt
+      const std::vector<int>& tail = prompts[i % prompts.size()];
+      p.insert(p.end(), tail.begin(), tail.begin() + std::min<size_t>(tail.size(), 40 + i));
+      shared.push_back(p);
+      shared_lens.push_back((int)p.size());
+    }
+    // Requests admitted in the same step cannot hit each other's blocks (hashes are registered after the
+    // step), so the prefix is computed once first; the 16 then find its full blocks in the cache.
+    Engine pool(dir, 16384, 16, 400, 4096);  // 6400 slots: the prefix once, the tails, and reuse of freed blocks
+    pool.generate({prompts[6]}, 8);
+    int64_t hits_before = pool.engine->scheduler.stats.prefix_hit_tokens;
+    record("prefix_sharing_heavy", pool.generate(shared, 128), shared_lens);
+    int64_t hit = pool.engine->scheduler.stats.prefix_hit_tokens - hits_before;
+    int64_t expect = 16 * (int64_t)(prompts[6].size() / 16 * 16);
+    printf("    (c) 16 requests behind a %zu-token prefix: %lld prefix-hit tokens (at least %lld expected)\n",
+           prompts[6].size(), (long long)hit, (long long)expect);
+    CHECK(hit >= expect);
   }
   json out = {{"tolerance", tol}, {"runs", runs}};
   std::ofstream(dir + "/gen_results.json") << out.dump();

@@ -2,8 +2,8 @@
 # A tensor-parallel run ends cleanly on every path (needs TP GPUs; test/gpu_check.sh runs it when
 # NANOVLLM_E2E_TP > 1). Each case checks the exit status, the message, and that no process of the run is
 # left afterwards (nor anything new in /dev/shm):
-#   normal end; a worker that fails mid-run (NANOVLLM_TEST_WORKER_FAIL=1:3); Ctrl-C (SIGINT to the run's
-#   process group, as a terminal sends it); an error on rank 0 after the workers exist; too many GPUs.
+#   normal end; a worker that fails mid-run (NANOVLLM_TEST_WORKER_FAIL=1:3); an error on rank 0 after the
+#   workers exist; too many GPUs. Ctrl-C and SIGTERM are test/gpu_interrupt.sh's cases, run with TP ranks.
 #
 #   bash test/gpu_tp_shutdown.sh MODEL_DIR [NANOVLLM] [TP]
 set -u
@@ -30,24 +30,6 @@ sleep 1
 grep -q 'rank 1 fails at its step 3, on purpose' "$T/fail.err" &&
   grep -q 'tensor-parallel rank 1 exited with status 1' "$T/fail.err" && [ $rc = 1 ] && [ "$(left)" = 0 ]
 check worker_failure_ends_the_run $? "rc=$rc after ${dt}s, $(left) processes left; $(tail -n 4 "$T/fail.err")"
-
-# Ctrl-C: the run gets its own process group (setsid, like a shell job) and the whole group gets SIGINT.
-python3 -c "
-import json, random
-r = random.Random(0)
-for _ in range(8): print(json.dumps({'prompt_token_ids': [r.randint(0, 10000) for _ in range(300)], 'max_tokens': 3000}))
-" >"$T/long.jsonl"
-setsid "$NV" "$MODEL" "$T/long.jsonl" --tp "$TP" --ignore-eos --max-model-len 4096 >/dev/null 2>"$T/int.err" &
-pid=$!
-for _ in $(seq 600); do grep -q 'ready after' "$T/int.err" && break; sleep 0.1; done
-sleep 1
-pgid=$(ps -o pgid= -p $pid | tr -d ' ')
-[ "$pgid" = "$pid" ] && kill -INT -- "-$pid" || kill -INT $pid
-wait $pid
-rc=$?
-sleep 1
-grep -q "interrupted; stopping all $TP ranks" "$T/int.err" && [ $rc = 130 ] && [ "$(left)" = 0 ]
-check ctrl_c_ends_every_rank $? "rc=$rc (pgid $pgid of $pid), $(left) processes left; $(tail -n 3 "$T/int.err")"
 
 "$NV" "$MODEL" "$T/prompts.txt" --tp "$TP" --num-kvcache-blocks 100000000 >/dev/null 2>"$T/kv.err"
 rc=$?

@@ -101,7 +101,8 @@ TEST(worker_failure_ends_the_run) {
   check_no_worker_left(rz);
 }
 
-// Ctrl-C: the terminal sends SIGINT to the whole process group. Workers ignore it; rank 0 stops them.
+// Ctrl-C before the engine generates: the terminal sends SIGINT to the whole process group. Workers ignore
+// it; rank 0 stops them at once.
 TEST(interrupt_ends_every_rank) {
   RankZero rz = run_rank_zero(3, [] {
     usleep(200000);  // let the workers reach their loop (and ignore SIGINT)
@@ -113,6 +114,64 @@ TEST(interrupt_ends_every_rank) {
             rz.status, rz.log.c_str());
   CHECK_MSG(rz.log.find("interrupted; stopping all 3 ranks") != std::string::npos, "log:\n%s", rz.log.c_str());
   check_no_worker_left(rz);
+}
+
+// Ctrl-C while the engine generates (g_stop_armed): rank 0 only notes it, finishes its step and ends the run
+// the normal way (EXIT to the workers, who exit 0), then exits 130. Here the "step" is a wait for the flag.
+static void graceful_body() {
+  g_stop_armed = 1;
+  usleep(200000);
+  kill(0, SIGINT);
+  for (int i = 0; i < 500 && !g_stop_requested; i++) usleep(10000);
+  bool ok = tp_shutdown();
+  _exit(!ok ? 1 : g_stop_requested ? 128 + SIGINT : 99);
+}
+
+TEST(interrupt_while_generating_ends_the_run_normally) {
+  RankZero rz = run_rank_zero(3, graceful_body);
+  CHECK_MSG(WIFEXITED(rz.status) && WEXITSTATUS(rz.status) == 128 + SIGINT, "rank 0 wait status %d; log:\n%s",
+            rz.status, rz.log.c_str());
+  CHECK_MSG(rz.log.find("interrupted: stopping after this step") != std::string::npos, "log:\n%s", rz.log.c_str());
+  CHECK_MSG(rz.log.find("stopping all") == std::string::npos, "workers were killed, not ended:\n%s",
+            rz.log.c_str());
+  check_no_worker_left(rz);
+}
+
+// A second Ctrl-C does not wait for the step: every rank is stopped at once.
+TEST(second_interrupt_stops_at_once) {
+  RankZero rz = run_rank_zero(3, [] {
+    g_stop_armed = 1;
+    usleep(200000);
+    kill(0, SIGINT);
+    usleep(100000);
+    kill(0, SIGINT);
+    sleep(30);
+    _exit(99);
+  });
+  CHECK_MSG(WIFEXITED(rz.status) && WEXITSTATUS(rz.status) == 128 + SIGINT, "rank 0 wait status %d; log:\n%s",
+            rz.status, rz.log.c_str());
+  CHECK_MSG(rz.log.find("interrupted; stopping all 3 ranks") != std::string::npos, "log:\n%s", rz.log.c_str());
+  check_no_worker_left(rz);
+}
+
+// One GPU, no workers: the same two behaviours from the handlers main() installs.
+TEST(interrupt_single_process) {
+  RankZero rz = run_rank_zero(1, [] {
+    install_stop_handlers();
+    graceful_body();
+  });
+  CHECK_MSG(WIFEXITED(rz.status) && WEXITSTATUS(rz.status) == 128 + SIGINT, "graceful: wait status %d; log:\n%s",
+            rz.status, rz.log.c_str());
+  CHECK(rz.log.find("interrupted: stopping after this step") != std::string::npos);
+  rz = run_rank_zero(1, [] {
+    install_stop_handlers();  // not armed: the engine is not generating yet, so Ctrl-C stops at once
+    kill(0, SIGINT);
+    sleep(30);
+    _exit(99);
+  });
+  CHECK_MSG(WIFEXITED(rz.status) && WEXITSTATUS(rz.status) == 128 + SIGINT, "at once: wait status %d; log:\n%s",
+            rz.status, rz.log.c_str());
+  CHECK_MSG(rz.log.find("nanovllm: interrupted\n") != std::string::npos, "log:\n%s", rz.log.c_str());
 }
 
 // An error on rank 0 (die -> exit(1)) takes the workers down through the atexit hook.
