@@ -4344,6 +4344,20 @@ static int check_gpus(int needed) {
         "(encode/decode work without one)",
         e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
   if (needed > n) die("--tensor-parallel-size %d needs %d GPUs, but %d are visible", needed, needed, n);
+  cudaDeviceProp prop;
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  if (prop.major < 8)
+    die("GPU 0 (%s) has compute capability %d.%d; nanovllm needs 8.0 or newer for its bf16 tensor-core "
+        "kernels (A100, RTX 30 and 40 series, L4, L40, H100 and later)",
+        prop.name, prop.major, prop.minor);
+  // A binary built for one architecture (make CUDA_ARCH=...) on another GPU: say so now, not at the first
+  // kernel launch as "no kernel image is available".
+  cudaFuncAttributes fa;
+  cudaError_t ke = cudaFuncGetAttributes(&fa, embedding_kernel);
+  if (ke != cudaSuccess)
+    die("this nanovllm binary has no kernels for GPU 0 (%s, compute capability %d.%d): %s. Rebuild it on this "
+        "machine: make clean && make",
+        prop.name, prop.major, prop.minor, cudaGetErrorString(ke));
   return n;
 }
 
