@@ -62,8 +62,8 @@ check written_requests_are_finished $? "$(head -c 300 "$T/once.jsonl")"
 
 start_run twice
 stop_run "-$pid" INT INT
-expect="interrupted"; [ "$TP" -gt 1 ] && expect="interrupted; stopping all $TP ranks"
-grep -q "$expect" "$T/twice.err" && [ $rc = 130 ] && [ ! -e "$T/twice.jsonl" ] && [ "$(left)" = 0 ] &&
+expect="nanovllm: interrupted"; [ "$TP" -gt 1 ] && expect="nanovllm: interrupted; stopping all $TP ranks"
+grep -q -x "$expect" "$T/twice.err" && [ $rc = 130 ] && [ ! -e "$T/twice.jsonl" ] && [ "$(left)" = 0 ] &&
   [ "$(gpu_procs)" = "$gpu_before" ]
 check two_ctrl_c_stop_at_once $? "rc=$rc, output file $( [ -e "$T/twice.jsonl" ] && echo exists || echo absent),
   $(left) processes left; $(grep -v '^\[trace\]' "$T/twice.err" | tail -n 3)"
