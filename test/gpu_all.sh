@@ -7,7 +7,8 @@
 # BIN_DIR holds nanovllm and the build/gpu_* binaries, built elsewhere (a GPU machine without the build
 # dependencies); without it this builds them first with `make`.
 # Env: LOG_DIR (default build/logs: check/ and bench/ logs), TOKENIZER_DIR, SHAPES (test/gpu_check.sh),
-#      BENCH_SHAPE (0.6b; `none` skips the benchmark), NANOVLLM_E2E_TP (tensor parallelism, as gpu_check.sh).
+#      BENCH_SHAPE (0.6b; `none` skips the benchmark), NANOVLLM_E2E_TP (tensor parallelism, as gpu_check.sh),
+#      SANITIZE=1 (also test/gpu_sanitize.sh: compute-sanitizer case by case; long).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-}
@@ -20,6 +21,9 @@ if [ -z "$BIN" ]; then
 fi
 t0=$(date +%s)
 LOG_DIR="$LOG_DIR/check" bash test/gpu_check.sh "$BIN" 2>&1 | tee "$LOG_DIR/check.txt"
+if [ "${SANITIZE:-0}" = 1 ]; then
+  bash test/gpu_sanitize.sh "$BIN" "${WORK_DIR:-build/e2e}/tiny" 2>&1 | tee "$LOG_DIR/sanitize.txt"
+fi
 t1=$(date +%s)
 BENCH_SHAPE=${BENCH_SHAPE:-0.6b}
 TP=${NANOVLLM_E2E_TP:-1}
@@ -31,6 +35,7 @@ t2=$(date +%s)
 echo
 echo "== gpu_all: $(nvidia-smi -L | head -n 1) | tests $((t1 - t0)) s, bench $((t2 - t1)) s"
 sed -n '/^== summary/,$p' "$LOG_DIR/check.txt" | tail -n +2
+[ "${SANITIZE:-0}" = 1 ] && grep '^RESULT' "$LOG_DIR/sanitize.txt" | sed 's/^/sanitize                     /'
 [ "$BENCH_SHAPE" != none ] && sed -n '/^measure /,$p' "$LOG_DIR/bench.txt"
 failed=$(sed -n '/^== summary/,$p' "$LOG_DIR/check.txt" | grep -c -E 'rc=[1-9]|no RESULT')
 [ "$failed" = 0 ]

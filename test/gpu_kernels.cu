@@ -722,6 +722,44 @@ TEST(sample_large_vocab_kept_sets) {
   }
 }
 
+// One launch through every path of the sampler (greedy; temperature; top-k with small and huge k; top-p
+// with a short kept list and with the list overflow of a flat row; both cuts together) at the vocabulary
+// sizes that change the kernel's shape (one split or many, V % 4 != 0): each token must be in the CPU's kept
+// set. Small on purpose: it is the case compute-sanitizer racecheck runs (test/gpu_sanitize.sh), where the
+// statistical cases above take hours.
+TEST(sample_every_path_once) {
+  REQUIRE_GPU();
+  std::mt19937 rng(17);
+  std::mt19937_64 rng64(18);
+  struct Cfg { float t; int k; float p; float stddev; };
+  const std::vector<Cfg> cfgs = {{0.f, 0, 1.f, 2.f},     {0.7f, 0, 1.f, 2.f},      {0.9f, 10, 1.f, 2.f},
+                                 {1.f, 20000, 1.f, 1.f}, {1.f, 0, 0.8f, 2.f},      {1.f, 0, 0.5f, 0.3f},
+                                 {0.8f, 12, 0.7f, 0.7f}, {1.f, 20000, 0.95f, 0.3f}};
+  for (int V : {151936, 1001, 48}) {
+    std::vector<float> logits;
+    std::vector<SamplingSlot> slots;
+    for (auto& c : cfgs) {
+      auto row = random_logits(V, rng, c.stddev);
+      logits.insert(logits.end(), row.begin(), row.end());
+      slots.push_back(make_slot(c.t, c.k, c.p, rng64(), rng64()));
+    }
+    auto got = gpu_sample(logits, slots, V);
+    for (size_t b = 0; b < cfgs.size(); b++) {
+      const float* row = &logits[b * V];
+      if (!CHECK_MSG(got[b] >= 0 && got[b] < V, "V=%d row %zu: token %d", V, b, got[b])) continue;
+      if (slots[b].temperature == 0.f) {
+        std::vector<char> none;
+        double margin;
+        CHECK_MSG(got[b] == cpu_sample(row, V, slots[b], none, &margin), "V=%d greedy row: %d", V, got[b]);
+      } else {
+        KeptSets k = cpu_kept_sets(row, V, slots[b]);
+        CHECK_MSG(k.loose[got[b]], "V=%d row %zu (T=%g k=%d p=%g): token %d outside the kept set of %d", V, b,
+                  slots[b].temperature, slots[b].top_k, slots[b].top_p, got[b], k.n_loose);
+      }
+    }
+  }
+}
+
 TEST(bench_sampler) {
   REQUIRE_GPU();
   std::mt19937 rng(17);

@@ -7,7 +7,7 @@
 //          #include "test.h"
 //          TEST(block_hash_known_values) { CHECK_EQ(x, y); }
 //          int main(int argc, char** argv) { return test_main(argc, argv); }
-// Run one case with `./build/test_x NAME_SUBSTRING`.
+// Run some cases with `./build/test_x NAME_SUBSTRING`, one with `=NAME`; `--list` names them all.
 #pragma once
 #include <cstdio>
 #include <cstring>
@@ -103,11 +103,18 @@ static bool check_close(const char* what, const float* got, const float* want, s
   return true;
 }
 
+// argv[1]: run only the cases whose name contains it; "=NAME" runs the case named exactly NAME; --list prints
+// the names and runs nothing (test/gpu_sanitize.sh runs the cases one by one).
 static int test_main(int argc, char** argv) {
   const char* filter = argc > 1 ? argv[1] : nullptr;
+  if (filter && !strcmp(filter, "--list")) {
+    for (auto& t : test_registry()) printf("%s\n", t.name);
+    return 0;
+  }
+  const bool exact = filter && filter[0] == '=';
   int passed = 0, failed = 0, skipped = 0;
   for (auto& t : test_registry()) {
-    if (filter && !strstr(t.name, filter)) continue;
+    if (filter && (exact ? strcmp(t.name, filter + 1) != 0 : !strstr(t.name, filter))) continue;
     g_test_failures = 0;
     g_test_skipped = false;
     auto t0 = std::chrono::steady_clock::now();

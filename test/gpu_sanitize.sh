@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# compute-sanitizer over the GPU suites, one case at a time, on a GPU machine:
+#   memcheck and initcheck  every case of gpu_kernels and gpu_attention but the bench_ ones
+#   racecheck               the same, except the sampler's statistical cases (millions of draws: hours under
+#                           racecheck); sample_every_path_once takes every sampler path instead
+#   memcheck on ./nanovllm  a short generation with CUDA graphs and one eager (when MODEL_DIR is given);
+#                           their completions must equal the run without the sanitizer
+# Prints one line per run (clean / errors / timeout) and a RESULT line like the other suites.
+#
+#   bash test/gpu_sanitize.sh [BIN_DIR] [MODEL_DIR]      env: CASE_TIMEOUT (seconds per run, default 600)
+set -u
+BIN=${1:-build} MODEL=${2:-}
+NV=$BIN/nanovllm; [ -x "$NV" ] || NV=./nanovllm
+CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+TO=${CASE_TIMEOUT:-600}
+T=$(mktemp -d)
+passed=0 failed=0 skipped=0
+sanitize() {  # sanitize TOOL NAME CMD...: clean = exit 0 and "ERROR SUMMARY: 0 errors" (racecheck: hazards)
+  local tool=$1 name=$2; shift 2
+  local log="$T/$tool-$name.txt" t0=$(date +%s)
+  timeout "$TO" "$CS" --tool "$tool" --error-exitcode 9 "$@" >"$log" 2>&1
+  local rc=$? dt=$(($(date +%s) - t0))
+  local summary; summary=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -n 1)
+  if [ $rc = 124 ]; then
+    echo "TIMEOUT $tool $name after ${dt}s"; skipped=$((skipped + 1))
+  elif [ $rc = 0 ] && grep -q -E 'SUMMARY: 0 (errors|hazards)' "$log"; then
+    echo "PASS $tool $name (${dt}s): $summary"; passed=$((passed + 1))
+  else
+    echo "FAIL $tool $name (rc=$rc, ${dt}s): $summary"; failed=$((failed + 1))
+    grep -E '^=+ +(Invalid|Uninitialized|Race|Error|ERROR)|^(FAIL|    CHECK)' "$log" | head -n 8
+  fi
+}
+for suite in gpu_kernels gpu_attention; do
+  for c in $("$BIN/$suite" --list | grep -v '^bench_'); do
+    for tool in memcheck initcheck racecheck; do
+      case "$tool:$c" in
+        racecheck:sample_reproduces_cpu_draws_exactly | racecheck:sample_is_deterministic_and_independent_of_batch | \
+          racecheck:sample_distribution_matches_softmax | racecheck:sample_large_vocab_kept_sets) continue ;;
+      esac
+      sanitize "$tool" "$c" "$BIN/$suite" "=$c"
+    done
+  done
+done
+if [ -n "$MODEL" ]; then
+  printf 'introduce yourself\nlist all prime numbers within 100\n' >"$T/prompts.txt"
+  flags=(--max-tokens 16 --temperature 0 --max-model-len 1024 --max-num-seqs 8)
+  "$NV" "$MODEL" "$T/prompts.txt" "${flags[@]}" --output "$T/plain.jsonl" >/dev/null 2>&1
+  for mode in graphs eager; do
+    extra=(); [ $mode = eager ] && extra=(--enforce-eager)
+    sanitize memcheck "nanovllm_$mode" "$NV" "$MODEL" "$T/prompts.txt" "${flags[@]}" "${extra[@]}" \
+      --output "$T/$mode.jsonl"
+    if [ -s "$T/plain.jsonl" ] && diff <(grep -v summary "$T/plain.jsonl") <(grep -v summary "$T/$mode.jsonl") \
+      >/dev/null; then
+      echo "PASS nanovllm_${mode}_same_completions"; passed=$((passed + 1))
+    else
+      echo "FAIL nanovllm_${mode}_same_completions: the output under memcheck differs from the plain run"
+      failed=$((failed + 1))
+    fi
+  done
+fi
+rm -rf "$T"
+echo "RESULT passed=$passed failed=$failed skipped=$skipped"
+[ "$failed" = 0 ]
