@@ -19,7 +19,10 @@ nvcc_version=$("$NVCC" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p')
 # Where nvcc itself looks for headers and libraries: its dry run prints them. This holds when `nvcc` on PATH
 # is a wrapper script or a symlink rather than the toolkit's own bin/nvcc.
 dryrun=$("$NVCC" -dryrun -x cu -c /dev/null -o /dev/null 2>&1)
-nvcc_dirs() { echo "$dryrun" | sed -n "s/^#\$ $1=//p" | grep -o -- "-[IL]\"\?[^\" ]*" | sed 's/^-[IL]"\?//' | xargs -r readlink -f; }
+nvcc_dirs() {  # nvcc_dirs INCLUDES|LIBRARIES -> the folders of that dry-run line's -I/-L options
+  echo "$dryrun" | sed -n "s/^#\$ $1=//p" | grep -o -- "-[IL]\"\?[^\" ]*" | sed 's/^-[IL]"\?//' |
+    xargs -r readlink -f
+}
 cuda_home=$(dirname "$(dirname "$(readlink -f "$nvcc_path")")")
 dirs=($(nvcc_dirs INCLUDES) "$cuda_home/include" /usr/include /usr/local/include)
 for inc in ${EXTRA_INCLUDES:-}; do dirs+=("${inc#-I}"); done

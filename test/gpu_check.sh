@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU half of the test suite in one call: kernel suites, a CLI smoke run, Ctrl-C and SIGTERM during a run
-# (test/gpu_interrupt.sh), and the end-to-end comparison with Hugging Face transformers (needs python3 with torch + transformers on the GPU machine).
+# (test/gpu_interrupt.sh), and the end-to-end comparison with Hugging Face transformers (needs python3 with
+# torch + transformers on the GPU machine).
 #
 #   bash test/gpu_check.sh [BIN_DIR]      BIN_DIR holds nanovllm, gpu_kernels, gpu_attention, gpu_gemm, gpu_e2e,
 #                                         gpu_tp

@@ -50,7 +50,9 @@ t0=$(date +%s.%N)
 stop_run "-$pid" INT
 dt=$(python3 -c "print(f'{$(date +%s.%N) - $t0 - 1.2:.2f}')")
 written=$(grep -c '"finish_reason"' "$T/once.jsonl" 2>/dev/null)
-unfinished=$(python3 -c "import json; print(json.loads(open('$T/once.jsonl').readlines()[-1])['summary']['unfinished_requests'])" 2>/dev/null)
+unfinished=$(python3 -c "import json, sys
+r = json.loads(open(sys.argv[1]).readlines()[-1])
+print(r['summary']['unfinished_requests'])" "$T/once.jsonl" 2>/dev/null)
 shown=$(grep -c '^==> request' "$T/once.out")
 grep -q 'interrupted: stopping after this step' "$T/once.err" && [ $rc = 130 ] && [ "$written" = 4 ] &&
   [ "$shown" = 4 ] && [ "$unfinished" = 4 ] && [ "$(left)" = 0 ] && [ "$(gpu_procs)" = "$gpu_before" ]

@@ -20,7 +20,9 @@
 #include "test.h"
 #include "engine_fixtures.h"
 
-static uint64_t kv_mix(uint64_t prev, int token) { return splitmix64(prev ^ (0x9e3779b97f4a7c15ull * (uint64_t)(token + 1))); }
+static uint64_t kv_mix(uint64_t prev, int token) {
+  return splitmix64(prev ^ (0x9e3779b97f4a7c15ull * (uint64_t)(token + 1)));
+}
 static const uint64_t KV_START = 0x5eed5eed5eed5eedull;
 static const uint64_t KV_POISON = 0;  // what an unwritten slot holds (kv_mix never returns it in practice)
 static const int FAKE_VOCAB = 64;
@@ -30,7 +32,8 @@ static const int FAKE_VOCAB = 64;
 static int fake_sample(uint64_t v, int eos) { return v % 61 == 0 ? eos : (int)((v >> 8) % FAKE_VOCAB); }
 
 // A request computed alone: prompt, then tokens until max_tokens or EOS. What the engine must produce.
-static std::vector<int> reference_completion(const std::vector<int>& prompt, const SamplingParams& sp, int eos) {
+static std::vector<int> reference_completion(const std::vector<int>& prompt, const SamplingParams& sp,
+                                             int eos) {
   uint64_t v = KV_START;
   for (int t : prompt) v = kv_mix(v, t);
   std::vector<int> out;
@@ -46,14 +49,14 @@ static std::vector<int> reference_completion(const std::vector<int>& prompt, con
 struct Scenario {
   const char* name;
   int block_size = 16;
-  int max_len = 256;          // prompt + max_tokens of any request (the engine's max_model_len)
-  int num_blocks = 16;        // the pool
+  int max_len = 256;    // prompt + max_tokens of any request (the engine's max_model_len)
+  int num_blocks = 16;  // the pool
   int max_num_seqs = 16;
-  int budget = 16384;         // max_num_batched_tokens
-  int prompt_pool = 0;        // > 0: every prompt starts with one of this many fixed prompts
-  bool identical = false;     // prompts are exactly one of the fixed prompts (no random tail)
-  int block_alphabet = 0;     // > 0: prompts are whole blocks drawn from this many distinct P-token blocks
-  int max_waiting = 64;       // new requests arrive while fewer than this are unfinished
+  int budget = 16384;      // max_num_batched_tokens
+  int prompt_pool = 0;     // > 0: every prompt starts with one of this many fixed prompts
+  bool identical = false;  // prompts are exactly one of the fixed prompts (no random tail)
+  int block_alphabet = 0;  // > 0: prompts are whole blocks drawn from this many distinct P-token blocks
+  int max_waiting = 64;    // new requests arrive while fewer than this are unfinished
 };
 
 struct StressResult {
@@ -147,7 +150,8 @@ static bool stress_run(const Scenario& sc, uint64_t seed, int64_t steps_target, 
         }
       }
       for (int pos = first; pos < first + n; pos++) {  // what this step writes
-        if (bm.blocks[q.block_table[pos / P]].ref_count != 1) return fail("write into a shared block", q.seq_id);
+        if (bm.blocks[q.block_table[pos / P]].ref_count != 1)
+          return fail("write into a shared block", q.seq_id);
         uint64_t prev = pos == 0 ? KV_START : shadow[slot(q, pos - 1)];
         shadow[slot(q, pos)] = kv_mix(prev, q.token_ids[pos]);
       }
@@ -195,10 +199,12 @@ static bool stress_run(const Scenario& sc, uint64_t seed, int64_t steps_target, 
   for (size_t i = 0; i < seqs.size(); i++) {
     const Sequence& q = *seqs[i];
     std::vector<int> got(q.token_ids.begin() + q.num_prompt_tokens, q.token_ids.end());
-    if (!q.is_finished() || got != expected[i]) return fail("completion differs from the request run alone", q.seq_id);
+    if (!q.is_finished() || got != expected[i])
+      return fail("completion differs from the request run alone", q.seq_id);
   }
   res.requests += (int64_t)seqs.size();
-  if (bm.num_used != 0 || bm.num_free_blocks() != sc.num_blocks) return fail("blocks held after the drain", -1);
+  if (bm.num_used != 0 || bm.num_free_blocks() != sc.num_blocks)
+    return fail("blocks held after the drain", -1);
   return true;
 }
 
@@ -206,11 +212,12 @@ static StressResult run_scenario(const Scenario& sc, int seeds, int64_t steps_pe
   StressResult r;
   for (int seed = 1; seed <= seeds; seed++)
     if (!stress_run(sc, (uint64_t)seed * 7919 + sc.max_len, steps_per_seed, r)) break;
-  printf("    %-34s %7lld steps (%lld prefill, %lld decode), %lld requests, %lld preemptions, %lld prefix-hit "
-         "tokens, %lld steps with <= 1 free block, %lld with shared blocks\n",
-         sc.name, (long long)r.steps, (long long)r.prefill_steps, (long long)r.decode_steps, (long long)r.requests,
-         (long long)r.preemptions, (long long)r.hit_tokens, (long long)r.steps_at_most_one_free,
-         (long long)r.shared_block_steps);
+  printf(
+      "    %-34s %7lld steps (%lld prefill, %lld decode), %lld requests, %lld preemptions, %lld prefix-hit "
+      "tokens, %lld steps with <= 1 free block, %lld with shared blocks\n",
+      sc.name, (long long)r.steps, (long long)r.prefill_steps, (long long)r.decode_steps,
+      (long long)r.requests, (long long)r.preemptions, (long long)r.hit_tokens,
+      (long long)r.steps_at_most_one_free, (long long)r.shared_block_steps);
   return r;
 }
 
