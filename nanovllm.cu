@@ -3800,6 +3800,7 @@ static std::string format_trace(const StepTrace& t) {
 static uint64_t completions_xxh64(const std::vector<Completion>& outs) {
   std::vector<int32_t> buf;
   for (auto& o : outs) {
+    if (!o.finish_reason) continue;  // unfinished (Ctrl-C): not in --output, so not in the hash either
     buf.push_back((int32_t)o.token_ids.size());
     buf.insert(buf.end(), o.token_ids.begin(), o.token_ids.end());
   }
@@ -3948,10 +3949,7 @@ static RunSummary run_summary(const RunStats& st, const SchedulerStats& ss, int 
   r.prepare_s = st.prepare_seconds;
   r.gpu_wait_s = st.gpu_wait_seconds;
   r.postprocess_s = st.postprocess_seconds;
-  std::vector<Completion> finished;  // what --output holds: an interrupted run leaves out the unfinished
-  for (auto& o : outs)
-    if (o.finish_reason) finished.push_back(o);
-  r.tokens_xxh64 = completions_xxh64(finished);
+  r.tokens_xxh64 = completions_xxh64(outs);
   r.logits_xxh64 = logits_xxh64;
   r.logits_rows = st.last_batch;
   return r;

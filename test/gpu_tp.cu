@@ -147,15 +147,38 @@ TEST(all_reduce_min_agrees) {
   CHECK_EQ(all_reduce_min(g_comm, (int64_t)1 << 40), (int64_t)1 << 40);
 }
 
-// Microseconds per all-reduce, from a CUDA graph of 100 back-to-back calls (how decode runs them), at the
-// sizes of one decode step of a Qwen3-8B-wide model: B rows of H = 4096 bf16.
+// Microseconds per call of `call`, captured 100 times back to back in one CUDA graph (how decode runs the
+// collectives) and replayed 10 times after a warm-up replay.
+static double graph_us_per_call(cudaStream_t s, const std::function<void()>& call) {
+  cudaEvent_t e0, e1;
+  CUDA_CHECK(cudaEventCreate(&e0));
+  CUDA_CHECK(cudaEventCreate(&e1));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < 100; i++) call();
+  CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_CHECK(cudaGraphLaunch(exec, s));  // warm-up
+  CUDA_CHECK(cudaEventRecord(e0, s));
+  for (int rep = 0; rep < 10; rep++) CUDA_CHECK(cudaGraphLaunch(exec, s));
+  CUDA_CHECK(cudaEventRecord(e1, s));
+  CUDA_CHECK(cudaEventSynchronize(e1));
+  float ms;
+  CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  CUDA_CHECK(cudaEventDestroy(e0));
+  CUDA_CHECK(cudaEventDestroy(e1));
+  return ms * 1000.0 / 1000;  // 1000 calls
+}
+
+// Microseconds per all-reduce at the sizes of one decode step of a Qwen3-8B-wide model: B rows of H = 4096
+// bf16, on both roads.
 TEST(bench_all_reduce_latency) {
   NEED_TWO_GPUS();
   cudaStream_t s;
   CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaEvent_t e0, e1;
-  CUDA_CHECK(cudaEventCreate(&e0));
-  CUDA_CHECK(cudaEventCreate(&e1));
   bf16* x;
   CUDA_CHECK(cudaMalloc(&x, (size_t)256 * 4096 * 2));
   CUDA_CHECK(cudaMemset(x, 0, (size_t)256 * 4096 * 2));
@@ -164,22 +187,7 @@ TEST(bench_all_reduce_latency) {
     double us[2] = {0, 0};
     for (int road = 0; road < 2; road++) {
       g_comm->mode = road == 0 ? TPComm::AUTO : TPComm::NCCL_ONLY;
-      cudaGraph_t graph;
-      cudaGraphExec_t exec;
-      CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-      for (int i = 0; i < 100; i++) all_reduce_sum(g_comm, x, (size_t)B * 4096, s);
-      CUDA_CHECK(cudaStreamEndCapture(s, &graph));
-      CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-      CUDA_CHECK(cudaGraphLaunch(exec, s));  // warm-up
-      CUDA_CHECK(cudaEventRecord(e0, s));
-      for (int rep = 0; rep < 10; rep++) CUDA_CHECK(cudaGraphLaunch(exec, s));
-      CUDA_CHECK(cudaEventRecord(e1, s));
-      CUDA_CHECK(cudaEventSynchronize(e1));
-      float ms;
-      CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-      us[road] = ms * 1000.0 / 1000;
-      CUDA_CHECK(cudaGraphExecDestroy(exec));
-      CUDA_CHECK(cudaGraphDestroy(graph));
+      us[road] = graph_us_per_call(s, [&] { all_reduce_sum(g_comm, x, (size_t)B * 4096, s); });
     }
     printf("    all-reduce of %4d x 4096 bf16 (%7d bytes): %s %.2f us, NCCL %.2f us per call (in a CUDA graph)\n",
            B, B * 4096 * 2, g_comm->p2p ? "one-shot" : "auto(NCCL)", us[0], us[1]);
@@ -192,20 +200,8 @@ TEST(bench_all_reduce_latency) {
   CUDA_CHECK(cudaMalloc(&shard, Vl * 4));
   CUDA_CHECK(cudaMalloc(&staging, (g_comm->size - 1) * Vl * 4));
   CUDA_CHECK(cudaMalloc(&full, (size_t)V * 4));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < 100; i++) gather_logits(g_comm, shard, staging, full, 1, V, s);
-  CUDA_CHECK(cudaStreamEndCapture(s, &graph));
-  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  CUDA_CHECK(cudaGraphLaunch(exec, s));
-  CUDA_CHECK(cudaEventRecord(e0, s));
-  for (int rep = 0; rep < 10; rep++) CUDA_CHECK(cudaGraphLaunch(exec, s));
-  CUDA_CHECK(cudaEventRecord(e1, s));
-  CUDA_CHECK(cudaEventSynchronize(e1));
-  float ms;
-  CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-  printf("    gather_logits, batch 1, V = %d: %.2f us per call\n", V, ms * 1000.0 / 1000);
+  double us = graph_us_per_call(s, [&] { gather_logits(g_comm, shard, staging, full, 1, V, s); });
+  printf("    gather_logits, batch 1, V = %d: %.2f us per call\n", V, us);
 }
 
 int main(int argc, char** argv) {

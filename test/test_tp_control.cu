@@ -65,6 +65,13 @@ static bool gone_within(pid_t pid, double seconds) {
   return false;
 }
 
+// Rank 0 exited with 130 (128 + SIGINT) and its log says `message`.
+static void check_interrupted(const RankZero& rz, const char* message) {
+  CHECK_MSG(WIFEXITED(rz.status) && WEXITSTATUS(rz.status) == 128 + SIGINT, "rank 0 wait status %d; log:\n%s",
+            rz.status, rz.log.c_str());
+  CHECK_MSG(rz.log.find(message) != std::string::npos, "no \"%s\" in the log:\n%s", message, rz.log.c_str());
+}
+
 static void check_no_worker_left(const RankZero& rz) {
   CHECK_EQ(rz.workers.size() > 0, true);
   for (pid_t w : rz.workers)
@@ -113,9 +120,7 @@ TEST(interrupt_ends_every_rank) {
     sleep(30);
     _exit(99);
   });
-  CHECK_MSG(WIFEXITED(rz.status) && WEXITSTATUS(rz.status) == 128 + SIGINT, "rank 0 wait status %d; log:\n%s",
-            rz.status, rz.log.c_str());
-  CHECK_MSG(rz.log.find("interrupted; stopping all 3 ranks") != std::string::npos, "log:\n%s", rz.log.c_str());
+  check_interrupted(rz, "interrupted; stopping all 3 ranks");
   check_no_worker_left(rz);
 }
 
@@ -132,9 +137,7 @@ static void graceful_body() {
 
 TEST(interrupt_while_generating_ends_the_run_normally) {
   RankZero rz = run_rank_zero(8, graceful_body);
-  CHECK_MSG(WIFEXITED(rz.status) && WEXITSTATUS(rz.status) == 128 + SIGINT, "rank 0 wait status %d; log:\n%s",
-            rz.status, rz.log.c_str());
-  CHECK_MSG(rz.log.find("interrupted: stopping after this step") != std::string::npos, "log:\n%s", rz.log.c_str());
+  check_interrupted(rz, "interrupted: stopping after this step");
   CHECK_MSG(rz.log.find("stopping all") == std::string::npos, "workers were killed, not ended:\n%s",
             rz.log.c_str());
   check_no_worker_left(rz);
@@ -151,9 +154,7 @@ TEST(second_interrupt_stops_at_once) {
     sleep(30);
     _exit(99);
   });
-  CHECK_MSG(WIFEXITED(rz.status) && WEXITSTATUS(rz.status) == 128 + SIGINT, "rank 0 wait status %d; log:\n%s",
-            rz.status, rz.log.c_str());
-  CHECK_MSG(rz.log.find("interrupted; stopping all 3 ranks") != std::string::npos, "log:\n%s", rz.log.c_str());
+  check_interrupted(rz, "interrupted; stopping all 3 ranks");
   check_no_worker_left(rz);
 }
 
@@ -163,18 +164,14 @@ TEST(interrupt_single_process) {
     install_stop_handlers();
     graceful_body();
   });
-  CHECK_MSG(WIFEXITED(rz.status) && WEXITSTATUS(rz.status) == 128 + SIGINT, "graceful: wait status %d; log:\n%s",
-            rz.status, rz.log.c_str());
-  CHECK(rz.log.find("interrupted: stopping after this step") != std::string::npos);
+  check_interrupted(rz, "interrupted: stopping after this step");
   rz = run_rank_zero(1, [] {
     install_stop_handlers();  // not armed: the engine is not generating yet, so Ctrl-C stops at once
     kill(0, SIGINT);
     sleep(30);
     _exit(99);
   });
-  CHECK_MSG(WIFEXITED(rz.status) && WEXITSTATUS(rz.status) == 128 + SIGINT, "at once: wait status %d; log:\n%s",
-            rz.status, rz.log.c_str());
-  CHECK_MSG(rz.log.find("nanovllm: interrupted\n") != std::string::npos, "log:\n%s", rz.log.c_str());
+  check_interrupted(rz, "nanovllm: interrupted\n");
 }
 
 // An error on rank 0 (die -> exit(1)) takes the workers down through the atexit hook.
