@@ -150,17 +150,26 @@ static void run_shape(const std::string& dir) {
     printf("    (c) small pool: %lld preemptions\n", (long long)small.engine->scheduler.stats.num_preemptions);
     CHECK(small.engine->scheduler.stats.num_preemptions > 0);
   }
-  // Stress (issue: reliability): the smallest pool that holds one max_model_len sequence, so that the 8
-  // requests preempt each other over and over; and 16 requests behind one long shared prefix.
+  // Stress (issue: reliability): 16 short requests that each grow by 128 tokens in the smallest pool that
+  // holds one max_model_len sequence (11 blocks of 16), so that decode keeps preempting the youngest and
+  // re-prefilling it (34 preemptions when the scheduler alone runs these lengths); and 16 requests behind
+  // one long shared prefix.
   {
+    std::vector<std::vector<int>> short_prompts;
+    std::vector<int> short_lens;
     int max_len = 0;
-    for (int l : plens) max_len = std::max(max_len, l + 128);
+    for (int i = 0; i < 16; i++) {
+      const std::vector<int>& p = prompts[i % prompts.size()];
+      short_prompts.emplace_back(p.begin(), p.begin() + std::min<size_t>(p.size(), 12 + 2 * i));
+      short_lens.push_back((int)short_prompts.back().size());
+      max_len = std::max(max_len, short_lens.back() + 128);
+    }
     Engine tight(dir, 16384, 16, (int)cdiv(max_len, 16), max_len);
-    record("preemption_heavy", tight.generate(prompts, 128), plens);
+    record("preemption_heavy", tight.generate(short_prompts, 128), short_lens);
     int64_t n = tight.engine->scheduler.stats.num_preemptions;
-    printf("    (c) pool of one max_model_len (%d blocks of 16): %lld preemptions\n", (int)cdiv(max_len, 16),
-           (long long)n);
-    CHECK(n >= 8);
+    printf("    (c) 16 requests in a pool of one max_model_len (%d blocks of 16): %lld preemptions\n",
+           (int)cdiv(max_len, 16), (long long)n);
+    CHECK(n >= 16);
   }
   {
     std::vector<std::vector<int>> shared;
