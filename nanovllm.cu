@@ -773,6 +773,52 @@ static size_t kv_block_bytes(const ModelConfig& c, int P, int tp) {
 // Every kernel has a comment block: the math it replaces, the layouts it reads and writes, what one
 // thread / warp / block owns, and its preconditions. Its launcher follows it and checks the launch.
 
+// Programmatic dependent launch (PDL; Hopper and later). Between two dependent kernels the GPU normally
+// lets the first one finish completely before it starts the second: some microseconds of idle SMs at every
+// boundary, and a batch-1 decode step of Qwen3-0.6B has about 340 of them. With PDL the next kernel is
+// launched while the previous one still runs; its blocks start, do whatever does not depend on that kernel
+// (a gemv loads weights, which no step writes), and wait in pdl_begin() until the previous grid has
+// finished and its writes are visible. Two rules keep this exactly as safe as plain stream order:
+//   * every kernel of this file calls pdl_begin() before it reads anything an earlier kernel wrote and
+//     before it writes anything; so a kernel finishes only after the one before it, and waiting for the
+//     last kernel is waiting for them all;
+//   * kernels we do not launch (cuBLASLt) and copies keep the usual order on both sides.
+// pdl_begin() then allows the next kernel to launch: at most two kernels share the GPU at a time.
+// NANOVLLM_PDL=0 launches every kernel the ordinary way, for comparison; GPUs before sm_90 always do.
+__device__ __forceinline__ void pdl_begin() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // the kernel before has finished; its writes are seen
+  asm volatile("griddepcontrol.launch_dependents;");  // the kernel after may launch now
+#endif
+}
+
+// Whether launch() asks for PDL: this GPU is sm_90 or later and NANOVLLM_PDL is not 0 (asked once).
+static bool pdl_enabled() {
+  static int on = -1;
+  if (on < 0) {
+    int dev = 0, major = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    const char* env = getenv("NANOVLLM_PDL");
+    on = major >= 9 && !(env && !strcmp(env, "0"));
+  }
+  return on;
+}
+
+// Every kernel of this file is launched through here: kernel<<<grid, block, smem, stream>>>(args...),
+// plus the PDL attribute.
+template <typename... Params, typename... Args>
+static void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   Args&&... args) {
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = smem, cfg.stream = stream;
+  cfg.attrs = &attr, cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
 // ---- 5a. Elementwise and normalisation kernels: embedding, RMSNorm, q/k norm + RoPE, KV store, SiLU ----
 //
 // Shared conventions of this section:
@@ -838,6 +884,7 @@ static int row_threads(int64_t chunks, int max_threads) {
 // Block = one token; each thread copies 16-byte chunks of the row (or writes zeros for a foreign id).
 __global__ void embedding_kernel(bf16* out, const int* ids, const bf16* table, int H, int vocab_start,
                                  int V_local) {
+  pdl_begin();  // section 5, PDL: wait for the kernel before, then let the next one launch
   int t = blockIdx.x;
   int64_t local = (int64_t)ids[t] - vocab_start;
   bool mine = local >= 0 && local < V_local;
@@ -851,7 +898,7 @@ void embedding(bf16* out, const int* ids, const bf16* table, int T, int H, int v
   check_aligned16("embedding", "out", out);
   check_aligned16("embedding", "table", table);
   if (T == 0) return;
-  embedding_kernel<<<T, row_threads(H / 8, 256), 0, stream>>>(out, ids, table, H, vocab_start, V_local);
+  launch(embedding_kernel, T, row_threads(H / 8, 256), 0, stream, out, ids, table, H, vocab_start, V_local);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -873,6 +920,7 @@ constexpr int NORM_MAX_CHUNKS = 4;
 template <bool ADD_RESIDUAL>
 __global__ __launch_bounds__(NORM_THREADS) void rmsnorm_kernel(bf16* out, bf16* residual, const bf16* x,
                                                                const bf16* w, int H, float eps) {
+  pdl_begin();
   __shared__ float scratch[32];
   int64_t row = (int64_t)blockIdx.x * H;
   const uint4* xr = reinterpret_cast<const uint4*>(x + row);
@@ -921,7 +969,7 @@ static void rmsnorm_checks(const char* name, const void* out, const void* x, con
 void rmsnorm(bf16* out, const bf16* x, const bf16* w, int T, int H, float eps, cudaStream_t stream) {
   rmsnorm_checks("rmsnorm", out, x, w, H);
   if (T == 0) return;
-  rmsnorm_kernel<false><<<T, row_threads(H / 8, NORM_THREADS), 0, stream>>>(out, nullptr, x, w, H, eps);
+  launch(rmsnorm_kernel<false>, T, row_threads(H / 8, NORM_THREADS), 0, stream, out, nullptr, x, w, H, eps);
   CUDA_CHECK(cudaGetLastError());
 }
 void add_rmsnorm(bf16* out, bf16* residual, const bf16* x, const bf16* w, int T, int H, float eps,
@@ -929,7 +977,7 @@ void add_rmsnorm(bf16* out, bf16* residual, const bf16* x, const bf16* w, int T,
   rmsnorm_checks("add_rmsnorm", out, x, w, H);
   check_aligned16("add_rmsnorm", "residual", residual);
   if (T == 0) return;
-  rmsnorm_kernel<true><<<T, row_threads(H / 8, NORM_THREADS), 0, stream>>>(out, residual, x, w, H, eps);
+  launch(rmsnorm_kernel<true>, T, row_threads(H / 8, NORM_THREADS), 0, stream, out, residual, x, w, H, eps);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -965,6 +1013,7 @@ struct RopeInvFreq {
 __global__ void qk_norm_rope_kernel(bf16* qkv, const int* positions, const bf16* q_norm_w,
                                     const bf16* k_norm_w, bf16* k_cache, bf16* v_cache, const int* slot_mapping,
                                     int NH, int NKV, int P, float eps, RopeInvFreq inv_freq) {
+  pdl_begin();
   __shared__ float cos_s[HEAD_DIM / 2], sin_s[HEAD_DIM / 2];
   int t = blockIdx.x;
   const int slot = slot_mapping[t];
@@ -1052,7 +1101,7 @@ void qk_norm_rope(bf16* qkv, const int* positions, const bf16* q_norm_w, const b
   int heads = NH + NKV;
   int threads = (int)std::min<int64_t>(512, std::max<int64_t>(HEAD_DIM / 2,
                                            cdiv((int64_t)heads * ROPE_THREADS_PER_HEAD, 32) * 32));
-  qk_norm_rope_kernel<<<T, threads, 0, stream>>>(qkv, positions, q_norm_w, k_norm_w, k_cache, v_cache,
+  launch(qk_norm_rope_kernel, T, threads, 0, stream, qkv, positions, q_norm_w, k_norm_w, k_cache, v_cache,
                                                  slot_mapping, NH, NKV, P, eps, inv_freq);
   CUDA_CHECK(cudaGetLastError());
 }
@@ -1064,6 +1113,7 @@ void qk_norm_rope(bf16* qkv, const int* positions, const bf16* q_norm_w, const b
 // One thread = one 16-byte chunk of out (8 outputs), a flat grid over T * I / 8 chunks.
 // Precondition: I % 8 == 0 (true for every Qwen3 size divided by any tensor-parallel degree up to 8).
 __global__ void silu_and_mul_kernel(bf16* out, const bf16* gate_up, int64_t total_chunks, int I) {
+  pdl_begin();
   int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= total_chunks) return;
   int64_t t = c / (I / 8), chunk = c % (I / 8);
@@ -1082,7 +1132,7 @@ void silu_and_mul(bf16* out, const bf16* gate_up, int T, int I, cudaStream_t str
   check_aligned16("silu_and_mul", "gate_up", gate_up);
   int64_t total = (int64_t)T * (I / 8);
   if (total == 0) return;
-  silu_and_mul_kernel<<<(unsigned)cdiv(total, 256), 256, 0, stream>>>(out, gate_up, total, I);
+  launch(silu_and_mul_kernel, (unsigned)cdiv(total, 256), 256, 0, stream, out, gate_up, total, I);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -1091,6 +1141,7 @@ void silu_and_mul(bf16* out, const bf16* gate_up, int T, int I, cudaStream_t str
 // position of each sequence needs logits. In decode every sequence has one token and this is a copy.
 // Reads x [T, H], cu_seqlens_q [B + 1]. Writes out [B, H]. Block = one sequence, 16-byte chunks.
 __global__ void gather_last_tokens_kernel(bf16* out, const bf16* x, const int* cu_seqlens_q, int H) {
+  pdl_begin();
   int b = blockIdx.x;
   int64_t last = cu_seqlens_q[b + 1] - 1;
   const uint4* src = reinterpret_cast<const uint4*>(x + last * H);
@@ -1103,7 +1154,7 @@ void gather_last_tokens(bf16* out, const bf16* x, const int* cu_seqlens_q, int B
   check_aligned16("gather_last_tokens", "out", out);
   check_aligned16("gather_last_tokens", "x", x);
   if (B == 0) return;
-  gather_last_tokens_kernel<<<B, row_threads(H / 8, 256), 0, stream>>>(out, x, cu_seqlens_q, H);
+  launch(gather_last_tokens_kernel, B, row_threads(H / 8, 256), 0, stream, out, x, cu_seqlens_q, H);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -1362,6 +1413,7 @@ __global__ void __launch_bounds__(PREFILL_WARPS * 32)
                              const int* __restrict__ cu_seqlens_q, const int* __restrict__ seqlens_k,
                              const int* __restrict__ block_tables, int NH, int NKV, int log2P, int MB,
                              float scale_log2) {
+  pdl_begin();
   const int h = blockIdx.x, b = blockIdx.z;
   const int m0 = (gridDim.y - 1 - blockIdx.y) * PREFILL_BLOCK_M;
   const int q_start = cu_seqlens_q[b], q_len = cu_seqlens_q[b + 1] - q_start;
@@ -1463,7 +1515,7 @@ static void attention_prefill(bf16* out, const bf16* qkv, const bf16* k_cache, c
   CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   (int)smem));
   dim3 grid(NH, cdiv(max_seqlen_q, PREFILL_BLOCK_M), B);
-  attention_prefill_kernel<<<grid, PREFILL_WARPS * 32, smem, stream>>>(
+  launch(attention_prefill_kernel, grid, PREFILL_WARPS * 32, smem, stream,
       out, qkv, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_tables, NH, NKV, __builtin_ctz(P), MB,
       scale * (float)M_LOG2E);
   CUDA_CHECK(cudaGetLastError());
@@ -1491,6 +1543,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
                             const int* __restrict__ context_lens, const int* __restrict__ block_tables,
                             int NH, int NKV, int log2P, int MB, int max_parts, int partition,
                             float* __restrict__ ws_o, float* __restrict__ ws_ml, float scale_log2) {
+  pdl_begin();
   const int part = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int ctx = context_lens[b];
   const int key_begin = part * partition;
@@ -1597,6 +1650,7 @@ __global__ void __launch_bounds__(HEAD_DIM)
     attention_decode_merge_kernel(bf16* __restrict__ out, const int* __restrict__ context_lens,
                                   const float* __restrict__ ws_o, const float* __restrict__ ws_ml, int NH,
                                   int max_parts, int partition) {
+  pdl_begin();
   const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
   const int n_parts = cdiv_dev(context_lens[b], partition);
   if (n_parts <= 1) return;
@@ -1641,12 +1695,12 @@ static void attention_decode(bf16* out, const bf16* qkv, const bf16* k_cache, co
   const size_t smem = (DECODE_ROWS + 2 * ATTN_STAGES * ATTN_KV_TILE) * HEAD_DIM * sizeof(bf16);  // 68 KiB
   CUDA_CHECK(cudaFuncSetAttribute(attention_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   (int)smem));
-  attention_decode_kernel<<<dim3(max_parts, NKV, B), DECODE_WARPS * 32, smem, stream>>>(
+  launch(attention_decode_kernel, dim3(max_parts, NKV, B), DECODE_WARPS * 32, smem, stream,
       out, qkv, k_cache, v_cache, context_lens, block_tables, NH, NKV, __builtin_ctz(P), MB, max_parts, partition,
       ws_o, ws_ml, scale * (float)M_LOG2E);
   CUDA_CHECK(cudaGetLastError());
   if (max_parts > 1) {
-    attention_decode_merge_kernel<<<dim3(NH, B), HEAD_DIM, 0, stream>>>(out, context_lens, ws_o, ws_ml, NH,
+    launch(attention_decode_merge_kernel, dim3(NH, B), HEAD_DIM, 0, stream, out, context_lens, ws_o, ws_ml, NH,
                                                                         max_parts, partition);
     CUDA_CHECK(cudaGetLastError());
   }
@@ -1993,6 +2047,7 @@ __device__ void radix_step(RadixSelect& st, const Candidates& c, uint32_t floor_
 __global__ __launch_bounds__(SAMPLE_THREADS, 1) void sample_kernel(unsigned long long* partial,
                                                                    const float* logits,
                                                                    const SamplingSlot* slots, int V) {
+  pdl_begin();
   extern __shared__ __align__(16) unsigned char sample_smem_raw[];
   SampleSmem& s = *reinterpret_cast<SampleSmem*>(sample_smem_raw);
   int b = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
@@ -2085,6 +2140,7 @@ __global__ __launch_bounds__(SAMPLE_THREADS, 1) void sample_kernel(unsigned long
 
 // Reads partial [B, splits]; writes out_tokens [B]: the index packed in the best piece of each row.
 __global__ void sample_finish_kernel(int* out_tokens, const unsigned long long* partial, int B, int splits) {
+  pdl_begin();
   int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= B) return;
   unsigned long long best = 0;
@@ -2119,9 +2175,9 @@ void sample(int* out_tokens, const float* logits, const SamplingSlot* slots, int
   int splits = std::max(1, std::min(num_sms / B, SAMPLE_MAX_SPLITS));
   splits = std::max(1, std::min<int>(splits, (int)cdiv(V, 4 * SAMPLE_THREADS)));
   auto* partial = static_cast<unsigned long long*>(workspace);
-  sample_kernel<<<dim3(splits, B), SAMPLE_THREADS, sizeof(SampleSmem), stream>>>(partial, logits, slots, V);
+  launch(sample_kernel, dim3(splits, B), SAMPLE_THREADS, sizeof(SampleSmem), stream, partial, logits, slots, V);
   CUDA_CHECK(cudaGetLastError());
-  sample_finish_kernel<<<(unsigned)cdiv(B, 128), 128, 0, stream>>>(out_tokens, partial, B, splits);
+  launch(sample_finish_kernel, (unsigned)cdiv(B, 128), 128, 0, stream, out_tokens, partial, B, splits);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -2204,18 +2260,25 @@ template <int M>
 __global__ void __launch_bounds__(GEMV_WARPS * 32)
     gemv_kernel(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ W, int N, int K) {
   const int n = blockIdx.x * GEMV_WARPS + threadIdx.x / 32, lane = threadIdx.x & 31;
-  if (n >= N) return;
   const bf16* w = W + (size_t)n * K;
+  uint4 wv[GEMV_UNROLL];
+  auto load_stretch = [&](int k0) {  // issue every load of a stretch of the row before its first use
+#pragma unroll
+    for (int u = 0; u < GEMV_UNROLL; u++) {
+      const int k = k0 + u * 256 + lane * 8;
+      if (k < K) wv[u] = __ldcs(reinterpret_cast<const uint4*>(w + k));  // streamed: read once
+    }
+  };
+  // No step writes the weights, so the first stretch is loaded before waiting for the kernel before
+  // (section 5, PDL): for K <= 1024 that is the whole row, in flight while that kernel finishes.
+  if (n < N) load_stretch(0);
+  pdl_begin();
+  if (n >= N) return;
   float acc[M];
 #pragma unroll
   for (int m = 0; m < M; m++) acc[m] = 0.f;
   for (int k0 = 0; k0 < K; k0 += GEMV_UNROLL * 256) {
-    uint4 wv[GEMV_UNROLL];
-#pragma unroll
-    for (int u = 0; u < GEMV_UNROLL; u++) {  // issue every load of this stretch first
-      const int k = k0 + u * 256 + lane * 8;
-      if (k < K) wv[u] = __ldcs(reinterpret_cast<const uint4*>(w + k));  // streamed: read once
-    }
+    if (k0 > 0) load_stretch(k0);
 #pragma unroll
     for (int u = 0; u < GEMV_UNROLL; u++) {
       const int k = k0 + u * 256 + lane * 8;
@@ -2248,8 +2311,8 @@ static void gemv(bf16* y, const bf16* x, const bf16* W, int M, int N, int K, cud
   if (((uintptr_t)x | (uintptr_t)W) % 16) die("gemv: x and W must be 16-byte aligned");
   dim3 grid((unsigned)cdiv(N, GEMV_WARPS)), block(GEMV_WARPS * 32);
   switch (M) {
-    case 1: gemv_kernel<1><<<grid, block, 0, stream>>>(y, x, W, N, K); break;
-    case 2: gemv_kernel<2><<<grid, block, 0, stream>>>(y, x, W, N, K); break;
+    case 1: launch(gemv_kernel<1>, grid, block, 0, stream, y, x, W, N, K); break;
+    case 2: launch(gemv_kernel<2>, grid, block, 0, stream, y, x, W, N, K); break;
     default: die("gemv: M = %d, at most %d", M, GEMV_MAX_M);
   }
   CUDA_CHECK(cudaGetLastError());
@@ -3185,6 +3248,7 @@ __device__ __forceinline__ void ar_barrier(const ARPeers& peers, int which, uint
 
 __global__ __launch_bounds__(AR_THREADS) void all_reduce_p2p_kernel(bf16* x, ARPeers peers, uint32_t* epochs,
                                                                     int64_t chunks, int rank, int size) {
+  pdl_begin();
   const uint32_t epoch = epochs[blockIdx.x] + 1;
   const int64_t first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
@@ -3211,7 +3275,7 @@ static void all_reduce_p2p(TPComm* comm, bf16* x, size_t n, cudaStream_t stream)
   if (n == 0) return;
   const int64_t chunks = (int64_t)n / 8;
   const int blocks = (int)std::min<int64_t>(AR_MAX_BLOCKS, cdiv(chunks, AR_THREADS));
-  all_reduce_p2p_kernel<<<blocks, AR_THREADS, 0, stream>>>(x, comm->peers, comm->epochs, chunks, comm->rank,
+  launch(all_reduce_p2p_kernel, blocks, AR_THREADS, 0, stream, x, comm->peers, comm->epochs, chunks, comm->rank,
                                                           comm->size);
   CUDA_CHECK(cudaGetLastError());
 }
