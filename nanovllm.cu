@@ -3966,6 +3966,11 @@ struct LLMEngine {
       }
     }
     if (show_progress && tty) fprintf(stderr, "\n");
+    // Test-only: NANOVLLM_TEST_SLOW_STOP=S holds a stopped run S seconds here, as a long step in flight
+    // would, so that test/gpu_interrupt.sh can send its second Ctrl-C into that window on any GPU.
+    const char* slow = getenv("NANOVLLM_TEST_SLOW_STOP");
+    for (double until = now_seconds() + (slow ? atof(slow) : 0); g_stop_requested && now_seconds() < until;)
+      usleep(10000);
     stats.seconds = now_seconds() - t0;
     std::vector<Completion> out;
     for (size_t i = first; i < seqs.size(); i++) {

@@ -4,7 +4,9 @@
 # whole group, as a terminal sends them. Cases:
 #   one Ctrl-C     the step in flight completes, the requests that had finished are written (stdout and
 #                  --output, whose summary counts the unfinished ones), exit status 130
-#   two Ctrl-C     stops at once: exit status 130, no --output file
+#   two Ctrl-C     stops at once: exit status 130, no --output file. A step takes a millisecond or less here,
+#                  so the run holds its graceful stop for 10 s (NANOVLLM_TEST_SLOW_STOP, test-only) to give
+#                  the second Ctrl-C the window a long step would; it must end the run within 2 s.
 #   SIGTERM        (to the main process only, as `kill PID` sends it) stops at once: exit status 143
 # After each: no process of the run is left, and no GPU memory is held by one.
 #
@@ -29,13 +31,15 @@ for i in range(8):
                       'max_tokens': 4 if i % 2 == 0 else 30000}))
 " >"$T/mixed.jsonl"
 
-# start_run NAME: the run in the background, its stderr in $T/NAME.err; returns once it has made 40 steps.
+# start_run NAME [VAR=VALUE...]: the run in the background (with those variables), its stderr in $T/NAME.err;
+# returns once it has made 40 steps.
 start_run() {
-  rm -f "$T/$1.jsonl"
-  setsid "$NV" "$MODEL" "$T/mixed.jsonl" --tp "$TP" --ignore-eos --max-model-len 32768 --temperature 0 --trace \
-    --output "$T/$1.jsonl" >"$T/$1.out" 2>"$T/$1.err" &
+  local name=$1; shift
+  rm -f "$T/$name.jsonl"
+  env "$@" setsid "$NV" "$MODEL" "$T/mixed.jsonl" --tp "$TP" --ignore-eos --max-model-len 32768 --temperature 0 \
+    --trace --output "$T/$name.jsonl" >"$T/$name.out" 2>"$T/$name.err" &
   pid=$!
-  for _ in $(seq 1200); do grep -q '^\[trace\] step 40 ' "$T/$1.err" && break; sleep 0.05; done
+  for _ in $(seq 1200); do grep -q '^\[trace\] step 40 ' "$T/$name.err" && break; sleep 0.05; done
 }
 stop_run() {  # stop_run TARGET SIGNAL...: each to TARGET (-PID: the run's process group), 0.2 s apart; sets rc
   local target=$1; shift
@@ -62,13 +66,15 @@ check one_ctrl_c_writes_finished_requests $? "rc=$rc, $written records and $show
 grep -q '"finish_reason": *"length"' "$T/once.jsonl" && ! grep -q '"finish_reason": *null' "$T/once.jsonl"
 check written_requests_are_finished $? "$(head -c 300 "$T/once.jsonl")"
 
-start_run twice
+start_run twice NANOVLLM_TEST_SLOW_STOP=10
+t0=$(date +%s.%N)
 stop_run "-$pid" INT INT
+dt=$(python3 -c "print(f'{$(date +%s.%N) - $t0 - 1.4:.2f}')")  # less the 0.4 s of stop_run's pauses and 1 s wait
 expect="nanovllm: interrupted"; [ "$TP" -gt 1 ] && expect="nanovllm: interrupted; stopping all $TP ranks"
 grep -q -x "$expect" "$T/twice.err" && [ $rc = 130 ] && [ ! -e "$T/twice.jsonl" ] && [ "$(left)" = 0 ] &&
-  [ "$(gpu_procs)" = "$gpu_before" ]
+  [ "$(gpu_procs)" = "$gpu_before" ] && python3 -c "import sys; sys.exit(not $dt < 2)"
 check two_ctrl_c_stop_at_once $? "rc=$rc, output file $( [ -e "$T/twice.jsonl" ] && echo exists || echo absent),
-  $(left) processes left; $(grep -v '^\[trace\]' "$T/twice.err" | tail -n 3)"
+  ended ${dt}s after the second Ctrl-C, $(left) processes left; $(grep -v '^\[trace\]' "$T/twice.err" | tail -n 3)"
 
 start_run term
 stop_run "$pid" TERM
