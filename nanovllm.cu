@@ -195,8 +195,8 @@ static void on_stop_signal(int sig) {
     return;
   }
   sig_puts(sig == SIGINT ? "\nnanovllm: interrupted" : "nanovllm: terminated");
-  if (g_stop_hook) g_stop_hook();
-  sig_puts("\n");
+  if (g_stop_hook) g_stop_hook();  // ends the line itself, before a worker can print
+  else sig_puts("\n");
   _exit(128 + sig);
 }
 
@@ -917,14 +917,13 @@ void embedding(bf16* out, const int* ids, const bf16* table, int T, int H, int v
 constexpr int NORM_THREADS = 256;
 constexpr int NORM_MAX_CHUNKS = 4;
 
+// One row, by the whole block (rmsnorm_kernel's body; gemv_kernel's RMSNORM input, section 6, calls it too, so
+// the fused and the separate paths round identically). scratch: 32 floats of shared memory.
 template <bool ADD_RESIDUAL>
-__global__ __launch_bounds__(NORM_THREADS) void rmsnorm_kernel(bf16* out, bf16* residual, const bf16* x,
-                                                               const bf16* w, int H, float eps) {
-  pdl_begin();
-  __shared__ float scratch[32];
-  int64_t row = (int64_t)blockIdx.x * H;
-  const uint4* xr = reinterpret_cast<const uint4*>(x + row);
-  uint4* rr = ADD_RESIDUAL ? reinterpret_cast<uint4*>(residual + row) : nullptr;
+__device__ __forceinline__ void rmsnorm_row(bf16* out, bf16* residual, const bf16* x, const bf16* w, int H,
+                                            float eps, float* scratch) {
+  const uint4* xr = reinterpret_cast<const uint4*>(x);
+  uint4* rr = ADD_RESIDUAL ? reinterpret_cast<uint4*>(residual) : nullptr;
   int nchunks = H / 8;
   float v[NORM_MAX_CHUNKS][8];
   float ss = 0.f;
@@ -945,7 +944,7 @@ __global__ __launch_bounds__(NORM_THREADS) void rmsnorm_kernel(bf16* out, bf16* 
   }
   float scale = rsqrtf(block_sum(ss, scratch) / (float)H + eps);
   const uint4* wr = reinterpret_cast<const uint4*>(w);
-  uint4* orow = reinterpret_cast<uint4*>(out + row);
+  uint4* orow = reinterpret_cast<uint4*>(out);
 #pragma unroll
   for (int k = 0; k < NORM_MAX_CHUNKS; k++) {
     int c = threadIdx.x + k * blockDim.x;
@@ -956,6 +955,15 @@ __global__ __launch_bounds__(NORM_THREADS) void rmsnorm_kernel(bf16* out, bf16* 
     for (int i = 0; i < 8; i++) o[i] = wf[i] * round_bf16(v[k][i] * scale);
     orow[c] = float_to_bf16x8(o);
   }
+}
+
+template <bool ADD_RESIDUAL>
+__global__ __launch_bounds__(NORM_THREADS) void rmsnorm_kernel(bf16* out, bf16* residual, const bf16* x,
+                                                               const bf16* w, int H, float eps) {
+  pdl_begin();
+  __shared__ float scratch[32];
+  int64_t row = (int64_t)blockIdx.x * H;
+  rmsnorm_row<ADD_RESIDUAL>(out + row, ADD_RESIDUAL ? residual + row : nullptr, x + row, w, H, eps, scratch);
 }
 static void rmsnorm_checks(const char* name, const void* out, const void* x, const void* w, int H) {
   check_vec8(name, "H", H);
@@ -1112,6 +1120,16 @@ void qk_norm_rope(bf16* qkv, const int* positions, const bf16* q_norm_w, const b
 // Reads gate_up [T, 2I] (gate in columns [0, I), up in [I, 2I)). Writes out [T, I].
 // One thread = one 16-byte chunk of out (8 outputs), a flat grid over T * I / 8 chunks.
 // Precondition: I % 8 == 0 (true for every Qwen3 size divided by any tensor-parallel degree up to 8).
+// 8 outputs from 8 gates and 8 ups (gemv_kernel's SILU_MUL input, section 6, uses it too).
+__device__ __forceinline__ uint4 silu_mul8(const uint4& gate, const uint4& up) {
+  float g[8], u[8], o[8];
+  bf16x8_to_float(gate, g);
+  bf16x8_to_float(up, u);
+#pragma unroll
+  for (int i = 0; i < 8; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+  return float_to_bf16x8(o);
+}
+
 __global__ void silu_and_mul_kernel(bf16* out, const bf16* gate_up, int64_t total_chunks, int I) {
   pdl_begin();
   int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -1119,12 +1137,7 @@ __global__ void silu_and_mul_kernel(bf16* out, const bf16* gate_up, int64_t tota
   int64_t t = c / (I / 8), chunk = c % (I / 8);
   const uint4* gate = reinterpret_cast<const uint4*>(gate_up + t * 2 * I);
   const uint4* up = reinterpret_cast<const uint4*>(gate_up + t * 2 * I + I);
-  float g[8], u[8], o[8];
-  bf16x8_to_float(gate[chunk], g);
-  bf16x8_to_float(up[chunk], u);
-#pragma unroll
-  for (int i = 0; i < 8; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-  reinterpret_cast<uint4*>(out + t * I)[chunk] = float_to_bf16x8(o);
+  reinterpret_cast<uint4*>(out + t * I)[chunk] = silu_mul8(gate[chunk], up[chunk]);
 }
 void silu_and_mul(bf16* out, const bf16* gate_up, int T, int I, cudaStream_t stream) {
   check_vec8("silu_and_mul", "I", I);
@@ -2252,13 +2265,34 @@ struct Gemm {
 //   and writes y[:, n].
 //   Layouts: x bf16 [M, K] row-major; W bf16 [N, K] row-major (PyTorch's [out, in]); y bf16 [M, N].
 //   Preconditions: K % 8 == 0; x, W 16-byte aligned. fp32 accumulation, one bf16 rounding.
+//
+// Fused variants. At batch 1 a decode step is ~285 small kernels, and ncu on an H100 puts a tiny kernel
+// (an RMSNorm of one row) at about 3 us, most of it the cost of being a kernel at all. So the gemv also
+// takes over its neighbours' work where that needs no extra pass over memory (section 7 uses them when a
+// step has at most GEMV_MAX_M tokens on one GPU):
+//   RMSNORM   x is the residual stream; each block first writes rmsnorm(x) * norm_w into shared memory
+//             with rmsnorm_row (the kernel above, so the rounding is the same) and dots W with that;
+//   SILU_MUL  x is gate_up [M, 2K]; each block first writes silu(gate) * up into shared memory (silu_mul8);
+//   ADD       y is the residual stream and y += x @ W^T, rounded like add_rmsnorm: bf16(bf16(dot) + y).
+//             The warp that owns column n is the only reader and writer of y[:, n]: no race.
+// Each block recomputes the tiny input row (1-3 thousand values) instead of reading it from a kernel before.
+enum class GemvIn { PLAIN, RMSNORM, SILU_MUL };
+struct GemvOptions {
+  GemvIn in = GemvIn::PLAIN;
+  const bf16* norm_w = nullptr;  // RMSNORM: the norm's weight [K]
+  float eps = 0.f;
+  bool add = false;              // ADD: y += x @ W^T
+};
 constexpr int GEMV_MAX_M = 2;  // measured on H100: at M = 4 cuBLASLt is faster on half of Qwen3's shapes
 constexpr int GEMV_WARPS = 8;
-constexpr int GEMV_UNROLL = 4;  // 16-byte loads per lane in flight per iteration (4 x 256 = 1024 columns)
+constexpr int GEMV_UNROLL = 8;  // 16-byte loads per lane in flight per iteration (8 x 256 = 2048 columns)
+constexpr size_t GEMV_MAX_SMEM = 48 << 10;  // the staged input [M, K]: what a launch gets without opting in
 
-template <int M>
+template <int M, GemvIn IN, bool ADD>
 __global__ void __launch_bounds__(GEMV_WARPS * 32)
-    gemv_kernel(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ W, int N, int K) {
+    gemv_kernel(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ W, int N, int K,
+                const bf16* __restrict__ norm_w, float eps) {
+  extern __shared__ uint4 staged[];  // IN != PLAIN: the input the dot products use, bf16 [M, K]
   const int n = blockIdx.x * GEMV_WARPS + threadIdx.x / 32, lane = threadIdx.x & 31;
   const bf16* w = W + (size_t)n * K;
   uint4 wv[GEMV_UNROLL];
@@ -2270,9 +2304,24 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     }
   };
   // No step writes the weights, so the first stretch is loaded before waiting for the kernel before
-  // (section 5, PDL): for K <= 1024 that is the whole row, in flight while that kernel finishes.
+  // (section 5, PDL): for K <= 2048 that is the whole row, in flight while that kernel finishes.
   if (n < N) load_stretch(0);
   pdl_begin();
+  if constexpr (IN == GemvIn::RMSNORM) {
+    __shared__ float scratch[32];
+    for (int m = 0; m < M; m++) {
+      rmsnorm_row<false>(reinterpret_cast<bf16*>(staged) + (size_t)m * K, nullptr, x + (size_t)m * K, norm_w, K,
+                         eps, scratch);
+      __syncthreads();  // the row is complete, and scratch may be used again
+    }
+  } else if constexpr (IN == GemvIn::SILU_MUL) {
+    const uint4* gu = reinterpret_cast<const uint4*>(x);
+    for (int c = threadIdx.x; c < M * K / 8; c += blockDim.x) {
+      const int m = c / (K / 8), j = c % (K / 8);
+      staged[c] = silu_mul8(gu[(size_t)m * K / 4 + j], gu[(size_t)m * K / 4 + K / 8 + j]);
+    }
+    __syncthreads();
+  }
   if (n >= N) return;
   float acc[M];
 #pragma unroll
@@ -2288,7 +2337,8 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
 #pragma unroll
       for (int m = 0; m < M; m++) {
         float xf[8];
-        bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(x + (size_t)m * K + k)), xf);
+        const size_t at = ((size_t)m * K + k) / 8;
+        bf16x8_to_float(IN == GemvIn::PLAIN ? __ldg(reinterpret_cast<const uint4*>(x) + at) : staged[at], xf);
 #pragma unroll
         for (int j = 0; j < 8; j++) acc[m] = fmaf(wf[j], xf[j], acc[m]);
       }
@@ -2302,17 +2352,50 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
   if (lane < M) {  // lane m writes row m (registers are indexed with constants only)
 #pragma unroll
     for (int m = 0; m < M; m++)
-      if (lane == m) y[(size_t)m * N + n] = __float2bfloat16(acc[m]);
+      if (lane == m) {
+        bf16& out = y[(size_t)m * N + n];
+        out = ADD ? __float2bfloat16(round_bf16(acc[m]) + __bfloat162float(out)) : __float2bfloat16(acc[m]);
+      }
   }
 }
 
-static void gemv(bf16* y, const bf16* x, const bf16* W, int M, int N, int K, cudaStream_t stream) {
+template <int M, GemvIn IN>
+static void gemv_launch(bool add, dim3 grid, size_t smem, cudaStream_t stream, bf16* y, const bf16* x,
+                        const bf16* W, int N, int K, const bf16* norm_w, float eps) {
+  if (add) launch(gemv_kernel<M, IN, true>, grid, GEMV_WARPS * 32, smem, stream, y, x, W, N, K, norm_w, eps);
+  else launch(gemv_kernel<M, IN, false>, grid, GEMV_WARPS * 32, smem, stream, y, x, W, N, K, norm_w, eps);
+}
+template <int M>
+static void gemv_launch(const GemvOptions& o, dim3 grid, size_t smem, cudaStream_t stream, bf16* y,
+                        const bf16* x, const bf16* W, int N, int K) {
+  switch (o.in) {
+    case GemvIn::PLAIN: gemv_launch<M, GemvIn::PLAIN>(o.add, grid, smem, stream, y, x, W, N, K, nullptr, 0); break;
+    case GemvIn::RMSNORM:
+      gemv_launch<M, GemvIn::RMSNORM>(o.add, grid, smem, stream, y, x, W, N, K, o.norm_w, o.eps);
+      break;
+    case GemvIn::SILU_MUL:
+      gemv_launch<M, GemvIn::SILU_MUL>(o.add, grid, smem, stream, y, x, W, N, K, nullptr, 0);
+      break;
+  }
+}
+
+// Whether gemv() can stage an [M, K] input in shared memory (RMSNORM and SILU_MUL).
+static bool gemv_can_stage(int M, int K) { return (size_t)M * K * sizeof(bf16) <= GEMV_MAX_SMEM; }
+
+static void gemv(bf16* y, const bf16* x, const bf16* W, int M, int N, int K, cudaStream_t stream,
+                 const GemvOptions& o = {}) {
   if (K % 8) die("gemv: K = %d must be a multiple of 8", K);
   if (((uintptr_t)x | (uintptr_t)W) % 16) die("gemv: x and W must be 16-byte aligned");
-  dim3 grid((unsigned)cdiv(N, GEMV_WARPS)), block(GEMV_WARPS * 32);
+  size_t smem = 0;
+  if (o.in != GemvIn::PLAIN) {
+    if (!gemv_can_stage(M, K)) die("gemv: a fused input of %d x %d does not fit in shared memory", M, K);
+    smem = (size_t)M * K * sizeof(bf16);
+  }
+  if (o.in == GemvIn::RMSNORM) rmsnorm_checks("gemv (RMSNORM)", x, x, o.norm_w, K);
+  dim3 grid((unsigned)cdiv(N, GEMV_WARPS));
   switch (M) {
-    case 1: launch(gemv_kernel<1>, grid, block, 0, stream, y, x, W, N, K); break;
-    case 2: launch(gemv_kernel<2>, grid, block, 0, stream, y, x, W, N, K); break;
+    case 1: gemv_launch<1>(o, grid, smem, stream, y, x, W, N, K); break;
+    case 2: gemv_launch<2>(o, grid, smem, stream, y, x, W, N, K); break;
     default: die("gemv: M = %d, at most %d", M, GEMV_MAX_M);
   }
   CUDA_CHECK(cudaGetLastError());
@@ -2345,6 +2428,8 @@ void Gemm::run(void* y, const bf16* x, const bf16* W, int M, int N, int K, cudaS
 //   h = (SiLU(x @ Wg^T) * (x @ Wu^T)) @ Wd^T   (+ all-reduce)
 //   residual += h  (folded into the next layer's norm)
 // then x = RMSNorm(residual += h), keep each sequence's last row, logits = x @ lm_head^T (fp32).
+// Steps of at most GEMV_MAX_M tokens fuse more: the norms, the residual adds (on one GPU) and SiLU ride
+// inside the gemvs (section 6).
 //
 // Every buffer is allocated once for the largest step (ModelRunner), so a step allocates nothing and a
 // decode step can be captured in a CUDA graph.
@@ -2392,13 +2477,32 @@ struct Qwen3 {
     const int NH = cfg.num_attention_heads / tp, NKV = cfg.num_key_value_heads / tp;
     const int V = (int)cdiv(cfg.vocab_size, tp);
     const float eps = cfg.rms_norm_eps, scale = 1.0f / sqrtf((float)D);
+    // Batch-1/2 decode: the norms, the residual adds and SiLU ride inside the gemvs (section 6). The adds
+    // only on one GPU: with tensor parallelism each rank's product is partial until the all-reduce.
+    const bool gemv_step = T <= GEMV_MAX_M && gemm.use_gemv;
+    const bool fuse_norm_add = gemv_step && tp == 1;
+    const bool fuse_silu = gemv_step && gemv_can_stage(T, I);
+    // y = RMSNorm(residual) @ W^T, where residual first gets the last sub-layer's output (hidden) added,
+    // unless there is none yet (layer 0) or a fused gemv has added it already
+    auto norm_matmul = [&](bf16* y, const bf16* norm_w, const bf16* W, int N, bool add_hidden) {
+      if (fuse_norm_add) return gemv(y, act.residual, W, T, N, H, s, {GemvIn::RMSNORM, norm_w, eps});
+      if (add_hidden) add_rmsnorm(act.x, act.residual, act.hidden, norm_w, T, H, eps, s);
+      else rmsnorm(act.x, act.residual, norm_w, T, H, eps, s);
+      gemm.run(y, act.x, W, T, N, H, s);
+    };
+    // A sub-layer's output projection: hidden = x @ W^T (+ all-reduce), for the next norm to add to the
+    // residual; fused, residual += x @ W^T at once. in: how x is read (SILU_MUL: x is gate_up).
+    auto matmul_out = [&](const bf16* x, const bf16* W, int K, GemvIn in) {
+      if (fuse_norm_add) return gemv(act.residual, x, W, T, H, K, s, {in, nullptr, 0.f, true});
+      if (in == GemvIn::PLAIN) gemm.run(act.hidden, x, W, T, H, K, s);
+      else gemv(act.hidden, x, W, T, H, K, s, {in});
+      if (tp > 1) all_reduce_sum(comm, act.hidden, (size_t)T * H, s);
+    };
     embedding(act.residual, in.input_ids, w.embed_tokens, T, H, rank * V, V, s);
     if (tp > 1) all_reduce_sum(comm, act.residual, (size_t)T * H, s);
     for (int l = 0; l < cfg.num_hidden_layers; l++) {
       const LayerWeights& lw = w.layers[l];
-      if (l == 0) rmsnorm(act.x, act.residual, lw.input_layernorm, T, H, eps, s);
-      else add_rmsnorm(act.x, act.residual, act.hidden, lw.input_layernorm, T, H, eps, s);
-      gemm.run(act.qkv, act.x, lw.qkv_proj, T, (NH + 2 * NKV) * D, H, s);
+      norm_matmul(act.qkv, lw.input_layernorm, lw.qkv_proj, (NH + 2 * NKV) * D, l > 0);
       qk_norm_rope(act.qkv, in.positions, lw.q_norm, lw.k_norm, kv.k(l), kv.v(l), in.slot_mapping, T, NH, NKV, P,
                    cfg.rope_theta, eps, s);
       if (is_prefill)
@@ -2407,15 +2511,17 @@ struct Qwen3 {
       else
         attention_decode(act.attn, act.qkv, kv.k(l), kv.v(l), in.seqlens_k, in.block_tables, B, NH, NKV, P, MB,
                          max_model_len, act.attn_workspace, scale, s);
-      gemm.run(act.hidden, act.attn, lw.o_proj, T, H, NH * D, s);
-      if (tp > 1) all_reduce_sum(comm, act.hidden, (size_t)T * H, s);
-      add_rmsnorm(act.x, act.residual, act.hidden, lw.post_attention_layernorm, T, H, eps, s);
-      gemm.run(act.gate_up, act.x, lw.gate_up_proj, T, 2 * I, H, s);
-      silu_and_mul(act.act, act.gate_up, T, I, s);
-      gemm.run(act.hidden, act.act, lw.down_proj, T, H, I, s);
-      if (tp > 1) all_reduce_sum(comm, act.hidden, (size_t)T * H, s);
+      matmul_out(act.attn, lw.o_proj, NH * D, GemvIn::PLAIN);
+      norm_matmul(act.gate_up, lw.post_attention_layernorm, lw.gate_up_proj, 2 * I, true);
+      if (fuse_silu) {
+        matmul_out(act.gate_up, lw.down_proj, I, GemvIn::SILU_MUL);
+      } else {
+        silu_and_mul(act.act, act.gate_up, T, I, s);
+        matmul_out(act.act, lw.down_proj, I, GemvIn::PLAIN);
+      }
     }
-    add_rmsnorm(act.x, act.residual, act.hidden, w.norm, T, H, eps, s);
+    if (fuse_norm_add) rmsnorm(act.x, act.residual, w.norm, T, H, eps, s);
+    else add_rmsnorm(act.x, act.residual, act.hidden, w.norm, T, H, eps, s);
     const bf16* last = act.x;
     if (is_prefill) {  // only each sequence's last position needs logits (nano-vllm: ParallelLMHead)
       gather_last_tokens(act.last, act.x, in.cu_seqlens_q, B, H, s);
@@ -3294,7 +3400,9 @@ static void all_reduce_sum(TPComm* comm, bf16* x, size_t n, cudaStream_t stream)
 
 // The minimum of v over the ranks (host to host; start-up only, e.g. the KV pool size every rank can hold).
 static int64_t all_reduce_min(TPComm* comm, int64_t v) {
-  CUDA_CHECK(cudaMemcpy(comm->scratch, &v, sizeof v, cudaMemcpyHostToDevice));
+  // On comm->stream: a plain cudaMemcpy from pageable memory can return before its copy lands, and the
+  // non-blocking stream would not wait for it.
+  CUDA_CHECK(cudaMemcpyAsync(comm->scratch, &v, sizeof v, cudaMemcpyHostToDevice, comm->stream));
   NCCL_CHECK(ncclAllReduce(comm->scratch, comm->scratch, 1, ncclInt64, ncclMin, comm->nccl, comm->stream));
   CUDA_CHECK(cudaStreamSynchronize(comm->stream));
   CUDA_CHECK(cudaMemcpy(&v, comm->scratch, sizeof v, cudaMemcpyDeviceToHost));
@@ -3348,7 +3456,7 @@ static void tp_p2p_init(TPComm* c) {
   CUDA_CHECK(cudaIpcGetMemHandle(&handles[c->rank], buf));
   char* d;
   CUDA_CHECK(cudaMalloc(&d, c->size * hb));
-  CUDA_CHECK(cudaMemcpy(d + c->rank * hb, &handles[c->rank], hb, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpyAsync(d + c->rank * hb, &handles[c->rank], hb, cudaMemcpyHostToDevice, c->stream));
   NCCL_CHECK(ncclAllGather(d + c->rank * hb, d, hb, ncclUint8, c->nccl, c->stream));
   CUDA_CHECK(cudaStreamSynchronize(c->stream));
   CUDA_CHECK(cudaMemcpy(handles.data(), d, c->size * hb, cudaMemcpyDeviceToHost));
@@ -3497,7 +3605,7 @@ static void tp_on_sigchld(int) {
 // Rank 0's part of an immediate stop (section 1's on_stop_signal): end the workers before rank 0 exits.
 static void tp_on_stop() {
   g_tp.stopping = 1;
-  sig_puts("; stopping all "), sig_putn(g_tp.size), sig_puts(" ranks");
+  sig_puts("; stopping all "), sig_putn(g_tp.size), sig_puts(" ranks\n");  // the whole line, then the workers
   tp_stop_workers(SIGTERM);
 }
 

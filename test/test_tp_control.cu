@@ -120,7 +120,7 @@ TEST(interrupt_ends_every_rank) {
     sleep(30);
     _exit(99);
   });
-  check_interrupted(rz, "interrupted; stopping all 3 ranks");
+  check_interrupted(rz, "\nnanovllm: interrupted; stopping all 3 ranks\n");  // a line of its own
   check_no_worker_left(rz);
 }
 
@@ -154,7 +154,7 @@ TEST(second_interrupt_stops_at_once) {
     sleep(30);
     _exit(99);
   });
-  check_interrupted(rz, "interrupted; stopping all 3 ranks");
+  check_interrupted(rz, "\nnanovllm: interrupted; stopping all 3 ranks\n");  // a line of its own
   check_no_worker_left(rz);
 }
 
