@@ -14,11 +14,7 @@
 set -u
 MODEL=$1 NV=${2:-./nanovllm} TP=${3:-1}
 T=$(mktemp -d)
-passed=0 failed=0
-check() {  # check NAME OK(0/1) DETAIL
-  if [ "$2" = 0 ]; then echo "PASS $1"; passed=$((passed + 1)); else echo "FAIL $1: $3"; failed=$((failed + 1)); fi
-}
-left() { pgrep -f -- "$NV $MODEL" | wc -l; }  # processes of a run: rank 0 and workers share the command line
+source "$(dirname "$0")/gpu_lib.sh"  # check, left
 gpu_procs() { nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | grep -c . ; }
 gpu_before=$(gpu_procs)
 
