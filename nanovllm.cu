@@ -1018,6 +1018,48 @@ struct RopeInvFreq {
   float v[HEAD_DIM / 2];
 };
 
+// The pieces both users share (this kernel and the fused decode attention of 5b):
+// rope_angles: thread i < D/2 puts the cosine and sine of angle i of position pos into cos_s[i], sin_s[i].
+__device__ __forceinline__ void rope_angles(float* cos_s, float* sin_s, int pos, const RopeInvFreq& inv_freq) {
+  if (threadIdx.x < HEAD_DIM / 2) {
+    float angle = (float)pos * inv_freq.v[threadIdx.x];
+    sincosf(angle, &sin_s[threadIdx.x], &cos_s[threadIdx.x]);
+  }
+}
+// head_sum_squares: the sum of squares of one head, over the 8 lanes that hold it (ua = dims 8j..8j+7,
+// ub = dims 64+8j..). Every lane of the warp must call it (a shuffle); lanes without a head pass zeros.
+__device__ __forceinline__ float head_sum_squares(const uint4& ua, const uint4& ub) {
+  float a[8], b[8], ss = 0.f;
+  bf16x8_to_float(ua, a);
+  bf16x8_to_float(ub, b);
+#pragma unroll
+  for (int i = 0; i < 8; i++) ss += a[i] * a[i] + b[i] * b[i];
+#pragma unroll
+  for (int o = 1; o < ROPE_THREADS_PER_HEAD; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  return ss;
+}
+// head_norm_rope: lane j's share of RMSNorm(head) * w, then RoPE, in place on ua, ub (ss from above).
+__device__ __forceinline__ void head_norm_rope(uint4& ua, uint4& ub, float ss, const bf16* w_head,
+                                               const float* cos_s, const float* sin_s, int j, float eps) {
+  float a[8], b[8], wa[8], wb[8], oa[8], ob[8];
+  bf16x8_to_float(ua, a);
+  bf16x8_to_float(ub, b);
+  float scale = rsqrtf(ss / (float)HEAD_DIM + eps);
+  const uint4* w = reinterpret_cast<const uint4*>(w_head);
+  bf16x8_to_float(w[j], wa);
+  bf16x8_to_float(w[j + 8], wb);
+#pragma unroll
+  for (int i = 0; i < 8; i++) {
+    float na = round_bf16(wa[i] * round_bf16(a[i] * scale));  // the normed head, as HF stores it
+    float nb = round_bf16(wb[i] * round_bf16(b[i] * scale));
+    float c = cos_s[8 * j + i], s = sin_s[8 * j + i];
+    oa[i] = na * c - nb * s;
+    ob[i] = nb * c + na * s;
+  }
+  ua = float_to_bf16x8(oa);
+  ub = float_to_bf16x8(ob);
+}
+
 __global__ void qk_norm_rope_kernel(bf16* qkv, const int* positions, const bf16* q_norm_w,
                                     const bf16* k_norm_w, bf16* k_cache, bf16* v_cache, const int* slot_mapping,
                                     int NH, int NKV, int P, float eps, RopeInvFreq inv_freq) {
@@ -1026,45 +1068,22 @@ __global__ void qk_norm_rope_kernel(bf16* qkv, const int* positions, const bf16*
   int t = blockIdx.x;
   const int slot = slot_mapping[t];
   const int64_t cache_block = slot / P, cache_offset = slot % P;  // used only when slot >= 0
-  if (threadIdx.x < HEAD_DIM / 2) {
-    float angle = (float)positions[t] * inv_freq.v[threadIdx.x];
-    sincosf(angle, &sin_s[threadIdx.x], &cos_s[threadIdx.x]);
-  }
+  rope_angles(cos_s, sin_s, positions[t], inv_freq);
   __syncthreads();
   int j = threadIdx.x % ROPE_THREADS_PER_HEAD;  // which 8-dim slice of the head this thread owns
   int heads_per_pass = blockDim.x / ROPE_THREADS_PER_HEAD;
   int nheads = NH + NKV;                         // q heads then k heads: they are contiguous in qkv
   bf16* row = qkv + (int64_t)t * (NH + 2 * NKV) * HEAD_DIM;
-  // Every thread runs the same number of passes so the 8-lane shuffles below never see a missing lane.
+  // Every thread runs the same number of passes so the 8-lane shuffles never see a missing lane.
   for (int base = 0; base < nheads; base += heads_per_pass) {
     int h = base + threadIdx.x / ROPE_THREADS_PER_HEAD;
     bool active = h < nheads;
     uint4* head = reinterpret_cast<uint4*>(row + (int64_t)h * HEAD_DIM);
-    float a[8] = {}, b[8] = {};  // a = dims 8j.., b = dims 64+8j..
-    if (active) {
-      bf16x8_to_float(head[j], a);
-      bf16x8_to_float(head[j + 8], b);
-    }
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; i++) ss += a[i] * a[i] + b[i] * b[i];
-#pragma unroll
-    for (int o = 1; o < ROPE_THREADS_PER_HEAD; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    uint4 ua = {}, ub = {};
+    if (active) ua = head[j], ub = head[j + 8];
+    float ss = head_sum_squares(ua, ub);
     if (!active) continue;
-    float scale = rsqrtf(ss / (float)HEAD_DIM + eps);
-    const uint4* w = reinterpret_cast<const uint4*>(h < NH ? q_norm_w : k_norm_w);
-    float wa[8], wb[8], oa[8], ob[8];
-    bf16x8_to_float(w[j], wa);
-    bf16x8_to_float(w[j + 8], wb);
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-      float na = round_bf16(wa[i] * round_bf16(a[i] * scale));  // the normed head, as HF stores it
-      float nb = round_bf16(wb[i] * round_bf16(b[i] * scale));
-      float c = cos_s[8 * j + i], s = sin_s[8 * j + i];
-      oa[i] = na * c - nb * s;
-      ob[i] = nb * c + na * s;
-    }
-    uint4 ua = float_to_bf16x8(oa), ub = float_to_bf16x8(ob);
+    head_norm_rope(ua, ub, ss, h < NH ? q_norm_w : k_norm_w, cos_s, sin_s, j, eps);
     head[j] = ua;
     head[j + 8] = ub;
     if (h >= NH && slot >= 0) {  // a k head: into its cache slot too
@@ -1082,13 +1101,11 @@ __global__ void qk_norm_rope_kernel(bf16* qkv, const int* positions, const bf16*
     dst[chunk] = v_src[c];
   }
 }
-// k_cache, v_cache: one layer's [NB, NKV, P, D]; slot_mapping [T] (device; -1 = do not store).
-void qk_norm_rope(bf16* qkv, const int* positions, const bf16* q_norm_w, const bf16* k_norm_w, bf16* k_cache,
-                  bf16* v_cache, const int* slot_mapping, int T, int NH, int NKV, int P, float rope_theta,
-                  float eps, cudaStream_t stream) {
-  // As PyTorch: inv_freq = 1.0 / (theta ** (arange(0, D, 2).float() / D)), every step in float. The pow
-  // is evaluated in double and rounded once, i.e. the correctly rounded float of PyTorch's expression.
-  // Cached: the launcher runs once per layer per step and theta never changes within a run.
+// RoPE's inverse frequencies for theta, as PyTorch computes them:
+//   inv_freq = 1.0 / (theta ** (arange(0, D, 2).float() / D)), every step in float. The pow is evaluated in
+// double and rounded once, i.e. the correctly rounded float of PyTorch's expression. Cached: launchers ask
+// once per layer per step and theta never changes within a run.
+static const RopeInvFreq& rope_inv_freq(float rope_theta) {
   static RopeInvFreq inv_freq;
   static float cached_theta = -1.f;
   if (rope_theta != cached_theta) {
@@ -1099,6 +1116,12 @@ void qk_norm_rope(bf16* qkv, const int* positions, const bf16* q_norm_w, const b
     }
     cached_theta = rope_theta;
   }
+  return inv_freq;
+}
+// k_cache, v_cache: one layer's [NB, NKV, P, D]; slot_mapping [T] (device; -1 = do not store).
+void qk_norm_rope(bf16* qkv, const int* positions, const bf16* q_norm_w, const bf16* k_norm_w, bf16* k_cache,
+                  bf16* v_cache, const int* slot_mapping, int T, int NH, int NKV, int P, float rope_theta,
+                  float eps, cudaStream_t stream) {
   check_aligned16("qk_norm_rope", "qkv", qkv);
   check_aligned16("qk_norm_rope", "q_norm_w", q_norm_w);
   check_aligned16("qk_norm_rope", "k_norm_w", k_norm_w);
@@ -1110,7 +1133,7 @@ void qk_norm_rope(bf16* qkv, const int* positions, const bf16* q_norm_w, const b
   int threads = (int)std::min<int64_t>(512, std::max<int64_t>(HEAD_DIM / 2,
                                            cdiv((int64_t)heads * ROPE_THREADS_PER_HEAD, 32) * 32));
   launch(qk_norm_rope_kernel, T, threads, 0, stream, qkv, positions, q_norm_w, k_norm_w, k_cache, v_cache,
-                                                 slot_mapping, NH, NKV, P, eps, inv_freq);
+                                                 slot_mapping, NH, NKV, P, eps, rope_inv_freq(rope_theta));
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -1289,15 +1312,17 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // the K and V tiles sK, sV [ATTN_KV_TILE][HEAD_DIM] (swizzled). Keys at or past key_end are zero-filled
 // instead of read: their block-table entries are -1, and the unused tail of a sequence's last block holds
 // stale or never-written data; a NaN there would survive the softmax mask as 0 * NaN in P V.
-// All NTHREADS threads of the CTA call it: 16 threads copy one 256-byte row.
+// All NTHREADS threads of the CTA call it: 16 threads copy one 256-byte row. The row of key skip_key is
+// left alone (not even zero-filled): the fused decode kernel writes that key itself.
 template <int NTHREADS>
 __device__ __forceinline__ void load_kv_tile(bf16* sK, bf16* sV, const bf16* k_cache, const bf16* v_cache,
                                              const int* block_table /* [MB] */, int kvh, int NKV, int log2P,
-                                             int key0, int key_end) {
+                                             int key0, int key_end, int skip_key = -1) {
   const int chunk = threadIdx.x & 15;
 #pragma unroll
   for (int r = threadIdx.x >> 4; r < ATTN_KV_TILE; r += NTHREADS / 16) {
     const int key = key0 + r;
+    if (key == skip_key) continue;
     const bool valid = key < key_end;
     size_t offset = 0;
     if (valid) {
@@ -1550,41 +1575,103 @@ static void attention_prefill(bf16* out, const bf16* qkv, const bf16* k_cache, c
 //   Measured on H200 (B=128, ctx 1024, Qwen3-0.6B heads): 3.75 TB/s of K/V read, about 88% of the copy
 //   bandwidth (4.26 TB/s); early-exit CTAs of a max_context_len=4096 grid cost nothing measurable.
 //   Preconditions: 1 <= context_lens[b] <= max_context_len; NH/NKV <= 16.
+//   ROPE = true (what the engine runs): the kernel also does qk_norm_rope's work for its token, so a decode
+//   step has no separate q/k-norm + RoPE kernel. Every CTA normalises and rotates its group's query heads
+//   straight into the Q tile (the few hundred bytes are read from qkv by every CTA of the group, and the
+//   64 sines and cosines computed by each: both cheaper than a kernel boundary); the CTA whose partition
+//   ends at the context's end (the "owner": key ctx-1 is this step's token) does the same for the k head,
+//   writes k and v to their cache slot (slot_mapping; -1 stores nothing) and puts them in its last tile
+//   itself, the one key its tile loads leave out. The result is bit for bit that of qk_norm_rope followed
+//   by this kernel with ROPE = false (test/gpu_attention.cu checks it), since the math is the same code.
+//   And because of that, everything a CTA reads before its Q tile was written before the kernel ahead of
+//   this one started: context lengths and block tables by the step's upload, the cached keys and values
+//   by earlier steps. So with ROPE the CTA issues its first K/V tile loads before pdl_begin() (section 5),
+//   while the qkv projection before it still runs; at batch 1 that is all of the keys it reads. (With ROPE
+//   = false the k/v of this step come from qk_norm_rope, the kernel just before: loads wait for it.)
+struct DecodeRope {         // the fused q/k-norm + RoPE + KV store (ROPE = true)
+  const int* positions;     // [B] the token's position
+  const int* slot_mapping;  // [B] its cache slot, -1 = do not store
+  const bf16* q_norm_w;     // [D]
+  const bf16* k_norm_w;     // [D]
+  float eps;
+  RopeInvFreq inv_freq;
+};
+
+template <bool ROPE>
 __global__ void __launch_bounds__(DECODE_WARPS * 32)
-    attention_decode_kernel(bf16* __restrict__ out, const bf16* __restrict__ qkv,
-                            const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
-                            const int* __restrict__ context_lens, const int* __restrict__ block_tables,
-                            int NH, int NKV, int log2P, int MB, int max_parts, int partition,
-                            float* __restrict__ ws_o, float* __restrict__ ws_ml, float scale_log2) {
-  pdl_begin();
+    attention_decode_kernel(bf16* __restrict__ out, const bf16* __restrict__ qkv, bf16* __restrict__ k_cache,
+                            bf16* __restrict__ v_cache, const int* __restrict__ context_lens,
+                            const int* __restrict__ block_tables, int NH, int NKV, int log2P, int MB,
+                            int max_parts, int partition, float* __restrict__ ws_o, float* __restrict__ ws_ml,
+                            float scale_log2, DecodeRope rope) {
+  if (!ROPE) pdl_begin();
   const int part = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int ctx = context_lens[b];
   const int key_begin = part * partition;
-  if (key_begin >= ctx) return;
+  if (key_begin >= ctx) return;  // writes nothing; with ROPE it need not wait for the kernel before either
   const int key_end = min(ctx, key_begin + partition);
   const int n_tiles = cdiv_dev(key_end - key_begin, ATTN_KV_TILE);
   const int group = NH / NKV;  // query heads kvh*group .. kvh*group + group-1 share this kv head
   const int* block_table = block_tables + (size_t)b * MB;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool owner = ROPE && key_end == ctx;  // holds this step's token, key ctx-1
+  const int new_key = owner ? ctx - 1 : -1;   // the key the tile loads leave out
 
   extern __shared__ __align__(16) unsigned char attn_smem[];
   bf16* sQ = reinterpret_cast<bf16*>(attn_smem);              // [DECODE_ROWS][D]
   bf16* sK = sQ + DECODE_ROWS * HEAD_DIM;                     // [ATTN_STAGES][ATTN_KV_TILE][D]
   bf16* sV = sK + ATTN_STAGES * ATTN_KV_TILE * HEAD_DIM;      // [ATTN_STAGES][ATTN_KV_TILE][D]
   constexpr int TILE = ATTN_KV_TILE * HEAD_DIM;
+  __shared__ uint4 s_new_kv[2][HEAD_DIM / 8];                 // ROPE owner: this step's k and v
+  __shared__ float cos_s[ROPE ? HEAD_DIM / 2 : 1], sin_s[ROPE ? HEAD_DIM / 2 : 1];
 
   // Row g of the Q tile is query head kvh*group + g of token b: the group's heads are adjacent in qkv.
-  const bf16* q_src = qkv + (size_t)b * (NH + 2 * NKV) * HEAD_DIM + (size_t)kvh * group * HEAD_DIM;
-  for (int i = threadIdx.x; i < DECODE_ROWS * 16; i += DECODE_WARPS * 32) {
-    const int r = i >> 4, c = i & 15;
-    cp_async_16(sQ + attn_smem_index(r, c), r < group ? q_src + r * HEAD_DIM + c * 8 : qkv, r < group);
+  const bf16* qkv_row = qkv + (size_t)b * (NH + 2 * NKV) * HEAD_DIM;
+  const bf16* q_src = qkv_row + (size_t)kvh * group * HEAD_DIM;
+  if (!ROPE) {
+    for (int i = threadIdx.x; i < DECODE_ROWS * 16; i += DECODE_WARPS * 32) {
+      const int r = i >> 4, c = i & 15;
+      cp_async_16(sQ + attn_smem_index(r, c), r < group ? q_src + r * HEAD_DIM + c * 8 : qkv, r < group);
+    }
   }
-  cp_async_commit();
+  cp_async_commit();  // (empty with ROPE: the group count stays the same)
   for (int t = 0; t < ATTN_STAGES - 1; t++) {
     if (t < n_tiles)
       load_kv_tile<DECODE_WARPS * 32>(sK + t * TILE, sV + t * TILE, k_cache, v_cache, block_table, kvh, NKV,
-                                      log2P, key_begin + t * ATTN_KV_TILE, key_end);
+                                      log2P, key_begin + t * ATTN_KV_TILE, key_end, new_key);
     cp_async_commit();
+  }
+  if (ROPE) {
+    pdl_begin();  // qkv is the kernel before's output
+    rope_angles(cos_s, sin_s, rope.positions[b], rope.inv_freq);
+    __syncthreads();
+    // 8 threads per head as in qk_norm_rope_kernel: heads 0..group-1 are the queries, head `group` the key
+    // (owner only); Q rows past the group are zeros. Every thread runs the same passes (shuffles).
+    const int j = threadIdx.x % ROPE_THREADS_PER_HEAD, nheads = group + (owner ? 1 : 0);
+    for (int base = 0; base < max(DECODE_ROWS, group + 1); base += DECODE_WARPS * 32 / ROPE_THREADS_PER_HEAD) {
+      const int r = base + threadIdx.x / ROPE_THREADS_PER_HEAD;
+      const bool active = r < nheads;
+      const uint4* src = reinterpret_cast<const uint4*>(r < group ? q_src + (size_t)r * HEAD_DIM
+                                                                  : qkv_row + (size_t)(NH + kvh) * HEAD_DIM);
+      uint4 ua = {}, ub = {};
+      if (active) ua = src[j], ub = src[j + 8];
+      const float ss = head_sum_squares(ua, ub);
+      if (active) head_norm_rope(ua, ub, ss, r < group ? rope.q_norm_w : rope.k_norm_w, cos_s, sin_s, j, rope.eps);
+      if (r == group && owner) s_new_kv[0][j] = ua, s_new_kv[0][j + 8] = ub;
+      if (r < DECODE_ROWS) {
+        *reinterpret_cast<uint4*>(sQ + attn_smem_index(r, j)) = r < group ? ua : uint4{};
+        *reinterpret_cast<uint4*>(sQ + attn_smem_index(r, j + 8)) = r < group ? ub : uint4{};
+      }
+    }
+    if (owner && threadIdx.x < HEAD_DIM / 8)  // v as it is
+      s_new_kv[1][threadIdx.x] = reinterpret_cast<const uint4*>(qkv_row + (size_t)(NH + NKV + kvh) * HEAD_DIM)[threadIdx.x];
+    __syncthreads();
+    const int slot = owner ? rope.slot_mapping[b] : -1;
+    if (slot >= 0 && threadIdx.x < 2 * HEAD_DIM / 8) {  // into the cache: k by threads 0-15, v by 16-31
+      const int kv = threadIdx.x / 16, c = threadIdx.x % 16;
+      const size_t row = (((size_t)(slot >> log2P) * NKV + kvh) << log2P) + (slot & ((1 << log2P) - 1));
+      reinterpret_cast<uint4*>((kv ? v_cache : k_cache) + row * HEAD_DIM)[c] = s_new_kv[kv][c];
+    }
   }
   cp_async_wait<ATTN_STAGES - 1>();
   __syncthreads();
@@ -1600,12 +1687,18 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
     if (ahead < n_tiles) {
       const int stage = ahead % ATTN_STAGES;
       load_kv_tile<DECODE_WARPS * 32>(sK + stage * TILE, sV + stage * TILE, k_cache, v_cache, block_table,
-                                      kvh, NKV, log2P, key_begin + ahead * ATTN_KV_TILE, key_end);
+                                      kvh, NKV, log2P, key_begin + ahead * ATTN_KV_TILE, key_end, new_key);
     }
     cp_async_commit();
     cp_async_wait<ATTN_STAGES - 1>();
+    const int key_tile = key_begin + t * ATTN_KV_TILE;
+    if (owner && t == n_tiles - 1 && threadIdx.x < 2 * HEAD_DIM / 8) {  // this step's k and v: the left-out row
+      const int kv = threadIdx.x / 16, c = threadIdx.x % 16;
+      bf16* dst = (kv ? sV : sK) + (t % ATTN_STAGES) * TILE + attn_smem_index(new_key - key_tile, c);
+      *reinterpret_cast<uint4*>(dst) = s_new_kv[kv][c];
+    }
     __syncthreads();
-    const int key0 = key_begin + t * ATTN_KV_TILE + warp * 16;
+    const int key0 = key_tile + warp * 16;
     if (key0 < key_end)
       attend_kv_slice<16>(q, sK + (t % ATTN_STAGES) * TILE, sV + (t % ATTN_STAGES) * TILE, warp * 16, key0,
                           key0 + 16 > key_end, last_key, scale_log2, o, m, l);
@@ -1693,24 +1786,29 @@ static size_t attention_decode_workspace_bytes(int B, int NH, int max_context_le
 // context_lens: int [B] (device, keys including the current token); block_tables: int [B, MB] (device);
 // max_context_len: host bound on every context_lens[b] (max_model_len): the grid depends only on it, so a
 // captured graph stays valid; workspace: attention_decode_workspace_bytes(B, NH, max_context_len) bytes.
-static void attention_decode(bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache,
-                             const int* context_lens, const int* block_tables, int B, int NH, int NKV, int P,
-                             int MB, int max_context_len, float* workspace, float scale,
-                             cudaStream_t stream) {
+// rope: null = q and this step's k/v are ready (qk_norm_rope ran); else the fused kernel (ROPE = true):
+// qkv is the raw projection, and this step's k and v go to the cache here.
+static void attention_decode(bf16* out, const bf16* qkv, bf16* k_cache, bf16* v_cache, const int* context_lens,
+                             const int* block_tables, int B, int NH, int NKV, int P, int MB, int max_context_len,
+                             float* workspace, float scale, cudaStream_t stream, const DecodeRope* rope = nullptr) {
   check_attention_shapes("attention_decode", NH, NKV, P);
   if (NH / NKV > DECODE_ROWS)
     die("attention_decode: NH/NKV = %d query heads per kv head, at most %d", NH / NKV, DECODE_ROWS);
+  if (rope) {
+    check_aligned16("attention_decode", "q_norm_w", rope->q_norm_w);
+    check_aligned16("attention_decode", "k_norm_w", rope->k_norm_w);
+  }
   if (B == 0) return;
   const int partition = decode_partition(B);
   const int max_parts = (int)cdiv(max_context_len, partition);
   float* ws_o = workspace;                                          // [B, NH, max_parts, D]
   float* ws_ml = workspace + (size_t)B * NH * max_parts * HEAD_DIM;  // [B, NH, max_parts, 2]
   const size_t smem = (DECODE_ROWS + 2 * ATTN_STAGES * ATTN_KV_TILE) * HEAD_DIM * sizeof(bf16);  // 68 KiB
-  CUDA_CHECK(cudaFuncSetAttribute(attention_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  (int)smem));
-  launch(attention_decode_kernel, dim3(max_parts, NKV, B), DECODE_WARPS * 32, smem, stream,
-      out, qkv, k_cache, v_cache, context_lens, block_tables, NH, NKV, __builtin_ctz(P), MB, max_parts, partition,
-      ws_o, ws_ml, scale * (float)M_LOG2E);
+  auto kernel = rope ? attention_decode_kernel<true> : attention_decode_kernel<false>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  launch(kernel, dim3(max_parts, NKV, B), DECODE_WARPS * 32, smem, stream, out, qkv, k_cache, v_cache,
+         context_lens, block_tables, NH, NKV, __builtin_ctz(P), MB, max_parts, partition, ws_o, ws_ml,
+         scale * (float)M_LOG2E, rope ? *rope : DecodeRope{});
   CUDA_CHECK(cudaGetLastError());
   if (max_parts > 1) {
     launch(attention_decode_merge_kernel, dim3(NH, B), HEAD_DIM, 0, stream, out, context_lens, ws_o, ws_ml, NH,
@@ -2507,14 +2605,16 @@ struct Qwen3 {
     for (int l = 0; l < cfg.num_hidden_layers; l++) {
       const LayerWeights& lw = w.layers[l];
       norm_matmul(act.qkv, lw.input_layernorm, lw.qkv_proj, (NH + 2 * NKV) * D, l > 0);
-      qk_norm_rope(act.qkv, in.positions, lw.q_norm, lw.k_norm, kv.k(l), kv.v(l), in.slot_mapping, T, NH, NKV, P,
-                   cfg.rope_theta, eps, s);
-      if (is_prefill)
+      if (is_prefill) {
+        qk_norm_rope(act.qkv, in.positions, lw.q_norm, lw.k_norm, kv.k(l), kv.v(l), in.slot_mapping, T, NH, NKV,
+                     P, cfg.rope_theta, eps, s);
         attention_prefill(act.attn, act.qkv, kv.k(l), kv.v(l), in.cu_seqlens_q, in.seqlens_k, in.block_tables, B,
                           in.max_seqlen_q, NH, NKV, P, MB, scale, s);
-      else
+      } else {  // q/k-norm, RoPE and the KV store inside the attention kernel (5b)
+        const DecodeRope rope{in.positions, in.slot_mapping, lw.q_norm, lw.k_norm, eps, rope_inv_freq(cfg.rope_theta)};
         attention_decode(act.attn, act.qkv, kv.k(l), kv.v(l), in.seqlens_k, in.block_tables, B, NH, NKV, P, MB,
-                         max_model_len, act.attn_workspace, scale, s);
+                         max_model_len, act.attn_workspace, scale, s, &rope);
+      }
       matmul_out(act.attn, lw.o_proj, NH * D, GemvIn::PLAIN);
       norm_matmul(act.gate_up, lw.post_attention_layernorm, lw.gate_up_proj, 2 * I, true);
       if (fuse_silu) {

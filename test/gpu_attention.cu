@@ -446,6 +446,103 @@ static void time_decode(const char* what, const std::vector<int>& ctx, int NH, i
     CUDA_CHECK(cudaFree(p));
 }
 
+// ---- the fused decode path -------------------------------------------------------------------------------
+
+static std::vector<uint16_t> download_bits(const bf16* d, size_t n) {
+  std::vector<uint16_t> h(n);
+  CUDA_CHECK(cudaMemcpy(h.data(), d, n * sizeof(bf16), cudaMemcpyDeviceToHost));
+  return h;
+}
+static bf16* device_copy(const bf16* src, size_t n) {
+  bf16* d = nullptr;
+  CUDA_CHECK(cudaMalloc(&d, n * sizeof(bf16)));
+  CUDA_CHECK(cudaMemcpy(d, src, n * sizeof(bf16), cudaMemcpyDeviceToDevice));
+  return d;
+}
+
+// attention_decode with DecodeRope (q/k-norm, RoPE and the KV store inside the kernel, what the engine
+// runs) against the kernels it replaces, qk_norm_rope then attention_decode without it, on the same raw
+// qkv and cache: the outputs of the real rows and the whole cache afterwards must be equal bit for bit.
+// The last n_pad rows are padding (slot -1, as the engine pads a graph's batch): both paths store nothing
+// for them; their outputs are not compared (the fused kernel attends to the row's own k and v, the separate
+// path to what the cache held).
+static void check_fused_rope(const char* what, int NH, int NKV, int P, const std::vector<int>& ctx, int n_pad,
+                             int max_ctx, uint64_t seed) {
+  const int B = (int)ctx.size(), MB = (int)cdiv(max_ctx, P), W = (NH + 2 * NKV) * HEAD_DIM;
+  int NB = 0;
+  std::vector<int> bt = shuffled_tables(ctx, P, MB, NB, seed);
+  std::vector<int> pos(B), slots(B);
+  for (int b = 0; b < B; b++) {
+    pos[b] = ctx[b] - 1;
+    slots[b] = b >= B - n_pad ? -1 : bt[(size_t)b * MB + pos[b] / P] * P + pos[b] % P;
+  }
+  const size_t cache = (size_t)NB * NKV * P * HEAD_DIM;
+  bf16 *k0 = device_random(cache, seed + 1), *v0 = device_random(cache, seed + 2);
+  bf16* qkv0 = device_random((size_t)B * W, seed + 3);
+  bf16 *qw = device_random(HEAD_DIM, seed + 4), *kw = device_random(HEAD_DIM, seed + 5);
+  int *d_ctx = to_device(ctx), *d_bt = to_device(bt), *d_pos = to_device(pos), *d_slots = to_device(slots);
+  float* ws = nullptr;
+  CUDA_CHECK(cudaMalloc(&ws, attention_decode_workspace_bytes(B, NH, max_ctx)));
+  const float theta = 1e6f, eps = 1e-6f, scale = 1.f / sqrtf((float)HEAD_DIM);
+  std::vector<uint16_t> out_bits[2], k_bits[2], v_bits[2];
+  for (int fused = 0; fused < 2; fused++) {
+    bf16 *qkv = device_copy(qkv0, (size_t)B * W), *k = device_copy(k0, cache), *v = device_copy(v0, cache);
+    PoisonedOutput out((size_t)B * NH * HEAD_DIM);
+    CUDA_CHECK(cudaMemset(ws, 0xFF, attention_decode_workspace_bytes(B, NH, max_ctx)));
+    if (fused) {
+      const DecodeRope rope{d_pos, d_slots, qw, kw, eps, rope_inv_freq(theta)};
+      attention_decode(out.d, qkv, k, v, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws, scale, 0, &rope);
+    } else {
+      qk_norm_rope(qkv, d_pos, qw, kw, k, v, d_slots, B, NH, NKV, P, theta, eps, 0);
+      attention_decode(out.d, qkv, k, v, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws, scale, 0);
+    }
+    std::vector<float> o = out.read();  // also checks the guard zone
+    out_bits[fused] = download_bits(out.d, (size_t)(B - n_pad) * NH * HEAD_DIM);
+    k_bits[fused] = download_bits(k, cache);
+    v_bits[fused] = download_bits(v, cache);
+    size_t nonfinite = 0;
+    for (size_t i = 0; i < (size_t)(B - n_pad) * NH * HEAD_DIM; i++) nonfinite += !std::isfinite(o[i]);
+    CHECK_MSG(nonfinite == 0, "%s: %zu non-finite outputs (fused = %d)", what, nonfinite, fused);
+    if (fused) {  // the unfused qkv is roped in place; the fused kernel must leave qkv as it was
+      CHECK_MSG(download_bits(qkv, (size_t)B * W) == download_bits(qkv0, (size_t)B * W),
+                "%s: the fused kernel wrote to qkv", what);
+    }
+    for (void* p : {(void*)qkv, (void*)k, (void*)v}) CUDA_CHECK(cudaFree(p));
+  }
+  size_t out_diff = 0, k_diff = 0, v_diff = 0;
+  for (size_t i = 0; i < out_bits[0].size(); i++) out_diff += out_bits[0][i] != out_bits[1][i];
+  for (size_t i = 0; i < cache; i++) k_diff += k_bits[0][i] != k_bits[1][i], v_diff += v_bits[0][i] != v_bits[1][i];
+  // the store happened: every real row's slot changed (random bf16s repeat by chance only rarely)
+  std::vector<uint16_t> k_before = download_bits(k0, cache);
+  size_t stored = 0;
+  for (int b = 0; b < B - n_pad; b++) {
+    const size_t at = ((size_t)(slots[b] / P) * NKV * P + slots[b] % P) * HEAD_DIM;  // kv head 0
+    stored += memcmp(&k_before[at], &k_bits[1][at], HEAD_DIM * sizeof(uint16_t)) != 0;
+  }
+  printf("    %-58s outputs differing %zu, k cache %zu, v cache %zu, slots stored %zu of %d\n", what, out_diff,
+         k_diff, v_diff, stored, B - n_pad);
+  CHECK_MSG(out_diff == 0 && k_diff == 0 && v_diff == 0, "%s: the fused path differs from the separate kernels",
+            what);
+  CHECK_MSG(stored == (size_t)(B - n_pad), "%s: %zu of %d slots were stored", what, stored, B - n_pad);
+  for (void* p : {(void*)k0, (void*)v0, (void*)qkv0, (void*)qw, (void*)kw, (void*)d_ctx, (void*)d_bt, (void*)d_pos,
+                  (void*)d_slots, (void*)ws})
+    CUDA_CHECK(cudaFree(p));
+}
+
+TEST(decode_fused_rope_matches_separate_kernels) {
+  REQUIRE_GPU();
+  check_fused_rope("fused B=1 ctx=777 NH=16 NKV=8 P=256", 16, 8, 256, {777}, 0, 4096, 51);
+  check_fused_rope("fused B=1 ctx=1 NH=16 NKV=8 P=16", 16, 8, 16, {1}, 0, 4096, 52);
+  check_fused_rope("fused B=4 ctx 1,64,65,+pad NH=32 NKV=8 P=16", 32, 8, 16, {1, 64, 65, 1}, 1, 2048, 53);
+  check_fused_rope("fused B=37 ctx 1..1500 NH=16 NKV=2 P=64", 16, 2, 64, random_lengths(37, 1, 1500, 54), 0, 2048,
+                   55);
+  std::vector<int> ctx64 = random_lengths(64, 1, 3000, 56);
+  for (int b = 60; b < 64; b++) ctx64[b] = 1;
+  check_fused_rope("fused B=64 ctx 1..3000 NH=16 NKV=1 (group 16) P=256 +4 pad", 16, 1, 256, ctx64, 4, 4096, 57);
+  check_fused_rope("fused B=200 ctx 1..700 NH=16 NKV=8 P=16", 16, 8, 16, random_lengths(200, 1, 700, 58), 0, 1024,
+                   59);
+}
+
 TEST(timing_decode) {
   REQUIRE_GPU();
   const std::vector<int> ctx1024(128, 1024);

@@ -9,7 +9,9 @@
 # Prints one line per run (clean / errors / timeout) and a RESULT line like the other suites.
 #
 #   bash test/gpu_sanitize.sh [BIN_DIR] [MODEL_DIR]      env: CASE_TIMEOUT (seconds per run, default 600),
-#                                                         SUITES (default: gpu_gemm gpu_kernels gpu_attention)
+#                                                         SUITES (default: gpu_gemm gpu_kernels gpu_attention),
+#                                                         CASES (an extended regex: only the cases it matches),
+#                                                         TOOLS (default: memcheck initcheck racecheck)
 set -u
 BIN=${1:-build} MODEL=${2:-}
 NV=$BIN/nanovllm; [ -x "$NV" ] || NV=./nanovllm
@@ -36,8 +38,9 @@ sanitize() {  # sanitize TOOL NAME CMD...: clean = exit 0 and "ERROR SUMMARY: 0 
 }
 for suite in ${SUITES:-gpu_gemm gpu_kernels gpu_attention}; do
   # --list prints case names, one per line (a suite may print a GPU line first)
-  for c in $("$BIN/$suite" --list | grep -E '^[a-z][a-z0-9_]*$' | grep -v -E '^(bench|timing)_|_speed$'); do
-    for tool in memcheck initcheck racecheck; do
+  for c in $("$BIN/$suite" --list | grep -E '^[a-z][a-z0-9_]*$' | grep -v -E '^(bench|timing)_|_speed$' |
+    grep -E "${CASES:-.}"); do
+    for tool in ${TOOLS:-memcheck initcheck racecheck}; do
       case "$tool:$c" in
         racecheck:sample_reproduces_cpu_draws_exactly | racecheck:sample_is_deterministic_and_independent_of_batch | \
           racecheck:sample_distribution_matches_softmax | racecheck:sample_large_vocab_kept_sets) continue ;;
