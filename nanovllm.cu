@@ -2360,7 +2360,8 @@ struct Gemm {
 //   kernel for down_proj; test/gpu_gemm.cu times both), so batch-1 and -2 decode get this simpler kernel:
 //   one warp per output column n streams row n of W once with 16-byte loads (all of a row's loads issued
 //   before the first use), dots it with the M rows of x (tiny, served from L1), reduces across the warp,
-//   and writes y[:, n].
+//   and writes y[:, n]. For short rows a warp takes two adjacent columns (gemv_rows_per_warp below); the
+//   sums are the same either way, added in the same order.
 //   Layouts: x bf16 [M, K] row-major; W bf16 [N, K] row-major (PyTorch's [out, in]); y bf16 [M, N].
 //   Preconditions: K % 8 == 0; x, W 16-byte aligned. fp32 accumulation, one bf16 rounding.
 //
@@ -2390,24 +2391,28 @@ constexpr int GEMV_WARPS = 8;
 constexpr int GEMV_UNROLL = 8;
 constexpr size_t GEMV_MAX_SMEM = 48 << 10;  // the staged input [M, K]: what a launch gets without opting in
 
-template <int M, GemvIn IN, bool ADD>
+template <int M, GemvIn IN, bool ADD, int R>
 __global__ void __launch_bounds__(GEMV_WARPS * 32)
     gemv_kernel(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ W, int N, int K,
                 const bf16* __restrict__ norm_w, float eps) {
   extern __shared__ uint4 staged[];  // IN != PLAIN: the input the dot products use, bf16 [M, K]
-  const int n = blockIdx.x * GEMV_WARPS + threadIdx.x / 32, lane = threadIdx.x & 31;
-  const bf16* w = W + (size_t)n * K;
-  uint4 wv[GEMV_UNROLL];
-  auto load_stretch = [&](int k0) {  // issue every load of a stretch of the row before its first use
+  constexpr int U = GEMV_UNROLL / R;  // loads in flight per row
+  const int n0 = (blockIdx.x * GEMV_WARPS + threadIdx.x / 32) * R, lane = threadIdx.x & 31;  // rows n0..n0+R-1
+  uint4 wv[R][U];
+  auto load_stretch = [&](int k0) {  // issue every load of a stretch of the rows before its first use
 #pragma unroll
-    for (int u = 0; u < GEMV_UNROLL; u++) {
-      const int k = k0 + u * 256 + lane * 8;
-      if (k < K) wv[u] = __ldcs(reinterpret_cast<const uint4*>(w + k));  // streamed: read once
+    for (int r = 0; r < R; r++) {
+#pragma unroll
+      for (int u = 0; u < U; u++) {
+        const int k = k0 + u * 256 + lane * 8;
+        if (n0 + r < N && k < K) wv[r][u] = __ldcs(reinterpret_cast<const uint4*>(W + (size_t)(n0 + r) * K + k));
+      }
     }
   };
   // No step writes the weights, so the first stretch is loaded before waiting for the kernel before
-  // (section 5, PDL): for K <= 2048 that is the whole row, in flight while that kernel finishes.
-  if (n < N) load_stretch(0);
+  // (section 5, PDL): for R * K <= GEMV_UNROLL * 256 that is all of the warp's rows, in flight while that
+  // kernel finishes.
+  if (n0 < N) load_stretch(0);
   pdl_begin();
   if constexpr (IN == GemvIn::RMSNORM) {
     __shared__ float scratch[32];
@@ -2424,60 +2429,79 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     }
     __syncthreads();
   }
-  if (n >= N) return;
-  float acc[M];
+  if (n0 >= N) return;
+  float acc[R][M];
 #pragma unroll
-  for (int m = 0; m < M; m++) acc[m] = 0.f;
-  for (int k0 = 0; k0 < K; k0 += GEMV_UNROLL * 256) {
+  for (int r = 0; r < R; r++)
+#pragma unroll
+    for (int m = 0; m < M; m++) acc[r][m] = 0.f;
+  for (int k0 = 0; k0 < K; k0 += U * 256) {  // every lane sums its columns in increasing order, whatever R is
     if (k0 > 0) load_stretch(k0);
 #pragma unroll
-    for (int u = 0; u < GEMV_UNROLL; u++) {
+    for (int u = 0; u < U; u++) {
       const int k = k0 + u * 256 + lane * 8;
       if (k >= K) break;
-      float wf[8];
-      bf16x8_to_float(wv[u], wf);
 #pragma unroll
       for (int m = 0; m < M; m++) {
         float xf[8];
         const size_t at = ((size_t)m * K + k) / 8;
         bf16x8_to_float(IN == GemvIn::PLAIN ? __ldg(reinterpret_cast<const uint4*>(x) + at) : staged[at], xf);
 #pragma unroll
-        for (int j = 0; j < 8; j++) acc[m] = fmaf(wf[j], xf[j], acc[m]);
+        for (int r = 0; r < R; r++) {
+          float wf[8];
+          bf16x8_to_float(wv[r][u], wf);
+#pragma unroll
+          for (int j = 0; j < 8; j++) acc[r][m] = fmaf(wf[j], xf[j], acc[r][m]);
+        }
       }
     }
   }
 #pragma unroll
-  for (int m = 0; m < M; m++) {
+  for (int r = 0; r < R; r++)
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], off);
-  }
-  if (lane < M) {  // lane m writes row m (registers are indexed with constants only)
+    for (int m = 0; m < M; m++) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) acc[r][m] += __shfl_xor_sync(0xffffffffu, acc[r][m], off);
+    }
+  // lane r*M + m writes y[m, n0 + r] (registers are indexed with constants only)
+#pragma unroll
+  for (int r = 0; r < R; r++)
 #pragma unroll
     for (int m = 0; m < M; m++)
-      if (lane == m) {
-        bf16& out = y[(size_t)m * N + n];
-        out = ADD ? __float2bfloat16(round_bf16(acc[m]) + __bfloat162float(out)) : __float2bfloat16(acc[m]);
+      if (lane == r * M + m && n0 + r < N) {
+        bf16& out = y[(size_t)m * N + n0 + r];
+        out = ADD ? __float2bfloat16(round_bf16(acc[r][m]) + __bfloat162float(out)) : __float2bfloat16(acc[r][m]);
       }
-  }
 }
 
+// Rows per warp: 2 when both rows' loads fit in one stretch (K <= 1024: Qwen3-0.6B's qkv and gate_up), so the
+// grid is half as large and fits on the GPU at once beside the kernel before, every block loading all of its
+// weights before the PDL wait; else 1.
+static int gemv_rows_per_warp(int K) { return 2 * K <= GEMV_UNROLL * 256 ? 2 : 1; }
+
+template <int M, GemvIn IN, bool ADD>
+static void gemv_launch(int K, int N, size_t smem, cudaStream_t stream, bf16* y, const bf16* x, const bf16* W,
+                        const bf16* norm_w, float eps) {
+  if (gemv_rows_per_warp(K) == 2)
+    launch(gemv_kernel<M, IN, ADD, 2>, (unsigned)cdiv(N, 2 * GEMV_WARPS), GEMV_WARPS * 32, smem, stream, y, x, W, N,
+           K, norm_w, eps);
+  else
+    launch(gemv_kernel<M, IN, ADD, 1>, (unsigned)cdiv(N, GEMV_WARPS), GEMV_WARPS * 32, smem, stream, y, x, W, N, K,
+           norm_w, eps);
+}
 template <int M, GemvIn IN>
-static void gemv_launch(bool add, dim3 grid, size_t smem, cudaStream_t stream, bf16* y, const bf16* x,
-                        const bf16* W, int N, int K, const bf16* norm_w, float eps) {
-  if (add) launch(gemv_kernel<M, IN, true>, grid, GEMV_WARPS * 32, smem, stream, y, x, W, N, K, norm_w, eps);
-  else launch(gemv_kernel<M, IN, false>, grid, GEMV_WARPS * 32, smem, stream, y, x, W, N, K, norm_w, eps);
+static void gemv_launch(bool add, int K, int N, size_t smem, cudaStream_t stream, bf16* y, const bf16* x,
+                        const bf16* W, const bf16* norm_w, float eps) {
+  if (add) gemv_launch<M, IN, true>(K, N, smem, stream, y, x, W, norm_w, eps);
+  else gemv_launch<M, IN, false>(K, N, smem, stream, y, x, W, norm_w, eps);
 }
 template <int M>
-static void gemv_launch(const GemvOptions& o, dim3 grid, size_t smem, cudaStream_t stream, bf16* y,
-                        const bf16* x, const bf16* W, int N, int K) {
+static void gemv_launch(const GemvOptions& o, size_t smem, cudaStream_t stream, bf16* y, const bf16* x,
+                        const bf16* W, int N, int K) {
   switch (o.in) {
-    case GemvIn::PLAIN: gemv_launch<M, GemvIn::PLAIN>(o.add, grid, smem, stream, y, x, W, N, K, nullptr, 0); break;
-    case GemvIn::RMSNORM:
-      gemv_launch<M, GemvIn::RMSNORM>(o.add, grid, smem, stream, y, x, W, N, K, o.norm_w, o.eps);
-      break;
-    case GemvIn::SILU_MUL:
-      gemv_launch<M, GemvIn::SILU_MUL>(o.add, grid, smem, stream, y, x, W, N, K, nullptr, 0);
-      break;
+    case GemvIn::PLAIN: gemv_launch<M, GemvIn::PLAIN>(o.add, K, N, smem, stream, y, x, W, nullptr, 0); break;
+    case GemvIn::RMSNORM: gemv_launch<M, GemvIn::RMSNORM>(o.add, K, N, smem, stream, y, x, W, o.norm_w, o.eps); break;
+    case GemvIn::SILU_MUL: gemv_launch<M, GemvIn::SILU_MUL>(o.add, K, N, smem, stream, y, x, W, nullptr, 0); break;
   }
 }
 
@@ -2494,10 +2518,9 @@ static void gemv(bf16* y, const bf16* x, const bf16* W, int M, int N, int K, cud
     smem = (size_t)M * K * sizeof(bf16);
   }
   if (o.in == GemvIn::RMSNORM) rmsnorm_checks("gemv (RMSNORM)", x, x, o.norm_w, K);
-  dim3 grid((unsigned)cdiv(N, GEMV_WARPS));
   switch (M) {
-    case 1: gemv_launch<1>(o, grid, smem, stream, y, x, W, N, K); break;
-    case 2: gemv_launch<2>(o, grid, smem, stream, y, x, W, N, K); break;
+    case 1: gemv_launch<1>(o, smem, stream, y, x, W, N, K); break;
+    case 2: gemv_launch<2>(o, smem, stream, y, x, W, N, K); break;
     default: die("gemv: M = %d, at most %d", M, GEMV_MAX_M);
   }
   CUDA_CHECK(cudaGetLastError());
