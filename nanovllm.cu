@@ -76,6 +76,7 @@
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -792,6 +793,14 @@ __device__ __forceinline__ void pdl_begin() {
 #endif
 }
 
+// Lets the next kernel launch without waiting for anything: for blocks that exit without reading or writing
+// (the decode kernel's partitions past the context), which would otherwise hold the next launch back.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
 // Whether launch() asks for PDL: this GPU is sm_90 or later and NANOVLLM_PDL is not 0 (asked once).
 static bool pdl_enabled() {
   static int on = -1;
@@ -806,17 +815,29 @@ static bool pdl_enabled() {
 }
 
 // Every kernel of this file is launched through here: kernel<<<grid, block, smem, stream>>>(args...),
-// plus the PDL attribute.
+// plus the PDL attribute; launch_cluster also groups the blocks in clusters of cluster_x along x (5b).
+template <typename... Params, typename... Args>
+static void launch_cluster(unsigned cluster_x, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                           cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attrs[2] = {};
+  int n = 0;
+  if (pdl_enabled()) {
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster_x > 1) {
+    attrs[n].id = cudaLaunchAttributeClusterDimension;
+    attrs[n++].val.clusterDim = {cluster_x, 1, 1};
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = smem, cfg.stream = stream;
+  cfg.attrs = attrs, cfg.numAttrs = n;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
 template <typename... Params, typename... Args>
 static void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                    Args&&... args) {
-  cudaLaunchAttribute attr = {};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = smem, cfg.stream = stream;
-  cfg.attrs = &attr, cfg.numAttrs = pdl_enabled() ? 1 : 0;
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+  launch_cluster(1, kernel, grid, block, smem, stream, std::forward<Args>(args)...);
 }
 
 // ---- 5a. Elementwise and normalisation kernels: embedding, RMSNorm, q/k norm + RoPE, KV store, SiLU ----
@@ -1597,7 +1618,59 @@ struct DecodeRope {         // the fused q/k-norm + RoPE + KV store (ROPE = true
   RopeInvFreq inv_freq;
 };
 
-template <bool ROPE>
+// CLUSTER = true (batches of at most DECODE_CLUSTER_MAX_B sequences on sm_90 and later): the split-K merge
+//   happens inside the kernel. The grid is (DECODE_CLUSTER, NKV, B), one cluster of DECODE_CLUSTER CTAs per
+//   (sequence, kv head), and the partition length follows the context: ceil(ctx / DECODE_CLUSTER) rounded up
+//   to whole tiles (64 keys up to a 1024-key context, as the split of small batches below). Each live CTA
+//   leaves its share of every head of the group in shared memory (cluster_partial) and cluster_merge
+//   combines them through distributed shared memory: no workspace, no second kernel. The merge does the
+//   merge kernel's arithmetic in the same order.
+constexpr int DECODE_CLUSTER = 16;        // CTAs per cluster (16 is above the portable 8: opted into)
+constexpr int DECODE_CLUSTER_MAX_B = 4;   // larger batches: the workspace and the merge kernel
+
+// This CTA's share of head g of its group: O[HEAD_DIM], then m, l (the merge kernel's ws_o and ws_ml).
+// It lies in the K/V stages after the warps' combine buffers, at the same offset in every CTA.
+__device__ __forceinline__ float* cluster_partial(int g) {
+  extern __shared__ __align__(16) unsigned char attn_smem[];
+  float* after_combine = reinterpret_cast<float*>(attn_smem + DECODE_ROWS * HEAD_DIM * sizeof(bf16)) +
+                         DECODE_WARPS * DECODE_ROWS * (HEAD_DIM + 2);
+  return after_combine + g * (HEAD_DIM + 2);
+}
+static_assert((DECODE_WARPS + 1) * DECODE_ROWS * (HEAD_DIM + 2) * sizeof(float) <=
+                  2 * ATTN_STAGES * ATTN_KV_TILE * HEAD_DIM * sizeof(bf16),
+              "the combine buffers and the cluster partials fit in the K/V stages");
+
+// The merge of one cluster (CLUSTER). Every CTA calls it, live (it has written its cluster_partial of every
+// head) or not (a partition past the context). After a cluster barrier, live CTA p merges heads p,
+// p + n_parts, ... of the group, reading the live CTAs' shares through distributed shared memory; the
+// second barrier keeps every CTA, and so its shared memory, alive until all reads are done.
+__device__ void cluster_merge(bf16* out, int b, int kvh, int group, int NH, int n_parts, bool live) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  const int d = threadIdx.x;
+  if (live) {
+    for (int g = (int)cluster.block_rank(); g < group; g += n_parts) {
+      float m_max = -INFINITY;
+      for (int p = 0; p < n_parts; p++) m_max = fmaxf(m_max, cluster.map_shared_rank(cluster_partial(g), p)[HEAD_DIM]);
+      float l_sum = 0.f, acc = 0.f;
+      for (int p = 0; p < n_parts; p++) {
+        const float* share = cluster.map_shared_rank(cluster_partial(g), p);
+        const float f = fast_exp2(share[HEAD_DIM] - m_max);
+        l_sum += share[HEAD_DIM + 1] * f;
+        acc += share[d] * f;
+      }
+      out[(size_t)b * NH * HEAD_DIM + (kvh * group + g) * HEAD_DIM + d] = __float2bfloat16(acc / l_sum);
+    }
+  }
+  cluster.sync();
+#else
+  __trap();  // not launched: attention_decode uses clusters on sm_90 and later only
+#endif
+}
+
+template <bool ROPE, bool CLUSTER>
 __global__ void __launch_bounds__(DECODE_WARPS * 32)
     attention_decode_kernel(bf16* __restrict__ out, const bf16* __restrict__ qkv, bf16* __restrict__ k_cache,
                             bf16* __restrict__ v_cache, const int* __restrict__ context_lens,
@@ -1607,8 +1680,15 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
   if (!ROPE) pdl_begin();
   const int part = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int ctx = context_lens[b];
+  if (CLUSTER) partition = cdiv_dev(cdiv_dev(ctx, DECODE_CLUSTER), ATTN_KV_TILE) * ATTN_KV_TILE;
   const int key_begin = part * partition;
-  if (key_begin >= ctx) return;  // writes nothing; with ROPE it need not wait for the kernel before either
+  if (key_begin >= ctx) {  // writes nothing; with ROPE it need not wait for the kernel before either
+    if (CLUSTER) {  // it still takes part in the cluster's barriers, which end only with the live CTAs
+      pdl_trigger();
+      cluster_merge(out, b, kvh, NH / NKV, NH, cdiv_dev(ctx, partition), false);
+    }
+    return;
+  }
   const int key_end = min(ctx, key_begin + partition);
   const int n_tiles = cdiv_dev(key_end - key_begin, ATTN_KV_TILE);
   const int group = NH / NKV;  // query heads kvh*group .. kvh*group + group-1 share this kv head
@@ -1737,7 +1817,10 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
       acc += sO[(w * DECODE_ROWS + g) * HEAD_DIM + d] * f;
     }
     const int h = kvh * group + g;
-    if (single) {
+    if (CLUSTER) {  // this partition's share of head g, for cluster_merge (same offset in every CTA)
+      cluster_partial(g)[d] = acc;
+      if (d == 0) cluster_partial(g)[HEAD_DIM] = m_max, cluster_partial(g)[HEAD_DIM + 1] = l_sum;
+    } else if (single) {
       out[(size_t)b * NH * HEAD_DIM + h * HEAD_DIM + d] = __float2bfloat16(acc / l_sum);
     } else {
       const size_t slot = ((size_t)b * NH + h) * max_parts + part;
@@ -1745,6 +1828,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
       if (d == 0) ws_ml[slot * 2] = m_max, ws_ml[slot * 2 + 1] = l_sum;
     }
   }
+  if (CLUSTER) cluster_merge(out, b, kvh, group, NH, cdiv_dev(ctx, partition), true);
 }
 
 // attention_decode_merge_kernel — split-K, phase 2: combine the partitions of one (sequence, head).
@@ -1782,6 +1866,34 @@ static size_t attention_decode_workspace_bytes(int B, int NH, int max_context_le
   return parts * NH * (HEAD_DIM + 2) * sizeof(float);
 }
 
+// Whether this GPU can run the CLUSTER decode kernel: sm_90 or later, and a cluster of DECODE_CLUSTER CTAs with
+// the kernel's shared memory fits (asked once).
+static bool decode_clusters_supported() {
+  static int ok = -1;
+  if (ok < 0) {
+    int dev = 0, major = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    ok = 0;
+    if (major >= 9) {
+      auto kernel = attention_decode_kernel<true, true>;
+      const size_t smem = (DECODE_ROWS + 2 * ATTN_STAGES * ATTN_KV_TILE) * HEAD_DIM * sizeof(bf16);
+      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+      cudaLaunchConfig_t cfg = {};
+      cudaLaunchAttribute attr = {};
+      attr.id = cudaLaunchAttributeClusterDimension;
+      attr.val.clusterDim = {DECODE_CLUSTER, 1, 1};
+      cfg.gridDim = dim3(DECODE_CLUSTER, 1, 1), cfg.blockDim = DECODE_WARPS * 32, cfg.dynamicSmemBytes = smem;
+      cfg.attrs = &attr, cfg.numAttrs = 1;
+      int clusters = 0;
+      ok = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
+      cudaGetLastError();  // a refusal is an answer, not an error
+    }
+  }
+  return ok;
+}
+
 // out: bf16 [B, NH*D]; qkv: bf16 [B, (NH+2NKV)*D]; k_cache, v_cache: bf16 [NB, NKV, P, D];
 // context_lens: int [B] (device, keys including the current token); block_tables: int [B, MB] (device);
 // max_context_len: host bound on every context_lens[b] (max_model_len): the grid depends only on it, so a
@@ -1799,12 +1911,22 @@ static void attention_decode(bf16* out, const bf16* qkv, bf16* k_cache, bf16* v_
     check_aligned16("attention_decode", "k_norm_w", rope->k_norm_w);
   }
   if (B == 0) return;
+  const size_t smem = (DECODE_ROWS + 2 * ATTN_STAGES * ATTN_KV_TILE) * HEAD_DIM * sizeof(bf16);  // 68 KiB
+  if (B <= DECODE_CLUSTER_MAX_B && decode_clusters_supported()) {  // merged inside the kernel
+    auto kernel = rope ? attention_decode_kernel<true, true> : attention_decode_kernel<false, true>;
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    launch_cluster(DECODE_CLUSTER, kernel, dim3(DECODE_CLUSTER, NKV, B), DECODE_WARPS * 32, smem, stream, out, qkv,
+                   k_cache, v_cache, context_lens, block_tables, NH, NKV, __builtin_ctz(P), MB, 0, 0, nullptr,
+                   nullptr, scale * (float)M_LOG2E, rope ? *rope : DecodeRope{});
+    CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   const int partition = decode_partition(B);
   const int max_parts = (int)cdiv(max_context_len, partition);
   float* ws_o = workspace;                                          // [B, NH, max_parts, D]
   float* ws_ml = workspace + (size_t)B * NH * max_parts * HEAD_DIM;  // [B, NH, max_parts, 2]
-  const size_t smem = (DECODE_ROWS + 2 * ATTN_STAGES * ATTN_KV_TILE) * HEAD_DIM * sizeof(bf16);  // 68 KiB
-  auto kernel = rope ? attention_decode_kernel<true> : attention_decode_kernel<false>;
+  auto kernel = rope ? attention_decode_kernel<true, false> : attention_decode_kernel<false, false>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   launch(kernel, dim3(max_parts, NKV, B), DECODE_WARPS * 32, smem, stream, out, qkv, k_cache, v_cache,
          context_lens, block_tables, NH, NKV, __builtin_ctz(P), MB, max_parts, partition, ws_o, ws_ml,

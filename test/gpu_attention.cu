@@ -279,7 +279,7 @@ TEST(decode_one_token) {
 
 TEST(decode_long_context) {
   REQUIRE_GPU();
-  check_decode("decode B=1 ctx=3000 P=16 NH=16 NKV=8 (6 partitions)", make_batch(16, 8, 16, {1}, {3000}, 13),
+  check_decode("decode B=1 ctx=3000 P=16 NH=16 NKV=8 (16 partitions of 192)", make_batch(16, 8, 16, {1}, {3000}, 13),
                4096);
   check_decode("decode B=2 ctx=3000,2999 P=256 NH=32 NKV=8 peaky",
                make_batch(32, 8, 256, {1, 1}, {3000, 2999}, 14, 4.f), 3000);
@@ -292,6 +292,17 @@ TEST(decode_edge_lengths) {
   check_decode("decode B=16 edge lengths P=16 NH=32 NKV=8", make_batch(32, 8, 16, ones, ctx, 15), 2048);
   check_decode("decode B=16 edge lengths P=256 NH=8 NKV=8", make_batch(8, 8, 256, ones, ctx, 16), 1537);
   check_decode("decode B=16 edge lengths P=64 NH=16 NKV=8", make_batch(16, 8, 64, ones, ctx, 17), 4096);
+}
+
+// Batches of at most DECODE_CLUSTER_MAX_B merge their partitions inside a cluster (a partition length that
+// follows the context); a group of 16 heads means several heads per merging CTA when few partitions live.
+TEST(decode_small_batch_cluster_merge) {
+  REQUIRE_GPU();
+  check_decode("decode B=3 ctx 1,100,4000 P=16 NH=32 NKV=2", make_batch(32, 2, 16, {1, 1, 1}, {1, 100, 4000}, 61),
+               4096);
+  check_decode("decode B=4 ctx 1023..1026 P=64 NH=16 NKV=8", make_batch(16, 8, 64, {1, 1, 1, 1},
+                                                                         {1023, 1024, 1025, 1026}, 62), 2048);
+  check_decode("decode B=1 ctx=16 P=16 NH=16 NKV=1 peaky", make_batch(16, 1, 16, {1}, {16}, 63, 8.f), 4096);
 }
 
 TEST(decode_batch_64_mixed) {
@@ -539,6 +550,7 @@ TEST(decode_fused_rope_matches_separate_kernels) {
   std::vector<int> ctx64 = random_lengths(64, 1, 3000, 56);
   for (int b = 60; b < 64; b++) ctx64[b] = 1;
   check_fused_rope("fused B=64 ctx 1..3000 NH=16 NKV=1 (group 16) P=256 +4 pad", 16, 1, 256, ctx64, 4, 4096, 57);
+  check_fused_rope("fused B=2 ctx 64,2000 NH=16 NKV=1 (group 16) P=16", 16, 1, 16, {64, 2000}, 0, 4096, 60);
   check_fused_rope("fused B=200 ctx 1..700 NH=16 NKV=8 P=16", 16, 8, 16, random_lengths(200, 1, 700, 58), 0, 1024,
                    59);
 }
