@@ -1631,7 +1631,8 @@ struct DecodeRope {         // the fused q/k-norm + RoPE + KV store (ROPE = true
 //   combines them through distributed shared memory: no workspace, no second kernel. The merge does the
 //   merge kernel's arithmetic in the same order. Measured on an H100, batch-1 decode of Qwen3-0.6B: the
 //   same speed at 512-1024-token contexts (0.946 against 0.945 ms/token), 11% faster at 3,584-4,096
-//   (888 against 799 tokens/s), where the merge kernel had 64 partials per head to combine.
+//   (888 against 799 tokens/s), where the merge kernel had 64 partials per head to combine; with the 8B
+//   shape (groups of 4 heads) 1.2% slower at 512-1024 (5.988 against 5.917 ms/token, two runs each).
 constexpr int DECODE_CLUSTER = 16;        // CTAs per cluster (16 is above the portable 8: opted into)
 constexpr int DECODE_CLUSTER_MAX_B = 4;   // larger batches: the workspace and the merge kernel
 
