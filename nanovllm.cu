@@ -1020,8 +1020,9 @@ void add_rmsnorm(bf16* out, bf16* residual, const bf16* x, const bf16* w, int T,
 //     store_kvcache(k, v, k_cache, v_cache, slot_mapping)              # nano-vllm's Triton kernel
 // The store is fused in: the thread that writes a finished k head also writes it to its cache slot, and
 // the block copies the token's v heads, so K/V never take a second trip through memory. (Prefill steps
-// run this kernel; decode steps do all of it inside the attention kernel, 5b, with the pieces below.) Cache layout [NB, NKV, P, D]: head h of the token goes to
-// [slot / P, h, slot % P, :]; slot -1 (padding) stores nothing. Every head is 256 contiguous bytes.
+// run this kernel; decode steps do all of it inside the attention kernel, 5b, with the pieces below.)
+// Cache layout [NB, NKV, P, D]: head h of the token goes to [slot / P, h, slot % P, :]; slot -1 (padding)
+// stores nothing. Every head is 256 contiguous bytes.
 // RoPE, as nano-vllm computes it (fp32 math, one bf16 rounding at the end):
 //     inv_freq[i] = 1 / theta^(2i/D)  (i < D/2)      angle = float(pos) * inv_freq[i]
 //     out[i]       = x[i] * cos(angle) - x[i+D/2] * sin(angle)
@@ -1661,7 +1662,8 @@ __device__ void cluster_merge(bf16* out, int b, int kvh, int group, int NH, int 
   if (live) {
     for (int g = (int)cluster.block_rank(); g < group; g += n_parts) {
       float m_max = -INFINITY;
-      for (int p = 0; p < n_parts; p++) m_max = fmaxf(m_max, cluster.map_shared_rank(cluster_partial(g), p)[HEAD_DIM]);
+      for (int p = 0; p < n_parts; p++)
+        m_max = fmaxf(m_max, cluster.map_shared_rank(cluster_partial(g), p)[HEAD_DIM]);
       float l_sum = 0.f, acc = 0.f;
       for (int p = 0; p < n_parts; p++) {
         const float* share = cluster.map_shared_rank(cluster_partial(g), p);
@@ -1751,8 +1753,10 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
         *reinterpret_cast<uint4*>(sQ + attn_smem_index(r, j + 8)) = r < group ? ub : uint4{};
       }
     }
-    if (owner && threadIdx.x < HEAD_DIM / 8)  // v as it is
-      s_new_kv[1][threadIdx.x] = reinterpret_cast<const uint4*>(qkv_row + (size_t)(NH + NKV + kvh) * HEAD_DIM)[threadIdx.x];
+    if (owner && threadIdx.x < HEAD_DIM / 8) {  // v as it is
+      const uint4* v_src = reinterpret_cast<const uint4*>(qkv_row + (size_t)(NH + NKV + kvh) * HEAD_DIM);
+      s_new_kv[1][threadIdx.x] = v_src[threadIdx.x];
+    }
     __syncthreads();
     const int slot = owner ? rope.slot_mapping[b] : -1;
     if (slot >= 0 && threadIdx.x < 2 * HEAD_DIM / 8) {  // into the cache: k by threads 0-15, v by 16-31
