@@ -804,15 +804,23 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
+// The current GPU's compute capability major version: 9 for Hopper (asked once; a process uses one GPU).
+static int gpu_cc_major() {
+  static int major = -1;
+  if (major < 0) {
+    int dev = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  }
+  return major;
+}
+
 // Whether launch() asks for PDL: this GPU is sm_90 or later and NANOVLLM_PDL is not 0 (asked once).
 static bool pdl_enabled() {
   static int on = -1;
   if (on < 0) {
-    int dev = 0, major = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
     const char* env = getenv("NANOVLLM_PDL");
-    on = major >= 9 && !(env && !strcmp(env, "0"));
+    on = gpu_cc_major() >= 9 && !(env && !strcmp(env, "0"));
   }
   return on;
 }
@@ -1878,28 +1886,36 @@ static size_t attention_decode_workspace_bytes(int B, int NH, int max_context_le
   return parts * NH * (HEAD_DIM + 2) * sizeof(float);
 }
 
+constexpr size_t DECODE_SMEM = (DECODE_ROWS + 2 * ATTN_STAGES * ATTN_KV_TILE) * HEAD_DIM * sizeof(bf16);  // 68 KiB
+
+// The decode kernel of this kind, its opt-ins (68 KiB of dynamic shared memory; clusters of 16) made once.
+template <bool ROPE, bool CLUSTER>
+static auto decode_kernel() {
+  static bool ready = false;
+  auto kernel = attention_decode_kernel<ROPE, CLUSTER>;
+  if (!ready) {
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)DECODE_SMEM));
+    if (CLUSTER) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    ready = true;
+  }
+  return kernel;
+}
+
 // Whether this GPU can run the CLUSTER decode kernel: sm_90 or later, and a cluster of DECODE_CLUSTER CTAs with
 // the kernel's shared memory fits (asked once).
 static bool decode_clusters_supported() {
   static int ok = -1;
   if (ok < 0) {
-    int dev = 0, major = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
     ok = 0;
-    if (major >= 9) {
-      auto kernel = attention_decode_kernel<true, true>;
-      const size_t smem = (DECODE_ROWS + 2 * ATTN_STAGES * ATTN_KV_TILE) * HEAD_DIM * sizeof(bf16);
-      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    if (gpu_cc_major() >= 9) {
       cudaLaunchConfig_t cfg = {};
       cudaLaunchAttribute attr = {};
       attr.id = cudaLaunchAttributeClusterDimension;
       attr.val.clusterDim = {DECODE_CLUSTER, 1, 1};
-      cfg.gridDim = dim3(DECODE_CLUSTER, 1, 1), cfg.blockDim = DECODE_WARPS * 32, cfg.dynamicSmemBytes = smem;
+      cfg.gridDim = dim3(DECODE_CLUSTER, 1, 1), cfg.blockDim = DECODE_WARPS * 32, cfg.dynamicSmemBytes = DECODE_SMEM;
       cfg.attrs = &attr, cfg.numAttrs = 1;
       int clusters = 0;
-      ok = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
+      ok = cudaOccupancyMaxActiveClusters(&clusters, decode_kernel<true, true>(), &cfg) == cudaSuccess && clusters > 0;
       cudaGetLastError();  // a refusal is an answer, not an error
     }
   }
@@ -1923,14 +1939,11 @@ static void attention_decode(bf16* out, const bf16* qkv, bf16* k_cache, bf16* v_
     check_aligned16("attention_decode", "k_norm_w", rope->k_norm_w);
   }
   if (B == 0) return;
-  const size_t smem = (DECODE_ROWS + 2 * ATTN_STAGES * ATTN_KV_TILE) * HEAD_DIM * sizeof(bf16);  // 68 KiB
   if (B <= DECODE_CLUSTER_MAX_B && decode_clusters_supported()) {  // merged inside the kernel
-    auto kernel = rope ? attention_decode_kernel<true, true> : attention_decode_kernel<false, true>;
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    launch_cluster(DECODE_CLUSTER, kernel, dim3(DECODE_CLUSTER, NKV, B), DECODE_WARPS * 32, smem, stream, out, qkv,
-                   k_cache, v_cache, context_lens, block_tables, NH, NKV, __builtin_ctz(P), MB, 0, 0, nullptr,
-                   nullptr, scale * (float)M_LOG2E, rope ? *rope : DecodeRope{});
+    auto kernel = rope ? decode_kernel<true, true>() : decode_kernel<false, true>();
+    launch_cluster(DECODE_CLUSTER, kernel, dim3(DECODE_CLUSTER, NKV, B), DECODE_WARPS * 32, DECODE_SMEM, stream,
+                   out, qkv, k_cache, v_cache, context_lens, block_tables, NH, NKV, __builtin_ctz(P), MB, 0, 0,
+                   nullptr, nullptr, scale * (float)M_LOG2E, rope ? *rope : DecodeRope{});
     CUDA_CHECK(cudaGetLastError());
     return;
   }
@@ -1938,9 +1951,8 @@ static void attention_decode(bf16* out, const bf16* qkv, bf16* k_cache, bf16* v_
   const int max_parts = (int)cdiv(max_context_len, partition);
   float* ws_o = workspace;                                          // [B, NH, max_parts, D]
   float* ws_ml = workspace + (size_t)B * NH * max_parts * HEAD_DIM;  // [B, NH, max_parts, 2]
-  auto kernel = rope ? attention_decode_kernel<true, false> : attention_decode_kernel<false, false>;
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  launch(kernel, dim3(max_parts, NKV, B), DECODE_WARPS * 32, smem, stream, out, qkv, k_cache, v_cache,
+  auto kernel = rope ? decode_kernel<true, false>() : decode_kernel<false, false>();
+  launch(kernel, dim3(max_parts, NKV, B), DECODE_WARPS * 32, DECODE_SMEM, stream, out, qkv, k_cache, v_cache,
          context_lens, block_tables, NH, NKV, __builtin_ctz(P), MB, max_parts, partition, ws_o, ws_ml,
          scale * (float)M_LOG2E, rope ? *rope : DecodeRope{});
   CUDA_CHECK(cudaGetLastError());
