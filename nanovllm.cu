@@ -2699,11 +2699,12 @@ void Gemm::run(void* y, const bf16* x, const bf16* W, int M, int N, int K, cudaS
 //   h = a @ Wo^T                 (+ all-reduce)        [T, H]
 //   x = RMSNorm(residual += h)
 //   h = (SiLU(x @ Wg^T) * (x @ Wu^T)) @ Wd^T   (+ all-reduce)
-//   residual += h  (folded into the next layer's norm)
+//   residual += h  (folded into the next layer's norm, or into the kernel before)
 // then x = RMSNorm(residual += h), keep each sequence's last row, logits = x @ lm_head^T (fp32).
 // Steps of at most GEMV_MAX_M tokens fuse more: the norms, the residual adds (on one GPU) and SiLU ride
-// inside the gemvs (section 6). In decode steps the q/k-norm, RoPE and the K/V store run inside the
-// attention kernel (5b), so a batch-1 layer is 5 kernels: qkv, attention, o, gate_up, down.
+// inside the gemvs (section 6); with tensor parallelism the adds ride inside the all-reduces (12a). In decode
+// steps the q/k-norm, RoPE and the K/V store run inside the attention kernel (5b), so a batch-1 layer is 5
+// kernels: qkv, attention, o, gate_up, down (7 with two all-reduces).
 //
 // Every buffer is allocated once for the largest step (ModelRunner), so a step allocates nothing and a
 // decode step can be captured in a CUDA graph.
@@ -2733,7 +2734,7 @@ struct StepInputs {
 };
 
 struct TPComm;  // section 12a; null without tensor parallelism
-static void all_reduce_sum(TPComm* comm, bf16* x, size_t n, cudaStream_t stream);
+static void all_reduce_sum(TPComm* comm, bf16* x, size_t n, cudaStream_t stream, bf16* residual = nullptr);
 
 struct Qwen3 {
   ModelConfig cfg;
@@ -2751,26 +2752,29 @@ struct Qwen3 {
     const int NH = cfg.num_attention_heads / tp, NKV = cfg.num_key_value_heads / tp;
     const int V = (int)cdiv(cfg.vocab_size, tp);
     const float eps = cfg.rms_norm_eps, scale = 1.0f / sqrtf((float)D);
-    // Batch-1/2 decode: the norms, the residual adds and SiLU ride inside the gemvs (section 6). The adds
-    // only on one GPU: with tensor parallelism each rank's product is partial until the all-reduce.
+    // Batch-1/2 decode: the norms and SiLU ride inside the gemvs (section 6). A sub-layer's output h joins
+    // the residual stream (residual += h) where it costs no kernel of its own:
+    //   several GPUs     inside the all-reduce that sums h over the ranks (12a)
+    //   one GPU, T <= 2  inside the output gemv (its ADD epilogue)
+    //   one GPU, T > 2   inside the next norm (add_rmsnorm)
     const bool gemv_step = T <= GEMV_MAX_M && gemm.use_gemv;
-    const bool fuse_norm_add = gemv_step && tp == 1;
+    const bool add_in_gemv = gemv_step && tp == 1, add_in_norm = !gemv_step && tp == 1;
     const bool fuse_silu = gemv_step && gemv_can_stage(T, I);
-    // y = RMSNorm(residual) @ W^T, where residual first gets the last sub-layer's output (hidden) added,
-    // unless there is none yet (layer 0) or a fused gemv has added it already
+    // y = RMSNorm(residual) @ W^T, where residual first gets the last sub-layer's output (hidden) added if
+    // that is the norm's job (add_in_norm) and there is one (not in layer 0)
     auto norm_matmul = [&](bf16* y, const bf16* norm_w, const bf16* W, int N, bool add_hidden) {
-      if (fuse_norm_add) return gemv(y, act.residual, W, T, N, H, s, {GemvIn::RMSNORM, norm_w, eps});
-      if (add_hidden) add_rmsnorm(act.x, act.residual, act.hidden, norm_w, T, H, eps, s);
+      if (gemv_step) return gemv(y, act.residual, W, T, N, H, s, {GemvIn::RMSNORM, norm_w, eps});
+      if (add_in_norm && add_hidden) add_rmsnorm(act.x, act.residual, act.hidden, norm_w, T, H, eps, s);
       else rmsnorm(act.x, act.residual, norm_w, T, H, eps, s);
       gemm.run(y, act.x, W, T, N, H, s);
     };
-    // A sub-layer's output projection: hidden = x @ W^T (+ all-reduce), for the next norm to add to the
-    // residual; fused, residual += x @ W^T at once. in: how x is read (SILU_MUL: x is gate_up).
+    // A sub-layer's output projection h = x @ W^T (+ all-reduce), added to the residual stream as above.
+    // in: how x is read (SILU_MUL: x is gate_up).
     auto matmul_out = [&](const bf16* x, const bf16* W, int K, GemvIn in) {
-      if (fuse_norm_add) return gemv(act.residual, x, W, T, H, K, s, {in, nullptr, 0.f, true});
+      if (add_in_gemv) return gemv(act.residual, x, W, T, H, K, s, {in, nullptr, 0.f, true});
       if (in == GemvIn::PLAIN) gemm.run(act.hidden, x, W, T, H, K, s);
       else gemv(act.hidden, x, W, T, H, K, s, {in});
-      if (tp > 1) all_reduce_sum(comm, act.hidden, (size_t)T * H, s);
+      if (tp > 1) all_reduce_sum(comm, act.hidden, (size_t)T * H, s, act.residual);
     };
     embedding(act.residual, in.input_ids, w.embed_tokens, T, H, rank * V, V, s);
     if (tp > 1) all_reduce_sum(comm, act.residual, (size_t)T * H, s);
@@ -2796,8 +2800,8 @@ struct Qwen3 {
         matmul_out(act.act, lw.down_proj, I, GemvIn::PLAIN);
       }
     }
-    if (fuse_norm_add) rmsnorm(act.x, act.residual, w.norm, T, H, eps, s);
-    else add_rmsnorm(act.x, act.residual, act.hidden, w.norm, T, H, eps, s);
+    if (add_in_norm) add_rmsnorm(act.x, act.residual, act.hidden, w.norm, T, H, eps, s);
+    else rmsnorm(act.x, act.residual, w.norm, T, H, eps, s);
     const bf16* last = act.x;
     if (is_prefill) {  // only each sequence's last position needs logits (nano-vllm: ParallelLMHead)
       gather_last_tokens(act.last, act.x, in.cu_seqlens_q, B, H, s);
@@ -3555,28 +3559,34 @@ constexpr int TP_MAX_RANKS = 8;
 // ---- 12a. The communicator: NCCL and a one-shot all-reduce over NVLink ----------------------------------
 //
 // NCCL's ring all-reduce costs 2(N-1) dependent steps plus its own kernel set-up, paid 73 times per token
-// for Qwen3-8B. When every GPU can read every other GPU's memory (NVLink, or PCIe peer-to-peer), small
-// messages take a shorter road (vLLM's "custom all-reduce"): each rank copies its partial sums into a
-// staging buffer that the other ranks have mapped (CUDA IPC), and after one barrier every rank reads all the
-// staging buffers and adds them itself. Large messages (prefill) stay with NCCL, whose ring moves fewer
-// bytes per GPU. Measured on 2 H200s over NVLink (test/gpu_tp.cu, inside a CUDA graph): 6.4 us per call
-// at 8 KB, 19 us at 2 MB; in a batch-1 decode step of Qwen3-8B the 73 all-reduces cost 0.43 of 3.66 ms.
-// (NCCL at the same sizes is not measured yet: the same test prints both.)
+// for Qwen3-8B. When every GPU can write every other GPU's memory (NVLink, or PCIe peer-to-peer), small
+// messages take a shorter road (after vLLM's and TensorRT-LLM's "custom all-reduce"): each rank writes its
+// partial sums straight into a staging buffer on every other rank (mapped with CUDA IPC), raises a flag
+// there, waits for every rank's flag, and adds what arrived in its own memory. One crossing of NVLink and
+// one barrier per call; large messages (prefill) stay with NCCL, whose ring moves fewer bytes per GPU.
+// The sum can also land in the residual stream at once (residual += sum): section 7 uses that instead of a
+// separate add, so at N > 1 the add costs no kernel, the same as the gemv's ADD epilogue on one GPU.
+// Measured on 2 H200s over NVLink (test/gpu_tp.cu, inside a CUDA graph): the README has the figures.
 //
-// NANOVLLM_ALLREDUCE=nccl forces NCCL everywhere; NANOVLLM_ALLREDUCE=skip skips every all-reduce, which
-// makes the output wrong and exists only to measure what the all-reduces cost (bench.sh, README).
+// NANOVLLM_ALLREDUCE=nccl forces NCCL everywhere; NANOVLLM_ALLREDUCE=skip skips every all-reduce (and the
+// residual add riding on it), which makes the output wrong and exists only to measure what the all-reduces
+// cost (bench.sh, README).
 
 constexpr int AR_THREADS = 512;             // threads of one all-reduce block, 16 bytes each per pass
 constexpr int AR_MAX_BLOCKS = 32;           // blocks of one all-reduce: all resident on any sm_80+ GPU
-constexpr size_t AR_FLAG_BYTES = 4096;      // barrier flags [2][AR_MAX_BLOCKS][TP_MAX_RANKS] u32, padded
-constexpr size_t AR_DATA_BYTES = 8 << 20;   // staging: the largest one-shot message (decode: B * H * 2)
-constexpr size_t AR_ONESHOT_MANY_RANKS = 512 << 10;  // above N = 2 one-shot reads (N-1)x the message:
-                                                     // NCCL's ring wins sooner
-static_assert(2 * AR_MAX_BLOCKS * TP_MAX_RANKS * sizeof(uint32_t) <= AR_FLAG_BYTES, "flags fit");
+constexpr size_t AR_FLAG_BYTES = 4096;      // barrier flags [AR_MAX_BLOCKS][TP_MAX_RANKS] u64, padded
+constexpr size_t AR_DATA_BYTES = 8 << 20;   // the largest one-shot message at N = 2 (decode: B * H * 2)
+constexpr size_t AR_ONESHOT_MANY_RANKS = 512 << 10;  // ... and at N > 2, where every rank writes (N-1)x the
+                                                     // message: NCCL's ring wins sooner
+static_assert(AR_MAX_BLOCKS * TP_MAX_RANKS * sizeof(uint64_t) <= AR_FLAG_BYTES, "flags fit");
+static size_t ar_max_bytes(int size) { return size == 2 ? AR_DATA_BYTES : AR_ONESHOT_MANY_RANKS; }
 
-struct ARPeers {                    // every rank's staging buffer, as mapped into this process
-  bf16* data[TP_MAX_RANKS];         // [AR_DATA_BYTES / 2] partial sums being exchanged
-  uint32_t* flags[TP_MAX_RANKS];    // [2 barriers][AR_MAX_BLOCKS][TP_MAX_RANKS] arrival epochs
+// Every rank's staging buffer, as mapped into this process. Rank d's buffer is
+//   flags [AR_MAX_BLOCKS][TP_MAX_RANKS] u64      flags[b][s]: the last call whose block b rank s finished pushing
+//   data  [2 halves][size][ar_max_bytes(size)]    data[h][s]: rank s's partial sums, written by rank s
+struct ARPeers {
+  bf16* data[TP_MAX_RANKS];
+  uint64_t* flags[TP_MAX_RANKS];
 };
 
 struct TPComm {
@@ -3587,91 +3597,134 @@ struct TPComm {
   enum Mode { AUTO, NCCL_ONLY, SKIP } mode = AUTO;
   bool p2p = false;                 // one-shot all-reduce available: every rank maps every staging buffer
   ARPeers peers{};
-  uint32_t* epochs = nullptr;       // [AR_MAX_BLOCKS] this rank's barrier counters, one per block
+  uint64_t* epochs = nullptr;       // [AR_MAX_BLOCKS] calls made so far, one copy per block (all equal)
 };
 
 // ---- all_reduce_p2p ------------------------------------------------------------------------------------
 // Replaces: ncclAllReduce(x, x, n, ncclBfloat16, ncclSum) (torch.distributed.all_reduce in nano-vllm's
-//           RowParallelLinear and VocabParallelEmbedding) for messages up to AR_DATA_BYTES.
-// Reads  x [n] bf16 on every rank (that rank's partial sum) and, through NVLink, every rank's staging buffer.
-// Writes x [n] = the sum over ranks, added in fp32 in rank order 0..N-1 on every rank, so all ranks get the
-//        same bits (they must: the residual stream of every rank has to stay identical).
+//           RowParallelLinear and VocabParallelEmbedding) for messages up to ar_max_bytes(N), and with
+//           `residual` the add that follows it in Qwen3DecoderLayer (the residual input of the next RMSNorm).
+// Reads  x [n] bf16 on every rank (that rank's partial sum), and the other ranks' partials as they arrive.
+// Writes the sum over ranks, added in fp32 in rank order 0..N-1 on every rank so that all ranks get the same
+//        bits (they must: the residual stream of every rank has to stay identical), rounded to bf16 and
+//          residual == nullptr:  into x
+//          otherwise:            into residual [n]: residual = bf16(residual + bf16(sum)), the rounding of
+//                                an all-reduce followed by add_rmsnorm's add (5a)
 // A block owns the 16-byte chunks c = blockIdx.x * blockDim.x + threadIdx.x + k * gridDim.x * blockDim.x:
-//   1. it copies its chunks of x into this rank's staging buffer;
-//   2. barrier with the same block of every rank: "my chunks are there" / "so are yours";
-//   3. it sums its chunks over all staging buffers into x;
-//   4. barrier again: no rank reads this rank's staging buffer any more, the next call may overwrite it.
-// The barriers are per block, not per grid: block b only reads chunks that block b of every rank wrote,
-// which holds because every rank launches the same grid for the same n. A barrier writes this block's
-// epoch into the flag slot [block][my rank] of every rank (a store over NVLink, release at system scope:
-// it publishes step 1's copies) and waits until its own slots [block][r] show the same epoch (acquire).
-// Epochs are per-block counters in device memory that the kernel itself bumps, so the kernel works eagerly
-// and replayed from any CUDA graph, in any mix; flags only ever show this call's epoch or the last one's.
-// Preconditions: n % 8 == 0, 2n <= AR_DATA_BYTES, every rank calls it in the same order with the same n.
-__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+//   1. push: it stores its chunks of x into data[h][my rank] of every other rank (stores over NVLink);
+//   2. barrier with the same block of every rank: it writes this call's number into flags[block][my rank] of
+//      every rank (a release at system scope, after the whole block's stores: it publishes them) and waits
+//      until its own flags[block][s] show that number for every s (acquire);
+//   3. it sums its chunks: its own from x, every other rank's from its own memory, data[h][s].
+// Call k uses half h = k % 2. No second barrier is needed before the buffer is reused: a rank writes half h
+// again only at call k + 2, after it passed call k + 1's barrier, and every rank arrives there only after
+// its call k has finished (its kernels run in stream order, each waiting for the one before, section 5).
+// The call number lives in device memory and the kernel bumps it itself, so the kernel works eagerly and
+// replayed from any CUDA graph, in any mix, as long as every rank makes the same calls in the same order.
+// Every block keeps its own copy (no block may read a counter another block of the same call updates):
+// block b reads epochs[b] and writes the new number into every copy j = b (mod gridDim.x), so all copies
+// stay equal whatever grid the next call has. A flag reached by a faster rank's next call is larger, never
+// smaller, so the wait is "at least" (the numbers are 64-bit: they never wrap).
+// Preconditions: n % 8 == 0, 2n <= ar_max_bytes(N), every rank calls it in the same order with the same n.
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;\n" ::"l"(p), "l"(v) : "memory");
 }
-__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ void ar_barrier(const ARPeers& peers, int which, uint32_t epoch, int rank,
-                                           int size) {
-  __syncthreads();  // this block's copies (or reads) are done before thread r tells rank r so
-  if ((int)threadIdx.x < size) {
-    const int slot = (which * AR_MAX_BLOCKS + blockIdx.x) * TP_MAX_RANKS;
-    st_release_sys(peers.flags[threadIdx.x] + slot + rank, epoch);
-    while (ld_acquire_sys(peers.flags[rank] + slot + threadIdx.x) != epoch) {
-    }
-  }
-  __syncthreads();
-}
 
-__global__ __launch_bounds__(AR_THREADS) void all_reduce_p2p_kernel(bf16* x, ARPeers peers, uint32_t* epochs,
-                                                                    int64_t chunks, int rank, int size) {
+__global__ __launch_bounds__(AR_THREADS) void all_reduce_p2p_kernel(bf16* x, bf16* residual, ARPeers peers,
+                                                                    uint64_t* epochs, int64_t chunks,
+                                                                    int64_t slot_chunks, int rank, int size) {
   pdl_begin();
-  const uint32_t epoch = epochs[blockIdx.x] + 1;
+  const uint64_t epoch = epochs[blockIdx.x] + 1;
+  const int64_t half = (int64_t)(epoch & 1) * size;
   const int64_t first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
   uint4* xv = reinterpret_cast<uint4*>(x);
-  uint4* mine = reinterpret_cast<uint4*>(peers.data[rank]);
-  for (int64_t c = first; c < chunks; c += stride) mine[c] = xv[c];
-  ar_barrier(peers, 0, epoch, rank, size);
-  for (int64_t c = first; c < chunks; c += stride) {
+  auto slot = [&](int owner, int from) {  // data[half][from] in rank owner's buffer
+    return reinterpret_cast<uint4*>(peers.data[owner]) + (half + from) * slot_chunks;
+  };
+  for (int64_t c = first; c < chunks; c += stride) {  // 1. push
+    const uint4 v = xv[c];
+    for (int r = 0; r < size; r++)
+      if (r != rank) slot(r, rank)[c] = v;
+  }
+  __syncthreads();  // 2. barrier: the whole block's stores are issued before thread r tells rank r so
+  if ((int)threadIdx.x < size) {
+    const int flag = blockIdx.x * TP_MAX_RANKS;
+    st_release_sys(peers.flags[threadIdx.x] + flag + rank, epoch);
+    while ((int64_t)(ld_acquire_sys(peers.flags[rank] + flag + threadIdx.x) - epoch) < 0) {
+    }
+  }
+  __syncthreads();
+  uint4* rv = reinterpret_cast<uint4*>(residual);
+  for (int64_t c = first; c < chunks; c += stride) {  // 3. sum
     float sum[8] = {}, v[8];
     for (int r = 0; r < size; r++) {
-      bf16x8_to_float(__ldcg(reinterpret_cast<const uint4*>(peers.data[r]) + c), v);  // L2, never a stale L1
+      bf16x8_to_float(r == rank ? xv[c] : __ldcg(slot(rank, r) + c), v);  // L2, never a stale L1
 #pragma unroll
       for (int i = 0; i < 8; i++) sum[i] += v[i];
     }
-    xv[c] = float_to_bf16x8(sum);
+    if (residual) {
+      bf16x8_to_float(rv[c], v);
+#pragma unroll
+      for (int i = 0; i < 8; i++) sum[i] = round_bf16(sum[i]) + v[i];
+      rv[c] = float_to_bf16x8(sum);
+    } else {
+      xv[c] = float_to_bf16x8(sum);
+    }
   }
-  ar_barrier(peers, 1, epoch, rank, size);
-  if (threadIdx.x == 0) epochs[blockIdx.x] = epoch;
+  if (threadIdx.x == 0)
+    for (int j = blockIdx.x; j < AR_MAX_BLOCKS; j += gridDim.x) epochs[j] = epoch;
 }
-static void all_reduce_p2p(TPComm* comm, bf16* x, size_t n, cudaStream_t stream) {
+static void all_reduce_p2p(TPComm* comm, bf16* x, bf16* residual, size_t n, cudaStream_t stream) {
   check_vec8("all_reduce_p2p", "n", (int64_t)n);
   check_aligned16("all_reduce_p2p", "x", x);
-  if (n * sizeof(bf16) > AR_DATA_BYTES) die("all_reduce_p2p: %zu elements exceed the staging buffer", n);
+  if (residual) check_aligned16("all_reduce_p2p", "residual", residual);
+  const size_t slot_bytes = ar_max_bytes(comm->size);
+  if (n * sizeof(bf16) > slot_bytes) die("all_reduce_p2p: %zu elements exceed the staging buffer", n);
   if (n == 0) return;
   const int64_t chunks = (int64_t)n / 8;
   const int blocks = (int)std::min<int64_t>(AR_MAX_BLOCKS, cdiv(chunks, AR_THREADS));
-  launch(all_reduce_p2p_kernel, blocks, AR_THREADS, 0, stream, x, comm->peers, comm->epochs, chunks, comm->rank,
-                                                          comm->size);
+  launch(all_reduce_p2p_kernel, blocks, AR_THREADS, 0, stream, x, residual, comm->peers, comm->epochs, chunks,
+         (int64_t)(slot_bytes / 16), comm->rank, comm->size);
   CUDA_CHECK(cudaGetLastError());
 }
 
-// x [n] <- sum of x over the ranks, in place. Every rank must make the same calls in the same order; the
-// choice of road depends only on n and on what every rank agreed at start-up, so it is the same everywhere.
-static void all_reduce_sum(TPComm* comm, bf16* x, size_t n, cudaStream_t stream) {
+// residual [n] = bf16(residual + x): the add after an NCCL all-reduce, rounded like the one-shot kernel's.
+__global__ void residual_add_kernel(bf16* residual, const bf16* x, int64_t chunks) {
+  pdl_begin();
+  const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= chunks) return;
+  float r[8], v[8];
+  bf16x8_to_float(reinterpret_cast<const uint4*>(residual)[c], r);
+  bf16x8_to_float(reinterpret_cast<const uint4*>(x)[c], v);
+#pragma unroll
+  for (int i = 0; i < 8; i++) r[i] += v[i];
+  reinterpret_cast<uint4*>(residual)[c] = float_to_bf16x8(r);
+}
+
+// The sum of x over the ranks: in place into x, or, with `residual`, added into residual (x then holds this
+// rank's partial still, or the sum: callers must not rely on either). Every rank must make the same calls
+// in the same order; the road depends only on n and on what every rank agreed at start-up, so it is the
+// same everywhere.
+static void all_reduce_sum(TPComm* comm, bf16* x, size_t n, cudaStream_t stream, bf16* residual) {
   if (comm->mode == TPComm::SKIP) return;
   const size_t bytes = n * sizeof(bf16);
-  if (comm->mode == TPComm::AUTO && comm->p2p && n % 8 == 0 && bytes <= AR_DATA_BYTES &&
-      (comm->size == 2 || bytes <= AR_ONESHOT_MANY_RANKS))
-    all_reduce_p2p(comm, x, n, stream);
-  else
-    NCCL_CHECK(ncclAllReduce(x, x, n, ncclBfloat16, ncclSum, comm->nccl, stream));
+  if (comm->mode == TPComm::AUTO && comm->p2p && n % 8 == 0 && bytes <= ar_max_bytes(comm->size)) {
+    all_reduce_p2p(comm, x, residual, n, stream);
+    return;
+  }
+  if (residual) check_vec8("all_reduce_sum (residual)", "n", (int64_t)n);
+  NCCL_CHECK(ncclAllReduce(x, x, n, ncclBfloat16, ncclSum, comm->nccl, stream));
+  if (residual && n > 0) {
+    const int64_t chunks = (int64_t)n / 8;
+    launch(residual_add_kernel, (unsigned)cdiv(chunks, 256), 256, 0, stream, residual, x, chunks);
+    CUDA_CHECK(cudaGetLastError());
+  }
 }
 
 // The minimum of v over the ranks (host to host; start-up only, e.g. the KV pool size every rank can hold).
@@ -3721,10 +3774,10 @@ static void tp_p2p_init(TPComm* c) {
   }
   if (!all_reduce_min(c, ok)) return;
   char* buf;
-  CUDA_CHECK(cudaMalloc(&buf, AR_FLAG_BYTES + AR_DATA_BYTES));
+  CUDA_CHECK(cudaMalloc(&buf, AR_FLAG_BYTES + 2 * c->size * ar_max_bytes(c->size)));
   CUDA_CHECK(cudaMemset(buf, 0, AR_FLAG_BYTES));
-  CUDA_CHECK(cudaMalloc(&c->epochs, AR_MAX_BLOCKS * sizeof(uint32_t)));
-  CUDA_CHECK(cudaMemset(c->epochs, 0, AR_MAX_BLOCKS * sizeof(uint32_t)));
+  CUDA_CHECK(cudaMalloc(&c->epochs, AR_MAX_BLOCKS * sizeof(uint64_t)));
+  CUDA_CHECK(cudaMemset(c->epochs, 0, AR_MAX_BLOCKS * sizeof(uint64_t)));
   CUDA_CHECK(cudaDeviceSynchronize());  // zeroed flags before any rank can see the buffer
   // Exchange the IPC handles with an all-gather of their bytes.
   const size_t hb = sizeof(cudaIpcMemHandle_t);
@@ -3744,7 +3797,7 @@ static void tp_p2p_init(TPComm* c) {
       ok = 0;
       continue;
     }
-    c->peers.flags[r] = static_cast<uint32_t*>(p);
+    c->peers.flags[r] = static_cast<uint64_t*>(p);
     c->peers.data[r] = reinterpret_cast<bf16*>(static_cast<char*>(p) + AR_FLAG_BYTES);
   }
   c->p2p = all_reduce_min(c, ok) == 1;

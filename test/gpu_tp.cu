@@ -1,7 +1,8 @@
 // The tensor-parallel data plane on two GPUs (nanovllm.cu section 12a): all_reduce_sum on both roads (the
-// one-shot NVLink kernel and NCCL) against an fp32 reference, eagerly and replayed from CUDA graphs mixed
-// with eager calls; gather_logits with an odd vocabulary; all_reduce_min; and the latency of one all-reduce
-// at the message sizes of a decode step (the "bench_" case, used for the README's all-reduce share).
+// one-shot NVLink kernel and NCCL), in place and into a residual, against an fp32 reference, eagerly and
+// replayed from CUDA graphs mixed with eager calls, and back to back with the ranks out of step;
+// gather_logits with an odd vocabulary; all_reduce_min; and the latency of one all-reduce at the message
+// sizes of a decode step (the "bench_" case, used for the README's all-reduce share).
 //
 // Two ranks: main() forks rank 1 before any CUDA call and both processes run every case, so each collective
 // has its partner. Rank 0 prints; rank 1 checks its own results too, silently, and its exit status counts.
@@ -27,24 +28,32 @@ static uint16_t value_bits(int rank, size_t i, int salt) {  // a deterministic b
   return float_to_bf16_bits((float)((int64_t)(h % 4096) - 2048) / 1024.0f);
 }
 
-// Fill x with this rank's values, all-reduce, and compare with bf16(sum over ranks in fp32) bit for bit.
-static void check_all_reduce(bf16* x, size_t n, int salt, cudaStream_t s, const char* what) {
-  std::vector<uint16_t> h(n), want(n), got(n);
-  for (size_t i = 0; i < n; i++) {
-    h[i] = value_bits(g_rank, i, salt);
-    float sum = 0;
-    for (int r = 0; r < g_comm->size; r++) sum += bf16_bits_to_float(value_bits(r, i, salt));
-    want[i] = float_to_bf16_bits(sum);
-  }
+// The expected result at element i: bf16(sum over ranks in fp32), or with a residual r,
+// bf16(r + bf16(sum)) (the residual's values are the same on every rank).
+static uint16_t expected_bits(size_t i, int salt, const uint16_t* residual) {
+  float sum = 0;
+  for (int r = 0; r < g_comm->size; r++) sum += bf16_bits_to_float(value_bits(r, i, salt));
+  if (!residual) return float_to_bf16_bits(sum);
+  return float_to_bf16_bits(bf16_bits_to_float(float_to_bf16_bits(sum)) + bf16_bits_to_float(residual[i]));
+}
+
+// Fill x with this rank's values (and, if residual, residual with values common to all ranks), all-reduce,
+// and compare x (or residual) with expected_bits bit for bit.
+static void check_all_reduce(bf16* x, size_t n, int salt, cudaStream_t s, const char* what,
+                             bf16* residual = nullptr) {
+  std::vector<uint16_t> h(n), r(n), got(n);
+  for (size_t i = 0; i < n; i++) h[i] = value_bits(g_rank, i, salt), r[i] = value_bits(7, i, salt + 1);
   upload(x, h.data(), n * 2);
-  all_reduce_sum(g_comm, x, n, s);
+  if (residual) upload(residual, r.data(), n * 2);
+  all_reduce_sum(g_comm, x, n, s, residual);
   CUDA_CHECK(cudaStreamSynchronize(s));
-  CUDA_CHECK(cudaMemcpy(got.data(), x, n * 2, cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(got.data(), residual ? residual : x, n * 2, cudaMemcpyDeviceToHost));
   size_t bad = 0, first = 0;
   for (size_t i = 0; i < n; i++)
-    if (got[i] != want[i] && !bad++) first = i;
-  CHECK_MSG(bad == 0, "%s n=%zu: %zu of %zu wrong, first at [%zu]: got %g want %g", what, n, bad, n, first,
-            bf16_bits_to_float(got[first]), bf16_bits_to_float(want[first]));
+    if (got[i] != expected_bits(i, salt, residual ? r.data() : nullptr) && !bad++) first = i;
+  CHECK_MSG(bad == 0, "%s%s n=%zu: %zu of %zu wrong, first at [%zu]: got %g want %g", what,
+            residual ? " (into residual)" : "", n, bad, n, first, bf16_bits_to_float(got[first]),
+            bf16_bits_to_float(expected_bits(first, salt, residual ? r.data() : nullptr)));
 }
 
 #define NEED_TWO_GPUS() \
@@ -54,17 +63,21 @@ TEST(all_reduce_matches_fp32_sum_on_both_roads) {
   NEED_TWO_GPUS();
   printf("    one-shot NVLink all-reduce available: %s\n", g_comm->p2p ? "yes" : "no (NCCL only)");
   const size_t sizes[] = {8, 4096, 4096 * 3, 5120 * 37, 4096 * 512, AR_DATA_BYTES / 2, (size_t)16384 * 4096};
-  bf16* x;
+  bf16 *x, *residual;
   CUDA_CHECK(cudaMalloc(&x, sizes[6] * 2));
+  CUDA_CHECK(cudaMalloc(&residual, sizes[6] * 2));
   cudaStream_t s;
   CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   TPComm::Mode saved = g_comm->mode;
   for (TPComm::Mode m : {TPComm::AUTO, TPComm::NCCL_ONLY}) {
     g_comm->mode = m;
-    for (size_t n : sizes) check_all_reduce(x, n, (int)n + m, s, m == TPComm::AUTO ? "auto" : "nccl");
+    for (size_t n : sizes)
+      for (bf16* r : {(bf16*)nullptr, residual})
+        check_all_reduce(x, n, (int)n + m + (r ? 99 : 0), s, m == TPComm::AUTO ? "auto" : "nccl", r);
   }
   g_comm->mode = saved;
   CUDA_CHECK(cudaFree(x));
+  CUDA_CHECK(cudaFree(residual));
 }
 
 // Graphs keep the kernel's arguments; the barrier epochs live in device memory, so replays and eager calls
@@ -112,6 +125,81 @@ TEST(all_reduce_in_cuda_graphs_mixed_with_eager_calls) {
   }
   CUDA_CHECK(cudaGraphExecDestroy(exec));
   CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
+// Holds the GPU for about `us` microseconds: one rank falls behind the other.
+__global__ void spin_kernel(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+}
+
+// Many calls back to back with the ranks out of step: before some calls one rank or the other is held up
+// for 5-40 us, so the faster rank runs into its next calls (and reuses its staging halves) while the slower
+// one still works on earlier ones. Sizes change from call to call, so the grid (1 to 32 blocks) and the
+// chunks each block owns change too. Every call has its own buffers, checked after all of them ran: a
+// staging half overwritten too early would show up as a wrong sum. Eagerly, then from a graph, twice.
+TEST(all_reduce_back_to_back_with_ranks_out_of_step) {
+  NEED_TWO_GPUS();
+  constexpr int CALLS = 48;
+  const size_t sizes[] = {4096, 4096 * 40, 8, 4096 * 3, 4096 * 256, 4096 * 2};
+  int clock_khz = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, g_rank));
+  std::vector<bf16*> x(CALLS), res(CALLS);
+  for (int i = 0; i < CALLS; i++) {
+    CUDA_CHECK(cudaMalloc(&x[i], sizes[i % 6] * 2));
+    CUDA_CHECK(cudaMalloc(&res[i], sizes[i % 6] * 2));
+  }
+  cudaStream_t s;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  auto calls = [&] {
+    for (int i = 0; i < CALLS; i++) {
+      const int slow = (i * 7 / 3) % 3;  // 0: rank 0 waits, 1: rank 1 waits, 2: nobody
+      if (slow == g_rank) spin_kernel<<<1, 1, 0, s>>>((long long)clock_khz / 1000 * (5 + (i * 13) % 36));
+      all_reduce_sum(g_comm, x[i], sizes[i % 6], s, i % 4 == 1 ? res[i] : nullptr);
+    }
+  };
+  auto fill_and_check = [&](int salt, const std::function<void()>& run, const char* what) {
+    std::vector<std::vector<uint16_t>> r(CALLS);
+    for (int i = 0; i < CALLS; i++) {
+      const size_t n = sizes[i % 6];
+      std::vector<uint16_t> h(n);
+      r[i].resize(n);
+      for (size_t j = 0; j < n; j++) h[j] = value_bits(g_rank, j, salt + i), r[i][j] = value_bits(7, j, salt + i + 1);
+      upload(x[i], h.data(), n * 2);
+      upload(res[i], r[i].data(), n * 2);
+    }
+    run();
+    CUDA_CHECK(cudaStreamSynchronize(s));
+    size_t bad = 0;
+    int first = -1;
+    for (int i = 0; i < CALLS; i++) {
+      const size_t n = sizes[i % 6];
+      const bool into_residual = i % 4 == 1;
+      std::vector<uint16_t> got(n);
+      CUDA_CHECK(cudaMemcpy(got.data(), into_residual ? res[i] : x[i], n * 2, cudaMemcpyDeviceToHost));
+      size_t b = 0;
+      for (size_t j = 0; j < n; j++) b += got[j] != expected_bits(j, salt + i, into_residual ? r[i].data() : nullptr);
+      if (b && first < 0) first = i;
+      bad += b;
+    }
+    CHECK_MSG(bad == 0, "%s: %zu wrong elements, first in call %d", what, bad, first);
+  };
+  fill_and_check(1000, calls, "eager");
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  calls();
+  CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int rep = 0; rep < 2; rep++)
+    fill_and_check(2000 + 100 * rep, [&] { CUDA_CHECK(cudaGraphLaunch(exec, s)); }, "graph replay");
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  for (int i = 0; i < CALLS; i++) {
+    CUDA_CHECK(cudaFree(x[i]));
+    CUDA_CHECK(cudaFree(res[i]));
+  }
 }
 
 TEST(gather_logits_to_rank_zero) {
@@ -188,9 +276,11 @@ TEST(bench_all_reduce_latency) {
   NEED_TWO_GPUS();
   cudaStream_t s;
   CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  bf16* x;
+  bf16 *x, *residual;
   CUDA_CHECK(cudaMalloc(&x, (size_t)256 * 4096 * 2));
   CUDA_CHECK(cudaMemset(x, 0, (size_t)256 * 4096 * 2));
+  CUDA_CHECK(cudaMalloc(&residual, (size_t)256 * 4096 * 2));
+  CUDA_CHECK(cudaMemset(residual, 0, (size_t)256 * 4096 * 2));
   TPComm::Mode saved = g_comm->mode;
   for (int B : {1, 8, 64, 256}) {
     double us[2] = {0, 0};
@@ -198,8 +288,11 @@ TEST(bench_all_reduce_latency) {
       g_comm->mode = road == 0 ? TPComm::AUTO : TPComm::NCCL_ONLY;
       us[road] = graph_us_per_call(s, [&] { all_reduce_sum(g_comm, x, (size_t)B * 4096, s); });
     }
-    printf("    all-reduce of %4d x 4096 bf16 (%7d bytes): %s %.2f us, NCCL %.2f us per call (in a CUDA graph)\n",
-           B, B * 4096 * 2, g_comm->p2p ? "one-shot" : "auto(NCCL)", us[0], us[1]);
+    g_comm->mode = TPComm::AUTO;
+    const double add_us = graph_us_per_call(s, [&] { all_reduce_sum(g_comm, x, (size_t)B * 4096, s, residual); });
+    printf("    all-reduce of %4d x 4096 bf16 (%7d bytes): %s %.2f us (%.2f us into the residual), NCCL %.2f us "
+           "per call (in a CUDA graph)\n",
+           B, B * 4096 * 2, g_comm->p2p ? "one-shot" : "auto(NCCL)", us[0], add_us, us[1]);
   }
   g_comm->mode = saved;
   // One decode step's logits gather at batch 1 (Qwen3's vocabulary), also from a graph of 100.
