@@ -3560,13 +3560,18 @@ constexpr int TP_MAX_RANKS = 8;
 //
 // NCCL's ring all-reduce costs 2(N-1) dependent steps plus its own kernel set-up, paid 73 times per token
 // for Qwen3-8B. When every GPU can write every other GPU's memory (NVLink, or PCIe peer-to-peer), small
-// messages take a shorter road (after vLLM's and TensorRT-LLM's "custom all-reduce"): each rank writes its
-// partial sums straight into a staging buffer on every other rank (mapped with CUDA IPC), raises a flag
-// there, waits for every rank's flag, and adds what arrived in its own memory. One crossing of NVLink and
-// one barrier per call; large messages (prefill) stay with NCCL, whose ring moves fewer bytes per GPU.
+// messages take a shorter road (after the "custom all-reduce" of vLLM and TensorRT-LLM): each rank writes
+// its partial sums straight into a staging buffer on every other rank (mapped with CUDA IPC), then adds
+// what arrived in its own memory. There are no flags and no barrier: a staging slot holds a value no
+// partial sum can have (bf16 -0.0, see below) until the data lands, so "has it arrived?" is read from the
+// data itself (the Lamport-style all-reduce of TensorRT-LLM). One crossing of NVLink per call, and no
+// system-wide memory fence, which is what the barrier version spent most of its time on (measured below).
+// Large messages (prefill) stay with NCCL, whose ring moves fewer bytes per GPU.
 // The sum can also land in the residual stream at once (residual += sum): section 7 uses that instead of a
 // separate add, so at N > 1 the add costs no kernel, the same as the gemv's ADD epilogue on one GPU.
-// Measured on 2 H200s over NVLink (test/gpu_tp.cu, inside a CUDA graph): the README has the figures.
+// Measured on 2 H200s over NVLink (test/gpu_tp.cu, 100 calls of 8 KB in a CUDA graph), per call: NCCL
+// 6.45 us; the earlier pull version with two barriers 4.97 us; a push version with one barrier 3.97 us;
+// this one: see the README.
 //
 // NANOVLLM_ALLREDUCE=nccl forces NCCL everywhere; NANOVLLM_ALLREDUCE=skip skips every all-reduce (and the
 // residual add riding on it), which makes the output wrong and exists only to measure what the all-reduces
@@ -3574,19 +3579,16 @@ constexpr int TP_MAX_RANKS = 8;
 
 constexpr int AR_THREADS = 512;             // threads of one all-reduce block, 16 bytes each per pass
 constexpr int AR_MAX_BLOCKS = 32;           // blocks of one all-reduce: all resident on any sm_80+ GPU
-constexpr size_t AR_FLAG_BYTES = 4096;      // barrier flags [AR_MAX_BLOCKS][TP_MAX_RANKS] u64, padded
 constexpr size_t AR_DATA_BYTES = 8 << 20;   // the largest one-shot message at N = 2 (decode: B * H * 2)
 constexpr size_t AR_ONESHOT_MANY_RANKS = 512 << 10;  // ... and at N > 2, where every rank writes (N-1)x the
                                                      // message: NCCL's ring wins sooner
-static_assert(AR_MAX_BLOCKS * TP_MAX_RANKS * sizeof(uint64_t) <= AR_FLAG_BYTES, "flags fit");
+constexpr uint16_t AR_EMPTY = 0x8000;       // bf16 -0.0: "not arrived yet" in a staging slot
 static size_t ar_max_bytes(int size) { return size == 2 ? AR_DATA_BYTES : AR_ONESHOT_MANY_RANKS; }
 
-// Every rank's staging buffer, as mapped into this process. Rank d's buffer is
-//   flags [AR_MAX_BLOCKS][TP_MAX_RANKS] u64      flags[b][s]: the last call whose block b rank s finished pushing
-//   data  [2 halves][size][ar_max_bytes(size)]    data[h][s]: rank s's partial sums, written by rank s
+// Every rank's staging buffer, as mapped into this process: rank d's is
+//   data [2 halves][size][ar_max_bytes(size)]   data[h][s]: what rank s sent to rank d, or AR_EMPTY
 struct ARPeers {
   bf16* data[TP_MAX_RANKS];
-  uint64_t* flags[TP_MAX_RANKS];
 };
 
 struct TPComm {
@@ -3610,28 +3612,44 @@ struct TPComm {
 //          residual == nullptr:  into x
 //          otherwise:            into residual [n]: residual = bf16(residual + bf16(sum)), the rounding of
 //                                an all-reduce followed by add_rmsnorm's add (5a)
-// A block owns the 16-byte chunks c = blockIdx.x * blockDim.x + threadIdx.x + k * gridDim.x * blockDim.x:
+//        A partial of -0.0 is sent and added as +0.0 (-0.0 means "empty"); only the sign of a zero sum
+//        can differ from NCCL's.
+// A thread owns the 16-byte chunks c = blockIdx.x * blockDim.x + threadIdx.x + k * gridDim.x * blockDim.x:
 //   1. push: it stores its chunks of x into data[h][my rank] of every other rank (stores over NVLink);
-//   2. barrier with the same block of every rank: it writes this call's number into flags[block][my rank] of
-//      every rank (a release at system scope, after the whole block's stores: it publishes them) and waits
-//      until its own flags[block][s] show that number for every s (acquire);
-//   3. it sums its chunks: its own from x, every other rank's from its own memory, data[h][s].
-// Call k uses half h = k % 2. No second barrier is needed before the buffer is reused: a rank writes half h
-// again only at call k + 2, after it passed call k + 1's barrier, and every rank arrives there only after
-// its call k has finished (its kernels run in stream order, each waiting for the one before, section 5).
+//   2. for each other rank s, it reads data[h][s][c] from its own memory until none of the 8 values is
+//      AR_EMPTY, which means all 16 bytes have landed (a wider store may land in parts; each part is new),
+//      adds, and writes AR_EMPTY back, ready for the next use of the slot.
+// Call k uses half h = k % 2. A rank writes half h again only at call k + 2, after call k + 1 got data from
+// every rank, and each rank sends that only after its own call k has finished, emptied slots included
+// (kernels run in stream order, each waiting for the one before, section 5). So two halves are enough.
 // The call number lives in device memory and the kernel bumps it itself, so the kernel works eagerly and
 // replayed from any CUDA graph, in any mix, as long as every rank makes the same calls in the same order.
 // Every block keeps its own copy (no block may read a counter another block of the same call updates):
 // block b reads epochs[b] and writes the new number into every copy j = b (mod gridDim.x), so all copies
-// stay equal whatever grid the next call has. A flag reached by a faster rank's next call is larger, never
-// smaller, so the wait is "at least" (the numbers are 64-bit: they never wrap).
+// stay equal whatever grid the next call has.
 // Preconditions: n % 8 == 0, 2n <= ar_max_bytes(N), every rank calls it in the same order with the same n.
-__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;\n" ::"l"(p), "l"(v) : "memory");
+__device__ __forceinline__ uint4 ld_volatile16(const uint4* p) {  // a fresh read from memory every time
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
 }
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
+__device__ __forceinline__ bool ar_has_empty(const uint4& v) {  // any of the 8 bf16 equal to AR_EMPTY
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  bool empty = false;
+#pragma unroll
+  for (int i = 0; i < 4; i++) empty |= (w[i] & 0xffffu) == AR_EMPTY || (w[i] >> 16) == AR_EMPTY;
+  return empty;
+}
+__device__ __forceinline__ uint4 ar_no_negative_zero(uint4 v) {  // -0.0 -> +0.0 in each of the 8 bf16
+  uint32_t* w = reinterpret_cast<uint32_t*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    if ((w[i] & 0xffffu) == AR_EMPTY) w[i] &= 0xffff0000u;
+    if ((w[i] >> 16) == AR_EMPTY) w[i] &= 0x0000ffffu;
+  }
   return v;
 }
 
@@ -3648,23 +3666,25 @@ __global__ __launch_bounds__(AR_THREADS) void all_reduce_p2p_kernel(bf16* x, bf1
     return reinterpret_cast<uint4*>(peers.data[owner]) + (half + from) * slot_chunks;
   };
   for (int64_t c = first; c < chunks; c += stride) {  // 1. push
-    const uint4 v = xv[c];
+    const uint4 v = ar_no_negative_zero(xv[c]);
     for (int r = 0; r < size; r++)
       if (r != rank) slot(r, rank)[c] = v;
   }
-  __syncthreads();  // 2. barrier: the whole block's stores are issued before thread r tells rank r so
-  if ((int)threadIdx.x < size) {
-    const int flag = blockIdx.x * TP_MAX_RANKS;
-    st_release_sys(peers.flags[threadIdx.x] + flag + rank, epoch);
-    while ((int64_t)(ld_acquire_sys(peers.flags[rank] + flag + threadIdx.x) - epoch) < 0) {
-    }
-  }
-  __syncthreads();
+  const uint4 empty = make_uint4(AR_EMPTY * 0x10001u, AR_EMPTY * 0x10001u, AR_EMPTY * 0x10001u, AR_EMPTY * 0x10001u);
   uint4* rv = reinterpret_cast<uint4*>(residual);
-  for (int64_t c = first; c < chunks; c += stride) {  // 3. sum
+  for (int64_t c = first; c < chunks; c += stride) {  // 2. wait, add, empty
     float sum[8] = {}, v[8];
     for (int r = 0; r < size; r++) {
-      bf16x8_to_float(r == rank ? xv[c] : __ldcg(slot(rank, r) + c), v);  // L2, never a stale L1
+      uint4 u;
+      if (r == rank) {
+        u = ar_no_negative_zero(xv[c]);
+      } else {
+        uint4* p = slot(rank, r) + c;
+        do u = ld_volatile16(p);
+        while (ar_has_empty(u));
+        *p = empty;
+      }
+      bf16x8_to_float(u, v);
 #pragma unroll
       for (int i = 0; i < 8; i++) sum[i] += v[i];
     }
@@ -3774,11 +3794,13 @@ static void tp_p2p_init(TPComm* c) {
   }
   if (!all_reduce_min(c, ok)) return;
   char* buf;
-  CUDA_CHECK(cudaMalloc(&buf, AR_FLAG_BYTES + 2 * c->size * ar_max_bytes(c->size)));
-  CUDA_CHECK(cudaMemset(buf, 0, AR_FLAG_BYTES));
+  const size_t bytes = 2 * c->size * ar_max_bytes(c->size);
+  CUDA_CHECK(cudaMalloc(&buf, bytes));
+  const std::vector<uint16_t> empty(bytes / 2, AR_EMPTY);  // every slot starts empty
+  CUDA_CHECK(cudaMemcpy(buf, empty.data(), bytes, cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMalloc(&c->epochs, AR_MAX_BLOCKS * sizeof(uint64_t)));
   CUDA_CHECK(cudaMemset(c->epochs, 0, AR_MAX_BLOCKS * sizeof(uint64_t)));
-  CUDA_CHECK(cudaDeviceSynchronize());  // zeroed flags before any rank can see the buffer
+  CUDA_CHECK(cudaDeviceSynchronize());  // emptied before any rank can see the buffer
   // Exchange the IPC handles with an all-gather of their bytes.
   const size_t hb = sizeof(cudaIpcMemHandle_t);
   std::vector<cudaIpcMemHandle_t> handles(c->size);
@@ -3797,8 +3819,7 @@ static void tp_p2p_init(TPComm* c) {
       ok = 0;
       continue;
     }
-    c->peers.flags[r] = static_cast<uint64_t*>(p);
-    c->peers.data[r] = reinterpret_cast<bf16*>(static_cast<char*>(p) + AR_FLAG_BYTES);
+    c->peers.data[r] = static_cast<bf16*>(p);
   }
   c->p2p = all_reduce_min(c, ok) == 1;
 }
