@@ -3671,7 +3671,8 @@ __global__ __launch_bounds__(AR_THREADS) void all_reduce_p2p_kernel(bf16* x, bf1
     for (int r = 0; r < size; r++)
       if (r != rank) slot(r, rank)[c] = v;
   }
-  const uint4 empty = make_uint4(AR_EMPTY * 0x10001u, AR_EMPTY * 0x10001u, AR_EMPTY * 0x10001u, AR_EMPTY * 0x10001u);
+  constexpr uint32_t EMPTY2 = AR_EMPTY * 0x10001u;  // two empty bf16
+  const uint4 empty = make_uint4(EMPTY2, EMPTY2, EMPTY2, EMPTY2);
   uint4* rv = reinterpret_cast<uint4*>(residual);
   for (int64_t c = first; c < chunks; c += stride) {  // 2. wait, add, empty
     float sum[8] = {}, v[8];

@@ -171,7 +171,10 @@ TEST(all_reduce_back_to_back_with_ranks_out_of_step) {
       const size_t n = sizes[i % 6];
       std::vector<uint16_t> h(n);
       r[i].resize(n);
-      for (size_t j = 0; j < n; j++) h[j] = value_bits(g_rank, j, salt + i), r[i][j] = value_bits(7, j, salt + i + 1);
+      for (size_t j = 0; j < n; j++) {
+        h[j] = value_bits(g_rank, j, salt + i);
+        r[i][j] = value_bits(7, j, salt + i + 1);
+      }
       upload(x[i], h.data(), n * 2);
       upload(res[i], r[i].data(), n * 2);
     }
@@ -296,9 +299,10 @@ TEST(bench_all_reduce_latency) {
       us[road] = graph_us_per_call(s, [&] { all_reduce_sum(g_comm, x, (size_t)B * 4096, s); });
     }
     g_comm->mode = TPComm::AUTO;
-    const double add_us = graph_us_per_call(s, [&] { all_reduce_sum(g_comm, x, (size_t)B * 4096, s, residual); });
-    printf("    all-reduce of %4d x 4096 bf16 (%7d bytes): %s %.2f us (%.2f us into the residual), NCCL %.2f us "
-           "per call (in a CUDA graph)\n",
+    const double add_us =
+        graph_us_per_call(s, [&] { all_reduce_sum(g_comm, x, (size_t)B * 4096, s, residual); });
+    printf("    all-reduce of %4d x 4096 bf16 (%7d bytes): %s %.2f us (%.2f us into the residual), "
+           "NCCL %.2f us per call (in a CUDA graph)\n",
            B, B * 4096 * 2, g_comm->p2p ? "one-shot" : "auto(NCCL)", us[0], add_us, us[1]);
   }
   g_comm->mode = saved;
