@@ -2,7 +2,7 @@
 // one-shot NVLink kernel and NCCL), in place and into a residual, against an fp32 reference, eagerly and
 // replayed from CUDA graphs mixed with eager calls, and back to back with the ranks out of step;
 // gather_logits with an odd vocabulary; all_reduce_min; and the latency of one all-reduce at the message
-// sizes of a decode step (the "bench_" case, used for the README's all-reduce share).
+// sizes of a decode step (the "bench_" case, used for the README's all-reduce figures).
 //
 // Two ranks: main() forks rank 1 before any CUDA call and both processes run every case, so each collective
 // has its partner. Rank 0 prints; rank 1 checks its own results too, silently, and its exit status counts.
@@ -86,8 +86,8 @@ TEST(all_reduce_matches_fp32_sum_on_both_roads) {
   CUDA_CHECK(cudaFree(residual));
 }
 
-// Graphs keep the kernel's arguments; the barrier epochs live in device memory, so replays and eager calls
-// can interleave in any order as long as every rank does the same.
+// Graphs keep the kernel's arguments; the call numbers (which staging half a call uses) live in device
+// memory, so replays and eager calls can interleave in any order as long as every rank does the same.
 TEST(all_reduce_in_cuda_graphs_mixed_with_eager_calls) {
   NEED_TWO_GPUS();
   const size_t na = 4096, nb = 4096 * 40;
