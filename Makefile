@@ -41,7 +41,7 @@ EXTRA_INCLUDES ?=
 NVFLAGS  := -std=c++17 -O3 -lineinfo -Xcompiler -Wall,-Wno-unused-function $(EXTRA_INCLUDES) \
             --expt-relaxed-constexpr -diag-suppress 177,550
 # utf8proc is looked up when linking, after `deps` may have installed it.
-LDLIBS   := -lcublasLt -lnccl $$(bash test/deps.sh --utf8proc-lib)
+LDLIBS   := -lcublasLt -lnccl $$(bash tools/deps.sh --utf8proc-lib)
 ifeq ($(SANITIZE),1)
   # -fno-sanitize-recover: an UndefinedBehaviorSanitizer report stops the test (a failure), not a warning.
   HOSTSAN := -Xcompiler -fsanitize=address -Xcompiler -fsanitize=undefined -Xcompiler -fno-omit-frame-pointer \
@@ -49,8 +49,8 @@ ifeq ($(SANITIZE),1)
 endif
 
 HEADERS  := nanovllm.cu safetensors.h tokenizer.h
-HOST_TESTS := $(patsubst test/%.cu,$(BUILD)/%,$(wildcard test/test_*.cu))
-GPU_TESTS  := $(patsubst test/%.cu,$(BUILD)/%,$(wildcard test/gpu_*.cu))
+HOST_TESTS := $(patsubst test/host/%.cu,$(BUILD)/%,$(wildcard test/host/test_*.cu))
+GPU_TESTS  := $(patsubst test/gpu/%.cu,$(BUILD)/%,$(wildcard test/gpu/gpu_*.cu))
 
 # ---- fuzzing ------------------------------------------------------------------------------------------
 # The targets (test/fuzz/targets.cu) include nanovllm.cu like every test, so nvcc compiles them with clang as
@@ -71,16 +71,16 @@ all: deps nanovllm
 # Print what was found; install a missing Debian package when root, else print the command and stop.
 deps:
 	@CUDA_ARCH_NAME="$(ARCH_NAME)" NVCC="$(NVCC)" \
-	  EXTRA_INCLUDES="$(EXTRA_INCLUDES)" bash test/deps.sh
+	  EXTRA_INCLUDES="$(EXTRA_INCLUDES)" bash tools/deps.sh
 
 nanovllm: $(HEADERS) | deps
 	$(NVCC) $(NVFLAGS) $(GENCODE) -o $@ nanovllm.cu $(LDLIBS)
 
-$(BUILD)/test_%: test/test_%.cu test/test.h test/engine_fixtures.h $(HEADERS) | deps
+$(BUILD)/test_%: test/host/test_%.cu test/test.h test/engine_fixtures.h $(HEADERS) | deps
 	@mkdir -p $(BUILD)
 	$(NVCC) $(NVFLAGS) $(TEST_GENCODE) $(HOSTSAN) -o $@ $< $(LDLIBS)
 
-$(BUILD)/gpu_%: test/gpu_%.cu test/test.h $(HEADERS) | deps
+$(BUILD)/gpu_%: test/gpu/gpu_%.cu test/test.h $(HEADERS) | deps
 	@mkdir -p $(BUILD)
 	$(NVCC) $(NVFLAGS) $(GENCODE) -o $@ $< $(LDLIBS)
 
@@ -102,10 +102,10 @@ fuzz-build:
 
 # Each target for FUZZ_SECONDS, growing a corpus in build/fuzz/corpus-NAME from test/fuzz/corpus/NAME.
 fuzz: fuzz-build
-	@FUZZ_SECONDS=$(FUZZ_SECONDS) FUZZ_KEEP_CORPUS=1 bash test/fuzz.sh $(BUILD)
+	@FUZZ_SECONDS=$(FUZZ_SECONDS) FUZZ_KEEP_CORPUS=1 bash test/fuzz/fuzz.sh $(BUILD)
 
 # GPU test binaries are only built where a GPU is visible (or CUDA_ARCH is given). The fuzz targets are built
-# where clang can link them; test/fuzz.sh then gives each a short pass (FUZZ_SECONDS=10).
+# where clang can link them; test/fuzz/fuzz.sh then gives each a short pass (FUZZ_SECONDS=10).
 ifeq ($(strip $(CUDA_ARCH)),)
 test-build: nanovllm $(HOST_TESTS) fuzz-build
 else

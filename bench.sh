@@ -37,7 +37,7 @@ if [ -n "$RANDOM_SHAPE" ]; then
   case $RANDOM_SHAPE in 0.6b|8b) ;; *) echo "bench.sh: --random takes 0.6b or 8b" >&2; exit 1 ;; esac
   MODEL=build/bench-$RANDOM_SHAPE
   if [ ! -f "$MODEL/config.json" ]; then
-    TOK=${TOKENIZER_DIR:-$(bash test/fetch_tokenizer.sh | tail -n1)}
+    TOK=${TOKENIZER_DIR:-$(bash tools/fetch_tokenizer.sh | tail -n1)}
     python3 - "$MODEL" "$RANDOM_SHAPE" "$TOK" <<'PY'
 import json, os, shutil, sys, torch
 from transformers import Qwen3Config, Qwen3ForCausalLM

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Run every test suite and sum their RESULT lines into one closing line "N passed, N failed, N skipped".
 #   host suites  build/test_*   always
-#   GPU suites   build/gpu_*    only where a GPU is visible; otherwise one "SKIPPED (no GPU): name" line each
-#   shell suites test/*.sh that start with "# suite:" (CLI behaviour), run with the built ./nanovllm
+#   GPU suites   build/gpu_*    one per test/gpu/gpu_*.cu, run only where a GPU is visible; otherwise one
+#                               "SKIPPED (no GPU): name" line each
+#   shell suites test/cli/*.sh and test/fuzz/fuzz.sh that start with "# suite:" (CLI behaviour), run with
+#                the built ./nanovllm
 # Exit status: non-zero if any case failed or any suite crashed without a RESULT line.
 set -u
 BUILD=${1:-build}
@@ -38,7 +40,7 @@ for t in "$BUILD"/test_*; do
   [ -x "$t" ] || continue
   run_suite "$(basename "$t")" "$t"
 done
-for src in test/gpu_*.cu; do
+for src in test/gpu/gpu_*.cu; do
   [ -e "$src" ] || continue
   name=$(basename "$src" .cu)
   if [ "$have_gpu" = 1 ] && [ -x "$BUILD/$name" ]; then
@@ -48,7 +50,7 @@ for src in test/gpu_*.cu; do
     skipped=$((skipped + 1))
   fi
 done
-for t in test/*.sh; do
+for t in test/cli/*.sh test/fuzz/fuzz.sh; do
   head -n 3 "$t" | grep -q '^# suite:' || continue
   run_suite "$(basename "$t")" bash "$t"
 done

@@ -3,8 +3,8 @@
 //
 // A case fails when any CHECK fails; it is skipped (never counted as passed) when it calls SKIP(why).
 // Usage:   #define NANOVLLM_TESTING
-//          #include "../nanovllm.cu"
-//          #include "test.h"
+//          #include "../../nanovllm.cu"   (from test/host/ or test/gpu/)
+//          #include "../test.h"
 //          TEST(block_hash_known_values) { CHECK_EQ(x, y); }
 //          int main(int argc, char** argv) { return test_main(argc, argv); }
 // Run some cases with `./build/test_x NAME_SUBSTRING`, one with `=NAME`; `--list` names them all.
@@ -104,7 +104,7 @@ static bool check_close(const char* what, const float* got, const float* want, s
 }
 
 // argv[1]: run only the cases whose name contains it; "=NAME" runs the case named exactly NAME; --list prints
-// the names and runs nothing (test/gpu_sanitize.sh runs the cases one by one).
+// the names and runs nothing (test/gpu/gpu_sanitize.sh runs the cases one by one).
 static int test_main(int argc, char** argv) {
   const char* filter = argc > 1 ? argv[1] : nullptr;
   if (filter && !strcmp(filter, "--list")) {

@@ -8,9 +8,9 @@
 // broken property is a bug.
 //
 // Two drivers use these functions:
-//   test/fuzz/main.cpp              libFuzzer (clang -fsanitize=fuzzer,address,undefined): `make fuzz`
-//   test/test_fuzz_regressions.cu   the host test that replays test/fuzz/corpus/* and test/fuzz/regressions/*
-// The tokenizer is Qwen3's (NANOVLLM_TOKENIZER_DIR, else test/fetch_tokenizer.sh), loaded on first use.
+//   test/fuzz/main.cpp                   libFuzzer (clang -fsanitize=fuzzer,address,undefined): `make fuzz`
+//   test/host/test_fuzz_regressions.cu   the host test that replays test/fuzz/corpus/* and test/fuzz/regressions/*
+// The tokenizer is Qwen3's (NANOVLLM_TOKENIZER_DIR, else tools/fetch_tokenizer.sh), loaded on first use.
 #ifndef NANOVLLM_TESTING
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
@@ -34,7 +34,7 @@ static const Tokenizer* fuzz_tokenizer() {
   if (tok) return tok;
   std::string dir = getenv("NANOVLLM_TOKENIZER_DIR") ? getenv("NANOVLLM_TOKENIZER_DIR") : "";
   if (dir.empty()) {
-    FILE* p = popen("bash test/fetch_tokenizer.sh", "r");
+    FILE* p = popen("bash tools/fetch_tokenizer.sh", "r");
     char buf[4096];
     size_t n;
     std::string out;
@@ -44,7 +44,7 @@ static const Tokenizer* fuzz_tokenizer() {
     dir = out.substr(out.rfind('\n') == std::string::npos ? 0 : out.rfind('\n') + 1);
   }
   if (dir.empty()) {
-    fprintf(stderr, "fuzz: no Qwen3 tokenizer (set NANOVLLM_TOKENIZER_DIR or run test/fetch_tokenizer.sh)\n");
+    fprintf(stderr, "fuzz: no Qwen3 tokenizer (set NANOVLLM_TOKENIZER_DIR or run tools/fetch_tokenizer.sh)\n");
     exit(2);
   }
   tok_die_throws = false;  // a broken tokenizer.json is a set-up error, not a finding

@@ -1,0 +1,280 @@
+#!/usr/bin/env bash
+# suite: bad input (issue 8)
+# Every mistake a user can make with flags, the model folder, config.json, the checkpoint, the tokenizer, the
+# prompts file and --output: ./nanovllm must refuse it before any GPU work (so these run on a CPU machine),
+# exit with status 1 (not a crash, not a hang: each run has a 60 s limit), name the culprit on stderr (file,
+# line, tensor or flag), write nothing to stdout and leave no --output file. Fixtures are built in a temp
+# folder: a tiny Qwen3 checkpoint (test/ref/make_tiny_checkpoint.py, zeros stored sparsely) and the Qwen3
+# tokenizer (tools/fetch_tokenizer.sh). Run from the repo root; NANOVLLM_BIN overrides ./nanovllm.
+set -u
+passed=0 failed=0 skipped=0
+BIN=${NANOVLLM_BIN:-./nanovllm}
+pass() { echo "PASS $1"; passed=$((passed + 1)); }
+fail() { echo "FAIL $1: $2"; failed=$((failed + 1)); }
+skip() { echo "SKIPPED $1: $2"; skipped=$((skipped + 1)); }
+finish() { echo "RESULT passed=$passed failed=$failed skipped=$skipped"; exit $((failed > 0)); }
+
+if ! TOK=$(bash tools/fetch_tokenizer.sh | tail -n 1) || [ -z "$TOK" ]; then
+  fail fetch_tokenizer "tools/fetch_tokenizer.sh could not provide the Qwen3 tokenizer"
+  finish
+fi
+if [ ! -x "$BIN" ]; then fail binary "$BIN is missing: run make first"; finish; fi
+BIN=$(cd "$(dirname "$BIN")" && pwd)/$(basename "$BIN")
+tmp=$(mktemp -d)
+chmod 755 "$tmp"  # the unreadable-folder cases run as an unprivileged user when we are root
+trap 'chmod -R u+rwx "$tmp"; rm -rf "$tmp"' EXIT
+OUT=$tmp/out.jsonl  # every case passes --output $OUT and checks that it was not created
+
+# model NAME [make_tiny_checkpoint.py options] -> a model folder $tmp/NAME with the tokenizer files
+model() {
+  local name=$1; shift
+  python3 "$(dirname "$0")/../ref/make_tiny_checkpoint.py" "$tmp/$name" "$@" ||
+    { echo "make_tiny_checkpoint.py $* failed" >&2; exit 1; }
+  cp "$TOK/tokenizer.json" "$TOK/tokenizer_config.json" "$tmp/$name/"
+  echo "$tmp/$name"
+}
+
+# expect_error NAME 'NEEDLE1|NEEDLE2|...' CMD...  (each needle must appear in stderr)
+expect_error() {
+  local name=$1 needles=$2; shift 2
+  local rc
+  rm -f "$OUT"
+  timeout 60 "$@" >"$tmp/stdout" 2>"$tmp/stderr" </dev/null; rc=$?
+  local err; err=$(head -c 600 "$tmp/stderr")
+  if [ "$rc" -eq 124 ]; then fail "$name" "no answer in 60 s (a hang)"; return; fi
+  if [ "$rc" -ne 1 ]; then fail "$name" "exit status $rc, want 1: $err"; return; fi
+  if ! grep -q '^nanovllm: error: ' "$tmp/stderr"; then fail "$name" "no 'nanovllm: error:' line: $err"
+    return; fi
+  local IFS='|' n
+  for n in $needles; do
+    if ! grep -qF -- "$n" "$tmp/stderr"; then fail "$name" "stderr lacks '$n': $err"; return; fi
+  done
+  if [ -s "$tmp/stdout" ]; then fail "$name" "wrote to stdout: $(head -c 200 "$tmp/stdout")"; return; fi
+  if [ -e "$OUT" ]; then fail "$name" "created the --output file"; return; fi
+  pass "$name"
+  [ -n "${VERBOSE:-}" ] && sed 's/^/    /' "$tmp/stderr"
+  return 0
+}
+
+# refuse NAME NEEDLES MODEL PROMPTS [FLAGS...]: the usual case, run with --output $OUT and no GPU.
+refuse() {
+  local name=$1 needles=$2 model=$3 prompts=$4; shift 4
+  expect_error "$name" "$needles" "${RUN[@]}" "$model" "$prompts" --output "$OUT" "$@"
+}
+
+# Permission cases run as an unprivileged user when we are root (root reads and writes any file).
+AS_USER=()
+[ "$(id -u)" = 0 ] && AS_USER=(setpriv --reuid=65534 --regid=65534 --clear-groups --)
+can_drop_root() { [ "$(id -u)" != 0 ] || command -v setpriv >/dev/null; }
+
+G=$(model good)  # the valid model every other case starts from
+PT=$tmp/p.txt  # valid prompts
+printf 'Hello there\nWhat is 2 + 2?\n' >"$PT"
+NOGPU="no CUDA GPU is visible"
+RUN=(env CUDA_VISIBLE_DEVICES= "$BIN")  # no GPU even on a GPU machine, so every case means the same there
+
+# ---- the fixtures are valid: every check passes and the run stops only at the GPU --------------------
+refuse valid_model_reaches_gpu_check "$NOGPU" "$G" "$PT"
+SHARDED=$(model sharded --shards)
+refuse valid_sharded_model_reaches_gpu_check "$NOGPU" "$SHARDED" "$PT"
+printf '%s\n' '{"prompt": "hi", "max_tokens": 5, "temperature": 0}' '{"prompt_token_ids": [1, 2, 3]}' \
+  '{"messages": [{"role": "user", "content": "hi"}], "top_p": 0.5, "seed": 3}' >"$tmp/good.jsonl"
+refuse valid_jsonl_reaches_gpu_check "$NOGPU" "$G" "$tmp/good.jsonl"
+echo keep >"$tmp/existing.jsonl"
+CUDA_VISIBLE_DEVICES= timeout 60 "$BIN" "$G" "$PT" --output "$tmp/existing.jsonl" >/dev/null 2>&1
+if [ "$(cat "$tmp/existing.jsonl")" = keep ]; then pass refused_run_leaves_existing_output_as_it_was
+else fail refused_run_leaves_existing_output_as_it_was "the existing --output file was changed"; fi
+expect_error roofline_without_gpu "$NOGPU" "${RUN[@]}" roofline
+
+# ---- flags ---------------------------------------------------------------------------------------------
+refuse flag_temperature_negative "temperature must be >= 0|-0.5|command line" "$G" "$PT" --temperature -0.5
+refuse flag_temperature_nan "temperature must be >= 0" "$G" "$PT" --temperature nan
+refuse flag_top_p_zero "top_p must be in (0, 1]|found 0" "$G" "$PT" --top-p 0
+refuse flag_top_p_above_one "top_p must be in (0, 1]|1.5" "$G" "$PT" --top-p 1.5
+refuse flag_top_k_zero "top_k must be positive or -1" "$G" "$PT" --top-k 0
+refuse flag_max_tokens_zero "max_tokens must be at least 1" "$G" "$PT" --max-tokens 0
+refuse flag_max_tokens_not_a_number "--max-tokens expects an integer|'ten'" "$G" "$PT" --max-tokens ten
+refuse flag_max_tokens_overflow "--max-tokens: 99999999999 is out of range" "$G" "$PT" \
+  --max-tokens 99999999999
+refuse flag_gpu_memory_zero "--gpu-memory-utilization must be in (0, 1]" "$G" "$PT" --gpu-memory-utilization 0
+refuse flag_gpu_memory_above_one "--gpu-memory-utilization must be in (0, 1]|1.5" \
+  "$G" "$PT" --gpu-memory-utilization=1.5
+refuse flag_block_size_not_pow2 "--kvcache-block-size must be a power of two|48" "$G" "$PT" \
+  --kvcache-block-size 48
+refuse flag_block_size_too_big "--kvcache-block-size must be a power of two from 16 to 256|512" \
+  "$G" "$PT" --kvcache-block-size 512
+refuse flag_max_model_len_one "--max-model-len must be at least 2" "$G" "$PT" --max-model-len 1
+refuse flag_num_kvcache_blocks_zero "--num-kvcache-blocks must be positive" "$G" "$PT" --num-kvcache-blocks 0
+refuse flag_max_num_seqs_zero "--max-num-seqs must be at least 1" "$G" "$PT" --max-num-seqs 0
+refuse flag_tp_out_of_range "--tensor-parallel-size must be between 1 and 8|16" "$G" "$PT" --tp 16
+refuse flag_tp_not_dividing_heads "--tensor-parallel-size 3 must divide" "$G" "$PT" --tensor-parallel-size 3
+refuse flag_unknown "unknown flag '--frobnicate'" "$G" "$PT" --frobnicate
+refuse flag_missing_value "flag --max-tokens needs a value" "$G" "$PT" --max-tokens
+refuse flag_value_on_switch "flag --ignore-eos takes no value" "$G" "$PT" --ignore-eos=1
+refuse too_many_arguments "too many arguments: 'extra'" "$G" "$PT" extra
+
+# ---- output path ---------------------------------------------------------------------------------------
+expect_error output_folder_missing "cannot write --output|$tmp/nope/out.jsonl|does not exist" \
+  "${RUN[@]}" "$G" "$PT" --output "$tmp/nope/out.jsonl"
+expect_error output_is_a_folder "--output '$tmp' is a folder" "${RUN[@]}" "$G" "$PT" --output "$tmp"
+if can_drop_root; then
+  mkdir "$tmp/ro" && chmod 555 "$tmp/ro"
+  expect_error output_folder_read_only "cannot write --output|$tmp/ro/out.jsonl|Permission denied" \
+    "${AS_USER[@]}" "${RUN[@]}" "$G" "$PT" --output "$tmp/ro/out.jsonl"
+else skip output_folder_read_only "root and no setpriv to drop privileges"; fi
+
+# ---- model folder --------------------------------------------------------------------------------------
+refuse model_folder_missing "model folder '$tmp/nope' does not exist" "$tmp/nope" "$PT"
+refuse model_folder_is_a_file "'$PT' does not exist or is not a folder" "$PT" "$PT"
+if can_drop_root; then
+  LOCKED=$(model locked) && chmod 000 "$LOCKED"
+  expect_error model_folder_unreadable "cannot read model folder '$LOCKED'|Permission denied" \
+    "${AS_USER[@]}" "${RUN[@]}" "$LOCKED" "$PT" --output "$OUT"
+  chmod 755 "$LOCKED"
+else skip model_folder_unreadable "root and no setpriv to drop privileges"; fi
+M=$(model noconfig) && rm "$M/config.json"
+refuse model_folder_without_config "no config.json in model folder '$M'" "$M" "$PT"
+M=$(model noweights) && rm "$M/model.safetensors"
+refuse model_folder_without_weights "no weights in $M|model.safetensors" "$M" "$PT"
+
+# ---- config.json ---------------------------------------------------------------------------------------
+M=$(model badjson) && echo '{"hidden_size": 256,' >"$M/config.json"
+refuse config_not_json "$M/config.json is not valid JSON" "$M" "$PT"
+M=$(model moe --set 'architectures=["Qwen3MoeForCausalLM"]' --set num_experts=128)
+refuse config_moe "architecture Qwen3MoeForCausalLM is not supported|$M/config.json" \
+  "$M" "$PT"
+M=$(model llama --set 'architectures=["LlamaForCausalLM"]' --set model_type='"llama"')
+refuse config_llama "architecture LlamaForCausalLM is not supported" "$M" "$PT"
+M=$(model heads --set num_key_value_heads=3)
+refuse config_heads_not_divisible "num_attention_heads (4) must be a multiple of num_key_value_heads (3)" \
+  "$M" "$PT"
+M=$(model nohd --del head_dim)
+refuse config_head_dim_absent "missing field \"head_dim\"|$M/config.json" "$M" "$PT"
+M=$(model hd64 --set head_dim=64)
+refuse config_head_dim_64 "head_dim 64 is not supported" "$M" "$PT"
+M=$(model nohidden --del hidden_size)
+refuse config_field_missing "missing field \"hidden_size\"" "$M" "$PT"
+M=$(model strhidden --set hidden_size='"256"')
+refuse config_field_not_a_number "field \"hidden_size\" must be a number" "$M" "$PT"
+M=$(model neglayers --set num_hidden_layers=-2)
+refuse config_field_negative "\"num_hidden_layers\" must be positive, found -2" \
+  "$M" "$PT"
+M=$(model hbig --set hidden_size=1e20)
+refuse config_field_past_int "field \"hidden_size\" must be an integer, found 1e+20" \
+  "$M" "$PT"
+M=$(model hfrac --set hidden_size=256.5)
+refuse config_field_fraction "field \"hidden_size\" must be an integer" "$M" "$PT"
+M=$(model biasstr --set attention_bias='"no"')
+refuse config_bool_not_a_bool "field \"attention_bias\" must be true or false" \
+  "$M" "$PT"
+M=$(model bias --set attention_bias=true)
+refuse config_attention_bias "attention_bias=true is not supported" "$M" "$PT"
+M=$(model eps --set rms_norm_eps=-1)
+refuse config_eps_negative "rms_norm_eps (-1)|must be positive and finite" "$M" "$PT"
+M=$(model layers) && sed -i 's/"num_hidden_layers": 2/"num_hidden_layers": 2000000000/' "$M/config.json"
+refuse config_layers_absurd "num_hidden_layers 2000000000|holds only 24 tensors" \
+  "$M" "$PT"
+M=$(model yarn --set 'rope_scaling={"rope_type": "yarn", "factor": 4.0}')
+refuse config_rope_scaling "rope type \"yarn\" is not supported" "$M" "$PT"
+M=$(model badgen) && echo '{"eos_token_id": [1,' >"$M/generation_config.json"
+refuse generation_config_not_json "$M/generation_config.json is not valid JSON" \
+  "$M" "$PT"
+
+# ---- the checkpoint ------------------------------------------------------------------------------------
+ST=model.safetensors
+M=$(model truncated --break truncated)
+refuse st_truncated "$M/$ST|past the data section|truncated" "$M" "$PT"
+M=$(model hlen --break header_len)
+refuse st_header_length_past_end "$M/$ST|header length|does not fit in the file" \
+  "$M" "$PT"
+M=$(model hjson --break header_json)
+refuse st_header_not_json "$M/$ST|header is not valid JSON" "$M" "$PT"
+M=$(model dtq4 --break dtype_unknown)
+refuse st_unknown_dtype "$M/$ST|'model.layers.1.mlp.down_proj.weight'|unknown dtype \"Q4\"" \
+  "$M" "$PT"
+M=$(model dti16 --break dtype_unsupported)
+refuse st_unsupported_dtype "'model.layers.1.mlp.down_proj.weight'|$M/$ST|dtype I16|BF16, F16 or F32" \
+  "$M" "$PT"
+M=$(model span --break span)
+refuse st_shape_times_dtype_not_span "$M/$ST|'model.norm.weight'|[255]|needs 510 bytes|span 512" \
+  "$M" "$PT"
+M=$(model offsets --break offsets)
+refuse st_offsets_outside_file "$M/$ST|'model.layers.1.mlp.down_proj.weight'|past the data section" \
+  "$M" "$PT"
+M=$(model overlap --break overlap)
+refuse st_overlapping_tensors "$M/$ST|overlap|'model.norm.weight'" "$M" "$PT"
+M=$(model missing --break missing)
+refuse st_tensor_missing "checkpoint in $M has no tensor 'model.norm.weight'" "$M" "$PT"
+M=$(model shape --break shape)
+refuse st_tensor_wrong_shape "'model.layers.1.self_attn.k_norm.weight'|$M/$ST|[2, 64]|implies [128]" \
+  "$M" "$PT"
+M=$(model untied --break no_lm_head)
+refuse st_untied_without_lm_head "no tensor 'lm_head.weight'" "$M" "$PT"
+M=$(model shardmiss --shards --break shard_missing)
+refuse st_index_names_missing_shard "names shard 'model-00003-of-00002.safetensors'|does not exist" \
+  "$M" "$PT"
+M=$(model shardbad --shards --break index_json)
+refuse st_index_not_json "$M/model.safetensors.index.json|not valid JSON" "$M" "$PT"
+M=$(model shardtrunc --shards --break truncated)
+refuse st_shard_truncated "$M/model-00002-of-00002.safetensors|past the data section" \
+  "$M" "$PT"
+M=$(model tiny_file) && head -c 5 "$G/$ST" >"$M/$ST"
+refuse st_shorter_than_8_bytes "$M/$ST|too small" "$M" "$PT"
+M=$(model st_dir) && rm "$M/$ST" && mkdir "$M/$ST"
+refuse st_is_a_folder "$M/$ST|not a regular file" "$M" "$PT"
+
+# ---- tokenizer -----------------------------------------------------------------------------------------
+M=$(model notok) && rm "$M/tokenizer.json"
+refuse tokenizer_missing "cannot read the tokenizer '$M/tokenizer.json'" "$M" "$PT"
+M=$(model badtok) && head -c 100000 "$TOK/tokenizer.json" >"$M/tokenizer.json"
+refuse tokenizer_corrupt "$M/tokenizer.json is not valid JSON" "$M" "$PT"
+M=$(model smallvocab --set vocab_size=1000)
+refuse tokenizer_larger_than_vocab "$M/tokenizer.json has 151669 tokens|vocab_size|is 1000" \
+  "$M" "$PT"
+
+# ---- prompts -------------------------------------------------------------------------------------------
+refuse prompts_missing "cannot read prompts file '$tmp/nope.txt'" "$G" "$tmp/nope.txt"
+: >"$tmp/empty.txt"
+refuse prompts_empty "prompts file '$tmp/empty.txt' has no prompts" "$G" "$tmp/empty.txt"
+printf '\n  \n\n' >"$tmp/blank.txt"
+refuse prompts_only_blank_lines "has no prompts" "$G" "$tmp/blank.txt"
+refuse prompts_is_a_folder "prompts file '$tmp' is a folder" "$G" "$tmp"
+printf 'fine\nbad \xff byte\n' >"$tmp/utf8.txt"
+refuse prompts_invalid_utf8 "$tmp/utf8.txt:2|invalid UTF-8 at byte 5" "$G" "$tmp/utf8.txt"
+J=$tmp/p.jsonl
+printf '%s\n' '{"prompt": "ok"}' '' '{"prompt": "unterminated}' >"$J"
+refuse jsonl_bad_line "$J:3|not valid JSON" "$G" "$J"
+printf '%s\n' '["a list"]' >"$J"
+refuse jsonl_not_an_object "$J:1|must be a JSON object" "$G" "$J"
+printf '%s\n' '{"prompt": "a", "messages": []}' >"$J"
+refuse jsonl_two_prompt_kinds "$J:1|exactly one of" "$G" "$J"
+printf '%s\n' '{"prompt": "a"}' '{"prompt_token_ids": [1, 151936]}' >"$J"
+refuse jsonl_token_id_at_vocab "$J:2|token id 151936 is outside the vocabulary [0, 151936)" \
+  "$G" "$J"
+printf '%s\n' '{"prompt_token_ids": [-1]}' >"$J"
+refuse jsonl_token_id_negative "$J:1|token id -1" "$G" "$J"
+printf '%s\n' '{"prompt_token_ids": [1.5]}' >"$J"
+refuse jsonl_token_id_not_integer "$J:1|token ids must be integers" "$G" "$J"
+printf '%s\n' '{"prompt_token_ids": []}' >"$J"
+refuse jsonl_empty_prompt "$J:1|the prompt is empty" "$G" "$J"
+printf '%s\n' '{"prompt": "a", "temperature": -1}' >"$J"
+refuse jsonl_temperature_negative "$J:1|temperature must be >= 0" "$G" "$J"
+printf '%s\n' '{"prompt": "a", "top_p": "high"}' >"$J"
+refuse jsonl_top_p_not_a_number "$J:1|\"top_p\" must be a number" "$G" "$J"
+printf '%s\n' '{"prompt": "a", "max_tokens": 2.5}' >"$J"
+refuse jsonl_max_tokens_fraction "$J:1|\"max_tokens\" must be an integer" "$G" "$J"
+printf '%s\n' '{"prompt": "a", "max_tokens": 1e20}' >"$J"
+refuse jsonl_max_tokens_past_int "$J:1|\"max_tokens\" must be an integer" "$G" "$J"
+printf '%s\n' '{"prompt": "a", "max_tokens": 0}' >"$J"
+refuse jsonl_max_tokens_zero "$J:1|max_tokens must be at least 1" "$G" "$J"
+printf '%s\n' '{"messages": [{"role": "tool", "content": "x"}]}' >"$J"
+refuse jsonl_tool_role "$J:1|role 'tool' is not supported" "$G" "$J"
+printf '%s\n' '{"prompt": "hi"}' "{\"prompt_token_ids\": [$(seq -s, 1 40)]}" >"$J"
+refuse prompt_too_long_refuses_the_run "$J:2|40 tokens + max_tokens 8 = 48 exceeds --max-model-len 32" \
+  "$G" "$J" --max-model-len 32 --max-tokens 8
+refuse max_tokens_int_max_does_not_overflow "max_tokens 2147483647 = 2147483657 exceeds" \
+  "$G" "$PT" --max-tokens 2147483647
+refuse prompt_too_long_for_the_model "exceeds --max-model-len 4096|up to 4096 for this model" \
+  "$G" "$PT" --max-model-len 100000 --max-tokens 4090
+
+finish

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU half of the test suite in one call: kernel suites, a CLI smoke run, Ctrl-C and SIGTERM during a run
+# (test/gpu/gpu_interrupt.sh), and the end-to-end comparison with Hugging Face transformers (needs python3 with
+# torch + transformers on the GPU machine).
+#
+#   bash test/gpu/gpu_check.sh [BIN_DIR]      BIN_DIR holds nanovllm, gpu_kernels, gpu_attention, gpu_gemm, gpu_e2e,
+#                                         gpu_tp
+#                                         (default: . for nanovllm and build/ for the rest)
+# Env: TOKENIZER_DIR (a folder with Qwen3's tokenizer.json; default: tools/fetch_tokenizer.sh),
+#      LOG_DIR (default build/logs), WORK_DIR (checkpoints; default build/e2e), SHAPES (tiny 0.6b 8b-short),
+#      NANOVLLM_E2E_TP=N (tensor parallelism: the CLI run and the end-to-end comparison on N GPUs, plus the
+#      two-GPU data-plane suite and test/gpu/gpu_tp_shutdown.sh),
+#      KERNELS=0 (skip the kernel and data-plane suites)
+set -uo pipefail
+BIN=${1:-}
+NANOVLLM=${BIN:+$BIN/}nanovllm; [ -n "$BIN" ] || NANOVLLM=./nanovllm
+TB=${BIN:-build}
+LOG_DIR=${LOG_DIR:-build/logs}; WORK_DIR=${WORK_DIR:-build/e2e}; SHAPES=${SHAPES:-tiny 0.6b 8b-short}
+TOKENIZER_DIR=${TOKENIZER_DIR:-$(bash tools/fetch_tokenizer.sh | tail -n1)}
+mkdir -p "$LOG_DIR" "$WORK_DIR"
+export PYTHONUNBUFFERED=1
+declare -a rows
+row() { rows+=("$(printf '%-28s %s' "$1" "$2")"); }
+suite() {  # suite NAME LOGFILE CMD...
+  local name=$1 log=$2; shift 2
+  "$@" >"$LOG_DIR/$log" 2>&1; local rc=$?
+  local res; res=$(grep '^RESULT' "$LOG_DIR/$log" | tail -n1)
+  row "$name" "rc=$rc ${res:-no RESULT line}"
+  grep -E '^(FAIL|SKIPPED)' "$LOG_DIR/$log" | head -n 20
+}
+TP=${NANOVLLM_E2E_TP:-1}
+nvidia-smi -L | tee "$LOG_DIR/gpu.txt"
+if [ "${KERNELS:-1}" != 0 ]; then
+  suite gpu_kernels gpu_kernels.txt "$TB/gpu_kernels"
+  suite gpu_attention gpu_attention.txt "$TB/gpu_attention"
+  suite gpu_gemm gpu_gemm.txt "$TB/gpu_gemm"
+  [ "$TP" -gt 1 ] && { suite gpu_tp gpu_tp.txt "$TB/gpu_tp"; grep -E '^ ' "$LOG_DIR/gpu_tp.txt"; }
+fi
+python3 test/ref/hf_reference.py "$WORK_DIR" "$TOKENIZER_DIR" $SHAPES 2>&1 | tee "$LOG_DIR/hf_reference.txt" | grep -v Warning
+printf 'introduce yourself\nlist all prime numbers within 100\n' >"$WORK_DIR/prompts.txt"
+SMOKE=${SHAPES%% *}
+"$NANOVLLM" "$WORK_DIR/$SMOKE" "$WORK_DIR/prompts.txt" --max-tokens 16 --temperature 0 --tp "$TP" \
+  --output "$WORK_DIR/out.jsonl" >"$LOG_DIR/smoke.txt" 2>&1
+row "smoke_cli ($SMOKE, tp $TP)" "rc=$? $(grep -c finish "$LOG_DIR/smoke.txt") completions"
+tail -n 3 "$LOG_DIR/smoke.txt"
+suite "interrupt (tp $TP)" interrupt.txt bash test/gpu/gpu_interrupt.sh "$WORK_DIR/$SMOKE" "$NANOVLLM" "$TP"
+grep -E '^(PASS|FAIL)' "$LOG_DIR/interrupt.txt"
+if [ "$TP" -gt 1 ]; then
+  suite tp_shutdown tp_shutdown.txt bash test/gpu/gpu_tp_shutdown.sh "$WORK_DIR/$SMOKE" "$NANOVLLM" "$TP"
+  grep -E '^PASS' "$LOG_DIR/tp_shutdown.txt"
+fi
+NANOVLLM_E2E_DIR="$WORK_DIR" NANOVLLM_E2E_SHAPES="$SHAPES" suite gpu_e2e gpu_e2e.txt "$TB/gpu_e2e"
+grep -E '^\s+\(|model|tolerance|tensor-parallel' "$LOG_DIR/gpu_e2e.txt"
+for s in $SHAPES; do
+  suite "teacher_forcing_$s" "tf_$s.txt" python3 test/ref/hf_check_generation.py "$WORK_DIR/$s"
+  grep -E '^(PASS|FAIL)' "$LOG_DIR/tf_$s.txt"
+done
+echo; echo "== summary"; printf '%s\n' "${rows[@]}"

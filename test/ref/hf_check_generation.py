@@ -1,0 +1,40 @@
+#!/usr/bin/env python3
+"""Score nanovllm's greedy generations under teacher forcing with the fp32 Hugging Face model.
+
+Usage:  python3 test/ref/hf_check_generation.py MODEL_DIR
+Reads MODEL_DIR/gen_results.json written by build/gpu_e2e: {"tolerance": t, "runs": {name: [[ids]...]}}
+where each entry is one request's prompt + generated ids (and "prompt_lens"). For every generated token,
+the fp32 reference logits at that position (given OUR prefix) must score our token within `tolerance` of the
+reference's best, and at least 90% of our tokens must be the reference's exact argmax.
+Prints PASS/FAIL lines and a RESULT line like the C++ suites.
+"""
+import json, sys
+import torch
+from transformers import Qwen3ForCausalLM
+
+d = sys.argv[1]
+res = json.load(open(f"{d}/gen_results.json"))
+tol = res["tolerance"]
+model = Qwen3ForCausalLM.from_pretrained(d, torch_dtype=torch.float32).to("cuda").eval()
+passed = failed = 0
+for name, run in res["runs"].items():
+    worst, n_tok, n_exact = 0.0, 0, 0
+    for seq, plen in zip(run["sequences"], run["prompt_lens"]):
+        x = torch.tensor([seq], device="cuda")
+        with torch.no_grad():
+            logits = model(x).logits[0].float()
+        for pos in range(plen, len(seq)):
+            row = logits[pos - 1]
+            best = row.max().item()
+            gap = best - row[seq[pos]].item()
+            worst = max(worst, gap)
+            n_exact += int(row.argmax().item() == seq[pos])
+            n_tok += 1
+    frac = n_exact / max(n_tok, 1)
+    ok = worst <= tol and frac >= 0.9 and n_tok > 0
+    print(f"{'PASS' if ok else 'FAIL'} teacher_forcing_{name}: {n_tok} tokens, {100*frac:.1f}% exact argmax, "
+          f"worst gap to the best logit {worst:.4f} (tolerance {tol:.4f})")
+    passed += ok
+    failed += not ok
+print(f"RESULT passed={passed} failed={failed} skipped=0")
+sys.exit(1 if failed else 0)

@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""Write a tiny Qwen3 model folder nanovllm accepts, or one broken in a named way. Python stdlib only.
+
+Usage:  python3 test/ref/make_tiny_checkpoint.py OUT_DIR [--random] [--shards] [--break KIND]
+                                              [--set KEY=JSON ...] [--del KEY ...]
+Writes OUT_DIR/config.json, generation_config.json and model.safetensors (or two shards and
+model.safetensors.index.json with --shards). The tokenizer files are not written: copy them in.
+--set/--del change config.json (the tensors follow the changed shape where they can).
+Shape: the "tiny" of test/ref/hf_reference.py (H 256, I 768, 2 layers, 4 query heads, 2 KV heads, D 128,
+V 151936, tied embeddings). Weights are zeros stored sparsely (the file costs no disk), or with --random
+small random bf16 values (a model the GPU can run; not a model that says anything).
+--break KIND corrupts the checkpoint in one way; test/cli/cli_errors.sh checks the error each one gives:
+"""
+import json, os, random, struct, sys
+
+CONFIG = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=256, intermediate_size=768,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+              vocab_size=151936, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1e6,
+              tie_word_embeddings=True, torch_dtype="bfloat16", attention_bias=False,
+              eos_token_id=151645, bos_token_id=151643)
+
+BREAKS = {
+    "truncated": "model.safetensors cut to half its size",
+    "header_len": "the 8-byte header length points past the end of the file",
+    "header_json": "the header is not JSON",
+    "dtype_unknown": "a tensor has dtype Q4",
+    "dtype_unsupported": "a tensor is I16 (valid safetensors, not a weight dtype nanovllm loads)",
+    "span": "a tensor's shape times its dtype size differs from its data_offsets span",
+    "offsets": "the last tensor's data_offsets run past the end of the file",
+    "overlap": "two tensors share bytes",
+    "missing": "model.norm.weight is absent",
+    "no_lm_head": "config.json says tie_word_embeddings false, but there is no lm_head.weight",
+    "shape": "model.layers.1.self_attn.k_norm.weight is [2, 64] instead of [128]",
+    "shard_missing": "(with --shards) the index names a shard file that does not exist",
+    "index_json": "(with --shards) model.safetensors.index.json is not JSON",
+}
+__doc__ += "".join(f"  {k:18s} {v}\n" for k, v in BREAKS.items())
+
+
+def tensors(c):
+    H, I, D, V = c["hidden_size"], c["intermediate_size"], c["head_dim"], c["vocab_size"]
+    NH, NKV = c["num_attention_heads"], c["num_key_value_heads"]
+    out = [("model.embed_tokens.weight", [V, H]), ("model.norm.weight", [H])]
+    if not c["tie_word_embeddings"]:
+        out.append(("lm_head.weight", [V, H]))
+    for l in range(c["num_hidden_layers"]):
+        p = f"model.layers.{l}."
+        out += [(p + "input_layernorm.weight", [H]), (p + "post_attention_layernorm.weight", [H]),
+                (p + "self_attn.q_proj.weight", [NH * D, H]), (p + "self_attn.k_proj.weight", [NKV * D, H]),
+                (p + "self_attn.v_proj.weight", [NKV * D, H]), (p + "self_attn.q_norm.weight", [D]),
+                (p + "self_attn.k_norm.weight", [D]), (p + "self_attn.o_proj.weight", [H, NH * D]),
+                (p + "mlp.gate_proj.weight", [I, H]), (p + "mlp.up_proj.weight", [I, H]),
+                (p + "mlp.down_proj.weight", [H, I])]
+    return out
+
+
+def bf16_block(n_values, rng, norm):
+    """n_values bf16 values: 1 + small noise for norm weights, else ~N(0, 0.05)."""
+    vals = []
+    for _ in range(n_values):
+        x = (1.0 + rng.gauss(0, 0.05)) if norm else rng.gauss(0, 0.05)
+        vals.append(struct.unpack("<I", struct.pack("<f", x))[0] >> 16)
+    return struct.pack(f"<{n_values}H", *vals)
+
+
+def write_safetensors(path, entries, random_values, brk):
+    """entries: [(name, shape)] all BF16. Returns nothing; applies the header-level breaks."""
+    header, off = {}, 0
+    for name, shape in entries:
+        n = 2
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [off, off + n]}
+        off += n
+    data_size = off
+    names = [n for n, _ in entries]
+    if brk == "dtype_unknown":
+        header[names[-1]]["dtype"] = "Q4"
+    if brk == "dtype_unsupported":
+        header[names[-1]]["dtype"] = "I16"
+    if brk == "span":
+        header[names[1]]["shape"] = [header[names[1]]["shape"][0] - 1]
+    if brk == "offsets":
+        b, e = header[names[-1]]["data_offsets"]
+        header[names[-1]]["data_offsets"] = [b + 64, e + 64]
+    if brk == "overlap":
+        b, e = header[names[2]]["data_offsets"]
+        header[names[2]]["data_offsets"] = [b - 2, e - 2]
+    if brk == "shape":
+        for n in names:
+            if n.endswith("layers.1.self_attn.k_norm.weight"):
+                header[n]["shape"] = [2, 64]
+    header["__metadata__"] = {"format": "pt"}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    if brk == "header_json":
+        text = b"{" + text[1:-1] + b" ,,"
+    hlen = (1 << 32) if brk == "header_len" else len(text)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", hlen))
+        f.write(text)
+        start = f.tell()
+        if random_values:
+            rng = random.Random(0)
+            block = {True: bf16_block(4096, rng, True), False: bf16_block(4096, rng, False)}
+            for name, shape in entries:
+                nbytes = 2
+                for d in shape:
+                    nbytes *= d
+                norm = name.endswith("norm.weight")
+                rep = block[norm] * (nbytes // len(block[norm]) + 1)
+                f.write(rep[:nbytes])
+        f.truncate(start + data_size)  # zeros, stored sparsely
+    if brk == "truncated":
+        os.truncate(path, (start + data_size) // 2)
+
+
+def main():
+    args = sys.argv[1:]
+    if not args or args[0].startswith("-"):
+        sys.exit(__doc__)
+    out = args[0]
+    random_values = "--random" in args
+    shards = "--shards" in args
+    brk = args[args.index("--break") + 1] if "--break" in args else None
+    if brk is not None and brk not in BREAKS:
+        sys.exit(f"unknown --break {brk}; one of {', '.join(BREAKS)}")
+    config = dict(CONFIG)
+    for i, a in enumerate(args):
+        if a == "--set":
+            key, value = args[i + 1].split("=", 1)
+            config[key] = json.loads(value)
+        if a == "--del":
+            del config[args[i + 1]]
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [151645, 151643], "bos_token_id": 151643}, f)
+    shape = dict(CONFIG)
+    shape.update({k: v for k, v in config.items() if type(v) is bool or (type(v) is int and v > 0)})
+    entries = tensors(shape)
+    if brk == "no_lm_head":
+        config["tie_word_embeddings"] = False
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    if brk == "missing":
+        entries = [e for e in entries if e[0] != "model.norm.weight"]
+    if not shards:
+        write_safetensors(os.path.join(out, "model.safetensors"), entries, random_values, brk)
+        return
+    half = len(entries) // 2
+    files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    weight_map = {}
+    for i, part in enumerate([entries[:half], entries[half:]]):
+        write_safetensors(os.path.join(out, files[i]), part, random_values, brk if i == 1 else None)
+        weight_map.update({n: files[i] for n, _ in part})
+    if brk == "shard_missing":
+        weight_map[entries[-1][0]] = "model-00003-of-00002.safetensors"
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        if brk == "index_json":
+            f.write('{"weight_map": {')
+        else:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+if __name__ == "__main__":
+    main()
