@@ -7,8 +7,16 @@
 #                                     values when ignore_eos is set) in build/bench-SHAPE
 # Options: --nanovllm PATH (default ./nanovllm), --log-dir DIR (default build/bench-logs),
 #          --only throughput|latency|prefill (one measure; --only model just makes the --random checkpoint),
-#          --tp N (tensor parallelism on N GPUs; the roofline is then N GPUs' bandwidth and GEMM rate).
+#          --tp N (tensor parallelism on N GPUs; the roofline is then N GPUs' bandwidth and GEMM rate),
+#          --opt LIST (passed to nanovllm: which optimizations of Part II run; --opt none is --plain).
 #          TOKENIZER_DIR: tokenizer for --random.
+#
+#   ./bench.sh --ladder [--random 0.6b | --model DIR] [--baseline PATH]
+#                                     the climb from Part I to the default path, on this GPU in one run:
+#                                     batch-1 latency and bench.py throughput for --plain, then --plain plus
+#                                     each optimization of Part II alone, then everything (the default), and
+#                                     with --baseline another nanovllm binary's default path (an older build
+#                                     to compare with). One table, each row with its roofline fraction.
 #
 # 1. throughput: nano-vllm bench.py exactly — python3 random.seed(0); 256 prompts of randint(100, 1024)
 #    tokens of randint(0, 10000), then 256 max_tokens randint(100, 1024); temperature 0.6, ignore_eos,
@@ -19,7 +27,7 @@
 # Roofline: `nanovllm roofline` measures this GPU's copy bandwidth and bf16 GEMM rate in the same run.
 set -euo pipefail
 cd "$(dirname "$0")"
-MODEL= RANDOM_SHAPE= NANOVLLM=./nanovllm LOG_DIR=build/bench-logs ONLY= TP=1
+MODEL= RANDOM_SHAPE= NANOVLLM=./nanovllm LOG_DIR=build/bench-logs ONLY= TP=1 OPT=all LADDER=0 BASELINE=
 while [ $# -gt 0 ]; do
   case $1 in
     --model) MODEL=$2; shift 2 ;;
@@ -28,7 +36,10 @@ while [ $# -gt 0 ]; do
     --log-dir) LOG_DIR=$2; shift 2 ;;
     --only) ONLY=$2; shift 2 ;;
     --tp) TP=$2; shift 2 ;;
-    -h|--help) sed -n 2,20p "$0"; exit 0 ;;
+    --opt) OPT=$2; shift 2 ;;
+    --ladder) LADDER=1; shift ;;
+    --baseline) BASELINE=$2; shift 2 ;;
+    -h|--help) sed -n 2,28p "$0"; exit 0 ;;
     *) echo "bench.sh: unknown argument '$1' (see --help)" >&2; exit 1 ;;
   esac
 done
@@ -88,19 +99,43 @@ GPU=$(sed -n 's/^gpu: //p' "$LOG_DIR/roofline.txt")
 run() {  # run NAME FLAGS... : ./nanovllm on LOG_DIR/NAME.jsonl, summary line -> LOG_DIR/NAME.log
   local name=$1; shift
   "$NANOVLLM" "$MODEL" "$LOG_DIR/$name.jsonl" --ignore-eos --max-model-len 4096 --output "$LOG_DIR/$name.out.jsonl" \
-    --tensor-parallel-size "$TP" "$@" >"$LOG_DIR/$name.stdout" 2>"$LOG_DIR/$name.log" ||
+    --tensor-parallel-size "$TP" --opt "$OPT" "$@" >"$LOG_DIR/$name.stdout" 2>"$LOG_DIR/$name.log" ||
     { cat "$LOG_DIR/$name.log" >&2; exit 1; }
   grep '^nanovllm:' "$LOG_DIR/$name.log"
 }
-[ -z "$ONLY" ] || [ "$ONLY" = throughput ] && run throughput --temperature 0.6
-[ -z "$ONLY" ] || [ "$ONLY" = latency ] && run latency --temperature 0
-[ -z "$ONLY" ] || [ "$ONLY" = prefill ] && run prefill --temperature 0
+
+if [ "$LADDER" = 1 ]; then
+  # rung NAME BINARY FLAGS...: the latency and throughput workloads, logs LOG_DIR/ladder-NAME-{latency,throughput}
+  rung() {
+    local name=$1 bin=$2; shift 2
+    for w in latency throughput; do
+      local t=0; [ $w = throughput ] && t=0.6
+      "$bin" "$MODEL" "$LOG_DIR/$w.jsonl" --ignore-eos --max-model-len 4096 --temperature $t \
+        --tensor-parallel-size "$TP" "$@" >/dev/null 2>"$LOG_DIR/ladder-$name-$w.log" ||
+        { cat "$LOG_DIR/ladder-$name-$w.log" >&2; exit 1; }
+    done
+    echo "ladder: $name done"
+  }
+  RUNGS="plain"
+  rung plain "$NANOVLLM" --plain
+  for o in $("$NANOVLLM" --help | sed -n 's/^ *NAME: //p'); do
+    [ "$TP" = 1 ] && [ "$o" = oneshot_allreduce ] && continue  # nothing to do on one GPU
+    rung "+$o" "$NANOVLLM" --opt "none,$o"; RUNGS="$RUNGS +$o"
+  done
+  rung all "$NANOVLLM"; RUNGS="$RUNGS all"
+  if [ -n "$BASELINE" ]; then rung baseline "$BASELINE"; RUNGS="$RUNGS baseline"; fi
+fi
+[ "$LADDER" = 1 ] && ONLY=ladder
+{ [ -z "$ONLY" ] || [ "$ONLY" = throughput ]; } && run throughput --temperature 0.6
+{ [ -z "$ONLY" ] || [ "$ONLY" = latency ]; } && run latency --temperature 0
+{ [ -z "$ONLY" ] || [ "$ONLY" = prefill ]; } && run prefill --temperature 0
 
 # The table, with roofline fractions computed from the model's shape and the measured ceilings.
-python3 - "$LOG_DIR" "$MODEL" "$BW" "$TF" "$GPU" "$ONLY" "$TP" <<'PY'
+python3 - "$LOG_DIR" "$MODEL" "$BW" "$TF" "$GPU" "$ONLY" "$TP" "${RUNGS:-}" <<'PY'
 import json, os, re, sys
 d, model, bw, tf, gpu, only = sys.argv[1], sys.argv[2], float(sys.argv[3]) * 1e9, float(sys.argv[4]) * 1e12, sys.argv[5], sys.argv[6]
 tp = int(sys.argv[7])
+rungs = sys.argv[8].split()
 bw, tf = bw * tp, tf * tp  # N GPUs each read 1/N of the weights and KV, and do 1/N of the FLOPs
 if tp > 1: gpu = f"{tp} x {gpu} (tensor parallel; ceilings below are the sums)"
 c = json.load(open(f"{model}/config.json"))
@@ -111,13 +146,26 @@ layer = H * (NH + 2 * NKV) * D + NH * D * H + 3 * H * I + 2 * H + 2 * D
 params = L * layer + V * H * (1 if tied else 2) + H
 wbytes = 2 * (params - (0 if tied else V * H))  # decode reads every weight once per step (not the embedding table)
 kv_tok = 2 * L * NKV * D * 2  # K and V bytes per token
-def summary(name):
-    line = [l for l in open(f"{d}/{name}.log") if l.startswith("nanovllm:") and "requests" in l][-1]
+def summary(name, log=None):
+    line = [l for l in open(log or f"{d}/{name}.log") if l.startswith("nanovllm:") and "requests" in l][-1]
     num = lambda pat: float(re.search(pat, line).group(1))
     return dict(seconds=num(r"tokens in ([\d.]+) s"), gen=num(r"\+ (\d+) generated"), prompt=num(r"\| (\d+) prompt"),
                 prefill=num(r"prefill (\d+) tok/s"), decode=num(r"decode (\d+) tok/s"), first=num(r"first token ([\d.]+) s"))
 rows = []
 print(f"\nGPU: {gpu} | copy bandwidth {bw/1e9:.0f} GB/s | bf16 GEMM {tf/1e12:.0f} TFLOP/s | model {model}: {params/1e9:.3f} B params")
+reqs = [json.loads(l) for l in open(f"{d}/throughput.jsonl")]
+steps = max(r["max_tokens"] for r in reqs) - 1
+kv = sum(sum(len(r["prompt_token_ids"]) + k for k in range(1, r["max_tokens"])) for r in reqs) * kv_tok
+t_roof = sum(r["max_tokens"] for r in reqs) / ((steps * wbytes + kv) / bw)  # tok/s at the bandwidth floor
+floor_ms = (wbytes + (512 + 256) * kv_tok) / bw * 1000  # batch-1: mean context of the 512 decode steps
+if only == "ladder":
+    print(f"\n{'rung':<22} {'batch-1 ms/token':<28} {'bench.py throughput':<30}")
+    for r in rungs:
+        lat, thr = summary(None, f"{d}/ladder-{r}-latency.log"), summary(None, f"{d}/ladder-{r}-throughput.log")
+        ms, tput = 1000 / lat["decode"], thr["gen"] / thr["seconds"]
+        print(f"{r:<22} {ms:7.3f} ({100 * floor_ms / ms:3.0f}% of {floor_ms:.3f}) {'':<6}"
+              f"{tput:8.0f} tok/s ({100 * tput / t_roof:3.0f}% of {t_roof:.0f})")
+    sys.exit(0)
 if only in ("", "throughput"):
     s = summary("throughput")
     outs = [o for o in map(json.loads, open(f"{d}/throughput.out.jsonl")) if "summary" not in o]

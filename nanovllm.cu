@@ -10,7 +10,20 @@
 // Build, run, test
 //   make                                   builds ./nanovllm (prints what it found and what is missing)
 //   ./nanovllm MODEL_DIR prompts.txt       generates; ./nanovllm --help lists every flag
+//   ./nanovllm MODEL_DIR prompts.txt --plain    the same with Part I alone (no optimization of Part II)
 //   make test                              host tests everywhere, GPU tests where a GPU is visible
+//
+// How to read it
+//   Part I (sections 1-13) is the whole engine, plainly: the host bookkeeping first (config, Sequence,
+//   BlockManager, Scheduler: what a reader came for, and none of it needs the GPU), then the model, its
+//   kernels, cuBLASLt, the ModelRunner with CUDA graphs, tensor parallelism and the LLMEngine loop. It is
+//   complete and correct on its own: `--plain` runs it alone.
+//   Part II (sections 14-20) makes it fast, one optimization per section. Each says what it replaces, why
+//   it is faster on the hardware, and can be switched off by name (--opt, section 2); the README's
+//   performance section has the measured gain of each. The Part I code each one replaces stays, as the
+//   reference the GPU tests compare it with.
+//   Part III (sections 21-24) is the program around the engine: prompts in and completions out, the trace
+//   and run summary, signals and the worker processes, the command line and main.
 //
 // Dimension names used in every shape comment
 //   T  tokens in this step (all sequences, flattened)      B  sequences in this step
@@ -18,6 +31,7 @@
 //   NH query heads      NKV key/value heads (GQA)          D  head dim (128 for every Qwen3)
 //   V  vocabulary size  L  layers                          P  KV block size in tokens (kvcache_block_size)
 //   NB number of KV blocks in the pool                     MB max blocks per sequence (block table width)
+//   tp tensor-parallel ranks: a rank holds NH/tp query heads, NKV/tp KV heads, I/tp columns, V/tp rows
 //
 // Invariants a reader must hold
 //   * The host owns all bookkeeping (Sequence, BlockManager, Scheduler); the GPU only sees flat int arrays
@@ -27,22 +41,72 @@
 //   * A KV slot is block_id * P + offset; slot -1 means "padding, do not store".
 //   * Activations are bf16, every reduction (norms, softmax, matmul accumulation) is fp32.
 //
-// Contents (each section starts with a banner "// ==== N. Title" — grep for it)
+// Glossary (the engine's words first, then the GPU's)
+//   prefill / decode  a step that computes the K/V of prompt tokens (many per sequence) / one new token for
+//                     each running sequence
+//   KV cache, block   the keys and values of every token computed so far, in a pool of fixed-size blocks of
+//                     P tokens. "Block" alone always means such a KV block; the CUDA one is a thread block.
+//   block table       a sequence's list of KV block ids: logical block i of the sequence -> physical block
+//   paged attention   attention that finds each key through the block table instead of a contiguous array
+//   prefix caching    reusing the KV blocks of an identical earlier prompt prefix, found by a hash
+//   continuous batching  sequences join and leave the batch at every step, not once per batch
+//   chunked prefill   a long prompt's prefill split over several steps to stay within the token budget
+//   preemption        taking a running sequence's blocks away when the pool is full; it is recomputed later
+//   GQA               grouped-query attention: NH/NKV query heads share one K/V head (a "group")
+//   RoPE              rotary position embedding: q and k rotated by angles that grow with the position
+//   SM                streaming multiprocessor, one of the GPU's cores (132 on an H100); it runs thread blocks
+//   warp              32 threads that execute together; shuffles exchange registers within a warp
+//   thread block, CTA a group of up to 1024 threads on one SM sharing its shared memory ("cooperative thread
+//                     array", CUDA's name for it); a kernel launch is a grid of them
+//   cluster           (Hopper) up to 16 thread blocks on neighbouring SMs that can read each other's shared
+//                     memory ("distributed shared memory")
+//   shared memory     fast on-chip memory of one SM, private to a thread block; L2 is the cache all SMs share
+//   tensor core, MMA  the unit that multiplies small matrix tiles in one instruction (mma.sync, section 8)
+//   gemv              a matrix-vector product: a matrix product whose batch is 1 or 2 rows
+//   split-K           splitting a long reduction (here: over keys) among thread blocks, then merging their
+//                     partial results
+//   online softmax    softmax computed in one pass over tiles: a running max and sum, earlier partial sums
+//                     rescaled when the max grows (flash attention)
+//   epilogue          what a kernel does with its result on the way out (scale, add, round, store)
+//   CUDA graph        a recorded sequence of kernel launches replayed with one call, without the per-launch
+//                     CPU cost
+//   PDL               programmatic dependent launch (Hopper): the next kernel starts while the previous one
+//                     finishes, and waits inside itself for its data (section 14)
+//   all-reduce        every rank ends with the sum of every rank's array (tensor parallelism)
+//   NCCL              NVIDIA's library of collectives (all-reduce, send/receive) between GPUs
+//   NVLink            the direct GPU-to-GPU link; GPUs on it can read and write each other's memory
+//   one-shot all-reduce  each rank writes its partial sums straight into every other rank's memory and adds
+//                     what arrives: one crossing of NVLink instead of NCCL's ring (section 18)
+//   roofline          the fastest a step can run given the bytes it must read and the memory bandwidth
+//
+// Contents (each section starts with a banner "// ==== N. Title": grep for it)
+//   PART I — THE ENGINE, PLAINLY
 //    1. Errors and utilities
-//    2. Config: model config.json, engine settings, sampling parameters
-//    3. Weights: safetensors -> GPU, fused q/k/v and gate/up
-//    4. The KV cache layout
-//    5. Kernels (each followed by its launcher)
-//    6. Matrix products with cuBLASLt
-//    7. The Qwen3 forward pass
-//    8. Sequence
-//    9. BlockManager: paged KV blocks and prefix caching
-//   10. Scheduler: continuous batching, chunked prefill, preemption
-//   11. ModelRunner: step inputs, CUDA graphs, sampling
-//   12. Tensor parallelism
+//    2. Config: config.json, engine settings, sampling parameters, the optimization switch
+//    3. Sequence
+//    4. BlockManager: paged KV blocks and prefix caching
+//    5. Scheduler: continuous batching, chunked prefill, preemption
+//    6. The Qwen3 model: weights, the KV cache, the forward pass
+//    7. Kernels: embedding, RMSNorm, q/k-norm + RoPE + KV store, SiLU
+//    8. Paged attention: prefill and decode
+//    9. Sampler: greedy, temperature, top-k, top-p
+//   10. Matrix products with cuBLASLt
+//   11. ModelRunner: step inputs, CUDA graphs
+//   12. Tensor parallelism: sharded weights, NCCL all-reduce
 //   13. LLMEngine: add_request, step, generate
-//   14. Prompts in, completions out
-//   15. Command line and main
+//   PART II — MAKING IT FAST
+//   14. Programmatic dependent launch
+//   15. Small-batch gemv with its neighbours fused in
+//   16. Decode attention does q/k-norm, RoPE and the KV store
+//   17. The split-K merge inside a cluster
+//   18. One-shot all-reduce over NVLink
+//   19. The fast sampler: radix select
+//   20. The forward pass with every fusion
+//   PART III — THE PROGRAM AROUND IT
+//   21. Prompts in, completions out
+//   22. Trace and run summary
+//   23. Signals, worker processes and the mailbox
+//   24. Command line and main
 
 #include <algorithm>
 #include <cerrno>
@@ -81,7 +145,7 @@
 #include <nccl.h>
 
 #define XXH_INLINE_ALL
-#include <xxhash.h>               // defines: XXH64 (block hashes, section 9)
+#include <xxhash.h>               // defines: XXH64 (block hashes, section 4)
 #include <nlohmann/json.hpp>      // defines: nlohmann::json (config, checkpoints, prompts)
 
 #include "safetensors.h"          // defines: SafeTensors, TensorView, DType (the checkpoint reader)
@@ -90,7 +154,11 @@
 using json = nlohmann::json;
 typedef __nv_bfloat16 bf16;
 
-// ==== 1. Errors and utilities ========================================================================
+// ##########################################################################################################
+// PART I — THE ENGINE, PLAINLY
+// ##########################################################################################################
+
+// ==== 1. Errors and utilities ==============================================================================
 //
 // Two kinds of failure, treated differently:
 //   * a user mistake (bad flag, bad file, too-long prompt): die() with what was expected, what was found
@@ -98,7 +166,7 @@ typedef __nv_bfloat16 bf16;
 //   * a broken invariant of our own or a failed CUDA call: the *_CHECK macros print the call, file, line
 //     and the library's message, then exit 1.
 
-// This process's tensor-parallel rank (section 12): 0 in the main process, 1..N-1 in the workers.
+// This process's tensor-parallel rank (sections 12, 23): 0 in the main process, 1..N-1 in the workers.
 static int g_tp_rank = 0;
 
 // A worker's message: named by its rank, and written with one write(2) so that two ranks failing at once
@@ -162,61 +230,29 @@ static std::string read_file(const std::string& path, const char* what) {
   return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
 }
 
-// Signal handlers may only use async-signal-safe calls: write(2) instead of fprintf.
-static void sig_puts(const char* s) {
-  ssize_t r = write(2, s, strlen(s));
-  (void)r;
+static bool is_dir(const std::string& p) {
+  struct stat sb;
+  return stat(p.c_str(), &sb) == 0 && S_ISDIR(sb.st_mode);
 }
-static void sig_putn(long v) {
-  char b[24];
-  int i = 23;
-  b[i] = 0;
-  unsigned long u = v < 0 ? -(unsigned long)v : (unsigned long)v;
-  do b[--i] = (char)('0' + u % 10), u /= 10;
-  while (u);
-  if (v < 0) b[--i] = '-';
-  sig_puts(b + i);
+static bool is_file(const std::string& p) {
+  struct stat sb;
+  return stat(p.c_str(), &sb) == 0 && S_ISREG(sb.st_mode);
 }
 
-// Stopping a run: Ctrl-C and SIGTERM. The first Ctrl-C while the engine generates (g_stop_armed, set by
-// main) only raises g_stop_requested: generate() returns after the step in flight (section 13), the requests
-// that had finished are written as usual, the others are counted as unfinished, and the exit status is 130
-// (128 + SIGINT, what a shell reports for Ctrl-C). A second Ctrl-C, a Ctrl-C before the engine runs, or
-// SIGTERM stops at once with 128 + the signal; tensor parallelism hooks in to stop its workers first
-// (g_stop_hook, section 12b). GPU memory needs no cleanup: the driver frees it when the process ends.
-static volatile sig_atomic_t g_stop_armed = 0;
-static volatile sig_atomic_t g_stop_requested = 0;
-static void (*g_stop_hook)() = nullptr;
-
-static void on_stop_signal(int sig) {
-  if (sig == SIGINT && g_stop_armed && !g_stop_requested) {
-    g_stop_requested = 1;
-    sig_puts("\nnanovllm: interrupted: stopping after this step and writing the finished requests "
-             "(Ctrl-C again stops at once)\n");
-    return;
-  }
-  sig_puts(sig == SIGINT ? "\nnanovllm: interrupted" : "nanovllm: terminated");
-  if (g_stop_hook) g_stop_hook();  // ends the line itself, before a worker can print
-  else sig_puts("\n");
-  _exit(128 + sig);
+// SplitMix64: a 64-bit mix that turns a counter into well-spread bits (per-request sampler seeds).
+static uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
 }
 
-// Installs on_stop_signal for SIGINT and SIGTERM; neither interrupts the other's handler (nor SIGCHLD's).
-static void install_stop_handlers() {
-  struct sigaction sa = {};
-  sigemptyset(&sa.sa_mask);
-  sigaddset(&sa.sa_mask, SIGCHLD), sigaddset(&sa.sa_mask, SIGINT), sigaddset(&sa.sa_mask, SIGTERM);
-  sa.sa_flags = SA_RESTART;
-  sa.sa_handler = on_stop_signal;
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
-}
-
-// ==== 2. Config: model config.json, engine settings, sampling parameters ==============================
+// ==== 2. Config: config.json, engine settings, sampling parameters, the optimization switch ================
 //
 // ModelConfig is what the checkpoint says (config.json, generation_config.json); Config is how the engine
 // runs (nano-vllm: config.py Config, same field names and defaults); SamplingParams is per request
-// (nano-vllm: sampling_params.py, plus greedy, top-k, top-p and a seed).
+// (nano-vllm: sampling_params.py, plus greedy, top-k, top-p and a seed). Optimizations, at the end, names
+// the speed work of Part II that a run may switch off.
 
 constexpr int HEAD_DIM = 128;  // D: every Qwen3 dense model uses 128, and the attention kernels are built for it
 
@@ -343,15 +379,6 @@ static ModelConfig parse_model_config(const std::string& text, const std::string
   return c;
 }
 
-static bool is_dir(const std::string& p) {
-  struct stat sb;
-  return stat(p.c_str(), &sb) == 0 && S_ISDIR(sb.st_mode);
-}
-static bool is_file(const std::string& p) {
-  struct stat sb;
-  return stat(p.c_str(), &sb) == 0 && S_ISREG(sb.st_mode);
-}
-
 // config.json, then generation_config.json for the EOS ids (it lists both <|im_end|> and <|endoftext|>).
 static ModelConfig load_model_config(const std::string& dir) {
   if (!is_dir(dir))
@@ -375,6 +402,74 @@ static ModelConfig load_model_config(const std::string& dir) {
   return c;
 }
 
+// The optimization switch. Part II (sections 14-20) makes the engine fast one optimization at a time; each
+// one replaces a piece of Part I and can be switched off by name, so a reader can run the plain engine
+// (--plain, or --opt none) and climb back one step at a time (--opt none,gemv), and every optimization can
+// be checked against the code it replaces. The default is everything on.
+struct Optimizations {
+  bool pdl = true;                // 14: the next kernel launches while the previous one finishes
+  bool gemv = true;               // 15: batch-1/2 matrix products in a gemv with its neighbours fused in
+  bool cluster_merge = true;      // 16: decode's split-K merge inside a cluster, no merge kernel
+  bool fused_rope = true;         // 17: decode attention does q/k-norm, RoPE and the KV store itself
+  bool oneshot_allreduce = true;  // 18: small all-reduces over NVLink in one crossing, not NCCL's ring
+  bool fast_sampler = true;       // 19: radix-select top-k/top-p and split rows, not the plain sampler
+};
+using OptimizationFlag = bool Optimizations::*;  // which field of Optimizations
+struct OptimizationInfo {
+  const char* name;
+  OptimizationFlag on;
+  const char* what;
+};
+static const OptimizationInfo kOptimizations[] = {
+    {"pdl", &Optimizations::pdl, "programmatic dependent launch (section 14)"},
+    {"gemv", &Optimizations::gemv, "small-batch gemv with RMSNorm, SiLU and the residual add fused in (15)"},
+    {"cluster_merge", &Optimizations::cluster_merge, "decode's split-K merge inside a cluster (16)"},
+    {"fused_rope", &Optimizations::fused_rope, "q/k-norm, RoPE and the KV store inside decode attention (17)"},
+    {"oneshot_allreduce", &Optimizations::oneshot_allreduce, "one-shot all-reduce over NVLink (18)"},
+    {"fast_sampler", &Optimizations::fast_sampler, "radix-select sampler (19)"},
+};
+
+// Applies a comma-separated list to `o`, left to right: "all", "none", NAME (on) or -NAME (off). Returns
+// "" or what is wrong, naming the known names. Examples: "none" (= --plain), "-pdl", "none,gemv,pdl".
+static std::string parse_optimizations(const std::string& spec, Optimizations& o) {
+  std::string names;
+  for (const OptimizationInfo& k : kOptimizations) names += std::string(names.empty() ? "" : ", ") + k.name;
+  if (spec.empty()) return "--opt needs a list: all, none, NAME or -NAME, comma-separated (" + names + ")";
+  size_t pos = 0;
+  while (pos <= spec.size()) {
+    size_t comma = spec.find(',', pos);
+    std::string item = spec.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    pos = comma == std::string::npos ? spec.size() + 1 : comma + 1;
+    bool on = true;
+    std::string name = item;
+    if (!name.empty() && (name[0] == '-' || name[0] == '+')) on = name[0] == '+', name = name.substr(1);
+    if (name == "all" || name == "none") {
+      if (item != name) return "--opt: '" + item + "': write all or none without a sign";
+      for (const OptimizationInfo& k : kOptimizations) o.*k.on = name == "all";
+      continue;
+    }
+    const OptimizationInfo* found = nullptr;
+    for (const OptimizationInfo& k : kOptimizations)
+      if (name == k.name) found = &k;
+    if (!found) return "--opt: unknown optimization '" + item + "'; the names are " + names + " (or all, none)";
+    o.*found->on = on;
+  }
+  return "";
+}
+
+// "all", "none" (Part I alone) or the names that are on, for the start-up line.
+static std::string optimizations_str(const Optimizations& o) {
+  std::string on, off;
+  for (const OptimizationInfo& k : kOptimizations) (o.*k.on ? on : off) += std::string(" ") + k.name;
+  if (off.empty()) return "all";
+  if (on.empty()) return "none (Part I alone)";
+  return on.substr(1);
+}
+
+// The optimizations this process runs. Set once from Config::opt by ModelRunner (every rank gets the same
+// Config, section 23); the tests set it directly to compare a fast path with the plain one.
+static Optimizations g_opt;
+
 // The engine's knobs (nano-vllm: config.py Config). Flags spell them in kebab case: --max-num-seqs.
 struct Config {
   std::string model;
@@ -387,6 +482,7 @@ struct Config {
   int kvcache_block_size = 256;        // P: tokens per KV block (nano-vllm: multiples of 256; here 16..256)
   int num_kvcache_blocks = -1;         // NB: -1 = as many as fit (measured after a warm-up)
   std::vector<int> eos;                // filled from the model config
+  Optimizations opt;                   // which Part II optimizations run (--plain, --opt)
 };
 
 static bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
@@ -465,8 +561,398 @@ static void validate_sampling(const SamplingParams& p, const std::string& where)
   if (p.max_tokens < 1) die("%s: max_tokens must be at least 1, found %d", where.c_str(), p.max_tokens);
 }
 
+// ==== 3. Sequence ==========================================================================================
+//
+// One request as the scheduler sees it (nano-vllm: engine/sequence.py Sequence). The token list holds the
+// prompt followed by every generated token. Three counters tell the whole story of a sequence:
+//
+//   token_ids:  [ p p p p p p p p p p | c c c ]           num_tokens = 13, num_prompt_tokens = 10
+//   KV cache:   [ k k k k k k k k k k   k k ]             num_cached_tokens = 12 (K/V already computed)
+//   this step:                                [ s ]       num_scheduled_tokens = 1 (decode)
+//
+// num_cached_tokens grows by prefix-cache hits (whole blocks at admission), by finished prefill chunks and by
+// one per decode step; preemption drops it to 0 (recompute).
 
-// ==== 3. Weights: safetensors -> GPU, fused q/k/v and gate/up =========================================
+enum class SequenceStatus { WAITING, RUNNING, FINISHED };
+
+struct Sequence {
+  int64_t seq_id;                // increasing: the order requests arrived in
+  SequenceStatus status = SequenceStatus::WAITING;
+  std::vector<int> token_ids;    // prompt, then completion
+  int last_token;
+  int num_tokens;
+  int num_prompt_tokens;
+  int num_cached_tokens = 0;     // leading tokens whose K/V is in the cache
+  int num_scheduled_tokens = 0;  // tokens this step computes
+  std::vector<int> block_table;  // logical block i -> physical block id
+  int block_size;                // P (nano-vllm keeps it as a class attribute)
+  SamplingParams params;
+  const char* finish_reason = nullptr;  // "stop" (EOS) or "length" (max_tokens)
+
+  Sequence(int64_t id, std::vector<int> prompt, SamplingParams sp, int block_size_)
+      : seq_id(id), token_ids(std::move(prompt)), block_size(block_size_), params(sp) {
+    last_token = token_ids.back();
+    num_tokens = (int)token_ids.size();
+    num_prompt_tokens = num_tokens;
+  }
+  int size() const { return num_tokens; }  // nano-vllm: __len__
+  bool is_finished() const { return status == SequenceStatus::FINISHED; }
+  int num_completion_tokens() const { return num_tokens - num_prompt_tokens; }
+  int num_cached_blocks() const { return num_cached_tokens / block_size; }
+  int num_blocks() const { return (int)cdiv(num_tokens, block_size); }
+  int last_block_num_tokens() const { return num_tokens - (num_blocks() - 1) * block_size; }
+  // Tokens of logical block i (the last one may be partial).
+  const int* block(int i) const { return token_ids.data() + (size_t)i * block_size; }
+  int block_len(int i) const { return std::min(block_size, num_tokens - i * block_size); }
+  void append_token(int token_id) {
+    token_ids.push_back(token_id);
+    last_token = token_id;
+    num_tokens++;
+  }
+};
+
+// ==== 4. BlockManager: paged KV blocks and prefix caching ==================================================
+//
+// The KV cache is a pool of NB blocks of P token slots each (its GPU layout: section 6b). A sequence owns a block table, a
+// list of physical block ids, so its K/V can live anywhere in the pool: no fragmentation, no copying when it
+// grows (nano-vllm: engine/block_manager.py; vLLM's PagedAttention).
+//
+// Prefix caching: every FULL block gets a hash that commits to its tokens and, through the previous block's
+// hash, to every token before it:
+//     hash(block i) = xxHash64(seed 0) over [ hash(block i-1) as 8 little-endian bytes ] (absent for i = 0)
+//                                        ++ [ the block's P token ids as little-endian int64 ]
+// (byte for byte what nano-vllm feeds xxhash from numpy's int64 array, so the hashes are equal). One table
+// lookup per block finds the longest cached prefix. A hit also compares the stored tokens, so a hash collision
+// can never serve wrong K/V.
+//
+// Lazy eviction: a block whose ref_count drops to 0 goes to the back of the free list but keeps its hash and
+// contents, so it is still a cache hit until it is handed out again (from the front of the free list, oldest
+// first); only then is its hash forgotten.
+//
+// Our free list is a doubly linked list threaded through the blocks, so reviving a free block that got a hit
+// is O(1) (nano-vllm removes it from a deque in O(NB)); the order of blocks handed out is the same.
+
+struct Block {
+  int block_id;
+  int ref_count = 0;
+  bool has_hash = false;
+  uint64_t hash = 0;
+  std::vector<int> token_ids;  // the tokens whose K/V this block holds (set when it becomes full)
+  int prev_free = -1, next_free = -1;  // free-list links (valid while ref_count == 0)
+  void update(uint64_t h, const int* tokens, int n) {
+    hash = h;
+    has_hash = true;
+    token_ids.assign(tokens, tokens + n);
+  }
+  void reset() {
+    ref_count = 1;
+    has_hash = false;
+    token_ids.clear();
+  }
+};
+
+// nano-vllm: BlockManager.compute_hash. `prefix` is the previous block's hash, or none for block 0.
+static uint64_t compute_block_hash(const int* token_ids, int n, const uint64_t* prefix) {
+  std::vector<uint8_t> buf;  // [prefix: 8 bytes] [n token ids: 8 bytes each], all little-endian
+  buf.reserve(8 + 8 * (size_t)n);
+  auto put_le64 = [&](uint64_t v) {
+    for (int i = 0; i < 8; i++) buf.push_back((uint8_t)(v >> (8 * i)));
+  };
+  if (prefix) put_le64(*prefix);
+  for (int i = 0; i < n; i++) put_le64((uint64_t)(int64_t)token_ids[i]);  // numpy int64, sign-extended
+  return XXH64(buf.data(), buf.size(), 0);
+}
+
+struct BlockManager {
+  int block_size;
+  std::vector<Block> blocks;
+  std::unordered_map<uint64_t, int> hash_to_block_id;
+  int free_head = -1, free_tail = -1, num_free = 0;  // the free list, oldest first
+  int num_used = 0;
+
+  BlockManager(int num_blocks, int block_size_) : block_size(block_size_), blocks(num_blocks) {
+    for (int i = 0; i < num_blocks; i++) {
+      blocks[i].block_id = i;
+      free_push_back(i);
+    }
+  }
+  int num_free_blocks() const { return num_free; }
+  bool is_used(int id) const { return blocks[id].ref_count > 0; }
+
+  // ---- the free list (nano-vllm: free_block_ids deque + used_block_ids set) ----
+  void free_push_back(int id) {
+    Block& b = blocks[id];
+    b.prev_free = free_tail;
+    b.next_free = -1;
+    if (free_tail >= 0) blocks[free_tail].next_free = id;
+    else free_head = id;
+    free_tail = id;
+    num_free++;
+  }
+  void free_remove(int id) {
+    Block& b = blocks[id];
+    if (b.prev_free >= 0) blocks[b.prev_free].next_free = b.next_free;
+    else free_head = b.next_free;
+    if (b.next_free >= 0) blocks[b.next_free].prev_free = b.prev_free;
+    else free_tail = b.prev_free;
+    b.prev_free = b.next_free = -1;
+    num_free--;
+  }
+
+  // nano-vllm: _allocate_block. Take the oldest free block; its old hash (if still registered to it) goes.
+  int allocate_block() {
+    int id = free_head;
+    assert_invariant(id >= 0, "allocate_block with an empty free list");
+    Block& b = blocks[id];
+    assert_invariant(b.ref_count == 0, "free block with a non-zero ref_count");
+    if (b.has_hash) {
+      auto it = hash_to_block_id.find(b.hash);
+      if (it != hash_to_block_id.end() && it->second == id) hash_to_block_id.erase(it);
+    }
+    free_remove(id);
+    b.reset();
+    num_used++;
+    return id;
+  }
+  void deallocate_block(int id) {
+    assert_invariant(blocks[id].ref_count == 0, "deallocate_block of a block still referenced");
+    num_used--;
+    free_push_back(id);
+  }
+
+  // nano-vllm: can_allocate. Walk the prompt's full blocks except the last (which is always recomputed, so
+  // at least one token produces logits), following the hash chain to the first miss. Returns the number of
+  // cached leading blocks, or -1 when the free blocks cannot cover the rest.
+  int can_allocate(const Sequence& seq) const {
+    uint64_t h = 0;
+    bool have_prev = false;
+    int num_cached_blocks = 0;
+    int num_new_blocks = seq.num_blocks();
+    for (int i = 0; i < seq.num_blocks() - 1; i++) {
+      h = compute_block_hash(seq.block(i), block_size, have_prev ? &h : nullptr);
+      have_prev = true;
+      auto it = hash_to_block_id.find(h);
+      if (it == hash_to_block_id.end()) break;
+      const Block& b = blocks[it->second];
+      if ((int)b.token_ids.size() != block_size || !std::equal(b.token_ids.begin(), b.token_ids.end(), seq.block(i)))
+        break;  // a hash collision, or the block was rewritten: not a hit
+      num_cached_blocks++;
+      if (is_used(it->second)) num_new_blocks--;  // shared, not taken from the free list
+    }
+    if (num_free < num_new_blocks) return -1;
+    return num_cached_blocks;
+  }
+
+  // nano-vllm: allocate. Share (or revive) the cached blocks, take fresh ones for the rest.
+  void allocate(Sequence& seq, int num_cached_blocks) {
+    assert_invariant(seq.block_table.empty(), "allocate on a sequence that has blocks");
+    uint64_t h = 0;
+    for (int i = 0; i < num_cached_blocks; i++) {
+      h = compute_block_hash(seq.block(i), block_size, i ? &h : nullptr);
+      int id = hash_to_block_id.at(h);
+      Block& b = blocks[id];
+      if (is_used(id)) {
+        b.ref_count++;
+      } else {  // a freed block that still holds this prefix: take it back off the free list
+        free_remove(id);
+        b.ref_count = 1;
+        num_used++;
+      }
+      seq.block_table.push_back(id);
+    }
+    for (int i = num_cached_blocks; i < seq.num_blocks(); i++) seq.block_table.push_back(allocate_block());
+    seq.num_cached_tokens = num_cached_blocks * block_size;
+  }
+
+  // nano-vllm: deallocate. Release in reverse so a sequence's tail blocks are reused before its prefix.
+  void deallocate(Sequence& seq) {
+    for (int k = (int)seq.block_table.size() - 1; k >= 0; k--) {
+      int id = seq.block_table[k];
+      if (--blocks[id].ref_count == 0) deallocate_block(id);
+    }
+    seq.num_cached_tokens = 0;
+    seq.block_table.clear();
+  }
+
+  // nano-vllm: can_append / may_append. A decode step writes the K/V of the sequence's last token at slot
+  // len-1; when len % P == 1 that slot opens a new block.
+  bool can_append(const Sequence& seq) const { return num_free >= (seq.size() % block_size == 1 ? 1 : 0); }
+  void may_append(Sequence& seq) {
+    if (seq.size() % block_size == 1) seq.block_table.push_back(allocate_block());
+  }
+
+  // nano-vllm: hash_blocks. After a step, register the blocks that just became full (prefill and decode
+  // alike, so generated text becomes a cacheable prefix too).
+  void hash_blocks(Sequence& seq) {
+    int start = seq.num_cached_tokens / block_size;
+    int end = (seq.num_cached_tokens + seq.num_scheduled_tokens) / block_size;
+    if (start == end) return;
+    uint64_t h = 0;
+    bool have_prev = start > 0;
+    if (have_prev) {
+      const Block& prev = blocks[seq.block_table[start - 1]];
+      assert_invariant(prev.has_hash, "hash_blocks: previous block has no hash");
+      h = prev.hash;
+    }
+    for (int i = start; i < end; i++) {
+      Block& b = blocks[seq.block_table[i]];
+      h = compute_block_hash(seq.block(i), block_size, have_prev ? &h : nullptr);
+      have_prev = true;
+      b.update(h, seq.block(i), block_size);
+      hash_to_block_id[h] = b.block_id;
+    }
+  }
+
+  static void assert_invariant(bool ok, const char* what) {
+    if (!ok) die("internal error in BlockManager: %s", what);
+  }
+};
+
+// ==== 5. Scheduler: continuous batching, chunked prefill, preemption =======================================
+//
+// Every step the scheduler picks the work (nano-vllm: engine/scheduler.py Scheduler):
+//   1. Prefill first. Admit waiting sequences in arrival order while the step has room (max_num_seqs,
+//      max_num_batched_tokens) and the block pool can hold them. Prefix-cache hits cost no compute. Only the
+//      first sequence of a step may be cut short (chunked prefill): it gets what is left of the budget, keeps
+//      its place at the head of `waiting`, and joins `running` once its whole prompt has been scheduled.
+//   2. If nothing was admitted, decode: one token for every running sequence. A sequence that needs a new
+//      block when none is free makes room by preempting the newest running sequence (or itself, if it is the
+//      last): its blocks are freed and it goes back to the FRONT of `waiting` to be recomputed later
+//      (no swapping). Its full blocks keep their hashes, so the recompute is mostly prefix-cache hits.
+// A step is therefore all prefill or all decode. postprocess() then appends the sampled tokens and retires
+// finished sequences, whose blocks go back to the pool at once: that is continuous batching.
+
+struct SchedulerStats {
+  int64_t num_preemptions = 0;
+  int64_t prefix_hit_tokens = 0;  // prompt tokens served from the cache at admission
+  int64_t prompt_tokens_admitted = 0;
+};
+
+struct Scheduler {
+  int max_num_seqs, max_num_batched_tokens, block_size;
+  std::vector<int> eos;
+  BlockManager block_manager;
+  std::deque<Sequence*> waiting, running;
+  SchedulerStats stats;
+  std::vector<std::pair<int64_t, int>> last_preempted;  // (seq_id, length) preempted in the last schedule()
+  int last_cached_tokens = 0;                           // prefix-hit tokens found in the last schedule()
+
+  Scheduler(const Config& c)
+      : max_num_seqs(c.max_num_seqs), max_num_batched_tokens(c.max_num_batched_tokens),
+        block_size(c.kvcache_block_size), eos(c.eos), block_manager(c.num_kvcache_blocks, c.kvcache_block_size) {}
+
+  bool is_finished() const { return waiting.empty() && running.empty(); }
+  void add(Sequence* seq) { waiting.push_back(seq); }
+
+  // Returns the sequences of this step; sets is_prefill.
+  std::vector<Sequence*> schedule(bool& is_prefill) {
+    std::vector<Sequence*> scheduled;
+    last_preempted.clear();
+    last_cached_tokens = 0;
+    int num_batched_tokens = 0;
+    // prefill
+    while (!waiting.empty() && (int)scheduled.size() < max_num_seqs) {
+      Sequence* seq = waiting.front();
+      int remaining = max_num_batched_tokens - num_batched_tokens;
+      if (remaining == 0) break;
+      int num_tokens, num_cached_blocks = 0;
+      if (seq->block_table.empty()) {
+        num_cached_blocks = block_manager.can_allocate(*seq);
+        if (num_cached_blocks == -1) break;
+        num_tokens = seq->num_tokens - num_cached_blocks * block_size;
+      } else {
+        num_tokens = seq->num_tokens - seq->num_cached_tokens;  // the rest of a chunked prompt
+      }
+      if (remaining < num_tokens && !scheduled.empty()) break;  // only the first sequence may be chunked
+      if (seq->block_table.empty()) {
+        block_manager.allocate(*seq, num_cached_blocks);
+        stats.prefix_hit_tokens += seq->num_cached_tokens;
+        stats.prompt_tokens_admitted += seq->num_tokens;
+        last_cached_tokens += seq->num_cached_tokens;
+      }
+      seq->num_scheduled_tokens = std::min(num_tokens, remaining);
+      num_batched_tokens += seq->num_scheduled_tokens;
+      if (seq->num_cached_tokens + seq->num_scheduled_tokens == seq->num_tokens) {
+        seq->status = SequenceStatus::RUNNING;
+        waiting.pop_front();
+        running.push_back(seq);
+      }
+      scheduled.push_back(seq);
+    }
+    if (!scheduled.empty()) {
+      is_prefill = true;
+      return scheduled;
+    }
+    // decode
+    while (!running.empty() && (int)scheduled.size() < max_num_seqs) {
+      Sequence* seq = running.front();
+      running.pop_front();
+      bool ok = true;
+      while (!block_manager.can_append(*seq)) {
+        if (!running.empty()) {
+          preempt(running.back());
+          running.pop_back();
+        } else {
+          preempt(seq);
+          ok = false;
+          break;
+        }
+      }
+      if (ok) {
+        seq->num_scheduled_tokens = 1;
+        block_manager.may_append(*seq);
+        scheduled.push_back(seq);
+      }
+    }
+    if (scheduled.empty())  // cannot happen when the pool holds one max_model_len sequence (checked at start)
+      die("the KV cache cannot hold even one sequence: %d free blocks of %d tokens. Lower --max-model-len or "
+          "raise --gpu-memory-utilization / --num-kvcache-blocks",
+          block_manager.num_free_blocks(), block_size);
+    for (auto it = scheduled.rbegin(); it != scheduled.rend(); ++it) running.push_front(*it);
+    is_prefill = false;
+    return scheduled;
+  }
+
+  // nano-vllm: preempt. Recompute later: free everything, back to the front of the queue.
+  void preempt(Sequence* seq) {
+    last_preempted.push_back({seq->seq_id, seq->num_tokens});
+    stats.num_preemptions++;
+    seq->status = SequenceStatus::WAITING;
+    seq->num_scheduled_tokens = 0;
+    block_manager.deallocate(*seq);
+    waiting.push_front(seq);
+  }
+
+  bool is_eos(int token) const { return std::find(eos.begin(), eos.end(), token) != eos.end(); }
+
+  // nano-vllm: postprocess. token_ids[i] was sampled for seqs[i].
+  void postprocess(const std::vector<Sequence*>& seqs, const std::vector<int>& token_ids, bool is_prefill) {
+    for (size_t i = 0; i < seqs.size(); i++) {
+      Sequence* seq = seqs[i];
+      block_manager.hash_blocks(*seq);
+      seq->num_cached_tokens += seq->num_scheduled_tokens;
+      seq->num_scheduled_tokens = 0;
+      if (is_prefill && seq->num_cached_tokens < seq->num_tokens) continue;  // mid-prompt chunk: no token yet
+      int token = token_ids[i];
+      seq->append_token(token);
+      bool stop = !seq->params.ignore_eos && is_eos(token);
+      if (stop || seq->num_completion_tokens() == seq->params.max_tokens) {
+        seq->finish_reason = stop ? "stop" : "length";
+        seq->status = SequenceStatus::FINISHED;
+        block_manager.deallocate(*seq);
+        running.erase(std::find(running.begin(), running.end(), seq));
+      }
+    }
+  }
+};
+
+// ==== 6. The Qwen3 model: weights, the KV cache, the forward pass ==========================================
+//
+// Everything the GPU holds for one model, and the one function that runs it: 6a loads the weights, 6b lays
+// out the KV cache, 6c is the forward pass (nano-vllm: models/qwen3.py and layers/). The kernels it calls
+// come next, in sections 7-10.
+
+// ---- 6a. Weights: safetensors -> GPU, fused q/k/v and gate/up ------------------------------------------
 //
 // The checkpoint is read once, straight from the mmap()ed files into one GPU arena. Two fusions happen at
 // load time (nano-vllm: packed_modules_mapping and the weight_loader of QKVParallelLinear /
@@ -474,9 +960,9 @@ static void validate_sampling(const SamplingParams& p, const std::string& where)
 //   q_proj [NH*D, H] ; k_proj [NKV*D, H] ; v_proj [NKV*D, H]  ->  qkv_proj [(NH+2*NKV)*D, H]   one GEMM
 //   gate_proj [I, H] ; up_proj [I, H]                          ->  gate_up  [2*I, H]            one GEMM
 // so a layer runs 4 matrix products instead of 7. Every matrix stays in PyTorch's [out, in] row-major layout;
-// section 6 explains how cuBLASLt reads it.
+// section 10 explains how cuBLASLt reads it.
 //
-// Tensor parallelism slices while loading, so each rank reads only its share (section 12 of the map):
+// Tensor parallelism slices while loading, so each rank reads only its share (section 12):
 //   column-parallel (qkv, gate_up): each rank takes its rows: its q heads, its k/v heads, its I/tp slice;
 //   row-parallel (o_proj, down): each rank takes its columns; the partial products are summed by all-reduce;
 //   vocab-parallel (embed_tokens, lm_head): each rank takes V/tp rows.
@@ -514,6 +1000,7 @@ static uint16_t float_to_bf16_bits(float f) {  // round to nearest even, NaN sta
   if ((u & 0x7fffffff) > 0x7f800000) return 0x7fc0;
   return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
+static float bf16_round(float x) { return bf16_bits_to_float(float_to_bf16_bits(x)); }  // as PyTorch rounds
 static float half_bits_to_float(uint16_t h) {
   uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, u;
   if (exp == 0) {
@@ -739,7 +1226,7 @@ static Weights load_weights(const std::string& dir, const ModelConfig& c, int ra
   return w;
 }
 
-// ==== 4. The KV cache layout ==========================================================================
+// ---- 6b. The KV cache layout -------------------------------------------------------------------------
 //
 // One cudaMalloc holds every layer's keys and values (nano-vllm: ModelRunner.allocate_kv_cache):
 //
@@ -758,7 +1245,7 @@ static Weights load_weights(const std::string& dir, const ModelConfig& c, int ra
 // and the pool gets whatever gpu_memory_utilization leaves after weights and activations (section 11).
 
 struct KVCache {
-  bf16* base = nullptr;
+  bf16* base = nullptr;  // [L, 2, NB, NKV/tp, P, D]
   int64_t num_blocks = 0, layer_stride = 0, kv_stride = 0;  // elements
   size_t bytes = 0;
   bf16* k(int layer) const { return base + layer * layer_stride; }
@@ -769,89 +1256,127 @@ static size_t kv_block_bytes(const ModelConfig& c, int P, int tp) {
   return (size_t)2 * c.num_hidden_layers * P * (c.num_key_value_heads / tp) * c.head_dim * sizeof(bf16);
 }
 
-// ==== 5. Kernels (each followed by its launcher) ======================================================
+// ---- 6c. The forward pass ------------------------------------------------------------------------------
 //
-// Every kernel has a comment block: the math it replaces, the layouts it reads and writes, what one
-// thread / warp / block owns, and its preconditions. Its launcher follows it and checks the launch.
+// One step, prefill or decode, T tokens from B sequences (nano-vllm: models/qwen3.py). Per layer:
+//
+//   x = RMSNorm(residual += h)                         (layer 0: residual = embedding, nothing to add)
+//   qkv = x @ Wqkv^T                                   [T, (NH+2NKV)*D]
+//   q, k = RMSNorm_head(q), RMSNorm_head(k); RoPE(q, k)   in place
+//   K/V cache[slot_mapping] = k, v                     this step's keys/values join the cache
+//   a = attention(q, cache, block_tables)              causal, GQA; prefill or decode kernel
+//   h = a @ Wo^T                 (+ all-reduce)        [T, H]
+//   x = RMSNorm(residual += h)
+//   h = (SiLU(x @ Wg^T) * (x @ Wu^T)) @ Wd^T   (+ all-reduce)
+// then x = RMSNorm(residual += h), keep each sequence's last row, logits = x @ lm_head^T (fp32).
+// "residual += h" rides inside the next RMSNorm (add_rmsnorm), as nano-vllm's RMSNorm(x, residual) does.
+//
+// The pass below is written against the launchers of sections 7-10 and 12, declared here and defined there,
+// so it reads like the list above. Every buffer is allocated once for the largest step (ModelRunner), so a
+// step allocates nothing and a decode step can be captured in a CUDA graph.
 
-// Programmatic dependent launch (PDL; Hopper and later). Between two dependent kernels the GPU normally
-// lets the first one finish completely before it starts the second: some microseconds of idle SMs at every
-// boundary, and a batch-1 decode step of Qwen3-0.6B has about 145 of them. With PDL the next kernel is
-// launched while the previous one still runs; its blocks start, do whatever does not depend on that kernel
-// (a gemv loads weights, which no step writes), and wait in pdl_begin() until the previous grid has
-// finished and its writes are visible. Two rules keep this exactly as safe as plain stream order:
-//   * every kernel of this file calls pdl_begin() before it reads anything an earlier kernel wrote and
-//     before it writes anything; so a kernel finishes only after the one before it, and waiting for the
-//     last kernel is waiting for them all. (The fused decode attention of 5b reads the KV cache, block
-//     tables and context lengths before its wait: all of them were written before the kernel ahead of it
-//     started, which is as good, since that kernel launched only after its own predecessor had finished.
-//     Its blocks past the context exit without waiting, after pdl_trigger(), writing nothing);
-//   * kernels we do not launch (cuBLASLt) and copies keep the usual order on both sides.
-// pdl_begin() then allows the next kernel to launch: at most two kernels share the GPU at a time.
-// NANOVLLM_PDL=0 launches every kernel the ordinary way, for comparison; GPUs before sm_90 always do.
-__device__ __forceinline__ void pdl_begin() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // the kernel before has finished; its writes are seen
-  asm volatile("griddepcontrol.launch_dependents;");  // the kernel after may launch now
-#endif
-}
+struct Activations {
+  bf16* residual;  // [Tmax, H]  the residual stream
+  bf16* hidden;    // [Tmax, H]  a sub-layer's output h
+  bf16* x;         // [Tmax, H]  normed input of a sub-layer
+  bf16* qkv;       // [Tmax, (NH+2NKV)/tp * D]
+  bf16* attn;      // [Tmax, NH/tp * D]
+  bf16* gate_up;   // [Tmax, 2 * I/tp]
+  bf16* act;       // [Tmax, I/tp]
+  bf16* last;      // [Bmax, H]  final normed row of each sequence
+  float* logits;   // [Bmax, V/tp]
+  float* attn_workspace;  // decode split-K partials (section 8)
+};
 
-// Lets the next kernel launch without waiting for anything: for blocks that exit without reading or writing
-// (the decode kernel's partitions past the context), which would otherwise hold the next launch back.
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
-}
+// Device pointers to one step's inputs (built on the host by ModelRunner::prepare_*).
+struct StepInputs {
+  int* input_ids;     // [T]
+  int* positions;     // [T]
+  int* slot_mapping;  // [T]  -1 = do not store
+  int* cu_seqlens_q;  // [B+1] prefill: row offsets of each sequence's new tokens
+  int* seqlens_k;     // [B]   prefill: keys each sequence attends (cached + new); decode: context lengths
+  int* block_tables;  // [B, MB]
+  int max_seqlen_q;   // host value (prefill)
+};
 
-// The current GPU's compute capability major version: 9 for Hopper (asked once; a process uses one GPU).
-static int gpu_cc_major() {
-  static int major = -1;
-  if (major < 0) {
-    int dev = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+// The launchers the forward pass calls (section 7: elementwise kernels; 8: attention; 10: cuBLASLt;
+// 12: the all-reduce). Shapes are in each definition's comment.
+void embedding(bf16* out, const int* ids, const bf16* table, int T, int H, int vocab_start, int V_local,
+               cudaStream_t stream);
+void rmsnorm(bf16* out, const bf16* x, const bf16* w, int T, int H, float eps, cudaStream_t stream);
+void add_rmsnorm(bf16* out, bf16* residual, const bf16* x, const bf16* w, int T, int H, float eps,
+                 cudaStream_t stream);
+void qk_norm_rope(bf16* qkv, const int* positions, const bf16* q_norm_w, const bf16* k_norm_w, bf16* k_cache,
+                  bf16* v_cache, const int* slot_mapping, int T, int NH, int NKV, int P, float rope_theta,
+                  float eps, cudaStream_t stream);
+static void attention_prefill(bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache,
+                              const int* cu_seqlens_q, const int* seqlens_k, const int* block_tables, int B,
+                              int max_seqlen_q, int NH, int NKV, int P, int MB, float scale,
+                              cudaStream_t stream);
+static void attention_decode(bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache,
+                             const int* context_lens, const int* block_tables, int B, int NH, int NKV, int P,
+                             int MB, int max_context_len, float* workspace, float scale, cudaStream_t stream);
+void silu_and_mul(bf16* out, const bf16* gate_up, int T, int I, cudaStream_t stream);
+void gather_last_tokens(bf16* out, const bf16* x, const int* cu_seqlens_q, int B, int H, cudaStream_t stream);
+struct Gemm;
+static void linear(Gemm& gemm, void* y, const bf16* x, const bf16* W, int M, int N, int K, cudaStream_t stream,
+                   cudaDataType out_type = CUDA_R_16BF);
+struct TPComm;  // section 12; null without tensor parallelism
+static void all_reduce_sum(TPComm* comm, bf16* x, size_t n, cudaStream_t stream);
+
+struct Qwen3 {
+  ModelConfig cfg;
+  Weights w;
+  KVCache kv;
+  Gemm* gemm = nullptr;  // cuBLASLt handle, workspace and cached plans (section 10)
+  Activations act;
+  int tp = 1, rank = 0;
+  TPComm* comm = nullptr;
+  int P = 256, MB = 16, max_model_len = 4096;
+
+  // Runs the model on one step and leaves fp32 logits of each sequence's last token in act.logits.
+  // nano-vllm: Qwen3ForCausalLM.forward, then compute_logits.
+  void forward(const StepInputs& in, int T, int B, bool is_prefill, cudaStream_t s) {
+    const int H = cfg.hidden_size, I = cfg.intermediate_size / tp, D = cfg.head_dim;
+    const int NH = cfg.num_attention_heads / tp, NKV = cfg.num_key_value_heads / tp;
+    const int V = (int)cdiv(cfg.vocab_size, tp);
+    const float eps = cfg.rms_norm_eps, scale = 1.0f / sqrtf((float)D);
+    embedding(act.residual, in.input_ids, w.embed_tokens, T, H, rank * V, V, s);
+    if (tp > 1) all_reduce_sum(comm, act.residual, (size_t)T * H, s);  // each rank looked up its own ids
+    for (int l = 0; l < cfg.num_hidden_layers; l++) {
+      const LayerWeights& lw = w.layers[l];
+      // attention
+      if (l == 0) rmsnorm(act.x, act.residual, lw.input_layernorm, T, H, eps, s);
+      else add_rmsnorm(act.x, act.residual, act.hidden, lw.input_layernorm, T, H, eps, s);
+      linear(*gemm, act.qkv, act.x, lw.qkv_proj, T, (NH + 2 * NKV) * D, H, s);
+      qk_norm_rope(act.qkv, in.positions, lw.q_norm, lw.k_norm, kv.k(l), kv.v(l), in.slot_mapping, T, NH, NKV,
+                   P, cfg.rope_theta, eps, s);
+      if (is_prefill)
+        attention_prefill(act.attn, act.qkv, kv.k(l), kv.v(l), in.cu_seqlens_q, in.seqlens_k, in.block_tables, B,
+                          in.max_seqlen_q, NH, NKV, P, MB, scale, s);
+      else
+        attention_decode(act.attn, act.qkv, kv.k(l), kv.v(l), in.seqlens_k, in.block_tables, B, NH, NKV, P, MB,
+                         max_model_len, act.attn_workspace, scale, s);
+      linear(*gemm, act.hidden, act.attn, lw.o_proj, T, H, NH * D, s);
+      if (tp > 1) all_reduce_sum(comm, act.hidden, (size_t)T * H, s);
+      // MLP
+      add_rmsnorm(act.x, act.residual, act.hidden, lw.post_attention_layernorm, T, H, eps, s);
+      linear(*gemm, act.gate_up, act.x, lw.gate_up_proj, T, 2 * I, H, s);
+      silu_and_mul(act.act, act.gate_up, T, I, s);
+      linear(*gemm, act.hidden, act.act, lw.down_proj, T, H, I, s);
+      if (tp > 1) all_reduce_sum(comm, act.hidden, (size_t)T * H, s);
+    }
+    add_rmsnorm(act.x, act.residual, act.hidden, w.norm, T, H, eps, s);
+    const bf16* last = act.x;
+    if (is_prefill) {  // only each sequence's last position needs logits (nano-vllm: ParallelLMHead)
+      gather_last_tokens(act.last, act.x, in.cu_seqlens_q, B, H, s);
+      last = act.last;
+    }
+    linear(*gemm, act.logits, last, w.lm_head, B, V, H, s, CUDA_R_32F);
   }
-  return major;
-}
+};
 
-// Whether launch() asks for PDL: this GPU is sm_90 or later and NANOVLLM_PDL is not 0 (asked once).
-static bool pdl_enabled() {
-  static int on = -1;
-  if (on < 0) {
-    const char* env = getenv("NANOVLLM_PDL");
-    on = gpu_cc_major() >= 9 && !(env && !strcmp(env, "0"));
-  }
-  return on;
-}
-
-// Every kernel of this file is launched through here: kernel<<<grid, block, smem, stream>>>(args...),
-// plus the PDL attribute; launch_cluster also groups the blocks in clusters of cluster_x along x (5b).
-template <typename... Params, typename... Args>
-static void launch_cluster(unsigned cluster_x, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                           cudaStream_t stream, Args&&... args) {
-  cudaLaunchAttribute attrs[2] = {};
-  int n = 0;
-  if (pdl_enabled()) {
-    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (cluster_x > 1) {
-    attrs[n].id = cudaLaunchAttributeClusterDimension;
-    attrs[n++].val.clusterDim = {cluster_x, 1, 1};
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = smem, cfg.stream = stream;
-  cfg.attrs = attrs, cfg.numAttrs = n;
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
-}
-template <typename... Params, typename... Args>
-static void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                   Args&&... args) {
-  launch_cluster(1, kernel, grid, block, smem, stream, std::forward<Args>(args)...);
-}
-
-// ---- 5a. Elementwise and normalisation kernels: embedding, RMSNorm, q/k norm + RoPE, KV store, SiLU ----
+// ==== 7. Kernels: embedding, RMSNorm, q/k-norm + RoPE + KV store, SiLU =====================================
 //
 // Shared conventions of this section:
 //   * Every load and store moves 16 bytes (8 bf16) per thread: the widest access a thread can issue, so a
@@ -859,8 +1384,9 @@ static void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
 //     "pointers 16-byte aligned" (cudaMalloc gives 256-byte alignment; every row length is a multiple of 8).
 //   * Math is fp32; a bf16 rounding happens exactly where Hugging Face's Qwen3 rounds (a bf16 tensor is
 //     stored), so our activations match the reference bit for bit in the common case.
-//   * Zero-sized launches (T == 0) are skipped in the launcher: a grid of 0 blocks is a CUDA error.
-
+//   * Zero-sized launches (T == 0) are skipped in the launcher: a grid of 0 thread blocks is a CUDA error.
+//   * Each kernel is followed by its launcher, and its CPU reference ("what this kernel computes", in plain
+//     loops) sits beside it: test/gpu/gpu_kernels.cu checks one against the other at awkward sizes.
 
 // 8 bf16 <-> 8 floats, through one 16-byte register quad (uint4).
 __device__ __forceinline__ void bf16x8_to_float(const uint4& u, float f[8]) {
@@ -881,7 +1407,7 @@ __device__ __forceinline__ uint4 float_to_bf16x8(const float f[8]) {
 }
 __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
-// Sum over the whole block; every thread gets the result. scratch: 32 floats of shared memory.
+// Sum over the whole thread block; every thread gets the result. scratch: 32 floats of shared memory.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -903,7 +1429,7 @@ static void check_aligned16(const char* kernel, const char* what, const void* p)
   if (reinterpret_cast<uintptr_t>(p) % 16 != 0)
     die("%s: pointer %s = %p is not 16-byte aligned", kernel, what, p);
 }
-// Threads for a block that walks one row of `chunks` 16-byte chunks: one chunk per thread where possible.
+// Threads for a thread block that walks a row of `chunks` 16-byte chunks: one chunk per thread if possible.
 static int row_threads(int64_t chunks, int max_threads) {
   return (int)std::min<int64_t>(max_threads, std::max<int64_t>(32, cdiv(chunks, 32) * 32));
 }
@@ -913,10 +1439,9 @@ static int row_threads(int64_t chunks, int max_threads) {
 //           other shards masked to zero (the all-reduce over the tensor-parallel group then sums shards).
 // Reads  ids [T], table [V_local, H] (this rank's rows, vocab ids vocab_start .. vocab_start+V_local-1).
 // Writes out [T, H].
-// Block = one token; each thread copies 16-byte chunks of the row (or writes zeros for a foreign id).
+// Thread block = one token; each thread copies 16-byte chunks of the row (zeros for a foreign id).
 __global__ void embedding_kernel(bf16* out, const int* ids, const bf16* table, int H, int vocab_start,
                                  int V_local) {
-  pdl_begin();  // section 5, PDL: wait for the kernel before, then let the next one launch
   int t = blockIdx.x;
   int64_t local = (int64_t)ids[t] - vocab_start;
   bool mine = local >= 0 && local < V_local;
@@ -930,8 +1455,16 @@ void embedding(bf16* out, const int* ids, const bf16* table, int T, int H, int v
   check_aligned16("embedding", "out", out);
   check_aligned16("embedding", "table", table);
   if (T == 0) return;
-  launch(embedding_kernel, T, row_threads(H / 8, 256), 0, stream, out, ids, table, H, vocab_start, V_local);
+  embedding_kernel<<<T, row_threads(H / 8, 256), 0, stream>>>(out, ids, table, H, vocab_start, V_local);
   CUDA_CHECK(cudaGetLastError());
+}
+// What embedding_kernel computes, on the CPU (bf16 as float): out [T, H].
+static void embedding_reference(float* out, const int* ids, const float* table, int T, int H, int vocab_start,
+                                int V_local) {
+  for (int t = 0; t < T; t++) {
+    const int64_t local = (int64_t)ids[t] - vocab_start;
+    for (int h = 0; h < H; h++) out[(size_t)t * H + h] = local >= 0 && local < V_local ? table[local * H + h] : 0.f;
+  }
 }
 
 // ---- rmsnorm and add_rmsnorm -------------------------------------------------------------------------
@@ -942,15 +1475,15 @@ void embedding(bf16* out, const int* ids, const bf16* table, int T, int H, int v
 //     s = bf16(float(x) + float(residual));  residual = s;  out = rmsnorm(s)
 // (nano-vllm fuses the add into the norm the same way, so the residual stream is always bf16.)
 // Reads  x [T, H], residual [T, H] (add_rmsnorm), w [H].   Writes out [T, H], residual [T, H].
-// Block = one row. Each thread keeps up to NORM_MAX_CHUNKS 16-byte chunks of the row in registers, so the
-// row is read from memory once: sum of squares -> block reduction -> scale and write.
+// Thread block = one row. Each thread keeps up to NORM_MAX_CHUNKS 16-byte chunks of the row in registers, so
+// the row is read from memory once: sum of squares -> reduction over the thread block -> scale and write.
 // out may alias x (a thread reads its chunks before writing the same chunks).
 // Preconditions: H % 8 == 0, H <= NORM_THREADS * NORM_MAX_CHUNKS * 8 = 8192 (Qwen3-32B has H = 5120).
 constexpr int NORM_THREADS = 256;
 constexpr int NORM_MAX_CHUNKS = 4;
 
-// One row, by the whole block (rmsnorm_kernel's body; gemv_kernel's RMSNORM input, section 6, calls it too, so
-// the fused and the separate paths round identically). scratch: 32 floats of shared memory.
+// One row, by the whole thread block (rmsnorm_kernel's body; the fused gemv of section 15 calls it too, so the
+// fused and the separate paths round identically). scratch: 32 floats of shared memory.
 template <bool ADD_RESIDUAL>
 __device__ __forceinline__ void rmsnorm_row(bf16* out, bf16* residual, const bf16* x, const bf16* w, int H,
                                             float eps, float* scratch) {
@@ -992,7 +1525,6 @@ __device__ __forceinline__ void rmsnorm_row(bf16* out, bf16* residual, const bf1
 template <bool ADD_RESIDUAL>
 __global__ __launch_bounds__(NORM_THREADS) void rmsnorm_kernel(bf16* out, bf16* residual, const bf16* x,
                                                                const bf16* w, int H, float eps) {
-  pdl_begin();
   __shared__ float scratch[32];
   int64_t row = (int64_t)blockIdx.x * H;
   rmsnorm_row<ADD_RESIDUAL>(out + row, ADD_RESIDUAL ? residual + row : nullptr, x + row, w, H, eps, scratch);
@@ -1009,7 +1541,7 @@ static void rmsnorm_checks(const char* name, const void* out, const void* x, con
 void rmsnorm(bf16* out, const bf16* x, const bf16* w, int T, int H, float eps, cudaStream_t stream) {
   rmsnorm_checks("rmsnorm", out, x, w, H);
   if (T == 0) return;
-  launch(rmsnorm_kernel<false>, T, row_threads(H / 8, NORM_THREADS), 0, stream, out, nullptr, x, w, H, eps);
+  rmsnorm_kernel<false><<<T, row_threads(H / 8, NORM_THREADS), 0, stream>>>(out, nullptr, x, w, H, eps);
   CUDA_CHECK(cudaGetLastError());
 }
 void add_rmsnorm(bf16* out, bf16* residual, const bf16* x, const bf16* w, int T, int H, float eps,
@@ -1017,8 +1549,16 @@ void add_rmsnorm(bf16* out, bf16* residual, const bf16* x, const bf16* w, int T,
   rmsnorm_checks("add_rmsnorm", out, x, w, H);
   check_aligned16("add_rmsnorm", "residual", residual);
   if (T == 0) return;
-  launch(rmsnorm_kernel<true>, T, row_threads(H / 8, NORM_THREADS), 0, stream, out, residual, x, w, H, eps);
+  rmsnorm_kernel<true><<<T, row_threads(H / 8, NORM_THREADS), 0, stream>>>(out, residual, x, w, H, eps);
   CUDA_CHECK(cudaGetLastError());
+}
+// What rmsnorm_kernel computes for one row, on the CPU, with Hugging Face's roundings: x [H] holds bf16
+// values (for add_rmsnorm: bf16(x + residual), which is also the new residual), out [H].
+static void rmsnorm_reference(float* out, const float* x, const float* w, int H, float eps) {
+  double ss = 0;
+  for (int h = 0; h < H; h++) ss += (double)x[h] * x[h];
+  const float scale = (float)(1.0 / sqrt(ss / H + eps));
+  for (int h = 0; h < H; h++) out[h] = bf16_round(w[h] * bf16_round(x[h] * scale));
 }
 
 // ---- qk_norm_rope (and the KV-cache store) ---------------------------------------------------------------
@@ -1027,8 +1567,8 @@ void add_rmsnorm(bf16* out, bf16* residual, const bf16* x, const bf16* w, int T,
 //     q, k = rotary_emb(positions, q, k)                               # rotate-half (NeoX) RoPE, full D
 //     store_kvcache(k, v, k_cache, v_cache, slot_mapping)              # nano-vllm's Triton kernel
 // The store is fused in: the thread that writes a finished k head also writes it to its cache slot, and
-// the block copies the token's v heads, so K/V never take a second trip through memory. (Prefill steps
-// run this kernel; decode steps do all of it inside the attention kernel, 5b, with the pieces below.)
+// the thread block copies the token's v heads, so K/V never take a second trip through memory. (Section 17
+// moves all of this into decode attention, with the pieces below.)
 // Cache layout [NB, NKV, P, D]: head h of the token goes to [slot / P, h, slot % P, :]; slot -1 (padding)
 // stores nothing. Every head is 256 contiguous bytes.
 // RoPE, as nano-vllm computes it (fp32 math, one bf16 rounding at the end):
@@ -1038,7 +1578,7 @@ void add_rmsnorm(bf16* out, bf16* residual, const bf16* x, const bf16* w, int T,
 // (Hugging Face rounds cos/sin to bf16 first and rounds after each product; the difference is within
 //  bf16 noise and nano-vllm's fp32 path is the more accurate of the two.)
 // Reads and writes the q and k heads of qkv [T, (NH + 2*NKV) * D] in place; v heads are only read.
-// Block = one token: its 64 (cos, sin) pairs are computed once into shared memory and shared by all of
+// Thread block = one token: its 64 (cos, sin) pairs are computed once into shared memory and shared by all of
 // its NH + NKV heads. 8 threads own one head: thread j holds dims [8j, 8j+8) and their RoPE partners
 // [64+8j, 64+8j+8), two 16-byte loads; the sum of squares is reduced over the 8 threads with shuffles.
 // Why host-computed inv_freq: theta^(2i/D) in float must equal what PyTorch computes at model load; a
@@ -1051,7 +1591,7 @@ struct RopeInvFreq {
   float v[HEAD_DIM / 2];
 };
 
-// The pieces both users share (this kernel and the fused decode attention of 5b):
+// The pieces both users share (this kernel and the fused decode attention of section 17):
 // rope_angles: thread i < D/2 puts the cosine and sine of angle i of position pos into cos_s[i], sin_s[i].
 __device__ __forceinline__ void rope_angles(float* cos_s, float* sin_s, int pos, const RopeInvFreq& inv_freq) {
   if (threadIdx.x < HEAD_DIM / 2) {
@@ -1096,7 +1636,6 @@ __device__ __forceinline__ void head_norm_rope(uint4& ua, uint4& ub, float ss, c
 __global__ void qk_norm_rope_kernel(bf16* qkv, const int* positions, const bf16* q_norm_w,
                                     const bf16* k_norm_w, bf16* k_cache, bf16* v_cache, const int* slot_mapping,
                                     int NH, int NKV, int P, float eps, RopeInvFreq inv_freq) {
-  pdl_begin();
   __shared__ float cos_s[HEAD_DIM / 2], sin_s[HEAD_DIM / 2];
   int t = blockIdx.x;
   const int slot = slot_mapping[t];
@@ -1165,9 +1704,29 @@ void qk_norm_rope(bf16* qkv, const int* positions, const bf16* q_norm_w, const b
   int heads = NH + NKV;
   int threads = (int)std::min<int64_t>(512, std::max<int64_t>(HEAD_DIM / 2,
                                            cdiv((int64_t)heads * ROPE_THREADS_PER_HEAD, 32) * 32));
-  launch(qk_norm_rope_kernel, T, threads, 0, stream, qkv, positions, q_norm_w, k_norm_w, k_cache, v_cache,
+  qk_norm_rope_kernel<<<T, threads, 0, stream>>>(qkv, positions, q_norm_w, k_norm_w, k_cache, v_cache,
                                                  slot_mapping, NH, NKV, P, eps, rope_inv_freq(rope_theta));
   CUDA_CHECK(cudaGetLastError());
+}
+// What qk_norm_rope_kernel computes, on the CPU, in place on qkv [T, (NH + 2*NKV) * D] (bf16 as float):
+// per-head RMSNorm with Hugging Face's roundings, then rotate-half RoPE in double with one bf16 rounding.
+// The KV store is a copy: k heads as left here, v heads as they came in, to their slots.
+static void qk_norm_rope_reference(float* qkv, const int* positions, const float* q_norm_w,
+                                   const float* k_norm_w, int T, int NH, int NKV, float theta, float eps) {
+  const int D = HEAD_DIM;
+  const RopeInvFreq& inv_freq = rope_inv_freq(theta);
+  for (int t = 0; t < T; t++)
+    for (int h = 0; h < NH + NKV; h++) {
+      float* x = &qkv[((size_t)t * (NH + 2 * NKV) + h) * D];
+      float n[D];
+      rmsnorm_reference(n, x, h < NH ? q_norm_w : k_norm_w, D, eps);
+      for (int i = 0; i < D / 2; i++) {
+        const double angle = (double)((float)positions[t] * inv_freq.v[i]);  // the fp32 angle, as PyTorch
+        const double c = cos(angle), s = sin(angle);
+        x[i] = bf16_round((float)(n[i] * c - n[i + D / 2] * s));
+        x[i + D / 2] = bf16_round((float)(n[i + D / 2] * c + n[i] * s));
+      }
+    }
 }
 
 // ---- silu_and_mul --------------------------------------------------------------------------------------
@@ -1176,7 +1735,7 @@ void qk_norm_rope(bf16* qkv, const int* positions, const bf16* q_norm_w, const b
 // Reads gate_up [T, 2I] (gate in columns [0, I), up in [I, 2I)). Writes out [T, I].
 // One thread = one 16-byte chunk of out (8 outputs), a flat grid over T * I / 8 chunks.
 // Precondition: I % 8 == 0 (true for every Qwen3 size divided by any tensor-parallel degree up to 8).
-// 8 outputs from 8 gates and 8 ups (gemv_kernel's SILU_MUL input, section 6, uses it too).
+// 8 outputs from 8 gates and 8 ups (the fused gemv of section 15 uses it too).
 __device__ __forceinline__ uint4 silu_mul8(const uint4& gate, const uint4& up) {
   float g[8], u[8], o[8];
   bf16x8_to_float(gate, g);
@@ -1187,7 +1746,6 @@ __device__ __forceinline__ uint4 silu_mul8(const uint4& gate, const uint4& up) {
 }
 
 __global__ void silu_and_mul_kernel(bf16* out, const bf16* gate_up, int64_t total_chunks, int I) {
-  pdl_begin();
   int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= total_chunks) return;
   int64_t t = c / (I / 8), chunk = c % (I / 8);
@@ -1201,16 +1759,23 @@ void silu_and_mul(bf16* out, const bf16* gate_up, int T, int I, cudaStream_t str
   check_aligned16("silu_and_mul", "gate_up", gate_up);
   int64_t total = (int64_t)T * (I / 8);
   if (total == 0) return;
-  launch(silu_and_mul_kernel, (unsigned)cdiv(total, 256), 256, 0, stream, out, gate_up, total, I);
+  silu_and_mul_kernel<<<(unsigned)cdiv(total, 256), 256, 0, stream>>>(out, gate_up, total, I);
   CUDA_CHECK(cudaGetLastError());
+}
+// What silu_and_mul_kernel computes, on the CPU: out [T, I] from gate_up [T, 2I] (bf16 as float).
+static void silu_and_mul_reference(float* out, const float* gate_up, int T, int I) {
+  for (int t = 0; t < T; t++)
+    for (int i = 0; i < I; i++) {
+      const double g = gate_up[(size_t)t * 2 * I + i], u = gate_up[(size_t)t * 2 * I + I + i];
+      out[(size_t)t * I + i] = bf16_round((float)(g / (1 + exp(-g)) * u));
+    }
 }
 
 // ---- gather_last_tokens ------------------------------------------------------------------------------
 // Replaces: nano-vllm ParallelLMHead.forward's  x = x[cu_seqlens_q[1:] - 1]  (prefill): only the last
 // position of each sequence needs logits. In decode every sequence has one token and this is a copy.
-// Reads x [T, H], cu_seqlens_q [B + 1]. Writes out [B, H]. Block = one sequence, 16-byte chunks.
+// Reads x [T, H], cu_seqlens_q [B + 1]. Writes out [B, H]. Thread block = one sequence, 16-byte chunks.
 __global__ void gather_last_tokens_kernel(bf16* out, const bf16* x, const int* cu_seqlens_q, int H) {
-  pdl_begin();
   int b = blockIdx.x;
   int64_t last = cu_seqlens_q[b + 1] - 1;
   const uint4* src = reinterpret_cast<const uint4*>(x + last * H);
@@ -1223,21 +1788,19 @@ void gather_last_tokens(bf16* out, const bf16* x, const int* cu_seqlens_q, int B
   check_aligned16("gather_last_tokens", "out", out);
   check_aligned16("gather_last_tokens", "x", x);
   if (B == 0) return;
-  launch(gather_last_tokens_kernel, B, row_threads(H / 8, 256), 0, stream, out, x, cu_seqlens_q, H);
+  gather_last_tokens_kernel<<<B, row_threads(H / 8, 256), 0, stream>>>(out, x, cu_seqlens_q, H);
   CUDA_CHECK(cudaGetLastError());
 }
 
-// (end of 5a)
+// ==== 8. Paged attention: prefill and decode ===============================================================
 //
-//
-// ---- 5b. Paged attention: prefill (tensor cores, online softmax) and decode (split-K) -------------------
-//
-// What attention sees of the paged KV cache (section 4 allocates it; qk_norm_rope in 5a fills it):
+// What attention sees of the paged KV cache (section 11 allocates it; qk_norm_rope in section 7 fills it):
 //   k_cache, v_cache   bf16 [NB, NKV, P, D] per layer: block, then kv head, then token in block, then dim.
 //                      One (block, kv head) tile is P*D contiguous bf16 (P * 256 bytes), so the keys of one
 //                      head inside one block are a single contiguous run, the unit every kernel streams.
 //   block_tables       int [B, MB]: token j of sequence b lives in block block_tables[b*MB + j/P] at offset
-//                      j%P (its slot is block*P + offset). Entries past the sequence's last block are -1.
+//                      j%P (its slot is block*P + offset). Entries past the sequence's last block are
+//                      never read.
 //   qkv                bf16 [T, (NH + 2*NKV)*D]: per token the NH q heads, then the NKV k heads, then v.
 // By the time attention runs, qk_norm_rope has already written this step's k and v into their slots, so
 // attention reads every key, cached prefix and new ones alike, through the block table, and reads only q
@@ -1267,13 +1830,13 @@ __device__ __forceinline__ int cdiv_dev(int a, int b) { return (a + b - 1) / b; 
 
 constexpr int ATTN_KV_TILE = 64;       // keys per shared-memory tile (K and V each: 64 x 128 bf16 = 16 KiB)
 constexpr int ATTN_STAGES = 2;         // K/V tiles in shared memory: tile t+1 loads while tile t computes
-                                       // (3 stages measured 1-3% slower: fewer CTAs fit per SM)
+                                       // (a third stage would leave room for fewer thread blocks per SM)
 constexpr int PREFILL_WARPS = 8;       // warps of one prefill CTA, 16 query rows each
 constexpr int PREFILL_BLOCK_M = 16 * PREFILL_WARPS;  // query rows of one prefill CTA
 constexpr int DECODE_WARPS = 4;        // warps of one decode CTA, 16 keys of every tile each
-constexpr int DECODE_PARTITION = 512;  // keys per decode CTA at large batches: the split-K partition size
-                                       // (256 measured equal at B=128 and 3-6% slower at B=131 mixed and
-                                       // B=256). Small batches split finer: decode_partition() below.
+constexpr int DECODE_PARTITION = 512;  // keys per decode thread block at large batches: the split-K
+                                       // partition size (long enough that the merge stays cheap; the batch
+                                       // alone fills the GPU). Small batches split finer: decode_partition().
 constexpr int DECODE_ROWS = 16;        // MMA rows in decode: the query heads of one GQA group, padded to 16
 static_assert(DECODE_WARPS * 32 == HEAD_DIM, "the decode epilogue gives each thread one output dim");
 static_assert(DECODE_WARPS * 16 == ATTN_KV_TILE, "decode warps split each tile 16 keys apiece");
@@ -1296,7 +1859,7 @@ __device__ __forceinline__ int attn_smem_index(int row, int chunk) {
 
 // 16-byte asynchronous copy global -> shared. With valid = false it reads nothing (source size 0) and
 // writes 16 zero bytes; gmem must still be a legal address, callers pass the buffer's base. .cg skips L1
-// (each byte is used once per CTA); the L2::128B prefetch hint measured about 1% faster decode on H200.
+// (each byte is used once per thread block); L2::128B asks L2 to fetch whole 128-byte lines.
 __device__ __forceinline__ void cp_async_16(bf16* smem, const bf16* gmem, bool valid) {
   uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
@@ -1472,8 +2035,7 @@ __device__ __forceinline__ void load_q_fragments(uint32_t (&q)[HEAD_DIM / 16][4]
 //   with a cached prefix (prefix-cache hit or an earlier chunk) the queries are the last q_len positions.
 //   Reads qkv (q part), k_cache, v_cache, block_tables; writes out bf16 [T, NH*D].
 //   One CTA: query rows m0 .. m0+127 of sequence b for query head h; warp w owns rows m0+16w .. +15.
-//   Eight warps share each K/V tile, so a tile loaded into shared memory serves 128 queries (measured
-//   on H200: 214 TFLOP/s against 196 with four warps and 64 rows).
+//   Eight warps share each K/V tile, so a tile loaded into shared memory serves 128 queries.
 //   grid = (NH, cdiv(max_seqlen_q, PREFILL_BLOCK_M), B). Heads are the fastest grid index so that the
 //   NH/NKV CTAs that read the same K/V run together and share it through L2. Query tiles run last-to-first:
 //   under the causal mask the last tile of a sequence has the most keys, and starting the long CTAs first
@@ -1485,7 +2047,6 @@ __global__ void __launch_bounds__(PREFILL_WARPS * 32)
                              const int* __restrict__ cu_seqlens_q, const int* __restrict__ seqlens_k,
                              const int* __restrict__ block_tables, int NH, int NKV, int log2P, int MB,
                              float scale_log2) {
-  pdl_begin();
   const int h = blockIdx.x, b = blockIdx.z;
   const int m0 = (gridDim.y - 1 - blockIdx.y) * PREFILL_BLOCK_M;
   const int q_start = cu_seqlens_q[b], q_len = cu_seqlens_q[b + 1] - q_start;
@@ -1587,7 +2148,7 @@ static void attention_prefill(bf16* out, const bf16* qkv, const bf16* k_cache, c
   CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   (int)smem));
   dim3 grid(NH, cdiv(max_seqlen_q, PREFILL_BLOCK_M), B);
-  launch(attention_prefill_kernel, grid, PREFILL_WARPS * 32, smem, stream,
+  attention_prefill_kernel<<<grid, PREFILL_WARPS * 32, smem, stream>>>(
       out, qkv, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_tables, NH, NKV, __builtin_ctz(P), MB,
       scale * (float)M_LOG2E);
   CUDA_CHECK(cudaGetLastError());
@@ -1597,216 +2158,66 @@ static void attention_prefill(bf16* out, const bf16* qkv, const bf16* k_cache, c
 //   Replaces: flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens,
 //             block_table=block_tables, causal=True) in nano-vllm's Attention.forward (decode branch).
 //   out[b, h*D + d] = sum_j softmax_j(scale * q_b,h . k_j) v_j[d] over j = 0 .. context_lens[b]-1.
-//   Split-K: CTA (part, kvh, b) handles keys [part*S, min(part*S + S, ctx)), S = decode_partition(B), for
-//   the NH/NKV query heads of kv head kvh, so each K/V tile is read from memory exactly once. Warp w takes
-//   keys 16w .. 16w+15 of every 64-key tile; at the end the four warps' (m, l, O) are combined through
-//   shared memory.
-//   If the context fits in one partition the CTA writes the final bf16 output; otherwise it writes its
-//   unnormalised O and (m, l) to the workspace and attention_decode_merge_kernel combines them.
+//   Split-K: a decode step has one query per sequence, so one thread block per (sequence, head) would leave
+//   most SMs idle; instead the keys are split. Thread block (part, kvh, b) handles keys [part*S, min(part*S
+//   + S, ctx)), S = decode_partition(B), for the NH/NKV query heads of kv head kvh, so each K/V tile is read
+//   from memory exactly once. Warp w takes keys 16w .. 16w+15 of every 64-key tile; at the end the four
+//   warps' (m, l, O) are combined through shared memory (decode_combine_warps).
+//   If the context fits in one partition the thread block writes the final bf16 output; otherwise it writes
+//   its unnormalised O and (m, l) to the workspace and attention_decode_merge_kernel combines them.
 //   Why a grid sized by max_context_len (a host bound) and not by the real contexts: a CUDA graph captured
-//   once must stay valid as contexts grow; CTAs whose partition starts past context_lens[b] exit at once.
+//   once must stay valid as contexts grow; thread blocks whose partition starts past context_lens[b] exit
+//   at once.
 //   Workspace: ws_o float [B, NH, max_parts, D], ws_ml float [B, NH, max_parts, 2] = (m * scale*log2e, l).
-//   Measured on H200 (B=128, ctx 1024, Qwen3-0.6B heads): 3.75 TB/s of K/V read, about 88% of the copy
-//   bandwidth (4.26 TB/s); early-exit CTAs of a max_context_len=4096 grid cost nothing measurable.
-//   Preconditions: 1 <= context_lens[b] <= max_context_len; NH/NKV <= 16.
-//   ROPE = true (what the engine runs): the kernel also does qk_norm_rope's work for its token, so a decode
-//   step has no separate q/k-norm + RoPE kernel. Every CTA normalises and rotates its group's query heads
-//   straight into the Q tile (the few hundred bytes are read from qkv by every CTA of the group, and the
-//   64 sines and cosines computed by each: both cheaper than a kernel boundary); the CTA whose partition
-//   ends at the context's end (the "owner": key ctx-1 is this step's token) does the same for the k head,
-//   writes k and v to their cache slot (slot_mapping; -1 stores nothing) and puts them in its last tile
-//   itself, the one key its tile loads leave out. The result is bit for bit that of qk_norm_rope followed
-//   by this kernel with ROPE = false (test/gpu_attention.cu checks it), since the math is the same code.
-//   And because of that, everything a CTA reads before its Q tile was written before the kernel ahead of
-//   this one started: context lengths and block tables by the step's upload, the cached keys and values
-//   by earlier steps. So with ROPE the CTA issues its first K/V tile loads before pdl_begin() (section 5),
-//   while the qkv projection before it still runs; at batch 1 that is all of the keys it reads. (With ROPE
-//   = false the k/v of this step come from qk_norm_rope, the kernel just before: loads wait for it.)
-//   Measured on an H100, batch-1 decode of Qwen3-0.6B (bench.sh latency): 1.037 -> 0.974 ms/token.
-struct DecodeRope {         // the fused q/k-norm + RoPE + KV store (ROPE = true)
-  const int* positions;     // [B] the token's position
-  const int* slot_mapping;  // [B] its cache slot, -1 = do not store
-  const bf16* q_norm_w;     // [D]
-  const bf16* k_norm_w;     // [D]
-  float eps;
-  RopeInvFreq inv_freq;
-};
+//   Preconditions: 1 <= context_lens[b] <= max_context_len; NH/NKV <= 16; this step's k and v are in the
+//   cache (qk_norm_rope ran).
 
-// CLUSTER = true (batches of at most DECODE_CLUSTER_MAX_B sequences on sm_90 and later): the split-K merge
-//   happens inside the kernel. The grid is (DECODE_CLUSTER, NKV, B), one cluster of DECODE_CLUSTER CTAs per
-//   (sequence, kv head), and the partition length follows the context: ceil(ctx / DECODE_CLUSTER) rounded up
-//   to whole tiles (64 keys up to a 1024-key context, as the split of small batches below). Each live CTA
-//   leaves its share of every head of the group in shared memory (cluster_partial) and cluster_merge
-//   combines them through distributed shared memory: no workspace, no second kernel. The merge does the
-//   merge kernel's arithmetic in the same order. Measured on an H100, batch-1 decode of Qwen3-0.6B: the
-//   same speed at 512-1024-token contexts (0.946 against 0.945 ms/token), 11% faster at 3,584-4,096
-//   (888 against 799 tokens/s), where the merge kernel had 64 partials per head to combine; with the 8B
-//   shape (groups of 4 heads) 1.2% slower at 512-1024 (5.988 against 5.917 ms/token, two runs each).
-constexpr int DECODE_CLUSTER = 16;        // CTAs per cluster (16 is above the portable 8: opted into)
-constexpr int DECODE_CLUSTER_MAX_B = 4;   // larger batches: the workspace and the merge kernel
-
-// This CTA's share of head g of its group: O[HEAD_DIM], then m, l (the merge kernel's ws_o and ws_ml).
-// It lies in the K/V stages after the warps' combine buffers, at the same offset in every CTA.
-__device__ __forceinline__ float* cluster_partial(int g) {
-  extern __shared__ __align__(16) unsigned char attn_smem[];
-  float* after_combine = reinterpret_cast<float*>(attn_smem + DECODE_ROWS * HEAD_DIM * sizeof(bf16)) +
-                         DECODE_WARPS * DECODE_ROWS * (HEAD_DIM + 2);
-  return after_combine + g * (HEAD_DIM + 2);
-}
-static_assert((DECODE_WARPS + 1) * DECODE_ROWS * (HEAD_DIM + 2) * sizeof(float) <=
-                  2 * ATTN_STAGES * ATTN_KV_TILE * HEAD_DIM * sizeof(bf16),
-              "the combine buffers and the cluster partials fit in the K/V stages");
-
-// The merge of one cluster (CLUSTER). Every CTA calls it, live (it has written its cluster_partial of every
-// head) or not (a partition past the context). After a cluster barrier, live CTA p merges heads p,
-// p + n_parts, ... of the group, reading the live CTAs' shares through distributed shared memory; the
-// second barrier keeps every CTA, and so its shared memory, alive until all reads are done.
-__device__ void cluster_merge(bf16* out, int b, int kvh, int group, int NH, int n_parts, bool live) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
-  const int d = threadIdx.x;
-  if (live) {
-    for (int g = (int)cluster.block_rank(); g < group; g += n_parts) {
-      float m_max = -INFINITY;
-      for (int p = 0; p < n_parts; p++)
-        m_max = fmaxf(m_max, cluster.map_shared_rank(cluster_partial(g), p)[HEAD_DIM]);
-      float l_sum = 0.f, acc = 0.f;
-      for (int p = 0; p < n_parts; p++) {
-        const float* share = cluster.map_shared_rank(cluster_partial(g), p);
-        const float f = fast_exp2(share[HEAD_DIM] - m_max);
-        l_sum += share[HEAD_DIM + 1] * f;
-        acc += share[d] * f;
-      }
-      out[(size_t)b * NH * HEAD_DIM + (kvh * group + g) * HEAD_DIM + d] = __float2bfloat16(acc / l_sum);
-    }
-  }
-  cluster.sync();
-#else
-  __trap();  // not launched: attention_decode uses clusters on sm_90 and later only
-#endif
-}
-
-template <bool ROPE, bool CLUSTER>
-__global__ void __launch_bounds__(DECODE_WARPS * 32)
-    attention_decode_kernel(bf16* __restrict__ out, const bf16* __restrict__ qkv, bf16* __restrict__ k_cache,
-                            bf16* __restrict__ v_cache, const int* __restrict__ context_lens,
-                            const int* __restrict__ block_tables, int NH, int NKV, int log2P, int MB,
-                            int max_parts, int partition, float* __restrict__ ws_o, float* __restrict__ ws_ml,
-                            float scale_log2, DecodeRope rope) {
-  if (!ROPE) pdl_begin();
-  const int part = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
-  const int ctx = context_lens[b];
-  if (CLUSTER) partition = cdiv_dev(cdiv_dev(ctx, DECODE_CLUSTER), ATTN_KV_TILE) * ATTN_KV_TILE;
-  const int key_begin = part * partition;
-  if (key_begin >= ctx) {  // writes nothing; with ROPE it need not wait for the kernel before either
-    if (CLUSTER) {  // it still takes part in the cluster's barriers, which end only with the live CTAs
-      pdl_trigger();
-      cluster_merge(out, b, kvh, NH / NKV, NH, cdiv_dev(ctx, partition), false);
-    }
-    return;
-  }
-  const int key_end = min(ctx, key_begin + partition);
-  const int n_tiles = cdiv_dev(key_end - key_begin, ATTN_KV_TILE);
-  const int group = NH / NKV;  // query heads kvh*group .. kvh*group + group-1 share this kv head
-  const int* block_table = block_tables + (size_t)b * MB;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const bool owner = ROPE && key_end == ctx;  // holds this step's token, key ctx-1
-  const int new_key = owner ? ctx - 1 : -1;   // the key the tile loads leave out
-
-  extern __shared__ __align__(16) unsigned char attn_smem[];
-  bf16* sQ = reinterpret_cast<bf16*>(attn_smem);              // [DECODE_ROWS][D]
-  bf16* sK = sQ + DECODE_ROWS * HEAD_DIM;                     // [ATTN_STAGES][ATTN_KV_TILE][D]
-  bf16* sV = sK + ATTN_STAGES * ATTN_KV_TILE * HEAD_DIM;      // [ATTN_STAGES][ATTN_KV_TILE][D]
+// The tile loop of a decode thread block over keys [key_begin, key_end): prefetch tile t+1, wait for tile t,
+// and let each warp attend to its 16 keys of it (attend_kv_slice). The caller has issued the copies of tile
+// 0 (one committed group per stage before the first). after_landing(t, n_tiles, sK_t, sV_t, first_key) runs
+// when tile t has landed for this thread and before the barrier that publishes it to the others: the fused
+// kernel of section 17 writes this step's own key into the last tile there. skip_key: a key the tile loads
+// leave alone (-1: none).
+template <class AfterLanding>
+__device__ __forceinline__ void decode_attend_tiles(const uint32_t (&q)[HEAD_DIM / 16][4], bf16* sK, bf16* sV,
+                                                    const bf16* k_cache, const bf16* v_cache,
+                                                    const int* block_table, int kvh, int NKV, int log2P,
+                                                    int key_begin, int key_end, int skip_key, float scale_log2,
+                                                    float (&o)[HEAD_DIM / 8][4], float (&m)[2], float (&l)[2],
+                                                    AfterLanding after_landing) {
   constexpr int TILE = ATTN_KV_TILE * HEAD_DIM;
-  __shared__ uint4 s_new_kv[2][HEAD_DIM / 8];                 // ROPE owner: this step's k and v
-  __shared__ float cos_s[ROPE ? HEAD_DIM / 2 : 1], sin_s[ROPE ? HEAD_DIM / 2 : 1];
-
-  // Row g of the Q tile is query head kvh*group + g of token b: the group's heads are adjacent in qkv.
-  const bf16* qkv_row = qkv + (size_t)b * (NH + 2 * NKV) * HEAD_DIM;
-  const bf16* q_src = qkv_row + (size_t)kvh * group * HEAD_DIM;
-  if (!ROPE) {
-    for (int i = threadIdx.x; i < DECODE_ROWS * 16; i += DECODE_WARPS * 32) {
-      const int r = i >> 4, c = i & 15;
-      cp_async_16(sQ + attn_smem_index(r, c), r < group ? q_src + r * HEAD_DIM + c * 8 : qkv, r < group);
-    }
-  }
-  cp_async_commit();  // (empty with ROPE: the group count stays the same)
-  for (int t = 0; t < ATTN_STAGES - 1; t++) {
-    if (t < n_tiles)
-      load_kv_tile<DECODE_WARPS * 32>(sK + t * TILE, sV + t * TILE, k_cache, v_cache, block_table, kvh, NKV,
-                                      log2P, key_begin + t * ATTN_KV_TILE, key_end, new_key);
-    cp_async_commit();
-  }
-  if (ROPE) {
-    pdl_begin();  // qkv is the kernel before's output
-    rope_angles(cos_s, sin_s, rope.positions[b], rope.inv_freq);
-    __syncthreads();
-    // 8 threads per head as in qk_norm_rope_kernel: heads 0..group-1 are the queries, head `group` the key
-    // (owner only); Q rows past the group are zeros. Every thread runs the same passes (shuffles).
-    const int j = threadIdx.x % ROPE_THREADS_PER_HEAD, nheads = group + (owner ? 1 : 0);
-    for (int base = 0; base < max(DECODE_ROWS, group + 1); base += DECODE_WARPS * 32 / ROPE_THREADS_PER_HEAD) {
-      const int r = base + threadIdx.x / ROPE_THREADS_PER_HEAD;
-      const bool active = r < nheads;
-      const uint4* src = reinterpret_cast<const uint4*>(r < group ? q_src + (size_t)r * HEAD_DIM
-                                                                  : qkv_row + (size_t)(NH + kvh) * HEAD_DIM);
-      uint4 ua = {}, ub = {};
-      if (active) ua = src[j], ub = src[j + 8];
-      const float ss = head_sum_squares(ua, ub);
-      if (active) head_norm_rope(ua, ub, ss, r < group ? rope.q_norm_w : rope.k_norm_w, cos_s, sin_s, j, rope.eps);
-      if (r == group && owner) s_new_kv[0][j] = ua, s_new_kv[0][j + 8] = ub;
-      if (r < DECODE_ROWS) {
-        *reinterpret_cast<uint4*>(sQ + attn_smem_index(r, j)) = r < group ? ua : uint4{};
-        *reinterpret_cast<uint4*>(sQ + attn_smem_index(r, j + 8)) = r < group ? ub : uint4{};
-      }
-    }
-    if (owner && threadIdx.x < HEAD_DIM / 8) {  // v as it is
-      const uint4* v_src = reinterpret_cast<const uint4*>(qkv_row + (size_t)(NH + NKV + kvh) * HEAD_DIM);
-      s_new_kv[1][threadIdx.x] = v_src[threadIdx.x];
-    }
-    __syncthreads();
-    const int slot = owner ? rope.slot_mapping[b] : -1;
-    if (slot >= 0 && threadIdx.x < 2 * HEAD_DIM / 8) {  // into the cache: k by threads 0-15, v by 16-31
-      const int kv = threadIdx.x / 16, c = threadIdx.x % 16;
-      const size_t row = (((size_t)(slot >> log2P) * NKV + kvh) << log2P) + (slot & ((1 << log2P) - 1));
-      reinterpret_cast<uint4*>((kv ? v_cache : k_cache) + row * HEAD_DIM)[c] = s_new_kv[kv][c];
-    }
-  }
-  cp_async_wait<ATTN_STAGES - 1>();
-  __syncthreads();
-  uint32_t q[HEAD_DIM / 16][4];
-  load_q_fragments(q, sQ, 0);  // every warp holds the same 16 rows (the group's heads)
-
-  float o[HEAD_DIM / 8][4] = {};
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const int n_tiles = cdiv_dev(key_end - key_begin, ATTN_KV_TILE);
+  const int warp = threadIdx.x >> 5;
   const int last_key[2] = {key_end - 1, key_end - 1};  // no causal mask within the context: only its end
-
-  for (int t = 0; t < n_tiles; t++) {  // same pipeline as the prefill loop
+  for (int t = 0; t < n_tiles; t++) {  // the same pipeline as the prefill loop
     const int ahead = t + ATTN_STAGES - 1;
     if (ahead < n_tiles) {
       const int stage = ahead % ATTN_STAGES;
       load_kv_tile<DECODE_WARPS * 32>(sK + stage * TILE, sV + stage * TILE, k_cache, v_cache, block_table,
-                                      kvh, NKV, log2P, key_begin + ahead * ATTN_KV_TILE, key_end, new_key);
+                                      kvh, NKV, log2P, key_begin + ahead * ATTN_KV_TILE, key_end, skip_key);
     }
     cp_async_commit();
     cp_async_wait<ATTN_STAGES - 1>();
-    const int key_tile = key_begin + t * ATTN_KV_TILE;
-    if (owner && t == n_tiles - 1 && threadIdx.x < 2 * HEAD_DIM / 8) {  // this step's k and v: the left-out row
-      const int kv = threadIdx.x / 16, c = threadIdx.x % 16;
-      bf16* dst = (kv ? sV : sK) + (t % ATTN_STAGES) * TILE + attn_smem_index(new_key - key_tile, c);
-      *reinterpret_cast<uint4*>(dst) = s_new_kv[kv][c];
-    }
+    bf16* sK_t = sK + (t % ATTN_STAGES) * TILE;
+    bf16* sV_t = sV + (t % ATTN_STAGES) * TILE;
+    after_landing(t, n_tiles, sK_t, sV_t, key_begin + t * ATTN_KV_TILE);
     __syncthreads();
-    const int key0 = key_tile + warp * 16;
+    const int key0 = key_begin + t * ATTN_KV_TILE + warp * 16;
     if (key0 < key_end)
-      attend_kv_slice<16>(q, sK + (t % ATTN_STAGES) * TILE, sV + (t % ATTN_STAGES) * TILE, warp * 16, key0,
-                          key0 + 16 > key_end, last_key, scale_log2, o, m, l);
+      attend_kv_slice<16>(q, sK_t, sV_t, warp * 16, key0, key0 + 16 > key_end, last_key, scale_log2, o, m, l);
     __syncthreads();
   }
+}
 
-  // Combine the warps. Their O, m, l go to shared memory (reusing the K/V stages: every copy has
-  // landed and every warp is past the loop's last barrier), then thread d computes output dim d.
+// Combines the four warps of a decode thread block. Their O, m, l go to shared memory (reusing the K/V
+// stages sK: every copy has landed and every warp is past the loop's last barrier), then thread d computes
+// output dim d of every head g of the group and calls write(g, acc, m_max, l_sum): acc = sum_w 2^(m_w -
+// m_max) O_w[d], l_sum the same sum of the l_w, m_max in log2 units (so out = acc / l_sum).
+template <class Write>
+__device__ __forceinline__ void decode_combine_warps(const float (&o)[HEAD_DIM / 8][4], const float (&m)[2],
+                                                     float (&l)[2], float scale_log2, bf16* sK, int group,
+                                                     Write write) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   float* sO = reinterpret_cast<float*>(sK);                 // [DECODE_WARPS][DECODE_ROWS][D]
   float* sML = sO + DECODE_WARPS * DECODE_ROWS * HEAD_DIM;  // [DECODE_WARPS][DECODE_ROWS][2]
   static_assert((DECODE_WARPS * DECODE_ROWS * (HEAD_DIM + 2)) * sizeof(float) <=
@@ -1824,11 +2235,9 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
     if ((lane & 3) == 0) sML[row * 2] = m[i] * scale_log2, sML[row * 2 + 1] = l[i];  // -inf stays -inf
   }
   __syncthreads();
-
   const int d = threadIdx.x;
-  const bool single = key_begin == 0 && key_end == ctx;  // the only live partition: finish here
   for (int g = 0; g < group; g++) {
-    float m_max = -INFINITY;  // warp 0 saw key_begin, so at least one warp has a finite m
+    float m_max = -INFINITY;  // warp 0 saw the partition's first key, so at least one warp has a finite m
     for (int w = 0; w < DECODE_WARPS; w++) m_max = fmaxf(m_max, sML[(w * DECODE_ROWS + g) * 2]);
     float l_sum = 0.f, acc = 0.f;
     for (int w = 0; w < DECODE_WARPS; w++) {
@@ -1836,19 +2245,60 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
       l_sum += sML[(w * DECODE_ROWS + g) * 2 + 1] * f;
       acc += sO[(w * DECODE_ROWS + g) * HEAD_DIM + d] * f;
     }
-    const int h = kvh * group + g;
-    if (CLUSTER) {  // this partition's share of head g, for cluster_merge (same offset in every CTA)
-      cluster_partial(g)[d] = acc;
-      if (d == 0) cluster_partial(g)[HEAD_DIM] = m_max, cluster_partial(g)[HEAD_DIM + 1] = l_sum;
-    } else if (single) {
+    write(g, acc, m_max, l_sum);
+  }
+}
+
+__global__ void __launch_bounds__(DECODE_WARPS * 32)
+    attention_decode_kernel(bf16* __restrict__ out, const bf16* __restrict__ qkv,
+                            const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
+                            const int* __restrict__ context_lens, const int* __restrict__ block_tables, int NH,
+                            int NKV, int log2P, int MB, int max_parts, int partition, float* __restrict__ ws_o,
+                            float* __restrict__ ws_ml, float scale_log2) {
+  const int part = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int ctx = context_lens[b];
+  const int key_begin = part * partition;
+  if (key_begin >= ctx) return;  // a partition past this sequence's context
+  const int key_end = min(ctx, key_begin + partition);
+  const int group = NH / NKV;  // query heads kvh*group .. kvh*group + group-1 share this kv head
+  const int* block_table = block_tables + (size_t)b * MB;
+
+  extern __shared__ __align__(16) unsigned char attn_smem[];
+  bf16* sQ = reinterpret_cast<bf16*>(attn_smem);              // [DECODE_ROWS][D]
+  bf16* sK = sQ + DECODE_ROWS * HEAD_DIM;                     // [ATTN_STAGES][ATTN_KV_TILE][D]
+  bf16* sV = sK + ATTN_STAGES * ATTN_KV_TILE * HEAD_DIM;      // [ATTN_STAGES][ATTN_KV_TILE][D]
+
+  // Row g of the Q tile is query head kvh*group + g of token b (the group's heads are adjacent in qkv);
+  // rows past the group are zeros.
+  const bf16* q_src = qkv + (size_t)b * (NH + 2 * NKV) * HEAD_DIM + (size_t)kvh * group * HEAD_DIM;
+  for (int i = threadIdx.x; i < DECODE_ROWS * 16; i += DECODE_WARPS * 32) {
+    const int r = i >> 4, c = i & 15;
+    cp_async_16(sQ + attn_smem_index(r, c), r < group ? q_src + r * HEAD_DIM + c * 8 : qkv, r < group);
+  }
+  cp_async_commit();
+  load_kv_tile<DECODE_WARPS * 32>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end);
+  cp_async_commit();
+  static_assert(ATTN_STAGES == 2, "one tile is issued ahead of the loop");
+  cp_async_wait<ATTN_STAGES - 1>();  // the Q tile has landed
+  __syncthreads();
+  uint32_t q[HEAD_DIM / 16][4];
+  load_q_fragments(q, sQ, 0);  // every warp holds the same 16 rows (the group's heads)
+
+  float o[HEAD_DIM / 8][4] = {};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  decode_attend_tiles(q, sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end, -1,
+                      scale_log2, o, m, l, [](int, int, bf16*, bf16*, int) {});
+  const bool single = key_begin == 0 && key_end == ctx;  // the only live partition: finish here
+  decode_combine_warps(o, m, l, scale_log2, sK, group, [&](int g, float acc, float m_max, float l_sum) {
+    const int h = kvh * group + g, d = threadIdx.x;
+    if (single) {
       out[(size_t)b * NH * HEAD_DIM + h * HEAD_DIM + d] = __float2bfloat16(acc / l_sum);
     } else {
       const size_t slot = ((size_t)b * NH + h) * max_parts + part;
       ws_o[slot * HEAD_DIM + d] = acc;
       if (d == 0) ws_ml[slot * 2] = m_max, ws_ml[slot * 2 + 1] = l_sum;
     }
-  }
-  if (CLUSTER) cluster_merge(out, b, kvh, group, NH, cdiv_dev(ctx, partition), true);
+  });
 }
 
 // attention_decode_merge_kernel — split-K, phase 2: combine the partitions of one (sequence, head).
@@ -1860,7 +2310,6 @@ __global__ void __launch_bounds__(HEAD_DIM)
     attention_decode_merge_kernel(bf16* __restrict__ out, const int* __restrict__ context_lens,
                                   const float* __restrict__ ws_o, const float* __restrict__ ws_ml, int NH,
                                   int max_parts, int partition) {
-  pdl_begin();
   const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
   const int n_parts = cdiv_dev(context_lens[b], partition);
   if (n_parts <= 1) return;
@@ -1888,85 +2337,80 @@ static size_t attention_decode_workspace_bytes(int B, int NH, int max_context_le
 
 constexpr size_t DECODE_SMEM = (DECODE_ROWS + 2 * ATTN_STAGES * ATTN_KV_TILE) * HEAD_DIM * sizeof(bf16);  // 68 KiB
 
-// The decode kernel of this kind, its opt-ins (68 KiB of dynamic shared memory; clusters of 16) made once.
-template <bool ROPE, bool CLUSTER>
-static auto decode_kernel() {
-  static bool ready = false;
-  auto kernel = attention_decode_kernel<ROPE, CLUSTER>;
-  if (!ready) {
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)DECODE_SMEM));
-    if (CLUSTER) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    ready = true;
-  }
-  return kernel;
-}
-
-// Whether this GPU can run the CLUSTER decode kernel: sm_90 or later, and a cluster of DECODE_CLUSTER CTAs with
-// the kernel's shared memory fits (asked once).
-static bool decode_clusters_supported() {
-  static int ok = -1;
-  if (ok < 0) {
-    ok = 0;
-    if (gpu_cc_major() >= 9) {
-      cudaLaunchConfig_t cfg = {};
-      cudaLaunchAttribute attr = {};
-      attr.id = cudaLaunchAttributeClusterDimension;
-      attr.val.clusterDim = {DECODE_CLUSTER, 1, 1};
-      cfg.gridDim = dim3(DECODE_CLUSTER, 1, 1), cfg.blockDim = DECODE_WARPS * 32, cfg.dynamicSmemBytes = DECODE_SMEM;
-      cfg.attrs = &attr, cfg.numAttrs = 1;
-      int clusters = 0;
-      ok = cudaOccupancyMaxActiveClusters(&clusters, decode_kernel<true, true>(), &cfg) == cudaSuccess && clusters > 0;
-      cudaGetLastError();  // a refusal is an answer, not an error
-    }
-  }
-  return ok;
-}
-
 // out: bf16 [B, NH*D]; qkv: bf16 [B, (NH+2NKV)*D]; k_cache, v_cache: bf16 [NB, NKV, P, D];
 // context_lens: int [B] (device, keys including the current token); block_tables: int [B, MB] (device);
 // max_context_len: host bound on every context_lens[b] (max_model_len): the grid depends only on it, so a
 // captured graph stays valid; workspace: attention_decode_workspace_bytes(B, NH, max_context_len) bytes.
-// rope: null = q and this step's k/v are ready (qk_norm_rope ran); else the fused kernel (ROPE = true):
-// qkv is the raw projection, and this step's k and v go to the cache here.
-static void attention_decode(bf16* out, const bf16* qkv, bf16* k_cache, bf16* v_cache, const int* context_lens,
-                             const int* block_tables, int B, int NH, int NKV, int P, int MB, int max_context_len,
-                             float* workspace, float scale, cudaStream_t stream, const DecodeRope* rope = nullptr) {
+static void attention_decode(bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache,
+                             const int* context_lens, const int* block_tables, int B, int NH, int NKV, int P,
+                             int MB, int max_context_len, float* workspace, float scale, cudaStream_t stream) {
   check_attention_shapes("attention_decode", NH, NKV, P);
   if (NH / NKV > DECODE_ROWS)
     die("attention_decode: NH/NKV = %d query heads per kv head, at most %d", NH / NKV, DECODE_ROWS);
-  if (rope) {
-    check_aligned16("attention_decode", "q_norm_w", rope->q_norm_w);
-    check_aligned16("attention_decode", "k_norm_w", rope->k_norm_w);
-  }
   if (B == 0) return;
-  if (B <= DECODE_CLUSTER_MAX_B && decode_clusters_supported()) {  // merged inside the kernel
-    auto kernel = rope ? decode_kernel<true, true>() : decode_kernel<false, true>();
-    launch_cluster(DECODE_CLUSTER, kernel, dim3(DECODE_CLUSTER, NKV, B), DECODE_WARPS * 32, DECODE_SMEM, stream,
-                   out, qkv, k_cache, v_cache, context_lens, block_tables, NH, NKV, __builtin_ctz(P), MB, 0, 0,
-                   nullptr, nullptr, scale * (float)M_LOG2E, rope ? *rope : DecodeRope{});
-    CUDA_CHECK(cudaGetLastError());
-    return;
+  static bool opted_in = false;  // more than the default 48 KiB of shared memory must be asked for, once
+  if (!opted_in) {
+    CUDA_CHECK(cudaFuncSetAttribute(attention_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)DECODE_SMEM));
+    opted_in = true;
   }
   const int partition = decode_partition(B);
   const int max_parts = (int)cdiv(max_context_len, partition);
-  float* ws_o = workspace;                                          // [B, NH, max_parts, D]
+  float* ws_o = workspace;                                           // [B, NH, max_parts, D]
   float* ws_ml = workspace + (size_t)B * NH * max_parts * HEAD_DIM;  // [B, NH, max_parts, 2]
-  auto kernel = rope ? decode_kernel<true, false>() : decode_kernel<false, false>();
-  launch(kernel, dim3(max_parts, NKV, B), DECODE_WARPS * 32, DECODE_SMEM, stream, out, qkv, k_cache, v_cache,
-         context_lens, block_tables, NH, NKV, __builtin_ctz(P), MB, max_parts, partition, ws_o, ws_ml,
-         scale * (float)M_LOG2E, rope ? *rope : DecodeRope{});
+  attention_decode_kernel<<<dim3(max_parts, NKV, B), DECODE_WARPS * 32, DECODE_SMEM, stream>>>(
+      out, qkv, k_cache, v_cache, context_lens, block_tables, NH, NKV, __builtin_ctz(P), MB, max_parts, partition,
+      ws_o, ws_ml, scale * (float)M_LOG2E);
   CUDA_CHECK(cudaGetLastError());
   if (max_parts > 1) {
-    launch(attention_decode_merge_kernel, dim3(NH, B), HEAD_DIM, 0, stream, out, context_lens, ws_o, ws_ml, NH,
+    attention_decode_merge_kernel<<<dim3(NH, B), HEAD_DIM, 0, stream>>>(out, context_lens, ws_o, ws_ml, NH,
                                                                         max_parts, partition);
     CUDA_CHECK(cudaGetLastError());
   }
 }
 
-// (end of 5b)
-//
-//
-// ---- 5c. Sampling: greedy, temperature (Gumbel-max with Philox), top-k, top-p ---------------------------
+
+// What both attention kernels compute, on the CPU in double precision, for sequence b and query head h:
+// its q_len queries (rows cu_seqlens_q[b] ..), query i at position seqlens_k[b] - q_len + i, each attending
+// to keys 0 .. its position through the block table. qkv [T, (NH + 2*NKV) * D], k_cache and v_cache
+// [NB, NKV, P, D], block_tables [B, MB] (host arrays of bf16 values as float); writes out [T, NH * D] rows
+// of this (b, h). Decode is the case q_len = 1. (test/gpu/gpu_attention.cu runs it over every (b, h).)
+static void attention_reference(float* out, const float* qkv, const float* k_cache, const float* v_cache,
+                                const int* cu_seqlens_q, const int* seqlens_k, const int* block_tables, int b,
+                                int h, int NH, int NKV, int P, int MB) {
+  const int D = HEAD_DIM, kvh = h / (NH / NKV), width = (NH + 2 * NKV) * D;
+  const int q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
+  const double scale = 1.0 / std::sqrt((double)D);
+  auto key_at = [&](int j) {  // element offset of key j of sequence b in the cache
+    const size_t block = block_tables[(size_t)b * MB + j / P];
+    return ((block * NKV + kvh) * P + j % P) * D;
+  };
+  std::vector<double> p, acc(D);
+  for (int i = 0; i < q_len; i++) {
+    const int t = cu_seqlens_q[b] + i, pos = seqlens_k[b] - q_len + i;
+    const float* q = &qkv[(size_t)t * width + h * D];
+    p.assign(pos + 1, 0.0);
+    double mx = -1e300;
+    for (int j = 0; j <= pos; j++) {
+      const float* k = &k_cache[key_at(j)];
+      double s = 0;
+      for (int d = 0; d < D; d++) s += (double)q[d] * k[d];
+      p[j] = s * scale;
+      mx = std::max(mx, p[j]);
+    }
+    double sum = 0;
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (int j = 0; j <= pos; j++) {
+      p[j] = std::exp(p[j] - mx);
+      sum += p[j];
+      const float* v = &v_cache[key_at(j)];
+      for (int d = 0; d < D; d++) acc[d] += p[j] * v[d];
+    }
+    for (int d = 0; d < D; d++) out[(size_t)t * NH * D + h * D + d] = (float)(acc[d] / sum);
+  }
+}
+
+// ==== 9. Sampler: greedy, temperature, top-k, top-p ========================================================
 //
 // What the sampler computes, per sequence b (one row of logits [V], fp32):
 //   temperature == 0            greedy: the argmax (lowest index on ties)
@@ -1994,45 +2438,18 @@ static void attention_decode(bf16* out, const bf16* qkv, bf16* k_cache, bf16* v_
 // The engine sets seed per request and offset = that request's step index, so a request's draws do not
 // depend on which batch it ran in, on its row in the batch, or on the other requests' settings.
 //
-// Finding the kept set without sorting V = 151,936 logits: a radix select. Map each float z to a 32-bit
-// key whose unsigned order is the float order (flip all bits of negatives, set the sign bit of
-// positives). The threshold key (the smallest kept key) is then found digit by digit, most significant
-// first (digits of 11, 11 and 10 bits): histogram the keys that still match the digits chosen so far,
-// walk the 2048 bins from the top accumulating counts (top-k: until k is reached) or probability mass
-// (top-p: until top_p of the mass is reached), and the bin where the walk stops is the next digit.
-// Three passes give the exact threshold; a pass stops early when its bin must be kept whole. The kept
-// set is "key >= threshold": tokens whose value equals the threshold are all kept, so a tie at the
-// cut-off can keep a few more than k tokens (or a little more mass than top_p).
-//
-// Probability mass is accumulated in fixed point: w_i = exp(z_i - m) scaled by 2^32 and rounded to an
-// integer (m = the row max, so each w_i <= 2^32). Integer atomics add in any order to the same sum, so
-// the chosen threshold, and hence the sampled token, is deterministic run to run; floating-point
-// atomics would not be. Terms below 2^-32 of the top token count as zero mass (a relative error below
-// V * 2^-32 < 4e-5). A histogram bin keeps w in three 32-bit counters of 11-bit pieces (w & 2047,
-// (w >> 11) & 2047, w >> 22), each of which cannot overflow for V < 2 million: 64-bit shared-memory
-// atomics were measured 9x slower under a histogram's contention (most tokens land in a few bins).
-//
-// Keeping it cheap: after the first histogram pass over the row, only tokens at or above the first
-// digit's bin can be kept. One more pass copies those candidates (key and index) into shared memory;
-// the remaining digits, the top-p selection and the final Gumbel argmax then run on that short list.
-// A filtered row therefore reads its logits 2 times (top-k) or 3 times (top-p alone: one more pass for
-// the row max that the probabilities need). If more than SAMPLE_LIST_CAP tokens survive (a nucleus of
-// tens of thousands of tokens, e.g. top_p = 0.95 over near-flat logits), the later passes read the row
-// from memory again instead: slower, same result.
-// Measured on an H200, V = 151,936, logits ~ N(0, 2), T = 0.6 (test/gpu_kernels.cu, bench_sampler):
-//   B = 256: greedy 45 us, temperature 105 us, top-k 50 98 us, top-p 0.9 227 us, both 114 us
-//   B = 1:   greedy 8 us, temperature 8 us, top-k 50 41 us, top-p 0.9 104 us
-// The temperature path is bound by arithmetic (Philox and two logs per token), not by memory.
-//
-// Grid: (splits, B) blocks of SAMPLE_THREADS. A row without filters (greedy or plain temperature) is cut
-// into `splits` contiguous pieces, each block writing the best (value, index) of its piece to the
-// workspace; sample_finish_kernel then takes the best piece per row. Splitting matters for small batches:
-// one block per row would leave all but B SMs idle. A filtered row is handled whole by its split-0 block.
+// Finding the kept set. Map each float z to a 32-bit key whose unsigned order is the float order (flip all
+// bits of negatives, set the sign bit of positives): the kept set is then "key >= threshold" for one
+// threshold key, which a bisection over the 2^32 keys finds in 32 passes over the row: top-k's threshold is
+// the largest t with at least k keys >= t (the k-th largest key; tokens tied with it are all kept), top-p's
+// the largest t whose keys >= t hold at least top_p of the kept mass. The mass is counted in fixed point:
+// w_i = exp(z_i - m) scaled by 2^32 and rounded to an integer (m = the row max, so each w_i <= 2^32), so
+// the sums are exact integers, the same in any order, and the threshold (hence the token) is the same run to
+// run. Terms below 2^-32 of the top token count as zero (a relative error below V * 2^-32 < 4e-5).
 // Value and index travel packed in one 64-bit word, (order_key(value) << 32) | ~index, so "max of the
-// packed words" is "largest value, then lowest index": one integer max per comparison, ties resolved the
-// same way on every path.
-//
+// packed words" is "largest value, then lowest index": one integer max per comparison.
 // NaN logits never win and are never kept (they are treated as -inf). A temperature <= 0 means greedy.
+// Section 19 computes the same tokens with fewer passes (a radix select) and more thread blocks per row.
 
 struct SamplingSlot {                // one per sequence in the step (device array [B])
   float temperature;                 // 0 = greedy
@@ -2044,10 +2461,7 @@ struct SamplingSlot {                // one per sequence in the step (device arr
 };
 static_assert(sizeof(SamplingSlot) == 32, "SamplingSlot is copied to the GPU as-is");
 
-constexpr int SAMPLE_THREADS = 1024;
-constexpr int SAMPLE_MAX_SPLITS = 32;
-constexpr int SAMPLE_LIST_CAP = 8192;   // candidates kept in shared memory (64 KiB)
-constexpr int RADIX_BINS = 2048;        // 11-bit digits
+constexpr int SAMPLE_THREADS = 1024;  // threads of a sampler thread block (sections 9 and 19)
 
 // Philox4x32-10 (Random123's constants). __host__ so the tests reproduce every draw on the CPU.
 __host__ __device__ inline uint4 philox4x32_10(uint4 ctr, uint2 key) {
@@ -2111,18 +2525,1677 @@ __host__ __device__ inline float scaled_logit(float logit, float inv_temp) {
 __host__ __device__ inline unsigned long long pack_candidate(float value, uint32_t index) {
   return ((unsigned long long)float_order_key(value) << 32) | (uint32_t)~index;
 }
-// Probability mass of a token relative to the row max m, in units of 2^-32 (see the fixed-point note).
+// Probability mass of a token relative to the row max m, in units of 2^-32 (the fixed point above).
 __device__ inline unsigned long long fixed_mass(float z, float m) {
   return z == m ? (1ull << 32) : (unsigned long long)__float2ull_rn(expf(z - m) * 4294967296.0f);
 }
 
-// Shared memory of one sampler block (dynamic: 96 KiB, under the 99 KiB opt-in limit of sm_86/sm_89).
+// Sum (MAX = false) or max (MAX = true) of a 64-bit value over the thread block; every thread gets the
+// result. scratch: 32 words of shared memory (the leading barrier lets the caller reuse it at once).
+template <bool MAX>
+__device__ unsigned long long block_reduce_u64(unsigned long long v, unsigned long long* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned long long w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = MAX ? max(v, w) : v + w;
+  }
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = 0;
+  for (int w = 0; w < (int)blockDim.x / 32; w++) v = MAX ? max(v, scratch[w]) : v + scratch[w];
+  return v;
+}
+
+// sample_kernel — one token per sequence (nano-vllm: layers/sampler.py Sampler.forward, plus greedy, top-k
+// and top-p). Reads logits [B, V] fp32 and slots [B]; writes out_tokens [B].
+// One thread block per row; threads stride over the row, so every pass reads it once, coalesced.
+//   1. the kept set's threshold key (top-k, then top-p on what top-k kept), by bisection;
+//   2. the draw: argmax over the kept tokens of z + Gumbel noise (greedy: of z), packed with its index.
+__global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_kernel(int* out_tokens, const float* logits, const SamplingSlot* slots, int V) {
+  __shared__ unsigned long long scratch[32];
+  const float* row = logits + (int64_t)blockIdx.x * V;
+  const SamplingSlot slot = slots[blockIdx.x];
+  const bool greedy = !(slot.temperature > 0.f);
+  const float inv_temp = greedy ? 1.f : 1.f / slot.temperature;
+  auto key_of = [&](int i) { return float_order_key(scaled_logit(row[i], inv_temp)); };
+  // The largest t >= lo with measure(t) >= target, where measure (the count or the mass of the keys >= t)
+  // can only shrink as t grows and measure(lo) >= target. 32 halvings of [lo, 2^32).
+  auto bisect = [&](uint32_t lo, unsigned long long target, auto measure) {
+    unsigned long long hi = 1ull << 32;  // measure(hi) < target: no key reaches it
+    while (hi - lo > 1) {
+      const uint32_t mid = (uint32_t)(lo + (hi - lo) / 2);
+      if (measure(mid) >= target) lo = mid;
+      else hi = mid;
+    }
+    return lo;
+  };
+  uint32_t threshold = 0;  // the kept set is every token whose key >= threshold
+  if (!greedy && slot.top_k > 0 && slot.top_k < V) {
+    threshold = bisect(0u, (unsigned long long)slot.top_k, [&](uint32_t t) {
+      unsigned long long n = 0;
+      for (int i = threadIdx.x; i < V; i += blockDim.x) n += key_of(i) >= t;
+      return block_reduce_u64<false>(n, scratch);
+    });
+  }
+  if (!greedy && slot.top_p < 1.f) {
+    unsigned long long top = 0;  // the row's largest key: the reference point m of the masses
+    for (int i = threadIdx.x; i < V; i += blockDim.x) top = max(top, (unsigned long long)key_of(i));
+    const float m = float_from_order_key((uint32_t)block_reduce_u64<true>(top, scratch));
+    auto mass_from = [&](uint32_t t) {  // the mass of the kept tokens with key >= t
+      unsigned long long w = 0;
+      for (int i = threadIdx.x; i < V; i += blockDim.x) {
+        const uint32_t k = key_of(i);
+        if (k >= t && k >= threshold) w += fixed_mass(float_from_order_key(k), m);
+      }
+      return block_reduce_u64<false>(w, scratch);
+    };
+    const unsigned long long total = mass_from(threshold);
+    unsigned long long target = (unsigned long long)ceil((double)slot.top_p * (double)total);
+    target = std::min(std::max(target, 1ull), total);
+    threshold = bisect(threshold, target, mass_from);
+  }
+  unsigned long long best = 0;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) {
+    const float z = scaled_logit(row[i], inv_temp);
+    if (float_order_key(z) < threshold) continue;
+    const float value = greedy ? z : z + gumbel_noise(slot.seed, slot.offset, (uint32_t)i);
+    best = max(best, pack_candidate(value, (uint32_t)i));
+  }
+  best = block_reduce_u64<true>(best, scratch);
+  if (threadIdx.x == 0) out_tokens[blockIdx.x] = best ? (int)~(uint32_t)best : 0;
+}
+// logits [B, V] fp32, slots [B], out_tokens [B], all on the device.
+void sample(int* out_tokens, const float* logits, const SamplingSlot* slots, int B, int V, cudaStream_t stream) {
+  if (V <= 0 || V >= 2000000) die("sample: V = %d outside 1 .. 2,000,000 (the mass sums' range)", V);
+  if (B == 0) return;
+  sample_kernel<<<B, SAMPLE_THREADS, 0, stream>>>(out_tokens, logits, slots, V);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// What the sampler computes, on the CPU, by the textbook definitions: the kept set (keep [V]) by sorting,
+// with top-p's target moved by top_p_slack (the GPU's masses are exp in 2^-32 fixed point, so a test
+// brackets them between slack -1e-5 and +1e-5); then the draw from the kept set (the Gumbel argmax with the
+// same Philox noise). *margin: the gap between the winner and the runner-up (a gap below float noise
+// makes a comparison meaningless).
+static std::vector<char> sample_kept_reference(const float* logits, int V, const SamplingSlot& s,
+                                               double top_p_slack) {
+  std::vector<char> keep(V, 1);
+  if (!(s.temperature > 0.f)) return keep;
+  const float inv = 1.f / s.temperature;
+  std::vector<float> z(V);
+  for (int i = 0; i < V; i++) z[i] = scaled_logit(logits[i], inv);
+  if (s.top_k > 0 && s.top_k < V) {  // the k largest (ties at the cut all kept)
+    std::vector<float> sorted = z;
+    std::nth_element(sorted.begin(), sorted.begin() + (s.top_k - 1), sorted.end(), std::greater<float>());
+    const uint32_t tau = float_order_key(sorted[s.top_k - 1]);
+    for (int i = 0; i < V; i++) keep[i] = float_order_key(z[i]) >= tau;
+  }
+  if (s.top_p < 1.f) {  // then the most likely of those until their probability reaches top_p
+    std::vector<int> idx;
+    for (int i = 0; i < V; i++)
+      if (keep[i]) idx.push_back(i);
+    std::sort(idx.begin(), idx.end(), [&](int a, int b) { return z[a] > z[b]; });
+    const double m = z[idx[0]];
+    double total = 0, cum = 0;
+    for (int i : idx) total += exp((double)z[i] - m);
+    const double target = std::min(1.0, std::max(0.0, s.top_p + top_p_slack)) * total;
+    float tau = z[idx.back()];
+    for (int i : idx) {
+      cum += exp((double)z[i] - m);
+      if (cum >= target) {
+        tau = z[i];
+        break;
+      }
+    }
+    for (int i = 0; i < V; i++) keep[i] = keep[i] && float_order_key(z[i]) >= float_order_key(tau);
+  }
+  return keep;
+}
+static int sample_reference(const float* logits, int V, const SamplingSlot& s, const std::vector<char>& keep,
+                            double* margin) {
+  const bool greedy = !(s.temperature > 0.f);
+  const float inv = greedy ? 1.f : 1.f / s.temperature;
+  unsigned long long best = 0;
+  float v1 = -INFINITY, v2 = -INFINITY;
+  for (int i = 0; i < V; i++) {
+    if (!keep[i]) continue;
+    const float v = scaled_logit(logits[i], inv) + (greedy ? 0.f : gumbel_noise(s.seed, s.offset, (uint32_t)i));
+    best = std::max(best, pack_candidate(v, (uint32_t)i));
+    if (v > v1) v2 = v1, v1 = v;
+    else if (v > v2) v2 = v;
+  }
+  *margin = greedy ? INFINITY : (double)v1 - v2;
+  return best ? (int)~(uint32_t)best : 0;
+}
+
+// ==== 10. Matrix products with cuBLASLt ====================================================================
+//
+// Every linear layer is y = x @ W^T with x [M, K] (M tokens) and W [N, K] in PyTorch's row-major [out, in]
+// layout. cuBLASLt thinks in column-major, where a row-major [M, N] matrix is the column-major [N, M] one,
+// so we ask it for  y^T [N, M] = W [N, K] (i.e. column-major K x N, transposed) * x^T (column-major K x M):
+// transa = T, transb = N, m = N, n = M, k = K. bf16 inputs, fp32 accumulation, bf16 (or fp32 for logits) out.
+//
+// Choosing an algorithm costs tens of microseconds, so it is done once per (M, N, K, output type) and cached;
+// a CUDA graph captures the chosen algorithm and the one preallocated workspace.
+
+struct GemmPlan {
+  cublasLtMatmulDesc_t desc;
+  cublasLtMatrixLayout_t a, b, c;
+  cublasLtMatmulAlgo_t algo;
+};
+
+struct Gemm {
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 32 << 20;
+  std::map<std::tuple<int, int, int, int>, GemmPlan> plans;
+
+  void init() {
+    CUBLAS_CHECK(cublasLtCreate(&handle));
+    CUDA_CHECK(cudaMalloc(&workspace, workspace_bytes));
+  }
+
+  GemmPlan& plan(int M, int N, int K, cudaDataType out_type) {
+    auto key = std::make_tuple(M, N, K, (int)out_type);
+    auto it = plans.find(key);
+    if (it != plans.end()) return it->second;
+    GemmPlan p;
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, K, N, K));  // W, read transposed
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, K, M, K));  // x
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, out_type, N, M, N));     // y
+    cublasLtMatmulPreference_t pref;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                      &workspace_bytes, sizeof workspace_bytes));
+    cublasLtMatmulHeuristicResult_t res;
+    int found = 0;
+    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.c, pref, 1, &res, &found));
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (!found) die("cuBLASLt found no algorithm for a %d x %d x %d bf16 matrix product", M, N, K);
+    p.algo = res.algo;
+    return plans[key] = p;
+  }
+
+  // y [M, N] = x [M, K] @ W[N, K]^T ; y is bf16, or fp32 when out_type is CUDA_R_32F.
+  void run(void* y, const bf16* x, const bf16* W, int M, int N, int K, cudaStream_t stream,
+           cudaDataType out_type = CUDA_R_16BF) {
+    if (M == 0) return;
+    GemmPlan& p = plan(M, N, K, out_type);
+    const float alpha = 1.0f, beta = 0.0f;
+    CUBLAS_CHECK(cublasLtMatmul(handle, p.desc, &alpha, W, p.a, x, p.b, &beta, y, p.c, y, p.c, &p.algo,
+                                workspace, workspace_bytes, stream));
+  }
+};
+
+// A linear layer without bias (nano-vllm: layers/linear.py, F.linear(x, W)): y [M, N] = x [M, K] @ W^T.
+static void linear(Gemm& gemm, void* y, const bf16* x, const bf16* W, int M, int N, int K, cudaStream_t stream,
+                   cudaDataType out_type) {
+  gemm.run(y, x, W, M, N, K, stream, out_type);
+}
+
+// What every matrix product computes, on the CPU: y [M, N] = x [M, K] @ W [N, K]^T in double, rounded to
+// bf16 (x and W hold bf16 values as float).
+static void linear_reference(float* y, const float* x, const float* W, int M, int N, int K) {
+  for (int m = 0; m < M; m++)
+    for (int n = 0; n < N; n++) {
+      double acc = 0;
+      for (int k = 0; k < K; k++) acc += (double)x[(size_t)m * K + k] * W[(size_t)n * K + k];
+      y[(size_t)m * N + n] = bf16_round((float)acc);
+    }
+}
+// ==== 11. ModelRunner: step inputs, CUDA graphs ============================================================
+//
+// The bridge between the host's sequences and the GPU (nano-vllm: engine/model_runner.py ModelRunner).
+// Per step: prepare_prefill or prepare_decode lays the step's flat int arrays out in a pinned host region,
+// ONE cudaMemcpyAsync moves the region to its device twin, the model runs, the sampler picks one token per
+// sequence, and ONE synchronisation brings the tokens back. Nothing is allocated inside a step.
+//
+//   prefill region: input_ids [T] positions [T] slot_mapping [T] cu_seqlens_q [B+1] seqlens_k [B]
+//                   block_tables [B, MB] sampling slots [B]
+//   decode region:  input_ids [B] positions [B] slot_mapping [B] context_lens [B] block_tables [B, MB]
+//                   sampling slots [B]         (fixed addresses: the CUDA graphs read them)
+//
+// CUDA graphs (decode only): a decode step of Qwen3-0.6B is ~400 small kernel launches whose launch cost
+// would rival their run time. They are captured once per batch size 1, 2, 4, 8, 16, 32, ..., 512 (largest
+// first) and replayed; a batch of 37 replays the 48 graph with 11 padding rows (slot -1: nothing stored,
+// context 1: a harmless read, token discarded). The attention grid depends only on max_model_len, never on
+// the contexts, so one capture serves every step.
+
+// A pinned host array and its device twin inside one of the two step regions.
+template <typename Tp>
+struct Field {
+  Tp* h = nullptr;
+  Tp* d = nullptr;
+};
+
+struct StepRegion {
+  char* h = nullptr;
+  char* d = nullptr;
+  size_t bytes = 0, used = 0;
+  template <typename Tp>
+  Field<Tp> field(size_t n) {  // carve n elements, 16-byte aligned
+    Field<Tp> f;
+    f.h = (Tp*)(h + used);
+    f.d = (Tp*)(d + used);
+    used += (n * sizeof(Tp) + 15) / 16 * 16;
+    return f;
+  }
+  void alloc(size_t n) {
+    bytes = n;
+    CUDA_CHECK(cudaMallocHost(&h, n));
+    CUDA_CHECK(cudaMalloc(&d, n));
+  }
+};
+
+// Tensor parallelism is read after this section but ModelRunner calls into it: on every rank it agrees on
+// the KV pool size and gathers the vocabulary-sharded logits to rank 0 (section 12); on rank 0 it tells the
+// workers what to do: build an engine, capture graphs, run this step (the mailbox of section 23).
+struct TPStep {      // what rank 0 decided for one step; the step region's bytes follow it (section 23)
+  int is_prefill;
+  int T, B;          // tokens and sequences (decode: B padded to the graph's batch size, T = B)
+  int max_seqlen_q;  // prefill
+  int graph_bs;      // decode: the CUDA graph to replay, 0 = run eagerly
+  uint64_t bytes;    // used bytes of the step region
+};
+static TPComm* tp_attach(const Config& c, int rank);  // rank 0: connect once, send the workers this Config
+static void tp_send_step(const TPStep& step, const void* region);
+static void tp_send_capture();
+static int64_t all_reduce_min(TPComm* comm, int64_t v);
+static void gather_logits(TPComm* comm, const float* shard, float* staging, float* full, int B, int V,
+                          cudaStream_t stream);
+
+// Part II's replacements that ModelRunner switches to (g_opt, section 2): the forward pass with every
+// fusion (section 20) and the fast sampler (section 19, which needs a workspace).
+static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool is_prefill, cudaStream_t s);
+void sample_fast(int* out_tokens, const float* logits, const SamplingSlot* slots, int B, int V, void* workspace,
+                 size_t workspace_bytes, cudaStream_t stream);
+size_t sample_workspace_bytes(int B, int V);
+static void oneshot_setup(TPComm* comm);  // section 18: map every rank's staging buffer, once
+
+struct ModelRunner {
+  Config& config;
+  Qwen3 model;
+  cudaStream_t stream;
+  int Tmax, Bmax, MB, P;
+  uint64_t engine_seed = 0;
+  StepRegion prefill_region, decode_region;
+  Field<int> p_ids, p_pos, p_slots, p_cu_q, p_seqlens_k, p_bt;
+  Field<SamplingSlot> p_samp;
+  Field<int> d_ids, d_pos, d_slots, d_ctx, d_bt;
+  Field<SamplingSlot> d_samp;
+  float* logits = nullptr;         // [Bmax, V] what the sampler reads: act.logits itself at tp == 1; on
+                                   // rank 0 at tp > 1 the shards of every rank, gathered (section 12)
+  float* logits_gather = nullptr;  // [tp-1, Bmax, V/tp] rank 0: the other ranks' shards as received
+  int* out_tokens_d = nullptr;  // [Bmax]
+  int* out_tokens_h = nullptr;  // pinned
+  void* sample_ws = nullptr;
+  size_t sample_ws_bytes = 0;
+  std::vector<int> graph_bs;                 // captured batch sizes, ascending
+  std::map<int, cudaGraphExec_t> graphs;
+  double load_seconds = 0, load_gbps = 0, capture_seconds = 0;
+  double gpu_seconds = 0;                    // time spent waiting for the GPU (the rest of a step is host work)
+
+  ModelRunner(Config& c, const ModelConfig& mc, int rank = 0) : config(c) {
+    g_opt = c.opt;
+    model.cfg = mc;
+    model.rank = rank;
+    model.tp = c.tensor_parallel_size;
+    P = model.P = c.kvcache_block_size;
+    MB = model.MB = (int)cdiv(c.max_model_len, P);
+    model.max_model_len = c.max_model_len;
+    Tmax = std::max(c.max_num_batched_tokens, c.max_num_seqs);
+    Bmax = c.max_num_seqs;
+    if (model.tp > 1) {
+      model.comm = tp_attach(c, rank);  // first, so the workers load weights alongside
+      if (g_opt.oneshot_allreduce) oneshot_setup(model.comm);  // section 18; every rank, same order
+    }
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    double t0 = now_seconds();
+    size_t bytes_read = 0;
+    model.w = load_weights(c.model, mc, rank, model.tp, stream, &bytes_read);
+    load_seconds = now_seconds() - t0;
+    load_gbps = bytes_read / load_seconds / 1e9;
+    model.gemm = new Gemm;  // lives as long as the process: an engine frees none of its GPU memory
+    model.gemm->init();
+    allocate_activations();
+    allocate_inputs();
+    allocate_kv_cache();
+  }
+
+  void allocate_activations() {
+    const ModelConfig& mc = model.cfg;
+    const int tp = model.tp, H = mc.hidden_size, D = mc.head_dim, I = mc.intermediate_size / tp;
+    const int NH = mc.num_attention_heads / tp, NKV = mc.num_key_value_heads / tp;
+    const int V = (int)cdiv(mc.vocab_size, tp);
+    Activations& a = model.act;
+    auto alloc = [&](auto** p, size_t n) { CUDA_CHECK(cudaMalloc((void**)p, n * sizeof(**p))); };
+    alloc(&a.residual, (size_t)Tmax * H);
+    alloc(&a.hidden, (size_t)Tmax * H);
+    alloc(&a.x, (size_t)Tmax * H);
+    alloc(&a.qkv, (size_t)Tmax * (NH + 2 * NKV) * D);
+    alloc(&a.attn, (size_t)Tmax * NH * D);
+    alloc(&a.gate_up, (size_t)Tmax * 2 * I);
+    alloc(&a.act, (size_t)Tmax * I);
+    alloc(&a.last, (size_t)Bmax * H);
+    alloc(&a.logits, (size_t)Bmax * V);
+    CUDA_CHECK(cudaMalloc(&a.attn_workspace, attention_decode_workspace_bytes(Bmax, NH, config.max_model_len)));
+    if (tp == 1) logits = a.logits;
+    else if (model.rank == 0) {
+      alloc(&logits, (size_t)Bmax * mc.vocab_size);
+      alloc(&logits_gather, (size_t)(tp - 1) * Bmax * V);
+    }
+    sample_ws_bytes = sample_workspace_bytes(Bmax, mc.vocab_size);
+    CUDA_CHECK(cudaMalloc(&sample_ws, sample_ws_bytes));
+  }
+
+  void allocate_inputs() {
+    size_t pb = 3 * 16 * cdiv(Tmax, 4) + 2 * 16 * cdiv(Bmax + 1, 4) + 16 * cdiv((size_t)Bmax * MB, 4) +
+                sizeof(SamplingSlot) * Bmax + 16 * 8;
+    prefill_region.alloc(pb);
+    p_ids = prefill_region.field<int>(Tmax);
+    p_pos = prefill_region.field<int>(Tmax);
+    p_slots = prefill_region.field<int>(Tmax);
+    p_cu_q = prefill_region.field<int>(Bmax + 1);
+    p_seqlens_k = prefill_region.field<int>(Bmax);
+    p_bt = prefill_region.field<int>((size_t)Bmax * MB);
+    p_samp = prefill_region.field<SamplingSlot>(Bmax);
+    size_t db = 4 * 16 * cdiv(Bmax, 4) + 16 * cdiv((size_t)Bmax * MB, 4) + sizeof(SamplingSlot) * Bmax + 16 * 8;
+    decode_region.alloc(db);
+    d_ids = decode_region.field<int>(Bmax);
+    d_pos = decode_region.field<int>(Bmax);
+    d_slots = decode_region.field<int>(Bmax);
+    d_ctx = decode_region.field<int>(Bmax);
+    d_bt = decode_region.field<int>((size_t)Bmax * MB);
+    d_samp = decode_region.field<SamplingSlot>(Bmax);
+    CUDA_CHECK(cudaMalloc(&out_tokens_d, Bmax * sizeof(int)));
+    CUDA_CHECK(cudaMallocHost(&out_tokens_h, Bmax * sizeof(int)));
+  }
+
+  // nano-vllm: allocate_kv_cache. Everything else is already allocated, so what is free now, minus the
+  // (1 - gpu_memory_utilization) share of the card, is the KV pool.
+  void allocate_kv_cache() {
+    size_t free_b, total_b;
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    size_t block_bytes = kv_block_bytes(model.cfg, P, model.tp);
+    double budget = (double)total_b * config.gpu_memory_utilization - (double)(total_b - free_b);
+    int64_t fit = budget > 0 ? (int64_t)(budget / block_bytes) : 0;
+    if (model.tp > 1) fit = all_reduce_min(model.comm, fit);  // every rank must hold the same block ids
+    if (config.num_kvcache_blocks > 0) {
+      if (config.num_kvcache_blocks > fit)
+        die("--num-kvcache-blocks %d needs %.2f GiB but only %.2f GiB are left under --gpu-memory-utilization %g",
+            config.num_kvcache_blocks, config.num_kvcache_blocks * (double)block_bytes / (1 << 30),
+            std::max(budget, 0.0) / (1 << 30), config.gpu_memory_utilization);
+    } else {
+      config.num_kvcache_blocks = (int)std::min<int64_t>(fit, 1 << 30);
+    }
+    int need = MB;
+    if (config.num_kvcache_blocks < need)
+      die("the KV cache has room for %d blocks of %d tokens (%.2f GiB free under --gpu-memory-utilization %g), "
+          "but one sequence of --max-model-len %d needs %d. Raise --gpu-memory-utilization or "
+          "--num-kvcache-blocks, or lower --max-model-len",
+          config.num_kvcache_blocks, P, std::max(budget, 0.0) / (1 << 30), config.gpu_memory_utilization,
+          config.max_model_len, need);
+    KVCache& kv = model.kv;
+    kv.num_blocks = config.num_kvcache_blocks;
+    kv.kv_stride = kv.num_blocks * (model.cfg.num_key_value_heads / model.tp) * P * model.cfg.head_dim;
+    kv.layer_stride = 2 * kv.kv_stride;
+    kv.bytes = (size_t)kv.num_blocks * block_bytes;
+    CUDA_CHECK(cudaMalloc(&kv.base, kv.bytes));
+  }
+
+  SamplingSlot sampling_slot(const Sequence& seq) const {
+    SamplingSlot s{};
+    s.temperature = seq.params.temperature;
+    s.top_k = seq.params.top_k;
+    s.top_p = seq.params.top_p;
+    s.seed = seq.params.seed >= 0 ? (uint64_t)seq.params.seed : splitmix64(engine_seed ^ splitmix64(seq.seq_id));
+    s.offset = (uint64_t)seq.num_completion_tokens();  // the draw for the n-th token is fixed by (seed, n)
+    return s;
+  }
+
+  void fill_block_table(int* row, const Sequence& seq) {
+    int n = (int)seq.block_table.size();
+    memcpy(row, seq.block_table.data(), n * sizeof(int));
+    for (int i = n; i < MB; i++) row[i] = 0;  // never read (beyond the sequence's length)
+  }
+
+  // nano-vllm: prepare_prefill. Each sequence contributes its scheduled tokens [start, end).
+  StepInputs prepare_prefill(const std::vector<Sequence*>& seqs, int& T) {
+    T = 0;
+    int max_q = 0;
+    p_cu_q.h[0] = 0;
+    for (size_t b = 0; b < seqs.size(); b++) {
+      const Sequence& seq = *seqs[b];
+      int start = seq.num_cached_tokens, end = start + seq.num_scheduled_tokens;
+      for (int t = start; t < end; t++) {
+        p_ids.h[T] = seq.token_ids[t];
+        p_pos.h[T] = t;
+        p_slots.h[T] = seq.block_table[t / P] * P + t % P;
+        T++;
+      }
+      p_cu_q.h[b + 1] = T;
+      p_seqlens_k.h[b] = end;
+      max_q = std::max(max_q, end - start);
+      fill_block_table(p_bt.h + b * MB, seq);
+      p_samp.h[b] = sampling_slot(seq);
+    }
+    CUDA_CHECK(cudaMemcpyAsync(prefill_region.d, prefill_region.h, prefill_region.used, cudaMemcpyHostToDevice,
+                               stream));
+    return prefill_inputs(max_q);
+  }
+  StepInputs prefill_inputs(int max_q) const {
+    return StepInputs{p_ids.d, p_pos.d, p_slots.d, p_cu_q.d, p_seqlens_k.d, p_bt.d, max_q};
+  }
+
+  // nano-vllm: prepare_decode. One token per sequence: its last one, at position len-1. Rows bs..padded_bs-1
+  // are padding for a CUDA graph of size padded_bs.
+  StepInputs prepare_decode(const std::vector<Sequence*>& seqs, int padded_bs) {
+    int bs = (int)seqs.size();
+    for (int b = 0; b < padded_bs; b++) {
+      if (b < bs) {
+        const Sequence& seq = *seqs[b];
+        int pos = seq.size() - 1;
+        d_ids.h[b] = seq.last_token;
+        d_pos.h[b] = pos;
+        d_slots.h[b] = seq.block_table[pos / P] * P + pos % P;
+        d_ctx.h[b] = seq.size();
+        fill_block_table(d_bt.h + b * MB, seq);
+        d_samp.h[b] = sampling_slot(seq);
+      } else {
+        d_ids.h[b] = 0, d_pos.h[b] = 0, d_slots.h[b] = -1, d_ctx.h[b] = 1;
+        std::fill(d_bt.h + b * MB, d_bt.h + (b + 1) * MB, 0);
+        d_samp.h[b] = SamplingSlot{};  // greedy
+      }
+    }
+    CUDA_CHECK(cudaMemcpyAsync(decode_region.d, decode_region.h, decode_region.used, cudaMemcpyHostToDevice,
+                               stream));
+    return decode_inputs();
+  }
+  StepInputs decode_inputs() const {
+    return StepInputs{d_ids.d, d_pos.d, d_slots.d, nullptr, d_ctx.d, d_bt.d, 1};
+  }
+
+  // The model, then (rank 0) the sampler: Part I's, or Part II's where switched on.
+  void forward_and_sample(const StepInputs& in, int T, int B, bool is_prefill, const SamplingSlot* slots_d) {
+    if (uses_fast_forward()) forward_fast(model, in, T, B, is_prefill, stream);
+    else model.forward(in, T, B, is_prefill, stream);
+    if (model.tp > 1)
+      gather_logits(model.comm, model.act.logits, logits_gather, logits, B, model.cfg.vocab_size, stream);
+    if (model.rank != 0) return;
+    const int V = model.cfg.vocab_size;
+    if (g_opt.fast_sampler) sample_fast(out_tokens_d, logits, slots_d, B, V, sample_ws, sample_ws_bytes, stream);
+    else sample(out_tokens_d, logits, slots_d, B, V, stream);
+  }
+  // Section 20's forward pass runs when one of the optimizations it routes is on.
+  static bool uses_fast_forward() {
+    return g_opt.gemv || g_opt.fused_rope || g_opt.cluster_merge || g_opt.oneshot_allreduce;
+  }
+
+  int graph_size_for(int bs) const {
+    for (int g : graph_bs)
+      if (g >= bs) return g;
+    return 0;
+  }
+
+  // nano-vllm: run. Returns one sampled token per sequence.
+  std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) {
+    int B = (int)seqs.size();
+    if (is_prefill) {
+      int T;
+      StepInputs in = prepare_prefill(seqs, T);
+      if (model.tp > 1) tp_send_step({1, T, B, in.max_seqlen_q, 0, prefill_region.used}, prefill_region.h);
+      forward_and_sample(in, T, B, true, p_samp.d);
+    } else {
+      int g = config.enforce_eager ? 0 : graph_size_for(B);
+      StepInputs in = prepare_decode(seqs, g ? g : B);
+      if (model.tp > 1) tp_send_step({0, g ? g : B, g ? g : B, 1, g, decode_region.used}, decode_region.h);
+      if (g) CUDA_CHECK(cudaGraphLaunch(graphs[g], stream));
+      else forward_and_sample(in, B, B, false, d_samp.d);
+    }
+    CUDA_CHECK(cudaMemcpyAsync(out_tokens_h, out_tokens_d, B * sizeof(int), cudaMemcpyDeviceToHost, stream));
+    double t0 = now_seconds();
+    CUDA_CHECK(cudaStreamSynchronize(stream));  // the one synchronisation of the step
+    gpu_seconds += now_seconds() - t0;
+    return std::vector<int>(out_tokens_h, out_tokens_h + B);
+  }
+
+  // nano-vllm: capture_cudagraph. Batch sizes 1, 2, 4, 8, then every 16 up to max_num_seqs (capped at 512).
+  void capture_cudagraphs() {
+    if (config.enforce_eager) return;
+    if (model.tp > 1 && model.rank == 0) tp_send_capture();  // every rank captures the same graphs in order
+    double t0 = now_seconds();
+    int max_bs = std::min(Bmax, 512);
+    for (int bs : {1, 2, 4, 8})
+      if (bs <= max_bs) graph_bs.push_back(bs);
+    for (int bs = 16; bs <= max_bs; bs += 16) graph_bs.push_back(bs);
+    if (graph_bs.back() < max_bs) graph_bs.push_back(max_bs);
+    std::vector<Sequence*> none;
+    for (auto it = graph_bs.rbegin(); it != graph_bs.rend(); ++it) {
+      int bs = *it;
+      StepInputs in = prepare_decode(none, bs);  // all padding rows: valid inputs that store nothing
+      forward_and_sample(in, bs, bs, false, d_samp.d);  // warm-up: cuBLASLt picks its algorithms here
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      cudaGraph_t graph;
+      CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      forward_and_sample(in, bs, bs, false, d_samp.d);
+      CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+      cudaGraphExec_t exec;
+      CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      CUDA_CHECK(cudaGraphDestroy(graph));
+      graphs[bs] = exec;
+    }
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    capture_seconds = now_seconds() - t0;
+  }
+};
+
+// ==== 12. Tensor parallelism: sharded weights, NCCL all-reduce =============================================
+//
+// N GPUs run one model (nano-vllm: model_runner.py with torch.distributed, layers/linear.py,
+// layers/embed_head.py). Every rank holds 1/N of each split weight (tp_shard in section 2 says which part,
+// load_weights in section 6a reads only that part) and 1/N of the KV heads (section 6b), and runs the same
+// forward pass on its share:
+//
+//   qkv, gate_up      column-parallel: a rank computes its own heads / intermediate columns, no traffic
+//   o_proj, down      row-parallel: each rank's product is a partial sum of the full one -> all-reduce
+//   embed_tokens      vocabulary-parallel: a rank looks up only its ids (zeros elsewhere) -> all-reduce
+//   lm_head           vocabulary-parallel: a rank computes V/N logits -> gathered to rank 0, which samples
+//
+// This section is the data plane: the communicator, the all-reduce, the logits gather. The processes
+// (rank 0 is this process; ranks 1..N-1 are workers fork()ed before the first CUDA call, and rank 0 sends
+// them each step through a mailbox in shared memory) are plumbing and wait for section 23; section 18 gives
+// the small all-reduces of decode a faster road than NCCL's.
+//
+// What crosses between the ranks in one batch-1 decode step of Qwen3-8B at N = 2:
+//   mailbox      ~57 KB of step inputs at --max-num-seqs 512 (ids, positions, slots, context lengths,
+//                block tables, sampling slots)
+//   all-reduce   73 x 8 KB: after the embedding, and after o_proj and down_proj in each of 36 layers
+//   gather       304 KB: the worker's half of the fp32 logits, to rank 0
+
+constexpr int TP_MAX_RANKS = 8;
+
+struct OneShot;  // section 18: the mapped staging buffers of the one-shot all-reduce
+
+struct TPComm {
+  int rank = 0, size = 1;
+  ncclComm_t nccl = nullptr;
+  cudaStream_t stream = nullptr;    // for the set-up collectives outside the model's stream
+  int64_t* scratch = nullptr;       // [1] device scalar for all_reduce_min
+  bool skip = false;                // NANOVLLM_ALLREDUCE=skip: no all-reduce at all (timing only)
+  bool oneshot_tried = false;       // section 18's set-up ran (once per communicator, on every rank)
+  OneShot* oneshot = nullptr;       // ... and succeeded on every rank
+};
+
+// The sum of x [n] over the ranks, in place (nano-vllm: dist.all_reduce in RowParallelLinear and
+// VocabParallelEmbedding). NCCL's ring: every rank sends and receives 2(N-1)/N of the message. Every rank
+// must make the same calls in the same order.
+static void all_reduce_sum(TPComm* comm, bf16* x, size_t n, cudaStream_t stream) {
+  if (comm->skip) return;
+  NCCL_CHECK(ncclAllReduce(x, x, n, ncclBfloat16, ncclSum, comm->nccl, stream));
+}
+
+// The minimum of v over the ranks (host to host; start-up only, e.g. the KV pool size every rank can hold).
+static int64_t all_reduce_min(TPComm* comm, int64_t v) {
+  // On comm->stream: a plain cudaMemcpy from pageable memory can return before its copy lands, and the
+  // non-blocking stream would not wait for it.
+  CUDA_CHECK(cudaMemcpyAsync(comm->scratch, &v, sizeof v, cudaMemcpyHostToDevice, comm->stream));
+  NCCL_CHECK(ncclAllReduce(comm->scratch, comm->scratch, 1, ncclInt64, ncclMin, comm->nccl, comm->stream));
+  CUDA_CHECK(cudaStreamSynchronize(comm->stream));
+  CUDA_CHECK(cudaMemcpy(&v, comm->scratch, sizeof v, cudaMemcpyDeviceToHost));
+  return v;
+}
+
+// Rank 0 gets full [B, V] from every rank's shard [B, V_local] (nano-vllm: ParallelLMHead.forward gathers
+// to rank 0 with dist.gather). The other ranks send their shard to rank 0, which receives each into
+// staging [N-1, B, V_local] and then lays all shards side by side with strided 2-D copies (the last shard
+// loses its zero-padded columns). Sends and receives are NCCL point-to-point calls, captured into the
+// decode CUDA graphs like everything else. staging and full are only used on rank 0.
+static void gather_logits(TPComm* comm, const float* shard, float* staging, float* full, int B, int V,
+                          cudaStream_t stream) {
+  const int64_t Vl = cdiv(V, comm->size), n = (int64_t)B * Vl;
+  if (comm->rank != 0) {
+    NCCL_CHECK(ncclSend(shard, n, ncclFloat32, 0, comm->nccl, stream));
+    return;
+  }
+  NCCL_CHECK(ncclGroupStart());
+  for (int r = 1; r < comm->size; r++)
+    NCCL_CHECK(ncclRecv(staging + (r - 1) * n, n, ncclFloat32, r, comm->nccl, stream));
+  NCCL_CHECK(ncclGroupEnd());
+  for (int r = 0; r < comm->size; r++) {
+    const float* src = r == 0 ? shard : staging + (r - 1) * n;
+    const int64_t cols = std::min<int64_t>(Vl, V - r * Vl);
+    if (cols > 0)
+      CUDA_CHECK(cudaMemcpy2DAsync(full + r * Vl, V * sizeof(float), src, Vl * sizeof(float),
+                                   cols * sizeof(float), B, cudaMemcpyDeviceToDevice, stream));
+  }
+}
+// Join the NCCL communicator as `rank` (every rank calls this with the same id) on GPU `rank`.
+static TPComm* tp_comm_init(int rank, int size, const ncclUniqueId& id) {
+  TPComm* c = new TPComm;
+  c->rank = rank, c->size = size;
+  CUDA_CHECK(cudaSetDevice(rank));
+  NCCL_CHECK(ncclCommInitRank(&c->nccl, size, id, rank));
+  CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaMalloc(&c->scratch, sizeof(int64_t)));
+  if (const char* mode = getenv("NANOVLLM_ALLREDUCE")) {
+    if (strcmp(mode, "skip"))
+      die("NANOVLLM_ALLREDUCE=%s: the only value is skip (timing only); NCCL alone is --opt -oneshot_allreduce",
+          mode);
+    c->skip = true;
+    if (rank == 0)
+      fprintf(stderr, "nanovllm: NANOVLLM_ALLREDUCE=skip: every all-reduce is skipped, the output is WRONG "
+                      "(this is for timing only)\n");
+  }
+  return c;
+}
+
+// ==== 13. LLMEngine: add_request, step, generate ===========================================================
+//
+// The loop that ties it together (nano-vllm: engine/llm_engine.py LLMEngine): requests become Sequences in
+// the scheduler's waiting queue; each step() is one schedule() -> run() -> postprocess(); generate() steps
+// until every request is finished and returns the completions in input order.
+//
+// Watching the scheduler think. With --trace every step prints one line on stderr, and every run ends with a
+// summary. Both only read what the scheduler and the runner already keep (StepTrace and RunStats below; the
+// formatting is section 22); with --trace off no line is built, so the trace costs nothing.
+
+struct Request {
+  std::vector<int> prompt_token_ids;
+  SamplingParams params;
+  std::string source;  // "prompts.txt:12", for messages
+};
+
+struct Completion {
+  std::vector<int> token_ids;
+  const char* finish_reason;  // nullptr: unfinished (the run was interrupted by Ctrl-C, section 23)
+  int prompt_tokens;
+};
+
+struct RunStats {
+  double seconds = 0;
+  int64_t prefill_tokens = 0, decode_tokens = 0, steps_prefill = 0, steps_decode = 0;
+  double prefill_seconds = 0, decode_seconds = 0;
+  double first_token_at = -1;  // seconds since generate() began
+  int peak_blocks_used = 0;    // taken right after schedule(), when a step holds the most blocks
+  // Where step time goes. The engine is synchronous: the host schedules and prepares, launches, then waits
+  // for the GPU in the step's one synchronisation (ModelRunner::run). In eager mode kernels already run
+  // while the host is still launching later ones, so part of the GPU's work hides in prepare_seconds.
+  double schedule_seconds = 0, prepare_seconds = 0, gpu_wait_seconds = 0, postprocess_seconds = 0;
+  int last_batch = 0;          // sequences in the last step: the logits rows left in the buffer
+};
+
+// One --trace line's worth of state, taken right after schedule() (the ms of the whole step added later).
+struct StepTrace {
+  int64_t step = 0;
+  bool is_prefill = false;
+  int batch = 0;
+  int64_t tokens = 0;    // tokens the model computes this step (decode: one per sequence)
+  int prefix_hit = 0;    // prompt tokens admitted this step whose K/V was already cached
+  int waiting = 0, running = 0;
+  int free_blocks = 0, num_blocks = 0;
+  int hashes = 0;        // full blocks registered in the prefix cache (hash_to_block_id)
+  std::vector<std::pair<int64_t, int>> preempted;  // (seq_id, length) of each victim, in order
+  double ms = 0;
+};
+static StepTrace trace_after_schedule(const Scheduler& s, const std::vector<Sequence*>& batch, bool is_prefill,
+                                      int64_t step);  // section 22
+static std::string format_trace(const StepTrace& t);  // section 22
+
+// Ctrl-C (section 23's handler sets it; main arms it): generate() stops after the step in flight.
+static volatile sig_atomic_t g_stop_armed = 0;
+static volatile sig_atomic_t g_stop_requested = 0;
+
+struct LLMEngine {
+  Config& config;
+  ModelRunner& runner;
+  Scheduler scheduler;
+  std::vector<std::unique_ptr<Sequence>> seqs;
+  RunStats stats;
+  bool progress = true;
+  bool trace = false;  // --trace: one line per step on stderr
+
+  LLMEngine(Config& c, ModelRunner& r) : config(c), runner(r), scheduler(c) {}
+
+  Sequence* add_request(const std::vector<int>& prompt, const SamplingParams& sp) {
+    seqs.emplace_back(new Sequence((int64_t)seqs.size(), prompt, sp, config.kvcache_block_size));
+    scheduler.add(seqs.back().get());
+    return seqs.back().get();
+  }
+
+  // One step: schedule, run the model, append the sampled tokens.
+  void step() {
+    bool is_prefill;
+    double t0 = now_seconds();
+    std::vector<Sequence*> batch = scheduler.schedule(is_prefill);
+    double t1 = now_seconds();
+    int64_t num_tokens = 0;
+    for (auto* s : batch) num_tokens += s->num_scheduled_tokens;
+    stats.peak_blocks_used = std::max(stats.peak_blocks_used, scheduler.block_manager.num_used);
+    StepTrace tr;
+    int64_t step_no = stats.steps_prefill + stats.steps_decode + 1;
+    if (trace) tr = trace_after_schedule(scheduler, batch, is_prefill, step_no);
+    double gpu_before = runner.gpu_seconds;
+    std::vector<int> token_ids = runner.run(batch, is_prefill);
+    double t2 = now_seconds(), gpu_wait = runner.gpu_seconds - gpu_before;
+    scheduler.postprocess(batch, token_ids, is_prefill);
+    double t3 = now_seconds(), dt = t3 - t0;
+    stats.schedule_seconds += t1 - t0;
+    stats.prepare_seconds += (t2 - t1) - gpu_wait;
+    stats.gpu_wait_seconds += gpu_wait;
+    stats.postprocess_seconds += t3 - t2;
+    stats.last_batch = (int)batch.size();
+    if (is_prefill) {
+      stats.prefill_tokens += num_tokens;
+      stats.prefill_seconds += dt;
+      stats.steps_prefill++;
+    } else {
+      stats.decode_tokens += num_tokens;
+      stats.decode_seconds += dt;
+      stats.steps_decode++;
+    }
+    if (trace) {
+      tr.ms = dt * 1e3;
+      fputs(format_trace(tr).c_str(), stderr);
+    }
+  }
+
+  // xxHash64 (seed 0) of the last step's logits as the GPU left them: rows [0, last_batch) of [B, V] fp32,
+  // row by row. A bit-exact fingerprint of the arithmetic: stricter than the tokens' hash (a different
+  // cuBLASLt algorithm or a padded CUDA-graph batch may change low bits without changing any token).
+  uint64_t last_logits_xxh64() {
+    size_t V = (size_t)cdiv(runner.model.cfg.vocab_size, runner.model.tp);
+    std::vector<float> row(V);
+    XXH64_state_t st;
+    XXH64_reset(&st, 0);
+    for (int b = 0; b < stats.last_batch; b++) {  // run() has synchronised its stream: the rows are final
+      const float* logits_row = runner.model.act.logits + b * V;
+      CUDA_CHECK(cudaMemcpy(row.data(), logits_row, V * sizeof(float), cudaMemcpyDeviceToHost));
+      XXH64_update(&st, row.data(), V * sizeof(float));
+    }
+    return XXH64_digest(&st);
+  }
+
+  // Steps until every request has finished, or until a Ctrl-C asks the run to stop (g_stop_requested):
+  // then the step in flight completes and the unfinished requests come back with
+  // finish_reason nullptr and the tokens they had so far.
+  std::vector<Completion> generate(const std::vector<Request>& requests) {
+    double t0 = now_seconds(), last_print = t0;
+    size_t first = seqs.size();
+    for (auto& r : requests) add_request(r.prompt_token_ids, r.params);
+    bool tty = isatty(2);
+    bool show_progress = progress && !trace;  // both write stderr; the trace says more
+    int done = 0;
+    while (!scheduler.is_finished() && !g_stop_requested) {
+      step();
+      if (stats.first_token_at < 0) stats.first_token_at = now_seconds() - t0;
+      double t = now_seconds();
+      if (show_progress && t - last_print > (tty ? 0.25 : 5.0)) {
+        done = 0;
+        for (size_t i = first; i < seqs.size(); i++) done += seqs[i]->is_finished();
+        fprintf(stderr, "%s[progress] %d/%zu done | prefill %.0f tok/s | decode %.0f tok/s | KV %d/%lld blocks%s",
+                tty ? "\r" : "", done, requests.size(), stats.prefill_tokens / std::max(stats.prefill_seconds, 1e-9),
+                stats.decode_tokens / std::max(stats.decode_seconds, 1e-9), scheduler.block_manager.num_used,
+                (long long)config.num_kvcache_blocks, tty ? "   " : "\n");
+        last_print = t;
+      }
+    }
+    if (show_progress && tty) fprintf(stderr, "\n");
+    // Test-only: NANOVLLM_TEST_SLOW_STOP=S holds a stopped run S seconds here, as a long step in flight
+    // would, so that test/gpu_interrupt.sh can send its second Ctrl-C into that window on any GPU.
+    const char* slow = getenv("NANOVLLM_TEST_SLOW_STOP");
+    for (double until = now_seconds() + (slow ? atof(slow) : 0); g_stop_requested && now_seconds() < until;)
+      usleep(10000);
+    stats.seconds = now_seconds() - t0;
+    std::vector<Completion> out;
+    for (size_t i = first; i < seqs.size(); i++) {
+      Sequence& s = *seqs[i];
+      out.push_back({std::vector<int>(s.token_ids.begin() + s.num_prompt_tokens, s.token_ids.end()),
+                     s.finish_reason, s.num_prompt_tokens});
+    }
+    return out;
+  }
+};
+
+// ##########################################################################################################
+// PART II — MAKING IT FAST
+// ##########################################################################################################
+// Part I is complete: every request runs, and every result is right. This part makes it fast. Each section
+// below is one optimization: what it replaces, why that is faster on the hardware, and its switch (the
+// names of Optimizations, section 2: `--opt -NAME` turns one off, `--plain` all of them). The README's
+// performance section has the measured gain of each, from `./bench.sh --ladder` (Part I alone, Part I plus
+// each optimization, everything). The Part I code each one replaces stays: it is what --plain runs, and what
+// the GPU tests check the fast code against (bit for bit where the arithmetic is the same, else a stated
+// tolerance).
+//
+// Where the time goes, and so what there is to win: a decode step must read every weight and every active
+// sequence's K/V once, so its floor is those bytes over the memory bandwidth (the roofline). Large batches
+// are near it with Part I alone. Small batches are not: a batch-1 step of Qwen3-0.6B is hundreds of small
+// kernels, and what costs is the gaps between them (14), matrix products too thin for cuBLASLt's tiles (15),
+// the kernels that exist only to merge partial results (16) or to prepare q and k (17). With tensor
+// parallelism, NCCL's latency on small messages (18). And a sampler that reads its row many times (19).
+// Section 20 is the forward pass that routes each operation to its fast version.
+
+// ==== 14. Programmatic dependent launch ====================================================================
+//
+// Replaces: the ordinary launch, where the GPU lets a kernel finish completely before the next one in the
+// stream starts. At every boundary the SMs drain (the last thread blocks of the kernel run while the rest of
+// the GPU idles), then the next kernel's thread blocks are set up and start with empty caches and no loads
+// in flight. A batch-1 decode step of Qwen3-0.6B has about a hundred and fifty such boundaries.
+// Why it is faster: with programmatic dependent launch (PDL, Hopper and later) the next kernel is launched
+// while the previous one still runs; its thread blocks start, do whatever does not depend on that kernel (a
+// gemv loads its weights, which no step writes; decode attention loads cached keys), and wait in
+// pdl_begin() until the previous grid has finished and its writes are visible. Two rules keep this exactly
+// as safe as plain stream order:
+//   * every kernel launched with PDL (the kernels of Part II, through launch_pdl) calls pdl_begin() before it
+//     reads anything the kernel before it wrote and before it writes anything; so it finishes only after the
+//     one before it, and waiting for the last kernel is waiting for them all. (The fused decode attention of
+//     section 17 reads the KV cache, block tables and context lengths before its wait: all of them were
+//     written before the kernel ahead of it started, which is as good, since that kernel launched only
+//     after its own predecessor had finished. Its thread blocks past the context exit without waiting,
+//     after pdl_trigger(), writing nothing);
+//   * Part I's kernels, cuBLASLt's and copies are launched the ordinary way, so they wait for everything
+//     before them whatever that was.
+// pdl_begin() then allows the next kernel to launch: at most two kernels share the GPU at a time.
+// Switch: pdl. GPUs before sm_90 always launch the ordinary way.
+__device__ __forceinline__ void pdl_begin() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // the kernel before has finished; its writes are seen
+  asm volatile("griddepcontrol.launch_dependents;");  // the kernel after may launch now
+#endif
+}
+
+// Lets the next kernel launch without waiting for anything: for thread blocks that exit without reading or
+// writing (decode partitions past the context), which would otherwise hold the next launch back.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+// The current GPU's compute capability major version: 9 for Hopper (asked once; a process uses one GPU).
+static int gpu_cc_major() {
+  static int major = -1;
+  if (major < 0) {
+    int dev = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  }
+  return major;
+}
+
+// The kernels of Part II are launched through here: kernel<<<grid, block, smem, stream>>>(args...), plus
+// the PDL attribute when switched on; launch_pdl_cluster also groups the thread blocks in clusters of
+// cluster_x along x (section 16).
+template <typename... Params, typename... Args>
+static void launch_pdl_cluster(unsigned cluster_x, void (*kernel)(Params...), dim3 grid, dim3 block,
+                               size_t smem, cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attrs[2] = {};
+  int n = 0;
+  if (g_opt.pdl && gpu_cc_major() >= 9) {
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster_x > 1) {
+    attrs[n].id = cudaLaunchAttributeClusterDimension;
+    attrs[n++].val.clusterDim = {cluster_x, 1, 1};
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = smem, cfg.stream = stream;
+  cfg.attrs = attrs, cfg.numAttrs = n;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+template <typename... Params, typename... Args>
+static void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                       Args&&... args) {
+  launch_pdl_cluster(1, kernel, grid, block, smem, stream, std::forward<Args>(args)...);
+}
+
+// ==== 15. Small-batch gemv with its neighbours fused in ====================================================
+//
+// Replaces: at steps of at most GEMV_MAX_M tokens (batch-1 and -2 decode), cuBLASLt's matrix products and
+// the small kernels around them (the RMSNorm before qkv and gate_up, SiLU-and-mul before down, the residual
+// add after o_proj and down).
+// Why it is faster: with one or two tokens a "matrix product" is a pass over W that does 2*M FLOPs per
+// weight it reads: pure memory traffic, and the GPU is at its best streaming W with every load in flight at
+// once. cuBLASLt's tiles are made for larger M and leave part of the bandwidth unused at this shape (a
+// split-K plus a reduction kernel for down_proj, fewer thread blocks than SMs for others;
+// test/gpu/gpu_gemm.cu times both). And a tiny kernel such as the RMSNorm of one row costs mostly the cost of
+// being a kernel at all: the gemv takes its work over where that needs no extra pass over memory.
+// Switch: gemv (section 20 routes steps of at most GEMV_MAX_M tokens here).
+//
+// gemv_kernel — y [M, N] = x [M, K] @ W [N, K]^T, M <= 2.
+//   One warp per output column n streams row n of W once with 16-byte loads (all of a row's loads issued
+//   before the first use), dots it with the M rows of x (tiny, served from L1), reduces across the warp, and
+//   writes y[:, n]. For short rows a warp takes two adjacent columns (gemv_rows_per_warp below); the sums are
+//   the same either way, added in the same order.
+//   Layouts: x bf16 [M, K] row-major; W bf16 [N, K] row-major (PyTorch's [out, in]); y bf16 [M, N].
+//   Preconditions: K % 8 == 0; x, W 16-byte aligned. fp32 accumulation, one bf16 rounding.
+// Fused variants (the epilogue and the input side take their neighbours' work):
+//   RMSNORM   x is the residual stream; each thread block first writes rmsnorm(x) * norm_w into shared
+//             memory with rmsnorm_row (section 7's code, so the rounding is the same) and dots W with that;
+//   SILU_MUL  x is gate_up [M, 2K]; each thread block first writes silu(gate) * up into shared memory
+//             (silu_mul8, section 7);
+//   ADD       y is the residual stream and y += x @ W^T, rounded like add_rmsnorm: bf16(bf16(dot) + y).
+//             The warp that owns column n is the only reader and writer of y[:, n]: no race.
+// Each thread block recomputes the tiny input row (1-3 thousand values) instead of reading it from a kernel
+// before. test/gpu/gpu_gemm.cu checks every variant bit for bit against the kernels it replaces.
+enum class GemvIn { PLAIN, RMSNORM, SILU_MUL };
+struct GemvOptions {
+  GemvIn in = GemvIn::PLAIN;
+  const bf16* norm_w = nullptr;  // RMSNORM: the norm's weight [K]
+  float eps = 0.f;
+  bool add = false;              // ADD: y += x @ W^T
+};
+constexpr int GEMV_MAX_M = 2;  // from M = 4 on, cuBLASLt's tiles win on some of Qwen3's shapes (README)
+constexpr int GEMV_WARPS = 8;
+// 16-byte loads per lane in flight per iteration (8 x 256 = 2048 columns): enough bytes in flight per SM to
+// cover the memory latency, few enough registers to keep every warp resident.
+constexpr int GEMV_UNROLL = 8;
+constexpr size_t GEMV_MAX_SMEM = 48 << 10;  // the staged input [M, K]: what a launch gets without opting in
+
+template <int M, GemvIn IN, bool ADD, int R>
+__global__ void __launch_bounds__(GEMV_WARPS * 32)
+    gemv_kernel(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ W, int N, int K,
+                const bf16* __restrict__ norm_w, float eps) {
+  extern __shared__ uint4 staged[];  // IN != PLAIN: the input the dot products use, bf16 [M, K]
+  constexpr int U = GEMV_UNROLL / R;  // loads in flight per row
+  const int n0 = (blockIdx.x * GEMV_WARPS + threadIdx.x / 32) * R, lane = threadIdx.x & 31;  // rows n0..n0+R-1
+  uint4 wv[R][U];
+  auto load_stretch = [&](int k0) {  // issue every load of a stretch of the rows before its first use
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+#pragma unroll
+      for (int u = 0; u < U; u++) {
+        const int k = k0 + u * 256 + lane * 8;
+        if (n0 + r < N && k < K) wv[r][u] = __ldcs(reinterpret_cast<const uint4*>(W + (size_t)(n0 + r) * K + k));
+      }
+    }
+  };
+  // No step writes the weights, so the first stretch is loaded before waiting for the kernel before
+  // (section 14, PDL): for R * K <= GEMV_UNROLL * 256 that is all of the warp's rows, in flight while that
+  // kernel finishes.
+  if (n0 < N) load_stretch(0);
+  pdl_begin();
+  if constexpr (IN == GemvIn::RMSNORM) {
+    __shared__ float scratch[32];
+    for (int m = 0; m < M; m++) {
+      rmsnorm_row<false>(reinterpret_cast<bf16*>(staged) + (size_t)m * K, nullptr, x + (size_t)m * K, norm_w, K,
+                         eps, scratch);
+      __syncthreads();  // the row is complete, and scratch may be used again
+    }
+  } else if constexpr (IN == GemvIn::SILU_MUL) {
+    const uint4* gu = reinterpret_cast<const uint4*>(x);
+    for (int c = threadIdx.x; c < M * K / 8; c += blockDim.x) {
+      const int m = c / (K / 8), j = c % (K / 8);
+      staged[c] = silu_mul8(gu[(size_t)m * K / 4 + j], gu[(size_t)m * K / 4 + K / 8 + j]);
+    }
+    __syncthreads();
+  }
+  if (n0 >= N) return;
+  float acc[R][M];
+#pragma unroll
+  for (int r = 0; r < R; r++)
+#pragma unroll
+    for (int m = 0; m < M; m++) acc[r][m] = 0.f;
+  for (int k0 = 0; k0 < K; k0 += U * 256) {  // every lane sums its columns in increasing order, whatever R is
+    if (k0 > 0) load_stretch(k0);
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int k = k0 + u * 256 + lane * 8;
+      if (k >= K) break;
+#pragma unroll
+      for (int m = 0; m < M; m++) {
+        float xf[8];
+        const size_t at = ((size_t)m * K + k) / 8;
+        bf16x8_to_float(IN == GemvIn::PLAIN ? __ldg(reinterpret_cast<const uint4*>(x) + at) : staged[at], xf);
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+          float wf[8];
+          bf16x8_to_float(wv[r][u], wf);
+#pragma unroll
+          for (int j = 0; j < 8; j++) acc[r][m] = fmaf(wf[j], xf[j], acc[r][m]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; r++)
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) acc[r][m] += __shfl_xor_sync(0xffffffffu, acc[r][m], off);
+    }
+  // lane r*M + m writes y[m, n0 + r] (registers are indexed with constants only)
+#pragma unroll
+  for (int r = 0; r < R; r++)
+#pragma unroll
+    for (int m = 0; m < M; m++)
+      if (lane == r * M + m && n0 + r < N) {
+        bf16& out = y[(size_t)m * N + n0 + r];
+        out = ADD ? __float2bfloat16(round_bf16(acc[r][m]) + __bfloat162float(out)) : __float2bfloat16(acc[r][m]);
+      }
+}
+
+// Rows per warp: 2 when both rows' loads fit in one stretch (K <= 1024: Qwen3-0.6B's qkv and gate_up), so the
+// grid is half as large and fits on the GPU at once beside the kernel before, every block loading all of its
+// weights before the PDL wait; else 1.
+static int gemv_rows_per_warp(int K) { return 2 * K <= GEMV_UNROLL * 256 ? 2 : 1; }
+
+template <int M, GemvIn IN, bool ADD>
+static void gemv_launch(int K, int N, size_t smem, cudaStream_t stream, bf16* y, const bf16* x, const bf16* W,
+                        const bf16* norm_w, float eps) {
+  if (gemv_rows_per_warp(K) == 2)
+    launch_pdl(gemv_kernel<M, IN, ADD, 2>, (unsigned)cdiv(N, 2 * GEMV_WARPS), GEMV_WARPS * 32, smem, stream, y, x,
+               W, N, K, norm_w, eps);
+  else
+    launch_pdl(gemv_kernel<M, IN, ADD, 1>, (unsigned)cdiv(N, GEMV_WARPS), GEMV_WARPS * 32, smem, stream, y, x, W,
+               N, K, norm_w, eps);
+}
+template <int M, GemvIn IN>
+static void gemv_launch(bool add, int K, int N, size_t smem, cudaStream_t stream, bf16* y, const bf16* x,
+                        const bf16* W, const bf16* norm_w, float eps) {
+  if (add) gemv_launch<M, IN, true>(K, N, smem, stream, y, x, W, norm_w, eps);
+  else gemv_launch<M, IN, false>(K, N, smem, stream, y, x, W, norm_w, eps);
+}
+template <int M>
+static void gemv_launch(const GemvOptions& o, size_t smem, cudaStream_t stream, bf16* y, const bf16* x,
+                        const bf16* W, int N, int K) {
+  switch (o.in) {
+    case GemvIn::PLAIN: gemv_launch<M, GemvIn::PLAIN>(o.add, K, N, smem, stream, y, x, W, nullptr, 0); break;
+    case GemvIn::RMSNORM: gemv_launch<M, GemvIn::RMSNORM>(o.add, K, N, smem, stream, y, x, W, o.norm_w, o.eps); break;
+    case GemvIn::SILU_MUL: gemv_launch<M, GemvIn::SILU_MUL>(o.add, K, N, smem, stream, y, x, W, nullptr, 0); break;
+  }
+}
+
+// Whether gemv() can stage an [M, K] input in shared memory (RMSNORM and SILU_MUL).
+static bool gemv_can_stage(int M, int K) { return (size_t)M * K * sizeof(bf16) <= GEMV_MAX_SMEM; }
+
+static void gemv(bf16* y, const bf16* x, const bf16* W, int M, int N, int K, cudaStream_t stream,
+                 const GemvOptions& o = {}) {
+  if (K % 8) die("gemv: K = %d must be a multiple of 8", K);
+  if (((uintptr_t)x | (uintptr_t)W) % 16) die("gemv: x and W must be 16-byte aligned");
+  size_t smem = 0;
+  if (o.in != GemvIn::PLAIN) {
+    if (!gemv_can_stage(M, K)) die("gemv: a fused input of %d x %d does not fit in shared memory", M, K);
+    smem = (size_t)M * K * sizeof(bf16);
+  }
+  if (o.in == GemvIn::RMSNORM) rmsnorm_checks("gemv (RMSNORM)", x, x, o.norm_w, K);
+  switch (M) {
+    case 1: gemv_launch<1>(o, smem, stream, y, x, W, N, K); break;
+    case 2: gemv_launch<2>(o, smem, stream, y, x, W, N, K); break;
+    default: die("gemv: M = %d, at most %d", M, GEMV_MAX_M);
+  }
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// ==== 16. The split-K merge inside a cluster ===============================================================
+//
+// Replaces: attention_decode_merge_kernel (section 8) and its workspace, for batches of at most
+// DECODE_CLUSTER_MAX_B sequences on sm_90 and later.
+// Why it is faster: a small batch needs many partitions to fill the GPU, so at long contexts the merge
+// kernel has many partials per head to read back from memory, and it is one more kernel boundary per layer.
+// On Hopper the thread blocks of a cluster run at the same time on neighbouring SMs and can read each
+// other's shared memory (distributed shared memory), so the partitions of one (sequence, kv head) can merge
+// where they are: the grid is (DECODE_CLUSTER, NKV, B), one cluster of DECODE_CLUSTER thread blocks per
+// (sequence, kv head), and the partition length follows the context: ceil(ctx / DECODE_CLUSTER) rounded up
+// to whole tiles. Each live thread block leaves its share of every head of the group in shared memory
+// (cluster_partial) and cluster_merge combines them: no workspace, no second kernel. The merge does the
+// merge kernel's arithmetic in the same order, so the result is the same as section 8's at the same
+// partition length. The kernel that calls it is section 17's (the same kernel with both additions).
+// Switch: cluster_merge. GPUs before sm_90, and batches above DECODE_CLUSTER_MAX_B, use the merge kernel.
+constexpr int DECODE_CLUSTER = 16;        // thread blocks per cluster (16 is above the portable 8: opted into)
+constexpr int DECODE_CLUSTER_MAX_B = 4;   // larger batches: the workspace and the merge kernel
+
+// This thread block's share of head g of its group: O[HEAD_DIM], then m, l (the merge kernel's ws_o and
+// ws_ml). It lies in the K/V stages after the warps' combine buffers, at the same offset in every block.
+__device__ __forceinline__ float* cluster_partial(int g) {
+  extern __shared__ __align__(16) unsigned char attn_smem[];
+  float* after_combine = reinterpret_cast<float*>(attn_smem + DECODE_ROWS * HEAD_DIM * sizeof(bf16)) +
+                         DECODE_WARPS * DECODE_ROWS * (HEAD_DIM + 2);
+  return after_combine + g * (HEAD_DIM + 2);
+}
+static_assert((DECODE_WARPS + 1) * DECODE_ROWS * (HEAD_DIM + 2) * sizeof(float) <=
+                  2 * ATTN_STAGES * ATTN_KV_TILE * HEAD_DIM * sizeof(bf16),
+              "the combine buffers and the cluster partials fit in the K/V stages");
+
+// The merge of one cluster. Every thread block calls it, live (it has written its cluster_partial of every
+// head) or not (a partition past the context). After a cluster barrier, live thread block p merges heads p,
+// p + n_parts, ... of the group, reading the live blocks' shares through distributed shared memory; the
+// second barrier keeps every thread block, and so its shared memory, alive until all reads are done.
+__device__ void cluster_merge(bf16* out, int b, int kvh, int group, int NH, int n_parts, bool live) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  const int d = threadIdx.x;
+  if (live) {
+    for (int g = (int)cluster.block_rank(); g < group; g += n_parts) {
+      float m_max = -INFINITY;
+      for (int p = 0; p < n_parts; p++)
+        m_max = fmaxf(m_max, cluster.map_shared_rank(cluster_partial(g), p)[HEAD_DIM]);
+      float l_sum = 0.f, acc = 0.f;
+      for (int p = 0; p < n_parts; p++) {
+        const float* share = cluster.map_shared_rank(cluster_partial(g), p);
+        const float f = fast_exp2(share[HEAD_DIM] - m_max);
+        l_sum += share[HEAD_DIM + 1] * f;
+        acc += share[d] * f;
+      }
+      out[(size_t)b * NH * HEAD_DIM + (kvh * group + g) * HEAD_DIM + d] = __float2bfloat16(acc / l_sum);
+    }
+  }
+  cluster.sync();
+#else
+  __trap();  // not launched: clusters are used on sm_90 and later only
+#endif
+}
+
+// ==== 17. Decode attention does q/k-norm, RoPE and the KV store ============================================
+//
+// Replaces: in decode steps, qk_norm_rope (section 7) and the kernel boundary between it and decode
+// attention (section 8).
+// Why it is faster: the decode kernel can do qk_norm_rope's work for its token itself. Every thread block
+// normalises and rotates its group's query heads straight into its Q tile (the few hundred bytes are read
+// from qkv by every thread block of the group, and the 64 sines and cosines computed by each: both cheaper
+// than a kernel boundary); the thread block whose partition ends at the context's end (the "owner": key
+// ctx-1 is this step's token) does the same for the k head, writes k and v to their cache slot
+// (slot_mapping; -1 stores nothing) and puts them in its last tile itself, the one key its tile loads leave
+// out. Because of that, everything a thread block reads before its Q tile was written before the kernel
+// ahead of this one started: context lengths and block tables by the step's upload, the cached keys and
+// values by earlier steps. So it issues its first K/V tile loads before pdl_begin() (section 14), while the
+// qkv projection before it still runs; at batch 1 that is all of the keys it reads.
+// The result is bit for bit that of qk_norm_rope followed by section 8's kernel, since the math is the same
+// code (head_norm_rope, decode_attend_tiles, decode_combine_warps); test/gpu/gpu_attention.cu checks it.
+// Switch: fused_rope. The kernel also carries section 16's cluster merge (CLUSTER): <ROPE, CLUSTER> is
+// <true, false>, <true, true>, or <false, true> (cluster merge alone, after qk_norm_rope).
+struct DecodeRope {         // the fused q/k-norm + RoPE + KV store (ROPE = true)
+  const int* positions;     // [B] the token's position
+  const int* slot_mapping;  // [B] its cache slot, -1 = do not store
+  const bf16* q_norm_w;     // [D]
+  const bf16* k_norm_w;     // [D]
+  float eps;
+  RopeInvFreq inv_freq;
+};
+
+template <bool ROPE, bool CLUSTER>
+__global__ void __launch_bounds__(DECODE_WARPS * 32)
+    attention_decode_fused_kernel(bf16* __restrict__ out, const bf16* __restrict__ qkv,
+                                  bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
+                                  const int* __restrict__ context_lens, const int* __restrict__ block_tables,
+                                  int NH, int NKV, int log2P, int MB, int max_parts, int partition,
+                                  float* __restrict__ ws_o, float* __restrict__ ws_ml, float scale_log2,
+                                  DecodeRope rope) {
+  if (!ROPE) pdl_begin();  // q and this step's k/v come from qk_norm_rope, the kernel before
+  const int part = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int ctx = context_lens[b];
+  if (CLUSTER) partition = cdiv_dev(cdiv_dev(ctx, DECODE_CLUSTER), ATTN_KV_TILE) * ATTN_KV_TILE;
+  const int key_begin = part * partition;
+  if (key_begin >= ctx) {  // writes nothing; with ROPE it need not wait for the kernel before either
+    if (CLUSTER) {  // it still takes part in the cluster's barriers, which end only with the live blocks
+      pdl_trigger();
+      cluster_merge(out, b, kvh, NH / NKV, NH, cdiv_dev(ctx, partition), false);
+    }
+    return;
+  }
+  const int key_end = min(ctx, key_begin + partition);
+  const int group = NH / NKV;  // query heads kvh*group .. kvh*group + group-1 share this kv head
+  const int* block_table = block_tables + (size_t)b * MB;
+  const bool owner = ROPE && key_end == ctx;  // holds this step's token, key ctx-1
+  const int new_key = owner ? ctx - 1 : -1;   // the key the tile loads leave out
+
+  extern __shared__ __align__(16) unsigned char attn_smem[];
+  bf16* sQ = reinterpret_cast<bf16*>(attn_smem);              // [DECODE_ROWS][D]
+  bf16* sK = sQ + DECODE_ROWS * HEAD_DIM;                     // [ATTN_STAGES][ATTN_KV_TILE][D]
+  bf16* sV = sK + ATTN_STAGES * ATTN_KV_TILE * HEAD_DIM;      // [ATTN_STAGES][ATTN_KV_TILE][D]
+  __shared__ uint4 s_new_kv[2][HEAD_DIM / 8];                 // ROPE owner: this step's k and v
+  __shared__ float cos_s[ROPE ? HEAD_DIM / 2 : 1], sin_s[ROPE ? HEAD_DIM / 2 : 1];
+
+  // Row g of the Q tile is query head kvh*group + g of token b: the group's heads are adjacent in qkv.
+  const bf16* qkv_row = qkv + (size_t)b * (NH + 2 * NKV) * HEAD_DIM;
+  const bf16* q_src = qkv_row + (size_t)kvh * group * HEAD_DIM;
+  if (!ROPE) {
+    for (int i = threadIdx.x; i < DECODE_ROWS * 16; i += DECODE_WARPS * 32) {
+      const int r = i >> 4, c = i & 15;
+      cp_async_16(sQ + attn_smem_index(r, c), r < group ? q_src + r * HEAD_DIM + c * 8 : qkv, r < group);
+    }
+  }
+  cp_async_commit();  // (empty with ROPE: the group count stays the same)
+  load_kv_tile<DECODE_WARPS * 32>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end,
+                                  new_key);
+  cp_async_commit();
+  if (ROPE) {
+    pdl_begin();  // qkv is the kernel before's output
+    rope_angles(cos_s, sin_s, rope.positions[b], rope.inv_freq);
+    __syncthreads();
+    // 8 threads per head as in qk_norm_rope_kernel: heads 0..group-1 are the queries, head `group` the key
+    // (owner only); Q rows past the group are zeros. Every thread runs the same passes (shuffles).
+    const int j = threadIdx.x % ROPE_THREADS_PER_HEAD, nheads = group + (owner ? 1 : 0);
+    for (int base = 0; base < max(DECODE_ROWS, group + 1); base += DECODE_WARPS * 32 / ROPE_THREADS_PER_HEAD) {
+      const int r = base + threadIdx.x / ROPE_THREADS_PER_HEAD;
+      const bool active = r < nheads;
+      const uint4* src = reinterpret_cast<const uint4*>(r < group ? q_src + (size_t)r * HEAD_DIM
+                                                                  : qkv_row + (size_t)(NH + kvh) * HEAD_DIM);
+      uint4 ua = {}, ub = {};
+      if (active) ua = src[j], ub = src[j + 8];
+      const float ss = head_sum_squares(ua, ub);
+      if (active)
+        head_norm_rope(ua, ub, ss, r < group ? rope.q_norm_w : rope.k_norm_w, cos_s, sin_s, j, rope.eps);
+      if (r == group && owner) s_new_kv[0][j] = ua, s_new_kv[0][j + 8] = ub;
+      if (r < DECODE_ROWS) {
+        *reinterpret_cast<uint4*>(sQ + attn_smem_index(r, j)) = r < group ? ua : uint4{};
+        *reinterpret_cast<uint4*>(sQ + attn_smem_index(r, j + 8)) = r < group ? ub : uint4{};
+      }
+    }
+    if (owner && threadIdx.x < HEAD_DIM / 8) {  // v as it is
+      const uint4* v_src = reinterpret_cast<const uint4*>(qkv_row + (size_t)(NH + NKV + kvh) * HEAD_DIM);
+      s_new_kv[1][threadIdx.x] = v_src[threadIdx.x];
+    }
+    __syncthreads();
+    const int slot = owner ? rope.slot_mapping[b] : -1;
+    if (slot >= 0 && threadIdx.x < 2 * HEAD_DIM / 8) {  // into the cache: k by threads 0-15, v by 16-31
+      const int kv = threadIdx.x / 16, c = threadIdx.x % 16;
+      const size_t row = (((size_t)(slot >> log2P) * NKV + kvh) << log2P) + (slot & ((1 << log2P) - 1));
+      reinterpret_cast<uint4*>((kv ? v_cache : k_cache) + row * HEAD_DIM)[c] = s_new_kv[kv][c];
+    }
+  }
+  cp_async_wait<ATTN_STAGES - 1>();
+  __syncthreads();
+  uint32_t q[HEAD_DIM / 16][4];
+  load_q_fragments(q, sQ, 0);  // every warp holds the same 16 rows (the group's heads)
+
+  float o[HEAD_DIM / 8][4] = {};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  decode_attend_tiles(q, sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end, new_key,
+                      scale_log2, o, m, l, [&](int t, int n_tiles, bf16* sK_t, bf16* sV_t, int key_tile) {
+                        if (owner && t == n_tiles - 1 && threadIdx.x < 2 * HEAD_DIM / 8) {  // the left-out key
+                          const int kv = threadIdx.x / 16, c = threadIdx.x % 16;
+                          bf16* dst = (kv ? sV_t : sK_t) + attn_smem_index(new_key - key_tile, c);
+                          *reinterpret_cast<uint4*>(dst) = s_new_kv[kv][c];
+                        }
+                      });
+  const bool single = key_begin == 0 && key_end == ctx;  // the only live partition: finish here
+  decode_combine_warps(o, m, l, scale_log2, sK, group, [&](int g, float acc, float m_max, float l_sum) {
+    const int h = kvh * group + g, d = threadIdx.x;
+    if (CLUSTER) {  // this partition's share of head g, for cluster_merge (same offset in every block)
+      cluster_partial(g)[d] = acc;
+      if (d == 0) cluster_partial(g)[HEAD_DIM] = m_max, cluster_partial(g)[HEAD_DIM + 1] = l_sum;
+    } else if (single) {
+      out[(size_t)b * NH * HEAD_DIM + h * HEAD_DIM + d] = __float2bfloat16(acc / l_sum);
+    } else {
+      const size_t slot = ((size_t)b * NH + h) * max_parts + part;
+      ws_o[slot * HEAD_DIM + d] = acc;
+      if (d == 0) ws_ml[slot * 2] = m_max, ws_ml[slot * 2 + 1] = l_sum;
+    }
+  });
+  if (CLUSTER) cluster_merge(out, b, kvh, group, NH, cdiv_dev(ctx, partition), true);
+}
+
+// The fused kernel of this kind, its opt-ins (the decode shared memory; clusters of 16) made once.
+template <bool ROPE, bool CLUSTER>
+static auto decode_fused_kernel() {
+  static bool ready = false;
+  auto kernel = attention_decode_fused_kernel<ROPE, CLUSTER>;
+  if (!ready) {
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)DECODE_SMEM));
+    if (CLUSTER) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    ready = true;
+  }
+  return kernel;
+}
+
+// Whether this GPU can run the cluster kernel: sm_90 or later, and a cluster of DECODE_CLUSTER thread
+// blocks with the kernel's shared memory fits (asked once).
+static bool decode_clusters_supported() {
+  static int ok = -1;
+  if (ok < 0) {
+    ok = 0;
+    if (gpu_cc_major() >= 9) {
+      cudaLaunchConfig_t cfg = {};
+      cudaLaunchAttribute attr = {};
+      attr.id = cudaLaunchAttributeClusterDimension;
+      attr.val.clusterDim = {DECODE_CLUSTER, 1, 1};
+      cfg.gridDim = dim3(DECODE_CLUSTER, 1, 1), cfg.blockDim = DECODE_WARPS * 32;
+      cfg.dynamicSmemBytes = DECODE_SMEM, cfg.attrs = &attr, cfg.numAttrs = 1;
+      int clusters = 0;
+      ok = cudaOccupancyMaxActiveClusters(&clusters, decode_fused_kernel<true, true>(), &cfg) == cudaSuccess &&
+           clusters > 0;
+      cudaGetLastError();  // a refusal is an answer, not an error
+    }
+  }
+  return ok;
+}
+
+// Section 8's attention_decode with sections 16 and 17 where switched on. Arguments as there, except:
+// rope: null = q and this step's k/v are ready (qk_norm_rope ran); else the fused kernel (ROPE = true): qkv
+// is the raw projection, and this step's k and v go to the cache here (k_cache, v_cache are written).
+static void attention_decode_fast(bf16* out, const bf16* qkv, bf16* k_cache, bf16* v_cache,
+                                  const int* context_lens, const int* block_tables, int B, int NH, int NKV,
+                                  int P, int MB, int max_context_len, float* workspace, float scale,
+                                  cudaStream_t stream, const DecodeRope* rope) {
+  const bool cluster = g_opt.cluster_merge && B <= DECODE_CLUSTER_MAX_B && decode_clusters_supported();
+  if (!rope && !cluster)
+    return attention_decode(out, qkv, k_cache, v_cache, context_lens, block_tables, B, NH, NKV, P, MB,
+                            max_context_len, workspace, scale, stream);
+  check_attention_shapes("attention_decode_fast", NH, NKV, P);
+  if (NH / NKV > DECODE_ROWS)
+    die("attention_decode_fast: NH/NKV = %d query heads per kv head, at most %d", NH / NKV, DECODE_ROWS);
+  if (rope) {
+    check_aligned16("attention_decode_fast", "q_norm_w", rope->q_norm_w);
+    check_aligned16("attention_decode_fast", "k_norm_w", rope->k_norm_w);
+  }
+  if (B == 0) return;
+  const float scale_log2 = scale * (float)M_LOG2E;
+  const DecodeRope r = rope ? *rope : DecodeRope{};
+  if (cluster) {  // merged inside the kernel
+    auto kernel = rope ? decode_fused_kernel<true, true>() : decode_fused_kernel<false, true>();
+    launch_pdl_cluster(DECODE_CLUSTER, kernel, dim3(DECODE_CLUSTER, NKV, B), DECODE_WARPS * 32, DECODE_SMEM,
+                       stream, out, qkv, k_cache, v_cache, context_lens, block_tables, NH, NKV, __builtin_ctz(P),
+                       MB, 0, 0, nullptr, nullptr, scale_log2, r);
+    CUDA_CHECK(cudaGetLastError());
+    return;
+  }
+  const int partition = decode_partition(B);
+  const int max_parts = (int)cdiv(max_context_len, partition);
+  float* ws_o = workspace;                                           // [B, NH, max_parts, D]
+  float* ws_ml = workspace + (size_t)B * NH * max_parts * HEAD_DIM;  // [B, NH, max_parts, 2]
+  launch_pdl(decode_fused_kernel<true, false>(), dim3(max_parts, NKV, B), DECODE_WARPS * 32, DECODE_SMEM, stream,
+             out, qkv, k_cache, v_cache, context_lens, block_tables, NH, NKV, __builtin_ctz(P), MB, max_parts,
+             partition, ws_o, ws_ml, scale_log2, r);
+  CUDA_CHECK(cudaGetLastError());
+  if (max_parts > 1) {  // section 8's merge kernel, launched the ordinary way (it has no pdl_begin)
+    attention_decode_merge_kernel<<<dim3(NH, B), HEAD_DIM, 0, stream>>>(out, context_lens, ws_o, ws_ml, NH,
+                                                                        max_parts, partition);
+    CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+// ==== 18. One-shot all-reduce over NVLink ==================================================================
+//
+// Replaces: section 12's NCCL all-reduce for messages up to ar_max_bytes(N) (decode's), and the residual add
+// that follows it (add_rmsnorm's add, section 7), when every GPU can write every other GPU's memory (NVLink,
+// or PCIe peer-to-peer).
+// Why it is faster: NCCL's ring all-reduce costs 2(N-1) dependent steps plus its own kernel set-up, paid 73
+// times per token for Qwen3-8B; for an 8 KB message that is all latency. The one-shot road (after the
+// "custom all-reduce" of vLLM and TensorRT-LLM): each rank writes its partial sums straight into a staging
+// buffer on every other rank (mapped with CUDA IPC), then adds what arrived in its own memory. There are no
+// flags and no barrier: a staging slot holds a value no partial sum is sent as (bf16 -0.0, see below) until
+// the data lands, so "has it arrived?" is read from the data itself (the Lamport-style all-reduce of
+// TensorRT-LLM). One crossing of NVLink per call, and no release/acquire pair at system scope, which must
+// wait for the thread block's NVLink stores to be acknowledged. Large messages (prefill) stay with NCCL,
+// whose ring moves fewer bytes per GPU. The sum can also land in the residual stream at once (residual +=
+// sum): section 20 uses that instead of a separate add, so at N > 1 the add costs no kernel.
+// Switch: oneshot_allreduce. NANOVLLM_ALLREDUCE=skip (section 12) skips every all-reduce on both roads.
+
+constexpr int AR_THREADS = 512;             // threads of an all-reduce thread block, 16 bytes each a pass
+constexpr int AR_MAX_BLOCKS = 32;           // blocks of one all-reduce: all resident on any sm_80+ GPU
+constexpr size_t AR_DATA_BYTES = 8 << 20;   // the largest one-shot message at N = 2 (decode: B * H * 2)
+constexpr size_t AR_ONESHOT_MANY_RANKS = 512 << 10;  // ... and at N > 2, where every rank writes (N-1)x the
+                                                     // message: NCCL's ring wins sooner
+constexpr uint16_t AR_EMPTY = 0x8000;       // bf16 -0.0: "not arrived yet" in a staging slot
+static size_t ar_max_bytes(int size) { return size == 2 ? AR_DATA_BYTES : AR_ONESHOT_MANY_RANKS; }
+
+// Every rank's staging buffer, as mapped into this process: rank d's is
+//   data [2 halves][size][ar_max_bytes(size)]   data[h][s]: what rank s sent to rank d, or AR_EMPTY
+struct ARPeers {
+  bf16* data[TP_MAX_RANKS];
+};
+
+struct OneShot {
+  ARPeers peers{};
+  uint64_t* epochs = nullptr;  // [AR_MAX_BLOCKS] calls made so far, one copy per thread block (all equal)
+};
+
+// ---- all_reduce_p2p ------------------------------------------------------------------------------------
+// Replaces: ncclAllReduce(x, x, n, ncclBfloat16, ncclSum) (torch.distributed.all_reduce in nano-vllm's
+//           RowParallelLinear and VocabParallelEmbedding) for messages up to ar_max_bytes(N), and with
+//           `residual` the add that follows it in Qwen3DecoderLayer (the residual input of the next RMSNorm).
+// Reads  x [n] bf16 on every rank (that rank's partial sum), and the other ranks' partials as they arrive.
+// Writes the sum over ranks, added in fp32 in rank order 0..N-1 on every rank so that all ranks get the same
+//        bits (they must: the residual stream of every rank has to stay identical), rounded to bf16 and
+//          residual == nullptr:  into x
+//          otherwise:            into residual [n]: residual = bf16(residual + bf16(sum)), the rounding of
+//                                an all-reduce followed by add_rmsnorm's add (section 7)
+//        A partial of -0.0 is sent and added as +0.0 (-0.0 means "empty"); only the sign of a zero sum
+//        can differ from NCCL's.
+// A thread owns the 16-byte chunks c = blockIdx.x * blockDim.x + threadIdx.x + k * gridDim.x * blockDim.x:
+//   1. push: it stores its chunks of x into data[h][my rank] of every other rank (stores over NVLink);
+//   2. for each other rank s, it reads data[h][s][c] from its own memory until none of the 8 values is
+//      AR_EMPTY, which means all 16 bytes have landed (a wider store may land in parts; each part is new),
+//      adds, and writes AR_EMPTY back, ready for the next use of the slot.
+// Call k uses half h = k % 2. A rank writes half h again only at call k + 2, after call k + 1 got data from
+// every rank, and each rank sends that only after its own call k has finished, emptied slots included
+// (kernels run in stream order, each waiting for the one before, section 14). So two halves are enough.
+// The call number lives in device memory and the kernel bumps it itself, so the kernel works eagerly and
+// replayed from any CUDA graph, in any mix, as long as every rank makes the same calls in the same order.
+// Every block keeps its own copy (no block may read a counter another block of the same call updates):
+// block b reads epochs[b] and writes the new number into every copy j = b (mod gridDim.x), so all copies
+// stay equal whatever grid the next call has.
+// Preconditions: n % 8 == 0, 2n <= ar_max_bytes(N), every rank calls it in the same order with the same n.
+__device__ __forceinline__ uint4 ld_volatile16(const uint4* p) {  // a fresh read from memory every time
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ bool ar_has_empty(const uint4& v) {  // any of the 8 bf16 equal to AR_EMPTY
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  bool empty = false;
+#pragma unroll
+  for (int i = 0; i < 4; i++) empty |= (w[i] & 0xffffu) == AR_EMPTY || (w[i] >> 16) == AR_EMPTY;
+  return empty;
+}
+__device__ __forceinline__ uint4 ar_no_negative_zero(uint4 v) {  // -0.0 -> +0.0 in each of the 8 bf16
+  uint32_t* w = reinterpret_cast<uint32_t*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    if ((w[i] & 0xffffu) == AR_EMPTY) w[i] &= 0xffff0000u;
+    if ((w[i] >> 16) == AR_EMPTY) w[i] &= 0x0000ffffu;
+  }
+  return v;
+}
+
+__global__ __launch_bounds__(AR_THREADS) void all_reduce_p2p_kernel(bf16* x, bf16* residual, ARPeers peers,
+                                                                    uint64_t* epochs, int64_t chunks,
+                                                                    int64_t slot_chunks, int rank, int size) {
+  pdl_begin();
+  const uint64_t epoch = epochs[blockIdx.x] + 1;
+  const int64_t half = (int64_t)(epoch & 1) * size;
+  const int64_t first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  uint4* xv = reinterpret_cast<uint4*>(x);
+  auto slot = [&](int owner, int from) {  // data[half][from] in rank owner's buffer
+    return reinterpret_cast<uint4*>(peers.data[owner]) + (half + from) * slot_chunks;
+  };
+  for (int64_t c = first; c < chunks; c += stride) {  // 1. push
+    const uint4 v = ar_no_negative_zero(xv[c]);
+    for (int r = 0; r < size; r++)
+      if (r != rank) slot(r, rank)[c] = v;
+  }
+  constexpr uint32_t EMPTY2 = AR_EMPTY * 0x10001u;  // two empty bf16
+  const uint4 empty = make_uint4(EMPTY2, EMPTY2, EMPTY2, EMPTY2);
+  uint4* rv = reinterpret_cast<uint4*>(residual);
+  for (int64_t c = first; c < chunks; c += stride) {  // 2. wait, add, empty
+    float sum[8] = {}, v[8];
+    for (int r = 0; r < size; r++) {
+      uint4 u;
+      if (r == rank) {
+        u = ar_no_negative_zero(xv[c]);
+      } else {
+        uint4* p = slot(rank, r) + c;
+        do u = ld_volatile16(p);
+        while (ar_has_empty(u));
+        *p = empty;
+      }
+      bf16x8_to_float(u, v);
+#pragma unroll
+      for (int i = 0; i < 8; i++) sum[i] += v[i];
+    }
+    if (residual) {
+      bf16x8_to_float(rv[c], v);
+#pragma unroll
+      for (int i = 0; i < 8; i++) sum[i] = round_bf16(sum[i]) + v[i];
+      rv[c] = float_to_bf16x8(sum);
+    } else {
+      xv[c] = float_to_bf16x8(sum);
+    }
+  }
+  if (threadIdx.x == 0)
+    for (int j = blockIdx.x; j < AR_MAX_BLOCKS; j += gridDim.x) epochs[j] = epoch;
+}
+static void all_reduce_p2p(TPComm* comm, bf16* x, bf16* residual, size_t n, cudaStream_t stream) {
+  check_vec8("all_reduce_p2p", "n", (int64_t)n);
+  check_aligned16("all_reduce_p2p", "x", x);
+  if (residual) check_aligned16("all_reduce_p2p", "residual", residual);
+  const size_t slot_bytes = ar_max_bytes(comm->size);
+  if (n * sizeof(bf16) > slot_bytes) die("all_reduce_p2p: %zu elements exceed the staging buffer", n);
+  if (n == 0) return;
+  const int64_t chunks = (int64_t)n / 8;
+  const int blocks = (int)std::min<int64_t>(AR_MAX_BLOCKS, cdiv(chunks, AR_THREADS));
+  launch_pdl(all_reduce_p2p_kernel, blocks, AR_THREADS, 0, stream, x, residual, comm->oneshot->peers,
+             comm->oneshot->epochs, chunks, (int64_t)(slot_bytes / 16), comm->rank, comm->size);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// residual [n] = bf16(residual + x): the add after an NCCL all-reduce, rounded like the one-shot kernel's.
+__global__ void residual_add_kernel(bf16* residual, const bf16* x, int64_t chunks) {
+  pdl_begin();
+  const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= chunks) return;
+  float r[8], v[8];
+  bf16x8_to_float(reinterpret_cast<const uint4*>(residual)[c], r);
+  bf16x8_to_float(reinterpret_cast<const uint4*>(x)[c], v);
+#pragma unroll
+  for (int i = 0; i < 8; i++) r[i] += v[i];
+  reinterpret_cast<uint4*>(residual)[c] = float_to_bf16x8(r);
+}
+
+// The sum of x over the ranks: in place into x, or, with `residual`, added into residual (x then holds this
+// rank's partial still, or the sum: callers must not rely on either). The one-shot road where switched on
+// and the message fits, else NCCL (plus residual_add_kernel). Every rank must make the same calls in the
+// same order; the road depends only on n and on what every rank agreed at start-up, so it is the same
+// everywhere.
+static void all_reduce_fast(TPComm* comm, bf16* x, size_t n, cudaStream_t stream, bf16* residual) {
+  if (comm->skip) return;
+  const size_t bytes = n * sizeof(bf16);
+  if (g_opt.oneshot_allreduce && comm->oneshot && n % 8 == 0 && bytes <= ar_max_bytes(comm->size)) {
+    all_reduce_p2p(comm, x, residual, n, stream);
+    return;
+  }
+  all_reduce_sum(comm, x, n, stream);
+  if (residual && n > 0) {
+    check_vec8("all_reduce_fast (residual)", "n", (int64_t)n);
+    const int64_t chunks = (int64_t)n / 8;
+    launch_pdl(residual_add_kernel, (unsigned)cdiv(chunks, 256), 256, 0, stream, residual, x, chunks);
+    CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+// Set up the one-shot all-reduce, once per communicator: map every rank's staging buffer into this process.
+// Every step is agreed by all ranks (an all_reduce_min of "it worked here"), so they all take the same road
+// afterwards. Every rank calls it at the same point (ModelRunner's constructor).
+static void oneshot_setup(TPComm* c) {
+  if (c->oneshot_tried) return;
+  c->oneshot_tried = true;
+  int ok = 1;
+  for (int r = 0; r < c->size; r++) {
+    int can = 1;
+    if (r != c->rank) CUDA_CHECK(cudaDeviceCanAccessPeer(&can, c->rank, r));
+    ok &= can;
+  }
+  if (!all_reduce_min(c, ok)) return;
+  char* buf;
+  const size_t bytes = 2 * c->size * ar_max_bytes(c->size);
+  CUDA_CHECK(cudaMalloc(&buf, bytes));
+  const std::vector<uint16_t> empty(bytes / 2, AR_EMPTY);  // every slot starts empty
+  CUDA_CHECK(cudaMemcpy(buf, empty.data(), bytes, cudaMemcpyHostToDevice));
+  OneShot* os = new OneShot;
+  CUDA_CHECK(cudaMalloc(&os->epochs, AR_MAX_BLOCKS * sizeof(uint64_t)));
+  CUDA_CHECK(cudaMemset(os->epochs, 0, AR_MAX_BLOCKS * sizeof(uint64_t)));
+  CUDA_CHECK(cudaDeviceSynchronize());  // emptied before any rank can see the buffer
+  // Exchange the IPC handles with an all-gather of their bytes.
+  const size_t hb = sizeof(cudaIpcMemHandle_t);
+  std::vector<cudaIpcMemHandle_t> handles(c->size);
+  CUDA_CHECK(cudaIpcGetMemHandle(&handles[c->rank], buf));
+  char* d;
+  CUDA_CHECK(cudaMalloc(&d, c->size * hb));
+  CUDA_CHECK(cudaMemcpyAsync(d + c->rank * hb, &handles[c->rank], hb, cudaMemcpyHostToDevice, c->stream));
+  NCCL_CHECK(ncclAllGather(d + c->rank * hb, d, hb, ncclUint8, c->nccl, c->stream));
+  CUDA_CHECK(cudaStreamSynchronize(c->stream));
+  CUDA_CHECK(cudaMemcpy(handles.data(), d, c->size * hb, cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaFree(d));
+  for (int r = 0; r < c->size; r++) {
+    void* p = buf;
+    if (r != c->rank && cudaIpcOpenMemHandle(&p, handles[r], cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) {
+      (void)cudaGetLastError();  // not sticky: report it through `ok`, NCCL carries on alone
+      ok = 0;
+      continue;
+    }
+    os->peers.data[r] = static_cast<bf16*>(p);
+  }
+  if (all_reduce_min(c, ok) == 1) c->oneshot = os;  // else NCCL alone (the buffers stay: start-up only)
+}
+
+// ==== 19. The fast sampler: radix select ===================================================================
+//
+// Replaces: section 9's sampler, with the same tokens (test/gpu/gpu_kernels.cu compares the two bit for
+// bit on every kind of row).
+// Why it is faster: section 9 finds a threshold in 32 passes over the row and gives a whole row to one
+// thread block. Here a radix select finds the same threshold in two or three passes, mostly over a short
+// candidate list in shared memory, and a row without filters is split over several thread blocks so that a
+// small batch still uses every SM.
+// Switch: fast_sampler.
+//
+// Finding the kept set without sorting V = 151,936 logits: a radix select over the order keys of section
+// 9. The threshold key (the smallest kept key) is then found digit by digit, most significant
+// first (digits of 11, 11 and 10 bits): histogram the keys that still match the digits chosen so far,
+// walk the 2048 bins from the top accumulating counts (top-k: until k is reached) or probability mass
+// (top-p: until top_p of the mass is reached), and the bin where the walk stops is the next digit.
+// Three passes give the exact threshold; a pass stops early when its bin must be kept whole. The kept
+// set is "key >= threshold": tokens whose value equals the threshold are all kept, so a tie at the
+// cut-off can keep a few more than k tokens (or a little more mass than top_p).
+//
+// Probability mass is accumulated in fixed point: w_i = exp(z_i - m) scaled by 2^32 and rounded to an
+// integer (m = the row max, so each w_i <= 2^32). Integer atomics add in any order to the same sum, so
+// the chosen threshold, and hence the sampled token, is deterministic run to run; floating-point
+// atomics would not be. Terms below 2^-32 of the top token count as zero mass (a relative error below
+// V * 2^-32 < 4e-5). A histogram bin keeps w in three 32-bit counters of 11-bit pieces (w & 2047,
+// (w >> 11) & 2047, w >> 22), each of which cannot overflow for V < 2 million: 32-bit shared-memory
+// atomics, because 64-bit ones are much slower under a histogram's contention (most tokens land in a few
+// bins).
+//
+// Keeping it cheap: after the first histogram pass over the row, only tokens at or above the first
+// digit's bin can be kept. One more pass copies those candidates (key and index) into shared memory;
+// the remaining digits, the top-p selection and the final Gumbel argmax then run on that short list.
+// A filtered row therefore reads its logits 2 times (top-k) or 3 times (top-p alone: one more pass for
+// the row max that the probabilities need). If more than SAMPLE_LIST_CAP tokens survive (a nucleus of
+// tens of thousands of tokens, e.g. top_p = 0.95 over near-flat logits), the later passes read the row
+// from memory again instead: slower, same result.
+// The temperature path is bound by arithmetic (Philox and two logs per token), not by memory.
+//
+// Grid: (splits, B) thread blocks of SAMPLE_THREADS. A row without filters (greedy or plain temperature) is
+// cut into `splits` contiguous pieces, each thread block writing the best packed (value, index) of its
+// piece to the workspace; sample_finish_kernel then takes the best piece per row. Splitting matters for
+// small batches: one thread block per row would leave all but B SMs idle. A filtered row is handled whole by
+// its split-0 thread block.
+
+constexpr int SAMPLE_MAX_SPLITS = 32;
+constexpr int SAMPLE_LIST_CAP = 8192;   // candidates kept in shared memory (64 KiB)
+constexpr int RADIX_BINS = 2048;        // 11-bit digits
+
+// Shared memory of one sampler thread block (dynamic: 96 KiB, under the 99 KiB opt-in limit of sm_86/sm_89).
 struct SampleSmem {
   unsigned int count[RADIX_BINS];        // histogram: tokens per bin
   unsigned int mass[3][RADIX_BINS];      // histogram: fixed-point mass per bin, in 11-bit pieces
   uint32_t list_key[SAMPLE_LIST_CAP];    // the candidate list: order keys of z ...
   uint32_t list_idx[SAMPLE_LIST_CAP];    // ... and token indices
-  unsigned long long red[32];            // one slot per warp for block reductions
+  unsigned long long red[32];            // one slot per warp for reductions over the thread block
   int list_n;                            // candidates found (may exceed SAMPLE_LIST_CAP: then unused)
   int sel_bin;                           // block_select_bin's answers
   unsigned long long sel_above, sel_target;
@@ -2301,7 +4374,7 @@ __device__ void radix_step(RadixSelect& st, const Candidates& c, uint32_t floor_
 
 // Reads logits [B, V] (fp32), slots [B]. Writes partial [B, splits]: the packed best candidate of each
 // block's piece of its row (0 = none). See the section comment for the algorithm.
-__global__ __launch_bounds__(SAMPLE_THREADS, 1) void sample_kernel(unsigned long long* partial,
+__global__ __launch_bounds__(SAMPLE_THREADS, 1) void sample_radix_kernel(unsigned long long* partial,
                                                                    const float* logits,
                                                                    const SamplingSlot* slots, int V) {
   pdl_begin();
@@ -2412,2134 +4485,122 @@ size_t sample_workspace_bytes(int B, int V) {
 
 // Samples one token per row. logits [B, V] fp32, slots [B], out_tokens [B], all on the device.
 // workspace: at least sample_workspace_bytes(B, V) bytes of device memory (no initialisation needed).
-void sample(int* out_tokens, const float* logits, const SamplingSlot* slots, int B, int V,
-            void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+void sample_fast(int* out_tokens, const float* logits, const SamplingSlot* slots, int B, int V,
+                 void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (workspace_bytes < sample_workspace_bytes(B, V))
-    die("sample: workspace of %zu bytes, need sample_workspace_bytes(%d, %d) = %zu", workspace_bytes, B, V,
-        sample_workspace_bytes(B, V));
-  if (V <= 0 || V >= 2000000) die("sample: V = %d outside 1 .. 2,000,000 (the mass counters' range)", V);
-  check_aligned16("sample", "logits", logits);
+    die("sample_fast: workspace of %zu bytes, need sample_workspace_bytes(%d, %d) = %zu", workspace_bytes, B,
+        V, sample_workspace_bytes(B, V));
+  if (V <= 0 || V >= 2000000) die("sample_fast: V = %d outside 1 .. 2,000,000 (the mass counters' range)", V);
+  check_aligned16("sample_fast", "logits", logits);
   if (B == 0) return;
   static int num_sms = 0;  // once per process (each tensor-parallel rank is its own process)
   if (num_sms == 0) {
     int dev;
     CUDA_CHECK(cudaGetDevice(&dev));
     CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev));
-    CUDA_CHECK(cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    CUDA_CHECK(cudaFuncSetAttribute(sample_radix_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)sizeof(SampleSmem)));
   }
-  // Enough pieces to give every SM a block, but at least ~4 logits per thread per piece.
+  // Enough pieces to give every SM a thread block, but at least ~4 logits per thread per piece.
   int splits = std::max(1, std::min(num_sms / B, SAMPLE_MAX_SPLITS));
   splits = std::max(1, std::min<int>(splits, (int)cdiv(V, 4 * SAMPLE_THREADS)));
   auto* partial = static_cast<unsigned long long*>(workspace);
-  launch(sample_kernel, dim3(splits, B), SAMPLE_THREADS, sizeof(SampleSmem), stream, partial, logits, slots, V);
+  launch_pdl(sample_radix_kernel, dim3(splits, B), SAMPLE_THREADS, sizeof(SampleSmem), stream, partial, logits,
+             slots, V);
   CUDA_CHECK(cudaGetLastError());
-  launch(sample_finish_kernel, (unsigned)cdiv(B, 128), 128, 0, stream, out_tokens, partial, B, splits);
+  launch_pdl(sample_finish_kernel, (unsigned)cdiv(B, 128), 128, 0, stream, out_tokens, partial, B, splits);
   CUDA_CHECK(cudaGetLastError());
 }
 
-// (end of 5c)
-
-// ==== 6. Matrix products with cuBLASLt ================================================================
+// ==== 20. The forward pass with every fusion ===============================================================
 //
-// Every linear layer is y = x @ W^T with x [M, K] (M tokens) and W [N, K] in PyTorch's row-major [out, in]
-// layout. cuBLASLt thinks in column-major, where a row-major [M, N] matrix is the column-major [N, M] one,
-// so we ask it for  y^T [N, M] = W [N, K] (i.e. column-major K x N, transposed) * x^T (column-major K x M):
-// transa = T, transb = N, m = N, n = M, k = K. bf16 inputs, fp32 accumulation, bf16 (or fp32 for logits) out.
-//
-// Choosing an algorithm costs tens of microseconds, so it is done once per (M, N, K, output type) and cached;
-// a CUDA graph captures the chosen algorithm and the one preallocated workspace.
-
-struct GemmPlan {
-  cublasLtMatmulDesc_t desc;
-  cublasLtMatrixLayout_t a, b, c;
-  cublasLtMatmulAlgo_t algo;
-};
-
-struct Gemm {
-  cublasLtHandle_t handle = nullptr;
-  void* workspace = nullptr;
-  size_t workspace_bytes = 32 << 20;
-  std::map<std::tuple<int, int, int, int>, GemmPlan> plans;
-  bool use_gemv = true;  // small batches through gemv() (section 6, below); tests turn it off to compare
-
-  void init() {
-    CUBLAS_CHECK(cublasLtCreate(&handle));
-    CUDA_CHECK(cudaMalloc(&workspace, workspace_bytes));
-  }
-
-  GemmPlan& plan(int M, int N, int K, cudaDataType out_type) {
-    auto key = std::make_tuple(M, N, K, (int)out_type);
-    auto it = plans.find(key);
-    if (it != plans.end()) return it->second;
-    GemmPlan p;
-    CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, K, N, K));  // W, read transposed
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, K, M, K));  // x
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, out_type, N, M, N));     // y
-    cublasLtMatmulPreference_t pref;
-    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                      &workspace_bytes, sizeof workspace_bytes));
-    cublasLtMatmulHeuristicResult_t res;
-    int found = 0;
-    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.c, pref, 1, &res, &found));
-    cublasLtMatmulPreferenceDestroy(pref);
-    if (!found) die("cuBLASLt found no algorithm for a %d x %d x %d bf16 matrix product", M, N, K);
-    p.algo = res.algo;
-    return plans[key] = p;
-  }
-
-  // y [M, N] = x [M, K] @ W[N, K]^T ; y is bf16, or fp32 when out_type is CUDA_R_32F.
-  // Small decode batches (M <= GEMV_MAX_M, bf16 out) take the hand-written gemv below instead.
-  void run(void* y, const bf16* x, const bf16* W, int M, int N, int K, cudaStream_t stream,
-           cudaDataType out_type = CUDA_R_16BF);
-};
-
-// gemv_kernel — the matrix products of a tiny decode batch: y [M, N] = x [M, K] @ W [N, K]^T, M <= 2.
-//   With a handful of tokens a "matrix product" is a pass over W that does 2*M FLOPs per weight it reads:
-//   pure memory traffic. cuBLASLt's kernels for this shape left a third of the bandwidth unused on an H100
-//   (measured with ncu on Qwen3-0.6B's layers at M = 1: 64x8 tiles on 96 CTAs, split-K plus a reduction
-//   kernel for down_proj; test/gpu_gemm.cu times both), so batch-1 and -2 decode get this simpler kernel:
-//   one warp per output column n streams row n of W once with 16-byte loads (all of a row's loads issued
-//   before the first use), dots it with the M rows of x (tiny, served from L1), reduces across the warp,
-//   and writes y[:, n]. For short rows a warp takes two adjacent columns (gemv_rows_per_warp below); the
-//   sums are the same either way, added in the same order.
-//   Layouts: x bf16 [M, K] row-major; W bf16 [N, K] row-major (PyTorch's [out, in]); y bf16 [M, N].
-//   Preconditions: K % 8 == 0; x, W 16-byte aligned. fp32 accumulation, one bf16 rounding.
-//
-// Fused variants. Without them a batch-1 decode step of Qwen3-0.6B is 285 small kernels, and ncu on an
-// H100 times a tiny one (an RMSNorm of one row) at about 3 us, most of it the cost of being a kernel at
-// all. So the gemv also takes over its neighbours' work where that needs no extra pass over memory
-// (section 7 uses them for steps of at most GEMV_MAX_M tokens; the residual add only on one GPU), which
-// leaves 7 kernels per layer instead of 10 (5 since the decode attention kernel also took over q/k-norm,
-// RoPE and, for small batches, the split-K merge). Measured with programmatic dependent launch on, the gain
-// of the fused gemvs was small (batch-1 decode 1.04 against 1.05 ms/token): PDL hides most of a boundary.
-//   RMSNORM   x is the residual stream; each block first writes rmsnorm(x) * norm_w into shared memory
-//             with rmsnorm_row (the kernel above, so the rounding is the same) and dots W with that;
-//   SILU_MUL  x is gate_up [M, 2K]; each block first writes silu(gate) * up into shared memory (silu_mul8);
-//   ADD       y is the residual stream and y += x @ W^T, rounded like add_rmsnorm: bf16(bf16(dot) + y).
-//             The warp that owns column n is the only reader and writer of y[:, n]: no race.
-// Each block recomputes the tiny input row (1-3 thousand values) instead of reading it from a kernel before.
-enum class GemvIn { PLAIN, RMSNORM, SILU_MUL };
-struct GemvOptions {
-  GemvIn in = GemvIn::PLAIN;
-  const bf16* norm_w = nullptr;  // RMSNORM: the norm's weight [K]
-  float eps = 0.f;
-  bool add = false;              // ADD: y += x @ W^T
-};
-constexpr int GEMV_MAX_M = 2;  // measured on H100: at M = 4 cuBLASLt is faster on half of Qwen3's shapes
-constexpr int GEMV_WARPS = 8;
-// 16-byte loads per lane in flight per iteration (8 x 256 = 2048 columns). Batch-1 decode of Qwen3-0.6B on
-// an H100 with the fused variants: 1.10 ms/token with 4, 1.04 with 8, 1.07 with 12.
-constexpr int GEMV_UNROLL = 8;
-constexpr size_t GEMV_MAX_SMEM = 48 << 10;  // the staged input [M, K]: what a launch gets without opting in
-
-template <int M, GemvIn IN, bool ADD, int R>
-__global__ void __launch_bounds__(GEMV_WARPS * 32)
-    gemv_kernel(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ W, int N, int K,
-                const bf16* __restrict__ norm_w, float eps) {
-  extern __shared__ uint4 staged[];  // IN != PLAIN: the input the dot products use, bf16 [M, K]
-  constexpr int U = GEMV_UNROLL / R;  // loads in flight per row
-  const int n0 = (blockIdx.x * GEMV_WARPS + threadIdx.x / 32) * R, lane = threadIdx.x & 31;  // rows n0..n0+R-1
-  uint4 wv[R][U];
-  auto load_stretch = [&](int k0) {  // issue every load of a stretch of the rows before its first use
-#pragma unroll
-    for (int r = 0; r < R; r++) {
-#pragma unroll
-      for (int u = 0; u < U; u++) {
-        const int k = k0 + u * 256 + lane * 8;
-        if (n0 + r < N && k < K) wv[r][u] = __ldcs(reinterpret_cast<const uint4*>(W + (size_t)(n0 + r) * K + k));
-      }
-    }
+// Section 6c's forward pass, with each operation routed to its Part II version where that is switched on.
+// It computes what 6c computes (the GPU tests compare the two); what changes is where the work runs:
+//   * steps of at most GEMV_MAX_M tokens (gemv, section 15): the matrix products are gemvs, the RMSNorms ride
+//     inside the gemvs that read their output, SiLU-and-mul inside the down projection's;
+//   * "residual += h" rides where it costs no kernel of its own:
+//       several GPUs     inside the all-reduce that sums h over the ranks (section 18; NCCL plus a small add
+//                        kernel when the one-shot road is off or the message too large)
+//       one GPU, gemv    inside the output gemv (its ADD epilogue)
+//       one GPU, else    inside the next norm (add_rmsnorm), as in 6c;
+//   * decode attention does q/k-norm, RoPE and the KV store itself (fused_rope, section 17) and merges its
+//     split-K partitions in a cluster (cluster_merge, section 16).
+// With everything on, a batch-1 layer on one GPU is 5 kernels: qkv, attention, o, gate_up, down (6c: 9 and
+// a merge kernel).
+static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool is_prefill, cudaStream_t s) {
+  const ModelConfig& cfg = model.cfg;
+  const Weights& w = model.w;
+  const KVCache& kv = model.kv;
+  Activations& act = model.act;
+  Gemm& gemm = *model.gemm;
+  const int tp = model.tp, P = model.P, MB = model.MB;
+  const int H = cfg.hidden_size, I = cfg.intermediate_size / tp, D = cfg.head_dim;
+  const int NH = cfg.num_attention_heads / tp, NKV = cfg.num_key_value_heads / tp;
+  const int V = (int)cdiv(cfg.vocab_size, tp);
+  const float eps = cfg.rms_norm_eps, scale = 1.0f / sqrtf((float)D);
+  const bool gemv_step = T <= GEMV_MAX_M && g_opt.gemv;
+  const bool add_in_gemv = gemv_step && tp == 1, add_in_norm = !gemv_step && tp == 1;
+  const bool fuse_silu = gemv_step && gemv_can_stage(T, I);
+  // y = RMSNorm(residual) @ W^T, where residual first gets the last sub-layer's output (hidden) added if
+  // that is the norm's job (add_in_norm) and there is one (not in layer 0)
+  auto norm_matmul = [&](bf16* y, const bf16* norm_w, const bf16* W, int N, bool add_hidden) {
+    if (gemv_step) return gemv(y, act.residual, W, T, N, H, s, {GemvIn::RMSNORM, norm_w, eps});
+    if (add_in_norm && add_hidden) add_rmsnorm(act.x, act.residual, act.hidden, norm_w, T, H, eps, s);
+    else rmsnorm(act.x, act.residual, norm_w, T, H, eps, s);
+    linear(gemm, y, act.x, W, T, N, H, s);
   };
-  // No step writes the weights, so the first stretch is loaded before waiting for the kernel before
-  // (section 5, PDL): for R * K <= GEMV_UNROLL * 256 that is all of the warp's rows, in flight while that
-  // kernel finishes.
-  if (n0 < N) load_stretch(0);
-  pdl_begin();
-  if constexpr (IN == GemvIn::RMSNORM) {
-    __shared__ float scratch[32];
-    for (int m = 0; m < M; m++) {
-      rmsnorm_row<false>(reinterpret_cast<bf16*>(staged) + (size_t)m * K, nullptr, x + (size_t)m * K, norm_w, K,
-                         eps, scratch);
-      __syncthreads();  // the row is complete, and scratch may be used again
-    }
-  } else if constexpr (IN == GemvIn::SILU_MUL) {
-    const uint4* gu = reinterpret_cast<const uint4*>(x);
-    for (int c = threadIdx.x; c < M * K / 8; c += blockDim.x) {
-      const int m = c / (K / 8), j = c % (K / 8);
-      staged[c] = silu_mul8(gu[(size_t)m * K / 4 + j], gu[(size_t)m * K / 4 + K / 8 + j]);
-    }
-    __syncthreads();
-  }
-  if (n0 >= N) return;
-  float acc[R][M];
-#pragma unroll
-  for (int r = 0; r < R; r++)
-#pragma unroll
-    for (int m = 0; m < M; m++) acc[r][m] = 0.f;
-  for (int k0 = 0; k0 < K; k0 += U * 256) {  // every lane sums its columns in increasing order, whatever R is
-    if (k0 > 0) load_stretch(k0);
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-      const int k = k0 + u * 256 + lane * 8;
-      if (k >= K) break;
-#pragma unroll
-      for (int m = 0; m < M; m++) {
-        float xf[8];
-        const size_t at = ((size_t)m * K + k) / 8;
-        bf16x8_to_float(IN == GemvIn::PLAIN ? __ldg(reinterpret_cast<const uint4*>(x) + at) : staged[at], xf);
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-          float wf[8];
-          bf16x8_to_float(wv[r][u], wf);
-#pragma unroll
-          for (int j = 0; j < 8; j++) acc[r][m] = fmaf(wf[j], xf[j], acc[r][m]);
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < R; r++)
-#pragma unroll
-    for (int m = 0; m < M; m++) {
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) acc[r][m] += __shfl_xor_sync(0xffffffffu, acc[r][m], off);
-    }
-  // lane r*M + m writes y[m, n0 + r] (registers are indexed with constants only)
-#pragma unroll
-  for (int r = 0; r < R; r++)
-#pragma unroll
-    for (int m = 0; m < M; m++)
-      if (lane == r * M + m && n0 + r < N) {
-        bf16& out = y[(size_t)m * N + n0 + r];
-        out = ADD ? __float2bfloat16(round_bf16(acc[r][m]) + __bfloat162float(out)) : __float2bfloat16(acc[r][m]);
-      }
-}
-
-// Rows per warp: 2 when both rows' loads fit in one stretch (K <= 1024: Qwen3-0.6B's qkv and gate_up), so the
-// grid is half as large and fits on the GPU at once beside the kernel before, every block loading all of its
-// weights before the PDL wait; else 1. Measured on an H100, batch-1 decode of Qwen3-0.6B: 0.974 -> 0.940
-// ms/token.
-static int gemv_rows_per_warp(int K) { return 2 * K <= GEMV_UNROLL * 256 ? 2 : 1; }
-
-template <int M, GemvIn IN, bool ADD>
-static void gemv_launch(int K, int N, size_t smem, cudaStream_t stream, bf16* y, const bf16* x, const bf16* W,
-                        const bf16* norm_w, float eps) {
-  if (gemv_rows_per_warp(K) == 2)
-    launch(gemv_kernel<M, IN, ADD, 2>, (unsigned)cdiv(N, 2 * GEMV_WARPS), GEMV_WARPS * 32, smem, stream, y, x, W, N,
-           K, norm_w, eps);
-  else
-    launch(gemv_kernel<M, IN, ADD, 1>, (unsigned)cdiv(N, GEMV_WARPS), GEMV_WARPS * 32, smem, stream, y, x, W, N, K,
-           norm_w, eps);
-}
-template <int M, GemvIn IN>
-static void gemv_launch(bool add, int K, int N, size_t smem, cudaStream_t stream, bf16* y, const bf16* x,
-                        const bf16* W, const bf16* norm_w, float eps) {
-  if (add) gemv_launch<M, IN, true>(K, N, smem, stream, y, x, W, norm_w, eps);
-  else gemv_launch<M, IN, false>(K, N, smem, stream, y, x, W, norm_w, eps);
-}
-template <int M>
-static void gemv_launch(const GemvOptions& o, size_t smem, cudaStream_t stream, bf16* y, const bf16* x,
-                        const bf16* W, int N, int K) {
-  switch (o.in) {
-    case GemvIn::PLAIN: gemv_launch<M, GemvIn::PLAIN>(o.add, K, N, smem, stream, y, x, W, nullptr, 0); break;
-    case GemvIn::RMSNORM: gemv_launch<M, GemvIn::RMSNORM>(o.add, K, N, smem, stream, y, x, W, o.norm_w, o.eps); break;
-    case GemvIn::SILU_MUL: gemv_launch<M, GemvIn::SILU_MUL>(o.add, K, N, smem, stream, y, x, W, nullptr, 0); break;
-  }
-}
-
-// Whether gemv() can stage an [M, K] input in shared memory (RMSNORM and SILU_MUL).
-static bool gemv_can_stage(int M, int K) { return (size_t)M * K * sizeof(bf16) <= GEMV_MAX_SMEM; }
-
-static void gemv(bf16* y, const bf16* x, const bf16* W, int M, int N, int K, cudaStream_t stream,
-                 const GemvOptions& o = {}) {
-  if (K % 8) die("gemv: K = %d must be a multiple of 8", K);
-  if (((uintptr_t)x | (uintptr_t)W) % 16) die("gemv: x and W must be 16-byte aligned");
-  size_t smem = 0;
-  if (o.in != GemvIn::PLAIN) {
-    if (!gemv_can_stage(M, K)) die("gemv: a fused input of %d x %d does not fit in shared memory", M, K);
-    smem = (size_t)M * K * sizeof(bf16);
-  }
-  if (o.in == GemvIn::RMSNORM) rmsnorm_checks("gemv (RMSNORM)", x, x, o.norm_w, K);
-  switch (M) {
-    case 1: gemv_launch<1>(o, smem, stream, y, x, W, N, K); break;
-    case 2: gemv_launch<2>(o, smem, stream, y, x, W, N, K); break;
-    default: die("gemv: M = %d, at most %d", M, GEMV_MAX_M);
-  }
-  CUDA_CHECK(cudaGetLastError());
-}
-
-void Gemm::run(void* y, const bf16* x, const bf16* W, int M, int N, int K, cudaStream_t stream,
-               cudaDataType out_type) {
-  if (M == 0) return;
-  if (use_gemv && M <= GEMV_MAX_M && out_type == CUDA_R_16BF && K % 8 == 0) {
-    gemv((bf16*)y, x, W, M, N, K, stream);
-    return;
-  }
-  GemmPlan& p = plan(M, N, K, out_type);
-  const float alpha = 1.0f, beta = 0.0f;
-  CUBLAS_CHECK(cublasLtMatmul(handle, p.desc, &alpha, W, p.a, x, p.b, &beta, y, p.c, y, p.c, &p.algo, workspace,
-                              workspace_bytes, stream));
-}
-
-// ==== 7. The Qwen3 forward pass =======================================================================
-//
-// One step, prefill or decode, T tokens from B sequences (nano-vllm: models/qwen3.py). Per layer:
-//
-//   x = RMSNorm(residual)                              (layer 0: residual = embedding)
-//   qkv = x @ Wqkv^T                                   [T, (NH+2NKV)*D]
-//   q, k = RMSNorm_head(q), RMSNorm_head(k); RoPE(q, k)   in place
-//   K/V cache[slot_mapping] = k, v                     this step's keys/values join the cache
-//   a = attention(q, cache, block_tables)              causal, GQA; prefill or decode kernel
-//   h = a @ Wo^T                 (+ all-reduce)        [T, H]
-//   x = RMSNorm(residual += h)
-//   h = (SiLU(x @ Wg^T) * (x @ Wu^T)) @ Wd^T   (+ all-reduce)
-//   residual += h  (folded into the next layer's norm, or into the kernel before)
-// then x = RMSNorm(residual += h), keep each sequence's last row, logits = x @ lm_head^T (fp32).
-// Steps of at most GEMV_MAX_M tokens fuse more: the norms, the residual adds (on one GPU) and SiLU ride
-// inside the gemvs (section 6); with tensor parallelism the adds ride inside the all-reduces (12a). In decode
-// steps the q/k-norm, RoPE and the K/V store run inside the attention kernel (5b), so a batch-1 layer is 5
-// kernels: qkv, attention, o, gate_up, down (7 with two all-reduces).
-//
-// Every buffer is allocated once for the largest step (ModelRunner), so a step allocates nothing and a
-// decode step can be captured in a CUDA graph.
-
-struct Activations {
-  bf16* residual;  // [Tmax, H]
-  bf16* hidden;    // [Tmax, H]  a sub-layer's output
-  bf16* x;         // [Tmax, H]  normed input of a sub-layer
-  bf16* qkv;       // [Tmax, (NH+2NKV)/tp * D]
-  bf16* attn;      // [Tmax, NH/tp * D]
-  bf16* gate_up;   // [Tmax, 2 * I/tp]
-  bf16* act;       // [Tmax, I/tp]
-  bf16* last;      // [Bmax, H]  final normed row of each sequence
-  float* logits;   // [Bmax, V/tp]
-  float* attn_workspace;  // decode split-K partials
-};
-
-// Device pointers to one step's inputs (built on the host by ModelRunner::prepare_*).
-struct StepInputs {
-  int* input_ids;     // [T]
-  int* positions;     // [T]
-  int* slot_mapping;  // [T]  -1 = do not store
-  int* cu_seqlens_q;  // [B+1] prefill: row offsets of each sequence's new tokens
-  int* seqlens_k;     // [B]   prefill: keys each sequence attends (cached + new); decode: context lengths
-  int* block_tables;  // [B, MB]
-  int max_seqlen_q;   // host value (prefill)
-};
-
-struct TPComm;  // section 12a; null without tensor parallelism
-static void all_reduce_sum(TPComm* comm, bf16* x, size_t n, cudaStream_t stream, bf16* residual = nullptr);
-
-struct Qwen3 {
-  ModelConfig cfg;
-  Weights w;
-  KVCache kv;
-  Gemm gemm;
-  Activations act;
-  int tp = 1, rank = 0;
-  TPComm* comm = nullptr;
-  int P = 256, MB = 16, max_model_len = 4096;
-
-  // Runs the model on one step and leaves fp32 logits of each sequence's last token in act.logits.
-  void forward(const StepInputs& in, int T, int B, bool is_prefill, cudaStream_t s) {
-    const int H = cfg.hidden_size, I = cfg.intermediate_size / tp, D = cfg.head_dim;
-    const int NH = cfg.num_attention_heads / tp, NKV = cfg.num_key_value_heads / tp;
-    const int V = (int)cdiv(cfg.vocab_size, tp);
-    const float eps = cfg.rms_norm_eps, scale = 1.0f / sqrtf((float)D);
-    // Batch-1/2 decode: the norms and SiLU ride inside the gemvs (section 6). A sub-layer's output h joins
-    // the residual stream (residual += h) where it costs no kernel of its own:
-    //   several GPUs     inside the all-reduce that sums h over the ranks (12a)
-    //   one GPU, T <= 2  inside the output gemv (its ADD epilogue)
-    //   one GPU, T > 2   inside the next norm (add_rmsnorm)
-    const bool gemv_step = T <= GEMV_MAX_M && gemm.use_gemv;
-    const bool add_in_gemv = gemv_step && tp == 1, add_in_norm = !gemv_step && tp == 1;
-    const bool fuse_silu = gemv_step && gemv_can_stage(T, I);
-    // y = RMSNorm(residual) @ W^T, where residual first gets the last sub-layer's output (hidden) added if
-    // that is the norm's job (add_in_norm) and there is one (not in layer 0)
-    auto norm_matmul = [&](bf16* y, const bf16* norm_w, const bf16* W, int N, bool add_hidden) {
-      if (gemv_step) return gemv(y, act.residual, W, T, N, H, s, {GemvIn::RMSNORM, norm_w, eps});
-      if (add_in_norm && add_hidden) add_rmsnorm(act.x, act.residual, act.hidden, norm_w, T, H, eps, s);
-      else rmsnorm(act.x, act.residual, norm_w, T, H, eps, s);
-      gemm.run(y, act.x, W, T, N, H, s);
-    };
-    // A sub-layer's output projection h = x @ W^T (+ all-reduce), added to the residual stream as above.
-    // in: how x is read (SILU_MUL: x is gate_up).
-    auto matmul_out = [&](const bf16* x, const bf16* W, int K, GemvIn in) {
-      if (add_in_gemv) return gemv(act.residual, x, W, T, H, K, s, {in, nullptr, 0.f, true});
-      if (in == GemvIn::PLAIN) gemm.run(act.hidden, x, W, T, H, K, s);
-      else gemv(act.hidden, x, W, T, H, K, s, {in});
-      if (tp > 1) all_reduce_sum(comm, act.hidden, (size_t)T * H, s, act.residual);
-    };
-    embedding(act.residual, in.input_ids, w.embed_tokens, T, H, rank * V, V, s);
-    if (tp > 1) all_reduce_sum(comm, act.residual, (size_t)T * H, s);
-    for (int l = 0; l < cfg.num_hidden_layers; l++) {
-      const LayerWeights& lw = w.layers[l];
-      norm_matmul(act.qkv, lw.input_layernorm, lw.qkv_proj, (NH + 2 * NKV) * D, l > 0);
-      if (is_prefill) {
-        qk_norm_rope(act.qkv, in.positions, lw.q_norm, lw.k_norm, kv.k(l), kv.v(l), in.slot_mapping, T, NH, NKV,
-                     P, cfg.rope_theta, eps, s);
-        attention_prefill(act.attn, act.qkv, kv.k(l), kv.v(l), in.cu_seqlens_q, in.seqlens_k, in.block_tables, B,
-                          in.max_seqlen_q, NH, NKV, P, MB, scale, s);
-      } else {  // q/k-norm, RoPE and the KV store inside the attention kernel (5b)
-        const DecodeRope rope{in.positions, in.slot_mapping, lw.q_norm, lw.k_norm, eps, rope_inv_freq(cfg.rope_theta)};
-        attention_decode(act.attn, act.qkv, kv.k(l), kv.v(l), in.seqlens_k, in.block_tables, B, NH, NKV, P, MB,
-                         max_model_len, act.attn_workspace, scale, s, &rope);
-      }
-      matmul_out(act.attn, lw.o_proj, NH * D, GemvIn::PLAIN);
-      norm_matmul(act.gate_up, lw.post_attention_layernorm, lw.gate_up_proj, 2 * I, true);
-      if (fuse_silu) {
-        matmul_out(act.gate_up, lw.down_proj, I, GemvIn::SILU_MUL);
-      } else {
-        silu_and_mul(act.act, act.gate_up, T, I, s);
-        matmul_out(act.act, lw.down_proj, I, GemvIn::PLAIN);
-      }
-    }
-    if (add_in_norm) add_rmsnorm(act.x, act.residual, act.hidden, w.norm, T, H, eps, s);
-    else rmsnorm(act.x, act.residual, w.norm, T, H, eps, s);
-    const bf16* last = act.x;
-    if (is_prefill) {  // only each sequence's last position needs logits (nano-vllm: ParallelLMHead)
-      gather_last_tokens(act.last, act.x, in.cu_seqlens_q, B, H, s);
-      last = act.last;
-    }
-    gemm.run(act.logits, last, w.lm_head, B, V, H, s, CUDA_R_32F);
-  }
-};
-
-// ==== 8. Sequence =====================================================================================
-//
-// One request as the scheduler sees it (nano-vllm: engine/sequence.py Sequence). The token list holds the
-// prompt followed by every generated token. Three counters tell the whole story of a sequence:
-//
-//   token_ids:  [ p p p p p p p p p p | c c c ]           num_tokens = 13, num_prompt_tokens = 10
-//   KV cache:   [ k k k k k k k k k k   k k ]             num_cached_tokens = 12 (K/V already computed)
-//   this step:                                [ s ]       num_scheduled_tokens = 1 (decode)
-//
-// num_cached_tokens grows by prefix-cache hits (whole blocks at admission), by finished prefill chunks and by
-// one per decode step; preemption drops it to 0 (recompute).
-
-enum class SequenceStatus { WAITING, RUNNING, FINISHED };
-
-struct Sequence {
-  int64_t seq_id;                // increasing: the order requests arrived in
-  SequenceStatus status = SequenceStatus::WAITING;
-  std::vector<int> token_ids;    // prompt, then completion
-  int last_token;
-  int num_tokens;
-  int num_prompt_tokens;
-  int num_cached_tokens = 0;     // leading tokens whose K/V is in the cache
-  int num_scheduled_tokens = 0;  // tokens this step computes
-  std::vector<int> block_table;  // logical block i -> physical block id
-  int block_size;                // P (nano-vllm keeps it as a class attribute)
-  SamplingParams params;
-  const char* finish_reason = nullptr;  // "stop" (EOS) or "length" (max_tokens)
-
-  Sequence(int64_t id, std::vector<int> prompt, SamplingParams sp, int block_size_)
-      : seq_id(id), token_ids(std::move(prompt)), block_size(block_size_), params(sp) {
-    last_token = token_ids.back();
-    num_tokens = (int)token_ids.size();
-    num_prompt_tokens = num_tokens;
-  }
-  int size() const { return num_tokens; }  // nano-vllm: __len__
-  bool is_finished() const { return status == SequenceStatus::FINISHED; }
-  int num_completion_tokens() const { return num_tokens - num_prompt_tokens; }
-  int num_cached_blocks() const { return num_cached_tokens / block_size; }
-  int num_blocks() const { return (int)cdiv(num_tokens, block_size); }
-  int last_block_num_tokens() const { return num_tokens - (num_blocks() - 1) * block_size; }
-  // Tokens of logical block i (the last one may be partial).
-  const int* block(int i) const { return token_ids.data() + (size_t)i * block_size; }
-  int block_len(int i) const { return std::min(block_size, num_tokens - i * block_size); }
-  void append_token(int token_id) {
-    token_ids.push_back(token_id);
-    last_token = token_id;
-    num_tokens++;
-  }
-};
-
-// ==== 9. BlockManager: paged KV blocks and prefix caching =============================================
-//
-// The KV cache is a pool of NB blocks of P token slots each (section 4). A sequence owns a block table, a
-// list of physical block ids, so its K/V can live anywhere in the pool: no fragmentation, no copying when it
-// grows (nano-vllm: engine/block_manager.py; vLLM's PagedAttention).
-//
-// Prefix caching: every FULL block gets a hash that commits to its tokens and, through the previous block's
-// hash, to every token before it:
-//     hash(block i) = xxHash64(seed 0) over [ hash(block i-1) as 8 little-endian bytes ] (absent for i = 0)
-//                                        ++ [ the block's P token ids as little-endian int64 ]
-// (byte for byte what nano-vllm feeds xxhash from numpy's int64 array, so the hashes are equal). One table
-// lookup per block finds the longest cached prefix. A hit also compares the stored tokens, so a hash collision
-// can never serve wrong K/V.
-//
-// Lazy eviction: a block whose ref_count drops to 0 goes to the back of the free list but keeps its hash and
-// contents, so it is still a cache hit until it is handed out again (from the front of the free list, oldest
-// first); only then is its hash forgotten.
-//
-// Our free list is a doubly linked list threaded through the blocks, so reviving a free block that got a hit
-// is O(1) (nano-vllm removes it from a deque in O(NB)); the order of blocks handed out is the same.
-
-struct Block {
-  int block_id;
-  int ref_count = 0;
-  bool has_hash = false;
-  uint64_t hash = 0;
-  std::vector<int> token_ids;  // the tokens whose K/V this block holds (set when it becomes full)
-  int prev_free = -1, next_free = -1;  // free-list links (valid while ref_count == 0)
-  void update(uint64_t h, const int* tokens, int n) {
-    hash = h;
-    has_hash = true;
-    token_ids.assign(tokens, tokens + n);
-  }
-  void reset() {
-    ref_count = 1;
-    has_hash = false;
-    token_ids.clear();
-  }
-};
-
-// nano-vllm: BlockManager.compute_hash. `prefix` is the previous block's hash, or none for block 0.
-static uint64_t compute_block_hash(const int* token_ids, int n, const uint64_t* prefix) {
-  std::vector<uint8_t> buf;  // [prefix: 8 bytes] [n token ids: 8 bytes each], all little-endian
-  buf.reserve(8 + 8 * (size_t)n);
-  auto put_le64 = [&](uint64_t v) {
-    for (int i = 0; i < 8; i++) buf.push_back((uint8_t)(v >> (8 * i)));
+  // A sub-layer's output projection h = x @ W^T (+ all-reduce), added to the residual stream as above.
+  // in: how x is read (SILU_MUL: x is gate_up).
+  auto matmul_out = [&](const bf16* x, const bf16* W, int K, GemvIn how) {
+    if (add_in_gemv) return gemv(act.residual, x, W, T, H, K, s, {how, nullptr, 0.f, true});
+    if (how == GemvIn::PLAIN && !gemv_step) linear(gemm, act.hidden, x, W, T, H, K, s);
+    else gemv(act.hidden, x, W, T, H, K, s, {how});
+    if (tp > 1) all_reduce_fast(model.comm, act.hidden, (size_t)T * H, s, act.residual);
   };
-  if (prefix) put_le64(*prefix);
-  for (int i = 0; i < n; i++) put_le64((uint64_t)(int64_t)token_ids[i]);  // numpy int64, sign-extended
-  return XXH64(buf.data(), buf.size(), 0);
-}
-
-struct BlockManager {
-  int block_size;
-  std::vector<Block> blocks;
-  std::unordered_map<uint64_t, int> hash_to_block_id;
-  int free_head = -1, free_tail = -1, num_free = 0;  // the free list, oldest first
-  int num_used = 0;
-
-  BlockManager(int num_blocks, int block_size_) : block_size(block_size_), blocks(num_blocks) {
-    for (int i = 0; i < num_blocks; i++) {
-      blocks[i].block_id = i;
-      free_push_back(i);
-    }
-  }
-  int num_free_blocks() const { return num_free; }
-  bool is_used(int id) const { return blocks[id].ref_count > 0; }
-
-  // ---- the free list (nano-vllm: free_block_ids deque + used_block_ids set) ----
-  void free_push_back(int id) {
-    Block& b = blocks[id];
-    b.prev_free = free_tail;
-    b.next_free = -1;
-    if (free_tail >= 0) blocks[free_tail].next_free = id;
-    else free_head = id;
-    free_tail = id;
-    num_free++;
-  }
-  void free_remove(int id) {
-    Block& b = blocks[id];
-    if (b.prev_free >= 0) blocks[b.prev_free].next_free = b.next_free;
-    else free_head = b.next_free;
-    if (b.next_free >= 0) blocks[b.next_free].prev_free = b.prev_free;
-    else free_tail = b.prev_free;
-    b.prev_free = b.next_free = -1;
-    num_free--;
-  }
-
-  // nano-vllm: _allocate_block. Take the oldest free block; its old hash (if still registered to it) goes.
-  int allocate_block() {
-    int id = free_head;
-    assert_invariant(id >= 0, "allocate_block with an empty free list");
-    Block& b = blocks[id];
-    assert_invariant(b.ref_count == 0, "free block with a non-zero ref_count");
-    if (b.has_hash) {
-      auto it = hash_to_block_id.find(b.hash);
-      if (it != hash_to_block_id.end() && it->second == id) hash_to_block_id.erase(it);
-    }
-    free_remove(id);
-    b.reset();
-    num_used++;
-    return id;
-  }
-  void deallocate_block(int id) {
-    assert_invariant(blocks[id].ref_count == 0, "deallocate_block of a block still referenced");
-    num_used--;
-    free_push_back(id);
-  }
-
-  // nano-vllm: can_allocate. Walk the prompt's full blocks except the last (which is always recomputed, so
-  // at least one token produces logits), following the hash chain to the first miss. Returns the number of
-  // cached leading blocks, or -1 when the free blocks cannot cover the rest.
-  int can_allocate(const Sequence& seq) const {
-    uint64_t h = 0;
-    bool have_prev = false;
-    int num_cached_blocks = 0;
-    int num_new_blocks = seq.num_blocks();
-    for (int i = 0; i < seq.num_blocks() - 1; i++) {
-      h = compute_block_hash(seq.block(i), block_size, have_prev ? &h : nullptr);
-      have_prev = true;
-      auto it = hash_to_block_id.find(h);
-      if (it == hash_to_block_id.end()) break;
-      const Block& b = blocks[it->second];
-      if ((int)b.token_ids.size() != block_size || !std::equal(b.token_ids.begin(), b.token_ids.end(), seq.block(i)))
-        break;  // a hash collision, or the block was rewritten: not a hit
-      num_cached_blocks++;
-      if (is_used(it->second)) num_new_blocks--;  // shared, not taken from the free list
-    }
-    if (num_free < num_new_blocks) return -1;
-    return num_cached_blocks;
-  }
-
-  // nano-vllm: allocate. Share (or revive) the cached blocks, take fresh ones for the rest.
-  void allocate(Sequence& seq, int num_cached_blocks) {
-    assert_invariant(seq.block_table.empty(), "allocate on a sequence that has blocks");
-    uint64_t h = 0;
-    for (int i = 0; i < num_cached_blocks; i++) {
-      h = compute_block_hash(seq.block(i), block_size, i ? &h : nullptr);
-      int id = hash_to_block_id.at(h);
-      Block& b = blocks[id];
-      if (is_used(id)) {
-        b.ref_count++;
-      } else {  // a freed block that still holds this prefix: take it back off the free list
-        free_remove(id);
-        b.ref_count = 1;
-        num_used++;
-      }
-      seq.block_table.push_back(id);
-    }
-    for (int i = num_cached_blocks; i < seq.num_blocks(); i++) seq.block_table.push_back(allocate_block());
-    seq.num_cached_tokens = num_cached_blocks * block_size;
-  }
-
-  // nano-vllm: deallocate. Release in reverse so a sequence's tail blocks are reused before its prefix.
-  void deallocate(Sequence& seq) {
-    for (int k = (int)seq.block_table.size() - 1; k >= 0; k--) {
-      int id = seq.block_table[k];
-      if (--blocks[id].ref_count == 0) deallocate_block(id);
-    }
-    seq.num_cached_tokens = 0;
-    seq.block_table.clear();
-  }
-
-  // nano-vllm: can_append / may_append. A decode step writes the K/V of the sequence's last token at slot
-  // len-1; when len % P == 1 that slot opens a new block.
-  bool can_append(const Sequence& seq) const { return num_free >= (seq.size() % block_size == 1 ? 1 : 0); }
-  void may_append(Sequence& seq) {
-    if (seq.size() % block_size == 1) seq.block_table.push_back(allocate_block());
-  }
-
-  // nano-vllm: hash_blocks. After a step, register the blocks that just became full (prefill and decode
-  // alike, so generated text becomes a cacheable prefix too).
-  void hash_blocks(Sequence& seq) {
-    int start = seq.num_cached_tokens / block_size;
-    int end = (seq.num_cached_tokens + seq.num_scheduled_tokens) / block_size;
-    if (start == end) return;
-    uint64_t h = 0;
-    bool have_prev = start > 0;
-    if (have_prev) {
-      const Block& prev = blocks[seq.block_table[start - 1]];
-      assert_invariant(prev.has_hash, "hash_blocks: previous block has no hash");
-      h = prev.hash;
-    }
-    for (int i = start; i < end; i++) {
-      Block& b = blocks[seq.block_table[i]];
-      h = compute_block_hash(seq.block(i), block_size, have_prev ? &h : nullptr);
-      have_prev = true;
-      b.update(h, seq.block(i), block_size);
-      hash_to_block_id[h] = b.block_id;
-    }
-  }
-
-  static void assert_invariant(bool ok, const char* what) {
-    if (!ok) die("internal error in BlockManager: %s", what);
-  }
-};
-
-// ==== 10. Scheduler: continuous batching, chunked prefill, preemption =================================
-//
-// Every step the scheduler picks the work (nano-vllm: engine/scheduler.py Scheduler):
-//   1. Prefill first. Admit waiting sequences in arrival order while the step has room (max_num_seqs,
-//      max_num_batched_tokens) and the block pool can hold them. Prefix-cache hits cost no compute. Only the
-//      first sequence of a step may be cut short (chunked prefill): it gets what is left of the budget, keeps
-//      its place at the head of `waiting`, and joins `running` once its whole prompt has been scheduled.
-//   2. If nothing was admitted, decode: one token for every running sequence. A sequence that needs a new
-//      block when none is free makes room by preempting the newest running sequence (or itself, if it is the
-//      last): its blocks are freed and it goes back to the FRONT of `waiting` to be recomputed later
-//      (no swapping). Its full blocks keep their hashes, so the recompute is mostly prefix-cache hits.
-// A step is therefore all prefill or all decode. postprocess() then appends the sampled tokens and retires
-// finished sequences, whose blocks go back to the pool at once: that is continuous batching.
-
-struct SchedulerStats {
-  int64_t num_preemptions = 0;
-  int64_t prefix_hit_tokens = 0;  // prompt tokens served from the cache at admission
-  int64_t prompt_tokens_admitted = 0;
-};
-
-struct Scheduler {
-  int max_num_seqs, max_num_batched_tokens, block_size;
-  std::vector<int> eos;
-  BlockManager block_manager;
-  std::deque<Sequence*> waiting, running;
-  SchedulerStats stats;
-  std::vector<std::pair<int64_t, int>> last_preempted;  // (seq_id, length) preempted in the last schedule()
-  int last_cached_tokens = 0;                           // prefix-hit tokens found in the last schedule()
-
-  Scheduler(const Config& c)
-      : max_num_seqs(c.max_num_seqs), max_num_batched_tokens(c.max_num_batched_tokens),
-        block_size(c.kvcache_block_size), eos(c.eos), block_manager(c.num_kvcache_blocks, c.kvcache_block_size) {}
-
-  bool is_finished() const { return waiting.empty() && running.empty(); }
-  void add(Sequence* seq) { waiting.push_back(seq); }
-
-  // Returns the sequences of this step; sets is_prefill.
-  std::vector<Sequence*> schedule(bool& is_prefill) {
-    std::vector<Sequence*> scheduled;
-    last_preempted.clear();
-    last_cached_tokens = 0;
-    int num_batched_tokens = 0;
-    // prefill
-    while (!waiting.empty() && (int)scheduled.size() < max_num_seqs) {
-      Sequence* seq = waiting.front();
-      int remaining = max_num_batched_tokens - num_batched_tokens;
-      if (remaining == 0) break;
-      int num_tokens, num_cached_blocks = 0;
-      if (seq->block_table.empty()) {
-        num_cached_blocks = block_manager.can_allocate(*seq);
-        if (num_cached_blocks == -1) break;
-        num_tokens = seq->num_tokens - num_cached_blocks * block_size;
-      } else {
-        num_tokens = seq->num_tokens - seq->num_cached_tokens;  // the rest of a chunked prompt
-      }
-      if (remaining < num_tokens && !scheduled.empty()) break;  // only the first sequence may be chunked
-      if (seq->block_table.empty()) {
-        block_manager.allocate(*seq, num_cached_blocks);
-        stats.prefix_hit_tokens += seq->num_cached_tokens;
-        stats.prompt_tokens_admitted += seq->num_tokens;
-        last_cached_tokens += seq->num_cached_tokens;
-      }
-      seq->num_scheduled_tokens = std::min(num_tokens, remaining);
-      num_batched_tokens += seq->num_scheduled_tokens;
-      if (seq->num_cached_tokens + seq->num_scheduled_tokens == seq->num_tokens) {
-        seq->status = SequenceStatus::RUNNING;
-        waiting.pop_front();
-        running.push_back(seq);
-      }
-      scheduled.push_back(seq);
-    }
-    if (!scheduled.empty()) {
-      is_prefill = true;
-      return scheduled;
-    }
-    // decode
-    while (!running.empty() && (int)scheduled.size() < max_num_seqs) {
-      Sequence* seq = running.front();
-      running.pop_front();
-      bool ok = true;
-      while (!block_manager.can_append(*seq)) {
-        if (!running.empty()) {
-          preempt(running.back());
-          running.pop_back();
-        } else {
-          preempt(seq);
-          ok = false;
-          break;
-        }
-      }
-      if (ok) {
-        seq->num_scheduled_tokens = 1;
-        block_manager.may_append(*seq);
-        scheduled.push_back(seq);
-      }
-    }
-    if (scheduled.empty())  // cannot happen when the pool holds one max_model_len sequence (checked at start)
-      die("the KV cache cannot hold even one sequence: %d free blocks of %d tokens. Lower --max-model-len or "
-          "raise --gpu-memory-utilization / --num-kvcache-blocks",
-          block_manager.num_free_blocks(), block_size);
-    for (auto it = scheduled.rbegin(); it != scheduled.rend(); ++it) running.push_front(*it);
-    is_prefill = false;
-    return scheduled;
-  }
-
-  // nano-vllm: preempt. Recompute later: free everything, back to the front of the queue.
-  void preempt(Sequence* seq) {
-    last_preempted.push_back({seq->seq_id, seq->num_tokens});
-    stats.num_preemptions++;
-    seq->status = SequenceStatus::WAITING;
-    seq->num_scheduled_tokens = 0;
-    block_manager.deallocate(*seq);
-    waiting.push_front(seq);
-  }
-
-  bool is_eos(int token) const { return std::find(eos.begin(), eos.end(), token) != eos.end(); }
-
-  // nano-vllm: postprocess. token_ids[i] was sampled for seqs[i].
-  void postprocess(const std::vector<Sequence*>& seqs, const std::vector<int>& token_ids, bool is_prefill) {
-    for (size_t i = 0; i < seqs.size(); i++) {
-      Sequence* seq = seqs[i];
-      block_manager.hash_blocks(*seq);
-      seq->num_cached_tokens += seq->num_scheduled_tokens;
-      seq->num_scheduled_tokens = 0;
-      if (is_prefill && seq->num_cached_tokens < seq->num_tokens) continue;  // mid-prompt chunk: no token yet
-      int token = token_ids[i];
-      seq->append_token(token);
-      bool stop = !seq->params.ignore_eos && is_eos(token);
-      if (stop || seq->num_completion_tokens() == seq->params.max_tokens) {
-        seq->finish_reason = stop ? "stop" : "length";
-        seq->status = SequenceStatus::FINISHED;
-        block_manager.deallocate(*seq);
-        running.erase(std::find(running.begin(), running.end(), seq));
-      }
-    }
-  }
-};
-
-// ==== 11. ModelRunner: step inputs, CUDA graphs, sampling =============================================
-//
-// The bridge between the host's sequences and the GPU (nano-vllm: engine/model_runner.py ModelRunner).
-// Per step: prepare_prefill or prepare_decode lays the step's flat int arrays out in a pinned host region,
-// ONE cudaMemcpyAsync moves the region to its device twin, the model runs, the sampler picks one token per
-// sequence, and ONE synchronisation brings the tokens back. Nothing is allocated inside a step.
-//
-//   prefill region: input_ids [T] positions [T] slot_mapping [T] cu_seqlens_q [B+1] seqlens_k [B]
-//                   block_tables [B, MB] sampling slots [B]
-//   decode region:  input_ids [B] positions [B] slot_mapping [B] context_lens [B] block_tables [B, MB]
-//                   sampling slots [B]         (fixed addresses: the CUDA graphs read them)
-//
-// CUDA graphs (decode only): a decode step of Qwen3-0.6B is ~400 small kernel launches whose launch cost
-// would rival their run time. They are captured once per batch size 1, 2, 4, 8, 16, 32, ..., 512 (largest
-// first) and replayed; a batch of 37 replays the 48 graph with 11 padding rows (slot -1: nothing stored,
-// context 1: a harmless read, token discarded). The attention grid depends only on max_model_len, never on
-// the contexts, so one capture serves every step.
-
-// A pinned host array and its device twin inside one of the two step regions.
-template <typename Tp>
-struct Field {
-  Tp* h = nullptr;
-  Tp* d = nullptr;
-};
-
-struct StepRegion {
-  char* h = nullptr;
-  char* d = nullptr;
-  size_t bytes = 0, used = 0;
-  template <typename Tp>
-  Field<Tp> field(size_t n) {  // carve n elements, 16-byte aligned
-    Field<Tp> f;
-    f.h = (Tp*)(h + used);
-    f.d = (Tp*)(d + used);
-    used += (n * sizeof(Tp) + 15) / 16 * 16;
-    return f;
-  }
-  void alloc(size_t n) {
-    bytes = n;
-    CUDA_CHECK(cudaMallocHost(&h, n));
-    CUDA_CHECK(cudaMalloc(&d, n));
-  }
-};
-
-// Section 12 (tensor parallelism) is read after this one but ModelRunner calls into it: on rank 0 it tells
-// the workers what to do (build an engine, capture graphs, run this step), on every rank it agrees on the KV
-// pool size and gathers the vocabulary-sharded logits to rank 0.
-struct TPStep {      // what rank 0 decided for one step; the step region's bytes follow it (section 12)
-  int is_prefill;
-  int T, B;          // tokens and sequences (decode: B padded to the graph's batch size, T = B)
-  int max_seqlen_q;  // prefill
-  int graph_bs;      // decode: the CUDA graph to replay, 0 = run eagerly
-  uint64_t bytes;    // used bytes of the step region
-};
-static TPComm* tp_attach(const Config& c, int rank);  // rank 0: connect once, send the workers this Config
-static void tp_send_step(const TPStep& step, const void* region);
-static void tp_send_capture();
-static int64_t all_reduce_min(TPComm* comm, int64_t v);
-static void gather_logits(TPComm* comm, const float* shard, float* staging, float* full, int B, int V,
-                          cudaStream_t stream);
-
-static uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-struct ModelRunner {
-  Config& config;
-  Qwen3 model;
-  cudaStream_t stream;
-  int Tmax, Bmax, MB, P;
-  uint64_t engine_seed = 0;
-  StepRegion prefill_region, decode_region;
-  Field<int> p_ids, p_pos, p_slots, p_cu_q, p_seqlens_k, p_bt;
-  Field<SamplingSlot> p_samp;
-  Field<int> d_ids, d_pos, d_slots, d_ctx, d_bt;
-  Field<SamplingSlot> d_samp;
-  float* logits = nullptr;         // [Bmax, V] what the sampler reads: act.logits itself at tp == 1; on
-                                   // rank 0 at tp > 1 the shards of every rank, gathered (section 12)
-  float* logits_gather = nullptr;  // [tp-1, Bmax, V/tp] rank 0: the other ranks' shards as received
-  int* out_tokens_d = nullptr;  // [Bmax]
-  int* out_tokens_h = nullptr;  // pinned
-  void* sample_ws = nullptr;
-  size_t sample_ws_bytes = 0;
-  std::vector<int> graph_bs;                 // captured batch sizes, ascending
-  std::map<int, cudaGraphExec_t> graphs;
-  double load_seconds = 0, load_gbps = 0, capture_seconds = 0;
-  double gpu_seconds = 0;                    // time spent waiting for the GPU (the rest of a step is host work)
-
-  ModelRunner(Config& c, const ModelConfig& mc, int rank = 0) : config(c) {
-    model.cfg = mc;
-    model.rank = rank;
-    model.tp = c.tensor_parallel_size;
-    P = model.P = c.kvcache_block_size;
-    MB = model.MB = (int)cdiv(c.max_model_len, P);
-    model.max_model_len = c.max_model_len;
-    Tmax = std::max(c.max_num_batched_tokens, c.max_num_seqs);
-    Bmax = c.max_num_seqs;
-    if (model.tp > 1) model.comm = tp_attach(c, rank);  // first, so the workers load weights alongside
-    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    double t0 = now_seconds();
-    size_t bytes_read = 0;
-    model.w = load_weights(c.model, mc, rank, model.tp, stream, &bytes_read);
-    load_seconds = now_seconds() - t0;
-    load_gbps = bytes_read / load_seconds / 1e9;
-    model.gemm.init();
-    allocate_activations();
-    allocate_inputs();
-    allocate_kv_cache();
-  }
-
-  void allocate_activations() {
-    const ModelConfig& mc = model.cfg;
-    const int tp = model.tp, H = mc.hidden_size, D = mc.head_dim, I = mc.intermediate_size / tp;
-    const int NH = mc.num_attention_heads / tp, NKV = mc.num_key_value_heads / tp;
-    const int V = (int)cdiv(mc.vocab_size, tp);
-    Activations& a = model.act;
-    auto alloc = [&](auto** p, size_t n) { CUDA_CHECK(cudaMalloc((void**)p, n * sizeof(**p))); };
-    alloc(&a.residual, (size_t)Tmax * H);
-    alloc(&a.hidden, (size_t)Tmax * H);
-    alloc(&a.x, (size_t)Tmax * H);
-    alloc(&a.qkv, (size_t)Tmax * (NH + 2 * NKV) * D);
-    alloc(&a.attn, (size_t)Tmax * NH * D);
-    alloc(&a.gate_up, (size_t)Tmax * 2 * I);
-    alloc(&a.act, (size_t)Tmax * I);
-    alloc(&a.last, (size_t)Bmax * H);
-    alloc(&a.logits, (size_t)Bmax * V);
-    CUDA_CHECK(cudaMalloc(&a.attn_workspace, attention_decode_workspace_bytes(Bmax, NH, config.max_model_len)));
-    if (tp == 1) logits = a.logits;
-    else if (model.rank == 0) {
-      alloc(&logits, (size_t)Bmax * mc.vocab_size);
-      alloc(&logits_gather, (size_t)(tp - 1) * Bmax * V);
-    }
-    sample_ws_bytes = sample_workspace_bytes(Bmax, mc.vocab_size);
-    CUDA_CHECK(cudaMalloc(&sample_ws, sample_ws_bytes));
-  }
-
-  void allocate_inputs() {
-    size_t pb = 3 * 16 * cdiv(Tmax, 4) + 2 * 16 * cdiv(Bmax + 1, 4) + 16 * cdiv((size_t)Bmax * MB, 4) +
-                sizeof(SamplingSlot) * Bmax + 16 * 8;
-    prefill_region.alloc(pb);
-    p_ids = prefill_region.field<int>(Tmax);
-    p_pos = prefill_region.field<int>(Tmax);
-    p_slots = prefill_region.field<int>(Tmax);
-    p_cu_q = prefill_region.field<int>(Bmax + 1);
-    p_seqlens_k = prefill_region.field<int>(Bmax);
-    p_bt = prefill_region.field<int>((size_t)Bmax * MB);
-    p_samp = prefill_region.field<SamplingSlot>(Bmax);
-    size_t db = 4 * 16 * cdiv(Bmax, 4) + 16 * cdiv((size_t)Bmax * MB, 4) + sizeof(SamplingSlot) * Bmax + 16 * 8;
-    decode_region.alloc(db);
-    d_ids = decode_region.field<int>(Bmax);
-    d_pos = decode_region.field<int>(Bmax);
-    d_slots = decode_region.field<int>(Bmax);
-    d_ctx = decode_region.field<int>(Bmax);
-    d_bt = decode_region.field<int>((size_t)Bmax * MB);
-    d_samp = decode_region.field<SamplingSlot>(Bmax);
-    CUDA_CHECK(cudaMalloc(&out_tokens_d, Bmax * sizeof(int)));
-    CUDA_CHECK(cudaMallocHost(&out_tokens_h, Bmax * sizeof(int)));
-  }
-
-  // nano-vllm: allocate_kv_cache. Everything else is already allocated, so what is free now, minus the
-  // (1 - gpu_memory_utilization) share of the card, is the KV pool.
-  void allocate_kv_cache() {
-    size_t free_b, total_b;
-    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-    size_t block_bytes = kv_block_bytes(model.cfg, P, model.tp);
-    double budget = (double)total_b * config.gpu_memory_utilization - (double)(total_b - free_b);
-    int64_t fit = budget > 0 ? (int64_t)(budget / block_bytes) : 0;
-    if (model.tp > 1) fit = all_reduce_min(model.comm, fit);  // every rank must hold the same block ids
-    if (config.num_kvcache_blocks > 0) {
-      if (config.num_kvcache_blocks > fit)
-        die("--num-kvcache-blocks %d needs %.2f GiB but only %.2f GiB are left under --gpu-memory-utilization %g",
-            config.num_kvcache_blocks, config.num_kvcache_blocks * (double)block_bytes / (1 << 30),
-            std::max(budget, 0.0) / (1 << 30), config.gpu_memory_utilization);
-    } else {
-      config.num_kvcache_blocks = (int)std::min<int64_t>(fit, 1 << 30);
-    }
-    int need = MB;
-    if (config.num_kvcache_blocks < need)
-      die("the KV cache has room for %d blocks of %d tokens (%.2f GiB free under --gpu-memory-utilization %g), "
-          "but one sequence of --max-model-len %d needs %d. Raise --gpu-memory-utilization or "
-          "--num-kvcache-blocks, or lower --max-model-len",
-          config.num_kvcache_blocks, P, std::max(budget, 0.0) / (1 << 30), config.gpu_memory_utilization,
-          config.max_model_len, need);
-    KVCache& kv = model.kv;
-    kv.num_blocks = config.num_kvcache_blocks;
-    kv.kv_stride = kv.num_blocks * (model.cfg.num_key_value_heads / model.tp) * P * model.cfg.head_dim;
-    kv.layer_stride = 2 * kv.kv_stride;
-    kv.bytes = (size_t)kv.num_blocks * block_bytes;
-    CUDA_CHECK(cudaMalloc(&kv.base, kv.bytes));
-  }
-
-  SamplingSlot sampling_slot(const Sequence& seq) const {
-    SamplingSlot s{};
-    s.temperature = seq.params.temperature;
-    s.top_k = seq.params.top_k;
-    s.top_p = seq.params.top_p;
-    s.seed = seq.params.seed >= 0 ? (uint64_t)seq.params.seed : splitmix64(engine_seed ^ splitmix64(seq.seq_id));
-    s.offset = (uint64_t)seq.num_completion_tokens();  // the draw for the n-th token is fixed by (seed, n)
-    return s;
-  }
-
-  void fill_block_table(int* row, const Sequence& seq) {
-    int n = (int)seq.block_table.size();
-    memcpy(row, seq.block_table.data(), n * sizeof(int));
-    for (int i = n; i < MB; i++) row[i] = 0;  // never read (beyond the sequence's length)
-  }
-
-  // nano-vllm: prepare_prefill. Each sequence contributes its scheduled tokens [start, end).
-  StepInputs prepare_prefill(const std::vector<Sequence*>& seqs, int& T) {
-    T = 0;
-    int max_q = 0;
-    p_cu_q.h[0] = 0;
-    for (size_t b = 0; b < seqs.size(); b++) {
-      const Sequence& seq = *seqs[b];
-      int start = seq.num_cached_tokens, end = start + seq.num_scheduled_tokens;
-      for (int t = start; t < end; t++) {
-        p_ids.h[T] = seq.token_ids[t];
-        p_pos.h[T] = t;
-        p_slots.h[T] = seq.block_table[t / P] * P + t % P;
-        T++;
-      }
-      p_cu_q.h[b + 1] = T;
-      p_seqlens_k.h[b] = end;
-      max_q = std::max(max_q, end - start);
-      fill_block_table(p_bt.h + b * MB, seq);
-      p_samp.h[b] = sampling_slot(seq);
-    }
-    CUDA_CHECK(cudaMemcpyAsync(prefill_region.d, prefill_region.h, prefill_region.used, cudaMemcpyHostToDevice,
-                               stream));
-    return prefill_inputs(max_q);
-  }
-  StepInputs prefill_inputs(int max_q) const {
-    return StepInputs{p_ids.d, p_pos.d, p_slots.d, p_cu_q.d, p_seqlens_k.d, p_bt.d, max_q};
-  }
-
-  // nano-vllm: prepare_decode. One token per sequence: its last one, at position len-1. Rows bs..padded_bs-1
-  // are padding for a CUDA graph of size padded_bs.
-  StepInputs prepare_decode(const std::vector<Sequence*>& seqs, int padded_bs) {
-    int bs = (int)seqs.size();
-    for (int b = 0; b < padded_bs; b++) {
-      if (b < bs) {
-        const Sequence& seq = *seqs[b];
-        int pos = seq.size() - 1;
-        d_ids.h[b] = seq.last_token;
-        d_pos.h[b] = pos;
-        d_slots.h[b] = seq.block_table[pos / P] * P + pos % P;
-        d_ctx.h[b] = seq.size();
-        fill_block_table(d_bt.h + b * MB, seq);
-        d_samp.h[b] = sampling_slot(seq);
-      } else {
-        d_ids.h[b] = 0, d_pos.h[b] = 0, d_slots.h[b] = -1, d_ctx.h[b] = 1;
-        std::fill(d_bt.h + b * MB, d_bt.h + (b + 1) * MB, 0);
-        d_samp.h[b] = SamplingSlot{};  // greedy
-      }
-    }
-    CUDA_CHECK(cudaMemcpyAsync(decode_region.d, decode_region.h, decode_region.used, cudaMemcpyHostToDevice,
-                               stream));
-    return decode_inputs();
-  }
-  StepInputs decode_inputs() const {
-    return StepInputs{d_ids.d, d_pos.d, d_slots.d, nullptr, d_ctx.d, d_bt.d, 1};
-  }
-
-  void forward_and_sample(const StepInputs& in, int T, int B, bool is_prefill, const SamplingSlot* slots_d) {
-    model.forward(in, T, B, is_prefill, stream);
-    if (model.tp > 1)
-      gather_logits(model.comm, model.act.logits, logits_gather, logits, B, model.cfg.vocab_size, stream);
-    if (model.rank == 0)
-      sample(out_tokens_d, logits, slots_d, B, model.cfg.vocab_size, sample_ws, sample_ws_bytes, stream);
-  }
-
-  int graph_size_for(int bs) const {
-    for (int g : graph_bs)
-      if (g >= bs) return g;
-    return 0;
-  }
-
-  // nano-vllm: run. Returns one sampled token per sequence.
-  std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) {
-    int B = (int)seqs.size();
+  embedding(act.residual, in.input_ids, w.embed_tokens, T, H, model.rank * V, V, s);
+  if (tp > 1) all_reduce_fast(model.comm, act.residual, (size_t)T * H, s, nullptr);
+  for (int l = 0; l < cfg.num_hidden_layers; l++) {
+    const LayerWeights& lw = w.layers[l];
+    norm_matmul(act.qkv, lw.input_layernorm, lw.qkv_proj, (NH + 2 * NKV) * D, l > 0);
     if (is_prefill) {
-      int T;
-      StepInputs in = prepare_prefill(seqs, T);
-      if (model.tp > 1) tp_send_step({1, T, B, in.max_seqlen_q, 0, prefill_region.used}, prefill_region.h);
-      forward_and_sample(in, T, B, true, p_samp.d);
+      qk_norm_rope(act.qkv, in.positions, lw.q_norm, lw.k_norm, kv.k(l), kv.v(l), in.slot_mapping, T, NH, NKV, P,
+                   cfg.rope_theta, eps, s);
+      attention_prefill(act.attn, act.qkv, kv.k(l), kv.v(l), in.cu_seqlens_q, in.seqlens_k, in.block_tables, B,
+                        in.max_seqlen_q, NH, NKV, P, MB, scale, s);
+    } else if (g_opt.fused_rope) {  // q/k-norm, RoPE and the KV store inside the attention kernel
+      const DecodeRope rope{in.positions, in.slot_mapping, lw.q_norm, lw.k_norm, eps, rope_inv_freq(cfg.rope_theta)};
+      attention_decode_fast(act.attn, act.qkv, kv.k(l), kv.v(l), in.seqlens_k, in.block_tables, B, NH, NKV, P,
+                            MB, model.max_model_len, act.attn_workspace, scale, s, &rope);
     } else {
-      int g = config.enforce_eager ? 0 : graph_size_for(B);
-      StepInputs in = prepare_decode(seqs, g ? g : B);
-      if (model.tp > 1) tp_send_step({0, g ? g : B, g ? g : B, 1, g, decode_region.used}, decode_region.h);
-      if (g) CUDA_CHECK(cudaGraphLaunch(graphs[g], stream));
-      else forward_and_sample(in, B, B, false, d_samp.d);
+      qk_norm_rope(act.qkv, in.positions, lw.q_norm, lw.k_norm, kv.k(l), kv.v(l), in.slot_mapping, T, NH, NKV, P,
+                   cfg.rope_theta, eps, s);
+      attention_decode_fast(act.attn, act.qkv, kv.k(l), kv.v(l), in.seqlens_k, in.block_tables, B, NH, NKV, P,
+                            MB, model.max_model_len, act.attn_workspace, scale, s, nullptr);
     }
-    CUDA_CHECK(cudaMemcpyAsync(out_tokens_h, out_tokens_d, B * sizeof(int), cudaMemcpyDeviceToHost, stream));
-    double t0 = now_seconds();
-    CUDA_CHECK(cudaStreamSynchronize(stream));  // the one synchronisation of the step
-    gpu_seconds += now_seconds() - t0;
-    return std::vector<int>(out_tokens_h, out_tokens_h + B);
-  }
-
-  // nano-vllm: capture_cudagraph. Batch sizes 1, 2, 4, 8, then every 16 up to max_num_seqs (capped at 512).
-  void capture_cudagraphs() {
-    if (config.enforce_eager) return;
-    if (model.tp > 1 && model.rank == 0) tp_send_capture();  // every rank captures the same graphs in order
-    double t0 = now_seconds();
-    int max_bs = std::min(Bmax, 512);
-    for (int bs : {1, 2, 4, 8})
-      if (bs <= max_bs) graph_bs.push_back(bs);
-    for (int bs = 16; bs <= max_bs; bs += 16) graph_bs.push_back(bs);
-    if (graph_bs.back() < max_bs) graph_bs.push_back(max_bs);
-    std::vector<Sequence*> none;
-    for (auto it = graph_bs.rbegin(); it != graph_bs.rend(); ++it) {
-      int bs = *it;
-      StepInputs in = prepare_decode(none, bs);  // all padding rows: valid inputs that store nothing
-      forward_and_sample(in, bs, bs, false, d_samp.d);  // warm-up: cuBLASLt picks its algorithms here
-      CUDA_CHECK(cudaStreamSynchronize(stream));
-      cudaGraph_t graph;
-      CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      forward_and_sample(in, bs, bs, false, d_samp.d);
-      CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-      cudaGraphExec_t exec;
-      CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-      CUDA_CHECK(cudaGraphDestroy(graph));
-      graphs[bs] = exec;
-    }
-    CUDA_CHECK(cudaStreamSynchronize(stream));
-    capture_seconds = now_seconds() - t0;
-  }
-};
-
-// ==== 12. Tensor parallelism ==========================================================================
-//
-// N GPUs run one model (nano-vllm: model_runner.py with torch.distributed, layers/linear.py,
-// layers/embed_head.py). Every rank holds 1/N of each split weight (tp_shard in section 2 says which part,
-// load_weights in section 3 reads only that part) and 1/N of the KV heads (section 4), and runs the same
-// forward pass on its share:
-//
-//   qkv, gate_up      column-parallel: a rank computes its own heads / intermediate columns, no traffic
-//   o_proj, down      row-parallel: each rank's product is a partial sum of the full one -> all-reduce
-//   embed_tokens      vocabulary-parallel: a rank looks up only its ids (zeros elsewhere) -> all-reduce
-//   lm_head           vocabulary-parallel: a rank computes V/N logits -> gathered to rank 0, which samples
-//
-// Three pieces:
-//   12a  the communicator: NCCL for everything, plus a one-shot all-reduce over NVLink for the small
-//        messages of decode, where NCCL's latency would dominate;
-//   12b  the processes and the mailbox: rank 0 is this process (tokenizer, scheduler, block manager,
-//        sampler, stdout); ranks 1..N-1 are workers fork()ed before the first CUDA call, and rank 0 sends
-//        them each step through a mailbox in shared memory; shutdown on every path;
-//   12c  the worker loop: do what rank 0 says, the same way rank 0 does it.
-//
-// What crosses between the ranks in one batch-1 decode step of Qwen3-8B at N = 2:
-//   mailbox      ~57 KB of step inputs at --max-num-seqs 512 (ids, positions, slots, context lengths,
-//                block tables, sampling slots)
-//   all-reduce   73 x 8 KB: after the embedding, and after o_proj and down_proj in each of 36 layers
-//   gather       304 KB: the worker's half of the fp32 logits, to rank 0
-
-constexpr int TP_MAX_RANKS = 8;
-
-// ---- 12a. The communicator: NCCL and a one-shot all-reduce over NVLink ----------------------------------
-//
-// NCCL's ring all-reduce costs 2(N-1) dependent steps plus its own kernel set-up, paid 73 times per token
-// for Qwen3-8B. When every GPU can write every other GPU's memory (NVLink, or PCIe peer-to-peer), small
-// messages take a shorter road (after the "custom all-reduce" of vLLM and TensorRT-LLM): each rank writes
-// its partial sums straight into a staging buffer on every other rank (mapped with CUDA IPC), then adds
-// what arrived in its own memory. There are no flags and no barrier: a staging slot holds a value no
-// partial sum is sent as (bf16 -0.0, see below) until the data lands, so "has it arrived?" is read from the
-// data itself (the Lamport-style all-reduce of TensorRT-LLM). One crossing of NVLink per call, and no
-// release/acquire pair at system scope, which must wait for the block's NVLink stores to be acknowledged.
-// Large messages (prefill) stay with NCCL, whose ring moves fewer bytes per GPU.
-// The sum can also land in the residual stream at once (residual += sum): section 7 uses that instead of a
-// separate add, so at N > 1 the add costs no kernel, the same as the gemv's ADD epilogue on one GPU.
-// Measured on 2 H200s over NVLink (test/gpu_tp.cu, 100 calls of 8 KB in a CUDA graph), per call: NCCL
-// 6.5 us; an earlier version (every rank reads every buffer, two barriers) 4.97 us; pushing with one
-// barrier 3.97 us; this one 2.71 us, 2.91 us adding into the residual. Qwen3-8B at TP=2: 2.92 ms/token,
-// 1.63x faster than on one GPU (README).
-//
-// NANOVLLM_ALLREDUCE=nccl forces NCCL everywhere; NANOVLLM_ALLREDUCE=skip skips every all-reduce (and the
-// residual add riding on it), which makes the output wrong and exists only to measure what the all-reduces
-// cost (bench.sh, README).
-
-constexpr int AR_THREADS = 512;             // threads of one all-reduce block, 16 bytes each per pass
-constexpr int AR_MAX_BLOCKS = 32;           // blocks of one all-reduce: all resident on any sm_80+ GPU
-constexpr size_t AR_DATA_BYTES = 8 << 20;   // the largest one-shot message at N = 2 (decode: B * H * 2)
-constexpr size_t AR_ONESHOT_MANY_RANKS = 512 << 10;  // ... and at N > 2, where every rank writes (N-1)x the
-                                                     // message: NCCL's ring wins sooner
-constexpr uint16_t AR_EMPTY = 0x8000;       // bf16 -0.0: "not arrived yet" in a staging slot
-static size_t ar_max_bytes(int size) { return size == 2 ? AR_DATA_BYTES : AR_ONESHOT_MANY_RANKS; }
-
-// Every rank's staging buffer, as mapped into this process: rank d's is
-//   data [2 halves][size][ar_max_bytes(size)]   data[h][s]: what rank s sent to rank d, or AR_EMPTY
-struct ARPeers {
-  bf16* data[TP_MAX_RANKS];
-};
-
-struct TPComm {
-  int rank = 0, size = 1;
-  ncclComm_t nccl = nullptr;
-  cudaStream_t stream = nullptr;    // for the set-up collectives outside the model's stream
-  int64_t* scratch = nullptr;       // [1] device scalar for all_reduce_min
-  enum Mode { AUTO, NCCL_ONLY, SKIP } mode = AUTO;
-  bool p2p = false;                 // one-shot all-reduce available: every rank maps every staging buffer
-  ARPeers peers{};
-  uint64_t* epochs = nullptr;       // [AR_MAX_BLOCKS] calls made so far, one copy per block (all equal)
-};
-
-// ---- all_reduce_p2p ------------------------------------------------------------------------------------
-// Replaces: ncclAllReduce(x, x, n, ncclBfloat16, ncclSum) (torch.distributed.all_reduce in nano-vllm's
-//           RowParallelLinear and VocabParallelEmbedding) for messages up to ar_max_bytes(N), and with
-//           `residual` the add that follows it in Qwen3DecoderLayer (the residual input of the next RMSNorm).
-// Reads  x [n] bf16 on every rank (that rank's partial sum), and the other ranks' partials as they arrive.
-// Writes the sum over ranks, added in fp32 in rank order 0..N-1 on every rank so that all ranks get the same
-//        bits (they must: the residual stream of every rank has to stay identical), rounded to bf16 and
-//          residual == nullptr:  into x
-//          otherwise:            into residual [n]: residual = bf16(residual + bf16(sum)), the rounding of
-//                                an all-reduce followed by add_rmsnorm's add (5a)
-//        A partial of -0.0 is sent and added as +0.0 (-0.0 means "empty"); only the sign of a zero sum
-//        can differ from NCCL's.
-// A thread owns the 16-byte chunks c = blockIdx.x * blockDim.x + threadIdx.x + k * gridDim.x * blockDim.x:
-//   1. push: it stores its chunks of x into data[h][my rank] of every other rank (stores over NVLink);
-//   2. for each other rank s, it reads data[h][s][c] from its own memory until none of the 8 values is
-//      AR_EMPTY, which means all 16 bytes have landed (a wider store may land in parts; each part is new),
-//      adds, and writes AR_EMPTY back, ready for the next use of the slot.
-// Call k uses half h = k % 2. A rank writes half h again only at call k + 2, after call k + 1 got data from
-// every rank, and each rank sends that only after its own call k has finished, emptied slots included
-// (kernels run in stream order, each waiting for the one before, section 5). So two halves are enough.
-// The call number lives in device memory and the kernel bumps it itself, so the kernel works eagerly and
-// replayed from any CUDA graph, in any mix, as long as every rank makes the same calls in the same order.
-// Every block keeps its own copy (no block may read a counter another block of the same call updates):
-// block b reads epochs[b] and writes the new number into every copy j = b (mod gridDim.x), so all copies
-// stay equal whatever grid the next call has.
-// Preconditions: n % 8 == 0, 2n <= ar_max_bytes(N), every rank calls it in the same order with the same n.
-__device__ __forceinline__ uint4 ld_volatile16(const uint4* p) {  // a fresh read from memory every time
-  uint4 v;
-  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p)
-               : "memory");
-  return v;
-}
-__device__ __forceinline__ bool ar_has_empty(const uint4& v) {  // any of the 8 bf16 equal to AR_EMPTY
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  bool empty = false;
-#pragma unroll
-  for (int i = 0; i < 4; i++) empty |= (w[i] & 0xffffu) == AR_EMPTY || (w[i] >> 16) == AR_EMPTY;
-  return empty;
-}
-__device__ __forceinline__ uint4 ar_no_negative_zero(uint4 v) {  // -0.0 -> +0.0 in each of the 8 bf16
-  uint32_t* w = reinterpret_cast<uint32_t*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; i++) {
-    if ((w[i] & 0xffffu) == AR_EMPTY) w[i] &= 0xffff0000u;
-    if ((w[i] >> 16) == AR_EMPTY) w[i] &= 0x0000ffffu;
-  }
-  return v;
-}
-
-__global__ __launch_bounds__(AR_THREADS) void all_reduce_p2p_kernel(bf16* x, bf16* residual, ARPeers peers,
-                                                                    uint64_t* epochs, int64_t chunks,
-                                                                    int64_t slot_chunks, int rank, int size) {
-  pdl_begin();
-  const uint64_t epoch = epochs[blockIdx.x] + 1;
-  const int64_t half = (int64_t)(epoch & 1) * size;
-  const int64_t first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-  uint4* xv = reinterpret_cast<uint4*>(x);
-  auto slot = [&](int owner, int from) {  // data[half][from] in rank owner's buffer
-    return reinterpret_cast<uint4*>(peers.data[owner]) + (half + from) * slot_chunks;
-  };
-  for (int64_t c = first; c < chunks; c += stride) {  // 1. push
-    const uint4 v = ar_no_negative_zero(xv[c]);
-    for (int r = 0; r < size; r++)
-      if (r != rank) slot(r, rank)[c] = v;
-  }
-  constexpr uint32_t EMPTY2 = AR_EMPTY * 0x10001u;  // two empty bf16
-  const uint4 empty = make_uint4(EMPTY2, EMPTY2, EMPTY2, EMPTY2);
-  uint4* rv = reinterpret_cast<uint4*>(residual);
-  for (int64_t c = first; c < chunks; c += stride) {  // 2. wait, add, empty
-    float sum[8] = {}, v[8];
-    for (int r = 0; r < size; r++) {
-      uint4 u;
-      if (r == rank) {
-        u = ar_no_negative_zero(xv[c]);
-      } else {
-        uint4* p = slot(rank, r) + c;
-        do u = ld_volatile16(p);
-        while (ar_has_empty(u));
-        *p = empty;
-      }
-      bf16x8_to_float(u, v);
-#pragma unroll
-      for (int i = 0; i < 8; i++) sum[i] += v[i];
-    }
-    if (residual) {
-      bf16x8_to_float(rv[c], v);
-#pragma unroll
-      for (int i = 0; i < 8; i++) sum[i] = round_bf16(sum[i]) + v[i];
-      rv[c] = float_to_bf16x8(sum);
+    matmul_out(act.attn, lw.o_proj, NH * D, GemvIn::PLAIN);
+    norm_matmul(act.gate_up, lw.post_attention_layernorm, lw.gate_up_proj, 2 * I, true);
+    if (fuse_silu) {
+      matmul_out(act.gate_up, lw.down_proj, I, GemvIn::SILU_MUL);
     } else {
-      xv[c] = float_to_bf16x8(sum);
+      silu_and_mul(act.act, act.gate_up, T, I, s);
+      matmul_out(act.act, lw.down_proj, I, GemvIn::PLAIN);
     }
   }
-  if (threadIdx.x == 0)
-    for (int j = blockIdx.x; j < AR_MAX_BLOCKS; j += gridDim.x) epochs[j] = epoch;
-}
-static void all_reduce_p2p(TPComm* comm, bf16* x, bf16* residual, size_t n, cudaStream_t stream) {
-  check_vec8("all_reduce_p2p", "n", (int64_t)n);
-  check_aligned16("all_reduce_p2p", "x", x);
-  if (residual) check_aligned16("all_reduce_p2p", "residual", residual);
-  const size_t slot_bytes = ar_max_bytes(comm->size);
-  if (n * sizeof(bf16) > slot_bytes) die("all_reduce_p2p: %zu elements exceed the staging buffer", n);
-  if (n == 0) return;
-  const int64_t chunks = (int64_t)n / 8;
-  const int blocks = (int)std::min<int64_t>(AR_MAX_BLOCKS, cdiv(chunks, AR_THREADS));
-  launch(all_reduce_p2p_kernel, blocks, AR_THREADS, 0, stream, x, residual, comm->peers, comm->epochs, chunks,
-         (int64_t)(slot_bytes / 16), comm->rank, comm->size);
-  CUDA_CHECK(cudaGetLastError());
-}
-
-// residual [n] = bf16(residual + x): the add after an NCCL all-reduce, rounded like the one-shot kernel's.
-__global__ void residual_add_kernel(bf16* residual, const bf16* x, int64_t chunks) {
-  pdl_begin();
-  const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= chunks) return;
-  float r[8], v[8];
-  bf16x8_to_float(reinterpret_cast<const uint4*>(residual)[c], r);
-  bf16x8_to_float(reinterpret_cast<const uint4*>(x)[c], v);
-#pragma unroll
-  for (int i = 0; i < 8; i++) r[i] += v[i];
-  reinterpret_cast<uint4*>(residual)[c] = float_to_bf16x8(r);
-}
-
-// The sum of x over the ranks: in place into x, or, with `residual`, added into residual (x then holds this
-// rank's partial still, or the sum: callers must not rely on either). Every rank must make the same calls
-// in the same order; the road depends only on n and on what every rank agreed at start-up, so it is the
-// same everywhere.
-static void all_reduce_sum(TPComm* comm, bf16* x, size_t n, cudaStream_t stream, bf16* residual) {
-  if (comm->mode == TPComm::SKIP) return;
-  const size_t bytes = n * sizeof(bf16);
-  if (comm->mode == TPComm::AUTO && comm->p2p && n % 8 == 0 && bytes <= ar_max_bytes(comm->size)) {
-    all_reduce_p2p(comm, x, residual, n, stream);
-    return;
+  if (add_in_norm) add_rmsnorm(act.x, act.residual, act.hidden, w.norm, T, H, eps, s);
+  else rmsnorm(act.x, act.residual, w.norm, T, H, eps, s);
+  const bf16* last = act.x;
+  if (is_prefill) {  // only each sequence's last position needs logits (nano-vllm: ParallelLMHead)
+    gather_last_tokens(act.last, act.x, in.cu_seqlens_q, B, H, s);
+    last = act.last;
   }
-  if (residual) check_vec8("all_reduce_sum (residual)", "n", (int64_t)n);
-  NCCL_CHECK(ncclAllReduce(x, x, n, ncclBfloat16, ncclSum, comm->nccl, stream));
-  if (residual && n > 0) {
-    const int64_t chunks = (int64_t)n / 8;
-    launch(residual_add_kernel, (unsigned)cdiv(chunks, 256), 256, 0, stream, residual, x, chunks);
-    CUDA_CHECK(cudaGetLastError());
-  }
+  linear(gemm, act.logits, last, w.lm_head, B, V, H, s, CUDA_R_32F);
 }
 
-// The minimum of v over the ranks (host to host; start-up only, e.g. the KV pool size every rank can hold).
-static int64_t all_reduce_min(TPComm* comm, int64_t v) {
-  // On comm->stream: a plain cudaMemcpy from pageable memory can return before its copy lands, and the
-  // non-blocking stream would not wait for it.
-  CUDA_CHECK(cudaMemcpyAsync(comm->scratch, &v, sizeof v, cudaMemcpyHostToDevice, comm->stream));
-  NCCL_CHECK(ncclAllReduce(comm->scratch, comm->scratch, 1, ncclInt64, ncclMin, comm->nccl, comm->stream));
-  CUDA_CHECK(cudaStreamSynchronize(comm->stream));
-  CUDA_CHECK(cudaMemcpy(&v, comm->scratch, sizeof v, cudaMemcpyDeviceToHost));
-  return v;
-}
+// ##########################################################################################################
+// PART III — THE PROGRAM AROUND IT
+// ##########################################################################################################
 
-// Rank 0 gets full [B, V] from every rank's shard [B, V_local] (nano-vllm: ParallelLMHead.forward gathers
-// to rank 0 with dist.gather). The other ranks send their shard to rank 0, which receives each into
-// staging [N-1, B, V_local] and then lays all shards side by side with strided 2-D copies (the last shard
-// loses its zero-padded columns). Sends and receives are NCCL point-to-point calls, captured into the
-// decode CUDA graphs like everything else. staging and full are only used on rank 0.
-static void gather_logits(TPComm* comm, const float* shard, float* staging, float* full, int B, int V,
-                          cudaStream_t stream) {
-  const int64_t Vl = cdiv(V, comm->size), n = (int64_t)B * Vl;
-  if (comm->rank != 0) {
-    NCCL_CHECK(ncclSend(shard, n, ncclFloat32, 0, comm->nccl, stream));
-    return;
-  }
-  NCCL_CHECK(ncclGroupStart());
-  for (int r = 1; r < comm->size; r++)
-    NCCL_CHECK(ncclRecv(staging + (r - 1) * n, n, ncclFloat32, r, comm->nccl, stream));
-  NCCL_CHECK(ncclGroupEnd());
-  for (int r = 0; r < comm->size; r++) {
-    const float* src = r == 0 ? shard : staging + (r - 1) * n;
-    const int64_t cols = std::min<int64_t>(Vl, V - r * Vl);
-    if (cols > 0)
-      CUDA_CHECK(cudaMemcpy2DAsync(full + r * Vl, V * sizeof(float), src, Vl * sizeof(float),
-                                   cols * sizeof(float), B, cudaMemcpyDeviceToDevice, stream));
-  }
-}
-
-// Set up the one-shot all-reduce: map every rank's staging buffer into this process. Every step is agreed
-// by all ranks (an all_reduce_min of "it worked here"), so they all take the same road afterwards.
-static void tp_p2p_init(TPComm* c) {
-  int ok = 1;
-  for (int r = 0; r < c->size; r++) {
-    int can = 1;
-    if (r != c->rank) CUDA_CHECK(cudaDeviceCanAccessPeer(&can, c->rank, r));
-    ok &= can;
-  }
-  if (!all_reduce_min(c, ok)) return;
-  char* buf;
-  const size_t bytes = 2 * c->size * ar_max_bytes(c->size);
-  CUDA_CHECK(cudaMalloc(&buf, bytes));
-  const std::vector<uint16_t> empty(bytes / 2, AR_EMPTY);  // every slot starts empty
-  CUDA_CHECK(cudaMemcpy(buf, empty.data(), bytes, cudaMemcpyHostToDevice));
-  CUDA_CHECK(cudaMalloc(&c->epochs, AR_MAX_BLOCKS * sizeof(uint64_t)));
-  CUDA_CHECK(cudaMemset(c->epochs, 0, AR_MAX_BLOCKS * sizeof(uint64_t)));
-  CUDA_CHECK(cudaDeviceSynchronize());  // emptied before any rank can see the buffer
-  // Exchange the IPC handles with an all-gather of their bytes.
-  const size_t hb = sizeof(cudaIpcMemHandle_t);
-  std::vector<cudaIpcMemHandle_t> handles(c->size);
-  CUDA_CHECK(cudaIpcGetMemHandle(&handles[c->rank], buf));
-  char* d;
-  CUDA_CHECK(cudaMalloc(&d, c->size * hb));
-  CUDA_CHECK(cudaMemcpyAsync(d + c->rank * hb, &handles[c->rank], hb, cudaMemcpyHostToDevice, c->stream));
-  NCCL_CHECK(ncclAllGather(d + c->rank * hb, d, hb, ncclUint8, c->nccl, c->stream));
-  CUDA_CHECK(cudaStreamSynchronize(c->stream));
-  CUDA_CHECK(cudaMemcpy(handles.data(), d, c->size * hb, cudaMemcpyDeviceToHost));
-  CUDA_CHECK(cudaFree(d));
-  for (int r = 0; r < c->size; r++) {
-    void* p = buf;
-    if (r != c->rank && cudaIpcOpenMemHandle(&p, handles[r], cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) {
-      (void)cudaGetLastError();  // not sticky: report it through `ok`, NCCL carries on alone
-      ok = 0;
-      continue;
-    }
-    c->peers.data[r] = static_cast<bf16*>(p);
-  }
-  c->p2p = all_reduce_min(c, ok) == 1;
-}
-
-// Join the NCCL communicator as `rank` (every rank calls this with the same id) on GPU `rank`.
-static TPComm* tp_comm_init(int rank, int size, const ncclUniqueId& id) {
-  TPComm* c = new TPComm;
-  c->rank = rank, c->size = size;
-  CUDA_CHECK(cudaSetDevice(rank));
-  NCCL_CHECK(ncclCommInitRank(&c->nccl, size, id, rank));
-  CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
-  CUDA_CHECK(cudaMalloc(&c->scratch, sizeof(int64_t)));
-  const char* mode = getenv("NANOVLLM_ALLREDUCE");
-  std::string m = mode ? mode : "auto";
-  if (m == "nccl") c->mode = TPComm::NCCL_ONLY;
-  else if (m == "skip") c->mode = TPComm::SKIP;
-  else if (m != "auto") die("NANOVLLM_ALLREDUCE=%s: expected auto (default), nccl or skip", m.c_str());
-  if (c->mode == TPComm::SKIP && rank == 0)
-    fprintf(stderr, "nanovllm: NANOVLLM_ALLREDUCE=skip: every all-reduce is skipped, the output is WRONG "
-                    "(this is for timing only)\n");
-  if (c->mode != TPComm::NCCL_ONLY) tp_p2p_init(c);
-  return c;
-}
-
-// ---- 12b. The processes and the mailbox ----------------------------------------------------------------
-//
-// Processes. tp_launch(N) fork()s ranks 1..N-1 before this process makes its first CUDA call: a child
-// cannot use CUDA once its parent has, so the order is forced (nano-vllm spawns fresh Python processes
-// instead). The workers are generic: they know nothing of the model until rank 0 sends them an engine's
-// Config, so one launch serves every engine the process builds (the end-to-end test builds several).
-// Rank r binds GPU r; all ranks join one NCCL communicator whose unique id travels through the mailbox.
-//
-// Control plane. nano-vllm pickles each call (method name and arguments, the Sequence objects included)
-// into a 1 MiB SharedMemory segment, sets one Event per worker, and every worker re-runs prepare_prefill /
-// prepare_decode from the sequences. Here rank 0 prepares a step once and sends the result: the step
-// region of section 11, the flat arrays exactly as they will be copied to the GPU, with a small header
-// (TPStep). A worker copies those bytes into its own pinned region and runs what rank 0 runs, the same
-// CUDA graph included. No serialisation, no second copy of the scheduler's state, and the two ranks cannot
-// disagree about a step's inputs.
-//
-// The mailbox is one slot in a MAP_SHARED | MAP_ANONYMOUS mapping made before fork(): every rank inherits
-// it and it has no name, so nothing can be left behind in /dev/shm however the run ends (nano-vllm's named
-// segment must be unlinked). Rank 0 writes a message and increments `seq`; a worker notices by spinning on
-// seq for a few milliseconds (the next decode step usually comes sooner, and a futex wake-up costs tens of
-// microseconds on the critical path), then sleeps in futex(FUTEX_WAIT) on the same word, which rank 0's
-// FUTEX_WAKE ends. Before writing, rank 0 waits until every worker has acknowledged (copied out) the
-// previous message, so a single slot is enough; in practice they always have, because each message is
-// followed by collectives that need every worker.
-//
-// Shutdown, on every path (all workers are reaped; rank 0's exit status says whether the run succeeded):
-//   normal end       tp_shutdown(): an EXIT message; workers exit 0; rank 0 waits for them
-//   worker fails     its message, then exit 1 (or a crash): rank 0's SIGCHLD handler names the rank, stops
-//                    the others and exits 1, even while it waits on the GPU for a collective that will
-//                    never complete (NCCL would wait forever)
-//   rank 0 fails     die() -> exit(1) -> atexit: SIGTERM to the workers, wait; a rank 0 killed outright
-//                    takes the workers with it through PR_SET_PDEATHSIG
-//   Ctrl-C           the terminal signals every rank; workers ignore SIGINT. The first Ctrl-C during
-//                    generate() ends the run after the current step, with the normal EXIT message; a
-//                    second one (or SIGTERM, or Ctrl-C before generate) stops the workers at once (exit 130)
-// NANOVLLM_TEST_WORKER_FAIL=RANK:STEP makes worker RANK fail at its STEP-th step, for the test of the above.
-
-enum class TPOp : uint32_t { CONNECT, INIT, CAPTURE, STEP, EXIT };
-
-struct TPMailbox {
-  uint32_t seq;      // messages sent so far: the futex word
-  uint32_t acks;     // messages copied out, summed over the workers
-  TPOp op;
-  TPStep step;       // STEP: the header
-  uint64_t bytes;    // of payload: CONNECT the NCCL unique id, INIT the Config as JSON, STEP the step region
-  static constexpr size_t kHeader = 256;
-  char* payload() { return reinterpret_cast<char*>(this) + kHeader; }
-};
-static_assert(sizeof(TPMailbox) <= TPMailbox::kHeader, "the payload starts after the header");
-constexpr size_t TP_MAILBOX_BYTES = 64 << 20;  // address space; memory only as far as messages reach
-constexpr size_t TP_PAYLOAD_BYTES = TP_MAILBOX_BYTES - TPMailbox::kHeader;
-constexpr double TP_SPIN_SECONDS = 0.01;       // a worker spins this long before it sleeps on the futex
-
-struct TPGroup {
-  int size = 1;
-  TPMailbox* mb = nullptr;
-  TPComm* comm = nullptr;                  // this process's, once connected
-  pid_t pids[TP_MAX_RANKS] = {};           // rank 0: the workers, -1 once reaped
-  int status[TP_MAX_RANKS] = {};           // rank 0: their wait() status once reaped
-  volatile sig_atomic_t stopping = 0;      // rank 0: a worker's exit is expected from now on
-  volatile sig_atomic_t worker_busy = 0;   // worker: it has received a message (SIGTERM then says why)
-};
-static TPGroup g_tp;
-
-static void sig_put_status(int st) {
-  if (WIFSIGNALED(st)) sig_puts("was killed by signal "), sig_putn(WTERMSIG(st));
-  else sig_puts("exited with status "), sig_putn(WEXITSTATUS(st));
-}
-
-// Rank 0: send `sig` to every live worker and reap them all (SIGKILL after 5 s). Async-signal-safe.
-static void tp_stop_workers(int sig) {
-  for (int r = 1; r < g_tp.size; r++)
-    if (g_tp.pids[r] > 0) kill(g_tp.pids[r], sig);
-  for (int ms = 0;; ms += 10) {
-    bool alive = false;
-    for (int r = 1; r < g_tp.size; r++) {
-      if (g_tp.pids[r] <= 0) continue;
-      int st;
-      pid_t p = waitpid(g_tp.pids[r], &st, WNOHANG);
-      if (p == g_tp.pids[r] || (p < 0 && errno == ECHILD)) g_tp.pids[r] = -1;
-      else alive = true;
-    }
-    if (!alive) return;
-    if (ms == 5000)
-      for (int r = 1; r < g_tp.size; r++)
-        if (g_tp.pids[r] > 0) kill(g_tp.pids[r], SIGKILL);
-    struct timespec ts = {0, 10 * 1000 * 1000};
-    nanosleep(&ts, nullptr);
-  }
-}
-
-static void tp_on_sigchld(int) {
-  int saved = errno;
-  for (int r = 1; r < g_tp.size; r++) {
-    int st;
-    if (g_tp.pids[r] <= 0 || waitpid(g_tp.pids[r], &st, WNOHANG) != g_tp.pids[r]) continue;
-    g_tp.pids[r] = -1;
-    g_tp.status[r] = st;
-    if (g_tp.stopping) continue;  // tp_shutdown() reads the statuses
-    g_tp.stopping = 1;
-    sig_puts("nanovllm: error: tensor-parallel rank "), sig_putn(r), sig_puts(" "), sig_put_status(st);
-    sig_puts(" (its message, if any, is above); stopping all "), sig_putn(g_tp.size), sig_puts(" ranks\n");
-    tp_stop_workers(SIGTERM);
-    _exit(1);
-  }
-  errno = saved;
-}
-
-// Rank 0's part of an immediate stop (section 1's on_stop_signal): end the workers before rank 0 exits.
-static void tp_on_stop() {
-  g_tp.stopping = 1;
-  sig_puts("; stopping all "), sig_putn(g_tp.size), sig_puts(" ranks\n");  // the whole line, then the workers
-  tp_stop_workers(SIGTERM);
-}
-
-// Rank 0 leaving through exit() (die() included) without tp_shutdown(): the workers must not outlive it.
-static void tp_atexit() {
-  sigset_t all;
-  sigemptyset(&all);
-  sigaddset(&all, SIGCHLD), sigaddset(&all, SIGINT), sigaddset(&all, SIGTERM);
-  sigprocmask(SIG_BLOCK, &all, nullptr);
-  g_tp.stopping = 1;
-  tp_stop_workers(SIGTERM);
-}
-
-static void tp_worker_on_sigterm(int) {
-  if (g_tp.worker_busy)
-    sig_puts("[rank "), sig_putn(g_tp_rank), sig_puts("] nanovllm: stopping: rank 0 ended the run\n");
-  _exit(1);
-}
-
-[[noreturn]] static void tp_worker_main(int rank);  // 12c
-
-// Fork ranks 1..n-1. Call before the first CUDA call; a no-op for n = 1.
-static void tp_launch(int n) {
-  if (n <= 1) return;
-  if (n > TP_MAX_RANKS) die("--tensor-parallel-size %d: at most %d ranks", n, TP_MAX_RANKS);
-  // NVLink SHARP (multicast) buys nothing at these message sizes and GPU counts; keep it off unless asked.
-  setenv("NCCL_NVLS_ENABLE", "0", 0);
-  void* p = mmap(nullptr, TP_MAILBOX_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED)
-    die("cannot map %zu MiB of shared memory for the tensor-parallel mailbox: %s", TP_MAILBOX_BYTES >> 20,
-        strerror(errno));
-  g_tp.mb = static_cast<TPMailbox*>(p);
-  g_tp.size = n;
-  sigset_t chld, old;  // a worker that dies at once is reaped only once its pid is recorded
-  sigemptyset(&chld);
-  sigaddset(&chld, SIGCHLD);
-  sigprocmask(SIG_BLOCK, &chld, &old);
-  fflush(stdout);  // or the children would print rank 0's buffered output again
-  fflush(stderr);
-  const pid_t parent = getpid();
-  for (int r = 1; r < n; r++) {
-    pid_t pid = fork();
-    if (pid < 0) {
-      int e = errno;
-      tp_stop_workers(SIGKILL);
-      die("fork() for tensor-parallel rank %d failed: %s", r, strerror(e));
-    }
-    if (pid == 0) {
-      prctl(PR_SET_PDEATHSIG, SIGTERM);   // rank 0 gone, however it went: this worker goes too
-      if (getppid() != parent) _exit(1);  // it went before prctl took effect
-      sigprocmask(SIG_SETMASK, &old, nullptr);
-      tp_worker_main(r);
-    }
-    g_tp.pids[r] = pid;
-  }
-  struct sigaction sa = {};
-  sigemptyset(&sa.sa_mask);
-  sigaddset(&sa.sa_mask, SIGCHLD), sigaddset(&sa.sa_mask, SIGINT), sigaddset(&sa.sa_mask, SIGTERM);
-  sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
-  sa.sa_handler = tp_on_sigchld;
-  sigaction(SIGCHLD, &sa, nullptr);
-  g_stop_hook = tp_on_stop;
-  install_stop_handlers();
-  atexit(tp_atexit);
-  sigprocmask(SIG_SETMASK, &old, nullptr);
-}
-
-// Rank 0: put one message in the mailbox and wake the workers.
-static void tp_send(TPOp op, const void* payload, size_t bytes, const TPStep* step = nullptr) {
-  TPMailbox* mb = g_tp.mb;
-  if (bytes > TP_PAYLOAD_BYTES)
-    die("a tensor-parallel step of %.1f MiB does not fit the %zu MiB mailbox; lower "
-        "--max-num-batched-tokens, --max-num-seqs or --max-model-len",
-        bytes / 1048576.0, TP_PAYLOAD_BYTES >> 20);
-  const uint32_t sent = mb->seq;
-  while (__atomic_load_n(&mb->acks, __ATOMIC_ACQUIRE) != sent * (uint32_t)(g_tp.size - 1)) sched_yield();
-  mb->op = op;
-  mb->bytes = bytes;
-  if (step) mb->step = *step;
-  if (bytes) memcpy(mb->payload(), payload, bytes);
-  __atomic_store_n(&mb->seq, sent + 1, __ATOMIC_RELEASE);
-  syscall(SYS_futex, &mb->seq, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
-}
-
-static void tp_send_step(const TPStep& step, const void* region) {
-  tp_send(TPOp::STEP, region, step.bytes, &step);
-}
-static void tp_send_capture() { tp_send(TPOp::CAPTURE, nullptr, 0); }
-
-// Every field of Config (section 2) travels; a field added there must be added here and below.
-static std::string config_to_json(const Config& c) {
-  json j = {{"model", c.model},
-            {"max_num_batched_tokens", c.max_num_batched_tokens},
-            {"max_num_seqs", c.max_num_seqs},
-            {"max_model_len", c.max_model_len},
-            {"gpu_memory_utilization", c.gpu_memory_utilization},
-            {"tensor_parallel_size", c.tensor_parallel_size},
-            {"enforce_eager", c.enforce_eager},
-            {"kvcache_block_size", c.kvcache_block_size},
-            {"num_kvcache_blocks", c.num_kvcache_blocks},
-            {"eos", c.eos}};
-  return j.dump();
-}
-static Config config_from_json(const std::string& text) {
-  json j = json::parse(text);
-  Config c;
-  c.model = j["model"];
-  c.max_num_batched_tokens = j["max_num_batched_tokens"];
-  c.max_num_seqs = j["max_num_seqs"];
-  c.max_model_len = j["max_model_len"];
-  c.gpu_memory_utilization = j["gpu_memory_utilization"];
-  c.tensor_parallel_size = j["tensor_parallel_size"];
-  c.enforce_eager = j["enforce_eager"];
-  c.kvcache_block_size = j["kvcache_block_size"];
-  c.num_kvcache_blocks = j["num_kvcache_blocks"];
-  c.eos = j["eos"].get<std::vector<int>>();
-  return c;
-}
-
-// The communicator of this process for an engine with Config c, called first thing by ModelRunner. On
-// rank 0 it connects the group (once per process: NCCL unique id -> CONNECT) and sends the workers c, so
-// they build the same engine alongside; on a worker the group is already connected.
-static TPComm* tp_attach(const Config& c, int rank) {
-  if (!g_tp.mb || g_tp.size != c.tensor_parallel_size)
-    die("--tensor-parallel-size %d, but %d ranks were launched (tp_launch(N) must run before the first CUDA "
-        "call)", c.tensor_parallel_size, g_tp.size);
-  if (rank > 0) return g_tp.comm;
-  if (!g_tp.comm) {
-    CUDA_CHECK(cudaSetDevice(0));
-    ncclUniqueId id;
-    NCCL_CHECK(ncclGetUniqueId(&id));
-    tp_send(TPOp::CONNECT, &id, sizeof id);
-    g_tp.comm = tp_comm_init(0, g_tp.size, id);
-  }
-  std::string text = config_to_json(c);
-  tp_send(TPOp::INIT, text.data(), text.size());
-  return g_tp.comm;
-}
-
-// nano-vllm: LLMEngine.exit. Tells the workers to exit and reaps them; false if one of them failed.
-static bool tp_shutdown() {
-  if (g_tp.size <= 1 || !g_tp.mb) return true;
-  g_tp.stopping = 1;  // from here on the SIGCHLD handler only records exit statuses
-  TPMailbox* mb = g_tp.mb;
-  bool acked = false;  // every earlier message was copied out (always, unless a worker is stuck)
-  for (double t0 = now_seconds(); !acked && now_seconds() - t0 < 10; sched_yield())
-    acked = __atomic_load_n(&mb->acks, __ATOMIC_ACQUIRE) == mb->seq * (uint32_t)(g_tp.size - 1);
-  if (acked) tp_send(TPOp::EXIT, nullptr, 0);
-  for (double t0 = now_seconds();;) {
-    bool alive = false;
-    for (int r = 1; r < g_tp.size; r++) alive |= g_tp.pids[r] > 0;
-    if (!alive) break;
-    if (!acked || now_seconds() - t0 > 10) {
-      fprintf(stderr, "nanovllm: error: tensor-parallel workers did not exit; stopping them\n");
-      tp_atexit();
-      return false;
-    }
-    usleep(1000);
-  }
-  bool ok = true;
-  for (int r = 1; r < g_tp.size; r++)
-    if (!WIFEXITED(g_tp.status[r]) || WEXITSTATUS(g_tp.status[r]) != 0) {
-      fprintf(stderr, "nanovllm: error: tensor-parallel rank %d ended badly at shutdown (wait status %d)\n",
-              r, g_tp.status[r]);
-      ok = false;
-    }
-  return ok;
-}
-
-// ---- 12c. The worker loop ------------------------------------------------------------------------------
-//
-// A worker waits for a message and does what rank 0 does at the same point, so that every collective call
-// on every rank has its partners: build the engine (weights, activations, the KV pool sized by the minimum
-// over ranks), capture the same CUDA graphs in the same order, and for each step copy the step region to
-// its GPU and run the same forward pass or replay the same graph. It never samples: rank 0 does, from the
-// gathered logits.
-
-// Wait until seq moves past `seen`; returns the new value.
-static uint32_t tp_wait(uint32_t seen) {
-  TPMailbox* mb = g_tp.mb;
-  const double t0 = now_seconds();
-  for (;;) {
-    uint32_t s = __atomic_load_n(&mb->seq, __ATOMIC_ACQUIRE);
-    if (s != seen) return s;
-    if (now_seconds() - t0 < TP_SPIN_SECONDS) continue;
-    struct timespec ts = {1, 0};  // a bounded sleep: the loop re-reads seq whatever woke it
-    syscall(SYS_futex, &mb->seq, FUTEX_WAIT, seen, &ts, nullptr, 0);
-  }
-}
-
-// The worker's half of ModelRunner::run: the step region is already in r's pinned buffer.
-static void tp_replay_step(ModelRunner& r, const TPStep& st) {
-  StepRegion& region = st.is_prefill ? r.prefill_region : r.decode_region;
-  CUDA_CHECK(cudaMemcpyAsync(region.d, region.h, st.bytes, cudaMemcpyHostToDevice, r.stream));
-  if (st.is_prefill) {
-    r.forward_and_sample(r.prefill_inputs(st.max_seqlen_q), st.T, st.B, true, r.p_samp.d);
-  } else if (st.graph_bs) {
-    auto it = r.graphs.find(st.graph_bs);
-    if (it == r.graphs.end())
-      die("internal error: rank 0 replays a graph of batch %d, this rank has none", st.graph_bs);
-    CUDA_CHECK(cudaGraphLaunch(it->second, r.stream));
-  } else {
-    r.forward_and_sample(r.decode_inputs(), st.B, st.B, false, r.d_samp.d);
-  }
-  CUDA_CHECK(cudaStreamSynchronize(r.stream));  // a failure surfaces here, in this step, named by rank
-}
-
-[[noreturn]] static void tp_worker_main(int rank) {
-  g_tp_rank = rank;
-  signal(SIGCHLD, SIG_DFL);
-  signal(SIGINT, SIG_IGN);  // Ctrl-C reaches every rank; rank 0 decides and stops the workers
-  struct sigaction sa = {};
-  sa.sa_handler = tp_worker_on_sigterm;
-  sigaction(SIGTERM, &sa, nullptr);
-  int fail_rank = -1;
-  long long fail_step = -1;
-  const char* fail = getenv("NANOVLLM_TEST_WORKER_FAIL");
-  if (fail && sscanf(fail, "%d:%lld", &fail_rank, &fail_step) != 2)
-    die("NANOVLLM_TEST_WORKER_FAIL=%s: expected RANK:STEP", fail);
-  TPMailbox* mb = g_tp.mb;
-  auto ack = [&] { __atomic_fetch_add(&mb->acks, 1, __ATOMIC_RELEASE); };
-  Config config;
-  std::unique_ptr<ModelRunner> runner;
-  uint32_t seen = 0;
-  long long steps = 0;
-  for (;;) {
-    seen = tp_wait(seen);
-    g_tp.worker_busy = 1;
-    if ((mb->op == TPOp::CAPTURE || mb->op == TPOp::STEP) && !runner)
-      die("internal error: tensor-parallel message %d before any engine", (int)mb->op);
-    switch (mb->op) {
-      case TPOp::CONNECT: {
-        ncclUniqueId id;
-        memcpy(&id, mb->payload(), sizeof id);
-        ack();
-        g_tp.comm = tp_comm_init(rank, g_tp.size, id);
-        break;
-      }
-      case TPOp::INIT: {
-        std::string text(mb->payload(), mb->bytes);
-        ack();
-        runner.reset();  // like rank 0's previous engine, it keeps its GPU memory (ModelRunner frees nothing)
-        config = config_from_json(text);
-        ModelConfig mc = load_model_config(config.model);
-        runner.reset(new ModelRunner(config, mc, rank));
-        break;
-      }
-      case TPOp::CAPTURE:
-        ack();
-        runner->capture_cudagraphs();
-        break;
-      case TPOp::STEP: {
-        TPStep st = mb->step;
-        StepRegion& region = st.is_prefill ? runner->prefill_region : runner->decode_region;
-        if (st.bytes > region.bytes) die("internal error: a step of %llu bytes for a region of %zu",
-                                         (unsigned long long)st.bytes, region.bytes);
-        memcpy(region.h, mb->payload(), st.bytes);
-        ack();
-        if (++steps == fail_step && rank == fail_rank)
-          die("NANOVLLM_TEST_WORKER_FAIL=%s: rank %d fails at its step %lld, on purpose", fail, rank, steps);
-        tp_replay_step(*runner, st);
-        break;
-      }
-      case TPOp::EXIT:
-        ack();
-        fflush(stderr);
-        _exit(0);  // no teardown: the driver frees this process's GPU memory, and rank 0 waits for us
-    }
-  }
-}
-
-// ==== 13. LLMEngine: add_request, step, generate ======================================================
-//
-// The loop that ties it together (nano-vllm: engine/llm_engine.py LLMEngine): requests become Sequences in
-// the scheduler's waiting queue; each step() is one schedule() -> run() -> postprocess(); generate() steps
-// until every request is finished and returns the completions in input order.
-//
-// Watching the scheduler think. With --trace every step prints one line on stderr (format_trace below), and
-// every run ends with a summary (run_summary). Both only read what the scheduler and the runner already
-// keep; with --trace off no line is built, so the trace costs nothing.
-
-struct Request {
-  std::vector<int> prompt_token_ids;
-  SamplingParams params;
-  std::string source;  // "prompts.txt:12", for messages
-};
-
-struct Completion {
-  std::vector<int> token_ids;
-  const char* finish_reason;  // nullptr: unfinished (the run was interrupted, section 1)
-  int prompt_tokens;
-};
-
-struct RunStats {
-  double seconds = 0;
-  int64_t prefill_tokens = 0, decode_tokens = 0, steps_prefill = 0, steps_decode = 0;
-  double prefill_seconds = 0, decode_seconds = 0;
-  double first_token_at = -1;  // seconds since generate() began
-  int peak_blocks_used = 0;    // taken right after schedule(), when a step holds the most blocks
-  // Where step time goes. The engine is synchronous: the host schedules and prepares, launches, then waits
-  // for the GPU in the step's one synchronisation (ModelRunner::run). In eager mode kernels already run
-  // while the host is still launching later ones, so part of the GPU's work hides in prepare_seconds.
-  double schedule_seconds = 0, prepare_seconds = 0, gpu_wait_seconds = 0, postprocess_seconds = 0;
-  int last_batch = 0;          // sequences in the last step: the logits rows left in the buffer
-};
-
-// One --trace line's worth of state, taken right after schedule() (the ms of the whole step added later).
-struct StepTrace {
-  int64_t step = 0;
-  bool is_prefill = false;
-  int batch = 0;
-  int64_t tokens = 0;    // tokens the model computes this step (decode: one per sequence)
-  int prefix_hit = 0;    // prompt tokens admitted this step whose K/V was already cached
-  int waiting = 0, running = 0;
-  int free_blocks = 0, num_blocks = 0;
-  int hashes = 0;        // full blocks registered in the prefix cache (hash_to_block_id)
-  std::vector<std::pair<int64_t, int>> preempted;  // (seq_id, length) of each victim, in order
-  double ms = 0;
-};
-
-static StepTrace trace_after_schedule(const Scheduler& s, const std::vector<Sequence*>& batch,
-                                      bool is_prefill, int64_t step) {
-  StepTrace t;
-  t.step = step;
-  t.is_prefill = is_prefill;
-  t.batch = (int)batch.size();
-  for (auto* seq : batch) t.tokens += seq->num_scheduled_tokens;
-  t.prefix_hit = s.last_cached_tokens;
-  t.waiting = (int)s.waiting.size();
-  t.running = (int)s.running.size();
-  t.free_blocks = s.block_manager.num_free_blocks();
-  t.num_blocks = (int)s.block_manager.blocks.size();
-  t.hashes = (int)s.block_manager.hash_to_block_id.size();
-  t.preempted = s.last_preempted;
-  return t;
-}
-
-// The trace line, then one indented line per preemption of this step (README: "Watching the scheduler
-// think"):
-//   [trace] step 9 DECODE  batch=31 tokens=31 hit=0 waiting=0 running=31 free=4469/4508 hashes=9 ms=1.62
-//   [trace]   preempt seq=11 len=513
-// batch, tokens: sequences and tokens computed this step; hit: prompt tokens found in the prefix cache at
-// admission this step; waiting, running: the queues after schedule(); free: free blocks / pool size;
-// hashes: full blocks in the prefix cache; ms: the step's wall time; preempt: a victim's id and length.
-static std::string format_trace(const StepTrace& t) {
-  char buf[256];
-  snprintf(buf, sizeof buf,
-           "[trace] step %lld %s batch=%d tokens=%lld hit=%d waiting=%d running=%d free=%d/%d hashes=%d "
-           "ms=%.2f\n",
-           (long long)t.step, t.is_prefill ? "PREFILL" : "DECODE ", t.batch, (long long)t.tokens,
-           t.prefix_hit, t.waiting, t.running, t.free_blocks, t.num_blocks, t.hashes, t.ms);
-  std::string line = buf;
-  for (auto& p : t.preempted) {
-    snprintf(buf, sizeof buf, "[trace]   preempt seq=%lld len=%d\n", (long long)p.first, p.second);
-    line += buf;
-  }
-  return line;
-}
-
-// xxHash64 (seed 0) of every completion in input order, each as its length then its token ids, all
-// little-endian int32: the same bytes as, in Python over the --output records,
-//   xxhash.xxh64(b"".join(struct.pack(f"<i{len(t)}i", len(t), *t) for t in token_id_lists)).hexdigest()
-// Equal hashes mean identical generated text, whatever the batching, chunking or preemption on the way.
-static uint64_t completions_xxh64(const std::vector<Completion>& outs) {
-  std::vector<int32_t> buf;
-  for (auto& o : outs) {
-    if (!o.finish_reason) continue;  // unfinished (Ctrl-C): not in --output, so not in the hash either
-    buf.push_back((int32_t)o.token_ids.size());
-    buf.insert(buf.end(), o.token_ids.begin(), o.token_ids.end());
-  }
-  return XXH64(buf.data(), buf.size() * sizeof(int32_t), 0);
-}
-
-struct LLMEngine {
-  Config& config;
-  ModelRunner& runner;
-  Scheduler scheduler;
-  std::vector<std::unique_ptr<Sequence>> seqs;
-  RunStats stats;
-  bool progress = true;
-  bool trace = false;  // --trace: one line per step on stderr
-
-  LLMEngine(Config& c, ModelRunner& r) : config(c), runner(r), scheduler(c) {}
-
-  Sequence* add_request(const std::vector<int>& prompt, const SamplingParams& sp) {
-    seqs.emplace_back(new Sequence((int64_t)seqs.size(), prompt, sp, config.kvcache_block_size));
-    scheduler.add(seqs.back().get());
-    return seqs.back().get();
-  }
-
-  // One step: schedule, run the model, append the sampled tokens.
-  void step() {
-    bool is_prefill;
-    double t0 = now_seconds();
-    std::vector<Sequence*> batch = scheduler.schedule(is_prefill);
-    double t1 = now_seconds();
-    int64_t num_tokens = 0;
-    for (auto* s : batch) num_tokens += s->num_scheduled_tokens;
-    stats.peak_blocks_used = std::max(stats.peak_blocks_used, scheduler.block_manager.num_used);
-    StepTrace tr;
-    int64_t step_no = stats.steps_prefill + stats.steps_decode + 1;
-    if (trace) tr = trace_after_schedule(scheduler, batch, is_prefill, step_no);
-    double gpu_before = runner.gpu_seconds;
-    std::vector<int> token_ids = runner.run(batch, is_prefill);
-    double t2 = now_seconds(), gpu_wait = runner.gpu_seconds - gpu_before;
-    scheduler.postprocess(batch, token_ids, is_prefill);
-    double t3 = now_seconds(), dt = t3 - t0;
-    stats.schedule_seconds += t1 - t0;
-    stats.prepare_seconds += (t2 - t1) - gpu_wait;
-    stats.gpu_wait_seconds += gpu_wait;
-    stats.postprocess_seconds += t3 - t2;
-    stats.last_batch = (int)batch.size();
-    if (is_prefill) {
-      stats.prefill_tokens += num_tokens;
-      stats.prefill_seconds += dt;
-      stats.steps_prefill++;
-    } else {
-      stats.decode_tokens += num_tokens;
-      stats.decode_seconds += dt;
-      stats.steps_decode++;
-    }
-    if (trace) {
-      tr.ms = dt * 1e3;
-      fputs(format_trace(tr).c_str(), stderr);
-    }
-  }
-
-  // xxHash64 (seed 0) of the last step's logits as the GPU left them: rows [0, last_batch) of [B, V] fp32,
-  // row by row. A bit-exact fingerprint of the arithmetic: stricter than the tokens' hash (a different
-  // cuBLASLt algorithm or a padded CUDA-graph batch may change low bits without changing any token).
-  uint64_t last_logits_xxh64() {
-    size_t V = (size_t)cdiv(runner.model.cfg.vocab_size, runner.model.tp);
-    std::vector<float> row(V);
-    XXH64_state_t st;
-    XXH64_reset(&st, 0);
-    for (int b = 0; b < stats.last_batch; b++) {  // run() has synchronised its stream: the rows are final
-      const float* logits_row = runner.model.act.logits + b * V;
-      CUDA_CHECK(cudaMemcpy(row.data(), logits_row, V * sizeof(float), cudaMemcpyDeviceToHost));
-      XXH64_update(&st, row.data(), V * sizeof(float));
-    }
-    return XXH64_digest(&st);
-  }
-
-  // Steps until every request has finished, or until a Ctrl-C asks the run to stop (g_stop_requested,
-  // section 1): then the step in flight completes and the unfinished requests come back with
-  // finish_reason nullptr and the tokens they had so far.
-  std::vector<Completion> generate(const std::vector<Request>& requests) {
-    double t0 = now_seconds(), last_print = t0;
-    size_t first = seqs.size();
-    for (auto& r : requests) add_request(r.prompt_token_ids, r.params);
-    bool tty = isatty(2);
-    bool show_progress = progress && !trace;  // both write stderr; the trace says more
-    int done = 0;
-    while (!scheduler.is_finished() && !g_stop_requested) {
-      step();
-      if (stats.first_token_at < 0) stats.first_token_at = now_seconds() - t0;
-      double t = now_seconds();
-      if (show_progress && t - last_print > (tty ? 0.25 : 5.0)) {
-        done = 0;
-        for (size_t i = first; i < seqs.size(); i++) done += seqs[i]->is_finished();
-        fprintf(stderr, "%s[progress] %d/%zu done | prefill %.0f tok/s | decode %.0f tok/s | KV %d/%lld blocks%s",
-                tty ? "\r" : "", done, requests.size(), stats.prefill_tokens / std::max(stats.prefill_seconds, 1e-9),
-                stats.decode_tokens / std::max(stats.decode_seconds, 1e-9), scheduler.block_manager.num_used,
-                (long long)config.num_kvcache_blocks, tty ? "   " : "\n");
-        last_print = t;
-      }
-    }
-    if (show_progress && tty) fprintf(stderr, "\n");
-    // Test-only: NANOVLLM_TEST_SLOW_STOP=S holds a stopped run S seconds here, as a long step in flight
-    // would, so that test/gpu_interrupt.sh can send its second Ctrl-C into that window on any GPU.
-    const char* slow = getenv("NANOVLLM_TEST_SLOW_STOP");
-    for (double until = now_seconds() + (slow ? atof(slow) : 0); g_stop_requested && now_seconds() < until;)
-      usleep(10000);
-    stats.seconds = now_seconds() - t0;
-    std::vector<Completion> out;
-    for (size_t i = first; i < seqs.size(); i++) {
-      Sequence& s = *seqs[i];
-      out.push_back({std::vector<int>(s.token_ids.begin() + s.num_prompt_tokens, s.token_ids.end()),
-                     s.finish_reason, s.num_prompt_tokens});
-    }
-    return out;
-  }
-};
-
-// The run summary: what the scheduler did and where the time went, plus two fingerprints of the results.
-// Counters add up over every generate() of an engine. Admitted tokens count every admission, so a
-// preempted sequence that comes back counts again (with its generated tokens), and so do its hits.
-struct RunSummary {
-  int64_t prompt_tokens = 0, generated_tokens = 0, steps_prefill = 0, steps_decode = 0;
-  int64_t prefix_hit_tokens = 0, admitted_tokens = 0, preemptions = 0;
-  double prefix_hit_rate = 0, mean_decode_batch = 0;
-  int peak_kv_blocks = 0, kv_blocks = 0;
-  double steps_s = 0, schedule_s = 0, prepare_s = 0, gpu_wait_s = 0, postprocess_s = 0;
-  uint64_t tokens_xxh64 = 0, logits_xxh64 = 0;
-  int logits_rows = 0;
-  int64_t unfinished_requests = 0;  // > 0 only when a Ctrl-C stopped the run
-  double host_s() const { return schedule_s + prepare_s + postprocess_s; }
-};
-
-static RunSummary run_summary(const RunStats& st, const SchedulerStats& ss, int num_kvcache_blocks,
-                              const std::vector<Completion>& outs, uint64_t logits_xxh64) {
-  RunSummary r;
-  for (auto& o : outs) {
-    r.prompt_tokens += o.prompt_tokens, r.generated_tokens += (int64_t)o.token_ids.size();
-    r.unfinished_requests += o.finish_reason == nullptr;
-  }
-  r.steps_prefill = st.steps_prefill;
-  r.steps_decode = st.steps_decode;
-  r.prefix_hit_tokens = ss.prefix_hit_tokens;
-  r.admitted_tokens = ss.prompt_tokens_admitted;
-  r.preemptions = ss.num_preemptions;
-  r.prefix_hit_rate = r.admitted_tokens ? (double)r.prefix_hit_tokens / r.admitted_tokens : 0.0;
-  r.mean_decode_batch = st.steps_decode ? (double)st.decode_tokens / st.steps_decode : 0.0;
-  r.peak_kv_blocks = st.peak_blocks_used;
-  r.kv_blocks = num_kvcache_blocks;
-  r.steps_s = st.prefill_seconds + st.decode_seconds;
-  r.schedule_s = st.schedule_seconds;
-  r.prepare_s = st.prepare_seconds;
-  r.gpu_wait_s = st.gpu_wait_seconds;
-  r.postprocess_s = st.postprocess_seconds;
-  r.tokens_xxh64 = completions_xxh64(outs);
-  r.logits_xxh64 = logits_xxh64;
-  r.logits_rows = st.last_batch;
-  return r;
-}
-
-static std::string hex64(uint64_t h) {
-  char b[17];
-  snprintf(b, sizeof b, "%016llx", (unsigned long long)h);
-  return b;
-}
-
-// The --output file's last record: {"summary": {...}}.
-static json summary_json(const RunSummary& r) {
-  return json{{"summary",
-               {{"prompt_tokens", r.prompt_tokens},
-                {"generated_tokens", r.generated_tokens},
-                {"steps_prefill", r.steps_prefill},
-                {"steps_decode", r.steps_decode},
-                {"prefix_hit_tokens", r.prefix_hit_tokens},
-                {"admitted_tokens", r.admitted_tokens},
-                {"prefix_hit_rate", r.prefix_hit_rate},
-                {"preemptions", r.preemptions},
-                {"mean_decode_batch", r.mean_decode_batch},
-                {"peak_kv_blocks", r.peak_kv_blocks},
-                {"kv_blocks", r.kv_blocks},
-                {"seconds",
-                 {{"steps", r.steps_s},
-                  {"schedule", r.schedule_s},
-                  {"prepare_and_launch", r.prepare_s},
-                  {"gpu_wait", r.gpu_wait_s},
-                  {"postprocess", r.postprocess_s}}},
-                {"tokens_xxh64", hex64(r.tokens_xxh64)},
-                {"logits_xxh64", hex64(r.logits_xxh64)},
-                {"logits_rows", r.logits_rows},
-                {"unfinished_requests", r.unfinished_requests}}}};
-}
-
-// The summary's three stderr lines. None contains the word "requests": bench.sh parses the last line
-// that does.
-static std::string format_summary(const RunSummary& r) {
-  auto pct = [](double part, double whole) { return 100.0 * part / std::max(whole, 1e-9); };
-  char buf[3][512];
-  snprintf(buf[0], sizeof buf[0],
-           "nanovllm: summary | prefix cache hit %lld of %lld admitted tokens (%.1f%%) | %lld preemptions | "
-           "mean decode batch %.2f over %lld steps | peak KV %d of %d blocks (%.1f%%)\n",
-           (long long)r.prefix_hit_tokens, (long long)r.admitted_tokens, 100.0 * r.prefix_hit_rate,
-           (long long)r.preemptions, r.mean_decode_batch, (long long)r.steps_decode, r.peak_kv_blocks,
-           r.kv_blocks, pct(r.peak_kv_blocks, r.kv_blocks));
-  snprintf(buf[1], sizeof buf[1],
-           "nanovllm: time | %.3f s in %lld steps | host %.3f s (%.0f%%): schedule %.3f, prepare + launch "
-           "%.3f, postprocess %.3f | waiting for the GPU %.3f s (%.0f%%)\n",
-           r.steps_s, (long long)(r.steps_prefill + r.steps_decode), r.host_s(), pct(r.host_s(), r.steps_s),
-           r.schedule_s, r.prepare_s, r.postprocess_s, r.gpu_wait_s, pct(r.gpu_wait_s, r.steps_s));
-  snprintf(buf[2], sizeof buf[2],
-           "nanovllm: check | tokens xxh64 %s (all completions, in input order) | logits xxh64 %s "
-           "(last step, %d rows)\n",
-           hex64(r.tokens_xxh64).c_str(), hex64(r.logits_xxh64).c_str(), r.logits_rows);
-  return std::string(buf[0]) + buf[1] + buf[2];
-}
-
-// ==== 14. Prompts in, completions out =================================================================
+// ==== 21. Prompts in, completions out ======================================================================
 //
 // PROMPTS is either a text file, one prompt per line (the chat template is applied unless --raw), or a
 // .jsonl file whose lines are objects with one of
@@ -4730,12 +4791,607 @@ static void write_completions(const std::vector<Request>& reqs, const std::vecto
   fflush(stdout);
 }
 
-// The --output file's last line: {"summary": {...}} (section 13's RunSummary).
+
+// ==== 22. Trace and run summary ============================================================================
+//
+// The text a run shows about itself (section 13 keeps the numbers): one --trace line per step, and the
+// summary at the end, with two fingerprints of the results that make runs comparable bit for bit.
+
+static StepTrace trace_after_schedule(const Scheduler& s, const std::vector<Sequence*>& batch,
+                                      bool is_prefill, int64_t step) {
+  StepTrace t;
+  t.step = step;
+  t.is_prefill = is_prefill;
+  t.batch = (int)batch.size();
+  for (auto* seq : batch) t.tokens += seq->num_scheduled_tokens;
+  t.prefix_hit = s.last_cached_tokens;
+  t.waiting = (int)s.waiting.size();
+  t.running = (int)s.running.size();
+  t.free_blocks = s.block_manager.num_free_blocks();
+  t.num_blocks = (int)s.block_manager.blocks.size();
+  t.hashes = (int)s.block_manager.hash_to_block_id.size();
+  t.preempted = s.last_preempted;
+  return t;
+}
+
+// The trace line, then one indented line per preemption of this step (README: "Watching the scheduler
+// think"):
+//   [trace] step 9 DECODE  batch=31 tokens=31 hit=0 waiting=0 running=31 free=4469/4508 hashes=9 ms=X.XX
+//   [trace]   preempt seq=11 len=513
+// batch, tokens: sequences and tokens computed this step; hit: prompt tokens found in the prefix cache at
+// admission this step; waiting, running: the queues after schedule(); free: free blocks / pool size;
+// hashes: full blocks in the prefix cache; ms: the step's wall time; preempt: a victim's id and length.
+static std::string format_trace(const StepTrace& t) {
+  char buf[256];
+  snprintf(buf, sizeof buf,
+           "[trace] step %lld %s batch=%d tokens=%lld hit=%d waiting=%d running=%d free=%d/%d hashes=%d "
+           "ms=%.2f\n",
+           (long long)t.step, t.is_prefill ? "PREFILL" : "DECODE ", t.batch, (long long)t.tokens,
+           t.prefix_hit, t.waiting, t.running, t.free_blocks, t.num_blocks, t.hashes, t.ms);
+  std::string line = buf;
+  for (auto& p : t.preempted) {
+    snprintf(buf, sizeof buf, "[trace]   preempt seq=%lld len=%d\n", (long long)p.first, p.second);
+    line += buf;
+  }
+  return line;
+}
+
+// xxHash64 (seed 0) of every completion in input order, each as its length then its token ids, all
+// little-endian int32: the same bytes as, in Python over the --output records,
+//   xxhash.xxh64(b"".join(struct.pack(f"<i{len(t)}i", len(t), *t) for t in token_id_lists)).hexdigest()
+// Equal hashes mean identical generated text, whatever the batching, chunking or preemption on the way.
+static uint64_t completions_xxh64(const std::vector<Completion>& outs) {
+  std::vector<int32_t> buf;
+  for (auto& o : outs) {
+    if (!o.finish_reason) continue;  // unfinished (Ctrl-C): not in --output, so not in the hash either
+    buf.push_back((int32_t)o.token_ids.size());
+    buf.insert(buf.end(), o.token_ids.begin(), o.token_ids.end());
+  }
+  return XXH64(buf.data(), buf.size() * sizeof(int32_t), 0);
+}
+
+// The run summary: what the scheduler did and where the time went, plus two fingerprints of the results.
+// Counters add up over every generate() of an engine. Admitted tokens count every admission, so a
+// preempted sequence that comes back counts again (with its generated tokens), and so do its hits.
+struct RunSummary {
+  int64_t prompt_tokens = 0, generated_tokens = 0, steps_prefill = 0, steps_decode = 0;
+  int64_t prefix_hit_tokens = 0, admitted_tokens = 0, preemptions = 0;
+  double prefix_hit_rate = 0, mean_decode_batch = 0;
+  int peak_kv_blocks = 0, kv_blocks = 0;
+  double steps_s = 0, schedule_s = 0, prepare_s = 0, gpu_wait_s = 0, postprocess_s = 0;
+  uint64_t tokens_xxh64 = 0, logits_xxh64 = 0;
+  int logits_rows = 0;
+  int64_t unfinished_requests = 0;  // > 0 only when a Ctrl-C stopped the run
+  double host_s() const { return schedule_s + prepare_s + postprocess_s; }
+};
+
+static RunSummary run_summary(const RunStats& st, const SchedulerStats& ss, int num_kvcache_blocks,
+                              const std::vector<Completion>& outs, uint64_t logits_xxh64) {
+  RunSummary r;
+  for (auto& o : outs) {
+    r.prompt_tokens += o.prompt_tokens, r.generated_tokens += (int64_t)o.token_ids.size();
+    r.unfinished_requests += o.finish_reason == nullptr;
+  }
+  r.steps_prefill = st.steps_prefill;
+  r.steps_decode = st.steps_decode;
+  r.prefix_hit_tokens = ss.prefix_hit_tokens;
+  r.admitted_tokens = ss.prompt_tokens_admitted;
+  r.preemptions = ss.num_preemptions;
+  r.prefix_hit_rate = r.admitted_tokens ? (double)r.prefix_hit_tokens / r.admitted_tokens : 0.0;
+  r.mean_decode_batch = st.steps_decode ? (double)st.decode_tokens / st.steps_decode : 0.0;
+  r.peak_kv_blocks = st.peak_blocks_used;
+  r.kv_blocks = num_kvcache_blocks;
+  r.steps_s = st.prefill_seconds + st.decode_seconds;
+  r.schedule_s = st.schedule_seconds;
+  r.prepare_s = st.prepare_seconds;
+  r.gpu_wait_s = st.gpu_wait_seconds;
+  r.postprocess_s = st.postprocess_seconds;
+  r.tokens_xxh64 = completions_xxh64(outs);
+  r.logits_xxh64 = logits_xxh64;
+  r.logits_rows = st.last_batch;
+  return r;
+}
+
+static std::string hex64(uint64_t h) {
+  char b[17];
+  snprintf(b, sizeof b, "%016llx", (unsigned long long)h);
+  return b;
+}
+
+// The --output file's last record: {"summary": {...}}.
+static json summary_json(const RunSummary& r) {
+  return json{{"summary",
+               {{"prompt_tokens", r.prompt_tokens},
+                {"generated_tokens", r.generated_tokens},
+                {"steps_prefill", r.steps_prefill},
+                {"steps_decode", r.steps_decode},
+                {"prefix_hit_tokens", r.prefix_hit_tokens},
+                {"admitted_tokens", r.admitted_tokens},
+                {"prefix_hit_rate", r.prefix_hit_rate},
+                {"preemptions", r.preemptions},
+                {"mean_decode_batch", r.mean_decode_batch},
+                {"peak_kv_blocks", r.peak_kv_blocks},
+                {"kv_blocks", r.kv_blocks},
+                {"seconds",
+                 {{"steps", r.steps_s},
+                  {"schedule", r.schedule_s},
+                  {"prepare_and_launch", r.prepare_s},
+                  {"gpu_wait", r.gpu_wait_s},
+                  {"postprocess", r.postprocess_s}}},
+                {"tokens_xxh64", hex64(r.tokens_xxh64)},
+                {"logits_xxh64", hex64(r.logits_xxh64)},
+                {"logits_rows", r.logits_rows},
+                {"unfinished_requests", r.unfinished_requests}}}};
+}
+
+// The summary's three stderr lines. None contains the word "requests": bench.sh parses the last line
+// that does.
+static std::string format_summary(const RunSummary& r) {
+  auto pct = [](double part, double whole) { return 100.0 * part / std::max(whole, 1e-9); };
+  char buf[3][512];
+  snprintf(buf[0], sizeof buf[0],
+           "nanovllm: summary | prefix cache hit %lld of %lld admitted tokens (%.1f%%) | %lld preemptions | "
+           "mean decode batch %.2f over %lld steps | peak KV %d of %d blocks (%.1f%%)\n",
+           (long long)r.prefix_hit_tokens, (long long)r.admitted_tokens, 100.0 * r.prefix_hit_rate,
+           (long long)r.preemptions, r.mean_decode_batch, (long long)r.steps_decode, r.peak_kv_blocks,
+           r.kv_blocks, pct(r.peak_kv_blocks, r.kv_blocks));
+  snprintf(buf[1], sizeof buf[1],
+           "nanovllm: time | %.3f s in %lld steps | host %.3f s (%.0f%%): schedule %.3f, prepare + launch "
+           "%.3f, postprocess %.3f | waiting for the GPU %.3f s (%.0f%%)\n",
+           r.steps_s, (long long)(r.steps_prefill + r.steps_decode), r.host_s(), pct(r.host_s(), r.steps_s),
+           r.schedule_s, r.prepare_s, r.postprocess_s, r.gpu_wait_s, pct(r.gpu_wait_s, r.steps_s));
+  snprintf(buf[2], sizeof buf[2],
+           "nanovllm: check | tokens xxh64 %s (all completions, in input order) | logits xxh64 %s "
+           "(last step, %d rows)\n",
+           hex64(r.tokens_xxh64).c_str(), hex64(r.logits_xxh64).c_str(), r.logits_rows);
+  return std::string(buf[0]) + buf[1] + buf[2];
+}
+
+// The --output file's last line: {"summary": {...}} .
 static void write_summary(const RunSummary& summary, FILE* jsonl) {
   if (jsonl) fprintf(jsonl, "%s\n", summary_json(summary).dump().c_str());
 }
 
-// ==== 15. Command line and main =======================================================================
+// ==== 23. Signals, worker processes and the mailbox ========================================================
+//
+// The process plumbing: Ctrl-C and SIGTERM, and the tensor-parallel workers (section 12's ranks 1..N-1):
+// how they are forked, told what to do, and stopped on every path. None of it changes what the engine
+// computes.
+
+// Signal handlers may only use async-signal-safe calls: write(2) instead of fprintf.
+static void sig_puts(const char* s) {
+  ssize_t r = write(2, s, strlen(s));
+  (void)r;
+}
+static void sig_putn(long v) {
+  char b[24];
+  int i = 23;
+  b[i] = 0;
+  unsigned long u = v < 0 ? -(unsigned long)v : (unsigned long)v;
+  do b[--i] = (char)('0' + u % 10), u /= 10;
+  while (u);
+  if (v < 0) b[--i] = '-';
+  sig_puts(b + i);
+}
+
+// Stopping a run: Ctrl-C and SIGTERM. The first Ctrl-C while the engine generates (g_stop_armed, set by
+// main) only raises g_stop_requested: generate() returns after the step in flight (section 13), the requests
+// that had finished are written as usual, the others are counted as unfinished, and the exit status is 130
+// (128 + SIGINT, what a shell reports for Ctrl-C). A second Ctrl-C, a Ctrl-C before the engine runs, or
+// SIGTERM stops at once with 128 + the signal; tensor parallelism hooks in to stop its workers first
+// (g_stop_hook, below). GPU memory needs no cleanup: the driver frees it when the process ends.
+static void (*g_stop_hook)() = nullptr;
+
+static void on_stop_signal(int sig) {
+  if (sig == SIGINT && g_stop_armed && !g_stop_requested) {
+    g_stop_requested = 1;
+    sig_puts("\nnanovllm: interrupted: stopping after this step and writing the finished requests "
+             "(Ctrl-C again stops at once)\n");
+    return;
+  }
+  sig_puts(sig == SIGINT ? "\nnanovllm: interrupted" : "nanovllm: terminated");
+  if (g_stop_hook) g_stop_hook();  // ends the line itself, before a worker can print
+  else sig_puts("\n");
+  _exit(128 + sig);
+}
+
+// Installs on_stop_signal for SIGINT and SIGTERM; neither interrupts the other's handler (nor SIGCHLD's).
+static void install_stop_handlers() {
+  struct sigaction sa = {};
+  sigemptyset(&sa.sa_mask);
+  sigaddset(&sa.sa_mask, SIGCHLD), sigaddset(&sa.sa_mask, SIGINT), sigaddset(&sa.sa_mask, SIGTERM);
+  sa.sa_flags = SA_RESTART;
+  sa.sa_handler = on_stop_signal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+}
+
+// ---- 23a. The processes and the mailbox ----------------------------------------------------------------
+//
+// Processes. tp_launch(N) fork()s ranks 1..N-1 before this process makes its first CUDA call: a child
+// cannot use CUDA once its parent has, so the order is forced (nano-vllm spawns fresh Python processes
+// instead). The workers are generic: they know nothing of the model until rank 0 sends them an engine's
+// Config, so one launch serves every engine the process builds (the end-to-end test builds several).
+// Rank r binds GPU r; all ranks join one NCCL communicator whose unique id travels through the mailbox.
+//
+// Control plane. nano-vllm pickles each call (method name and arguments, the Sequence objects included)
+// into a 1 MiB SharedMemory segment, sets one Event per worker, and every worker re-runs prepare_prefill /
+// prepare_decode from the sequences. Here rank 0 prepares a step once and sends the result: the step
+// region of section 11, the flat arrays exactly as they will be copied to the GPU, with a small header
+// (TPStep). A worker copies those bytes into its own pinned region and runs what rank 0 runs, the same
+// CUDA graph included. No serialisation, no second copy of the scheduler's state, and the two ranks cannot
+// disagree about a step's inputs.
+//
+// The mailbox is one slot in a MAP_SHARED | MAP_ANONYMOUS mapping made before fork(): every rank inherits
+// it and it has no name, so nothing can be left behind in /dev/shm however the run ends (nano-vllm's named
+// segment must be unlinked). Rank 0 writes a message and increments `seq`; a worker notices by spinning on
+// seq for a few milliseconds (the next decode step usually comes sooner, and a futex wake-up costs tens of
+// microseconds on the critical path), then sleeps in futex(FUTEX_WAIT) on the same word, which rank 0's
+// FUTEX_WAKE ends. Before writing, rank 0 waits until every worker has acknowledged (copied out) the
+// previous message, so a single slot is enough; in practice they always have, because each message is
+// followed by collectives that need every worker.
+//
+// Shutdown, on every path (all workers are reaped; rank 0's exit status says whether the run succeeded):
+//   normal end       tp_shutdown(): an EXIT message; workers exit 0; rank 0 waits for them
+//   worker fails     its message, then exit 1 (or a crash): rank 0's SIGCHLD handler names the rank, stops
+//                    the others and exits 1, even while it waits on the GPU for a collective that will
+//                    never complete (NCCL would wait forever)
+//   rank 0 fails     die() -> exit(1) -> atexit: SIGTERM to the workers, wait; a rank 0 killed outright
+//                    takes the workers with it through PR_SET_PDEATHSIG
+//   Ctrl-C           the terminal signals every rank; workers ignore SIGINT. The first Ctrl-C during
+//                    generate() ends the run after the current step, with the normal EXIT message; a
+//                    second one (or SIGTERM, or Ctrl-C before generate) stops the workers at once (exit 130)
+// NANOVLLM_TEST_WORKER_FAIL=RANK:STEP makes worker RANK fail at its STEP-th step, for the test of the above.
+
+enum class TPOp : uint32_t { CONNECT, INIT, CAPTURE, STEP, EXIT };
+
+struct TPMailbox {
+  uint32_t seq;      // messages sent so far: the futex word
+  uint32_t acks;     // messages copied out, summed over the workers
+  TPOp op;
+  TPStep step;       // STEP: the header
+  uint64_t bytes;    // of payload: CONNECT the NCCL unique id, INIT the Config as JSON, STEP the step region
+  static constexpr size_t kHeader = 256;
+  char* payload() { return reinterpret_cast<char*>(this) + kHeader; }
+};
+static_assert(sizeof(TPMailbox) <= TPMailbox::kHeader, "the payload starts after the header");
+constexpr size_t TP_MAILBOX_BYTES = 64 << 20;  // address space; memory only as far as messages reach
+constexpr size_t TP_PAYLOAD_BYTES = TP_MAILBOX_BYTES - TPMailbox::kHeader;
+constexpr double TP_SPIN_SECONDS = 0.01;       // a worker spins this long before it sleeps on the futex
+
+struct TPGroup {
+  int size = 1;
+  TPMailbox* mb = nullptr;
+  TPComm* comm = nullptr;                  // this process's, once connected
+  pid_t pids[TP_MAX_RANKS] = {};           // rank 0: the workers, -1 once reaped
+  int status[TP_MAX_RANKS] = {};           // rank 0: their wait() status once reaped
+  volatile sig_atomic_t stopping = 0;      // rank 0: a worker's exit is expected from now on
+  volatile sig_atomic_t worker_busy = 0;   // worker: it has received a message (SIGTERM then says why)
+};
+static TPGroup g_tp;
+
+static void sig_put_status(int st) {
+  if (WIFSIGNALED(st)) sig_puts("was killed by signal "), sig_putn(WTERMSIG(st));
+  else sig_puts("exited with status "), sig_putn(WEXITSTATUS(st));
+}
+
+// Rank 0: send `sig` to every live worker and reap them all (SIGKILL after 5 s). Async-signal-safe.
+static void tp_stop_workers(int sig) {
+  for (int r = 1; r < g_tp.size; r++)
+    if (g_tp.pids[r] > 0) kill(g_tp.pids[r], sig);
+  for (int ms = 0;; ms += 10) {
+    bool alive = false;
+    for (int r = 1; r < g_tp.size; r++) {
+      if (g_tp.pids[r] <= 0) continue;
+      int st;
+      pid_t p = waitpid(g_tp.pids[r], &st, WNOHANG);
+      if (p == g_tp.pids[r] || (p < 0 && errno == ECHILD)) g_tp.pids[r] = -1;
+      else alive = true;
+    }
+    if (!alive) return;
+    if (ms == 5000)
+      for (int r = 1; r < g_tp.size; r++)
+        if (g_tp.pids[r] > 0) kill(g_tp.pids[r], SIGKILL);
+    struct timespec ts = {0, 10 * 1000 * 1000};
+    nanosleep(&ts, nullptr);
+  }
+}
+
+static void tp_on_sigchld(int) {
+  int saved = errno;
+  for (int r = 1; r < g_tp.size; r++) {
+    int st;
+    if (g_tp.pids[r] <= 0 || waitpid(g_tp.pids[r], &st, WNOHANG) != g_tp.pids[r]) continue;
+    g_tp.pids[r] = -1;
+    g_tp.status[r] = st;
+    if (g_tp.stopping) continue;  // tp_shutdown() reads the statuses
+    g_tp.stopping = 1;
+    sig_puts("nanovllm: error: tensor-parallel rank "), sig_putn(r), sig_puts(" "), sig_put_status(st);
+    sig_puts(" (its message, if any, is above); stopping all "), sig_putn(g_tp.size), sig_puts(" ranks\n");
+    tp_stop_workers(SIGTERM);
+    _exit(1);
+  }
+  errno = saved;
+}
+
+// Rank 0's part of an immediate stop (on_stop_signal above): end the workers before rank 0 exits.
+static void tp_on_stop() {
+  g_tp.stopping = 1;
+  sig_puts("; stopping all "), sig_putn(g_tp.size), sig_puts(" ranks\n");  // the whole line, then the workers
+  tp_stop_workers(SIGTERM);
+}
+
+// Rank 0 leaving through exit() (die() included) without tp_shutdown(): the workers must not outlive it.
+static void tp_atexit() {
+  sigset_t all;
+  sigemptyset(&all);
+  sigaddset(&all, SIGCHLD), sigaddset(&all, SIGINT), sigaddset(&all, SIGTERM);
+  sigprocmask(SIG_BLOCK, &all, nullptr);
+  g_tp.stopping = 1;
+  tp_stop_workers(SIGTERM);
+}
+
+static void tp_worker_on_sigterm(int) {
+  if (g_tp.worker_busy)
+    sig_puts("[rank "), sig_putn(g_tp_rank), sig_puts("] nanovllm: stopping: rank 0 ended the run\n");
+  _exit(1);
+}
+
+[[noreturn]] static void tp_worker_main(int rank);  // 23b
+
+// Fork ranks 1..n-1. Call before the first CUDA call; a no-op for n = 1.
+static void tp_launch(int n) {
+  if (n <= 1) return;
+  if (n > TP_MAX_RANKS) die("--tensor-parallel-size %d: at most %d ranks", n, TP_MAX_RANKS);
+  // NVLink SHARP (multicast) buys nothing at these message sizes and GPU counts; keep it off unless asked.
+  setenv("NCCL_NVLS_ENABLE", "0", 0);
+  void* p = mmap(nullptr, TP_MAILBOX_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED)
+    die("cannot map %zu MiB of shared memory for the tensor-parallel mailbox: %s", TP_MAILBOX_BYTES >> 20,
+        strerror(errno));
+  g_tp.mb = static_cast<TPMailbox*>(p);
+  g_tp.size = n;
+  sigset_t chld, old;  // a worker that dies at once is reaped only once its pid is recorded
+  sigemptyset(&chld);
+  sigaddset(&chld, SIGCHLD);
+  sigprocmask(SIG_BLOCK, &chld, &old);
+  fflush(stdout);  // or the children would print rank 0's buffered output again
+  fflush(stderr);
+  const pid_t parent = getpid();
+  for (int r = 1; r < n; r++) {
+    pid_t pid = fork();
+    if (pid < 0) {
+      int e = errno;
+      tp_stop_workers(SIGKILL);
+      die("fork() for tensor-parallel rank %d failed: %s", r, strerror(e));
+    }
+    if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGTERM);   // rank 0 gone, however it went: this worker goes too
+      if (getppid() != parent) _exit(1);  // it went before prctl took effect
+      sigprocmask(SIG_SETMASK, &old, nullptr);
+      tp_worker_main(r);
+    }
+    g_tp.pids[r] = pid;
+  }
+  struct sigaction sa = {};
+  sigemptyset(&sa.sa_mask);
+  sigaddset(&sa.sa_mask, SIGCHLD), sigaddset(&sa.sa_mask, SIGINT), sigaddset(&sa.sa_mask, SIGTERM);
+  sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
+  sa.sa_handler = tp_on_sigchld;
+  sigaction(SIGCHLD, &sa, nullptr);
+  g_stop_hook = tp_on_stop;
+  install_stop_handlers();
+  atexit(tp_atexit);
+  sigprocmask(SIG_SETMASK, &old, nullptr);
+}
+
+// Rank 0: put one message in the mailbox and wake the workers.
+static void tp_send(TPOp op, const void* payload, size_t bytes, const TPStep* step = nullptr) {
+  TPMailbox* mb = g_tp.mb;
+  if (bytes > TP_PAYLOAD_BYTES)
+    die("a tensor-parallel step of %.1f MiB does not fit the %zu MiB mailbox; lower "
+        "--max-num-batched-tokens, --max-num-seqs or --max-model-len",
+        bytes / 1048576.0, TP_PAYLOAD_BYTES >> 20);
+  const uint32_t sent = mb->seq;
+  while (__atomic_load_n(&mb->acks, __ATOMIC_ACQUIRE) != sent * (uint32_t)(g_tp.size - 1)) sched_yield();
+  mb->op = op;
+  mb->bytes = bytes;
+  if (step) mb->step = *step;
+  if (bytes) memcpy(mb->payload(), payload, bytes);
+  __atomic_store_n(&mb->seq, sent + 1, __ATOMIC_RELEASE);
+  syscall(SYS_futex, &mb->seq, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+static void tp_send_step(const TPStep& step, const void* region) {
+  tp_send(TPOp::STEP, region, step.bytes, &step);
+}
+static void tp_send_capture() { tp_send(TPOp::CAPTURE, nullptr, 0); }
+
+// Every field of Config (section 2) travels; a field added there must be added here and below.
+static std::string config_to_json(const Config& c) {
+  json j = {{"model", c.model},
+            {"max_num_batched_tokens", c.max_num_batched_tokens},
+            {"max_num_seqs", c.max_num_seqs},
+            {"max_model_len", c.max_model_len},
+            {"gpu_memory_utilization", c.gpu_memory_utilization},
+            {"tensor_parallel_size", c.tensor_parallel_size},
+            {"enforce_eager", c.enforce_eager},
+            {"kvcache_block_size", c.kvcache_block_size},
+            {"num_kvcache_blocks", c.num_kvcache_blocks},
+            {"eos", c.eos}};
+  for (const OptimizationInfo& k : kOptimizations) j["opt"][k.name] = c.opt.*k.on;
+  return j.dump();
+}
+static Config config_from_json(const std::string& text) {
+  json j = json::parse(text);
+  Config c;
+  c.model = j["model"];
+  c.max_num_batched_tokens = j["max_num_batched_tokens"];
+  c.max_num_seqs = j["max_num_seqs"];
+  c.max_model_len = j["max_model_len"];
+  c.gpu_memory_utilization = j["gpu_memory_utilization"];
+  c.tensor_parallel_size = j["tensor_parallel_size"];
+  c.enforce_eager = j["enforce_eager"];
+  c.kvcache_block_size = j["kvcache_block_size"];
+  c.num_kvcache_blocks = j["num_kvcache_blocks"];
+  c.eos = j["eos"].get<std::vector<int>>();
+  for (const OptimizationInfo& k : kOptimizations) c.opt.*k.on = j["opt"][k.name].get<bool>();
+  return c;
+}
+
+// The communicator of this process for an engine with Config c, called first thing by ModelRunner. On
+// rank 0 it connects the group (once per process: NCCL unique id -> CONNECT) and sends the workers c, so
+// they build the same engine alongside; on a worker the group is already connected.
+static TPComm* tp_attach(const Config& c, int rank) {
+  if (!g_tp.mb || g_tp.size != c.tensor_parallel_size)
+    die("--tensor-parallel-size %d, but %d ranks were launched (tp_launch(N) must run before the first CUDA "
+        "call)", c.tensor_parallel_size, g_tp.size);
+  if (rank > 0) return g_tp.comm;
+  if (!g_tp.comm) {
+    CUDA_CHECK(cudaSetDevice(0));
+    ncclUniqueId id;
+    NCCL_CHECK(ncclGetUniqueId(&id));
+    tp_send(TPOp::CONNECT, &id, sizeof id);
+    g_tp.comm = tp_comm_init(0, g_tp.size, id);
+  }
+  std::string text = config_to_json(c);
+  tp_send(TPOp::INIT, text.data(), text.size());
+  return g_tp.comm;
+}
+
+// nano-vllm: LLMEngine.exit. Tells the workers to exit and reaps them; false if one of them failed.
+static bool tp_shutdown() {
+  if (g_tp.size <= 1 || !g_tp.mb) return true;
+  g_tp.stopping = 1;  // from here on the SIGCHLD handler only records exit statuses
+  TPMailbox* mb = g_tp.mb;
+  bool acked = false;  // every earlier message was copied out (always, unless a worker is stuck)
+  for (double t0 = now_seconds(); !acked && now_seconds() - t0 < 10; sched_yield())
+    acked = __atomic_load_n(&mb->acks, __ATOMIC_ACQUIRE) == mb->seq * (uint32_t)(g_tp.size - 1);
+  if (acked) tp_send(TPOp::EXIT, nullptr, 0);
+  for (double t0 = now_seconds();;) {
+    bool alive = false;
+    for (int r = 1; r < g_tp.size; r++) alive |= g_tp.pids[r] > 0;
+    if (!alive) break;
+    if (!acked || now_seconds() - t0 > 10) {
+      fprintf(stderr, "nanovllm: error: tensor-parallel workers did not exit; stopping them\n");
+      tp_atexit();
+      return false;
+    }
+    usleep(1000);
+  }
+  bool ok = true;
+  for (int r = 1; r < g_tp.size; r++)
+    if (!WIFEXITED(g_tp.status[r]) || WEXITSTATUS(g_tp.status[r]) != 0) {
+      fprintf(stderr, "nanovllm: error: tensor-parallel rank %d ended badly at shutdown (wait status %d)\n",
+              r, g_tp.status[r]);
+      ok = false;
+    }
+  return ok;
+}
+
+// ---- 23b. The worker loop ------------------------------------------------------------------------------
+//
+// A worker waits for a message and does what rank 0 does at the same point, so that every collective call
+// on every rank has its partners: build the engine (weights, activations, the KV pool sized by the minimum
+// over ranks), capture the same CUDA graphs in the same order, and for each step copy the step region to
+// its GPU and run the same forward pass or replay the same graph. It never samples: rank 0 does, from the
+// gathered logits.
+
+// Wait until seq moves past `seen`; returns the new value.
+static uint32_t tp_wait(uint32_t seen) {
+  TPMailbox* mb = g_tp.mb;
+  const double t0 = now_seconds();
+  for (;;) {
+    uint32_t s = __atomic_load_n(&mb->seq, __ATOMIC_ACQUIRE);
+    if (s != seen) return s;
+    if (now_seconds() - t0 < TP_SPIN_SECONDS) continue;
+    struct timespec ts = {1, 0};  // a bounded sleep: the loop re-reads seq whatever woke it
+    syscall(SYS_futex, &mb->seq, FUTEX_WAIT, seen, &ts, nullptr, 0);
+  }
+}
+
+// The worker's half of ModelRunner::run: the step region is already in r's pinned buffer.
+static void tp_replay_step(ModelRunner& r, const TPStep& st) {
+  StepRegion& region = st.is_prefill ? r.prefill_region : r.decode_region;
+  CUDA_CHECK(cudaMemcpyAsync(region.d, region.h, st.bytes, cudaMemcpyHostToDevice, r.stream));
+  if (st.is_prefill) {
+    r.forward_and_sample(r.prefill_inputs(st.max_seqlen_q), st.T, st.B, true, r.p_samp.d);
+  } else if (st.graph_bs) {
+    auto it = r.graphs.find(st.graph_bs);
+    if (it == r.graphs.end())
+      die("internal error: rank 0 replays a graph of batch %d, this rank has none", st.graph_bs);
+    CUDA_CHECK(cudaGraphLaunch(it->second, r.stream));
+  } else {
+    r.forward_and_sample(r.decode_inputs(), st.B, st.B, false, r.d_samp.d);
+  }
+  CUDA_CHECK(cudaStreamSynchronize(r.stream));  // a failure surfaces here, in this step, named by rank
+}
+
+[[noreturn]] static void tp_worker_main(int rank) {
+  g_tp_rank = rank;
+  signal(SIGCHLD, SIG_DFL);
+  signal(SIGINT, SIG_IGN);  // Ctrl-C reaches every rank; rank 0 decides and stops the workers
+  struct sigaction sa = {};
+  sa.sa_handler = tp_worker_on_sigterm;
+  sigaction(SIGTERM, &sa, nullptr);
+  int fail_rank = -1;
+  long long fail_step = -1;
+  const char* fail = getenv("NANOVLLM_TEST_WORKER_FAIL");
+  if (fail && sscanf(fail, "%d:%lld", &fail_rank, &fail_step) != 2)
+    die("NANOVLLM_TEST_WORKER_FAIL=%s: expected RANK:STEP", fail);
+  TPMailbox* mb = g_tp.mb;
+  auto ack = [&] { __atomic_fetch_add(&mb->acks, 1, __ATOMIC_RELEASE); };
+  Config config;
+  std::unique_ptr<ModelRunner> runner;
+  uint32_t seen = 0;
+  long long steps = 0;
+  for (;;) {
+    seen = tp_wait(seen);
+    g_tp.worker_busy = 1;
+    if ((mb->op == TPOp::CAPTURE || mb->op == TPOp::STEP) && !runner)
+      die("internal error: tensor-parallel message %d before any engine", (int)mb->op);
+    switch (mb->op) {
+      case TPOp::CONNECT: {
+        ncclUniqueId id;
+        memcpy(&id, mb->payload(), sizeof id);
+        ack();
+        g_tp.comm = tp_comm_init(rank, g_tp.size, id);
+        break;
+      }
+      case TPOp::INIT: {
+        std::string text(mb->payload(), mb->bytes);
+        ack();
+        runner.reset();  // like rank 0's previous engine, it keeps its GPU memory (ModelRunner frees nothing)
+        config = config_from_json(text);
+        ModelConfig mc = load_model_config(config.model);
+        runner.reset(new ModelRunner(config, mc, rank));
+        break;
+      }
+      case TPOp::CAPTURE:
+        ack();
+        runner->capture_cudagraphs();
+        break;
+      case TPOp::STEP: {
+        TPStep st = mb->step;
+        StepRegion& region = st.is_prefill ? runner->prefill_region : runner->decode_region;
+        if (st.bytes > region.bytes) die("internal error: a step of %llu bytes for a region of %zu",
+                                         (unsigned long long)st.bytes, region.bytes);
+        memcpy(region.h, mb->payload(), st.bytes);
+        ack();
+        if (++steps == fail_step && rank == fail_rank)
+          die("NANOVLLM_TEST_WORKER_FAIL=%s: rank %d fails at its step %lld, on purpose", fail, rank, steps);
+        tp_replay_step(*runner, st);
+        break;
+      }
+      case TPOp::EXIT:
+        ack();
+        fflush(stderr);
+        _exit(0);  // no teardown: the driver frees this process's GPU memory, and rank 0 waits for us
+    }
+  }
+}
+
+// ==== 24. Command line and main ============================================================================
 
 struct Cli {
   Config config;
@@ -4764,6 +5420,10 @@ static const char* kUsage =
     "  --enforce-eager              no CUDA graphs\n"
     "  --kvcache-block-size N       tokens per KV block, power of two 16-256  (256)\n"
     "  --num-kvcache-blocks N       KV blocks (default: as many as fit)\n"
+    "speed (Part II of nanovllm.cu; every optimization is on by default):\n"
+    "  --plain                      Part I alone: no optimization of Part II (same as --opt none)\n"
+    "  --opt LIST                   comma-separated: all, none, NAME (on) or -NAME (off), left to right;\n"
+    "                               NAME: pdl gemv cluster_merge fused_rope oneshot_allreduce fast_sampler\n"
     "sampling (defaults for every request; a .jsonl line may override them):\n"
     "  --temperature F              0 = greedy                                (1.0)\n"
     "  --top-k N                    keep the N most likely tokens, -1 = off   (-1)\n"
@@ -4840,6 +5500,11 @@ static Cli parse_args(int argc, char** argv) {
     else if (a == "--no-thinking") flag_only(), cli.prompts.enable_thinking = false;
     else if (a == "--output") cli.output_path = value();
     else if (a == "--trace") flag_only(), cli.trace = true;
+    else if (a == "--plain") flag_only(), c.opt = Optimizations{}, parse_optimizations("none", c.opt);
+    else if (a == "--opt") {
+      std::string problem = parse_optimizations(value(), c.opt);
+      if (!problem.empty()) die("%s", problem.c_str());
+    }
     else if (a.rfind("-", 0) == 0 && a.size() > 1) die("unknown flag '%s' (see --help)", a.c_str());
     else positional.push_back(a);
   }
@@ -4941,6 +5606,16 @@ static int roofline_command() {
   return 0;
 }
 
+// What of the optimizations in force this machine cannot run, for the start-up line ("" when nothing).
+static std::string fast_path_notes(ModelRunner& runner) {
+  std::string notes;
+  if (g_opt.pdl && gpu_cc_major() < 9) notes += "; pdl needs sm_90, off here";
+  if (g_opt.cluster_merge && !decode_clusters_supported()) notes += "; cluster_merge needs sm_90, off here";
+  if (g_opt.oneshot_allreduce && runner.model.tp > 1 && !runner.model.comm->oneshot)
+    notes += "; oneshot_allreduce: the GPUs cannot reach each other's memory, NCCL alone";
+  return notes.empty() ? "" : " (" + notes.substr(2) + ")";
+}
+
 #ifndef NANOVLLM_TESTING
 int main(int argc, char** argv) {
   double t_start = now_seconds();
@@ -4961,7 +5636,7 @@ int main(int argc, char** argv) {
                                                            : read_prompts(cli.prompts_path, tok, cli.prompts, config, mc);
   if (!cli.output_path.empty()) check_output_path(cli.output_path);
   // 2. The GPU: weights, KV cache, CUDA graphs. Tensor-parallel workers are forked first: a child process
-  //    cannot use CUDA once its parent has (section 12).
+  //    cannot use CUDA once its parent has (section 23).
   tp_launch(config.tensor_parallel_size);
   check_gpus(config.tensor_parallel_size);
   ModelRunner runner(config, mc);
@@ -4980,6 +5655,8 @@ int main(int argc, char** argv) {
           config.kvcache_block_size, (long long)config.num_kvcache_blocks * config.kvcache_block_size,
           runner.model.kv.bytes / (double)(1 << 30), runner.graphs.size(), runner.capture_seconds,
           now_seconds() - t_start);
+  fprintf(stderr, "nanovllm: optimizations (Part II): %s%s\n", optimizations_str(config.opt).c_str(),
+          fast_path_notes(runner).c_str());
   // 3. Generate. From here the first Ctrl-C stops after the current step and still writes what finished.
   LLMEngine engine(config, runner);
   engine.trace = cli.trace;

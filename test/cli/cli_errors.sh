@@ -108,6 +108,13 @@ refuse flag_num_kvcache_blocks_zero "--num-kvcache-blocks must be positive" "$G"
 refuse flag_max_num_seqs_zero "--max-num-seqs must be at least 1" "$G" "$PT" --max-num-seqs 0
 refuse flag_tp_out_of_range "--tensor-parallel-size must be between 1 and 8|16" "$G" "$PT" --tp 16
 refuse flag_tp_not_dividing_heads "--tensor-parallel-size 3 must divide" "$G" "$PT" --tensor-parallel-size 3
+refuse flag_opt_unknown_name "--opt: unknown optimization 'fused_gemv'|gemv, cluster_merge" "$G" "$PT" \
+  --opt -fused_gemv
+refuse flag_opt_empty "--opt needs a list" "$G" "$PT" --opt=
+refuse flag_opt_signed_all "write all or none without a sign" "$G" "$PT" --opt -all
+refuse flag_plain_with_value "flag --plain takes no value" "$G" "$PT" --plain=1
+refuse valid_plain_reaches_gpu_check "$NOGPU" "$G" "$PT" --plain
+refuse valid_opt_list_reaches_gpu_check "$NOGPU" "$G" "$PT" --opt none,gemv,+pdl --opt -pdl
 refuse flag_unknown "unknown flag '--frobnicate'" "$G" "$PT" --frobnicate
 refuse flag_missing_value "flag --max-tokens needs a value" "$G" "$PT" --max-tokens
 refuse flag_value_on_switch "flag --ignore-eos takes no value" "$G" "$PT" --ignore-eos=1

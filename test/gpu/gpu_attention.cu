@@ -1,4 +1,5 @@
-// gpu_attention.cu — section 5b (paged attention, prefill and decode) against a CPU reference, and timings.
+// gpu_attention.cu — section 8 (paged attention, prefill and decode) against its CPU reference, sections 16
+// and 17 (the cluster merge, the fused decode kernel) against section 8, and timings.
 //
 // Every case builds a paged KV cache the way the engine does: blocks handed out in a shuffled order, the
 // block-table tail set to -1, and every slot that no sequence owns (spare blocks, the tail of each last
@@ -35,8 +36,6 @@ struct Rng {
   float uniform() { return (float)(next() >> 40) * (2.0f / 16777216.0f) - 1.0f; }  // [-1, 1)
   int range(int lo, int hi) { return lo + (int)(next() % (uint64_t)(hi - lo + 1)); }  // [lo, hi]
 };
-
-static float bf16_round(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
 // A batch of sequences over a paged cache, on the host. Values are bf16-rounded floats.
 struct PagedBatch {
@@ -98,39 +97,15 @@ static PagedBatch make_batch(int NH, int NKV, int P, const std::vector<int>& q_l
   return pb;
 }
 
-// fp64 paged causal attention: out [T, NH*D]. Query i of sequence b sits at k_len - q_len + i.
+// fp64 paged causal attention, out [T, NH*D]: nanovllm.cu's attention_reference over every (sequence,
+// head), on all cores.
 static std::vector<float> reference_attention(const PagedBatch& pb) {
-  const int D = HEAD_DIM, G = pb.NH / pb.NKV, width = (pb.NH + 2 * pb.NKV) * D;
-  const double scale = 1.0 / std::sqrt((double)D);
-  std::vector<float> out((size_t)pb.T * pb.NH * D);
+  std::vector<float> out((size_t)pb.T * pb.NH * HEAD_DIM);
   std::atomic<int> next{0};
   auto worker = [&]() {
-    std::vector<double> p, acc(D);
-    for (int task; (task = next++) < pb.B * pb.NH;) {
-      const int b = task / pb.NH, h = task % pb.NH, kvh = h / G;
-      for (int i = 0; i < pb.q_lens[b]; i++) {
-        const int t = pb.cu_q[b] + i, pos = pb.k_lens[b] - pb.q_lens[b] + i;
-        const float* q = &pb.qkv[(size_t)t * width + h * D];
-        p.assign(pos + 1, 0.0);
-        double mx = -1e300;
-        for (int j = 0; j <= pos; j++) {
-          const float* k = &pb.k[pb.slot_index(b, j, kvh)];
-          double s = 0;
-          for (int d = 0; d < D; d++) s += (double)q[d] * k[d];
-          p[j] = s * scale;
-          mx = std::max(mx, p[j]);
-        }
-        double sum = 0;
-        std::fill(acc.begin(), acc.end(), 0.0);
-        for (int j = 0; j <= pos; j++) {
-          p[j] = std::exp(p[j] - mx);
-          sum += p[j];
-          const float* v = &pb.v[pb.slot_index(b, j, kvh)];
-          for (int d = 0; d < D; d++) acc[d] += p[j] * v[d];
-        }
-        for (int d = 0; d < D; d++) out[(size_t)t * pb.NH * D + h * D + d] = (float)(acc[d] / sum);
-      }
-    }
+    for (int task; (task = next++) < pb.B * pb.NH;)
+      attention_reference(out.data(), pb.qkv.data(), pb.k.data(), pb.v.data(), pb.cu_q.data(), pb.k_lens.data(),
+                          pb.block_tables.data(), task / pb.NH, task % pb.NH, pb.NH, pb.NKV, pb.P, pb.MB);
   };
   std::vector<std::thread> threads;
   const unsigned n_threads = std::max(1u, std::thread::hardware_concurrency());
@@ -213,16 +188,25 @@ static void check_prefill(const char* what, const PagedBatch& pb) {
   compare(what, out.read(), reference_attention(pb));
 }
 
+// Section 8's decode kernel, and section 16's cluster merge where it applies (batches of at most
+// DECODE_CLUSTER_MAX_B on sm_90 and later), each against the fp64 reference.
 static void check_decode(const char* what, const PagedBatch& pb, int max_context_len) {
   DeviceBatch db(pb);
-  PoisonedOutput out((size_t)pb.B * pb.NH * HEAD_DIM);
   size_t ws_bytes = attention_decode_workspace_bytes(pb.B, pb.NH, max_context_len);
   float* ws = nullptr;
   CUDA_CHECK(cudaMalloc(&ws, ws_bytes));
-  CUDA_CHECK(cudaMemset(ws, 0xFF, ws_bytes));
-  attention_decode(out.d, db.qkv, db.k, db.v, db.k_lens, db.block_tables, pb.B, pb.NH, pb.NKV, pb.P, pb.MB,
-                   max_context_len, ws, 1.f / sqrtf((float)HEAD_DIM), 0);
-  compare(what, out.read(), reference_attention(pb));
+  const std::vector<float> want = reference_attention(pb);
+  const bool cluster = pb.B <= DECODE_CLUSTER_MAX_B && decode_clusters_supported();
+  for (int path = 0; path < (cluster ? 2 : 1); path++) {
+    PoisonedOutput out((size_t)pb.B * pb.NH * HEAD_DIM);
+    CUDA_CHECK(cudaMemset(ws, 0xFF, ws_bytes));
+    const Optimizations saved = g_opt;
+    g_opt.cluster_merge = path == 1;
+    attention_decode_fast(out.d, db.qkv, db.k, db.v, db.k_lens, db.block_tables, pb.B, pb.NH, pb.NKV, pb.P,
+                          pb.MB, max_context_len, ws, 1.f / sqrtf((float)HEAD_DIM), 0, nullptr);
+    g_opt = saved;
+    compare((std::string(what) + (path ? " [cluster merge]" : " [section 8]")).c_str(), out.read(), want);
+  }
   CUDA_CHECK(cudaFree(ws));
 }
 
@@ -471,10 +455,12 @@ static bf16* device_copy(const bf16* src, size_t n) {
   return d;
 }
 
-// attention_decode with DecodeRope (q/k-norm, RoPE and the KV store inside the kernel, what the engine
-// runs) against the kernels it replaces, qk_norm_rope then attention_decode without it, on the same raw
-// qkv and cache: the outputs of the real rows and the whole cache afterwards must be equal bit for bit.
-// The last n_pad rows are padding (slot -1, as the engine pads a graph's batch): both paths store nothing
+// Section 17's fused kernel (q/k-norm, RoPE and the KV store inside decode attention) against the kernels
+// it replaces, qk_norm_rope then section 8's attention_decode, on the same raw qkv and cache: the outputs of
+// the real rows and the whole cache afterwards must be equal bit for bit. Where the cluster merge applies
+// (section 16), the same again with it on both sides, and (contexts of at most 1024 keys, where its partition
+// length equals section 8's) the cluster path against section 8 too.
+// The last n_pad rows are padding (slot -1, as the engine pads a graph's batch): every path stores nothing
 // for them; their outputs are not compared (the fused kernel attends to the row's own k and v, the separate
 // path to what the cache held).
 static void check_fused_rope(const char* what, int NH, int NKV, int P, const std::vector<int>& ctx, int n_pad,
@@ -495,34 +481,48 @@ static void check_fused_rope(const char* what, int NH, int NKV, int P, const std
   float* ws = nullptr;
   CUDA_CHECK(cudaMalloc(&ws, attention_decode_workspace_bytes(B, NH, max_ctx)));
   const float theta = 1e6f, eps = 1e-6f, scale = 1.f / sqrtf((float)HEAD_DIM);
-  std::vector<uint16_t> out_bits[2], k_bits[2], v_bits[2];
-  for (int fused = 0; fused < 2; fused++) {
+  const bool cluster = B <= DECODE_CLUSTER_MAX_B && decode_clusters_supported();
+  const int variants = cluster ? 4 : 2;  // bit 0: fused rope; bit 1: cluster merge
+  std::vector<uint16_t> out_bits[4], k_bits[4], v_bits[4];
+  const Optimizations saved = g_opt;
+  for (int variant = 0; variant < variants; variant++) {
+    const bool fused = variant & 1;
+    g_opt.cluster_merge = variant & 2;
     bf16 *qkv = device_copy(qkv0, (size_t)B * W), *k = device_copy(k0, cache), *v = device_copy(v0, cache);
     PoisonedOutput out((size_t)B * NH * HEAD_DIM);
     CUDA_CHECK(cudaMemset(ws, 0xFF, attention_decode_workspace_bytes(B, NH, max_ctx)));
     if (fused) {
       const DecodeRope rope{d_pos, d_slots, qw, kw, eps, rope_inv_freq(theta)};
-      attention_decode(out.d, qkv, k, v, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws, scale, 0, &rope);
+      attention_decode_fast(out.d, qkv, k, v, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws, scale, 0, &rope);
     } else {
       qk_norm_rope(qkv, d_pos, qw, kw, k, v, d_slots, B, NH, NKV, P, theta, eps, 0);
-      attention_decode(out.d, qkv, k, v, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws, scale, 0);
+      attention_decode_fast(out.d, qkv, k, v, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws, scale, 0, nullptr);
     }
     std::vector<float> o = out.read();  // also checks the guard zone
-    out_bits[fused] = download_bits(out.d, (size_t)(B - n_pad) * NH * HEAD_DIM);
-    k_bits[fused] = download_bits(k, cache);
-    v_bits[fused] = download_bits(v, cache);
+    out_bits[variant] = download_bits(out.d, (size_t)(B - n_pad) * NH * HEAD_DIM);
+    k_bits[variant] = download_bits(k, cache);
+    v_bits[variant] = download_bits(v, cache);
     size_t nonfinite = 0;
     for (size_t i = 0; i < (size_t)(B - n_pad) * NH * HEAD_DIM; i++) nonfinite += !std::isfinite(o[i]);
-    CHECK_MSG(nonfinite == 0, "%s: %zu non-finite outputs (fused = %d)", what, nonfinite, fused);
+    CHECK_MSG(nonfinite == 0, "%s: %zu non-finite outputs (variant %d)", what, nonfinite, variant);
     if (fused) {  // the unfused qkv is roped in place; the fused kernel must leave qkv as it was
       CHECK_MSG(download_bits(qkv, (size_t)B * W) == download_bits(qkv0, (size_t)B * W),
                 "%s: the fused kernel wrote to qkv", what);
     }
     for (void* p : {(void*)qkv, (void*)k, (void*)v}) CUDA_CHECK(cudaFree(p));
   }
-  size_t out_diff = 0, k_diff = 0, v_diff = 0;
-  for (size_t i = 0; i < out_bits[0].size(); i++) out_diff += out_bits[0][i] != out_bits[1][i];
-  for (size_t i = 0; i < cache; i++) k_diff += k_bits[0][i] != k_bits[1][i], v_diff += v_bits[0][i] != v_bits[1][i];
+  g_opt = saved;
+  auto compare_bits = [&](int x, int y, const char* label) {
+    size_t out_diff = 0, k_diff = 0, v_diff = 0;
+    for (size_t i = 0; i < out_bits[x].size(); i++) out_diff += out_bits[x][i] != out_bits[y][i];
+    for (size_t i = 0; i < cache; i++)
+      k_diff += k_bits[x][i] != k_bits[y][i], v_diff += v_bits[x][i] != v_bits[y][i];
+    printf("    %-50s %-26s outputs differing %zu, k cache %zu, v cache %zu\n", what, label, out_diff, k_diff, v_diff);
+    CHECK_MSG(out_diff == 0 && k_diff == 0 && v_diff == 0, "%s: %s differ", what, label);
+  };
+  compare_bits(1, 0, "fused vs section 8");
+  if (cluster) compare_bits(3, 2, "fused vs separate, cluster");
+  if (cluster && *std::max_element(ctx.begin(), ctx.end()) <= 1024) compare_bits(2, 0, "cluster vs section 8");
   // the store happened: every real row's slot changed (random bf16s repeat by chance only rarely)
   std::vector<uint16_t> k_before = download_bits(k0, cache);
   size_t stored = 0;
@@ -530,10 +530,6 @@ static void check_fused_rope(const char* what, int NH, int NKV, int P, const std
     const size_t at = ((size_t)(slots[b] / P) * NKV * P + slots[b] % P) * HEAD_DIM;  // kv head 0
     stored += memcmp(&k_before[at], &k_bits[1][at], HEAD_DIM * sizeof(uint16_t)) != 0;
   }
-  printf("    %-58s outputs differing %zu, k cache %zu, v cache %zu, slots stored %zu of %d\n", what, out_diff,
-         k_diff, v_diff, stored, B - n_pad);
-  CHECK_MSG(out_diff == 0 && k_diff == 0 && v_diff == 0, "%s: the fused path differs from the separate kernels",
-            what);
   CHECK_MSG(stored == (size_t)(B - n_pad), "%s: %zu of %d slots were stored", what, stored, B - n_pad);
   for (void* p : {(void*)k0, (void*)v0, (void*)qkv0, (void*)qw, (void*)kw, (void*)d_ctx, (void*)d_bt, (void*)d_pos,
                   (void*)d_slots, (void*)ws})

@@ -10,7 +10,8 @@
 #      LOG_DIR (default build/logs), WORK_DIR (checkpoints; default build/e2e), SHAPES (tiny 0.6b 8b-short),
 #      NANOVLLM_E2E_TP=N (tensor parallelism: the CLI run and the end-to-end comparison on N GPUs, plus the
 #      two-GPU data-plane suite and test/gpu/gpu_tp_shutdown.sh),
-#      KERNELS=0 (skip the kernel and data-plane suites)
+#      KERNELS=0 (skip the kernel and data-plane suites), E2E_OPTS (optimization sets of the transformers
+#      comparison, default "all none": the default path and --plain)
 set -uo pipefail
 BIN=${1:-}
 NANOVLLM=${BIN:+$BIN/}nanovllm; [ -n "$BIN" ] || NANOVLLM=./nanovllm
@@ -49,10 +50,15 @@ if [ "$TP" -gt 1 ]; then
   suite tp_shutdown tp_shutdown.txt bash test/gpu/gpu_tp_shutdown.sh "$WORK_DIR/$SMOKE" "$NANOVLLM" "$TP"
   grep -E '^PASS' "$LOG_DIR/tp_shutdown.txt"
 fi
-NANOVLLM_E2E_DIR="$WORK_DIR" NANOVLLM_E2E_SHAPES="$SHAPES" suite gpu_e2e gpu_e2e.txt "$TB/gpu_e2e"
-grep -E '^\s+\(|model|tolerance|tensor-parallel' "$LOG_DIR/gpu_e2e.txt"
-for s in $SHAPES; do
-  suite "teacher_forcing_$s" "tf_$s.txt" python3 test/ref/hf_check_generation.py "$WORK_DIR/$s"
-  grep -E '^(PASS|FAIL)' "$LOG_DIR/tf_$s.txt"
+# The comparison with transformers for each optimization set in E2E_OPTS: all (the default path) and none
+# (--plain: Part I alone). Teacher forcing reads what gpu_e2e just wrote, so each set runs both in turn.
+for opt in ${E2E_OPTS:-all none}; do
+  NANOVLLM_E2E_OPT="$opt" NANOVLLM_E2E_DIR="$WORK_DIR" NANOVLLM_E2E_SHAPES="$SHAPES" \
+    suite "gpu_e2e (opt $opt)" "gpu_e2e_$opt.txt" "$TB/gpu_e2e"
+  grep -E '^\s+\(|model|tolerance|tensor-parallel' "$LOG_DIR/gpu_e2e_$opt.txt"
+  for s in $SHAPES; do
+    suite "teacher_forcing_$s (opt $opt)" "tf_${s}_$opt.txt" python3 test/ref/hf_check_generation.py "$WORK_DIR/$s"
+    grep -E '^(PASS|FAIL)' "$LOG_DIR/tf_${s}_$opt.txt"
+  done
 done
 echo; echo "== summary"; printf '%s\n' "${rows[@]}"

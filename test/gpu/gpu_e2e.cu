@@ -13,7 +13,9 @@
 //     holds one max_model_len sequence (preemption on most steps), and 16 requests behind one long prefix.
 // (b) and (c) are written to SHAPE/gen_results.json for the teacher-forcing check in Python.
 // NANOVLLM_E2E_TP=N runs every engine with --tensor-parallel-size N: main() forks the N-1 workers before
-// any CUDA call, and they serve every engine this process builds (section 12).
+// any CUDA call, and they serve every engine this process builds (section 23).
+// NANOVLLM_E2E_OPT=LIST runs every engine with --opt LIST (none: Part I alone, the plain path; default all),
+// so the same comparison with Hugging Face checks the plain path and the fast one.
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
 #include "../test.h"
@@ -29,6 +31,14 @@ static std::vector<float> read_f32(const std::string& path, size_t n) {
   if (!f || fread(v.data(), 4, n, f) != n) die("cannot read %s", path.c_str());
   fclose(f);
   return v;
+}
+
+static Optimizations e2e_opt() {
+  Optimizations o;
+  const char* s = getenv("NANOVLLM_E2E_OPT");
+  std::string problem = parse_optimizations(s ? s : "all", o);
+  if (!problem.empty()) die("NANOVLLM_E2E_OPT: %s", problem.c_str());
+  return o;
 }
 
 static int e2e_tp() {
@@ -50,6 +60,7 @@ struct Engine {
     config.max_num_seqs = 64;
     config.gpu_memory_utilization = 0.95f;
     config.tensor_parallel_size = e2e_tp();
+    config.opt = e2e_opt();
     mc = load_model_config(dir);
     validate_config(config, mc);
     runner.reset(new ModelRunner(config, mc));
@@ -203,7 +214,7 @@ TEST(e2e_against_transformers) {
   if (!d) SKIP("set NANOVLLM_E2E_DIR to the output of test/ref/hf_reference.py");
   const char* shapes = getenv("NANOVLLM_E2E_SHAPES");
   std::string list = shapes ? shapes : "tiny 0.6b 8b-short";
-  printf("    tensor-parallel size %d\n", e2e_tp());
+  printf("    tensor-parallel size %d, optimizations: %s\n", e2e_tp(), optimizations_str(e2e_opt()).c_str());
   std::istringstream is(list);
   std::string s;
   while (is >> s) run_shape(std::string(d) + "/" + s);

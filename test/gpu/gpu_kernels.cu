@@ -1,5 +1,5 @@
-// gpu_kernels.cu — sections 5a (elementwise and normalisation kernels) and 5c (the sampler) against CPU
-// references. Every case poisons its outputs first (0xFF bytes: bf16 NaN), uses fresh random inputs and
+// gpu_kernels.cu — sections 7 (elementwise and normalisation kernels), 9 (the sampler) and 19 (the fast
+// sampler) against the CPU references beside them in nanovllm.cu, and section 19 against section 9. Every case poisons its outputs first (0xFF bytes: bf16 NaN), uses fresh random inputs and
 // awkward sizes. Without a visible GPU every GPU case is SKIPPED (never reported as passed).
 //   build: make test (or nvcc -std=c++17 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a
 //          -o build/gpu_kernels test/gpu/gpu_kernels.cu -lcublasLt -lnccl libutf8proc.a)
@@ -89,7 +89,7 @@ TEST(gpu_device_info) {
   CHECK_MSG(p.major >= 8, "the kernels need sm_80 or newer, found sm_%d%d", p.major, p.minor);
 }
 
-// ==== 5a ===============================================================================================
+// ==== section 7 ==========================================================================================
 
 TEST(embedding_rows_and_foreign_ids) {
   REQUIRE_GPU();
@@ -122,12 +122,9 @@ TEST(embedding_rows_and_foreign_ids) {
   }
 }
 
-// CPU reference of rmsnorm with Hugging Face's roundings. s is the (already bf16) input row.
+// nanovllm.cu's rmsnorm_reference (Hugging Face's roundings). s is the (already bf16) input row.
 static void cpu_rmsnorm_row(const float* s, const float* w, int H, float eps, float* out) {
-  double ss = 0;
-  for (int h = 0; h < H; h++) ss += (double)s[h] * s[h];
-  float scale = (float)(1.0 / sqrt(ss / H + eps));
-  for (int h = 0; h < H; h++) out[h] = rb(w[h] * rb(s[h] * scale));
+  rmsnorm_reference(out, s, w, H, eps);
 }
 
 TEST(rmsnorm_and_add_rmsnorm_match_hf) {
@@ -172,26 +169,10 @@ TEST(rmsnorm_and_add_rmsnorm_match_hf) {
     }
 }
 
-// CPU reference: per-head RMSNorm (HF roundings) then rotate-half RoPE in double, one bf16 rounding.
+// nanovllm.cu's qk_norm_rope_reference: per-head RMSNorm (HF roundings), then RoPE in double.
 static void cpu_qk_norm_rope(std::vector<float>& qkv, const std::vector<int>& pos, const float* qw,
                              const float* kw, int T, int NH, int NKV, float theta, float eps) {
-  const int D = HEAD_DIM;
-  float inv_freq[D / 2];
-  for (int i = 0; i < D / 2; i++)
-    inv_freq[i] = 1.0f / (float)pow((double)theta, (double)((float)(2 * i) / D));
-  for (int t = 0; t < T; t++)
-    for (int h = 0; h < NH + NKV; h++) {
-      float* x = &qkv[((size_t)t * (NH + 2 * NKV) + h) * D];
-      const float* w = h < NH ? qw : kw;
-      float n[D];
-      cpu_rmsnorm_row(x, w, D, eps, n);
-      for (int i = 0; i < D / 2; i++) {
-        double angle = (double)((float)pos[t] * inv_freq[i]);  // the fp32 angle, as the model computes it
-        double c = cos(angle), s = sin(angle);
-        x[i] = rb((float)(n[i] * c - n[i + D / 2] * s));
-        x[i + D / 2] = rb((float)(n[i + D / 2] * c + n[i] * s));
-      }
-    }
+  qk_norm_rope_reference(qkv.data(), pos.data(), qw, kw, T, NH, NKV, theta, eps);
 }
 
 TEST(qk_norm_rope_matches_reference) {
@@ -285,11 +266,7 @@ TEST(silu_and_mul_matches_reference) {
       silu_and_mul(d_out.p, d_gu.p, T, I, 0);
       auto got = to_float(d_out.download());
       std::vector<float> want((size_t)T * I);
-      for (int t = 0; t < T; t++)
-        for (int i = 0; i < I; i++) {
-          double g = f[(size_t)t * 2 * I + i], u = f[(size_t)t * 2 * I + I + i];
-          want[(size_t)t * I + i] = rb((float)(g / (1 + exp(-g)) * u));
-        }
+      silu_and_mul_reference(want.data(), f.data(), T, I);
       char what[64];
       snprintf(what, sizeof what, "silu_and_mul T=%d I=%d", T, I);
       check_close(what, got.data(), want.data(), want.size(), 1e-2f, 1e-2f);
@@ -348,7 +325,7 @@ TEST(bench_5a_bandwidth) {
   }
 }
 
-// ==== 5c: the sampler ==================================================================================
+// ==== sections 9 and 19: the sampler =====================================================================
 
 TEST(philox_known_answers) {  // Random123's kat_vectors for philox4x32-10; runs on the CPU
   struct Kat { uint4 ctr; uint2 key; uint4 want; };
@@ -378,66 +355,33 @@ static SamplingSlot make_slot(float temperature, int top_k, float top_p, unsigne
   return s;
 }
 
-// The kept set on the CPU: exact for greedy/top-k; for top-p two sets bracket the GPU's, `strict` with
-// target top_p - 1e-5 and `loose` with top_p + 1e-5 (the GPU's masses are fp32 exp in 2^-32 fixed point).
+// The kept set on the CPU (nanovllm.cu's sample_kept_reference): exact for greedy/top-k; for top-p two sets
+// bracket the GPU's, `strict` with target top_p - 1e-5 and `loose` with top_p + 1e-5 (the GPU's masses are
+// fp32 exp in 2^-32 fixed point).
 struct KeptSets {
   std::vector<char> strict, loose;
   int n_strict = 0, n_loose = 0;
 };
 static KeptSets cpu_kept_sets(const float* logits, int V, const SamplingSlot& s) {
-  float inv = 1.f / s.temperature;
-  std::vector<float> z(V);
-  for (int i = 0; i < V; i++) z[i] = scaled_logit(logits[i], inv);
-  std::vector<char> keep(V, 1);
-  if (s.top_k > 0 && s.top_k < V) {
-    std::vector<float> sorted = z;
-    std::nth_element(sorted.begin(), sorted.begin() + (s.top_k - 1), sorted.end(), std::greater<float>());
-    uint32_t tau = float_order_key(sorted[s.top_k - 1]);
-    for (int i = 0; i < V; i++) keep[i] = float_order_key(z[i]) >= tau;
-  }
   KeptSets k;
-  k.strict = k.loose = keep;
-  if (s.top_p < 1.f) {
-    std::vector<int> idx;
-    for (int i = 0; i < V; i++)
-      if (keep[i]) idx.push_back(i);
-    std::sort(idx.begin(), idx.end(), [&](int a, int b) { return z[a] > z[b]; });
-    double m = z[idx[0]], Z = 0;
-    for (int i : idx) Z += exp((double)z[i] - m);
-    for (int side = 0; side < 2; side++) {
-      double target = std::min(1.0, std::max(0.0, s.top_p + (side ? 1e-5 : -1e-5))) * Z, cum = 0;
-      float tau = z[idx.back()];
-      for (int i : idx) {
-        cum += exp((double)z[i] - m);
-        if (cum >= target) {
-          tau = z[i];
-          break;
-        }
-      }
-      auto& set = side ? k.loose : k.strict;
-      for (int i = 0; i < V; i++) set[i] = keep[i] && float_order_key(z[i]) >= float_order_key(tau);
-    }
-  }
+  k.strict = sample_kept_reference(logits, V, s, -1e-5);
+  k.loose = sample_kept_reference(logits, V, s, +1e-5);
   for (int i = 0; i < V; i++) k.n_strict += k.strict[i], k.n_loose += k.loose[i];
   return k;
 }
-// The GPU's draw, reproduced: argmax over the kept set of z + Gumbel(seed, offset, i). *margin = the
-// gap to the runner-up (a gap below float noise makes the comparison meaningless).
+// The GPU's draw, reproduced (sample_reference): argmax over the kept set (empty: all) of z + Gumbel(seed,
+// offset, i). *margin = the gap to the runner-up (a gap below float noise makes the comparison meaningless).
 static int cpu_sample(const float* logits, int V, const SamplingSlot& s, const std::vector<char>& keep,
                       double* margin) {
-  bool greedy = !(s.temperature > 0.f);
-  float inv = greedy ? 1.f : 1.f / s.temperature;
-  unsigned long long best = 0;
-  float v1 = -INFINITY, v2 = -INFINITY;
-  for (int i = 0; i < V; i++) {
-    if (!greedy && !keep[i]) continue;
-    float v = scaled_logit(logits[i], inv) + (greedy ? 0.f : gumbel_noise(s.seed, s.offset, (uint32_t)i));
-    best = std::max(best, pack_candidate(v, (uint32_t)i));
-    if (v > v1) v2 = v1, v1 = v;
-    else if (v > v2) v2 = v;
-  }
-  *margin = greedy ? INFINITY : (double)v1 - v2;
-  return (int)~(uint32_t)best;
+  return sample_reference(logits, V, s, keep.empty() ? std::vector<char>(V, 1) : keep, margin);
+}
+
+// Which sampler gpu_sample and sample_histogram run: section 19's (the engine's default) or section 9's.
+static bool g_fast_sampler = true;
+static void run_sampler(int* out, const float* logits, const SamplingSlot* slots, int B, int V, void* ws,
+                        size_t ws_bytes) {
+  if (g_fast_sampler) sample_fast(out, logits, slots, B, V, ws, ws_bytes, 0);
+  else sample(out, logits, slots, B, V, 0);
 }
 
 // Runs the GPU sampler once on host data.
@@ -451,7 +395,7 @@ static std::vector<int> gpu_sample(const std::vector<float>& logits, const std::
   DevBuf<unsigned char> d_ws(ws);
   d_out.poison();
   d_ws.poison();
-  sample(d_out.p, d_logits.p, d_slots.p, B, V, d_ws.p, ws, 0);
+  run_sampler(d_out.p, d_logits.p, d_slots.p, B, V, d_ws.p, ws);
   return d_out.download();
 }
 
@@ -464,6 +408,8 @@ static std::vector<float> random_logits(size_t n, std::mt19937& rng, float stdde
 
 TEST(sample_greedy_is_argmax_lowest_index_on_ties) {
   REQUIRE_GPU();
+  for (bool fast : {true, false}) {
+  g_fast_sampler = fast;
   std::mt19937 rng(11);
   for (int V : {151936, 1001, 50})
     for (int B : {1, 37}) {
@@ -494,11 +440,16 @@ TEST(sample_greedy_is_argmax_lowest_index_on_ties) {
         CHECK_EQ(got[2], 0);
       }
     }
+  }
+  g_fast_sampler = true;
 }
 
 // Builds a batch mixing every kind of row and compares each GPU token with the CPU's reproduction.
 TEST(sample_reproduces_cpu_draws_exactly) {
   REQUIRE_GPU();
+  for (bool fast : {true, false}) {
+  g_fast_sampler = fast;
+  printf("    %s:\n", fast ? "section 19 (fast)" : "section 9 (plain)");
   std::mt19937_64 rng(12);
   std::mt19937 rng32(13);
   struct Cfg { float t; int k; float p; float stddev; };
@@ -541,6 +492,8 @@ TEST(sample_reproduces_cpu_draws_exactly) {
     printf("    V=%d: %d rows compared exactly, %d too close to call\n", V, checked, ambiguous);
     CHECK_MSG(ambiguous <= B / 8, "V=%d: %d of %d rows ambiguous: the test lost its power", V, ambiguous, B);
   }
+  }
+  g_fast_sampler = true;
 }
 
 TEST(sample_is_deterministic_and_independent_of_batch) {
@@ -597,7 +550,7 @@ static std::vector<long> sample_histogram(const std::vector<float>& row, Samplin
     for (int b = 0; b < n_rows; b++) slots[b].offset = (unsigned long long)l * n_rows + b;
     d_slots.upload(slots);
     d_out.poison();
-    sample(d_out.p, d_logits.p, d_slots.p, n_rows, V, d_ws.p, ws, 0);
+    run_sampler(d_out.p, d_logits.p, d_slots.p, n_rows, V, d_ws.p, ws);
     for (int t : d_out.download()) {
       if (t >= 0 && t < V) counts[t]++;
     }
@@ -729,6 +682,8 @@ TEST(sample_large_vocab_kept_sets) {
 // statistical cases above take hours.
 TEST(sample_every_path_once) {
   REQUIRE_GPU();
+  for (bool fast : {true, false}) {
+  g_fast_sampler = fast;
   std::mt19937 rng(17);
   std::mt19937_64 rng64(18);
   struct Cfg { float t; int k; float p; float stddev; };
@@ -758,6 +713,47 @@ TEST(sample_every_path_once) {
       }
     }
   }
+  }
+  g_fast_sampler = true;
+}
+
+// Section 19 computes the same kept set and the same draw as section 9 by another road: every token must be
+// equal, on every kind of row (greedy with planted ties and NaNs, temperature, top-k small and huge, top-p
+// with a short list and with the list overflow of a flat row, both cuts), at batch sizes that change how
+// section 19 splits rows, and at vocabulary sizes with V % 4 != 0.
+TEST(sample_fast_matches_plain) {
+  REQUIRE_GPU();
+  std::mt19937 rng(19);
+  std::mt19937_64 rng64(20);
+  struct Cfg { float t; int k; float p; float stddev; };
+  const std::vector<Cfg> cfgs = {{0.f, 0, 1.f, 2.f},       {0.6f, 0, 1.f, 2.f},     {1.3f, 0, 1.f, 0.3f},
+                                 {0.7f, 1, 1.f, 2.f},      {0.9f, 10, 1.f, 2.f},    {1.f, 20000, 1.f, 1.f},
+                                 {1.f, 0, 0.8f, 2.f},      {1.f, 0, 0.5f, 0.3f},    {1.f, 0, 0.9f, 0.05f},
+                                 {0.8f, 12, 0.7f, 0.7f},   {1.2f, 20000, 0.95f, 0.3f}, {5.f, 0, 0.9f, 2.f}};
+  int compared = 0;
+  for (int V : {151936, 1001, 48})
+    for (int B : {1, 3, 12, 40}) {
+      std::vector<float> logits;
+      std::vector<SamplingSlot> slots;
+      for (int b = 0; b < B; b++) {
+        const Cfg& c = cfgs[(b * 7 + V) % cfgs.size()];
+        auto row = random_logits(V, rng, c.stddev);
+        if (b % 5 == 1) row[V / 2] = row[V - 1] = 30.f;  // a planted tie
+        if (b % 6 == 2)
+          for (int i = 0; i < V; i += 11) row[i] = NAN;
+        logits.insert(logits.end(), row.begin(), row.end());
+        slots.push_back(make_slot(c.t, c.k, c.p, rng64(), rng64()));
+      }
+      g_fast_sampler = true;
+      auto fast = gpu_sample(logits, slots, V);
+      g_fast_sampler = false;
+      auto plain = gpu_sample(logits, slots, V);
+      g_fast_sampler = true;
+      for (int b = 0; b < B; b++, compared++)
+        CHECK_MSG(fast[b] == plain[b], "V=%d B=%d row %d (T=%g k=%d p=%g): fast %d, plain %d", V, B, b,
+                  slots[b].temperature, slots[b].top_k, slots[b].top_p, fast[b], plain[b]);
+    }
+  printf("    %d rows: section 19 and section 9 drew the same token\n", compared);
 }
 
 TEST(bench_sampler) {
@@ -781,10 +777,11 @@ TEST(bench_sampler) {
       std::vector<SamplingSlot> slots(B, c.slot);
       for (int b = 0; b < B; b++) slots[b].seed = b;
       DevBuf<SamplingSlot> d_slots(slots);
-      double ms = time_ms([&] { sample(d_out.p, d_logits.p, d_slots.p, B, V, d_ws.p, ws, 0); }, 20);
+      double ms = time_ms([&] { sample_fast(d_out.p, d_logits.p, d_slots.p, B, V, d_ws.p, ws, 0); }, 20);
+      double plain = time_ms([&] { sample(d_out.p, d_logits.p, d_slots.p, B, V, 0); }, 5);
       double gbs = (double)B * V * 4 / (ms * 1e-3) / 1e9;
-      printf("    BENCH sample B=%-3d V=%d %-32s %8.1f us  (%5.0f GB/s of logits)\n", B, V, c.name,
-             ms * 1e3, gbs);
+      printf("    BENCH sample B=%-3d V=%d %-32s %8.1f us  (%5.0f GB/s of logits); section 9: %8.1f us\n", B, V,
+             c.name, ms * 1e3, gbs, plain * 1e3);
       if (B == 256 && (c.slot.top_k == 0 && c.slot.top_p >= 1.f))
         CHECK_MSG(ms < 0.5, "%s at B=256: %.1f us, the budget is 500 us", c.name, ms * 1e3);
     }

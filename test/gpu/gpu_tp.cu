@@ -1,4 +1,4 @@
-// The tensor-parallel data plane on two GPUs (nanovllm.cu section 12a): all_reduce_sum on both roads (the
+// The tensor-parallel data plane on two GPUs (nanovllm.cu sections 12 and 18): all_reduce_fast on both roads (the
 // one-shot NVLink kernel and NCCL), in place and into a residual, against an fp32 reference, eagerly and
 // replayed from CUDA graphs mixed with eager calls, and back to back with the ranks out of step;
 // gather_logits with an odd vocabulary; all_reduce_min; and the latency of one all-reduce at the message
@@ -51,7 +51,7 @@ static void check_all_reduce(bf16* x, size_t n, int salt, cudaStream_t s, const 
   for (size_t i = 0; i < n; i++) h[i] = value_bits(g_rank, i, salt), r[i] = value_bits(7, i, salt + 1);
   upload(x, h.data(), n * 2);
   if (residual) upload(residual, r.data(), n * 2);
-  all_reduce_sum(g_comm, x, n, s, residual);
+  all_reduce_fast(g_comm, x, n, s, residual);
   CUDA_CHECK(cudaStreamSynchronize(s));
   CUDA_CHECK(cudaMemcpy(got.data(), residual ? residual : x, n * 2, cudaMemcpyDeviceToHost));
   size_t bad = 0, first = 0;
@@ -67,21 +67,21 @@ static void check_all_reduce(bf16* x, size_t n, int salt, cudaStream_t s, const 
 
 TEST(all_reduce_matches_fp32_sum_on_both_roads) {
   NEED_TWO_GPUS();
-  printf("    one-shot NVLink all-reduce available: %s\n", g_comm->p2p ? "yes" : "no (NCCL only)");
+  printf("    one-shot NVLink all-reduce available: %s\n", g_comm->oneshot ? "yes" : "no (NCCL only)");
   const size_t sizes[] = {8, 4096, 4096 * 3, 5120 * 37, 4096 * 512, AR_DATA_BYTES / 2, (size_t)16384 * 4096};
   bf16 *x, *residual;
   CUDA_CHECK(cudaMalloc(&x, sizes[6] * 2));
   CUDA_CHECK(cudaMalloc(&residual, sizes[6] * 2));
   cudaStream_t s;
   CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  TPComm::Mode saved = g_comm->mode;
-  for (TPComm::Mode m : {TPComm::AUTO, TPComm::NCCL_ONLY}) {
-    g_comm->mode = m;
+  const Optimizations saved = g_opt;
+  for (int m : {0, 1}) {  // 0: the one-shot road where it applies (section 18); 1: NCCL alone (section 12)
+    g_opt.oneshot_allreduce = m == 0;
     for (size_t n : sizes)
       for (bf16* r : {(bf16*)nullptr, residual})
-        check_all_reduce(x, n, (int)n + m + (r ? 99 : 0), s, m == TPComm::AUTO ? "auto" : "nccl", r);
+        check_all_reduce(x, n, (int)n + m + (r ? 99 : 0), s, m == 0 ? "auto" : "nccl", r);
   }
-  g_comm->mode = saved;
+  g_opt = saved;
   CUDA_CHECK(cudaFree(x));
   CUDA_CHECK(cudaFree(residual));
 }
@@ -100,8 +100,8 @@ TEST(all_reduce_in_cuda_graphs_mixed_with_eager_calls) {
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  all_reduce_sum(g_comm, a, na, s);
-  all_reduce_sum(g_comm, b, nb, s);
+  all_reduce_fast(g_comm, a, na, s, nullptr);
+  all_reduce_fast(g_comm, b, nb, s, nullptr);
   CUDA_CHECK(cudaStreamEndCapture(s, &graph));
   CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
   for (int rep = 0; rep < 4; rep++) {
@@ -162,7 +162,7 @@ TEST(all_reduce_back_to_back_with_ranks_out_of_step) {
     for (int i = 0; i < CALLS; i++) {
       const int slow = (i * 7 / 3) % 3;  // 0: rank 0 waits, 1: rank 1 waits, 2: nobody
       if (slow == g_rank) spin_kernel<<<1, 1, 0, s>>>((long long)clock_khz / 1000 * (5 + (i * 13) % 36));
-      all_reduce_sum(g_comm, x[i], sizes[i % 6], s, i % 4 == 1 ? res[i] : nullptr);
+      all_reduce_fast(g_comm, x[i], sizes[i % 6], s, i % 4 == 1 ? res[i] : nullptr);
     }
   };
   auto fill_and_check = [&](int salt, const std::function<void()>& run, const char* what) {
@@ -291,21 +291,21 @@ TEST(bench_all_reduce_latency) {
   CUDA_CHECK(cudaMemset(x, 0, (size_t)256 * 4096 * 2));
   CUDA_CHECK(cudaMalloc(&residual, (size_t)256 * 4096 * 2));
   CUDA_CHECK(cudaMemset(residual, 0, (size_t)256 * 4096 * 2));
-  TPComm::Mode saved = g_comm->mode;
+  const Optimizations saved = g_opt;
   for (int B : {1, 8, 64, 256}) {
     double us[2] = {0, 0};
     for (int road = 0; road < 2; road++) {
-      g_comm->mode = road == 0 ? TPComm::AUTO : TPComm::NCCL_ONLY;
-      us[road] = graph_us_per_call(s, [&] { all_reduce_sum(g_comm, x, (size_t)B * 4096, s); });
+      g_opt.oneshot_allreduce = road == 0;
+      us[road] = graph_us_per_call(s, [&] { all_reduce_fast(g_comm, x, (size_t)B * 4096, s, nullptr); });
     }
-    g_comm->mode = TPComm::AUTO;
+    g_opt.oneshot_allreduce = true;
     const double add_us =
-        graph_us_per_call(s, [&] { all_reduce_sum(g_comm, x, (size_t)B * 4096, s, residual); });
+        graph_us_per_call(s, [&] { all_reduce_fast(g_comm, x, (size_t)B * 4096, s, residual); });
     printf("    all-reduce of %4d x 4096 bf16 (%7d bytes): %s %.2f us (%.2f us into the residual), "
            "NCCL %.2f us per call (in a CUDA graph)\n",
-           B, B * 4096 * 2, g_comm->p2p ? "one-shot" : "auto(NCCL)", us[0], add_us, us[1]);
+           B, B * 4096 * 2, g_comm->oneshot ? "one-shot" : "auto(NCCL)", us[0], add_us, us[1]);
   }
-  g_comm->mode = saved;
+  g_opt = saved;
   // One decode step's logits gather at batch 1 (Qwen3's vocabulary), also from a graph of 100.
   const int V = 151936;
   const int64_t Vl = cdiv(V, g_comm->size);
@@ -344,6 +344,7 @@ int main(int argc, char** argv) {
       while (!__atomic_load_n(&sh->ready, __ATOMIC_ACQUIRE)) usleep(1000);
     }
     g_comm = tp_comm_init(g_rank, 2, sh->id);
+    oneshot_setup(g_comm);  // section 18, as ModelRunner does it
   }
   int rc = test_main(argc, argv);
   if (g_rank == 1) _exit(rc);
