@@ -70,6 +70,7 @@ PY
   fi
 fi
 [ "$ONLY" = model ] && exit 0
+OPT_FLAGS=(); [ "$OPT" = all ] || OPT_FLAGS=(--opt "$OPT")  # only then: an older binary knows no --opt
 [ -n "$MODEL" ] || { echo "bench.sh: give --model DIR or --random 0.6b|8b" >&2; exit 1; }
 [ -x "$NANOVLLM" ] || { echo "bench.sh: $NANOVLLM not found; run make first" >&2; exit 1; }
 
@@ -99,7 +100,7 @@ GPU=$(sed -n 's/^gpu: //p' "$LOG_DIR/roofline.txt")
 run() {  # run NAME FLAGS... : ./nanovllm on LOG_DIR/NAME.jsonl, summary line -> LOG_DIR/NAME.log
   local name=$1; shift
   "$NANOVLLM" "$MODEL" "$LOG_DIR/$name.jsonl" --ignore-eos --max-model-len 4096 --output "$LOG_DIR/$name.out.jsonl" \
-    --tensor-parallel-size "$TP" --opt "$OPT" "$@" >"$LOG_DIR/$name.stdout" 2>"$LOG_DIR/$name.log" ||
+    --tensor-parallel-size "$TP" ${OPT_FLAGS[@]+"${OPT_FLAGS[@]}"} "$@" >"$LOG_DIR/$name.stdout" 2>"$LOG_DIR/$name.log" ||
     { cat "$LOG_DIR/$name.log" >&2; exit 1; }
   grep '^nanovllm:' "$LOG_DIR/$name.log"
 }

@@ -97,8 +97,8 @@
 //   PART II — MAKING IT FAST
 //   14. Programmatic dependent launch
 //   15. Small-batch gemv with its neighbours fused in
-//   16. Decode attention does q/k-norm, RoPE and the KV store
-//   17. The split-K merge inside a cluster
+//   16. The split-K merge inside a cluster
+//   17. Decode attention does q/k-norm, RoPE and the KV store
 //   18. One-shot all-reduce over NVLink
 //   19. The fast sampler: radix select
 //   20. The forward pass with every fusion
@@ -3347,7 +3347,7 @@ struct LLMEngine {
     }
     if (show_progress && tty) fprintf(stderr, "\n");
     // Test-only: NANOVLLM_TEST_SLOW_STOP=S holds a stopped run S seconds here, as a long step in flight
-    // would, so that test/gpu_interrupt.sh can send its second Ctrl-C into that window on any GPU.
+    // would, so that test/gpu/gpu_interrupt.sh can send its second Ctrl-C into that window on any GPU.
     const char* slow = getenv("NANOVLLM_TEST_SLOW_STOP");
     for (double until = now_seconds() + (slow ? atof(slow) : 0); g_stop_requested && now_seconds() < until;)
       usleep(10000);
@@ -5624,7 +5624,7 @@ int main(int argc, char** argv) {
   if (argc > 1 && !strcmp(argv[1], "roofline")) return roofline_command();
   Cli cli = parse_args(argc, argv);
   Config& config = cli.config;
-  // 1. Everything that can be checked without a GPU (test/cli_errors.sh runs each mistake on a CPU machine).
+  // 1. Everything that can be checked without a GPU (test/cli/cli_errors.sh runs each mistake on a CPU machine).
   ModelConfig mc = load_model_config(config.model);
   validate_config(config, mc);
   validate_checkpoint(config.model, mc);

@@ -26,7 +26,7 @@
 //   tok.apply_chat_template({{"system", ...}, {"user", ...}}, add_generation_prompt, enable_thinking)
 //   tokenizer_command(argc, argv) with argv[0] "encode" or "decode"
 //
-// Two facts a reader needs (both measured against tokenizers 0.23.2; test/data/tokenizer_unicode.json):
+// Two facts a reader needs (both measured against tokenizers 0.23.2; test/ref/data/tokenizer_unicode.json):
 //   * the split regex uses Unicode 16 letter/number tables while utf8proc 2.8 knows Unicode 15.0, so the
 //     letters and digits added since are listed here (kRegexUnicode16Letters, kRegexUnicode16Numbers);
 //   * HF's NFC tables predate Unicode 11: 110 combining marks added since are plain starters to it, so
@@ -34,7 +34,7 @@
 // Tokens are byte strings internally: tokenizer.json spells bytes with GPT-2's printable alphabet
 // ("Ġ" is the space byte); load() translates every vocab entry back to raw bytes once.
 //
-// Speed, one core of the H200 host's Xeon (2026-11-21, test/tokenizer_reference.py bench): on 10 MB of
+// Speed, one core of the H200 host's Xeon (2026-11-21, test/ref/tokenizer_reference.py bench): on 10 MB of
 // Python source, encode 39.5 MB/s (0.25 s, after a 0.42 s load) against Hugging Face tokenizers 0.23.2 at
 // 1.24 MB/s (encode) and 1.34 MB/s (encode_batch by line); on 10 MB of the multilingual test corpus
 // 16.8 MB/s against 1.14 MB/s. Same ids as HF on both (9.4 million tokens).
@@ -786,7 +786,7 @@ inline Tokenizer Tokenizer::load(const std::string& path_arg) {
     json eos = c.value("eos_token", json());
     if (eos.is_object()) eos = eos.value("content", json());
     if (eos.is_string()) t.eos_token_id = t.token_to_id(eos.get<std::string>());
-    // FNV-1a of the Qwen3 template this file was written against (the one in test/fetch_tokenizer.sh's
+    // FNV-1a of the Qwen3 template this file was written against (the one in tools/fetch_tokenizer.sh's
     // tokenizer_config.json); section T7 is its C++ translation.
     t.chat_template_is_qwen3 = c.contains("chat_template") && c["chat_template"].is_string() &&
                                fnv1a64(c["chat_template"].get<std::string>()) == 0x2bfdb7aa9754484eull;

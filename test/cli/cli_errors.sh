@@ -108,7 +108,7 @@ refuse flag_num_kvcache_blocks_zero "--num-kvcache-blocks must be positive" "$G"
 refuse flag_max_num_seqs_zero "--max-num-seqs must be at least 1" "$G" "$PT" --max-num-seqs 0
 refuse flag_tp_out_of_range "--tensor-parallel-size must be between 1 and 8|16" "$G" "$PT" --tp 16
 refuse flag_tp_not_dividing_heads "--tensor-parallel-size 3 must divide" "$G" "$PT" --tensor-parallel-size 3
-refuse flag_opt_unknown_name "--opt: unknown optimization 'fused_gemv'|gemv, cluster_merge" "$G" "$PT" \
+refuse flag_opt_unknown_name "--opt: unknown optimization '-fused_gemv'|gemv, cluster_merge" "$G" "$PT" \
   --opt -fused_gemv
 refuse flag_opt_empty "--opt needs a list" "$G" "$PT" --opt=
 refuse flag_opt_signed_all "write all or none without a sign" "$G" "$PT" --opt -all

@@ -294,7 +294,7 @@ TEST(gather_last_tokens_picks_each_last_row) {
   CHECK_EQ(bad, 0);
 }
 
-TEST(bench_5a_bandwidth) {
+TEST(bench_elementwise_bandwidth) {
   REQUIRE_GPU();
   std::mt19937 rng(7);
   const int T = 16384, H = 1024, I = 3072, NH = 16, NKV = 8, P = 256, W = (NH + 2 * NKV) * HEAD_DIM;
