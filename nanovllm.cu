@@ -22,8 +22,9 @@
 //   it is faster on the hardware, and can be switched off by name (--opt, section 2); the README's
 //   performance section has the measured gain of each. The Part I code each one replaces stays, as the
 //   reference the GPU tests compare it with.
-//   Part III (sections 21-24) is the program around the engine: prompts in and completions out, the trace
-//   and run summary, signals and the worker processes, the command line and main.
+//   Part III (sections 21-25) is the program around the engine: prompts in and completions out, the trace,
+//   summary and report, signals and the worker processes, `simulate` (the engine without a GPU), the
+//   command line and main.
 //
 // Dimension names used in every shape comment
 //   T  tokens in this step (all sequences, flattened)      B  sequences in this step
@@ -104,9 +105,10 @@
 //   20. The forward pass with every fusion
 //   PART III — THE PROGRAM AROUND IT
 //   21. Prompts in, completions out
-//   22. Trace and run summary
+//   22. Trace, run summary and the report
 //   23. Signals, worker processes and the mailbox
-//   24. Command line and main
+//   24. simulate: the engine without a GPU
+//   25. Command line and main
 
 #include <algorithm>
 #include <cerrno>
@@ -129,6 +131,7 @@
 #include <vector>
 
 #include <csignal>
+#include <strings.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
@@ -483,6 +486,7 @@ struct Config {
   int num_kvcache_blocks = -1;         // NB: -1 = as many as fit (measured after a warm-up)
   std::vector<int> eos;                // filled from the model config
   Optimizations opt;                   // which Part II optimizations run (--plain, --opt)
+  bool mixed_scheduler = false;        // --scheduler mixed: vLLM V1's scheduler (section 5b), not nano-vllm's
 };
 
 static bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
@@ -588,6 +592,9 @@ struct Sequence {
   int block_size;                // P (nano-vllm keeps it as a class attribute)
   SamplingParams params;
   const char* finish_reason = nullptr;  // "stop" (EOS) or "length" (max_tokens)
+  // When it happened, in seconds since generate() began (LLMEngine's clock; -1 = not yet): for the time to
+  // first token and the time per output token of the summary and the report.
+  double arrival_time = 0, first_scheduled_time = -1, first_token_time = -1, finish_time = -1;
 
   Sequence(int64_t id, std::vector<int> prompt, SamplingParams sp, int block_size_)
       : seq_id(id), token_ids(std::move(prompt)), block_size(block_size_), params(sp) {
@@ -836,16 +843,19 @@ struct Scheduler {
   SchedulerStats stats;
   std::vector<std::pair<int64_t, int>> last_preempted;  // (seq_id, length) preempted in the last schedule()
   int last_cached_tokens = 0;                           // prefix-hit tokens found in the last schedule()
+  bool mixed = false;                                   // vLLM V1's policy instead (section 5b)
 
   Scheduler(const Config& c)
       : max_num_seqs(c.max_num_seqs), max_num_batched_tokens(c.max_num_batched_tokens),
-        block_size(c.kvcache_block_size), eos(c.eos), block_manager(c.num_kvcache_blocks, c.kvcache_block_size) {}
+        block_size(c.kvcache_block_size), eos(c.eos), block_manager(c.num_kvcache_blocks, c.kvcache_block_size),
+        mixed(c.mixed_scheduler) {}
 
   bool is_finished() const { return waiting.empty() && running.empty(); }
   void add(Sequence* seq) { waiting.push_back(seq); }
 
   // Returns the sequences of this step; sets is_prefill.
   std::vector<Sequence*> schedule(bool& is_prefill) {
+    if (mixed) return schedule_mixed(is_prefill);  // section 5b
     std::vector<Sequence*> scheduled;
     last_preempted.clear();
     last_cached_tokens = 0;
@@ -924,6 +934,7 @@ struct Scheduler {
   }
 
   bool is_eos(int token) const { return std::find(eos.begin(), eos.end(), token) != eos.end(); }
+  std::vector<Sequence*> schedule_mixed(bool& is_prefill);  // section 5b
 
   // nano-vllm: postprocess. token_ids[i] was sampled for seqs[i].
   void postprocess(const std::vector<Sequence*>& seqs, const std::vector<int>& token_ids, bool is_prefill) {
@@ -945,6 +956,81 @@ struct Scheduler {
     }
   }
 };
+
+// ---- 5b. vLLM V1's mixed scheduler, for contrast (--scheduler mixed) -----------------------------------
+//
+// nano-vllm's rule above makes every step all prefill or all decode, and prefill first: while prompts keep
+// arriving, the running sequences wait, so each new request's first token comes quickly but the others'
+// next tokens stall. vLLM V1 has no phases. Each sequence just has tokens it has not computed yet
+// (num_tokens - num_cached_tokens: the rest of its prompt, or 1 when it is decoding), and a step hands out
+// one token budget (max_num_batched_tokens):
+//   1. running sequences first, oldest first: each gets all it needs (1 when decoding, the rest of its
+//      prompt when it is still in prefill) or what is left of the budget. One that needs a new block when
+//      none is free preempts the newest running sequence (possibly itself), as in nano-vllm;
+//   2. then waiting sequences are admitted in order, with chunked prefill from the rest of the budget,
+//      while max_num_seqs allows, but not in a step that preempted (vLLM V1's rule: the pool is short).
+// A sequence joins `running` as soon as it is admitted, even mid-prompt. So a step can hold decode tokens
+// and prompt chunks together: the prefill attention kernel computes it (a decoding sequence is a query of
+// length 1 over its cached keys), eagerly; steps that hold only decode tokens still replay CUDA graphs.
+// (vLLM itself captures mixed steps too, piecewise: everything but attention in CUDA graphs.)
+// postprocess() above needs no change: a sequence whose scheduled tokens reach its end gets a token.
+
+// A sequence whose one remaining token is its last (it decodes, or its prompt's last token is left).
+static bool decoding(const Sequence& seq) { return seq.num_cached_tokens + 1 == seq.num_tokens; }
+
+std::vector<Sequence*> Scheduler::schedule_mixed(bool& is_prefill) {
+  std::vector<Sequence*> scheduled;
+  last_preempted.clear();
+  last_cached_tokens = 0;
+  is_prefill = false;  // true once a step holds a token that is not a decoding sequence's last
+  int budget = max_num_batched_tokens;
+  // 1. running sequences, oldest first
+  for (size_t i = 0; i < running.size() && budget > 0;) {
+    Sequence* seq = running[i];
+    // Blocks its tokens lack: 1 when its last token opened a new block (admission allocated the prompt's)
+    const int missing = seq->num_blocks() - (int)seq->block_table.size();
+    bool preempted_itself = false;
+    while (missing > block_manager.num_free_blocks()) {
+      Sequence* victim = running.back();  // the newest; never one scheduled already (those are in front)
+      running.pop_back();
+      preempt(victim);
+      if (victim == seq) {
+        preempted_itself = true;
+        break;
+      }
+    }
+    if (preempted_itself) break;  // it was the newest left: nothing after it runs
+    for (int k = 0; k < missing; k++) seq->block_table.push_back(block_manager.allocate_block());
+    seq->num_scheduled_tokens = std::min(seq->num_tokens - seq->num_cached_tokens, budget);
+    budget -= seq->num_scheduled_tokens;
+    if (!decoding(*seq)) is_prefill = true;
+    scheduled.push_back(seq);
+    i++;
+  }
+  // 2. admissions from what is left (none after a preemption, unless nothing else runs)
+  while ((last_preempted.empty() || scheduled.empty()) && !waiting.empty() && budget > 0 &&
+         (int)running.size() < max_num_seqs) {
+    Sequence* seq = waiting.front();
+    int num_cached_blocks = block_manager.can_allocate(*seq);
+    if (num_cached_blocks == -1) break;
+    block_manager.allocate(*seq, num_cached_blocks);
+    stats.prefix_hit_tokens += seq->num_cached_tokens;
+    stats.prompt_tokens_admitted += seq->num_tokens;
+    last_cached_tokens += seq->num_cached_tokens;
+    seq->num_scheduled_tokens = std::min(seq->num_tokens - seq->num_cached_tokens, budget);
+    budget -= seq->num_scheduled_tokens;
+    if (!decoding(*seq)) is_prefill = true;
+    seq->status = SequenceStatus::RUNNING;
+    waiting.pop_front();
+    running.push_back(seq);
+    scheduled.push_back(seq);
+  }
+  if (scheduled.empty())  // cannot happen when the pool holds one max_model_len sequence (checked at start)
+    die("the KV cache cannot hold even one sequence: %d free blocks of %d tokens. Lower --max-model-len or "
+        "raise --gpu-memory-utilization / --num-kvcache-blocks",
+        block_manager.num_free_blocks(), block_size);
+  return scheduled;
+}
 
 // ==== 6. The Qwen3 model: weights, the KV cache, the forward pass ==========================================
 //
@@ -2818,7 +2904,32 @@ void sample_fast(int* out_tokens, const float* logits, const SamplingSlot* slots
 size_t sample_workspace_bytes(int B, int V);
 static void oneshot_setup(TPComm* comm);  // section 18: map every rank's staging buffer, once
 
-struct ModelRunner {
+// What LLMEngine (section 13) needs from the side that computes a step: the sampled tokens, the batch a step
+// really runs (padded to a CUDA graph's size), and a clock. ModelRunner is the real one; `nanovllm simulate`
+// (section 24) plugs in a stand-in that needs no GPU and keeps a modelled clock.
+struct StepRunner {
+  double gpu_seconds = 0;  // time spent waiting for the GPU (the rest of a step is host work)
+  virtual std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) = 0;
+  virtual int padded_batch(int B, bool is_prefill) const = 0;
+  virtual double now() { return now_seconds(); }
+  virtual void wait_until(double t) {  // nothing to do before t (requests arrive later)
+    for (double left; (left = t - now()) > 0;) usleep((useconds_t)std::min(left * 1e6, 10000.0));
+  }
+  virtual ~StepRunner() {}
+};
+
+// The decode batch sizes CUDA graphs are captured for (nano-vllm: 1, 2, 4, 8, then every 16 up to 512).
+static std::vector<int> graph_batch_sizes(int max_num_seqs) {
+  const int max_bs = std::min(max_num_seqs, 512);
+  std::vector<int> sizes;
+  for (int bs : {1, 2, 4, 8})
+    if (bs <= max_bs) sizes.push_back(bs);
+  for (int bs = 16; bs <= max_bs; bs += 16) sizes.push_back(bs);
+  if (sizes.back() < max_bs) sizes.push_back(max_bs);
+  return sizes;
+}
+
+struct ModelRunner : StepRunner {
   Config& config;
   Qwen3 model;
   cudaStream_t stream;
@@ -2839,7 +2950,6 @@ struct ModelRunner {
   std::vector<int> graph_bs;                 // captured batch sizes, ascending
   std::map<int, cudaGraphExec_t> graphs;
   double load_seconds = 0, load_gbps = 0, capture_seconds = 0;
-  double gpu_seconds = 0;                    // time spent waiting for the GPU (the rest of a step is host work)
 
   ModelRunner(Config& c, const ModelConfig& mc, int rank = 0) : config(c) {
     g_opt = c.opt;
@@ -3043,8 +3153,13 @@ struct ModelRunner {
     return 0;
   }
 
+  int padded_batch(int B, bool is_prefill) const override {
+    const int g = is_prefill || config.enforce_eager ? 0 : graph_size_for(B);
+    return g ? g : B;
+  }
+
   // nano-vllm: run. Returns one sampled token per sequence.
-  std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) {
+  std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) override {
     int B = (int)seqs.size();
     if (is_prefill) {
       int T;
@@ -3070,11 +3185,7 @@ struct ModelRunner {
     if (config.enforce_eager) return;
     if (model.tp > 1 && model.rank == 0) tp_send_capture();  // every rank captures the same graphs in order
     double t0 = now_seconds();
-    int max_bs = std::min(Bmax, 512);
-    for (int bs : {1, 2, 4, 8})
-      if (bs <= max_bs) graph_bs.push_back(bs);
-    for (int bs = 16; bs <= max_bs; bs += 16) graph_bs.push_back(bs);
-    if (graph_bs.back() < max_bs) graph_bs.push_back(max_bs);
+    graph_bs = graph_batch_sizes(Bmax);
     std::vector<Sequence*> none;
     for (auto it = graph_bs.rbegin(); it != graph_bs.rend(); ++it) {
       int bs = *it;
@@ -3199,27 +3310,36 @@ static TPComm* tp_comm_init(int rank, int size, const ncclUniqueId& id) {
 //
 // The loop that ties it together (nano-vllm: engine/llm_engine.py LLMEngine): requests become Sequences in
 // the scheduler's waiting queue; each step() is one schedule() -> run() -> postprocess(); generate() steps
-// until every request is finished and returns the completions in input order.
+// until every request is finished and returns the completions in input order. A request may arrive later
+// than the start (arrival_time): it joins the queue once the clock reaches it, which is how a server sees
+// its traffic and what makes the two schedulers' difference visible.
 //
-// Watching the scheduler think. With --trace every step prints one line on stderr, and every run ends with a
-// summary. Both only read what the scheduler and the runner already keep (StepTrace and RunStats below; the
-// formatting is section 22); with --trace off no line is built, so the trace costs nothing.
+// Watching the scheduler think. With --trace every step prints one line on stderr, every run ends with a
+// summary, and --report draws the whole run. All of them only read what the scheduler and the runner
+// already keep (StepTrace, RunStats and the Sequences' times below; the formatting is section 22); with
+// --trace and --report off nothing is recorded, so watching costs nothing.
 
 struct Request {
   std::vector<int> prompt_token_ids;
   SamplingParams params;
-  std::string source;  // "prompts.txt:12", for messages
+  std::string source;         // "prompts.txt:12", for messages
+  double arrival_time = 0;    // seconds after generate() begins (a .jsonl field, or --request-rate)
+  bool arrival_given = false; // the .jsonl line gave it (--request-rate leaves it alone)
 };
 
 struct Completion {
   std::vector<int> token_ids;
   const char* finish_reason;  // nullptr: unfinished (the run was interrupted by Ctrl-C, section 23)
   int prompt_tokens;
+  double arrival_time, first_token_time, finish_time;  // seconds since generate() began (-1: never)
+  int64_t seq_id;
 };
 
 struct RunStats {
   double seconds = 0;
   int64_t prefill_tokens = 0, decode_tokens = 0, steps_prefill = 0, steps_decode = 0;
+  int64_t steps_mixed = 0;     // --scheduler mixed: steps that held decode tokens and prompt chunks (in prefill)
+  int64_t mixed_decode_tokens = 0;  // ... and the decode tokens they held (in decode_tokens too)
   double prefill_seconds = 0, decode_seconds = 0;
   double first_token_at = -1;  // seconds since generate() began
   int peak_blocks_used = 0;    // taken right after schedule(), when a step holds the most blocks
@@ -3230,17 +3350,23 @@ struct RunStats {
   int last_batch = 0;          // sequences in the last step: the logits rows left in the buffer
 };
 
-// One --trace line's worth of state, taken right after schedule() (the ms of the whole step added later).
+// One step's worth of state, taken right after schedule() (the step's end time added after it ran): a
+// --trace line, and one column of --report's pictures.
 struct StepTrace {
   int64_t step = 0;
   bool is_prefill = false;
   int batch = 0;
   int64_t tokens = 0;    // tokens the model computes this step (decode: one per sequence)
+  int64_t decode_tokens = 0;  // of which the last token of a sequence that decodes (the rest: prompt)
+  int padded_batch = 0;  // the batch the step really runs (a decode step pads to a CUDA graph's size)
   int prefix_hit = 0;    // prompt tokens admitted this step whose K/V was already cached
   int waiting = 0, running = 0;
   int free_blocks = 0, num_blocks = 0;
+  int cached_free_blocks = 0;  // free blocks that still hold a registered prefix (a hit revives them)
   int hashes = 0;        // full blocks registered in the prefix cache (hash_to_block_id)
   std::vector<std::pair<int64_t, int>> preempted;  // (seq_id, length) of each victim, in order
+  std::vector<std::pair<int64_t, int>> scheduled;  // (seq_id, tokens) of each sequence of the step
+  double start = 0, end = 0;  // seconds since generate() began
   double ms = 0;
 };
 static StepTrace trace_after_schedule(const Scheduler& s, const std::vector<Sequence*>& batch, bool is_prefill,
@@ -3253,14 +3379,19 @@ static volatile sig_atomic_t g_stop_requested = 0;
 
 struct LLMEngine {
   Config& config;
-  ModelRunner& runner;
+  StepRunner& runner;
   Scheduler scheduler;
   std::vector<std::unique_ptr<Sequence>> seqs;
   RunStats stats;
   bool progress = true;
-  bool trace = false;  // --trace: one line per step on stderr
+  bool trace = false;                       // --trace: one line per step on stderr
+  FILE* trace_out = stderr;                 // where the trace lines go
+  std::vector<StepTrace>* record = nullptr;  // --report: every step's StepTrace is kept here
+  double t0 = 0;                            // the clock's reading when generate() began
 
-  LLMEngine(Config& c, ModelRunner& r) : config(c), runner(r), scheduler(c) {}
+  LLMEngine(Config& c, StepRunner& r) : config(c), runner(r), scheduler(c) {}
+
+  double clock() { return runner.now() - t0; }  // seconds since generate() began
 
   Sequence* add_request(const std::vector<int>& prompt, const SamplingParams& sp) {
     seqs.emplace_back(new Sequence((int64_t)seqs.size(), prompt, sp, config.kvcache_block_size));
@@ -3271,69 +3402,92 @@ struct LLMEngine {
   // One step: schedule, run the model, append the sampled tokens.
   void step() {
     bool is_prefill;
-    double t0 = now_seconds();
+    double h0 = now_seconds(), start = clock();  // h*: host time, for where the step's time goes
     std::vector<Sequence*> batch = scheduler.schedule(is_prefill);
-    double t1 = now_seconds();
-    int64_t num_tokens = 0;
-    for (auto* s : batch) num_tokens += s->num_scheduled_tokens;
+    double h1 = now_seconds();
+    int64_t num_tokens = 0, decode_tokens = 0;  // decode: the next token of a sequence that has generated
+    std::vector<int> completions_before;
+    for (auto* s : batch) {
+      num_tokens += s->num_scheduled_tokens;
+      if (scheduler.mixed) decode_tokens += s->num_scheduled_tokens == 1 && s->num_completion_tokens() > 0;
+      else if (!is_prefill) decode_tokens += s->num_scheduled_tokens;  // nano-vllm: a step is one or the other
+      completions_before.push_back(s->num_completion_tokens());
+      if (s->first_scheduled_time < 0) s->first_scheduled_time = start;
+    }
     stats.peak_blocks_used = std::max(stats.peak_blocks_used, scheduler.block_manager.num_used);
     StepTrace tr;
     int64_t step_no = stats.steps_prefill + stats.steps_decode + 1;
-    if (trace) tr = trace_after_schedule(scheduler, batch, is_prefill, step_no);
+    if (trace || record) {
+      tr = trace_after_schedule(scheduler, batch, is_prefill, step_no);
+      tr.padded_batch = runner.padded_batch((int)batch.size(), is_prefill);
+      tr.start = start;
+    }
     double gpu_before = runner.gpu_seconds;
     std::vector<int> token_ids = runner.run(batch, is_prefill);
-    double t2 = now_seconds(), gpu_wait = runner.gpu_seconds - gpu_before;
+    double h2 = now_seconds(), gpu_wait = runner.gpu_seconds - gpu_before;
     scheduler.postprocess(batch, token_ids, is_prefill);
-    double t3 = now_seconds(), dt = t3 - t0;
-    stats.schedule_seconds += t1 - t0;
-    stats.prepare_seconds += (t2 - t1) - gpu_wait;
+    double h3 = now_seconds(), end = clock();
+    for (size_t i = 0; i < batch.size(); i++) {
+      Sequence* s = batch[i];
+      if (s->num_completion_tokens() > completions_before[i] && s->first_token_time < 0) s->first_token_time = end;
+      if (s->is_finished()) s->finish_time = end;
+    }
+    stats.schedule_seconds += h1 - h0;
+    stats.prepare_seconds += (h2 - h1) - gpu_wait;
     stats.gpu_wait_seconds += gpu_wait;
-    stats.postprocess_seconds += t3 - t2;
+    stats.postprocess_seconds += h3 - h2;
     stats.last_batch = (int)batch.size();
-    if (is_prefill) {
-      stats.prefill_tokens += num_tokens;
-      stats.prefill_seconds += dt;
+    if (is_prefill) {  // (with --scheduler mixed a prefill step may hold decode tokens too)
+      stats.prefill_tokens += num_tokens - decode_tokens;
+      stats.decode_tokens += decode_tokens;
+      stats.prefill_seconds += end - start;
       stats.steps_prefill++;
+      stats.steps_mixed += decode_tokens > 0;
+      stats.mixed_decode_tokens += decode_tokens;
     } else {
       stats.decode_tokens += num_tokens;
-      stats.decode_seconds += dt;
+      stats.decode_seconds += end - start;
       stats.steps_decode++;
     }
-    if (trace) {
-      tr.ms = dt * 1e3;
-      fputs(format_trace(tr).c_str(), stderr);
+    if (trace || record) {
+      tr.ms = (end - start) * 1e3;
+      tr.end = end;
     }
-  }
-
-  // xxHash64 (seed 0) of the last step's logits as the GPU left them: rows [0, last_batch) of [B, V] fp32,
-  // row by row. A bit-exact fingerprint of the arithmetic: stricter than the tokens' hash (a different
-  // cuBLASLt algorithm or a padded CUDA-graph batch may change low bits without changing any token).
-  uint64_t last_logits_xxh64() {
-    size_t V = (size_t)cdiv(runner.model.cfg.vocab_size, runner.model.tp);
-    std::vector<float> row(V);
-    XXH64_state_t st;
-    XXH64_reset(&st, 0);
-    for (int b = 0; b < stats.last_batch; b++) {  // run() has synchronised its stream: the rows are final
-      const float* logits_row = runner.model.act.logits + b * V;
-      CUDA_CHECK(cudaMemcpy(row.data(), logits_row, V * sizeof(float), cudaMemcpyDeviceToHost));
-      XXH64_update(&st, row.data(), V * sizeof(float));
-    }
-    return XXH64_digest(&st);
+    if (trace) fputs(format_trace(tr).c_str(), trace_out);
+    if (record) record->push_back(std::move(tr));
   }
 
   // Steps until every request has finished, or until a Ctrl-C asks the run to stop (g_stop_requested):
-  // then the step in flight completes and the unfinished requests come back with
-  // finish_reason nullptr and the tokens they had so far.
+  // then the step in flight completes and the unfinished requests come back with finish_reason nullptr and
+  // the tokens they had so far. A request joins the waiting queue when the clock reaches its arrival_time;
+  // while nothing is left to run before the next arrival, the runner waits for it.
   std::vector<Completion> generate(const std::vector<Request>& requests) {
-    double t0 = now_seconds(), last_print = t0;
+    t0 = runner.now();
+    double last_print = now_seconds();
     size_t first = seqs.size();
-    for (auto& r : requests) add_request(r.prompt_token_ids, r.params);
+    for (auto& r : requests) {  // ids in input order; the queue in arrival order (ties: input order)
+      seqs.emplace_back(new Sequence((int64_t)seqs.size(), r.prompt_token_ids, r.params, config.kvcache_block_size));
+      seqs.back()->arrival_time = r.arrival_time;
+    }
+    std::vector<Sequence*> arrivals;
+    for (size_t i = first; i < seqs.size(); i++) arrivals.push_back(seqs[i].get());
+    std::stable_sort(arrivals.begin(), arrivals.end(),
+                     [](const Sequence* a, const Sequence* b) { return a->arrival_time < b->arrival_time; });
+    size_t next = 0;
     bool tty = isatty(2);
     bool show_progress = progress && !trace;  // both write stderr; the trace says more
     int done = 0;
-    while (!scheduler.is_finished() && !g_stop_requested) {
+    while (!g_stop_requested) {
+      for (double now = clock(); next < arrivals.size() && arrivals[next]->arrival_time <= now; next++)
+        scheduler.add(arrivals[next]);
+      if (scheduler.is_finished()) {  // idle until the next request arrives (a Ctrl-C ends the wait too)
+        if (next == arrivals.size()) break;
+        const double due = t0 + arrivals[next]->arrival_time;
+        while (!g_stop_requested && runner.now() < due) runner.wait_until(std::min(due, runner.now() + 0.05));
+        continue;
+      }
       step();
-      if (stats.first_token_at < 0) stats.first_token_at = now_seconds() - t0;
+      if (stats.first_token_at < 0) stats.first_token_at = clock();
       double t = now_seconds();
       if (show_progress && t - last_print > (tty ? 0.25 : 5.0)) {
         done = 0;
@@ -3351,12 +3505,13 @@ struct LLMEngine {
     const char* slow = getenv("NANOVLLM_TEST_SLOW_STOP");
     for (double until = now_seconds() + (slow ? atof(slow) : 0); g_stop_requested && now_seconds() < until;)
       usleep(10000);
-    stats.seconds = now_seconds() - t0;
+    stats.seconds = clock();
     std::vector<Completion> out;
     for (size_t i = first; i < seqs.size(); i++) {
       Sequence& s = *seqs[i];
       out.push_back({std::vector<int>(s.token_ids.begin() + s.num_prompt_tokens, s.token_ids.end()),
-                     s.finish_reason, s.num_prompt_tokens});
+                     s.finish_reason, s.num_prompt_tokens, s.arrival_time, s.first_token_time, s.finish_time,
+                     s.seq_id});
     }
     return out;
   }
@@ -4605,7 +4760,8 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
 // PROMPTS is either a text file, one prompt per line (the chat template is applied unless --raw), or a
 // .jsonl file whose lines are objects with one of
 //   "prompt": "text"   "prompt_token_ids": [1, 2, 3]   "messages": [{"role": "user", "content": "..."}]
-// and optional per-request "max_tokens", "temperature", "top_k", "top_p", "ignore_eos", "seed".
+// and optional per-request "max_tokens", "temperature", "top_k", "top_p", "ignore_eos", "seed", and
+// "arrival_time" (seconds after the start: the request joins the queue then; --request-rate fills it in).
 // Everything is checked before the GPU is touched: a bad line is reported by number in a second, not after
 // a model load. A prompt that cannot fit (prompt tokens + max_tokens > max_model_len) refuses the whole run,
 // naming the line: silently dropping or truncating a request would hand back garbage.
@@ -4733,6 +4889,13 @@ static std::vector<Request> parse_prompts(const std::string& text, const std::st
         }
       }
       jsonl_sampling(j, r.params, where);
+      if (j.contains("arrival_time")) {
+        const json& v = j["arrival_time"];
+        if (!v.is_number() || !(v.get<double>() >= 0) || !std::isfinite(v.get<double>()))
+          die("%s: \"arrival_time\" must be a number of seconds >= 0 after the start, found %s", where.c_str(),
+              v.dump().c_str());
+        r.arrival_time = v.get<double>(), r.arrival_given = true;
+      }
     }
     if (r.prompt_token_ids.empty()) die("%s: the prompt is empty", where.c_str());
     int64_t n = (int64_t)r.prompt_token_ids.size();
@@ -4755,18 +4918,36 @@ static std::vector<Request> read_prompts(const std::string& path, const Tokenize
 
 // --output is checked here, before the run, but opened only when the completions are written, so a refused
 // or failed run leaves an existing file as it was.
-static void check_output_path(const std::string& path) {
-  if (is_dir(path)) die("--output '%s' is a folder; give a file name such as out.jsonl", path.c_str());
+static void check_output_path(const std::string& path, const char* flag = "--output",
+                              const char* example = "out.jsonl") {
+  if (is_dir(path)) die("%s '%s' is a folder; give a file name such as %s", flag, path.c_str(), example);
   if (access(path.c_str(), F_OK) == 0) {
-    if (access(path.c_str(), W_OK) != 0) die("cannot write --output '%s': %s", path.c_str(), strerror(errno));
+    if (access(path.c_str(), W_OK) != 0) die("cannot write %s '%s': %s", flag, path.c_str(), strerror(errno));
     return;
   }
   size_t slash = path.rfind('/');
   std::string parent = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
   if (!is_dir(parent))
-    die("cannot write --output '%s': the folder '%s' does not exist", path.c_str(), parent.c_str());
+    die("cannot write %s '%s': the folder '%s' does not exist", flag, path.c_str(), parent.c_str());
   if (access(parent.c_str(), W_OK | X_OK) != 0)
-    die("cannot write --output '%s': folder '%s': %s", path.c_str(), parent.c_str(), strerror(errno));
+    die("cannot write %s '%s': folder '%s': %s", flag, path.c_str(), parent.c_str(), strerror(errno));
+}
+
+// --request-rate R: the requests without an arrival_time of their own arrive as a Poisson process of rate R
+// in input order (exponential gaps drawn with --seed), the first at time 0.
+static void assign_arrivals(std::vector<Request>& reqs, double rate, uint64_t seed) {
+  double t = 0;
+  uint64_t state = splitmix64(seed ^ 0xa5a5a5a5ull);
+  bool first = true;
+  for (Request& r : reqs) {
+    if (r.arrival_given) continue;
+    if (!first) {
+      state = splitmix64(state);
+      const double u = ((double)(state >> 11) + 0.5) * 0x1.0p-53;  // in (0, 1)
+      t += -log(u) / rate;
+    }
+    r.arrival_time = t, first = false;
+  }
 }
 
 static std::string json_escape_text(const std::string& s) { return json(s).dump(); }
@@ -4792,10 +4973,11 @@ static void write_completions(const std::vector<Request>& reqs, const std::vecto
 }
 
 
-// ==== 22. Trace and run summary ============================================================================
+// ==== 22. Trace, run summary and the report ================================================================
 //
-// The text a run shows about itself (section 13 keeps the numbers): one --trace line per step, and the
-// summary at the end, with two fingerprints of the results that make runs comparable bit for bit.
+// The text and pictures a run shows about itself (section 13 keeps the numbers): one --trace line per step,
+// the summary at the end (with the time to first token, the time per output token, and two fingerprints
+// that make runs comparable bit for bit), and --report's one-file HTML picture of the whole run.
 
 static StepTrace trace_after_schedule(const Scheduler& s, const std::vector<Sequence*>& batch,
                                       bool is_prefill, int64_t step) {
@@ -4803,13 +4985,25 @@ static StepTrace trace_after_schedule(const Scheduler& s, const std::vector<Sequ
   t.step = step;
   t.is_prefill = is_prefill;
   t.batch = (int)batch.size();
-  for (auto* seq : batch) t.tokens += seq->num_scheduled_tokens;
+  for (auto* seq : batch) {
+    t.tokens += seq->num_scheduled_tokens;
+    if (s.mixed) t.decode_tokens += seq->num_scheduled_tokens == 1 && seq->num_completion_tokens() > 0;
+    t.scheduled.push_back({seq->seq_id, seq->num_scheduled_tokens});
+  }
+  if (!s.mixed && !is_prefill) t.decode_tokens = t.tokens;
+  t.padded_batch = t.batch;
   t.prefix_hit = s.last_cached_tokens;
   t.waiting = (int)s.waiting.size();
   t.running = (int)s.running.size();
-  t.free_blocks = s.block_manager.num_free_blocks();
-  t.num_blocks = (int)s.block_manager.blocks.size();
-  t.hashes = (int)s.block_manager.hash_to_block_id.size();
+  const BlockManager& bm = s.block_manager;
+  t.free_blocks = bm.num_free_blocks();
+  t.num_blocks = (int)bm.blocks.size();
+  t.hashes = (int)bm.hash_to_block_id.size();
+  for (const Block& b : bm.blocks) {  // free, and still the block its hash names: a hit would revive it
+    if (b.ref_count || !b.has_hash) continue;
+    auto it = bm.hash_to_block_id.find(b.hash);
+    t.cached_free_blocks += it != bm.hash_to_block_id.end() && it->second == b.block_id;
+  }
   t.preempted = s.last_preempted;
   return t;
 }
@@ -4820,14 +5014,16 @@ static StepTrace trace_after_schedule(const Scheduler& s, const std::vector<Sequ
 //   [trace]   preempt seq=11 len=513
 // batch, tokens: sequences and tokens computed this step; hit: prompt tokens found in the prefix cache at
 // admission this step; waiting, running: the queues after schedule(); free: free blocks / pool size;
-// hashes: full blocks in the prefix cache; ms: the step's wall time; preempt: a victim's id and length.
+// hashes: full blocks in the prefix cache; ms: the step's time; preempt: a victim's id and length. With
+// --scheduler mixed a step that holds decode tokens and prompt tokens is MIXED.
 static std::string format_trace(const StepTrace& t) {
   char buf[256];
+  const char* kind = !t.is_prefill ? "DECODE " : t.decode_tokens ? "MIXED  " : "PREFILL";
   snprintf(buf, sizeof buf,
            "[trace] step %lld %s batch=%d tokens=%lld hit=%d waiting=%d running=%d free=%d/%d hashes=%d "
            "ms=%.2f\n",
-           (long long)t.step, t.is_prefill ? "PREFILL" : "DECODE ", t.batch, (long long)t.tokens,
-           t.prefix_hit, t.waiting, t.running, t.free_blocks, t.num_blocks, t.hashes, t.ms);
+           (long long)t.step, kind, t.batch, (long long)t.tokens, t.prefix_hit, t.waiting, t.running,
+           t.free_blocks, t.num_blocks, t.hashes, t.ms);
   std::string line = buf;
   for (auto& p : t.preempted) {
     snprintf(buf, sizeof buf, "[trace]   preempt seq=%lld len=%d\n", (long long)p.first, p.second);
@@ -4850,15 +5046,52 @@ static uint64_t completions_xxh64(const std::vector<Completion>& outs) {
   return XXH64(buf.data(), buf.size() * sizeof(int32_t), 0);
 }
 
-// The run summary: what the scheduler did and where the time went, plus two fingerprints of the results.
-// Counters add up over every generate() of an engine. Admitted tokens count every admission, so a
-// preempted sequence that comes back counts again (with its generated tokens), and so do its hits.
+// xxHash64 (seed 0) of the last step's logits as the GPU left them: rows [0, rows) of [B, V/tp] fp32, row
+// by row. A bit-exact fingerprint of the arithmetic: stricter than the tokens' hash (a different cuBLASLt
+// algorithm or a padded CUDA-graph batch may change low bits without changing any token).
+static uint64_t last_logits_xxh64(ModelRunner& runner, int rows) {
+  size_t V = (size_t)cdiv(runner.model.cfg.vocab_size, runner.model.tp);
+  std::vector<float> row(V);
+  XXH64_state_t st;
+  XXH64_reset(&st, 0);
+  for (int b = 0; b < rows; b++) {  // run() has synchronised its stream: the rows are final
+    const float* logits_row = runner.model.act.logits + b * V;
+    CUDA_CHECK(cudaMemcpy(row.data(), logits_row, V * sizeof(float), cudaMemcpyDeviceToHost));
+    XXH64_update(&st, row.data(), V * sizeof(float));
+  }
+  return XXH64_digest(&st);
+}
+
+// Median, 99th percentile and mean of a sample (nearest rank; all 0 for none).
+struct Percentiles {
+  double median = 0, p99 = 0, mean = 0;
+  int n = 0;
+};
+static Percentiles percentiles(std::vector<double> v) {
+  Percentiles p;
+  p.n = (int)v.size();
+  if (v.empty()) return p;
+  std::sort(v.begin(), v.end());
+  auto rank = [&](double q) { return v[std::min(v.size() - 1, (size_t)std::ceil(q * v.size()) - (q > 0))]; };
+  p.median = rank(0.5), p.p99 = rank(0.99);
+  for (double x : v) p.mean += x / v.size();
+  return p;
+}
+
+// The run summary: what the scheduler did and where the time went, how long requests waited, plus two
+// fingerprints of the results. Counters add up over every generate() of an engine. Admitted tokens count
+// every admission, so a preempted sequence that comes back counts again (with its generated tokens), and
+// so do its hits. Time to first token (TTFT): from a request's arrival to the end of the step that sampled
+// its first token; time per output token (TPOT): from then to its last token, over the tokens after the
+// first (requests of at least two tokens).
 struct RunSummary {
-  int64_t prompt_tokens = 0, generated_tokens = 0, steps_prefill = 0, steps_decode = 0;
+  int64_t prompt_tokens = 0, generated_tokens = 0, steps_prefill = 0, steps_decode = 0, steps_mixed = 0;
   int64_t prefix_hit_tokens = 0, admitted_tokens = 0, preemptions = 0;
   double prefix_hit_rate = 0, mean_decode_batch = 0;
   int peak_kv_blocks = 0, kv_blocks = 0;
-  double steps_s = 0, schedule_s = 0, prepare_s = 0, gpu_wait_s = 0, postprocess_s = 0;
+  double steps_s = 0, schedule_s = 0, prepare_s = 0, gpu_wait_s = 0, postprocess_s = 0, run_s = 0;
+  Percentiles ttft, tpot;  // seconds
+  const char* scheduler = "nano";
   uint64_t tokens_xxh64 = 0, logits_xxh64 = 0;
   int logits_rows = 0;
   int64_t unfinished_requests = 0;  // > 0 only when a Ctrl-C stopped the run
@@ -4866,22 +5099,30 @@ struct RunSummary {
 };
 
 static RunSummary run_summary(const RunStats& st, const SchedulerStats& ss, int num_kvcache_blocks,
-                              const std::vector<Completion>& outs, uint64_t logits_xxh64) {
+                              const std::vector<Completion>& outs, uint64_t logits_xxh64, bool mixed = false) {
   RunSummary r;
+  std::vector<double> ttft, tpot;
   for (auto& o : outs) {
     r.prompt_tokens += o.prompt_tokens, r.generated_tokens += (int64_t)o.token_ids.size();
     r.unfinished_requests += o.finish_reason == nullptr;
+    if (o.first_token_time >= 0) ttft.push_back(o.first_token_time - o.arrival_time);
+    if (o.finish_reason && o.token_ids.size() >= 2)
+      tpot.push_back((o.finish_time - o.first_token_time) / (o.token_ids.size() - 1));
   }
+  r.ttft = percentiles(ttft), r.tpot = percentiles(tpot);
+  r.scheduler = mixed ? "mixed" : "nano";
   r.steps_prefill = st.steps_prefill;
   r.steps_decode = st.steps_decode;
+  r.steps_mixed = st.steps_mixed;
   r.prefix_hit_tokens = ss.prefix_hit_tokens;
   r.admitted_tokens = ss.prompt_tokens_admitted;
   r.preemptions = ss.num_preemptions;
   r.prefix_hit_rate = r.admitted_tokens ? (double)r.prefix_hit_tokens / r.admitted_tokens : 0.0;
-  r.mean_decode_batch = st.steps_decode ? (double)st.decode_tokens / st.steps_decode : 0.0;
+  r.mean_decode_batch = st.steps_decode ? (double)(st.decode_tokens - st.mixed_decode_tokens) / st.steps_decode : 0.0;
   r.peak_kv_blocks = st.peak_blocks_used;
   r.kv_blocks = num_kvcache_blocks;
   r.steps_s = st.prefill_seconds + st.decode_seconds;
+  r.run_s = st.seconds;
   r.schedule_s = st.schedule_seconds;
   r.prepare_s = st.prepare_seconds;
   r.gpu_wait_s = st.gpu_wait_seconds;
@@ -4898,13 +5139,16 @@ static std::string hex64(uint64_t h) {
   return b;
 }
 
-// The --output file's last record: {"summary": {...}}.
+// The --output file's last record: {"summary": {...}}. --report draws its numbers from this same record.
 static json summary_json(const RunSummary& r) {
+  auto pct = [](const Percentiles& p) { return json{{"median", p.median}, {"p99", p.p99}, {"mean", p.mean}, {"n", p.n}}; };
   return json{{"summary",
                {{"prompt_tokens", r.prompt_tokens},
                 {"generated_tokens", r.generated_tokens},
+                {"scheduler", r.scheduler},
                 {"steps_prefill", r.steps_prefill},
                 {"steps_decode", r.steps_decode},
+                {"steps_mixed", r.steps_mixed},
                 {"prefix_hit_tokens", r.prefix_hit_tokens},
                 {"admitted_tokens", r.admitted_tokens},
                 {"prefix_hit_rate", r.prefix_hit_rate},
@@ -4912,8 +5156,12 @@ static json summary_json(const RunSummary& r) {
                 {"mean_decode_batch", r.mean_decode_batch},
                 {"peak_kv_blocks", r.peak_kv_blocks},
                 {"kv_blocks", r.kv_blocks},
+                {"ttft_s", pct(r.ttft)},
+                {"tpot_s", pct(r.tpot)},
+                {"throughput_tok_s", r.run_s > 0 ? r.generated_tokens / r.run_s : 0.0},
                 {"seconds",
-                 {{"steps", r.steps_s},
+                 {{"run", r.run_s},
+                  {"steps", r.steps_s},
                   {"schedule", r.schedule_s},
                   {"prepare_and_launch", r.prepare_s},
                   {"gpu_wait", r.gpu_wait_s},
@@ -4924,11 +5172,11 @@ static json summary_json(const RunSummary& r) {
                 {"unfinished_requests", r.unfinished_requests}}}};
 }
 
-// The summary's three stderr lines. None contains the word "requests": bench.sh parses the last line
+// The summary's four stderr lines. None contains the word "requests": bench.sh parses the last line
 // that does.
 static std::string format_summary(const RunSummary& r) {
   auto pct = [](double part, double whole) { return 100.0 * part / std::max(whole, 1e-9); };
-  char buf[3][512];
+  char buf[4][512];
   snprintf(buf[0], sizeof buf[0],
            "nanovllm: summary | prefix cache hit %lld of %lld admitted tokens (%.1f%%) | %lld preemptions | "
            "mean decode batch %.2f over %lld steps | peak KV %d of %d blocks (%.1f%%)\n",
@@ -4941,15 +5189,233 @@ static std::string format_summary(const RunSummary& r) {
            r.steps_s, (long long)(r.steps_prefill + r.steps_decode), r.host_s(), pct(r.host_s(), r.steps_s),
            r.schedule_s, r.prepare_s, r.postprocess_s, r.gpu_wait_s, pct(r.gpu_wait_s, r.steps_s));
   snprintf(buf[2], sizeof buf[2],
+           "nanovllm: latency | scheduler %s | time to first token median %.3f s, p99 %.3f s | time per output "
+           "token median %.2f ms, p99 %.2f ms\n",
+           r.scheduler, r.ttft.median, r.ttft.p99, 1e3 * r.tpot.median, 1e3 * r.tpot.p99);
+  snprintf(buf[3], sizeof buf[3],
            "nanovllm: check | tokens xxh64 %s (all completions, in input order) | logits xxh64 %s "
            "(last step, %d rows)\n",
            hex64(r.tokens_xxh64).c_str(), hex64(r.logits_xxh64).c_str(), r.logits_rows);
-  return std::string(buf[0]) + buf[1] + buf[2];
+  return std::string(buf[0]) + buf[1] + buf[2] + buf[3];
 }
 
-// The --output file's last line: {"summary": {...}} .
+// The --output file's last line: {"summary": {...}}.
 static void write_summary(const RunSummary& summary, FILE* jsonl) {
   if (jsonl) fprintf(jsonl, "%s\n", summary_json(summary).dump().c_str());
+}
+
+// --report FILE.html: the whole run in one self-contained page (inline SVG and CSS, no script, nothing
+// fetched from the network), drawn from the StepTraces the engine recorded, the completions' times and the
+// summary record. Four pictures over the same steps: what each step computed, the KV pool, prefix-cache hits
+// and preemptions, and each request's life from arrival to its last token. Every step is one
+// <g class="step"> in the first picture (test/cli/report.sh counts them in a headless browser).
+static std::string svg_text(double x, double y, const std::string& s, const char* anchor = "start",
+                            const char* extra = "") {
+  char b[96];
+  snprintf(b, sizeof b, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"%s\"%s>", x, y, anchor, extra);
+  std::string e;
+  for (char c : s) e += c == '<' ? std::string("&lt;") : c == '&' ? std::string("&amp;") : std::string(1, c);
+  return b + e + "</text>";
+}
+static std::string svg_rect(double x, double y, double w, double h, const char* fill, const char* extra = "") {
+  char b[192];
+  snprintf(b, sizeof b, "<rect x=\"%.2f\" y=\"%.2f\" width=\"%.2f\" height=\"%.2f\" fill=\"%s\"%s/>", x, y,
+           std::max(w, 0.0), std::max(h, 0.0), fill, extra);
+  return b;
+}
+static std::string fmt(const char* f, double v) {
+  char b[64];
+  snprintf(b, sizeof b, f, v);
+  return b;
+}
+
+static void write_report(const std::string& path, const std::string& title, const json& summary_record,
+                         const std::vector<StepTrace>& steps, const std::vector<Completion>& outs) {
+  const json& S = summary_record["summary"];
+  const int n = std::max<int>(1, (int)steps.size());
+  const double W = 1100, L = 70, R = 20, PW = W - L - R;  // page width, plot left and right margins
+  auto sx = [&](double i) { return L + PW * i / n; };     // step index -> x
+  const double bw = std::max(PW / n, 0.4);
+  std::string h;
+  auto chart_open = [&](double height, const std::string& ylabel, const std::string& xlabel) {
+    h += "<svg width=\"" + fmt("%.0f", W) + "\" height=\"" + fmt("%.0f", height + 40) + "\">";
+    h += svg_text(14, 10 + height / 2, ylabel, "middle",
+                  (" transform=\"rotate(-90 14 " + fmt("%.1f", 10 + height / 2) + ")\"").c_str());
+    h += svg_text(L + PW / 2, height + 38, xlabel, "middle");
+    h += "<line x1=\"" + fmt("%.0f", L) + "\" y1=\"10\" x2=\"" + fmt("%.0f", L) + "\" y2=\"" +
+         fmt("%.0f", height + 10) + "\" class=\"axis\"/><line x1=\"" + fmt("%.0f", L) + "\" y1=\"" +
+         fmt("%.0f", height + 10) + "\" x2=\"" + fmt("%.0f", L + PW) + "\" y2=\"" + fmt("%.0f", height + 10) +
+         "\" class=\"axis\"/>";
+  };
+  auto step_ticks = [&](double y) {  // x ticks at round step numbers
+    int every = 1;
+    while (n / every > 10) every *= every % 3 == 1 ? 5 : 2;  // 1, 2, 10, 20, 100, ...
+    for (int i = 0; i <= n; i += every) h += svg_text(sx(i), y, std::to_string(i + (i < n ? 1 : 0)), "middle");
+  };
+  auto legend = [&](double x, double y, std::vector<std::pair<const char*, const char*>> items) {
+    for (auto& [color, name] : items) {
+      h += svg_rect(x, y - 9, 10, 10, color) + svg_text(x + 14, y, name);
+      x += 20 + 7.0 * strlen(name);
+    }
+  };
+  // Chart 1: the tokens of each step, on a log scale so that decode steps stay visible beside prefill.
+  int64_t max_tokens = 1;
+  for (auto& t : steps) max_tokens = std::max<int64_t>(max_tokens, t.tokens + (t.padded_batch - t.batch));
+  const double H1 = 220, top1 = log10(1.0 + max_tokens);
+  auto y1 = [&](double v) { return 10 + H1 - H1 * log10(1.0 + v) / top1; };
+  chart_open(H1, "tokens (log scale)", "step");
+  for (double v = 1; v <= max_tokens; v *= 10) {
+    h += svg_text(L - 6, y1(v) + 4, fmt("%.0f", v), "end");
+    h += "<line x1=\"" + fmt("%.0f", L) + "\" x2=\"" + fmt("%.0f", L + PW) + "\" y1=\"" + fmt("%.1f", y1(v)) +
+         "\" y2=\"" + fmt("%.1f", y1(v)) + "\" class=\"grid\"/>";
+  }
+  for (int i = 0; i < (int)steps.size(); i++) {
+    const StepTrace& t = steps[i];
+    const double pre = (double)(t.tokens - t.decode_tokens), dec = (double)t.decode_tokens;
+    const double pad = (double)(t.padded_batch - t.batch);
+    h += "<g class=\"step\" data-step=\"" + std::to_string(t.step) + "\">";
+    h += svg_rect(sx(i), y1(pre), bw, y1(0) - y1(pre), "#4e79a7");
+    h += svg_rect(sx(i), y1(pre + dec), bw, y1(pre) - y1(pre + dec), "#59a14f");
+    h += svg_rect(sx(i), y1(pre + dec + pad), bw, y1(pre + dec) - y1(pre + dec + pad), "#bab0ac");
+    h += "<title>step " + std::to_string(t.step) + ": " + fmt("%.0f", pre) + " prompt tokens, " +
+         fmt("%.0f", dec) + " decode tokens, " + fmt("%.0f", pad) + " padding rows</title></g>";
+  }
+  step_ticks(H1 + 24);
+  legend(L + 10, 24, {{"#4e79a7", "prompt tokens (prefill)"}, {"#59a14f", "decode tokens"},
+                      {"#bab0ac", "padding to the CUDA graph's batch"}});
+  h += "</svg>\n";
+  std::string chart1 = h;
+  h.clear();
+  // Chart 2: the KV pool after each step's scheduling.
+  const double H2 = 180;
+  const int NB = steps.empty() ? 1 : std::max(1, steps[0].num_blocks);
+  auto y2 = [&](double v) { return 10 + H2 - H2 * v / NB; };
+  chart_open(H2, "KV blocks", "step");
+  for (int k = 0; k <= 4; k++) h += svg_text(L - 6, y2(NB * k / 4.0) + 4, fmt("%.0f", NB * k / 4.0), "end");
+  for (int i = 0; i < (int)steps.size(); i++) {
+    const StepTrace& t = steps[i];
+    const double used = t.num_blocks - t.free_blocks, cached = t.cached_free_blocks;
+    h += svg_rect(sx(i), y2(used), bw, y2(0) - y2(used), "#f28e2b");
+    h += svg_rect(sx(i), y2(used + cached), bw, y2(used) - y2(used + cached), "#76b7b2");
+    h += svg_rect(sx(i), y2(NB), bw, y2(used + cached) - y2(NB), "#eeeeee");
+  }
+  step_ticks(H2 + 24);
+  legend(L + 10, 24, {{"#f28e2b", "held by sequences"}, {"#76b7b2", "free but still a cached prefix"},
+                      {"#eeeeee", "free"}});
+  h += "</svg>\n";
+  std::string chart2 = h;
+  h.clear();
+  // Chart 3: prefix-cache hits at admission (bars) and preemptions (red marks, one per victim).
+  int max_hit = 1;
+  for (auto& t : steps) max_hit = std::max(max_hit, t.prefix_hit);
+  const double H3 = 120;
+  auto y3 = [&](double v) { return 10 + H3 - (H3 - 20) * v / max_hit; };
+  chart_open(H3, "hit tokens", "step");
+  h += svg_text(L - 6, y3(max_hit) + 4, std::to_string(max_hit), "end") + svg_text(L - 6, y3(0) + 4, "0", "end");
+  for (int i = 0; i < (int)steps.size(); i++) {
+    const StepTrace& t = steps[i];
+    if (t.prefix_hit) h += svg_rect(sx(i), y3(t.prefix_hit), bw, y3(0) - y3(t.prefix_hit), "#b07aa1");
+    for (size_t k = 0; k < t.preempted.size(); k++) {
+      const double x = sx(i) + bw / 2, y = 14 + 7 * k;
+      h += "<path class=\"preempt\" d=\"M" + fmt("%.1f", x - 4) + " " + fmt("%.1f", y) + " L" +
+           fmt("%.1f", x + 4) + " " + fmt("%.1f", y) + " L" + fmt("%.1f", x) + " " + fmt("%.1f", y + 7) +
+           " Z\" fill=\"#e15759\"><title>step " + std::to_string(t.step) + ": preempted seq " +
+           std::to_string(t.preempted[k].first) + " at length " + std::to_string(t.preempted[k].second) +
+           "</title></path>";
+    }
+  }
+  step_ticks(H3 + 24);
+  legend(L + 10 + PW / 2, 24, {{"#b07aa1", "prompt tokens found in the prefix cache"}, {"#e15759", "preemption"}});
+  h += "</svg>\n";
+  std::string chart3 = h;
+  h.clear();
+  // Chart 4: each request from arrival to its last token, on the time axis (up to 150 rows, evenly chosen).
+  std::vector<int> rows;
+  const int shown = std::min<int>((int)outs.size(), 150);
+  for (int k = 0; k < shown; k++) rows.push_back((int)((int64_t)k * outs.size() / shown));
+  std::map<int64_t, int> row_of;  // seq_id -> row
+  for (int k = 0; k < (int)rows.size(); k++) row_of[outs[rows[k]].seq_id] = k;
+  double t_end = 1e-9;
+  for (auto& t : steps) t_end = std::max(t_end, t.end);
+  for (auto& o : outs) t_end = std::max(t_end, o.finish_time);
+  const double rh = std::max(2.0, std::min(10.0, 600.0 / std::max<size_t>(1, rows.size())));
+  const double H4 = rh * rows.size() + 10;
+  auto tx = [&](double t) { return L + PW * t / t_end; };
+  chart_open(H4, "requests", "seconds since the run began");
+  for (int k = 0; k <= 4; k++) h += svg_text(tx(t_end * k / 4), H4 + 24, fmt("%.3g", t_end * k / 4), "middle");
+  for (int k = 0; k < (int)rows.size(); k++) {
+    const Completion& o = outs[rows[k]];
+    const double y = 10 + k * rh, start = o.arrival_time;
+    const double first = o.first_token_time >= 0 ? o.first_token_time : t_end;
+    const double fin = o.finish_time >= 0 ? o.finish_time : t_end;
+    h += svg_rect(tx(start), y, tx(first) - tx(start), rh * 0.8, "#d9d9d9");   // waiting and in prefill
+    h += svg_rect(tx(first), y, tx(fin) - tx(first), rh * 0.8, "#59a14f");     // decoding
+    h += "<title>request " + std::to_string(rows[k]) + ": arrived " + fmt("%.3f", start) + " s, first token " +
+         fmt("%.3f", first) + " s, last " + fmt("%.3f", fin) + " s</title>";
+  }
+  for (auto& t : steps) {  // prompt chunks (and recomputes after a preemption) over the waiting bar
+    for (auto& [id, k] : t.scheduled) {
+      auto it = row_of.find(id);
+      if (it == row_of.end()) continue;
+      const Completion& o = outs[rows[it->second]];
+      if (k > 1 || o.first_token_time < 0 || t.start < o.first_token_time)
+        h += svg_rect(tx(t.start), 10 + it->second * rh, std::max(tx(t.end) - tx(t.start), 1.0), rh * 0.8,
+                      "#4e79a7");
+    }
+    for (auto& [id, len] : t.preempted) {
+      auto it = row_of.find(id);
+      if (it != row_of.end())
+        h += svg_rect(tx(t.start) - 1, 10 + it->second * rh, 2, rh * 0.8, "#e15759");
+    }
+  }
+  h += "</svg>\n";
+  std::string chart4 = h;
+  // The page.
+  auto num = [&](const json& v, const char* f) { return fmt(f, v.get<double>()); };
+  std::string page =
+      "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>nanovllm report: " + title +
+      "</title>\n<style>body{font:13px sans-serif;margin:20px;max-width:1120px;color:#222}"
+      "h2{font-size:15px;margin:22px 0 4px}svg text{font:11px sans-serif;fill:#333}.axis{stroke:#555}"
+      ".grid{stroke:#eee}table{border-collapse:collapse}td,th{padding:2px 10px;text-align:right;"
+      "border-bottom:1px solid #ddd}p{max-width:1050px}.key{display:inline-block;width:10px;height:10px;"
+      "margin:0 4px 0 12px}</style></head><body>\n<h1>nanovllm run report</h1>\n<p>" + title + "</p>\n";
+  page += "<table><tr><th>requests</th><th>generated tokens</th><th>steps (prefill / decode / mixed)</th>"
+          "<th>time to first token median / p99</th><th>time per output token median / p99</th>"
+          "<th>throughput</th><th>preemptions</th><th>prefix-cache hit</th></tr><tr><td>" +
+          std::to_string(outs.size()) + "</td><td>" + std::to_string(S["generated_tokens"].get<int64_t>()) +
+          "</td><td>" + std::to_string(S["steps_prefill"].get<int64_t>()) + " / " +
+          std::to_string(S["steps_decode"].get<int64_t>()) + " / " + std::to_string(S["steps_mixed"].get<int64_t>()) +
+          "</td><td>" + num(S["ttft_s"]["median"], "%.3f") + " / " + num(S["ttft_s"]["p99"], "%.3f") + " s</td><td>" +
+          fmt("%.2f", 1e3 * S["tpot_s"]["median"].get<double>()) + " / " +
+          fmt("%.2f", 1e3 * S["tpot_s"]["p99"].get<double>()) + " ms</td><td>" +
+          num(S["throughput_tok_s"], "%.0f") + " tok/s</td><td>" + std::to_string(S["preemptions"].get<int64_t>()) +
+          "</td><td>" + fmt("%.1f", 100 * S["prefix_hit_rate"].get<double>()) + "% of admitted tokens</td></tr></table>\n";
+  page += "<h2>What to look for</h2><p>Under nano-vllm's scheduler (<code>--scheduler nano</code>) a step is all "
+          "prefill or all decode and prefill goes first: a blue spike in picture 1 is a step in which every "
+          "running request waited, which shows as a pause in its green bar in picture 4 and in the time per "
+          "output token. Under vLLM V1's (<code>--scheduler mixed</code>) a step carries decode tokens and prompt "
+          "chunks together within one token budget: fewer stalls for running requests, a little later first "
+          "tokens for new ones. Grey on top of a decode step is padding: the batch rounded up to a captured CUDA "
+          "graph. In picture 2, orange blocks hold running sequences' K/V; teal ones are free but still a cached "
+          "prefix, which a later identical prefix revives without computing it (purple in picture 3). When the "
+          "pool runs out a running sequence is preempted (red): its blocks are freed and it is recomputed later, "
+          "mostly from those cached blocks. In picture 4 each row is a request: grey while it waits or its "
+          "prompt is computed (blue chunks), green while it decodes, red where it was preempted.</p>\n";
+  page += "<h2>1. What each step computed</h2>\n" + chart1;
+  page += "<h2>2. The KV pool (" + std::to_string(NB) + " blocks)</h2>\n" + chart2;
+  page += "<h2>3. Prefix-cache hits and preemptions</h2>\n" + chart3;
+  page += "<h2>4. Requests over time" +
+          (rows.size() < outs.size() ? " (" + std::to_string(rows.size()) + " of " + std::to_string(outs.size()) +
+                                           ", evenly chosen)" : std::string("")) +
+          "</h2><p><span class=\"key\" style=\"background:#d9d9d9\"></span>waiting<span class=\"key\" "
+          "style=\"background:#4e79a7\"></span>prompt chunk<span class=\"key\" style=\"background:#59a14f\">"
+          "</span>decoding<span class=\"key\" style=\"background:#e15759\"></span>preempted</p>\n" + chart4;
+  page += "<h2>The summary record (as <code>--output</code> writes it)</h2><pre>" + summary_record.dump(1) +
+          "</pre>\n</body></html>\n";
+  FILE* f = fopen(path.c_str(), "w");
+  if (!f) die("cannot write --report '%s': %s", path.c_str(), strerror(errno));
+  fputs(page.c_str(), f);
+  fclose(f);
 }
 
 // ==== 23. Signals, worker processes and the mailbox ========================================================
@@ -5391,15 +5857,143 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
   }
 }
 
-// ==== 24. Command line and main ============================================================================
+// ==== 24. simulate: the engine without a GPU ===============================================================
+//
+// `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` runs the real LLMEngine, Scheduler and BlockManager
+// (sections 3-5, 13) with SimRunner below in place of ModelRunner: no GPU, no weights, the same flags,
+// --trace, summary and --report. Two things stand in for the GPU:
+//   * the tokens. A sampled token is a hash of the sequence's tokens so far (for a request that samples
+//     with temperature > 0, mixed with its seed), so identical prefixes continue identically, as greedy
+//     decoding does, and generated text becomes a cacheable prefix exactly as in a real run. With
+//     probability --simulate-eos-prob a token is EOS instead (decided by the same hash and --seed; never
+//     with ignore_eos), so requests can end early;
+//   * the clock. Each step advances a modelled clock by a roofline of the step (SimGpu): a fixed cost per
+//     step (larger for a step run eagerly than for one replayed from a CUDA graph), plus the bytes it must read (every weight once, the K/V of every token attended) over the
+//     memory bandwidth or its FLOPs over the tensor-core rate, whichever is longer. The rates are what this
+//     engine reaches on an H100 (README: "Watching the scheduler think"); the times are a model, not a
+//     measurement, but they make arrival times, TTFT and TPOT mean something without a GPU.
+// The KV pool: --num-kvcache-blocks, or --simulate-gpu-memory SIZE (for example 24GB): what is left of SIZE
+// x --gpu-memory-utilization after this shape's weights and an estimate of the activations.
+
+struct SimGpu {           // rates this engine reaches on an H100 80GB (README)
+  double bandwidth = 2.8e12;   // bytes/s of weights and K/V read by a step
+  double flops = 3.7e14;       // bf16 FLOP/s of prefill's matrix products
+  double step_cost = 0.5e-3;   // s: the fixed costs of a step replayed from a CUDA graph
+  double eager_cost = 3.5e-3;  // s: ... of a step launched kernel by kernel (prefill, mixed, --enforce-eager)
+};
+
+// The Qwen3 dense shapes (REFERENCE.md), for a tokenizer without a config.json: --simulate-model NAME.
+static bool qwen3_shape(const std::string& name, ModelConfig& c) {
+  struct Shape { const char* name; int H, I, L, NH; bool tied; };
+  static const Shape shapes[] = {{"Qwen3-0.6B", 1024, 3072, 28, 16, true}, {"Qwen3-1.7B", 2048, 6144, 28, 16, true},
+                                 {"Qwen3-4B", 2560, 9728, 36, 32, true},   {"Qwen3-8B", 4096, 12288, 36, 32, false},
+                                 {"Qwen3-14B", 5120, 17408, 40, 40, false}, {"Qwen3-32B", 5120, 25600, 64, 64, false}};
+  for (const Shape& s : shapes) {
+    if (strcasecmp(name.c_str(), s.name) != 0) continue;
+    c.hidden_size = s.H, c.intermediate_size = s.I, c.num_hidden_layers = s.L, c.num_attention_heads = s.NH;
+    c.num_key_value_heads = 8, c.head_dim = 128, c.vocab_size = 151936, c.max_position_embeddings = 40960;
+    c.tie_word_embeddings = s.tied, c.eos_token_ids = {151645, 151643};
+    return true;
+  }
+  return false;
+}
+
+// Parameters of a shape (the embedding counted once when tied) and the bytes a decode step reads of them
+// (every weight but the embedding table, which is only looked up; the tied LM head reads it whole).
+static int64_t model_params(const ModelConfig& c) {
+  const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim, V = c.vocab_size;
+  const int64_t layer = H * (c.num_attention_heads + 2 * c.num_key_value_heads) * D +
+                        (int64_t)c.num_attention_heads * D * H + 3 * H * I + 2 * H + 2 * D;
+  return c.num_hidden_layers * layer + V * H * (c.tie_word_embeddings ? 1 : 2) + H;
+}
+
+// The KV blocks --simulate-gpu-memory leaves (one GPU): what ModelRunner::allocate_kv_cache would find free,
+// estimated from the same allocations (weights, activations for the largest step, workspaces) plus a fixed
+// allowance for the CUDA context, cuBLASLt and the CUDA graphs.
+static int64_t simulated_kv_blocks(const ModelConfig& c, const Config& cfg, double gpu_bytes) {
+  const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim, V = c.vocab_size;
+  const int64_t NH = c.num_attention_heads, NKV = c.num_key_value_heads;
+  const int64_t Tmax = std::max(cfg.max_num_batched_tokens, cfg.max_num_seqs), Bmax = cfg.max_num_seqs;
+  const double weights = 2.0 * model_params(c);
+  const double activations = 2.0 * Tmax * (3 * H + (NH + 2 * NKV) * D + NH * D + 3 * I) + 2.0 * Bmax * H +
+                             4.0 * Bmax * V + (double)attention_decode_workspace_bytes((int)Bmax, (int)NH,
+                                                                                        cfg.max_model_len);
+  const double fixed = 1.0e9;  // CUDA context, cuBLASLt workspace, graphs, the sampler's workspace
+  const double left = gpu_bytes * cfg.gpu_memory_utilization - weights - activations - fixed;
+  return left > 0 ? (int64_t)(left / kv_block_bytes(c, cfg.kvcache_block_size, 1)) : 0;
+}
+
+struct SimRunner : StepRunner {
+  const ModelConfig& mc;
+  const Config& config;
+  uint64_t seed;            // --seed: per-request seeds and the EOS draws
+  double eos_prob;          // --simulate-eos-prob
+  SimGpu gpu;
+  double clock = 0;         // the modelled time, in seconds
+  std::vector<int> graph_bs = graph_batch_sizes(config.max_num_seqs);
+
+  SimRunner(const ModelConfig& m, const Config& c, uint64_t s, double p) : mc(m), config(c), seed(s), eos_prob(p) {}
+
+  double now() override { return clock; }
+  void wait_until(double t) override { clock = std::max(clock, t); }
+  int padded_batch(int B, bool is_prefill) const override {
+    if (is_prefill || config.enforce_eager) return B;
+    for (int g : graph_bs)
+      if (g >= B) return g;
+    return B;
+  }
+
+  // The stand-in for the model and the sampler: a function of the sequence's tokens (see above).
+  int token_after(const Sequence& seq) const {
+    const uint64_t salt = seq.params.temperature > 0
+                              ? (seq.params.seed >= 0 ? (uint64_t)seq.params.seed : splitmix64(seed ^ splitmix64(seq.seq_id)))
+                              : 0;
+    const uint64_t h = XXH64(seq.token_ids.data(), seq.token_ids.size() * sizeof(int), salt);
+    const bool eos = !seq.params.ignore_eos && !config.eos.empty() &&
+                     (double)(splitmix64(h ^ seed) >> 11) * 0x1.0p-53 < eos_prob;
+    if (eos) return config.eos[0];
+    int limit = mc.vocab_size;  // ordinary tokens only: ids below the first EOS id (the added tokens)
+    for (int e : config.eos) limit = std::min(limit, std::max(e, 1));
+    return (int)(h % (uint64_t)limit);
+  }
+
+  std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) override {
+    const double kv_token = (double)kv_block_bytes(mc, 1, 1);  // K and V of one token, all layers
+    const double params = (double)model_params(mc);
+    double bytes = 2.0 * params, flops = 0;
+    // A decode row in a prefill (or mixed) step goes through the prefill attention kernel, which reads its
+    // K/V once per query head rather than once per GQA group (section 8).
+    const double group = (double)mc.num_attention_heads / mc.num_key_value_heads;
+    for (const Sequence* s : seqs) {
+      const double n = s->num_scheduled_tokens, first = s->num_cached_tokens;
+      bytes += kv_token * (first + n) * (is_prefill && n == 1 ? group : 1.0);  // the context attended
+      flops += 2 * params * n + 4.0 * mc.num_attention_heads * mc.head_dim * mc.num_hidden_layers * n * (first + n / 2);
+    }
+    const bool eager = is_prefill || config.enforce_eager;
+    const double seconds = (eager ? gpu.eager_cost : gpu.step_cost) + std::max(bytes / gpu.bandwidth, flops / gpu.flops);
+    clock += seconds;  // (gpu_seconds stays 0: the host's own time is real, the step's is modelled)
+    std::vector<int> out;
+    for (const Sequence* s : seqs) out.push_back(token_after(*s));
+    return out;
+  }
+};
+
+// ==== 25. Command line and main ============================================================================
 
 struct Cli {
   Config config;
   PromptOptions prompts;
   std::string prompts_path;  // empty: nano-vllm example.py's two prompts
   std::string output_path;
+  std::string report_path;   // --report FILE.html
   int64_t seed = 0;
   bool trace = false;
+  double request_rate = 0;   // --request-rate: requests/s of a Poisson process (0: all arrive at once)
+  bool simulate = false;     // `nanovllm simulate` (section 24)
+  double sim_gpu_bytes = 0;  // --simulate-gpu-memory
+  std::string sim_model = "Qwen3-0.6B";  // --simulate-model: the shape when there is no config.json
+  bool sim_model_given = false;
+  double sim_eos_prob = 0;   // --simulate-eos-prob
 };
 
 static const char* kUsage =
@@ -5407,6 +6001,7 @@ static const char* kUsage =
     "       nanovllm encode MODEL_DIR [--jsonl | --chat [--no-thinking]]   (stdin -> token ids)\n"
     "       nanovllm decode MODEL_DIR                                      (token ids -> text)\n"
     "       nanovllm roofline          (this GPU's copy bandwidth and bf16 GEMM rate)\n"
+    "       nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]   (the scheduler without a GPU; see below)\n"
     "\n"
     "MODEL_DIR  a Hugging Face Qwen3 folder (default ~/huggingface/Qwen3-0.6B/)\n"
     "PROMPTS    a text file (one prompt per line) or a .jsonl file (see README); default: two example prompts\n"
@@ -5436,10 +6031,32 @@ static const char* kUsage =
     "  --no-thinking                chat template with enable_thinking=false\n"
     "  --output FILE.jsonl          also write one JSON object per request, then a summary\n"
     "  --trace                      one line per scheduler step on stderr\n"
+    "  --report FILE.html           a picture of the whole run: steps, KV pool, hits, preemptions, requests\n"
+    "scheduling:\n"
+    "  --scheduler nano|mixed       nano-vllm's (prefill first) or vLLM V1's (one token budget)  (nano)\n"
+    "  --request-rate R             requests arrive at R per second (Poisson, seeded by --seed), not at once\n"
+    "simulate (nanovllm simulate: no GPU, a stand-in model and a modelled clock):\n"
+    "  --simulate-gpu-memory SIZE   size the KV pool for a GPU of SIZE (e.g. 24GB, 80GB), this model's shape\n"
+    "  --simulate-model NAME        the shape when MODEL_OR_TOKENIZER has no config.json       (Qwen3-0.6B)\n"
+    "  --simulate-eos-prob P        each token is EOS with probability P (not with ignore_eos)   (0)\n"
     "  --help                       this text\n";
 
-static Cli parse_args(int argc, char** argv) {
+// A memory size: a number and a unit, GB or MB (read as GiB and MiB, as GPU makers mean them: an "80GB"
+// card has 80 GiB, less what the driver keeps), or bytes.
+static double parse_size(const std::string& flag, const std::string& v) {
+  char* end;
+  double x = strtod(v.c_str(), &end);
+  std::string unit = end;
+  double mult = unit == "GB" || unit == "G" || unit == "GiB" ? 1073741824.0
+              : unit == "MB" || unit == "M" || unit == "MiB" ? 1048576.0 : unit.empty() ? 1.0 : -1;
+  if (v.empty() || end == v.c_str() || mult < 0 || !(x > 0) || !std::isfinite(x))
+    die("flag %s expects a memory size such as 24GB or 80GiB, found '%s'", flag.c_str(), v.c_str());
+  return x * mult;
+}
+
+static Cli parse_args(int argc, char** argv, bool simulate = false) {
   Cli cli;
+  cli.simulate = simulate;
   const char* home = getenv("HOME");
   cli.config.model = std::string(home ? home : ".") + "/huggingface/Qwen3-0.6B/";
   std::vector<std::string> positional;
@@ -5501,6 +6118,27 @@ static Cli parse_args(int argc, char** argv) {
     else if (a == "--output") cli.output_path = value();
     else if (a == "--trace") flag_only(), cli.trace = true;
     else if (a == "--plain") flag_only(), c.opt = Optimizations{}, parse_optimizations("none", c.opt);
+    else if (a == "--report") cli.report_path = value();
+    else if (a == "--scheduler") {
+      std::string v = value();
+      if (v != "nano" && v != "mixed") die("--scheduler must be nano or mixed, found '%s'", v.c_str());
+      c.mixed_scheduler = v == "mixed";
+    } else if (a == "--request-rate") {
+      cli.request_rate = as_float(value());
+      if (!(cli.request_rate > 0) || !std::isfinite(cli.request_rate))
+        die("--request-rate must be a positive number of requests per second, found %g", cli.request_rate);
+    } else if (a == "--simulate-gpu-memory") cli.sim_gpu_bytes = parse_size(a, value());
+    else if (a == "--simulate-model") {
+      cli.sim_model = value(), cli.sim_model_given = true;
+      ModelConfig probe;
+      if (!qwen3_shape(cli.sim_model, probe))
+        die("--simulate-model %s: not a known shape; give Qwen3-0.6B, -1.7B, -4B, -8B, -14B or -32B",
+            cli.sim_model.c_str());
+    } else if (a == "--simulate-eos-prob") {
+      cli.sim_eos_prob = as_float(value());
+      if (!(cli.sim_eos_prob >= 0 && cli.sim_eos_prob <= 1))
+        die("--simulate-eos-prob must be in [0, 1], found %g", cli.sim_eos_prob);
+    }
     else if (a == "--opt") {
       std::string problem = parse_optimizations(value(), c.opt);
       if (!problem.empty()) die("%s", problem.c_str());
@@ -5511,6 +6149,11 @@ static Cli parse_args(int argc, char** argv) {
   if (positional.size() > 2) die("too many arguments: '%s' (expected MODEL_DIR [PROMPTS])", positional[2].c_str());
   if (positional.size() >= 1) cli.config.model = positional[0];
   if (positional.size() == 2) cli.prompts_path = positional[1];
+  if (simulate && positional.size() != 2)
+    die("usage: nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags] (a model folder, a folder with a "
+        "tokenizer.json, or the path of a tokenizer.json; then the prompts file)");
+  if (!simulate && (cli.sim_gpu_bytes > 0 || cli.sim_model_given || cli.sim_eos_prob > 0))
+    die("the --simulate-* flags belong to `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS`");
   validate_sampling(cli.prompts.defaults, "command line");
   return cli;
 }
@@ -5616,13 +6259,100 @@ static std::string fast_path_notes(ModelRunner& runner) {
   return notes.empty() ? "" : " (" + notes.substr(2) + ")";
 }
 
+// After generate(), for a real run and a simulated one alike: completions to stdout and --output, the
+// report, the closing line and the summary. Returns the exit status.
+static int finish_run(const Cli& cli, LLMEngine& engine, const std::vector<Request>& requests,
+                      const std::vector<Completion>& outs, const Tokenizer& tok, uint64_t logits_hash,
+                      const std::vector<StepTrace>& steps, const std::string& title, double first_token_after) {
+  const Config& config = cli.config;
+  RunSummary summary = run_summary(engine.stats, engine.scheduler.stats, config.num_kvcache_blocks, outs,
+                                   logits_hash, config.mixed_scheduler);
+  FILE* jsonl = nullptr;
+  if (!cli.output_path.empty() && !(jsonl = fopen(cli.output_path.c_str(), "w")))
+    die("cannot write --output '%s': %s", cli.output_path.c_str(), strerror(errno));
+  write_completions(requests, outs, tok, jsonl);
+  write_summary(summary, jsonl);
+  if (jsonl) fclose(jsonl);
+  if (!cli.report_path.empty()) write_report(cli.report_path, title, summary_json(summary), steps, outs);
+  const RunStats& st = engine.stats;
+  int64_t out_tokens = 0;
+  for (auto& o : outs) out_tokens += (int64_t)o.token_ids.size();
+  fprintf(stderr,
+          "nanovllm: %zu requests | %lld prompt + %lld generated tokens in %.2f s | %.0f generated tok/s | "
+          "prefill %.0f tok/s, decode %.0f tok/s | first token %.3f s after start\n",
+          outs.size(), (long long)st.prefill_tokens, (long long)out_tokens, st.seconds,
+          out_tokens / std::max(st.seconds, 1e-9), st.prefill_tokens / std::max(st.prefill_seconds, 1e-9),
+          st.decode_tokens / std::max(st.decode_seconds, 1e-9), first_token_after);
+  fputs(format_summary(summary).c_str(), stderr);
+  if (summary.unfinished_requests)
+    fprintf(stderr, "nanovllm: stopped by Ctrl-C: %lld of %zu prompts unfinished, not written\n",
+            (long long)summary.unfinished_requests, outs.size());
+  return g_stop_requested ? 128 + SIGINT : 0;
+}
+
+// `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` (section 24): the same checks and the same engine as
+// a run, with SimRunner in place of the GPU.
+static int simulate_command(Cli& cli) {
+  Config& config = cli.config;
+  const std::string& src = config.model;
+  ModelConfig mc;
+  const bool has_config = is_dir(src) && is_file(src + "/config.json");
+  if (has_config && cli.sim_model_given)
+    die("simulate: %s has a config.json, whose shape is used; --simulate-model is for a tokenizer alone",
+        src.c_str());
+  if (has_config) mc = load_model_config(src);
+  else if (!qwen3_shape(cli.sim_model, mc)) die("--simulate-model %s: not a known shape", cli.sim_model.c_str());
+  if (config.tensor_parallel_size != 1)
+    die("simulate models one GPU: --tensor-parallel-size must be 1, found %d", config.tensor_parallel_size);
+  validate_config(config, mc);
+  Tokenizer tok = Tokenizer::load(src);
+  std::vector<Request> requests = read_prompts(cli.prompts_path, tok, cli.prompts, config, mc);
+  if (cli.request_rate > 0) assign_arrivals(requests, cli.request_rate, (uint64_t)cli.seed);
+  const int need = (int)cdiv(config.max_model_len, config.kvcache_block_size);
+  if (config.num_kvcache_blocks < 0) {
+    if (!(cli.sim_gpu_bytes > 0))
+      die("simulate needs the size of the KV pool: --num-kvcache-blocks N, or --simulate-gpu-memory SIZE "
+          "(for example 24GB) to size it for a GPU");
+    config.num_kvcache_blocks = (int)std::min<int64_t>(simulated_kv_blocks(mc, config, cli.sim_gpu_bytes), 1 << 30);
+  }
+  if (config.num_kvcache_blocks < need)
+    die("the KV pool has %d blocks of %d tokens, but one sequence of --max-model-len %d needs %d: give more "
+        "--simulate-gpu-memory or --num-kvcache-blocks, or lower --max-model-len", config.num_kvcache_blocks,
+        config.kvcache_block_size, config.max_model_len, need);
+  if (!cli.output_path.empty()) check_output_path(cli.output_path);
+  if (!cli.report_path.empty()) check_output_path(cli.report_path, "--report", "report.html");
+  SimRunner sim(mc, config, (uint64_t)cli.seed, cli.sim_eos_prob);
+  const std::string shape = has_config ? src + "/config.json" : cli.sim_model;
+  fprintf(stderr,
+          "nanovllm: simulate | shape of %s (%.2f B parameters) | KV cache %d blocks x %d tokens = %lld tokens | "
+          "scheduler %s | no GPU: a stand-in model and a modelled clock (section 24)\n",
+          shape.c_str(), model_params(mc) / 1e9, config.num_kvcache_blocks, config.kvcache_block_size,
+          (long long)config.num_kvcache_blocks * config.kvcache_block_size,
+          config.mixed_scheduler ? "mixed" : "nano");
+  LLMEngine engine(config, sim);
+  engine.trace = cli.trace;
+  std::vector<StepTrace> steps;
+  if (!cli.report_path.empty()) engine.record = &steps;
+  install_stop_handlers();
+  g_stop_armed = 1;
+  std::vector<Completion> outs = engine.generate(requests);
+  char title[512];
+  snprintf(title, sizeof title, "simulate: %s shape, %d KV blocks of %d tokens, scheduler %s, %zu requests%s",
+           shape.c_str(), config.num_kvcache_blocks, config.kvcache_block_size,
+           config.mixed_scheduler ? "mixed (vLLM V1)" : "nano (nano-vllm)", requests.size(),
+           cli.request_rate > 0 ? (", arriving at " + fmt("%g", cli.request_rate) + " per second").c_str() : "");
+  return finish_run(cli, engine, requests, outs, tok, 0, steps, title, engine.stats.first_token_at);
+}
+
 #ifndef NANOVLLM_TESTING
 int main(int argc, char** argv) {
   double t_start = now_seconds();
   if (argc > 1 && (!strcmp(argv[1], "encode") || !strcmp(argv[1], "decode")))
     return tokenizer_command(argc - 1, argv + 1);
   if (argc > 1 && !strcmp(argv[1], "roofline")) return roofline_command();
-  Cli cli = parse_args(argc, argv);
+  const bool simulate = argc > 1 && !strcmp(argv[1], "simulate");
+  Cli cli = parse_args(argc - simulate, argv + simulate, simulate);
+  if (simulate) return simulate_command(cli);
   Config& config = cli.config;
   // 1. Everything that can be checked without a GPU (test/cli/cli_errors.sh runs each mistake on a CPU machine).
   ModelConfig mc = load_model_config(config.model);
@@ -5634,7 +6364,9 @@ int main(int argc, char** argv) {
         tok.path.c_str(), tok.vocab_size(), config.model.c_str(), mc.vocab_size);
   std::vector<Request> requests = cli.prompts_path.empty() ? example_requests(tok, cli.prompts)
                                                            : read_prompts(cli.prompts_path, tok, cli.prompts, config, mc);
+  if (cli.request_rate > 0) assign_arrivals(requests, cli.request_rate, (uint64_t)cli.seed);
   if (!cli.output_path.empty()) check_output_path(cli.output_path);
+  if (!cli.report_path.empty()) check_output_path(cli.report_path, "--report", "report.html");
   // 2. The GPU: weights, KV cache, CUDA graphs. Tensor-parallel workers are forked first: a child process
   //    cannot use CUDA once its parent has (section 23).
   tp_launch(config.tensor_parallel_size);
@@ -5660,32 +6392,18 @@ int main(int argc, char** argv) {
   // 3. Generate. From here the first Ctrl-C stops after the current step and still writes what finished.
   LLMEngine engine(config, runner);
   engine.trace = cli.trace;
+  std::vector<StepTrace> steps;
+  if (!cli.report_path.empty()) engine.record = &steps;
   double t_gen = now_seconds();
   install_stop_handlers();
   g_stop_armed = 1;
   std::vector<Completion> outs = engine.generate(requests);
-  RunSummary summary = run_summary(engine.stats, engine.scheduler.stats, config.num_kvcache_blocks, outs,
-                             engine.last_logits_xxh64());
-  FILE* jsonl = nullptr;
-  if (!cli.output_path.empty() && !(jsonl = fopen(cli.output_path.c_str(), "w")))
-    die("cannot write --output '%s': %s", cli.output_path.c_str(), strerror(errno));
-  write_completions(requests, outs, tok, jsonl);
-  write_summary(summary, jsonl);
-  if (jsonl) fclose(jsonl);
-  const RunStats& st = engine.stats;
-  int64_t out_tokens = 0;
-  for (auto& o : outs) out_tokens += (int64_t)o.token_ids.size();
-  fprintf(stderr,
-          "nanovllm: %zu requests | %lld prompt + %lld generated tokens in %.2f s | %.0f generated tok/s | "
-          "prefill %.0f tok/s, decode %.0f tok/s | first token %.3f s after start\n",
-          outs.size(), (long long)st.prefill_tokens, (long long)out_tokens, st.seconds, out_tokens / st.seconds,
-          st.prefill_tokens / std::max(st.prefill_seconds, 1e-9), st.decode_tokens / std::max(st.decode_seconds, 1e-9),
-          t_gen - t_start + st.first_token_at);
-  fputs(format_summary(summary).c_str(), stderr);
-  if (summary.unfinished_requests)
-    fprintf(stderr, "nanovllm: stopped by Ctrl-C: %lld of %zu prompts unfinished, not written\n",
-            (long long)summary.unfinished_requests, outs.size());
+  const std::string title = config.model + " on " + gpus + ", scheduler " +
+                            (config.mixed_scheduler ? "mixed (vLLM V1)" : "nano (nano-vllm)") + ", " +
+                            std::to_string(requests.size()) + " requests";
+  int rc = finish_run(cli, engine, requests, outs, tok, last_logits_xxh64(runner, engine.stats.last_batch), steps,
+                      title, t_gen - t_start + engine.stats.first_token_at);
   if (!tp_shutdown()) return 1;
-  return g_stop_requested ? 128 + SIGINT : 0;
+  return rc;
 }
 #endif

@@ -284,4 +284,34 @@ refuse max_tokens_int_max_does_not_overflow "max_tokens 2147483647 = 2147483657 
 refuse prompt_too_long_for_the_model "exceeds --max-model-len 4096|up to 4096 for this model" \
   "$G" "$PT" --max-model-len 100000 --max-tokens 4090
 
+# ---- scheduling, arrivals, --report and simulate (issue 18) ------------------------------------------
+refuse flag_scheduler_unknown "--scheduler must be nano or mixed|'fifo'" "$G" "$PT" --scheduler fifo
+refuse flag_request_rate_zero "--request-rate must be a positive number" "$G" "$PT" --request-rate 0
+refuse flag_request_rate_not_a_number "--request-rate expects a number|'fast'" "$G" "$PT" --request-rate fast
+printf '%s\n' '{"prompt": "a", "arrival_time": -1}' >"$J"
+refuse jsonl_arrival_negative "$J:1|\"arrival_time\" must be a number of seconds >= 0|-1" "$G" "$J"
+printf '%s\n' '{"prompt": "a"}' '{"prompt": "b", "arrival_time": "soon"}' >"$J"
+refuse jsonl_arrival_not_a_number "$J:2|\"arrival_time\" must be a number|\"soon\"" "$G" "$J"
+refuse report_folder_missing "cannot write --report|$tmp/nope/r.html|does not exist" "$G" "$PT" \
+  --report "$tmp/nope/r.html"
+refuse report_is_a_folder "--report '$tmp' is a folder" "$G" "$PT" --report "$tmp"
+refuse valid_mixed_rate_report_reach_gpu_check "$NOGPU" "$G" "$PT" --scheduler mixed --request-rate 5 \
+  --report "$tmp/r.html"
+[ ! -e "$tmp/r.html" ] && pass refused_run_writes_no_report || fail refused_run_writes_no_report "r.html exists"
+refuse simulate_flag_without_simulate "belong to \`nanovllm simulate" "$G" "$PT" --simulate-eos-prob 0.1
+refuse simulate_needs_a_pool "simulate needs the size of the KV pool|--simulate-gpu-memory" simulate "$G" "$PT"
+refuse simulate_unknown_shape "--simulate-model Qwen3-9B: not a known shape" simulate "$G/tokenizer.json" \
+  "$PT" --simulate-model Qwen3-9B
+refuse simulate_shape_twice "has a config.json|--simulate-model is for a tokenizer alone" simulate "$G" "$PT" \
+  --simulate-model Qwen3-8B --num-kvcache-blocks 100
+refuse simulate_eos_prob_range "--simulate-eos-prob must be in [0, 1]|1.5" simulate "$G" "$PT" \
+  --simulate-eos-prob 1.5 --num-kvcache-blocks 100
+refuse simulate_gpu_memory_not_a_size "--simulate-gpu-memory expects a memory size|'lots'" simulate "$G" "$PT" \
+  --simulate-gpu-memory lots
+refuse simulate_pool_too_small "the KV pool has 1 blocks|needs" simulate "$G" "$PT" --num-kvcache-blocks 1
+refuse simulate_gpu_too_small "the KV pool has 0 blocks" simulate "$G/tokenizer.json" "$PT" \
+  --simulate-model Qwen3-8B --simulate-gpu-memory 8GB
+expect_error simulate_missing_prompts "usage: nanovllm simulate MODEL_OR_TOKENIZER PROMPTS" "${RUN[@]}" \
+  simulate "$G" --num-kvcache-blocks 100
+
 finish

@@ -52,13 +52,19 @@ if [ "$TP" -gt 1 ]; then
 fi
 # The comparison with transformers for each optimization set in E2E_OPTS: all (the default path) and none
 # (--plain: Part I alone). Teacher forcing reads what gpu_e2e just wrote, so each set runs both in turn.
-for opt in ${E2E_OPTS:-all none}; do
-  NANOVLLM_E2E_OPT="$opt" NANOVLLM_E2E_DIR="$WORK_DIR" NANOVLLM_E2E_SHAPES="$SHAPES" \
-    suite "gpu_e2e (opt $opt)" "gpu_e2e_$opt.txt" "$TB/gpu_e2e"
-  grep -E '^\s+\(|model|tolerance|tensor-parallel' "$LOG_DIR/gpu_e2e_$opt.txt"
+# E2E_SCHEDULERS (default "mixed") runs the default path again with each of these schedulers.
+run_e2e() {  # run_e2e LABEL ENV...
+  local label=$1; shift
+  env "$@" NANOVLLM_E2E_DIR="$WORK_DIR" NANOVLLM_E2E_SHAPES="$SHAPES" "$TB/gpu_e2e" \
+    >"$LOG_DIR/gpu_e2e_$label.txt" 2>&1
+  local rc=$? res; res=$(grep '^RESULT' "$LOG_DIR/gpu_e2e_$label.txt" | tail -n1)
+  row "gpu_e2e ($label)" "rc=$rc ${res:-no RESULT line}"
+  grep -E '^\s+\(|model|tolerance|tensor-parallel' "$LOG_DIR/gpu_e2e_$label.txt"
   for s in $SHAPES; do
-    suite "teacher_forcing_$s (opt $opt)" "tf_${s}_$opt.txt" python3 test/ref/hf_check_generation.py "$WORK_DIR/$s"
-    grep -E '^(PASS|FAIL)' "$LOG_DIR/tf_${s}_$opt.txt"
+    suite "teacher_forcing_$s ($label)" "tf_${s}_$label.txt" python3 test/ref/hf_check_generation.py "$WORK_DIR/$s"
+    grep -E '^(PASS|FAIL)' "$LOG_DIR/tf_${s}_$label.txt"
   done
-done
+}
+for opt in ${E2E_OPTS:-all none}; do run_e2e "opt-$opt" NANOVLLM_E2E_OPT="$opt"; done
+for sch in ${E2E_SCHEDULERS:-mixed}; do run_e2e "scheduler-$sch" NANOVLLM_E2E_SCHEDULER="$sch"; done
 echo; echo "== summary"; printf '%s\n' "${rows[@]}"

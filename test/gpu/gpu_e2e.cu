@@ -16,6 +16,8 @@
 // any CUDA call, and they serve every engine this process builds (section 23).
 // NANOVLLM_E2E_OPT=LIST runs every engine with --opt LIST (none: Part I alone, the plain path; default all),
 // so the same comparison with Hugging Face checks the plain path and the fast one.
+// NANOVLLM_E2E_SCHEDULER=mixed runs every engine with --scheduler mixed (vLLM V1's, section 5b): steps that
+// hold decode tokens and prompt chunks together go through the prefill kernels, eagerly.
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
 #include "../test.h"
@@ -61,6 +63,10 @@ struct Engine {
     config.gpu_memory_utilization = 0.95f;
     config.tensor_parallel_size = e2e_tp();
     config.opt = e2e_opt();
+    const char* sched = getenv("NANOVLLM_E2E_SCHEDULER");
+    if (sched && strcmp(sched, "nano") && strcmp(sched, "mixed"))
+      die("NANOVLLM_E2E_SCHEDULER=%s: expected nano or mixed", sched);
+    config.mixed_scheduler = sched && !strcmp(sched, "mixed");
     mc = load_model_config(dir);
     validate_config(config, mc);
     runner.reset(new ModelRunner(config, mc));
@@ -214,7 +220,9 @@ TEST(e2e_against_transformers) {
   if (!d) SKIP("set NANOVLLM_E2E_DIR to the output of test/ref/hf_reference.py");
   const char* shapes = getenv("NANOVLLM_E2E_SHAPES");
   std::string list = shapes ? shapes : "tiny 0.6b 8b-short";
-  printf("    tensor-parallel size %d, optimizations: %s\n", e2e_tp(), optimizations_str(e2e_opt()).c_str());
+  const char* sched = getenv("NANOVLLM_E2E_SCHEDULER");
+  printf("    tensor-parallel size %d, optimizations: %s, scheduler %s\n", e2e_tp(),
+         optimizations_str(e2e_opt()).c_str(), sched ? sched : "nano");
   std::istringstream is(list);
   std::string s;
   while (is >> s) run_shape(std::string(d) + "/" + s);

@@ -131,6 +131,8 @@ TEST(summary_numbers_lines_and_json) {
       "batch 2.50 over 4 steps | peak KV 25 of 100 blocks (25.0%)\n"
       "nanovllm: time | 2.000 s in 6 steps | host 0.400 s (20%): schedule 0.100, prepare + launch 0.200, "
       "postprocess 0.100 | waiting for the GPU 1.600 s (80%)\n"
+      "nanovllm: latency | scheduler nano | time to first token median 0.000 s, p99 0.000 s | time per output "
+      "token median 0.00 ms, p99 0.00 ms\n"
       "nanovllm: check | tokens xxh64 " +
           hex64(completions_xxh64(outs)) +
           " (all completions, in input order) | logits xxh64 abcdef0123456789 (last step, 3 rows)\n");
@@ -250,6 +252,67 @@ TEST(readme_continuous_batching) {
   std::vector<int> want(32);
   for (int i = 0; i < 32; i++) want[i] = 32 - i;
   CHECK(batches == want);
+}
+
+// `nanovllm simulate` steps the same code: LLMEngine with SimRunner (section 24) in place of the GPU prints,
+// for the workloads of the README's experiments (real H200 runs with --ignore-eos), the very trace lines the
+// scheduler replays above print, step for step (the step time aside).
+static std::vector<std::string> simulated(const Config& base, const std::vector<int>& prompt_lens,
+                                          const std::vector<int>& max_tokens, bool identical_prompts = false) {
+  Config c = base;
+  c.max_model_len = 4096;
+  ModelConfig mc;
+  qwen3_shape("Qwen3-0.6B", mc);
+  SimRunner sim(mc, c, 0, 0.0);
+  LLMEngine e(c, sim);
+  e.progress = false, e.trace = true;
+  FILE* f = tmpfile();
+  e.trace_out = f;
+  std::vector<Request> reqs;
+  for (size_t i = 0; i < prompt_lens.size(); i++) {
+    Request r;
+    r.prompt_token_ids = iota_tokens(prompt_lens[i], identical_prompts ? 0 : 5000 * (int)i);
+    r.params = params_len(max_tokens[i]);
+    reqs.push_back(r);
+  }
+  e.generate(reqs);
+  rewind(f);
+  std::vector<std::string> steps;
+  char buf[512];
+  while (fgets(buf, sizeof buf, f)) {
+    std::string line = buf;
+    size_t ms = line.find(" ms=");
+    if (ms != std::string::npos) line.erase(ms, line.find('\n', ms) - ms);
+    if (line.rfind("[trace] step ", 0) == 0) steps.push_back(line);
+    else if (!steps.empty()) steps.back() += line;  // a preemption line belongs to its step
+  }
+  fclose(f);
+  return steps;
+}
+
+TEST(simulate_prints_the_real_runs_trace) {
+  struct Case { const char* name; Config c; std::vector<int> lens, max_tokens; bool identical; };
+  std::vector<int> lens = {278, 172, 82,  213, 204, 171, 73,  132, 118, 180, 228, 296, 131, 280, 234, 230,
+                           74,  93,  221, 157, 108, 282, 242, 160, 270, 294, 175, 173, 262, 295, 222, 271};
+  std::vector<int> max_tokens = {136, 424, 24,  328, 392, 488, 104, 248, 88,  120, 296,
+                                 168, 504, 280, 472, 72,  440, 376, 184, 232, 216, 264,
+                                 200, 456, 56,  408, 360, 312, 8,   152, 344, 40};
+  std::vector<Case> cases = {
+      {"preemption", readme_config(24), std::vector<int>(12, 300), std::vector<int>(12, 700), false},
+      {"continuous batching", readme_config(4508), lens, max_tokens, false},
+      {"chunked prefill", readme_config(4527, 1024), {4000}, {16}, false},
+      {"prefix caching", readme_config(4526, 2048), {1100, 1100}, {4, 4}, true}};
+  for (const Case& k : cases) {
+    auto want = Replay(k.c, k.lens, k.max_tokens, k.identical).lines;
+    auto got = simulated(k.c, k.lens, k.max_tokens, k.identical);
+    size_t first_diff = 0;
+    while (first_diff < std::min(want.size(), got.size()) && want[first_diff] == got[first_diff]) first_diff++;
+    CHECK_MSG(got.size() == want.size() && first_diff == want.size(),
+              "%s: %zu simulated steps against %zu; first difference at step %zu:\n%s  against\n%s", k.name,
+              got.size(), want.size(), first_diff + 1, first_diff < got.size() ? got[first_diff].c_str() : "",
+              first_diff < want.size() ? want[first_diff].c_str() : "");
+    printf("    %-20s %zu steps, every trace line the same\n", k.name, got.size());
+  }
 }
 
 int main(int argc, char** argv) { return test_main(argc, argv); }

@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# suite: simulate and --report (issue 18)
+# `nanovllm simulate` on a CPU machine: the tiny test checkpoint's shape and a tokenizer alone (with a named
+# Qwen3 shape and a pool sized for a GPU), both schedulers, arrivals; the report it writes holds the summary
+# record --output writes, one mark per step and one per preemption; and, where Debian's chromium is
+# installed (CI installs it), the report rendered headless: a screenshot that is not blank, and the live DOM
+# holding one <g class="step"> per step of the summary. Run from the repo root; NANOVLLM_BIN overrides
+# ./nanovllm.
+set -u
+passed=0 failed=0 skipped=0
+BIN=${NANOVLLM_BIN:-./nanovllm}
+pass() { echo "PASS $1"; passed=$((passed + 1)); }
+fail() { echo "FAIL $1: $2"; failed=$((failed + 1)); }
+skip() { echo "SKIPPED $1: $2"; skipped=$((skipped + 1)); }
+check() { if [ "$2" = 0 ]; then pass "$1"; else fail "$1" "$3"; fi; }
+finish() { echo "RESULT passed=$passed failed=$failed skipped=$skipped"; exit $((failed > 0)); }
+if ! TOK=$(bash tools/fetch_tokenizer.sh | tail -n 1) || [ -z "$TOK" ]; then
+  fail fetch_tokenizer "tools/fetch_tokenizer.sh could not provide the Qwen3 tokenizer"; finish
+fi
+[ -x "$BIN" ] || { fail binary "$BIN is missing: run make first"; finish; }
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+python3 test/ref/make_tiny_checkpoint.py "$tmp/tiny" >/dev/null || { fail fixture "make_tiny_checkpoint.py"; finish; }
+cp "$TOK/tokenizer.json" "$TOK/tokenizer_config.json" "$tmp/tiny/"
+python3 - "$tmp" <<'PY'
+import json, random, sys
+d = sys.argv[1]
+random.seed(1)
+with open(f"{d}/w.jsonl", "w") as f:  # 24 requests: two arrive late, four share a prompt
+    for i in range(24):
+        n = 16 if i % 6 == 0 else random.randint(5, 60)
+        ids = list(range(100, 100 + n)) if i % 6 == 0 else [random.randint(0, 5000) for _ in range(n)]
+        r = {"prompt_token_ids": ids, "max_tokens": random.randint(4, 40), "ignore_eos": True, "temperature": 0}
+        if i in (5, 17): r["arrival_time"] = 0.05 * i
+        f.write(json.dumps(r) + "\n")
+PY
+
+# 1. The tiny model's shape, a small pool: it runs, stdout has every completion, the report holds the same
+#    summary record as --output, one step mark per step and one preemption mark per preemption.
+"$BIN" simulate "$tmp/tiny" "$tmp/w.jsonl" --num-kvcache-blocks 7 --kvcache-block-size 16 --max-model-len 112 \
+  --output "$tmp/o.jsonl" --report "$tmp/r.html" --trace >"$tmp/stdout" 2>"$tmp/stderr"
+rc=$?
+check simulate_runs "$rc" "exit $rc: $(tail -n 3 "$tmp/stderr")"
+[ "$(grep -c '^==> request' "$tmp/stdout")" = 24 ]; check every_completion_printed $? "$(grep -c '^==> request' "$tmp/stdout") of 24"
+grep -q '^nanovllm: simulate | shape of' "$tmp/stderr"; check startup_line_says_simulate $? "no simulate line"
+python3 - "$tmp" >"$tmp/py.txt" 2>&1 <<'PY'
+import json, re, sys, html
+d = sys.argv[1]
+s = json.loads(open(f"{d}/o.jsonl").read().splitlines()[-1])
+page = open(f"{d}/r.html").read()
+rec = json.loads(html.unescape(re.search(r"<pre>(.*?)</pre>", page, re.S).group(1)))
+assert rec == s, "the report's summary record differs from --output's"
+steps = s["summary"]["steps_prefill"] + s["summary"]["steps_decode"]
+marks = page.count('<g class="step"')
+assert marks == steps, f"{marks} step marks for {steps} steps"
+pre = s["summary"]["preemptions"]
+assert pre > 0, "no preemption in a 7-block pool"
+marks_p = page.count('class="preempt"')
+assert marks_p == pre, f"{marks_p} preemption marks for {pre}"
+trace = open(f"{d}/stderr").read()
+assert trace.count("[trace]   preempt seq=") == pre, "trace and summary disagree on preemptions"
+assert "<script" not in page and "http" not in page, "the report must open offline"
+print(f"{steps} steps, {pre} preemptions")
+PY
+check report_matches_summary_and_trace $? "$(cat "$tmp/py.txt")"
+
+# 2. A tokenizer alone, a named shape, a pool sized for a 24 GB card, both schedulers, arrivals at a rate.
+for s in nano mixed; do
+  "$BIN" simulate "$tmp/tiny/tokenizer.json" "$tmp/w.jsonl" --simulate-model Qwen3-8B --simulate-gpu-memory 24GB \
+    --scheduler $s --request-rate 50 --max-num-batched-tokens 64 --output "$tmp/o_$s.jsonl" >/dev/null \
+    2>"$tmp/e_$s"
+  check "simulate_${s}_on_a_24GB_card" $? "$(tail -n 3 "$tmp/e_$s")"
+done
+python3 - "$tmp" >"$tmp/py2.txt" 2>&1 <<'PY'
+import json, sys
+d = sys.argv[1]
+out = {s: [json.loads(l) for l in open(f"{d}/o_{s}.jsonl")] for s in ("nano", "mixed")}
+for s in out:
+    assert out[s][-1]["summary"]["scheduler"] == s
+assert out["mixed"][-1]["summary"]["steps_mixed"] > 0, "no mixed step under --scheduler mixed"
+assert out["nano"][-1]["summary"]["steps_mixed"] == 0
+# the stand-in's tokens depend on each request's tokens only: the same completions under both schedulers
+a = [r["token_ids"] for r in out["nano"][:-1]]; b = [r["token_ids"] for r in out["mixed"][:-1]]
+assert a == b, "the schedulers changed a completion"
+PY
+check schedulers_differ_only_in_schedule $? "$(cat "$tmp/py2.txt")"
+
+# 3. The report in a real browser.
+CHROME=$(command -v chromium || command -v chromium-browser || true)
+if [ -z "$CHROME" ]; then
+  skip report_renders_in_chromium "no chromium here (apt-get install chromium)"
+else
+  timeout 120 "$CHROME" --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1150,1400 \
+    --screenshot="$tmp/r.png" "file://$tmp/r.html" >/dev/null 2>&1
+  timeout 120 "$CHROME" --headless --no-sandbox --disable-gpu --dump-dom "file://$tmp/r.html" >"$tmp/dom.html" 2>/dev/null
+  python3 - "$tmp" >"$tmp/py3.txt" 2>&1 <<'PY'
+import json, struct, sys, zlib
+d = sys.argv[1]
+png = open(f"{d}/r.png", "rb").read()
+assert png[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+pos, chunks, w = 8, b"", 0
+while pos < len(png):
+    n, t = struct.unpack(">I4s", png[pos:pos + 8])
+    body = png[pos + 8:pos + 8 + n]
+    if t == b"IHDR": w, h, depth, ctype = struct.unpack(">IIBB", body[:10])
+    if t == b"IDAT": chunks += body
+    pos += 12 + n
+raw = zlib.decompress(chunks)
+bpp = {2: 3, 6: 4}[ctype]
+stride = w * bpp
+prev, colors, nonwhite = bytearray(stride), set(), 0
+for y in range(h):  # undo PNG's per-row filters (None, Sub, Up, Average, Paeth), then sample pixels
+    f, row = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+    for i in range(stride):
+        a = row[i - bpp] if i >= bpp else 0
+        b, c = prev[i], prev[i - bpp] if i >= bpp else 0
+        if f == 1: row[i] = (row[i] + a) & 255
+        elif f == 2: row[i] = (row[i] + b) & 255
+        elif f == 3: row[i] = (row[i] + (a + b) // 2) & 255
+        elif f == 4:
+            p = a + b - c
+            pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+            row[i] = (row[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+    prev = row
+    if y % 4 == 0:
+        for x in range(0, stride, bpp * 4):
+            px = bytes(row[x:x + 3])
+            colors.add(px)
+            nonwhite += px != b"\xff\xff\xff"
+assert len(colors) > 20 and nonwhite > 2000, f"a blank screenshot: {len(colors)} colours, {nonwhite} non-white samples"
+dom = open(f"{d}/dom.html").read()
+s = json.loads(open(f"{d}/o.jsonl").read().splitlines()[-1])["summary"]
+steps = s["steps_prefill"] + s["steps_decode"]
+in_dom = dom.count('<g class="step"')
+assert in_dom == steps, f"the rendered page holds {in_dom} step marks for {steps} steps"
+print(f"{w}x{h} screenshot, {len(colors)} colours sampled; {steps} step marks in the DOM")
+PY
+  check report_renders_in_chromium $? "$(cat "$tmp/py3.txt")"
+  cat "$tmp/py3.txt" | sed 's/^/    /'
+fi
+finish
