@@ -6,13 +6,7 @@
 # line, tensor or flag), write nothing to stdout and leave no --output file. Fixtures are built in a temp
 # folder: a tiny Qwen3 checkpoint (test/ref/make_tiny_checkpoint.py, zeros stored sparsely) and the Qwen3
 # tokenizer (tools/fetch_tokenizer.sh). Run from the repo root; NANOVLLM_BIN overrides ./nanovllm.
-set -u
-passed=0 failed=0 skipped=0
-BIN=${NANOVLLM_BIN:-./nanovllm}
-pass() { echo "PASS $1"; passed=$((passed + 1)); }
-fail() { echo "FAIL $1: $2"; failed=$((failed + 1)); }
-skip() { echo "SKIPPED $1: $2"; skipped=$((skipped + 1)); }
-finish() { echo "RESULT passed=$passed failed=$failed skipped=$skipped"; exit $((failed > 0)); }
+source "$(dirname "$0")/lib.sh"
 
 if ! TOK=$(bash tools/fetch_tokenizer.sh | tail -n 1) || [ -z "$TOK" ]; then
   fail fetch_tokenizer "tools/fetch_tokenizer.sh could not provide the Qwen3 tokenizer"

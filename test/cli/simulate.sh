@@ -6,14 +6,7 @@
 # installed (CI installs it), the report rendered headless: a screenshot that is not blank, and the live DOM
 # holding one <g class="step"> per step of the summary. Run from the repo root; NANOVLLM_BIN overrides
 # ./nanovllm.
-set -u
-passed=0 failed=0 skipped=0
-BIN=${NANOVLLM_BIN:-./nanovllm}
-pass() { echo "PASS $1"; passed=$((passed + 1)); }
-fail() { echo "FAIL $1: $2"; failed=$((failed + 1)); }
-skip() { echo "SKIPPED $1: $2"; skipped=$((skipped + 1)); }
-check() { if [ "$2" = 0 ]; then pass "$1"; else fail "$1" "$3"; fi; }
-finish() { echo "RESULT passed=$passed failed=$failed skipped=$skipped"; exit $((failed > 0)); }
+source "$(dirname "$0")/lib.sh"
 if ! TOK=$(bash tools/fetch_tokenizer.sh | tail -n 1) || [ -z "$TOK" ]; then
   fail fetch_tokenizer "tools/fetch_tokenizer.sh could not provide the Qwen3 tokenizer"; finish
 fi
