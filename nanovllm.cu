@@ -5010,8 +5010,8 @@ static StepTrace trace_after_schedule(const Scheduler& s, const std::vector<Sequ
 
 // The trace line, then one indented line per preemption of this step (README: "Watching the scheduler
 // think"):
-//   [trace] step 9 DECODE  batch=31 tokens=31 hit=0 waiting=0 running=31 free=4469/4508 hashes=9 ms=X.XX
-//   [trace]   preempt seq=11 len=513
+//   [trace] step S KIND    batch=B tokens=N hit=K waiting=W running=R free=F/NB hashes=C ms=T
+//   [trace]   preempt seq=ID len=LEN
 // batch, tokens: sequences and tokens computed this step; hit: prompt tokens found in the prefix cache at
 // admission this step; waiting, running: the queues after schedule(); free: free blocks / pool size;
 // hashes: full blocks in the prefix cache; ms: the step's time; preempt: a victim's id and length. With
