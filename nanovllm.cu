@@ -827,7 +827,8 @@ struct BlockManager {
 //      last): its blocks are freed and it goes back to the FRONT of `waiting` to be recomputed later
 //      (no swapping). Its full blocks keep their hashes, so the recompute is mostly prefix-cache hits.
 // A step is therefore all prefill or all decode. postprocess() then appends the sampled tokens and retires
-// finished sequences, whose blocks go back to the pool at once: that is continuous batching.
+// finished sequences, whose blocks go back to the pool at once: that is continuous batching. (5b, after the
+// struct, is vLLM V1's policy, which mixes the two in one step, for contrast: --scheduler mixed.)
 
 struct SchedulerStats {
   int64_t num_preemptions = 0;
