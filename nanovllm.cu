@@ -4822,6 +4822,45 @@ static void jsonl_sampling(const json& j, SamplingParams& sp, const std::string&
   validate_sampling(sp, where);
 }
 
+// The fields a .jsonl line may have. A field we do not know is refused, naming the nearest known one: a
+// misspelt "max_token" must not run silently with the default max_tokens.
+static const char* const kJsonlFields[] = {"prompt", "prompt_token_ids", "messages", "max_tokens", "temperature",
+                                           "top_k", "top_p", "ignore_eos", "seed", "arrival_time"};
+
+// The edit distance between a and b (insertions, deletions, substitutions), for "did you mean".
+static size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); j++) row[j] = j;
+  for (size_t i = 1; i <= a.size(); i++) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); j++) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1])});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+static void check_jsonl_fields(const json& j, const std::string& where) {
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string& key = it.key();
+    const char* nearest = kJsonlFields[0];
+    bool known = false;
+    for (const char* f : kJsonlFields) {
+      known |= key == f;
+      if (edit_distance(key, f) < edit_distance(key, nearest)) nearest = f;
+    }
+    if (!known) {
+      std::string all;
+      for (const char* f : kJsonlFields) all += std::string(all.empty() ? "" : ", ") + f;
+      die("%s: unknown field \"%s\" (did you mean \"%s\"?); a line may have %s", where.c_str(), key.c_str(),
+          nearest, all.c_str());
+    }
+  }
+}
+
 // The requests of a prompts file's text; `path` names the file in messages and its ".jsonl" ending picks
 // the format. Separate from reading the file so the fuzz target (test/fuzz) can feed it bytes.
 static std::vector<Request> parse_prompts(const std::string& text, const std::string& path,
@@ -4855,6 +4894,7 @@ static std::vector<Request> parse_prompts(const std::string& text, const std::st
         die("%s: not valid JSON: %s", where.c_str(), e.what());
       }
       if (!j.is_object()) die("%s: each line must be a JSON object", where.c_str());
+      check_jsonl_fields(j, where);
       int kinds = j.contains("prompt") + j.contains("prompt_token_ids") + j.contains("messages");
       if (kinds != 1)
         die("%s: give exactly one of \"prompt\", \"prompt_token_ids\" or \"messages\" (found %d)", where.c_str(),

@@ -282,6 +282,10 @@ refuse prompt_too_long_for_the_model "exceeds --max-model-len 4096|up to 4096 fo
 refuse flag_scheduler_unknown "--scheduler must be nano or mixed|'fifo'" "$G" "$PT" --scheduler fifo
 refuse flag_request_rate_zero "--request-rate must be a positive number" "$G" "$PT" --request-rate 0
 refuse flag_request_rate_not_a_number "--request-rate expects a number|'fast'" "$G" "$PT" --request-rate fast
+printf '%s\n' '{"prompt": "hi", "max_token": 5}' >"$J"
+refuse jsonl_unknown_field_names_the_nearest "$J:1|unknown field \"max_token\"|did you mean \"max_tokens\"" "$G" "$J"
+printf '%s\n' '{"prompt": "hi"}' '{"prompt": "hi", "temprature": 0.5}' >"$J"
+refuse jsonl_misspelt_temperature "$J:2|unknown field \"temprature\"|did you mean \"temperature\"" "$G" "$J"
 printf '%s\n' '{"prompt": "a", "arrival_time": -1}' >"$J"
 refuse jsonl_arrival_negative "$J:1|\"arrival_time\" must be a number of seconds >= 0|-1" "$G" "$J"
 printf '%s\n' '{"prompt": "a"}' '{"prompt": "b", "arrival_time": "soon"}' >"$J"
