@@ -1,4 +1,4 @@
-// Host tests of the engine core (sections 8-10): Sequence, BlockManager, Scheduler. No GPU needed.
+// Host tests of the engine core (sections 3-5): Sequence, BlockManager, Scheduler. No GPU needed.
 // Each scenario mirrors one behaviour of nano-vllm bb823b3 that the README's experiments show.
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"

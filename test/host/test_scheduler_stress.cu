@@ -1,4 +1,4 @@
-// The Scheduler and BlockManager (nanovllm.cu sections 9 and 10) under adversarial load, for 10^5 steps and
+// The Scheduler and BlockManager (nanovllm.cu sections 4 and 5) under adversarial load, for 10^5 steps and
 // more per scenario, with a fake model that keeps a shadow KV cache. No GPU.
 //
 // The fake model is what makes this test able to fail on the property that matters: that every position a

@@ -1,5 +1,5 @@
-// Tensor-parallel sharding arithmetic (nanovllm.cu section 2: tp_shard, tp_shard_problem; section 3:
-// weight_elements; section 4: kv_block_bytes), for every N from 1 to 8 on every Qwen3 shape of REFERENCE.md
+// Tensor-parallel sharding arithmetic (nanovllm.cu section 2: tp_shard, tp_shard_problem; section 6a:
+// weight_elements; section 6b: kv_block_bytes), for every N from 1 to 8 on every Qwen3 shape of REFERENCE.md
 // section 5. No GPU: these are the numbers load_weights slices the checkpoint by, so a wrong one would load
 // the wrong rows on 4 or 8 GPUs, which no machine here can run.
 #define NANOVLLM_TESTING
