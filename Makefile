@@ -76,11 +76,11 @@ deps:
 nanovllm: $(HEADERS) | deps
 	$(NVCC) $(NVFLAGS) $(GENCODE) -o $@ nanovllm.cu $(LDLIBS)
 
-$(BUILD)/test_%: test/host/test_%.cu test/test.h test/engine_fixtures.h $(HEADERS) | deps
+$(BUILD)/test_%: test/host/test_%.cu test/test.h test/engine_fixtures.h test/tokenizer_fixture.h $(HEADERS) | deps
 	@mkdir -p $(BUILD)
 	$(NVCC) $(NVFLAGS) $(TEST_GENCODE) $(HOSTSAN) -o $@ $< $(LDLIBS)
 
-$(BUILD)/gpu_%: test/gpu/gpu_%.cu test/test.h $(HEADERS) | deps
+$(BUILD)/gpu_%: test/gpu/gpu_%.cu test/test.h test/gpu/gpu_fixtures.h $(HEADERS) | deps
 	@mkdir -p $(BUILD)
 	$(NVCC) $(NVFLAGS) $(GENCODE) -o $@ $< $(LDLIBS)
 

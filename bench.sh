@@ -97,10 +97,13 @@ BW=$(sed -n 's/^copy bandwidth: \([0-9]*\).*/\1/p' "$LOG_DIR/roofline.txt")
 TF=$(sed -n 's/^bf16 GEMM.*: \([0-9]*\).*/\1/p' "$LOG_DIR/roofline.txt")
 GPU=$(sed -n 's/^gpu: //p' "$LOG_DIR/roofline.txt")
 
+# nano-vllm's workload samples with its own settings alone: a model's generation_config.json (Qwen3's sets
+# top_k 20 and top_p 0.95) must not add to them. An older binary without --generation-config has none to add.
+gen_flags() { "$1" --help | grep -q -- --generation-config && echo --generation-config vllm || true; }
 run() {  # run NAME FLAGS... : ./nanovllm on LOG_DIR/NAME.jsonl, summary line -> LOG_DIR/NAME.log
   local name=$1; shift
   "$NANOVLLM" "$MODEL" "$LOG_DIR/$name.jsonl" --ignore-eos --max-model-len 4096 --output "$LOG_DIR/$name.out.jsonl" \
-    --tensor-parallel-size "$TP" ${OPT_FLAGS[@]+"${OPT_FLAGS[@]}"} "$@" >"$LOG_DIR/$name.stdout" 2>"$LOG_DIR/$name.log" ||
+    $(gen_flags "$NANOVLLM") --tensor-parallel-size "$TP" ${OPT_FLAGS[@]+"${OPT_FLAGS[@]}"} "$@" >"$LOG_DIR/$name.stdout" 2>"$LOG_DIR/$name.log" ||
     { cat "$LOG_DIR/$name.log" >&2; exit 1; }
   grep '^nanovllm:' "$LOG_DIR/$name.log"
 }
@@ -111,7 +114,7 @@ if [ "$LADDER" = 1 ]; then
     local name=$1 bin=$2; shift 2
     for w in latency throughput; do
       local t=0; [ $w = throughput ] && t=0.6
-      "$bin" "$MODEL" "$LOG_DIR/$w.jsonl" --ignore-eos --max-model-len 4096 --temperature $t \
+      "$bin" "$MODEL" "$LOG_DIR/$w.jsonl" --ignore-eos --max-model-len 4096 --temperature $t $(gen_flags "$bin") \
         --tensor-parallel-size "$TP" "$@" >/dev/null 2>"$LOG_DIR/ladder-$name-$w.log" ||
         { cat "$LOG_DIR/ladder-$name-$w.log" >&2; exit 1; }
     done

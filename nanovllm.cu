@@ -90,7 +90,7 @@
 //    6. The Qwen3 model: weights, the KV cache, the forward pass
 //    7. Kernels: embedding, RMSNorm, q/k-norm + RoPE + KV store, SiLU
 //    8. Paged attention: prefill and decode
-//    9. Sampler: greedy, temperature, top-k, top-p
+//    9. Sampler: greedy, temperature, top-k, min-p, top-p
 //   10. Matrix products with cuBLASLt
 //   11. ModelRunner: step inputs, CUDA graphs
 //   12. Tensor parallelism: sharded weights, NCCL all-reduce
@@ -254,7 +254,7 @@ static uint64_t splitmix64(uint64_t x) {
 //
 // ModelConfig is what the checkpoint says (config.json, generation_config.json); Config is how the engine
 // runs (nano-vllm: config.py Config, same field names and defaults); SamplingParams is per request
-// (nano-vllm: sampling_params.py, plus greedy, top-k, top-p and a seed). Optimizations, at the end, names
+// (nano-vllm: sampling_params.py, grown to vLLM's: n, stop conditions, penalties, min_p, logprobs, a seed). Optimizations, at the end, names
 // the speed work of Part II that a run may switch off.
 
 constexpr int HEAD_DIM = 128;  // D: every Qwen3 dense model uses 128, and the attention kernels are built for it
@@ -273,6 +273,7 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   std::string dtype = "bfloat16";   // the checkpoint's dtype (weights are converted to bf16 at load)
   std::vector<int> eos_token_ids;   // generation_config.json eos_token_id (int or list), else config.json's
+  json generation_config;           // generation_config.json (null without one): sampling defaults (section 21)
 };
 
 // A field of config.json that must be there and be a number; the message names the file and field.
@@ -398,6 +399,7 @@ static ModelConfig load_model_config(const std::string& dir) {
     try {
       json g = json::parse(read_file(gpath, "generation config"));
       if (g.is_object() && g.contains("eos_token_id")) c.eos_token_ids = eos_ids_from(g["eos_token_id"]);
+      if (g.is_object()) c.generation_config = g;
     } catch (const json::exception& e) {
       die("%s is not valid JSON: %s", gpath.c_str(), e.what());
     }
@@ -547,23 +549,74 @@ static void validate_config(Config& c, const ModelConfig& m) {
   c.eos = m.eos_token_ids;
 }
 
-// One request's sampling settings (nano-vllm: SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=False)).
+// One request's sampling settings (nano-vllm: SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=False),
+// grown to vLLM's SamplingParams: the same field names, meanings and ranges). The defaults below are the
+// built-in ones; the model's generation_config.json may replace some (section 21, --generation-config).
+constexpr int MAX_LOGPROBS = 20;  // vLLM's default max_logprobs: alternatives a request may ask for per token
+
 struct SamplingParams {
+  int n = 1;                 // completions of the prompt: n sequences, each with its own draws (section 13)
   float temperature = 1.0f;  // 0 = greedy (nano-vllm forbids 0; we allow it)
-  int top_k = -1;            // keep the k most likely tokens; -1 = off
+  int top_k = -1;            // keep the k most likely tokens; -1 (or 0) = off
   float top_p = 1.0f;        // keep the smallest set whose probability reaches top_p; 1 = off
+  float min_p = 0.0f;        // drop tokens less likely than min_p times the most likely one; 0 = off
+  // Penalties (section 9b), applied to the logits before the sampler, in vLLM's order:
+  float repetition_penalty = 1.0f;  // tokens of the prompt or the output: logit / r if > 0, else logit * r
+  float frequency_penalty = 0.0f;   // minus f * (times the token is in the output so far)
+  float presence_penalty = 0.0f;    // minus p if the token is in the output so far
   int max_tokens = 64;
+  int min_tokens = 0;        // EOS and stop_token_ids cannot be sampled, and stop strings do not count, until
+                             // this many tokens are out
   bool ignore_eos = false;
-  int64_t seed = -1;         // -1 = derived from the engine's --seed and the request's id
+  std::vector<std::string> stop;    // finish when the output text contains one; the text ends before it
+  std::vector<int> stop_token_ids;  // finish when one is sampled (as EOS does, even with ignore_eos)
+  bool include_stop_str_in_output = false;  // keep the matched stop string (or stop token's text) in the text
+  int logprobs = -1;         // -1 = none; N in 0..MAX_LOGPROBS: per output token, the sampled token's
+                             // log-probability and the N most likely tokens' (section 9b)
+  int64_t seed = -1;         // -1 = derived from the engine's --seed and the sequence's id
+
+  bool penalized() const {
+    return repetition_penalty != 1.0f || frequency_penalty != 0.0f || presence_penalty != 0.0f;
+  }
 };
 
-static void validate_sampling(const SamplingParams& p, const std::string& where) {
+// vLLM's ranges (SamplingParams._verify_args). `where` names the line or the flag in the message. A default
+// (from the command line or generation_config.json) skips min_tokens <= max_tokens unless it sets both: a
+// .jsonl line may set max_tokens itself, and each request is checked whole.
+static void validate_sampling(const SamplingParams& p, const std::string& where, bool min_le_max = true) {
+  const char* w = where.c_str();
+  if (p.n < 1 || p.n > 4096) die("%s: n must be an integer from 1 to 4096, found %d", w, p.n);
   if (!(p.temperature >= 0) || !std::isfinite(p.temperature))
-    die("%s: temperature must be >= 0, found %g", where.c_str(), p.temperature);
-  if (!(p.top_p > 0 && p.top_p <= 1)) die("%s: top_p must be in (0, 1], found %g", where.c_str(), p.top_p);
-  if (p.top_k == 0 || p.top_k < -1) die("%s: top_k must be positive or -1 (off), found %d", where.c_str(), p.top_k);
-  if (p.max_tokens < 1) die("%s: max_tokens must be at least 1, found %d", where.c_str(), p.max_tokens);
+    die("%s: temperature must be >= 0, found %g", w, p.temperature);
+  if (!(p.top_p > 0 && p.top_p <= 1)) die("%s: top_p must be in (0, 1], found %g", w, p.top_p);
+  if (p.top_k < -1) die("%s: top_k must be positive, or -1 or 0 (off), found %d", w, p.top_k);
+  if (!(p.min_p >= 0 && p.min_p <= 1)) die("%s: min_p must be in [0, 1], found %g", w, p.min_p);
+  if (!(p.repetition_penalty > 0) || !std::isfinite(p.repetition_penalty))
+    die("%s: repetition_penalty must be > 0 (1 = off), found %g", w, p.repetition_penalty);
+  if (!(p.frequency_penalty >= -2 && p.frequency_penalty <= 2))
+    die("%s: frequency_penalty must be in [-2, 2], found %g", w, p.frequency_penalty);
+  if (!(p.presence_penalty >= -2 && p.presence_penalty <= 2))
+    die("%s: presence_penalty must be in [-2, 2], found %g", w, p.presence_penalty);
+  if (p.max_tokens < 1) die("%s: max_tokens must be at least 1, found %d", w, p.max_tokens);
+  if (p.min_tokens < 0 || (min_le_max && p.min_tokens > p.max_tokens))
+    die("%s: min_tokens must be in [0, max_tokens = %d], found %d", w, p.max_tokens, p.min_tokens);
+  if (p.logprobs < -1 || p.logprobs > MAX_LOGPROBS)
+    die("%s: logprobs must be in [0, %d] (or absent), found %d", w, MAX_LOGPROBS, p.logprobs);
+  for (const std::string& s : p.stop)
+    if (s.empty()) die("%s: stop cannot contain an empty string", w);
+  for (int id : p.stop_token_ids)
+    if (id < 0) die("%s: stop_token_ids must be token ids >= 0, found %d", w, id);
 }
+
+// One output token's log-probabilities, from the model's raw logits (section 9b): what a request with
+// logprobs = N gets back per token.
+struct TokenLogprobs {
+  float logprob;                      // of the sampled token: logit - logsumexp(logits)
+  int rank;                           // 1 + the number of tokens with a larger logit
+  int num_top;                        // N
+  int top_ids[MAX_LOGPROBS];          // the N most likely tokens, most likely first (ties: lowest id)
+  float top_logprobs[MAX_LOGPROBS];
+};
 
 // ==== 3. Sequence ==========================================================================================
 //
@@ -591,7 +644,24 @@ struct Sequence {
   std::vector<int> block_table;  // logical block i -> physical block id
   int block_size;                // P (nano-vllm keeps it as a class attribute)
   SamplingParams params;
-  const char* finish_reason = nullptr;  // "stop" (EOS) or "length" (max_tokens)
+  const char* finish_reason = nullptr;  // "stop" (EOS, a stop token or a stop string) or "length" (max_tokens)
+  int stop_token_id = -1;               // the stop_token_ids entry that finished it (vLLM's stop_reason)
+  std::string stop_string;              // the stop string that finished it (vLLM's stop_reason)
+  // n > 1 (section 13): which of the request's completions this is, and the first one, whose prompt blocks
+  // the others wait for so that prefix caching shares them (Scheduler::waits_for_sibling).
+  int request_index = 0, completion_index = 0;
+  const Sequence* first_sibling = nullptr;
+  // What the engine keeps of the output besides token ids (section 13): the text decoded so far (for stop
+  // strings), and with logprobs, one TokenLogprobs per output token.
+  std::string text;
+  Utf8Repair text_repair;               // holds a character's bytes back until its last byte is decoded
+  std::vector<TokenLogprobs> logprobs;
+  double cumulative_logprob = 0;
+  // With a penalty (section 9b): every distinct token of the prompt and the output with the number of times
+  // the output holds it, prompt tokens first (the first num_prompt_distinct entries). append_token keeps it.
+  std::vector<std::pair<int, int>> token_counts;
+  std::unordered_map<int, int> token_count_at;  // token -> its index in token_counts
+  int num_prompt_distinct = 0;
   // When it happened, in seconds since generate() began (LLMEngine's clock; -1 = not yet): for the time to
   // first token and the time per output token of the summary and the report.
   double arrival_time = 0, first_scheduled_time = -1, first_token_time = -1, finish_time = -1;
@@ -601,6 +671,15 @@ struct Sequence {
     last_token = token_ids.back();
     num_tokens = (int)token_ids.size();
     num_prompt_tokens = num_tokens;
+    if (params.penalized()) {
+      for (int t : token_ids) count_token(t, 0);
+      num_prompt_distinct = (int)token_counts.size();
+    }
+  }
+  void count_token(int t, int add) {
+    auto it = token_count_at.find(t);
+    if (it != token_count_at.end()) token_counts[it->second].second += add;
+    else token_count_at[t] = (int)token_counts.size(), token_counts.push_back({t, add});
   }
   int size() const { return num_tokens; }  // nano-vllm: __len__
   bool is_finished() const { return status == SequenceStatus::FINISHED; }
@@ -615,6 +694,7 @@ struct Sequence {
     token_ids.push_back(token_id);
     last_token = token_id;
     num_tokens++;
+    if (params.penalized()) count_token(token_id, 1);
   }
 };
 
@@ -865,7 +945,7 @@ struct Scheduler {
     while (!waiting.empty() && (int)scheduled.size() < max_num_seqs) {
       Sequence* seq = waiting.front();
       int remaining = max_num_batched_tokens - num_batched_tokens;
-      if (remaining == 0) break;
+      if (remaining == 0 || waits_for_sibling(*seq)) break;
       int num_tokens, num_cached_blocks = 0;
       if (seq->block_table.empty()) {
         num_cached_blocks = block_manager.can_allocate(*seq);
@@ -947,14 +1027,37 @@ struct Scheduler {
       if (is_prefill && seq->num_cached_tokens < seq->num_tokens) continue;  // mid-prompt chunk: no token yet
       int token = token_ids[i];
       seq->append_token(token);
-      bool stop = !seq->params.ignore_eos && is_eos(token);
-      if (stop || seq->num_completion_tokens() == seq->params.max_tokens) {
-        seq->finish_reason = stop ? "stop" : "length";
-        seq->status = SequenceStatus::FINISHED;
-        block_manager.deallocate(*seq);
-        running.erase(std::find(running.begin(), running.end(), seq));
-      }
+      // vLLM's check_stop: EOS (unless ignore_eos), then a stop token id, then max_tokens. Neither of the first
+      // two counts among the first min_tokens tokens (the sampler cannot pick them there: section 9b).
+      const SamplingParams& p = seq->params;
+      const bool may_stop = seq->num_completion_tokens() > p.min_tokens;
+      const bool eos = may_stop && !p.ignore_eos && is_eos(token);
+      const bool stop_id = may_stop && !eos &&
+                           std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) != p.stop_token_ids.end();
+      if (stop_id) seq->stop_token_id = token;
+      if (eos || stop_id) finish(seq, "stop");
+      else if (seq->num_completion_tokens() == p.max_tokens) finish(seq, "length");
     }
+  }
+
+  // A sequence is done: its blocks go back to the pool (their prefix stays cached) and it leaves `running`.
+  // Also called by the engine when a stop string appears in the text (section 13).
+  void finish(Sequence* seq, const char* reason) {
+    seq->finish_reason = reason;
+    seq->status = SequenceStatus::FINISHED;
+    block_manager.deallocate(*seq);
+    running.erase(std::find(running.begin(), running.end(), seq));
+  }
+
+  // n > 1: the request's later completions wait in the queue until the first one has its prompt in the
+  // cache; then can_allocate finds the prompt's full blocks by their hashes and the siblings share them,
+  // computing only the last, partial block. (Admitted in the same step they would each compute the whole
+  // prompt: blocks are registered only once their K/V is written, in hash_blocks.)
+  bool waits_for_sibling(const Sequence& seq) const {
+    const Sequence* first = seq.first_sibling;
+    if (!first || first->is_finished()) return false;
+    const int shared_tokens = (first->num_prompt_tokens - 1) / block_size * block_size;  // can_allocate's blocks
+    return first->num_cached_tokens < shared_tokens;
   }
 };
 
@@ -1012,6 +1115,7 @@ std::vector<Sequence*> Scheduler::schedule_mixed(bool& is_prefill) {
   while ((last_preempted.empty() || scheduled.empty()) && !waiting.empty() && budget > 0 &&
          (int)running.size() < max_num_seqs) {
     Sequence* seq = waiting.front();
+    if (waits_for_sibling(*seq)) break;
     int num_cached_blocks = block_manager.can_allocate(*seq);
     if (num_cached_blocks == -1) break;
     block_manager.allocate(*seq, num_cached_blocks);
@@ -2497,15 +2601,17 @@ static void attention_reference(float* out, const float* qkv, const float* k_cac
   }
 }
 
-// ==== 9. Sampler: greedy, temperature, top-k, top-p ========================================================
+// ==== 9. Sampler: greedy, temperature, top-k, min-p, top-p =================================================
 //
 // What the sampler computes, per sequence b (one row of logits [V], fp32):
 //   temperature == 0            greedy: the argmax (lowest index on ties)
 //   otherwise                   a draw from softmax(logits / temperature), optionally restricted:
 //     top_k in (0, V)           ... to the k largest logits                     (keep set S_k)
-//     top_p in (0, 1)           ... then to the smallest set of the most likely tokens of S_k whose
-//                                   probability (renormalised over S_k) sums to >= top_p   (S_p)
-//   Both filters are applied in Hugging Face's order: top-k first, then top-p on what is left.
+//     min_p in (0, 1]           ... and to the tokens at least min_p times as likely as the most likely
+//     top_p in (0, 1)           ... then to the smallest set of the most likely tokens of what is left whose
+//                                   probability (renormalised over it) sums to >= top_p   (S_p)
+//   vLLM's order: min_p and top-k (both keep the largest values, so in either order the kept set is the
+//   smaller of the two), then top-p on what is left.
 //
 // The Gumbel-max trick. nano-vllm samples with
 //     probs = softmax(logits / T);  token = argmax(probs / Exponential(1) noise)
@@ -2542,11 +2648,15 @@ struct SamplingSlot {                // one per sequence in the step (device arr
   float temperature;                 // 0 = greedy
   int top_k;                         // <= 0 or >= V: off
   float top_p;                       // >= 1: off
-  uint32_t pad;
+  float min_p;                       // <= 0: off
   unsigned long long seed;           // Philox key: one per request
   unsigned long long offset;         // Philox counter high half: the request's step index
+  // Read by section 9b only: the penalties, and how many top alternatives the log-probabilities list
+  // (-1: no log-probabilities for this row).
+  float repetition_penalty, frequency_penalty, presence_penalty;
+  int logprobs;
 };
-static_assert(sizeof(SamplingSlot) == 32, "SamplingSlot is copied to the GPU as-is");
+static_assert(sizeof(SamplingSlot) == 48, "SamplingSlot is copied to the GPU as-is");
 
 constexpr int SAMPLE_THREADS = 1024;  // threads of a sampler thread block (sections 9 and 19)
 
@@ -2612,6 +2722,20 @@ __host__ __device__ inline float scaled_logit(float logit, float inv_temp) {
 __host__ __device__ inline unsigned long long pack_candidate(float value, uint32_t index) {
   return ((unsigned long long)float_order_key(value) << 32) | (uint32_t)~index;
 }
+// min_p keeps token i when p_i >= min_p * p_max, that is when z_i - m >= log(min_p) (m = the row's largest
+// z): an upper set of keys like top-k's. Its threshold is the smallest key that passes, found by bisecting
+// the keys from the bottom (negative NaNs: fail) to key(m) (passes: 0 >= log(min_p)). Pure arithmetic on
+// m, no pass over the row; host and device compute the same float operations.
+__host__ __device__ inline uint32_t min_p_threshold(float m, float min_p) {
+  const float log_min_p = logf(min_p);
+  uint32_t lo = 0, hi = float_order_key(m);
+  while (lo < hi) {
+    const uint32_t mid = lo + (hi - lo) / 2;
+    if (float_from_order_key(mid) - m >= log_min_p) hi = mid;
+    else lo = mid + 1;
+  }
+  return hi;
+}
 // Probability mass of a token relative to the row max m, in units of 2^-32 (the fixed point above).
 __device__ inline unsigned long long fixed_mass(float z, float m) {
   return z == m ? (1ull << 32) : (unsigned long long)__float2ull_rn(expf(z - m) * 4294967296.0f);
@@ -2666,10 +2790,14 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
       return block_reduce_u64<false>(n, scratch);
     });
   }
-  if (!greedy && slot.top_p < 1.f) {
-    unsigned long long top = 0;  // the row's largest key: the reference point m of the masses
+  float m = 0.f;  // the row's largest z: min_p's reference, and top-p's for the masses
+  if (!greedy && (slot.top_p < 1.f || slot.min_p > 0.f)) {
+    unsigned long long top = 0;
     for (int i = threadIdx.x; i < V; i += blockDim.x) top = max(top, (unsigned long long)key_of(i));
-    const float m = float_from_order_key((uint32_t)block_reduce_u64<true>(top, scratch));
+    m = float_from_order_key((uint32_t)block_reduce_u64<true>(top, scratch));
+  }
+  if (!greedy && slot.min_p > 0.f) threshold = max(threshold, min_p_threshold(m, slot.min_p));
+  if (!greedy && slot.top_p < 1.f) {
     auto mass_from = [&](uint32_t t) {  // the mass of the kept tokens with key >= t
       unsigned long long w = 0;
       for (int i = threadIdx.x; i < V; i += blockDim.x) {
@@ -2719,6 +2847,11 @@ static std::vector<char> sample_kept_reference(const float* logits, int V, const
     const uint32_t tau = float_order_key(sorted[s.top_k - 1]);
     for (int i = 0; i < V; i++) keep[i] = float_order_key(z[i]) >= tau;
   }
+  if (s.min_p > 0.f) {  // p_i >= min_p * p_max, as z_i - max(z) >= log(min_p) (min_p_threshold)
+    float m = -INFINITY;
+    for (int i = 0; i < V; i++) m = std::max(m, z[i]);
+    for (int i = 0; i < V; i++) keep[i] = keep[i] && z[i] - m >= logf(s.min_p);
+  }
   if (s.top_p < 1.f) {  // then the most likely of those until their probability reaches top_p
     std::vector<int> idx;
     for (int i = 0; i < V; i++)
@@ -2755,6 +2888,185 @@ static int sample_reference(const float* logits, int V, const SamplingSlot& s, c
   }
   *margin = greedy ? INFINITY : (double)v1 - v2;
   return best ? (int)~(uint32_t)best : 0;
+}
+
+// ---- 9b. Penalties, banned tokens and log-probabilities ------------------------------------------------
+//
+// Requests may ask for more than a draw (vLLM's SamplingParams, section 2). Two kinds of work surround the
+// sampler, and only a step whose batch asks for them runs them (ModelRunner::process_and_sample):
+//
+// Before the draw, logit edits. Each touches a few tokens of a row, so the host sends a short list per row
+// (CSR: row b owns edits[edit_start[b] .. edit_start[b+1])), one entry per distinct token:
+//   banned (min_tokens not reached; the token is an EOS id or a stop_token_id)   logit = -inf
+//   otherwise, with c = times the token is in the output so far:
+//     repetition_penalty r, if the token is in the prompt or c > 0   logit = logit > 0 ? logit / r : logit * r
+//     frequency_penalty f                                            logit -= f * c
+//     presence_penalty p                                             logit -= p * (c > 0)
+// (vLLM's apply_penalties, in its order; HF's repetition rule.) Then the sampler of section 9 draws from
+// the edited row with the row's temperature, top-k, min_p and top-p.
+//
+// After the draw, log-probabilities. vLLM V1 reports them from the raw model logits, before any edit and
+// before temperature (logprobs_mode raw_logprobs), and so do we: the edit kernel saves the value it
+// overwrites and a second kernel puts it back once the token is drawn. Then per row asking for N:
+//   lse = logsumexp(logits)                        (max first, so exp never overflows)
+//   logprob(token) = logit[token] - lse,  rank = 1 + #{i : logit_i > logit[token]}
+//   the N largest logits (ties: lowest id), each minus lse.
+// NaN logits count as -inf, as in the sampler.
+
+constexpr int EDIT_BANNED = 1, EDIT_IN_PROMPT = 2;
+struct LogitEdit {     // one distinct token of one row (device array [E], rows' entries contiguous)
+  int token;
+  int output_count;    // c: times the token is in the output so far
+  int flags;           // EDIT_BANNED | EDIT_IN_PROMPT
+};
+
+// The new value of one logit under one edit: what the kernel below and the CPU reference both compute, to
+// the bit. (The products are rounded on their own, __fmul_rn on the GPU: a fused multiply-add there would
+// round once where the CPU rounds twice.)
+__host__ __device__ inline float mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+__host__ __device__ inline float edited_logit(float x, const LogitEdit& e, const SamplingSlot& s) {
+  if (e.flags & EDIT_BANNED) return -INFINITY;
+  if (s.repetition_penalty != 1.f && ((e.flags & EDIT_IN_PROMPT) || e.output_count > 0))
+    x = x > 0.f ? x / s.repetition_penalty : mul_rn(x, s.repetition_penalty);
+  x -= mul_rn(s.frequency_penalty, (float)e.output_count);
+  x -= e.output_count > 0 ? s.presence_penalty : 0.f;
+  return x;
+}
+
+// The edits of one sequence's row, appended to `out`: its token counts (with a penalty), then its banned
+// tokens (before min_tokens: the EOS ids and the stop_token_ids; vLLM bans both even with ignore_eos), one
+// entry per distinct token.
+static void logit_edits_of(const Sequence& q, const std::vector<int>& eos, std::vector<LogitEdit>& out) {
+  const size_t first = out.size();
+  for (size_t k = 0; k < q.token_counts.size(); k++)
+    out.push_back({q.token_counts[k].first, q.token_counts[k].second,
+                   (int)k < q.num_prompt_distinct ? EDIT_IN_PROMPT : 0});
+  if (q.num_completion_tokens() >= q.params.min_tokens) return;
+  auto ban = [&](int t) {
+    auto it = q.token_count_at.find(t);
+    if (it != q.token_count_at.end()) {
+      out[first + it->second].flags |= EDIT_BANNED;
+      return;
+    }
+    for (size_t e = first + q.token_counts.size(); e < out.size(); e++)
+      if (out[e].token == t) return;  // listed twice (an EOS id among the stop ids)
+    out.push_back({t, 0, EDIT_BANNED});
+  };
+  for (int t : eos) ban(t);
+  for (int t : q.params.stop_token_ids) ban(t);
+}
+
+// apply_logit_edits_kernel — logits [B, V] fp32 edited in place; saved [E] receives each old value.
+// One thread block per row, its threads striding over the row's edits (distinct tokens: no two threads
+// write one logit). restore_logit_edits_kernel writes saved back: the same grid, the same entries.
+__global__ void apply_logit_edits_kernel(float* logits, int V, const LogitEdit* edits, const int* edit_start,
+                                         const SamplingSlot* slots, float* saved) {
+  float* row = logits + (int64_t)blockIdx.x * V;
+  const SamplingSlot slot = slots[blockIdx.x];
+  for (int e = edit_start[blockIdx.x] + threadIdx.x; e < edit_start[blockIdx.x + 1]; e += blockDim.x) {
+    const float x = row[edits[e].token];
+    saved[e] = x;
+    row[edits[e].token] = edited_logit(x, edits[e], slot);
+  }
+}
+__global__ void restore_logit_edits_kernel(float* logits, int V, const LogitEdit* edits, const int* edit_start,
+                                           const float* saved) {
+  float* row = logits + (int64_t)blockIdx.x * V;
+  for (int e = edit_start[blockIdx.x] + threadIdx.x; e < edit_start[blockIdx.x + 1]; e += blockDim.x)
+    row[edits[e].token] = saved[e];
+}
+// edits [E], edit_start [B+1], saved [E] on the device; restore = false edits, true puts the values back.
+static void logit_edits(bool restore, float* logits, int B, int V, const LogitEdit* edits, const int* edit_start,
+                        const SamplingSlot* slots, float* saved, cudaStream_t stream) {
+  if (B == 0) return;
+  if (restore) restore_logit_edits_kernel<<<B, 256, 0, stream>>>(logits, V, edits, edit_start, saved);
+  else apply_logit_edits_kernel<<<B, 256, 0, stream>>>(logits, V, edits, edit_start, slots, saved);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// logprobs_kernel — for each row b with slots[b].logprobs = N >= 0: out[b] from logits [B, V] (the raw ones)
+// and tokens [B] (the drawn ones). One thread block of SAMPLE_THREADS per row: a pass for the max, one for the
+// sum of exponentials and the sampled token's rank, then N passes, each the largest (value, id) below the
+// previous one (the packed words of section 9 order them: larger value, then lower id).
+__global__ void __launch_bounds__(SAMPLE_THREADS)
+    logprobs_kernel(TokenLogprobs* out, const float* logits, const int* tokens, const SamplingSlot* slots, int V) {
+  __shared__ unsigned long long scratch[32];
+  __shared__ float fscratch[32];
+  const int N = slots[blockIdx.x].logprobs;
+  if (N < 0) return;
+  const float* row = logits + (int64_t)blockIdx.x * V;
+  auto x_of = [&](int i) { return scaled_logit(row[i], 1.f); };  // NaN -> -inf
+  unsigned long long top = 0;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) top = max(top, (unsigned long long)float_order_key(x_of(i)));
+  const float m = float_from_order_key((uint32_t)block_reduce_u64<true>(top, scratch));
+  const int token = tokens[blockIdx.x];
+  const float x_token = x_of(token);
+  float sum = 0.f;
+  unsigned long long above = 0;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) {
+    const float x = x_of(i);
+    sum += m == -INFINITY ? 1.f : expf(x - m);
+    above += x > x_token;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  if (threadIdx.x % 32 == 0) fscratch[threadIdx.x / 32] = sum;
+  above = block_reduce_u64<false>(above, scratch);  // (its barriers also publish fscratch)
+  sum = 0.f;
+  for (int w = 0; w < (int)blockDim.x / 32; w++) sum += fscratch[w];
+  const float lse = m == -INFINITY ? -INFINITY : m + logf(sum);
+  TokenLogprobs& o = out[blockIdx.x];
+  if (threadIdx.x == 0) o.logprob = x_token - lse, o.rank = 1 + (int)above, o.num_top = N;
+  unsigned long long prev = ~0ull;
+  for (int k = 0; k < N; k++) {
+    unsigned long long best = 0;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) {
+      const unsigned long long c = pack_candidate(x_of(i), (uint32_t)i);
+      if (c < prev) best = max(best, c);
+    }
+    prev = block_reduce_u64<true>(best, scratch);
+    if (threadIdx.x == 0) {
+      o.top_ids[k] = (int)~(uint32_t)prev;
+      o.top_logprobs[k] = float_from_order_key((uint32_t)(prev >> 32)) - lse;
+    }
+  }
+}
+// out [B], logits [B, V], tokens [B], slots [B] on the device; rows with slots[b].logprobs < 0 are skipped.
+static void compute_logprobs(TokenLogprobs* out, const float* logits, const int* tokens, const SamplingSlot* slots,
+                             int B, int V, cudaStream_t stream) {
+  if (B == 0) return;
+  logprobs_kernel<<<B, SAMPLE_THREADS, 0, stream>>>(out, logits, tokens, slots, V);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// What the two kernels compute, on the CPU: a row's edits in place, and a row's log-probabilities (sums in
+// double; the GPU's in float, so a test compares them with a tolerance).
+static void logit_edits_reference(float* row, const LogitEdit* edits, int num_edits, const SamplingSlot& s) {
+  for (int e = 0; e < num_edits; e++) row[edits[e].token] = edited_logit(row[edits[e].token], edits[e], s);
+}
+static TokenLogprobs logprobs_reference(const float* row, int V, int token, int N) {
+  std::vector<std::pair<float, int>> x(V);
+  double m = -INFINITY;
+  for (int i = 0; i < V; i++) x[i] = {scaled_logit(row[i], 1.f), i}, m = std::max(m, (double)x[i].first);
+  double sum = 0;
+  for (auto& [v, i] : x) sum += std::exp((double)v - m);
+  const double lse = m + std::log(sum);
+  TokenLogprobs o{};
+  o.logprob = (float)(x[token].first - lse);
+  o.rank = 1;
+  for (auto& [v, i] : x) o.rank += v > x[token].first;
+  o.num_top = N;
+  std::partial_sort(x.begin(), x.begin() + N, x.end(), [](const std::pair<float, int>& a, const std::pair<float, int>& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  });
+  for (int k = 0; k < N; k++) o.top_ids[k] = x[k].second, o.top_logprobs[k] = (float)(x[k].first - lse);
+  return o;
 }
 
 // ==== 10. Matrix products with cuBLASLt ====================================================================
@@ -2912,6 +3224,9 @@ struct StepRunner {
   double gpu_seconds = 0;  // time spent waiting for the GPU (the rest of a step is host work)
   virtual std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) = 0;
   virtual int padded_batch(int B, bool is_prefill) const = 0;
+  // After run(): row i's log-probabilities for the sequences that asked for them (section 9b); nullptr when
+  // none did, or when the runner has no logits (section 24's stand-in model).
+  virtual const TokenLogprobs* step_logprobs() const { return nullptr; }
   virtual double now() { return now_seconds(); }
   virtual void wait_until(double t) {  // nothing to do before t (requests arrive later)
     for (double left; (left = t - now()) > 0;) usleep((useconds_t)std::min(left * 1e6, 10000.0));
@@ -2948,6 +3263,16 @@ struct ModelRunner : StepRunner {
   int* out_tokens_h = nullptr;  // pinned
   void* sample_ws = nullptr;
   size_t sample_ws_bytes = 0;
+  // Section 9b's work, for the steps that ask for it; allocated the first time one does.
+  LogitEdit* edits_h = nullptr;    // [edit_cap] pinned: the step's logit edits, row by row
+  LogitEdit* edits_d = nullptr;    // [edit_cap]
+  float* edit_saved = nullptr;     // [edit_cap] the logits the edits overwrote
+  int* edit_start_h = nullptr;     // [Bmax + 1] pinned: row b's edits are [edit_start[b], edit_start[b+1])
+  int* edit_start_d = nullptr;     // [Bmax + 1]
+  size_t edit_cap = 0;
+  TokenLogprobs* logprobs_d = nullptr;  // [Bmax]
+  TokenLogprobs* logprobs_h = nullptr;  // [Bmax] pinned
+  bool have_logprobs = false;      // the last step computed some (step_logprobs)
   std::vector<int> graph_bs;                 // captured batch sizes, ascending
   std::map<int, cudaGraphExec_t> graphs;
   double load_seconds = 0, load_gbps = 0, capture_seconds = 0;
@@ -3065,8 +3390,13 @@ struct ModelRunner : StepRunner {
     s.temperature = seq.params.temperature;
     s.top_k = seq.params.top_k;
     s.top_p = seq.params.top_p;
+    s.min_p = seq.params.min_p;
     s.seed = seq.params.seed >= 0 ? (uint64_t)seq.params.seed : splitmix64(engine_seed ^ splitmix64(seq.seq_id));
     s.offset = (uint64_t)seq.num_completion_tokens();  // the draw for the n-th token is fixed by (seed, n)
+    s.repetition_penalty = seq.params.repetition_penalty;
+    s.frequency_penalty = seq.params.frequency_penalty;
+    s.presence_penalty = seq.params.presence_penalty;
+    s.logprobs = seq.params.logprobs;
     return s;
   }
 
@@ -3133,12 +3463,13 @@ struct ModelRunner : StepRunner {
   }
 
   // The model, then (rank 0) the sampler: Part I's, or Part II's where switched on.
-  void forward_and_sample(const StepInputs& in, int T, int B, bool is_prefill, const SamplingSlot* slots_d) {
+  void forward_and_sample(const StepInputs& in, int T, int B, bool is_prefill, const SamplingSlot* slots_d,
+                          bool draw = true) {
     if (uses_fast_forward()) forward_fast(model, in, T, B, is_prefill, stream);
     else model.forward(in, T, B, is_prefill, stream);
     if (model.tp > 1)
       gather_logits(model.comm, model.act.logits, logits_gather, logits, B, model.cfg.vocab_size, stream);
-    if (model.rank != 0) return;
+    if (model.rank != 0 || !draw) return;
     const int V = model.cfg.vocab_size;
     if (g_opt.fast_sampler) sample_fast(out_tokens_d, logits, slots_d, B, V, sample_ws, sample_ws_bytes, stream);
     else sample(out_tokens_d, logits, slots_d, B, V, stream);
@@ -3159,21 +3490,101 @@ struct ModelRunner : StepRunner {
     return g ? g : B;
   }
 
+  // What a step's batch asks of section 9b. A step where no sequence sets a penalty, min_tokens, min_p or
+  // logprobs does none of this: the default path is exactly the one above.
+  struct StepExtras {
+    bool edits = false;     // some row has logit edits (a penalty, or a ban before min_tokens)
+    bool min_p = false;     // some row samples with min_p (only section 9's sampler knows it)
+    bool redraw = false;    // the draw must be made again, on the edited logits or with min_p
+    bool logprobs = false;  // some row asks for log-probabilities
+  };
+  StepExtras step_extras(const std::vector<Sequence*>& seqs) const {
+    StepExtras x;
+    for (const Sequence* q : seqs) {
+      const SamplingParams& p = q->params;
+      x.edits |= p.penalized() || q->num_completion_tokens() < p.min_tokens;
+      x.min_p |= p.min_p > 0 && p.temperature > 0;
+      x.logprobs |= p.logprobs >= 0;
+    }
+    x.redraw = x.edits || x.min_p;
+    return x;
+  }
+
+  // The host side of the logit edits (section 9b's logit_edits_of, row by row), copied to the GPU on the
+  // step's stream, ahead of the forward pass.
+  std::vector<LogitEdit> edit_list;
+  void upload_logit_edits(const std::vector<Sequence*>& seqs) {
+    const int B = (int)seqs.size();
+    if (!edit_start_h) {
+      CUDA_CHECK(cudaMallocHost(&edit_start_h, (Bmax + 1) * sizeof(int)));
+      CUDA_CHECK(cudaMalloc(&edit_start_d, (Bmax + 1) * sizeof(int)));
+    }
+    edit_list.clear();
+    for (int b = 0; b < B; b++) {
+      edit_start_h[b] = (int)edit_list.size();
+      logit_edits_of(*seqs[b], config.eos, edit_list);
+    }
+    const size_t E = edit_list.size();
+    edit_start_h[B] = (int)E;
+    if (E > edit_cap) {
+      if (edit_cap) {  // the last step has finished with them (run() ends in a synchronisation)
+        CUDA_CHECK(cudaFreeHost(edits_h));
+        CUDA_CHECK(cudaFree(edits_d));
+        CUDA_CHECK(cudaFree(edit_saved));
+      }
+      edit_cap = std::max(E, 2 * edit_cap);
+      CUDA_CHECK(cudaMallocHost(&edits_h, edit_cap * sizeof(LogitEdit)));
+      CUDA_CHECK(cudaMalloc(&edits_d, edit_cap * sizeof(LogitEdit)));
+      CUDA_CHECK(cudaMalloc(&edit_saved, edit_cap * sizeof(float)));
+    }
+    if (E) memcpy(edits_h, edit_list.data(), E * sizeof(LogitEdit));
+    CUDA_CHECK(cudaMemcpyAsync(edit_start_d, edit_start_h, (B + 1) * sizeof(int), cudaMemcpyHostToDevice, stream));
+    if (E) CUDA_CHECK(cudaMemcpyAsync(edits_d, edits_h, E * sizeof(LogitEdit), cudaMemcpyHostToDevice, stream));
+  }
+
+  // After the model and the default draw (rank 0): edit the logits, draw again (the draw a CUDA graph made
+  // knows nothing of edits or min_p; a draw is a pure function of the logits and the slot, so drawing twice
+  // changes nothing else), put the raw logits back, and compute the log-probabilities from them. The second
+  // draw is section 19's when it is on and no row needs min_p, else section 9's. B: the real rows (a
+  // graph's padding rows are left alone).
+  void process_and_sample(const StepExtras& x, int B, const SamplingSlot* slots_d) {
+    const int V = model.cfg.vocab_size;
+    if (x.edits) logit_edits(false, logits, B, V, edits_d, edit_start_d, slots_d, edit_saved, stream);
+    if (x.redraw && g_opt.fast_sampler && !x.min_p)
+      sample_fast(out_tokens_d, logits, slots_d, B, V, sample_ws, sample_ws_bytes, stream);
+    else if (x.redraw) sample(out_tokens_d, logits, slots_d, B, V, stream);
+    if (x.edits) logit_edits(true, logits, B, V, edits_d, edit_start_d, slots_d, edit_saved, stream);
+    if (x.logprobs) {
+      if (!logprobs_d) {
+        CUDA_CHECK(cudaMalloc(&logprobs_d, Bmax * sizeof(TokenLogprobs)));
+        CUDA_CHECK(cudaMallocHost(&logprobs_h, Bmax * sizeof(TokenLogprobs)));
+      }
+      compute_logprobs(logprobs_d, logits, out_tokens_d, slots_d, B, V, stream);
+      CUDA_CHECK(cudaMemcpyAsync(logprobs_h, logprobs_d, B * sizeof(TokenLogprobs), cudaMemcpyDeviceToHost, stream));
+    }
+  }
+  const TokenLogprobs* step_logprobs() const override { return have_logprobs ? logprobs_h : nullptr; }
+
   // nano-vllm: run. Returns one sampled token per sequence.
   std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) override {
     int B = (int)seqs.size();
+    const StepExtras x = step_extras(seqs);
+    if (x.edits) upload_logit_edits(seqs);
     if (is_prefill) {
       int T;
       StepInputs in = prepare_prefill(seqs, T);
       if (model.tp > 1) tp_send_step({1, T, B, in.max_seqlen_q, 0, prefill_region.used}, prefill_region.h);
-      forward_and_sample(in, T, B, true, p_samp.d);
+      forward_and_sample(in, T, B, true, p_samp.d, !x.redraw);
+      if (x.redraw || x.logprobs) process_and_sample(x, B, p_samp.d);
     } else {
       int g = config.enforce_eager ? 0 : graph_size_for(B);
       StepInputs in = prepare_decode(seqs, g ? g : B);
       if (model.tp > 1) tp_send_step({0, g ? g : B, g ? g : B, 1, g, decode_region.used}, decode_region.h);
       if (g) CUDA_CHECK(cudaGraphLaunch(graphs[g], stream));
-      else forward_and_sample(in, B, B, false, d_samp.d);
+      else forward_and_sample(in, B, B, false, d_samp.d, !x.redraw);
+      if (x.redraw || x.logprobs) process_and_sample(x, B, d_samp.d);
     }
+    have_logprobs = x.logprobs;
     CUDA_CHECK(cudaMemcpyAsync(out_tokens_h, out_tokens_d, B * sizeof(int), cudaMemcpyDeviceToHost, stream));
     double t0 = now_seconds();
     CUDA_CHECK(cudaStreamSynchronize(stream));  // the one synchronisation of the step
@@ -3310,8 +3721,9 @@ static TPComm* tp_comm_init(int rank, int size, const ncclUniqueId& id) {
 // ==== 13. LLMEngine: add_request, step, generate ===========================================================
 //
 // The loop that ties it together (nano-vllm: engine/llm_engine.py LLMEngine): requests become Sequences in
-// the scheduler's waiting queue; each step() is one schedule() -> run() -> postprocess(); generate() steps
-// until every request is finished and returns the completions in input order. A request may arrive later
+// the scheduler's waiting queue (n of them for a request with n > 1); each step() is one schedule() -> run()
+// -> postprocess(), then the new tokens' text (stop strings) and log-probabilities; generate() steps until
+// every request is finished and returns the completions in input order. A request may arrive later
 // than the start (arrival_time): it joins the queue once the clock reaches it, which is how a server sees
 // its traffic and what makes the two schedulers' difference visible.
 //
@@ -3326,14 +3738,24 @@ struct Request {
   std::string source;         // "prompts.txt:12", for messages
   double arrival_time = 0;    // seconds after generate() begins (a .jsonl field, or --request-rate)
   bool arrival_given = false; // the .jsonl line gave it (--request-rate leaves it alone)
+  std::string error;          // an OpenAI batch line we answer with an error instead of running (section 21)
+  json batch;                 // that batch line's custom_id, url and body (section 21); null otherwise
 };
 
+// One completion: a request with n > 1 has n of them, consecutive, in index order.
 struct Completion {
   std::vector<int> token_ids;
   const char* finish_reason;  // nullptr: unfinished (the run was interrupted by Ctrl-C, section 23)
   int prompt_tokens;
-  double arrival_time, first_token_time, finish_time;  // seconds since generate() began (-1: never)
-  int64_t seq_id;
+  double arrival_time = 0, first_token_time = -1, finish_time = -1;  // seconds since generate() began (-1: never)
+  int64_t seq_id = 0;
+  int request = 0;            // the Request's position in generate()'s input
+  int index = 0;              // which of its n completions (vLLM: CompletionOutput.index)
+  std::string text;           // decoded, cut at a stop string (empty when the engine has no tokenizer)
+  int stop_token_id = -1;     // vLLM's stop_reason: the stop token id, or the stop string, or neither (-1, "")
+  std::string stop_string;
+  std::vector<TokenLogprobs> logprobs;  // one per output token, when the request asked for logprobs
+  double cumulative_logprob = 0;
 };
 
 struct RunStats {
@@ -3389,6 +3811,7 @@ struct LLMEngine {
   FILE* trace_out = stderr;                 // where the trace lines go
   std::vector<StepTrace>* record = nullptr;  // --report: every step's StepTrace is kept here
   double t0 = 0;                            // the clock's reading when generate() began
+  const Tokenizer* tok = nullptr;           // decodes the output text as it grows (stop strings); may be null
 
   LLMEngine(Config& c, StepRunner& r) : config(c), runner(r), scheduler(c) {}
 
@@ -3427,6 +3850,16 @@ struct LLMEngine {
     std::vector<int> token_ids = runner.run(batch, is_prefill);
     double h2 = now_seconds(), gpu_wait = runner.gpu_seconds - gpu_before;
     scheduler.postprocess(batch, token_ids, is_prefill);
+    const TokenLogprobs* logprobs = runner.step_logprobs();
+    for (size_t i = 0; i < batch.size(); i++) {
+      Sequence* s = batch[i];
+      if (s->num_completion_tokens() == completions_before[i]) continue;  // a prompt chunk: no token yet
+      if (logprobs && s->params.logprobs >= 0) {
+        s->logprobs.push_back(logprobs[i]);
+        s->cumulative_logprob += logprobs[i].logprob;
+      }
+      if (tok) detokenize(*s);
+    }
     double h3 = now_seconds(), end = clock();
     for (size_t i = 0; i < batch.size(); i++) {
       Sequence* s = batch[i];
@@ -3458,6 +3891,37 @@ struct LLMEngine {
     if (record) record->push_back(std::move(tr));
   }
 
+  // The text of a sequence's new token, then its stop strings (vLLM: detokenizer.py
+  // IncrementalDetokenizer.update). A token that ended the sequence as EOS or a stop token adds no text
+  // unless include_stop_str_in_output. The search looks only where the new text can complete a match: the
+  // last (new bytes + stop length - 1) bytes. As in vLLM, stop strings are tried in the order given (the
+  // first that matches wins, not the earliest in the text), only once more than min_tokens tokens are out,
+  // and on a sequence that just finished by length too. A match cuts the text before the stop string (or
+  // after it, with include_stop_str_in_output), and finishes the sequence with reason "stop".
+  void detokenize(Sequence& s) {
+    const size_t before = s.text.size();
+    const bool stopped_by_token = s.is_finished() && !strcmp(s.finish_reason, "stop");
+    if (!stopped_by_token || s.params.include_stop_str_in_output) {
+      if (s.last_token >= 0 && s.last_token < tok->vocab_size()) {  // (ids past the tokenizer: no text, as decode)
+        const std::string& bytes = tok->id_to_bytes[s.last_token];
+        s.text_repair.feed(bytes.data(), bytes.size(), s.text);
+      }
+    }
+    if (s.is_finished()) s.text_repair.finish(s.text);
+    const size_t added = s.text.size() - before;
+    if (s.params.stop.empty() || added == 0 || s.num_completion_tokens() <= s.params.min_tokens) return;
+    for (const std::string& stop : s.params.stop) {
+      const size_t from = s.text.size() > added + stop.size() - 1 ? s.text.size() - added - stop.size() + 1 : 0;
+      const size_t at = s.text.find(stop, from);
+      if (at == std::string::npos) continue;
+      s.text.resize(s.params.include_stop_str_in_output ? at + stop.size() : at);
+      s.stop_string = stop;
+      if (s.is_finished()) s.finish_reason = "stop";  // it had just reached max_tokens
+      else scheduler.finish(&s, "stop");
+      return;
+    }
+  }
+
   // Steps until every request has finished, or until a Ctrl-C asks the run to stop (g_stop_requested):
   // then the step in flight completes and the unfinished requests come back with finish_reason nullptr and
   // the tokens they had so far. A request joins the waiting queue when the clock reaches its arrival_time;
@@ -3466,9 +3930,20 @@ struct LLMEngine {
     t0 = runner.now();
     double last_print = now_seconds();
     size_t first = seqs.size();
-    for (auto& r : requests) {  // ids in input order; the queue in arrival order (ties: input order)
-      seqs.emplace_back(new Sequence((int64_t)seqs.size(), r.prompt_token_ids, r.params, config.kvcache_block_size));
-      seqs.back()->arrival_time = r.arrival_time;
+    for (size_t r = 0; r < requests.size(); r++) {  // ids in input order; the queue in arrival order (ties: input order)
+      const Request& req = requests[r];
+      if (!req.error.empty()) continue;  // answered with its error (section 21)
+      const Sequence* first_sibling = nullptr;
+      for (int k = 0; k < req.params.n; k++) {  // n completions: n sequences with their own ids, so their own draws
+        SamplingParams sp = req.params;
+        if (sp.seed >= 0) sp.seed += k;  // vLLM's parallel sampling: child k of a seeded request uses seed + k
+        seqs.emplace_back(new Sequence((int64_t)seqs.size(), req.prompt_token_ids, sp, config.kvcache_block_size));
+        Sequence& s = *seqs.back();
+        s.arrival_time = req.arrival_time;
+        s.request_index = (int)r, s.completion_index = k;
+        s.first_sibling = first_sibling;
+        if (k == 0) first_sibling = &s;
+      }
     }
     std::vector<Sequence*> arrivals;
     for (size_t i = first; i < seqs.size(); i++) arrivals.push_back(seqs[i].get());
@@ -3512,7 +3987,8 @@ struct LLMEngine {
       Sequence& s = *seqs[i];
       out.push_back({std::vector<int>(s.token_ids.begin() + s.num_prompt_tokens, s.token_ids.end()),
                      s.finish_reason, s.num_prompt_tokens, s.arrival_time, s.first_token_time, s.finish_time,
-                     s.seq_id});
+                     s.seq_id, s.request_index, s.completion_index, s.text, s.stop_token_id, s.stop_string,
+                     s.logprobs, s.cumulative_logprob});
     }
     return out;
   }
@@ -4761,8 +5237,10 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
 // PROMPTS is either a text file, one prompt per line (the chat template is applied unless --raw), or a
 // .jsonl file whose lines are objects with one of
 //   "prompt": "text"   "prompt_token_ids": [1, 2, 3]   "messages": [{"role": "user", "content": "..."}]
-// and optional per-request "max_tokens", "temperature", "top_k", "top_p", "ignore_eos", "seed", and
-// "arrival_time" (seconds after the start: the request joins the queue then; --request-rate fills it in).
+// and optional per-request sampling fields under vLLM's SamplingParams names (kSamplingFields below: n,
+// temperature, top_k, top_p, min_p, the penalties, max_tokens, min_tokens, ignore_eos, stop, stop_token_ids,
+// include_stop_str_in_output, logprobs, seed), and "arrival_time" (seconds after the start: the request
+// joins the queue then; --request-rate fills it in). Or the .jsonl file is an OpenAI batch (below).
 // Everything is checked before the GPU is touched: a bad line is reported by number in a second, not after
 // a model load. A prompt that cannot fit (prompt tokens + max_tokens > max_model_len) refuses the whole run,
 // naming the line: silently dropping or truncating a request would hand back garbage.
@@ -4793,39 +5271,83 @@ static bool valid_utf8(const std::string& s, size_t* bad_at) {
 struct PromptOptions {
   bool raw = false;          // send text as is, no chat template
   bool enable_thinking = true;
-  SamplingParams defaults;   // from the command line
+  SamplingParams defaults;   // built in, then generation_config.json, then the command line (sampling_defaults)
 };
 
-// Per-request overrides of a JSONL line; each must have the right type.
-static void jsonl_sampling(const json& j, SamplingParams& sp, const std::string& where) {
-  auto num = [&](const char* k) -> const json* {
-    if (!j.contains(k)) return nullptr;
-    if (!j[k].is_number()) die("%s: \"%s\" must be a number, found %s", where.c_str(), k, j[k].dump().c_str());
-    return &j[k];
+// ---- Sampling fields, by vLLM's names ----
+// One function reads them from a JSON object for every source: a .jsonl line, an OpenAI batch body, the
+// model's generation_config.json and the command line's flags (gathered into an object by parse_args). Each
+// field must have the right type (null means absent, as in vLLM's JSON); the ranges are validate_sampling's.
+// vocab > 0: stop_token_ids must be below it.
+static void sampling_from_json(const json& j, SamplingParams& sp, const std::string& where, int vocab,
+                               bool min_le_max = true) {
+  const char* w = where.c_str();
+  auto get = [&](const char* k) -> const json* { return j.contains(k) && !j[k].is_null() ? &j[k] : nullptr; };
+  auto num = [&](const char* k, float& out) {
+    if (const json* v = get(k)) {
+      if (!v->is_number()) die("%s: \"%s\" must be a number, found %s", w, k, v->dump().c_str());
+      out = (float)v->get<double>();
+    }
   };
-  auto integer = [&](const char* k, int64_t lo, int64_t hi) -> const json* {
-    const json* v = num(k);
-    if (v && (!v->is_number_integer() || v->get<int64_t>() < lo || v->get<int64_t>() > hi))
-      die("%s: \"%s\" must be an integer in [%lld, %lld], found %s", where.c_str(), k, (long long)lo,
-          (long long)hi, v->dump().c_str());
-    return v;
+  auto integer = [&](const char* k, auto& out, int64_t lo, int64_t hi) {
+    if (const json* v = get(k)) {
+      if (!v->is_number_integer() || v->get<int64_t>() < lo || v->get<int64_t>() > hi)
+        die("%s: \"%s\" must be an integer in [%lld, %lld], found %s", w, k, (long long)lo, (long long)hi,
+            v->dump().c_str());
+      out = v->get<int64_t>();
+    }
   };
-  if (auto v = integer("max_tokens", INT32_MIN, INT32_MAX)) sp.max_tokens = v->get<int>();
-  if (auto v = num("temperature")) sp.temperature = (float)v->get<double>();
-  if (auto v = integer("top_k", INT32_MIN, INT32_MAX)) sp.top_k = v->get<int>();
-  if (auto v = num("top_p")) sp.top_p = (float)v->get<double>();
-  if (auto v = integer("seed", INT64_MIN, INT64_MAX)) sp.seed = v->get<int64_t>();
-  if (j.contains("ignore_eos")) {
-    if (!j["ignore_eos"].is_boolean()) die("%s: \"ignore_eos\" must be true or false", where.c_str());
-    sp.ignore_eos = j["ignore_eos"].get<bool>();
+  auto boolean = [&](const char* k, bool& out) {
+    if (const json* v = get(k)) {
+      if (!v->is_boolean()) die("%s: \"%s\" must be true or false, found %s", w, k, v->dump().c_str());
+      out = v->get<bool>();
+    }
+  };
+  integer("n", sp.n, INT32_MIN, INT32_MAX);
+  num("temperature", sp.temperature);
+  integer("top_k", sp.top_k, INT32_MIN, INT32_MAX);
+  num("top_p", sp.top_p);
+  num("min_p", sp.min_p);
+  num("repetition_penalty", sp.repetition_penalty);
+  num("frequency_penalty", sp.frequency_penalty);
+  num("presence_penalty", sp.presence_penalty);
+  integer("max_tokens", sp.max_tokens, INT32_MIN, INT32_MAX);
+  integer("min_tokens", sp.min_tokens, INT32_MIN, INT32_MAX);
+  boolean("ignore_eos", sp.ignore_eos);
+  boolean("include_stop_str_in_output", sp.include_stop_str_in_output);
+  integer("logprobs", sp.logprobs, INT32_MIN, INT32_MAX);
+  integer("seed", sp.seed, INT64_MIN, INT64_MAX);
+  if (const json* v = get("stop")) {  // a string or a list of strings (vLLM takes both)
+    sp.stop.clear();
+    if (v->is_string()) sp.stop.push_back(v->get<std::string>());
+    else if (v->is_array() && std::all_of(v->begin(), v->end(), [](const json& e) { return e.is_string(); }))
+      for (auto& e : *v) sp.stop.push_back(e.get<std::string>());
+    else die("%s: \"stop\" must be a string or a list of strings, found %s", w, v->dump().c_str());
   }
-  validate_sampling(sp, where);
+  if (const json* v = get("stop_token_ids")) {
+    sp.stop_token_ids.clear();
+    if (!v->is_array()) die("%s: \"stop_token_ids\" must be a list of token ids, found %s", w, v->dump().c_str());
+    for (auto& e : *v) {
+      if (!e.is_number_integer() || e.get<int64_t>() < 0 || (vocab > 0 && e.get<int64_t>() >= vocab))
+        die("%s: \"stop_token_ids\": %s is not a token id in [0, %d)", w, e.dump().c_str(), vocab);
+      sp.stop_token_ids.push_back(e.get<int>());
+    }
+  }
+  if (get("prompt_logprobs"))
+    die("%s: \"prompt_logprobs\" is not supported: it needs the LM head at every prompt position (a [T, V] "
+        "product, 10 GB of fp32 logits at the default 16,384-token step), where the engine computes only the "
+        "last position's; use \"logprobs\" for the generated tokens", w);
+  if (sp.top_k == 0) sp.top_k = -1;  // vLLM: 0 and -1 both mean off
+  validate_sampling(sp, where, min_le_max);
 }
 
 // The fields a .jsonl line may have. A field we do not know is refused, naming the nearest known one: a
 // misspelt "max_token" must not run silently with the default max_tokens.
-static const char* const kJsonlFields[] = {"prompt", "prompt_token_ids", "messages", "max_tokens", "temperature",
-                                           "top_k", "top_p", "ignore_eos", "seed", "arrival_time"};
+static const char* const kSamplingFields[] = {
+    "n", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
+    "max_tokens", "min_tokens", "ignore_eos", "stop", "stop_token_ids", "include_stop_str_in_output", "logprobs",
+    "prompt_logprobs", "seed"};
+static const char* const kJsonlOtherFields[] = {"prompt", "prompt_token_ids", "messages", "arrival_time"};
 
 // The edit distance between a and b (insertions, deletions, substitutions), for "did you mean".
 static size_t edit_distance(const std::string& a, const std::string& b) {
@@ -4843,22 +5365,203 @@ static size_t edit_distance(const std::string& a, const std::string& b) {
   return row[b.size()];
 }
 
-static void check_jsonl_fields(const json& j, const std::string& where) {
+// The first key of j that is not in `known`, with a message naming it and the nearest known name ("" if all
+// are known).
+static std::string unknown_field(const json& j, const std::vector<std::string>& known) {
   for (auto it = j.begin(); it != j.end(); ++it) {
     const std::string& key = it.key();
-    const char* nearest = kJsonlFields[0];
-    bool known = false;
-    for (const char* f : kJsonlFields) {
-      known |= key == f;
+    if (std::find(known.begin(), known.end(), key) != known.end()) continue;
+    std::string nearest = known[0], all;
+    for (const std::string& f : known) {
       if (edit_distance(key, f) < edit_distance(key, nearest)) nearest = f;
+      all += (all.empty() ? "" : ", ") + f;
     }
-    if (!known) {
-      std::string all;
-      for (const char* f : kJsonlFields) all += std::string(all.empty() ? "" : ", ") + f;
-      die("%s: unknown field \"%s\" (did you mean \"%s\"?); a line may have %s", where.c_str(), key.c_str(),
-          nearest, all.c_str());
+    return "unknown field \"" + key + "\" (did you mean \"" + nearest + "\"?); known: " + all;
+  }
+  return "";
+}
+static std::vector<std::string> jsonl_fields() {
+  std::vector<std::string> v(std::begin(kJsonlOtherFields), std::end(kJsonlOtherFields));
+  v.insert(v.end(), std::begin(kSamplingFields), std::end(kSamplingFields));
+  return v;
+}
+static void check_jsonl_fields(const json& j, const std::string& where) {
+  std::string problem = unknown_field(j, jsonl_fields());
+  if (!problem.empty()) die("%s: %s", where.c_str(), problem.c_str());
+}
+
+// ---- The defaults every request starts from (vLLM's --generation-config) ----
+// auto: the model's generation_config.json sets the defaults it names (vLLM reads the same five fields, and
+// max_new_tokens as max_tokens); vllm: the built-in defaults of section 2 alone. Flags on the command line
+// (gathered in `flags` under vLLM's names) override either; a request's own fields override all.
+// *described: one line naming each default that is not the built-in one, and where it came from.
+static SamplingParams sampling_defaults(const json& generation_config, const std::string& gen_path, bool use_gen,
+                                        const json& flags, int vocab, std::string* described) {
+  SamplingParams sp;
+  json from_gen = json::object();
+  if (use_gen && generation_config.is_object()) {
+    for (const char* k : {"temperature", "top_k", "top_p", "min_p", "repetition_penalty"})
+      if (generation_config.contains(k)) from_gen[k] = generation_config[k];
+    if (generation_config.contains("max_new_tokens")) from_gen["max_tokens"] = generation_config["max_new_tokens"];
+    sampling_from_json(from_gen, sp, gen_path, vocab, false);
+  }
+  sampling_from_json(flags, sp, "command line", vocab, flags.contains("min_tokens") && flags.contains("max_tokens"));
+  std::string gen, cli;
+  for (auto it = from_gen.begin(); it != from_gen.end(); ++it)
+    if (!flags.contains(it.key())) gen += (gen.empty() ? "" : ", ") + it.key() + " " + it.value().dump();
+  for (auto it = flags.begin(); it != flags.end(); ++it) cli += (cli.empty() ? "" : ", ") + it.key() + " " + it.value().dump();
+  std::string d;
+  if (!gen.empty()) d += gen + " from " + gen_path;
+  if (!cli.empty()) d += (d.empty() ? "" : "; ") + cli + " from the command line";
+  if (d.empty()) d = "built in";
+  if (use_gen && gen.empty() && cli.empty()) d += " (" + gen_path + " sets none)";
+  if (!use_gen) d += " (--generation-config vllm)";
+  char head[160];
+  snprintf(head, sizeof head, "temperature %g, top_k %d, top_p %g, min_p %g, repetition_penalty %g, max_tokens %d",
+           sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.repetition_penalty, sp.max_tokens);
+  *described = std::string(head) + ": " + d;
+  return sp;
+}
+
+// ---- OpenAI batch files (what `vllm run-batch` reads and writes) ----
+// A .jsonl file whose lines are {"custom_id", "method": "POST", "url", "body"} is a batch: url is
+// /v1/chat/completions (body.messages) or /v1/completions (body.prompt), and body holds OpenAI's request
+// fields plus vLLM's extra sampling fields. A line that is malformed (no custom_id, an unknown url, a field
+// of the wrong type or out of range) refuses the run, as any bad line does; a well-formed line that asks
+// for something the engine does not do (tools, images, streaming, logit_bias, a prompt too long for
+// --max-model-len) is answered with an error for that line (status 400), and the others run.
+
+static bool is_batch_line(const json& j) {
+  return j.is_object() && (j.contains("custom_id") || (j.contains("url") && j.contains("body")));
+}
+
+// The request of one batch body. Dies on a malformed field; returns a message (the line's error) for what
+// the engine does not support, or "".
+static std::string batch_request(const json& body, bool chat, Request& r, const Tokenizer& tok,
+                                 const PromptOptions& opt, const std::string& where, int vocab) {
+  const char* w = where.c_str();
+  static const char* const common[] = {"model", "max_tokens", "user", "stream", "stream_options", "metadata",
+                                       "service_tier", "store", "logit_bias", "best_of", "response_format",
+                                       "chat_template_kwargs"};
+  static const char* const chat_only[] = {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                                          "tool_choice", "functions", "function_call", "parallel_tool_calls",
+                                          "modalities", "audio", "prediction", "reasoning_effort"};
+  static const char* const completion_only[] = {"prompt", "echo", "suffix"};
+  std::vector<std::string> known(std::begin(common), std::end(common));
+  if (chat) known.insert(known.end(), std::begin(chat_only), std::end(chat_only));
+  else known.insert(known.end(), std::begin(completion_only), std::end(completion_only));
+  for (const char* f : kSamplingFields)
+    known.push_back(f);
+  std::string unknown = unknown_field(body, known);
+  if (!unknown.empty()) return unknown;
+  auto set = [&](const char* k) { return body.contains(k) && !body[k].is_null(); };
+  for (const char* k : {"tools", "tool_choice", "functions", "function_call", "audio", "prediction"})
+    if (set(k) && !(body[k].is_array() && body[k].empty())) return std::string("\"") + k + "\" is not supported";
+  if (set("stream") && body["stream"] != false) return "\"stream\": streaming is not supported in a batch";
+  if (set("echo") && body["echo"] != false) return "\"echo\" is not supported";
+  if (set("suffix")) return "\"suffix\" is not supported";
+  if (set("logit_bias") && !(body["logit_bias"].is_object() && body["logit_bias"].empty()))
+    return "\"logit_bias\" is not supported";
+  if (set("response_format") && body["response_format"] != json{{"type", "text"}})
+    return "\"response_format\": only {\"type\": \"text\"} is supported";
+  if (set("modalities") && body["modalities"] != json{"text"}) return "\"modalities\": only [\"text\"] is supported";
+  bool thinking = opt.enable_thinking;
+  if (set("chat_template_kwargs")) {
+    const json& k = body["chat_template_kwargs"];
+    if (!k.is_object()) die("%s: \"chat_template_kwargs\" must be an object", w);
+    for (auto it = k.begin(); it != k.end(); ++it) {
+      if (it.key() != "enable_thinking") return "\"chat_template_kwargs\": only enable_thinking is supported";
+      if (!it.value().is_boolean()) die("%s: \"enable_thinking\" must be true or false", w);
+      thinking = it.value().get<bool>();
     }
   }
+  // The sampling fields, with OpenAI's spellings mapped to vLLM's.
+  json fields = json::object();
+  for (const char* f : kSamplingFields)
+    if (body.contains(f)) fields[f] = body[f];
+  if (chat) {
+    fields.erase("logprobs");  // chat: "logprobs": true/false with "top_logprobs": N
+    if (set("logprobs")) {
+      if (!body["logprobs"].is_boolean()) die("%s: \"logprobs\" must be true or false in a chat request", w);
+      if (body["logprobs"].get<bool>()) fields["logprobs"] = set("top_logprobs") ? body["top_logprobs"] : json(0);
+    } else if (set("top_logprobs")) {
+      die("%s: \"top_logprobs\" needs \"logprobs\": true", w);
+    }
+    if (set("max_completion_tokens")) fields["max_tokens"] = body["max_completion_tokens"];
+  }
+  sampling_from_json(fields, r.params, where, vocab);
+  if (set("best_of") && body["best_of"] != json(r.params.n)) return "\"best_of\" other than n is not supported";
+  if (chat) {
+    if (!body.contains("messages") || !body["messages"].is_array() || body["messages"].empty())
+      die("%s: a chat request needs \"messages\": a non-empty list of {\"role\", \"content\"}", w);
+    std::vector<ChatMessage> msgs;
+    for (auto& m : body["messages"]) {
+      if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content"))
+        die("%s: each message must be {\"role\": string, \"content\": string or list of parts}", w);
+      std::string role = m["role"];
+      if (role == "developer") role = "system";  // OpenAI's newer name for it
+      if (role != "system" && role != "user" && role != "assistant")
+        return "message role \"" + role + "\" is not supported; use system, user or assistant";
+      if (m.contains("tool_calls") && !m["tool_calls"].is_null()) return "\"tool_calls\" are not supported";
+      std::string content;
+      if (m["content"].is_string()) content = m["content"];
+      else if (m["content"].is_array()) {  // parts: text only
+        for (auto& part : m["content"]) {
+          if (!part.is_object() || !part.contains("type") || !part["type"].is_string())
+            die("%s: a content part must be {\"type\": ..., ...}", w);
+          if (part["type"] != "text") return "content of type \"" + part["type"].get<std::string>() +
+                                             "\" is not supported (text only: no images or audio)";
+          if (!part.contains("text") || !part["text"].is_string()) die("%s: a text part needs \"text\"", w);
+          content += part["text"].get<std::string>();
+        }
+      } else {
+        die("%s: \"content\" must be a string or a list of parts", w);
+      }
+      msgs.push_back({role, content});
+    }
+    r.prompt_token_ids = tok.encode(tok.apply_chat_template(msgs, true, thinking));
+  } else {
+    if (!body.contains("prompt")) die("%s: a completion request needs \"prompt\"", w);
+    json p = body["prompt"];
+    if (p.is_array() && p.size() == 1 && (p[0].is_string() || p[0].is_array())) p = p[0];  // a list of one prompt
+    if (p.is_string()) {
+      r.prompt_token_ids = tok.encode(p.get<std::string>());  // completions: the text as given, no template
+    } else if (p.is_array() && !p.empty() && std::all_of(p.begin(), p.end(), [](const json& e) { return e.is_number_integer(); })) {
+      for (auto& e : p) {
+        if (e.get<int64_t>() < 0 || e.get<int64_t>() >= vocab)
+          die("%s: token id %s is outside the vocabulary [0, %d)", w, e.dump().c_str(), vocab);
+        r.prompt_token_ids.push_back(e.get<int>());
+      }
+    } else if (p.is_array() && p.size() > 1) {
+      return "several prompts in one line are not supported: give one line per prompt";
+    } else {
+      die("%s: \"prompt\" must be a string or a list of token ids", w);
+    }
+  }
+  return "";
+}
+
+// One batch line: its envelope checked here (dies naming the line), its body by batch_request.
+static void parse_batch_line(const json& j, Request& r, std::set<std::string>& custom_ids, const Tokenizer& tok,
+                             const PromptOptions& opt, const std::string& where, int vocab) {
+  const char* w = where.c_str();
+  std::string problem = unknown_field(j, {"custom_id", "method", "url", "body"});
+  if (!problem.empty()) die("%s: %s", w, problem.c_str());
+  if (!j.contains("custom_id") || !j["custom_id"].is_string())
+    die("%s: a batch line needs \"custom_id\": a string that names the request in the output", w);
+  if (!custom_ids.insert(j["custom_id"].get<std::string>()).second)
+    die("%s: custom_id %s is used by an earlier line; each must be unique", w, j["custom_id"].dump().c_str());
+  if (!j.contains("method") || j["method"] != "POST") die("%s: a batch line needs \"method\": \"POST\"", w);
+  if (!j.contains("url") || !j["url"].is_string() ||
+      (j["url"] != "/v1/chat/completions" && j["url"] != "/v1/completions"))
+    die("%s: \"url\" must be \"/v1/chat/completions\" or \"/v1/completions\", found %s", w,
+        j.contains("url") ? j["url"].dump().c_str() : "nothing");
+  if (!j.contains("body") || !j["body"].is_object()) die("%s: a batch line needs \"body\": an object", w);
+  const json& body = j["body"];
+  const bool chat = j["url"] == "/v1/chat/completions";
+  r.batch = {{"custom_id", j["custom_id"]}, {"url", j["url"]}, {"model", body.contains("model") ? body["model"] : json()},
+             {"chat", chat}};
+  r.error = batch_request(body, chat, r, tok, opt, where + ": body", vocab);
 }
 
 // The requests of a prompts file's text; `path` names the file in messages and its ".jsonl" ending picks
@@ -4868,6 +5571,8 @@ static std::vector<Request> parse_prompts(const std::string& text, const std::st
                                           const ModelConfig& mc) {
   bool jsonl = path.size() >= 6 && path.compare(path.size() - 6, 6, ".jsonl") == 0;
   std::vector<Request> reqs;
+  std::set<std::string> custom_ids;
+  int batch = -1;  // -1: not known yet (the first line decides), 0: plain requests, 1: an OpenAI batch
   size_t pos = 0;
   int lineno = 0;
   while (pos < text.size()) {
@@ -4886,6 +5591,7 @@ static std::vector<Request> parse_prompts(const std::string& text, const std::st
     if (!jsonl) {
       r.prompt_token_ids =
           opt.raw ? tok.encode(line) : tok.encode(tok.apply_chat_template({{"user", line}}, true, opt.enable_thinking));
+      validate_sampling(r.params, "command line");  // the defaults, now whole (min_tokens against max_tokens)
     } else {
       json j;
       try {
@@ -4894,6 +5600,22 @@ static std::vector<Request> parse_prompts(const std::string& text, const std::st
         die("%s: not valid JSON: %s", where.c_str(), e.what());
       }
       if (!j.is_object()) die("%s: each line must be a JSON object", where.c_str());
+      if (batch == -1) batch = is_batch_line(j);
+      if (batch == 1) {
+        if (!is_batch_line(j))
+          die("%s: not a batch request; every line of an OpenAI batch file (line 1 is one) must be "
+              "{\"custom_id\", \"method\", \"url\", \"body\"}", where.c_str());
+        parse_batch_line(j, r, custom_ids, tok, opt, where, mc.vocab_size);
+        if (r.error.empty() && r.prompt_token_ids.empty()) r.error = "the prompt is empty";
+        int64_t n = (int64_t)r.prompt_token_ids.size();
+        if (r.error.empty() && n + r.params.max_tokens > cfg.max_model_len)
+          r.error = "This model's maximum context length is " + std::to_string(cfg.max_model_len) +
+                    " tokens (--max-model-len). However, you requested " + std::to_string(n + r.params.max_tokens) +
+                    " tokens (" + std::to_string(n) + " in the prompt, " + std::to_string(r.params.max_tokens) +
+                    " for the completion).";
+        reqs.push_back(std::move(r));
+        continue;
+      }
       check_jsonl_fields(j, where);
       int kinds = j.contains("prompt") + j.contains("prompt_token_ids") + j.contains("messages");
       if (kinds != 1)
@@ -4929,7 +5651,7 @@ static std::vector<Request> parse_prompts(const std::string& text, const std::st
           r.prompt_token_ids.push_back((int)id);
         }
       }
-      jsonl_sampling(j, r.params, where);
+      sampling_from_json(j, r.params, where, mc.vocab_size);
       if (j.contains("arrival_time")) {
         const json& v = j["arrival_time"];
         if (!v.is_number() || !(v.get<double>() >= 0) || !std::isfinite(v.get<double>()))
@@ -4993,24 +5715,150 @@ static void assign_arrivals(std::vector<Request>& reqs, double rate, uint64_t se
 
 static std::string json_escape_text(const std::string& s) { return json(s).dump(); }
 
-static void write_completions(const std::vector<Request>& reqs, const std::vector<Completion>& outs,
-                              const Tokenizer& tok, FILE* jsonl) {
-  for (size_t i = 0; i < outs.size(); i++) {
-    if (!outs[i].finish_reason) continue;  // unfinished (Ctrl-C): counted in the summary, not written
-    std::string text = tok.decode(outs[i].token_ids);
-    printf("==> request %zu | %d prompt tokens | %zu tokens | finish: %s\n%s\n\n", i, outs[i].prompt_tokens,
-           outs[i].token_ids.size(), outs[i].finish_reason, text.c_str());
-    if (jsonl) {
-      json o = {{"index", i},
-                {"text", text},
-                {"token_ids", outs[i].token_ids},
-                {"finish_reason", outs[i].finish_reason},
-                {"prompt_tokens", outs[i].prompt_tokens}};
-      fprintf(jsonl, "%s\n", o.dump(-1, ' ', false, json::error_handler_t::replace).c_str());
+// A log-probability for JSON: -inf (a token the model rules out) is written as -9999, as vLLM's OpenAI server does.
+static double json_logprob(float x) { return std::isfinite(x) ? (double)x : -9999.0; }
+// vLLM's stop_reason: the stop string, or the stop token id, or null (EOS, or length).
+static json stop_reason_json(const Completion& o) {
+  return !o.stop_string.empty() ? json(o.stop_string) : o.stop_token_id >= 0 ? json(o.stop_token_id) : json();
+}
+// Our .jsonl form of a completion's log-probabilities: per output token its id, text, logprob and rank, and
+// the top alternatives.
+static json logprobs_json(const Completion& o, const Tokenizer& tok) {
+  json a = json::array();
+  for (size_t t = 0; t < o.logprobs.size() && t < o.token_ids.size(); t++) {
+    const TokenLogprobs& l = o.logprobs[t];
+    json top = json::array();
+    for (int k = 0; k < l.num_top; k++)
+      top.push_back({{"token_id", l.top_ids[k]}, {"token", tok.decode({l.top_ids[k]})},
+                     {"logprob", json_logprob(l.top_logprobs[k])}});
+    a.push_back({{"token_id", o.token_ids[t]}, {"token", tok.decode({o.token_ids[t]})},
+                 {"logprob", json_logprob(l.logprob)}, {"rank", l.rank}, {"top_logprobs", top}});
+  }
+  return a;
+}
+
+// An id like OpenAI's ("chatcmpl-" + 24 hex digits): random per line, as vLLM's are.
+static std::string batch_id(const char* prefix) {
+  static uint64_t state = splitmix64((uint64_t)(now_seconds() * 1e9) ^ (uint64_t)getpid());
+  char hex[40];
+  const uint64_t a = state = splitmix64(state), b = state = splitmix64(state);
+  snprintf(hex, sizeof hex, "%016llx%08llx", (unsigned long long)a, (unsigned long long)(b >> 32));
+  return std::string(prefix) + hex;
+}
+
+// One output line of an OpenAI batch (vLLM's BatchRequestOutput): the request's n completions as the
+// choices of a chat.completion or text_completion object, with usage; or its error with status 400.
+static json batch_output_line(const Request& r, const Completion* outs, int n, const Tokenizer& tok,
+                              const std::string& model_name) {
+  json line = {{"id", batch_id("vllm-")}, {"custom_id", r.batch["custom_id"]}};
+  std::string error = r.error;
+  for (int k = 0; k < n && error.empty(); k++)
+    if (!outs[k].finish_reason) error = "the run was stopped (Ctrl-C) before this request finished";
+  if (!error.empty()) {
+    line["response"] = {{"status_code", 400}, {"request_id", batch_id("vllm-batch-")}, {"body", nullptr}};
+    line["error"] = error;
+    return line;
+  }
+  const bool chat = r.batch["chat"].get<bool>();
+  const json model = r.batch["model"].is_string() ? r.batch["model"] : json(model_name);
+  json choices = json::array();
+  int64_t completion_tokens = 0;
+  for (int k = 0; k < n; k++) {
+    const Completion& o = outs[k];
+    completion_tokens += (int64_t)o.token_ids.size();
+    json lp = nullptr;
+    if (r.params.logprobs >= 0 && chat) {
+      json content = json::array();
+      for (size_t t = 0; t < o.logprobs.size() && t < o.token_ids.size(); t++) {
+        auto entry = [&](int id, float x) {
+          const std::string& b = id < tok.vocab_size() ? tok.id_to_bytes[id] : std::string();
+          return json{{"token", tok.decode({id})}, {"logprob", json_logprob(x)},
+                      {"bytes", std::vector<int>(b.begin(), b.end())}};
+        };
+        json e = entry(o.token_ids[t], o.logprobs[t].logprob);
+        e["top_logprobs"] = json::array();
+        for (int i = 0; i < o.logprobs[t].num_top; i++)
+          e["top_logprobs"].push_back(entry(o.logprobs[t].top_ids[i], o.logprobs[t].top_logprobs[i]));
+        content.push_back(e);
+      }
+      lp = {{"content", content}};
+    } else if (r.params.logprobs >= 0) {
+      json tokens = json::array(), token_logprobs = json::array(), top = json::array(), offsets = json::array();
+      size_t offset = 0;
+      for (size_t t = 0; t < o.logprobs.size() && t < o.token_ids.size(); t++) {
+        const std::string s = tok.decode({o.token_ids[t]});
+        tokens.push_back(s);
+        token_logprobs.push_back(json_logprob(o.logprobs[t].logprob));
+        json alt = json::object();
+        for (int i = 0; i < o.logprobs[t].num_top; i++)
+          alt[tok.decode({o.logprobs[t].top_ids[i]})] = json_logprob(o.logprobs[t].top_logprobs[i]);
+        top.push_back(alt);
+        offsets.push_back(offset);
+        offset += s.size();
+      }
+      lp = {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};
+    }
+    json c = {{"index", k}, {"logprobs", lp}, {"finish_reason", o.finish_reason}, {"stop_reason", stop_reason_json(o)}};
+    if (chat) c["message"] = {{"role", "assistant"}, {"content", o.text}};
+    else c["text"] = o.text;
+    choices.push_back(c);
+  }
+  const int prompt_tokens = outs[0].prompt_tokens;
+  json body = {{"id", batch_id(chat ? "chatcmpl-" : "cmpl-")},
+               {"object", chat ? "chat.completion" : "text_completion"},
+               {"created", (int64_t)time(nullptr)},
+               {"model", model},
+               {"choices", choices},
+               {"usage", {{"prompt_tokens", prompt_tokens}, {"completion_tokens", completion_tokens},
+                          {"total_tokens", prompt_tokens + completion_tokens}}}};
+  line["response"] = {{"status_code", 200}, {"request_id", batch_id("vllm-batch-")}, {"body", body}};
+  line["error"] = nullptr;
+  return line;
+}
+
+// The completions: a readable block per completion on stdout, and with --output one JSON object per
+// completion (then the run summary, section 22). An OpenAI batch is answered instead with one output line
+// per input line, in input order, to --output or else to stdout. Returns true for a batch.
+static bool write_completions(const std::vector<Request>& reqs, const std::vector<Completion>& outs,
+                              const Tokenizer& tok, FILE* jsonl, const std::string& model_name) {
+  const bool batch = !reqs.empty() && !reqs[0].batch.is_null();
+  size_t next = 0;  // outs holds each request's n completions, consecutive, in request order
+  for (size_t i = 0; i < reqs.size(); i++) {
+    const int n = reqs[i].error.empty() ? reqs[i].params.n : 0;
+    const Completion* mine = outs.data() + next;
+    next += n;
+    if (batch) {
+      const std::string line = batch_output_line(reqs[i], mine, n, tok, model_name).dump(-1, ' ', false, json::error_handler_t::replace);
+      fprintf(jsonl ? jsonl : stdout, "%s\n", line.c_str());
+      if (jsonl) printf("==> %s | %s\n", reqs[i].batch["custom_id"].get<std::string>().c_str(),
+                        reqs[i].error.empty() ? "done" : ("error: " + reqs[i].error).c_str());
+      continue;
+    }
+    for (int k = 0; k < n; k++) {
+      const Completion& o = mine[k];
+      if (!o.finish_reason) continue;  // unfinished (Ctrl-C): counted in the summary, not written
+      const std::string which = n > 1 ? " | completion " + std::to_string(k) + " of " + std::to_string(n) : "";
+      const json reason = stop_reason_json(o);
+      printf("==> request %zu%s | %d prompt tokens | %zu tokens | finish: %s%s\n%s\n\n", i, which.c_str(),
+             o.prompt_tokens, o.token_ids.size(), o.finish_reason,
+             reason.is_null() ? "" : (" (" + reason.dump() + ")").c_str(), o.text.c_str());
+      if (!jsonl) continue;
+      json line = {{"index", i},
+                   {"completion", k},
+                   {"text", o.text},
+                   {"token_ids", o.token_ids},
+                   {"finish_reason", o.finish_reason},
+                   {"stop_reason", reason},
+                   {"prompt_tokens", o.prompt_tokens}};
+      if (reqs[i].params.logprobs >= 0) {
+        line["logprobs"] = logprobs_json(o, tok);
+        line["cumulative_logprob"] = o.cumulative_logprob;
+      }
+      fprintf(jsonl, "%s\n", line.dump(-1, ' ', false, json::error_handler_t::replace).c_str());
     }
   }
-  (void)reqs;
   fflush(stdout);
+  return batch;
 }
 
 
@@ -6035,6 +6883,8 @@ struct Cli {
   std::string sim_model = "Qwen3-0.6B";  // --simulate-model: the shape when there is no config.json
   bool sim_model_given = false;
   double sim_eos_prob = 0;   // --simulate-eos-prob
+  json sampling_flags = json::object();  // the sampling flags given, by vLLM's field names (section 21)
+  bool generation_config = true;         // --generation-config auto (true) or vllm
 };
 
 static const char* kUsage =
@@ -6060,11 +6910,23 @@ static const char* kUsage =
     "  --plain                      Part I alone: no optimization of Part II (same as --opt none)\n"
     "  --opt LIST                   comma-separated: all, none, NAME (on) or -NAME (off), left to right;\n"
     "                               NAME: pdl gemv cluster_merge fused_rope oneshot_allreduce fast_sampler\n"
-    "sampling (defaults for every request; a .jsonl line may override them):\n"
+    "sampling (defaults for every request, vLLM's names; a .jsonl line may override them):\n"
+    "  --generation-config auto|vllm  auto: the model's generation_config.json sets the defaults it names\n"
+    "                               (Qwen3: temperature 0.6, top_k 20, top_p 0.95); vllm: the built-in ones (auto)\n"
     "  --temperature F              0 = greedy                                (1.0)\n"
     "  --top-k N                    keep the N most likely tokens, -1 = off   (-1)\n"
     "  --top-p F                    nucleus sampling, 1 = off                 (1.0)\n"
+    "  --min-p F                    drop tokens below F x the top token's probability, 0 = off  (0)\n"
     "  --max-tokens N               tokens to generate                        (64)\n"
+    "  --min-tokens N               no EOS, stop token or stop string before N tokens  (0)\n"
+    "  --n N                        completions per prompt                    (1)\n"
+    "  --stop STR                   finish at this text (repeat for several)\n"
+    "  --stop-token-ids A,B,...     finish at these token ids\n"
+    "  --include-stop-str-in-output keep the stop string (or stop token's text) in the text\n"
+    "  --presence-penalty F         minus F for tokens already in the output, in [-2, 2]  (0)\n"
+    "  --frequency-penalty F        minus F x count of each token in the output, in [-2, 2]  (0)\n"
+    "  --repetition-penalty F       prompt and output tokens: logit / F (or x F if negative), 1 = off  (1)\n"
+    "  --logprobs N                 per token: its log-probability and the N most likely, 0..20\n"
     "  --ignore-eos                 do not stop at end-of-sequence tokens\n"
     "  --seed N                     seed of the sampler                       (0)\n"
     "prompts and output:\n"
@@ -6127,6 +6989,12 @@ static Cli parse_args(int argc, char** argv, bool simulate = false) {
       if (v.empty() || *end) die("flag %s expects a number, found '%s'", a.c_str(), v.c_str());
       return x;
     };
+    auto as_double = [&](const std::string& v) -> double {
+      char* end;
+      double x = strtod(v.c_str(), &end);
+      if (v.empty() || *end) die("flag %s expects a number, found '%s'", a.c_str(), v.c_str());
+      return x;
+    };
     auto as_int32 = [&](const std::string& v) -> int {
       int64_t x = as_int(v);
       if (x < INT32_MIN || x > INT32_MAX) die("flag %s: %s is out of range", a.c_str(), v.c_str());
@@ -6136,7 +7004,9 @@ static Cli parse_args(int argc, char** argv, bool simulate = false) {
       if (has_eq) die("flag %s takes no value", a.c_str());
     };
     Config& c = cli.config;
-    SamplingParams& sp = cli.prompts.defaults;
+    json& sp = cli.sampling_flags;  // vLLM's field names: `--top-k` is "top_k"
+    std::string field = a.size() > 2 ? a.substr(2) : "";
+    std::replace(field.begin(), field.end(), '-', '_');
     if (a == "--help" || a == "-h") {
       fputs(kUsage, stdout);
       exit(0);
@@ -6148,11 +7018,28 @@ static Cli parse_args(int argc, char** argv, bool simulate = false) {
     else if (a == "--enforce-eager") flag_only(), c.enforce_eager = true;
     else if (a == "--kvcache-block-size") c.kvcache_block_size = as_int32(value());
     else if (a == "--num-kvcache-blocks") c.num_kvcache_blocks = as_int32(value());
-    else if (a == "--temperature") sp.temperature = as_float(value());
-    else if (a == "--top-k") sp.top_k = as_int32(value());
-    else if (a == "--top-p") sp.top_p = as_float(value());
-    else if (a == "--max-tokens") sp.max_tokens = as_int32(value());
-    else if (a == "--ignore-eos") flag_only(), sp.ignore_eos = true;
+    else if (a == "--temperature" || a == "--top-p" || a == "--min-p" || a == "--presence-penalty" ||
+             a == "--frequency-penalty" || a == "--repetition-penalty")
+      sp[field] = as_double(value());
+    else if (a == "--top-k" || a == "--max-tokens" || a == "--min-tokens" || a == "--n" || a == "--logprobs")
+      sp[field] = as_int32(value());
+    else if (a == "--ignore-eos" || a == "--include-stop-str-in-output") flag_only(), sp[field] = true;
+    else if (a == "--stop") {
+      if (!sp.contains("stop")) sp["stop"] = json::array();
+      sp["stop"].push_back(value());
+    } else if (a == "--stop-token-ids") {
+      sp["stop_token_ids"] = json::array();
+      std::string v = value();
+      for (size_t at = 0; at <= v.size();) {
+        size_t comma = std::min(v.find(',', at), v.size());
+        sp["stop_token_ids"].push_back(as_int(v.substr(at, comma - at)));
+        at = comma + 1;
+      }
+    } else if (a == "--generation-config") {
+      std::string v = value();
+      if (v != "auto" && v != "vllm") die("--generation-config must be auto or vllm, found '%s'", v.c_str());
+      cli.generation_config = v == "auto";
+    }
     else if (a == "--seed") cli.seed = as_int(value());
     else if (a == "--raw") flag_only(), cli.prompts.raw = true;
     else if (a == "--no-thinking") flag_only(), cli.prompts.enable_thinking = false;
@@ -6195,7 +7082,8 @@ static Cli parse_args(int argc, char** argv, bool simulate = false) {
         "tokenizer.json, or the path of a tokenizer.json; then the prompts file)");
   if (!simulate && (cli.sim_gpu_bytes > 0 || cli.sim_model_given || cli.sim_eos_prob > 0))
     die("the --simulate-* flags belong to `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS`");
-  validate_sampling(cli.prompts.defaults, "command line");
+  const json& f = cli.sampling_flags;  // flag mistakes first, before the model is read
+  sampling_from_json(f, cli.prompts.defaults, "command line", 0, f.contains("min_tokens") && f.contains("max_tokens"));
   return cli;
 }
 
@@ -6205,6 +7093,7 @@ static std::vector<Request> example_requests(const Tokenizer& tok, const PromptO
   for (const char* p : {"introduce yourself", "list all prime numbers within 100"}) {
     Request r;
     r.params = opt.defaults;
+    validate_sampling(r.params, "command line");
     r.prompt_token_ids = opt.raw ? tok.encode(p) : tok.encode(tok.apply_chat_template({{"user", p}}, true,
                                                                                     opt.enable_thinking));
     reqs.push_back(r);
@@ -6300,6 +7189,15 @@ static std::string fast_path_notes(ModelRunner& runner) {
   return notes.empty() ? "" : " (" + notes.substr(2) + ")";
 }
 
+// The sampling defaults of this run (section 21's sampling_defaults) into cli.prompts.defaults; returns the
+// description the start-up line prints.
+static std::string sampling_defaults_for(Cli& cli, const ModelConfig& mc) {
+  std::string described;
+  cli.prompts.defaults = sampling_defaults(mc.generation_config, cli.config.model + "/generation_config.json",
+                                           cli.generation_config, cli.sampling_flags, mc.vocab_size, &described);
+  return described;
+}
+
 // After generate(), for a real run and a simulated one alike: completions to stdout and --output, the
 // report, the closing line and the summary. Returns the exit status.
 static int finish_run(const Cli& cli, LLMEngine& engine, const std::vector<Request>& requests,
@@ -6311,8 +7209,10 @@ static int finish_run(const Cli& cli, LLMEngine& engine, const std::vector<Reque
   FILE* jsonl = nullptr;
   if (!cli.output_path.empty() && !(jsonl = fopen(cli.output_path.c_str(), "w")))
     die("cannot write --output '%s': %s", cli.output_path.c_str(), strerror(errno));
-  write_completions(requests, outs, tok, jsonl);
-  write_summary(summary, jsonl);
+  std::string model_name = config.model;
+  while (model_name.size() > 1 && model_name.back() == '/') model_name.pop_back();
+  model_name = model_name.substr(model_name.rfind('/') + 1);  // the folder's name, as a batch's "model"
+  if (!write_completions(requests, outs, tok, jsonl, model_name)) write_summary(summary, jsonl);
   if (jsonl) fclose(jsonl);
   if (!cli.report_path.empty()) write_report(cli.report_path, title, summary_json(summary), steps, outs);
   const RunStats& st = engine.stats;
@@ -6346,6 +7246,7 @@ static int simulate_command(Cli& cli) {
   if (config.tensor_parallel_size != 1)
     die("simulate models one GPU: --tensor-parallel-size must be 1, found %d", config.tensor_parallel_size);
   validate_config(config, mc);
+  const std::string sampling = sampling_defaults_for(cli, mc);
   Tokenizer tok = Tokenizer::load(src);
   std::vector<Request> requests = read_prompts(cli.prompts_path, tok, cli.prompts, config, mc);
   if (cli.request_rate > 0) assign_arrivals(requests, cli.request_rate, (uint64_t)cli.seed);
@@ -6370,8 +7271,10 @@ static int simulate_command(Cli& cli) {
           shape.c_str(), model_params(mc) / 1e9, config.num_kvcache_blocks, config.kvcache_block_size,
           (long long)config.num_kvcache_blocks * config.kvcache_block_size,
           config.mixed_scheduler ? "mixed" : "nano");
+  fprintf(stderr, "nanovllm: sampling defaults: %s\n", sampling.c_str());
   LLMEngine engine(config, sim);
   engine.trace = cli.trace;
+  engine.tok = &tok;
   std::vector<StepTrace> steps;
   if (!cli.report_path.empty()) engine.record = &steps;
   install_stop_handlers();
@@ -6399,6 +7302,7 @@ int main(int argc, char** argv) {
   ModelConfig mc = load_model_config(config.model);
   validate_config(config, mc);
   validate_checkpoint(config.model, mc);
+  const std::string sampling = sampling_defaults_for(cli, mc);
   Tokenizer tok = Tokenizer::load(config.model);
   if (tok.vocab_size() > mc.vocab_size)
     die("%s has %d tokens, but vocab_size in %s/config.json is %d: the tokenizer is not this model's",
@@ -6430,9 +7334,11 @@ int main(int argc, char** argv) {
           now_seconds() - t_start);
   fprintf(stderr, "nanovllm: optimizations (Part II): %s%s\n", optimizations_str(config.opt).c_str(),
           fast_path_notes(runner).c_str());
+  fprintf(stderr, "nanovllm: sampling defaults: %s\n", sampling.c_str());
   // 3. Generate. From here the first Ctrl-C stops after the current step and still writes what finished.
   LLMEngine engine(config, runner);
   engine.trace = cli.trace;
+  engine.tok = &tok;
   std::vector<StepTrace> steps;
   if (!cli.report_path.empty()) engine.record = &steps;
   double t_gen = now_seconds();

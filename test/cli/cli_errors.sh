@@ -85,7 +85,7 @@ refuse flag_temperature_negative "temperature must be >= 0|-0.5|command line" "$
 refuse flag_temperature_nan "temperature must be >= 0" "$G" "$PT" --temperature nan
 refuse flag_top_p_zero "top_p must be in (0, 1]|found 0" "$G" "$PT" --top-p 0
 refuse flag_top_p_above_one "top_p must be in (0, 1]|1.5" "$G" "$PT" --top-p 1.5
-refuse flag_top_k_zero "top_k must be positive or -1" "$G" "$PT" --top-k 0
+refuse flag_top_k_negative "top_k must be positive, or -1 or 0 (off)|-2" "$G" "$PT" --top-k -2
 refuse flag_max_tokens_zero "max_tokens must be at least 1" "$G" "$PT" --max-tokens 0
 refuse flag_max_tokens_not_a_number "--max-tokens expects an integer|'ten'" "$G" "$PT" --max-tokens ten
 refuse flag_max_tokens_overflow "--max-tokens: 99999999999 is out of range" "$G" "$PT" \
@@ -311,5 +311,66 @@ refuse simulate_gpu_too_small "the KV pool has 0 blocks" simulate "$G/tokenizer.
   --simulate-model Qwen3-8B --simulate-gpu-memory 8GB
 expect_error simulate_missing_prompts "usage: nanovllm simulate MODEL_OR_TOKENIZER PROMPTS" "${RUN[@]}" \
   simulate "$G" --num-kvcache-blocks 100
+
+# ---- request fields as vLLM users write them (issue 20): each bad value names the line and the field ----
+B=$tmp/batch.jsonl
+refuse flag_n_zero "command line|n must be an integer from 1|found 0" "$G" "$PT" --n 0
+refuse flag_min_p_above_one "command line|min_p must be in [0, 1]|1.5" "$G" "$PT" --min-p 1.5
+refuse flag_logprobs_21 "command line|logprobs must be in [0, 20]|21" "$G" "$PT" --logprobs 21
+refuse flag_repetition_penalty_zero "command line|repetition_penalty must be > 0" "$G" "$PT" --repetition-penalty 0
+refuse flag_presence_penalty_3 "command line|presence_penalty must be in [-2, 2]|3" "$G" "$PT" --presence-penalty 3
+refuse flag_frequency_penalty_minus_3 "command line|frequency_penalty must be in [-2, 2]" "$G" "$PT" \
+  --frequency-penalty -3
+refuse flag_min_tokens_past_max "command line|min_tokens must be in [0, max_tokens = 8]|9" "$G" "$PT" \
+  --max-tokens 8 --min-tokens 9
+refuse flag_min_tokens_past_default_max_tokens "command line|min_tokens must be in [0, max_tokens = 64]|70" "$G" "$PT" \
+  --min-tokens 70
+printf '%s\n' '{"prompt": "hi", "max_tokens": 100}' >"$J"
+refuse valid_flag_min_tokens_under_a_line_max_tokens "$NOGPU" "$G" "$J" --min-tokens 70
+refuse flag_stop_empty "command line|stop cannot contain an empty string" "$G" "$PT" --stop ''
+refuse flag_stop_token_ids_not_numbers "flag --stop-token-ids expects an integer|'x'" "$G" "$PT" --stop-token-ids 5,x
+refuse flag_generation_config_unknown "--generation-config must be auto or vllm|'hf'" "$G" "$PT" \
+  --generation-config hf
+refuse valid_request_flags_reach_gpu_check "$NOGPU" "$G" "$PT" --n 3 --min-p 0.1 --logprobs 5 \
+  --repetition-penalty 1.2 --presence-penalty 0.5 --frequency-penalty -0.5 --min-tokens 4 --stop END \
+  --stop 'two words' --stop-token-ids 13,14 --include-stop-str-in-output --generation-config vllm
+printf '%s\n' '{"prompt": "hi"}' '{"prompt": "hi", "n": 0}' >"$J"
+refuse jsonl_n_zero "$J:2|n must be an integer from 1|found 0" "$G" "$J"
+printf '%s\n' '{"prompt": "hi", "logprobs": 21}' >"$J"
+refuse jsonl_logprobs_21 "$J:1|logprobs must be in [0, 20]|21" "$G" "$J"
+printf '%s\n' '{"prompt": "hi", "min_p": 1.5}' >"$J"
+refuse jsonl_min_p_above_one "$J:1|min_p must be in [0, 1]|1.5" "$G" "$J"
+printf '%s\n' '{"prompt": "hi", "stop": 5}' >"$J"
+refuse jsonl_stop_not_a_string "$J:1|\"stop\" must be a string or a list of strings|5" "$G" "$J"
+printf '%s\n' '{"prompt": "hi", "repetition_penalty": 0}' >"$J"
+refuse jsonl_repetition_penalty_zero "$J:1|repetition_penalty must be > 0" "$G" "$J"
+printf '%s\n' '{"prompt": "hi", "stop_token_ids": [151936]}' >"$J"
+refuse jsonl_stop_token_id_past_vocab "$J:1|\"stop_token_ids\": 151936 is not a token id in [0, 151936)" "$G" "$J"
+printf '%s\n' '{"prompt": "hi", "prompt_logprobs": 1}' >"$J"
+refuse jsonl_prompt_logprobs "$J:1|\"prompt_logprobs\" is not supported|last position" "$G" "$J"
+printf '%s\n' '{"prompt": "hi", "min_tokens": 70}' >"$J"
+refuse jsonl_min_tokens_past_max_tokens "$J:1|min_tokens must be in [0, max_tokens = 64]|70" "$G" "$J"
+printf '%s\n' '{"prompt": "hi", "include_stop_str_in_output": 1}' >"$J"
+refuse jsonl_include_stop_not_bool "$J:1|\"include_stop_str_in_output\" must be true or false" "$G" "$J"
+printf '%s\n' '{"prompt": "hi", "n": 2, "stop": ["a", "b"], "stop_token_ids": [13], "min_tokens": 2, "logprobs": 0,' \
+  '"min_p": 0.05, "presence_penalty": -2, "frequency_penalty": 2, "repetition_penalty": 1.1, "seed": null}' | tr -d '\n' >"$J"
+echo >>"$J"
+refuse valid_request_fields_reach_gpu_check "$NOGPU" "$G" "$J"
+chat='"method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "hi"}]}'
+printf '%s\n' "{\"custom_id\": \"a\", $chat}" "{$chat}" >"$B"
+refuse batch_without_custom_id "$B:2|needs \"custom_id\"" "$G" "$B"
+printf '%s\n' '{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"input": "hi"}}' >"$B"
+refuse batch_unknown_url "$B:1|\"url\" must be \"/v1/chat/completions\" or \"/v1/completions\"|/v1/embeddings" "$G" "$B"
+printf '%s\n' "{\"custom_id\": \"a\", $chat}" "{\"custom_id\": \"a\", $chat}" >"$B"
+refuse batch_duplicate_custom_id "$B:2|custom_id \"a\" is used by an earlier line" "$G" "$B"
+printf '%s\n' "{\"custom_id\": \"a\", $chat}" '{"prompt": "hi"}' >"$B"
+refuse batch_then_plain_line "$B:2|not a batch request" "$G" "$B"
+printf '%s\n' '{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "n": 0}}' >"$B"
+refuse batch_body_n_zero "$B:1: body|n must be an integer from 1|found 0" "$G" "$B"
+printf '%s\n' '{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21}}' >"$B"
+refuse batch_top_logprobs_21 "$B:1: body|logprobs must be in [0, 20]|21" "$G" "$B"
+printf '%s\n' "{\"custom_id\": \"a\", $chat}" \
+  '{"custom_id": "b", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}}' >"$B"
+refuse valid_batch_with_an_unsupported_line_reaches_gpu_check "$NOGPU" "$G" "$B"
 
 finish

@@ -185,13 +185,16 @@ extern "C" int nanovllm_fuzz_prompts(const uint8_t* data, size_t size) {
   if (reqs.empty()) fuzz_fail("no requests accepted");
   for (const Request& r : reqs) {
     const SamplingParams& p = r.params;
+    if (!r.error.empty()) continue;  // an OpenAI batch line answered with its error: never run
     if (r.prompt_token_ids.empty()) fuzz_fail("%s: empty prompt accepted", r.source.c_str());
     if ((int64_t)r.prompt_token_ids.size() + p.max_tokens > cfg.max_model_len)
       fuzz_fail("%s: prompt + max_tokens past max_model_len accepted", r.source.c_str());
     for (int id : r.prompt_token_ids)
       if (id < 0 || id >= mc.vocab_size) fuzz_fail("%s: token id %d accepted", r.source.c_str(), id);
     if (!(p.temperature >= 0) || !std::isfinite(p.temperature) || !(p.top_p > 0 && p.top_p <= 1) ||
-        p.max_tokens < 1 || p.top_k == 0 || p.top_k < -1)
+        p.max_tokens < 1 || p.top_k == 0 || p.top_k < -1 || p.n < 1 || p.min_tokens < 0 ||
+        p.min_tokens > p.max_tokens || p.logprobs < -1 || p.logprobs > MAX_LOGPROBS || !(p.min_p >= 0 && p.min_p <= 1) ||
+        !(p.repetition_penalty > 0) || !(std::fabs(p.presence_penalty) <= 2) || !(std::fabs(p.frequency_penalty) <= 2))
       fuzz_fail("%s: invalid sampling settings accepted", r.source.c_str());
   }
   return 0;

@@ -13,16 +13,7 @@
 #include <atomic>
 #include <thread>
 
-static bool gpu_visible() {
-  static int n = -1;
-  if (n < 0 && cudaGetDeviceCount(&n) != cudaSuccess) {
-    n = 0;
-    cudaGetLastError();
-  }
-  return n > 0;
-}
-#define REQUIRE_GPU() \
-  if (!gpu_visible()) SKIP("no GPU visible")
+#include "gpu_fixtures.h"
 
 // splitmix64: a fast reproducible source for the hundreds of millions of cache values some cases need.
 struct Rng {
@@ -596,7 +587,7 @@ TEST(timing_prefill) {
 }
 
 int main(int argc, char** argv) {
-  if (gpu_visible()) {
+  if (have_gpu()) {
     cudaDeviceProp p;
     CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
     printf("GPU: %s (sm_%d%d, %d SMs, %.0f GiB)\n", p.name, p.major, p.minor, p.multiProcessorCount,

@@ -3,7 +3,7 @@
 # (test/gpu/gpu_interrupt.sh), and the end-to-end comparison with Hugging Face transformers (needs python3 with
 # torch + transformers on the GPU machine).
 #
-#   bash test/gpu/gpu_check.sh [BIN_DIR]      BIN_DIR holds nanovllm, gpu_kernels, gpu_attention, gpu_gemm, gpu_e2e,
+#   bash test/gpu/gpu_check.sh [BIN_DIR]      BIN_DIR holds nanovllm, gpu_kernels, gpu_requests, gpu_attention, gpu_gemm, gpu_e2e,
 #                                         gpu_tp
 #                                         (default: . for nanovllm and build/ for the rest)
 # Env: TOKENIZER_DIR (a folder with Qwen3's tokenizer.json; default: tools/fetch_tokenizer.sh),
@@ -33,6 +33,7 @@ TP=${NANOVLLM_E2E_TP:-1}
 nvidia-smi -L | tee "$LOG_DIR/gpu.txt"
 if [ "${KERNELS:-1}" != 0 ]; then
   suite gpu_kernels gpu_kernels.txt "$TB/gpu_kernels"
+  suite gpu_requests gpu_requests.txt "$TB/gpu_requests"
   suite gpu_attention gpu_attention.txt "$TB/gpu_attention"
   suite gpu_gemm gpu_gemm.txt "$TB/gpu_gemm"
   [ "$TP" -gt 1 ] && { suite gpu_tp gpu_tp.txt "$TB/gpu_tp"; grep -E '^ ' "$LOG_DIR/gpu_tp.txt"; }

@@ -22,10 +22,7 @@
 #include "../../nanovllm.cu"
 #include "../test.h"
 
-static bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
+#include "gpu_fixtures.h"
 
 static std::vector<float> read_f32(const std::string& path, size_t n) {
   std::vector<float> v(n);
@@ -74,11 +71,15 @@ struct Engine {
     engine.reset(new LLMEngine(config, *runner));
     engine->progress = false;
   }
-  std::vector<std::vector<int>> generate(const std::vector<std::vector<int>>& prompts, int max_tokens) {
+  // Greedy completions of `prompts`, each returned as prompt + generated ids; `base` sets the other fields.
+  std::vector<std::vector<int>> generate(const std::vector<std::vector<int>>& prompts, int max_tokens,
+                                         SamplingParams base = SamplingParams{},
+                                         std::vector<Completion>* completions = nullptr) {
     std::vector<Request> reqs;
     for (auto& p : prompts) {
       Request r;
       r.prompt_token_ids = p;
+      r.params = base;
       r.params.temperature = 0;
       r.params.max_tokens = max_tokens;
       r.params.ignore_eos = true;
@@ -87,10 +88,11 @@ struct Engine {
     std::vector<std::vector<int>> out;
     auto comps = engine->generate(reqs);
     for (size_t i = 0; i < comps.size(); i++) {
-      std::vector<int> s = prompts[i];
+      std::vector<int> s = reqs[comps[i].request].prompt_token_ids;
       s.insert(s.end(), comps[i].token_ids.begin(), comps[i].token_ids.end());
       out.push_back(s);
     }
+    if (completions) *completions = comps;
     return out;
   }
 };
@@ -209,6 +211,78 @@ static void run_shape(const std::string& dir) {
     printf("    (c) 16 requests behind a %zu-token prefix: %lld prefix-hit tokens (at least %lld expected)\n",
            prompts[6].size(), (long long)hit, (long long)expect);
     CHECK(hit >= expect);
+  }
+  // (d) request fields (nanovllm.cu sections 9b and 13), greedy so that transformers can score them:
+  {
+    std::vector<std::vector<int>> batch = runs["batch"]["sequences"].get<std::vector<std::vector<int>>>();
+    // logprobs: the same tokens as without (they are computed after the draw, from the raw logits); the
+    // greedy token ranks first; the log-probabilities go to the teacher-forcing check against transformers.
+    SamplingParams lp;
+    lp.logprobs = 5;
+    std::vector<Completion> comps;
+    auto with_lp = e.generate(prompts, 128, lp, &comps);
+    CHECK_MSG(with_lp == batch, "logprobs changed the greedy tokens");
+    json lps = json::array();
+    int rank1 = 0, n = 0;
+    for (auto& c : comps) {
+      json row = json::array();
+      for (size_t t = 0; t < c.logprobs.size(); t++, n++) {
+        row.push_back(c.logprobs[t].logprob);
+        rank1 += c.logprobs[t].rank == 1 && c.logprobs[t].top_ids[0] == c.token_ids[t] &&
+                 c.logprobs[t].top_logprobs[0] == c.logprobs[t].logprob;
+      }
+      CHECK_EQ(c.logprobs.size(), c.token_ids.size());
+      lps.push_back(row);
+    }
+    printf("    (d) logprobs: same tokens as without; %d of %d greedy tokens rank 1 and head the top 5\n", rank1, n);
+    CHECK(rank1 >= n * 99 / 100);  // (exact ties at the top may rank a greedy token second)
+    runs["logprobs"] = {{"sequences", with_lp}, {"prompt_lens", plens}, {"logprobs", lps}};
+    // n = 3: three sequences, the same greedy tokens as one request alone; the two later ones share the
+    // prompt's full blocks (a 600-token prompt: 2 blocks of 256).
+    SamplingParams three;
+    three.n = 3;
+    Engine fresh(dir, 16384, 256, 64, 4096);
+    auto trio = fresh.generate({prompts[6]}, 128, three);
+    CHECK_EQ(trio.size(), (size_t)3);
+    for (auto& t : trio) CHECK_MSG(t == one[6], "n = 3: a completion differs from the request alone");
+    const int64_t shared = fresh.engine->scheduler.stats.prefix_hit_tokens;
+    printf("    (d) n = 3: identical greedy completions, %lld prefix-hit tokens (2 x %zu expected)\n",
+           (long long)shared, (prompts[6].size() - 1) / 256 * 256);
+    CHECK_EQ(shared, (int64_t)(2 * ((prompts[6].size() - 1) / 256 * 256)));
+    record("n_greedy", trio, {plens[6], plens[6], plens[6]});
+    // A stop string taken from request 0's greedy text after its 40th token: generation stops at the token
+    // that completes its first occurrence (earlier, if the text repeats itself), the text ends just before
+    // that occurrence, and the tokens are a prefix of the full greedy run.
+    Tokenizer tok = Tokenizer::load(dir);
+    e.engine->tok = &tok;
+    const std::vector<int> full(batch[0].begin() + plens[0], batch[0].end());
+    const std::string text = tok.decode(full);
+    const size_t from = tok.decode(std::vector<int>(full.begin(), full.begin() + 40)).size();
+    if (CHECK_MSG(from + 6 <= text.size(), "the greedy text has %zu bytes", text.size())) {
+      const std::string stop = text.substr(from, 6);
+      SamplingParams st;
+      st.stop = {stop};
+      auto cut = e.generate({prompts[0]}, 128, st, &comps);
+      CHECK_EQ(comps[0].stop_string, stop);
+      CHECK_EQ(comps[0].text, text.substr(0, text.find(stop)));
+      CHECK_MSG(cut[0].size() < batch[0].size() && std::equal(cut[0].begin(), cut[0].end(), batch[0].begin()),
+                "the stopped run is not a prefix of the full greedy run");
+      printf("    (d) stop string first at byte %zu: stopped after %zu of 128 tokens, a prefix of the full run\n",
+             text.find(stop), comps[0].token_ids.size());
+    }
+    e.engine->tok = nullptr;
+    // Penalties: greedy under repetition, frequency and presence penalties, scored by the teacher-forcing
+    // check with the same penalties applied to transformers' fp32 logits (HF's and vLLM's rules).
+    SamplingParams pen;
+    pen.repetition_penalty = 1.5f, pen.frequency_penalty = 0.3f, pen.presence_penalty = 0.5f;
+    std::vector<std::vector<int>> four(prompts.begin(), prompts.begin() + 4);
+    auto penalized = e.generate(four, 128, pen);
+    runs["penalties"] = {{"sequences", penalized}, {"prompt_lens", std::vector<int>(plens.begin(), plens.begin() + 4)},
+                         {"penalties", {{"repetition", 1.5}, {"frequency", 0.3}, {"presence", 0.5}}}};
+    int differ = 0;
+    for (int i = 0; i < 4; i++) differ += penalized[i] != batch[i];
+    printf("    (d) penalties: %d of 4 greedy completions differ from the unpenalized ones\n", differ);
+    CHECK(differ > 0);
   }
   json out = {{"tolerance", tol}, {"runs", runs}};
   std::ofstream(dir + "/gen_results.json") << out.dump();

@@ -5,10 +5,7 @@
 #include "../../nanovllm.cu"
 #include "../test.h"
 
-static bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
+#include "gpu_fixtures.h"
 
 static std::vector<uint16_t> random_bf16(size_t n, uint64_t seed, float scale) {
   std::vector<uint16_t> v(n);

@@ -9,36 +9,7 @@
 #include "../test.h"
 
 // ---- helpers ------------------------------------------------------------------------------------------
-static bool have_gpu() {
-  static int n = -1;
-  if (n < 0 && cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
-  return n > 0;
-}
-#define REQUIRE_GPU() \
-  do {                \
-    if (!have_gpu()) SKIP("no GPU visible"); \
-  } while (0)
-
-template <class T>
-struct DevBuf {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit DevBuf(size_t count) : n(count) {
-    CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(1, n) * sizeof(T)));
-  }
-  DevBuf(const std::vector<T>& v) : DevBuf(v.size()) { upload(v); }
-  ~DevBuf() { cudaFree(p); }
-  DevBuf(const DevBuf&) = delete;
-  void upload(const std::vector<T>& v) {
-    CUDA_CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  std::vector<T> download() const {
-    std::vector<T> v(n);
-    CUDA_CHECK(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return v;
-  }
-  void poison() { CUDA_CHECK(cudaMemset(p, 0xFF, n * sizeof(T))); }
-};
+#include "gpu_fixtures.h"
 
 static float rb(float x) { return __bfloat162float(__float2bfloat16(x)); }  // round to bf16, as a float
 static std::vector<bf16> random_bf16(size_t n, std::mt19937& rng, float mean = 0.f, float stddev = 1.f) {
@@ -397,13 +368,6 @@ static std::vector<int> gpu_sample(const std::vector<float>& logits, const std::
   d_ws.poison();
   run_sampler(d_out.p, d_logits.p, d_slots.p, B, V, d_ws.p, ws);
   return d_out.download();
-}
-
-static std::vector<float> random_logits(size_t n, std::mt19937& rng, float stddev) {
-  std::normal_distribution<float> d(0.f, stddev);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
 }
 
 TEST(sample_greedy_is_argmax_lowest_index_on_ties) {

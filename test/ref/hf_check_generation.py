@@ -18,22 +18,35 @@ tol = res["tolerance"]
 model = Qwen3ForCausalLM.from_pretrained(d, torch_dtype=torch.float32).to("cuda").eval()
 passed = failed = 0
 for name, run in res["runs"].items():
-    worst, n_tok, n_exact = 0.0, 0, 0
-    for seq, plen in zip(run["sequences"], run["prompt_lens"]):
+    worst, n_tok, n_exact, worst_lp = 0.0, 0, 0, 0.0
+    pen = run.get("penalties")  # {"repetition", "frequency", "presence"}: applied to the reference row first
+    for i, (seq, plen) in enumerate(zip(run["sequences"], run["prompt_lens"])):
         x = torch.tensor([seq], device="cuda")
         with torch.no_grad():
             logits = model(x).logits[0].float()
         for pos in range(plen, len(seq)):
-            row = logits[pos - 1]
+            row = logits[pos - 1].clone()
+            if "logprobs" in run:  # ours (raw logits) against log_softmax of the reference's
+                ref_lp = torch.log_softmax(row.double(), dim=-1)[seq[pos]].item()
+                worst_lp = max(worst_lp, abs(run["logprobs"][i][pos - plen] - ref_lp))
+            if pen:  # vLLM's apply_penalties (HF's repetition rule) over prompt + output so far
+                out_ids = torch.tensor(seq[plen:pos], device="cuda", dtype=torch.long)
+                counts = torch.bincount(out_ids, minlength=row.numel()).float() if pos > plen else torch.zeros_like(row)
+                seen = counts > 0
+                seen[torch.tensor(seq[:plen], device="cuda")] = True
+                r = pen["repetition"]
+                row = torch.where(seen, torch.where(row > 0, row / r, row * r), row)
+                row = row - pen["frequency"] * counts - pen["presence"] * (counts > 0).float()
             best = row.max().item()
             gap = best - row[seq[pos]].item()
             worst = max(worst, gap)
             n_exact += int(row.argmax().item() == seq[pos])
             n_tok += 1
     frac = n_exact / max(n_tok, 1)
-    ok = worst <= tol and frac >= 0.9 and n_tok > 0
+    ok = worst <= tol and frac >= 0.9 and n_tok > 0 and worst_lp <= tol
+    lp_note = f", worst |logprob - reference| {worst_lp:.4f}" if "logprobs" in run else ""
     print(f"{'PASS' if ok else 'FAIL'} teacher_forcing_{name}: {n_tok} tokens, {100*frac:.1f}% exact argmax, "
-          f"worst gap to the best logit {worst:.4f} (tolerance {tol:.4f})")
+          f"worst gap to the best logit {worst:.4f} (tolerance {tol:.4f}){lp_note}")
     passed += ok
     failed += not ok
 print(f"RESULT passed={passed} failed={failed} skipped=0")
