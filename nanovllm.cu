@@ -3490,12 +3490,11 @@ struct ModelRunner : StepRunner {
     return g ? g : B;
   }
 
-  // What a step's batch asks of section 9b. A step where no sequence sets a penalty, min_tokens, min_p or
-  // logprobs does none of this: the default path is exactly the one above.
+  // What a step's batch asks of section 9b. A step where no sequence sets a penalty, min_tokens or logprobs
+  // does none of this: the default path is exactly the one above. (min_p needs nothing here: both samplers
+  // apply it in the step's usual draw.)
   struct StepExtras {
-    bool edits = false;     // some row has logit edits (a penalty, or a ban before min_tokens)
-    bool min_p = false;     // some row samples with min_p (only section 9's sampler knows it)
-    bool redraw = false;    // the draw must be made again, on the edited logits or with min_p
+    bool edits = false;     // some row has logit edits (a penalty, or a ban before min_tokens): draw again
     bool logprobs = false;  // some row asks for log-probabilities
   };
   StepExtras step_extras(const std::vector<Sequence*>& seqs) const {
@@ -3503,10 +3502,8 @@ struct ModelRunner : StepRunner {
     for (const Sequence* q : seqs) {
       const SamplingParams& p = q->params;
       x.edits |= p.penalized() || q->num_completion_tokens() < p.min_tokens;
-      x.min_p |= p.min_p > 0 && p.temperature > 0;
       x.logprobs |= p.logprobs >= 0;
     }
-    x.redraw = x.edits || x.min_p;
     return x;
   }
 
@@ -3542,18 +3539,18 @@ struct ModelRunner : StepRunner {
     if (E) CUDA_CHECK(cudaMemcpyAsync(edits_d, edits_h, E * sizeof(LogitEdit), cudaMemcpyHostToDevice, stream));
   }
 
-  // After the model and the default draw (rank 0): edit the logits, draw again (the draw a CUDA graph made
-  // knows nothing of edits or min_p; a draw is a pure function of the logits and the slot, so drawing twice
-  // changes nothing else), put the raw logits back, and compute the log-probabilities from them. The second
-  // draw is section 19's when it is on and no row needs min_p, else section 9's. B: the real rows (a
-  // graph's padding rows are left alone).
+  // After the model and the default draw (rank 0): edit the logits, draw again with the same sampler (the
+  // draw a CUDA graph made saw the logits unedited; a draw is a pure function of the logits and the slot,
+  // so drawing twice changes nothing else), put the raw logits back, and compute the log-probabilities
+  // from them. B: the real rows (a graph's padding rows are left alone).
   void process_and_sample(const StepExtras& x, int B, const SamplingSlot* slots_d) {
     const int V = model.cfg.vocab_size;
-    if (x.edits) logit_edits(false, logits, B, V, edits_d, edit_start_d, slots_d, edit_saved, stream);
-    if (x.redraw && g_opt.fast_sampler && !x.min_p)
-      sample_fast(out_tokens_d, logits, slots_d, B, V, sample_ws, sample_ws_bytes, stream);
-    else if (x.redraw) sample(out_tokens_d, logits, slots_d, B, V, stream);
-    if (x.edits) logit_edits(true, logits, B, V, edits_d, edit_start_d, slots_d, edit_saved, stream);
+    if (x.edits) {
+      logit_edits(false, logits, B, V, edits_d, edit_start_d, slots_d, edit_saved, stream);
+      if (g_opt.fast_sampler) sample_fast(out_tokens_d, logits, slots_d, B, V, sample_ws, sample_ws_bytes, stream);
+      else sample(out_tokens_d, logits, slots_d, B, V, stream);
+      logit_edits(true, logits, B, V, edits_d, edit_start_d, slots_d, edit_saved, stream);
+    }
     if (x.logprobs) {
       if (!logprobs_d) {
         CUDA_CHECK(cudaMalloc(&logprobs_d, Bmax * sizeof(TokenLogprobs)));
@@ -3574,15 +3571,15 @@ struct ModelRunner : StepRunner {
       int T;
       StepInputs in = prepare_prefill(seqs, T);
       if (model.tp > 1) tp_send_step({1, T, B, in.max_seqlen_q, 0, prefill_region.used}, prefill_region.h);
-      forward_and_sample(in, T, B, true, p_samp.d, !x.redraw);
-      if (x.redraw || x.logprobs) process_and_sample(x, B, p_samp.d);
+      forward_and_sample(in, T, B, true, p_samp.d, !x.edits);
+      if (x.edits || x.logprobs) process_and_sample(x, B, p_samp.d);
     } else {
       int g = config.enforce_eager ? 0 : graph_size_for(B);
       StepInputs in = prepare_decode(seqs, g ? g : B);
       if (model.tp > 1) tp_send_step({0, g ? g : B, g ? g : B, 1, g, decode_region.used}, decode_region.h);
       if (g) CUDA_CHECK(cudaGraphLaunch(graphs[g], stream));
-      else forward_and_sample(in, B, B, false, d_samp.d, !x.redraw);
-      if (x.redraw || x.logprobs) process_and_sample(x, B, d_samp.d);
+      else forward_and_sample(in, B, B, false, d_samp.d, !x.edits);
+      if (x.edits || x.logprobs) process_and_sample(x, B, d_samp.d);
     }
     have_logprobs = x.logprobs;
     CUDA_CHECK(cudaMemcpyAsync(out_tokens_h, out_tokens_d, B * sizeof(int), cudaMemcpyDeviceToHost, stream));
@@ -3858,7 +3855,7 @@ struct LLMEngine {
         s->logprobs.push_back(logprobs[i]);
         s->cumulative_logprob += logprobs[i].logprob;
       }
-      if (tok) detokenize(*s);
+      if (tok && !s->params.stop.empty()) detokenize(*s);  // (the others' text is decoded once, at the end)
     }
     double h3 = now_seconds(), end = clock();
     for (size_t i = 0; i < batch.size(); i++) {
@@ -3891,17 +3888,22 @@ struct LLMEngine {
     if (record) record->push_back(std::move(tr));
   }
 
+  // A token that ended the sequence as EOS or a stop token adds no text unless include_stop_str_in_output.
+  static bool last_token_has_no_text(const Sequence& s) {
+    return s.is_finished() && !strcmp(s.finish_reason, "stop") && s.stop_string.empty() &&
+           !s.params.include_stop_str_in_output;
+  }
+
   // The text of a sequence's new token, then its stop strings (vLLM: detokenizer.py
-  // IncrementalDetokenizer.update). A token that ended the sequence as EOS or a stop token adds no text
-  // unless include_stop_str_in_output. The search looks only where the new text can complete a match: the
+  // IncrementalDetokenizer.update). Only a sequence with stop strings needs its text while it runs; the
+  // others' is decoded once, when generate() returns (the same text). The search looks only where the new text can complete a match: the
   // last (new bytes + stop length - 1) bytes. As in vLLM, stop strings are tried in the order given (the
   // first that matches wins, not the earliest in the text), only once more than min_tokens tokens are out,
   // and on a sequence that just finished by length too. A match cuts the text before the stop string (or
   // after it, with include_stop_str_in_output), and finishes the sequence with reason "stop".
   void detokenize(Sequence& s) {
     const size_t before = s.text.size();
-    const bool stopped_by_token = s.is_finished() && !strcmp(s.finish_reason, "stop");
-    if (!stopped_by_token || s.params.include_stop_str_in_output) {
+    if (!last_token_has_no_text(s)) {
       if (s.last_token >= 0 && s.last_token < tok->vocab_size()) {  // (ids past the tokenizer: no text, as decode)
         const std::string& bytes = tok->id_to_bytes[s.last_token];
         s.text_repair.feed(bytes.data(), bytes.size(), s.text);
@@ -3985,6 +3987,11 @@ struct LLMEngine {
     std::vector<Completion> out;
     for (size_t i = first; i < seqs.size(); i++) {
       Sequence& s = *seqs[i];
+      if (tok && s.params.stop.empty() && s.is_finished()) {
+        const int n = s.num_completion_tokens() - last_token_has_no_text(s);
+        s.text = tok->decode(std::vector<int>(s.token_ids.begin() + s.num_prompt_tokens,
+                                              s.token_ids.begin() + s.num_prompt_tokens + n));
+      }
       out.push_back({std::vector<int>(s.token_ids.begin() + s.num_prompt_tokens, s.token_ids.end()),
                      s.finish_reason, s.num_prompt_tokens, s.arrival_time, s.first_token_time, s.finish_time,
                      s.seq_id, s.request_index, s.completion_index, s.text, s.stop_token_id, s.stop_string,
@@ -4783,6 +4790,8 @@ static void oneshot_setup(TPComm* c) {
 // candidate list in shared memory, and a row without filters is split over several thread blocks so that a
 // small batch still uses every SM.
 // Switch: fast_sampler.
+// min_p (section 9) is a threshold computed from the row max alone: here it is a floor under the top-p
+// select (its mass counts only what min_p keeps) and a lower bound on the final threshold, as in section 9.
 //
 // Finding the kept set without sorting V = 151,936 logits: a radix select over the order keys of section
 // 9. The threshold key (the smallest kept key) is then found digit by digit, most significant
@@ -5018,10 +5027,11 @@ __global__ __launch_bounds__(SAMPLE_THREADS, 1) void sample_radix_kernel(unsigne
   bool greedy = !(slot.temperature > 0.f);
   bool use_top_k = !greedy && slot.top_k > 0 && slot.top_k < V;
   bool use_top_p = !greedy && slot.top_p < 1.f;
+  bool use_min_p = !greedy && slot.min_p > 0.f;
   float inv_temp = greedy ? 1.f : 1.f / slot.temperature;
   unsigned long long best = 0;
 
-  if (!use_top_k && !use_top_p) {
+  if (!use_top_k && !use_top_p && !use_min_p) {
     // The fast path: one read of this block's piece of the row, 4 tokens per Philox call.
     int groups = (V + 3) / 4, per_split = (groups + splits - 1) / splits;
     int g_begin = min(groups, split * per_split), g_end = min(groups, g_begin + per_split);
@@ -5052,18 +5062,26 @@ __global__ __launch_bounds__(SAMPLE_THREADS, 1) void sample_radix_kernel(unsigne
   }
   Candidates whole_row{row, V, inv_temp, 0u, nullptr, 0};
   RadixSelect k_sel, p_sel;
-  float m = 0.f;  // row max of z: the reference point of the probability masses
-  uint32_t lo;    // every token that can be kept has key >= lo
+  auto max_z = [&](const Candidates& c) {  // the largest z (always among the candidates)
+    unsigned long long mk = 0;
+    c.for_each([&](uint32_t key, int) { mk = max(mk, (unsigned long long)key); });
+    return float_from_order_key((uint32_t)block_max_u64(mk, s));
+  };
+  float m = 0.f;            // row max of z: the reference point of the probability masses and of min_p
+  uint32_t min_p_key = 0;   // min_p's threshold (section 9's min_p_threshold); 0 = off
+  uint32_t lo;              // every token that can be kept has key >= lo
   if (use_top_k) {
     k_sel.target = (unsigned long long)slot.top_k;
     radix_step(k_sel, whole_row, 0u, false, 0.f, 0.f, s);
     lo = k_sel.prefix;
   } else {
-    unsigned long long mk = 0;
-    whole_row.for_each([&](uint32_t key, int) { mk = max(mk, (unsigned long long)key); });
-    m = float_from_order_key((uint32_t)block_max_u64(mk, s));
-    radix_step(p_sel, whole_row, 0u, true, slot.top_p, m, s);
-    lo = p_sel.prefix;
+    m = max_z(whole_row);
+    if (use_min_p) min_p_key = min_p_threshold(m, slot.min_p);
+    lo = min_p_key;
+    if (use_top_p) {  // top-p's mass counts only what min_p keeps: the floor
+      radix_step(p_sel, whole_row, min_p_key, true, slot.top_p, m, s);
+      lo = max(p_sel.prefix, min_p_key);
+    }
   }
   // Copy the candidates (key >= lo) to shared memory; count them even past the capacity.
   if (threadIdx.x == 0) s.list_n = 0;
@@ -5080,13 +5098,11 @@ __global__ __launch_bounds__(SAMPLE_THREADS, 1) void sample_radix_kernel(unsigne
   if (use_top_k) {
     while (!k_sel.done) radix_step(k_sel, cands, 0u, false, 0.f, 0.f, s);
     threshold = k_sel.prefix;
+    if (use_top_p || use_min_p) m = max_z(cands);
+    if (use_min_p) threshold = max(threshold, min_p_key = min_p_threshold(m, slot.min_p));  // both keep a top
   }
   if (use_top_p) {
-    if (use_top_k) {  // a fresh select over S_k; its first histogram's total is S_k's mass
-      unsigned long long mk = 0;
-      cands.for_each([&](uint32_t key, int) { mk = max(mk, (unsigned long long)key); });
-      m = float_from_order_key((uint32_t)block_max_u64(mk, s));
-    }
+    // With top-k, a fresh select over S_k (and min_p's set): its first histogram's total is their mass.
     while (!p_sel.done) radix_step(p_sel, cands, threshold, true, slot.top_p, m, s);
     // A whole-bin stop leaves p_sel.prefix at the bin's lower edge, which may lie below the top-k cut.
     threshold = max(threshold, p_sel.prefix);

@@ -131,4 +131,42 @@ PY
   check report_renders_in_chromium $? "$(cat "$tmp/py3.txt")"
   cat "$tmp/py3.txt" | sed 's/^/    /'
 fi
+# 5. Request fields end to end (issue 20): an OpenAI batch with n, stop strings, logprobs and an unsupported
+#    line answered with its own error; n = 3 of a 100-token prompt shares its 6 full blocks of 16.
+cat >"$tmp/batch.jsonl" <<'J'
+{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "hi"}], "n": 3, "max_completion_tokens": 20, "stop": ["e"], "logprobs": true, "top_logprobs": 2}}
+{"custom_id": "b", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}}
+{"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Once upon a time", "max_tokens": 7, "temperature": 0, "stop_token_ids": [13]}}
+J
+"$BIN" simulate "$tmp/tiny" "$tmp/batch.jsonl" --num-kvcache-blocks 64 --kvcache-block-size 16 --max-model-len 256 \
+  --output "$tmp/batch_out.jsonl" >"$tmp/stdout" 2>"$tmp/stderr"
+check batch_runs $? "$(tail -n 3 "$tmp/stderr")"
+python3 - "$tmp/batch_out.jsonl" >"$tmp/py5.txt" 2>&1 <<'PY'
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+assert [l["custom_id"] for l in lines] == ["a", "b", "c"], [l["custom_id"] for l in lines]
+a, b, c = (l["response"] for l in lines)
+assert a["status_code"] == 200 and a["body"]["object"] == "chat.completion" and len(a["body"]["choices"]) == 3
+for ch in a["body"]["choices"]:
+    assert "e" not in ch["message"]["content"], ch  # cut before the stop string
+    assert ch["finish_reason"] == "length" or ch["stop_reason"] == "e", ch
+    assert ch["logprobs"] == {"content": []}, ch["logprobs"]  # simulate has no logits
+assert b["status_code"] == 400 and b["body"] is None and "tools" in lines[1]["error"]
+assert c["status_code"] == 200 and c["body"]["object"] == "text_completion"
+assert c["body"]["usage"]["completion_tokens"] <= 7
+print("3 lines in input order; n = 3 choices cut at the stop string; the tools line answered 400")
+PY
+check batch_output_shape $? "$(cat "$tmp/py5.txt")"
+python3 -c 'import json; print(json.dumps({"prompt_token_ids": list(range(1000, 1100)), "n": 3, "max_tokens": 5}))' >"$tmp/n3.jsonl"
+"$BIN" simulate "$tmp/tiny" "$tmp/n3.jsonl" --num-kvcache-blocks 64 --kvcache-block-size 16 --max-model-len 256 \
+  --output "$tmp/n3_out.jsonl" >/dev/null 2>"$tmp/stderr"
+python3 - "$tmp/n3_out.jsonl" >"$tmp/py6.txt" 2>&1 <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+outs, s = rows[:-1], rows[-1]["summary"]
+assert [(o["index"], o["completion"]) for o in outs] == [(0, 0), (0, 1), (0, 2)], outs
+assert s["prefix_hit_tokens"] == 2 * 96 and s["peak_kv_blocks"] == 7 + 2, s
+print(f"3 completions; {s['prefix_hit_tokens']} prefix-hit tokens, peak {s['peak_kv_blocks']} blocks")
+PY
+check n_shares_prompt_blocks $? "$(cat "$tmp/py6.txt")"
 finish

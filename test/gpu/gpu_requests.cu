@@ -3,8 +3,8 @@
 //   * the logit edits (penalties and bans) to the bit, and their restore to the bit, on rows built from real
 //     Sequences (repeated prompt tokens, counts, bans merged into penalty entries);
 //   * the log-probabilities against a CPU log-softmax in double of the same logits (NaN, -inf, planted ties);
-//   * section 9's sampler with min_p, alone and with top-k / top-p: the token is in the CPU's kept set, and is
-//     the CPU's exact draw wherever the draw's margin is clear of float noise.
+//   * both samplers with min_p, alone and with top-k / top-p: section 19's draws section 9's token, which is in
+//     the CPU's kept set, and is the CPU's exact draw wherever the draw's margin is clear of float noise.
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
 #include "../test.h"
@@ -146,7 +146,8 @@ TEST(sampler_min_p_matches_cpu) {
   struct Cfg { float t; int k; float p; float min_p; float stddev; };
   const std::vector<Cfg> cfgs = {{1.f, -1, 1.f, 0.05f, 2.f}, {0.7f, -1, 1.f, 0.3f, 1.f}, {1.f, -1, 1.f, 0.9f, 0.5f},
                                  {1.f, 50, 1.f, 0.01f, 1.f}, {1.f, -1, 0.8f, 0.1f, 1.f}, {0.8f, 12, 0.7f, 0.2f, 0.7f},
-                                 {1.f, -1, 1.f, 1.f, 2.f},   {0.f, -1, 1.f, 0.5f, 2.f}};
+                                 {1.f, -1, 1.f, 1.f, 2.f},   {0.f, -1, 1.f, 0.5f, 2.f},  {1.f, -1, 0.95f, 0.5f, 0.02f},
+                                 {1.f, 20000, 0.9f, 0.001f, 0.3f}, {1.2f, -1, 1.f, 0.99f, 0.01f}};
   int exact = 0, rows = 0;
   for (int V : {151936, 1001}) {
     for (int rep = 0; rep < 4; rep++) {
@@ -164,8 +165,15 @@ TEST(sampler_min_p_matches_cpu) {
       SamplingSlot* d_slots = to_device(slots);
       int* d_out;
       CUDA_CHECK(cudaMalloc(&d_out, B * sizeof(int)));
+      DevBuf<unsigned char> ws(sample_workspace_bytes(B, V));
+      sample_fast(d_out, d_logits, d_slots, B, V, ws.p, ws.n, 0);  // section 19's, then section 9's
+      std::vector<int> fast = to_host(d_out, B);
+      CUDA_CHECK(cudaMemset(d_out, 0xFF, B * sizeof(int)));
       sample(d_out, d_logits, d_slots, B, V, 0);
       std::vector<int> got = to_host(d_out, B);
+      for (int b = 0; b < B; b++)
+        CHECK_MSG(fast[b] == got[b], "V=%d row %d (T=%g k=%d p=%g min_p=%g): fast sampler %d, plain %d", V, b,
+                  slots[b].temperature, slots[b].top_k, slots[b].top_p, slots[b].min_p, fast[b], got[b]);
       for (int b = 0; b < B; b++, rows++) {
         const float* row = &logits[(size_t)b * V];
         std::vector<char> loose = sample_kept_reference(row, V, slots[b], +1e-5);
@@ -184,7 +192,8 @@ TEST(sampler_min_p_matches_cpu) {
       cudaFree(d_logits), cudaFree(d_slots), cudaFree(d_out);
     }
   }
-  printf("    %d rows with min_p: every token in the CPU's kept set, %d equal to the CPU's exact draw\n", rows, exact);
+  printf("    %d rows with min_p: sections 19 and 9 drew the same token; every token in the CPU's kept set, %d equal "
+         "to the CPU's exact draw\n", rows, exact);
   CHECK(exact > rows / 2);
 }
 
