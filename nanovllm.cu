@@ -3216,6 +3216,10 @@ void sample_fast(int* out_tokens, const float* logits, const SamplingSlot* slots
                  size_t workspace_bytes, cudaStream_t stream);
 size_t sample_workspace_bytes(int B, int V);
 static void oneshot_setup(TPComm* comm);  // section 18: map every rank's staging buffer, once
+size_t logprobs_workspace_bytes(int B);   // section 19: the split log-probabilities
+static void compute_logprobs_fast(TokenLogprobs* out, const float* logits, const int* tokens,
+                                  const SamplingSlot* slots, int B, int V, void* workspace, size_t workspace_bytes,
+                                  cudaStream_t stream);
 
 // What LLMEngine (section 13) needs from the side that computes a step: the sampled tokens, the batch a step
 // really runs (padded to a CUDA graph's size), and a clock. ModelRunner is the real one; `nanovllm simulate`
@@ -3272,6 +3276,7 @@ struct ModelRunner : StepRunner {
   size_t edit_cap = 0;
   TokenLogprobs* logprobs_d = nullptr;  // [Bmax]
   TokenLogprobs* logprobs_h = nullptr;  // [Bmax] pinned
+  void* logprobs_ws = nullptr;     // section 19's split log-probabilities: logprobs_workspace_bytes(Bmax)
   bool have_logprobs = false;      // the last step computed some (step_logprobs)
   std::vector<int> graph_bs;                 // captured batch sizes, ascending
   std::map<int, cudaGraphExec_t> graphs;
@@ -3555,8 +3560,12 @@ struct ModelRunner : StepRunner {
       if (!logprobs_d) {
         CUDA_CHECK(cudaMalloc(&logprobs_d, Bmax * sizeof(TokenLogprobs)));
         CUDA_CHECK(cudaMallocHost(&logprobs_h, Bmax * sizeof(TokenLogprobs)));
+        CUDA_CHECK(cudaMalloc(&logprobs_ws, logprobs_workspace_bytes(Bmax)));
       }
-      compute_logprobs(logprobs_d, logits, out_tokens_d, slots_d, B, V, stream);
+      if (g_opt.fast_sampler)
+        compute_logprobs_fast(logprobs_d, logits, out_tokens_d, slots_d, B, V, logprobs_ws, logprobs_workspace_bytes(Bmax),
+                              stream);
+      else compute_logprobs(logprobs_d, logits, out_tokens_d, slots_d, B, V, stream);
       CUDA_CHECK(cudaMemcpyAsync(logprobs_h, logprobs_d, B * sizeof(TokenLogprobs), cudaMemcpyDeviceToHost, stream));
     }
   }
@@ -4784,7 +4793,7 @@ static void oneshot_setup(TPComm* c) {
 // ==== 19. The fast sampler: radix select ===================================================================
 //
 // Replaces: section 9's sampler, with the same tokens (test/gpu/gpu_kernels.cu compares the two bit for
-// bit on every kind of row).
+// bit on every kind of row), and section 9b's log-probabilities kernel (at the end of this section).
 // Why it is faster: section 9 finds a threshold in 32 passes over the row and gives a whole row to one
 // thread block. Here a radix select finds the same threshold in two or three passes, mostly over a short
 // candidate list in shared memory, and a row without filters is split over several thread blocks so that a
@@ -5157,6 +5166,129 @@ void sample_fast(int* out_tokens, const float* logits, const SamplingSlot* slots
              slots, V);
   CUDA_CHECK(cudaGetLastError());
   launch_pdl(sample_finish_kernel, (unsigned)cdiv(B, 128), 128, 0, stream, out_tokens, partial, B, splits);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// ---- Log-probabilities with the row split over thread blocks ----
+// Section 9b gives a row asking for logprobs one thread block, which reads the row N + 2 times: at batch 1
+// one SM does all of it while the rest idle. Here, like the draw above, a row is cut into `splits` pieces.
+// Each piece's thread block computes, over its piece, the largest logit m_j, s_j = sum exp(x - m_j), the
+// count of logits above the drawn token's, and its own N largest (value, id) words; logprobs_finish_kernel
+// then merges the pieces per row: M = max m_j, lse = M + log(sum_j s_j exp(m_j - M)), rank = 1 + sum of the
+// counts, and the N largest of the pieces' candidates. Same ids and ranks as section 9b; the sums are
+// added in another order (float rounding apart). Switch: fast_sampler (the same switch as the draw).
+
+struct LogprobPiece {                    // one piece of one row (device workspace [B, splits])
+  float max, sum;                        // m_j and s_j
+  unsigned int above;                    // logits of the piece larger than the drawn token's
+  unsigned long long top[MAX_LOGPROBS];  // the piece's N largest, packed (0 = none)
+};
+constexpr int LOGPROB_MAX_SPLITS = 32, LOGPROB_THREADS = SAMPLE_THREADS;  // a whole row per block at large B
+
+// Reads logits [B, V], tokens [B], slots [B]; writes pieces [B, splits]. Grid (splits, B).
+__global__ void __launch_bounds__(LOGPROB_THREADS)
+    logprobs_split_kernel(LogprobPiece* pieces, const float* logits, const int* tokens, const SamplingSlot* slots,
+                          int V) {
+  pdl_begin();
+  __shared__ unsigned long long scratch[32];
+  __shared__ float fscratch[32];
+  const int b = blockIdx.y, N = slots[b].logprobs;
+  if (N < 0) return;
+  const int per = (V + gridDim.x - 1) / gridDim.x, begin = min(V, blockIdx.x * per), end = min(V, begin + per);
+  const float* row = logits + (int64_t)b * V;
+  auto x_of = [&](int i) { return scaled_logit(row[i], 1.f); };  // NaN -> -inf
+  const float x_token = x_of(tokens[b]);
+  unsigned long long top = 0, above = 0;
+  for (int i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    top = max(top, (unsigned long long)float_order_key(x_of(i)));
+    above += x_of(i) > x_token;
+  }
+  top = block_reduce_u64<true>(top, scratch);
+  const float m = top ? float_from_order_key((uint32_t)top) : -INFINITY;  // (0: an empty piece)
+  above = block_reduce_u64<false>(above, scratch);
+  float sum = 0.f;
+  for (int i = begin + threadIdx.x; i < end; i += blockDim.x) sum += m == -INFINITY ? 0.f : expf(x_of(i) - m);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  if (threadIdx.x % 32 == 0) fscratch[threadIdx.x / 32] = sum;
+  __syncthreads();
+  sum = 0.f;
+  for (int w = 0; w < (int)blockDim.x / 32; w++) sum += fscratch[w];
+  LogprobPiece& piece = pieces[(int64_t)b * gridDim.x + blockIdx.x];
+  if (threadIdx.x == 0) piece.max = m, piece.sum = sum, piece.above = (unsigned int)above;
+  unsigned long long prev = ~0ull;
+  for (int k = 0; k < N; k++) {
+    unsigned long long best = 0;
+    for (int i = begin + threadIdx.x; i < end; i += blockDim.x) {
+      const unsigned long long c = pack_candidate(x_of(i), (uint32_t)i);
+      if (c < prev) best = max(best, c);
+    }
+    prev = block_reduce_u64<true>(best, scratch);
+    if (threadIdx.x == 0) piece.top[k] = prev;
+  }
+}
+
+// Reads pieces [B, splits], logits and tokens (the drawn token's logit); writes out [B]. One warp per row.
+__global__ void logprobs_finish_kernel(TokenLogprobs* out, const LogprobPiece* pieces, const float* logits,
+                                       const int* tokens, const SamplingSlot* slots, int V, int splits) {
+  pdl_begin();
+  const int b = blockIdx.x, N = slots[b].logprobs, lane = threadIdx.x;
+  if (N < 0) return;
+  const LogprobPiece* p = pieces + (int64_t)b * splits;
+  float M = -INFINITY;
+  for (int j = 0; j < splits; j++) M = fmaxf(M, p[j].max);
+  float sum = 0.f;
+  unsigned int above = 0;
+  for (int j = 0; j < splits; j++) {
+    if (p[j].max != -INFINITY) sum += p[j].sum * expf(p[j].max - M);
+    above += p[j].above;
+  }
+  const float lse = M == -INFINITY ? -INFINITY : M + logf(sum);
+  TokenLogprobs& o = out[b];
+  if (lane == 0) {
+    o.logprob = scaled_logit(logits[(int64_t)b * V + tokens[b]], 1.f) - lse;
+    o.rank = 1 + (int)above, o.num_top = N;
+  }
+  unsigned long long prev = ~0ull;
+  for (int k = 0; k < N; k++) {  // the N largest of the pieces' candidates, one per round
+    unsigned long long best = 0;
+    for (int c = lane; c < splits * N; c += 32) {
+      const unsigned long long v = p[c / N].top[c % N];
+      if (v < prev) best = max(best, v);
+    }
+#pragma unroll
+    for (int s = 16; s > 0; s >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, s));
+    prev = best;
+    if (lane == 0) {
+      o.top_ids[k] = (int)~(uint32_t)prev;
+      o.top_logprobs[k] = float_from_order_key((uint32_t)(prev >> 32)) - lse;
+    }
+  }
+}
+
+size_t logprobs_workspace_bytes(int B) { return (size_t)B * LOGPROB_MAX_SPLITS * sizeof(LogprobPiece); }
+
+// Section 9b's compute_logprobs, split: the same arguments, plus a workspace of logprobs_workspace_bytes(B).
+static void compute_logprobs_fast(TokenLogprobs* out, const float* logits, const int* tokens,
+                                  const SamplingSlot* slots, int B, int V, void* workspace, size_t workspace_bytes,
+                                  cudaStream_t stream) {
+  if (workspace_bytes < logprobs_workspace_bytes(B))
+    die("compute_logprobs_fast: workspace of %zu bytes, need %zu", workspace_bytes, logprobs_workspace_bytes(B));
+  if (B == 0) return;
+  static int num_sms = 0;
+  if (num_sms == 0) {
+    int dev;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev));
+  }
+  // Enough pieces to give every SM a thread block, but at least ~4 logits per thread per piece.
+  int splits = std::max(1, std::min(num_sms / B, LOGPROB_MAX_SPLITS));
+  splits = std::max(1, std::min<int>(splits, (int)cdiv(V, 4 * LOGPROB_THREADS)));
+  auto* pieces = static_cast<LogprobPiece*>(workspace);
+  launch_pdl(logprobs_split_kernel, dim3(splits, B), LOGPROB_THREADS, 0, stream, pieces, logits, tokens, slots, V);
+  CUDA_CHECK(cudaGetLastError());
+  launch_pdl(logprobs_finish_kernel, (unsigned)B, 32, 0, stream, out, (const LogprobPiece*)pieces, logits, tokens,
+             slots, V, splits);
   CUDA_CHECK(cudaGetLastError());
 }
 

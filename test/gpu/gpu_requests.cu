@@ -2,7 +2,8 @@
 // (nanovllm.cu: logit_edits_reference, logprobs_reference, sample_kept_reference / sample_reference):
 //   * the logit edits (penalties and bans) to the bit, and their restore to the bit, on rows built from real
 //     Sequences (repeated prompt tokens, counts, bans merged into penalty entries);
-//   * the log-probabilities against a CPU log-softmax in double of the same logits (NaN, -inf, planted ties);
+//   * the log-probabilities, section 9b's and section 19's split ones, against a CPU log-softmax in double of
+//     the same logits (NaN, -inf, planted ties), at batch sizes where the split cuts rows;
 //   * both samplers with min_p, alone and with top-k / top-p: section 19's draws section 9's token, which is in
 //     the CPU's kept set, and is the CPU's exact draw wherever the draw's margin is clear of float noise.
 #define NANOVLLM_TESTING
@@ -88,7 +89,8 @@ TEST(logprobs_match_cpu_log_softmax) {
   REQUIRE_GPU();
   std::mt19937 rng(32);
   for (int V : {151936, 1001, 48}) {
-    const std::vector<int> Ns = {-1, 0, 1, 5, 20, 20, 3};
+    std::vector<int> Ns = {-1, 0, 1, 5, 20, 20, 3};
+    if (V == 1001) Ns = {20};  // one row: the split kernel cuts it into pieces
     const int B = (int)Ns.size();
     std::vector<float> logits;
     std::vector<SamplingSlot> slots(B);
@@ -107,8 +109,11 @@ TEST(logprobs_match_cpu_log_softmax) {
     SamplingSlot* d_slots = to_device(slots);
     TokenLogprobs* d_out;
     CUDA_CHECK(cudaMalloc(&d_out, B * sizeof(TokenLogprobs)));
+    DevBuf<unsigned char> ws(logprobs_workspace_bytes(B));
+    for (bool fast : {false, true}) {  // section 9b's kernel, then section 19's split one
     CUDA_CHECK(cudaMemset(d_out, 0xFF, B * sizeof(TokenLogprobs)));
-    compute_logprobs(d_out, d_logits, d_tokens, d_slots, B, V, 0);
+    if (fast) compute_logprobs_fast(d_out, d_logits, d_tokens, d_slots, B, V, ws.p, ws.n, 0);
+    else compute_logprobs(d_out, d_logits, d_tokens, d_slots, B, V, 0);
     std::vector<TokenLogprobs> got = to_host(d_out, B);
     double worst = 0;
     for (int b = 0; b < B; b++) {
@@ -134,7 +139,9 @@ TEST(logprobs_match_cpu_log_softmax) {
                   got[b].top_logprobs[k], want.top_logprobs[k]);
       }
     }
-    printf("    V=%d: %d rows, worst |logprob - CPU double| = %.2e\n", V, B, worst);
+    printf("    V=%d, %s: %d rows, worst |logprob - CPU double| = %.2e\n", V, fast ? "split (section 19)" : "section 9b",
+           B, worst);
+    }
     cudaFree(d_logits), cudaFree(d_tokens), cudaFree(d_slots), cudaFree(d_out);
   }
 }
