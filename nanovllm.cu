@@ -7366,15 +7366,19 @@ static int finish_run(const Cli& cli, LLMEngine& engine, const std::vector<Reque
   const RunStats& st = engine.stats;
   int64_t out_tokens = 0;
   for (auto& o : outs) out_tokens += (int64_t)o.token_ids.size();
+  size_t ran = 0;  // requests that ran (an OpenAI batch's error lines do not); with n > 1, more completions
+  for (auto& r : requests) ran += r.error.empty();
+  const std::string count = std::to_string(ran) + " requests" +
+                            (outs.size() != ran ? " (" + std::to_string(outs.size()) + " completions)" : "");
   fprintf(stderr,
-          "nanovllm: %zu requests | %lld prompt + %lld generated tokens in %.2f s | %.0f generated tok/s | "
+          "nanovllm: %s | %lld prompt + %lld generated tokens in %.2f s | %.0f generated tok/s | "
           "prefill %.0f tok/s, decode %.0f tok/s | first token %.3f s after start\n",
-          outs.size(), (long long)st.prefill_tokens, (long long)out_tokens, st.seconds,
+          count.c_str(), (long long)st.prefill_tokens, (long long)out_tokens, st.seconds,
           out_tokens / std::max(st.seconds, 1e-9), st.prefill_tokens / std::max(st.prefill_seconds, 1e-9),
           st.decode_tokens / std::max(st.decode_seconds, 1e-9), first_token_after);
   fputs(format_summary(summary).c_str(), stderr);
   if (summary.unfinished_requests)
-    fprintf(stderr, "nanovllm: stopped by Ctrl-C: %lld of %zu prompts unfinished, not written\n",
+    fprintf(stderr, "nanovllm: stopped by Ctrl-C: %lld of %zu completions unfinished, not written\n",
             (long long)summary.unfinished_requests, outs.size());
   return g_stop_requested ? 128 + SIGINT : 0;
 }
