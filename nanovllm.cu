@@ -254,8 +254,8 @@ static uint64_t splitmix64(uint64_t x) {
 //
 // ModelConfig is what the checkpoint says (config.json, generation_config.json); Config is how the engine
 // runs (nano-vllm: config.py Config, same field names and defaults); SamplingParams is per request
-// (nano-vllm: sampling_params.py, grown to vLLM's: n, stop conditions, penalties, min_p, logprobs, a seed). Optimizations, at the end, names
-// the speed work of Part II that a run may switch off.
+// (nano-vllm: sampling_params.py, grown to vLLM's: n, stop conditions, penalties, min_p, logprobs, a
+// seed). Optimizations, at the end, names the speed work of Part II that a run may switch off.
 
 constexpr int HEAD_DIM = 128;  // D: every Qwen3 dense model uses 128, and the attention kernels are built for it
 
@@ -3062,8 +3062,8 @@ static TokenLogprobs logprobs_reference(const float* row, int V, int token, int 
   o.rank = 1;
   for (auto& [v, i] : x) o.rank += v > x[token].first;
   o.num_top = N;
-  std::partial_sort(x.begin(), x.begin() + N, x.end(), [](const std::pair<float, int>& a, const std::pair<float, int>& b) {
-    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  std::partial_sort(x.begin(), x.begin() + N, x.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;  // larger, then the lower id
   });
   for (int k = 0; k < N; k++) o.top_ids[k] = x[k].second, o.top_logprobs[k] = (float)(x[k].first - lse);
   return o;
@@ -3563,8 +3563,8 @@ struct ModelRunner : StepRunner {
         CUDA_CHECK(cudaMalloc(&logprobs_ws, logprobs_workspace_bytes(Bmax)));
       }
       if (g_opt.fast_sampler)
-        compute_logprobs_fast(logprobs_d, logits, out_tokens_d, slots_d, B, V, logprobs_ws, logprobs_workspace_bytes(Bmax),
-                              stream);
+        compute_logprobs_fast(logprobs_d, logits, out_tokens_d, slots_d, B, V, logprobs_ws,
+                              logprobs_workspace_bytes(Bmax), stream);
       else compute_logprobs(logprobs_d, logits, out_tokens_d, slots_d, B, V, stream);
       CUDA_CHECK(cudaMemcpyAsync(logprobs_h, logprobs_d, B * sizeof(TokenLogprobs), cudaMemcpyDeviceToHost, stream));
     }
@@ -3905,11 +3905,12 @@ struct LLMEngine {
 
   // The text of a sequence's new token, then its stop strings (vLLM: detokenizer.py
   // IncrementalDetokenizer.update). Only a sequence with stop strings needs its text while it runs; the
-  // others' is decoded once, when generate() returns (the same text). The search looks only where the new text can complete a match: the
-  // last (new bytes + stop length - 1) bytes. As in vLLM, stop strings are tried in the order given (the
-  // first that matches wins, not the earliest in the text), only once more than min_tokens tokens are out,
-  // and on a sequence that just finished by length too. A match cuts the text before the stop string (or
-  // after it, with include_stop_str_in_output), and finishes the sequence with reason "stop".
+  // others' is decoded once, when generate() returns (the same text). The search looks only where the new
+  // text can complete a match: the last (new bytes + stop length - 1) bytes. As in vLLM, stop strings are
+  // tried in the order given (the first that matches wins, not the earliest in the text), only once more
+  // than min_tokens tokens are out, and on a sequence that just finished by length too. A match cuts the
+  // text before the stop string (or after it, with include_stop_str_in_output), and finishes the sequence
+  // with reason "stop".
   void detokenize(Sequence& s) {
     const size_t before = s.text.size();
     if (!last_token_has_no_text(s)) {
@@ -3941,7 +3942,8 @@ struct LLMEngine {
     t0 = runner.now();
     double last_print = now_seconds();
     size_t first = seqs.size();
-    for (size_t r = 0; r < requests.size(); r++) {  // ids in input order; the queue in arrival order (ties: input order)
+    // ids in input order; the queue in arrival order (ties: input order)
+    for (size_t r = 0; r < requests.size(); r++) {
       const Request& req = requests[r];
       if (!req.error.empty()) continue;  // answered with its error (section 21)
       const Sequence* first_sibling = nullptr;
@@ -5557,7 +5559,8 @@ static SamplingParams sampling_defaults(const json& generation_config, const std
   std::string gen, cli;
   for (auto it = from_gen.begin(); it != from_gen.end(); ++it)
     if (!flags.contains(it.key())) gen += (gen.empty() ? "" : ", ") + it.key() + " " + it.value().dump();
-  for (auto it = flags.begin(); it != flags.end(); ++it) cli += (cli.empty() ? "" : ", ") + it.key() + " " + it.value().dump();
+  for (auto it = flags.begin(); it != flags.end(); ++it)
+    cli += (cli.empty() ? "" : ", ") + it.key() + " " + it.value().dump();
   std::string d;
   if (!gen.empty()) d += gen + " from " + gen_path;
   if (!cli.empty()) d += (d.empty() ? "" : "; ") + cli + " from the command line";
@@ -5674,7 +5677,8 @@ static std::string batch_request(const json& body, bool chat, Request& r, const 
     if (p.is_array() && p.size() == 1 && (p[0].is_string() || p[0].is_array())) p = p[0];  // a list of one prompt
     if (p.is_string()) {
       r.prompt_token_ids = tok.encode(p.get<std::string>());  // completions: the text as given, no template
-    } else if (p.is_array() && !p.empty() && std::all_of(p.begin(), p.end(), [](const json& e) { return e.is_number_integer(); })) {
+    } else if (p.is_array() && !p.empty() &&
+               std::all_of(p.begin(), p.end(), [](const json& e) { return e.is_number_integer(); })) {
       for (auto& e : p) {
         if (e.get<int64_t>() < 0 || e.get<int64_t>() >= vocab)
           die("%s: token id %s is outside the vocabulary [0, %d)", w, e.dump().c_str(), vocab);
@@ -5707,7 +5711,9 @@ static void parse_batch_line(const json& j, Request& r, std::set<std::string>& c
   if (!j.contains("body") || !j["body"].is_object()) die("%s: a batch line needs \"body\": an object", w);
   const json& body = j["body"];
   const bool chat = j["url"] == "/v1/chat/completions";
-  r.batch = {{"custom_id", j["custom_id"]}, {"url", j["url"]}, {"model", body.contains("model") ? body["model"] : json()},
+  r.batch = {{"custom_id", j["custom_id"]},
+             {"url", j["url"]},
+             {"model", body.contains("model") ? body["model"] : json()},
              {"chat", chat}};
   r.error = batch_request(body, chat, r, tok, opt, where + ": body", vocab);
 }
@@ -5976,7 +5982,8 @@ static bool write_completions(const std::vector<Request>& reqs, const std::vecto
     const Completion* mine = outs.data() + next;
     next += n;
     if (batch) {
-      const std::string line = batch_output_line(reqs[i], mine, n, tok, model_name).dump(-1, ' ', false, json::error_handler_t::replace);
+      const std::string line =
+          batch_output_line(reqs[i], mine, n, tok, model_name).dump(-1, ' ', false, json::error_handler_t::replace);
       fprintf(jsonl ? jsonl : stdout, "%s\n", line.c_str());
       if (jsonl) printf("==> %s | %s\n", reqs[i].batch["custom_id"].get<std::string>().c_str(),
                         reqs[i].error.empty() ? "done" : ("error: " + reqs[i].error).c_str());
