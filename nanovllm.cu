@@ -651,8 +651,8 @@ struct Sequence {
   // the others wait for so that prefix caching shares them (Scheduler::waits_for_sibling).
   int request_index = 0, completion_index = 0;
   const Sequence* first_sibling = nullptr;
-  // What the engine keeps of the output besides token ids (section 13): the text decoded so far (for stop
-  // strings), and with logprobs, one TokenLogprobs per output token.
+  // What the engine keeps of the output besides token ids (section 13): the text (decoded as it grows when
+  // the request has stop strings, else once at the end), and with logprobs, one TokenLogprobs per token.
   std::string text;
   Utf8Repair text_repair;               // holds a character's bytes back until its last byte is decoded
   std::vector<TokenLogprobs> logprobs;
@@ -5866,8 +5866,6 @@ static void assign_arrivals(std::vector<Request>& reqs, double rate, uint64_t se
     r.arrival_time = t, first = false;
   }
 }
-
-static std::string json_escape_text(const std::string& s) { return json(s).dump(); }
 
 // A log-probability for JSON: -inf (a token the model rules out) is written as -9999, as vLLM's OpenAI server does.
 static double json_logprob(float x) { return std::isfinite(x) ? (double)x : -9999.0; }
