@@ -8,7 +8,8 @@
 # Options: --nanovllm PATH (default ./nanovllm), --log-dir DIR (default build/bench-logs),
 #          --only throughput|latency|prefill (one measure; --only model just makes the --random checkpoint),
 #          --tp N (tensor parallelism on N GPUs; the roofline is then N GPUs' bandwidth and GEMM rate),
-#          --opt LIST (passed to nanovllm: which optimizations of Part II run; --opt none is --plain).
+#          --opt LIST (passed to nanovllm: which optimizations of Part II run; --opt none is --plain),
+#          --kv-cache-dtype bf16|fp8 (passed to nanovllm; the roofline then counts 1 byte per K/V value).
 #          TOKENIZER_DIR: tokenizer for --random.
 #
 #   ./bench.sh --ladder [--random 0.6b | --model DIR] [--baseline PATH]
@@ -27,7 +28,7 @@
 # Roofline: `nanovllm roofline` measures this GPU's copy bandwidth and bf16 GEMM rate in the same run.
 set -euo pipefail
 cd "$(dirname "$0")"
-MODEL= RANDOM_SHAPE= NANOVLLM=./nanovllm LOG_DIR=build/bench-logs ONLY= TP=1 OPT=all LADDER=0 BASELINE=
+MODEL= RANDOM_SHAPE= NANOVLLM=./nanovllm LOG_DIR=build/bench-logs ONLY= TP=1 OPT=all LADDER=0 BASELINE= KV=auto
 while [ $# -gt 0 ]; do
   case $1 in
     --model) MODEL=$2; shift 2 ;;
@@ -37,6 +38,7 @@ while [ $# -gt 0 ]; do
     --only) ONLY=$2; shift 2 ;;
     --tp) TP=$2; shift 2 ;;
     --opt) OPT=$2; shift 2 ;;
+    --kv-cache-dtype) KV=$2; shift 2 ;;
     --ladder) LADDER=1; shift ;;
     --baseline) BASELINE=$2; shift 2 ;;
     -h|--help) sed -n 2,28p "$0"; exit 0 ;;
@@ -71,6 +73,8 @@ PY
 fi
 [ "$ONLY" = model ] && exit 0
 OPT_FLAGS=(); [ "$OPT" = all ] || OPT_FLAGS=(--opt "$OPT")  # only then: an older binary knows no --opt
+[ "$KV" = auto ] || OPT_FLAGS+=(--kv-cache-dtype "$KV")
+case $KV in auto|bf16) KV_BYTES=2 ;; fp8|fp8_e4m3) KV_BYTES=1 ;; *) echo "bench.sh: --kv-cache-dtype takes bf16 or fp8" >&2; exit 1 ;; esac
 [ -n "$MODEL" ] || { echo "bench.sh: give --model DIR or --random 0.6b|8b" >&2; exit 1; }
 [ -x "$NANOVLLM" ] || { echo "bench.sh: $NANOVLLM not found; run make first" >&2; exit 1; }
 
@@ -115,7 +119,7 @@ if [ "$LADDER" = 1 ]; then
     for w in latency throughput; do
       local t=0; [ $w = throughput ] && t=0.6
       "$bin" "$MODEL" "$LOG_DIR/$w.jsonl" --ignore-eos --max-model-len 4096 --temperature $t $(gen_flags "$bin") \
-        --tensor-parallel-size "$TP" "$@" >/dev/null 2>"$LOG_DIR/ladder-$name-$w.log" ||
+        --tensor-parallel-size "$TP" ${OPT_FLAGS[@]+"${OPT_FLAGS[@]}"} "$@" >/dev/null 2>"$LOG_DIR/ladder-$name-$w.log" ||
         { cat "$LOG_DIR/ladder-$name-$w.log" >&2; exit 1; }
     done
     echo "ladder: $name done"
@@ -135,11 +139,12 @@ fi
 { [ -z "$ONLY" ] || [ "$ONLY" = prefill ]; } && run prefill --temperature 0
 
 # The table, with roofline fractions computed from the model's shape and the measured ceilings.
-python3 - "$LOG_DIR" "$MODEL" "$BW" "$TF" "$GPU" "$ONLY" "$TP" "${RUNGS:-}" <<'PY'
+python3 - "$LOG_DIR" "$MODEL" "$BW" "$TF" "$GPU" "$ONLY" "$TP" "${RUNGS:-}" "$KV_BYTES" <<'PY'
 import json, os, re, sys
 d, model, bw, tf, gpu, only = sys.argv[1], sys.argv[2], float(sys.argv[3]) * 1e9, float(sys.argv[4]) * 1e12, sys.argv[5], sys.argv[6]
 tp = int(sys.argv[7])
 rungs = sys.argv[8].split()
+kv_bytes = int(sys.argv[9])  # bytes per cached K or V value: 2 (bf16), 1 (fp8)
 bw, tf = bw * tp, tf * tp  # N GPUs each read 1/N of the weights and KV, and do 1/N of the FLOPs
 if tp > 1: gpu = f"{tp} x {gpu} (tensor parallel; ceilings below are the sums)"
 c = json.load(open(f"{model}/config.json"))
@@ -149,14 +154,15 @@ tied = c.get("tie_word_embeddings", False)
 layer = H * (NH + 2 * NKV) * D + NH * D * H + 3 * H * I + 2 * H + 2 * D
 params = L * layer + V * H * (1 if tied else 2) + H
 wbytes = 2 * (params - (0 if tied else V * H))  # decode reads every weight once per step (not the embedding table)
-kv_tok = 2 * L * NKV * D * 2  # K and V bytes per token
+kv_tok = 2 * L * NKV * D * kv_bytes  # K and V bytes per token
 def summary(name, log=None):
     line = [l for l in open(log or f"{d}/{name}.log") if l.startswith("nanovllm:") and "requests" in l][-1]
     num = lambda pat: float(re.search(pat, line).group(1))
     return dict(seconds=num(r"tokens in ([\d.]+) s"), gen=num(r"\+ (\d+) generated"), prompt=num(r"\| (\d+) prompt"),
                 prefill=num(r"prefill (\d+) tok/s"), decode=num(r"decode (\d+) tok/s"), first=num(r"first token ([\d.]+) s"))
 rows = []
-print(f"\nGPU: {gpu} | copy bandwidth {bw/1e9:.0f} GB/s | bf16 GEMM {tf/1e12:.0f} TFLOP/s | model {model}: {params/1e9:.3f} B params")
+print(f"\nGPU: {gpu} | copy bandwidth {bw/1e9:.0f} GB/s | bf16 GEMM {tf/1e12:.0f} TFLOP/s | model {model}: {params/1e9:.3f} B params"
+      f" | KV cache {'fp8' if kv_bytes == 1 else 'bf16'}")
 reqs = [json.loads(l) for l in open(f"{d}/throughput.jsonl")]
 steps = max(r["max_tokens"] for r in reqs) - 1
 kv = sum(sum(len(r["prompt_token_ids"]) + k for k in range(1, r["max_tokens"])) for r in reqs) * kv_tok

@@ -18,11 +18,12 @@
 //   BlockManager, Scheduler: what a reader came for, and none of it needs the GPU), then the model, its
 //   kernels, cuBLASLt, the ModelRunner with CUDA graphs, tensor parallelism and the LLMEngine loop. It is
 //   complete and correct on its own: `--plain` runs it alone.
-//   Part II (sections 14-20) makes it fast, one optimization per section. Each says what it replaces, why
-//   it is faster on the hardware, and can be switched off by name (--opt, section 2); the README's
-//   performance section has the measured gain of each. The Part I code each one replaces stays, as the
+//   Part II (sections 14-21) makes it fast, one optimization per section. Each says what it replaces, why
+//   it is faster on the hardware, and can be switched off by name (--opt, section 2; section 21, the FP8
+//   KV cache, by --kv-cache-dtype, since it trades accuracy); the README's performance section has the
+//   measured gain of each. The Part I code each one replaces stays, as the
 //   reference the GPU tests compare it with.
-//   Part III (sections 21-25) is the program around the engine: prompts in and completions out, the trace,
+//   Part III (sections 22-26) is the program around the engine: prompts in and completions out, the trace,
 //   summary and report, signals and the worker processes, `simulate` (the engine without a GPU), the
 //   command line and main.
 //
@@ -103,12 +104,13 @@
 //   18. One-shot all-reduce over NVLink
 //   19. The fast sampler: radix select
 //   20. The forward pass with every fusion
+//   21. An FP8 KV cache
 //   PART III — THE PROGRAM AROUND IT
-//   21. Prompts in, completions out
-//   22. Trace, run summary and the report
-//   23. Signals, worker processes and the mailbox
-//   24. simulate: the engine without a GPU
-//   25. Command line and main
+//   22. Prompts in, completions out
+//   23. Trace, run summary and the report
+//   24. Signals, worker processes and the mailbox
+//   25. simulate: the engine without a GPU
+//   26. Command line and main
 
 #include <algorithm>
 #include <cerrno>
@@ -143,6 +145,7 @@
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -156,6 +159,7 @@
 
 using json = nlohmann::json;
 typedef __nv_bfloat16 bf16;
+typedef __nv_fp8_e4m3 fp8e4m3;  // one byte: sign, 4 exponent bits, 3 mantissa bits (section 21)
 
 // ##########################################################################################################
 // PART I — THE ENGINE, PLAINLY
@@ -273,7 +277,7 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   std::string dtype = "bfloat16";   // the checkpoint's dtype (weights are converted to bf16 at load)
   std::vector<int> eos_token_ids;   // generation_config.json eos_token_id (int or list), else config.json's
-  json generation_config;           // generation_config.json (null without one): sampling defaults (section 21)
+  json generation_config;           // generation_config.json (null without one): sampling defaults (section 22)
 };
 
 // A field of config.json that must be there and be a number; the message names the file and field.
@@ -407,8 +411,9 @@ static ModelConfig load_model_config(const std::string& dir) {
   return c;
 }
 
-// The optimization switch. Part II (sections 14-20) makes the engine fast one optimization at a time; each
-// one replaces a piece of Part I and can be switched off by name, so a reader can run the plain engine
+// The optimization switch. Part II (sections 14-20; section 21 has its own flag, --kv-cache-dtype, since it
+// changes results) makes the engine fast one optimization at a time; each one replaces a piece of Part I
+// and can be switched off by name, so a reader can run the plain engine
 // (--plain, or --opt none) and climb back one step at a time (--opt none,gemv), and every optimization can
 // be checked against the code it replaces. The default is everything on.
 struct Optimizations {
@@ -472,8 +477,24 @@ static std::string optimizations_str(const Optimizations& o) {
 }
 
 // The optimizations this process runs. Set once from Config::opt by ModelRunner (every rank gets the same
-// Config, section 23); the tests set it directly to compare a fast path with the plain one.
+// Config, section 24); the tests set it directly to compare a fast path with the plain one.
 static Optimizations g_opt;
+
+// What the KV cache stores (--kv-cache-dtype, vLLM's flag): bf16, as the model computes keys and values
+// (Part I), or FP8 e4m3, one byte per value with a power-of-two scale per layer (section 21): half the
+// bytes per token, so twice the tokens in the pool and half the bytes a decode step reads.
+enum class KVCacheDtype { BF16, FP8 };
+static const char* kv_cache_dtype_name(KVCacheDtype d) { return d == KVCacheDtype::FP8 ? "fp8" : "bf16"; }
+static int kv_cache_elem_bytes(KVCacheDtype d) { return d == KVCacheDtype::FP8 ? 1 : 2; }
+// vLLM's spellings: auto (= the model's dtype, bf16 here), bf16, fp8 (= fp8_e4m3). Returns "" or the problem.
+static std::string parse_kv_cache_dtype(const std::string& s, KVCacheDtype& d) {
+  if (s == "auto" || s == "bf16" || s == "bfloat16") d = KVCacheDtype::BF16;
+  else if (s == "fp8" || s == "fp8_e4m3") d = KVCacheDtype::FP8;
+  else if (s == "fp8_e5m2")
+    return "--kv-cache-dtype fp8_e5m2 is not supported: nanovllm stores FP8 as e4m3 (write fp8 or fp8_e4m3)";
+  else return "--kv-cache-dtype must be auto, bf16 or fp8 (= fp8_e4m3), found '" + s + "'";
+  return "";
+}
 
 // The engine's knobs (nano-vllm: config.py Config). Flags spell them in kebab case: --max-num-seqs.
 struct Config {
@@ -489,6 +510,8 @@ struct Config {
   std::vector<int> eos;                // filled from the model config
   Optimizations opt;                   // which Part II optimizations run (--plain, --opt)
   bool mixed_scheduler = false;        // --scheduler mixed: vLLM V1's scheduler (section 5b), not nano-vllm's
+  KVCacheDtype kv_cache_dtype = KVCacheDtype::BF16;  // --kv-cache-dtype
+  bool kv_scales_from_weights = true;  // fp8: each layer's scales bound its K and V (section 21); false: 1.0
 };
 
 static bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
@@ -551,7 +574,7 @@ static void validate_config(Config& c, const ModelConfig& m) {
 
 // One request's sampling settings (nano-vllm: SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=False),
 // grown to vLLM's SamplingParams: the same field names, meanings and ranges). The defaults below are the
-// built-in ones; the model's generation_config.json may replace some (section 21, --generation-config).
+// built-in ones; the model's generation_config.json may replace some (section 22, --generation-config).
 constexpr int MAX_LOGPROBS = 20;  // vLLM's default max_logprobs: alternatives a request may ask for per token
 
 struct SamplingParams {
@@ -1434,17 +1457,38 @@ static Weights load_weights(const std::string& dir, const ModelConfig& c, int ra
 // the flat slot number block * P + t % P is what slot_mapping carries. A block costs
 //   block_bytes = 2 * L * P * NKV/tp * D * 2 bytes   (28 MiB for Qwen3-0.6B at P = 256)
 // and the pool gets whatever gpu_memory_utilization leaves after weights and activations (section 11).
+// With --kv-cache-dtype fp8 (section 21) the layout is the same with one byte per value, and each layer has
+// two scales (keys, values): the cache holds value / scale.
 
-struct KVCache {
-  bf16* base = nullptr;  // [L, 2, NB, NKV/tp, P, D]
-  int64_t num_blocks = 0, layer_stride = 0, kv_stride = 0;  // elements
-  size_t bytes = 0;
-  bf16* k(int layer) const { return base + layer * layer_stride; }
-  bf16* v(int layer) const { return base + layer * layer_stride + kv_stride; }
+struct KVScales {
+  float k = 1.f, v = 1.f;  // fp8 only: a stored key is k_true / k, a stored value v_true / v (powers of two)
 };
 
-static size_t kv_block_bytes(const ModelConfig& c, int P, int tp) {
-  return (size_t)2 * c.num_hidden_layers * P * (c.num_key_value_heads / tp) * c.head_dim * sizeof(bf16);
+// One layer's cache as the kernels take it: two [NB, NKV/tp, P, D] arrays of dtype.
+struct KVLayer {
+  void* k;  // bf16, or one e4m3 byte per value (section 21)
+  void* v;
+  KVCacheDtype dtype;
+  KVScales scale;
+};
+static KVLayer bf16_kv_layer(bf16* k, bf16* v) { return {k, v, KVCacheDtype::BF16, {}}; }
+
+struct KVCache {
+  char* base = nullptr;  // [L, 2, NB, NKV/tp, P, D] of dtype
+  KVCacheDtype dtype = KVCacheDtype::BF16;
+  std::vector<KVScales> scales;  // [L] (fp8)
+  int64_t num_blocks = 0, layer_stride = 0, kv_stride = 0;  // elements
+  size_t bytes = 0;
+  KVLayer layer(int l) const {
+    const int64_t e = kv_cache_elem_bytes(dtype);
+    return {base + l * layer_stride * e, base + (l * layer_stride + kv_stride) * e, dtype,
+            scales.empty() ? KVScales{} : scales[l]};
+  }
+};
+
+static size_t kv_block_bytes(const ModelConfig& c, int P, int tp, KVCacheDtype dtype = KVCacheDtype::BF16) {
+  return (size_t)2 * c.num_hidden_layers * P * (c.num_key_value_heads / tp) * c.head_dim *
+         kv_cache_elem_bytes(dtype);
 }
 
 // ---- 6c. The forward pass ------------------------------------------------------------------------------
@@ -1497,16 +1541,15 @@ void embedding(bf16* out, const int* ids, const bf16* table, int T, int H, int v
 void rmsnorm(bf16* out, const bf16* x, const bf16* w, int T, int H, float eps, cudaStream_t stream);
 void add_rmsnorm(bf16* out, bf16* residual, const bf16* x, const bf16* w, int T, int H, float eps,
                  cudaStream_t stream);
-void qk_norm_rope(bf16* qkv, const int* positions, const bf16* q_norm_w, const bf16* k_norm_w, bf16* k_cache,
-                  bf16* v_cache, const int* slot_mapping, int T, int NH, int NKV, int P, float rope_theta,
+void qk_norm_rope(bf16* qkv, const int* positions, const bf16* q_norm_w, const bf16* k_norm_w,
+                  const KVLayer& cache, const int* slot_mapping, int T, int NH, int NKV, int P, float rope_theta,
                   float eps, cudaStream_t stream);
-static void attention_prefill(bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache,
-                              const int* cu_seqlens_q, const int* seqlens_k, const int* block_tables, int B,
-                              int max_seqlen_q, int NH, int NKV, int P, int MB, float scale,
-                              cudaStream_t stream);
-static void attention_decode(bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache,
-                             const int* context_lens, const int* block_tables, int B, int NH, int NKV, int P,
-                             int MB, int max_context_len, float* workspace, float scale, cudaStream_t stream);
+static void attention_prefill(bf16* out, const bf16* qkv, const KVLayer& cache, const int* cu_seqlens_q,
+                              const int* seqlens_k, const int* block_tables, int B, int max_seqlen_q, int NH,
+                              int NKV, int P, int MB, float scale, cudaStream_t stream);
+static void attention_decode(bf16* out, const bf16* qkv, const KVLayer& cache, const int* context_lens,
+                             const int* block_tables, int B, int NH, int NKV, int P, int MB, int max_context_len,
+                             float* workspace, float scale, cudaStream_t stream);
 void silu_and_mul(bf16* out, const bf16* gate_up, int T, int I, cudaStream_t stream);
 void gather_last_tokens(bf16* out, const bf16* x, const int* cu_seqlens_q, int B, int H, cudaStream_t stream);
 struct Gemm;
@@ -1540,13 +1583,13 @@ struct Qwen3 {
       if (l == 0) rmsnorm(act.x, act.residual, lw.input_layernorm, T, H, eps, s);
       else add_rmsnorm(act.x, act.residual, act.hidden, lw.input_layernorm, T, H, eps, s);
       linear(*gemm, act.qkv, act.x, lw.qkv_proj, T, (NH + 2 * NKV) * D, H, s);
-      qk_norm_rope(act.qkv, in.positions, lw.q_norm, lw.k_norm, kv.k(l), kv.v(l), in.slot_mapping, T, NH, NKV,
-                   P, cfg.rope_theta, eps, s);
+      qk_norm_rope(act.qkv, in.positions, lw.q_norm, lw.k_norm, kv.layer(l), in.slot_mapping, T, NH, NKV, P,
+                   cfg.rope_theta, eps, s);
       if (is_prefill)
-        attention_prefill(act.attn, act.qkv, kv.k(l), kv.v(l), in.cu_seqlens_q, in.seqlens_k, in.block_tables, B,
+        attention_prefill(act.attn, act.qkv, kv.layer(l), in.cu_seqlens_q, in.seqlens_k, in.block_tables, B,
                           in.max_seqlen_q, NH, NKV, P, MB, scale, s);
       else
-        attention_decode(act.attn, act.qkv, kv.k(l), kv.v(l), in.seqlens_k, in.block_tables, B, NH, NKV, P, MB,
+        attention_decode(act.attn, act.qkv, kv.layer(l), in.seqlens_k, in.block_tables, B, NH, NKV, P, MB,
                          max_model_len, act.attn_workspace, scale, s);
       linear(*gemm, act.hidden, act.attn, lw.o_proj, T, H, NH * D, s);
       if (tp > 1) all_reduce_sum(comm, act.hidden, (size_t)T * H, s);
@@ -1752,6 +1795,42 @@ static void rmsnorm_reference(float* out, const float* x, const float* w, int H,
   for (int h = 0; h < H; h++) out[h] = bf16_round(w[h] * bf16_round(x[h] * scale));
 }
 
+// ---- Reading and writing the cache, whatever it stores --------------------------------------------------
+// The kernels that touch the KV cache (qk_norm_rope here, both attention kernels in section 8, the fused
+// decode kernel of section 17) are templates over the cache's element type KV: bf16 is Part I's cache and
+// the only one these sections explain; fp8e4m3 is section 21's, whose pieces are declared here and defined
+// there. The launchers pick the instance from KVLayer::dtype. Accumulation is fp32 either way; an fp8 tile is
+// widened (to fp16) in shared memory before the tensor cores see it.
+__device__ __forceinline__ void store_kv8_fp8(fp8e4m3* row, int chunk, uint4 v, float scale);
+__device__ __forceinline__ uint4 kv8_tile_values_fp8(uint4 v, float scale);
+__device__ __forceinline__ void store_kv8_tile_fp8(fp8e4m3* row, int chunk, uint4 tile_values);
+
+// Write one 16-byte chunk of bf16 values v (8 values) to elements [8*chunk, 8*chunk + 8) of a cache row.
+// scale: the layer's scale for this tensor (fp8 only).
+template <class KV>
+__device__ __forceinline__ void store_kv8(KV* row, int chunk, uint4 v, float scale) {
+  if constexpr (std::is_same<KV, bf16>::value) reinterpret_cast<uint4*>(row)[chunk] = v;
+  else store_kv8_fp8(row, chunk, v, scale);
+}
+// The 8 values an attention tile holds after store_kv8 and the tile load (bf16: v itself; fp8: section 21's
+// tile values), and the store of such tile values (the same bytes store_kv8 writes).
+template <class KV>
+__device__ __forceinline__ uint4 kv8_tile_values(uint4 v, float scale) {
+  if constexpr (std::is_same<KV, bf16>::value) return v;
+  else return kv8_tile_values_fp8(v, scale);
+}
+template <class KV>
+__device__ __forceinline__ void store_kv8_tile(KV* row, int chunk, uint4 tile_values) {
+  if constexpr (std::is_same<KV, bf16>::value) reinterpret_cast<uint4*>(row)[chunk] = tile_values;
+  else store_kv8_tile_fp8(row, chunk, tile_values);
+}
+// Calls f(KV*) with a null pointer of the cache's element type: a launcher's way to pick its template.
+template <class F>
+static void with_kv_type(const KVLayer& cache, F f) {
+  if (cache.dtype == KVCacheDtype::FP8) f((fp8e4m3*)nullptr);
+  else f((bf16*)nullptr);
+}
+
 // ---- qk_norm_rope (and the KV-cache store) ---------------------------------------------------------------
 // Replaces (Qwen3Attention.forward, between the qkv projection and attention):
 //     q = q_norm(q.view(T, NH, D));  k = k_norm(k.view(T, NKV, D))     # RMSNorm over D, semantics above
@@ -1824,9 +1903,11 @@ __device__ __forceinline__ void head_norm_rope(uint4& ua, uint4& ub, float ss, c
   ub = float_to_bf16x8(ob);
 }
 
+template <class KV>
 __global__ void qk_norm_rope_kernel(bf16* qkv, const int* positions, const bf16* q_norm_w,
-                                    const bf16* k_norm_w, bf16* k_cache, bf16* v_cache, const int* slot_mapping,
-                                    int NH, int NKV, int P, float eps, RopeInvFreq inv_freq) {
+                                    const bf16* k_norm_w, KV* k_cache, KV* v_cache, KVScales kv_scale,
+                                    const int* slot_mapping, int NH, int NKV, int P, float eps,
+                                    RopeInvFreq inv_freq) {
   __shared__ float cos_s[HEAD_DIM / 2], sin_s[HEAD_DIM / 2];
   int t = blockIdx.x;
   const int slot = slot_mapping[t];
@@ -1850,9 +1931,9 @@ __global__ void qk_norm_rope_kernel(bf16* qkv, const int* positions, const bf16*
     head[j] = ua;
     head[j + 8] = ub;
     if (h >= NH && slot >= 0) {  // a k head: into its cache slot too
-      uint4* dst = reinterpret_cast<uint4*>(k_cache + ((cache_block * NKV + (h - NH)) * P + cache_offset) * HEAD_DIM);
-      dst[j] = ua;
-      dst[j + 8] = ub;
+      KV* dst = k_cache + ((cache_block * NKV + (h - NH)) * P + cache_offset) * HEAD_DIM;
+      store_kv8(dst, j, ua, kv_scale.k);
+      store_kv8(dst, j + 8, ub, kv_scale.k);
     }
   }
   if (slot < 0) return;
@@ -1860,8 +1941,7 @@ __global__ void qk_norm_rope_kernel(bf16* qkv, const int* positions, const bf16*
   const uint4* v_src = reinterpret_cast<const uint4*>(row + (int64_t)(NH + NKV) * HEAD_DIM);
   for (int c = threadIdx.x; c < NKV * CHUNKS_PER_HEAD; c += blockDim.x) {
     int h = c / CHUNKS_PER_HEAD, chunk = c % CHUNKS_PER_HEAD;
-    uint4* dst = reinterpret_cast<uint4*>(v_cache + ((cache_block * NKV + h) * P + cache_offset) * HEAD_DIM);
-    dst[chunk] = v_src[c];
+    store_kv8(v_cache + ((cache_block * NKV + h) * P + cache_offset) * HEAD_DIM, chunk, v_src[c], kv_scale.v);
   }
 }
 // RoPE's inverse frequencies for theta, as PyTorch computes them:
@@ -1881,22 +1961,26 @@ static const RopeInvFreq& rope_inv_freq(float rope_theta) {
   }
   return inv_freq;
 }
-// k_cache, v_cache: one layer's [NB, NKV, P, D]; slot_mapping [T] (device; -1 = do not store).
-void qk_norm_rope(bf16* qkv, const int* positions, const bf16* q_norm_w, const bf16* k_norm_w, bf16* k_cache,
-                  bf16* v_cache, const int* slot_mapping, int T, int NH, int NKV, int P, float rope_theta,
+// cache: one layer's k and v [NB, NKV, P, D]; slot_mapping [T] (device; -1 = do not store).
+void qk_norm_rope(bf16* qkv, const int* positions, const bf16* q_norm_w, const bf16* k_norm_w,
+                  const KVLayer& cache, const int* slot_mapping, int T, int NH, int NKV, int P, float rope_theta,
                   float eps, cudaStream_t stream) {
   check_aligned16("qk_norm_rope", "qkv", qkv);
   check_aligned16("qk_norm_rope", "q_norm_w", q_norm_w);
   check_aligned16("qk_norm_rope", "k_norm_w", k_norm_w);
-  check_aligned16("qk_norm_rope", "k_cache", k_cache);
-  check_aligned16("qk_norm_rope", "v_cache", v_cache);
+  check_aligned16("qk_norm_rope", "k_cache", cache.k);
+  check_aligned16("qk_norm_rope", "v_cache", cache.v);
   if (P <= 0) die("qk_norm_rope: block size P = %d must be positive", P);
   if (T == 0) return;
   int heads = NH + NKV;
   int threads = (int)std::min<int64_t>(512, std::max<int64_t>(HEAD_DIM / 2,
                                            cdiv((int64_t)heads * ROPE_THREADS_PER_HEAD, 32) * 32));
-  qk_norm_rope_kernel<<<T, threads, 0, stream>>>(qkv, positions, q_norm_w, k_norm_w, k_cache, v_cache,
-                                                 slot_mapping, NH, NKV, P, eps, rope_inv_freq(rope_theta));
+  with_kv_type(cache, [&](auto* kv) {
+    using KV = std::remove_pointer_t<decltype(kv)>;
+    qk_norm_rope_kernel<<<T, threads, 0, stream>>>(qkv, positions, q_norm_w, k_norm_w, (KV*)cache.k,
+                                                   (KV*)cache.v, cache.scale, slot_mapping, NH, NKV, P, eps,
+                                                   rope_inv_freq(rope_theta));
+  });
   CUDA_CHECK(cudaGetLastError());
 }
 // What qk_norm_rope_kernel computes, on the CPU, in place on qkv [T, (NH + 2*NKV) * D] (bf16 as float):
@@ -2032,13 +2116,23 @@ constexpr int DECODE_ROWS = 16;        // MMA rows in decode: the query heads of
 static_assert(DECODE_WARPS * 32 == HEAD_DIM, "the decode epilogue gives each thread one output dim");
 static_assert(DECODE_WARPS * 16 == ATTN_KV_TILE, "decode warps split each tile 16 keys apiece");
 static_assert(DECODE_PARTITION % ATTN_KV_TILE == 0, "partitions are made of whole tiles");
+// fp8 caches (section 21): the staging slots of each kernel's ring. Two fit in the second stage, so shared
+// memory stays what bf16 needs; section 16's cluster kernel, which runs few thread blocks per SM, takes four
+// and keeps three tiles in flight.
+constexpr int PREFILL_FP8_RING = 2;
+constexpr int DECODE_FP8_RING = 2;
+constexpr int CLUSTER_FP8_RING = 4;
 
 // Keys per decode CTA for a batch of B sequences. With few sequences, 512-key partitions leave most of the
 // GPU idle (B = 1, NKV = 8, a 768-token context: 16 CTAs for 132 SMs), so small batches use shorter
 // partitions and more CTAs; the merge kernel pays for it with a few more partials. Depends on B only, so a
 // graph captured for a batch size keeps its grid. (On sm_90 and later, batches of at most 4 take the
 // cluster path below instead, whose partitions follow the context.)
-static int decode_partition(int B) { return B <= 4 ? 64 : B <= 32 ? 128 : DECODE_PARTITION; }
+// An fp8 cache (section 21) takes partitions twice as long: the same bytes per thread block.
+static int decode_partition(int B, KVCacheDtype dtype = KVCacheDtype::BF16) {
+  const int keys = B <= 4 ? 64 : B <= 32 ? 128 : DECODE_PARTITION;
+  return dtype == KVCacheDtype::FP8 ? 2 * keys : keys;
+}
 
 // A shared-memory tile row is HEAD_DIM bf16 = 256 bytes = 16 chunks of 16 bytes. ldmatrix reads one chunk
 // column of 8 consecutive rows at once; stored plainly those 8 chunks are 256 bytes apart, all in the same
@@ -2088,6 +2182,31 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// The same with fp16 inputs, for the tiles of an fp8 cache (section 21): tile_t<KV> is the element type the
+// tensor cores see, bf16 for a bf16 cache, fp16 for fp8 (fp16 holds every e4m3 value exactly).
+template <class KV>
+using tile_t = typename std::conditional<std::is_same<KV, bf16>::value, bf16, __half>::type;
+template <class T>
+__device__ __forceinline__ void mma_16816(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same<T, bf16>::value) {
+    mma_bf16_16816(acc, a, b0, b1);
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+template <class T>
+__device__ __forceinline__ uint32_t pack_x2(float lo, float hi) {
+  if constexpr (std::is_same<T, bf16>::value) {
+    return pack_bf16x2(lo, hi);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
 // 2^x in one instruction (MUFU.EX2, relative error ~2^-22); 2^-inf = 0, which the masking relies on.
 // The softmax works in base 2: exp(s*scale - m*scale) = 2^(s*scale*log2(e) - m*scale*log2(e)).
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -2102,6 +2221,13 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // stale or never-written data; a NaN there would survive the softmax mask as 0 * NaN in P V.
 // All NTHREADS threads of the CTA call it: 16 threads copy one 256-byte row. The row of key skip_key is
 // left alone (not even zero-filled): the fused decode kernel writes that key itself.
+// The row of key `key` of kv head kvh in one layer's cache [NB, NKV, P, D] (a row is D values), found
+// through the sequence's block table.
+__device__ __forceinline__ size_t kv_cache_row(const int* block_table, int kvh, int NKV, int log2P, int key) {
+  const size_t block = block_table[key >> log2P];
+  return ((block * NKV + kvh) << log2P) + (key & ((1 << log2P) - 1));
+}
+
 template <int NTHREADS>
 __device__ __forceinline__ void load_kv_tile(bf16* sK, bf16* sV, const bf16* k_cache, const bf16* v_cache,
                                              const int* block_table /* [MB] */, int kvh, int NKV, int log2P,
@@ -2112,14 +2238,67 @@ __device__ __forceinline__ void load_kv_tile(bf16* sK, bf16* sV, const bf16* k_c
     const int key = key0 + r;
     if (key == skip_key) continue;
     const bool valid = key < key_end;
-    size_t offset = 0;
-    if (valid) {
-      const size_t block = block_table[key >> log2P];
-      const size_t row = ((block * NKV + kvh) << log2P) + (key & ((1 << log2P) - 1));
-      offset = row * HEAD_DIM + chunk * 8;
-    }
+    const size_t offset = valid ? kv_cache_row(block_table, kvh, NKV, log2P, key) * HEAD_DIM + chunk * 8 : 0;
     cp_async_16(sK + attn_smem_index(r, chunk), k_cache + offset, valid);
     cp_async_16(sV + attn_smem_index(r, chunk), v_cache + offset, valid);
+  }
+}
+
+// The tile pipeline both kernels run, whatever the cache stores. Tile `index` (keys key0 ..) is issued
+// kv_tiles_ahead() tiles before it is needed, one committed cp.async group per tile; when its turn comes,
+// kv_tile_ready says where it lies as a [ATTN_KV_TILE][HEAD_DIM] tile (swizzled) of tile_t<KV>. For a bf16
+// cache the copies land straight in stage index % ATTN_STAGES of sK, sV, and there is nothing more to do. An
+// fp8 cache (section 21) lands in a ring of RING staging slots and kv_tile_ready widens the tile to fp16
+// into stage 0; its pieces are declared here and defined there.
+template <int NTHREADS>
+__device__ __forceinline__ void load_kv_tile_fp8(char* slot, const fp8e4m3* k_cache, const fp8e4m3* v_cache,
+                                                 const int* block_table, int kvh, int NKV, int log2P, int key0,
+                                                 int key_end, int skip_key);
+template <int NTHREADS>
+__device__ __forceinline__ void widen_kv_tile_fp8(const char* slot, bf16* sK, bf16* sV, int skip_row);
+__device__ __forceinline__ char* fp8_ring_slot(bf16* sK, bf16* sV, int i);
+
+template <class KV, int RING>
+constexpr int kv_tiles_ahead() {
+  return std::is_same<KV, bf16>::value ? ATTN_STAGES - 1 : RING - 1;
+}
+template <int NTHREADS, int RING, class KV>
+__device__ __forceinline__ void issue_kv_tile(bf16* sK, bf16* sV, const KV* k_cache, const KV* v_cache,
+                                              const int* block_table, int kvh, int NKV, int log2P, int index,
+                                              int key0, int key_end, int skip_key = -1) {
+  constexpr int TILE = ATTN_KV_TILE * HEAD_DIM;
+  if constexpr (std::is_same<KV, bf16>::value)
+    load_kv_tile<NTHREADS>(sK + (index % ATTN_STAGES) * TILE, sV + (index % ATTN_STAGES) * TILE, k_cache, v_cache,
+                           block_table, kvh, NKV, log2P, key0, key_end, skip_key);
+  else
+    load_kv_tile_fp8<NTHREADS>(fp8_ring_slot(sK, sV, index % RING), k_cache, v_cache, block_table, kvh, NKV, log2P,
+                               key0, key_end, skip_key);
+}
+// Called by every thread once tile `index` has landed for it (cp_async_wait), before the barrier that
+// publishes the tile; sets sK_t, sV_t. skip_row: the tile row the fp8 widening leaves alone (-1: none).
+template <int NTHREADS, int RING, class KV>
+__device__ __forceinline__ void kv_tile_ready(bf16* sK, bf16* sV, int index, int skip_row,
+                                              bf16*& sK_t, bf16*& sV_t) {
+  constexpr int TILE = ATTN_KV_TILE * HEAD_DIM;
+  if constexpr (std::is_same<KV, bf16>::value) {
+    sK_t = sK + (index % ATTN_STAGES) * TILE, sV_t = sV + (index % ATTN_STAGES) * TILE;
+  } else {
+    widen_kv_tile_fp8<NTHREADS>(fp8_ring_slot(sK, sV, index % RING), sK, sV, skip_row);
+    sK_t = sK, sV_t = sV;
+  }
+}
+// The first kv_tiles_ahead() tiles of keys [key_begin, key_end), one committed group each (empty past the end).
+template <int NTHREADS, int RING, class KV>
+__device__ __forceinline__ void issue_first_kv_tiles(bf16* sK, bf16* sV, const KV* k_cache, const KV* v_cache,
+                                                     const int* block_table, int kvh, int NKV, int log2P,
+                                                     int key_begin, int key_end, int skip_key = -1) {
+#pragma unroll
+  for (int t = 0; t < kv_tiles_ahead<KV, RING>(); t++) {
+    const int key0 = key_begin + t * ATTN_KV_TILE;
+    if (key0 < key_end)
+      issue_kv_tile<NTHREADS, RING>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, t, key0, key_end,
+                                    skip_key);
+    cp_async_commit();
   }
 }
 
@@ -2131,7 +2310,7 @@ __device__ __forceinline__ void load_kv_tile(bf16* sK, bf16* sV, const bf16* k_c
 // 16 fragments of 8 dims. m, l, last_key: this lane's two rows (lane/4 and lane/4 + 8). m is kept in raw
 // score units; l is this lane's partial sum over its own columns (the quad adds them up at the very end,
 // which is valid because all four lanes of a row always rescale by the same factor).
-template <int NKEYS>
+template <int NKEYS, class T = bf16>
 __device__ __forceinline__ void attend_kv_slice(const uint32_t (&q)[HEAD_DIM / 16][4], const bf16* sK,
                                                 const bf16* sV, int row0, int key0, bool need_mask,
                                                 const int (&last_key)[2], float scale_log2,
@@ -2151,8 +2330,8 @@ __device__ __forceinline__ void attend_kv_slice(const uint32_t (&q)[HEAD_DIM / 1
       uint32_t b[4];
       const int row = row0 + j * 16 + (lane & 7) + ((lane >> 4) << 3);
       ldmatrix_x4(b, sK + attn_smem_index(row, 2 * kk + ((lane >> 3) & 1)));
-      mma_bf16_16816(s[2 * j], q[kk], b[0], b[1]);
-      mma_bf16_16816(s[2 * j + 1], q[kk], b[2], b[3]);
+      mma_16816<T>(s[2 * j], q[kk], b[0], b[1]);
+      mma_16816<T>(s[2 * j + 1], q[kk], b[2], b[3]);
     }
   }
 
@@ -2196,15 +2375,15 @@ __device__ __forceinline__ void attend_kv_slice(const uint32_t (&q)[HEAD_DIM / 1
   // one 16-key k-slice), so P goes from registers to the MMA without shared memory. V needs .trans.
 #pragma unroll
   for (int kt = 0; kt < NKEYS / 16; kt++) {
-    const uint32_t p[4] = {pack_bf16x2(s[2 * kt][0], s[2 * kt][1]), pack_bf16x2(s[2 * kt][2], s[2 * kt][3]),
-                           pack_bf16x2(s[2 * kt + 1][0], s[2 * kt + 1][1]),
-                           pack_bf16x2(s[2 * kt + 1][2], s[2 * kt + 1][3])};
+    const uint32_t p[4] = {pack_x2<T>(s[2 * kt][0], s[2 * kt][1]), pack_x2<T>(s[2 * kt][2], s[2 * kt][3]),
+                           pack_x2<T>(s[2 * kt + 1][0], s[2 * kt + 1][1]),
+                           pack_x2<T>(s[2 * kt + 1][2], s[2 * kt + 1][3])};
 #pragma unroll
     for (int dt = 0; dt < HEAD_DIM / 16; dt++) {
       uint32_t b[4];
       ldmatrix_x4_trans(b, sV + attn_smem_index(row0 + kt * 16 + (lane & 15), 2 * dt + (lane >> 4)));
-      mma_bf16_16816(o[2 * dt], p, b[0], b[1]);
-      mma_bf16_16816(o[2 * dt + 1], p, b[2], b[3]);
+      mma_16816<T>(o[2 * dt], p, b[0], b[1]);
+      mma_16816<T>(o[2 * dt + 1], p, b[2], b[3]);
     }
   }
 }
@@ -2215,6 +2394,35 @@ __device__ __forceinline__ void load_q_fragments(uint32_t (&q)[HEAD_DIM / 16][4]
 #pragma unroll
   for (int kk = 0; kk < HEAD_DIM / 16; kk++)
     ldmatrix_x4(q[kk], sQ + attn_smem_index(row0 + (lane & 15), 2 * kk + (lane >> 4)));
+}
+// With an fp8 cache (section 21) the tiles hold e4m3 values (no scale) in fp16: the q fragments become fp16
+// too, the scores take the key scale (score_scale), and the output the value scale (scale_output). For a
+// bf16 cache all three do nothing.
+template <class KV>
+__device__ __forceinline__ void q_fragments_for_tiles(uint32_t (&q)[HEAD_DIM / 16][4]) {
+  if constexpr (!std::is_same<KV, bf16>::value) {
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; kk++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&q[kk][i]));
+        const __half2 h = __floats2half2_rn(f.x, f.y);
+        q[kk][i] = *reinterpret_cast<const uint32_t*>(&h);
+      }
+  }
+}
+template <class KV>
+__device__ __forceinline__ float score_scale(float scale_log2, KVScales s) {
+  return std::is_same<KV, bf16>::value ? scale_log2 : scale_log2 * s.k;
+}
+template <class KV>
+__device__ __forceinline__ void scale_output(float (&o)[HEAD_DIM / 8][4], KVScales s) {
+  if constexpr (!std::is_same<KV, bf16>::value) {
+#pragma unroll
+    for (int d = 0; d < HEAD_DIM / 8; d++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) o[d][e] *= s.v;
+  }
 }
 
 // attention_prefill_kernel — causal attention of a variable-length batch over the paged cache.
@@ -2232,9 +2440,10 @@ __device__ __forceinline__ void load_q_fragments(uint32_t (&q)[HEAD_DIM / 16][4]
 //   under the causal mask the last tile of a sequence has the most keys, and starting the long CTAs first
 //   keeps the tail of the launch short. CTAs past their sequence's q_len exit at once.
 //   Preconditions: 1 <= q_len <= seqlens_k[b] for every sequence; NH % NKV == 0; P a power of two.
+template <class KV>
 __global__ void __launch_bounds__(PREFILL_WARPS * 32)
     attention_prefill_kernel(bf16* __restrict__ out, const bf16* __restrict__ qkv,
-                             const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
+                             const KV* __restrict__ k_cache, const KV* __restrict__ v_cache, KVScales kv_scale,
                              const int* __restrict__ cu_seqlens_q, const int* __restrict__ seqlens_k,
                              const int* __restrict__ block_tables, int NH, int NKV, int log2P, int MB,
                              float scale_log2) {
@@ -2264,16 +2473,15 @@ __global__ void __launch_bounds__(PREFILL_WARPS * 32)
     cp_async_16(sQ + attn_smem_index(r, c), valid ? src : qkv, valid);
   }
   cp_async_commit();
-  for (int t = 0; t < ATTN_STAGES - 1; t++) {
-    if (t < n_tiles)
-      load_kv_tile<PREFILL_WARPS * 32>(sK + t * TILE, sV + t * TILE, k_cache, v_cache, block_table, kvh, NKV,
-                                       log2P, t * ATTN_KV_TILE, kv_len);
-    cp_async_commit();
-  }
-  cp_async_wait<ATTN_STAGES - 1>();  // the Q group is complete
+  constexpr int AHEAD = kv_tiles_ahead<KV, PREFILL_FP8_RING>();
+  issue_first_kv_tiles<PREFILL_WARPS * 32, PREFILL_FP8_RING>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P,
+                                                             0, kv_len);
+  cp_async_wait<AHEAD>();  // the Q group is complete
   __syncthreads();
   uint32_t q[HEAD_DIM / 16][4];
   load_q_fragments(q, sQ, warp * 16);
+  q_fragments_for_tiles<KV>(q);
+  scale_log2 = score_scale<KV>(scale_log2, kv_scale);
 
   float o[HEAD_DIM / 8][4] = {};
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
@@ -2282,24 +2490,25 @@ __global__ void __launch_bounds__(PREFILL_WARPS * 32)
   const bool warp_has_rows = m0 + warp * 16 < q_len;
 
   for (int t = 0; t < n_tiles; t++) {
-    // Prefetch the tile ATTN_STAGES-1 ahead into the stage computed last iteration (freed by the
+    // Prefetch the tile AHEAD tiles ahead into the buffer computed last iteration (freed by the
     // __syncthreads that ended it). An empty commit at the end keeps the group count uniform.
-    const int ahead = t + ATTN_STAGES - 1;
-    if (ahead < n_tiles) {
-      const int stage = ahead % ATTN_STAGES;
-      load_kv_tile<PREFILL_WARPS * 32>(sK + stage * TILE, sV + stage * TILE, k_cache, v_cache, block_table,
-                                       kvh, NKV, log2P, ahead * ATTN_KV_TILE, kv_len);
-    }
+    const int ahead = t + AHEAD;
+    if (ahead < n_tiles)
+      issue_kv_tile<PREFILL_WARPS * 32, PREFILL_FP8_RING>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P,
+                                                          ahead, ahead * ATTN_KV_TILE, kv_len);
     cp_async_commit();
-    cp_async_wait<ATTN_STAGES - 1>();  // tile t has landed (for this thread) ...
-    __syncthreads();                   // ... and for every thread
+    cp_async_wait<AHEAD>();  // tile t has landed (for this thread) ...
+    bf16 *sK_t, *sV_t;
+    kv_tile_ready<PREFILL_WARPS * 32, PREFILL_FP8_RING, KV>(sK, sV, t, -1, sK_t, sV_t);
+    __syncthreads();         // ... and for every thread
     const int key0 = t * ATTN_KV_TILE;
     // Only tiles that cross the diagonal need the mask; a warp whose rows all precede the tile skips it.
     if (warp_has_rows && key0 <= warp_pos0 + 15)
-      attend_kv_slice<ATTN_KV_TILE>(q, sK + (t % ATTN_STAGES) * TILE, sV + (t % ATTN_STAGES) * TILE, 0, key0,
-                                    key0 + ATTN_KV_TILE - 1 > warp_pos0, last_key, scale_log2, o, m, l);
+      attend_kv_slice<ATTN_KV_TILE, tile_t<KV>>(q, sK_t, sV_t, 0, key0, key0 + ATTN_KV_TILE - 1 > warp_pos0,
+                                                last_key, scale_log2, o, m, l);
     __syncthreads();
   }
+  scale_output<KV>(o, kv_scale);
 
   // Finish the row sums across the quad, normalise, write bf16 (each lane: 2 dims of 2 rows per group).
 #pragma unroll
@@ -2328,20 +2537,22 @@ static void check_attention_shapes(const char* who, int NH, int NKV, int P) {
 // out: bf16 [T, NH*D]; qkv: bf16 [T, (NH+2NKV)*D]; k_cache, v_cache: bf16 [NB, NKV, P, D];
 // cu_seqlens_q: int [B+1] (device); seqlens_k: int [B] (device, keys of sequence b including this step's);
 // block_tables: int [B, MB] (device); max_seqlen_q: the largest q_len (host). scale = 1/sqrt(D).
-static void attention_prefill(bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache,
-                              const int* cu_seqlens_q, const int* seqlens_k, const int* block_tables, int B,
-                              int max_seqlen_q, int NH, int NKV, int P, int MB, float scale,
-                              cudaStream_t stream) {
+static void attention_prefill(bf16* out, const bf16* qkv, const KVLayer& cache, const int* cu_seqlens_q,
+                              const int* seqlens_k, const int* block_tables, int B, int max_seqlen_q, int NH,
+                              int NKV, int P, int MB, float scale, cudaStream_t stream) {
   check_attention_shapes("attention_prefill", NH, NKV, P);
   if (B == 0 || max_seqlen_q == 0) return;
   const size_t smem = (PREFILL_BLOCK_M + 2 * ATTN_STAGES * ATTN_KV_TILE) * HEAD_DIM * sizeof(bf16);  // 96 KiB
-  // More than the default 48 KiB of shared memory must be asked for; cheap, and legal during graph capture.
-  CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  (int)smem));
   dim3 grid(NH, cdiv(max_seqlen_q, PREFILL_BLOCK_M), B);
-  attention_prefill_kernel<<<grid, PREFILL_WARPS * 32, smem, stream>>>(
-      out, qkv, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_tables, NH, NKV, __builtin_ctz(P), MB,
-      scale * (float)M_LOG2E);
+  with_kv_type(cache, [&](auto* kv) {
+    using KV = std::remove_pointer_t<decltype(kv)>;
+    // More than the default 48 KiB of shared memory must be asked for; cheap, and legal during graph capture.
+    CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_kernel<KV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)smem));
+    attention_prefill_kernel<KV><<<grid, PREFILL_WARPS * 32, smem, stream>>>(
+        out, qkv, (const KV*)cache.k, (const KV*)cache.v, cache.scale, cu_seqlens_q, seqlens_k, block_tables,
+        NH, NKV, __builtin_ctz(P), MB, scale * (float)M_LOG2E);
+  });
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -2369,35 +2580,37 @@ static void attention_prefill(bf16* out, const bf16* qkv, const bf16* k_cache, c
 // when tile t has landed for this thread and before the barrier that publishes it to the others: the fused
 // kernel of section 17 writes this step's own key into the last tile there. skip_key: a key the tile loads
 // leave alone (-1: none).
-template <class AfterLanding>
+template <int RING, class KV, class AfterLanding>
 __device__ __forceinline__ void decode_attend_tiles(const uint32_t (&q)[HEAD_DIM / 16][4], bf16* sK, bf16* sV,
-                                                    const bf16* k_cache, const bf16* v_cache,
+                                                    const KV* k_cache, const KV* v_cache, KVScales kv_scale,
                                                     const int* block_table, int kvh, int NKV, int log2P,
                                                     int key_begin, int key_end, int skip_key, float scale_log2,
                                                     float (&o)[HEAD_DIM / 8][4], float (&m)[2], float (&l)[2],
                                                     AfterLanding after_landing) {
-  constexpr int TILE = ATTN_KV_TILE * HEAD_DIM;
+  constexpr int AHEAD = kv_tiles_ahead<KV, RING>();
   const int n_tiles = cdiv_dev(key_end - key_begin, ATTN_KV_TILE);
   const int warp = threadIdx.x >> 5;
   const int last_key[2] = {key_end - 1, key_end - 1};  // no causal mask within the context: only its end
   for (int t = 0; t < n_tiles; t++) {  // the same pipeline as the prefill loop
-    const int ahead = t + ATTN_STAGES - 1;
-    if (ahead < n_tiles) {
-      const int stage = ahead % ATTN_STAGES;
-      load_kv_tile<DECODE_WARPS * 32>(sK + stage * TILE, sV + stage * TILE, k_cache, v_cache, block_table,
-                                      kvh, NKV, log2P, key_begin + ahead * ATTN_KV_TILE, key_end, skip_key);
-    }
+    const int ahead = t + AHEAD;
+    if (ahead < n_tiles)
+      issue_kv_tile<DECODE_WARPS * 32, RING>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, ahead,
+                                             key_begin + ahead * ATTN_KV_TILE, key_end, skip_key);
     cp_async_commit();
-    cp_async_wait<ATTN_STAGES - 1>();
-    bf16* sK_t = sK + (t % ATTN_STAGES) * TILE;
-    bf16* sV_t = sV + (t % ATTN_STAGES) * TILE;
-    after_landing(t, n_tiles, sK_t, sV_t, key_begin + t * ATTN_KV_TILE);
+    cp_async_wait<AHEAD>();
+    const int tile_key0 = key_begin + t * ATTN_KV_TILE;
+    const bool skip_here = skip_key >= tile_key0 && skip_key < tile_key0 + ATTN_KV_TILE;
+    bf16 *sK_t, *sV_t;
+    kv_tile_ready<DECODE_WARPS * 32, RING, KV>(sK, sV, t, skip_here ? skip_key - tile_key0 : -1, sK_t, sV_t);
+    after_landing(t, n_tiles, sK_t, sV_t, tile_key0);
     __syncthreads();
-    const int key0 = key_begin + t * ATTN_KV_TILE + warp * 16;
+    const int key0 = tile_key0 + warp * 16;
     if (key0 < key_end)
-      attend_kv_slice<16>(q, sK_t, sV_t, warp * 16, key0, key0 + 16 > key_end, last_key, scale_log2, o, m, l);
+      attend_kv_slice<16, tile_t<KV>>(q, sK_t, sV_t, warp * 16, key0, key0 + 16 > key_end, last_key, scale_log2,
+                                      o, m, l);
     __syncthreads();
   }
+  scale_output<KV>(o, kv_scale);
 }
 
 // Combines the four warps of a decode thread block. Their O, m, l go to shared memory (reusing the K/V
@@ -2440,9 +2653,10 @@ __device__ __forceinline__ void decode_combine_warps(const float (&o)[HEAD_DIM /
   }
 }
 
+template <class KV>
 __global__ void __launch_bounds__(DECODE_WARPS * 32)
     attention_decode_kernel(bf16* __restrict__ out, const bf16* __restrict__ qkv,
-                            const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
+                            const KV* __restrict__ k_cache, const KV* __restrict__ v_cache, KVScales kv_scale,
                             const int* __restrict__ context_lens, const int* __restrict__ block_tables, int NH,
                             int NKV, int log2P, int MB, int max_parts, int partition, float* __restrict__ ws_o,
                             float* __restrict__ ws_ml, float scale_log2) {
@@ -2467,18 +2681,20 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
     cp_async_16(sQ + attn_smem_index(r, c), r < group ? q_src + r * HEAD_DIM + c * 8 : qkv, r < group);
   }
   cp_async_commit();
-  load_kv_tile<DECODE_WARPS * 32>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end);
-  cp_async_commit();
-  static_assert(ATTN_STAGES == 2, "one tile is issued ahead of the loop");
-  cp_async_wait<ATTN_STAGES - 1>();  // the Q tile has landed
+  issue_first_kv_tiles<DECODE_WARPS * 32, DECODE_FP8_RING>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P,
+                                                           key_begin, key_end);
+  cp_async_wait<kv_tiles_ahead<KV, DECODE_FP8_RING>()>();  // the Q tile has landed
   __syncthreads();
   uint32_t q[HEAD_DIM / 16][4];
   load_q_fragments(q, sQ, 0);  // every warp holds the same 16 rows (the group's heads)
+  q_fragments_for_tiles<KV>(q);
+  scale_log2 = score_scale<KV>(scale_log2, kv_scale);
 
   float o[HEAD_DIM / 8][4] = {};
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  decode_attend_tiles(q, sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end, -1,
-                      scale_log2, o, m, l, [](int, int, bf16*, bf16*, int) {});
+  decode_attend_tiles<DECODE_FP8_RING>(q, sK, sV, k_cache, v_cache, kv_scale, block_table, kvh, NKV, log2P,
+                                       key_begin, key_end, -1, scale_log2, o, m, l,
+                                       [](int, int, bf16*, bf16*, int) {});
   const bool single = key_begin == 0 && key_end == ctx;  // the only live partition: finish here
   decode_combine_warps(o, m, l, scale_log2, sK, group, [&](int g, float acc, float m_max, float l_sum) {
     const int h = kvh * group + g, d = threadIdx.x;
@@ -2527,31 +2743,39 @@ static size_t attention_decode_workspace_bytes(int B, int NH, int max_context_le
 }
 
 constexpr size_t DECODE_SMEM = (DECODE_ROWS + 2 * ATTN_STAGES * ATTN_KV_TILE) * HEAD_DIM * sizeof(bf16);  // 68 KiB
+// With an fp8 cache, the ring's slots past the two that fit in the second stage (section 21): 100 KiB.
+template <class KV, int RING = DECODE_FP8_RING>
+constexpr size_t decode_smem() {
+  return DECODE_SMEM + (std::is_same<KV, bf16>::value ? 0 : (RING - 2) * 2 * ATTN_KV_TILE * HEAD_DIM);
+}
 
 // out: bf16 [B, NH*D]; qkv: bf16 [B, (NH+2NKV)*D]; k_cache, v_cache: bf16 [NB, NKV, P, D];
 // context_lens: int [B] (device, keys including the current token); block_tables: int [B, MB] (device);
 // max_context_len: host bound on every context_lens[b] (max_model_len): the grid depends only on it, so a
 // captured graph stays valid; workspace: attention_decode_workspace_bytes(B, NH, max_context_len) bytes.
-static void attention_decode(bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache,
-                             const int* context_lens, const int* block_tables, int B, int NH, int NKV, int P,
-                             int MB, int max_context_len, float* workspace, float scale, cudaStream_t stream) {
+static void attention_decode(bf16* out, const bf16* qkv, const KVLayer& cache, const int* context_lens,
+                             const int* block_tables, int B, int NH, int NKV, int P, int MB, int max_context_len,
+                             float* workspace, float scale, cudaStream_t stream) {
   check_attention_shapes("attention_decode", NH, NKV, P);
   if (NH / NKV > DECODE_ROWS)
     die("attention_decode: NH/NKV = %d query heads per kv head, at most %d", NH / NKV, DECODE_ROWS);
   if (B == 0) return;
-  static bool opted_in = false;  // more than the default 48 KiB of shared memory must be asked for, once
-  if (!opted_in) {
-    CUDA_CHECK(cudaFuncSetAttribute(attention_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)DECODE_SMEM));
-    opted_in = true;
-  }
-  const int partition = decode_partition(B);
+  const int partition = decode_partition(B, cache.dtype);
   const int max_parts = (int)cdiv(max_context_len, partition);
   float* ws_o = workspace;                                           // [B, NH, max_parts, D]
   float* ws_ml = workspace + (size_t)B * NH * max_parts * HEAD_DIM;  // [B, NH, max_parts, 2]
-  attention_decode_kernel<<<dim3(max_parts, NKV, B), DECODE_WARPS * 32, DECODE_SMEM, stream>>>(
-      out, qkv, k_cache, v_cache, context_lens, block_tables, NH, NKV, __builtin_ctz(P), MB, max_parts, partition,
-      ws_o, ws_ml, scale * (float)M_LOG2E);
+  with_kv_type(cache, [&](auto* kv) {
+    using KV = std::remove_pointer_t<decltype(kv)>;
+    static bool opted_in = false;  // more than the default 48 KiB of shared memory must be asked for, once
+    if (!opted_in) {
+      CUDA_CHECK(cudaFuncSetAttribute(attention_decode_kernel<KV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)decode_smem<KV>()));
+      opted_in = true;
+    }
+    attention_decode_kernel<KV><<<dim3(max_parts, NKV, B), DECODE_WARPS * 32, decode_smem<KV>(), stream>>>(
+        out, qkv, (const KV*)cache.k, (const KV*)cache.v, cache.scale, context_lens, block_tables, NH, NKV,
+        __builtin_ctz(P), MB, max_parts, partition, ws_o, ws_ml, scale * (float)M_LOG2E);
+  });
   CUDA_CHECK(cudaGetLastError());
   if (max_parts > 1) {
     attention_decode_merge_kernel<<<dim3(NH, B), HEAD_DIM, 0, stream>>>(out, context_lens, ws_o, ws_ml, NH,
@@ -3194,8 +3418,8 @@ struct StepRegion {
 
 // Tensor parallelism is read after this section but ModelRunner calls into it: on every rank it agrees on
 // the KV pool size and gathers the vocabulary-sharded logits to rank 0 (section 12); on rank 0 it tells the
-// workers what to do: build an engine, capture graphs, run this step (the mailbox of section 23).
-struct TPStep {      // what rank 0 decided for one step; the step region's bytes follow it (section 23)
+// workers what to do: build an engine, capture graphs, run this step (the mailbox of section 24).
+struct TPStep {      // what rank 0 decided for one step; the step region's bytes follow it (section 24)
   int is_prefill;
   int T, B;          // tokens and sequences (decode: B padded to the graph's batch size, T = B)
   int max_seqlen_q;  // prefill
@@ -3216,6 +3440,8 @@ void sample_fast(int* out_tokens, const float* logits, const SamplingSlot* slots
                  size_t workspace_bytes, cudaStream_t stream);
 size_t sample_workspace_bytes(int B, int V);
 static void oneshot_setup(TPComm* comm);  // section 18: map every rank's staging buffer, once
+// section 21: the fp8 cache's per-layer scales, from the weights
+static std::vector<KVScales> kv_scales_from_weights(const Weights& w, const ModelConfig& c, int tp);
 size_t logprobs_workspace_bytes(int B);   // section 19: the split log-probabilities
 static void compute_logprobs_fast(TokenLogprobs* out, const float* logits, const int* tokens,
                                   const SamplingSlot* slots, int B, int V, void* workspace, size_t workspace_bytes,
@@ -3223,13 +3449,13 @@ static void compute_logprobs_fast(TokenLogprobs* out, const float* logits, const
 
 // What LLMEngine (section 13) needs from the side that computes a step: the sampled tokens, the batch a step
 // really runs (padded to a CUDA graph's size), and a clock. ModelRunner is the real one; `nanovllm simulate`
-// (section 24) plugs in a stand-in that needs no GPU and keeps a modelled clock.
+// (section 25) plugs in a stand-in that needs no GPU and keeps a modelled clock.
 struct StepRunner {
   double gpu_seconds = 0;  // time spent waiting for the GPU (the rest of a step is host work)
   virtual std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) = 0;
   virtual int padded_batch(int B, bool is_prefill) const = 0;
   // After run(): row i's log-probabilities for the sequences that asked for them (section 9b); nullptr when
-  // none did, or when the runner has no logits (section 24's stand-in model).
+  // none did, or when the runner has no logits (section 25's stand-in model).
   virtual const TokenLogprobs* step_logprobs() const { return nullptr; }
   virtual double now() { return now_seconds(); }
   virtual void wait_until(double t) {  // nothing to do before t (requests arrive later)
@@ -3363,7 +3589,18 @@ struct ModelRunner : StepRunner {
   void allocate_kv_cache() {
     size_t free_b, total_b;
     CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-    size_t block_bytes = kv_block_bytes(model.cfg, P, model.tp);
+    const KVCacheDtype dtype = config.kv_cache_dtype;
+    if (dtype == KVCacheDtype::FP8) {
+      int dev = 0, major = 0, minor = 0;
+      CUDA_CHECK(cudaGetDevice(&dev));
+      CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+      CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+      if (major * 10 + minor < 89)
+        die("--kv-cache-dtype fp8 needs a GPU with FP8 conversion instructions (compute capability 8.9 or "
+            "newer: Ada, Hopper, Blackwell); this one is %d.%d. Use --kv-cache-dtype bf16 (the default)", major,
+            minor);
+    }
+    size_t block_bytes = kv_block_bytes(model.cfg, P, model.tp, dtype);
     double budget = (double)total_b * config.gpu_memory_utilization - (double)(total_b - free_b);
     int64_t fit = budget > 0 ? (int64_t)(budget / block_bytes) : 0;
     if (model.tp > 1) fit = all_reduce_min(model.comm, fit);  // every rank must hold the same block ids
@@ -3383,6 +3620,10 @@ struct ModelRunner : StepRunner {
           config.num_kvcache_blocks, P, std::max(budget, 0.0) / (1 << 30), config.gpu_memory_utilization,
           config.max_model_len, need);
     KVCache& kv = model.kv;
+    kv.dtype = dtype;
+    if (dtype == KVCacheDtype::FP8)  // section 21
+      kv.scales = config.kv_scales_from_weights ? kv_scales_from_weights(model.w, model.cfg, model.tp)
+                                                : std::vector<KVScales>(model.cfg.num_hidden_layers);
     kv.num_blocks = config.num_kvcache_blocks;
     kv.kv_stride = kv.num_blocks * (model.cfg.num_key_value_heads / model.tp) * P * model.cfg.head_dim;
     kv.layer_stride = 2 * kv.kv_stride;
@@ -3638,7 +3879,7 @@ struct ModelRunner : StepRunner {
 //
 // This section is the data plane: the communicator, the all-reduce, the logits gather. The processes
 // (rank 0 is this process; ranks 1..N-1 are workers fork()ed before the first CUDA call, and rank 0 sends
-// them each step through a mailbox in shared memory) are plumbing and wait for section 23; section 18 gives
+// them each step through a mailbox in shared memory) are plumbing and wait for section 24; section 18 gives
 // the small all-reduces of decode a faster road than NCCL's.
 //
 // What crosses between the ranks in one batch-1 decode step of Qwen3-8B at N = 2:
@@ -3735,7 +3976,7 @@ static TPComm* tp_comm_init(int rank, int size, const ncclUniqueId& id) {
 //
 // Watching the scheduler think. With --trace every step prints one line on stderr, every run ends with a
 // summary, and --report draws the whole run. All of them only read what the scheduler and the runner
-// already keep (StepTrace, RunStats and the Sequences' times below; the formatting is section 22); with
+// already keep (StepTrace, RunStats and the Sequences' times below; the formatting is section 23); with
 // --trace and --report off nothing is recorded, so watching costs nothing.
 
 struct Request {
@@ -3744,14 +3985,14 @@ struct Request {
   std::string source;         // "prompts.txt:12", for messages
   double arrival_time = 0;    // seconds after generate() begins (a .jsonl field, or --request-rate)
   bool arrival_given = false; // the .jsonl line gave it (--request-rate leaves it alone)
-  std::string error;          // an OpenAI batch line we answer with an error instead of running (section 21)
-  json batch;                 // that batch line's custom_id, url and body (section 21); null otherwise
+  std::string error;          // an OpenAI batch line we answer with an error instead of running (section 22)
+  json batch;                 // that batch line's custom_id, url and body (section 22); null otherwise
 };
 
 // One completion: a request with n > 1 has n of them, consecutive, in index order.
 struct Completion {
   std::vector<int> token_ids;
-  const char* finish_reason;  // nullptr: unfinished (the run was interrupted by Ctrl-C, section 23)
+  const char* finish_reason;  // nullptr: unfinished (the run was interrupted by Ctrl-C, section 24)
   int prompt_tokens;
   double arrival_time = 0, first_token_time = -1, finish_time = -1;  // seconds since generate() began (-1: never)
   int64_t seq_id = 0;
@@ -3802,7 +4043,7 @@ static StepTrace trace_after_schedule(const Scheduler& s, const std::vector<Sequ
                                       int64_t step);  // section 22
 static std::string format_trace(const StepTrace& t);  // section 22
 
-// Ctrl-C (section 23's handler sets it; main arms it): generate() stops after the step in flight.
+// Ctrl-C (section 24's handler sets it; main arms it): generate() stops after the step in flight.
 static volatile sig_atomic_t g_stop_armed = 0;
 static volatile sig_atomic_t g_stop_requested = 0;
 
@@ -3945,7 +4186,7 @@ struct LLMEngine {
     // ids in input order; the queue in arrival order (ties: input order)
     for (size_t r = 0; r < requests.size(); r++) {
       const Request& req = requests[r];
-      if (!req.error.empty()) continue;  // answered with its error (section 21)
+      if (!req.error.empty()) continue;  // answered with its error (section 22)
       const Sequence* first_sibling = nullptr;
       for (int k = 0; k < req.params.n; k++) {  // n completions: n sequences with their own ids, so their own draws
         SamplingParams sp = req.params;
@@ -4372,10 +4613,10 @@ struct DecodeRope {         // the fused q/k-norm + RoPE + KV store (ROPE = true
   RopeInvFreq inv_freq;
 };
 
-template <bool ROPE, bool CLUSTER>
+template <bool ROPE, bool CLUSTER, class KV>
 __global__ void __launch_bounds__(DECODE_WARPS * 32)
     attention_decode_fused_kernel(bf16* __restrict__ out, const bf16* __restrict__ qkv,
-                                  bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
+                                  KV* __restrict__ k_cache, KV* __restrict__ v_cache, KVScales kv_scale,
                                   const int* __restrict__ context_lens, const int* __restrict__ block_tables,
                                   int NH, int NKV, int log2P, int MB, int max_parts, int partition,
                                   float* __restrict__ ws_o, float* __restrict__ ws_ml, float scale_log2,
@@ -4402,7 +4643,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
   bf16* sQ = reinterpret_cast<bf16*>(attn_smem);              // [DECODE_ROWS][D]
   bf16* sK = sQ + DECODE_ROWS * HEAD_DIM;                     // [ATTN_STAGES][ATTN_KV_TILE][D]
   bf16* sV = sK + ATTN_STAGES * ATTN_KV_TILE * HEAD_DIM;      // [ATTN_STAGES][ATTN_KV_TILE][D]
-  __shared__ uint4 s_new_kv[2][HEAD_DIM / 8];                 // ROPE owner: this step's k and v
+  __shared__ uint4 s_new_kv[2][HEAD_DIM / 8];                 // ROPE owner: this step's k and v, as in a tile
   __shared__ float cos_s[ROPE ? HEAD_DIM / 2 : 1], sin_s[ROPE ? HEAD_DIM / 2 : 1];
 
   // Row g of the Q tile is query head kvh*group + g of token b: the group's heads are adjacent in qkv.
@@ -4415,9 +4656,9 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
     }
   }
   cp_async_commit();  // (empty with ROPE: the group count stays the same)
-  load_kv_tile<DECODE_WARPS * 32>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end,
-                                  new_key);
-  cp_async_commit();
+  constexpr int RING = CLUSTER ? CLUSTER_FP8_RING : DECODE_FP8_RING;
+  issue_first_kv_tiles<DECODE_WARPS * 32, RING>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin,
+                                                key_end, new_key);
   if (ROPE) {
     pdl_begin();  // qkv is the kernel before's output
     rope_angles(cos_s, sin_s, rope.positions[b], rope.inv_freq);
@@ -4435,7 +4676,9 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
       const float ss = head_sum_squares(ua, ub);
       if (active)
         head_norm_rope(ua, ub, ss, r < group ? rope.q_norm_w : rope.k_norm_w, cos_s, sin_s, j, rope.eps);
-      if (r == group && owner) s_new_kv[0][j] = ua, s_new_kv[0][j + 8] = ub;
+      if (r == group && owner)
+        s_new_kv[0][j] = kv8_tile_values<KV>(ua, kv_scale.k),
+        s_new_kv[0][j + 8] = kv8_tile_values<KV>(ub, kv_scale.k);
       if (r < DECODE_ROWS) {
         *reinterpret_cast<uint4*>(sQ + attn_smem_index(r, j)) = r < group ? ua : uint4{};
         *reinterpret_cast<uint4*>(sQ + attn_smem_index(r, j + 8)) = r < group ? ub : uint4{};
@@ -4443,31 +4686,34 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
     }
     if (owner && threadIdx.x < HEAD_DIM / 8) {  // v as it is
       const uint4* v_src = reinterpret_cast<const uint4*>(qkv_row + (size_t)(NH + NKV + kvh) * HEAD_DIM);
-      s_new_kv[1][threadIdx.x] = v_src[threadIdx.x];
+      s_new_kv[1][threadIdx.x] = kv8_tile_values<KV>(v_src[threadIdx.x], kv_scale.v);
     }
     __syncthreads();
     const int slot = owner ? rope.slot_mapping[b] : -1;
     if (slot >= 0 && threadIdx.x < 2 * HEAD_DIM / 8) {  // into the cache: k by threads 0-15, v by 16-31
       const int kv = threadIdx.x / 16, c = threadIdx.x % 16;
       const size_t row = (((size_t)(slot >> log2P) * NKV + kvh) << log2P) + (slot & ((1 << log2P) - 1));
-      reinterpret_cast<uint4*>((kv ? v_cache : k_cache) + row * HEAD_DIM)[c] = s_new_kv[kv][c];
+      store_kv8_tile((kv ? v_cache : k_cache) + row * HEAD_DIM, c, s_new_kv[kv][c]);
     }
   }
-  cp_async_wait<ATTN_STAGES - 1>();
+  cp_async_wait<kv_tiles_ahead<KV, RING>()>();
   __syncthreads();
   uint32_t q[HEAD_DIM / 16][4];
   load_q_fragments(q, sQ, 0);  // every warp holds the same 16 rows (the group's heads)
+  q_fragments_for_tiles<KV>(q);
+  scale_log2 = score_scale<KV>(scale_log2, kv_scale);
 
   float o[HEAD_DIM / 8][4] = {};
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  decode_attend_tiles(q, sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end, new_key,
-                      scale_log2, o, m, l, [&](int t, int n_tiles, bf16* sK_t, bf16* sV_t, int key_tile) {
-                        if (owner && t == n_tiles - 1 && threadIdx.x < 2 * HEAD_DIM / 8) {  // the left-out key
-                          const int kv = threadIdx.x / 16, c = threadIdx.x % 16;
-                          bf16* dst = (kv ? sV_t : sK_t) + attn_smem_index(new_key - key_tile, c);
-                          *reinterpret_cast<uint4*>(dst) = s_new_kv[kv][c];
-                        }
-                      });
+  auto put_new_key = [&](int t, int n_tiles, bf16* sK_t, bf16* sV_t, int key_tile) {
+    if (owner && t == n_tiles - 1 && threadIdx.x < 2 * HEAD_DIM / 8) {  // the left-out key
+      const int kv = threadIdx.x / 16, c = threadIdx.x % 16;
+      bf16* dst = (kv ? sV_t : sK_t) + attn_smem_index(new_key - key_tile, c);
+      *reinterpret_cast<uint4*>(dst) = s_new_kv[kv][c];
+    }
+  };
+  decode_attend_tiles<RING>(q, sK, sV, k_cache, v_cache, kv_scale, block_table, kvh, NKV, log2P, key_begin,
+                            key_end, new_key, scale_log2, o, m, l, put_new_key);
   const bool single = key_begin == 0 && key_end == ctx;  // the only live partition: finish here
   decode_combine_warps(o, m, l, scale_log2, sK, group, [&](int g, float acc, float m_max, float l_sum) {
     const int h = kvh * group + g, d = threadIdx.x;
@@ -4485,13 +4731,19 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
   if (CLUSTER) cluster_merge(out, b, kvh, group, NH, cdiv_dev(ctx, partition), true);
 }
 
+// The fused kernel's shared memory: section 8's decode kernel's, with the cluster kernel's deeper fp8 ring.
+template <bool CLUSTER, class KV>
+constexpr size_t fused_smem() {
+  return decode_smem<KV, CLUSTER ? CLUSTER_FP8_RING : DECODE_FP8_RING>();
+}
 // The fused kernel of this kind, its opt-ins (the decode shared memory; clusters of 16) made once.
-template <bool ROPE, bool CLUSTER>
+template <bool ROPE, bool CLUSTER, class KV = bf16>
 static auto decode_fused_kernel() {
   static bool ready = false;
-  auto kernel = attention_decode_fused_kernel<ROPE, CLUSTER>;
+  auto kernel = attention_decode_fused_kernel<ROPE, CLUSTER, KV>;
   if (!ready) {
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)DECODE_SMEM));
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)fused_smem<CLUSTER, KV>()));
     if (CLUSTER) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     ready = true;
   }
@@ -4499,7 +4751,8 @@ static auto decode_fused_kernel() {
 }
 
 // Whether this GPU can run the cluster kernel: sm_90 or later, and a cluster of DECODE_CLUSTER thread
-// blocks with the kernel's shared memory fits (asked once).
+// blocks with the kernel's shared memory fits (asked once per cache type).
+template <class KV = bf16>
 static bool decode_clusters_supported() {
   static int ok = -1;
   if (ok < 0) {
@@ -4510,9 +4763,9 @@ static bool decode_clusters_supported() {
       attr.id = cudaLaunchAttributeClusterDimension;
       attr.val.clusterDim = {DECODE_CLUSTER, 1, 1};
       cfg.gridDim = dim3(DECODE_CLUSTER, 1, 1), cfg.blockDim = DECODE_WARPS * 32;
-      cfg.dynamicSmemBytes = DECODE_SMEM, cfg.attrs = &attr, cfg.numAttrs = 1;
+      cfg.dynamicSmemBytes = fused_smem<true, KV>(), cfg.attrs = &attr, cfg.numAttrs = 1;
       int clusters = 0;
-      ok = cudaOccupancyMaxActiveClusters(&clusters, decode_fused_kernel<true, true>(), &cfg) == cudaSuccess &&
+      ok = cudaOccupancyMaxActiveClusters(&clusters, decode_fused_kernel<true, true, KV>(), &cfg) == cudaSuccess &&
            clusters > 0;
       cudaGetLastError();  // a refusal is an answer, not an error
     }
@@ -4523,14 +4776,16 @@ static bool decode_clusters_supported() {
 // Section 8's attention_decode with sections 16 and 17 where switched on. Arguments as there, except:
 // rope: null = q and this step's k/v are ready (qk_norm_rope ran); else the fused kernel (ROPE = true): qkv
 // is the raw projection, and this step's k and v go to the cache here (k_cache, v_cache are written).
-static void attention_decode_fast(bf16* out, const bf16* qkv, bf16* k_cache, bf16* v_cache,
-                                  const int* context_lens, const int* block_tables, int B, int NH, int NKV,
-                                  int P, int MB, int max_context_len, float* workspace, float scale,
-                                  cudaStream_t stream, const DecodeRope* rope) {
-  const bool cluster = g_opt.cluster_merge && B <= DECODE_CLUSTER_MAX_B && decode_clusters_supported();
+static void attention_decode_fast(bf16* out, const bf16* qkv, const KVLayer& cache, const int* context_lens,
+                                  const int* block_tables, int B, int NH, int NKV, int P, int MB,
+                                  int max_context_len, float* workspace, float scale, cudaStream_t stream,
+                                  const DecodeRope* rope) {
+  const bool cluster = g_opt.cluster_merge && B <= DECODE_CLUSTER_MAX_B &&
+                       (cache.dtype == KVCacheDtype::FP8 ? decode_clusters_supported<fp8e4m3>()
+                                                         : decode_clusters_supported<bf16>());
   if (!rope && !cluster)
-    return attention_decode(out, qkv, k_cache, v_cache, context_lens, block_tables, B, NH, NKV, P, MB,
-                            max_context_len, workspace, scale, stream);
+    return attention_decode(out, qkv, cache, context_lens, block_tables, B, NH, NKV, P, MB, max_context_len,
+                            workspace, scale, stream);
   check_attention_shapes("attention_decode_fast", NH, NKV, P);
   if (NH / NKV > DECODE_ROWS)
     die("attention_decode_fast: NH/NKV = %d query heads per kv head, at most %d", NH / NKV, DECODE_ROWS);
@@ -4541,27 +4796,34 @@ static void attention_decode_fast(bf16* out, const bf16* qkv, bf16* k_cache, bf1
   if (B == 0) return;
   const float scale_log2 = scale * (float)M_LOG2E;
   const DecodeRope r = rope ? *rope : DecodeRope{};
-  if (cluster) {  // merged inside the kernel
-    auto kernel = rope ? decode_fused_kernel<true, true>() : decode_fused_kernel<false, true>();
-    launch_pdl_cluster(DECODE_CLUSTER, kernel, dim3(DECODE_CLUSTER, NKV, B), DECODE_WARPS * 32, DECODE_SMEM,
-                       stream, out, qkv, k_cache, v_cache, context_lens, block_tables, NH, NKV, __builtin_ctz(P),
-                       MB, 0, 0, nullptr, nullptr, scale_log2, r);
+  with_kv_type(cache, [&](auto* kv) {
+    using KV = std::remove_pointer_t<decltype(kv)>;
+    KV* k_cache = (KV*)cache.k;
+    KV* v_cache = (KV*)cache.v;
+    if (cluster) {  // merged inside the kernel
+      auto kernel = rope ? decode_fused_kernel<true, true, KV>() : decode_fused_kernel<false, true, KV>();
+      launch_pdl_cluster(DECODE_CLUSTER, kernel, dim3(DECODE_CLUSTER, NKV, B), DECODE_WARPS * 32,
+                         fused_smem<true, KV>(),
+                         stream, out, qkv, k_cache, v_cache, cache.scale, context_lens, block_tables, NH, NKV,
+                         __builtin_ctz(P), MB, 0, 0, nullptr, nullptr, scale_log2, r);
+      CUDA_CHECK(cudaGetLastError());
+      return;
+    }
+    const int partition = decode_partition(B, cache.dtype);
+    const int max_parts = (int)cdiv(max_context_len, partition);
+    float* ws_o = workspace;                                           // [B, NH, max_parts, D]
+    float* ws_ml = workspace + (size_t)B * NH * max_parts * HEAD_DIM;  // [B, NH, max_parts, 2]
+    launch_pdl(decode_fused_kernel<true, false, KV>(), dim3(max_parts, NKV, B), DECODE_WARPS * 32,
+               fused_smem<false, KV>(),
+               stream, out, qkv, k_cache, v_cache, cache.scale, context_lens, block_tables, NH, NKV,
+               __builtin_ctz(P), MB, max_parts, partition, ws_o, ws_ml, scale_log2, r);
     CUDA_CHECK(cudaGetLastError());
-    return;
-  }
-  const int partition = decode_partition(B);
-  const int max_parts = (int)cdiv(max_context_len, partition);
-  float* ws_o = workspace;                                           // [B, NH, max_parts, D]
-  float* ws_ml = workspace + (size_t)B * NH * max_parts * HEAD_DIM;  // [B, NH, max_parts, 2]
-  launch_pdl(decode_fused_kernel<true, false>(), dim3(max_parts, NKV, B), DECODE_WARPS * 32, DECODE_SMEM, stream,
-             out, qkv, k_cache, v_cache, context_lens, block_tables, NH, NKV, __builtin_ctz(P), MB, max_parts,
-             partition, ws_o, ws_ml, scale_log2, r);
-  CUDA_CHECK(cudaGetLastError());
-  if (max_parts > 1) {  // section 8's merge kernel, launched the ordinary way (it has no pdl_begin)
-    attention_decode_merge_kernel<<<dim3(NH, B), HEAD_DIM, 0, stream>>>(out, context_lens, ws_o, ws_ml, NH,
-                                                                        max_parts, partition);
-    CUDA_CHECK(cudaGetLastError());
-  }
+    if (max_parts > 1) {  // section 8's merge kernel, launched the ordinary way (it has no pdl_begin)
+      attention_decode_merge_kernel<<<dim3(NH, B), HEAD_DIM, 0, stream>>>(out, context_lens, ws_o, ws_ml, NH,
+                                                                          max_parts, partition);
+      CUDA_CHECK(cudaGetLastError());
+    }
+  });
 }
 
 // ==== 18. One-shot all-reduce over NVLink ==================================================================
@@ -5345,18 +5607,18 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
     const LayerWeights& lw = w.layers[l];
     norm_matmul(act.qkv, lw.input_layernorm, lw.qkv_proj, (NH + 2 * NKV) * D, l > 0);
     if (is_prefill) {
-      qk_norm_rope(act.qkv, in.positions, lw.q_norm, lw.k_norm, kv.k(l), kv.v(l), in.slot_mapping, T, NH, NKV, P,
+      qk_norm_rope(act.qkv, in.positions, lw.q_norm, lw.k_norm, kv.layer(l), in.slot_mapping, T, NH, NKV, P,
                    cfg.rope_theta, eps, s);
-      attention_prefill(act.attn, act.qkv, kv.k(l), kv.v(l), in.cu_seqlens_q, in.seqlens_k, in.block_tables, B,
+      attention_prefill(act.attn, act.qkv, kv.layer(l), in.cu_seqlens_q, in.seqlens_k, in.block_tables, B,
                         in.max_seqlen_q, NH, NKV, P, MB, scale, s);
     } else if (g_opt.fused_rope) {  // q/k-norm, RoPE and the KV store inside the attention kernel
       const DecodeRope rope{in.positions, in.slot_mapping, lw.q_norm, lw.k_norm, eps, rope_inv_freq(cfg.rope_theta)};
-      attention_decode_fast(act.attn, act.qkv, kv.k(l), kv.v(l), in.seqlens_k, in.block_tables, B, NH, NKV, P,
+      attention_decode_fast(act.attn, act.qkv, kv.layer(l), in.seqlens_k, in.block_tables, B, NH, NKV, P,
                             MB, model.max_model_len, act.attn_workspace, scale, s, &rope);
     } else {
-      qk_norm_rope(act.qkv, in.positions, lw.q_norm, lw.k_norm, kv.k(l), kv.v(l), in.slot_mapping, T, NH, NKV, P,
+      qk_norm_rope(act.qkv, in.positions, lw.q_norm, lw.k_norm, kv.layer(l), in.slot_mapping, T, NH, NKV, P,
                    cfg.rope_theta, eps, s);
-      attention_decode_fast(act.attn, act.qkv, kv.k(l), kv.v(l), in.seqlens_k, in.block_tables, B, NH, NKV, P,
+      attention_decode_fast(act.attn, act.qkv, kv.layer(l), in.seqlens_k, in.block_tables, B, NH, NKV, P,
                             MB, model.max_model_len, act.attn_workspace, scale, s, nullptr);
     }
     matmul_out(act.attn, lw.o_proj, NH * D, GemvIn::PLAIN);
@@ -5378,11 +5640,228 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
   linear(gemm, act.logits, last, w.lm_head, B, V, H, s, CUDA_R_32F);
 }
 
+// ==== 21. An FP8 KV cache ==================================================================================
+//
+// Replaces: the bf16 KV cache of sections 6b-8, when --kv-cache-dtype fp8 asks (vLLM's flag; the default,
+// auto, is bf16). The layout, block tables, prefix caching, preemption, CUDA graphs and tensor parallelism
+// (each rank its own heads) are unchanged: only the element is one byte instead of two.
+// Why it is faster: at large batches a decode step mostly reads keys and values (nano-vllm's benchmark: about
+// 9 bytes of cache per byte of weights), so half the bytes per value is close to half the step; and the pool
+// holds twice the tokens in the same memory (bigger batches, fewer preemptions). The cost is precision.
+//
+// The format, e4m3 (OCP FP8, what vLLM's fp8 means): sign, 4 exponent bits (bias 7), 3 mantissa bits.
+// Normal values 2^-6 .. 448, subnormals down to 2^-9; no infinities; 0x7f/0xff are NaN. Rounding to nearest
+// keeps a relative error of at most 2^-4, the same at every magnitude: a float format, so it does
+// not care where the values sit as long as they stay inside 2^-6 .. 448.
+//
+// Scales. A stored byte means (e4m3 value) x scale, one scale for the keys and one for the values of each
+// layer (per tensor per layer, as vLLM's k_scale and v_scale). Because e4m3 is a float format, a scale only
+// slides the window 2^-6 .. 448 along the number line: it must keep the largest value under 448 (above it,
+// a value saturates, which silently distorts attention) and the bulk well above 2^-6 (below it precision
+// thins out). The scales are chosen once, from the weights, as bounds no input can exceed:
+//   keys:    k = RoPE(k_norm(x)): the RMSNorm'd head has sum of squares D, so every element of it, and every
+//            rotated pair, is at most max|k_norm.weight| * sqrt(D);
+//   values:  v_j = W_v[j] . (w_ln * u) with |u|^2 = H (u: the RMSNorm'd input before its weight w_ln), so
+//            |v_j| <= sqrt(H) * |W_v[j] * w_ln| (Cauchy-Schwarz), the largest over this rank's rows j;
+// each bound (raised by a hundredth for the bf16 roundings on the way) over 448, rounded up to a power of
+// two. A typical element then lands about sqrt(D) (keys) or sqrt(H) (values) below 448, far above 2^-6. The
+// README's FP8 section has the accuracy of this choice and of vLLM's default (scale 1.0);
+// Config::kv_scales_from_weights = false runs the latter.
+// Why powers of two: dividing by one is exact, so the stored byte is the rounding of the bf16 value itself,
+// whatever the scale, and the scale can be applied after the matrix products at no cost in accuracy.
+//
+// Writing (qk_norm_rope, section 17's kernel): a bf16 value / scale, rounded to nearest even, saturating at
+// +-448 (cvt ... satfinite). Reading (both attention kernels, section 8's tile pipeline): the fp8 rows of a
+// tile are copied (cp.async, 16 bytes = 16 values per copy) into a staging slot; when the tile's turn comes,
+// every thread widens the chunks it copied itself to fp16 into the compute tile (one conversion instruction
+// per pair of values, no barrier: nobody else reads a thread's staged chunks). fp16 and not bf16 because
+// every e4m3 value is exact in fp16 and e4m3 -> fp16 is one instruction (there is none to bf16). The tensor
+// cores then multiply fp16 tiles (the q fragments are converted once per thread block, exact for |q| up to
+// 65504), the key scale multiplies the scores' scale and the value scale the output, both once. Staging
+// slots cost shared memory, and shared memory decides how many thread blocks share an SM, so the plain
+// kernels keep one tile in flight as with bf16 (half the bytes), and section 16's cluster kernel, which
+// runs few thread blocks, keeps three (CLUSTER_FP8_RING).
+// Needs: FP8 conversion instructions (compute capability 8.9 and later: Ada, Hopper); ModelRunner refuses
+// --kv-cache-dtype fp8 on older GPUs with a message.
+
+// e4m3 -> fp16, exactly: every e4m3 value (normal 2^-6 .. 448, subnormal down to 2^-9) is an fp16 normal
+// number, and one instruction converts a pair (cvt.rn.f16x2.e4m3x2). 8 values per call; the scale is left
+// out here and applied by the attention kernels (score_scale, scale_output).
+__device__ __forceinline__ uint4 fp8x8_to_half8(uint2 in) {
+  const uint32_t w[2] = {in.x, in.y};
+  uint4 out;
+  uint32_t* o = &out.x;
+#pragma unroll
+  for (int i = 0; i < 2; i++)
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w[i] >> (16 * half)), __NV_E4M3);
+      o[2 * i + half] = (uint32_t)h.x | ((uint32_t)h.y << 16);
+    }
+  return out;
+}
+// fp16 values that are e4m3 values (tile values) -> their e4m3 bytes (exact: no rounding happens).
+__device__ __forceinline__ uint2 half8_to_fp8x8(uint4 v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  uint32_t b[4];
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    __half2_raw h;
+    h.x = (unsigned short)(w[i] & 0xffff), h.y = (unsigned short)(w[i] >> 16);
+    b[i] = __nv_cvt_halfraw2_to_fp8x2(h, __NV_SATFINITE, __NV_E4M3);
+  }
+  return make_uint2(b[0] | (b[1] << 16), b[2] | (b[3] << 16));
+}
+// 8 bf16 values / scale -> 8 e4m3 bytes, round to nearest even, saturating (the first value in the low byte).
+__device__ __forceinline__ uint2 bf16x8_to_fp8x8(uint4 v, float scale) {
+  float f[8];
+  bf16x8_to_float(v, f);
+  const float inv = 1.f / scale;  // a power of two: exact, and so is every product below
+  uint32_t w[2];
+#pragma unroll
+  for (int i = 0; i < 2; i++) {
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(f[4 * i] * inv, f[4 * i + 1] * inv), __NV_SATFINITE,
+                                                 __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(f[4 * i + 2] * inv, f[4 * i + 3] * inv),
+                                                 __NV_SATFINITE, __NV_E4M3);
+    w[i] = lo | (hi << 16);
+  }
+  return make_uint2(w[0], w[1]);
+}
+__device__ __forceinline__ void store_kv8_fp8(fp8e4m3* row, int chunk, uint4 v, float scale) {
+  reinterpret_cast<uint2*>(row)[chunk] = bf16x8_to_fp8x8(v, scale);
+}
+__device__ __forceinline__ uint4 kv8_tile_values_fp8(uint4 v, float scale) {
+  return fp8x8_to_half8(bf16x8_to_fp8x8(v, scale));
+}
+__device__ __forceinline__ void store_kv8_tile_fp8(fp8e4m3* row, int chunk, uint4 tile_values) {
+  reinterpret_cast<uint2*>(row)[chunk] = half8_to_fp8x8(tile_values);
+}
+
+// The ring of staging slots where fp8 tiles wait (section 8's tile pipeline). A slot is one tile of keys then
+// one of values, FP8_TILE_BYTES each, row r's 16-byte chunk c (values 16c .. 16c+15) at chunk r * 8 + c:
+// plain order, because only the thread that copied a chunk reads it back. Slots 0 and 1 are the second
+// bf16 stage of sK and of sV (the widened tile always goes to stage 0, so the second one is free); slots 2
+// and up follow sV (decode_smem). So prefill's ring of 2 costs no shared memory, and decode's ring of 4
+// keeps three tiles in flight, as many bytes as a bf16 cache's one.
+constexpr int FP8_ROW_CHUNKS = HEAD_DIM / 16;                // 16-byte chunks in one fp8 row: 8
+constexpr int FP8_TILE_BYTES = ATTN_KV_TILE * HEAD_DIM;      // 8 KiB
+static_assert(2 * FP8_TILE_BYTES == ATTN_KV_TILE * HEAD_DIM * sizeof(bf16), "slots 0, 1 fill a bf16 stage");
+__device__ __forceinline__ char* fp8_ring_slot(bf16* sK, bf16* sV, int i) {
+  constexpr int TILE = ATTN_KV_TILE * HEAD_DIM;
+  return i == 0 ? reinterpret_cast<char*>(sK + TILE)
+         : i == 1 ? reinterpret_cast<char*>(sV + TILE)
+                  : reinterpret_cast<char*>(sV + 2 * TILE) + (i - 2) * 2 * FP8_TILE_BYTES;
+}
+__device__ __forceinline__ bf16* fp8_staged(char* slot, int kv, int r, int c) {
+  return reinterpret_cast<bf16*>(slot + kv * FP8_TILE_BYTES + (r * FP8_ROW_CHUNKS + c) * 16);
+}
+// load_kv_tile for an fp8 cache, into a ring slot: the same rows (zero-filled past key_end, skip_key left
+// alone), 8 threads per row.
+template <int NTHREADS>
+__device__ __forceinline__ void load_kv_tile_fp8(char* slot, const fp8e4m3* k_cache, const fp8e4m3* v_cache,
+                                                 const int* block_table, int kvh, int NKV, int log2P, int key0,
+                                                 int key_end, int skip_key) {
+  const int chunk = threadIdx.x % FP8_ROW_CHUNKS;
+#pragma unroll
+  for (int r = threadIdx.x / FP8_ROW_CHUNKS; r < ATTN_KV_TILE; r += NTHREADS / FP8_ROW_CHUNKS) {
+    const int key = key0 + r;
+    if (key == skip_key) continue;
+    const bool valid = key < key_end;
+    const size_t offset = valid ? kv_cache_row(block_table, kvh, NKV, log2P, key) * HEAD_DIM + chunk * 16 : 0;
+    cp_async_16(fp8_staged(slot, 0, r, chunk), reinterpret_cast<const bf16*>(k_cache + offset), valid);
+    cp_async_16(fp8_staged(slot, 1, r, chunk), reinterpret_cast<const bf16*>(v_cache + offset), valid);
+  }
+}
+// Every thread widens the chunks it copied into the bf16 tiles sK, sV (stage 0), except row skip_row (the
+// fused kernel writes that one). No barrier is needed before: each thread reads only its own copies, and
+// the barrier that ended the previous tile's attention freed stage 0.
+template <int NTHREADS>
+__device__ __forceinline__ void widen_kv_tile_fp8(const char* slot, bf16* sK, bf16* sV, int skip_row) {
+  const int chunk = threadIdx.x % FP8_ROW_CHUNKS;
+#pragma unroll
+  for (int r = threadIdx.x / FP8_ROW_CHUNKS; r < ATTN_KV_TILE; r += NTHREADS / FP8_ROW_CHUNKS) {
+    if (r == skip_row) continue;
+    const uint4 k = *reinterpret_cast<const uint4*>(fp8_staged(const_cast<char*>(slot), 0, r, chunk));
+    const uint4 v = *reinterpret_cast<const uint4*>(fp8_staged(const_cast<char*>(slot), 1, r, chunk));
+    *reinterpret_cast<uint4*>(sK + attn_smem_index(r, 2 * chunk)) = fp8x8_to_half8({k.x, k.y});
+    *reinterpret_cast<uint4*>(sK + attn_smem_index(r, 2 * chunk + 1)) = fp8x8_to_half8({k.z, k.w});
+    *reinterpret_cast<uint4*>(sV + attn_smem_index(r, 2 * chunk)) = fp8x8_to_half8({v.x, v.y});
+    *reinterpret_cast<uint4*>(sV + attn_smem_index(r, 2 * chunk + 1)) = fp8x8_to_half8({v.z, v.w});
+  }
+}
+
+// What the kernels compute, on the CPU: e4m3 rounding (to nearest, ties to even, saturating at +-448; NaN
+// stays NaN) and its inverse, written from the format's definition rather than from cuda_fp8.h.
+static uint8_t e4m3_from_float(float x) {
+  if (std::isnan(x)) return 0x7f;
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+  double a = std::fabs((double)x);
+  if (a >= 448.0) return sign | 0x7e;  // satfinite: the largest finite value, 1.75 x 2^8
+  // The spacing of representable values around a: 2^-9 below 2^-6 (subnormals), else 2^(e-3) in [2^e, 2^e+1).
+  int e = (int)std::floor(std::log2(a));
+  if (a > 0 && std::ldexp(1.0, e) > a) e--;  // log2's rounding, either way
+  if (a > 0 && std::ldexp(1.0, e + 1) <= a) e++;
+  const double step = a < 0x1p-6 ? 0x1p-9 : std::ldexp(1.0, e - 3);
+  const double q = std::nearbyint(a / step) * step;  // the default rounding mode: ties to even
+  if (q == 0) return sign;
+  if (q < 0x1p-6) return sign | (uint8_t)(q / 0x1p-9);  // subnormal: exponent field 0
+  int qe = (int)std::floor(std::log2(q));
+  if (std::ldexp(1.0, qe) > q) qe--;
+  const int mant = (int)(q / std::ldexp(1.0, qe) * 8) - 8;  // 0..7
+  return sign | (uint8_t)((qe + 7) << 3) | (uint8_t)mant;
+}
+static float e4m3_to_float(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  if (e == 15 && m == 7) return NAN;
+  const double mag = e == 0 ? m * 0x1p-9 : std::ldexp(1.0 + m / 8.0, e - 7);
+  return (float)(b & 0x80 ? -mag : mag);
+}
+
+// The scale for values bounded by `bound`: the smallest power of two s with bound / s <= 448, kept within
+// 2^-100 .. 2^7 (a bound above 448 x 2^7 = 57,344 would be beyond any bf16 model's K or V).
+static float kv_scale_for(double bound) {
+  int e = bound > 0 ? (int)std::ceil(std::log2(bound / 448.0)) : 0;
+  e = std::min(7, std::max(-100, e));
+  return std::ldexp(1.f, e);
+}
+
+// Per layer: the scales from the weight bounds above, for this rank's heads (its slice of W_v).
+static std::vector<KVScales> kv_scales_from_weights(const Weights& w, const ModelConfig& c, int tp) {
+  const int64_t H = c.hidden_size, D = c.head_dim, NH = c.num_attention_heads / tp;
+  const int64_t NKV = c.num_key_value_heads / tp;
+  std::vector<KVScales> scales;
+  std::vector<bf16> k_norm(D), ln(H), wv((size_t)NKV * D * H);
+  auto to_host = [](std::vector<bf16>& dst, const bf16* src) {
+    CUDA_CHECK(cudaMemcpy(dst.data(), src, dst.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
+  };
+  for (const LayerWeights& lw : w.layers) {
+    to_host(k_norm, lw.k_norm);
+    to_host(ln, lw.input_layernorm);
+    to_host(wv, lw.qkv_proj + (NH + NKV) * D * H);  // v rows of the fused qkv weight
+    double k_max = 0, v_row_max = 0;
+    for (bf16 x : k_norm) k_max = std::max(k_max, std::fabs((double)__bfloat162float(x)));
+    std::vector<double> lnf(H);
+    for (int64_t i = 0; i < H; i++) lnf[i] = __bfloat162float(ln[i]);
+    for (int64_t j = 0; j < NKV * D; j++) {
+      double ss = 0;
+      for (int64_t i = 0; i < H; i++) {
+        const double a = (double)__bfloat162float(wv[j * H + i]) * lnf[i];
+        ss += a * a;
+      }
+      v_row_max = std::max(v_row_max, std::sqrt(ss));
+    }
+    scales.push_back({kv_scale_for(1.01 * k_max * std::sqrt((double)D)),
+                      kv_scale_for(1.01 * v_row_max * std::sqrt((double)H))});
+  }
+  return scales;
+}
+
 // ##########################################################################################################
 // PART III — THE PROGRAM AROUND IT
 // ##########################################################################################################
 
-// ==== 21. Prompts in, completions out ======================================================================
+// ==== 22. Prompts in, completions out ======================================================================
 //
 // PROMPTS is either a text file, one prompt per line (the chat template is applied unless --raw), or a
 // .jsonl file whose lines are objects with one of
@@ -5969,7 +6448,7 @@ static json batch_output_line(const Request& r, const Completion* outs, int n, c
 }
 
 // The completions: a readable block per completion on stdout, and with --output one JSON object per
-// completion (then the run summary, section 22). An OpenAI batch is answered instead with one output line
+// completion (then the run summary, section 23). An OpenAI batch is answered instead with one output line
 // per input line, in input order, to --output or else to stdout. Returns true for a batch.
 static bool write_completions(const std::vector<Request>& reqs, const std::vector<Completion>& outs,
                               const Tokenizer& tok, FILE* jsonl, const std::string& model_name) {
@@ -6015,7 +6494,7 @@ static bool write_completions(const std::vector<Request>& reqs, const std::vecto
 }
 
 
-// ==== 22. Trace, run summary and the report ================================================================
+// ==== 23. Trace, run summary and the report ================================================================
 //
 // The text and pictures a run shows about itself (section 13 keeps the numbers): one --trace line per step,
 // the summary at the end (with the time to first token, the time per output token, and two fingerprints
@@ -6131,6 +6610,8 @@ struct RunSummary {
   int64_t prefix_hit_tokens = 0, admitted_tokens = 0, preemptions = 0;
   double prefix_hit_rate = 0, mean_decode_batch = 0;
   int peak_kv_blocks = 0, kv_blocks = 0;
+  int64_t kv_pool_tokens = 0;         // kv_blocks x block size (set by the caller)
+  const char* kv_cache_dtype = "bf16";  // --kv-cache-dtype (set by the caller)
   double steps_s = 0, schedule_s = 0, prepare_s = 0, gpu_wait_s = 0, postprocess_s = 0, run_s = 0;
   Percentiles ttft, tpot;  // seconds
   const char* scheduler = "nano";
@@ -6198,6 +6679,8 @@ static json summary_json(const RunSummary& r) {
                 {"mean_decode_batch", r.mean_decode_batch},
                 {"peak_kv_blocks", r.peak_kv_blocks},
                 {"kv_blocks", r.kv_blocks},
+                {"kv_pool_tokens", r.kv_pool_tokens},
+                {"kv_cache_dtype", r.kv_cache_dtype},
                 {"ttft_s", pct(r.ttft)},
                 {"tpot_s", pct(r.tpot)},
                 {"throughput_tok_s", r.run_s > 0 ? r.generated_tokens / r.run_s : 0.0},
@@ -6221,10 +6704,11 @@ static std::string format_summary(const RunSummary& r) {
   char buf[4][512];
   snprintf(buf[0], sizeof buf[0],
            "nanovllm: summary | prefix cache hit %lld of %lld admitted tokens (%.1f%%) | %lld preemptions | "
-           "mean decode batch %.2f over %lld steps | peak KV %d of %d blocks (%.1f%%)\n",
+           "mean decode batch %.2f over %lld steps | peak KV %d of %d blocks (%.1f%%) | KV cache %s, %lld "
+           "tokens\n",
            (long long)r.prefix_hit_tokens, (long long)r.admitted_tokens, 100.0 * r.prefix_hit_rate,
            (long long)r.preemptions, r.mean_decode_batch, (long long)r.steps_decode, r.peak_kv_blocks,
-           r.kv_blocks, pct(r.peak_kv_blocks, r.kv_blocks));
+           r.kv_blocks, pct(r.peak_kv_blocks, r.kv_blocks), r.kv_cache_dtype, (long long)r.kv_pool_tokens);
   snprintf(buf[1], sizeof buf[1],
            "nanovllm: time | %.3f s in %lld steps | host %.3f s (%.0f%%): schedule %.3f, prepare + launch "
            "%.3f, postprocess %.3f | waiting for the GPU %.3f s (%.0f%%)\n",
@@ -6460,7 +6944,7 @@ static void write_report(const std::string& path, const std::string& title, cons
   fclose(f);
 }
 
-// ==== 23. Signals, worker processes and the mailbox ========================================================
+// ==== 24. Signals, worker processes and the mailbox ========================================================
 //
 // The process plumbing: Ctrl-C and SIGTERM, and the tensor-parallel workers (section 12's ranks 1..N-1):
 // how they are forked, told what to do, and stopped on every path. None of it changes what the engine
@@ -6726,7 +7210,9 @@ static std::string config_to_json(const Config& c) {
             {"enforce_eager", c.enforce_eager},
             {"kvcache_block_size", c.kvcache_block_size},
             {"num_kvcache_blocks", c.num_kvcache_blocks},
-            {"eos", c.eos}};
+            {"eos", c.eos},
+            {"kv_cache_dtype", kv_cache_dtype_name(c.kv_cache_dtype)},
+            {"kv_scales_from_weights", c.kv_scales_from_weights}};
   for (const OptimizationInfo& k : kOptimizations) j["opt"][k.name] = c.opt.*k.on;
   return j.dump();
 }
@@ -6743,6 +7229,8 @@ static Config config_from_json(const std::string& text) {
   c.kvcache_block_size = j["kvcache_block_size"];
   c.num_kvcache_blocks = j["num_kvcache_blocks"];
   c.eos = j["eos"].get<std::vector<int>>();
+  parse_kv_cache_dtype(j["kv_cache_dtype"].get<std::string>(), c.kv_cache_dtype);
+  c.kv_scales_from_weights = j["kv_scales_from_weights"];
   for (const OptimizationInfo& k : kOptimizations) c.opt.*k.on = j["opt"][k.name].get<bool>();
   return c;
 }
@@ -6899,7 +7387,7 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
   }
 }
 
-// ==== 24. simulate: the engine without a GPU ===============================================================
+// ==== 25. simulate: the engine without a GPU ===============================================================
 //
 // `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` runs the real LLMEngine, Scheduler and BlockManager
 // (sections 3-5, 13) with SimRunner below in place of ModelRunner: no GPU, no weights, the same flags,
@@ -6962,7 +7450,7 @@ static int64_t simulated_kv_blocks(const ModelConfig& c, const Config& cfg, doub
                                                                                         cfg.max_model_len);
   const double fixed = 1.0e9;  // CUDA context, cuBLASLt workspace, graphs, the sampler's workspace
   const double left = gpu_bytes * cfg.gpu_memory_utilization - weights - activations - fixed;
-  return left > 0 ? (int64_t)(left / kv_block_bytes(c, cfg.kvcache_block_size, 1)) : 0;
+  return left > 0 ? (int64_t)(left / kv_block_bytes(c, cfg.kvcache_block_size, 1, cfg.kv_cache_dtype)) : 0;
 }
 
 struct SimRunner : StepRunner {
@@ -7000,7 +7488,7 @@ struct SimRunner : StepRunner {
   }
 
   std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) override {
-    const double kv_token = (double)kv_block_bytes(mc, 1, 1);  // K and V of one token, all layers
+    const double kv_token = (double)kv_block_bytes(mc, 1, 1, config.kv_cache_dtype);  // one token's K and V
     const double params = (double)model_params(mc);
     double bytes = 2.0 * params, flops = 0;
     // A decode row in a prefill (or mixed) step goes through the prefill attention kernel, which reads its
@@ -7020,7 +7508,7 @@ struct SimRunner : StepRunner {
   }
 };
 
-// ==== 25. Command line and main ============================================================================
+// ==== 26. Command line and main ============================================================================
 
 struct Cli {
   Config config;
@@ -7031,12 +7519,12 @@ struct Cli {
   int64_t seed = 0;
   bool trace = false;
   double request_rate = 0;   // --request-rate: requests/s of a Poisson process (0: all arrive at once)
-  bool simulate = false;     // `nanovllm simulate` (section 24)
+  bool simulate = false;     // `nanovllm simulate` (section 25)
   double sim_gpu_bytes = 0;  // --simulate-gpu-memory
   std::string sim_model = "Qwen3-0.6B";  // --simulate-model: the shape when there is no config.json
   bool sim_model_given = false;
   double sim_eos_prob = 0;   // --simulate-eos-prob
-  json sampling_flags = json::object();  // the sampling flags given, by vLLM's field names (section 21)
+  json sampling_flags = json::object();  // the sampling flags given, by vLLM's field names (section 22)
   bool generation_config = true;         // --generation-config auto (true) or vllm
 };
 
@@ -7059,6 +7547,8 @@ static const char* kUsage =
     "  --enforce-eager              no CUDA graphs\n"
     "  --kvcache-block-size N       tokens per KV block, power of two 16-256  (256)\n"
     "  --num-kvcache-blocks N       KV blocks (default: as many as fit)\n"
+    "  --kv-cache-dtype T           auto (= bf16), bf16, or fp8 (e4m3: half the bytes, twice the tokens;\n"
+    "                               GPUs of compute capability 8.9 and newer)  (auto)\n"
     "speed (Part II of nanovllm.cu; every optimization is on by default):\n"
     "  --plain                      Part I alone: no optimization of Part II (same as --opt none)\n"
     "  --opt LIST                   comma-separated: all, none, NAME (on) or -NAME (off), left to right;\n"
@@ -7170,6 +7660,10 @@ static Cli parse_args(int argc, char** argv, bool simulate = false) {
     else if (a == "--tensor-parallel-size" || a == "--tp") c.tensor_parallel_size = as_int32(value());
     else if (a == "--enforce-eager") flag_only(), c.enforce_eager = true;
     else if (a == "--kvcache-block-size") c.kvcache_block_size = as_int32(value());
+    else if (a == "--kv-cache-dtype") {
+      const std::string problem = parse_kv_cache_dtype(value(), c.kv_cache_dtype);
+      if (!problem.empty()) die("%s", problem.c_str());
+    }
     else if (a == "--num-kvcache-blocks") c.num_kvcache_blocks = as_int32(value());
     else if (a == "--temperature" || a == "--top-p" || a == "--min-p" || a == "--presence-penalty" ||
              a == "--frequency-penalty" || a == "--repetition-penalty")
@@ -7342,7 +7836,7 @@ static std::string fast_path_notes(ModelRunner& runner) {
   return notes.empty() ? "" : " (" + notes.substr(2) + ")";
 }
 
-// The sampling defaults of this run (section 21's sampling_defaults) into cli.prompts.defaults; returns the
+// The sampling defaults of this run (section 22's sampling_defaults) into cli.prompts.defaults; returns the
 // description the start-up line prints.
 static std::string sampling_defaults_for(Cli& cli, const ModelConfig& mc) {
   std::string described;
@@ -7359,6 +7853,8 @@ static int finish_run(const Cli& cli, LLMEngine& engine, const std::vector<Reque
   const Config& config = cli.config;
   RunSummary summary = run_summary(engine.stats, engine.scheduler.stats, config.num_kvcache_blocks, outs,
                                    logits_hash, config.mixed_scheduler);
+  summary.kv_cache_dtype = kv_cache_dtype_name(config.kv_cache_dtype);
+  summary.kv_pool_tokens = (int64_t)config.num_kvcache_blocks * config.kvcache_block_size;
   FILE* jsonl = nullptr;
   if (!cli.output_path.empty() && !(jsonl = fopen(cli.output_path.c_str(), "w")))
     die("cannot write --output '%s': %s", cli.output_path.c_str(), strerror(errno));
@@ -7388,7 +7884,7 @@ static int finish_run(const Cli& cli, LLMEngine& engine, const std::vector<Reque
   return g_stop_requested ? 128 + SIGINT : 0;
 }
 
-// `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` (section 24): the same checks and the same engine as
+// `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` (section 25): the same checks and the same engine as
 // a run, with SimRunner in place of the GPU.
 static int simulate_command(Cli& cli) {
   Config& config = cli.config;
@@ -7423,9 +7919,10 @@ static int simulate_command(Cli& cli) {
   SimRunner sim(mc, config, (uint64_t)cli.seed, cli.sim_eos_prob);
   const std::string shape = has_config ? src + "/config.json" : cli.sim_model;
   fprintf(stderr,
-          "nanovllm: simulate | shape of %s (%.2f B parameters) | KV cache %d blocks x %d tokens = %lld tokens | "
-          "scheduler %s | no GPU: a stand-in model and a modelled clock (section 24)\n",
-          shape.c_str(), model_params(mc) / 1e9, config.num_kvcache_blocks, config.kvcache_block_size,
+          "nanovllm: simulate | shape of %s (%.2f B parameters) | KV cache %s, %d blocks x %d tokens = %lld "
+          "tokens | scheduler %s | no GPU: a stand-in model and a modelled clock (section 25)\n",
+          shape.c_str(), model_params(mc) / 1e9, kv_cache_dtype_name(config.kv_cache_dtype),
+          config.num_kvcache_blocks, config.kvcache_block_size,
           (long long)config.num_kvcache_blocks * config.kvcache_block_size,
           config.mixed_scheduler ? "mixed" : "nano");
   fprintf(stderr, "nanovllm: sampling defaults: %s\n", sampling.c_str());
@@ -7470,7 +7967,7 @@ int main(int argc, char** argv) {
   if (!cli.output_path.empty()) check_output_path(cli.output_path);
   if (!cli.report_path.empty()) check_output_path(cli.report_path, "--report", "report.html");
   // 2. The GPU: weights, KV cache, CUDA graphs. Tensor-parallel workers are forked first: a child process
-  //    cannot use CUDA once its parent has (section 23).
+  //    cannot use CUDA once its parent has (section 24).
   tp_launch(config.tensor_parallel_size);
   check_gpus(config.tensor_parallel_size);
   ModelRunner runner(config, mc);
@@ -7481,11 +7978,10 @@ int main(int argc, char** argv) {
   const int tp = config.tensor_parallel_size;
   std::string gpus = tp > 1 ? std::to_string(tp) + " x " + prop.name + " (tensor parallel)" : prop.name;
   fprintf(stderr,
-          "nanovllm: %s | weights %.2f GB%s loaded in %.2f s (%.1f GB/s) | KV cache %d blocks x %d tokens = "
+          "nanovllm: %s | weights %.2f GB%s loaded in %.2f s (%.1f GB/s) | KV cache %s, %d blocks x %d tokens = "
           "%lld tokens, %.2f GiB | %zu CUDA graphs in %.2f s | ready after %.2f s\n",
           gpus.c_str(), runner.model.w.bytes / 1e9, tp > 1 ? " per GPU" : "", runner.load_seconds,
-          runner.load_gbps,
-          config.num_kvcache_blocks,
+          runner.load_gbps, kv_cache_dtype_name(config.kv_cache_dtype), config.num_kvcache_blocks,
           config.kvcache_block_size, (long long)config.num_kvcache_blocks * config.kvcache_block_size,
           runner.model.kv.bytes / (double)(1 << 30), runner.graphs.size(), runner.capture_seconds,
           now_seconds() - t_start);

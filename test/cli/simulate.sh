@@ -78,6 +78,23 @@ assert a == b, "the schedulers changed a completion"
 PY
 check schedulers_differ_only_in_schedule $? "$(cat "$tmp/py2.txt")"
 
+# 3. --kv-cache-dtype fp8 (section 21): one byte per cached value, so the same card holds twice the blocks.
+for kv in bf16 fp8; do
+  "$BIN" simulate "$tmp/tiny/tokenizer.json" "$tmp/w.jsonl" --simulate-model Qwen3-8B --simulate-gpu-memory 24GB \
+    --kv-cache-dtype $kv --output "$tmp/kv_$kv.jsonl" >/dev/null 2>"$tmp/kv_$kv.err"
+  check "simulate_kv_cache_$kv" $? "$(tail -n 3 "$tmp/kv_$kv.err")"
+done
+python3 - "$tmp" >"$tmp/py3.txt" 2>&1 <<'PY'
+import json, sys
+d = sys.argv[1]
+s = {kv: json.loads(open(f"{d}/kv_{kv}.jsonl").readlines()[-1])["summary"] for kv in ("bf16", "fp8")}
+assert s["bf16"]["kv_cache_dtype"] == "bf16" and s["fp8"]["kv_cache_dtype"] == "fp8", s
+ratio = s["fp8"]["kv_pool_tokens"] / s["bf16"]["kv_pool_tokens"]
+assert 1.99 <= ratio <= 2.01, f"fp8 holds {ratio:.3f}x the tokens of bf16"
+assert "KV cache fp8," in open(f"{d}/kv_fp8.err").read(), "the start-up line does not name the KV dtype"
+PY
+check fp8_pool_holds_twice_the_tokens $? "$(cat "$tmp/py3.txt")"
+
 # 3. The report in a real browser.
 CHROME=$(command -v chromium || command -v chromium-browser || true)
 if [ -z "$CHROME" ]; then

@@ -11,7 +11,8 @@
 #      NANOVLLM_E2E_TP=N (tensor parallelism: the CLI run and the end-to-end comparison on N GPUs, plus the
 #      two-GPU data-plane suite and test/gpu/gpu_tp_shutdown.sh),
 #      KERNELS=0 (skip the kernel and data-plane suites), E2E_OPTS (optimization sets of the transformers
-#      comparison, default "all none": the default path and --plain)
+#      comparison, default "all none": the default path and --plain), E2E_KV (KV cache dtypes the default
+#      path runs again with, default "fp8"; "" for none)
 set -uo pipefail
 BIN=${1:-}
 NANOVLLM=${BIN:+$BIN/}nanovllm; [ -n "$BIN" ] || NANOVLLM=./nanovllm
@@ -68,4 +69,5 @@ run_e2e() {  # run_e2e LABEL ENV...
 }
 for opt in ${E2E_OPTS:-all none}; do run_e2e "opt-$opt" NANOVLLM_E2E_OPT="$opt"; done
 for sch in ${E2E_SCHEDULERS:-mixed}; do run_e2e "scheduler-$sch" NANOVLLM_E2E_SCHEDULER="$sch"; done
+for kv in ${E2E_KV-fp8}; do run_e2e "kv-$kv" NANOVLLM_E2E_KV="$kv"; done  # --kv-cache-dtype (section 21)
 echo; echo "== summary"; printf '%s\n' "${rows[@]}"

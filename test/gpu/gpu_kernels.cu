@@ -164,8 +164,8 @@ TEST(qk_norm_rope_matches_reference) {
     for (int i = 0; i < c.T && i < 5; i++) pos[i] = edge[i];
     DevBuf<bf16> d_qkv(qkv), d_qw(qw), d_kw(kw), d_cache((size_t)c.NKV * 16 * HEAD_DIM);
     DevBuf<int> d_pos(pos), d_slots(std::vector<int>(c.T, -1));  // no store here: see the next test
-    qk_norm_rope(d_qkv.p, d_pos.p, d_qw.p, d_kw.p, d_cache.p, d_cache.p, d_slots.p, c.T, c.NH, c.NKV, 16, c.theta,
-                 eps, 0);
+    qk_norm_rope(d_qkv.p, d_pos.p, d_qw.p, d_kw.p, bf16_kv_layer(d_cache.p, d_cache.p), d_slots.p, c.T, c.NH,
+                 c.NKV, 16, c.theta, eps, 0);
     auto got = to_float(d_qkv.download());
     auto want = to_float(qkv);
     auto qwf = to_float(qw), kwf = to_float(kw);
@@ -200,7 +200,8 @@ TEST(store_kvcache_slots_and_padding) {
       DevBuf<int> d_slots(slots), d_pos(pos);
       d_k.poison();
       d_v.poison();
-      qk_norm_rope(d_qkv.p, d_pos.p, d_w.p, d_w.p, d_k.p, d_v.p, d_slots.p, T, NH, NKV, P, 1e6f, 1e-6f, 0);
+      qk_norm_rope(d_qkv.p, d_pos.p, d_w.p, d_w.p, bf16_kv_layer(d_k.p, d_v.p), d_slots.p, T, NH, NKV, P, 1e6f,
+                   1e-6f, 0);
       auto k = d_k.download(), v = d_v.download();
       auto roped = d_qkv.download();  // k heads as qk_norm_rope wrote them
       std::vector<uint16_t> want_k(cache_n, 0xFFFF), want_v(cache_n, 0xFFFF);
@@ -223,6 +224,104 @@ TEST(store_kvcache_slots_and_padding) {
       }
       CHECK_MSG(bad == 0, "P=%d NH=%d: %zu cache elements wrong", P, NH, bad);
     }
+}
+
+// ---- section 21: the fp8 cache's conversions and store ---------------------------------------------------
+
+__global__ void fp8_round_trip_kernel(const uint16_t* in, uint8_t* bytes, uint16_t* back, uint8_t* again, int n,
+                                      float scale) {
+  const int i = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+  if (i >= n) return;
+  const uint2 q = bf16x8_to_fp8x8(*reinterpret_cast<const uint4*>(in + i), scale);
+  *reinterpret_cast<uint2*>(bytes + i) = q;
+  const uint4 h = fp8x8_to_half8(q);
+  *reinterpret_cast<uint4*>(back + i) = h;
+  *reinterpret_cast<uint2*>(again + i) = half8_to_fp8x8(h);
+}
+
+// Every bf16 value (all 65,536 bit patterns but NaN), at scales 1, 2^-3, 2^5 and 2^7: the byte the store
+// writes equals section 21's CPU rounding of value / scale (nearest, ties to even, saturating at 448); the
+// fp16 the attention tiles get is exactly that e4m3 value (subnormals included); and the fused kernel's
+// store of those tile values writes the same byte again.
+TEST(fp8_conversions_exact) {
+  REQUIRE_GPU();
+  const int n = 65536;
+  std::vector<uint16_t> all(n);
+  for (int i = 0; i < n; i++) all[i] = (uint16_t)i;
+  for (float scale : {1.f, 0.125f, 32.f, 128.f}) {
+    DevBuf<uint16_t> d_in(all), d_back(n);
+    DevBuf<uint8_t> d_bytes(n), d_again(n);
+    fp8_round_trip_kernel<<<n / 8 / 256, 256>>>(d_in.p, d_bytes.p, d_back.p, d_again.p, n, scale);
+    CUDA_CHECK(cudaGetLastError());
+    auto bytes = d_bytes.download(), again = d_again.download();
+    auto back = d_back.download();
+    size_t bad_q = 0, bad_back = 0, subnormal = 0, saturated = 0;
+    for (int i = 0; i < n; i++) {
+      const float x = bf16_bits_to_float((uint16_t)i);
+      if (std::isnan(x)) continue;
+      const uint8_t want = e4m3_from_float(x / scale);
+      const __half h = __float2half(e4m3_to_float(bytes[i]));
+      const uint16_t want_back = *reinterpret_cast<const uint16_t*>(&h);
+      bad_back += again[i] != bytes[i];
+      subnormal += (bytes[i] & 0x78) == 0 && (bytes[i] & 7) != 0;
+      saturated += (bytes[i] & 0x7f) == 0x7e;
+      if (bytes[i] != want && bad_q++ < 3)
+        fprintf(stderr, "    scale %g: bf16 %04x (%g) -> e4m3 %02x, want %02x\n", scale, i, x, bytes[i], want);
+      if (back[i] != want_back && bad_back++ < 3)
+        fprintf(stderr, "    scale %g: e4m3 %02x -> fp16 %04x, want %04x\n", scale, bytes[i], back[i], want_back);
+    }
+    printf("    scale %-6g %zu wrong bytes, %zu wrong widened values (%zu subnormal, %zu saturated)\n", scale,
+           bad_q, bad_back, subnormal, saturated);
+    CHECK_MSG(bad_q == 0 && bad_back == 0, "scale %g: %zu bytes, %zu widened values wrong", scale, bad_q,
+              bad_back);
+    CHECK(subnormal > 0 && saturated > 0);  // both ends of the range were exercised
+  }
+}
+
+// qk_norm_rope's store into an fp8 cache: every k head lands in its slot as e4m3(k / k_scale) of the bf16 k
+// it left in qkv, every v head as e4m3(v / v_scale); slot -1 stores nothing; nothing else is touched.
+TEST(store_kvcache_fp8) {
+  REQUIRE_GPU();
+  std::mt19937 rng(14);
+  for (int P : {16, 256}) {
+    const int T = 37, NH = 16, NKV = 8, NB = 6, D = HEAD_DIM, W = (NH + 2 * NKV) * D;
+    auto qkv = random_bf16((size_t)T * W, rng, 0.f, 3.f);
+    std::vector<int> all(NB * P);
+    for (int i = 0; i < NB * P; i++) all[i] = i;
+    std::shuffle(all.begin(), all.end(), rng);
+    std::vector<int> slots(all.begin(), all.begin() + T);
+    slots[0] = NB * P - 1;
+    for (int i : {3, 10, 36}) slots[i] = -1;
+    const size_t cache_n = (size_t)NB * NKV * P * D;
+    auto w = random_bf16(HEAD_DIM, rng, 1.f, 0.3f);
+    std::vector<int> pos(T);
+    for (int t = 0; t < T; t++) pos[t] = 5 * t;
+    DevBuf<bf16> d_qkv(qkv), d_w(w);
+    DevBuf<uint8_t> d_k(cache_n), d_v(cache_n);
+    DevBuf<int> d_slots(slots), d_pos(pos);
+    CUDA_CHECK(cudaMemset(d_k.p, 0xA5, cache_n));
+    CUDA_CHECK(cudaMemset(d_v.p, 0xA5, cache_n));
+    const KVScales scale{0.25f, 2.f};
+    qk_norm_rope(d_qkv.p, d_pos.p, d_w.p, d_w.p, KVLayer{d_k.p, d_v.p, KVCacheDtype::FP8, scale}, d_slots.p, T, NH,
+                 NKV, P, 1e6f, 1e-6f, 0);
+    auto k = d_k.download(), v = d_v.download();
+    auto roped = d_qkv.download();
+    std::vector<uint8_t> want_k(cache_n, 0xA5), want_v(cache_n, 0xA5);
+    for (int t = 0; t < T; t++) {
+      if (slots[t] < 0) continue;
+      const int blk = slots[t] / P, off = slots[t] % P;
+      for (int h = 0; h < NKV; h++)
+        for (int d = 0; d < D; d++) {
+          const size_t dst = (((size_t)blk * NKV + h) * P + off) * D + d;
+          want_k[dst] = e4m3_from_float(__bfloat162float(roped[(size_t)t * W + (NH + h) * D + d]) / scale.k);
+          want_v[dst] = e4m3_from_float(__bfloat162float(qkv[(size_t)t * W + (NH + NKV + h) * D + d]) / scale.v);
+        }
+    }
+    size_t bad = 0;
+    for (size_t i = 0; i < cache_n; i++) bad += k[i] != want_k[i] || v[i] != want_v[i];
+    printf("    P=%d: %zu of %zu cache bytes wrong\n", P, bad, 2 * cache_n);
+    CHECK_MSG(bad == 0, "P=%d: %zu fp8 cache bytes wrong", P, bad);
+  }
 }
 
 TEST(silu_and_mul_matches_reference) {
@@ -283,7 +382,7 @@ TEST(bench_elementwise_bandwidth) {
        time_ms([&] { add_rmsnorm(out.p, res.p, in.p, w.p, T, H, 1e-6f, 0); })},
       {"qk_norm_rope + KV store T=16384 NH=16 NKV=8", (2.0 * (NH + NKV) + 3.0 * NKV) * T * HEAD_DIM * 2,
        time_ms([&] {
-         qk_norm_rope(out.p, d_pos.p, w.p, w.p, kc.p, vc.p, d_slots.p, T, NH, NKV, P, 1e6f, 1e-6f, 0);
+         qk_norm_rope(out.p, d_pos.p, w.p, w.p, bf16_kv_layer(kc.p, vc.p), d_slots.p, T, NH, NKV, P, 1e6f, 1e-6f, 0);
        })},
       {"silu_and_mul   T=16384 I=3072", 3.0 * T * I * 2,
        time_ms([&] { silu_and_mul(out.p, in.p, T, I, 0); })},

@@ -85,7 +85,7 @@ TEST(command_line_flags) {
   CHECK(std::string(kUsage).find("--plain") != std::string::npos);
 }
 
-// The workers build their engine from Config as JSON (section 23): the switch must survive the trip.
+// The workers build their engine from Config as JSON (section 24): the switch must survive the trip.
 TEST(switch_travels_to_the_workers) {
   Config c;
   parse_optimizations("none,gemv,oneshot_allreduce", c.opt);

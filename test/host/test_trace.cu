@@ -119,6 +119,7 @@ TEST(summary_numbers_lines_and_json) {
   ss.prefix_hit_tokens = 256, ss.prompt_tokens_admitted = 1024, ss.num_preemptions = 2;
   std::vector<Completion> outs = {{{1, 2, 3}, "length", 600}, {{4}, "stop", 424}};
   RunSummary r = run_summary(st, ss, 100, outs, 0xabcdef0123456789ull);
+  r.kv_cache_dtype = "fp8", r.kv_pool_tokens = 1600;  // finish_run sets these from the Config
   CHECK_EQ(r.prompt_tokens, (int64_t)1024);
   CHECK_EQ(r.generated_tokens, (int64_t)4);
   CHECK_EQ(r.prefix_hit_rate, 0.25);
@@ -128,7 +129,7 @@ TEST(summary_numbers_lines_and_json) {
       format_summary(r),
       "nanovllm: summary | prefix cache hit 256 of 1024 admitted tokens (25.0%) | 2 preemptions | mean "
       "decode "
-      "batch 2.50 over 4 steps | peak KV 25 of 100 blocks (25.0%)\n"
+      "batch 2.50 over 4 steps | peak KV 25 of 100 blocks (25.0%) | KV cache fp8, 1600 tokens\n"
       "nanovllm: time | 2.000 s in 6 steps | host 0.400 s (20%): schedule 0.100, prepare + launch 0.200, "
       "postprocess 0.100 | waiting for the GPU 1.600 s (80%)\n"
       "nanovllm: latency | scheduler nano | time to first token median 0.000 s, p99 0.000 s | time per output "
@@ -141,6 +142,8 @@ TEST(summary_numbers_lines_and_json) {
   CHECK(j.contains("summary"));
   CHECK_EQ(j["summary"]["preemptions"].get<int>(), 2);
   CHECK_EQ(j["summary"]["peak_kv_blocks"].get<int>(), 25);
+  CHECK_EQ(j["summary"]["kv_pool_tokens"].get<int>(), 1600);
+  CHECK_EQ(j["summary"]["kv_cache_dtype"].get<std::string>(), std::string("fp8"));
   CHECK_EQ(j["summary"]["logits_xxh64"].get<std::string>(), std::string("abcdef0123456789"));
   CHECK_EQ(j["summary"]["seconds"]["gpu_wait"].get<double>(), 1.6);
 }
@@ -254,7 +257,7 @@ TEST(readme_continuous_batching) {
   CHECK(batches == want);
 }
 
-// `nanovllm simulate` steps the same code: LLMEngine with SimRunner (section 24) in place of the GPU prints,
+// `nanovllm simulate` steps the same code: LLMEngine with SimRunner (section 25) in place of the GPU prints,
 // for the workloads of the README's experiments (real H200 runs with --ignore-eos), the very trace lines the
 // scheduler replays above print, step for step (the step time aside).
 static std::vector<std::string> simulated(const Config& base, const std::vector<int>& prompt_lens,

@@ -5,7 +5,10 @@ Usage:  python3 test/ref/hf_check_generation.py MODEL_DIR
 Reads MODEL_DIR/gen_results.json written by build/gpu_e2e: {"tolerance": t, "runs": {name: [[ids]...]}}
 where each entry is one request's prompt + generated ids (and "prompt_lens"). For every generated token,
 the fp32 reference logits at that position (given OUR prefix) must score our token within `tolerance` of the
-reference's best, and at least 90% of our tokens must be the reference's exact argmax.
+reference's best; our token must be the reference's argmax wherever the reference's top-2 margin is clear of
+our error (margin > 2/3 x tolerance = 2 x the worst logit error of (a)); and with a bf16 KV cache at least 90%
+of our tokens must be the exact argmax (an fp8 cache's larger error flips more near-ties: the margin rule
+alone holds it, as (a) does).
 Prints PASS/FAIL lines and a RESULT line like the C++ suites.
 """
 import json, sys
@@ -15,10 +18,11 @@ from transformers import Qwen3ForCausalLM
 d = sys.argv[1]
 res = json.load(open(f"{d}/gen_results.json"))
 tol = res["tolerance"]
+fp8 = res.get("kv_cache_dtype") == "fp8"
 model = Qwen3ForCausalLM.from_pretrained(d, torch_dtype=torch.float32).to("cuda").eval()
 passed = failed = 0
 for name, run in res["runs"].items():
-    worst, n_tok, n_exact, worst_lp = 0.0, 0, 0, 0.0
+    worst, n_tok, n_exact, worst_lp, n_clear, n_clear_wrong = 0.0, 0, 0, 0.0, 0, 0
     pen = run.get("penalties")  # {"repetition", "frequency", "presence"}: applied to the reference row first
     for i, (seq, plen) in enumerate(zip(run["sequences"], run["prompt_lens"])):
         x = torch.tensor([seq], device="cuda")
@@ -37,16 +41,22 @@ for name, run in res["runs"].items():
                 r = pen["repetition"]
                 row = torch.where(seen, torch.where(row > 0, row / r, row * r), row)
                 row = row - pen["frequency"] * counts - pen["presence"] * (counts > 0).float()
-            best = row.max().item()
+            top2 = torch.topk(row, 2).values
+            best = top2[0].item()
             gap = best - row[seq[pos]].item()
             worst = max(worst, gap)
-            n_exact += int(row.argmax().item() == seq[pos])
+            exact = int(row.argmax().item() == seq[pos])
+            n_exact += exact
+            if best - top2[1].item() > 2 * tol / 3:  # clear of our error: must match
+                n_clear += 1
+                n_clear_wrong += 1 - exact
             n_tok += 1
     frac = n_exact / max(n_tok, 1)
-    ok = worst <= tol and frac >= 0.9 and n_tok > 0 and worst_lp <= tol
+    ok = worst <= tol and (fp8 or frac >= 0.9) and n_clear_wrong == 0 and n_tok > 0 and worst_lp <= tol
     lp_note = f", worst |logprob - reference| {worst_lp:.4f}" if "logprobs" in run else ""
     print(f"{'PASS' if ok else 'FAIL'} teacher_forcing_{name}: {n_tok} tokens, {100*frac:.1f}% exact argmax, "
-          f"worst gap to the best logit {worst:.4f} (tolerance {tol:.4f}){lp_note}")
+          f"worst gap to the best logit {worst:.4f} (tolerance {tol:.4f}), {n_clear - n_clear_wrong} of {n_clear} "
+          f"clear-margin tokens exact{lp_note}")
     passed += ok
     failed += not ok
 print(f"RESULT passed={passed} failed={failed} skipped=0")
