@@ -2125,9 +2125,9 @@ constexpr int CLUSTER_FP8_RING = 4;
 
 // Keys per decode CTA for a batch of B sequences. With few sequences, 512-key partitions leave most of the
 // GPU idle (B = 1, NKV = 8, a 768-token context: 16 CTAs for 132 SMs), so small batches use shorter
-// partitions and more CTAs; the merge kernel pays for it with a few more partials. Depends on B only, so a
-// graph captured for a batch size keeps its grid. (On sm_90 and later, batches of at most 4 take the
-// cluster path below instead, whose partitions follow the context.)
+// partitions and more CTAs; the merge kernel pays for it with a few more partials. Depends on B (and the
+// cache's dtype, fixed for a run) only, so a graph captured for a batch size keeps its grid. (On sm_90 and
+// later, batches of at most 4 take the cluster path below instead, whose partitions follow the context.)
 // An fp8 cache (section 21) takes partitions twice as long: the same bytes per thread block.
 static int decode_partition(int B, KVCacheDtype dtype = KVCacheDtype::BF16) {
   const int keys = B <= 4 ? 64 : B <= 32 ? 128 : DECODE_PARTITION;
@@ -2734,7 +2734,7 @@ __global__ void __launch_bounds__(HEAD_DIM)
 
 // Bytes of float workspace attention_decode needs: partial O and (m, l) for every (sequence, head,
 // partition), for any batch of at most B. B = 512, NH = 16, max_context_len = 4096 (nano-vllm defaults) ->
-// 8 partitions of 512, 34 MB.
+// 8 partitions of 512, 34 MB. (An fp8 cache's partitions are longer: it needs less.)
 static size_t attention_decode_workspace_bytes(int B, int NH, int max_context_len) {
   size_t parts = 0;
   for (int b : {std::min(B, 4), std::min(B, 32), B})
@@ -2743,7 +2743,8 @@ static size_t attention_decode_workspace_bytes(int B, int NH, int max_context_le
 }
 
 constexpr size_t DECODE_SMEM = (DECODE_ROWS + 2 * ATTN_STAGES * ATTN_KV_TILE) * HEAD_DIM * sizeof(bf16);  // 68 KiB
-// With an fp8 cache, the ring's slots past the two that fit in the second stage (section 21): 100 KiB.
+// With an fp8 cache, a ring of more than the two slots that fit in the second stage (section 21) adds 16 KiB
+// a slot: the cluster kernel's ring of four makes 100 KiB.
 template <class KV, int RING = DECODE_FP8_RING>
 constexpr size_t decode_smem() {
   return DECODE_SMEM + (std::is_same<KV, bf16>::value ? 0 : (RING - 2) * 2 * ATTN_KV_TILE * HEAD_DIM);
@@ -5742,8 +5743,8 @@ __device__ __forceinline__ void store_kv8_tile_fp8(fp8e4m3* row, int chunk, uint
 // one of values, FP8_TILE_BYTES each, row r's 16-byte chunk c (values 16c .. 16c+15) at chunk r * 8 + c:
 // plain order, because only the thread that copied a chunk reads it back. Slots 0 and 1 are the second
 // bf16 stage of sK and of sV (the widened tile always goes to stage 0, so the second one is free); slots 2
-// and up follow sV (decode_smem). So prefill's ring of 2 costs no shared memory, and decode's ring of 4
-// keeps three tiles in flight, as many bytes as a bf16 cache's one.
+// and up follow sV (decode_smem). So the rings of 2 (prefill, decode) cost no shared memory, and the cluster
+// kernel's ring of 4 keeps three tiles in flight, as many bytes as a bf16 cache's one.
 constexpr int FP8_ROW_CHUNKS = HEAD_DIM / 16;                // 16-byte chunks in one fp8 row: 8
 constexpr int FP8_TILE_BYTES = ATTN_KV_TILE * HEAD_DIM;      // 8 KiB
 static_assert(2 * FP8_TILE_BYTES == ATTN_KV_TILE * HEAD_DIM * sizeof(bf16), "slots 0, 1 fill a bf16 stage");
