@@ -5568,8 +5568,9 @@ static void compute_logprobs_fast(TokenLogprobs* out, const float* logits, const
 //                        kernel when the one-shot road is off or the message too large)
 //       one GPU, gemv    inside the output gemv (its ADD epilogue)
 //       one GPU, else    inside the next norm (add_rmsnorm), as in 6c;
-//   * decode attention does q/k-norm, RoPE and the KV store itself (fused_rope, section 17) and merges its
-//     split-K partitions in a cluster (cluster_merge, section 16).
+//   * decode attention does q/k-norm, RoPE and the KV store itself (fused_rope, section 17; with an fp8
+//     cache only at the cluster kernel's batches) and merges its split-K partitions in a cluster
+//     (cluster_merge, section 16).
 // With everything on, a batch-1 layer on one GPU is 5 kernels: qkv, attention, o, gate_up, down (6c: 9 and
 // a merge kernel).
 static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool is_prefill, cudaStream_t s) {
@@ -5612,7 +5613,9 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
                    cfg.rope_theta, eps, s);
       attention_prefill(act.attn, act.qkv, kv.layer(l), in.cu_seqlens_q, in.seqlens_k, in.block_tables, B,
                         in.max_seqlen_q, NH, NKV, P, MB, scale, s);
-    } else if (g_opt.fused_rope) {  // q/k-norm, RoPE and the KV store inside the attention kernel
+    } else if (g_opt.fused_rope && (kv.dtype == KVCacheDtype::BF16 || B <= DECODE_CLUSTER_MAX_B)) {
+      // q/k-norm, RoPE and the KV store inside the attention kernel. (With an fp8 cache, at batches above
+      // the cluster kernel's, the fused kernel measured slower than the two it replaces: README, FP8 section.)
       const DecodeRope rope{in.positions, in.slot_mapping, lw.q_norm, lw.k_norm, eps, rope_inv_freq(cfg.rope_theta)};
       attention_decode_fast(act.attn, act.qkv, kv.layer(l), in.seqlens_k, in.block_tables, B, NH, NKV, P,
                             MB, model.max_model_len, act.attn_workspace, scale, s, &rope);

@@ -237,15 +237,18 @@ static void run_shape(const std::string& dir) {
            prompts[6].size(), (long long)hit, (long long)expect);
     CHECK(hit >= expect);
   }
-  // (d) request fields (nanovllm.cu sections 9b and 13), greedy so that transformers can score them:
+  // (d) request fields (nanovllm.cu sections 9b and 13), greedy so that transformers can score them. A new
+  // engine of e's settings: with tensor parallelism the workers serve only the engine built last, and (c)
+  // built others since e (the n = 3 case builds one more, so it comes last).
   {
+    Engine d(dir, 16384, 256, 64, 4096);
     std::vector<std::vector<int>> batch = runs["batch"]["sequences"].get<std::vector<std::vector<int>>>();
     // logprobs: the same tokens as without (they are computed after the draw, from the raw logits); the
     // greedy token ranks first; the log-probabilities go to the teacher-forcing check against transformers.
     SamplingParams lp;
     lp.logprobs = 5;
     std::vector<Completion> comps;
-    auto with_lp = e.generate(prompts, 128, lp, &comps);
+    auto with_lp = d.generate(prompts, 128, lp, &comps);
     CHECK_MSG(with_lp == batch, "logprobs changed the greedy tokens");
     json lps = json::array();
     int rank1 = 0, n = 0;
@@ -262,6 +265,41 @@ static void run_shape(const std::string& dir) {
     printf("    (d) logprobs: same tokens as without; %d of %d greedy tokens rank 1 and head the top 5\n", rank1, n);
     CHECK(rank1 >= n * 99 / 100);  // (exact ties at the top may rank a greedy token second)
     runs["logprobs"] = {{"sequences", with_lp}, {"prompt_lens", plens}, {"logprobs", lps}};
+    // A stop string taken from request 0's greedy text after its 40th token: generation stops at the token
+    // that completes its first occurrence (earlier, if the text repeats itself), the text ends just before
+    // that occurrence, and the tokens are a prefix of the full greedy run. The full run is the request alone
+    // (one[0]), as the stopped run is: in a batch, a near-tie may go the other way.
+    Tokenizer tok = Tokenizer::load(dir);
+    d.engine->tok = &tok;
+    const std::vector<int>& alone = one[0];
+    const std::vector<int> full(alone.begin() + plens[0], alone.end());
+    const std::string text = tok.decode(full);
+    const size_t from = tok.decode(std::vector<int>(full.begin(), full.begin() + 40)).size();
+    if (CHECK_MSG(from + 6 <= text.size(), "the greedy text has %zu bytes", text.size())) {
+      const std::string stop = text.substr(from, 6);
+      SamplingParams st;
+      st.stop = {stop};
+      auto cut = d.generate({prompts[0]}, 128, st, &comps);
+      CHECK_EQ(comps[0].stop_string, stop);
+      CHECK_EQ(comps[0].text, text.substr(0, text.find(stop)));
+      CHECK_MSG(cut[0].size() < alone.size() && std::equal(cut[0].begin(), cut[0].end(), alone.begin()),
+                "the stopped run is not a prefix of the full greedy run");
+      printf("    (d) stop string first at byte %zu: stopped after %zu of 128 tokens, a prefix of the full run\n",
+             text.find(stop), comps[0].token_ids.size());
+    }
+    d.engine->tok = nullptr;
+    // Penalties: greedy under repetition, frequency and presence penalties, scored by the teacher-forcing
+    // check with the same penalties applied to transformers' fp32 logits (HF's and vLLM's rules).
+    SamplingParams pen;
+    pen.repetition_penalty = 1.5f, pen.frequency_penalty = 0.3f, pen.presence_penalty = 0.5f;
+    std::vector<std::vector<int>> four(prompts.begin(), prompts.begin() + 4);
+    auto penalized = d.generate(four, 128, pen);
+    runs["penalties"] = {{"sequences", penalized}, {"prompt_lens", std::vector<int>(plens.begin(), plens.begin() + 4)},
+                         {"penalties", {{"repetition", 1.5}, {"frequency", 0.3}, {"presence", 0.5}}}};
+    int differ = 0;
+    for (int i = 0; i < 4; i++) differ += penalized[i] != batch[i];
+    printf("    (d) penalties: %d of 4 greedy completions differ from the unpenalized ones\n", differ);
+    CHECK(differ > 0);
     // n = 3: three sequences, the same greedy tokens as one request alone; the two later ones share the
     // prompt's full blocks (a 600-token prompt: 2 blocks of 256).
     SamplingParams three;
@@ -275,41 +313,6 @@ static void run_shape(const std::string& dir) {
            (long long)shared, (prompts[6].size() - 1) / 256 * 256);
     CHECK_EQ(shared, (int64_t)(2 * ((prompts[6].size() - 1) / 256 * 256)));
     record("n_greedy", trio, {plens[6], plens[6], plens[6]});
-    // A stop string taken from request 0's greedy text after its 40th token: generation stops at the token
-    // that completes its first occurrence (earlier, if the text repeats itself), the text ends just before
-    // that occurrence, and the tokens are a prefix of the full greedy run. The full run is the request alone
-    // (one[0]), as the stopped run is: in a batch, a near-tie may go the other way.
-    Tokenizer tok = Tokenizer::load(dir);
-    e.engine->tok = &tok;
-    const std::vector<int>& alone = one[0];
-    const std::vector<int> full(alone.begin() + plens[0], alone.end());
-    const std::string text = tok.decode(full);
-    const size_t from = tok.decode(std::vector<int>(full.begin(), full.begin() + 40)).size();
-    if (CHECK_MSG(from + 6 <= text.size(), "the greedy text has %zu bytes", text.size())) {
-      const std::string stop = text.substr(from, 6);
-      SamplingParams st;
-      st.stop = {stop};
-      auto cut = e.generate({prompts[0]}, 128, st, &comps);
-      CHECK_EQ(comps[0].stop_string, stop);
-      CHECK_EQ(comps[0].text, text.substr(0, text.find(stop)));
-      CHECK_MSG(cut[0].size() < alone.size() && std::equal(cut[0].begin(), cut[0].end(), alone.begin()),
-                "the stopped run is not a prefix of the full greedy run");
-      printf("    (d) stop string first at byte %zu: stopped after %zu of 128 tokens, a prefix of the full run\n",
-             text.find(stop), comps[0].token_ids.size());
-    }
-    e.engine->tok = nullptr;
-    // Penalties: greedy under repetition, frequency and presence penalties, scored by the teacher-forcing
-    // check with the same penalties applied to transformers' fp32 logits (HF's and vLLM's rules).
-    SamplingParams pen;
-    pen.repetition_penalty = 1.5f, pen.frequency_penalty = 0.3f, pen.presence_penalty = 0.5f;
-    std::vector<std::vector<int>> four(prompts.begin(), prompts.begin() + 4);
-    auto penalized = e.generate(four, 128, pen);
-    runs["penalties"] = {{"sequences", penalized}, {"prompt_lens", std::vector<int>(plens.begin(), plens.begin() + 4)},
-                         {"penalties", {{"repetition", 1.5}, {"frequency", 0.3}, {"presence", 0.5}}}};
-    int differ = 0;
-    for (int i = 0; i < 4; i++) differ += penalized[i] != batch[i];
-    printf("    (d) penalties: %d of 4 greedy completions differ from the unpenalized ones\n", differ);
-    CHECK(differ > 0);
   }
   json out = {{"tolerance", tol}, {"runs", runs}, {"kv_cache_dtype", kv_cache_dtype_name(e.config.kv_cache_dtype)}};
   std::ofstream(dir + "/gen_results.json") << out.dump();
