@@ -3427,9 +3427,10 @@ struct TPStep {      // what rank 0 decided for one step; the step region's byte
   int graph_bs;      // decode: the CUDA graph to replay, 0 = run eagerly
   uint64_t bytes;    // used bytes of the step region
 };
-static TPComm* tp_attach(const Config& c, int rank);  // rank 0: connect once, send the workers this Config
-static void tp_send_step(const TPStep& step, const void* region);
-static void tp_send_capture();
+// rank 0: connect once, send the workers this Config; *engine: which engine they now build for it
+static TPComm* tp_attach(const Config& c, int rank, uint64_t* engine);
+static void tp_send_step(uint64_t engine, const TPStep& step, const void* region);
+static void tp_send_capture(uint64_t engine);
 static int64_t all_reduce_min(TPComm* comm, int64_t v);
 static void gather_logits(TPComm* comm, const float* shard, float* staging, float* full, int B, int V,
                           cudaStream_t stream);
@@ -3505,6 +3506,7 @@ struct ModelRunner : StepRunner {
   TokenLogprobs* logprobs_h = nullptr;  // [Bmax] pinned
   void* logprobs_ws = nullptr;     // section 19's split log-probabilities: logprobs_workspace_bytes(Bmax)
   bool have_logprobs = false;      // the last step computed some (step_logprobs)
+  uint64_t tp_engine = 0;          // rank 0 with tensor parallelism: the engine the workers built for this one
   std::vector<int> graph_bs;                 // captured batch sizes, ascending
   std::map<int, cudaGraphExec_t> graphs;
   double load_seconds = 0, load_gbps = 0, capture_seconds = 0;
@@ -3520,7 +3522,7 @@ struct ModelRunner : StepRunner {
     Tmax = std::max(c.max_num_batched_tokens, c.max_num_seqs);
     Bmax = c.max_num_seqs;
     if (model.tp > 1) {
-      model.comm = tp_attach(c, rank);  // first, so the workers load weights alongside
+      model.comm = tp_attach(c, rank, &tp_engine);  // first, so the workers load weights alongside
       if (g_opt.oneshot_allreduce) oneshot_setup(model.comm);  // section 18; every rank, same order
     }
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -3821,13 +3823,15 @@ struct ModelRunner : StepRunner {
     if (is_prefill) {
       int T;
       StepInputs in = prepare_prefill(seqs, T);
-      if (model.tp > 1) tp_send_step({1, T, B, in.max_seqlen_q, 0, prefill_region.used}, prefill_region.h);
+      if (model.tp > 1)
+        tp_send_step(tp_engine, {1, T, B, in.max_seqlen_q, 0, prefill_region.used}, prefill_region.h);
       forward_and_sample(in, T, B, true, p_samp.d, !x.edits);
       if (x.edits || x.logprobs) process_and_sample(x, B, p_samp.d);
     } else {
       int g = config.enforce_eager ? 0 : graph_size_for(B);
       StepInputs in = prepare_decode(seqs, g ? g : B);
-      if (model.tp > 1) tp_send_step({0, g ? g : B, g ? g : B, 1, g, decode_region.used}, decode_region.h);
+      if (model.tp > 1)
+        tp_send_step(tp_engine, {0, g ? g : B, g ? g : B, 1, g, decode_region.used}, decode_region.h);
       if (g) CUDA_CHECK(cudaGraphLaunch(graphs[g], stream));
       else forward_and_sample(in, B, B, false, d_samp.d, !x.edits);
       if (x.edits || x.logprobs) process_and_sample(x, B, d_samp.d);
@@ -3843,7 +3847,7 @@ struct ModelRunner : StepRunner {
   // nano-vllm: capture_cudagraph. Batch sizes 1, 2, 4, 8, then every 16 up to max_num_seqs (capped at 512).
   void capture_cudagraphs() {
     if (config.enforce_eager) return;
-    if (model.tp > 1 && model.rank == 0) tp_send_capture();  // every rank captures the same graphs in order
+    if (model.tp > 1 && model.rank == 0) tp_send_capture(tp_engine);  // every rank, the same graphs, in order
     double t0 = now_seconds();
     graph_bs = graph_batch_sizes(Bmax);
     std::vector<Sequence*> none;
@@ -7063,6 +7067,7 @@ struct TPGroup {
   int status[TP_MAX_RANKS] = {};           // rank 0: their wait() status once reaped
   volatile sig_atomic_t stopping = 0;      // rank 0: a worker's exit is expected from now on
   volatile sig_atomic_t worker_busy = 0;   // worker: it has received a message (SIGTERM then says why)
+  uint64_t engines = 0;                    // rank 0: engines built; the workers serve only the newest
 };
 static TPGroup g_tp;
 
@@ -7198,10 +7203,22 @@ static void tp_send(TPOp op, const void* payload, size_t bytes, const TPStep* st
   syscall(SYS_futex, &mb->seq, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
-static void tp_send_step(const TPStep& step, const void* region) {
+// A worker keeps one engine, the one rank 0 built last (TPOp::INIT replaces it): an older engine's step would
+// run on the newer one's block tables and buffers.
+static void tp_check_engine(uint64_t engine) {
+  if (engine != g_tp.engines)
+    die("this engine (number %llu) can no longer run with tensor parallelism: the workers serve only the "
+        "engine built last (number %llu). Build one engine at a time with --tensor-parallel-size > 1",
+        (unsigned long long)engine, (unsigned long long)g_tp.engines);
+}
+static void tp_send_step(uint64_t engine, const TPStep& step, const void* region) {
+  tp_check_engine(engine);
   tp_send(TPOp::STEP, region, step.bytes, &step);
 }
-static void tp_send_capture() { tp_send(TPOp::CAPTURE, nullptr, 0); }
+static void tp_send_capture(uint64_t engine) {
+  tp_check_engine(engine);
+  tp_send(TPOp::CAPTURE, nullptr, 0);
+}
 
 // Every field of Config (section 2) travels; a field added there must be added here and below.
 static std::string config_to_json(const Config& c) {
@@ -7242,7 +7259,7 @@ static Config config_from_json(const std::string& text) {
 // The communicator of this process for an engine with Config c, called first thing by ModelRunner. On
 // rank 0 it connects the group (once per process: NCCL unique id -> CONNECT) and sends the workers c, so
 // they build the same engine alongside; on a worker the group is already connected.
-static TPComm* tp_attach(const Config& c, int rank) {
+static TPComm* tp_attach(const Config& c, int rank, uint64_t* engine) {
   if (!g_tp.mb || g_tp.size != c.tensor_parallel_size)
     die("--tensor-parallel-size %d, but %d ranks were launched (tp_launch(N) must run before the first CUDA "
         "call)", c.tensor_parallel_size, g_tp.size);
@@ -7256,6 +7273,7 @@ static TPComm* tp_attach(const Config& c, int rank) {
   }
   std::string text = config_to_json(c);
   tp_send(TPOp::INIT, text.data(), text.size());
+  *engine = ++g_tp.engines;
   return g_tp.comm;
 }
 

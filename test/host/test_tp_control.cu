@@ -182,6 +182,19 @@ TEST(rank_zero_error_ends_every_worker) {
   check_no_worker_left(rz);
 }
 
+// The workers serve only the engine rank 0 built last: a step of an older one is refused with a message (it
+// would run on the newer engine's block tables), and every rank ends.
+TEST(stale_engine_is_refused) {
+  RankZero rz = run_rank_zero(2, [] {
+    g_tp.engines = 2;  // as after two engines were built
+    tp_send_step(1, TPStep{}, nullptr);
+  });
+  CHECK_MSG(WIFEXITED(rz.status) && WEXITSTATUS(rz.status) == 1, "rank 0 wait status %d", rz.status);
+  CHECK_MSG(rz.log.find("this engine (number 1) can no longer run with tensor parallelism") != std::string::npos,
+            "log:\n%s", rz.log.c_str());
+  check_no_worker_left(rz);
+}
+
 // Rank 0 killed outright (no handler, no atexit): PR_SET_PDEATHSIG ends the workers, with their message.
 TEST(rank_zero_killed_ends_every_worker) {
   RankZero rz = run_rank_zero(3, [] { sleep(30); }, 0.5);
