@@ -2215,12 +2215,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// Issue (not wait for) the copies of keys [key0, key0 + ATTN_KV_TILE) of kv head kvh of one sequence into
-// the K and V tiles sK, sV [ATTN_KV_TILE][HEAD_DIM] (swizzled). Keys at or past key_end are zero-filled
-// instead of read: their block-table entries are -1, and the unused tail of a sequence's last block holds
-// stale or never-written data; a NaN there would survive the softmax mask as 0 * NaN in P V.
-// All NTHREADS threads of the CTA call it: 16 threads copy one 256-byte row. The row of key skip_key is
-// left alone (not even zero-filled): the fused decode kernel writes that key itself.
 // The row of key `key` of kv head kvh in one layer's cache [NB, NKV, P, D] (a row is D values), found
 // through the sequence's block table.
 __device__ __forceinline__ size_t kv_cache_row(const int* block_table, int kvh, int NKV, int log2P, int key) {
@@ -2228,6 +2222,12 @@ __device__ __forceinline__ size_t kv_cache_row(const int* block_table, int kvh, 
   return ((block * NKV + kvh) << log2P) + (key & ((1 << log2P) - 1));
 }
 
+// Issue (not wait for) the copies of keys [key0, key0 + ATTN_KV_TILE) of kv head kvh of one sequence into
+// the K and V tiles sK, sV [ATTN_KV_TILE][HEAD_DIM] (swizzled). Keys at or past key_end are zero-filled
+// instead of read: their block-table entries are -1, and the unused tail of a sequence's last block holds
+// stale or never-written data; a NaN there would survive the softmax mask as 0 * NaN in P V.
+// All NTHREADS threads of the CTA call it: 16 threads copy one 256-byte row. The row of key skip_key is
+// left alone (not even zero-filled): the fused decode kernel writes that key itself.
 template <int NTHREADS>
 __device__ __forceinline__ void load_kv_tile(bf16* sK, bf16* sV, const bf16* k_cache, const bf16* v_cache,
                                              const int* block_table /* [MB] */, int kvh, int NKV, int log2P,
@@ -2463,7 +2463,6 @@ __global__ void __launch_bounds__(PREFILL_WARPS * 32)
   bf16* sQ = reinterpret_cast<bf16*>(attn_smem);              // [PREFILL_BLOCK_M][D]
   bf16* sK = sQ + PREFILL_BLOCK_M * HEAD_DIM;                 // [ATTN_STAGES][ATTN_KV_TILE][D]
   bf16* sV = sK + ATTN_STAGES * ATTN_KV_TILE * HEAD_DIM;      // [ATTN_STAGES][ATTN_KV_TILE][D]
-  constexpr int TILE = ATTN_KV_TILE * HEAD_DIM;
 
   // Q rows past q_len are zero-filled: they belong to the next sequence or lie past the end of qkv.
   for (int i = threadIdx.x; i < PREFILL_BLOCK_M * 16; i += PREFILL_WARPS * 32) {
@@ -2574,9 +2573,9 @@ static void attention_prefill(bf16* out, const bf16* qkv, const KVLayer& cache, 
 //   Preconditions: 1 <= context_lens[b] <= max_context_len; NH/NKV <= 16; this step's k and v are in the
 //   cache (qk_norm_rope ran).
 
-// The tile loop of a decode thread block over keys [key_begin, key_end): prefetch tile t+1, wait for tile t,
-// and let each warp attend to its 16 keys of it (attend_kv_slice). The caller has issued the copies of tile
-// 0 (one committed group per stage before the first). after_landing(t, n_tiles, sK_t, sV_t, first_key) runs
+// The tile loop of a decode thread block over keys [key_begin, key_end): prefetch the tile kv_tiles_ahead()
+// ahead, wait for tile t, and let each warp attend to its 16 keys of it (attend_kv_slice). The caller has
+// issued the first tiles (issue_first_kv_tiles). after_landing(t, n_tiles, sK_t, sV_t, first_key) runs
 // when tile t has landed for this thread and before the barrier that publishes it to the others: the fused
 // kernel of section 17 writes this step's own key into the last tile there. skip_key: a key the tile loads
 // leave alone (-1: none).

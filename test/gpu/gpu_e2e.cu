@@ -13,7 +13,7 @@
 //     holds one max_model_len sequence (preemption on most steps), and 16 requests behind one long prefix.
 // (b) and (c) are written to SHAPE/gen_results.json for the teacher-forcing check in Python.
 // NANOVLLM_E2E_TP=N runs every engine with --tensor-parallel-size N: main() forks the N-1 workers before
-// any CUDA call, and they serve every engine this process builds (section 24).
+// any CUDA call, and they serve the engines this process builds, one at a time (the newest; section 24).
 // NANOVLLM_E2E_OPT=LIST runs every engine with --opt LIST (none: Part I alone, the plain path; default all),
 // so the same comparison with Hugging Face checks the plain path and the fast one.
 // NANOVLLM_E2E_SCHEDULER=mixed runs every engine with --scheduler mixed (vLLM V1's, section 5b): steps that
