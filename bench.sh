@@ -15,7 +15,7 @@
 #   ./bench.sh --ladder [--random 0.6b | --model DIR] [--baseline PATH]
 #                                     the climb from Part I to the default path, on this GPU in one run:
 #                                     batch-1 latency and bench.py throughput for --plain, then --plain plus
-#                                     each optimization of Part II alone, then everything (the default), and
+#                                     each optimization of Part II alone, then the default (all but persistent), and
 #                                     with --baseline another nanovllm binary's default path (an older build
 #                                     to compare with). One table, each row with its roofline fraction.
 #
@@ -130,7 +130,7 @@ if [ "$LADDER" = 1 ]; then
     [ "$TP" = 1 ] && [ "$o" = oneshot_allreduce ] && continue  # nothing to do on one GPU
     rung "+$o" "$NANOVLLM" --opt "none,$o"; RUNGS="$RUNGS +$o"
   done
-  rung all "$NANOVLLM"; RUNGS="$RUNGS all"
+  rung default "$NANOVLLM"; RUNGS="$RUNGS default"
   if [ -n "$BASELINE" ]; then rung baseline "$BASELINE"; RUNGS="$RUNGS baseline"; fi
 fi
 [ "$LADDER" = 1 ] && ONLY=ladder

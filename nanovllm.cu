@@ -18,12 +18,12 @@
 //   BlockManager, Scheduler: what a reader came for, and none of it needs the GPU), then the model, its
 //   kernels, cuBLASLt, the ModelRunner with CUDA graphs, tensor parallelism and the LLMEngine loop. It is
 //   complete and correct on its own: `--plain` runs it alone.
-//   Part II (sections 14-21) makes it fast, one optimization per section. Each says what it replaces, why
+//   Part II (sections 14-22) makes it fast, one optimization per section. Each says what it replaces, why
 //   it is faster on the hardware, and can be switched off by name (--opt, section 2; section 21, the FP8
 //   KV cache, by --kv-cache-dtype, since it trades accuracy); the README's performance section has the
 //   measured gain of each. The Part I code each one replaces stays, as the
 //   reference the GPU tests compare it with.
-//   Part III (sections 22-26) is the program around the engine: prompts in and completions out, the trace,
+//   Part III (sections 23-27) is the program around the engine: prompts in and completions out, the trace,
 //   summary and report, signals and the worker processes, `simulate` (the engine without a GPU), the
 //   command line and main.
 //
@@ -105,12 +105,13 @@
 //   19. The fast sampler: radix select
 //   20. The forward pass with every fusion
 //   21. An FP8 KV cache
+//   22. One persistent kernel for a small-batch decode step
 //   PART III — THE PROGRAM AROUND IT
-//   22. Prompts in, completions out
-//   23. Trace, run summary and the report
-//   24. Signals, worker processes and the mailbox
-//   25. simulate: the engine without a GPU
-//   26. Command line and main
+//   23. Prompts in, completions out
+//   24. Trace, run summary and the report
+//   25. Signals, worker processes and the mailbox
+//   26. simulate: the engine without a GPU
+//   27. Command line and main
 
 #include <algorithm>
 #include <cerrno>
@@ -173,7 +174,7 @@ typedef __nv_fp8_e4m3 fp8e4m3;  // one byte: sign, 4 exponent bits, 3 mantissa b
 //   * a broken invariant of our own or a failed CUDA call: the *_CHECK macros print the call, file, line
 //     and the library's message, then exit 1.
 
-// This process's tensor-parallel rank (sections 12, 23): 0 in the main process, 1..N-1 in the workers.
+// This process's tensor-parallel rank (sections 12, 24): 0 in the main process, 1..N-1 in the workers.
 static int g_tp_rank = 0;
 
 // A worker's message: named by its rank, and written with one write(2) so that two ranks failing at once
@@ -277,7 +278,7 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   std::string dtype = "bfloat16";   // the checkpoint's dtype (weights are converted to bf16 at load)
   std::vector<int> eos_token_ids;   // generation_config.json eos_token_id (int or list), else config.json's
-  json generation_config;           // generation_config.json (null without one): sampling defaults (section 22)
+  json generation_config;           // generation_config.json (null without one): sampling defaults (section 23)
 };
 
 // A field of config.json that must be there and be a number; the message names the file and field.
@@ -411,7 +412,7 @@ static ModelConfig load_model_config(const std::string& dir) {
   return c;
 }
 
-// The optimization switch. Part II (sections 14-20; section 21 has its own flag, --kv-cache-dtype, since it
+// The optimization switch. Part II (sections 14-20 and 22; section 21 has its own flag, --kv-cache-dtype, since it
 // changes results) makes the engine fast one optimization at a time; each one replaces a piece of Part I
 // and can be switched off by name, so a reader can run the plain engine
 // (--plain, or --opt none) and climb back one step at a time (--opt none,gemv), and every optimization can
@@ -423,6 +424,8 @@ struct Optimizations {
   bool fused_rope = true;         // 17: decode attention does q/k-norm, RoPE and the KV store itself
   bool oneshot_allreduce = true;  // 18: small all-reduces over NVLink in one crossing, not NCCL's ring
   bool fast_sampler = true;       // 19: radix-select top-k/top-p and split rows, not the plain sampler
+  bool persistent = false;        // 22: a small-batch decode step in one persistent kernel. Off by default:
+                                  // on an H100 it is not yet faster than sections 14-20 (README)
 };
 using OptimizationFlag = bool Optimizations::*;  // which field of Optimizations
 struct OptimizationInfo {
@@ -437,6 +440,7 @@ static const OptimizationInfo kOptimizations[] = {
     {"fused_rope", &Optimizations::fused_rope, "q/k-norm, RoPE and the KV store inside decode attention (17)"},
     {"oneshot_allreduce", &Optimizations::oneshot_allreduce, "one-shot all-reduce over NVLink (18)"},
     {"fast_sampler", &Optimizations::fast_sampler, "radix-select sampler (19)"},
+    {"persistent", &Optimizations::persistent, "a small-batch decode step in one persistent kernel (section 22)"},
 };
 
 // Applies a comma-separated list to `o`, left to right: "all", "none", NAME (on) or -NAME (off). Returns
@@ -467,17 +471,22 @@ static std::string parse_optimizations(const std::string& spec, Optimizations& o
   return "";
 }
 
-// "all", "none" (Part I alone) or the names that are on, for the start-up line.
+// "all", "none" (Part I alone), "all except NAMES" when fewer are off than on, or the names that are on,
+// for the start-up line.
 static std::string optimizations_str(const Optimizations& o) {
   std::string on, off;
-  for (const OptimizationInfo& k : kOptimizations) (o.*k.on ? on : off) += std::string(" ") + k.name;
+  int n_on = 0, n_off = 0;
+  for (const OptimizationInfo& k : kOptimizations) {
+    (o.*k.on ? on : off) += std::string(" ") + k.name;
+    (o.*k.on ? n_on : n_off)++;
+  }
   if (off.empty()) return "all";
   if (on.empty()) return "none (Part I alone)";
-  return on.substr(1);
+  return n_off < n_on ? "all except" + off : on.substr(1);
 }
 
 // The optimizations this process runs. Set once from Config::opt by ModelRunner (every rank gets the same
-// Config, section 24); the tests set it directly to compare a fast path with the plain one.
+// Config, section 25); the tests set it directly to compare a fast path with the plain one.
 static Optimizations g_opt;
 
 // What the KV cache stores (--kv-cache-dtype, vLLM's flag): bf16, as the model computes keys and values
@@ -574,7 +583,7 @@ static void validate_config(Config& c, const ModelConfig& m) {
 
 // One request's sampling settings (nano-vllm: SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=False),
 // grown to vLLM's SamplingParams: the same field names, meanings and ranges). The defaults below are the
-// built-in ones; the model's generation_config.json may replace some (section 22, --generation-config).
+// built-in ones; the model's generation_config.json may replace some (section 23, --generation-config).
 constexpr int MAX_LOGPROBS = 20;  // vLLM's default max_logprobs: alternatives a request may ask for per token
 
 struct SamplingParams {
@@ -3418,8 +3427,8 @@ struct StepRegion {
 
 // Tensor parallelism is read after this section but ModelRunner calls into it: on every rank it agrees on
 // the KV pool size and gathers the vocabulary-sharded logits to rank 0 (section 12); on rank 0 it tells the
-// workers what to do: build an engine, capture graphs, run this step (the mailbox of section 24).
-struct TPStep {      // what rank 0 decided for one step; the step region's bytes follow it (section 24)
+// workers what to do: build an engine, capture graphs, run this step (the mailbox of section 25).
+struct TPStep {      // what rank 0 decided for one step; the step region's bytes follow it (section 25)
   int is_prefill;
   int T, B;          // tokens and sequences (decode: B padded to the graph's batch size, T = B)
   int max_seqlen_q;  // prefill
@@ -3441,6 +3450,13 @@ void sample_fast(int* out_tokens, const float* logits, const SamplingSlot* slots
                  size_t workspace_bytes, cudaStream_t stream);
 size_t sample_workspace_bytes(int B, int V);
 static void oneshot_setup(TPComm* comm);  // section 18: map every rank's staging buffer, once
+// section 22: the persistent decode kernel's plans (built once) and one step through it
+struct PersistPlan;
+struct PersistentDecode;
+static PersistentDecode* persist_setup_new(Qwen3& model, int max_num_seqs);
+static const PersistPlan* persist_plan_for(const PersistentDecode* pd, int B);
+static void persistent_decode(Qwen3& model, const PersistPlan& plan, const StepInputs& in, cudaStream_t s,
+                              int skew_ns, int skip_wait, uint64_t* trace);
 // section 21: the fp8 cache's per-layer scales, from the weights
 static std::vector<KVScales> kv_scales_from_weights(const Weights& w, const ModelConfig& c, int tp);
 size_t logprobs_workspace_bytes(int B);   // section 19: the split log-probabilities
@@ -3450,13 +3466,13 @@ static void compute_logprobs_fast(TokenLogprobs* out, const float* logits, const
 
 // What LLMEngine (section 13) needs from the side that computes a step: the sampled tokens, the batch a step
 // really runs (padded to a CUDA graph's size), and a clock. ModelRunner is the real one; `nanovllm simulate`
-// (section 25) plugs in a stand-in that needs no GPU and keeps a modelled clock.
+// (section 26) plugs in a stand-in that needs no GPU and keeps a modelled clock.
 struct StepRunner {
   double gpu_seconds = 0;  // time spent waiting for the GPU (the rest of a step is host work)
   virtual std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) = 0;
   virtual int padded_batch(int B, bool is_prefill) const = 0;
   // After run(): row i's log-probabilities for the sequences that asked for them (section 9b); nullptr when
-  // none did, or when the runner has no logits (section 25's stand-in model).
+  // none did, or when the runner has no logits (section 26's stand-in model).
   virtual const TokenLogprobs* step_logprobs() const { return nullptr; }
   virtual double now() { return now_seconds(); }
   virtual void wait_until(double t) {  // nothing to do before t (requests arrive later)
@@ -3506,6 +3522,7 @@ struct ModelRunner : StepRunner {
   void* logprobs_ws = nullptr;     // section 19's split log-probabilities: logprobs_workspace_bytes(Bmax)
   bool have_logprobs = false;      // the last step computed some (step_logprobs)
   uint64_t tp_engine = 0;          // rank 0 with tensor parallelism: the engine the workers built for this one
+  PersistentDecode* persist = nullptr;  // section 22's plans, by batch size (none: section 20's path)
   std::vector<int> graph_bs;                 // captured batch sizes, ascending
   std::map<int, cudaGraphExec_t> graphs;
   double load_seconds = 0, load_gbps = 0, capture_seconds = 0;
@@ -3535,6 +3552,7 @@ struct ModelRunner : StepRunner {
     allocate_activations();
     allocate_inputs();
     allocate_kv_cache();
+    persist = persist_setup_new(model, Bmax);
   }
 
   void allocate_activations() {
@@ -3713,7 +3731,9 @@ struct ModelRunner : StepRunner {
   // The model, then (rank 0) the sampler: Part I's, or Part II's where switched on.
   void forward_and_sample(const StepInputs& in, int T, int B, bool is_prefill, const SamplingSlot* slots_d,
                           bool draw = true) {
-    if (uses_fast_forward()) forward_fast(model, in, T, B, is_prefill, stream);
+    const PersistPlan* plan = is_prefill ? nullptr : persist_plan_for(persist, B);
+    if (plan) persistent_decode(model, *plan, in, stream, 0, -1, nullptr);
+    else if (uses_fast_forward()) forward_fast(model, in, T, B, is_prefill, stream);
     else model.forward(in, T, B, is_prefill, stream);
     if (model.tp > 1)
       gather_logits(model.comm, model.act.logits, logits_gather, logits, B, model.cfg.vocab_size, stream);
@@ -3883,7 +3903,7 @@ struct ModelRunner : StepRunner {
 //
 // This section is the data plane: the communicator, the all-reduce, the logits gather. The processes
 // (rank 0 is this process; ranks 1..N-1 are workers fork()ed before the first CUDA call, and rank 0 sends
-// them each step through a mailbox in shared memory) are plumbing and wait for section 24; section 18 gives
+// them each step through a mailbox in shared memory) are plumbing and wait for section 25; section 18 gives
 // the small all-reduces of decode a faster road than NCCL's.
 //
 // What crosses between the ranks in one batch-1 decode step of Qwen3-8B at N = 2:
@@ -3980,7 +4000,7 @@ static TPComm* tp_comm_init(int rank, int size, const ncclUniqueId& id) {
 //
 // Watching the scheduler think. With --trace every step prints one line on stderr, every run ends with a
 // summary, and --report draws the whole run. All of them only read what the scheduler and the runner
-// already keep (StepTrace, RunStats and the Sequences' times below; the formatting is section 23); with
+// already keep (StepTrace, RunStats and the Sequences' times below; the formatting is section 24); with
 // --trace and --report off nothing is recorded, so watching costs nothing.
 
 struct Request {
@@ -3989,14 +4009,14 @@ struct Request {
   std::string source;         // "prompts.txt:12", for messages
   double arrival_time = 0;    // seconds after generate() begins (a .jsonl field, or --request-rate)
   bool arrival_given = false; // the .jsonl line gave it (--request-rate leaves it alone)
-  std::string error;          // an OpenAI batch line we answer with an error instead of running (section 22)
-  json batch;                 // that batch line's custom_id, url and body (section 22); null otherwise
+  std::string error;          // an OpenAI batch line we answer with an error instead of running (section 23)
+  json batch;                 // that batch line's custom_id, url and body (section 23); null otherwise
 };
 
 // One completion: a request with n > 1 has n of them, consecutive, in index order.
 struct Completion {
   std::vector<int> token_ids;
-  const char* finish_reason;  // nullptr: unfinished (the run was interrupted by Ctrl-C, section 24)
+  const char* finish_reason;  // nullptr: unfinished (the run was interrupted by Ctrl-C, section 25)
   int prompt_tokens;
   double arrival_time = 0, first_token_time = -1, finish_time = -1;  // seconds since generate() began (-1: never)
   int64_t seq_id = 0;
@@ -4044,10 +4064,10 @@ struct StepTrace {
   double ms = 0;
 };
 static StepTrace trace_after_schedule(const Scheduler& s, const std::vector<Sequence*>& batch, bool is_prefill,
-                                      int64_t step);  // section 22
-static std::string format_trace(const StepTrace& t);  // section 22
+                                      int64_t step);  // section 24
+static std::string format_trace(const StepTrace& t);  // section 24
 
-// Ctrl-C (section 24's handler sets it; main arms it): generate() stops after the step in flight.
+// Ctrl-C (section 25's handler sets it; main arms it): generate() stops after the step in flight.
 static volatile sig_atomic_t g_stop_armed = 0;
 static volatile sig_atomic_t g_stop_requested = 0;
 
@@ -4190,7 +4210,7 @@ struct LLMEngine {
     // ids in input order; the queue in arrival order (ties: input order)
     for (size_t r = 0; r < requests.size(); r++) {
       const Request& req = requests[r];
-      if (!req.error.empty()) continue;  // answered with its error (section 22)
+      if (!req.error.empty()) continue;  // answered with its error (section 23)
       const Sequence* first_sibling = nullptr;
       for (int k = 0; k < req.params.n; k++) {  // n completions: n sequences with their own ids, so their own draws
         SamplingParams sp = req.params;
@@ -5868,7 +5888,722 @@ static std::vector<KVScales> kv_scales_from_weights(const Weights& w, const Mode
 // PART III — THE PROGRAM AROUND IT
 // ##########################################################################################################
 
-// ==== 22. Prompts in, completions out ======================================================================
+// ==== 22. One persistent kernel for a small-batch decode step ===========================================
+//
+// Replaces: at decode steps of 1, 2 or 4 sequences on one GPU with a bf16 cache, all of section 20's forward
+// pass: about five kernels per layer plus the head, 143 launches for Qwen3-0.6B.
+// Why it could be faster. A batch-1 step reads every weight once (1.19 GB for Qwen3-0.6B) and does little
+// else, so its floor is the time to stream the weights at the GPU's copy bandwidth. Between two kernels the
+// GPU is not streaming: the last thread blocks of one kernel finish while most SMs idle, then the next
+// kernel's blocks start with nothing in flight and wait a full memory latency for their first bytes. Each
+// such "bubble" lasts microseconds, a step has 143 of them, and a sub-layer of 4-12 MB streams in 2-5
+// microseconds: the bubbles are as long as the work. PDL (section 14) lets the next kernel's first loads
+// start early, but the drain at the end of each kernel remains. The cure published by Hazy Research (the
+// "megakernel") and by mirage (MPK) is one kernel for the whole step, one thread block per SM, that never
+// ends between operations:
+//   * the step is a list of operations fixed at start-up (PersistOp: embed; per layer qkv, attention, o,
+//     gate_up, down; the LM head), each split over the thread blocks by a fixed rule: a gemv's weight rows
+//     in groups of 16, group i to block i % grid; attention's (sequence, KV head, context partition)
+//     triples, triple i to block i;
+//   * every thread block runs the list in order, doing its share of each operation. An operation waits for
+//     the one before it through a counter in global memory: each block that did some of operation o adds 1
+//     to done[o] after its outputs are written, and a block that starts operation o + 1 first waits until
+//     done[o] reaches the number of blocks that work on o. No grid-wide barrier: a block with no share of an
+//     operation skips it without waiting;
+//   * weights do not depend on the step, so a block loads them ahead of time, across operation and layer
+//     boundaries. A chunk is 16 weight rows x 1024 columns (32 KiB); each of the 16 warps copies its own
+//     64-column strip of every chunk into a ring of PERSIST_RING shared-memory slots (cp.async) and reads
+//     only that strip back, so the stream needs no barrier across the block. Attention, which reads the KV
+//     cache instead, loads its first keys and values into registers before its wait (earlier steps wrote
+//     them);
+//   * the dot products run on the tensor cores (m16n8k16, section 8's mma): a warp multiplies its 16 x 64
+//     strip by the same 64 columns of the B <= 4 inputs, which sit as the 8 columns of the right-hand matrix,
+//     so a step of 4 sequences costs the same instructions as a step of 1. The 16 warps' partial sums of a
+//     group meet in shared memory, are added in warp order, and the output is written the way section 20
+//     writes it (bf16 roundings in the same places).
+// Why it is correct: an operation's inputs were written by the operation before it (or earlier), whose
+// blocks count themselves done only after their writes (a barrier, then one thread's release add), while a
+// waiting block reads the counter with an acquire load before it reads anything, and reads what other
+// blocks wrote through L2 (__ldcg), never from a stale L1 line. The operations form a chain, so when
+// operation o starts every earlier one is complete: a buffer that o writes (qkv, attn, act, the residual
+// stream) is no longer read by anyone. Attention's last step, merging the partitions of a (sequence, KV
+// head), is done by whichever partition finishes last (a ticket counter per layer, sequence and KV head,
+// taken with an acquire-release add), which then counts the pair done. Every sum is computed by one thread
+// block in a fixed order whatever the timing, so the results do not depend on scheduling:
+// test/gpu/gpu_persistent.cu runs the kernel with thread blocks delayed by different amounts at every
+// operation and requires the same bits, and checks that leaving one wait out is caught.
+// All thread blocks must be resident at once (a waiting block never yields its SM): the grid is one block per
+// SM, the kernel is launched alone in its stream, and a block that waits longer than 5 s stops the kernel
+// with a message instead of hanging.
+// What it costs, and why it is off by default. Every hand-off between two operations still costs a release,
+// a poll that sees it, and the next inputs' trip through L2 (plus an RMSNorm for qkv and gate_up): a few
+// microseconds, 141 times a step, no shorter than the bubble it replaces. And the ring is only a few chunks
+// deep, so most of an operation's weights stream while it runs rather than during the wait before it. On an
+// H100 this kernel is slower than sections 14-20 at batch 1 of Qwen3-0.6B, about as fast at batch 2 and 4
+// and for the 8B shape (README, "One persistent kernel"); test/gpu/gpu_persistent.cu's breakdown prints where
+// the time goes, per operation. It runs with --opt all or --opt persistent.
+// What it computes: section 20's arithmetic with the sums added in another order, so results match section
+// 20's within float rounding, not bit for bit (gpu_persistent.cu states the tolerance). Tensor parallelism
+// keeps section 20's path: an all-reduce inside the kernel would need every GPU's kernel resident at once and
+// flags across GPUs.
+// Switch: persistent (off by default). Needs sm_80; a batch size whose shared memory does not fit, an fp8
+// cache or TP > 1 uses section 20's path, and the start-up line says which decode path runs at which batch
+// sizes.
+constexpr int PERSIST_THREADS = 512;
+constexpr int PERSIST_WARPS = PERSIST_THREADS / 32;
+constexpr int PERSIST_ROWS = 16;        // weight rows per group: one tensor-core tile (m16n8k16) tall
+constexpr int PERSIST_KC = 1024;         // columns per chunk: a chunk is 16 x 1024 bf16 = 32 KiB
+constexpr int PERSIST_WARP_K = PERSIST_KC / PERSIST_WARPS;  // 64 columns of a chunk per warp: 4 k-tiles
+constexpr int PERSIST_SLOT_ELEMS = PERSIST_ROWS * PERSIST_KC;
+constexpr int PERSIST_RING = 4;          // slots: 3 chunks (96 KiB) ahead of the one in use
+constexpr int PERSIST_PREFETCH = 8;       // attention: tokens per warp whose K and V are loaded before the wait
+constexpr int PERSIST_MAX_B = 4;          // batch sizes 1, 2, 4 (decode graph sizes); at 8 it measured slower
+
+enum PersistKind : int { PERSIST_EMBED, PERSIST_QKV, PERSIST_ATTN, PERSIST_O, PERSIST_GATE_UP, PERSIST_DOWN,
+                         PERSIST_LM_HEAD };
+
+// One operation of the step. The gemvs (QKV .. LM_HEAD, not ATTN) compute y[b, n] = in[b, :] . W[n, :] for
+// their N outputs and write y where section 20 writes it:
+//   QKV      in = rmsnorm(residual) * norm_w   y -> qkv (bf16)
+//   O, DOWN  in = attn / act                   residual = bf16(bf16(y) + residual)
+//   GATE_UP  in = rmsnorm(residual) * norm_w   act[j] = bf16(silu(bf16(y_gate j)) * bf16(y_up j))
+//   LM_HEAD  in = rmsnorm(residual) * norm_w   logits (fp32)
+struct PersistOp {
+  int kind, layer;
+  const bf16* W;       // [rows, K] (GATE_UP: the I gate rows, then the I up rows)
+  const bf16* norm_w;  // the RMSNorm of the input (QKV, GATE_UP, LM_HEAD); ATTN: q_norm
+  const bf16* k_norm;  // ATTN
+  int N, K;            // outputs per sequence (GATE_UP: I), input length
+  int groups;          // groups of 16 weight rows (GATE_UP: 8 gate rows and the 8 up rows they pair with)
+  int tasks;           // how many adds to done[o] complete this operation
+};
+
+// Shared-memory bytes of a copy of the operation list (16-byte multiple).
+__host__ __device__ constexpr size_t persist_ops_bytes(int n_ops) {
+  return (n_ops * sizeof(PersistOp) + 15) / 16 * 16;
+}
+
+struct PersistArgs {
+  const PersistOp* ops;
+  int n_ops;
+  int* done;         // [n_ops] zeroed before each launch
+  int* tickets;      // [L, B, NKV] attention partitions finished; zeroed before each launch
+  float* partials;   // [B, NKV, parts, GQA, D + 2] one partition's unnormalised output, then its max and sum
+  bf16 *residual, *qkv, *attn, *act;  // section 6c's activations (act.act holds SiLU(gate) * up)
+  float* logits;
+  const bf16* embed;
+  const int *ids, *positions, *slots, *context_lens, *block_tables;  // the decode step's inputs
+  bf16* kv;                        // the cache: layer l's keys at kv + l * layer_stride, values + kv_stride
+  int64_t layer_stride, kv_stride;
+  int B, H, NH, NKV, I, V, P, MB, parts, Kmax;
+  float eps, scale;
+  RopeInvFreq inv_freq;
+  int skew_ns;    // tests: block i starts operation o after ((7 i + 13 o) % 11) * skew_ns ns (0: never)
+  int skip_wait;  // tests: the operation whose wait is left out (-1: none)
+  uint64_t* trace;  // tests: [grid, n_ops, 4] clock at each operation's start, after its wait (and input),
+                    // at its end, and (gemv) when warp 0 finished its rows
+};
+
+// Rows of W that row r of group g of op uses (-1: past the end, not loaded, result not written).
+__device__ __forceinline__ int64_t persist_weight_row(const PersistOp& op, int g, int r) {
+  if (op.kind == PERSIST_GATE_UP) {
+    const int half = PERSIST_ROWS / 2, pair = g * half + (r & (half - 1));
+    if (pair >= op.N) return -1;
+    return r < half ? pair : (int64_t)op.N + pair;
+  }
+  const int n = g * PERSIST_ROWS + r;
+  return n < op.N ? n : -1;
+}
+__device__ __forceinline__ bool persist_is_gemv(int kind) { return kind != PERSIST_EMBED && kind != PERSIST_ATTN; }
+__device__ __forceinline__ int persist_k_chunks(const PersistOp& op) {
+  return (op.K + PERSIST_KC - 1) / PERSIST_KC;
+}
+
+// The weight ring's producer side: the position of the next chunk to load (operation, group, column chunk)
+// in this thread block's order, which is the order the block consumes them in.
+struct PersistCursor {
+  int o, g, kc;
+};
+// Moves c to this block's first chunk at or after it; false when there is none. ops: the list's copy in
+// shared memory (read at every chunk).
+__device__ __forceinline__ bool persist_seek(const PersistArgs& a, const PersistOp* ops, PersistCursor& c) {
+  for (; c.o < a.n_ops; c.o++, c.g = blockIdx.x, c.kc = 0) {
+    const PersistOp& op = ops[c.o];
+    if (!persist_is_gemv(op.kind)) continue;
+    if (c.kc >= persist_k_chunks(op)) c.kc = 0, c.g += gridDim.x;
+    if (c.g < op.groups) return true;
+  }
+  return false;
+}
+// Each warp streams its own share of every chunk: warp w computes columns [64 w, 64 w + 64) of the chunk's
+// 16 rows, and it alone copies those (cp.async, four 16-byte pieces per lane) into its own 2 KiB strip of the
+// slot, [16 rows][64 columns] with each row's eight 16-byte pieces rotated by the row (piece c of row r at
+// c ^ (r % 8)), so that the tensor cores' ldmatrix reads eight rows without a bank conflict. A warp waits
+// only for its own copies (cp.async.wait_group) and reuses its strip as soon as it is done with it: the
+// weight stream needs no barrier across the thread block. Pieces past the end of W (the last group's rows,
+// the last chunk's columns) are filled with zeros, which add nothing.
+__device__ __forceinline__ int persist_strip_index(int r, int c) {
+  return r * PERSIST_WARP_K + ((c ^ (r & 7)) << 3);
+}
+__device__ __forceinline__ void persist_issue(const PersistArgs& a, const PersistOp* ops, PersistCursor& c,
+                                              bf16* slot) {
+  if (persist_seek(a, ops, c)) {
+    const PersistOp& op = ops[c.o];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int k0 = c.kc * PERSIST_KC + warp * PERSIST_WARP_K;
+    bf16* strip = slot + warp * PERSIST_ROWS * PERSIST_WARP_K;
+#pragma unroll
+    for (int i = 0; i < PERSIST_ROWS * PERSIST_WARP_K / 8 / 32; i++) {
+      const int p = lane + 32 * i, r = p >> 3, piece = p & 7, col = k0 + piece * 8;
+      const int64_t row = persist_weight_row(op, c.g, r);
+      const bool valid = row >= 0 && col < op.K;
+      cp_async_16(strip + persist_strip_index(r, piece), valid ? op.W + row * op.K + col : op.W, valid);
+    }
+    c.kc++;
+  }
+  cp_async_commit();
+}
+
+__device__ __forceinline__ int persist_load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t persist_clock_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+// The one thread of a block that waits and signals for it.
+constexpr int PERSIST_SYNC_THREAD = PERSIST_THREADS - 1;
+__device__ __forceinline__ void red_release_add(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int atom_acq_rel_add(int* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+// One thread waits until done[op] >= target (acquire); the barrier then releases the whole block.
+__device__ __forceinline__ void persist_wait(const PersistArgs& a, int op, int target) {
+  if (threadIdx.x == PERSIST_SYNC_THREAD) {
+    const uint64_t t0 = persist_clock_ns();
+    for (int spins = 1; persist_load_acquire(a.done + op) < target; spins++)
+      if (spins % 4096 == 0 && persist_clock_ns() - t0 > 5000000000ull) {
+        printf("nanovllm: persistent decode: thread block %d waited 5 s for operation %d (%d of %d done): "
+               "are all %d thread blocks resident?\n", blockIdx.x, op, a.done[op], target, gridDim.x);
+        __trap();
+      }
+  }
+  __syncthreads();
+}
+// After a block's writes for operation op: every thread's writes are done (barrier), then one thread counts
+// them with a release add, which makes them visible at GPU scope before the count (the other half of
+// persist_wait's acquire).
+__device__ __forceinline__ void persist_signal(const PersistArgs& a, int op) {
+  __syncthreads();
+  if (threadIdx.x == PERSIST_SYNC_THREAD) red_release_add(a.done + op, 1);
+}
+// Tests only: the clock at point k (0 start, 1 after the wait, 2 end) of operation o in this block.
+__device__ __forceinline__ void persist_trace(const PersistArgs& a, int o, int k) {
+  if (a.trace && threadIdx.x == 0) a.trace[((size_t)blockIdx.x * a.n_ops + o) * 4 + k] = persist_clock_ns();
+}
+// Tests only: hold this block back before operation o, by an amount that differs between blocks.
+__device__ __forceinline__ void persist_skew(const PersistArgs& a, int o) {
+  if (!a.skew_ns) return;
+  const uint64_t until = persist_clock_ns() + (uint64_t)((7 * blockIdx.x + 13 * o) % 11) * a.skew_ns;
+  while (persist_clock_ns() < until) __nanosleep(500);
+}
+
+// Copies n bf16 values written by other blocks (through L2) into shared memory.
+__device__ __forceinline__ void persist_copy_in(bf16* dst, const bf16* src, int n) {
+  for (int c = threadIdx.x; c < n / 8; c += PERSIST_THREADS)
+    reinterpret_cast<uint4*>(dst)[c] = __ldcg(reinterpret_cast<const uint4*>(src) + c);
+}
+
+// The input of a gemv for all B sequences into xs [B, K + 8] (rows 16 bytes longer than K, so the eight
+// sequences' reads fall in different banks): a copy of attn or act, or rmsnorm of the residual stream with
+// section 7's rmsnorm_row (so the rounding is the same as everywhere else). O and DOWN also copy the residual
+// stream into res [B, H], for their epilogue.
+template <int B>
+__device__ __forceinline__ void persist_stage_input(const PersistArgs& a, const PersistOp& op, bf16* xs, bf16* res,
+                                                    float* scratch) {
+  const bf16* src = op.kind == PERSIST_O ? a.attn : op.kind == PERSIST_DOWN ? a.act : a.residual;
+  const int ks = op.K + 8;
+  for (int c = threadIdx.x; c < B * op.K / 8; c += PERSIST_THREADS) {
+    const int b = c / (op.K / 8), j = c % (op.K / 8);
+    reinterpret_cast<uint4*>(xs + b * ks)[j] = __ldcg(reinterpret_cast<const uint4*>(src + (size_t)b * op.K) + j);
+  }
+  if (op.kind == PERSIST_O || op.kind == PERSIST_DOWN) persist_copy_in(res, a.residual, B * op.N);
+  __syncthreads();
+  if (op.norm_w) {
+    for (int b = 0; b < B; b++) {
+      rmsnorm_row<false>(xs + b * ks, nullptr, xs + b * ks, op.norm_w, op.K, a.eps, scratch);
+      __syncthreads();
+    }
+  }
+}
+
+// acc += this warp's strip of chunk kc (16 rows x 64 columns of W) times the same 64 columns of the B inputs:
+// four tensor-core products m16n8k16, the inputs as the 8 columns of the right-hand matrix (column n =
+// sequence n; those past B are zeros). acc is the m16n8 accumulator fragment: lane l holds rows l/4 and
+// l/4 + 8, columns 2 (l % 4) and 2 (l % 4) + 1.
+template <int B>
+__device__ __forceinline__ void persist_gemv_chunk(const PersistOp& op, int kc, const bf16* slot, const bf16* xs,
+                                                   float (&acc)[4]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, ks = op.K + 8;
+  const int k0 = kc * PERSIST_KC + warp * PERSIST_WARP_K, n = lane >> 2;
+  const bf16* strip = slot + warp * PERSIST_ROWS * PERSIST_WARP_K;
+#pragma unroll
+  for (int t = 0; t < PERSIST_WARP_K / 16; t++) {
+    const int k = k0 + 16 * t;
+    if (k >= op.K) break;
+    uint32_t w[4];  // A: rows 0-7 / 8-15 x columns 0-7, then the same x columns 8-15 (ldmatrix's four 8x8)
+    const int r = (lane & 7) + ((lane >> 3) & 1) * 8;
+    ldmatrix_x4(w, strip + persist_strip_index(r, 2 * t + (lane >> 4)));
+    const int kk = k + 2 * (lane & 3);  // B: x[n][kk, kk+1] and x[n][kk+8, kk+9]
+    uint32_t x0 = 0, x1 = 0;
+    if (n < B) {
+      if (kk < op.K) x0 = *reinterpret_cast<const uint32_t*>(xs + n * ks + kk);
+      if (kk + 8 < op.K) x1 = *reinterpret_cast<const uint32_t*>(xs + n * ks + kk + 8);
+    }
+    mma_bf16_16816(acc, w, x0, x1);
+  }
+}
+
+// The end of a group: every warp's 16 x 8 partial sums (its 64-column share of each chunk) go to red, one of
+// two buffers (by the group's parity, so the next group can fill the other before this one is read); after
+// a barrier, thread t < 16 B adds row t / B, sequence t % B over the 16 warps in order and writes the output
+// the way op writes it (GATE_UP: thread t < 8 B, gate row r and its up row r + 8).
+template <int B>
+__device__ __forceinline__ void persist_gemv_epilogue(const PersistArgs& a, const PersistOp& op, int g, int parity,
+                                                      float (&acc)[4], float* red, const bf16* res) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* mine = red + (parity * PERSIST_WARPS + warp) * PERSIST_ROWS * 8;  // [16 rows][8 columns]
+  const int row = lane >> 2, col = 2 * (lane & 3);
+  mine[row * 8 + col] = acc[0], mine[row * 8 + col + 1] = acc[1];
+  mine[(row + 8) * 8 + col] = acc[2], mine[(row + 8) * 8 + col + 1] = acc[3];
+  acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+  __syncthreads();
+  const float* all = red + parity * PERSIST_WARPS * PERSIST_ROWS * 8;
+  auto row_sum = [&](int r, int b) {
+    float sum = 0.f;
+    for (int w = 0; w < PERSIST_WARPS; w++) sum += all[(w * PERSIST_ROWS + r) * 8 + b];
+    return sum;
+  };
+  const int t = threadIdx.x;
+  if (op.kind == PERSIST_GATE_UP) {
+    if (t < PERSIST_ROWS / 2 * B) {
+      const int r = t / B, b = t % B, j = g * (PERSIST_ROWS / 2) + r;
+      if (j < op.N) {
+        const float gate = round_bf16(row_sum(r, b)), up = round_bf16(row_sum(r + PERSIST_ROWS / 2, b));
+        a.act[(size_t)b * op.N + j] = __float2bfloat16(gate / (1.f + expf(-gate)) * up);
+      }
+    }
+  } else if (t < PERSIST_ROWS * B) {
+    const int r = t / B, b = t % B, n = g * PERSIST_ROWS + r;
+    if (n < op.N) {
+      const float y = row_sum(r, b);
+      if (op.kind == PERSIST_QKV) a.qkv[(size_t)b * op.N + n] = __float2bfloat16(y);
+      else if (op.kind == PERSIST_LM_HEAD) a.logits[(size_t)b * op.N + n] = y;
+      else {  // O, DOWN: the residual add, rounded as add_rmsnorm rounds it
+        const float r0 = __bfloat162float(res[b * op.N + n]);  // staged with the input
+        a.residual[(size_t)b * op.N + n] = __float2bfloat16(round_bf16(y) + r0);
+      }
+    }
+  }
+}
+
+// Attention for one (sequence b, KV head g, partition p) of layer op.layer: q/k-norm and RoPE of the group's
+// heads (each partition does it for itself, from qkv), the partition's share of the context with an online
+// softmax, its partial result to a.partials; the last partition to finish merges them all into attn and
+// counts the (b, g) pair done. Warps split as (query head of the group, every wph-th token of the partition);
+// lane l holds dimensions [4l, 4l + 4). smem: see persist_smem_bytes.
+__device__ __forceinline__ void persist_attention(const PersistArgs& a, const PersistOp* ops, const PersistOp& op,
+                                                  int o, int task, float* smem) {
+  const int D = HEAD_DIM, GQA = a.NH / a.NKV, wph = PERSIST_WARPS / GQA;
+  const int p = task % a.parts, g = (task / a.parts) % a.NKV, b = task / (a.parts * a.NKV);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, h = warp / wph;
+  const int ctx = a.context_lens[b], len = (ctx + a.parts - 1) / a.parts;
+  const int t0 = min(ctx, p * len), t1 = min(ctx, t0 + len);
+  float* cos_s = smem;                // [64]
+  float* sin_s = cos_s + D / 2;       // [64]
+  float* q_s = sin_s + D / 2;         // [GQA, D] normed, rotated queries (bf16 values)
+  float* kv_new = q_s + GQA * D;      // [2, D] this step's key (normed, rotated) and value
+  float* wpart = kv_new + 2 * D;      // [WARPS, D + 2] each warp's o, m, l
+  int* flag = reinterpret_cast<int*>(wpart + PERSIST_WARPS * (D + 2));
+  const bf16* k_cache = a.kv + op.layer * a.layer_stride;
+  const bf16* v_cache = k_cache + a.kv_stride;
+  const int* bt = a.block_tables + (size_t)b * a.MB;
+  auto cache_row = [&](int t) { return ((int64_t)bt[t / a.P] * a.NKV + g) * a.P + t % a.P; };
+  // Before the wait: this warp's first tokens' keys and values (written by earlier steps), and RoPE's angles.
+  const bool live = h < GQA;
+  const int first = t0 + warp % wph;  // this warp's tokens: first, first + wph, ...
+  uint2 kr[PERSIST_PREFETCH], vr[PERSIST_PREFETCH];
+  auto load_batch = [&](int from) {  // PERSIST_PREFETCH of them, every load issued before any is used
+#pragma unroll
+    for (int i = 0; i < PERSIST_PREFETCH; i++) {
+      const int t = from + i * wph;
+      if (live && t < t1) {
+        const int64_t at = cache_row(t) * D + lane * 4;
+        kr[i] = *reinterpret_cast<const uint2*>(k_cache + at);
+        vr[i] = *reinterpret_cast<const uint2*>(v_cache + at);
+      }
+    }
+  };
+  load_batch(first);
+  rope_angles(cos_s, sin_s, a.positions[b], a.inv_freq);
+  __syncthreads();
+  if (o != a.skip_wait) persist_wait(a, o - 1, ops[o - 1].tasks);
+  persist_trace(a, o, 1);
+  // q/k-norm and RoPE: 8 threads per head (section 7's pieces), heads 0..GQA-1 = queries, GQA = the key.
+  const bf16* row = a.qkv + (size_t)b * (a.NH + 2 * a.NKV) * D;
+  const int hh = threadIdx.x / ROPE_THREADS_PER_HEAD, j = threadIdx.x % ROPE_THREADS_PER_HEAD;
+  if (warp < (GQA + 1 + 3) / 4) {  // 4 heads per warp: every lane of these warps takes part in the shuffles
+    const bool mine = hh <= GQA;
+    const bf16* src = row + (size_t)(hh < GQA ? g * GQA + hh : a.NH + g) * D;
+    uint4 ua = {}, ub = {};
+    const uint4* head = reinterpret_cast<const uint4*>(src);
+    if (mine) ua = __ldcg(head + j), ub = __ldcg(head + j + 8);
+    const float ss = head_sum_squares(ua, ub);
+    if (mine) {
+      head_norm_rope(ua, ub, ss, hh < GQA ? op.norm_w : op.k_norm, cos_s, sin_s, j, a.eps);
+      float* dst = hh < GQA ? q_s + hh * D : kv_new;
+      bf16x8_to_float(ua, dst + 8 * j);
+      bf16x8_to_float(ub, dst + D / 2 + 8 * j);
+      const int slot = a.slots[b];
+      if (hh == GQA && slot >= 0 && t0 <= ctx - 1 && ctx - 1 < t1) {  // the partition that owns the new token
+        bf16* dst_k = const_cast<bf16*>(k_cache) + (((int64_t)(slot / a.P) * a.NKV + g) * a.P + slot % a.P) * D;
+        reinterpret_cast<uint4*>(dst_k)[j] = ua;
+        reinterpret_cast<uint4*>(dst_k)[j + 8] = ub;
+      }
+    }
+  }
+  if (threadIdx.x < D / 8) {
+    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(row + (size_t)(a.NH + a.NKV + g) * D) + threadIdx.x);
+    bf16x8_to_float(v, kv_new + D + 8 * threadIdx.x);
+    const int slot = a.slots[b];
+    if (slot >= 0 && t0 <= ctx - 1 && ctx - 1 < t1) {
+      bf16* dst_v = const_cast<bf16*>(v_cache) + (((int64_t)(slot / a.P) * a.NKV + g) * a.P + slot % a.P) * D;
+      reinterpret_cast<uint4*>(dst_v)[threadIdx.x] = v;
+    }
+  }
+  __syncthreads();
+  // The partition's tokens, this warp's share, online softmax in base 2 (section 8's arithmetic).
+  const float scale_log2 = a.scale * 1.4426950408889634f;
+  float m = -INFINITY, l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f}, q[4];
+  if (live) {
+    for (int i = 0; i < 4; i++) q[i] = q_s[h * D + lane * 4 + i];
+    auto step = [&](int t, uint2 kw, uint2 vw) {
+      float k[4], v[4];
+      if (t == ctx - 1) {
+        for (int i = 0; i < 4; i++) k[i] = kv_new[lane * 4 + i], v[i] = kv_new[D + lane * 4 + i];
+      } else {
+        const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(&kw);
+        const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&vw);
+        float2 f;
+        f = __bfloat1622float2(k2[0]), k[0] = f.x, k[1] = f.y;
+        f = __bfloat1622float2(k2[1]), k[2] = f.x, k[3] = f.y;
+        f = __bfloat1622float2(v2[0]), v[0] = f.x, v[1] = f.y;
+        f = __bfloat1622float2(v2[1]), v[2] = f.x, v[3] = f.y;
+      }
+      float s = q[0] * k[0] + q[1] * k[1] + q[2] * k[2] + q[3] * k[3];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+      s *= scale_log2;
+      const float m_new = fmaxf(m, s), alpha = fast_exp2(m - m_new), pr = fast_exp2(s - m_new);
+      l = l * alpha + pr;
+#pragma unroll
+      for (int i = 0; i < 4; i++) acc[i] = acc[i] * alpha + pr * v[i];
+      m = m_new;
+    };
+    for (int from = first; from < t1; from += PERSIST_PREFETCH * wph) {
+      if (from != first) load_batch(from);
+#pragma unroll
+      for (int i = 0; i < PERSIST_PREFETCH; i++)
+        if (from + i * wph < t1) step(from + i * wph, kr[i], vr[i]);
+    }
+    float* wp = wpart + warp * (D + 2);
+    for (int i = 0; i < 4; i++) wp[lane * 4 + i] = acc[i];
+    if (lane == 0) wp[D] = m, wp[D + 1] = l;
+  }
+  __syncthreads();
+  // The warps of each head combined (in warp order) into this partition's partial result.
+  float* part = a.partials + ((((size_t)b * a.NKV + g) * a.parts + p) * GQA) * (D + 2);
+  for (int e = threadIdx.x; e < GQA * D; e += PERSIST_THREADS) {
+    const int hq = e / D, d = e % D;
+    float mm = -INFINITY;
+    for (int w = hq * wph; w < (hq + 1) * wph; w++) mm = fmaxf(mm, wpart[w * (D + 2) + D]);
+    float ll = 0.f, oo = 0.f;
+    if (mm != -INFINITY)
+      for (int w = hq * wph; w < (hq + 1) * wph; w++) {
+        const float* wp = wpart + w * (D + 2);
+        if (wp[D] == -INFINITY) continue;
+        const float f = fast_exp2(wp[D] - mm);
+        ll += wp[D + 1] * f;
+        oo += wp[d] * f;
+      }
+    part[hq * (D + 2) + d] = oo;
+    if (d == 0) part[hq * (D + 2) + D] = mm, part[hq * (D + 2) + D + 1] = ll;
+  }
+  // The last partition of (b, g) to get here merges them all.
+  __syncthreads();
+  if (threadIdx.x == PERSIST_SYNC_THREAD)  // release: our partial is out; acquire: so are the others'
+    *flag = atom_acq_rel_add(a.tickets + ((size_t)op.layer * a.B + b) * a.NKV + g, 1) == a.parts - 1;
+  __syncthreads();
+  if (!*flag) return;
+  const float* all = a.partials + (((size_t)b * a.NKV + g) * a.parts) * GQA * (D + 2);
+  float* ml = wpart;  // [parts, GQA, 2] every partition's max and sum, loaded at once
+  for (int i = threadIdx.x; i < a.parts * GQA; i += PERSIST_THREADS) {
+    ml[2 * i] = __ldcg(all + (size_t)i * (D + 2) + D);
+    ml[2 * i + 1] = __ldcg(all + (size_t)i * (D + 2) + D + 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < GQA * D; e += PERSIST_THREADS) {
+    const int hq = e / D, d = e % D;
+    float mm = -INFINITY;
+    for (int q2 = 0; q2 < a.parts; q2++) mm = fmaxf(mm, ml[2 * (q2 * GQA + hq)]);
+    float ll = 0.f, oo = 0.f;
+    for (int q0 = 0; q0 < a.parts; q0 += 8) {  // 8 loads in flight at a time, added in partition order
+      float ov[8];
+#pragma unroll
+      for (int j = 0; j < 8; j++)
+        ov[j] = q0 + j < a.parts ? __ldcg(all + ((size_t)(q0 + j) * GQA + hq) * (D + 2) + d) : 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; j++) {
+        if (q0 + j >= a.parts) break;
+        const float pm = ml[2 * ((q0 + j) * GQA + hq)];
+        if (pm == -INFINITY) continue;
+        const float f = fast_exp2(pm - mm);
+        ll += ml[2 * ((q0 + j) * GQA + hq) + 1] * f;
+        oo += ov[j] * f;
+      }
+    }
+    a.attn[(size_t)b * a.NH * D + (g * GQA + hq) * D + d] = __float2bfloat16(oo / ll);
+  }
+  persist_signal(a, o);
+}
+
+template <int B>
+__global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(PersistArgs a) {
+  extern __shared__ __align__(16) unsigned char persist_smem[];
+  bf16* ring = reinterpret_cast<bf16*>(persist_smem);                      // [RING, SLOT_ELEMS]
+  float* red = reinterpret_cast<float*>(ring + PERSIST_RING * PERSIST_SLOT_ELEMS);  // [2, WARPS, 16, 8]
+  float* scratch = red + 2 * PERSIST_WARPS * PERSIST_ROWS * 8;             // [32]
+  PersistOp* ops = reinterpret_cast<PersistOp*>(scratch + 32);  // the operation list, read at every chunk
+  float* work = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(ops) + persist_ops_bytes(a.n_ops));
+  bf16* xs = reinterpret_cast<bf16*>(work);  // a gemv's input [B, Kmax], or attention's buffers
+  bf16* res = xs + B * (a.Kmax + 8);           // O, DOWN: the residual stream [B, H]
+  for (int i = threadIdx.x; i < a.n_ops * (int)sizeof(PersistOp) / 4; i += PERSIST_THREADS)
+    reinterpret_cast<int*>(ops)[i] = reinterpret_cast<const int*>(a.ops)[i];
+  __syncthreads();
+  // Fill the ring: chunks 0 .. RING-2 of this block's order (each warp its own strips).
+  PersistCursor load{0, (int)blockIdx.x, 0};
+  for (int s = 0; s < PERSIST_RING - 1; s++) persist_issue(a, ops, load, ring + s * PERSIST_SLOT_ELEMS);
+  int consumed = 0;
+  for (int o = 0; o < a.n_ops; o++) {
+    const PersistOp& op = ops[o];  // in shared memory
+    persist_skew(a, o);
+    persist_trace(a, o, 0);
+    if (op.kind == PERSIST_EMBED) {
+      if (blockIdx.x == 0) {
+        for (int c = threadIdx.x; c < B * a.H / 8; c += PERSIST_THREADS) {
+          const int b = c / (a.H / 8), i = c % (a.H / 8), id = a.ids[b];
+          const bool ok = id >= 0 && id < a.V;
+          reinterpret_cast<uint4*>(a.residual)[c] =
+              ok ? reinterpret_cast<const uint4*>(a.embed + (size_t)id * a.H)[i] : make_uint4(0, 0, 0, 0);
+        }
+        persist_signal(a, o);
+      }
+      continue;
+    }
+    if (op.kind == PERSIST_ATTN) {
+      for (int task = blockIdx.x; task < B * a.NKV * a.parts; task += gridDim.x)
+        persist_attention(a, ops, op, o, task, work);
+      persist_trace(a, o, 2);
+      continue;
+    }
+    if ((int)blockIdx.x >= op.groups) continue;  // no rows of this operation here: nothing to wait for
+    if (o != a.skip_wait) persist_wait(a, o - 1, ops[o - 1].tasks);
+    persist_stage_input<B>(a, op, xs, res, scratch);
+    persist_trace(a, o, 1);
+    const int kchunks = persist_k_chunks(op);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    int parity = 0;
+    for (int g = blockIdx.x; g < op.groups; g += gridDim.x, parity ^= 1) {
+      for (int kc = 0; kc < kchunks; kc++) {
+        // This warp's strip of chunk `consumed` has landed (its group is at most RING-2 behind the newest);
+        // the strip of the chunk before, which this warp has finished with, takes the chunk RING-1 ahead.
+        cp_async_wait<PERSIST_RING - 2>();
+        __syncwarp();
+        persist_issue(a, ops, load, ring + (consumed + PERSIST_RING - 1) % PERSIST_RING * PERSIST_SLOT_ELEMS);
+        persist_gemv_chunk<B>(op, kc, ring + consumed % PERSIST_RING * PERSIST_SLOT_ELEMS, xs, acc);
+        consumed++;
+      }
+      persist_gemv_epilogue<B>(a, op, g, parity, acc, red, res);
+    }
+    if (a.trace && threadIdx.x == 0) a.trace[((size_t)blockIdx.x * a.n_ops + o) * 4 + 3] = persist_clock_ns();
+    persist_signal(a, o);
+    persist_trace(a, o, 2);
+  }
+  cp_async_wait<0>();
+}
+
+// ---- The plan: built once per batch size at start-up ---------------------------------------------------
+// The operation list, the split of every operation over the thread blocks, and the buffers the kernel
+// synchronises through. A decode step then costs one memset (the counters) and one launch, both captured
+// in the step's CUDA graph; the host does nothing per step beyond Part I's input upload.
+struct PersistPlan {
+  int B = 0, grid = 0, parts = 0;
+  size_t smem = 0;
+  std::vector<PersistOp> ops;
+  PersistOp* ops_d = nullptr;
+  int* sync_d = nullptr;  // done [ops], then tickets [L, B, NKV]: one memset clears both
+  size_t sync_bytes = 0;
+  float* partials_d = nullptr;
+};
+
+struct PersistentDecode {
+  std::map<int, PersistPlan> plans;  // by batch size
+  std::string off_reason;            // why there are none (for the start-up line)
+  // The plan a decode step of B sequences runs, or null: section 20's path.
+  const PersistPlan* plan_for(int B) const {
+    auto it = plans.find(B);
+    return g_opt.persistent && it != plans.end() ? &it->second : nullptr;
+  }
+};
+
+// Shared memory: the ring, the epilogue's per-warp sums (two buffers), a reduction scratch, the operation
+// list, then the larger of a gemv's staged input [B, Kmax + 8] and residual [B, H], and attention's buffers
+// (angles, queries, the new key and value, per-warp partials).
+static size_t persist_smem_bytes(int B, int Kmax, int H, int gqa, int n_ops) {
+  const size_t attn = (size_t)(HEAD_DIM + gqa * HEAD_DIM + 2 * HEAD_DIM + PERSIST_WARPS * (HEAD_DIM + 2)) * 4 + 16;
+  return (size_t)PERSIST_RING * PERSIST_SLOT_ELEMS * sizeof(bf16) + 2 * PERSIST_WARPS * PERSIST_ROWS * 8 * 4 +
+         32 * 4 + persist_ops_bytes(n_ops) + std::max((size_t)B * (Kmax + 8 + H) * sizeof(bf16), attn);
+}
+
+template <int B>
+static void persist_kernel_launch(const PersistPlan& plan, const PersistArgs& a, cudaStream_t s) {
+  persistent_decode_kernel<B><<<plan.grid, PERSIST_THREADS, plan.smem, s>>>(a);
+}
+template <int B>
+static bool persist_kernel_fits(size_t smem) {
+  if (cudaFuncSetAttribute(persistent_decode_kernel<B>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
+      cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  int blocks = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, persistent_decode_kernel<B>, PERSIST_THREADS,
+                                                           smem));
+  return blocks >= 1;
+}
+static bool persist_fits(int B, size_t smem) {
+  switch (B) {
+    case 1: return persist_kernel_fits<1>(smem);
+    case 2: return persist_kernel_fits<2>(smem);
+    case 4: return persist_kernel_fits<4>(smem);
+  }
+  return false;
+}
+
+// The plans for the decode graphs' batch sizes up to PERSIST_MAX_B (and max_num_seqs), or a reason for none.
+static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs) {
+  PersistentDecode pd;
+  const ModelConfig& c = model.cfg;
+  const int H = c.hidden_size, I = c.intermediate_size, D = c.head_dim, L = c.num_hidden_layers;
+  const int NH = c.num_attention_heads, NKV = c.num_key_value_heads, V = c.vocab_size;
+  if (model.tp > 1) return pd.off_reason = "tensor parallelism keeps section 20's path", pd;
+  if (model.kv.dtype != KVCacheDtype::BF16) return pd.off_reason = "the fp8 cache keeps section 20's path", pd;
+  int dev = 0, cc = 0, sms = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&cc, cudaDevAttrComputeCapabilityMajor, dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  if (cc < 8) return pd.off_reason = "needs sm_80 (cp.async)", pd;
+  const int gqa = NH / NKV;
+  if (NH % NKV || gqa > PERSIST_WARPS) return pd.off_reason = "needs at most 16 query heads per KV head", pd;
+  if (H > PERSIST_THREADS * NORM_MAX_CHUNKS * 8) return pd.off_reason = "hidden size above its RMSNorm's", pd;
+  const int Kmax = std::max({H, NH * D, I});
+  for (int B = 1; B <= std::min(PERSIST_MAX_B, max_num_seqs); B *= 2) {
+    PersistPlan p;
+    p.B = B, p.grid = sms, p.smem = persist_smem_bytes(B, Kmax, H, gqa, 2 + 5 * L);
+    if (!persist_fits(B, p.smem)) continue;
+    p.parts = std::max(1, std::min(64, sms / (B * NKV)));
+    auto gemv_op = [&](int kind, int layer, const bf16* W, const bf16* norm_w, int N, int K) {
+      PersistOp op = {kind, layer, W, norm_w, nullptr, N, K, 0, 0};
+      const bool pairs = kind == PERSIST_GATE_UP;
+      op.groups = (int)cdiv(N, pairs ? PERSIST_ROWS / 2 : PERSIST_ROWS);
+      op.tasks = std::min(op.groups, sms);
+      p.ops.push_back(op);
+    };
+    p.ops.push_back({PERSIST_EMBED, 0, nullptr, nullptr, nullptr, 0, 0, 0, 1});
+    for (int l = 0; l < L; l++) {
+      const LayerWeights& lw = model.w.layers[l];
+      gemv_op(PERSIST_QKV, l, lw.qkv_proj, lw.input_layernorm, (NH + 2 * NKV) * D, H);
+      p.ops.push_back({PERSIST_ATTN, l, nullptr, lw.q_norm, lw.k_norm, 0, 0, 0, B * NKV});
+      gemv_op(PERSIST_O, l, lw.o_proj, nullptr, H, NH * D);
+      gemv_op(PERSIST_GATE_UP, l, lw.gate_up_proj, lw.post_attention_layernorm, I, H);
+      gemv_op(PERSIST_DOWN, l, lw.down_proj, nullptr, H, I);
+    }
+    gemv_op(PERSIST_LM_HEAD, L, model.w.lm_head, model.w.norm, V, H);
+    CUDA_CHECK(cudaMalloc(&p.ops_d, p.ops.size() * sizeof(PersistOp)));
+    CUDA_CHECK(cudaMemcpy(p.ops_d, p.ops.data(), p.ops.size() * sizeof(PersistOp), cudaMemcpyHostToDevice));
+    p.sync_bytes = (p.ops.size() + (size_t)L * B * NKV) * sizeof(int);
+    CUDA_CHECK(cudaMalloc(&p.sync_d, p.sync_bytes));
+    CUDA_CHECK(cudaMalloc(&p.partials_d, (size_t)B * NKV * p.parts * gqa * (D + 2) * sizeof(float)));
+    pd.plans[B] = std::move(p);
+  }
+  if (pd.plans.empty()) pd.off_reason = "its shared memory does not fit on this GPU";
+  return pd;
+}
+
+// One decode step of plan.B sequences: logits in model.act.logits, this step's keys and values in the cache,
+// as forward_fast leaves them. skew_ns, skip_wait: tests only (PersistArgs).
+static void persistent_decode(Qwen3& model, const PersistPlan& plan, const StepInputs& in, cudaStream_t s,
+                              int skew_ns, int skip_wait, uint64_t* trace) {
+  const ModelConfig& c = model.cfg;
+  CUDA_CHECK(cudaMemsetAsync(plan.sync_d, 0, plan.sync_bytes, s));
+  PersistArgs a = {};
+  a.ops = plan.ops_d, a.n_ops = (int)plan.ops.size();
+  a.done = plan.sync_d, a.tickets = plan.sync_d + plan.ops.size(), a.partials = plan.partials_d;
+  a.residual = model.act.residual, a.qkv = model.act.qkv, a.attn = model.act.attn, a.act = model.act.act;
+  a.logits = model.act.logits, a.embed = model.w.embed_tokens;
+  a.ids = in.input_ids, a.positions = in.positions, a.slots = in.slot_mapping, a.context_lens = in.seqlens_k;
+  a.block_tables = in.block_tables;
+  a.kv = reinterpret_cast<bf16*>(model.kv.base), a.layer_stride = model.kv.layer_stride;
+  a.kv_stride = model.kv.kv_stride;
+  a.B = plan.B, a.H = c.hidden_size, a.NH = c.num_attention_heads, a.NKV = c.num_key_value_heads;
+  a.I = c.intermediate_size, a.V = c.vocab_size, a.P = model.P, a.MB = model.MB, a.parts = plan.parts;
+  a.Kmax = std::max({c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size});
+  a.eps = c.rms_norm_eps, a.scale = 1.0f / sqrtf((float)c.head_dim), a.inv_freq = rope_inv_freq(c.rope_theta);
+  a.skew_ns = skew_ns, a.skip_wait = skip_wait, a.trace = trace;
+  switch (plan.B) {
+    case 1: persist_kernel_launch<1>(plan, a, s); break;
+    case 2: persist_kernel_launch<2>(plan, a, s); break;
+    case 4: persist_kernel_launch<4>(plan, a, s); break;
+    default: die("internal error: no persistent decode kernel for batch %d", plan.B);
+  }
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// For the start-up line: which decode path runs at which batch sizes.
+static PersistentDecode* persist_setup_new(Qwen3& model, int max_num_seqs) {
+  return new PersistentDecode(persist_setup(model, max_num_seqs));  // lives as long as the engine's weights
+}
+static const PersistPlan* persist_plan_for(const PersistentDecode* pd, int B) { return pd->plan_for(B); }
+
+static std::string persist_describe(const PersistentDecode& pd) {
+  if (!g_opt.persistent) return "section 20's kernels (persistent off)";
+  if (pd.plans.empty()) return "section 20's kernels (persistent: " + pd.off_reason + ")";
+  std::string sizes;
+  for (const auto& [B, p] : pd.plans) sizes += (sizes.empty() ? "" : ", ") + std::to_string(B);
+  const PersistPlan& p = pd.plans.begin()->second;
+  return "one persistent kernel at batch " + sizes + " (" + std::to_string(p.grid) + " thread blocks, " +
+         std::to_string(PERSIST_RING * PERSIST_SLOT_ELEMS * 2 / 1024) + " KiB weight ring each), section 20's "
+         "kernels at other batch sizes";
+}
+
+// ==== 23. Prompts in, completions out ======================================================================
 //
 // PROMPTS is either a text file, one prompt per line (the chat template is applied unless --raw), or a
 // .jsonl file whose lines are objects with one of
@@ -6455,7 +7190,7 @@ static json batch_output_line(const Request& r, const Completion* outs, int n, c
 }
 
 // The completions: a readable block per completion on stdout, and with --output one JSON object per
-// completion (then the run summary, section 23). An OpenAI batch is answered instead with one output line
+// completion (then the run summary, section 24). An OpenAI batch is answered instead with one output line
 // per input line, in input order, to --output or else to stdout. Returns true for a batch.
 static bool write_completions(const std::vector<Request>& reqs, const std::vector<Completion>& outs,
                               const Tokenizer& tok, FILE* jsonl, const std::string& model_name) {
@@ -6501,7 +7236,7 @@ static bool write_completions(const std::vector<Request>& reqs, const std::vecto
 }
 
 
-// ==== 23. Trace, run summary and the report ================================================================
+// ==== 24. Trace, run summary and the report ================================================================
 //
 // The text and pictures a run shows about itself (section 13 keeps the numbers): one --trace line per step,
 // the summary at the end (with the time to first token, the time per output token, and two fingerprints
@@ -6951,7 +7686,7 @@ static void write_report(const std::string& path, const std::string& title, cons
   fclose(f);
 }
 
-// ==== 24. Signals, worker processes and the mailbox ========================================================
+// ==== 25. Signals, worker processes and the mailbox ========================================================
 //
 // The process plumbing: Ctrl-C and SIGTERM, and the tensor-parallel workers (section 12's ranks 1..N-1):
 // how they are forked, told what to do, and stopped on every path. None of it changes what the engine
@@ -7408,7 +8143,7 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
   }
 }
 
-// ==== 25. simulate: the engine without a GPU ===============================================================
+// ==== 26. simulate: the engine without a GPU ===============================================================
 //
 // `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` runs the real LLMEngine, Scheduler and BlockManager
 // (sections 3-5, 13) with SimRunner below in place of ModelRunner: no GPU, no weights, the same flags,
@@ -7529,7 +8264,7 @@ struct SimRunner : StepRunner {
   }
 };
 
-// ==== 26. Command line and main ============================================================================
+// ==== 27. Command line and main ============================================================================
 
 struct Cli {
   Config config;
@@ -7540,12 +8275,12 @@ struct Cli {
   int64_t seed = 0;
   bool trace = false;
   double request_rate = 0;   // --request-rate: requests/s of a Poisson process (0: all arrive at once)
-  bool simulate = false;     // `nanovllm simulate` (section 25)
+  bool simulate = false;     // `nanovllm simulate` (section 26)
   double sim_gpu_bytes = 0;  // --simulate-gpu-memory
   std::string sim_model = "Qwen3-0.6B";  // --simulate-model: the shape when there is no config.json
   bool sim_model_given = false;
   double sim_eos_prob = 0;   // --simulate-eos-prob
-  json sampling_flags = json::object();  // the sampling flags given, by vLLM's field names (section 22)
+  json sampling_flags = json::object();  // the sampling flags given, by vLLM's field names (section 23)
   bool generation_config = true;         // --generation-config auto (true) or vllm
 };
 
@@ -7570,10 +8305,10 @@ static const char* kUsage =
     "  --num-kvcache-blocks N       KV blocks (default: as many as fit)\n"
     "  --kv-cache-dtype T           auto (= bf16), bf16, or fp8 (e4m3: half the bytes, twice the tokens;\n"
     "                               GPUs of compute capability 8.9 and newer)  (auto)\n"
-    "speed (Part II of nanovllm.cu; every optimization is on by default):\n"
+    "speed (Part II of nanovllm.cu; every optimization but persistent is on by default):\n"
     "  --plain                      Part I alone: no optimization of Part II (same as --opt none)\n"
     "  --opt LIST                   comma-separated: all, none, NAME (on) or -NAME (off), left to right;\n"
-    "                               NAME: pdl gemv cluster_merge fused_rope oneshot_allreduce fast_sampler\n"
+    "                               NAME: pdl gemv cluster_merge fused_rope oneshot_allreduce fast_sampler persistent\n"
     "sampling (defaults for every request, vLLM's names; a .jsonl line may override them):\n"
     "  --generation-config auto|vllm  auto: the model's generation_config.json sets the defaults it names\n"
     "                               (Qwen3: temperature 0.6, top_k 20, top_p 0.95); vllm: the built-in ones (auto)\n"
@@ -7857,7 +8592,7 @@ static std::string fast_path_notes(ModelRunner& runner) {
   return notes.empty() ? "" : " (" + notes.substr(2) + ")";
 }
 
-// The sampling defaults of this run (section 22's sampling_defaults) into cli.prompts.defaults; returns the
+// The sampling defaults of this run (section 23's sampling_defaults) into cli.prompts.defaults; returns the
 // description the start-up line prints.
 static std::string sampling_defaults_for(Cli& cli, const ModelConfig& mc) {
   std::string described;
@@ -7905,7 +8640,7 @@ static int finish_run(const Cli& cli, LLMEngine& engine, const std::vector<Reque
   return g_stop_requested ? 128 + SIGINT : 0;
 }
 
-// `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` (section 25): the same checks and the same engine as
+// `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` (section 26): the same checks and the same engine as
 // a run, with SimRunner in place of the GPU.
 static int simulate_command(Cli& cli) {
   Config& config = cli.config;
@@ -7941,7 +8676,7 @@ static int simulate_command(Cli& cli) {
   const std::string shape = has_config ? src + "/config.json" : cli.sim_model;
   fprintf(stderr,
           "nanovllm: simulate | shape of %s (%.2f B parameters) | KV cache %s, %d blocks x %d tokens = %lld "
-          "tokens | scheduler %s | no GPU: a stand-in model and a modelled clock (section 25)\n",
+          "tokens | scheduler %s | no GPU: a stand-in model and a modelled clock (section 26)\n",
           shape.c_str(), model_params(mc) / 1e9, kv_cache_dtype_name(config.kv_cache_dtype),
           config.num_kvcache_blocks, config.kvcache_block_size,
           (long long)config.num_kvcache_blocks * config.kvcache_block_size,
@@ -7988,7 +8723,7 @@ int main(int argc, char** argv) {
   if (!cli.output_path.empty()) check_output_path(cli.output_path);
   if (!cli.report_path.empty()) check_output_path(cli.report_path, "--report", "report.html");
   // 2. The GPU: weights, KV cache, CUDA graphs. Tensor-parallel workers are forked first: a child process
-  //    cannot use CUDA once its parent has (section 24).
+  //    cannot use CUDA once its parent has (section 25).
   tp_launch(config.tensor_parallel_size);
   check_gpus(config.tensor_parallel_size);
   ModelRunner runner(config, mc);
@@ -8008,6 +8743,7 @@ int main(int argc, char** argv) {
           now_seconds() - t_start);
   fprintf(stderr, "nanovllm: optimizations (Part II): %s%s\n", optimizations_str(config.opt).c_str(),
           fast_path_notes(runner).c_str());
+  fprintf(stderr, "nanovllm: decode: %s\n", persist_describe(*runner.persist).c_str());
   fprintf(stderr, "nanovllm: sampling defaults: %s\n", sampling.c_str());
   // 3. Generate. From here the first Ctrl-C stops after the current step and still writes what finished.
   LLMEngine engine(config, runner);

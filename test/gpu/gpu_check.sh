@@ -4,7 +4,7 @@
 # torch + transformers on the GPU machine).
 #
 #   bash test/gpu/gpu_check.sh [BIN_DIR]      BIN_DIR holds nanovllm, gpu_kernels, gpu_requests, gpu_attention, gpu_gemm, gpu_e2e,
-#                                         gpu_tp
+#                                         gpu_tp, gpu_persistent
 #                                         (default: . for nanovllm and build/ for the rest)
 # Env: TOKENIZER_DIR (a folder with Qwen3's tokenizer.json; default: tools/fetch_tokenizer.sh),
 #      LOG_DIR (default build/logs), WORK_DIR (checkpoints; default build/e2e), SHAPES (tiny 0.6b 8b-short),
@@ -37,6 +37,8 @@ if [ "${KERNELS:-1}" != 0 ]; then
   suite gpu_requests gpu_requests.txt "$TB/gpu_requests"
   suite gpu_attention gpu_attention.txt "$TB/gpu_attention"
   suite gpu_gemm gpu_gemm.txt "$TB/gpu_gemm"
+  suite gpu_persistent gpu_persistent.txt "$TB/gpu_persistent"
+  grep -E 'TIMING' "$LOG_DIR/gpu_persistent.txt"
   [ "$TP" -gt 1 ] && { suite gpu_tp gpu_tp.txt "$TB/gpu_tp"; grep -E '^ ' "$LOG_DIR/gpu_tp.txt"; }
 fi
 python3 test/ref/hf_reference.py "$WORK_DIR" "$TOKENIZER_DIR" $SHAPES 2>&1 | tee "$LOG_DIR/hf_reference.txt" | grep -v Warning

@@ -95,7 +95,7 @@ TEST(kv_cache_dtype_flag_and_block_size) {
     }
 }
 
-// The workers build their engine from Config as JSON (section 24): the cache's dtype and scale rule too.
+// The workers build their engine from Config as JSON (section 25): the cache's dtype and scale rule too.
 TEST(kv_cache_dtype_travels_to_the_workers) {
   for (KVCacheDtype d : {KVCacheDtype::BF16, KVCacheDtype::FP8})
     for (bool from_weights : {false, true}) {

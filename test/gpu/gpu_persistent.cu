@@ -1,0 +1,423 @@
+// gpu_persistent.cu — section 22's persistent decode kernel against section 20's forward pass and Part I's
+// (Qwen3::forward), on random-weight models built in GPU memory (the Qwen3-0.6B shape with all 28 layers,
+// a 4-layer slice of the Qwen3-8B shape, and an odd small shape whose sizes leave partial row groups and
+// partial chunks everywhere, with one KV head and 16-token blocks), at every batch size the kernel has a plan
+// for (1, 2, 4) with contexts from 1 to 3000 tokens over shuffled paged blocks.
+//   * Accuracy. The kernel adds its sums in another order than section 20 (and cuBLASLt), so the results are
+//     not bit-identical: each bf16 rounding may land one ulp apart and the difference travels through the
+//     layers. The yardstick is how far section 15's gemv (another legitimate order, which section 20 uses at
+//     batch 1 and 2) lands from Part I on the same model: the persistent logits' relative L2 distance to Part
+//     I's must be within 1.5x that plus 2e-3, likewise the keys and values the step stores, and the same token
+//     must win wherever Part I's top-2 margin is clear of the logit error. The stored slots are poisoned with
+//     NaN before each run: a run that does not store them, or that reads the step's own key back from the
+//     cache instead of using it directly, is caught.
+//   * Synchronisation. With thread blocks held back by different amounts at every operation (PersistArgs::
+//     skew_ns), the logits and the stored keys and values must be the same bits as without: the kernel's
+//     arithmetic does not depend on timing, so any difference is a read that raced a write. And the control:
+//     leaving out one operation's wait (skip_wait) under the same skew must change the results, so this
+//     check can fail.
+//   * timing_*: one decode step captured in a CUDA graph, persistent vs section 20 (sampler not included), for
+//     the 0.6B and the full 8B shapes; and the breakdown of a step by operation (PersistArgs::trace).
+#define NANOVLLM_TESTING
+#include "../../nanovllm.cu"
+#include "../test.h"
+
+#include "gpu_fixtures.h"
+
+// Uniform values offset + amp * [-1, 1), from a hash of the index: reproducible and fast for GBs.
+__global__ void fill_uniform(bf16* p, size_t n, uint64_t seed, float offset, float amp) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    uint64_t z = (i + seed * 0x632BE59BD9B4E019ull) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    p[i] = __float2bfloat16(offset + amp * ((float)(z >> 40) * (2.0f / 16777216.0f) - 1.0f));
+  }
+}
+static void fill(bf16* p, size_t n, uint64_t seed, float offset, float amp) {
+  fill_uniform<<<1024, 256>>>(p, n, seed, offset, amp);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+static ModelConfig test_shape(const std::string& name) {
+  ModelConfig c;
+  c.head_dim = 128, c.max_position_embeddings = 40960, c.rms_norm_eps = 1e-6f, c.rope_theta = 1e6f;
+  if (name == "0.6b") {
+    c.hidden_size = 1024, c.intermediate_size = 3072, c.num_hidden_layers = 28;
+    c.num_attention_heads = 16, c.num_key_value_heads = 8, c.vocab_size = 151936, c.tie_word_embeddings = true;
+  } else if (name == "8b-short") {
+    c.hidden_size = 4096, c.intermediate_size = 12288, c.num_hidden_layers = 4;
+    c.num_attention_heads = 32, c.num_key_value_heads = 8, c.vocab_size = 151936;
+  } else if (name == "8b") {
+    c.hidden_size = 4096, c.intermediate_size = 12288, c.num_hidden_layers = 36;
+    c.num_attention_heads = 32, c.num_key_value_heads = 8, c.vocab_size = 151936;
+  } else {  // "odd": nothing divides evenly
+    c.hidden_size = 520, c.intermediate_size = 1048, c.num_hidden_layers = 3;
+    c.num_attention_heads = 4, c.num_key_value_heads = 1, c.vocab_size = 1001;
+  }
+  return c;
+}
+
+// A Qwen3 with random weights and a random bf16 cache, and section 22's plans, without a checkpoint.
+struct TestModel {
+  Qwen3 m;
+  PersistentDecode pd;
+  int NB = 0, Bmax = 8;
+  cudaStream_t s;
+  TestModel(const std::string& shape, int P, int max_model_len, int NB_) : NB(NB_) {
+    const ModelConfig c = test_shape(shape);
+    m.cfg = c, m.P = P, m.MB = (int)cdiv(max_model_len, P), m.max_model_len = max_model_len;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim, V = c.vocab_size;
+    const int64_t NH = c.num_attention_heads, NKV = c.num_key_value_heads;
+    const int64_t total = weight_elements(c, tp_shard(c, 0, 1));
+    Weights& w = m.w;
+    w.bytes = total * sizeof(bf16);
+    CUDA_CHECK(cudaMalloc(&w.arena, w.bytes));
+    fill((bf16*)w.arena, total, 1, 0.f, 0.035f);  // ~0.02 standard deviation, like a trained matrix
+    bf16* p = (bf16*)w.arena;
+    uint64_t seed = 2;
+    auto take = [&](int64_t n) { bf16* r = p; p += n; return r; };
+    auto norm = [&](int64_t n) { bf16* r = take(n); fill(r, n, seed++, 1.f, 0.2f); return r; };
+    w.embed_tokens = take(V * H);
+    w.lm_head = c.tie_word_embeddings ? w.embed_tokens : take(V * H);
+    w.norm = norm(H);
+    for (int l = 0; l < c.num_hidden_layers; l++) {
+      LayerWeights lw;
+      lw.input_layernorm = norm(H);
+      lw.post_attention_layernorm = norm(H);
+      lw.qkv_proj = take((NH + 2 * NKV) * D * H);
+      lw.q_norm = norm(D);
+      lw.k_norm = norm(D);
+      lw.o_proj = take(H * NH * D);
+      lw.gate_up_proj = take(2 * I * H);
+      lw.down_proj = take(H * I);
+      w.layers.push_back(lw);
+    }
+    if (p != (bf16*)w.arena + total) die("gpu_persistent: weight layout mismatch");
+    KVCache& kv = m.kv;
+    kv.num_blocks = NB, kv.kv_stride = (int64_t)NB * NKV * P * D, kv.layer_stride = 2 * kv.kv_stride;
+    kv.bytes = (size_t)c.num_hidden_layers * kv.layer_stride * sizeof(bf16);
+    CUDA_CHECK(cudaMalloc(&kv.base, kv.bytes));
+    fill((bf16*)kv.base, kv.bytes / 2, 99, 0.f, 1.f);
+    Activations& a = m.act;
+    auto alloc = [&](auto** q, size_t n) { CUDA_CHECK(cudaMalloc((void**)q, n * sizeof(**q))); };
+    alloc(&a.residual, Bmax * H), alloc(&a.hidden, Bmax * H), alloc(&a.x, Bmax * H);
+    alloc(&a.qkv, Bmax * (NH + 2 * NKV) * D), alloc(&a.attn, Bmax * NH * D), alloc(&a.gate_up, Bmax * 2 * I);
+    alloc(&a.act, Bmax * I), alloc(&a.last, Bmax * H), alloc(&a.logits, Bmax * V);
+    CUDA_CHECK(cudaMalloc(&a.attn_workspace, attention_decode_workspace_bytes(Bmax, NH, max_model_len)));
+    m.gemm = new Gemm;
+    m.gemm->init();
+    CUDA_CHECK(cudaDeviceSynchronize());
+    pd = persist_setup(m, Bmax);
+  }
+};
+
+// One decode step's inputs: B sequences with the given contexts, blocks drawn without repeats in a shuffled
+// order; the step's token sits at position ctx - 1 in slot bt[(ctx-1)/P] * P + (ctx-1) % P.
+struct DecodeStep {
+  int B;
+  std::vector<int> ids, pos, slots, ctx, bt;
+  DevBuf<int> d_ids, d_pos, d_slots, d_ctx, d_bt;
+  DecodeStep(TestModel& t, const std::vector<int>& contexts, uint64_t seed)
+      : B((int)contexts.size()), ids(B), pos(B), slots(B), ctx(contexts), bt((size_t)B * t.m.MB, 0),
+        d_ids(B), d_pos(B), d_slots(B), d_ctx(B), d_bt((size_t)B * t.m.MB) {
+    std::mt19937 rng(seed);
+    std::vector<int> blocks(t.NB);
+    std::iota(blocks.begin(), blocks.end(), 0);
+    std::shuffle(blocks.begin(), blocks.end(), rng);
+    size_t next = 0;
+    for (int b = 0; b < B; b++) {
+      ids[b] = (int)(rng() % t.m.cfg.vocab_size);
+      pos[b] = ctx[b] - 1;
+      for (int j = 0; j < (int)cdiv(ctx[b], t.m.P); j++) bt[(size_t)b * t.m.MB + j] = blocks.at(next++);
+      slots[b] = bt[(size_t)b * t.m.MB + pos[b] / t.m.P] * t.m.P + pos[b] % t.m.P;
+    }
+    d_ids.upload(ids), d_pos.upload(pos), d_slots.upload(slots), d_ctx.upload(ctx), d_bt.upload(bt);
+  }
+  StepInputs inputs() { return StepInputs{d_ids.p, d_pos.p, d_slots.p, nullptr, d_ctx.p, d_bt.p, 1}; }
+};
+
+enum class Path { PLAIN, FAST, PERSIST };
+struct StepResult {
+  std::vector<float> logits;    // [B, V]
+  std::vector<uint16_t> kv;     // the step's stored keys and values, [L, 2, B, NKV, D] bf16 bits
+};
+
+// Element offset of the cache row (layer l, keys/values, slot, kv head g).
+static int64_t slot_offset(const TestModel& t, int l, int which, int slot, int g) {
+  const int P = t.m.P, NKV = t.m.cfg.num_key_value_heads;
+  return l * t.m.kv.layer_stride + which * t.m.kv.kv_stride + (((int64_t)(slot / P) * NKV + g) * P + slot % P) * HEAD_DIM;
+}
+static void for_each_stored_row(const TestModel& t, const DecodeStep& st,
+                                const std::function<void(int64_t offset, size_t index)>& f) {
+  const ModelConfig& c = t.m.cfg;
+  size_t i = 0;
+  for (int l = 0; l < c.num_hidden_layers; l++)
+    for (int which = 0; which < 2; which++)
+      for (int b = 0; b < st.B; b++)
+        for (int g = 0; g < c.num_key_value_heads; g++) f(slot_offset(t, l, which, st.slots[b], g), i++);
+}
+
+static StepResult run_step(TestModel& t, DecodeStep& st, Path path, int skew_ns = 0, int skip_wait = -1) {
+  const ModelConfig& c = t.m.cfg;
+  bf16* kv = (bf16*)t.m.kv.base;
+  // Poison what the step must write: the logits and the step's own cache rows.
+  CUDA_CHECK(cudaMemset(t.m.act.logits, 0xFF, (size_t)st.B * c.vocab_size * sizeof(float)));
+  for_each_stored_row(t, st, [&](int64_t off, size_t) { CUDA_CHECK(cudaMemset(kv + off, 0xFF, HEAD_DIM * 2)); });
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const Optimizations saved = g_opt;
+  const StepInputs in = st.inputs();
+  if (path == Path::PLAIN) {
+    parse_optimizations("none", g_opt);
+    t.m.forward(in, st.B, st.B, false, t.s);
+  } else if (path == Path::FAST) {
+    parse_optimizations("all,-persistent", g_opt);
+    forward_fast(t.m, in, st.B, st.B, false, t.s);
+  } else {
+    const PersistPlan* plan = t.pd.plans.count(st.B) ? &t.pd.plans.at(st.B) : nullptr;
+    if (!plan) die("gpu_persistent: no plan for batch %d (%s)", st.B, t.pd.off_reason.c_str());
+    persistent_decode(t.m, *plan, in, t.s, skew_ns, skip_wait, nullptr);
+  }
+  CUDA_CHECK(cudaStreamSynchronize(t.s));
+  g_opt = saved;
+  StepResult r;
+  r.logits.resize((size_t)st.B * c.vocab_size);
+  CUDA_CHECK(cudaMemcpy(r.logits.data(), t.m.act.logits, r.logits.size() * 4, cudaMemcpyDeviceToHost));
+  r.kv.resize((size_t)c.num_hidden_layers * 2 * st.B * c.num_key_value_heads * HEAD_DIM);
+  for_each_stored_row(t, st, [&](int64_t off, size_t i) {
+    CUDA_CHECK(cudaMemcpy(&r.kv[i * HEAD_DIM], kv + off, HEAD_DIM * 2, cudaMemcpyDeviceToHost));
+  });
+  return r;
+}
+
+static double rel_l2(const std::vector<float>& a, const std::vector<float>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); i++) {
+    const double d = (double)a[i] - ref[i];
+    num += d * d, den += (double)ref[i] * ref[i];
+  }
+  return sqrt(num / std::max(den, 1e-30));
+}
+static std::vector<float> kv_floats(const StepResult& r) {
+  std::vector<float> f(r.kv.size());
+  for (size_t i = 0; i < f.size(); i++) f[i] = bf16_bits_to_float(r.kv[i]);
+  return f;
+}
+static bool all_finite(const std::vector<float>& v) {
+  for (float x : v)
+    if (!std::isfinite(x)) return false;
+  return true;
+}
+
+// Rows whose reference top-2 margin is clear of `noise` must pick the same token. Returns how many were.
+static int argmax_agrees(const std::vector<float>& got, const std::vector<float>& ref, int B, int V, double noise,
+                         int* checked) {
+  int same = 0;
+  *checked = 0;
+  for (int b = 0; b < B; b++) {
+    const float* r = &ref[(size_t)b * V];
+    const float* g = &got[(size_t)b * V];
+    int i1 = (int)(std::max_element(r, r + V) - r), i2 = -1;
+    for (int i = 0; i < V; i++)
+      if (i != i1 && (i2 < 0 || r[i] > r[i2])) i2 = i;
+    if (r[i1] - r[i2] <= noise) continue;
+    (*checked)++;
+    same += (int)(std::max_element(g, g + V) - g) == i1;
+  }
+  return same;
+}
+
+static std::vector<std::vector<int>> contexts_for(int B, int max_len) {
+  std::vector<std::vector<int>> all = {{700}, {1, 2049}, {33, 256, 257, 1500},
+                                       {5, 17, 100, 256, 511, 512, 1023, 3000}};
+  for (auto& v : all)
+    for (int& x : v) x = std::min(x, max_len);
+  return {all[B == 1 ? 0 : B == 2 ? 1 : B == 4 ? 2 : 3]};
+}
+
+static void accuracy_case(const std::string& shape, int P) {
+  const int max_len = 3072;
+  TestModel t(shape, P, max_len, 8 * (int)cdiv(max_len, P) + 3);
+  printf("    %s, P = %d: plans for %zu batch sizes, grid %d, partitions at B=1: %d\n", shape.c_str(), P,
+         t.pd.plans.size(), t.pd.plans.empty() ? 0 : t.pd.plans.begin()->second.grid,
+         t.pd.plans.count(1) ? t.pd.plans.at(1).parts : 0);
+  CHECK_MSG(t.pd.plans.count(1), "no plan for batch 1 (%s)", t.pd.off_reason.c_str());
+  const int V = t.m.cfg.vocab_size;
+  // The yardstick: how far another legitimate summation order lands from Part I on this model. Section 20
+  // runs batch 1 and 2 through section 15's gemv, whose order differs from cuBLASLt's (larger batches go
+  // through cuBLASLt like Part I, often to the bit); its largest distance there is the shape's noise level.
+  struct Row { int B; double e_fast, e_pers, e_pf, kv_fast, kv_pers; int same, checked; };
+  std::vector<Row> rows;
+  double noise = 0, noise_kv = 0;
+  for (int B : {1, 2, 4, 8}) {
+    if (!t.pd.plans.count(B)) {
+      printf("    %s B=%d: no plan (shared memory does not fit): section 20's path\n", shape.c_str(), B);
+      continue;
+    }
+    DecodeStep st(t, contexts_for(B, max_len)[0], 1000 + B);
+    const StepResult plain = run_step(t, st, Path::PLAIN), fast = run_step(t, st, Path::FAST);
+    const StepResult pers = run_step(t, st, Path::PERSIST);
+    CHECK_MSG(all_finite(pers.logits), "%s B=%d: non-finite logits", shape.c_str(), B);
+    CHECK_MSG(all_finite(kv_floats(pers)), "%s B=%d: a stored key or value is missing (NaN)", shape.c_str(), B);
+    Row r{B, rel_l2(fast.logits, plain.logits), rel_l2(pers.logits, plain.logits), rel_l2(pers.logits, fast.logits),
+          rel_l2(kv_floats(fast), kv_floats(plain)), rel_l2(kv_floats(pers), kv_floats(plain)), 0, 0};
+    double worst = 0;  // the largest logit difference from Part I: what an argmax may be off by
+    for (size_t i = 0; i < pers.logits.size(); i++)
+      worst = std::max(worst, (double)fabsf(pers.logits[i] - plain.logits[i]));
+    r.same = argmax_agrees(pers.logits, plain.logits, B, V, 2 * worst, &r.checked);
+    if (B <= GEMV_MAX_M) noise = std::max(noise, r.e_fast), noise_kv = std::max(noise_kv, r.kv_fast);
+    rows.push_back(r);
+  }
+  for (const Row& r : rows) {
+    printf("    %s B=%d: logits vs Part I: section 20 %.2e, persistent %.2e (vs section 20 %.2e); stored K/V vs "
+           "Part I: section 20 %.2e, persistent %.2e; argmax %d/%d clear rows\n", shape.c_str(), r.B, r.e_fast,
+           r.e_pers, r.e_pf, r.kv_fast, r.kv_pers, r.same, r.checked);
+    CHECK_MSG(r.e_pers <= 1.5 * noise + 2e-3, "%s B=%d: logits %.3e from Part I, noise level %.3e", shape.c_str(),
+              r.B, r.e_pers, noise);
+    CHECK_MSG(r.kv_pers <= 1.5 * noise_kv + 2e-3, "%s B=%d: stored K/V %.3e from Part I, noise level %.3e",
+              shape.c_str(), r.B, r.kv_pers, noise_kv);
+    CHECK_MSG(r.same == r.checked, "%s B=%d: argmax differs in %d of %d clear rows", shape.c_str(), r.B,
+              r.checked - r.same, r.checked);
+  }
+}
+
+TEST(persistent_matches_section20_and_part1_odd_shape) {
+  REQUIRE_GPU();
+  accuracy_case("odd", 16);
+}
+TEST(persistent_matches_section20_and_part1_06b) {
+  REQUIRE_GPU();
+  accuracy_case("0.6b", 256);
+}
+TEST(persistent_matches_section20_and_part1_8b_short) {
+  REQUIRE_GPU();
+  accuracy_case("8b-short", 64);
+}
+
+// Same bits whatever the timing; and a left-out wait is caught under the same skew.
+TEST(persistent_results_do_not_depend_on_timing) {
+  REQUIRE_GPU();
+  TestModel t("0.6b", 256, 4096, 40);
+  for (int B : {1, 4}) {
+    DecodeStep st(t, B == 1 ? std::vector<int>{1200} : std::vector<int>{1, 300, 900, 2500}, 7 + B);
+    const StepResult ref = run_step(t, st, Path::PERSIST);
+    for (int skew : {1000, 4000}) {
+      const StepResult r = run_step(t, st, Path::PERSIST, skew);
+      CHECK_MSG(r.logits == ref.logits && r.kv == ref.kv, "B=%d skew %d ns: results changed", B, skew);
+    }
+    // The control: operation 3 is layer 0's o_proj (reads attention's output), 10 layer 1's down (reads
+    // gate_up's), 12 layer 2's attention (reads qkv); without their waits the same skew must show.
+    for (int skip : {3, 10, 12}) {
+      const StepResult r = run_step(t, st, Path::PERSIST, 4000, skip);
+      const bool caught = r.logits != ref.logits || r.kv != ref.kv;
+      printf("    B=%d without operation %d's wait: %s\n", B, skip, caught ? "results differ (caught)" : "SAME");
+      CHECK_MSG(caught, "B=%d: leaving out operation %d's wait went unnoticed", B, skip);
+    }
+  }
+}
+
+// One decode step in a CUDA graph: section 20's kernels vs the persistent kernel (no sampler).
+TEST(timing_persistent_vs_section20) {
+  REQUIRE_GPU();
+  for (const char* shape : {"0.6b", "8b"}) {
+    TestModel t(shape, 256, 4096, 64);
+    const double weight_bytes = (double)t.m.w.bytes;
+    for (int B : {1, 2, 4, 8}) {
+      if (!t.pd.plans.count(B)) continue;
+      DecodeStep st(t, std::vector<int>(B, 600), 5);
+      const StepInputs in = st.inputs();
+      double us[2];
+      for (int k = 0; k < 2; k++) {
+        const Optimizations saved = g_opt;
+        parse_optimizations(k ? "all" : "all,-persistent", g_opt);
+        auto step = [&] {
+          if (k) persistent_decode(t.m, t.pd.plans.at(B), in, t.s, 0, -1, nullptr);
+          else forward_fast(t.m, in, B, B, false, t.s);
+        };
+        step();
+        CUDA_CHECK(cudaStreamSynchronize(t.s));
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        CUDA_CHECK(cudaStreamBeginCapture(t.s, cudaStreamCaptureModeThreadLocal));
+        step();
+        CUDA_CHECK(cudaStreamEndCapture(t.s, &graph));
+        CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        for (int i = 0; i < 20; i++) CUDA_CHECK(cudaGraphLaunch(exec, t.s));
+        cudaEvent_t e0, e1;
+        CUDA_CHECK(cudaEventCreate(&e0));
+        CUDA_CHECK(cudaEventCreate(&e1));
+        const int n = 200;
+        CUDA_CHECK(cudaEventRecord(e0, t.s));
+        for (int i = 0; i < n; i++) CUDA_CHECK(cudaGraphLaunch(exec, t.s));
+        CUDA_CHECK(cudaEventRecord(e1, t.s));
+        CUDA_CHECK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        us[k] = ms * 1000 / n;
+        CUDA_CHECK(cudaGraphExecDestroy(exec));
+        CUDA_CHECK(cudaGraphDestroy(graph));
+        g_opt = saved;
+      }
+      const double kv_bytes = 2.0 * t.m.cfg.num_hidden_layers * B * 600 * t.m.cfg.num_key_value_heads * HEAD_DIM * 2;
+      printf("    TIMING %s B=%d ctx 600: section 20 %.1f us (%.0f GB/s), persistent %.1f us (%.0f GB/s), %.2fx\n",
+             shape, B, us[0], (weight_bytes + kv_bytes) / us[0] / 1e3, us[1], (weight_bytes + kv_bytes) / us[1] / 1e3,
+             us[0] / us[1]);
+    }
+  }
+}
+
+// Where a step's time goes: every thread block's clock at the start of each operation, after its wait (and
+// the input staging), and at its end. Per kind of operation, averaged over the layers: from the previous
+// operation's completion (its last block's end) to this one's first block past its wait, to its last block
+// past it, to its completion.
+TEST(timing_persistent_breakdown) {
+  REQUIRE_GPU();
+  TestModel t("0.6b", 256, 4096, 64);
+  for (int B : {1, 4}) {
+    if (!t.pd.plans.count(B)) continue;
+    DecodeStep st(t, std::vector<int>(B, 600), 5);
+    const PersistPlan& plan = t.pd.plans.at(B);
+    const int n = (int)plan.ops.size();
+    DevBuf<uint64_t> trace((size_t)plan.grid * n * 4);
+    for (int rep = 0; rep < 3; rep++) {  // the last of three
+      CUDA_CHECK(cudaMemset(trace.p, 0, trace.n * 8));
+      persistent_decode(t.m, plan, st.inputs(), t.s, 0, -1, trace.p);
+      CUDA_CHECK(cudaStreamSynchronize(t.s));
+    }
+    const std::vector<uint64_t> tr = trace.download();
+    auto at = [&](int b, int o, int k) { return tr[((size_t)b * n + o) * 4 + k]; };
+    std::vector<double> end(n, 0), first(n, 1e300), last(n, 0);
+    double start = 1e300;
+    for (int b = 0; b < plan.grid; b++) start = std::min(start, (double)at(b, 0, 0));
+    for (int o = 0; o < n; o++)
+      for (int b = 0; b < plan.grid; b++) {
+        if (!at(b, o, 2)) continue;
+        end[o] = std::max(end[o], (double)at(b, o, 2) - start);
+        if (at(b, o, 1)) first[o] = std::min(first[o], (double)at(b, o, 1) - start), last[o] = std::max(last[o], (double)at(b, o, 1) - start);
+      }
+    const char* names[] = {"embed", "qkv", "attention", "o_proj", "gate_up", "down", "lm_head"};
+    double sum[7][6] = {}, cnt[7] = {};
+    for (int o = 1; o < n; o++) {
+      const int k = plan.ops[o].kind;
+      sum[k][0] += first[o] - end[o - 1], sum[k][1] += last[o] - end[o - 1], sum[k][2] += end[o] - end[o - 1];
+      double work = 0, work_max = 0, tail = 0;  // per block: after its wait to warp 0's last row; then to its end
+      int blocks = 0;
+      for (int b = 0; b < plan.grid; b++) {
+        if (!at(b, o, 2) || !at(b, o, 3)) continue;
+        const double w = (double)at(b, o, 3) - at(b, o, 1);
+        work += w, work_max = std::max(work_max, w), tail += (double)at(b, o, 2) - at(b, o, 3), blocks++;
+      }
+      if (blocks) sum[k][3] += work / blocks, sum[k][4] += work_max, sum[k][5] += tail / blocks;
+      cnt[k]++;
+    }
+    printf("    TIMING breakdown 0.6b B=%d ctx 600: step %.1f us (one launch, no graph); per operation, mean over "
+           "layers, us after the previous one completed:\n", B, end[n - 1] / 1e3);
+    for (int k = 1; k < 7; k++)
+      printf("      %-9s first block past its wait %6.2f, last %6.2f, complete %6.2f | a block's rows: mean %5.2f, "
+             "max %5.2f, then its end barrier %5.2f\n", names[k], sum[k][0] / cnt[k] / 1e3, sum[k][1] / cnt[k] / 1e3,
+             sum[k][2] / cnt[k] / 1e3, sum[k][3] / cnt[k] / 1e3, sum[k][4] / cnt[k] / 1e3, sum[k][5] / cnt[k] / 1e3);
+  }
+}
+
+int main(int argc, char** argv) { return test_main(argc, argv); }
