@@ -2019,13 +2019,15 @@ static void qk_norm_rope_reference(float* qkv, const int* positions, const float
 // Reads gate_up [T, 2I] (gate in columns [0, I), up in [I, 2I)). Writes out [T, I].
 // One thread = one 16-byte chunk of out (8 outputs), a flat grid over T * I / 8 chunks.
 // Precondition: I % 8 == 0 (true for every Qwen3 size divided by any tensor-parallel degree up to 8).
-// 8 outputs from 8 gates and 8 ups (the fused gemv of section 15 uses it too).
+// One output, before its bf16 rounding (section 22's epilogue uses it alone), then 8 outputs from 8 gates
+// and 8 ups (the fused gemv of section 15 uses it too).
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
 __device__ __forceinline__ uint4 silu_mul8(const uint4& gate, const uint4& up) {
   float g[8], u[8], o[8];
   bf16x8_to_float(gate, g);
   bf16x8_to_float(up, u);
 #pragma unroll
-  for (int i = 0; i < 8; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+  for (int i = 0; i < 8; i++) o[i] = silu_mul(g[i], u[i]);
   return float_to_bf16x8(o);
 }
 
@@ -6104,7 +6106,8 @@ __device__ __forceinline__ void persist_signal(const PersistArgs& a, int op) {
   __syncthreads();
   if (threadIdx.x == PERSIST_SYNC_THREAD) red_release_add(a.done + op, 1);
 }
-// Tests only: the clock at point k (0 start, 1 after the wait, 2 end) of operation o in this block.
+// Tests only: the clock at point k of operation o in this block (0 start, 1 after the wait and the input,
+// 2 end, 3 when warp 0 finished its rows of a gemv).
 __device__ __forceinline__ void persist_trace(const PersistArgs& a, int o, int k) {
   if (a.trace && threadIdx.x == 0) a.trace[((size_t)blockIdx.x * a.n_ops + o) * 4 + k] = persist_clock_ns();
 }
@@ -6121,8 +6124,8 @@ __device__ __forceinline__ void persist_copy_in(bf16* dst, const bf16* src, int 
     reinterpret_cast<uint4*>(dst)[c] = __ldcg(reinterpret_cast<const uint4*>(src) + c);
 }
 
-// The input of a gemv for all B sequences into xs [B, K + 8] (rows 16 bytes longer than K, so the eight
-// sequences' reads fall in different banks): a copy of attn or act, or rmsnorm of the residual stream with
+// The input of a gemv for all B sequences into xs [B, K + 8] (rows 16 bytes longer than K, so the
+// sequences' reads in persist_gemv_chunk fall in different banks): a copy of attn or act, or rmsnorm of the residual stream with
 // section 7's rmsnorm_row (so the rounding is the same as everywhere else). O and DOWN also copy the residual
 // stream into res [B, H], for their epilogue.
 template <int B>
@@ -6197,7 +6200,7 @@ __device__ __forceinline__ void persist_gemv_epilogue(const PersistArgs& a, cons
       const int r = t / B, b = t % B, j = g * (PERSIST_ROWS / 2) + r;
       if (j < op.N) {
         const float gate = round_bf16(row_sum(r, b)), up = round_bf16(row_sum(r + PERSIST_ROWS / 2, b));
-        a.act[(size_t)b * op.N + j] = __float2bfloat16(gate / (1.f + expf(-gate)) * up);
+        a.act[(size_t)b * op.N + j] = __float2bfloat16(silu_mul(gate, up));
       }
     }
   } else if (t < PERSIST_ROWS * B) {
@@ -6392,7 +6395,7 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
   float* scratch = red + 2 * PERSIST_WARPS * PERSIST_ROWS * 8;             // [32]
   PersistOp* ops = reinterpret_cast<PersistOp*>(scratch + 32);  // the operation list, read at every chunk
   float* work = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(ops) + persist_ops_bytes(a.n_ops));
-  bf16* xs = reinterpret_cast<bf16*>(work);  // a gemv's input [B, Kmax], or attention's buffers
+  bf16* xs = reinterpret_cast<bf16*>(work);  // a gemv's input [B, Kmax + 8], or attention's buffers
   bf16* res = xs + B * (a.Kmax + 8);           // O, DOWN: the residual stream [B, H]
   for (int i = threadIdx.x; i < a.n_ops * (int)sizeof(PersistOp) / 4; i += PERSIST_THREADS)
     reinterpret_cast<int*>(ops)[i] = reinterpret_cast<const int*>(a.ops)[i];
@@ -6442,7 +6445,7 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
       }
       persist_gemv_epilogue<B>(a, op, g, parity, acc, red, res);
     }
-    if (a.trace && threadIdx.x == 0) a.trace[((size_t)blockIdx.x * a.n_ops + o) * 4 + 3] = persist_clock_ns();
+    persist_trace(a, o, 3);
     persist_signal(a, o);
     persist_trace(a, o, 2);
   }
