@@ -14,8 +14,9 @@
 #
 #   ./bench.sh --ladder [--random 0.6b | --model DIR] [--baseline PATH]
 #                                     the climb from Part I to the default path, on this GPU in one run:
-#                                     batch-1 latency and bench.py throughput for --plain, then --plain plus
-#                                     each optimization of Part II alone, then the default (all but persistent), and
+#                                     batch-1 latency and bench.py throughput for --plain, then Part I plus
+#                                     flash_attn (section 14), then flash_attn plus each other optimization of
+#                                     Part II, then the default (all but persistent), and
 #                                     with --baseline another nanovllm binary's default path (an older build
 #                                     to compare with). One table, each row with its roofline fraction.
 #
@@ -126,9 +127,16 @@ if [ "$LADDER" = 1 ]; then
   }
   RUNGS="plain"
   rung plain "$NANOVLLM" --plain
-  for o in $("$NANOVLLM" --help | sed -n 's/^ *NAME: //p'); do
+  # Section 14's flash attention is the second rung; the others build on it (cluster_merge and fused_rope
+  # change its decode kernel), so each of them is measured with it: "+NAME" runs --opt none,flash_attn,NAME.
+  # An older binary without flash_attn runs each alone.
+  names=$("$NANOVLLM" --help | sed -n 's/^ *NAME: //p')
+  base=none; case " $names " in *" flash_attn "*) base=none,flash_attn ;; esac
+  for o in $names; do
     [ "$TP" = 1 ] && [ "$o" = oneshot_allreduce ] && continue  # nothing to do on one GPU
-    rung "+$o" "$NANOVLLM" --opt "none,$o"; RUNGS="$RUNGS +$o"
+    if [ "$o" = flash_attn ]; then rung "+$o" "$NANOVLLM" --opt none,flash_attn
+    else rung "+$o" "$NANOVLLM" --opt "$base,$o"; fi
+    RUNGS="$RUNGS +$o"
   done
   rung default "$NANOVLLM"; RUNGS="$RUNGS default"
   if [ -n "$BASELINE" ]; then rung baseline "$BASELINE"; RUNGS="$RUNGS baseline"; fi

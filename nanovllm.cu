@@ -16,16 +16,18 @@
 // How to read it
 //   Part I (sections 1-13) is the whole engine, plainly: the host bookkeeping first (config, Sequence,
 //   BlockManager, Scheduler: what a reader came for, and none of it needs the GPU), then the model, its
-//   kernels, cuBLASLt, the ModelRunner with CUDA graphs, tensor parallelism and the LLMEngine loop. It is
-//   complete and correct on its own: `--plain` runs it alone.
-//   Part II (sections 14-22) makes it fast, one optimization per section. Each says what it replaces, why
-//   it is faster on the hardware, and can be switched off by name (--opt, section 2; section 21, the FP8
-//   KV cache, by --kv-cache-dtype, since it trades accuracy); the README's performance section has the
-//   measured gain of each. The Part I code each one replaces stays, as the
-//   reference the GPU tests compare it with.
-//   Part III (sections 23-27) is the program around the engine: prompts in and completions out, the trace,
-//   summary and report, signals and the worker processes, `simulate` (the engine without a GPU), the
-//   command line and main.
+//   kernels (the simplest correct ones, each after the CPU code it must agree with), cuBLASLt, the
+//   ModelRunner with CUDA graphs, tensor parallelism and the LLMEngine loop. It is complete and correct on
+//   its own, and names nothing defined after it: `--plain` runs it alone, and a build with Part II cut out
+//   (test/cli/part2_cut.sh) compiles and runs.
+//   Part II (sections 14-23) makes it fast, one optimization per section. Each says what it replaces, why
+//   it is faster on the hardware, and plugs in through the hook table Part I declares (section 11); each
+//   registers its own switch (--opt NAME, section 2; section 22, the FP8 KV cache, registers a value of
+//   --kv-cache-dtype instead, since it trades accuracy). The README's performance section has the measured
+//   gain of each. The Part I code each one replaces stays, as the reference the GPU tests compare it with.
+//   Part III (sections 24-29) is the program around the engine: reading config.json and the flags, prompts
+//   in and completions out, the trace, summary and report, signals and the worker processes, `simulate`
+//   (the engine without a GPU), the command line and main.
 //
 // Dimension names used in every shape comment
 //   T  tokens in this step (all sequences, flattened)      B  sequences in this step
@@ -63,7 +65,7 @@
 //   cluster           (Hopper) up to 16 thread blocks on neighbouring SMs that can read each other's shared
 //                     memory ("distributed shared memory")
 //   shared memory     fast on-chip memory of one SM, private to a thread block; L2 is the cache all SMs share
-//   tensor core, MMA  the unit that multiplies small matrix tiles in one instruction (mma.sync, section 8)
+//   tensor core, MMA  the unit that multiplies small matrix tiles in one instruction (section 14)
 //   gemv              a matrix-vector product: a matrix product whose batch is 1 or 2 rows
 //   split-K           splitting a long reduction (here: over keys) among thread blocks, then merging their
 //                     partial results
@@ -73,18 +75,18 @@
 //   CUDA graph        a recorded sequence of kernel launches replayed with one call, without the per-launch
 //                     CPU cost
 //   PDL               programmatic dependent launch (Hopper): the next kernel starts while the previous one
-//                     finishes, and waits inside itself for its data (section 14)
+//                     finishes, and waits inside itself for its data (section 15)
 //   all-reduce        every rank ends with the sum of every rank's array (tensor parallelism)
 //   NCCL              NVIDIA's library of collectives (all-reduce, send/receive) between GPUs
 //   NVLink            the direct GPU-to-GPU link; GPUs on it can read and write each other's memory
 //   one-shot all-reduce  each rank writes its partial sums straight into every other rank's memory and adds
-//                     what arrives: one crossing of NVLink instead of NCCL's ring (section 18)
+//                     what arrives: one crossing of NVLink instead of NCCL's ring (section 19)
 //   roofline          the fastest a step can run given the bytes it must read and the memory bandwidth
 //
 // Contents (each section starts with a banner "// ==== N. Title": grep for it)
 //   PART I — THE ENGINE, PLAINLY
 //    1. Errors and utilities
-//    2. Config: config.json, engine settings, sampling parameters, the optimization switch
+//    2. Config: the model, the engine's settings, sampling parameters, the optimization switch
 //    3. Sequence
 //    4. BlockManager: paged KV blocks and prefix caching
 //    5. Scheduler: continuous batching, chunked prefill, preemption
@@ -97,21 +99,23 @@
 //   12. Tensor parallelism: sharded weights, NCCL all-reduce
 //   13. LLMEngine: add_request, step, generate
 //   PART II — MAKING IT FAST
-//   14. Programmatic dependent launch
-//   15. Small-batch gemv with its neighbours fused in
-//   16. The split-K merge inside a cluster
-//   17. Decode attention does q/k-norm, RoPE and the KV store
-//   18. One-shot all-reduce over NVLink
-//   19. The fast sampler: radix select
-//   20. The forward pass with every fusion
-//   21. An FP8 KV cache
-//   22. One persistent kernel for a small-batch decode step
+//   14. Flash attention on tensor cores
+//   15. Programmatic dependent launch
+//   16. Small-batch gemv with its neighbours fused in
+//   17. The split-K merge inside a cluster
+//   18. Decode attention does q/k-norm, RoPE and the KV store
+//   19. One-shot all-reduce over NVLink
+//   20. The fast sampler: radix select
+//   21. The forward pass with every fusion
+//   22. An FP8 KV cache
+//   23. One persistent kernel for a small-batch decode step
 //   PART III — THE PROGRAM AROUND IT
-//   23. Prompts in, completions out
-//   24. Trace, run summary and the report
-//   25. Signals, worker processes and the mailbox
-//   26. simulate: the engine without a GPU
-//   27. Command line and main
+//   24. Reading the configuration: config.json, flags and sampling fields
+//   25. Prompts in, completions out
+//   26. Trace, run summary and the report
+//   27. Signals, worker processes and the mailbox
+//   28. simulate: the engine without a GPU
+//   29. Command line and main
 
 #include <algorithm>
 #include <cerrno>
@@ -160,21 +164,23 @@
 
 using json = nlohmann::json;
 typedef __nv_bfloat16 bf16;
-typedef __nv_fp8_e4m3 fp8e4m3;  // one byte: sign, 4 exponent bits, 3 mantissa bits (section 21)
 
 // ##########################################################################################################
 // PART I — THE ENGINE, PLAINLY
 // ##########################################################################################################
 
 // ==== 1. Errors and utilities ==============================================================================
+// defines: die, CUDA_CHECK, CUBLAS_CHECK, NCCL_CHECK, NANOVLLM_CHECK, g_tp_rank, now_seconds, cdiv,
+//          read_file, is_dir, is_file, splitmix64
 //
 // Two kinds of failure, treated differently:
 //   * a user mistake (bad flag, bad file, too-long prompt): die() with what was expected, what was found
 //     and what to do, exit code 1, no stack of asserts;
-//   * a broken invariant of our own or a failed CUDA call: the *_CHECK macros print the call, file, line
-//     and the library's message, then exit 1.
+//   * a broken invariant of our own (a launcher's preconditions included): INTERNAL_CHECK prints "internal
+//     error", the condition, file and line; a failed CUDA, cuBLASLt or NCCL call: CUDA_CHECK, CUBLAS_CHECK,
+//     NCCL_CHECK print the call, file, line and the library's message. Both exit 1.
 
-// This process's tensor-parallel rank (sections 12, 24): 0 in the main process, 1..N-1 in the workers.
+// This process's tensor-parallel rank (sections 12, 26): 0 in the main process, 1..N-1 in the workers.
 static int g_tp_rank = 0;
 
 // A worker's message: named by its rank, and written with one write(2) so that two ranks failing at once
@@ -199,6 +205,22 @@ template <typename... Args>
 [[noreturn]] static void die(const char* fmt, Args... args) {
   if (g_tp_rank > 0) die_on_worker(fmt, args...);
   tok_die(fmt, args...);
+}
+
+// A broken invariant of our own, a launcher's preconditions included: never something a user can fix, so
+// the message says "internal error", the condition that failed, where, and what was found.
+#define INTERNAL_CHECK(cond, ...)                                                                    \
+  do {                                                                                               \
+    if (!(cond)) internal_error(#cond, __FILE__, __LINE__, __VA_ARGS__);                             \
+  } while (0)
+__attribute__((format(printf, 4, 5)))
+[[noreturn]] static void internal_error(const char* cond, const char* file, int line, const char* fmt, ...) {
+  char what[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(what, sizeof what, fmt, ap);
+  va_end(ap);
+  die("internal error: %s\n  check failed: %s\n  at %s:%d", what, cond, file, line);
 }
 
 #define CUDA_CHECK(call)                                                                             \
@@ -255,12 +277,17 @@ static uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// ==== 2. Config: config.json, engine settings, sampling parameters, the optimization switch ================
+// ==== 2. Config: the model, the engine's settings, sampling parameters, the optimization switch ============
+// defines: HEAD_DIM, ModelConfig, Optimization, register_optimization, OptimizationSet,
+//          default_optimizations, KVCacheFormat, register_kv_cache_format, kv_cache_value_bytes, Config,
+//          TPShard, tp_shard, SamplingParams, MAX_LOGPROBS, TokenLogprobs
 //
 // ModelConfig is what the checkpoint says (config.json, generation_config.json); Config is how the engine
 // runs (nano-vllm: config.py Config, same field names and defaults); SamplingParams is per request
 // (nano-vllm: sampling_params.py, grown to vLLM's: n, stop conditions, penalties, min_p, logprobs, a
-// seed). Optimizations, at the end, names the speed work of Part II that a run may switch off.
+// seed). The optimization registry, before Config, is how Part II's speed work plugs in and is switched.
+// This section says what each setting means; reading and checking them (config.json, the flags, a request's
+// fields) is Part III's job (section 24).
 
 constexpr int HEAD_DIM = 128;  // D: every Qwen3 dense model uses 128, and the attention kernels are built for it
 
@@ -278,231 +305,68 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   std::string dtype = "bfloat16";   // the checkpoint's dtype (weights are converted to bf16 at load)
   std::vector<int> eos_token_ids;   // generation_config.json eos_token_id (int or list), else config.json's
-  json generation_config;           // generation_config.json (null without one): sampling defaults (section 23)
+  json generation_config;           // generation_config.json (null without one): sampling defaults (section 25)
 };
 
-// A field of config.json that must be there and be a number; the message names the file and field.
-static double config_number(const json& j, const char* key, const std::string& path) {
-  if (!j.contains(key)) die("%s: missing field \"%s\" (is this a Qwen3 config.json?)", path.c_str(), key);
-  if (!j[key].is_number()) die("%s: field \"%s\" must be a number, found %s", path.c_str(), key, j[key].dump().c_str());
-  return j[key].get<double>();
-}
-
-// An integer field (a count or a size): a fraction or a value past int is refused, never truncated.
-static int config_int(const json& j, const char* key, const std::string& path) {
-  double v = config_number(j, key, path);
-  if (v != std::floor(v) || v < INT32_MIN || v > INT32_MAX)
-    die("%s: field \"%s\" must be an integer, found %s", path.c_str(), key, j[key].dump().c_str());
-  return (int)v;
-}
-
-// A true/false field that may be absent.
-static bool config_bool(const json& j, const char* key, bool absent, const std::string& path) {
-  if (!j.contains(key) || j[key].is_null()) return absent;
-  if (!j[key].is_boolean()) die("%s: field \"%s\" must be true or false, found %s", path.c_str(), key,
-                                j[key].dump().c_str());
-  return j[key].get<bool>();
-}
-
-static std::vector<int> eos_ids_from(const json& v) {
-  std::vector<int> ids;
-  auto add = [&](const json& x) {
-    if (x.is_number_integer() && x.get<int64_t>() >= 0 && x.get<int64_t>() <= INT32_MAX)
-      ids.push_back(x.get<int>());
-  };
-  add(v);
-  if (v.is_array())
-    for (auto& x : v) add(x);
-  return ids;
-}
-
-// Parse config.json text. Refuses anything that is not a dense Qwen3 (MoE, Llama, Qwen2 with qkv bias, rope
-// scaling, sliding windows) with a message that names the field, rather than computing garbage later.
-static ModelConfig parse_model_config(const std::string& text, const std::string& path) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    die("%s is not valid JSON: %s", path.c_str(), e.what());
-  }
-  if (!j.is_object()) die("%s: expected a JSON object", path.c_str());
-  std::string arch = "(none)";
-  if (j.contains("architectures") && j["architectures"].is_array() && !j["architectures"].empty() &&
-      j["architectures"][0].is_string())
-    arch = j["architectures"][0].get<std::string>();
-  if (arch != "Qwen3ForCausalLM")
-    die("%s: architecture %s is not supported; nanovllm runs Qwen3ForCausalLM (dense Qwen3 models only)",
-        path.c_str(), arch.c_str());
-  ModelConfig c;
-  c.hidden_size = config_int(j, "hidden_size", path);
-  c.intermediate_size = config_int(j, "intermediate_size", path);
-  c.num_hidden_layers = config_int(j, "num_hidden_layers", path);
-  c.num_attention_heads = config_int(j, "num_attention_heads", path);
-  c.num_key_value_heads = config_int(j, "num_key_value_heads", path);
-  c.vocab_size = config_int(j, "vocab_size", path);
-  c.max_position_embeddings = config_int(j, "max_position_embeddings", path);
-  c.rms_norm_eps = (float)config_number(j, "rms_norm_eps", path);
-  if (!j.contains("head_dim"))
-    die("%s: missing field \"head_dim\" (Qwen3 configs state it; nanovllm does not guess it)", path.c_str());
-  c.head_dim = config_int(j, "head_dim", path);
-  // transformers < 5 writes rope_theta at the top level; transformers 5 nests it in rope_parameters.
-  const json* rope = j.contains("rope_parameters") && j["rope_parameters"].is_object() ? &j["rope_parameters"]
-                     : j.contains("rope_scaling") && j["rope_scaling"].is_object() ? &j["rope_scaling"] : nullptr;
-  if (rope && rope->contains("rope_type") && (*rope)["rope_type"] != "default")
-    die("%s: rope type %s is not supported (only plain RoPE)", path.c_str(), (*rope)["rope_type"].dump().c_str());
-  if (j.contains("rope_theta")) c.rope_theta = (float)config_number(j, "rope_theta", path);
-  else if (rope && rope->contains("rope_theta")) c.rope_theta = (float)config_number(*rope, "rope_theta", path);
-  else die("%s: missing field \"rope_theta\"", path.c_str());
-  if (config_bool(j, "attention_bias", false, path))
-    die("%s: attention_bias=true is not supported (Qwen3 has none)", path.c_str());
-  if (config_bool(j, "use_sliding_window", false, path))
-    die("%s: sliding-window attention is not supported", path.c_str());
-  c.tie_word_embeddings = config_bool(j, "tie_word_embeddings", false, path);
-  bool eps_ok = c.rms_norm_eps > 0 && std::isfinite(c.rms_norm_eps);
-  if (!eps_ok || !(c.rope_theta > 0 && std::isfinite(c.rope_theta)))
-    die("%s: rms_norm_eps (%g) and rope_theta (%g) must be positive and finite", path.c_str(), c.rms_norm_eps,
-        c.rope_theta);
-  if (j.contains("dtype") && j["dtype"].is_string()) c.dtype = j["dtype"];
-  else if (j.contains("torch_dtype") && j["torch_dtype"].is_string()) c.dtype = j["torch_dtype"];
-  if (j.contains("eos_token_id")) c.eos_token_ids = eos_ids_from(j["eos_token_id"]);
-
-  auto positive = [&](int v, const char* name) {
-    if (v <= 0) die("%s: \"%s\" must be positive, found %d", path.c_str(), name, v);
-  };
-  positive(c.hidden_size, "hidden_size");
-  positive(c.intermediate_size, "intermediate_size");
-  positive(c.num_hidden_layers, "num_hidden_layers");
-  positive(c.num_attention_heads, "num_attention_heads");
-  positive(c.num_key_value_heads, "num_key_value_heads");
-  positive(c.vocab_size, "vocab_size");
-  positive(c.max_position_embeddings, "max_position_embeddings");
-  if (c.num_attention_heads % c.num_key_value_heads)
-    die("%s: num_attention_heads (%d) must be a multiple of num_key_value_heads (%d)", path.c_str(),
-        c.num_attention_heads, c.num_key_value_heads);
-  if (c.head_dim != HEAD_DIM)
-    die("%s: head_dim %d is not supported; every Qwen3 model uses %d and the kernels are built for it",
-        path.c_str(), c.head_dim, HEAD_DIM);
-  if (c.hidden_size % 8 || c.intermediate_size % 8)
-    die("%s: hidden_size and intermediate_size must be multiples of 8 (found %d, %d)", path.c_str(),
-        c.hidden_size, c.intermediate_size);
-  return c;
-}
-
-// config.json, then generation_config.json for the EOS ids (it lists both <|im_end|> and <|endoftext|>).
-static ModelConfig load_model_config(const std::string& dir) {
-  if (!is_dir(dir))
-    die("model folder '%s' does not exist or is not a folder.\n  Get one with: huggingface-cli download "
-        "Qwen/Qwen3-0.6B --local-dir ~/huggingface/Qwen3-0.6B",
-        dir.c_str());
-  if (access(dir.c_str(), R_OK | X_OK) != 0)
-    die("cannot read model folder '%s': %s", dir.c_str(), strerror(errno));
-  std::string path = dir + "/config.json";
-  if (!is_file(path)) die("no config.json in model folder '%s' (is it a Hugging Face model folder?)", dir.c_str());
-  ModelConfig c = parse_model_config(read_file(path, "model config"), path);
-  std::string gpath = dir + "/generation_config.json";
-  if (is_file(gpath)) {
-    try {
-      json g = json::parse(read_file(gpath, "generation config"));
-      if (g.is_object() && g.contains("eos_token_id")) c.eos_token_ids = eos_ids_from(g["eos_token_id"]);
-      if (g.is_object()) c.generation_config = g;
-    } catch (const json::exception& e) {
-      die("%s is not valid JSON: %s", gpath.c_str(), e.what());
-    }
-  }
-  return c;
-}
-
-// The optimization switch. Part II (sections 14-20 and 22; section 21 has its own flag, --kv-cache-dtype, since it
-// changes results) makes the engine fast one optimization at a time; each one replaces a piece of Part I
-// and can be switched off by name, so a reader can run the plain engine
-// (--plain, or --opt none) and climb back one step at a time (--opt none,gemv), and every optimization can
-// be checked against the code it replaces. The default is everything on.
-struct Optimizations {
-  bool pdl = true;                // 14: the next kernel launches while the previous one finishes
-  bool gemv = true;               // 15: batch-1/2 matrix products in a gemv with its neighbours fused in
-  bool cluster_merge = true;      // 16: decode's split-K merge inside a cluster, no merge kernel
-  bool fused_rope = true;         // 17: decode attention does q/k-norm, RoPE and the KV store itself
-  bool oneshot_allreduce = true;  // 18: small all-reduces over NVLink in one crossing, not NCCL's ring
-  bool fast_sampler = true;       // 19: radix-select top-k/top-p and split rows, not the plain sampler
-  bool persistent = false;        // 22: a small-batch decode step in one persistent kernel. Off by default:
-                                  // on an H100 it is not yet faster than sections 14-20 (README)
+// The optimization switch. Part II makes the engine fast one optimization at a time. Part I knows none of
+// them by name: each Part II section registers itself here at start-up (register_optimization: its --opt
+// name, one line for --help, whether it is on by default, and `apply`, which turns it on or off and fills
+// the hook entries of section 11 it replaces). So a reader can run the plain engine (--plain, or --opt
+// none) and climb back one step at a time (--opt none,NAME), every optimization can be checked against the
+// code it replaces, and a build with Part II cut out has an empty registry and runs Part I alone.
+struct Hooks;  // section 11
+struct Qwen3;  // section 6c
+struct Optimization {
+  const char* name;                   // what --opt calls it
+  const char* what;                   // one line for --help and the start-up line
+  bool on_by_default;
+  void (*apply)(bool on, Hooks& h);   // switch it on or off; when on, fill the hooks it replaces
+  std::string (*note)(const Qwen3& model) = nullptr;  // what the start-up line adds about it ("": nothing)
 };
-using OptimizationFlag = bool Optimizations::*;  // which field of Optimizations
-struct OptimizationInfo {
-  const char* name;
-  OptimizationFlag on;
-  const char* what;
-};
-static const OptimizationInfo kOptimizations[] = {
-    {"pdl", &Optimizations::pdl, "programmatic dependent launch (section 14)"},
-    {"gemv", &Optimizations::gemv, "small-batch gemv with RMSNorm, SiLU and the residual add fused in (15)"},
-    {"cluster_merge", &Optimizations::cluster_merge, "decode's split-K merge inside a cluster (16)"},
-    {"fused_rope", &Optimizations::fused_rope, "q/k-norm, RoPE and the KV store inside decode attention (17)"},
-    {"oneshot_allreduce", &Optimizations::oneshot_allreduce, "one-shot all-reduce over NVLink (18)"},
-    {"fast_sampler", &Optimizations::fast_sampler, "radix-select sampler (19)"},
-    {"persistent", &Optimizations::persistent, "a small-batch decode step in one persistent kernel (section 22)"},
-};
-
-// Applies a comma-separated list to `o`, left to right: "all", "none", NAME (on) or -NAME (off). Returns
-// "" or what is wrong, naming the known names. Examples: "none" (= --plain), "-pdl", "none,gemv,pdl".
-static std::string parse_optimizations(const std::string& spec, Optimizations& o) {
-  std::string names;
-  for (const OptimizationInfo& k : kOptimizations) names += std::string(names.empty() ? "" : ", ") + k.name;
-  if (spec.empty()) return "--opt needs a list: all, none, NAME or -NAME, comma-separated (" + names + ")";
-  size_t pos = 0;
-  while (pos <= spec.size()) {
-    size_t comma = spec.find(',', pos);
-    std::string item = spec.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
-    pos = comma == std::string::npos ? spec.size() + 1 : comma + 1;
-    bool on = true;
-    std::string name = item;
-    if (!name.empty() && (name[0] == '-' || name[0] == '+')) on = name[0] == '+', name = name.substr(1);
-    if (name == "all" || name == "none") {
-      if (item != name) return "--opt: '" + item + "': write all or none without a sign";
-      for (const OptimizationInfo& k : kOptimizations) o.*k.on = name == "all";
-      continue;
-    }
-    const OptimizationInfo* found = nullptr;
-    for (const OptimizationInfo& k : kOptimizations)
-      if (name == k.name) found = &k;
-    if (!found) return "--opt: unknown optimization '" + item + "'; the names are " + names + " (or all, none)";
-    o.*found->on = on;
-  }
-  return "";
+static std::vector<Optimization>& optimization_registry() {
+  static std::vector<Optimization> registry;  // in the order the sections come in the file
+  return registry;
+}
+static int register_optimization(const Optimization& o) {
+  optimization_registry().push_back(o);
+  return (int)optimization_registry().size() - 1;
 }
 
-// "all", "none" (Part I alone), "all except NAMES" when fewer are off than on, or the names that are on,
-// for the start-up line.
-static std::string optimizations_str(const Optimizations& o) {
-  std::string on, off;
-  int n_on = 0, n_off = 0;
-  for (const OptimizationInfo& k : kOptimizations) {
-    (o.*k.on ? on : off) += std::string(" ") + k.name;
-    (o.*k.on ? n_on : n_off)++;
-  }
-  if (off.empty()) return "all";
-  if (on.empty()) return "none (Part I alone)";
-  return n_off < n_on ? "all except" + off : on.substr(1);
+// Which registered optimizations a run switches on: on[i] for registry entry i.
+struct OptimizationSet {
+  std::vector<bool> on;
+  bool operator==(const OptimizationSet& o) const { return on == o.on; }
+};
+static OptimizationSet default_optimizations() {
+  OptimizationSet s;
+  for (const Optimization& o : optimization_registry()) s.on.push_back(o.on_by_default);
+  return s;
 }
 
-// The optimizations this process runs. Set once from Config::opt by ModelRunner (every rank gets the same
-// Config, section 25); the tests set it directly to compare a fast path with the plain one.
-static Optimizations g_opt;
-
-// What the KV cache stores (--kv-cache-dtype, vLLM's flag): bf16, as the model computes keys and values
-// (Part I), or FP8 e4m3, one byte per value with a power-of-two scale per layer (section 21): half the
-// bytes per token, so twice the tokens in the pool and half the bytes a decode step reads.
-enum class KVCacheDtype { BF16, FP8 };
-static const char* kv_cache_dtype_name(KVCacheDtype d) { return d == KVCacheDtype::FP8 ? "fp8" : "bf16"; }
-static int kv_cache_elem_bytes(KVCacheDtype d) { return d == KVCacheDtype::FP8 ? 1 : 2; }
-// vLLM's spellings: auto (= the model's dtype, bf16 here), bf16, fp8 (= fp8_e4m3). Returns "" or the problem.
-static std::string parse_kv_cache_dtype(const std::string& s, KVCacheDtype& d) {
-  if (s == "auto" || s == "bf16" || s == "bfloat16") d = KVCacheDtype::BF16;
-  else if (s == "fp8" || s == "fp8_e4m3") d = KVCacheDtype::FP8;
-  else if (s == "fp8_e5m2")
-    return "--kv-cache-dtype fp8_e5m2 is not supported: nanovllm stores FP8 as e4m3 (write fp8 or fp8_e4m3)";
-  else return "--kv-cache-dtype must be auto, bf16 or fp8 (= fp8_e4m3), found '" + s + "'";
-  return "";
+// What the KV cache stores (--kv-cache-dtype, vLLM's flag). Part I's cache holds bf16, as the model computes
+// keys and values. A Part II section may register another format with fewer bytes per value (more tokens
+// in the pool, fewer bytes for attention to read); `refused` names spellings it knows and does not take,
+// with the reason.
+struct KVCacheFormat {
+  const char* name;                  // the canonical name, as the summary prints it
+  std::vector<std::string> aliases;  // other spellings the flag accepts
+  int value_bytes;                   // bytes per stored key or value element
+  std::vector<std::pair<std::string, std::string>> refused;  // (spelling, why not)
+  void (*use)(Qwen3& model) = nullptr;  // before the pool is sized: check the GPU, prepare (scales); may die()
+};
+static std::vector<KVCacheFormat>& kv_cache_formats() {
+  static std::vector<KVCacheFormat> formats = {{"bf16", {"auto", "bfloat16"}, 2, {}}};  // Part I's
+  return formats;
+}
+static int register_kv_cache_format(const KVCacheFormat& f) {
+  kv_cache_formats().push_back(f);
+  return (int)kv_cache_formats().size() - 1;
+}
+// Bytes per stored value of the format `name` (a name parse_kv_cache_dtype returned).
+static int kv_cache_value_bytes(const std::string& name) {
+  for (const KVCacheFormat& f : kv_cache_formats())
+    if (name == f.name) return f.value_bytes;
+  return 2;
 }
 
 // The engine's knobs (nano-vllm: config.py Config). Flags spell them in kebab case: --max-num-seqs.
@@ -517,15 +381,12 @@ struct Config {
   int kvcache_block_size = 256;        // P: tokens per KV block (nano-vllm: multiples of 256; here 16..256)
   int num_kvcache_blocks = -1;         // NB: -1 = as many as fit (measured after a warm-up)
   std::vector<int> eos;                // filled from the model config
-  Optimizations opt;                   // which Part II optimizations run (--plain, --opt)
+  OptimizationSet opt = default_optimizations();  // which Part II optimizations run (--plain, --opt)
   bool mixed_scheduler = false;        // --scheduler mixed: vLLM V1's scheduler (section 5b), not nano-vllm's
-  KVCacheDtype kv_cache_dtype = KVCacheDtype::BF16;  // --kv-cache-dtype
-  bool kv_scales_from_weights = true;  // fp8: each layer's scales bound its K and V (section 21); false: 1.0
+  std::string kv_cache_dtype = "bf16"; // --kv-cache-dtype: a KVCacheFormat's name (Part I: bf16)
 };
 
-static bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
-
-// ---- Tensor-parallel sharding arithmetic (used by validate_config, load_weights and the host tests) ----
+// ---- Tensor-parallel sharding arithmetic (used by load_weights, section 24's validate_config, the tests) ----
 // Which sizes N can split a model, and what rank r of N holds (nano-vllm: the tp_size divisions in
 // layers/linear.py and layers/embed_head.py). Heads are never split: a rank owns whole query heads and
 // whole KV heads, so attention needs no communication; the MLP is split by intermediate columns; the
@@ -564,26 +425,9 @@ static TPShard tp_shard(const ModelConfig& m, int rank, int n) {
   return s;
 }
 
-// Check the engine settings; every message names the flag to change.
-static void validate_config(Config& c, const ModelConfig& m) {
-  if (c.max_num_batched_tokens < 1) die("--max-num-batched-tokens must be at least 1, found %d", c.max_num_batched_tokens);
-  if (c.max_num_seqs < 1) die("--max-num-seqs must be at least 1, found %d", c.max_num_seqs);
-  if (c.max_model_len < 2) die("--max-model-len must be at least 2, found %d", c.max_model_len);
-  if (!(c.gpu_memory_utilization > 0 && c.gpu_memory_utilization <= 1))
-    die("--gpu-memory-utilization must be in (0, 1], found %g", c.gpu_memory_utilization);
-  if (!is_pow2(c.kvcache_block_size) || c.kvcache_block_size < 16 || c.kvcache_block_size > 256)
-    die("--kvcache-block-size must be a power of two from 16 to 256, found %d", c.kvcache_block_size);
-  if (c.num_kvcache_blocks == 0 || c.num_kvcache_blocks < -1)
-    die("--num-kvcache-blocks must be positive (or -1 for automatic), found %d", c.num_kvcache_blocks);
-  c.max_model_len = std::min(c.max_model_len, m.max_position_embeddings);
-  std::string tp_problem = tp_shard_problem(m, c.tensor_parallel_size);
-  if (!tp_problem.empty()) die("%s", tp_problem.c_str());
-  c.eos = m.eos_token_ids;
-}
-
 // One request's sampling settings (nano-vllm: SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=False),
 // grown to vLLM's SamplingParams: the same field names, meanings and ranges). The defaults below are the
-// built-in ones; the model's generation_config.json may replace some (section 23, --generation-config).
+// built-in ones; the model's generation_config.json may replace some (section 25, --generation-config).
 constexpr int MAX_LOGPROBS = 20;  // vLLM's default max_logprobs: alternatives a request may ask for per token
 
 struct SamplingParams {
@@ -612,34 +456,6 @@ struct SamplingParams {
   }
 };
 
-// vLLM's ranges (SamplingParams._verify_args). `where` names the line or the flag in the message. A default
-// (from the command line or generation_config.json) skips min_tokens <= max_tokens unless it sets both: a
-// .jsonl line may set max_tokens itself, and each request is checked whole.
-static void validate_sampling(const SamplingParams& p, const std::string& where, bool min_le_max = true) {
-  const char* w = where.c_str();
-  if (p.n < 1 || p.n > 4096) die("%s: n must be an integer from 1 to 4096, found %d", w, p.n);
-  if (!(p.temperature >= 0) || !std::isfinite(p.temperature))
-    die("%s: temperature must be >= 0, found %g", w, p.temperature);
-  if (!(p.top_p > 0 && p.top_p <= 1)) die("%s: top_p must be in (0, 1], found %g", w, p.top_p);
-  if (p.top_k < -1) die("%s: top_k must be positive, or -1 or 0 (off), found %d", w, p.top_k);
-  if (!(p.min_p >= 0 && p.min_p <= 1)) die("%s: min_p must be in [0, 1], found %g", w, p.min_p);
-  if (!(p.repetition_penalty > 0) || !std::isfinite(p.repetition_penalty))
-    die("%s: repetition_penalty must be > 0 (1 = off), found %g", w, p.repetition_penalty);
-  if (!(p.frequency_penalty >= -2 && p.frequency_penalty <= 2))
-    die("%s: frequency_penalty must be in [-2, 2], found %g", w, p.frequency_penalty);
-  if (!(p.presence_penalty >= -2 && p.presence_penalty <= 2))
-    die("%s: presence_penalty must be in [-2, 2], found %g", w, p.presence_penalty);
-  if (p.max_tokens < 1) die("%s: max_tokens must be at least 1, found %d", w, p.max_tokens);
-  if (p.min_tokens < 0 || (min_le_max && p.min_tokens > p.max_tokens))
-    die("%s: min_tokens must be in [0, max_tokens = %d], found %d", w, p.max_tokens, p.min_tokens);
-  if (p.logprobs < -1 || p.logprobs > MAX_LOGPROBS)
-    die("%s: logprobs must be in [0, %d] (or absent), found %d", w, MAX_LOGPROBS, p.logprobs);
-  for (const std::string& s : p.stop)
-    if (s.empty()) die("%s: stop cannot contain an empty string", w);
-  for (int id : p.stop_token_ids)
-    if (id < 0) die("%s: stop_token_ids must be token ids >= 0, found %d", w, id);
-}
-
 // One output token's log-probabilities, from the model's raw logits (section 9b): what a request with
 // logprobs = N gets back per token.
 struct TokenLogprobs {
@@ -651,6 +467,7 @@ struct TokenLogprobs {
 };
 
 // ==== 3. Sequence ==========================================================================================
+// defines: SequenceStatus, Sequence
 //
 // One request as the scheduler sees it (nano-vllm: engine/sequence.py Sequence). The token list holds the
 // prompt followed by every generated token. Three counters tell the whole story of a sequence:
@@ -731,6 +548,7 @@ struct Sequence {
 };
 
 // ==== 4. BlockManager: paged KV blocks and prefix caching ==================================================
+// defines: Block, compute_block_hash, BlockManager
 //
 // The KV cache is a pool of NB blocks of P token slots each (its GPU layout: section 6b). A sequence owns a block table, a
 // list of physical block ids, so its K/V can live anywhere in the pool: no fragmentation, no copying when it
@@ -923,11 +741,12 @@ struct BlockManager {
   }
 
   static void assert_invariant(bool ok, const char* what) {
-    if (!ok) die("internal error in BlockManager: %s", what);
+    INTERNAL_CHECK(ok, "BlockManager: %s", what);
   }
 };
 
 // ==== 5. Scheduler: continuous batching, chunked prefill, preemption =======================================
+// defines: SchedulerStats, Scheduler (schedule, schedule_mixed, preempt, postprocess)
 //
 // Every step the scheduler picks the work (nano-vllm: engine/scheduler.py Scheduler):
 //   1. Prefill first. Admit waiting sequences in arrival order while the step has room (max_num_seqs,
@@ -970,8 +789,7 @@ struct Scheduler {
   std::vector<Sequence*> schedule(bool& is_prefill) {
     if (mixed) return schedule_mixed(is_prefill);  // section 5b
     std::vector<Sequence*> scheduled;
-    last_preempted.clear();
-    last_cached_tokens = 0;
+    begin_step();
     int num_batched_tokens = 0;
     // prefill
     while (!waiting.empty() && (int)scheduled.size() < max_num_seqs) {
@@ -987,12 +805,7 @@ struct Scheduler {
         num_tokens = seq->num_tokens - seq->num_cached_tokens;  // the rest of a chunked prompt
       }
       if (remaining < num_tokens && !scheduled.empty()) break;  // only the first sequence may be chunked
-      if (seq->block_table.empty()) {
-        block_manager.allocate(*seq, num_cached_blocks);
-        stats.prefix_hit_tokens += seq->num_cached_tokens;
-        stats.prompt_tokens_admitted += seq->num_tokens;
-        last_cached_tokens += seq->num_cached_tokens;
-      }
+      if (seq->block_table.empty()) admit(seq, num_cached_blocks);
       seq->num_scheduled_tokens = std::min(num_tokens, remaining);
       num_batched_tokens += seq->num_scheduled_tokens;
       if (seq->num_cached_tokens + seq->num_scheduled_tokens == seq->num_tokens) {
@@ -1027,10 +840,7 @@ struct Scheduler {
         scheduled.push_back(seq);
       }
     }
-    if (scheduled.empty())  // cannot happen when the pool holds one max_model_len sequence (checked at start)
-      die("the KV cache cannot hold even one sequence: %d free blocks of %d tokens. Lower --max-model-len or "
-          "raise --gpu-memory-utilization / --num-kvcache-blocks",
-          block_manager.num_free_blocks(), block_size);
+    if (scheduled.empty()) no_room();
     for (auto it = scheduled.rbegin(); it != scheduled.rend(); ++it) running.push_front(*it);
     is_prefill = false;
     return scheduled;
@@ -1044,6 +854,24 @@ struct Scheduler {
     seq->num_scheduled_tokens = 0;
     block_manager.deallocate(*seq);
     waiting.push_front(seq);
+  }
+
+  // What both schedulers do: forget the last step's notes; admit a waiting sequence (its blocks, the prefix
+  // cache's hits among them); give up when nothing fits.
+  void begin_step() {
+    last_preempted.clear();
+    last_cached_tokens = 0;
+  }
+  void admit(Sequence* seq, int num_cached_blocks) {
+    block_manager.allocate(*seq, num_cached_blocks);
+    stats.prefix_hit_tokens += seq->num_cached_tokens;
+    stats.prompt_tokens_admitted += seq->num_tokens;
+    last_cached_tokens += seq->num_cached_tokens;
+  }
+  [[noreturn]] void no_room() const {  // cannot happen when the pool holds one max_model_len sequence
+    die("the KV cache cannot hold even one sequence: %d free blocks of %d tokens. Lower --max-model-len or "
+        "raise --gpu-memory-utilization / --num-kvcache-blocks",
+        block_manager.num_free_blocks(), block_size);
   }
 
   bool is_eos(int token) const { return std::find(eos.begin(), eos.end(), token) != eos.end(); }
@@ -1112,12 +940,11 @@ struct Scheduler {
 // postprocess() above needs no change: a sequence whose scheduled tokens reach its end gets a token.
 
 // A sequence whose one remaining token is its last (it decodes, or its prompt's last token is left).
-static bool decoding(const Sequence& seq) { return seq.num_cached_tokens + 1 == seq.num_tokens; }
+static bool has_one_token_left(const Sequence& seq) { return seq.num_cached_tokens + 1 == seq.num_tokens; }
 
 std::vector<Sequence*> Scheduler::schedule_mixed(bool& is_prefill) {
   std::vector<Sequence*> scheduled;
-  last_preempted.clear();
-  last_cached_tokens = 0;
+  begin_step();
   is_prefill = false;  // true once a step holds a token that is not a decoding sequence's last
   int budget = max_num_batched_tokens;
   // 1. running sequences, oldest first
@@ -1139,7 +966,7 @@ std::vector<Sequence*> Scheduler::schedule_mixed(bool& is_prefill) {
     for (int k = 0; k < missing; k++) seq->block_table.push_back(block_manager.allocate_block());
     seq->num_scheduled_tokens = std::min(seq->num_tokens - seq->num_cached_tokens, budget);
     budget -= seq->num_scheduled_tokens;
-    if (!decoding(*seq)) is_prefill = true;
+    if (!has_one_token_left(*seq)) is_prefill = true;
     scheduled.push_back(seq);
     i++;
   }
@@ -1150,26 +977,22 @@ std::vector<Sequence*> Scheduler::schedule_mixed(bool& is_prefill) {
     if (waits_for_sibling(*seq)) break;
     int num_cached_blocks = block_manager.can_allocate(*seq);
     if (num_cached_blocks == -1) break;
-    block_manager.allocate(*seq, num_cached_blocks);
-    stats.prefix_hit_tokens += seq->num_cached_tokens;
-    stats.prompt_tokens_admitted += seq->num_tokens;
-    last_cached_tokens += seq->num_cached_tokens;
+    admit(seq, num_cached_blocks);
     seq->num_scheduled_tokens = std::min(seq->num_tokens - seq->num_cached_tokens, budget);
     budget -= seq->num_scheduled_tokens;
-    if (!decoding(*seq)) is_prefill = true;
+    if (!has_one_token_left(*seq)) is_prefill = true;
     seq->status = SequenceStatus::RUNNING;
     waiting.pop_front();
     running.push_back(seq);
     scheduled.push_back(seq);
   }
-  if (scheduled.empty())  // cannot happen when the pool holds one max_model_len sequence (checked at start)
-    die("the KV cache cannot hold even one sequence: %d free blocks of %d tokens. Lower --max-model-len or "
-        "raise --gpu-memory-utilization / --num-kvcache-blocks",
-        block_manager.num_free_blocks(), block_size);
+  if (scheduled.empty()) no_room();
   return scheduled;
 }
 
 // ==== 6. The Qwen3 model: weights, the KV cache, the forward pass ==========================================
+// defines: LayerWeights, Weights, bf16_round, load_weights, validate_checkpoint, KVLayer, KVCache,
+//          kv_block_bytes, Activations, StepInputs, Qwen3 (forward)
 //
 // Everything the GPU holds for one model, and the one function that runs it: 6a loads the weights, 6b lays
 // out the KV cache, 6c is the forward pass (nano-vllm: models/qwen3.py and layers/). The kernels it calls
@@ -1223,7 +1046,9 @@ static uint16_t float_to_bf16_bits(float f) {  // round to nearest even, NaN sta
   if ((u & 0x7fffffff) > 0x7f800000) return 0x7fc0;
   return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
-static float bf16_round(float x) { return bf16_bits_to_float(float_to_bf16_bits(x)); }  // as PyTorch rounds
+// A float rounded to the nearest bf16 (ties to even), as PyTorch rounds: the same function on the host (CPU
+// references) and on the GPU (kernels that round an intermediate the way Hugging Face stores it).
+__host__ __device__ inline float bf16_round(float x) { return __bfloat162float(__float2bfloat16(x)); }
 static float half_bits_to_float(uint16_t h) {
   uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, u;
   if (exp == 0) {
@@ -1442,8 +1267,8 @@ static Weights load_weights(const std::string& dir, const ModelConfig& c, int ra
     w.layers.push_back(lw);
   }
   ld.flush();
-  if (p != (bf16*)w.arena + total) die("internal error: load_weights filled %lld of %lld elements",
-                                       (long long)(p - (bf16*)w.arena), (long long)total);
+  INTERNAL_CHECK(p == (bf16*)w.arena + total, "load_weights filled %lld of %lld elements",
+                 (long long)(p - (bf16*)w.arena), (long long)total);
   CUDA_CHECK(cudaStreamSynchronize(stream));
   *bytes_read = ld.bytes_read;
   return w;
@@ -1466,38 +1291,27 @@ static Weights load_weights(const std::string& dir, const ModelConfig& c, int ra
 // the flat slot number block * P + t % P is what slot_mapping carries. A block costs
 //   block_bytes = 2 * L * P * NKV/tp * D * 2 bytes   (28 MiB for Qwen3-0.6B at P = 256)
 // and the pool gets whatever gpu_memory_utilization leaves after weights and activations (section 11).
-// With --kv-cache-dtype fp8 (section 21) the layout is the same with one byte per value, and each layer has
-// two scales (keys, values): the cache holds value / scale.
+// (A Part II cache format may store fewer bytes per value; the layout stays the same.)
 
-struct KVScales {
-  float k = 1.f, v = 1.f;  // fp8 only: a stored key is k_true / k, a stored value v_true / v (powers of two)
-};
-
-// One layer's cache as the kernels take it: two [NB, NKV/tp, P, D] arrays of dtype.
+// One layer's cache as the kernels take it: two [NB, NKV/tp, P, D] arrays.
 struct KVLayer {
-  void* k;  // bf16, or one e4m3 byte per value (section 21)
-  void* v;
-  KVCacheDtype dtype;
-  KVScales scale;
+  bf16* k;
+  bf16* v;
 };
-static KVLayer bf16_kv_layer(bf16* k, bf16* v) { return {k, v, KVCacheDtype::BF16, {}}; }
 
 struct KVCache {
-  char* base = nullptr;  // [L, 2, NB, NKV/tp, P, D] of dtype
-  KVCacheDtype dtype = KVCacheDtype::BF16;
-  std::vector<KVScales> scales;  // [L] (fp8)
+  char* base = nullptr;  // [L, 2, NB, NKV/tp, P, D], value_bytes per value
+  int value_bytes = 2;   // bf16
   int64_t num_blocks = 0, layer_stride = 0, kv_stride = 0;  // elements
   size_t bytes = 0;
   KVLayer layer(int l) const {
-    const int64_t e = kv_cache_elem_bytes(dtype);
-    return {base + l * layer_stride * e, base + (l * layer_stride + kv_stride) * e, dtype,
-            scales.empty() ? KVScales{} : scales[l]};
+    return {(bf16*)(base + l * layer_stride * value_bytes),
+            (bf16*)(base + (l * layer_stride + kv_stride) * value_bytes)};
   }
 };
 
-static size_t kv_block_bytes(const ModelConfig& c, int P, int tp, KVCacheDtype dtype = KVCacheDtype::BF16) {
-  return (size_t)2 * c.num_hidden_layers * P * (c.num_key_value_heads / tp) * c.head_dim *
-         kv_cache_elem_bytes(dtype);
+static size_t kv_block_bytes(const ModelConfig& c, int P, int tp, int value_bytes = 2) {
+  return (size_t)2 * c.num_hidden_layers * P * (c.num_key_value_heads / tp) * c.head_dim * value_bytes;
 }
 
 // ---- 6c. The forward pass ------------------------------------------------------------------------------
@@ -1529,7 +1343,7 @@ struct Activations {
   bf16* act;       // [Tmax, I/tp]
   bf16* last;      // [Bmax, H]  final normed row of each sequence
   float* logits;   // [Bmax, V/tp]
-  float* attn_workspace;  // decode split-K partials (section 8)
+  float* attn_workspace;  // scratch a Part II attention kernel asks for (Hooks, section 11); Part I's need none
 };
 
 // Device pointers to one step's inputs (built on the host by ModelRunner::prepare_*).
@@ -1557,8 +1371,8 @@ static void attention_prefill(bf16* out, const bf16* qkv, const KVLayer& cache, 
                               const int* seqlens_k, const int* block_tables, int B, int max_seqlen_q, int NH,
                               int NKV, int P, int MB, float scale, cudaStream_t stream);
 static void attention_decode(bf16* out, const bf16* qkv, const KVLayer& cache, const int* context_lens,
-                             const int* block_tables, int B, int NH, int NKV, int P, int MB, int max_context_len,
-                             float* workspace, float scale, cudaStream_t stream);
+                             const int* block_tables, int B, int NH, int NKV, int P, int MB, float scale,
+                             cudaStream_t stream);
 void silu_and_mul(bf16* out, const bf16* gate_up, int T, int I, cudaStream_t stream);
 void gather_last_tokens(bf16* out, const bf16* x, const int* cu_seqlens_q, int B, int H, cudaStream_t stream);
 struct Gemm;
@@ -1599,7 +1413,7 @@ struct Qwen3 {
                           in.max_seqlen_q, NH, NKV, P, MB, scale, s);
       else
         attention_decode(act.attn, act.qkv, kv.layer(l), in.seqlens_k, in.block_tables, B, NH, NKV, P, MB,
-                         max_model_len, act.attn_workspace, scale, s);
+                         scale, s);
       linear(*gemm, act.hidden, act.attn, lw.o_proj, T, H, NH * D, s);
       if (tp > 1) all_reduce_sum(comm, act.hidden, (size_t)T * H, s);
       // MLP
@@ -1620,6 +1434,8 @@ struct Qwen3 {
 };
 
 // ==== 7. Kernels: embedding, RMSNorm, q/k-norm + RoPE + KV store, SiLU =====================================
+// defines: embedding, rmsnorm, add_rmsnorm, qk_norm_rope, KVStoreBf16, silu_and_mul, gather_last_tokens, and
+//          their CPU references
 //
 // Shared conventions of this section:
 //   * Every load and store moves 16 bytes (8 bf16) per thread: the widest access a thread can issue, so a
@@ -1648,7 +1464,6 @@ __device__ __forceinline__ uint4 float_to_bf16x8(const float f[8]) {
   for (int i = 0; i < 4; i++) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
   return u;
 }
-__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
 // Sum over the whole thread block; every thread gets the result. scratch: 32 floats of shared memory.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
@@ -1665,12 +1480,12 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 // Launcher-side checks shared by this section's launchers: these are engine invariants, but a clear
 // message beats a misaligned-address fault three kernels later.
 static void check_vec8(const char* kernel, const char* what, int64_t n) {
-  if (n % 8 != 0)
-    die("%s: %s = %lld must be a multiple of 8 (16-byte vector loads)", kernel, what, (long long)n);
+  INTERNAL_CHECK(n % 8 == 0, "%s: %s = %lld must be a multiple of 8 (16-byte vector loads)", kernel, what,
+                 (long long)n);
 }
 static void check_aligned16(const char* kernel, const char* what, const void* p) {
-  if (reinterpret_cast<uintptr_t>(p) % 16 != 0)
-    die("%s: pointer %s = %p is not 16-byte aligned", kernel, what, p);
+  INTERNAL_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "%s: pointer %s = %p is not 16-byte aligned", kernel,
+                 what, p);
 }
 // Threads for a thread block that walks a row of `chunks` 16-byte chunks: one chunk per thread if possible.
 static int row_threads(int64_t chunks, int max_threads) {
@@ -1725,7 +1540,7 @@ static void embedding_reference(float* out, const int* ids, const float* table, 
 constexpr int NORM_THREADS = 256;
 constexpr int NORM_MAX_CHUNKS = 4;
 
-// One row, by the whole thread block (rmsnorm_kernel's body; the fused gemv of section 15 calls it too, so the
+// One row, by the whole thread block (rmsnorm_kernel's body; the fused gemv of section 16 calls it too, so the
 // fused and the separate paths round identically). scratch: 32 floats of shared memory.
 template <bool ADD_RESIDUAL>
 __device__ __forceinline__ void rmsnorm_row(bf16* out, bf16* residual, const bf16* x, const bf16* w, int H,
@@ -1744,7 +1559,7 @@ __device__ __forceinline__ void rmsnorm_row(bf16* out, bf16* residual, const bf1
       float r[8];
       bf16x8_to_float(rr[c], r);
 #pragma unroll
-      for (int i = 0; i < 8; i++) v[k][i] = round_bf16(v[k][i] + r[i]);
+      for (int i = 0; i < 8; i++) v[k][i] = bf16_round(v[k][i] + r[i]);
       rr[c] = float_to_bf16x8(v[k]);
     }
 #pragma unroll
@@ -1760,7 +1575,7 @@ __device__ __forceinline__ void rmsnorm_row(bf16* out, bf16* residual, const bf1
     float wf[8], o[8];
     bf16x8_to_float(wr[c], wf);
 #pragma unroll
-    for (int i = 0; i < 8; i++) o[i] = wf[i] * round_bf16(v[k][i] * scale);
+    for (int i = 0; i < 8; i++) o[i] = wf[i] * bf16_round(v[k][i] * scale);
     orow[c] = float_to_bf16x8(o);
   }
 }
@@ -1774,9 +1589,9 @@ __global__ __launch_bounds__(NORM_THREADS) void rmsnorm_kernel(bf16* out, bf16* 
 }
 static void rmsnorm_checks(const char* name, const void* out, const void* x, const void* w, int H) {
   check_vec8(name, "H", H);
-  if (H > NORM_THREADS * NORM_MAX_CHUNKS * 8)
-    die("%s: H = %d is larger than the %d this kernel keeps in registers; raise NORM_MAX_CHUNKS", name, H,
-        NORM_THREADS * NORM_MAX_CHUNKS * 8);
+  INTERNAL_CHECK(H <= NORM_THREADS * NORM_MAX_CHUNKS * 8,
+                 "%s: H = %d is larger than the %d this kernel keeps in registers (raise NORM_MAX_CHUNKS)", name,
+                 H, NORM_THREADS * NORM_MAX_CHUNKS * 8);
   check_aligned16(name, "out", out);
   check_aligned16(name, "x", x);
   check_aligned16(name, "w", w);
@@ -1804,49 +1619,13 @@ static void rmsnorm_reference(float* out, const float* x, const float* w, int H,
   for (int h = 0; h < H; h++) out[h] = bf16_round(w[h] * bf16_round(x[h] * scale));
 }
 
-// ---- Reading and writing the cache, whatever it stores --------------------------------------------------
-// The kernels that touch the KV cache (qk_norm_rope here, both attention kernels in section 8, the fused
-// decode kernel of section 17) are templates over the cache's element type KV: bf16 is Part I's cache and
-// the only one these sections explain; fp8e4m3 is section 21's, whose pieces are declared here and defined
-// there. The launchers pick the instance from KVLayer::dtype. Accumulation is fp32 either way; an fp8 tile is
-// widened (to fp16) in shared memory before the tensor cores see it.
-__device__ __forceinline__ void store_kv8_fp8(fp8e4m3* row, int chunk, uint4 v, float scale);
-__device__ __forceinline__ uint4 kv8_tile_values_fp8(uint4 v, float scale);
-__device__ __forceinline__ void store_kv8_tile_fp8(fp8e4m3* row, int chunk, uint4 tile_values);
-
-// Write one 16-byte chunk of bf16 values v (8 values) to elements [8*chunk, 8*chunk + 8) of a cache row.
-// scale: the layer's scale for this tensor (fp8 only).
-template <class KV>
-__device__ __forceinline__ void store_kv8(KV* row, int chunk, uint4 v, float scale) {
-  if constexpr (std::is_same<KV, bf16>::value) reinterpret_cast<uint4*>(row)[chunk] = v;
-  else store_kv8_fp8(row, chunk, v, scale);
-}
-// The 8 values an attention tile holds after store_kv8 and the tile load (bf16: v itself; fp8: section 21's
-// tile values), and the store of such tile values (the same bytes store_kv8 writes).
-template <class KV>
-__device__ __forceinline__ uint4 kv8_tile_values(uint4 v, float scale) {
-  if constexpr (std::is_same<KV, bf16>::value) return v;
-  else return kv8_tile_values_fp8(v, scale);
-}
-template <class KV>
-__device__ __forceinline__ void store_kv8_tile(KV* row, int chunk, uint4 tile_values) {
-  if constexpr (std::is_same<KV, bf16>::value) reinterpret_cast<uint4*>(row)[chunk] = tile_values;
-  else store_kv8_tile_fp8(row, chunk, tile_values);
-}
-// Calls f(KV*) with a null pointer of the cache's element type: a launcher's way to pick its template.
-template <class F>
-static void with_kv_type(const KVLayer& cache, F f) {
-  if (cache.dtype == KVCacheDtype::FP8) f((fp8e4m3*)nullptr);
-  else f((bf16*)nullptr);
-}
-
 // ---- qk_norm_rope (and the KV-cache store) ---------------------------------------------------------------
 // Replaces (Qwen3Attention.forward, between the qkv projection and attention):
 //     q = q_norm(q.view(T, NH, D));  k = k_norm(k.view(T, NKV, D))     # RMSNorm over D, semantics above
 //     q, k = rotary_emb(positions, q, k)                               # rotate-half (NeoX) RoPE, full D
 //     store_kvcache(k, v, k_cache, v_cache, slot_mapping)              # nano-vllm's Triton kernel
 // The store is fused in: the thread that writes a finished k head also writes it to its cache slot, and
-// the thread block copies the token's v heads, so K/V never take a second trip through memory. (Section 17
+// the thread block copies the token's v heads, so K/V never take a second trip through memory. (Section 18
 // moves all of this into decode attention, with the pieces below.)
 // Cache layout [NB, NKV, P, D]: head h of the token goes to [slot / P, h, slot % P, :]; slot -1 (padding)
 // stores nothing. Every head is 256 contiguous bytes.
@@ -1870,7 +1649,7 @@ struct RopeInvFreq {
   float v[HEAD_DIM / 2];
 };
 
-// The pieces both users share (this kernel and the fused decode attention of section 17):
+// The pieces both users share (this kernel and the fused decode attention of section 18):
 // rope_angles: thread i < D/2 puts the cosine and sine of angle i of position pos into cos_s[i], sin_s[i].
 __device__ __forceinline__ void rope_angles(float* cos_s, float* sin_s, int pos, const RopeInvFreq& inv_freq) {
   if (threadIdx.x < HEAD_DIM / 2) {
@@ -1902,8 +1681,8 @@ __device__ __forceinline__ void head_norm_rope(uint4& ua, uint4& ub, float ss, c
   bf16x8_to_float(w[j + 8], wb);
 #pragma unroll
   for (int i = 0; i < 8; i++) {
-    float na = round_bf16(wa[i] * round_bf16(a[i] * scale));  // the normed head, as HF stores it
-    float nb = round_bf16(wb[i] * round_bf16(b[i] * scale));
+    float na = bf16_round(wa[i] * bf16_round(a[i] * scale));  // the normed head, as HF stores it
+    float nb = bf16_round(wb[i] * bf16_round(b[i] * scale));
     float c = cos_s[8 * j + i], s = sin_s[8 * j + i];
     oa[i] = na * c - nb * s;
     ob[i] = nb * c + na * s;
@@ -1912,11 +1691,24 @@ __device__ __forceinline__ void head_norm_rope(uint4& ua, uint4& ub, float ss, c
   ub = float_to_bf16x8(ob);
 }
 
-template <class KV>
+// Where the kernel puts a finished k head and a token's v heads: a 16-byte chunk of 8 bf16 values (chunk c of
+// row `row` = (block * NKV + head) * P + offset). Part I's cache holds bf16, so the store is a plain copy; the
+// kernel is a template over this policy so that a cache format of Part II can store the same chunks its way.
+struct KVStoreBf16 {
+  bf16* k_cache;  // [NB, NKV, P, D]
+  bf16* v_cache;
+  __device__ void key(int64_t row, int chunk, uint4 v) const {
+    reinterpret_cast<uint4*>(k_cache + row * HEAD_DIM)[chunk] = v;
+  }
+  __device__ void value(int64_t row, int chunk, uint4 v) const {
+    reinterpret_cast<uint4*>(v_cache + row * HEAD_DIM)[chunk] = v;
+  }
+};
+
+template <class Store>
 __global__ void qk_norm_rope_kernel(bf16* qkv, const int* positions, const bf16* q_norm_w,
-                                    const bf16* k_norm_w, KV* k_cache, KV* v_cache, KVScales kv_scale,
-                                    const int* slot_mapping, int NH, int NKV, int P, float eps,
-                                    RopeInvFreq inv_freq) {
+                                    const bf16* k_norm_w, Store store, const int* slot_mapping, int NH, int NKV,
+                                    int P, float eps, RopeInvFreq inv_freq) {
   __shared__ float cos_s[HEAD_DIM / 2], sin_s[HEAD_DIM / 2];
   int t = blockIdx.x;
   const int slot = slot_mapping[t];
@@ -1940,9 +1732,9 @@ __global__ void qk_norm_rope_kernel(bf16* qkv, const int* positions, const bf16*
     head[j] = ua;
     head[j + 8] = ub;
     if (h >= NH && slot >= 0) {  // a k head: into its cache slot too
-      KV* dst = k_cache + ((cache_block * NKV + (h - NH)) * P + cache_offset) * HEAD_DIM;
-      store_kv8(dst, j, ua, kv_scale.k);
-      store_kv8(dst, j + 8, ub, kv_scale.k);
+      const int64_t cache_row = (cache_block * NKV + (h - NH)) * P + cache_offset;
+      store.key(cache_row, j, ua);
+      store.key(cache_row, j + 8, ub);
     }
   }
   if (slot < 0) return;
@@ -1950,7 +1742,7 @@ __global__ void qk_norm_rope_kernel(bf16* qkv, const int* positions, const bf16*
   const uint4* v_src = reinterpret_cast<const uint4*>(row + (int64_t)(NH + NKV) * HEAD_DIM);
   for (int c = threadIdx.x; c < NKV * CHUNKS_PER_HEAD; c += blockDim.x) {
     int h = c / CHUNKS_PER_HEAD, chunk = c % CHUNKS_PER_HEAD;
-    store_kv8(v_cache + ((cache_block * NKV + h) * P + cache_offset) * HEAD_DIM, chunk, v_src[c], kv_scale.v);
+    store.value((cache_block * NKV + h) * P + cache_offset, chunk, v_src[c]);
   }
 }
 // RoPE's inverse frequencies for theta, as PyTorch computes them:
@@ -1970,6 +1762,11 @@ static const RopeInvFreq& rope_inv_freq(float rope_theta) {
   }
   return inv_freq;
 }
+// Threads of one qk_norm_rope thread block: 8 per head, at least D/2 (one per RoPE angle), at most 512.
+static int qk_norm_rope_threads(int NH, int NKV) {
+  return (int)std::min<int64_t>(512, std::max<int64_t>(HEAD_DIM / 2,
+                                    cdiv((int64_t)(NH + NKV) * ROPE_THREADS_PER_HEAD, 32) * 32));
+}
 // cache: one layer's k and v [NB, NKV, P, D]; slot_mapping [T] (device; -1 = do not store).
 void qk_norm_rope(bf16* qkv, const int* positions, const bf16* q_norm_w, const bf16* k_norm_w,
                   const KVLayer& cache, const int* slot_mapping, int T, int NH, int NKV, int P, float rope_theta,
@@ -1979,17 +1776,11 @@ void qk_norm_rope(bf16* qkv, const int* positions, const bf16* q_norm_w, const b
   check_aligned16("qk_norm_rope", "k_norm_w", k_norm_w);
   check_aligned16("qk_norm_rope", "k_cache", cache.k);
   check_aligned16("qk_norm_rope", "v_cache", cache.v);
-  if (P <= 0) die("qk_norm_rope: block size P = %d must be positive", P);
+  INTERNAL_CHECK(P > 0, "qk_norm_rope: block size P = %d", P);
   if (T == 0) return;
-  int heads = NH + NKV;
-  int threads = (int)std::min<int64_t>(512, std::max<int64_t>(HEAD_DIM / 2,
-                                           cdiv((int64_t)heads * ROPE_THREADS_PER_HEAD, 32) * 32));
-  with_kv_type(cache, [&](auto* kv) {
-    using KV = std::remove_pointer_t<decltype(kv)>;
-    qk_norm_rope_kernel<<<T, threads, 0, stream>>>(qkv, positions, q_norm_w, k_norm_w, (KV*)cache.k,
-                                                   (KV*)cache.v, cache.scale, slot_mapping, NH, NKV, P, eps,
-                                                   rope_inv_freq(rope_theta));
-  });
+  qk_norm_rope_kernel<<<T, qk_norm_rope_threads(NH, NKV), 0, stream>>>(
+      qkv, positions, q_norm_w, k_norm_w, KVStoreBf16{cache.k, cache.v}, slot_mapping, NH, NKV, P, eps,
+      rope_inv_freq(rope_theta));
   CUDA_CHECK(cudaGetLastError());
 }
 // What qk_norm_rope_kernel computes, on the CPU, in place on qkv [T, (NH + 2*NKV) * D] (bf16 as float):
@@ -2019,8 +1810,8 @@ static void qk_norm_rope_reference(float* qkv, const int* positions, const float
 // Reads gate_up [T, 2I] (gate in columns [0, I), up in [I, 2I)). Writes out [T, I].
 // One thread = one 16-byte chunk of out (8 outputs), a flat grid over T * I / 8 chunks.
 // Precondition: I % 8 == 0 (true for every Qwen3 size divided by any tensor-parallel degree up to 8).
-// One output, before its bf16 rounding (section 22's epilogue uses it alone), then 8 outputs from 8 gates
-// and 8 ups (the fused gemv of section 15 uses it too).
+// One output, before its bf16 rounding (section 23's epilogue uses it alone), then 8 outputs from 8 gates
+// and 8 ups (the fused gemv of section 16 uses it too).
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
 __device__ __forceinline__ uint4 silu_mul8(const uint4& gate, const uint4& up) {
   float g[8], u[8], o[8];
@@ -2079,722 +1870,38 @@ void gather_last_tokens(bf16* out, const bf16* x, const int* cu_seqlens_q, int B
 }
 
 // ==== 8. Paged attention: prefill and decode ===============================================================
+// defines: attention_reference, attend_row, attention_prefill, attention_decode, check_attention_shapes
 //
-// What attention sees of the paged KV cache (section 11 allocates it; qk_norm_rope in section 7 fills it):
-//   k_cache, v_cache   bf16 [NB, NKV, P, D] per layer: block, then kv head, then token in block, then dim.
-//                      One (block, kv head) tile is P*D contiguous bf16 (P * 256 bytes), so the keys of one
-//                      head inside one block are a single contiguous run, the unit every kernel streams.
-//   block_tables       int [B, MB]: token j of sequence b lives in block block_tables[b*MB + j/P] at offset
-//                      j%P (its slot is block*P + offset). Entries past the sequence's last block are
-//                      never read.
-//   qkv                bf16 [T, (NH + 2*NKV)*D]: per token the NH q heads, then the NKV k heads, then v.
-// By the time attention runs, qk_norm_rope has already written this step's k and v into their slots, so
-// attention reads every key, cached prefix and new ones alike, through the block table, and reads only q
-// from qkv. That is why prefix-cache hits and chunked prefill need no special case here.
+// What attention computes. For one query row (token t of sequence b, at position pos) and one query head h,
+// whose keys and values are those of KV head kvh = h / (NH/NKV) (GQA: a group of query heads shares one):
 //
-// Both kernels are flash-attention-2: a warp holds 16 query rows, streams K and V tiles of 64 keys
-// through shared memory, computes S = Q K^T with tensor cores, keeps a running row max m and row sum l
-// (the online softmax), rescales its fp32 output accumulator O when m grows, and adds P V, again on
-// tensor cores. Only at the end is O divided by l. Scores never touch memory.
-// Decode reuses the same warp routine: its 16 MMA rows are the query heads of one GQA group (one query
-// token), so each K/V tile is read once for all the heads that share it. Most of those 16 rows are
-// padding (2 of 16 are real for Qwen3-0.6B), but tensor cores have about ten times the throughput decode
-// needs, and decode is bound by reading the cache anyway.
+//   s_j   = scale * (q . k_j)                      for every key j = 0 .. pos (causal: no key after t)
+//   out   = sum_j softmax(s)_j * v_j               scale = 1/sqrt(D)
 //
-// Tensor-core vocabulary used below (PTX ISA, "warp-level matrix fragments for mma.m16n8k16"):
-//   mma.m16n8k16   D[16x8] += A[16x16] * B[16x8], bf16 in, fp32 out, one warp. In A and in the fp32
-//                  accumulator a lane owns rows lane/4 and lane/4 + 8, and in each 8-wide column group
-//                  the columns 2*(lane%4) and 2*(lane%4)+1. So acc[j][0..1] is row lane/4, acc[j][2..3]
-//                  is row lane/4 + 8, and the four lanes of a quad share a row.
-//   ldmatrix.x4    loads four 8x8 bf16 matrices from shared memory straight into that fragment layout;
-//                  lanes 0-7, 8-15, 16-23, 24-31 give the row addresses of matrix 0, 1, 2, 3. With .trans
-//                  each matrix arrives transposed (how V, stored [key][dim], becomes the B of P V).
-//   cp.async       a 16-byte global -> shared copy that does not block the thread; groups of them are
-//                  committed and later waited for, so the next tile loads while this one is computed.
-
-__device__ __forceinline__ int cdiv_dev(int a, int b) { return (a + b - 1) / b; }
-
-constexpr int ATTN_KV_TILE = 64;       // keys per shared-memory tile (K and V each: 64 x 128 bf16 = 16 KiB)
-constexpr int ATTN_STAGES = 2;         // K/V tiles in shared memory: tile t+1 loads while tile t computes
-                                       // (a third stage would leave room for fewer thread blocks per SM)
-constexpr int PREFILL_WARPS = 8;       // warps of one prefill CTA, 16 query rows each
-constexpr int PREFILL_BLOCK_M = 16 * PREFILL_WARPS;  // query rows of one prefill CTA
-constexpr int DECODE_WARPS = 4;        // warps of one decode CTA, 16 keys of every tile each
-constexpr int DECODE_PARTITION = 512;  // keys per decode thread block at large batches: the split-K
-                                       // partition size (long enough that the merge stays cheap; the batch
-                                       // alone fills the GPU). Small batches split finer: decode_partition().
-constexpr int DECODE_ROWS = 16;        // MMA rows in decode: the query heads of one GQA group, padded to 16
-static_assert(DECODE_WARPS * 32 == HEAD_DIM, "the decode epilogue gives each thread one output dim");
-static_assert(DECODE_WARPS * 16 == ATTN_KV_TILE, "decode warps split each tile 16 keys apiece");
-static_assert(DECODE_PARTITION % ATTN_KV_TILE == 0, "partitions are made of whole tiles");
-// fp8 caches (section 21): the staging slots of each kernel's ring. Two fit in the second stage, so shared
-// memory stays what bf16 needs; section 16's cluster kernel, which runs few thread blocks per SM, takes four
-// and keeps three tiles in flight.
-constexpr int PREFILL_FP8_RING = 2;
-constexpr int DECODE_FP8_RING = 2;
-constexpr int CLUSTER_FP8_RING = 4;
-
-// Keys per decode CTA for a batch of B sequences. With few sequences, 512-key partitions leave most of the
-// GPU idle (B = 1, NKV = 8, a 768-token context: 16 CTAs for 132 SMs), so small batches use shorter
-// partitions and more CTAs; the merge kernel pays for it with a few more partials. Depends on B (and the
-// cache's dtype, fixed for a run) only, so a graph captured for a batch size keeps its grid. (On sm_90 and
-// later, batches of at most 4 take the cluster path below instead, whose partitions follow the context.)
-// An fp8 cache (section 21) takes partitions twice as long: the same bytes per thread block.
-static int decode_partition(int B, KVCacheDtype dtype = KVCacheDtype::BF16) {
-  const int keys = B <= 4 ? 64 : B <= 32 ? 128 : DECODE_PARTITION;
-  return dtype == KVCacheDtype::FP8 ? 2 * keys : keys;
-}
-
-// A shared-memory tile row is HEAD_DIM bf16 = 256 bytes = 16 chunks of 16 bytes. ldmatrix reads one chunk
-// column of 8 consecutive rows at once; stored plainly those 8 chunks are 256 bytes apart, all in the same
-// 4 banks (an 8-way conflict). XOR-ing the chunk index with row % 8 puts them in 8 different bank groups.
-// Writers (cp.async) and readers (ldmatrix) both go through this function, so they agree.
-__device__ __forceinline__ int attn_smem_index(int row, int chunk) {
-  return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3);
-}
-
-// 16-byte asynchronous copy global -> shared. With valid = false it reads nothing (source size 0) and
-// writes 16 zero bytes; gmem must still be a legal address, callers pass the buffer's base. .cg skips L1
-// (each byte is used once per thread block); L2::128B asks L2 to fetch whole 128-byte lines.
-__device__ __forceinline__ void cp_async_16(bf16* smem, const bf16* gmem, bool valid) {
-  uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Wait until at most N of this thread's committed groups are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* smem) {
-  uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* smem) {
-  uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-
-// acc[16x8] += a[16x16] * (b0, b1)[16x8], bf16 inputs, fp32 accumulate.
-__device__ __forceinline__ void mma_bf16_16816(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0,
-                                               uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};\n"
-               : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo lands in the low half: the smaller column
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-// The same with fp16 inputs, for the tiles of an fp8 cache (section 21): tile_t<KV> is the element type the
-// tensor cores see, bf16 for a bf16 cache, fp16 for fp8 (fp16 holds every e4m3 value exactly).
-template <class KV>
-using tile_t = typename std::conditional<std::is_same<KV, bf16>::value, bf16, __half>::type;
-template <class T>
-__device__ __forceinline__ void mma_16816(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same<T, bf16>::value) {
-    mma_bf16_16816(acc, a, b0, b1);
-  } else {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-template <class T>
-__device__ __forceinline__ uint32_t pack_x2(float lo, float hi) {
-  if constexpr (std::is_same<T, bf16>::value) {
-    return pack_bf16x2(lo, hi);
-  } else {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-}
-
-// 2^x in one instruction (MUFU.EX2, relative error ~2^-22); 2^-inf = 0, which the masking relies on.
-// The softmax works in base 2: exp(s*scale - m*scale) = 2^(s*scale*log2(e) - m*scale*log2(e)).
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// The row of key `key` of kv head kvh in one layer's cache [NB, NKV, P, D] (a row is D values), found
-// through the sequence's block table.
-__device__ __forceinline__ size_t kv_cache_row(const int* block_table, int kvh, int NKV, int log2P, int key) {
-  const size_t block = block_table[key >> log2P];
-  return ((block * NKV + kvh) << log2P) + (key & ((1 << log2P) - 1));
-}
-
-// Issue (not wait for) the copies of keys [key0, key0 + ATTN_KV_TILE) of kv head kvh of one sequence into
-// the K and V tiles sK, sV [ATTN_KV_TILE][HEAD_DIM] (swizzled). Keys at or past key_end are zero-filled
-// instead of read: their block-table entries are -1, and the unused tail of a sequence's last block holds
-// stale or never-written data; a NaN there would survive the softmax mask as 0 * NaN in P V.
-// All NTHREADS threads of the CTA call it: 16 threads copy one 256-byte row. The row of key skip_key is
-// left alone (not even zero-filled): the fused decode kernel writes that key itself.
-template <int NTHREADS>
-__device__ __forceinline__ void load_kv_tile(bf16* sK, bf16* sV, const bf16* k_cache, const bf16* v_cache,
-                                             const int* block_table /* [MB] */, int kvh, int NKV, int log2P,
-                                             int key0, int key_end, int skip_key = -1) {
-  const int chunk = threadIdx.x & 15;
-#pragma unroll
-  for (int r = threadIdx.x >> 4; r < ATTN_KV_TILE; r += NTHREADS / 16) {
-    const int key = key0 + r;
-    if (key == skip_key) continue;
-    const bool valid = key < key_end;
-    const size_t offset = valid ? kv_cache_row(block_table, kvh, NKV, log2P, key) * HEAD_DIM + chunk * 8 : 0;
-    cp_async_16(sK + attn_smem_index(r, chunk), k_cache + offset, valid);
-    cp_async_16(sV + attn_smem_index(r, chunk), v_cache + offset, valid);
-  }
-}
-
-// The tile pipeline both kernels run, whatever the cache stores. Tile `index` (keys key0 ..) is issued
-// kv_tiles_ahead() tiles before it is needed, one committed cp.async group per tile; when its turn comes,
-// kv_tile_ready says where it lies as a [ATTN_KV_TILE][HEAD_DIM] tile (swizzled) of tile_t<KV>. For a bf16
-// cache the copies land straight in stage index % ATTN_STAGES of sK, sV, and there is nothing more to do. An
-// fp8 cache (section 21) lands in a ring of RING staging slots and kv_tile_ready widens the tile to fp16
-// into stage 0; its pieces are declared here and defined there.
-template <int NTHREADS>
-__device__ __forceinline__ void load_kv_tile_fp8(char* slot, const fp8e4m3* k_cache, const fp8e4m3* v_cache,
-                                                 const int* block_table, int kvh, int NKV, int log2P, int key0,
-                                                 int key_end, int skip_key);
-template <int NTHREADS>
-__device__ __forceinline__ void widen_kv_tile_fp8(const char* slot, bf16* sK, bf16* sV, int skip_row);
-__device__ __forceinline__ char* fp8_ring_slot(bf16* sK, bf16* sV, int i);
-
-template <class KV, int RING>
-constexpr int kv_tiles_ahead() {
-  return std::is_same<KV, bf16>::value ? ATTN_STAGES - 1 : RING - 1;
-}
-template <int NTHREADS, int RING, class KV>
-__device__ __forceinline__ void issue_kv_tile(bf16* sK, bf16* sV, const KV* k_cache, const KV* v_cache,
-                                              const int* block_table, int kvh, int NKV, int log2P, int index,
-                                              int key0, int key_end, int skip_key = -1) {
-  constexpr int TILE = ATTN_KV_TILE * HEAD_DIM;
-  if constexpr (std::is_same<KV, bf16>::value)
-    load_kv_tile<NTHREADS>(sK + (index % ATTN_STAGES) * TILE, sV + (index % ATTN_STAGES) * TILE, k_cache, v_cache,
-                           block_table, kvh, NKV, log2P, key0, key_end, skip_key);
-  else
-    load_kv_tile_fp8<NTHREADS>(fp8_ring_slot(sK, sV, index % RING), k_cache, v_cache, block_table, kvh, NKV, log2P,
-                               key0, key_end, skip_key);
-}
-// Called by every thread once tile `index` has landed for it (cp_async_wait), before the barrier that
-// publishes the tile; sets sK_t, sV_t. skip_row: the tile row the fp8 widening leaves alone (-1: none).
-template <int NTHREADS, int RING, class KV>
-__device__ __forceinline__ void kv_tile_ready(bf16* sK, bf16* sV, int index, int skip_row,
-                                              bf16*& sK_t, bf16*& sV_t) {
-  constexpr int TILE = ATTN_KV_TILE * HEAD_DIM;
-  if constexpr (std::is_same<KV, bf16>::value) {
-    sK_t = sK + (index % ATTN_STAGES) * TILE, sV_t = sV + (index % ATTN_STAGES) * TILE;
-  } else {
-    widen_kv_tile_fp8<NTHREADS>(fp8_ring_slot(sK, sV, index % RING), sK, sV, skip_row);
-    sK_t = sK, sV_t = sV;
-  }
-}
-// The first kv_tiles_ahead() tiles of keys [key_begin, key_end), one committed group each (empty past the end).
-template <int NTHREADS, int RING, class KV>
-__device__ __forceinline__ void issue_first_kv_tiles(bf16* sK, bf16* sV, const KV* k_cache, const KV* v_cache,
-                                                     const int* block_table, int kvh, int NKV, int log2P,
-                                                     int key_begin, int key_end, int skip_key = -1) {
-#pragma unroll
-  for (int t = 0; t < kv_tiles_ahead<KV, RING>(); t++) {
-    const int key0 = key_begin + t * ATTN_KV_TILE;
-    if (key0 < key_end)
-      issue_kv_tile<NTHREADS, RING>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, t, key0, key_end,
-                                    skip_key);
-    cp_async_commit();
-  }
-}
-
-// One warp's share of one K/V tile, the heart of both kernels:
-//   S = Q K^T over NKEYS keys (tile rows row0 .. row0+NKEYS-1, absolute key numbers key0 ..), scores of keys
-//   past a row's last_key set to -inf (only when need_mask), then the online-softmax update of the row max
-//   m and row sum l, rescaling of O, and O += P V.
-// q: the warp's 16 query rows as A fragments, one per 16-dim slice. o: [16 row x 128 dim] accumulator as
-// 16 fragments of 8 dims. m, l, last_key: this lane's two rows (lane/4 and lane/4 + 8). m is kept in raw
-// score units; l is this lane's partial sum over its own columns (the quad adds them up at the very end,
-// which is valid because all four lanes of a row always rescale by the same factor).
-template <int NKEYS, class T = bf16>
-__device__ __forceinline__ void attend_kv_slice(const uint32_t (&q)[HEAD_DIM / 16][4], const bf16* sK,
-                                                const bf16* sV, int row0, int key0, bool need_mask,
-                                                const int (&last_key)[2], float scale_log2,
-                                                float (&o)[HEAD_DIM / 8][4], float (&m)[2], float (&l)[2]) {
-  const int lane = threadIdx.x & 31;
-  float s[NKEYS / 8][4];
-#pragma unroll
-  for (int j = 0; j < NKEYS / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-
-  // S = Q K^T. K is stored [key][dim], which is exactly the "column-major B" the MMA wants: one
-  // ldmatrix.x4 gives the B fragments of 16 keys x 16 dims (matrices: keys 0-7 / dims 0-7, keys 0-7 /
-  // dims 8-15, keys 8-15 / dims 0-7, keys 8-15 / dims 8-15).
-#pragma unroll
-  for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
-#pragma unroll
-    for (int j = 0; j < NKEYS / 16; j++) {
-      uint32_t b[4];
-      const int row = row0 + j * 16 + (lane & 7) + ((lane >> 4) << 3);
-      ldmatrix_x4(b, sK + attn_smem_index(row, 2 * kk + ((lane >> 3) & 1)));
-      mma_16816<T>(s[2 * j], q[kk], b[0], b[1]);
-      mma_16816<T>(s[2 * j + 1], q[kk], b[2], b[3]);
-    }
-  }
-
-  if (need_mask) {
-#pragma unroll
-    for (int j = 0; j < NKEYS / 8; j++)
-#pragma unroll
-      for (int e = 0; e < 4; e++)
-        if (key0 + j * 8 + 2 * (lane & 3) + (e & 1) > last_key[e >> 1]) s[j][e] = -INFINITY;
-  }
-
-  // Online softmax, per row: new max over this tile (lanes of a quad hold the same row: combine with two
-  // xor-shuffles), rescale what was accumulated under the old max by alpha = 2^((m_old - m_new) * c),
-  // then turn scores into probabilities in place.
-#pragma unroll
-  for (int i = 0; i < 2; i++) {
-    float mx = m[i];
-#pragma unroll
-    for (int j = 0; j < NKEYS / 8; j++) mx = fmaxf(mx, fmaxf(s[j][2 * i], s[j][2 * i + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    // A row that has seen only masked keys keeps m = -inf; subtracting 0 instead of -inf keeps
-    // 2^(-inf - -inf) = NaN out (its p and alpha come out 0, so l and O stay 0).
-    const float m_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-    const float alpha = fast_exp2(m[i] * scale_log2 - m_scaled);
-    m[i] = mx;
-    float row_sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < NKEYS / 8; j++)
-#pragma unroll
-      for (int e = 2 * i; e < 2 * i + 2; e++) {
-        s[j][e] = fast_exp2(fmaf(s[j][e], scale_log2, -m_scaled));
-        row_sum += s[j][e];
-      }
-    l[i] = l[i] * alpha + row_sum;
-#pragma unroll
-    for (int d = 0; d < HEAD_DIM / 8; d++) o[d][2 * i] *= alpha, o[d][2 * i + 1] *= alpha;
-  }
-
-  // O += P V. The accumulator layout of S is the A-fragment layout of P (two 8-key column groups make
-  // one 16-key k-slice), so P goes from registers to the MMA without shared memory. V needs .trans.
-#pragma unroll
-  for (int kt = 0; kt < NKEYS / 16; kt++) {
-    const uint32_t p[4] = {pack_x2<T>(s[2 * kt][0], s[2 * kt][1]), pack_x2<T>(s[2 * kt][2], s[2 * kt][3]),
-                           pack_x2<T>(s[2 * kt + 1][0], s[2 * kt + 1][1]),
-                           pack_x2<T>(s[2 * kt + 1][2], s[2 * kt + 1][3])};
-#pragma unroll
-    for (int dt = 0; dt < HEAD_DIM / 16; dt++) {
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, sV + attn_smem_index(row0 + kt * 16 + (lane & 15), 2 * dt + (lane >> 4)));
-      mma_16816<T>(o[2 * dt], p, b[0], b[1]);
-      mma_16816<T>(o[2 * dt + 1], p, b[2], b[3]);
-    }
-  }
-}
-
-// Load a warp's 16 rows of a swizzled [rows][HEAD_DIM] Q tile (rows row0..row0+15) into A fragments.
-__device__ __forceinline__ void load_q_fragments(uint32_t (&q)[HEAD_DIM / 16][4], const bf16* sQ, int row0) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int kk = 0; kk < HEAD_DIM / 16; kk++)
-    ldmatrix_x4(q[kk], sQ + attn_smem_index(row0 + (lane & 15), 2 * kk + (lane >> 4)));
-}
-// With an fp8 cache (section 21) the tiles hold e4m3 values (no scale) in fp16: the q fragments become fp16
-// too, the scores take the key scale (score_scale), and the output the value scale (scale_output). For a
-// bf16 cache all three do nothing.
-template <class KV>
-__device__ __forceinline__ void q_fragments_for_tiles(uint32_t (&q)[HEAD_DIM / 16][4]) {
-  if constexpr (!std::is_same<KV, bf16>::value) {
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; kk++)
-#pragma unroll
-      for (int i = 0; i < 4; i++) {
-        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&q[kk][i]));
-        const __half2 h = __floats2half2_rn(f.x, f.y);
-        q[kk][i] = *reinterpret_cast<const uint32_t*>(&h);
-      }
-  }
-}
-template <class KV>
-__device__ __forceinline__ float score_scale(float scale_log2, KVScales s) {
-  return std::is_same<KV, bf16>::value ? scale_log2 : scale_log2 * s.k;
-}
-template <class KV>
-__device__ __forceinline__ void scale_output(float (&o)[HEAD_DIM / 8][4], KVScales s) {
-  if constexpr (!std::is_same<KV, bf16>::value) {
-#pragma unroll
-    for (int d = 0; d < HEAD_DIM / 8; d++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) o[d][e] *= s.v;
-  }
-}
-
-// attention_prefill_kernel — causal attention of a variable-length batch over the paged cache.
-//   Replaces: flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ..., causal=True,
-//             block_table=block_tables) in nano-vllm's Attention.forward (prefill branch).
-//   out[t, h*D + d] = sum_j softmax_j(scale * q[t,h] . k[j,kvh]) v[j,kvh,d] over j = 0 .. pos(t),
-//   kvh = h / (NH/NKV),
-//   where query i of sequence b (row t = cu_seqlens_q[b] + i) sits at pos = seqlens_k[b] - q_len + i:
-//   with a cached prefix (prefix-cache hit or an earlier chunk) the queries are the last q_len positions.
-//   Reads qkv (q part), k_cache, v_cache, block_tables; writes out bf16 [T, NH*D].
-//   One CTA: query rows m0 .. m0+127 of sequence b for query head h; warp w owns rows m0+16w .. +15.
-//   Eight warps share each K/V tile, so a tile loaded into shared memory serves 128 queries.
-//   grid = (NH, cdiv(max_seqlen_q, PREFILL_BLOCK_M), B). Heads are the fastest grid index so that the
-//   NH/NKV CTAs that read the same K/V run together and share it through L2. Query tiles run last-to-first:
-//   under the causal mask the last tile of a sequence has the most keys, and starting the long CTAs first
-//   keeps the tail of the launch short. CTAs past their sequence's q_len exit at once.
-//   Preconditions: 1 <= q_len <= seqlens_k[b] for every sequence; NH % NKV == 0; P a power of two.
-template <class KV>
-__global__ void __launch_bounds__(PREFILL_WARPS * 32)
-    attention_prefill_kernel(bf16* __restrict__ out, const bf16* __restrict__ qkv,
-                             const KV* __restrict__ k_cache, const KV* __restrict__ v_cache, KVScales kv_scale,
-                             const int* __restrict__ cu_seqlens_q, const int* __restrict__ seqlens_k,
-                             const int* __restrict__ block_tables, int NH, int NKV, int log2P, int MB,
-                             float scale_log2) {
-  const int h = blockIdx.x, b = blockIdx.z;
-  const int m0 = (gridDim.y - 1 - blockIdx.y) * PREFILL_BLOCK_M;
-  const int q_start = cu_seqlens_q[b], q_len = cu_seqlens_q[b + 1] - q_start;
-  if (m0 >= q_len) return;
-  const int kv_len = seqlens_k[b];
-  const int pos0 = kv_len - q_len + m0;                          // position of this tile's first query
-  const int n_tiles = cdiv_dev(min(kv_len, pos0 + PREFILL_BLOCK_M), ATTN_KV_TILE);  // keys any row sees
-  const int kvh = h / (NH / NKV);
-  const int qkv_stride = (NH + 2 * NKV) * HEAD_DIM;
-  const int* block_table = block_tables + (size_t)b * MB;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-
-  extern __shared__ __align__(16) unsigned char attn_smem[];
-  bf16* sQ = reinterpret_cast<bf16*>(attn_smem);              // [PREFILL_BLOCK_M][D]
-  bf16* sK = sQ + PREFILL_BLOCK_M * HEAD_DIM;                 // [ATTN_STAGES][ATTN_KV_TILE][D]
-  bf16* sV = sK + ATTN_STAGES * ATTN_KV_TILE * HEAD_DIM;      // [ATTN_STAGES][ATTN_KV_TILE][D]
-
-  // Q rows past q_len are zero-filled: they belong to the next sequence or lie past the end of qkv.
-  for (int i = threadIdx.x; i < PREFILL_BLOCK_M * 16; i += PREFILL_WARPS * 32) {
-    const int r = i >> 4, c = i & 15;
-    const bool valid = m0 + r < q_len;
-    const bf16* src = qkv + (size_t)(q_start + m0 + r) * qkv_stride + h * HEAD_DIM + c * 8;
-    cp_async_16(sQ + attn_smem_index(r, c), valid ? src : qkv, valid);
-  }
-  cp_async_commit();
-  constexpr int AHEAD = kv_tiles_ahead<KV, PREFILL_FP8_RING>();
-  issue_first_kv_tiles<PREFILL_WARPS * 32, PREFILL_FP8_RING>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P,
-                                                             0, kv_len);
-  cp_async_wait<AHEAD>();  // the Q group is complete
-  __syncthreads();
-  uint32_t q[HEAD_DIM / 16][4];
-  load_q_fragments(q, sQ, warp * 16);
-  q_fragments_for_tiles<KV>(q);
-  scale_log2 = score_scale<KV>(scale_log2, kv_scale);
-
-  float o[HEAD_DIM / 8][4] = {};
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  const int warp_pos0 = pos0 + warp * 16;  // position of the warp's first row
-  const int last_key[2] = {warp_pos0 + lane / 4, warp_pos0 + lane / 4 + 8};
-  const bool warp_has_rows = m0 + warp * 16 < q_len;
-
-  for (int t = 0; t < n_tiles; t++) {
-    // Prefetch the tile AHEAD tiles ahead into the buffer computed last iteration (freed by the
-    // __syncthreads that ended it). An empty commit at the end keeps the group count uniform.
-    const int ahead = t + AHEAD;
-    if (ahead < n_tiles)
-      issue_kv_tile<PREFILL_WARPS * 32, PREFILL_FP8_RING>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P,
-                                                          ahead, ahead * ATTN_KV_TILE, kv_len);
-    cp_async_commit();
-    cp_async_wait<AHEAD>();  // tile t has landed (for this thread) ...
-    bf16 *sK_t, *sV_t;
-    kv_tile_ready<PREFILL_WARPS * 32, PREFILL_FP8_RING, KV>(sK, sV, t, -1, sK_t, sV_t);
-    __syncthreads();         // ... and for every thread
-    const int key0 = t * ATTN_KV_TILE;
-    // Only tiles that cross the diagonal need the mask; a warp whose rows all precede the tile skips it.
-    if (warp_has_rows && key0 <= warp_pos0 + 15)
-      attend_kv_slice<ATTN_KV_TILE, tile_t<KV>>(q, sK_t, sV_t, 0, key0, key0 + ATTN_KV_TILE - 1 > warp_pos0,
-                                                last_key, scale_log2, o, m, l);
-    __syncthreads();
-  }
-  scale_output<KV>(o, kv_scale);
-
-  // Finish the row sums across the quad, normalise, write bf16 (each lane: 2 dims of 2 rows per group).
-#pragma unroll
-  for (int i = 0; i < 2; i++) {
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-    const int r = m0 + warp * 16 + lane / 4 + 8 * i;
-    if (r >= q_len) continue;
-    const float inv_l = 1.f / l[i];
-    bf16* dst = out + (size_t)(q_start + r) * NH * HEAD_DIM + h * HEAD_DIM + 2 * (lane & 3);
-#pragma unroll
-    for (int d = 0; d < HEAD_DIM / 8; d++)
-      *reinterpret_cast<__nv_bfloat162*>(dst + d * 8) =
-          __floats2bfloat162_rn(o[d][2 * i] * inv_l, o[d][2 * i + 1] * inv_l);
-  }
-}
-
-// Launchers check what the kernels assume; a violation is a bug in the caller (ModelRunner), not a user
-// error.
-static void check_attention_shapes(const char* who, int NH, int NKV, int P) {
-  if (NKV <= 0 || NH % NKV != 0) die("%s: NH=%d is not a multiple of NKV=%d", who, NH, NKV);
-  if (P < 16 || P > 256 || (P & (P - 1)) != 0)
-    die("%s: block size P=%d must be a power of two in 16..256", who, P);
-}
-
-// out: bf16 [T, NH*D]; qkv: bf16 [T, (NH+2NKV)*D]; k_cache, v_cache: bf16 [NB, NKV, P, D];
-// cu_seqlens_q: int [B+1] (device); seqlens_k: int [B] (device, keys of sequence b including this step's);
-// block_tables: int [B, MB] (device); max_seqlen_q: the largest q_len (host). scale = 1/sqrt(D).
-static void attention_prefill(bf16* out, const bf16* qkv, const KVLayer& cache, const int* cu_seqlens_q,
-                              const int* seqlens_k, const int* block_tables, int B, int max_seqlen_q, int NH,
-                              int NKV, int P, int MB, float scale, cudaStream_t stream) {
-  check_attention_shapes("attention_prefill", NH, NKV, P);
-  if (B == 0 || max_seqlen_q == 0) return;
-  const size_t smem = (PREFILL_BLOCK_M + 2 * ATTN_STAGES * ATTN_KV_TILE) * HEAD_DIM * sizeof(bf16);  // 96 KiB
-  dim3 grid(NH, cdiv(max_seqlen_q, PREFILL_BLOCK_M), B);
-  with_kv_type(cache, [&](auto* kv) {
-    using KV = std::remove_pointer_t<decltype(kv)>;
-    // More than the default 48 KiB of shared memory must be asked for; cheap, and legal during graph capture.
-    CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_kernel<KV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)smem));
-    attention_prefill_kernel<KV><<<grid, PREFILL_WARPS * 32, smem, stream>>>(
-        out, qkv, (const KV*)cache.k, (const KV*)cache.v, cache.scale, cu_seqlens_q, seqlens_k, block_tables,
-        NH, NKV, __builtin_ctz(P), MB, scale * (float)M_LOG2E);
-  });
-  CUDA_CHECK(cudaGetLastError());
-}
-
-// attention_decode_kernel — one new token per sequence attends to its whole context (split-K, phase 1).
-//   Replaces: flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens,
-//             block_table=block_tables, causal=True) in nano-vllm's Attention.forward (decode branch).
-//   out[b, h*D + d] = sum_j softmax_j(scale * q_b,h . k_j) v_j[d] over j = 0 .. context_lens[b]-1.
-//   Split-K: a decode step has one query per sequence, so one thread block per (sequence, head) would leave
-//   most SMs idle; instead the keys are split. Thread block (part, kvh, b) handles keys [part*S, min(part*S
-//   + S, ctx)), S = decode_partition(B), for the NH/NKV query heads of kv head kvh, so each K/V tile is read
-//   from memory exactly once. Warp w takes keys 16w .. 16w+15 of every 64-key tile; at the end the four
-//   warps' (m, l, O) are combined through shared memory (decode_combine_warps).
-//   If the context fits in one partition the thread block writes the final bf16 output; otherwise it writes
-//   its unnormalised O and (m, l) to the workspace and attention_decode_merge_kernel combines them.
-//   Why a grid sized by max_context_len (a host bound) and not by the real contexts: a CUDA graph captured
-//   once must stay valid as contexts grow; thread blocks whose partition starts past context_lens[b] exit
-//   at once.
-//   Workspace: ws_o float [B, NH, max_parts, D], ws_ml float [B, NH, max_parts, 2] = (m * scale*log2e, l).
-//   Preconditions: 1 <= context_lens[b] <= max_context_len; NH/NKV <= 16; this step's k and v are in the
-//   cache (qk_norm_rope ran).
-
-// The tile loop of a decode thread block over keys [key_begin, key_end): prefetch the tile kv_tiles_ahead()
-// ahead, wait for tile t, and let each warp attend to its 16 keys of it (attend_kv_slice). The caller has
-// issued the first tiles (issue_first_kv_tiles). after_landing(t, n_tiles, sK_t, sV_t, first_key) runs
-// when tile t has landed for this thread and before the barrier that publishes it to the others: the fused
-// kernel of section 17 writes this step's own key into the last tile there. skip_key: a key the tile loads
-// leave alone (-1: none).
-template <int RING, class KV, class AfterLanding>
-__device__ __forceinline__ void decode_attend_tiles(const uint32_t (&q)[HEAD_DIM / 16][4], bf16* sK, bf16* sV,
-                                                    const KV* k_cache, const KV* v_cache, KVScales kv_scale,
-                                                    const int* block_table, int kvh, int NKV, int log2P,
-                                                    int key_begin, int key_end, int skip_key, float scale_log2,
-                                                    float (&o)[HEAD_DIM / 8][4], float (&m)[2], float (&l)[2],
-                                                    AfterLanding after_landing) {
-  constexpr int AHEAD = kv_tiles_ahead<KV, RING>();
-  const int n_tiles = cdiv_dev(key_end - key_begin, ATTN_KV_TILE);
-  const int warp = threadIdx.x >> 5;
-  const int last_key[2] = {key_end - 1, key_end - 1};  // no causal mask within the context: only its end
-  for (int t = 0; t < n_tiles; t++) {  // the same pipeline as the prefill loop
-    const int ahead = t + AHEAD;
-    if (ahead < n_tiles)
-      issue_kv_tile<DECODE_WARPS * 32, RING>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, ahead,
-                                             key_begin + ahead * ATTN_KV_TILE, key_end, skip_key);
-    cp_async_commit();
-    cp_async_wait<AHEAD>();
-    const int tile_key0 = key_begin + t * ATTN_KV_TILE;
-    const bool skip_here = skip_key >= tile_key0 && skip_key < tile_key0 + ATTN_KV_TILE;
-    bf16 *sK_t, *sV_t;
-    kv_tile_ready<DECODE_WARPS * 32, RING, KV>(sK, sV, t, skip_here ? skip_key - tile_key0 : -1, sK_t, sV_t);
-    after_landing(t, n_tiles, sK_t, sV_t, tile_key0);
-    __syncthreads();
-    const int key0 = tile_key0 + warp * 16;
-    if (key0 < key_end)
-      attend_kv_slice<16, tile_t<KV>>(q, sK_t, sV_t, warp * 16, key0, key0 + 16 > key_end, last_key, scale_log2,
-                                      o, m, l);
-    __syncthreads();
-  }
-  scale_output<KV>(o, kv_scale);
-}
-
-// Combines the four warps of a decode thread block. Their O, m, l go to shared memory (reusing the K/V
-// stages sK: every copy has landed and every warp is past the loop's last barrier), then thread d computes
-// output dim d of every head g of the group and calls write(g, acc, m_max, l_sum): acc = sum_w 2^(m_w -
-// m_max) O_w[d], l_sum the same sum of the l_w, m_max in log2 units (so out = acc / l_sum).
-template <class Write>
-__device__ __forceinline__ void decode_combine_warps(const float (&o)[HEAD_DIM / 8][4], const float (&m)[2],
-                                                     float (&l)[2], float scale_log2, bf16* sK, int group,
-                                                     Write write) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  float* sO = reinterpret_cast<float*>(sK);                 // [DECODE_WARPS][DECODE_ROWS][D]
-  float* sML = sO + DECODE_WARPS * DECODE_ROWS * HEAD_DIM;  // [DECODE_WARPS][DECODE_ROWS][2]
-  static_assert((DECODE_WARPS * DECODE_ROWS * (HEAD_DIM + 2)) * sizeof(float) <=
-                    2 * ATTN_STAGES * ATTN_KV_TILE * HEAD_DIM * sizeof(bf16),
-                "the combine buffers fit in the K/V stages");
-#pragma unroll
-  for (int i = 0; i < 2; i++) {
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-    const int row = warp * DECODE_ROWS + lane / 4 + 8 * i;
-#pragma unroll
-    for (int d = 0; d < HEAD_DIM / 8; d++)
-      *reinterpret_cast<float2*>(sO + row * HEAD_DIM + d * 8 + 2 * (lane & 3)) =
-          make_float2(o[d][2 * i], o[d][2 * i + 1]);
-    if ((lane & 3) == 0) sML[row * 2] = m[i] * scale_log2, sML[row * 2 + 1] = l[i];  // -inf stays -inf
-  }
-  __syncthreads();
-  const int d = threadIdx.x;
-  for (int g = 0; g < group; g++) {
-    float m_max = -INFINITY;  // warp 0 saw the partition's first key, so at least one warp has a finite m
-    for (int w = 0; w < DECODE_WARPS; w++) m_max = fmaxf(m_max, sML[(w * DECODE_ROWS + g) * 2]);
-    float l_sum = 0.f, acc = 0.f;
-    for (int w = 0; w < DECODE_WARPS; w++) {
-      const float f = fast_exp2(sML[(w * DECODE_ROWS + g) * 2] - m_max);
-      l_sum += sML[(w * DECODE_ROWS + g) * 2 + 1] * f;
-      acc += sO[(w * DECODE_ROWS + g) * HEAD_DIM + d] * f;
-    }
-    write(g, acc, m_max, l_sum);
-  }
-}
-
-template <class KV>
-__global__ void __launch_bounds__(DECODE_WARPS * 32)
-    attention_decode_kernel(bf16* __restrict__ out, const bf16* __restrict__ qkv,
-                            const KV* __restrict__ k_cache, const KV* __restrict__ v_cache, KVScales kv_scale,
-                            const int* __restrict__ context_lens, const int* __restrict__ block_tables, int NH,
-                            int NKV, int log2P, int MB, int max_parts, int partition, float* __restrict__ ws_o,
-                            float* __restrict__ ws_ml, float scale_log2) {
-  const int part = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
-  const int ctx = context_lens[b];
-  const int key_begin = part * partition;
-  if (key_begin >= ctx) return;  // a partition past this sequence's context
-  const int key_end = min(ctx, key_begin + partition);
-  const int group = NH / NKV;  // query heads kvh*group .. kvh*group + group-1 share this kv head
-  const int* block_table = block_tables + (size_t)b * MB;
-
-  extern __shared__ __align__(16) unsigned char attn_smem[];
-  bf16* sQ = reinterpret_cast<bf16*>(attn_smem);              // [DECODE_ROWS][D]
-  bf16* sK = sQ + DECODE_ROWS * HEAD_DIM;                     // [ATTN_STAGES][ATTN_KV_TILE][D]
-  bf16* sV = sK + ATTN_STAGES * ATTN_KV_TILE * HEAD_DIM;      // [ATTN_STAGES][ATTN_KV_TILE][D]
-
-  // Row g of the Q tile is query head kvh*group + g of token b (the group's heads are adjacent in qkv);
-  // rows past the group are zeros.
-  const bf16* q_src = qkv + (size_t)b * (NH + 2 * NKV) * HEAD_DIM + (size_t)kvh * group * HEAD_DIM;
-  for (int i = threadIdx.x; i < DECODE_ROWS * 16; i += DECODE_WARPS * 32) {
-    const int r = i >> 4, c = i & 15;
-    cp_async_16(sQ + attn_smem_index(r, c), r < group ? q_src + r * HEAD_DIM + c * 8 : qkv, r < group);
-  }
-  cp_async_commit();
-  issue_first_kv_tiles<DECODE_WARPS * 32, DECODE_FP8_RING>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P,
-                                                           key_begin, key_end);
-  cp_async_wait<kv_tiles_ahead<KV, DECODE_FP8_RING>()>();  // the Q tile has landed
-  __syncthreads();
-  uint32_t q[HEAD_DIM / 16][4];
-  load_q_fragments(q, sQ, 0);  // every warp holds the same 16 rows (the group's heads)
-  q_fragments_for_tiles<KV>(q);
-  scale_log2 = score_scale<KV>(scale_log2, kv_scale);
-
-  float o[HEAD_DIM / 8][4] = {};
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  decode_attend_tiles<DECODE_FP8_RING>(q, sK, sV, k_cache, v_cache, kv_scale, block_table, kvh, NKV, log2P,
-                                       key_begin, key_end, -1, scale_log2, o, m, l,
-                                       [](int, int, bf16*, bf16*, int) {});
-  const bool single = key_begin == 0 && key_end == ctx;  // the only live partition: finish here
-  decode_combine_warps(o, m, l, scale_log2, sK, group, [&](int g, float acc, float m_max, float l_sum) {
-    const int h = kvh * group + g, d = threadIdx.x;
-    if (single) {
-      out[(size_t)b * NH * HEAD_DIM + h * HEAD_DIM + d] = __float2bfloat16(acc / l_sum);
-    } else {
-      const size_t slot = ((size_t)b * NH + h) * max_parts + part;
-      ws_o[slot * HEAD_DIM + d] = acc;
-      if (d == 0) ws_ml[slot * 2] = m_max, ws_ml[slot * 2 + 1] = l_sum;
-    }
-  });
-}
-
-// attention_decode_merge_kernel — split-K, phase 2: combine the partitions of one (sequence, head).
-//   With partition p holding O_p = sum_j 2^(x_j - m_p) v_j and l_p = sum_j 2^(x_j - m_p) (x in log2 units):
-//   out = sum_p 2^(m_p - M) O_p / sum_p 2^(m_p - M) l_p, M = max_p m_p (the log-sum-exp rule).
-//   One CTA per (head h, sequence b), thread d owns dim d. Sequences with one partition were finished by
-//   phase 1 and exit at once. Reads ws_o, ws_ml as written by attention_decode_kernel; writes out.
-__global__ void __launch_bounds__(HEAD_DIM)
-    attention_decode_merge_kernel(bf16* __restrict__ out, const int* __restrict__ context_lens,
-                                  const float* __restrict__ ws_o, const float* __restrict__ ws_ml, int NH,
-                                  int max_parts, int partition) {
-  const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
-  const int n_parts = cdiv_dev(context_lens[b], partition);
-  if (n_parts <= 1) return;
-  const size_t base = ((size_t)b * NH + h) * max_parts;
-  float m_max = -INFINITY;
-  for (int p = 0; p < n_parts; p++) m_max = fmaxf(m_max, ws_ml[(base + p) * 2]);
-  float l_sum = 0.f, acc = 0.f;
-  for (int p = 0; p < n_parts; p++) {
-    const float f = fast_exp2(ws_ml[(base + p) * 2] - m_max);
-    l_sum += ws_ml[(base + p) * 2 + 1] * f;
-    acc += ws_o[(base + p) * HEAD_DIM + d] * f;
-  }
-  out[(size_t)b * NH * HEAD_DIM + h * HEAD_DIM + d] = __float2bfloat16(acc / l_sum);
-}
-
-// Bytes of float workspace attention_decode needs: partial O and (m, l) for every (sequence, head,
-// partition), for any batch of at most B. B = 512, NH = 16, max_context_len = 4096 (nano-vllm defaults) ->
-// 8 partitions of 512, 34 MB. (An fp8 cache's partitions are longer: it needs less.)
-static size_t attention_decode_workspace_bytes(int B, int NH, int max_context_len) {
-  size_t parts = 0;
-  for (int b : {std::min(B, 4), std::min(B, 32), B})
-    parts = std::max(parts, (size_t)b * cdiv(max_context_len, decode_partition(b)));
-  return parts * NH * (HEAD_DIM + 2) * sizeof(float);
-}
-
-constexpr size_t DECODE_SMEM = (DECODE_ROWS + 2 * ATTN_STAGES * ATTN_KV_TILE) * HEAD_DIM * sizeof(bf16);  // 68 KiB
-// With an fp8 cache, a ring of more than the two slots that fit in the second stage (section 21) adds 16 KiB
-// a slot: the cluster kernel's ring of four makes 100 KiB.
-template <class KV, int RING = DECODE_FP8_RING>
-constexpr size_t decode_smem() {
-  return DECODE_SMEM + (std::is_same<KV, bf16>::value ? 0 : (RING - 2) * 2 * ATTN_KV_TILE * HEAD_DIM);
-}
-
-// out: bf16 [B, NH*D]; qkv: bf16 [B, (NH+2NKV)*D]; k_cache, v_cache: bf16 [NB, NKV, P, D];
-// context_lens: int [B] (device, keys including the current token); block_tables: int [B, MB] (device);
-// max_context_len: host bound on every context_lens[b] (max_model_len): the grid depends only on it, so a
-// captured graph stays valid; workspace: attention_decode_workspace_bytes(B, NH, max_context_len) bytes.
-static void attention_decode(bf16* out, const bf16* qkv, const KVLayer& cache, const int* context_lens,
-                             const int* block_tables, int B, int NH, int NKV, int P, int MB, int max_context_len,
-                             float* workspace, float scale, cudaStream_t stream) {
-  check_attention_shapes("attention_decode", NH, NKV, P);
-  if (NH / NKV > DECODE_ROWS)
-    die("attention_decode: NH/NKV = %d query heads per kv head, at most %d", NH / NKV, DECODE_ROWS);
-  if (B == 0) return;
-  const int partition = decode_partition(B, cache.dtype);
-  const int max_parts = (int)cdiv(max_context_len, partition);
-  float* ws_o = workspace;                                           // [B, NH, max_parts, D]
-  float* ws_ml = workspace + (size_t)B * NH * max_parts * HEAD_DIM;  // [B, NH, max_parts, 2]
-  with_kv_type(cache, [&](auto* kv) {
-    using KV = std::remove_pointer_t<decltype(kv)>;
-    static bool opted_in = false;  // more than the default 48 KiB of shared memory must be asked for, once
-    if (!opted_in) {
-      CUDA_CHECK(cudaFuncSetAttribute(attention_decode_kernel<KV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      (int)decode_smem<KV>()));
-      opted_in = true;
-    }
-    attention_decode_kernel<KV><<<dim3(max_parts, NKV, B), DECODE_WARPS * 32, decode_smem<KV>(), stream>>>(
-        out, qkv, (const KV*)cache.k, (const KV*)cache.v, cache.scale, context_lens, block_tables, NH, NKV,
-        __builtin_ctz(P), MB, max_parts, partition, ws_o, ws_ml, scale * (float)M_LOG2E);
-  });
-  CUDA_CHECK(cudaGetLastError());
-  if (max_parts > 1) {
-    attention_decode_merge_kernel<<<dim3(NH, B), HEAD_DIM, 0, stream>>>(out, context_lens, ws_o, ws_ml, NH,
-                                                                        max_parts, partition);
-    CUDA_CHECK(cudaGetLastError());
-  }
-}
-
+// Where key j lives (the block-table lookup): in block block_tables[b][j / P], at offset j % P, so
+//
+//   k_j = k_cache[block_tables[b * MB + j / P]][kvh][j % P][0 .. D)        (v_j likewise in v_cache)
+//
+// By the time attention runs, qk_norm_rope (section 7) has already written this step's k and v into their
+// slots, so attention reads every key, cached prefix and new ones alike, through the block table, and reads
+// only q from qkv. That is why prefix-cache hits and chunked prefill need no special case here. A prefill
+// row is one of a sequence's new tokens (its position: seqlens_k[b] - q_len + i); a decode row is the one
+// new token of a sequence (position context_lens[b] - 1). The same computation serves both.
+//
+// Online softmax: the softmax needs the largest score first (exp of a large score overflows), which would
+// mean two passes over the keys. Instead one pass keeps a running maximum m, a running sum l of
+// exp(s_j - m) and a running unnormalised output o, and rescales them whenever m grows. Key by key:
+//
+//   m'  = max(m, s_j)
+//   l'  = l * exp(m - m') + exp(s_j - m')
+//   o'  = o * exp(m - m') + exp(s_j - m') * v_j           and at the end  out = o / l
+//
+// (m starts at -infinity, l and o at 0; exp(-inf) = 0 makes the first step right.) Every quantity stays
+// at most 1 in size, and the keys are read once.
+//
+// The kernels below are the plain version: one warp per (query row, query head), each lane holding 4 of
+// the 128 dims of q, of the running o, and of each key and value it reads. Part II replaces them with
+// flash attention on tensor cores, which shares each key tile between many rows and many heads.
 
 // What both attention kernels compute, on the CPU in double precision, for sequence b and query head h:
 // its q_len queries (rows cu_seqlens_q[b] ..), query i at position seqlens_k[b] - q_len + i, each attending
@@ -2836,7 +1943,111 @@ static void attention_reference(float* out, const float* qkv, const float* k_cac
   }
 }
 
+constexpr int ATTN_DIMS_PER_LANE = HEAD_DIM / 32;  // 4: a warp covers one head, 8 bytes of bf16 per lane
+constexpr int ATTN_ROWS_PER_BLOCK = 4;             // warps (query rows) per thread block of 128 threads
+
+// attend_row — one warp computes one (query row, query head) of attention over keys 0 .. pos.
+//   q: the row's query head (D bf16); out: where its D outputs go; the cache and block_table as above.
+//   Lane l owns dims [4l, 4l + 4): it loads those 4 values of q once, and of each key and value it reads.
+//   Per key j (the equations above): the lanes' partial dot products are summed over the warp with 5
+//   butterfly shuffles, so every lane holds s_j; every lane updates m, l identically and its own 4 dims of o.
+__device__ void attend_row(bf16* out, const bf16* q, const bf16* k_cache, const bf16* v_cache,
+                           const int* block_table, int kvh, int NKV, int P, int pos, float scale) {
+  const int lane = threadIdx.x % 32, d0 = lane * ATTN_DIMS_PER_LANE;
+  float qf[ATTN_DIMS_PER_LANE], o[ATTN_DIMS_PER_LANE] = {0.f, 0.f, 0.f, 0.f};
+  for (int i = 0; i < ATTN_DIMS_PER_LANE; i++) qf[i] = __bfloat162float(q[d0 + i]);
+  float m = -INFINITY, l = 0.f;
+  for (int j = 0; j <= pos; j++) {
+    // The block-table lookup: key j's row in the [NB, NKV, P, D] cache.
+    const int64_t row = ((int64_t)block_table[j / P] * NKV + kvh) * P + j % P;
+    const bf16* k = k_cache + row * HEAD_DIM + d0;
+    const bf16* v = v_cache + row * HEAD_DIM + d0;
+    float dot = 0.f;
+    for (int i = 0; i < ATTN_DIMS_PER_LANE; i++) dot += qf[i] * __bfloat162float(k[i]);
+    for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+    const float s = dot * scale;
+    const float m_new = fmaxf(m, s);
+    const float correction = expf(m - m_new);  // exp(-inf) = 0 on the first key
+    const float p = expf(s - m_new);
+    l = l * correction + p;
+    for (int i = 0; i < ATTN_DIMS_PER_LANE; i++) o[i] = o[i] * correction + p * __bfloat162float(v[i]);
+    m = m_new;
+  }
+  for (int i = 0; i < ATTN_DIMS_PER_LANE; i++) out[d0 + i] = __float2bfloat16(o[i] / l);
+}
+
+// attention_prefill_kernel — the new tokens of each sequence attend to their keys (causal).
+//   Replaces: flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, causal=True,
+//             block_table=block_tables) in nano-vllm's Attention.forward (prefill branch).
+//   Grid (B, NH, ceil(max_seqlen_q / 4)), 128 threads: warp w of thread block (b, h, z) takes query
+//   i = 4z + w of sequence b (row t = cu_seqlens_q[b] + i, position seqlens_k[b] - q_len + i), head h;
+//   warps past the sequence's q_len have nothing to do.
+__global__ void attention_prefill_kernel(bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache,
+                                         const int* cu_seqlens_q, const int* seqlens_k,
+                                         const int* block_tables, int NH, int NKV, int P, int MB, float scale) {
+  const int b = blockIdx.x, h = blockIdx.y, i = blockIdx.z * ATTN_ROWS_PER_BLOCK + threadIdx.x / 32;
+  const int q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
+  if (i >= q_len) return;
+  const int t = cu_seqlens_q[b] + i, pos = seqlens_k[b] - q_len + i;
+  const bf16* q = qkv + (int64_t)t * (NH + 2 * NKV) * HEAD_DIM + h * HEAD_DIM;
+  attend_row(out + (int64_t)t * NH * HEAD_DIM + h * HEAD_DIM, q, k_cache, v_cache, block_tables + (int64_t)b * MB,
+             h / (NH / NKV), NKV, P, pos, scale);
+}
+
+// attention_decode_kernel — one new token per sequence attends to its whole context.
+//   Replaces: flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens,
+//             block_table=block_tables, causal=True) in nano-vllm's Attention.forward (decode branch).
+//   Grid (B, ceil(NH / 4)), 128 threads: warp w of thread block (b, z) takes head h = 4z + w of sequence b's
+//   one row (row b of qkv, position context_lens[b] - 1). The grid depends on B alone, so a CUDA graph
+//   captured for a batch size stays valid as the contexts grow.
+__global__ void attention_decode_kernel(bf16* out, const bf16* qkv, const bf16* k_cache, const bf16* v_cache,
+                                        const int* context_lens, const int* block_tables, int NH, int NKV, int P,
+                                        int MB, float scale) {
+  const int b = blockIdx.x, h = blockIdx.y * ATTN_ROWS_PER_BLOCK + threadIdx.x / 32;
+  if (h >= NH) return;
+  const bf16* q = qkv + (int64_t)b * (NH + 2 * NKV) * HEAD_DIM + h * HEAD_DIM;
+  attend_row(out + (int64_t)b * NH * HEAD_DIM + h * HEAD_DIM, q, k_cache, v_cache, block_tables + (int64_t)b * MB,
+             h / (NH / NKV), NKV, P, context_lens[b] - 1, scale);
+}
+
+// Launchers check what the kernels assume; a violation is a bug in the caller (ModelRunner), not a user
+// error.
+static void check_attention_shapes(const char* who, int NH, int NKV, int P) {
+  INTERNAL_CHECK(NKV > 0 && NH % NKV == 0, "%s: NH=%d is not a multiple of NKV=%d", who, NH, NKV);
+  INTERNAL_CHECK(P >= 16 && P <= 256 && (P & (P - 1)) == 0, "%s: block size P=%d must be a power of two in 16..256",
+                 who, P);
+}
+
+// out: bf16 [T, NH*D]; qkv: bf16 [T, (NH+2NKV)*D]; cache: bf16 [NB, NKV, P, D] each;
+// cu_seqlens_q: int [B+1] (device); seqlens_k: int [B] (device, keys of sequence b including this step's);
+// block_tables: int [B, MB] (device); max_seqlen_q: the largest q_len (host). scale = 1/sqrt(D).
+static void attention_prefill(bf16* out, const bf16* qkv, const KVLayer& cache, const int* cu_seqlens_q,
+                              const int* seqlens_k, const int* block_tables, int B, int max_seqlen_q, int NH,
+                              int NKV, int P, int MB, float scale, cudaStream_t stream) {
+  check_attention_shapes("attention_prefill", NH, NKV, P);
+  if (B == 0 || max_seqlen_q == 0) return;
+  dim3 grid(B, NH, cdiv(max_seqlen_q, ATTN_ROWS_PER_BLOCK));
+  attention_prefill_kernel<<<grid, ATTN_ROWS_PER_BLOCK * 32, 0, stream>>>(
+      out, qkv, cache.k, cache.v, cu_seqlens_q, seqlens_k, block_tables, NH, NKV, P, MB, scale);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// out: bf16 [B, NH*D]; qkv: bf16 [B, (NH+2NKV)*D]; cache as above; context_lens: int [B] (device, keys
+// including the current token, at least 1); block_tables: int [B, MB] (device).
+static void attention_decode(bf16* out, const bf16* qkv, const KVLayer& cache, const int* context_lens,
+                             const int* block_tables, int B, int NH, int NKV, int P, int MB, float scale,
+                             cudaStream_t stream) {
+  check_attention_shapes("attention_decode", NH, NKV, P);
+  if (B == 0) return;
+  dim3 grid(B, cdiv(NH, ATTN_ROWS_PER_BLOCK));
+  attention_decode_kernel<<<grid, ATTN_ROWS_PER_BLOCK * 32, 0, stream>>>(
+      out, qkv, cache.k, cache.v, context_lens, block_tables, NH, NKV, P, MB, scale);
+  CUDA_CHECK(cudaGetLastError());
+}
+
 // ==== 9. Sampler: greedy, temperature, top-k, min-p, top-p =================================================
+// defines: SamplingSlot, sample, sample_reference, LogitEdit, logit_edits, compute_logprobs,
+//          logprobs_reference
 //
 // What the sampler computes, per sequence b (one row of logits [V], fp32):
 //   temperature == 0            greedy: the argmax (lowest index on ties)
@@ -2877,7 +2088,7 @@ static void attention_reference(float* out, const float* qkv, const float* k_cac
 // Value and index travel packed in one 64-bit word, (order_key(value) << 32) | ~index, so "max of the
 // packed words" is "largest value, then lowest index": one integer max per comparison.
 // NaN logits never win and are never kept (they are treated as -inf). A temperature <= 0 means greedy.
-// Section 19 computes the same tokens with fewer passes (a radix select) and more thread blocks per row.
+// Section 20 computes the same tokens with fewer passes (a radix select) and more thread blocks per row.
 
 struct SamplingSlot {                // one per sequence in the step (device array [B])
   float temperature;                 // 0 = greedy
@@ -2893,7 +2104,7 @@ struct SamplingSlot {                // one per sequence in the step (device arr
 };
 static_assert(sizeof(SamplingSlot) == 48, "SamplingSlot is copied to the GPU as-is");
 
-constexpr int SAMPLE_THREADS = 1024;  // threads of a sampler thread block (sections 9 and 19)
+constexpr int SAMPLE_THREADS = 1024;  // threads of a sampler thread block (sections 9 and 20)
 
 // Philox4x32-10 (Random123's constants). __host__ so the tests reproduce every draw on the CPU.
 __host__ __device__ inline uint4 philox4x32_10(uint4 ctr, uint2 key) {
@@ -3058,7 +2269,7 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
 }
 // logits [B, V] fp32, slots [B], out_tokens [B], all on the device.
 void sample(int* out_tokens, const float* logits, const SamplingSlot* slots, int B, int V, cudaStream_t stream) {
-  if (V <= 0 || V >= 2000000) die("sample: V = %d outside 1 .. 2,000,000 (the mass sums' range)", V);
+  INTERNAL_CHECK(V > 0 && V < 2000000, "sample: V = %d outside 1 .. 2,000,000 (the mass sums' range)", V);
   if (B == 0) return;
   sample_kernel<<<B, SAMPLE_THREADS, 0, stream>>>(out_tokens, logits, slots, V);
   CUDA_CHECK(cudaGetLastError());
@@ -3177,24 +2388,24 @@ __host__ __device__ inline float edited_logit(float x, const LogitEdit& e, const
 // The edits of one sequence's row, appended to `out`: its token counts (with a penalty), then its banned
 // tokens (before min_tokens: the EOS ids and the stop_token_ids; vLLM bans both even with ignore_eos), one
 // entry per distinct token.
-static void logit_edits_of(const Sequence& q, const std::vector<int>& eos, std::vector<LogitEdit>& out) {
+static void logit_edits_of(const Sequence& seq, const std::vector<int>& eos, std::vector<LogitEdit>& out) {
   const size_t first = out.size();
-  for (size_t k = 0; k < q.token_counts.size(); k++)
-    out.push_back({q.token_counts[k].first, q.token_counts[k].second,
-                   (int)k < q.num_prompt_distinct ? EDIT_IN_PROMPT : 0});
-  if (q.num_completion_tokens() >= q.params.min_tokens) return;
+  for (size_t k = 0; k < seq.token_counts.size(); k++)
+    out.push_back({seq.token_counts[k].first, seq.token_counts[k].second,
+                   (int)k < seq.num_prompt_distinct ? EDIT_IN_PROMPT : 0});
+  if (seq.num_completion_tokens() >= seq.params.min_tokens) return;
   auto ban = [&](int t) {
-    auto it = q.token_count_at.find(t);
-    if (it != q.token_count_at.end()) {
+    auto it = seq.token_count_at.find(t);
+    if (it != seq.token_count_at.end()) {
       out[first + it->second].flags |= EDIT_BANNED;
       return;
     }
-    for (size_t e = first + q.token_counts.size(); e < out.size(); e++)
+    for (size_t e = first + seq.token_counts.size(); e < out.size(); e++)
       if (out[e].token == t) return;  // listed twice (an EOS id among the stop ids)
     out.push_back({t, 0, EDIT_BANNED});
   };
   for (int t : eos) ban(t);
-  for (int t : q.params.stop_token_ids) ban(t);
+  for (int t : seq.params.stop_token_ids) ban(t);
 }
 
 // apply_logit_edits_kernel — logits [B, V] fp32 edited in place; saved [E] receives each old value.
@@ -3305,6 +2516,7 @@ static TokenLogprobs logprobs_reference(const float* row, int V, int token, int 
 }
 
 // ==== 10. Matrix products with cuBLASLt ====================================================================
+// defines: Gemm, linear, linear_reference
 //
 // Every linear layer is y = x @ W^T with x [M, K] (M tokens) and W [N, K] in PyTorch's row-major [out, in]
 // layout. cuBLASLt thinks in column-major, where a row-major [M, N] matrix is the column-major [N, M] one,
@@ -3384,6 +2596,8 @@ static void linear_reference(float* y, const float* x, const float* W, int M, in
     }
 }
 // ==== 11. ModelRunner: step inputs, CUDA graphs ============================================================
+// defines: StepRegion, Field, TPStep, Hooks, g_hooks, install_optimizations, StepRunner, graph_batch_sizes,
+//          ModelRunner
 //
 // The bridge between the host's sequences and the GPU (nano-vllm: engine/model_runner.py ModelRunner).
 // Per step: prepare_prefill or prepare_decode lays the step's flat int arrays out in a pinned host region,
@@ -3404,33 +2618,33 @@ static void linear_reference(float* y, const float* x, const float* W, int M, in
 // A pinned host array and its device twin inside one of the two step regions.
 template <typename Tp>
 struct Field {
-  Tp* h = nullptr;
-  Tp* d = nullptr;
+  Tp* host = nullptr;  // pinned
+  Tp* dev = nullptr;
 };
 
 struct StepRegion {
-  char* h = nullptr;
-  char* d = nullptr;
+  char* host = nullptr;  // pinned
+  char* dev = nullptr;
   size_t bytes = 0, used = 0;
   template <typename Tp>
   Field<Tp> field(size_t n) {  // carve n elements, 16-byte aligned
     Field<Tp> f;
-    f.h = (Tp*)(h + used);
-    f.d = (Tp*)(d + used);
+    f.host = (Tp*)(host + used);
+    f.dev = (Tp*)(dev + used);
     used += (n * sizeof(Tp) + 15) / 16 * 16;
     return f;
   }
   void alloc(size_t n) {
     bytes = n;
-    CUDA_CHECK(cudaMallocHost(&h, n));
-    CUDA_CHECK(cudaMalloc(&d, n));
+    CUDA_CHECK(cudaMallocHost(&host, n));
+    CUDA_CHECK(cudaMalloc(&dev, n));
   }
 };
 
 // Tensor parallelism is read after this section but ModelRunner calls into it: on every rank it agrees on
 // the KV pool size and gathers the vocabulary-sharded logits to rank 0 (section 12); on rank 0 it tells the
-// workers what to do: build an engine, capture graphs, run this step (the mailbox of section 25).
-struct TPStep {      // what rank 0 decided for one step; the step region's bytes follow it (section 25)
+// workers what to do: build an engine, capture graphs, run this step (the mailbox of section 12b).
+struct TPStep {      // what rank 0 decided for one step; the step region's bytes follow it (section 12b)
   int is_prefill;
   int T, B;          // tokens and sequences (decode: B padded to the graph's batch size, T = B)
   int max_seqlen_q;  // prefill
@@ -3438,43 +2652,57 @@ struct TPStep {      // what rank 0 decided for one step; the step region's byte
   uint64_t bytes;    // used bytes of the step region
 };
 // rank 0: connect once, send the workers this Config; *engine: which engine they now build for it
-static TPComm* tp_attach(const Config& c, int rank, uint64_t* engine);
+static TPComm* tp_attach(const Config& c, const ModelConfig& mc, int rank, uint64_t* engine);
 static void tp_send_step(uint64_t engine, const TPStep& step, const void* region);
 static void tp_send_capture(uint64_t engine);
 static int64_t all_reduce_min(TPComm* comm, int64_t v);
 static void gather_logits(TPComm* comm, const float* shard, float* staging, float* full, int B, int V,
                           cudaStream_t stream);
 
-// Part II's replacements that ModelRunner switches to (g_opt, section 2): the forward pass with every
-// fusion (section 20) and the fast sampler (section 19, which needs a workspace).
-static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool is_prefill, cudaStream_t s);
-void sample_fast(int* out_tokens, const float* logits, const SamplingSlot* slots, int B, int V, void* workspace,
-                 size_t workspace_bytes, cudaStream_t stream);
-size_t sample_workspace_bytes(int B, int V);
-static void oneshot_setup(TPComm* comm);  // section 18: map every rank's staging buffer, once
-// section 22: the persistent decode kernel's plans (built once) and one step through it
-struct PersistPlan;
-struct PersistentDecode;
-static PersistentDecode* persist_setup_new(Qwen3& model, int max_num_seqs);
-static const PersistPlan* persist_plan_for(const PersistentDecode* pd, int B);
-static void persistent_decode(Qwen3& model, const PersistPlan& plan, const StepInputs& in, cudaStream_t s,
-                              int skew_ns, int skip_wait, uint64_t* trace);
-// section 21: the fp8 cache's per-layer scales, from the weights
-static std::vector<KVScales> kv_scales_from_weights(const Weights& w, const ModelConfig& c, int tp);
-size_t logprobs_workspace_bytes(int B);   // section 19: the split log-probabilities
-static void compute_logprobs_fast(TokenLogprobs* out, const float* logits, const int* tokens,
-                                  const SamplingSlot* slots, int B, int V, void* workspace, size_t workspace_bytes,
-                                  cudaStream_t stream);
+// ---- The hooks: where Part II plugs in -------------------------------------------------------------------
+// Everything Part II replaces, in one table. Each entry says what it replaces; an empty entry (the state a
+// run starts in, and all there is with Part II cut out) means Part I's code runs. install_optimizations
+// empties the table and lets every registered optimization (section 2) fill its entries, in file order;
+// ModelRunner calls it first thing, so each engine runs with its own Config's switches.
+struct Hooks {
+  // The forward pass of a step. Empty: section 6c's Qwen3::forward.
+  void (*forward)(Qwen3& model, const StepInputs& in, int T, int B, bool is_prefill, cudaStream_t s) = nullptr;
+  // A decode step of B sequences run some other way; returns false for a B it does not take. Empty (or
+  // false): `forward`.
+  bool (*decode_step)(Qwen3& model, const StepInputs& in, int B, cudaStream_t s) = nullptr;
+  // The sampler, with a workspace of sample_workspace_bytes(Bmax, V). Empty: section 9's sample.
+  void (*sample)(int* out_tokens, const float* logits, const SamplingSlot* slots, int B, int V, void* workspace,
+                 size_t workspace_bytes, cudaStream_t stream) = nullptr;
+  size_t (*sample_workspace_bytes)(int B, int V) = nullptr;
+  // The log-probabilities, with a workspace of logprobs_workspace_bytes(Bmax). Empty: section 9b's.
+  void (*compute_logprobs)(TokenLogprobs* out, const float* logits, const int* tokens, const SamplingSlot* slots,
+                           int B, int V, void* workspace, size_t workspace_bytes, cudaStream_t stream) = nullptr;
+  size_t (*logprobs_workspace_bytes)(int B) = nullptr;
+  // Scratch for attention (Activations::attn_workspace) at B sequences of up to max_context_len keys.
+  // Empty: none (section 8's kernels need none).
+  size_t (*attention_workspace_bytes)(int B, int NH, int max_context_len) = nullptr;
+  // Runs on every rank, in the same order, once NCCL is up (section 12). Empty: nothing.
+  void (*tp_ready)(TPComm* comm) = nullptr;
+  // Run in order once the model's weights, activations and KV cache exist (plans, tables). Empty: nothing.
+  std::vector<void (*)(Qwen3& model, const Config& c)> model_ready;
+};
+static Hooks g_hooks;
+
+static void install_optimizations(const OptimizationSet& set) {
+  g_hooks = Hooks{};
+  const std::vector<Optimization>& reg = optimization_registry();
+  for (size_t i = 0; i < reg.size(); i++) reg[i].apply(i < set.on.size() && set.on[i], g_hooks);
+}
 
 // What LLMEngine (section 13) needs from the side that computes a step: the sampled tokens, the batch a step
 // really runs (padded to a CUDA graph's size), and a clock. ModelRunner is the real one; `nanovllm simulate`
-// (section 26) plugs in a stand-in that needs no GPU and keeps a modelled clock.
+// (section 28) plugs in a stand-in that needs no GPU and keeps a modelled clock.
 struct StepRunner {
   double gpu_seconds = 0;  // time spent waiting for the GPU (the rest of a step is host work)
   virtual std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) = 0;
   virtual int padded_batch(int B, bool is_prefill) const = 0;
   // After run(): row i's log-probabilities for the sequences that asked for them (section 9b); nullptr when
-  // none did, or when the runner has no logits (section 26's stand-in model).
+  // none did, or when the runner has no logits (section 28's stand-in model).
   virtual const TokenLogprobs* step_logprobs() const { return nullptr; }
   virtual double now() { return now_seconds(); }
   virtual void wait_until(double t) {  // nothing to do before t (requests arrive later)
@@ -3501,10 +2729,10 @@ struct ModelRunner : StepRunner {
   int Tmax, Bmax, MB, P;
   uint64_t engine_seed = 0;
   StepRegion prefill_region, decode_region;
-  Field<int> p_ids, p_pos, p_slots, p_cu_q, p_seqlens_k, p_bt;
-  Field<SamplingSlot> p_samp;
-  Field<int> d_ids, d_pos, d_slots, d_ctx, d_bt;
-  Field<SamplingSlot> d_samp;
+  Field<int> prefill_ids, prefill_pos, prefill_slots, prefill_cu_q, prefill_seqlens_k, prefill_bt;
+  Field<SamplingSlot> prefill_samp;
+  Field<int> decode_ids, decode_pos, decode_slots, decode_ctx, decode_bt;
+  Field<SamplingSlot> decode_samp;
   float* logits = nullptr;         // [Bmax, V] what the sampler reads: act.logits itself at tp == 1; on
                                    // rank 0 at tp > 1 the shards of every rank, gathered (section 12)
   float* logits_gather = nullptr;  // [tp-1, Bmax, V/tp] rank 0: the other ranks' shards as received
@@ -3521,16 +2749,18 @@ struct ModelRunner : StepRunner {
   size_t edit_cap = 0;
   TokenLogprobs* logprobs_d = nullptr;  // [Bmax]
   TokenLogprobs* logprobs_h = nullptr;  // [Bmax] pinned
-  void* logprobs_ws = nullptr;     // section 19's split log-probabilities: logprobs_workspace_bytes(Bmax)
+  void* logprobs_ws = nullptr;     // a Part II log-probability kernel's workspace (Hooks)
+  size_t logprobs_ws_bytes = 0;
   bool have_logprobs = false;      // the last step computed some (step_logprobs)
   uint64_t tp_engine = 0;          // rank 0 with tensor parallelism: the engine the workers built for this one
-  PersistentDecode* persist = nullptr;  // section 22's plans, by batch size (none: section 20's path)
   std::vector<int> graph_bs;                 // captured batch sizes, ascending
   std::map<int, cudaGraphExec_t> graphs;
   double load_seconds = 0, load_gbps = 0, capture_seconds = 0;
+  size_t free_at_start = 0;  // GPU memory free when this engine began: the rest is other processes' (and
+                             // this process's CUDA context, or an earlier engine's)
 
   ModelRunner(Config& c, const ModelConfig& mc, int rank = 0) : config(c) {
-    g_opt = c.opt;
+    install_optimizations(c.opt);
     model.cfg = mc;
     model.rank = rank;
     model.tp = c.tensor_parallel_size;
@@ -3540,10 +2770,12 @@ struct ModelRunner : StepRunner {
     Tmax = std::max(c.max_num_batched_tokens, c.max_num_seqs);
     Bmax = c.max_num_seqs;
     if (model.tp > 1) {
-      model.comm = tp_attach(c, rank, &tp_engine);  // first, so the workers load weights alongside
-      if (g_opt.oneshot_allreduce) oneshot_setup(model.comm);  // section 18; every rank, same order
+      model.comm = tp_attach(c, mc, rank, &tp_engine);  // first, so the workers load weights alongside
+      if (g_hooks.tp_ready) g_hooks.tp_ready(model.comm);  // every rank, same order
     }
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    size_t total_b;
+    CUDA_CHECK(cudaMemGetInfo(&free_at_start, &total_b));  // before this engine's first allocation
     double t0 = now_seconds();
     size_t bytes_read = 0;
     model.w = load_weights(c.model, mc, rank, model.tp, stream, &bytes_read);
@@ -3554,7 +2786,7 @@ struct ModelRunner : StepRunner {
     allocate_activations();
     allocate_inputs();
     allocate_kv_cache();
-    persist = persist_setup_new(model, Bmax);
+    for (auto ready : g_hooks.model_ready) ready(model, c);
   }
 
   void allocate_activations() {
@@ -3573,35 +2805,37 @@ struct ModelRunner : StepRunner {
     alloc(&a.act, (size_t)Tmax * I);
     alloc(&a.last, (size_t)Bmax * H);
     alloc(&a.logits, (size_t)Bmax * V);
-    CUDA_CHECK(cudaMalloc(&a.attn_workspace, attention_decode_workspace_bytes(Bmax, NH, config.max_model_len)));
+    a.attn_workspace = nullptr;
+    if (g_hooks.attention_workspace_bytes)
+      CUDA_CHECK(cudaMalloc(&a.attn_workspace, g_hooks.attention_workspace_bytes(Bmax, NH, config.max_model_len)));
     if (tp == 1) logits = a.logits;
     else if (model.rank == 0) {
       alloc(&logits, (size_t)Bmax * mc.vocab_size);
       alloc(&logits_gather, (size_t)(tp - 1) * Bmax * V);
     }
-    sample_ws_bytes = sample_workspace_bytes(Bmax, mc.vocab_size);
-    CUDA_CHECK(cudaMalloc(&sample_ws, sample_ws_bytes));
+    sample_ws_bytes = g_hooks.sample_workspace_bytes ? g_hooks.sample_workspace_bytes(Bmax, mc.vocab_size) : 0;
+    if (sample_ws_bytes) CUDA_CHECK(cudaMalloc(&sample_ws, sample_ws_bytes));
   }
 
   void allocate_inputs() {
     size_t pb = 3 * 16 * cdiv(Tmax, 4) + 2 * 16 * cdiv(Bmax + 1, 4) + 16 * cdiv((size_t)Bmax * MB, 4) +
                 sizeof(SamplingSlot) * Bmax + 16 * 8;
     prefill_region.alloc(pb);
-    p_ids = prefill_region.field<int>(Tmax);
-    p_pos = prefill_region.field<int>(Tmax);
-    p_slots = prefill_region.field<int>(Tmax);
-    p_cu_q = prefill_region.field<int>(Bmax + 1);
-    p_seqlens_k = prefill_region.field<int>(Bmax);
-    p_bt = prefill_region.field<int>((size_t)Bmax * MB);
-    p_samp = prefill_region.field<SamplingSlot>(Bmax);
+    prefill_ids = prefill_region.field<int>(Tmax);
+    prefill_pos = prefill_region.field<int>(Tmax);
+    prefill_slots = prefill_region.field<int>(Tmax);
+    prefill_cu_q = prefill_region.field<int>(Bmax + 1);
+    prefill_seqlens_k = prefill_region.field<int>(Bmax);
+    prefill_bt = prefill_region.field<int>((size_t)Bmax * MB);
+    prefill_samp = prefill_region.field<SamplingSlot>(Bmax);
     size_t db = 4 * 16 * cdiv(Bmax, 4) + 16 * cdiv((size_t)Bmax * MB, 4) + sizeof(SamplingSlot) * Bmax + 16 * 8;
     decode_region.alloc(db);
-    d_ids = decode_region.field<int>(Bmax);
-    d_pos = decode_region.field<int>(Bmax);
-    d_slots = decode_region.field<int>(Bmax);
-    d_ctx = decode_region.field<int>(Bmax);
-    d_bt = decode_region.field<int>((size_t)Bmax * MB);
-    d_samp = decode_region.field<SamplingSlot>(Bmax);
+    decode_ids = decode_region.field<int>(Bmax);
+    decode_pos = decode_region.field<int>(Bmax);
+    decode_slots = decode_region.field<int>(Bmax);
+    decode_ctx = decode_region.field<int>(Bmax);
+    decode_bt = decode_region.field<int>((size_t)Bmax * MB);
+    decode_samp = decode_region.field<SamplingSlot>(Bmax);
     CUDA_CHECK(cudaMalloc(&out_tokens_d, Bmax * sizeof(int)));
     CUDA_CHECK(cudaMallocHost(&out_tokens_h, Bmax * sizeof(int)));
   }
@@ -3611,18 +2845,10 @@ struct ModelRunner : StepRunner {
   void allocate_kv_cache() {
     size_t free_b, total_b;
     CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-    const KVCacheDtype dtype = config.kv_cache_dtype;
-    if (dtype == KVCacheDtype::FP8) {
-      int dev = 0, major = 0, minor = 0;
-      CUDA_CHECK(cudaGetDevice(&dev));
-      CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-      CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-      if (major * 10 + minor < 89)
-        die("--kv-cache-dtype fp8 needs a GPU with FP8 conversion instructions (compute capability 8.9 or "
-            "newer: Ada, Hopper, Blackwell); this one is %d.%d. Use --kv-cache-dtype bf16 (the default)", major,
-            minor);
-    }
-    size_t block_bytes = kv_block_bytes(model.cfg, P, model.tp, dtype);
+    for (const KVCacheFormat& f : kv_cache_formats())
+      if (config.kv_cache_dtype == f.name && f.use) f.use(model);
+    const int value_bytes = kv_cache_value_bytes(config.kv_cache_dtype);
+    size_t block_bytes = kv_block_bytes(model.cfg, P, model.tp, value_bytes);
     double budget = (double)total_b * config.gpu_memory_utilization - (double)(total_b - free_b);
     int64_t fit = budget > 0 ? (int64_t)(budget / block_bytes) : 0;
     if (model.tp > 1) fit = all_reduce_min(model.comm, fit);  // every rank must hold the same block ids
@@ -3635,6 +2861,14 @@ struct ModelRunner : StepRunner {
       config.num_kvcache_blocks = (int)std::min<int64_t>(fit, 1 << 30);
     }
     int need = MB;
+    const double held_before = (double)(total_b - free_at_start);  // by others before this engine began
+    if (config.num_kvcache_blocks < need && held_before > 0.25 * total_b)
+      die("the KV cache has room for %d blocks of %d tokens, but one sequence of --max-model-len %d needs %d: "
+          "%.1f of this GPU's %.1f GiB were already in use before this engine loaded anything (another "
+          "process, listed by nvidia-smi?). Free the GPU or run on another one (CUDA_VISIBLE_DEVICES); else "
+          "lower --max-model-len",
+          config.num_kvcache_blocks, P, config.max_model_len, need, held_before / (1 << 30),
+          total_b / (double)(1 << 30));
     if (config.num_kvcache_blocks < need)
       die("the KV cache has room for %d blocks of %d tokens (%.2f GiB free under --gpu-memory-utilization %g), "
           "but one sequence of --max-model-len %d needs %d. Raise --gpu-memory-utilization or "
@@ -3642,10 +2876,7 @@ struct ModelRunner : StepRunner {
           config.num_kvcache_blocks, P, std::max(budget, 0.0) / (1 << 30), config.gpu_memory_utilization,
           config.max_model_len, need);
     KVCache& kv = model.kv;
-    kv.dtype = dtype;
-    if (dtype == KVCacheDtype::FP8)  // section 21
-      kv.scales = config.kv_scales_from_weights ? kv_scales_from_weights(model.w, model.cfg, model.tp)
-                                                : std::vector<KVScales>(model.cfg.num_hidden_layers);
+    kv.value_bytes = value_bytes;
     kv.num_blocks = config.num_kvcache_blocks;
     kv.kv_stride = kv.num_blocks * (model.cfg.num_key_value_heads / model.tp) * P * model.cfg.head_dim;
     kv.layer_stride = 2 * kv.kv_stride;
@@ -3678,28 +2909,28 @@ struct ModelRunner : StepRunner {
   StepInputs prepare_prefill(const std::vector<Sequence*>& seqs, int& T) {
     T = 0;
     int max_q = 0;
-    p_cu_q.h[0] = 0;
+    prefill_cu_q.host[0] = 0;
     for (size_t b = 0; b < seqs.size(); b++) {
       const Sequence& seq = *seqs[b];
       int start = seq.num_cached_tokens, end = start + seq.num_scheduled_tokens;
       for (int t = start; t < end; t++) {
-        p_ids.h[T] = seq.token_ids[t];
-        p_pos.h[T] = t;
-        p_slots.h[T] = seq.block_table[t / P] * P + t % P;
+        prefill_ids.host[T] = seq.token_ids[t];
+        prefill_pos.host[T] = t;
+        prefill_slots.host[T] = seq.block_table[t / P] * P + t % P;
         T++;
       }
-      p_cu_q.h[b + 1] = T;
-      p_seqlens_k.h[b] = end;
+      prefill_cu_q.host[b + 1] = T;
+      prefill_seqlens_k.host[b] = end;
       max_q = std::max(max_q, end - start);
-      fill_block_table(p_bt.h + b * MB, seq);
-      p_samp.h[b] = sampling_slot(seq);
+      fill_block_table(prefill_bt.host + b * MB, seq);
+      prefill_samp.host[b] = sampling_slot(seq);
     }
-    CUDA_CHECK(cudaMemcpyAsync(prefill_region.d, prefill_region.h, prefill_region.used, cudaMemcpyHostToDevice,
+    CUDA_CHECK(cudaMemcpyAsync(prefill_region.dev, prefill_region.host, prefill_region.used, cudaMemcpyHostToDevice,
                                stream));
     return prefill_inputs(max_q);
   }
   StepInputs prefill_inputs(int max_q) const {
-    return StepInputs{p_ids.d, p_pos.d, p_slots.d, p_cu_q.d, p_seqlens_k.d, p_bt.d, max_q};
+    return StepInputs{prefill_ids.dev, prefill_pos.dev, prefill_slots.dev, prefill_cu_q.dev, prefill_seqlens_k.dev, prefill_bt.dev, max_q};
   }
 
   // nano-vllm: prepare_decode. One token per sequence: its last one, at position len-1. Rows bs..padded_bs-1
@@ -3710,43 +2941,42 @@ struct ModelRunner : StepRunner {
       if (b < bs) {
         const Sequence& seq = *seqs[b];
         int pos = seq.size() - 1;
-        d_ids.h[b] = seq.last_token;
-        d_pos.h[b] = pos;
-        d_slots.h[b] = seq.block_table[pos / P] * P + pos % P;
-        d_ctx.h[b] = seq.size();
-        fill_block_table(d_bt.h + b * MB, seq);
-        d_samp.h[b] = sampling_slot(seq);
+        decode_ids.host[b] = seq.last_token;
+        decode_pos.host[b] = pos;
+        decode_slots.host[b] = seq.block_table[pos / P] * P + pos % P;
+        decode_ctx.host[b] = seq.size();
+        fill_block_table(decode_bt.host + b * MB, seq);
+        decode_samp.host[b] = sampling_slot(seq);
       } else {
-        d_ids.h[b] = 0, d_pos.h[b] = 0, d_slots.h[b] = -1, d_ctx.h[b] = 1;
-        std::fill(d_bt.h + b * MB, d_bt.h + (b + 1) * MB, 0);
-        d_samp.h[b] = SamplingSlot{};  // greedy
+        decode_ids.host[b] = 0, decode_pos.host[b] = 0, decode_slots.host[b] = -1, decode_ctx.host[b] = 1;
+        std::fill(decode_bt.host + b * MB, decode_bt.host + (b + 1) * MB, 0);
+        decode_samp.host[b] = SamplingSlot{};  // greedy
       }
     }
-    CUDA_CHECK(cudaMemcpyAsync(decode_region.d, decode_region.h, decode_region.used, cudaMemcpyHostToDevice,
+    CUDA_CHECK(cudaMemcpyAsync(decode_region.dev, decode_region.host, decode_region.used, cudaMemcpyHostToDevice,
                                stream));
     return decode_inputs();
   }
   StepInputs decode_inputs() const {
-    return StepInputs{d_ids.d, d_pos.d, d_slots.d, nullptr, d_ctx.d, d_bt.d, 1};
+    return StepInputs{decode_ids.dev, decode_pos.dev, decode_slots.dev, nullptr, decode_ctx.dev, decode_bt.dev, 1};
   }
 
-  // The model, then (rank 0) the sampler: Part I's, or Part II's where switched on.
+  // The model, then (rank 0) the sampler: Part I's, or Part II's where a hook is filled.
   void forward_and_sample(const StepInputs& in, int T, int B, bool is_prefill, const SamplingSlot* slots_d,
                           bool draw = true) {
-    const PersistPlan* plan = is_prefill ? nullptr : persist_plan_for(persist, B);
-    if (plan) persistent_decode(model, *plan, in, stream, 0, -1, nullptr);
-    else if (uses_fast_forward()) forward_fast(model, in, T, B, is_prefill, stream);
-    else model.forward(in, T, B, is_prefill, stream);
+    const bool done = !is_prefill && g_hooks.decode_step && g_hooks.decode_step(model, in, B, stream);
+    if (!done && g_hooks.forward) g_hooks.forward(model, in, T, B, is_prefill, stream);
+    else if (!done) model.forward(in, T, B, is_prefill, stream);
     if (model.tp > 1)
       gather_logits(model.comm, model.act.logits, logits_gather, logits, B, model.cfg.vocab_size, stream);
     if (model.rank != 0 || !draw) return;
-    const int V = model.cfg.vocab_size;
-    if (g_opt.fast_sampler) sample_fast(out_tokens_d, logits, slots_d, B, V, sample_ws, sample_ws_bytes, stream);
-    else sample(out_tokens_d, logits, slots_d, B, V, stream);
+    draw_tokens(B, slots_d);
   }
-  // Section 20's forward pass runs when one of the optimizations it routes is on.
-  static bool uses_fast_forward() {
-    return g_opt.gemv || g_opt.fused_rope || g_opt.cluster_merge || g_opt.oneshot_allreduce;
+  // One token per row of logits into out_tokens_d.
+  void draw_tokens(int B, const SamplingSlot* slots_d) {
+    const int V = model.cfg.vocab_size;
+    if (g_hooks.sample) g_hooks.sample(out_tokens_d, logits, slots_d, B, V, sample_ws, sample_ws_bytes, stream);
+    else sample(out_tokens_d, logits, slots_d, B, V, stream);
   }
 
   int graph_size_for(int bs) const {
@@ -3769,9 +2999,9 @@ struct ModelRunner : StepRunner {
   };
   StepExtras step_extras(const std::vector<Sequence*>& seqs) const {
     StepExtras x;
-    for (const Sequence* q : seqs) {
-      const SamplingParams& p = q->params;
-      x.edits |= p.penalized() || q->num_completion_tokens() < p.min_tokens;
+    for (const Sequence* seq : seqs) {
+      const SamplingParams& p = seq->params;
+      x.edits |= p.penalized() || seq->num_completion_tokens() < p.min_tokens;
       x.logprobs |= p.logprobs >= 0;
     }
     return x;
@@ -3817,19 +3047,19 @@ struct ModelRunner : StepRunner {
     const int V = model.cfg.vocab_size;
     if (x.edits) {
       logit_edits(false, logits, B, V, edits_d, edit_start_d, slots_d, edit_saved, stream);
-      if (g_opt.fast_sampler) sample_fast(out_tokens_d, logits, slots_d, B, V, sample_ws, sample_ws_bytes, stream);
-      else sample(out_tokens_d, logits, slots_d, B, V, stream);
+      draw_tokens(B, slots_d);
       logit_edits(true, logits, B, V, edits_d, edit_start_d, slots_d, edit_saved, stream);
     }
     if (x.logprobs) {
       if (!logprobs_d) {
         CUDA_CHECK(cudaMalloc(&logprobs_d, Bmax * sizeof(TokenLogprobs)));
         CUDA_CHECK(cudaMallocHost(&logprobs_h, Bmax * sizeof(TokenLogprobs)));
-        CUDA_CHECK(cudaMalloc(&logprobs_ws, logprobs_workspace_bytes(Bmax)));
+        logprobs_ws_bytes = g_hooks.logprobs_workspace_bytes ? g_hooks.logprobs_workspace_bytes(Bmax) : 0;
+        if (logprobs_ws_bytes) CUDA_CHECK(cudaMalloc(&logprobs_ws, logprobs_ws_bytes));
       }
-      if (g_opt.fast_sampler)
-        compute_logprobs_fast(logprobs_d, logits, out_tokens_d, slots_d, B, V, logprobs_ws,
-                              logprobs_workspace_bytes(Bmax), stream);
+      if (g_hooks.compute_logprobs)
+        g_hooks.compute_logprobs(logprobs_d, logits, out_tokens_d, slots_d, B, V, logprobs_ws, logprobs_ws_bytes,
+                                 stream);
       else compute_logprobs(logprobs_d, logits, out_tokens_d, slots_d, B, V, stream);
       CUDA_CHECK(cudaMemcpyAsync(logprobs_h, logprobs_d, B * sizeof(TokenLogprobs), cudaMemcpyDeviceToHost, stream));
     }
@@ -3845,17 +3075,17 @@ struct ModelRunner : StepRunner {
       int T;
       StepInputs in = prepare_prefill(seqs, T);
       if (model.tp > 1)
-        tp_send_step(tp_engine, {1, T, B, in.max_seqlen_q, 0, prefill_region.used}, prefill_region.h);
-      forward_and_sample(in, T, B, true, p_samp.d, !x.edits);
-      if (x.edits || x.logprobs) process_and_sample(x, B, p_samp.d);
+        tp_send_step(tp_engine, {1, T, B, in.max_seqlen_q, 0, prefill_region.used}, prefill_region.host);
+      forward_and_sample(in, T, B, true, prefill_samp.dev, !x.edits);
+      if (x.edits || x.logprobs) process_and_sample(x, B, prefill_samp.dev);
     } else {
       int g = config.enforce_eager ? 0 : graph_size_for(B);
       StepInputs in = prepare_decode(seqs, g ? g : B);
       if (model.tp > 1)
-        tp_send_step(tp_engine, {0, g ? g : B, g ? g : B, 1, g, decode_region.used}, decode_region.h);
+        tp_send_step(tp_engine, {0, g ? g : B, g ? g : B, 1, g, decode_region.used}, decode_region.host);
       if (g) CUDA_CHECK(cudaGraphLaunch(graphs[g], stream));
-      else forward_and_sample(in, B, B, false, d_samp.d, !x.edits);
-      if (x.edits || x.logprobs) process_and_sample(x, B, d_samp.d);
+      else forward_and_sample(in, B, B, false, decode_samp.dev, !x.edits);
+      if (x.edits || x.logprobs) process_and_sample(x, B, decode_samp.dev);
     }
     have_logprobs = x.logprobs;
     CUDA_CHECK(cudaMemcpyAsync(out_tokens_h, out_tokens_d, B * sizeof(int), cudaMemcpyDeviceToHost, stream));
@@ -3875,11 +3105,11 @@ struct ModelRunner : StepRunner {
     for (auto it = graph_bs.rbegin(); it != graph_bs.rend(); ++it) {
       int bs = *it;
       StepInputs in = prepare_decode(none, bs);  // all padding rows: valid inputs that store nothing
-      forward_and_sample(in, bs, bs, false, d_samp.d);  // warm-up: cuBLASLt picks its algorithms here
+      forward_and_sample(in, bs, bs, false, decode_samp.dev);  // warm-up: cuBLASLt picks its algorithms here
       CUDA_CHECK(cudaStreamSynchronize(stream));
       cudaGraph_t graph;
       CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      forward_and_sample(in, bs, bs, false, d_samp.d);
+      forward_and_sample(in, bs, bs, false, decode_samp.dev);
       CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
       cudaGraphExec_t exec;
       CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
@@ -3892,6 +3122,8 @@ struct ModelRunner : StepRunner {
 };
 
 // ==== 12. Tensor parallelism: sharded weights, NCCL all-reduce =============================================
+// defines: TPComm, all_reduce_sum, all_reduce_min, gather_logits, tp_comm_init, TPMailbox, TPGroup,
+//          TPSupervisor, tp_fork_workers, tp_send, tp_attach, config_to_json, tp_worker_main
 //
 // N GPUs run one model (nano-vllm: model_runner.py with torch.distributed, layers/linear.py,
 // layers/embed_head.py). Every rank holds 1/N of each split weight (tp_shard in section 2 says which part,
@@ -3903,10 +3135,10 @@ struct ModelRunner : StepRunner {
 //   embed_tokens      vocabulary-parallel: a rank looks up only its ids (zeros elsewhere) -> all-reduce
 //   lm_head           vocabulary-parallel: a rank computes V/N logits -> gathered to rank 0, which samples
 //
-// This section is the data plane: the communicator, the all-reduce, the logits gather. The processes
-// (rank 0 is this process; ranks 1..N-1 are workers fork()ed before the first CUDA call, and rank 0 sends
-// them each step through a mailbox in shared memory) are plumbing and wait for section 25; section 18 gives
-// the small all-reduces of decode a faster road than NCCL's.
+// This section has two halves: the data plane (the communicator, the all-reduce, the logits gather), and
+// the processes (12b): rank 0 is this process; ranks 1..N-1 are workers fork()ed before the first CUDA
+// call, and rank 0 sends them each step through a mailbox in shared memory. Section 19 gives the small
+// all-reduces of decode a faster road than NCCL's; section 27 handles the signals and shutdown.
 //
 // What crosses between the ranks in one batch-1 decode step of Qwen3-8B at N = 2:
 //   mailbox      ~57 KB of step inputs at --max-num-seqs 512 (ids, positions, slots, context lengths,
@@ -3916,7 +3148,6 @@ struct ModelRunner : StepRunner {
 
 constexpr int TP_MAX_RANKS = 8;
 
-struct OneShot;  // section 18: the mapped staging buffers of the one-shot all-reduce
 
 struct TPComm {
   int rank = 0, size = 1;
@@ -3924,8 +3155,7 @@ struct TPComm {
   cudaStream_t stream = nullptr;    // for the set-up collectives outside the model's stream
   int64_t* scratch = nullptr;       // [1] device scalar for all_reduce_min
   bool skip = false;                // NANOVLLM_ALLREDUCE=skip: no all-reduce at all (timing only)
-  bool oneshot_tried = false;       // section 18's set-up ran (once per communicator, on every rank)
-  OneShot* oneshot = nullptr;       // ... and succeeded on every rank
+  void* fast = nullptr;             // what a Part II all-reduce keeps per communicator (Hooks::tp_ready)
 };
 
 // The sum of x [n] over the ranks, in place (nano-vllm: dist.all_reduce in RowParallelLinear and
@@ -3991,7 +3221,338 @@ static TPComm* tp_comm_init(int rank, int size, const ncclUniqueId& id) {
   return c;
 }
 
+// ---- 12b. The processes: fork, the mailbox, the worker loop -------------------------------------------
+//
+// Processes. tp_launch(N) fork()s ranks 1..N-1 before this process makes its first CUDA call: a child
+// cannot use CUDA once its parent has, so the order is forced (nano-vllm spawns fresh Python processes
+// instead). The workers are generic: they know nothing of the model until rank 0 sends them an engine's
+// Config, so one launch serves every engine the process builds (the end-to-end test builds several).
+// Rank r binds GPU r; all ranks join one NCCL communicator whose unique id travels through the mailbox.
+//
+// Control plane. nano-vllm pickles each call (method name and arguments, the Sequence objects included)
+// into a 1 MiB SharedMemory segment, sets one Event per worker, and every worker re-runs prepare_prefill /
+// prepare_decode from the sequences. Here rank 0 prepares a step once and sends the result: the step
+// region of section 11, the flat arrays exactly as they will be copied to the GPU, with a small header
+// (TPStep). A worker copies those bytes into its own pinned region and runs what rank 0 runs, the same
+// CUDA graph included. No serialisation, no second copy of the scheduler's state, and the two ranks cannot
+// disagree about a step's inputs.
+//
+// The mailbox is one slot in a MAP_SHARED | MAP_ANONYMOUS mapping made before fork(): every rank inherits
+// it and it has no name, so nothing can be left behind in /dev/shm however the run ends (nano-vllm's named
+// segment must be unlinked). Rank 0 writes a message and increments `seq`; a worker notices by spinning on
+// seq for a few milliseconds (the next decode step usually comes sooner, and a futex wake-up costs tens of
+// microseconds on the critical path), then sleeps in futex(FUTEX_WAIT) on the same word, which rank 0's
+// FUTEX_WAKE ends. Before writing, rank 0 waits until every worker has acknowledged (copied out) the
+// previous message, so a single slot is enough; in practice they always have, because each message is
+// followed by collectives that need every worker.
+//
+// What happens when a process fails or a signal arrives (reaping the workers, naming the rank that failed,
+// Ctrl-C) is section 27's: it passes its handlers to tp_fork_workers (TPSupervisor), and none of it changes
+// what the ranks compute.
+
+enum class TPOp : uint32_t { CONNECT, INIT, CAPTURE, STEP, EXIT };
+
+struct TPMailbox {
+  uint32_t seq;      // messages sent so far: the futex word
+  uint32_t acks;     // messages copied out, summed over the workers
+  TPOp op;
+  TPStep step;       // STEP: the header
+  uint64_t bytes;    // of payload: CONNECT the NCCL unique id, INIT the Config as JSON, STEP the step region
+  static constexpr size_t kHeader = 256;
+  char* payload() { return reinterpret_cast<char*>(this) + kHeader; }
+};
+static_assert(sizeof(TPMailbox) <= TPMailbox::kHeader, "the payload starts after the header");
+constexpr size_t TP_MAILBOX_BYTES = 64 << 20;  // address space; memory only as far as messages reach
+constexpr size_t TP_PAYLOAD_BYTES = TP_MAILBOX_BYTES - TPMailbox::kHeader;
+constexpr double TP_SPIN_SECONDS = 0.01;       // a worker spins this long before it sleeps on the futex
+
+struct TPGroup {
+  int size = 1;
+  TPMailbox* mb = nullptr;
+  TPComm* comm = nullptr;                  // this process's, once connected
+  pid_t pids[TP_MAX_RANKS] = {};           // rank 0: the workers, -1 once reaped
+  int status[TP_MAX_RANKS] = {};           // rank 0: their wait() status once reaped
+  volatile sig_atomic_t stopping = 0;      // rank 0: a worker's exit is expected from now on
+  volatile sig_atomic_t worker_busy = 0;   // worker: it has received a message (SIGTERM then says why)
+  uint64_t engines = 0;                    // rank 0: engines built; the workers serve only the newest
+};
+static TPGroup g_tp;
+
+// What section 27 adds around the processes: rank 0's reaper and signal handlers, installed between the
+// forks and the moment a worker's death can be noticed; a worker's own signals; and a per-step call (tests
+// make a worker fail on purpose there). Empty entries do nothing.
+struct TPSupervisor {
+  void (*supervise)() = nullptr;                         // rank 0, every worker forked, SIGCHLD still blocked
+  void (*worker_begins)(int rank) = nullptr;             // a worker, before its loop
+  void (*worker_step)(int rank, long long step) = nullptr;  // a worker, before it runs its step-th step
+};
+static TPSupervisor g_tp_supervisor;  // the workers' copy of what tp_fork_workers was given
+
+[[noreturn]] static void tp_worker_main(int rank);
+
+// Fork ranks 1..n-1 (nano-vllm: mp.Process per rank in LLMEngine.__init__). Call before the first CUDA
+// call; a no-op for n = 1.
+static void tp_fork_workers(int n, const TPSupervisor& sup) {
+  if (n <= 1) return;
+  if (n > TP_MAX_RANKS) die("--tensor-parallel-size %d: at most %d ranks", n, TP_MAX_RANKS);
+  // NVLink SHARP (multicast) buys nothing at these message sizes and GPU counts; keep it off unless asked.
+  setenv("NCCL_NVLS_ENABLE", "0", 0);
+  void* p = mmap(nullptr, TP_MAILBOX_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED)
+    die("cannot map %zu MiB of shared memory for the tensor-parallel mailbox: %s", TP_MAILBOX_BYTES >> 20,
+        strerror(errno));
+  g_tp.mb = static_cast<TPMailbox*>(p);
+  g_tp.size = n;
+  g_tp_supervisor = sup;
+  sigset_t chld, old;  // a worker that dies at once is reaped only once its pid is recorded
+  sigemptyset(&chld);
+  sigaddset(&chld, SIGCHLD);
+  sigprocmask(SIG_BLOCK, &chld, &old);
+  fflush(stdout);  // or the children would print rank 0's buffered output again
+  fflush(stderr);
+  const pid_t parent = getpid();
+  for (int r = 1; r < n; r++) {
+    pid_t pid = fork();
+    if (pid < 0) {
+      int e = errno;
+      for (int q = 1; q < r; q++) kill(g_tp.pids[q], SIGKILL), waitpid(g_tp.pids[q], nullptr, 0);
+      die("fork() for tensor-parallel rank %d failed: %s", r, strerror(e));
+    }
+    if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGTERM);   // rank 0 gone, however it went: this worker goes too
+      if (getppid() != parent) _exit(1);  // it went before prctl took effect
+      sigprocmask(SIG_SETMASK, &old, nullptr);
+      tp_worker_main(r);
+    }
+    g_tp.pids[r] = pid;
+  }
+  if (sup.supervise) sup.supervise();
+  sigprocmask(SIG_SETMASK, &old, nullptr);
+}
+
+// Rank 0: put one message in the mailbox and wake the workers.
+static void tp_send(TPOp op, const void* payload, size_t bytes, const TPStep* step = nullptr) {
+  TPMailbox* mb = g_tp.mb;
+  if (bytes > TP_PAYLOAD_BYTES)
+    die("a tensor-parallel step of %.1f MiB does not fit the %zu MiB mailbox; lower "
+        "--max-num-batched-tokens, --max-num-seqs or --max-model-len",
+        bytes / 1048576.0, TP_PAYLOAD_BYTES >> 20);
+  const uint32_t sent = mb->seq;
+  while (__atomic_load_n(&mb->acks, __ATOMIC_ACQUIRE) != sent * (uint32_t)(g_tp.size - 1)) sched_yield();
+  mb->op = op;
+  mb->bytes = bytes;
+  if (step) mb->step = *step;
+  if (bytes) memcpy(mb->payload(), payload, bytes);
+  __atomic_store_n(&mb->seq, sent + 1, __ATOMIC_RELEASE);
+  syscall(SYS_futex, &mb->seq, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+// A worker keeps one engine, the one rank 0 built last (TPOp::INIT replaces it): an older engine's step would
+// run on the newer one's block tables and buffers.
+static void tp_check_engine(uint64_t engine) {
+  if (engine != g_tp.engines)
+    die("this engine (number %llu) can no longer run with tensor parallelism: the workers serve only the "
+        "engine built last (number %llu). Build one engine at a time with --tensor-parallel-size > 1",
+        (unsigned long long)engine, (unsigned long long)g_tp.engines);
+}
+static void tp_send_step(uint64_t engine, const TPStep& step, const void* region) {
+  tp_check_engine(engine);
+  tp_send(TPOp::STEP, region, step.bytes, &step);
+}
+static void tp_send_capture(uint64_t engine) {
+  tp_check_engine(engine);
+  tp_send(TPOp::CAPTURE, nullptr, 0);
+}
+
+// Every field of Config and ModelConfig (section 2) travels; a field added there must be added here and in
+// the functions below.
+static std::string config_to_json(const Config& c) {
+  json j = {{"model", c.model},
+            {"max_num_batched_tokens", c.max_num_batched_tokens},
+            {"max_num_seqs", c.max_num_seqs},
+            {"max_model_len", c.max_model_len},
+            {"gpu_memory_utilization", c.gpu_memory_utilization},
+            {"tensor_parallel_size", c.tensor_parallel_size},
+            {"enforce_eager", c.enforce_eager},
+            {"kvcache_block_size", c.kvcache_block_size},
+            {"num_kvcache_blocks", c.num_kvcache_blocks},
+            {"eos", c.eos},
+            {"kv_cache_dtype", c.kv_cache_dtype}};
+  j["opt"] = json::object();
+  for (size_t i = 0; i < optimization_registry().size(); i++)
+    j["opt"][optimization_registry()[i].name] = i < c.opt.on.size() && c.opt.on[i];
+  return j.dump();
+}
+static std::string model_config_to_json(const ModelConfig& m) {
+  json j = {{"hidden_size", m.hidden_size},
+            {"intermediate_size", m.intermediate_size},
+            {"num_hidden_layers", m.num_hidden_layers},
+            {"num_attention_heads", m.num_attention_heads},
+            {"num_key_value_heads", m.num_key_value_heads},
+            {"head_dim", m.head_dim},
+            {"vocab_size", m.vocab_size},
+            {"max_position_embeddings", m.max_position_embeddings},
+            {"rms_norm_eps", m.rms_norm_eps},
+            {"rope_theta", m.rope_theta},
+            {"tie_word_embeddings", m.tie_word_embeddings},
+            {"dtype", m.dtype},
+            {"eos_token_ids", m.eos_token_ids},
+            {"generation_config", m.generation_config}};
+  return j.dump();
+}
+static ModelConfig model_config_from_json(const std::string& text) {
+  json j = json::parse(text);
+  ModelConfig m;
+  m.hidden_size = j["hidden_size"], m.intermediate_size = j["intermediate_size"];
+  m.num_hidden_layers = j["num_hidden_layers"], m.num_attention_heads = j["num_attention_heads"];
+  m.num_key_value_heads = j["num_key_value_heads"], m.head_dim = j["head_dim"], m.vocab_size = j["vocab_size"];
+  m.max_position_embeddings = j["max_position_embeddings"];
+  m.rms_norm_eps = j["rms_norm_eps"], m.rope_theta = j["rope_theta"];
+  m.tie_word_embeddings = j["tie_word_embeddings"], m.dtype = j["dtype"];
+  m.eos_token_ids = j["eos_token_ids"].get<std::vector<int>>();
+  m.generation_config = j["generation_config"];
+  return m;
+}
+static Config config_from_json(const std::string& text) {
+  json j = json::parse(text);
+  Config c;
+  c.model = j["model"];
+  c.max_num_batched_tokens = j["max_num_batched_tokens"];
+  c.max_num_seqs = j["max_num_seqs"];
+  c.max_model_len = j["max_model_len"];
+  c.gpu_memory_utilization = j["gpu_memory_utilization"];
+  c.tensor_parallel_size = j["tensor_parallel_size"];
+  c.enforce_eager = j["enforce_eager"];
+  c.kvcache_block_size = j["kvcache_block_size"];
+  c.num_kvcache_blocks = j["num_kvcache_blocks"];
+  c.eos = j["eos"].get<std::vector<int>>();
+  c.kv_cache_dtype = j["kv_cache_dtype"].get<std::string>();
+  for (size_t i = 0; i < optimization_registry().size(); i++)
+    c.opt.on[i] = j["opt"][optimization_registry()[i].name].get<bool>();
+  return c;
+}
+
+// What INIT carries: the engine's Config and the model's (the workers do not read config.json again).
+static std::string tp_init_payload(const Config& c, const ModelConfig& mc) {
+  return json{{"config", config_to_json(c)}, {"model", model_config_to_json(mc)}}.dump();
+}
+
+// The communicator of this process for an engine with Config c, called first thing by ModelRunner. On
+// rank 0 it connects the group (once per process: NCCL unique id -> CONNECT) and sends the workers c and
+// mc, so they build the same engine alongside; on a worker the group is already connected.
+static TPComm* tp_attach(const Config& c, const ModelConfig& mc, int rank, uint64_t* engine) {
+  if (!g_tp.mb || g_tp.size != c.tensor_parallel_size)
+    die("--tensor-parallel-size %d, but %d ranks were launched (tp_launch(N) must run before the first CUDA "
+        "call)", c.tensor_parallel_size, g_tp.size);
+  if (rank > 0) return g_tp.comm;
+  if (!g_tp.comm) {
+    CUDA_CHECK(cudaSetDevice(0));
+    ncclUniqueId id;
+    NCCL_CHECK(ncclGetUniqueId(&id));
+    tp_send(TPOp::CONNECT, &id, sizeof id);
+    g_tp.comm = tp_comm_init(0, g_tp.size, id);
+  }
+  const std::string text = tp_init_payload(c, mc);
+  tp_send(TPOp::INIT, text.data(), text.size());
+  *engine = ++g_tp.engines;
+  return g_tp.comm;
+}
+
+// The worker loop (nano-vllm: ModelRunner.loop).
+//
+// A worker waits for a message and does what rank 0 does at the same point, so that every collective call
+// on every rank has its partners: build the engine (weights, activations, the KV pool sized by the minimum
+// over ranks), capture the same CUDA graphs in the same order, and for each step copy the step region to
+// its GPU and run the same forward pass or replay the same graph. It never samples: rank 0 does, from the
+// gathered logits.
+
+// Wait until seq moves past `seen`; returns the new value.
+static uint32_t tp_wait(uint32_t seen) {
+  TPMailbox* mb = g_tp.mb;
+  const double t0 = now_seconds();
+  for (;;) {
+    uint32_t s = __atomic_load_n(&mb->seq, __ATOMIC_ACQUIRE);
+    if (s != seen) return s;
+    if (now_seconds() - t0 < TP_SPIN_SECONDS) continue;
+    struct timespec ts = {1, 0};  // a bounded sleep: the loop re-reads seq whatever woke it
+    syscall(SYS_futex, &mb->seq, FUTEX_WAIT, seen, &ts, nullptr, 0);
+  }
+}
+
+// The worker's half of ModelRunner::run: the step region is already in r's pinned buffer.
+static void tp_replay_step(ModelRunner& r, const TPStep& st) {
+  StepRegion& region = st.is_prefill ? r.prefill_region : r.decode_region;
+  CUDA_CHECK(cudaMemcpyAsync(region.dev, region.host, st.bytes, cudaMemcpyHostToDevice, r.stream));
+  if (st.is_prefill) {
+    r.forward_and_sample(r.prefill_inputs(st.max_seqlen_q), st.T, st.B, true, r.prefill_samp.dev);
+  } else if (st.graph_bs) {
+    auto it = r.graphs.find(st.graph_bs);
+    INTERNAL_CHECK(it != r.graphs.end(), "rank 0 replays a graph of batch %d, this rank has none", st.graph_bs);
+    CUDA_CHECK(cudaGraphLaunch(it->second, r.stream));
+  } else {
+    r.forward_and_sample(r.decode_inputs(), st.B, st.B, false, r.decode_samp.dev);
+  }
+  CUDA_CHECK(cudaStreamSynchronize(r.stream));  // a failure surfaces here, in this step, named by rank
+}
+
+[[noreturn]] static void tp_worker_main(int rank) {
+  g_tp_rank = rank;
+  if (g_tp_supervisor.worker_begins) g_tp_supervisor.worker_begins(rank);
+  TPMailbox* mb = g_tp.mb;
+  auto ack = [&] { __atomic_fetch_add(&mb->acks, 1, __ATOMIC_RELEASE); };
+  Config config;
+  std::unique_ptr<ModelRunner> runner;
+  uint32_t seen = 0;
+  long long steps = 0;
+  for (;;) {
+    seen = tp_wait(seen);
+    g_tp.worker_busy = 1;
+    INTERNAL_CHECK(runner || (mb->op != TPOp::CAPTURE && mb->op != TPOp::STEP),
+                   "tensor-parallel message %d before any engine", (int)mb->op);
+    switch (mb->op) {
+      case TPOp::CONNECT: {
+        ncclUniqueId id;
+        memcpy(&id, mb->payload(), sizeof id);
+        ack();
+        g_tp.comm = tp_comm_init(rank, g_tp.size, id);
+        break;
+      }
+      case TPOp::INIT: {
+        const json init = json::parse(std::string(mb->payload(), mb->bytes));
+        ack();
+        runner.reset();  // like rank 0's previous engine, it keeps its GPU memory (ModelRunner frees nothing)
+        config = config_from_json(init["config"].get<std::string>());
+        const ModelConfig mc = model_config_from_json(init["model"].get<std::string>());
+        validate_checkpoint(config.model, mc);  // a missing or broken folder: this rank's message, exit 1
+        runner.reset(new ModelRunner(config, mc, rank));
+        break;
+      }
+      case TPOp::CAPTURE:
+        ack();
+        runner->capture_cudagraphs();
+        break;
+      case TPOp::STEP: {
+        TPStep st = mb->step;
+        StepRegion& region = st.is_prefill ? runner->prefill_region : runner->decode_region;
+        INTERNAL_CHECK(st.bytes <= region.bytes, "a step of %llu bytes for a region of %zu",
+                       (unsigned long long)st.bytes, region.bytes);
+        memcpy(region.host, mb->payload(), st.bytes);
+        ack();
+        if (g_tp_supervisor.worker_step) g_tp_supervisor.worker_step(rank, ++steps);
+        tp_replay_step(*runner, st);
+        break;
+      }
+      case TPOp::EXIT:
+        ack();
+        fflush(stderr);
+        _exit(0);  // no teardown: the driver frees this process's GPU memory, and rank 0 waits for us
+    }
+  }
+}
+
+
 // ==== 13. LLMEngine: add_request, step, generate ===========================================================
+// defines: Request, Completion, StepObserver, LLMEngine (add_request, step, generate)
 //
 // The loop that ties it together (nano-vllm: engine/llm_engine.py LLMEngine): requests become Sequences in
 // the scheduler's waiting queue (n of them for a request with n > 1); each step() is one schedule() -> run()
@@ -4000,10 +3561,9 @@ static TPComm* tp_comm_init(int rank, int size, const ncclUniqueId& id) {
 // than the start (arrival_time): it joins the queue once the clock reaches it, which is how a server sees
 // its traffic and what makes the two schedulers' difference visible.
 //
-// Watching the scheduler think. With --trace every step prints one line on stderr, every run ends with a
-// summary, and --report draws the whole run. All of them only read what the scheduler and the runner
-// already keep (StepTrace, RunStats and the Sequences' times below; the formatting is section 24); with
-// --trace and --report off nothing is recorded, so watching costs nothing.
+// Watching the scheduler think: with --trace every step prints one line on stderr, every run ends with a
+// summary, and --report draws the whole run. All of them watch through StepObserver (below; Part III
+// implements it, section 26) and only read what the scheduler, the runner and the Sequences already keep.
 
 struct Request {
   std::vector<int> prompt_token_ids;
@@ -4011,14 +3571,14 @@ struct Request {
   std::string source;         // "prompts.txt:12", for messages
   double arrival_time = 0;    // seconds after generate() begins (a .jsonl field, or --request-rate)
   bool arrival_given = false; // the .jsonl line gave it (--request-rate leaves it alone)
-  std::string error;          // an OpenAI batch line we answer with an error instead of running (section 23)
-  json batch;                 // that batch line's custom_id, url and body (section 23); null otherwise
+  std::string error;          // an OpenAI batch line we answer with an error instead of running (section 25)
+  json batch;                 // that batch line's custom_id, url and body (section 25); null otherwise
 };
 
 // One completion: a request with n > 1 has n of them, consecutive, in index order.
 struct Completion {
   std::vector<int> token_ids;
-  const char* finish_reason;  // nullptr: unfinished (the run was interrupted by Ctrl-C, section 25)
+  const char* finish_reason;  // nullptr: unfinished (the run was interrupted by Ctrl-C, section 27)
   int prompt_tokens;
   double arrival_time = 0, first_token_time = -1, finish_time = -1;  // seconds since generate() began (-1: never)
   int64_t seq_id = 0;
@@ -4031,137 +3591,94 @@ struct Completion {
   double cumulative_logprob = 0;
 };
 
-struct RunStats {
-  double seconds = 0;
-  int64_t prefill_tokens = 0, decode_tokens = 0, steps_prefill = 0, steps_decode = 0;
-  int64_t steps_mixed = 0;     // --scheduler mixed: steps that held decode tokens and prompt chunks (in prefill)
-  int64_t mixed_decode_tokens = 0;  // ... and the decode tokens they held (in decode_tokens too)
-  double prefill_seconds = 0, decode_seconds = 0;
-  double first_token_at = -1;  // seconds since generate() began
-  int peak_blocks_used = 0;    // taken right after schedule(), when a step holds the most blocks
-  // Where step time goes. The engine is synchronous: the host schedules and prepares, launches, then waits
-  // for the GPU in the step's one synchronisation (ModelRunner::run). In eager mode kernels already run
-  // while the host is still launching later ones, so part of the GPU's work hides in prepare_seconds.
-  double schedule_seconds = 0, prepare_seconds = 0, gpu_wait_seconds = 0, postprocess_seconds = 0;
-  int last_batch = 0;          // sequences in the last step: the logits rows left in the buffer
-};
-
-// One step's worth of state, taken right after schedule() (the step's end time added after it ran): a
-// --trace line, and one column of --report's pictures.
-struct StepTrace {
-  int64_t step = 0;
-  bool is_prefill = false;
-  int batch = 0;
-  int64_t tokens = 0;    // tokens the model computes this step (decode: one per sequence)
-  int64_t decode_tokens = 0;  // of which the last token of a sequence that decodes (the rest: prompt)
-  int padded_batch = 0;  // the batch the step really runs (a decode step pads to a CUDA graph's size)
-  int prefix_hit = 0;    // prompt tokens admitted this step whose K/V was already cached
-  int waiting = 0, running = 0;
-  int free_blocks = 0, num_blocks = 0;
-  int cached_free_blocks = 0;  // free blocks that still hold a registered prefix (a hit revives them)
-  int hashes = 0;        // full blocks registered in the prefix cache (hash_to_block_id)
-  std::vector<std::pair<int64_t, int>> preempted;  // (seq_id, length) of each victim, in order
-  std::vector<std::pair<int64_t, int>> scheduled;  // (seq_id, tokens) of each sequence of the step
-  double start = 0, end = 0;  // seconds since generate() began
-  double ms = 0;
-};
-static StepTrace trace_after_schedule(const Scheduler& s, const std::vector<Sequence*>& batch, bool is_prefill,
-                                      int64_t step);  // section 24
-static std::string format_trace(const StepTrace& t);  // section 24
-
-// Ctrl-C (section 25's handler sets it; main arms it): generate() stops after the step in flight.
+// Ctrl-C (section 27's handler sets it; main arms it): generate() stops after the step in flight.
 static volatile sig_atomic_t g_stop_armed = 0;
 static volatile sig_atomic_t g_stop_requested = 0;
+
+struct LLMEngine;
+
+// observer interface: StepObserver
+// Whoever watches the engine run (Part III: the progress line, --trace, the run summary, --report) sees it
+// through these calls, made around the three phases of a step. None of them may change what the engine
+// computes; with no observer the engine records nothing.
+struct StepObserver {
+  virtual void step_begins(const LLMEngine&) {}                                  // before schedule()
+  virtual void scheduled(const LLMEngine&, const std::vector<Sequence*>&, bool) {}  // the batch, is_prefill
+  virtual void ran(const LLMEngine&) {}                                          // after the model and sampler
+  virtual void step_ends(const LLMEngine&, const std::vector<Sequence*>&, bool) {}  // tokens appended
+  virtual void generate_ends(const LLMEngine&) {}                                // the loop has stopped
+  virtual ~StepObserver() {}
+};
 
 struct LLMEngine {
   Config& config;
   StepRunner& runner;
   Scheduler scheduler;
-  std::vector<std::unique_ptr<Sequence>> seqs;
-  RunStats stats;
-  bool progress = true;
-  bool trace = false;                       // --trace: one line per step on stderr
-  FILE* trace_out = stderr;                 // where the trace lines go
-  std::vector<StepTrace>* record = nullptr;  // --report: every step's StepTrace is kept here
-  double t0 = 0;                            // the clock's reading when generate() began
-  const Tokenizer* tok = nullptr;           // decodes the output text as it grows (stop strings); may be null
+  std::vector<std::unique_ptr<Sequence>> seqs;  // every sequence added, by seq_id
+  std::deque<Sequence*> arriving;               // added but not yet due (later arrival_time), in arrival order
+  StepObserver* observer = nullptr;
+  const Tokenizer* tok = nullptr;  // decodes the output text (stop strings need it as it grows); may be null
+  double t0 = 0;                   // the clock's reading when generate() began
 
   LLMEngine(Config& c, StepRunner& r) : config(c), runner(r), scheduler(c) {}
 
-  double clock() { return runner.now() - t0; }  // seconds since generate() began
+  double clock() const { return runner.now() - t0; }  // seconds since generate() began
 
-  Sequence* add_request(const std::vector<int>& prompt, const SamplingParams& sp) {
-    seqs.emplace_back(new Sequence((int64_t)seqs.size(), prompt, sp, config.kvcache_block_size));
-    scheduler.add(seqs.back().get());
-    return seqs.back().get();
+  // nano-vllm: add_request. A request becomes n sequences (n completions, each with its own id and so its
+  // own draws); they join the scheduler's waiting queue when the clock reaches the request's arrival_time.
+  // request_index: the request's position in generate()'s input, carried to its Completions.
+  void add_request(const Request& req, int request_index = 0) {
+    const Sequence* first_sibling = nullptr;
+    for (int k = 0; k < req.params.n; k++) {
+      SamplingParams sp = req.params;
+      if (sp.seed >= 0) sp.seed += k;  // vLLM's parallel sampling: child k of a seeded request uses seed + k
+      seqs.emplace_back(new Sequence((int64_t)seqs.size(), req.prompt_token_ids, sp, config.kvcache_block_size));
+      Sequence* s = seqs.back().get();
+      s->arrival_time = req.arrival_time;
+      s->request_index = request_index, s->completion_index = k;
+      s->first_sibling = first_sibling;
+      if (k == 0) first_sibling = s;
+      auto at = std::upper_bound(arriving.begin(), arriving.end(), s, [](const Sequence* a, const Sequence* b) {
+        return a->arrival_time < b->arrival_time;  // ties: the order they were added
+      });
+      arriving.insert(at, s);
+    }
+  }
+  // Moves the sequences whose arrival time has come into the waiting queue.
+  void admit_arrivals() {
+    for (double now = clock(); !arriving.empty() && arriving.front()->arrival_time <= now; arriving.pop_front())
+      scheduler.add(arriving.front());
   }
 
-  // One step: schedule, run the model, append the sampled tokens.
+  // nano-vllm: step. Schedule, run the model, append the sampled tokens.
   void step() {
     bool is_prefill;
-    double h0 = now_seconds(), start = clock();  // h*: host time, for where the step's time goes
+    admit_arrivals();
+    if (observer) observer->step_begins(*this);
     std::vector<Sequence*> batch = scheduler.schedule(is_prefill);
-    double h1 = now_seconds();
-    int64_t num_tokens = 0, decode_tokens = 0;  // decode: the next token of a sequence that has generated
-    std::vector<int> completions_before;
-    for (auto* s : batch) {
-      num_tokens += s->num_scheduled_tokens;
-      if (scheduler.mixed) decode_tokens += s->num_scheduled_tokens == 1 && s->num_completion_tokens() > 0;
-      else if (!is_prefill) decode_tokens += s->num_scheduled_tokens;  // nano-vllm: a step is one or the other
-      completions_before.push_back(s->num_completion_tokens());
-      if (s->first_scheduled_time < 0) s->first_scheduled_time = start;
-    }
-    stats.peak_blocks_used = std::max(stats.peak_blocks_used, scheduler.block_manager.num_used);
-    StepTrace tr;
-    int64_t step_no = stats.steps_prefill + stats.steps_decode + 1;
-    if (trace || record) {
-      tr = trace_after_schedule(scheduler, batch, is_prefill, step_no);
-      tr.padded_batch = runner.padded_batch((int)batch.size(), is_prefill);
-      tr.start = start;
-    }
-    double gpu_before = runner.gpu_seconds;
+    if (observer) observer->scheduled(*this, batch, is_prefill);
     std::vector<int> token_ids = runner.run(batch, is_prefill);
-    double h2 = now_seconds(), gpu_wait = runner.gpu_seconds - gpu_before;
+    if (observer) observer->ran(*this);
+    std::vector<int> completions_before;  // a prompt chunk that does not end its prompt samples no token
+    for (const Sequence* s : batch) completions_before.push_back(s->num_completion_tokens());
     scheduler.postprocess(batch, token_ids, is_prefill);
+    for (size_t i = 0; i < batch.size(); i++)
+      if (batch[i]->num_completion_tokens() > completions_before[i]) take_new_token(*batch[i], i);
+    if (observer) observer->step_ends(*this, batch, is_prefill);
+  }
+
+  // What a sequence's new token (row `row` of the step) brings besides itself: its log-probabilities when the
+  // request asked for them, its text when stop strings must be watched, and the completion's times.
+  void take_new_token(Sequence& s, size_t row) {
     const TokenLogprobs* logprobs = runner.step_logprobs();
-    for (size_t i = 0; i < batch.size(); i++) {
-      Sequence* s = batch[i];
-      if (s->num_completion_tokens() == completions_before[i]) continue;  // a prompt chunk: no token yet
-      if (logprobs && s->params.logprobs >= 0) {
-        s->logprobs.push_back(logprobs[i]);
-        s->cumulative_logprob += logprobs[i].logprob;
-      }
-      if (tok && !s->params.stop.empty()) detokenize(*s);  // (the others' text is decoded once, at the end)
+    if (logprobs && s.params.logprobs >= 0) {
+      s.logprobs.push_back(logprobs[row]);
+      s.cumulative_logprob += logprobs[row].logprob;
     }
-    double h3 = now_seconds(), end = clock();
-    for (size_t i = 0; i < batch.size(); i++) {
-      Sequence* s = batch[i];
-      if (s->num_completion_tokens() > completions_before[i] && s->first_token_time < 0) s->first_token_time = end;
-      if (s->is_finished()) s->finish_time = end;
-    }
-    stats.schedule_seconds += h1 - h0;
-    stats.prepare_seconds += (h2 - h1) - gpu_wait;
-    stats.gpu_wait_seconds += gpu_wait;
-    stats.postprocess_seconds += h3 - h2;
-    stats.last_batch = (int)batch.size();
-    if (is_prefill) {  // (with --scheduler mixed a prefill step may hold decode tokens too)
-      stats.prefill_tokens += num_tokens - decode_tokens;
-      stats.decode_tokens += decode_tokens;
-      stats.prefill_seconds += end - start;
-      stats.steps_prefill++;
-      stats.steps_mixed += decode_tokens > 0;
-      stats.mixed_decode_tokens += decode_tokens;
-    } else {
-      stats.decode_tokens += num_tokens;
-      stats.decode_seconds += end - start;
-      stats.steps_decode++;
-    }
-    if (trace || record) {
-      tr.ms = (end - start) * 1e3;
-      tr.end = end;
-    }
-    if (trace) fputs(format_trace(tr).c_str(), trace_out);
-    if (record) record->push_back(std::move(tr));
+    if (tok && !s.params.stop.empty()) detokenize(s);  // (the others' text is decoded once, at the end)
+    const double now = clock();
+    if (s.first_token_time < 0) s.first_token_time = now;
+    if (s.is_finished()) s.finish_time = now;
   }
 
   // A token that ended the sequence as EOS or a stop token adds no text unless include_stop_str_in_output.
@@ -4201,67 +3718,26 @@ struct LLMEngine {
     }
   }
 
-  // Steps until every request has finished, or until a Ctrl-C asks the run to stop (g_stop_requested):
-  // then the step in flight completes and the unfinished requests come back with finish_reason nullptr and
-  // the tokens they had so far. A request joins the waiting queue when the clock reaches its arrival_time;
-  // while nothing is left to run before the next arrival, the runner waits for it.
+  // nano-vllm: generate. Steps until every request has finished, or until a Ctrl-C asks the run to stop
+  // (g_stop_requested): then the step in flight completes and the unfinished requests come back with
+  // finish_reason nullptr and the tokens they had so far. While nothing is left to run before the next
+  // arrival, the runner waits for it. Returns the completions in input order (a request's n together).
   std::vector<Completion> generate(const std::vector<Request>& requests) {
     t0 = runner.now();
-    double last_print = now_seconds();
-    size_t first = seqs.size();
-    // ids in input order; the queue in arrival order (ties: input order)
-    for (size_t r = 0; r < requests.size(); r++) {
-      const Request& req = requests[r];
-      if (!req.error.empty()) continue;  // answered with its error (section 23)
-      const Sequence* first_sibling = nullptr;
-      for (int k = 0; k < req.params.n; k++) {  // n completions: n sequences with their own ids, so their own draws
-        SamplingParams sp = req.params;
-        if (sp.seed >= 0) sp.seed += k;  // vLLM's parallel sampling: child k of a seeded request uses seed + k
-        seqs.emplace_back(new Sequence((int64_t)seqs.size(), req.prompt_token_ids, sp, config.kvcache_block_size));
-        Sequence& s = *seqs.back();
-        s.arrival_time = req.arrival_time;
-        s.request_index = (int)r, s.completion_index = k;
-        s.first_sibling = first_sibling;
-        if (k == 0) first_sibling = &s;
-      }
-    }
-    std::vector<Sequence*> arrivals;
-    for (size_t i = first; i < seqs.size(); i++) arrivals.push_back(seqs[i].get());
-    std::stable_sort(arrivals.begin(), arrivals.end(),
-                     [](const Sequence* a, const Sequence* b) { return a->arrival_time < b->arrival_time; });
-    size_t next = 0;
-    bool tty = isatty(2);
-    bool show_progress = progress && !trace;  // both write stderr; the trace says more
-    int done = 0;
+    const size_t first = seqs.size();
+    for (size_t r = 0; r < requests.size(); r++)
+      if (requests[r].error.empty()) add_request(requests[r], (int)r);  // else answered with its error (25)
     while (!g_stop_requested) {
-      for (double now = clock(); next < arrivals.size() && arrivals[next]->arrival_time <= now; next++)
-        scheduler.add(arrivals[next]);
+      admit_arrivals();
       if (scheduler.is_finished()) {  // idle until the next request arrives (a Ctrl-C ends the wait too)
-        if (next == arrivals.size()) break;
-        const double due = t0 + arrivals[next]->arrival_time;
+        if (arriving.empty()) break;
+        const double due = t0 + arriving.front()->arrival_time;
         while (!g_stop_requested && runner.now() < due) runner.wait_until(std::min(due, runner.now() + 0.05));
         continue;
       }
       step();
-      if (stats.first_token_at < 0) stats.first_token_at = clock();
-      double t = now_seconds();
-      if (show_progress && t - last_print > (tty ? 0.25 : 5.0)) {
-        done = 0;
-        for (size_t i = first; i < seqs.size(); i++) done += seqs[i]->is_finished();
-        fprintf(stderr, "%s[progress] %d/%zu done | prefill %.0f tok/s | decode %.0f tok/s | KV %d/%lld blocks%s",
-                tty ? "\r" : "", done, requests.size(), stats.prefill_tokens / std::max(stats.prefill_seconds, 1e-9),
-                stats.decode_tokens / std::max(stats.decode_seconds, 1e-9), scheduler.block_manager.num_used,
-                (long long)config.num_kvcache_blocks, tty ? "   " : "\n");
-        last_print = t;
-      }
     }
-    if (show_progress && tty) fprintf(stderr, "\n");
-    // Test-only: NANOVLLM_TEST_SLOW_STOP=S holds a stopped run S seconds here, as a long step in flight
-    // would, so that test/gpu/gpu_interrupt.sh can send its second Ctrl-C into that window on any GPU.
-    const char* slow = getenv("NANOVLLM_TEST_SLOW_STOP");
-    for (double until = now_seconds() + (slow ? atof(slow) : 0); g_stop_requested && now_seconds() < until;)
-      usleep(10000);
-    stats.seconds = clock();
+    if (observer) observer->generate_ends(*this);
     std::vector<Completion> out;
     for (size_t i = first; i < seqs.size(); i++) {
       Sequence& s = *seqs[i];
@@ -4282,23 +3758,834 @@ struct LLMEngine {
 // ##########################################################################################################
 // PART II — MAKING IT FAST
 // ##########################################################################################################
-// Part I is complete: every request runs, and every result is right. This part makes it fast. Each section
-// below is one optimization: what it replaces, why that is faster on the hardware, and its switch (the
-// names of Optimizations, section 2: `--opt -NAME` turns one off, `--plain` all of them). The README's
-// performance section has the measured gain of each, from `./bench.sh --ladder` (Part I alone, Part I plus
-// each optimization, everything). The Part I code each one replaces stays: it is what --plain runs, and what
-// the GPU tests check the fast code against (bit for bit where the arithmetic is the same, else a stated
-// tolerance).
+// Part I is complete: every request runs, and every result is right. This part makes it fast, and can be
+// taken away: nothing before it or after it names what it defines. Each section below is one optimization:
+// what it replaces, why that is faster on the hardware, and its switch. A section registers its switch with
+// Part I's registry (register_optimization, section 2: `--opt -NAME` turns one off, `--plain` all of them)
+// and, when switched on, fills the entries of Part I's hook table (Hooks, section 11) for the code it
+// replaces. The README's performance section has the measured gain of each, from `./bench.sh --ladder` (Part
+// I alone, Part I plus each optimization, everything). The Part I code each one replaces stays: it is what
+// --plain runs, and what the GPU tests check the fast code against (bit for bit where the arithmetic is the
+// same, else a stated tolerance).
 //
 // Where the time goes, and so what there is to win: a decode step must read every weight and every active
-// sequence's K/V once, so its floor is those bytes over the memory bandwidth (the roofline). Large batches
-// are near it with Part I alone. Small batches are not: a batch-1 step of Qwen3-0.6B is hundreds of small
-// kernels, and what costs is the gaps between them (14), matrix products too thin for cuBLASLt's tiles (15),
-// the kernels that exist only to merge partial results (16) or to prepare q and k (17). With tensor
-// parallelism, NCCL's latency on small messages (18). And a sampler that reads its row many times (19).
-// Section 20 is the forward pass that routes each operation to its fast version.
+// sequence's K/V once, so its floor is those bytes over the memory bandwidth (the roofline). Part I's
+// attention reads each key once per query head and per query row; flash attention (14) shares each tile of
+// keys among them on tensor cores, and is what brings large batches near the roofline. Small batches are
+// not near it: a batch-1 step of Qwen3-0.6B is hundreds of small kernels, and what costs is the gaps
+// between them (15), matrix products too thin for cuBLASLt's tiles (16), the kernels that exist only to
+// merge partial results (17) or to prepare q and k (18). With tensor parallelism, NCCL's latency on small
+// messages (19). And a sampler that reads its row many times (20). Section 21 is the forward pass that routes
+// each operation to its fast version; 22 halves the bytes of the cache, and 23 runs a small decode step as
+// one kernel.
 
-// ==== 14. Programmatic dependent launch ====================================================================
+// Defined only while this part is in the file: a test that also exercises Part II asks for it.
+#define NANOVLLM_PART_II 1
+
+// The switches of this part, one per section (each section registers its own with Part I's registry,
+// section 2, and fills its hook entries, section 11, when on). They live here, so that Part I and Part III
+// never name them.
+struct Optimizations {
+  bool flash_attn = false;         // 14: flash attention on tensor cores, not section 8's kernels
+  bool pdl = false;                // 15: the next kernel launches while the previous one finishes
+  bool gemv = false;               // 16: batch-1/2 matrix products in a gemv with its neighbours fused in
+  bool cluster_merge = false;      // 17: decode's split-K merge inside a cluster, no merge kernel
+  bool fused_rope = false;         // 18: decode attention does q/k-norm, RoPE and the KV store itself
+  bool oneshot_allreduce = false;  // 19: small all-reduces over NVLink in one crossing, not NCCL's ring
+  bool fast_sampler = false;       // 20: radix-select top-k/top-p and split rows, not the plain sampler
+  bool persistent = false;         // 23: a small-batch decode step in one persistent kernel
+};
+static Optimizations g_opt;  // set by each section's apply (install_optimizations, section 11)
+
+// The forward pass of section 21, which routes each operation to its fast version, is the forward hook of
+// every optimization that changes an operation of the pass.
+static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool is_prefill, cudaStream_t s);
+// Section 7's qk_norm_rope for a cache of either format (section 22).
+struct KVView;
+static void qk_norm_rope_view(bf16* qkv, const int* positions, const bf16* q_norm_w, const bf16* k_norm_w,
+                              const KVView& cache, const int* slot_mapping, int T, int NH, int NKV, int P,
+                              float rope_theta, float eps, cudaStream_t stream);
+
+// ==== 14. Flash attention on tensor cores =================================================================
+// defines: KVCacheDtype, KVScales, KVView, kv_view, flash_attention_prefill,
+//          flash_attention_decode, flash_decode_workspace_bytes; switch flash_attn
+//
+// Replaces: section 8's attention kernels, which give each (query row, head) a warp of its own. There,
+// every query head of a GQA group reads the same keys again, every row of a prefill reads its keys again,
+// and each key costs a shuffle reduction on the CUDA cores. Here a thread block loads a tile of 64 keys
+// and values into shared memory once and every row and head that needs it computes from there, with the
+// matrix products on tensor cores; decode splits long contexts over several thread blocks (split-K) so
+// that a small batch still fills the GPU. The equations are section 8's; what changes is who computes what.
+// Switch: flash_attn. Tested against section 8's kernels and the CPU reference (gpu_attention).
+//
+// Both kernels are flash-attention-2: a warp holds 16 query rows, streams K and V tiles of 64 keys
+// through shared memory, computes S = Q K^T with tensor cores, keeps a running row max m and row sum l
+// (the online softmax), rescales its fp32 output accumulator O when m grows, and adds P V, again on
+// tensor cores. Only at the end is O divided by l. Scores never touch memory.
+// Decode reuses the same warp routine: its 16 MMA rows are the query heads of one GQA group (one query
+// token), so each K/V tile is read once for all the heads that share it. Most of those 16 rows are
+// padding (2 of 16 are real for Qwen3-0.6B), but tensor cores have about ten times the throughput decode
+// needs, and decode is bound by reading the cache anyway.
+//
+// Tensor-core vocabulary used below (PTX ISA, "warp-level matrix fragments for mma.m16n8k16"):
+//   mma.m16n8k16   D[16x8] += A[16x16] * B[16x8], bf16 in, fp32 out, one warp. In A and in the fp32
+//                  accumulator a lane owns rows lane/4 and lane/4 + 8, and in each 8-wide column group
+//                  the columns 2*(lane%4) and 2*(lane%4)+1. So acc[j][0..1] is row lane/4, acc[j][2..3]
+//                  is row lane/4 + 8, and the four lanes of a quad share a row.
+//   ldmatrix.x4    loads four 8x8 bf16 matrices from shared memory straight into that fragment layout;
+//                  lanes 0-7, 8-15, 16-23, 24-31 give the row addresses of matrix 0, 1, 2, 3. With .trans
+//                  each matrix arrives transposed (how V, stored [key][dim], becomes the B of P V).
+//   cp.async       a 16-byte global -> shared copy that does not block the thread; groups of them are
+//                  committed and later waited for, so the next tile loads while this one is computed.
+
+
+// ---- Reading and writing the cache, whatever it stores --------------------------------------------------
+// The kernels of Part II that touch the KV cache (the two below, the fused decode kernel of section 18, the
+// persistent kernel of section 23) are templates over the cache's element type KV: bf16 is Part I's cache;
+// fp8e4m3 is section 22's, whose pieces are declared here and defined there. A KVView is one layer's cache
+// as these kernels take it; the launchers pick the instance from its dtype. Accumulation is fp32 either way;
+// an fp8 tile is widened (to fp16) in shared memory before the tensor cores see it.
+typedef __nv_fp8_e4m3 fp8e4m3;  // one byte: sign, 4 exponent bits, 3 mantissa bits (section 22)
+enum class KVCacheDtype { BF16, FP8 };
+struct KVScales {
+  float k = 1.f, v = 1.f;  // fp8 only: a stored key is k_true / k, a stored value v_true / v (powers of two)
+};
+struct KVView {
+  void* k;  // [NB, NKV/tp, P, D]: bf16, or one e4m3 byte per value (section 22)
+  void* v;
+  KVCacheDtype dtype;
+  KVScales scale;
+};
+static KVView bf16_kv_view(const KVLayer& l) { return {l.k, l.v, KVCacheDtype::BF16, {}}; }
+// The engine's cache format and per-layer scales (set when a ModelRunner allocates its pool: section 22).
+static KVCacheDtype g_kv_dtype = KVCacheDtype::BF16;
+static std::vector<KVScales> g_kv_scales;  // [L] (fp8)
+// Layer l of the engine's cache as Part II's kernels take it.
+static KVView kv_view(const KVCache& kv, int l) {
+  const KVLayer p = kv.layer(l);  // (the byte offsets already follow kv.value_bytes)
+  return {p.k, p.v, g_kv_dtype, g_kv_dtype == KVCacheDtype::FP8 ? g_kv_scales[l] : KVScales{}};
+}
+__device__ __forceinline__ void store_kv_chunk_fp8(fp8e4m3* row, int chunk, uint4 v, float scale);
+__device__ __forceinline__ uint4 kv_chunk_tile_values_fp8(uint4 v, float scale);
+__device__ __forceinline__ void store_kv_chunk_tile_fp8(fp8e4m3* row, int chunk, uint4 tile_values);
+
+// Write one 16-byte chunk of bf16 values v (8 values) to elements [8*chunk, 8*chunk + 8) of a cache row.
+// scale: the layer's scale for this tensor (fp8 only).
+template <class KV>
+__device__ __forceinline__ void store_kv_chunk(KV* row, int chunk, uint4 v, float scale) {
+  if constexpr (std::is_same<KV, bf16>::value) reinterpret_cast<uint4*>(row)[chunk] = v;
+  else store_kv_chunk_fp8(row, chunk, v, scale);
+}
+// The 8 values an attention tile holds after store_kv_chunk and the tile load (bf16: v itself; fp8: section 22's
+// tile values), and the store of such tile values (the same bytes store_kv_chunk writes).
+template <class KV>
+__device__ __forceinline__ uint4 kv_chunk_tile_values(uint4 v, float scale) {
+  if constexpr (std::is_same<KV, bf16>::value) return v;
+  else return kv_chunk_tile_values_fp8(v, scale);
+}
+template <class KV>
+__device__ __forceinline__ void store_kv_chunk_tile(KV* row, int chunk, uint4 tile_values) {
+  if constexpr (std::is_same<KV, bf16>::value) reinterpret_cast<uint4*>(row)[chunk] = tile_values;
+  else store_kv_chunk_tile_fp8(row, chunk, tile_values);
+}
+// Calls f(KV*) with a null pointer of the cache's element type: a launcher's way to pick its template.
+template <class F>
+static void with_kv_type(const KVView& cache, F f) {
+  if (cache.dtype == KVCacheDtype::FP8) f((fp8e4m3*)nullptr);
+  else f((bf16*)nullptr);
+}
+
+
+__device__ __forceinline__ int cdiv_dev(int a, int b) { return (a + b - 1) / b; }
+
+constexpr int ATTN_KV_TILE = 64;       // keys per shared-memory tile (K and V each: 64 x 128 bf16 = 16 KiB)
+constexpr int ATTN_STAGES = 2;         // K/V tiles in shared memory: tile t+1 loads while tile t computes
+                                       // (a third stage would leave room for fewer thread blocks per SM)
+constexpr int PREFILL_WARPS = 8;       // warps of one prefill CTA, 16 query rows each
+constexpr int PREFILL_BLOCK_M = 16 * PREFILL_WARPS;  // query rows of one prefill CTA
+constexpr int DECODE_WARPS = 4;        // warps of one decode CTA, 16 keys of every tile each
+constexpr int DECODE_PARTITION = 512;  // keys per decode thread block at large batches: the split-K
+                                       // partition size (long enough that the merge stays cheap; the batch
+                                       // alone fills the GPU). Small batches split finer: decode_partition().
+constexpr int DECODE_ROWS = 16;        // MMA rows in decode: the query heads of one GQA group, padded to 16
+static_assert(DECODE_WARPS * 32 == HEAD_DIM, "the decode epilogue gives each thread one output dim");
+static_assert(DECODE_WARPS * 16 == ATTN_KV_TILE, "decode warps split each tile 16 keys apiece");
+static_assert(DECODE_PARTITION % ATTN_KV_TILE == 0, "partitions are made of whole tiles");
+// fp8 caches (section 22): the staging slots of each kernel's ring. Two fit in the second stage, so shared
+// memory stays what bf16 needs; section 17's cluster kernel, which runs few thread blocks per SM, takes four
+// and keeps three tiles in flight.
+constexpr int PREFILL_FP8_RING = 2;
+constexpr int DECODE_FP8_RING = 2;
+constexpr int CLUSTER_FP8_RING = 4;
+
+// Keys per decode CTA for a batch of B sequences. With few sequences, 512-key partitions leave most of the
+// GPU idle (B = 1, NKV = 8, a 768-token context: 16 CTAs for 132 SMs), so small batches use shorter
+// partitions and more CTAs; the merge kernel pays for it with a few more partials. Depends on B (and the
+// cache's dtype, fixed for a run) only, so a graph captured for a batch size keeps its grid. (On sm_90 and
+// later, batches of at most 4 take the cluster path below instead, whose partitions follow the context.)
+// An fp8 cache (section 22) takes partitions twice as long: the same bytes per thread block.
+static int decode_partition(int B, KVCacheDtype dtype = KVCacheDtype::BF16) {
+  const int keys = B <= 4 ? 64 : B <= 32 ? 128 : DECODE_PARTITION;
+  return dtype == KVCacheDtype::FP8 ? 2 * keys : keys;
+}
+
+// A shared-memory tile row is HEAD_DIM bf16 = 256 bytes = 16 chunks of 16 bytes. ldmatrix reads one chunk
+// column of 8 consecutive rows at once; stored plainly those 8 chunks are 256 bytes apart, all in the same
+// 4 banks (an 8-way conflict). XOR-ing the chunk index with row % 8 puts them in 8 different bank groups.
+// Writers (cp.async) and readers (ldmatrix) both go through this function, so they agree.
+__device__ __forceinline__ int attn_smem_index(int row, int chunk) {
+  return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3);
+}
+
+// 16-byte asynchronous copy global -> shared. With valid = false it reads nothing (source size 0) and
+// writes 16 zero bytes; gmem must still be a legal address, callers pass the buffer's base. .cg skips L1
+// (each byte is used once per thread block); L2::128B asks L2 to fetch whole 128-byte lines.
+__device__ __forceinline__ void cp_async_16(bf16* smem, const bf16* gmem, bool valid) {
+  uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Wait until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* smem) {
+  uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* smem) {
+  uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+// acc[16x8] += a[16x16] * (b0, b1)[16x8], bf16 inputs, fp32 accumulate.
+__device__ __forceinline__ void mma_bf16_16816(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0,
+                                               uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo lands in the low half: the smaller column
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// The same with fp16 inputs, for the tiles of an fp8 cache (section 22): tile_t<KV> is the element type the
+// tensor cores see, bf16 for a bf16 cache, fp16 for fp8 (fp16 holds every e4m3 value exactly).
+template <class KV>
+using tile_t = typename std::conditional<std::is_same<KV, bf16>::value, bf16, __half>::type;
+template <class T>
+__device__ __forceinline__ void mma_16816(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same<T, bf16>::value) {
+    mma_bf16_16816(acc, a, b0, b1);
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+template <class T>
+__device__ __forceinline__ uint32_t pack_x2(float lo, float hi) {
+  if constexpr (std::is_same<T, bf16>::value) {
+    return pack_bf16x2(lo, hi);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+// 2^x in one instruction (MUFU.EX2, relative error ~2^-22); 2^-inf = 0, which the masking relies on.
+// The softmax works in base 2: exp(s*scale - m*scale) = 2^(s*scale*log2(e) - m*scale*log2(e)).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The row of key `key` of kv head kvh in one layer's cache [NB, NKV, P, D] (a row is D values), found
+// through the sequence's block table.
+__device__ __forceinline__ size_t kv_cache_row(const int* block_table, int kvh, int NKV, int log2P, int key) {
+  const size_t block = block_table[key >> log2P];
+  return ((block * NKV + kvh) << log2P) + (key & ((1 << log2P) - 1));
+}
+
+// Issue (not wait for) the copies of keys [key0, key0 + ATTN_KV_TILE) of kv head kvh of one sequence into
+// the K and V tiles sK, sV [ATTN_KV_TILE][HEAD_DIM] (swizzled). Keys at or past key_end are zero-filled
+// instead of read: their block-table entries are -1, and the unused tail of a sequence's last block holds
+// stale or never-written data; a NaN there would survive the softmax mask as 0 * NaN in P V.
+// All NTHREADS threads of the CTA call it: 16 threads copy one 256-byte row. The row of key skip_key is
+// left alone (not even zero-filled): the fused decode kernel writes that key itself.
+template <int NTHREADS>
+__device__ __forceinline__ void load_kv_tile(bf16* sK, bf16* sV, const bf16* k_cache, const bf16* v_cache,
+                                             const int* block_table /* [MB] */, int kvh, int NKV, int log2P,
+                                             int key0, int key_end, int skip_key = -1) {
+  const int chunk = threadIdx.x & 15;
+#pragma unroll
+  for (int r = threadIdx.x >> 4; r < ATTN_KV_TILE; r += NTHREADS / 16) {
+    const int key = key0 + r;
+    if (key == skip_key) continue;
+    const bool valid = key < key_end;
+    const size_t offset = valid ? kv_cache_row(block_table, kvh, NKV, log2P, key) * HEAD_DIM + chunk * 8 : 0;
+    cp_async_16(sK + attn_smem_index(r, chunk), k_cache + offset, valid);
+    cp_async_16(sV + attn_smem_index(r, chunk), v_cache + offset, valid);
+  }
+}
+
+// The tile pipeline both kernels run, whatever the cache stores. Tile `index` (keys key0 ..) is issued
+// kv_tiles_ahead() tiles before it is needed, one committed cp.async group per tile; when its turn comes,
+// kv_tile_ready says where it lies as a [ATTN_KV_TILE][HEAD_DIM] tile (swizzled) of tile_t<KV>. For a bf16
+// cache the copies land straight in stage index % ATTN_STAGES of sK, sV, and there is nothing more to do. An
+// fp8 cache (section 22) lands in a ring of RING staging slots and kv_tile_ready widens the tile to fp16
+// into stage 0; its pieces are declared here and defined there.
+template <int NTHREADS>
+__device__ __forceinline__ void load_kv_tile_fp8(char* slot, const fp8e4m3* k_cache, const fp8e4m3* v_cache,
+                                                 const int* block_table, int kvh, int NKV, int log2P, int key0,
+                                                 int key_end, int skip_key);
+template <int NTHREADS>
+__device__ __forceinline__ void widen_kv_tile_fp8(const char* slot, bf16* sK, bf16* sV, int skip_row);
+__device__ __forceinline__ char* fp8_ring_slot(bf16* sK, bf16* sV, int i);
+
+template <class KV, int RING>
+constexpr int kv_tiles_ahead() {
+  return std::is_same<KV, bf16>::value ? ATTN_STAGES - 1 : RING - 1;
+}
+template <int NTHREADS, int RING, class KV>
+__device__ __forceinline__ void issue_kv_tile(bf16* sK, bf16* sV, const KV* k_cache, const KV* v_cache,
+                                              const int* block_table, int kvh, int NKV, int log2P, int index,
+                                              int key0, int key_end, int skip_key = -1) {
+  constexpr int TILE = ATTN_KV_TILE * HEAD_DIM;
+  if constexpr (std::is_same<KV, bf16>::value)
+    load_kv_tile<NTHREADS>(sK + (index % ATTN_STAGES) * TILE, sV + (index % ATTN_STAGES) * TILE, k_cache, v_cache,
+                           block_table, kvh, NKV, log2P, key0, key_end, skip_key);
+  else
+    load_kv_tile_fp8<NTHREADS>(fp8_ring_slot(sK, sV, index % RING), k_cache, v_cache, block_table, kvh, NKV, log2P,
+                               key0, key_end, skip_key);
+}
+// Called by every thread once tile `index` has landed for it (cp_async_wait), before the barrier that
+// publishes the tile; sets sK_t, sV_t. skip_row: the tile row the fp8 widening leaves alone (-1: none).
+template <int NTHREADS, int RING, class KV>
+__device__ __forceinline__ void kv_tile_ready(bf16* sK, bf16* sV, int index, int skip_row,
+                                              bf16*& sK_t, bf16*& sV_t) {
+  constexpr int TILE = ATTN_KV_TILE * HEAD_DIM;
+  if constexpr (std::is_same<KV, bf16>::value) {
+    sK_t = sK + (index % ATTN_STAGES) * TILE, sV_t = sV + (index % ATTN_STAGES) * TILE;
+  } else {
+    widen_kv_tile_fp8<NTHREADS>(fp8_ring_slot(sK, sV, index % RING), sK, sV, skip_row);
+    sK_t = sK, sV_t = sV;
+  }
+}
+// The first kv_tiles_ahead() tiles of keys [key_begin, key_end), one committed group each (empty past the end).
+template <int NTHREADS, int RING, class KV>
+__device__ __forceinline__ void issue_first_kv_tiles(bf16* sK, bf16* sV, const KV* k_cache, const KV* v_cache,
+                                                     const int* block_table, int kvh, int NKV, int log2P,
+                                                     int key_begin, int key_end, int skip_key = -1) {
+#pragma unroll
+  for (int t = 0; t < kv_tiles_ahead<KV, RING>(); t++) {
+    const int key0 = key_begin + t * ATTN_KV_TILE;
+    if (key0 < key_end)
+      issue_kv_tile<NTHREADS, RING>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, t, key0, key_end,
+                                    skip_key);
+    cp_async_commit();
+  }
+}
+
+// One warp's share of one K/V tile, the heart of both kernels:
+//   S = Q K^T over NKEYS keys (tile rows row0 .. row0+NKEYS-1, absolute key numbers key0 ..), scores of keys
+//   past a row's last_key set to -inf (only when need_mask), then the online-softmax update of the row max
+//   m and row sum l, rescaling of O, and O += P V.
+// q: the warp's 16 query rows as A fragments, one per 16-dim slice. o: [16 row x 128 dim] accumulator as
+// 16 fragments of 8 dims. m, l, last_key: this lane's two rows (lane/4 and lane/4 + 8). m is kept in raw
+// score units; l is this lane's partial sum over its own columns (the quad adds them up at the very end,
+// which is valid because all four lanes of a row always rescale by the same factor).
+template <int NKEYS, class T = bf16>
+__device__ __forceinline__ void attend_kv_slice(const uint32_t (&q)[HEAD_DIM / 16][4], const bf16* sK,
+                                                const bf16* sV, int row0, int key0, bool need_mask,
+                                                const int (&last_key)[2], float scale_log2,
+                                                float (&o)[HEAD_DIM / 8][4], float (&m)[2], float (&l)[2]) {
+  const int lane = threadIdx.x & 31;
+  float s[NKEYS / 8][4];
+#pragma unroll
+  for (int j = 0; j < NKEYS / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+
+  // S = Q K^T. K is stored [key][dim], which is exactly the "column-major B" the MMA wants: one
+  // ldmatrix.x4 gives the B fragments of 16 keys x 16 dims (matrices: keys 0-7 / dims 0-7, keys 0-7 /
+  // dims 8-15, keys 8-15 / dims 0-7, keys 8-15 / dims 8-15).
+#pragma unroll
+  for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
+#pragma unroll
+    for (int j = 0; j < NKEYS / 16; j++) {
+      uint32_t b[4];
+      const int row = row0 + j * 16 + (lane & 7) + ((lane >> 4) << 3);
+      ldmatrix_x4(b, sK + attn_smem_index(row, 2 * kk + ((lane >> 3) & 1)));
+      mma_16816<T>(s[2 * j], q[kk], b[0], b[1]);
+      mma_16816<T>(s[2 * j + 1], q[kk], b[2], b[3]);
+    }
+  }
+
+  if (need_mask) {
+#pragma unroll
+    for (int j = 0; j < NKEYS / 8; j++)
+#pragma unroll
+      for (int e = 0; e < 4; e++)
+        if (key0 + j * 8 + 2 * (lane & 3) + (e & 1) > last_key[e >> 1]) s[j][e] = -INFINITY;
+  }
+
+  // Online softmax, per row: new max over this tile (lanes of a quad hold the same row: combine with two
+  // xor-shuffles), rescale what was accumulated under the old max by alpha = 2^((m_old - m_new) * c),
+  // then turn scores into probabilities in place.
+#pragma unroll
+  for (int i = 0; i < 2; i++) {
+    float mx = m[i];
+#pragma unroll
+    for (int j = 0; j < NKEYS / 8; j++) mx = fmaxf(mx, fmaxf(s[j][2 * i], s[j][2 * i + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    // A row that has seen only masked keys keeps m = -inf; subtracting 0 instead of -inf keeps
+    // 2^(-inf - -inf) = NaN out (its p and alpha come out 0, so l and O stay 0).
+    const float m_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
+    const float alpha = fast_exp2(m[i] * scale_log2 - m_scaled);
+    m[i] = mx;
+    float row_sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < NKEYS / 8; j++)
+#pragma unroll
+      for (int e = 2 * i; e < 2 * i + 2; e++) {
+        s[j][e] = fast_exp2(fmaf(s[j][e], scale_log2, -m_scaled));
+        row_sum += s[j][e];
+      }
+    l[i] = l[i] * alpha + row_sum;
+#pragma unroll
+    for (int d = 0; d < HEAD_DIM / 8; d++) o[d][2 * i] *= alpha, o[d][2 * i + 1] *= alpha;
+  }
+
+  // O += P V. The accumulator layout of S is the A-fragment layout of P (two 8-key column groups make
+  // one 16-key k-slice), so P goes from registers to the MMA without shared memory. V needs .trans.
+#pragma unroll
+  for (int kt = 0; kt < NKEYS / 16; kt++) {
+    const uint32_t p[4] = {pack_x2<T>(s[2 * kt][0], s[2 * kt][1]), pack_x2<T>(s[2 * kt][2], s[2 * kt][3]),
+                           pack_x2<T>(s[2 * kt + 1][0], s[2 * kt + 1][1]),
+                           pack_x2<T>(s[2 * kt + 1][2], s[2 * kt + 1][3])};
+#pragma unroll
+    for (int dt = 0; dt < HEAD_DIM / 16; dt++) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, sV + attn_smem_index(row0 + kt * 16 + (lane & 15), 2 * dt + (lane >> 4)));
+      mma_16816<T>(o[2 * dt], p, b[0], b[1]);
+      mma_16816<T>(o[2 * dt + 1], p, b[2], b[3]);
+    }
+  }
+}
+
+// Load a warp's 16 rows of a swizzled [rows][HEAD_DIM] Q tile (rows row0..row0+15) into A fragments.
+__device__ __forceinline__ void load_q_fragments(uint32_t (&q)[HEAD_DIM / 16][4], const bf16* sQ, int row0) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int kk = 0; kk < HEAD_DIM / 16; kk++)
+    ldmatrix_x4(q[kk], sQ + attn_smem_index(row0 + (lane & 15), 2 * kk + (lane >> 4)));
+}
+// With an fp8 cache (section 22) the tiles hold e4m3 values (no scale) in fp16: the q fragments become fp16
+// too, the scores take the key scale (score_scale), and the output the value scale (scale_output). For a
+// bf16 cache all three do nothing.
+template <class KV>
+__device__ __forceinline__ void q_fragments_for_tiles(uint32_t (&q)[HEAD_DIM / 16][4]) {
+  if constexpr (!std::is_same<KV, bf16>::value) {
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; kk++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&q[kk][i]));
+        const __half2 h = __floats2half2_rn(f.x, f.y);
+        q[kk][i] = *reinterpret_cast<const uint32_t*>(&h);
+      }
+  }
+}
+template <class KV>
+__device__ __forceinline__ float score_scale(float scale_log2, KVScales s) {
+  return std::is_same<KV, bf16>::value ? scale_log2 : scale_log2 * s.k;
+}
+template <class KV>
+__device__ __forceinline__ void scale_output(float (&o)[HEAD_DIM / 8][4], KVScales s) {
+  if constexpr (!std::is_same<KV, bf16>::value) {
+#pragma unroll
+    for (int d = 0; d < HEAD_DIM / 8; d++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) o[d][e] *= s.v;
+  }
+}
+
+// flash_prefill_kernel — causal attention of a variable-length batch over the paged cache.
+//   Replaces: flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ..., causal=True,
+//             block_table=block_tables) in nano-vllm's Attention.forward (prefill branch).
+//   out[t, h*D + d] = sum_j softmax_j(scale * q[t,h] . k[j,kvh]) v[j,kvh,d] over j = 0 .. pos(t),
+//   kvh = h / (NH/NKV),
+//   where query i of sequence b (row t = cu_seqlens_q[b] + i) sits at pos = seqlens_k[b] - q_len + i:
+//   with a cached prefix (prefix-cache hit or an earlier chunk) the queries are the last q_len positions.
+//   Reads qkv (q part), k_cache, v_cache, block_tables; writes out bf16 [T, NH*D].
+//   One CTA: query rows m0 .. m0+127 of sequence b for query head h; warp w owns rows m0+16w .. +15.
+//   Eight warps share each K/V tile, so a tile loaded into shared memory serves 128 queries.
+//   grid = (NH, cdiv(max_seqlen_q, PREFILL_BLOCK_M), B). Heads are the fastest grid index so that the
+//   NH/NKV CTAs that read the same K/V run together and share it through L2. Query tiles run last-to-first:
+//   under the causal mask the last tile of a sequence has the most keys, and starting the long CTAs first
+//   keeps the tail of the launch short. CTAs past their sequence's q_len exit at once.
+//   Preconditions: 1 <= q_len <= seqlens_k[b] for every sequence; NH % NKV == 0; P a power of two.
+template <class KV>
+__global__ void __launch_bounds__(PREFILL_WARPS * 32)
+    flash_prefill_kernel(bf16* __restrict__ out, const bf16* __restrict__ qkv,
+                             const KV* __restrict__ k_cache, const KV* __restrict__ v_cache, KVScales kv_scale,
+                             const int* __restrict__ cu_seqlens_q, const int* __restrict__ seqlens_k,
+                             const int* __restrict__ block_tables, int NH, int NKV, int log2P, int MB,
+                             float scale_log2) {
+  const int h = blockIdx.x, b = blockIdx.z;
+  const int m0 = (gridDim.y - 1 - blockIdx.y) * PREFILL_BLOCK_M;
+  const int q_start = cu_seqlens_q[b], q_len = cu_seqlens_q[b + 1] - q_start;
+  if (m0 >= q_len) return;
+  const int kv_len = seqlens_k[b];
+  const int pos0 = kv_len - q_len + m0;                          // position of this tile's first query
+  const int n_tiles = cdiv_dev(min(kv_len, pos0 + PREFILL_BLOCK_M), ATTN_KV_TILE);  // keys any row sees
+  const int kvh = h / (NH / NKV);
+  const int qkv_stride = (NH + 2 * NKV) * HEAD_DIM;
+  const int* block_table = block_tables + (size_t)b * MB;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
+  extern __shared__ __align__(16) unsigned char attn_smem[];
+  bf16* sQ = reinterpret_cast<bf16*>(attn_smem);              // [PREFILL_BLOCK_M][D]
+  bf16* sK = sQ + PREFILL_BLOCK_M * HEAD_DIM;                 // [ATTN_STAGES][ATTN_KV_TILE][D]
+  bf16* sV = sK + ATTN_STAGES * ATTN_KV_TILE * HEAD_DIM;      // [ATTN_STAGES][ATTN_KV_TILE][D]
+
+  // Q rows past q_len are zero-filled: they belong to the next sequence or lie past the end of qkv.
+  for (int i = threadIdx.x; i < PREFILL_BLOCK_M * 16; i += PREFILL_WARPS * 32) {
+    const int r = i >> 4, c = i & 15;
+    const bool valid = m0 + r < q_len;
+    const bf16* src = qkv + (size_t)(q_start + m0 + r) * qkv_stride + h * HEAD_DIM + c * 8;
+    cp_async_16(sQ + attn_smem_index(r, c), valid ? src : qkv, valid);
+  }
+  cp_async_commit();
+  constexpr int AHEAD = kv_tiles_ahead<KV, PREFILL_FP8_RING>();
+  issue_first_kv_tiles<PREFILL_WARPS * 32, PREFILL_FP8_RING>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P,
+                                                             0, kv_len);
+  cp_async_wait<AHEAD>();  // the Q group is complete
+  __syncthreads();
+  uint32_t q[HEAD_DIM / 16][4];
+  load_q_fragments(q, sQ, warp * 16);
+  q_fragments_for_tiles<KV>(q);
+  scale_log2 = score_scale<KV>(scale_log2, kv_scale);
+
+  float o[HEAD_DIM / 8][4] = {};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const int warp_pos0 = pos0 + warp * 16;  // position of the warp's first row
+  const int last_key[2] = {warp_pos0 + lane / 4, warp_pos0 + lane / 4 + 8};
+  const bool warp_has_rows = m0 + warp * 16 < q_len;
+
+  for (int t = 0; t < n_tiles; t++) {
+    // Prefetch the tile AHEAD tiles ahead into the buffer computed last iteration (freed by the
+    // __syncthreads that ended it). An empty commit at the end keeps the group count uniform.
+    const int ahead = t + AHEAD;
+    if (ahead < n_tiles)
+      issue_kv_tile<PREFILL_WARPS * 32, PREFILL_FP8_RING>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P,
+                                                          ahead, ahead * ATTN_KV_TILE, kv_len);
+    cp_async_commit();
+    cp_async_wait<AHEAD>();  // tile t has landed (for this thread) ...
+    bf16 *sK_t, *sV_t;
+    kv_tile_ready<PREFILL_WARPS * 32, PREFILL_FP8_RING, KV>(sK, sV, t, -1, sK_t, sV_t);
+    __syncthreads();         // ... and for every thread
+    const int key0 = t * ATTN_KV_TILE;
+    // Only tiles that cross the diagonal need the mask; a warp whose rows all precede the tile skips it.
+    if (warp_has_rows && key0 <= warp_pos0 + 15)
+      attend_kv_slice<ATTN_KV_TILE, tile_t<KV>>(q, sK_t, sV_t, 0, key0, key0 + ATTN_KV_TILE - 1 > warp_pos0,
+                                                last_key, scale_log2, o, m, l);
+    __syncthreads();
+  }
+  scale_output<KV>(o, kv_scale);
+
+  // Finish the row sums across the quad, normalise, write bf16 (each lane: 2 dims of 2 rows per group).
+#pragma unroll
+  for (int i = 0; i < 2; i++) {
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    const int r = m0 + warp * 16 + lane / 4 + 8 * i;
+    if (r >= q_len) continue;
+    const float inv_l = 1.f / l[i];
+    bf16* dst = out + (size_t)(q_start + r) * NH * HEAD_DIM + h * HEAD_DIM + 2 * (lane & 3);
+#pragma unroll
+    for (int d = 0; d < HEAD_DIM / 8; d++)
+      *reinterpret_cast<__nv_bfloat162*>(dst + d * 8) =
+          __floats2bfloat162_rn(o[d][2 * i] * inv_l, o[d][2 * i + 1] * inv_l);
+  }
+}
+
+// out: bf16 [T, NH*D]; qkv: bf16 [T, (NH+2NKV)*D]; k_cache, v_cache: bf16 [NB, NKV, P, D];
+// cu_seqlens_q: int [B+1] (device); seqlens_k: int [B] (device, keys of sequence b including this step's);
+// block_tables: int [B, MB] (device); max_seqlen_q: the largest q_len (host). scale = 1/sqrt(D).
+static void flash_attention_prefill(bf16* out, const bf16* qkv, const KVView& cache,
+                                    const int* cu_seqlens_q, const int* seqlens_k, const int* block_tables, int B, int max_seqlen_q, int NH,
+                              int NKV, int P, int MB, float scale, cudaStream_t stream) {
+  check_attention_shapes("flash_attention_prefill", NH, NKV, P);
+  if (B == 0 || max_seqlen_q == 0) return;
+  const size_t smem = (PREFILL_BLOCK_M + 2 * ATTN_STAGES * ATTN_KV_TILE) * HEAD_DIM * sizeof(bf16);  // 96 KiB
+  dim3 grid(NH, cdiv(max_seqlen_q, PREFILL_BLOCK_M), B);
+  with_kv_type(cache, [&](auto* kv) {
+    using KV = std::remove_pointer_t<decltype(kv)>;
+    // More than the default 48 KiB of shared memory must be asked for; cheap, and legal during graph capture.
+    CUDA_CHECK(cudaFuncSetAttribute(flash_prefill_kernel<KV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)smem));
+    flash_prefill_kernel<KV><<<grid, PREFILL_WARPS * 32, smem, stream>>>(
+        out, qkv, (const KV*)cache.k, (const KV*)cache.v, cache.scale, cu_seqlens_q, seqlens_k, block_tables,
+        NH, NKV, __builtin_ctz(P), MB, scale * (float)M_LOG2E);
+  });
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// flash_decode_kernel — one new token per sequence attends to its whole context (split-K, phase 1).
+//   Replaces: flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens,
+//             block_table=block_tables, causal=True) in nano-vllm's Attention.forward (decode branch).
+//   out[b, h*D + d] = sum_j softmax_j(scale * q_b,h . k_j) v_j[d] over j = 0 .. context_lens[b]-1.
+//   Split-K: a decode step has one query per sequence, so one thread block per (sequence, head) would leave
+//   most SMs idle; instead the keys are split. Thread block (part, kvh, b) handles keys [part*S, min(part*S
+//   + S, ctx)), S = decode_partition(B), for the NH/NKV query heads of kv head kvh, so each K/V tile is read
+//   from memory exactly once. Warp w takes keys 16w .. 16w+15 of every 64-key tile; at the end the four
+//   warps' (m, l, O) are combined through shared memory (decode_combine_warps).
+//   If the context fits in one partition the thread block writes the final bf16 output; otherwise it writes
+//   its unnormalised O and (m, l) to the workspace and flash_decode_merge_kernel combines them.
+//   Why a grid sized by max_context_len (a host bound) and not by the real contexts: a CUDA graph captured
+//   once must stay valid as contexts grow; thread blocks whose partition starts past context_lens[b] exit
+//   at once.
+//   Workspace: ws_o float [B, NH, max_parts, D], ws_ml float [B, NH, max_parts, 2] = (m * scale*log2e, l).
+//   Preconditions: 1 <= context_lens[b] <= max_context_len; NH/NKV <= 16; this step's k and v are in the
+//   cache (qk_norm_rope ran).
+
+// The tile loop of a decode thread block over keys [key_begin, key_end): prefetch the tile kv_tiles_ahead()
+// ahead, wait for tile t, and let each warp attend to its 16 keys of it (attend_kv_slice). The caller has
+// issued the first tiles (issue_first_kv_tiles). after_landing(t, n_tiles, sK_t, sV_t, first_key) runs
+// when tile t has landed for this thread and before the barrier that publishes it to the others: the fused
+// kernel of section 18 writes this step's own key into the last tile there. skip_key: a key the tile loads
+// leave alone (-1: none).
+template <int RING, class KV, class AfterLanding>
+__device__ __forceinline__ void decode_attend_tiles(const uint32_t (&q)[HEAD_DIM / 16][4], bf16* sK, bf16* sV,
+                                                    const KV* k_cache, const KV* v_cache, KVScales kv_scale,
+                                                    const int* block_table, int kvh, int NKV, int log2P,
+                                                    int key_begin, int key_end, int skip_key, float scale_log2,
+                                                    float (&o)[HEAD_DIM / 8][4], float (&m)[2], float (&l)[2],
+                                                    AfterLanding after_landing) {
+  constexpr int AHEAD = kv_tiles_ahead<KV, RING>();
+  const int n_tiles = cdiv_dev(key_end - key_begin, ATTN_KV_TILE);
+  const int warp = threadIdx.x >> 5;
+  const int last_key[2] = {key_end - 1, key_end - 1};  // no causal mask within the context: only its end
+  for (int t = 0; t < n_tiles; t++) {  // the same pipeline as the prefill loop
+    const int ahead = t + AHEAD;
+    if (ahead < n_tiles)
+      issue_kv_tile<DECODE_WARPS * 32, RING>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, ahead,
+                                             key_begin + ahead * ATTN_KV_TILE, key_end, skip_key);
+    cp_async_commit();
+    cp_async_wait<AHEAD>();
+    const int tile_key0 = key_begin + t * ATTN_KV_TILE;
+    const bool skip_here = skip_key >= tile_key0 && skip_key < tile_key0 + ATTN_KV_TILE;
+    bf16 *sK_t, *sV_t;
+    kv_tile_ready<DECODE_WARPS * 32, RING, KV>(sK, sV, t, skip_here ? skip_key - tile_key0 : -1, sK_t, sV_t);
+    after_landing(t, n_tiles, sK_t, sV_t, tile_key0);
+    __syncthreads();
+    const int key0 = tile_key0 + warp * 16;
+    if (key0 < key_end)
+      attend_kv_slice<16, tile_t<KV>>(q, sK_t, sV_t, warp * 16, key0, key0 + 16 > key_end, last_key, scale_log2,
+                                      o, m, l);
+    __syncthreads();
+  }
+  scale_output<KV>(o, kv_scale);
+}
+
+// Combines the four warps of a decode thread block. Their O, m, l go to shared memory (reusing the K/V
+// stages sK: every copy has landed and every warp is past the loop's last barrier), then thread d computes
+// output dim d of every head g of the group and calls write(g, acc, m_max, l_sum): acc = sum_w 2^(m_w -
+// m_max) O_w[d], l_sum the same sum of the l_w, m_max in log2 units (so out = acc / l_sum).
+template <class Write>
+__device__ __forceinline__ void decode_combine_warps(const float (&o)[HEAD_DIM / 8][4], const float (&m)[2],
+                                                     float (&l)[2], float scale_log2, bf16* sK, int group,
+                                                     Write write) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float* sO = reinterpret_cast<float*>(sK);                 // [DECODE_WARPS][DECODE_ROWS][D]
+  float* sML = sO + DECODE_WARPS * DECODE_ROWS * HEAD_DIM;  // [DECODE_WARPS][DECODE_ROWS][2]
+  static_assert((DECODE_WARPS * DECODE_ROWS * (HEAD_DIM + 2)) * sizeof(float) <=
+                    2 * ATTN_STAGES * ATTN_KV_TILE * HEAD_DIM * sizeof(bf16),
+                "the combine buffers fit in the K/V stages");
+#pragma unroll
+  for (int i = 0; i < 2; i++) {
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    const int row = warp * DECODE_ROWS + lane / 4 + 8 * i;
+#pragma unroll
+    for (int d = 0; d < HEAD_DIM / 8; d++)
+      *reinterpret_cast<float2*>(sO + row * HEAD_DIM + d * 8 + 2 * (lane & 3)) =
+          make_float2(o[d][2 * i], o[d][2 * i + 1]);
+    if ((lane & 3) == 0) sML[row * 2] = m[i] * scale_log2, sML[row * 2 + 1] = l[i];  // -inf stays -inf
+  }
+  __syncthreads();
+  const int d = threadIdx.x;
+  for (int g = 0; g < group; g++) {
+    float m_max = -INFINITY;  // warp 0 saw the partition's first key, so at least one warp has a finite m
+    for (int w = 0; w < DECODE_WARPS; w++) m_max = fmaxf(m_max, sML[(w * DECODE_ROWS + g) * 2]);
+    float l_sum = 0.f, acc = 0.f;
+    for (int w = 0; w < DECODE_WARPS; w++) {
+      const float f = fast_exp2(sML[(w * DECODE_ROWS + g) * 2] - m_max);
+      l_sum += sML[(w * DECODE_ROWS + g) * 2 + 1] * f;
+      acc += sO[(w * DECODE_ROWS + g) * HEAD_DIM + d] * f;
+    }
+    write(g, acc, m_max, l_sum);
+  }
+}
+
+template <class KV>
+__global__ void __launch_bounds__(DECODE_WARPS * 32)
+    flash_decode_kernel(bf16* __restrict__ out, const bf16* __restrict__ qkv,
+                            const KV* __restrict__ k_cache, const KV* __restrict__ v_cache, KVScales kv_scale,
+                            const int* __restrict__ context_lens, const int* __restrict__ block_tables, int NH,
+                            int NKV, int log2P, int MB, int max_parts, int partition, float* __restrict__ ws_o,
+                            float* __restrict__ ws_ml, float scale_log2) {
+  const int part = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int ctx = context_lens[b];
+  const int key_begin = part * partition;
+  if (key_begin >= ctx) return;  // a partition past this sequence's context
+  const int key_end = min(ctx, key_begin + partition);
+  const int group = NH / NKV;  // query heads kvh*group .. kvh*group + group-1 share this kv head
+  const int* block_table = block_tables + (size_t)b * MB;
+
+  extern __shared__ __align__(16) unsigned char attn_smem[];
+  bf16* sQ = reinterpret_cast<bf16*>(attn_smem);              // [DECODE_ROWS][D]
+  bf16* sK = sQ + DECODE_ROWS * HEAD_DIM;                     // [ATTN_STAGES][ATTN_KV_TILE][D]
+  bf16* sV = sK + ATTN_STAGES * ATTN_KV_TILE * HEAD_DIM;      // [ATTN_STAGES][ATTN_KV_TILE][D]
+
+  // Row g of the Q tile is query head kvh*group + g of token b (the group's heads are adjacent in qkv);
+  // rows past the group are zeros.
+  const bf16* q_src = qkv + (size_t)b * (NH + 2 * NKV) * HEAD_DIM + (size_t)kvh * group * HEAD_DIM;
+  for (int i = threadIdx.x; i < DECODE_ROWS * 16; i += DECODE_WARPS * 32) {
+    const int r = i >> 4, c = i & 15;
+    cp_async_16(sQ + attn_smem_index(r, c), r < group ? q_src + r * HEAD_DIM + c * 8 : qkv, r < group);
+  }
+  cp_async_commit();
+  issue_first_kv_tiles<DECODE_WARPS * 32, DECODE_FP8_RING>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P,
+                                                           key_begin, key_end);
+  cp_async_wait<kv_tiles_ahead<KV, DECODE_FP8_RING>()>();  // the Q tile has landed
+  __syncthreads();
+  uint32_t q[HEAD_DIM / 16][4];
+  load_q_fragments(q, sQ, 0);  // every warp holds the same 16 rows (the group's heads)
+  q_fragments_for_tiles<KV>(q);
+  scale_log2 = score_scale<KV>(scale_log2, kv_scale);
+
+  float o[HEAD_DIM / 8][4] = {};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  decode_attend_tiles<DECODE_FP8_RING>(q, sK, sV, k_cache, v_cache, kv_scale, block_table, kvh, NKV, log2P,
+                                       key_begin, key_end, -1, scale_log2, o, m, l,
+                                       [](int, int, bf16*, bf16*, int) {});
+  const bool single = key_begin == 0 && key_end == ctx;  // the only live partition: finish here
+  decode_combine_warps(o, m, l, scale_log2, sK, group, [&](int g, float acc, float m_max, float l_sum) {
+    const int h = kvh * group + g, d = threadIdx.x;
+    if (single) {
+      out[(size_t)b * NH * HEAD_DIM + h * HEAD_DIM + d] = __float2bfloat16(acc / l_sum);
+    } else {
+      const size_t slot = ((size_t)b * NH + h) * max_parts + part;
+      ws_o[slot * HEAD_DIM + d] = acc;
+      if (d == 0) ws_ml[slot * 2] = m_max, ws_ml[slot * 2 + 1] = l_sum;
+    }
+  });
+}
+
+// flash_decode_merge_kernel — split-K, phase 2: combine the partitions of one (sequence, head).
+//   With partition p holding O_p = sum_j 2^(x_j - m_p) v_j and l_p = sum_j 2^(x_j - m_p) (x in log2 units):
+//   out = sum_p 2^(m_p - M) O_p / sum_p 2^(m_p - M) l_p, M = max_p m_p (the log-sum-exp rule).
+//   One CTA per (head h, sequence b), thread d owns dim d. Sequences with one partition were finished by
+//   phase 1 and exit at once. Reads ws_o, ws_ml as written by flash_decode_kernel; writes out.
+__global__ void __launch_bounds__(HEAD_DIM)
+    flash_decode_merge_kernel(bf16* __restrict__ out, const int* __restrict__ context_lens,
+                                  const float* __restrict__ ws_o, const float* __restrict__ ws_ml, int NH,
+                                  int max_parts, int partition) {
+  const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
+  const int n_parts = cdiv_dev(context_lens[b], partition);
+  if (n_parts <= 1) return;
+  const size_t base = ((size_t)b * NH + h) * max_parts;
+  float m_max = -INFINITY;
+  for (int p = 0; p < n_parts; p++) m_max = fmaxf(m_max, ws_ml[(base + p) * 2]);
+  float l_sum = 0.f, acc = 0.f;
+  for (int p = 0; p < n_parts; p++) {
+    const float f = fast_exp2(ws_ml[(base + p) * 2] - m_max);
+    l_sum += ws_ml[(base + p) * 2 + 1] * f;
+    acc += ws_o[(base + p) * HEAD_DIM + d] * f;
+  }
+  out[(size_t)b * NH * HEAD_DIM + h * HEAD_DIM + d] = __float2bfloat16(acc / l_sum);
+}
+
+// Bytes of float workspace flash_attention_decode needs: partial O and (m, l) for every (sequence, head,
+// partition), for any batch of at most B. B = 512, NH = 16, max_context_len = 4096 (nano-vllm defaults) ->
+// 8 partitions of 512, 34 MB. (An fp8 cache's partitions are longer: it needs less.)
+static size_t flash_decode_workspace_bytes(int B, int NH, int max_context_len) {
+  size_t parts = 0;
+  for (int b : {std::min(B, 4), std::min(B, 32), B})
+    parts = std::max(parts, (size_t)b * cdiv(max_context_len, decode_partition(b)));
+  return parts * NH * (HEAD_DIM + 2) * sizeof(float);
+}
+
+constexpr size_t DECODE_SMEM = (DECODE_ROWS + 2 * ATTN_STAGES * ATTN_KV_TILE) * HEAD_DIM * sizeof(bf16);  // 68 KiB
+// With an fp8 cache, a ring of more than the two slots that fit in the second stage (section 22) adds 16 KiB
+// a slot: the cluster kernel's ring of four makes 100 KiB.
+template <class KV, int RING = DECODE_FP8_RING>
+constexpr size_t decode_smem() {
+  return DECODE_SMEM + (std::is_same<KV, bf16>::value ? 0 : (RING - 2) * 2 * ATTN_KV_TILE * HEAD_DIM);
+}
+
+// out: bf16 [B, NH*D]; qkv: bf16 [B, (NH+2NKV)*D]; k_cache, v_cache: bf16 [NB, NKV, P, D];
+// context_lens: int [B] (device, keys including the current token); block_tables: int [B, MB] (device);
+// max_context_len: host bound on every context_lens[b] (max_model_len): the grid depends only on it, so a
+// captured graph stays valid; workspace: flash_decode_workspace_bytes(B, NH, max_context_len) bytes.
+static void flash_attention_decode(bf16* out, const bf16* qkv, const KVView& cache, const int* context_lens,
+                             const int* block_tables, int B, int NH, int NKV, int P, int MB, int max_context_len,
+                             float* workspace, float scale, cudaStream_t stream) {
+  check_attention_shapes("flash_attention_decode", NH, NKV, P);
+  INTERNAL_CHECK(NH / NKV <= DECODE_ROWS, "flash_attention_decode: NH/NKV = %d query heads per kv head, at most %d",
+                 NH / NKV, DECODE_ROWS);
+  if (B == 0) return;
+  const int partition = decode_partition(B, cache.dtype);
+  const int max_parts = (int)cdiv(max_context_len, partition);
+  float* ws_o = workspace;                                           // [B, NH, max_parts, D]
+  float* ws_ml = workspace + (size_t)B * NH * max_parts * HEAD_DIM;  // [B, NH, max_parts, 2]
+  with_kv_type(cache, [&](auto* kv) {
+    using KV = std::remove_pointer_t<decltype(kv)>;
+    static bool opted_in = false;  // more than the default 48 KiB of shared memory must be asked for, once
+    if (!opted_in) {
+      CUDA_CHECK(cudaFuncSetAttribute(flash_decode_kernel<KV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)decode_smem<KV>()));
+      opted_in = true;
+    }
+    flash_decode_kernel<KV><<<dim3(max_parts, NKV, B), DECODE_WARPS * 32, decode_smem<KV>(), stream>>>(
+        out, qkv, (const KV*)cache.k, (const KV*)cache.v, cache.scale, context_lens, block_tables, NH, NKV,
+        __builtin_ctz(P), MB, max_parts, partition, ws_o, ws_ml, scale * (float)M_LOG2E);
+  });
+  CUDA_CHECK(cudaGetLastError());
+  if (max_parts > 1) {
+    flash_decode_merge_kernel<<<dim3(NH, B), HEAD_DIM, 0, stream>>>(out, context_lens, ws_o, ws_ml, NH,
+                                                                        max_parts, partition);
+    CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+// ---- The switch: flash_attn ----
+// Part I's hooks this section fills: the forward pass (section 21 routes attention here) and the decode
+// workspace. It also resets the cache format to bf16: section 22 sets it again when the engine asks for fp8.
+static void apply_flash_attn(bool on, Hooks& h) {
+  g_opt.flash_attn = on;
+  g_kv_dtype = KVCacheDtype::BF16, g_kv_scales.clear();
+  if (!on) return;
+  h.forward = forward_fast;
+  h.attention_workspace_bytes = flash_decode_workspace_bytes;
+}
+static const int kFlashAttnRegistered = register_optimization(
+    {"flash_attn", "flash attention on tensor cores, split-K decode (section 14)", true, apply_flash_attn});
+
+// ==== 15. Programmatic dependent launch ====================================================================
+// defines: pdl_begin, pdl_trigger, gpu_cc_major, launch_pdl, launch_pdl_cluster; switch pdl
 //
 // Replaces: the ordinary launch, where the GPU lets a kernel finish completely before the next one in the
 // stream starts. At every boundary the SMs drain (the last thread blocks of the kernel run while the rest of
@@ -4312,7 +4599,7 @@ struct LLMEngine {
 //   * every kernel launched with PDL (the kernels of Part II, through launch_pdl) calls pdl_begin() before it
 //     reads anything the kernel before it wrote and before it writes anything; so it finishes only after the
 //     one before it, and waiting for the last kernel is waiting for them all. (The fused decode attention of
-//     section 17 reads the KV cache, block tables and context lengths before its wait: all of them were
+//     section 18 reads the KV cache, block tables and context lengths before its wait: all of them were
 //     written before the kernel ahead of it started, which is as good, since that kernel launched only
 //     after its own predecessor had finished. Its thread blocks past the context exit without waiting,
 //     after pdl_trigger(), writing nothing);
@@ -4348,7 +4635,7 @@ static int gpu_cc_major() {
 
 // The kernels of Part II are launched through here: kernel<<<grid, block, smem, stream>>>(args...), plus
 // the PDL attribute when switched on; launch_pdl_cluster also groups the thread blocks in clusters of
-// cluster_x along x (section 16).
+// cluster_x along x (section 17).
 template <typename... Params, typename... Args>
 static void launch_pdl_cluster(unsigned cluster_x, void (*kernel)(Params...), dim3 grid, dim3 block,
                                size_t smem, cudaStream_t stream, Args&&... args) {
@@ -4373,7 +4660,15 @@ static void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t 
   launch_pdl_cluster(1, kernel, grid, block, smem, stream, std::forward<Args>(args)...);
 }
 
-// ==== 15. Small-batch gemv with its neighbours fused in ====================================================
+// ---- The switch: pdl ----
+// Fills no hook: the kernels of Part II launch through launch_pdl, which reads g_opt.pdl.
+static void apply_pdl(bool on, Hooks&) { g_opt.pdl = on; }
+static std::string pdl_note(const Qwen3&) { return gpu_cc_major() < 9 ? "pdl needs sm_90, off here" : ""; }
+static const int kPdlRegistered =
+    register_optimization({"pdl", "programmatic dependent launch (section 15)", true, apply_pdl, pdl_note});
+
+// ==== 16. Small-batch gemv with its neighbours fused in ====================================================
+// defines: GemvIn, GemvOptions, GEMV_MAX_M, gemv, gemv_can_stage; switch gemv
 //
 // Replaces: at steps of at most GEMV_MAX_M tokens (batch-1 and -2 decode), cuBLASLt's matrix products and
 // the small kernels around them (the RMSNorm before qkv and gate_up, SiLU-and-mul before down, the residual
@@ -4384,7 +4679,7 @@ static void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t 
 // split-K plus a reduction kernel for down_proj, fewer thread blocks than SMs for others;
 // test/gpu/gpu_gemm.cu times both). And a tiny kernel such as the RMSNorm of one row costs mostly the cost of
 // being a kernel at all: the gemv takes its work over where that needs no extra pass over memory.
-// Switch: gemv (section 20 routes steps of at most GEMV_MAX_M tokens here).
+// Switch: gemv (section 21 routes steps of at most GEMV_MAX_M tokens here).
 //
 // gemv_kernel — y [M, N] = x [M, K] @ W [N, K]^T, M <= 2.
 //   One warp per output column n streams row n of W once with 16-byte loads (all of a row's loads issued
@@ -4435,7 +4730,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     }
   };
   // No step writes the weights, so the first stretch is loaded before waiting for the kernel before
-  // (section 14, PDL): for R * K <= GEMV_UNROLL * 256 that is all of the warp's rows, in flight while that
+  // (section 15, PDL): for R * K <= GEMV_UNROLL * 256 that is all of the warp's rows, in flight while that
   // kernel finishes.
   if (n0 < N) load_stretch(0);
   pdl_begin();
@@ -4495,7 +4790,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     for (int m = 0; m < M; m++)
       if (lane == r * M + m && n0 + r < N) {
         bf16& out = y[(size_t)m * N + n0 + r];
-        out = ADD ? __float2bfloat16(round_bf16(acc[r][m]) + __bfloat162float(out)) : __float2bfloat16(acc[r][m]);
+        out = ADD ? __float2bfloat16(bf16_round(acc[r][m]) + __bfloat162float(out)) : __float2bfloat16(acc[r][m]);
       }
 }
 
@@ -4535,25 +4830,35 @@ static bool gemv_can_stage(int M, int K) { return (size_t)M * K * sizeof(bf16) <
 
 static void gemv(bf16* y, const bf16* x, const bf16* W, int M, int N, int K, cudaStream_t stream,
                  const GemvOptions& o = {}) {
-  if (K % 8) die("gemv: K = %d must be a multiple of 8", K);
-  if (((uintptr_t)x | (uintptr_t)W) % 16) die("gemv: x and W must be 16-byte aligned");
+  INTERNAL_CHECK(K % 8 == 0, "gemv: K = %d must be a multiple of 8", K);
+  INTERNAL_CHECK(((uintptr_t)x | (uintptr_t)W) % 16 == 0, "gemv: x and W must be 16-byte aligned");
   size_t smem = 0;
   if (o.in != GemvIn::PLAIN) {
-    if (!gemv_can_stage(M, K)) die("gemv: a fused input of %d x %d does not fit in shared memory", M, K);
+    INTERNAL_CHECK(gemv_can_stage(M, K), "gemv: a fused input of %d x %d does not fit in shared memory", M, K);
     smem = (size_t)M * K * sizeof(bf16);
   }
   if (o.in == GemvIn::RMSNORM) rmsnorm_checks("gemv (RMSNORM)", x, x, o.norm_w, K);
   switch (M) {
     case 1: gemv_launch<1>(o, smem, stream, y, x, W, N, K); break;
     case 2: gemv_launch<2>(o, smem, stream, y, x, W, N, K); break;
-    default: die("gemv: M = %d, at most %d", M, GEMV_MAX_M);
+    default: INTERNAL_CHECK(M <= GEMV_MAX_M, "gemv: M = %d, at most %d", M, GEMV_MAX_M);
   }
   CUDA_CHECK(cudaGetLastError());
 }
 
-// ==== 16. The split-K merge inside a cluster ===============================================================
+// ---- The switch: gemv ----
+static void apply_gemv(bool on, Hooks& h) {
+  g_opt.gemv = on;
+  if (on) h.forward = forward_fast;
+}
+static const int kGemvRegistered = register_optimization(
+    {"gemv", "small-batch gemv with RMSNorm, SiLU and the residual add fused in (section 16)", true, apply_gemv});
+
+// ==== 17. The split-K merge inside a cluster ===============================================================
+// defines: DECODE_CLUSTER, DECODE_CLUSTER_MAX_B, cluster_partial, cluster_merge (switch cluster_merge,
+//          registered in 18)
 //
-// Replaces: attention_decode_merge_kernel (section 8) and its workspace, for batches of at most
+// Replaces: flash_decode_merge_kernel (section 14) and its workspace, for batches of at most
 // DECODE_CLUSTER_MAX_B sequences on sm_90 and later.
 // Why it is faster: a small batch needs many partitions to fill the GPU, so at long contexts the merge
 // kernel has many partials per head to read back from memory, and it is one more kernel boundary per layer.
@@ -4563,8 +4868,8 @@ static void gemv(bf16* y, const bf16* x, const bf16* W, int M, int N, int K, cud
 // (sequence, kv head), and the partition length follows the context: ceil(ctx / DECODE_CLUSTER) rounded up
 // to whole tiles. Each live thread block leaves its share of every head of the group in shared memory
 // (cluster_partial) and cluster_merge combines them: no workspace, no second kernel. The merge does the
-// merge kernel's arithmetic in the same order, so the result is the same as section 8's at the same
-// partition length. The kernel that calls it is section 17's (the same kernel with both additions).
+// merge kernel's arithmetic in the same order, so the result is the same as section 14's at the same
+// partition length. The kernel that calls it is section 18's (the same kernel with both additions).
 // Switch: cluster_merge. GPUs before sm_90, and batches above DECODE_CLUSTER_MAX_B, use the merge kernel.
 constexpr int DECODE_CLUSTER = 16;        // thread blocks per cluster (16 is above the portable 8: opted into)
 constexpr int DECODE_CLUSTER_MAX_B = 4;   // larger batches: the workspace and the merge kernel
@@ -4612,10 +4917,12 @@ __device__ void cluster_merge(bf16* out, int b, int kvh, int group, int NH, int 
 #endif
 }
 
-// ==== 17. Decode attention does q/k-norm, RoPE and the KV store ============================================
+// ==== 18. Decode attention does q/k-norm, RoPE and the KV store ============================================
+// defines: DecodeRope, decode_fused_kernel, decode_clusters_supported, attention_decode_fast; switches
+//          cluster_merge, fused_rope
 //
 // Replaces: in decode steps, qk_norm_rope (section 7) and the kernel boundary between it and decode
-// attention (section 8).
+// attention (section 14).
 // Why it is faster: the decode kernel can do qk_norm_rope's work for its token itself. Every thread block
 // normalises and rotates its group's query heads straight into its Q tile (the few hundred bytes are read
 // from qkv by every thread block of the group, and the 64 sines and cosines computed by each: both cheaper
@@ -4624,11 +4931,11 @@ __device__ void cluster_merge(bf16* out, int b, int kvh, int group, int NH, int 
 // (slot_mapping; -1 stores nothing) and puts them in its last tile itself, the one key its tile loads leave
 // out. Because of that, everything a thread block reads before its Q tile was written before the kernel
 // ahead of this one started: context lengths and block tables by the step's upload, the cached keys and
-// values by earlier steps. So it issues its first K/V tile loads before pdl_begin() (section 14), while the
+// values by earlier steps. So it issues its first K/V tile loads before pdl_begin() (section 15), while the
 // qkv projection before it still runs; at batch 1 that is all of the keys it reads.
-// The result is bit for bit that of qk_norm_rope followed by section 8's kernel, since the math is the same
+// The result is bit for bit that of qk_norm_rope followed by section 14's kernel, since the math is the same
 // code (head_norm_rope, decode_attend_tiles, decode_combine_warps); test/gpu/gpu_attention.cu checks it.
-// Switch: fused_rope. The kernel also carries section 16's cluster merge (CLUSTER): <ROPE, CLUSTER> is
+// Switch: fused_rope. The kernel also carries section 17's cluster merge (CLUSTER): <ROPE, CLUSTER> is
 // <true, false>, <true, true>, or <false, true> (cluster merge alone, after qk_norm_rope).
 struct DecodeRope {         // the fused q/k-norm + RoPE + KV store (ROPE = true)
   const int* positions;     // [B] the token's position
@@ -4703,8 +5010,8 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
       if (active)
         head_norm_rope(ua, ub, ss, r < group ? rope.q_norm_w : rope.k_norm_w, cos_s, sin_s, j, rope.eps);
       if (r == group && owner)
-        s_new_kv[0][j] = kv8_tile_values<KV>(ua, kv_scale.k),
-        s_new_kv[0][j + 8] = kv8_tile_values<KV>(ub, kv_scale.k);
+        s_new_kv[0][j] = kv_chunk_tile_values<KV>(ua, kv_scale.k),
+        s_new_kv[0][j + 8] = kv_chunk_tile_values<KV>(ub, kv_scale.k);
       if (r < DECODE_ROWS) {
         *reinterpret_cast<uint4*>(sQ + attn_smem_index(r, j)) = r < group ? ua : uint4{};
         *reinterpret_cast<uint4*>(sQ + attn_smem_index(r, j + 8)) = r < group ? ub : uint4{};
@@ -4712,14 +5019,14 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
     }
     if (owner && threadIdx.x < HEAD_DIM / 8) {  // v as it is
       const uint4* v_src = reinterpret_cast<const uint4*>(qkv_row + (size_t)(NH + NKV + kvh) * HEAD_DIM);
-      s_new_kv[1][threadIdx.x] = kv8_tile_values<KV>(v_src[threadIdx.x], kv_scale.v);
+      s_new_kv[1][threadIdx.x] = kv_chunk_tile_values<KV>(v_src[threadIdx.x], kv_scale.v);
     }
     __syncthreads();
     const int slot = owner ? rope.slot_mapping[b] : -1;
     if (slot >= 0 && threadIdx.x < 2 * HEAD_DIM / 8) {  // into the cache: k by threads 0-15, v by 16-31
       const int kv = threadIdx.x / 16, c = threadIdx.x % 16;
       const size_t row = (((size_t)(slot >> log2P) * NKV + kvh) << log2P) + (slot & ((1 << log2P) - 1));
-      store_kv8_tile((kv ? v_cache : k_cache) + row * HEAD_DIM, c, s_new_kv[kv][c]);
+      store_kv_chunk_tile((kv ? v_cache : k_cache) + row * HEAD_DIM, c, s_new_kv[kv][c]);
     }
   }
   cp_async_wait<kv_tiles_ahead<KV, RING>()>();
@@ -4757,7 +5064,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
   if (CLUSTER) cluster_merge(out, b, kvh, group, NH, cdiv_dev(ctx, partition), true);
 }
 
-// The fused kernel's shared memory: section 8's decode kernel's, with the cluster kernel's deeper fp8 ring.
+// The fused kernel's shared memory: section 14's decode kernel's, with the cluster kernel's deeper fp8 ring.
 template <bool CLUSTER, class KV>
 constexpr size_t fused_smem() {
   return decode_smem<KV, CLUSTER ? CLUSTER_FP8_RING : DECODE_FP8_RING>();
@@ -4799,10 +5106,10 @@ static bool decode_clusters_supported() {
   return ok;
 }
 
-// Section 8's attention_decode with sections 16 and 17 where switched on. Arguments as there, except:
+// Section 8's attention_decode with sections 17 and 18 where switched on. Arguments as there, except:
 // rope: null = q and this step's k/v are ready (qk_norm_rope ran); else the fused kernel (ROPE = true): qkv
 // is the raw projection, and this step's k and v go to the cache here (k_cache, v_cache are written).
-static void attention_decode_fast(bf16* out, const bf16* qkv, const KVLayer& cache, const int* context_lens,
+static void attention_decode_fast(bf16* out, const bf16* qkv, const KVView& cache, const int* context_lens,
                                   const int* block_tables, int B, int NH, int NKV, int P, int MB,
                                   int max_context_len, float* workspace, float scale, cudaStream_t stream,
                                   const DecodeRope* rope) {
@@ -4810,11 +5117,11 @@ static void attention_decode_fast(bf16* out, const bf16* qkv, const KVLayer& cac
                        (cache.dtype == KVCacheDtype::FP8 ? decode_clusters_supported<fp8e4m3>()
                                                          : decode_clusters_supported<bf16>());
   if (!rope && !cluster)
-    return attention_decode(out, qkv, cache, context_lens, block_tables, B, NH, NKV, P, MB, max_context_len,
+    return flash_attention_decode(out, qkv, cache, context_lens, block_tables, B, NH, NKV, P, MB, max_context_len,
                             workspace, scale, stream);
   check_attention_shapes("attention_decode_fast", NH, NKV, P);
-  if (NH / NKV > DECODE_ROWS)
-    die("attention_decode_fast: NH/NKV = %d query heads per kv head, at most %d", NH / NKV, DECODE_ROWS);
+  INTERNAL_CHECK(NH / NKV <= DECODE_ROWS, "attention_decode_fast: NH/NKV = %d query heads per kv head, at most %d",
+                 NH / NKV, DECODE_ROWS);
   if (rope) {
     check_aligned16("attention_decode_fast", "q_norm_w", rope->q_norm_w);
     check_aligned16("attention_decode_fast", "k_norm_w", rope->k_norm_w);
@@ -4844,15 +5151,36 @@ static void attention_decode_fast(bf16* out, const bf16* qkv, const KVLayer& cac
                stream, out, qkv, k_cache, v_cache, cache.scale, context_lens, block_tables, NH, NKV,
                __builtin_ctz(P), MB, max_parts, partition, ws_o, ws_ml, scale_log2, r);
     CUDA_CHECK(cudaGetLastError());
-    if (max_parts > 1) {  // section 8's merge kernel, launched the ordinary way (it has no pdl_begin)
-      attention_decode_merge_kernel<<<dim3(NH, B), HEAD_DIM, 0, stream>>>(out, context_lens, ws_o, ws_ml, NH,
+    if (max_parts > 1) {  // section 14's merge kernel, launched the ordinary way (it has no pdl_begin)
+      flash_decode_merge_kernel<<<dim3(NH, B), HEAD_DIM, 0, stream>>>(out, context_lens, ws_o, ws_ml, NH,
                                                                           max_parts, partition);
       CUDA_CHECK(cudaGetLastError());
     }
   });
 }
 
-// ==== 18. One-shot all-reduce over NVLink ==================================================================
+// ---- The switches: cluster_merge (section 17) and fused_rope (this section) ----
+// Both change flash_attn's decode kernel, so they act only where flash_attn is on too.
+static void apply_cluster_merge(bool on, Hooks& h) {
+  g_opt.cluster_merge = on;
+  if (on) h.forward = forward_fast;
+}
+static std::string cluster_merge_note(const Qwen3&) {
+  return decode_clusters_supported() ? "" : "cluster_merge needs sm_90, off here";
+}
+static const int kClusterMergeRegistered = register_optimization(
+    {"cluster_merge", "decode's split-K merge inside a cluster (section 17)", true, apply_cluster_merge,
+     cluster_merge_note});
+static void apply_fused_rope(bool on, Hooks& h) {
+  g_opt.fused_rope = on;
+  if (on) h.forward = forward_fast;
+}
+static const int kFusedRopeRegistered = register_optimization(
+    {"fused_rope", "q/k-norm, RoPE and the KV store inside decode attention (section 18)", true,
+     apply_fused_rope});
+
+// ==== 19. One-shot all-reduce over NVLink ==================================================================
+// defines: OneShot, all_reduce_p2p, all_reduce_fast, oneshot_setup; switch oneshot_allreduce
 //
 // Replaces: section 12's NCCL all-reduce for messages up to ar_max_bytes(N) (decode's), and the residual add
 // that follows it (add_rmsnorm's add, section 7), when every GPU can write every other GPU's memory (NVLink,
@@ -4866,7 +5194,7 @@ static void attention_decode_fast(bf16* out, const bf16* qkv, const KVLayer& cac
 // TensorRT-LLM). One crossing of NVLink per call, and no release/acquire pair at system scope, which must
 // wait for the thread block's NVLink stores to be acknowledged. Large messages (prefill) stay with NCCL,
 // whose ring moves fewer bytes per GPU. The sum can also land in the residual stream at once (residual +=
-// sum): section 20 uses that instead of a separate add, so at N > 1 the add costs no kernel.
+// sum): section 21 uses that instead of a separate add, so at N > 1 the add costs no kernel.
 // Switch: oneshot_allreduce. NANOVLLM_ALLREDUCE=skip (section 12) skips every all-reduce on both roads.
 
 constexpr int AR_THREADS = 512;             // threads of an all-reduce thread block, 16 bytes each a pass
@@ -4907,7 +5235,7 @@ struct OneShot {
 //      adds, and writes AR_EMPTY back, ready for the next use of the slot.
 // Call k uses half h = k % 2. A rank writes half h again only at call k + 2, after call k + 1 got data from
 // every rank, and each rank sends that only after its own call k has finished, emptied slots included
-// (kernels run in stream order, each waiting for the one before, section 14). So two halves are enough.
+// (kernels run in stream order, each waiting for the one before, section 15). So two halves are enough.
 // The call number lives in device memory and the kernel bumps it itself, so the kernel works eagerly and
 // replayed from any CUDA graph, in any mix, as long as every rank makes the same calls in the same order.
 // Every block keeps its own copy (no block may read a counter another block of the same call updates):
@@ -4978,7 +5306,7 @@ __global__ __launch_bounds__(AR_THREADS) void all_reduce_p2p_kernel(bf16* x, bf1
     if (residual) {
       bf16x8_to_float(rv[c], v);
 #pragma unroll
-      for (int i = 0; i < 8; i++) sum[i] = round_bf16(sum[i]) + v[i];
+      for (int i = 0; i < 8; i++) sum[i] = bf16_round(sum[i]) + v[i];
       rv[c] = float_to_bf16x8(sum);
     } else {
       xv[c] = float_to_bf16x8(sum);
@@ -4992,12 +5320,12 @@ static void all_reduce_p2p(TPComm* comm, bf16* x, bf16* residual, size_t n, cuda
   check_aligned16("all_reduce_p2p", "x", x);
   if (residual) check_aligned16("all_reduce_p2p", "residual", residual);
   const size_t slot_bytes = ar_max_bytes(comm->size);
-  if (n * sizeof(bf16) > slot_bytes) die("all_reduce_p2p: %zu elements exceed the staging buffer", n);
+  INTERNAL_CHECK(n * sizeof(bf16) <= slot_bytes, "all_reduce_p2p: %zu elements exceed the staging buffer", n);
   if (n == 0) return;
   const int64_t chunks = (int64_t)n / 8;
   const int blocks = (int)std::min<int64_t>(AR_MAX_BLOCKS, cdiv(chunks, AR_THREADS));
-  launch_pdl(all_reduce_p2p_kernel, blocks, AR_THREADS, 0, stream, x, residual, comm->oneshot->peers,
-             comm->oneshot->epochs, chunks, (int64_t)(slot_bytes / 16), comm->rank, comm->size);
+  launch_pdl(all_reduce_p2p_kernel, blocks, AR_THREADS, 0, stream, x, residual, ((OneShot*)comm->fast)->peers,
+             ((OneShot*)comm->fast)->epochs, chunks, (int64_t)(slot_bytes / 16), comm->rank, comm->size);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -5022,7 +5350,7 @@ __global__ void residual_add_kernel(bf16* residual, const bf16* x, int64_t chunk
 static void all_reduce_fast(TPComm* comm, bf16* x, size_t n, cudaStream_t stream, bf16* residual) {
   if (comm->skip) return;
   const size_t bytes = n * sizeof(bf16);
-  if (g_opt.oneshot_allreduce && comm->oneshot && n % 8 == 0 && bytes <= ar_max_bytes(comm->size)) {
+  if (g_opt.oneshot_allreduce && comm->fast && n % 8 == 0 && bytes <= ar_max_bytes(comm->size)) {
     all_reduce_p2p(comm, x, residual, n, stream);
     return;
   }
@@ -5039,8 +5367,8 @@ static void all_reduce_fast(TPComm* comm, bf16* x, size_t n, cudaStream_t stream
 // Every step is agreed by all ranks (an all_reduce_min of "it worked here"), so they all take the same road
 // afterwards. Every rank calls it at the same point (ModelRunner's constructor).
 static void oneshot_setup(TPComm* c) {
-  if (c->oneshot_tried) return;
-  c->oneshot_tried = true;
+  static std::set<const TPComm*> tried;  // the communicators this ran for (comm->fast is set on success only)
+  if (!tried.insert(c).second) return;
   int ok = 1;
   for (int r = 0; r < c->size; r++) {
     int can = 1;
@@ -5077,10 +5405,27 @@ static void oneshot_setup(TPComm* c) {
     }
     os->peers.data[r] = static_cast<bf16*>(p);
   }
-  if (all_reduce_min(c, ok) == 1) c->oneshot = os;  // else NCCL alone (the buffers stay: start-up only)
+  if (all_reduce_min(c, ok) == 1) c->fast = os;  // else NCCL alone (the buffers stay: start-up only)
 }
 
-// ==== 19. The fast sampler: radix select ===================================================================
+// ---- The switch: oneshot_allreduce ----
+static void apply_oneshot(bool on, Hooks& h) {
+  g_opt.oneshot_allreduce = on;
+  if (!on) return;
+  h.forward = forward_fast;  // (the all-reduces of section 21's pass go through all_reduce_fast)
+  h.tp_ready = oneshot_setup;
+}
+static std::string oneshot_note(const Qwen3& model) {
+  return model.tp > 1 && !model.comm->fast ? "oneshot_allreduce: the GPUs cannot reach each other's memory, "
+                                             "NCCL alone"
+                                           : "";
+}
+static const int kOneshotRegistered = register_optimization(
+    {"oneshot_allreduce", "one-shot all-reduce over NVLink (section 19)", true, apply_oneshot, oneshot_note});
+
+// ==== 20. The fast sampler: radix select ===================================================================
+// defines: sample_fast, sample_workspace_bytes, compute_logprobs_fast, logprobs_workspace_bytes; switch
+//          fast_sampler
 //
 // Replaces: section 9's sampler, with the same tokens (test/gpu/gpu_kernels.cu compares the two bit for
 // bit on every kind of row), and section 9b's log-probabilities kernel (at the end of this section).
@@ -5434,10 +5779,11 @@ size_t sample_workspace_bytes(int B, int V) {
 // workspace: at least sample_workspace_bytes(B, V) bytes of device memory (no initialisation needed).
 void sample_fast(int* out_tokens, const float* logits, const SamplingSlot* slots, int B, int V,
                  void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  if (workspace_bytes < sample_workspace_bytes(B, V))
-    die("sample_fast: workspace of %zu bytes, need sample_workspace_bytes(%d, %d) = %zu", workspace_bytes, B,
-        V, sample_workspace_bytes(B, V));
-  if (V <= 0 || V >= 2000000) die("sample_fast: V = %d outside 1 .. 2,000,000 (the mass counters' range)", V);
+  INTERNAL_CHECK(workspace_bytes >= sample_workspace_bytes(B, V),
+                 "sample_fast: workspace of %zu bytes, need sample_workspace_bytes(%d, %d) = %zu", workspace_bytes,
+                 B, V, sample_workspace_bytes(B, V));
+  INTERNAL_CHECK(V > 0 && V < 2000000, "sample_fast: V = %d outside 1 .. 2,000,000 (the mass counters' range)",
+                 V);
   check_aligned16("sample_fast", "logits", logits);
   if (B == 0) return;
   static int num_sms = 0;  // once per process (each tensor-parallel rank is its own process)
@@ -5562,8 +5908,8 @@ size_t logprobs_workspace_bytes(int B) { return (size_t)B * LOGPROB_MAX_SPLITS *
 static void compute_logprobs_fast(TokenLogprobs* out, const float* logits, const int* tokens,
                                   const SamplingSlot* slots, int B, int V, void* workspace, size_t workspace_bytes,
                                   cudaStream_t stream) {
-  if (workspace_bytes < logprobs_workspace_bytes(B))
-    die("compute_logprobs_fast: workspace of %zu bytes, need %zu", workspace_bytes, logprobs_workspace_bytes(B));
+  INTERNAL_CHECK(workspace_bytes >= logprobs_workspace_bytes(B), "compute_logprobs_fast: workspace of %zu bytes, "
+                 "need %zu", workspace_bytes, logprobs_workspace_bytes(B));
   if (B == 0) return;
   static int num_sms = 0;
   if (num_sms == 0) {
@@ -5582,20 +5928,33 @@ static void compute_logprobs_fast(TokenLogprobs* out, const float* logits, const
   CUDA_CHECK(cudaGetLastError());
 }
 
-// ==== 20. The forward pass with every fusion ===============================================================
+// ---- The switch: fast_sampler ----
+static void apply_fast_sampler(bool on, Hooks& h) {
+  g_opt.fast_sampler = on;
+  if (!on) return;
+  h.sample = sample_fast;
+  h.sample_workspace_bytes = sample_workspace_bytes;
+  h.compute_logprobs = compute_logprobs_fast;
+  h.logprobs_workspace_bytes = logprobs_workspace_bytes;
+}
+static const int kFastSamplerRegistered = register_optimization(
+    {"fast_sampler", "radix-select sampler and split log-probabilities (section 20)", true, apply_fast_sampler});
+
+// ==== 21. The forward pass with every fusion ===============================================================
+// defines: forward_fast
 //
 // Section 6c's forward pass, with each operation routed to its Part II version where that is switched on.
 // It computes what 6c computes (the GPU tests compare the two); what changes is where the work runs:
-//   * steps of at most GEMV_MAX_M tokens (gemv, section 15): the matrix products are gemvs, the RMSNorms ride
+//   * steps of at most GEMV_MAX_M tokens (gemv, section 16): the matrix products are gemvs, the RMSNorms ride
 //     inside the gemvs that read their output, SiLU-and-mul inside the down projection's;
 //   * "residual += h" rides where it costs no kernel of its own:
-//       several GPUs     inside the all-reduce that sums h over the ranks (section 18; NCCL plus a small add
+//       several GPUs     inside the all-reduce that sums h over the ranks (section 19; NCCL plus a small add
 //                        kernel when the one-shot road is off or the message too large)
 //       one GPU, gemv    inside the output gemv (its ADD epilogue)
 //       one GPU, else    inside the next norm (add_rmsnorm), as in 6c;
-//   * decode attention does q/k-norm, RoPE and the KV store itself (fused_rope, section 17; with an fp8
+//   * decode attention does q/k-norm, RoPE and the KV store itself (fused_rope, section 18; with an fp8
 //     cache only at the cluster kernel's batches) and merges its split-K partitions in a cluster
-//     (cluster_merge, section 16).
+//     (cluster_merge, section 17).
 // With everything on, a batch-1 layer on one GPU is 5 kernels: qkv, attention, o, gate_up, down (6c: 9 and
 // a merge kernel).
 static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool is_prefill, cudaStream_t s) {
@@ -5633,22 +5992,32 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
   for (int l = 0; l < cfg.num_hidden_layers; l++) {
     const LayerWeights& lw = w.layers[l];
     norm_matmul(act.qkv, lw.input_layernorm, lw.qkv_proj, (NH + 2 * NKV) * D, l > 0);
-    if (is_prefill) {
+    const KVView cache = kv_view(kv, l);
+    if (!g_opt.flash_attn) {  // section 8's kernels (bf16 only: section 22 needs flash_attn)
       qk_norm_rope(act.qkv, in.positions, lw.q_norm, lw.k_norm, kv.layer(l), in.slot_mapping, T, NH, NKV, P,
                    cfg.rope_theta, eps, s);
-      attention_prefill(act.attn, act.qkv, kv.layer(l), in.cu_seqlens_q, in.seqlens_k, in.block_tables, B,
-                        in.max_seqlen_q, NH, NKV, P, MB, scale, s);
-    } else if (g_opt.fused_rope && (kv.dtype == KVCacheDtype::BF16 || B <= DECODE_CLUSTER_MAX_B)) {
+      if (is_prefill)
+        attention_prefill(act.attn, act.qkv, kv.layer(l), in.cu_seqlens_q, in.seqlens_k, in.block_tables, B,
+                          in.max_seqlen_q, NH, NKV, P, MB, scale, s);
+      else
+        attention_decode(act.attn, act.qkv, kv.layer(l), in.seqlens_k, in.block_tables, B, NH, NKV, P, MB, scale,
+                         s);
+    } else if (is_prefill) {
+      qk_norm_rope_view(act.qkv, in.positions, lw.q_norm, lw.k_norm, cache, in.slot_mapping, T, NH, NKV, P,
+                        cfg.rope_theta, eps, s);
+      flash_attention_prefill(act.attn, act.qkv, cache, in.cu_seqlens_q, in.seqlens_k, in.block_tables, B,
+                              in.max_seqlen_q, NH, NKV, P, MB, scale, s);
+    } else if (g_opt.fused_rope && (cache.dtype == KVCacheDtype::BF16 || B <= DECODE_CLUSTER_MAX_B)) {
       // q/k-norm, RoPE and the KV store inside the attention kernel. (With an fp8 cache, at batches above
       // the cluster kernel's, the fused kernel measured slower than the two it replaces: README, FP8 section.)
       const DecodeRope rope{in.positions, in.slot_mapping, lw.q_norm, lw.k_norm, eps, rope_inv_freq(cfg.rope_theta)};
-      attention_decode_fast(act.attn, act.qkv, kv.layer(l), in.seqlens_k, in.block_tables, B, NH, NKV, P,
-                            MB, model.max_model_len, act.attn_workspace, scale, s, &rope);
+      attention_decode_fast(act.attn, act.qkv, cache, in.seqlens_k, in.block_tables, B, NH, NKV, P, MB,
+                            model.max_model_len, act.attn_workspace, scale, s, &rope);
     } else {
-      qk_norm_rope(act.qkv, in.positions, lw.q_norm, lw.k_norm, kv.layer(l), in.slot_mapping, T, NH, NKV, P,
-                   cfg.rope_theta, eps, s);
-      attention_decode_fast(act.attn, act.qkv, kv.layer(l), in.seqlens_k, in.block_tables, B, NH, NKV, P,
-                            MB, model.max_model_len, act.attn_workspace, scale, s, nullptr);
+      qk_norm_rope_view(act.qkv, in.positions, lw.q_norm, lw.k_norm, cache, in.slot_mapping, T, NH, NKV, P,
+                        cfg.rope_theta, eps, s);
+      attention_decode_fast(act.attn, act.qkv, cache, in.seqlens_k, in.block_tables, B, NH, NKV, P, MB,
+                            model.max_model_len, act.attn_workspace, scale, s, nullptr);
     }
     matmul_out(act.attn, lw.o_proj, NH * D, GemvIn::PLAIN);
     norm_matmul(act.gate_up, lw.post_attention_layernorm, lw.gate_up_proj, 2 * I, true);
@@ -5669,7 +6038,9 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
   linear(gemm, act.logits, last, w.lm_head, B, V, H, s, CUDA_R_32F);
 }
 
-// ==== 21. An FP8 KV cache ==================================================================================
+// ==== 22. An FP8 KV cache ==================================================================================
+// defines: e4m3_from_float, e4m3_to_float, kv_scale_for, kv_scales_from_weights, KVStoreFp8,
+//          qk_norm_rope_view, g_kv_scales_from_weights; --kv-cache-dtype fp8
 //
 // Replaces: the bf16 KV cache of sections 6b-8, when --kv-cache-dtype fp8 asks (vLLM's flag; the default,
 // auto, is bf16). The layout, block tables, prefix caching, preemption, CUDA graphs and tensor parallelism
@@ -5699,8 +6070,8 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
 // Why powers of two: dividing by one is exact, so the stored byte is the rounding of the bf16 value itself,
 // whatever the scale, and the scale can be applied after the matrix products at no cost in accuracy.
 //
-// Writing (qk_norm_rope, section 17's kernel): a bf16 value / scale, rounded to nearest even, saturating at
-// +-448 (cvt ... satfinite). Reading (both attention kernels, section 8's tile pipeline): the fp8 rows of a
+// Writing (qk_norm_rope, section 18's kernel): a bf16 value / scale, rounded to nearest even, saturating at
+// +-448 (cvt ... satfinite). Reading (both attention kernels, section 14's tile pipeline): the fp8 rows of a
 // tile are copied (cp.async, 16 bytes = 16 values per copy) into a staging slot; when the tile's turn comes,
 // every thread widens the chunks it copied itself to fp16 into the compute tile (one conversion instruction
 // per pair of values, no barrier: nobody else reads a thread's staged chunks). fp16 and not bf16 because
@@ -5708,7 +6079,7 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
 // cores then multiply fp16 tiles (the q fragments are converted once per thread block, exact for |q| up to
 // 65504), the key scale multiplies the scores' scale and the value scale the output, both once. Staging
 // slots cost shared memory, and shared memory decides how many thread blocks share an SM, so the plain
-// kernels keep one tile in flight as with bf16 (half the bytes), and section 16's cluster kernel, which
+// kernels keep one tile in flight as with bf16 (half the bytes), and section 17's cluster kernel, which
 // runs few thread blocks, keeps three (CLUSTER_FP8_RING).
 // Needs: FP8 conversion instructions (compute capability 8.9 and later: Ada, Hopper); ModelRunner refuses
 // --kv-cache-dtype fp8 on older GPUs with a message.
@@ -5757,17 +6128,17 @@ __device__ __forceinline__ uint2 bf16x8_to_fp8x8(uint4 v, float scale) {
   }
   return make_uint2(w[0], w[1]);
 }
-__device__ __forceinline__ void store_kv8_fp8(fp8e4m3* row, int chunk, uint4 v, float scale) {
+__device__ __forceinline__ void store_kv_chunk_fp8(fp8e4m3* row, int chunk, uint4 v, float scale) {
   reinterpret_cast<uint2*>(row)[chunk] = bf16x8_to_fp8x8(v, scale);
 }
-__device__ __forceinline__ uint4 kv8_tile_values_fp8(uint4 v, float scale) {
+__device__ __forceinline__ uint4 kv_chunk_tile_values_fp8(uint4 v, float scale) {
   return fp8x8_to_half8(bf16x8_to_fp8x8(v, scale));
 }
-__device__ __forceinline__ void store_kv8_tile_fp8(fp8e4m3* row, int chunk, uint4 tile_values) {
+__device__ __forceinline__ void store_kv_chunk_tile_fp8(fp8e4m3* row, int chunk, uint4 tile_values) {
   reinterpret_cast<uint2*>(row)[chunk] = half8_to_fp8x8(tile_values);
 }
 
-// The ring of staging slots where fp8 tiles wait (section 8's tile pipeline). A slot is one tile of keys then
+// The ring of staging slots where fp8 tiles wait (section 14's tile pipeline). A slot is one tile of keys then
 // one of values, FP8_TILE_BYTES each, row r's 16-byte chunk c (values 16c .. 16c+15) at chunk r * 8 + c:
 // plain order, because only the thread that copied a chunk reads it back. Slots 0 and 1 are the second
 // bf16 stage of sK and of sV (the widened tile always goes to stage 0, so the second one is free); slots 2
@@ -5886,20 +6257,67 @@ static std::vector<KVScales> kv_scales_from_weights(const Weights& w, const Mode
   return scales;
 }
 
-// ##########################################################################################################
-// PART III — THE PROGRAM AROUND IT
-// ##########################################################################################################
+// The KV store of qk_norm_rope (section 7's kernel) for an fp8 cache: the same chunks, each 8 bf16 values
+// divided by the layer's scale and rounded to e4m3 (8 bytes).
+struct KVStoreFp8 {
+  fp8e4m3* k_cache;  // [NB, NKV, P, D]
+  fp8e4m3* v_cache;
+  KVScales scale;
+  __device__ void key(int64_t row, int chunk, uint4 v) const { store_kv_chunk_fp8(k_cache + row * HEAD_DIM, chunk, v, scale.k); }
+  __device__ void value(int64_t row, int chunk, uint4 v) const {
+    store_kv_chunk_fp8(v_cache + row * HEAD_DIM, chunk, v, scale.v);
+  }
+};
+// Section 7's qk_norm_rope for a cache of either format (arguments as there).
+static void qk_norm_rope_view(bf16* qkv, const int* positions, const bf16* q_norm_w, const bf16* k_norm_w,
+                              const KVView& cache, const int* slot_mapping, int T, int NH, int NKV, int P,
+                              float rope_theta, float eps, cudaStream_t stream) {
+  if (cache.dtype == KVCacheDtype::BF16)
+    return qk_norm_rope(qkv, positions, q_norm_w, k_norm_w, {(bf16*)cache.k, (bf16*)cache.v}, slot_mapping, T,
+                        NH, NKV, P, rope_theta, eps, stream);
+  check_aligned16("qk_norm_rope_view", "qkv", qkv);
+  if (T == 0) return;
+  qk_norm_rope_kernel<<<T, qk_norm_rope_threads(NH, NKV), 0, stream>>>(
+      qkv, positions, q_norm_w, k_norm_w, KVStoreFp8{(fp8e4m3*)cache.k, (fp8e4m3*)cache.v, cache.scale},
+      slot_mapping, NH, NKV, P, eps, rope_inv_freq(rope_theta));
+  CUDA_CHECK(cudaGetLastError());
+}
 
-// ==== 22. One persistent kernel for a small-batch decode step ===========================================
+// ---- The format: fp8 (--kv-cache-dtype) ----
+// Tests set this false to run vLLM's default scales (1.0) instead of the weight bounds above.
+static bool g_kv_scales_from_weights = true;
+// Before ModelRunner sizes the pool of an fp8 engine: check what it needs, then compute the scales.
+static void use_fp8_cache(Qwen3& model) {
+  int dev = 0, major = 0, minor = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  if (major * 10 + minor < 89)
+    die("--kv-cache-dtype fp8 needs a GPU with FP8 conversion instructions (compute capability 8.9 or "
+        "newer: Ada, Hopper, Blackwell); this one is %d.%d. Use --kv-cache-dtype bf16 (the default)", major,
+        minor);
+  if (!g_opt.flash_attn)
+    die("--kv-cache-dtype fp8 is read by the flash_attn kernels (section 14), which this run switched "
+        "off: drop --plain or -flash_attn, or use --kv-cache-dtype bf16");
+  g_kv_dtype = KVCacheDtype::FP8;
+  g_kv_scales = g_kv_scales_from_weights ? kv_scales_from_weights(model.w, model.cfg, model.tp)
+                                         : std::vector<KVScales>(model.cfg.num_hidden_layers);
+}
+static const int kFp8FormatRegistered = register_kv_cache_format(
+    {"fp8", {"fp8_e4m3"}, 1, {{"fp8_e5m2", "nanovllm stores FP8 as e4m3 (write fp8 or fp8_e4m3)"}}, use_fp8_cache});
+
+// ==== 23. One persistent kernel for a small-batch decode step ============================================
+// defines: PersistOp, PersistPlan, PersistentDecode, persist_setup, persistent_decode, persist_describe;
+//          switch persistent
 //
-// Replaces: at decode steps of 1, 2 or 4 sequences on one GPU with a bf16 cache, all of section 20's forward
+// Replaces: at decode steps of 1, 2 or 4 sequences on one GPU with a bf16 cache, all of section 21's forward
 // pass: about five kernels per layer plus the head, 143 launches for Qwen3-0.6B.
 // Why it could be faster. A batch-1 step reads every weight once (1.19 GB for Qwen3-0.6B) and does little
 // else, so its floor is the time to stream the weights at the GPU's copy bandwidth. Between two kernels the
 // GPU is not streaming: the last thread blocks of one kernel finish while most SMs idle, then the next
 // kernel's blocks start with nothing in flight and wait a full memory latency for their first bytes. Each
 // such "bubble" lasts microseconds, a step has 143 of them, and a sub-layer of 4-12 MB streams in 2-5
-// microseconds: the bubbles are as long as the work. PDL (section 14) lets the next kernel's first loads
+// microseconds: the bubbles are as long as the work. PDL (section 15) lets the next kernel's first loads
 // start early, but the drain at the end of each kernel remains. The cure published by Hazy Research (the
 // "megakernel") and by mirage (MPK) is one kernel for the whole step, one thread block per SM, that never
 // ends between operations:
@@ -5918,10 +6336,10 @@ static std::vector<KVScales> kv_scales_from_weights(const Weights& w, const Mode
 //     only that strip back, so the stream needs no barrier across the block. Attention, which reads the KV
 //     cache instead, loads its first keys and values into registers before its wait (earlier steps wrote
 //     them);
-//   * the dot products run on the tensor cores (m16n8k16, section 8's mma): a warp multiplies its 16 x 64
+//   * the dot products run on the tensor cores (m16n8k16, section 14's mma): a warp multiplies its 16 x 64
 //     strip by the same 64 columns of the B <= 4 inputs, which sit as the 8 columns of the right-hand matrix,
 //     so a step of 4 sequences costs the same instructions as a step of 1. The 16 warps' partial sums of a
-//     group meet in shared memory, are added in warp order, and the output is written the way section 20
+//     group meet in shared memory, are added in warp order, and the output is written the way section 21
 //     writes it (bf16 roundings in the same places).
 // Why it is correct: an operation's inputs were written by the operation before it (or earlier), whose
 // blocks count themselves done only after their writes (a barrier, then one thread's release add), while a
@@ -5941,15 +6359,15 @@ static std::vector<KVScales> kv_scales_from_weights(const Weights& w, const Mode
 // a poll that sees it, and the next inputs' trip through L2 (plus an RMSNorm for qkv and gate_up): a few
 // microseconds, 141 times a step, no shorter than the bubble it replaces. And the ring is only a few chunks
 // deep, so most of an operation's weights stream while it runs rather than during the wait before it. On an
-// H100 this kernel is slower than sections 14-20 at batch 1 of Qwen3-0.6B, about as fast at batch 2 and 4
+// H100 this kernel is slower than sections 14-21 at batch 1 of Qwen3-0.6B, about as fast at batch 2 and 4
 // and for the 8B shape (README, "One persistent kernel"); test/gpu/gpu_persistent.cu's breakdown prints where
 // the time goes, per operation. It runs with --opt all or --opt persistent.
-// What it computes: section 20's arithmetic with the sums added in another order, so results match section
+// What it computes: section 21's arithmetic with the sums added in another order, so results match section
 // 20's within float rounding, not bit for bit (gpu_persistent.cu states the tolerance). Tensor parallelism
-// keeps section 20's path: an all-reduce inside the kernel would need every GPU's kernel resident at once and
+// keeps section 21's path: an all-reduce inside the kernel would need every GPU's kernel resident at once and
 // flags across GPUs.
 // Switch: persistent (off by default). Needs sm_80; a batch size whose shared memory does not fit, an fp8
-// cache or TP > 1 uses section 20's path, and the start-up line says which decode path runs at which batch
+// cache or TP > 1 uses section 21's path, and the start-up line says which decode path runs at which batch
 // sizes.
 constexpr int PERSIST_THREADS = 512;
 constexpr int PERSIST_WARPS = PERSIST_THREADS / 32;
@@ -5965,7 +6383,7 @@ enum PersistKind : int { PERSIST_EMBED, PERSIST_QKV, PERSIST_ATTN, PERSIST_O, PE
                          PERSIST_LM_HEAD };
 
 // One operation of the step. The gemvs (QKV .. LM_HEAD, not ATTN) compute y[b, n] = in[b, :] . W[n, :] for
-// their N outputs and write y where section 20 writes it:
+// their N outputs and write y where section 21 writes it:
 //   QKV      in = rmsnorm(residual) * norm_w   y -> qkv (bf16)
 //   O, DOWN  in = attn / act                   residual = bf16(bf16(y) + residual)
 //   GATE_UP  in = rmsnorm(residual) * norm_w   act[j] = bf16(silu(bf16(y_gate j)) * bf16(y_up j))
@@ -6199,7 +6617,7 @@ __device__ __forceinline__ void persist_gemv_epilogue(const PersistArgs& a, cons
     if (t < PERSIST_ROWS / 2 * B) {
       const int r = t / B, b = t % B, j = g * (PERSIST_ROWS / 2) + r;
       if (j < op.N) {
-        const float gate = round_bf16(row_sum(r, b)), up = round_bf16(row_sum(r + PERSIST_ROWS / 2, b));
+        const float gate = bf16_round(row_sum(r, b)), up = bf16_round(row_sum(r + PERSIST_ROWS / 2, b));
         a.act[(size_t)b * op.N + j] = __float2bfloat16(silu_mul(gate, up));
       }
     }
@@ -6211,7 +6629,7 @@ __device__ __forceinline__ void persist_gemv_epilogue(const PersistArgs& a, cons
       else if (op.kind == PERSIST_LM_HEAD) a.logits[(size_t)b * op.N + n] = y;
       else {  // O, DOWN: the residual add, rounded as add_rmsnorm rounds it
         const float r0 = __bfloat162float(res[b * op.N + n]);  // staged with the input
-        a.residual[(size_t)b * op.N + n] = __float2bfloat16(round_bf16(y) + r0);
+        a.residual[(size_t)b * op.N + n] = __float2bfloat16(bf16_round(y) + r0);
       }
     }
   }
@@ -6292,7 +6710,7 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
     }
   }
   __syncthreads();
-  // The partition's tokens, this warp's share, online softmax in base 2 (section 8's arithmetic).
+  // The partition's tokens, this warp's share, online softmax in base 2 (section 14's arithmetic).
   const float scale_log2 = a.scale * 1.4426950408889634f;
   float m = -INFINITY, l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f}, q[4];
   if (live) {
@@ -6469,7 +6887,7 @@ struct PersistPlan {
 struct PersistentDecode {
   std::map<int, PersistPlan> plans;  // by batch size
   std::string off_reason;            // why there are none (for the start-up line)
-  // The plan a decode step of B sequences runs, or null: section 20's path.
+  // The plan a decode step of B sequences runs, or null: section 21's path.
   const PersistPlan* plan_for(int B) const {
     auto it = plans.find(B);
     return g_opt.persistent && it != plans.end() ? &it->second : nullptr;
@@ -6516,8 +6934,8 @@ static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs) {
   const ModelConfig& c = model.cfg;
   const int H = c.hidden_size, I = c.intermediate_size, D = c.head_dim, L = c.num_hidden_layers;
   const int NH = c.num_attention_heads, NKV = c.num_key_value_heads, V = c.vocab_size;
-  if (model.tp > 1) return pd.off_reason = "tensor parallelism keeps section 20's path", pd;
-  if (model.kv.dtype != KVCacheDtype::BF16) return pd.off_reason = "the fp8 cache keeps section 20's path", pd;
+  if (model.tp > 1) return pd.off_reason = "tensor parallelism keeps section 21's path", pd;
+  if (g_kv_dtype != KVCacheDtype::BF16) return pd.off_reason = "the fp8 cache keeps section 21's path", pd;
   int dev = 0, cc = 0, sms = 0;
   CUDA_CHECK(cudaGetDevice(&dev));
   CUDA_CHECK(cudaDeviceGetAttribute(&cc, cudaDevAttrComputeCapabilityMajor, dev));
@@ -6584,7 +7002,7 @@ static void persistent_decode(Qwen3& model, const PersistPlan& plan, const StepI
     case 1: persist_kernel_launch<1>(plan, a, s); break;
     case 2: persist_kernel_launch<2>(plan, a, s); break;
     case 4: persist_kernel_launch<4>(plan, a, s); break;
-    default: die("internal error: no persistent decode kernel for batch %d", plan.B);
+    default: INTERNAL_CHECK(false, "no persistent decode kernel for batch %d", plan.B);
   }
   CUDA_CHECK(cudaGetLastError());
 }
@@ -6596,17 +7014,297 @@ static PersistentDecode* persist_setup_new(Qwen3& model, int max_num_seqs) {
 static const PersistPlan* persist_plan_for(const PersistentDecode* pd, int B) { return pd->plan_for(B); }
 
 static std::string persist_describe(const PersistentDecode& pd) {
-  if (!g_opt.persistent) return "section 20's kernels (persistent off)";
-  if (pd.plans.empty()) return "section 20's kernels (persistent: " + pd.off_reason + ")";
+  if (!g_opt.persistent) return "section 21's kernels (persistent off)";
+  if (pd.plans.empty()) return "section 21's kernels (persistent: " + pd.off_reason + ")";
   std::string sizes;
   for (const auto& [B, p] : pd.plans) sizes += (sizes.empty() ? "" : ", ") + std::to_string(B);
   const PersistPlan& p = pd.plans.begin()->second;
   return "one persistent kernel at batch " + sizes + " (" + std::to_string(p.grid) + " thread blocks, " +
-         std::to_string(PERSIST_RING * PERSIST_SLOT_ELEMS * 2 / 1024) + " KiB weight ring each), section 20's "
+         std::to_string(PERSIST_RING * PERSIST_SLOT_ELEMS * 2 / 1024) + " KiB weight ring each), section 21's "
          "kernels at other batch sizes";
 }
 
-// ==== 23. Prompts in, completions out ======================================================================
+// ---- The switch: persistent ----
+// Off by default: the README's performance section has the measurements that decide it.
+static PersistentDecode* g_persist = nullptr;  // the plans of the engine built last (ModelRunner)
+static void persist_model_ready(Qwen3& model, const Config& c) { g_persist = persist_setup_new(model, c.max_num_seqs); }
+static bool persist_decode_step(Qwen3& model, const StepInputs& in, int B, cudaStream_t s) {
+  const PersistPlan* plan = g_persist ? persist_plan_for(g_persist, B) : nullptr;
+  if (!plan) return false;
+  persistent_decode(model, *plan, in, s, 0, -1, nullptr);
+  return true;
+}
+static void apply_persistent(bool on, Hooks& h) {
+  g_opt.persistent = on;
+  g_persist = nullptr;
+  if (!on) return;
+  h.model_ready.push_back(persist_model_ready);
+  h.decode_step = persist_decode_step;
+}
+static std::string persist_note(const Qwen3&) { return g_persist ? "decode: " + persist_describe(*g_persist) : ""; }
+static const int kPersistentRegistered = register_optimization(
+    {"persistent", "a small-batch decode step in one persistent kernel (section 23)", false, apply_persistent,
+     persist_note});
+
+// ##########################################################################################################
+// PART III — THE PROGRAM AROUND IT
+// ##########################################################################################################
+
+// ==== 24. Reading the configuration: config.json, flags and sampling fields ================================
+// defines: parse_model_config, load_model_config, parse_optimizations, optimizations_str,
+//          parse_kv_cache_dtype, validate_config, validate_sampling
+//
+// Section 2 says what each setting means; this section reads them from where a user writes them and
+// refuses what the engine cannot run, with a message that names the file, field or flag, what was expected
+// and what was found: config.json (a dense Qwen3 only), --opt and --kv-cache-dtype against what the build's
+// registries hold, the engine settings (Config) and a request's sampling fields (vLLM's ranges).
+
+// A field of config.json that must be there and be a number; the message names the file and field.
+static double config_number(const json& j, const char* key, const std::string& path) {
+  if (!j.contains(key)) die("%s: missing field \"%s\" (is this a Qwen3 config.json?)", path.c_str(), key);
+  if (!j[key].is_number()) die("%s: field \"%s\" must be a number, found %s", path.c_str(), key, j[key].dump().c_str());
+  return j[key].get<double>();
+}
+
+// An integer field (a count or a size): a fraction or a value past int is refused, never truncated.
+static int config_int(const json& j, const char* key, const std::string& path) {
+  double v = config_number(j, key, path);
+  if (v != std::floor(v) || v < INT32_MIN || v > INT32_MAX)
+    die("%s: field \"%s\" must be an integer, found %s", path.c_str(), key, j[key].dump().c_str());
+  return (int)v;
+}
+
+// A true/false field that may be absent.
+static bool config_bool(const json& j, const char* key, bool absent, const std::string& path) {
+  if (!j.contains(key) || j[key].is_null()) return absent;
+  if (!j[key].is_boolean()) die("%s: field \"%s\" must be true or false, found %s", path.c_str(), key,
+                                j[key].dump().c_str());
+  return j[key].get<bool>();
+}
+
+static std::vector<int> eos_ids_from(const json& v) {
+  std::vector<int> ids;
+  auto add = [&](const json& x) {
+    if (x.is_number_integer() && x.get<int64_t>() >= 0 && x.get<int64_t>() <= INT32_MAX)
+      ids.push_back(x.get<int>());
+  };
+  add(v);
+  if (v.is_array())
+    for (auto& x : v) add(x);
+  return ids;
+}
+
+// Parse config.json text. Refuses anything that is not a dense Qwen3 (MoE, Llama, Qwen2 with qkv bias, rope
+// scaling, sliding windows) with a message that names the field, rather than computing garbage later.
+static ModelConfig parse_model_config(const std::string& text, const std::string& path) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    die("%s is not valid JSON: %s", path.c_str(), e.what());
+  }
+  if (!j.is_object()) die("%s: expected a JSON object", path.c_str());
+  std::string arch = "(none)";
+  if (j.contains("architectures") && j["architectures"].is_array() && !j["architectures"].empty() &&
+      j["architectures"][0].is_string())
+    arch = j["architectures"][0].get<std::string>();
+  if (arch != "Qwen3ForCausalLM")
+    die("%s: architecture %s is not supported; nanovllm runs Qwen3ForCausalLM (dense Qwen3 models only)",
+        path.c_str(), arch.c_str());
+  ModelConfig c;
+  c.hidden_size = config_int(j, "hidden_size", path);
+  c.intermediate_size = config_int(j, "intermediate_size", path);
+  c.num_hidden_layers = config_int(j, "num_hidden_layers", path);
+  c.num_attention_heads = config_int(j, "num_attention_heads", path);
+  c.num_key_value_heads = config_int(j, "num_key_value_heads", path);
+  c.vocab_size = config_int(j, "vocab_size", path);
+  c.max_position_embeddings = config_int(j, "max_position_embeddings", path);
+  c.rms_norm_eps = (float)config_number(j, "rms_norm_eps", path);
+  if (!j.contains("head_dim"))
+    die("%s: missing field \"head_dim\" (Qwen3 configs state it; nanovllm does not guess it)", path.c_str());
+  c.head_dim = config_int(j, "head_dim", path);
+  // transformers < 5 writes rope_theta at the top level; transformers 5 nests it in rope_parameters.
+  const json* rope = j.contains("rope_parameters") && j["rope_parameters"].is_object() ? &j["rope_parameters"]
+                     : j.contains("rope_scaling") && j["rope_scaling"].is_object() ? &j["rope_scaling"] : nullptr;
+  if (rope && rope->contains("rope_type") && (*rope)["rope_type"] != "default")
+    die("%s: rope type %s is not supported (only plain RoPE)", path.c_str(), (*rope)["rope_type"].dump().c_str());
+  if (j.contains("rope_theta")) c.rope_theta = (float)config_number(j, "rope_theta", path);
+  else if (rope && rope->contains("rope_theta")) c.rope_theta = (float)config_number(*rope, "rope_theta", path);
+  else die("%s: missing field \"rope_theta\"", path.c_str());
+  if (config_bool(j, "attention_bias", false, path))
+    die("%s: attention_bias=true is not supported (Qwen3 has none)", path.c_str());
+  if (config_bool(j, "use_sliding_window", false, path))
+    die("%s: sliding-window attention is not supported", path.c_str());
+  c.tie_word_embeddings = config_bool(j, "tie_word_embeddings", false, path);
+  bool eps_ok = c.rms_norm_eps > 0 && std::isfinite(c.rms_norm_eps);
+  if (!eps_ok || !(c.rope_theta > 0 && std::isfinite(c.rope_theta)))
+    die("%s: rms_norm_eps (%g) and rope_theta (%g) must be positive and finite", path.c_str(), c.rms_norm_eps,
+        c.rope_theta);
+  if (j.contains("dtype") && j["dtype"].is_string()) c.dtype = j["dtype"];
+  else if (j.contains("torch_dtype") && j["torch_dtype"].is_string()) c.dtype = j["torch_dtype"];
+  if (j.contains("eos_token_id")) c.eos_token_ids = eos_ids_from(j["eos_token_id"]);
+
+  auto positive = [&](int v, const char* name) {
+    if (v <= 0) die("%s: \"%s\" must be positive, found %d", path.c_str(), name, v);
+  };
+  positive(c.hidden_size, "hidden_size");
+  positive(c.intermediate_size, "intermediate_size");
+  positive(c.num_hidden_layers, "num_hidden_layers");
+  positive(c.num_attention_heads, "num_attention_heads");
+  positive(c.num_key_value_heads, "num_key_value_heads");
+  positive(c.vocab_size, "vocab_size");
+  positive(c.max_position_embeddings, "max_position_embeddings");
+  if (c.num_attention_heads % c.num_key_value_heads)
+    die("%s: num_attention_heads (%d) must be a multiple of num_key_value_heads (%d)", path.c_str(),
+        c.num_attention_heads, c.num_key_value_heads);
+  if (c.head_dim != HEAD_DIM)
+    die("%s: head_dim %d is not supported; every Qwen3 model uses %d and the kernels are built for it",
+        path.c_str(), c.head_dim, HEAD_DIM);
+  if (c.hidden_size > NORM_THREADS * NORM_MAX_CHUNKS * 8)
+    die("%s: hidden_size %d is above the %d that the RMSNorm kernels hold in registers", path.c_str(),
+        c.hidden_size, NORM_THREADS * NORM_MAX_CHUNKS * 8);
+  if (c.hidden_size % 8 || c.intermediate_size % 8)
+    die("%s: hidden_size and intermediate_size must be multiples of 8 (found %d, %d)", path.c_str(),
+        c.hidden_size, c.intermediate_size);
+  return c;
+}
+
+// config.json, then generation_config.json for the EOS ids (it lists both <|im_end|> and <|endoftext|>).
+static ModelConfig load_model_config(const std::string& dir) {
+  if (!is_dir(dir))
+    die("model folder '%s' does not exist or is not a folder.\n  Get one with: huggingface-cli download "
+        "Qwen/Qwen3-0.6B --local-dir ~/huggingface/Qwen3-0.6B",
+        dir.c_str());
+  if (access(dir.c_str(), R_OK | X_OK) != 0)
+    die("cannot read model folder '%s': %s", dir.c_str(), strerror(errno));
+  std::string path = dir + "/config.json";
+  if (!is_file(path)) die("no config.json in model folder '%s' (is it a Hugging Face model folder?)", dir.c_str());
+  ModelConfig c = parse_model_config(read_file(path, "model config"), path);
+  std::string gpath = dir + "/generation_config.json";
+  if (is_file(gpath)) {
+    try {
+      json g = json::parse(read_file(gpath, "generation config"));
+      if (g.is_object() && g.contains("eos_token_id")) c.eos_token_ids = eos_ids_from(g["eos_token_id"]);
+      if (g.is_object()) c.generation_config = g;
+    } catch (const json::exception& e) {
+      die("%s is not valid JSON: %s", gpath.c_str(), e.what());
+    }
+  }
+  return c;
+}
+
+// Applies a comma-separated list to `set`, left to right: "all", "none", NAME (on) or -NAME (off). Returns
+// "" or what is wrong, naming the known names. Examples: "none" (= --plain), "-pdl", "none,gemv,pdl".
+static std::string parse_optimizations(const std::string& spec, OptimizationSet& set) {
+  const std::vector<Optimization>& reg = optimization_registry();
+  set.on.resize(reg.size());
+  std::string names;
+  for (const Optimization& o : reg) names += std::string(names.empty() ? "" : ", ") + o.name;
+  if (names.empty()) names = "none in this build";
+  if (spec.empty()) return "--opt needs a list: all, none, NAME or -NAME, comma-separated (" + names + ")";
+  size_t pos = 0;
+  while (pos <= spec.size()) {
+    size_t comma = spec.find(',', pos);
+    std::string item = spec.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    pos = comma == std::string::npos ? spec.size() + 1 : comma + 1;
+    bool on = true;
+    std::string name = item;
+    if (!name.empty() && (name[0] == '-' || name[0] == '+')) on = name[0] == '+', name = name.substr(1);
+    if (name == "all" || name == "none") {
+      if (item != name) return "--opt: '" + item + "': write all or none without a sign";
+      for (size_t i = 0; i < reg.size(); i++) set.on[i] = name == "all";
+      continue;
+    }
+    size_t found = reg.size();
+    for (size_t i = 0; i < reg.size(); i++)
+      if (name == reg[i].name) found = i;
+    if (found == reg.size())
+      return "--opt: unknown optimization '" + item + "'; the names are " + names + " (or all, none)";
+    set.on[found] = on;
+  }
+  return "";
+}
+
+// "all", "none (Part I alone)", "all except NAMES" when fewer are off than on, or the names that are on,
+// for the start-up line.
+static std::string optimizations_str(const OptimizationSet& set) {
+  std::string on, off;
+  int n_on = 0, n_off = 0;
+  for (size_t i = 0; i < optimization_registry().size(); i++) {
+    const bool is_on = i < set.on.size() && set.on[i];
+    (is_on ? on : off) += std::string(" ") + optimization_registry()[i].name;
+    (is_on ? n_on : n_off)++;
+  }
+  if (on.empty()) return "none (Part I alone)";
+  if (off.empty()) return "all";
+  return n_off < n_on ? "all except" + off : on.substr(1);
+}
+
+// The format a spelling names. Returns "" and sets `name` to the canonical name, or says what is wrong.
+static std::string parse_kv_cache_dtype(const std::string& s, std::string& name) {
+  std::string known;
+  for (const KVCacheFormat& f : kv_cache_formats()) {
+    for (const auto& r : f.refused)
+      if (s == r.first) return "--kv-cache-dtype " + s + " is not supported: " + r.second;
+    if (s == f.name || std::find(f.aliases.begin(), f.aliases.end(), s) != f.aliases.end()) {
+      name = f.name;
+      return "";
+    }
+    for (const std::string& a : f.aliases) known += a + ", ";
+    known += std::string(f.name) + ", ";
+  }
+  return "--kv-cache-dtype must be one of " + known.substr(0, known.size() - 2) + "; found '" + s + "'";
+}
+static bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
+
+// Check the engine settings; every message names the flag to change.
+static void validate_config(Config& c, const ModelConfig& m) {
+  if (c.max_num_batched_tokens < 1) die("--max-num-batched-tokens must be at least 1, found %d", c.max_num_batched_tokens);
+  if (c.max_num_seqs < 1) die("--max-num-seqs must be at least 1, found %d", c.max_num_seqs);
+  if (c.max_model_len < 2) die("--max-model-len must be at least 2, found %d", c.max_model_len);
+  if (!(c.gpu_memory_utilization > 0 && c.gpu_memory_utilization <= 1))
+    die("--gpu-memory-utilization must be in (0, 1], found %g", c.gpu_memory_utilization);
+  if (!is_pow2(c.kvcache_block_size) || c.kvcache_block_size < 16 || c.kvcache_block_size > 256)
+    die("--kvcache-block-size must be a power of two from 16 to 256, found %d", c.kvcache_block_size);
+  if (c.num_kvcache_blocks == 0 || c.num_kvcache_blocks < -1)
+    die("--num-kvcache-blocks must be positive (or -1 for automatic), found %d", c.num_kvcache_blocks);
+  c.max_model_len = std::min(c.max_model_len, m.max_position_embeddings);
+  std::string tp_problem = tp_shard_problem(m, c.tensor_parallel_size);
+  if (!tp_problem.empty()) die("%s", tp_problem.c_str());
+  c.eos = m.eos_token_ids;
+}
+
+// vLLM's ranges (SamplingParams._verify_args). `where` names the line or the flag in the message. A default
+// (from the command line or generation_config.json) skips min_tokens <= max_tokens unless it sets both: a
+// .jsonl line may set max_tokens itself, and each request is checked whole.
+static void validate_sampling(const SamplingParams& p, const std::string& where, bool min_le_max = true) {
+  const char* w = where.c_str();
+  if (p.n < 1 || p.n > 4096) die("%s: n must be an integer from 1 to 4096, found %d", w, p.n);
+  if (!(p.temperature >= 0) || !std::isfinite(p.temperature))
+    die("%s: temperature must be >= 0, found %g", w, p.temperature);
+  if (!(p.top_p > 0 && p.top_p <= 1)) die("%s: top_p must be in (0, 1], found %g", w, p.top_p);
+  if (p.top_k < -1) die("%s: top_k must be positive, or -1 or 0 (off), found %d", w, p.top_k);
+  if (!(p.min_p >= 0 && p.min_p <= 1)) die("%s: min_p must be in [0, 1], found %g", w, p.min_p);
+  if (!(p.repetition_penalty > 0) || !std::isfinite(p.repetition_penalty))
+    die("%s: repetition_penalty must be > 0 (1 = off), found %g", w, p.repetition_penalty);
+  if (!(p.frequency_penalty >= -2 && p.frequency_penalty <= 2))
+    die("%s: frequency_penalty must be in [-2, 2], found %g", w, p.frequency_penalty);
+  if (!(p.presence_penalty >= -2 && p.presence_penalty <= 2))
+    die("%s: presence_penalty must be in [-2, 2], found %g", w, p.presence_penalty);
+  if (p.max_tokens < 1) die("%s: max_tokens must be at least 1, found %d", w, p.max_tokens);
+  if (p.min_tokens < 0 || (min_le_max && p.min_tokens > p.max_tokens))
+    die("%s: min_tokens must be in [0, max_tokens = %d], found %d", w, p.max_tokens, p.min_tokens);
+  if (p.logprobs < -1 || p.logprobs > MAX_LOGPROBS)
+    die("%s: logprobs must be in [0, %d] (or absent), found %d", w, MAX_LOGPROBS, p.logprobs);
+  for (const std::string& s : p.stop)
+    if (s.empty()) die("%s: stop cannot contain an empty string", w);
+  for (int id : p.stop_token_ids)
+    if (id < 0) die("%s: stop_token_ids must be token ids >= 0, found %d", w, id);
+}
+
+// ==== 25. Prompts in, completions out ======================================================================
+// defines: PromptOptions, sampling_from_json, sampling_defaults, parse_prompts, read_prompts,
+//          write_completions
 //
 // PROMPTS is either a text file, one prompt per line (the chat template is applied unless --raw), or a
 // .jsonl file whose lines are objects with one of
@@ -7193,7 +7891,7 @@ static json batch_output_line(const Request& r, const Completion* outs, int n, c
 }
 
 // The completions: a readable block per completion on stdout, and with --output one JSON object per
-// completion (then the run summary, section 24). An OpenAI batch is answered instead with one output line
+// completion (then the run summary, section 26). An OpenAI batch is answered instead with one output line
 // per input line, in input order, to --output or else to stdout. Returns true for a batch.
 static bool write_completions(const std::vector<Request>& reqs, const std::vector<Completion>& outs,
                               const Tokenizer& tok, FILE* jsonl, const std::string& model_name) {
@@ -7239,12 +7937,48 @@ static bool write_completions(const std::vector<Request>& reqs, const std::vecto
 }
 
 
-// ==== 24. Trace, run summary and the report ================================================================
+// ==== 26. Trace, run summary and the report ================================================================
+// defines: RunStats, StepTrace, trace_after_schedule, format_trace, RunWatcher, RunSummary, run_summary,
+//          write_summary, write_report
 //
 // The text and pictures a run shows about itself (section 13 keeps the numbers): one --trace line per step,
 // the summary at the end (with the time to first token, the time per output token, and two fingerprints
 // that make runs comparable bit for bit), and --report's one-file HTML picture of the whole run.
 
+struct RunStats {
+  double seconds = 0;
+  int64_t prefill_tokens = 0, decode_tokens = 0, steps_prefill = 0, steps_decode = 0;
+  int64_t steps_mixed = 0;     // --scheduler mixed: steps that held decode tokens and prompt chunks (in prefill)
+  int64_t mixed_decode_tokens = 0;  // ... and the decode tokens they held (in decode_tokens too)
+  double prefill_seconds = 0, decode_seconds = 0;
+  double first_token_at = -1;  // seconds since generate() began
+  int peak_blocks_used = 0;    // taken right after schedule(), when a step holds the most blocks
+  // Where step time goes. The engine is synchronous: the host schedules and prepares, launches, then waits
+  // for the GPU in the step's one synchronisation (ModelRunner::run). In eager mode kernels already run
+  // while the host is still launching later ones, so part of the GPU's work hides in prepare_seconds.
+  double schedule_seconds = 0, prepare_seconds = 0, gpu_wait_seconds = 0, postprocess_seconds = 0;
+  int last_batch = 0;          // sequences in the last step: the logits rows left in the buffer
+};
+
+// One step's worth of state, taken right after schedule() (the step's end time added after it ran): a
+// --trace line, and one column of --report's pictures.
+struct StepTrace {
+  int64_t step = 0;
+  bool is_prefill = false;
+  int batch = 0;
+  int64_t tokens = 0;    // tokens the model computes this step (decode: one per sequence)
+  int64_t decode_tokens = 0;  // of which the last token of a sequence that decodes (the rest: prompt)
+  int padded_batch = 0;  // the batch the step really runs (a decode step pads to a CUDA graph's size)
+  int prefix_hit = 0;    // prompt tokens admitted this step whose K/V was already cached
+  int waiting = 0, running = 0;
+  int free_blocks = 0, num_blocks = 0;
+  int cached_free_blocks = 0;  // free blocks that still hold a registered prefix (a hit revives them)
+  int hashes = 0;        // full blocks registered in the prefix cache (hash_to_block_id)
+  std::vector<std::pair<int64_t, int>> preempted;  // (seq_id, length) of each victim, in order
+  std::vector<std::pair<int64_t, int>> scheduled;  // (seq_id, tokens) of each sequence of the step
+  double start = 0, end = 0;  // seconds since generate() began
+  double ms = 0;
+};
 static StepTrace trace_after_schedule(const Scheduler& s, const std::vector<Sequence*>& batch,
                                       bool is_prefill, int64_t step) {
   StepTrace t;
@@ -7297,6 +8031,100 @@ static std::string format_trace(const StepTrace& t) {
   }
   return line;
 }
+
+// The observer the program installs (StepObserver, section 13): it keeps RunStats, prints the progress line
+// and the --trace lines, and keeps every step's StepTrace for --report. Times: h* are host clock readings
+// (where a step's time goes), the rest the engine's clock (seconds since generate() began).
+struct RunWatcher : StepObserver {
+  RunStats stats;
+  bool progress = true;                      // a progress line on stderr (not with --trace: it says more)
+  bool trace = false;                        // --trace: one line per step
+  FILE* trace_out = stderr;                  // where the trace lines go
+  std::vector<StepTrace>* record = nullptr;  // --report: every step's StepTrace is kept here
+  StepTrace tr;                              // the step in flight
+  int64_t num_tokens = 0, decode_tokens = 0; // of the step in flight (decode: the next token of a sequence
+                                             // that has generated)
+  double h0 = 0, h1 = 0, h2 = 0, start = 0, gpu_before = 0, last_print = 0;
+
+  void step_begins(const LLMEngine& e) override {
+    h0 = now_seconds(), start = e.clock();
+    if (last_print == 0) last_print = h0;
+  }
+  void scheduled(const LLMEngine& e, const std::vector<Sequence*>& batch, bool is_prefill) override {
+    h1 = now_seconds();
+    num_tokens = decode_tokens = 0;
+    for (Sequence* s : batch) {
+      num_tokens += s->num_scheduled_tokens;
+      if (e.scheduler.mixed) decode_tokens += s->num_scheduled_tokens == 1 && s->num_completion_tokens() > 0;
+      else if (!is_prefill) decode_tokens += s->num_scheduled_tokens;  // nano-vllm: a step is one or the other
+      if (s->first_scheduled_time < 0) s->first_scheduled_time = start;
+    }
+    stats.peak_blocks_used = std::max(stats.peak_blocks_used, e.scheduler.block_manager.num_used);
+    if (trace || record) {
+      tr = trace_after_schedule(e.scheduler, batch, is_prefill, stats.steps_prefill + stats.steps_decode + 1);
+      tr.padded_batch = e.runner.padded_batch((int)batch.size(), is_prefill);
+      tr.start = start;
+    }
+    gpu_before = e.runner.gpu_seconds;
+  }
+  void ran(const LLMEngine&) override { h2 = now_seconds(); }
+  void step_ends(const LLMEngine& e, const std::vector<Sequence*>& batch, bool is_prefill) override {
+    const double h3 = now_seconds(), end = e.clock(), gpu_wait = e.runner.gpu_seconds - gpu_before;
+    stats.schedule_seconds += h1 - h0;
+    stats.prepare_seconds += (h2 - h1) - gpu_wait;
+    stats.gpu_wait_seconds += gpu_wait;
+    stats.postprocess_seconds += h3 - h2;
+    stats.last_batch = (int)batch.size();
+    if (is_prefill) {  // (with --scheduler mixed a prefill step may hold decode tokens too)
+      stats.prefill_tokens += num_tokens - decode_tokens;
+      stats.decode_tokens += decode_tokens;
+      stats.prefill_seconds += end - start;
+      stats.steps_prefill++;
+      stats.steps_mixed += decode_tokens > 0;
+      stats.mixed_decode_tokens += decode_tokens;
+    } else {
+      stats.decode_tokens += num_tokens;
+      stats.decode_seconds += end - start;
+      stats.steps_decode++;
+    }
+    if (stats.first_token_at < 0) stats.first_token_at = e.clock();
+    if (trace || record) {
+      tr.ms = (end - start) * 1e3;
+      tr.end = end;
+    }
+    if (trace) fputs(format_trace(tr).c_str(), trace_out);
+    if (record) record->push_back(std::move(tr));
+    print_progress(e, false);
+  }
+  // The progress line: every 0.25 s on a terminal (rewritten in place), every 5 s into a file.
+  void print_progress(const LLMEngine& e, bool last) {
+    const bool tty = isatty(2);
+    if (!progress || trace) return;
+    const double t = now_seconds();
+    if (last) {
+      if (tty && last_print > 0) fprintf(stderr, "\n");
+      return;
+    }
+    if (t - last_print <= (tty ? 0.25 : 5.0)) return;
+    int done = 0;
+    for (const auto& s : e.seqs) done += s->is_finished();
+    fprintf(stderr, "%s[progress] %d/%zu done | prefill %.0f tok/s | decode %.0f tok/s | KV %d/%lld blocks%s",
+            tty ? "\r" : "", done, e.seqs.size(), stats.prefill_tokens / std::max(stats.prefill_seconds, 1e-9),
+            stats.decode_tokens / std::max(stats.decode_seconds, 1e-9), e.scheduler.block_manager.num_used,
+            (long long)e.config.num_kvcache_blocks, tty ? "   " : "\n");
+    last_print = t;
+  }
+  void generate_ends(const LLMEngine& e) override {
+    print_progress(e, true);
+    // Test-only: NANOVLLM_TEST_SLOW_STOP=S holds a stopped run S seconds here, as a long step in flight
+    // would, so that test/gpu/gpu_interrupt.sh can send its second Ctrl-C into that window on any GPU.
+    const char* slow = getenv("NANOVLLM_TEST_SLOW_STOP");
+    for (double until = now_seconds() + (slow ? atof(slow) : 0); g_stop_requested && now_seconds() < until;)
+      usleep(10000);
+    stats.seconds = e.clock();
+  }
+};
+
 
 // xxHash64 (seed 0) of every completion in input order, each as its length then its token ids, all
 // little-endian int32: the same bytes as, in Python over the --output records,
@@ -7689,7 +8517,8 @@ static void write_report(const std::string& path, const std::string& title, cons
   fclose(f);
 }
 
-// ==== 25. Signals, worker processes and the mailbox ========================================================
+// ==== 27. Signals, worker processes and the mailbox ========================================================
+// defines: install_stop_handlers, g_stop_hook, tp_supervise, tp_launch, tp_shutdown
 //
 // The process plumbing: Ctrl-C and SIGTERM, and the tensor-parallel workers (section 12's ranks 1..N-1):
 // how they are forked, told what to do, and stopped on every path. None of it changes what the engine
@@ -7743,30 +8572,7 @@ static void install_stop_handlers() {
   sigaction(SIGTERM, &sa, nullptr);
 }
 
-// ---- 23a. The processes and the mailbox ----------------------------------------------------------------
-//
-// Processes. tp_launch(N) fork()s ranks 1..N-1 before this process makes its first CUDA call: a child
-// cannot use CUDA once its parent has, so the order is forced (nano-vllm spawns fresh Python processes
-// instead). The workers are generic: they know nothing of the model until rank 0 sends them an engine's
-// Config, so one launch serves every engine the process builds (the end-to-end test builds several).
-// Rank r binds GPU r; all ranks join one NCCL communicator whose unique id travels through the mailbox.
-//
-// Control plane. nano-vllm pickles each call (method name and arguments, the Sequence objects included)
-// into a 1 MiB SharedMemory segment, sets one Event per worker, and every worker re-runs prepare_prefill /
-// prepare_decode from the sequences. Here rank 0 prepares a step once and sends the result: the step
-// region of section 11, the flat arrays exactly as they will be copied to the GPU, with a small header
-// (TPStep). A worker copies those bytes into its own pinned region and runs what rank 0 runs, the same
-// CUDA graph included. No serialisation, no second copy of the scheduler's state, and the two ranks cannot
-// disagree about a step's inputs.
-//
-// The mailbox is one slot in a MAP_SHARED | MAP_ANONYMOUS mapping made before fork(): every rank inherits
-// it and it has no name, so nothing can be left behind in /dev/shm however the run ends (nano-vllm's named
-// segment must be unlinked). Rank 0 writes a message and increments `seq`; a worker notices by spinning on
-// seq for a few milliseconds (the next decode step usually comes sooner, and a futex wake-up costs tens of
-// microseconds on the critical path), then sleeps in futex(FUTEX_WAIT) on the same word, which rank 0's
-// FUTEX_WAKE ends. Before writing, rank 0 waits until every worker has acknowledged (copied out) the
-// previous message, so a single slot is enough; in practice they always have, because each message is
-// followed by collectives that need every worker.
+// ---- The tensor-parallel workers: reaping, stopping, and shutdown ----
 //
 // Shutdown, on every path (all workers are reaped; rank 0's exit status says whether the run succeeded):
 //   normal end       tp_shutdown(): an EXIT message; workers exit 0; rank 0 waits for them
@@ -7779,34 +8585,6 @@ static void install_stop_handlers() {
 //                    generate() ends the run after the current step, with the normal EXIT message; a
 //                    second one (or SIGTERM, or Ctrl-C before generate) stops the workers at once (exit 130)
 // NANOVLLM_TEST_WORKER_FAIL=RANK:STEP makes worker RANK fail at its STEP-th step, for the test of the above.
-
-enum class TPOp : uint32_t { CONNECT, INIT, CAPTURE, STEP, EXIT };
-
-struct TPMailbox {
-  uint32_t seq;      // messages sent so far: the futex word
-  uint32_t acks;     // messages copied out, summed over the workers
-  TPOp op;
-  TPStep step;       // STEP: the header
-  uint64_t bytes;    // of payload: CONNECT the NCCL unique id, INIT the Config as JSON, STEP the step region
-  static constexpr size_t kHeader = 256;
-  char* payload() { return reinterpret_cast<char*>(this) + kHeader; }
-};
-static_assert(sizeof(TPMailbox) <= TPMailbox::kHeader, "the payload starts after the header");
-constexpr size_t TP_MAILBOX_BYTES = 64 << 20;  // address space; memory only as far as messages reach
-constexpr size_t TP_PAYLOAD_BYTES = TP_MAILBOX_BYTES - TPMailbox::kHeader;
-constexpr double TP_SPIN_SECONDS = 0.01;       // a worker spins this long before it sleeps on the futex
-
-struct TPGroup {
-  int size = 1;
-  TPMailbox* mb = nullptr;
-  TPComm* comm = nullptr;                  // this process's, once connected
-  pid_t pids[TP_MAX_RANKS] = {};           // rank 0: the workers, -1 once reaped
-  int status[TP_MAX_RANKS] = {};           // rank 0: their wait() status once reaped
-  volatile sig_atomic_t stopping = 0;      // rank 0: a worker's exit is expected from now on
-  volatile sig_atomic_t worker_busy = 0;   // worker: it has received a message (SIGTERM then says why)
-  uint64_t engines = 0;                    // rank 0: engines built; the workers serve only the newest
-};
-static TPGroup g_tp;
 
 static void sig_put_status(int st) {
   if (WIFSIGNALED(st)) sig_puts("was killed by signal "), sig_putn(WTERMSIG(st));
@@ -7875,42 +8653,8 @@ static void tp_worker_on_sigterm(int) {
   _exit(1);
 }
 
-[[noreturn]] static void tp_worker_main(int rank);  // 23b
-
-// Fork ranks 1..n-1. Call before the first CUDA call; a no-op for n = 1.
-static void tp_launch(int n) {
-  if (n <= 1) return;
-  if (n > TP_MAX_RANKS) die("--tensor-parallel-size %d: at most %d ranks", n, TP_MAX_RANKS);
-  // NVLink SHARP (multicast) buys nothing at these message sizes and GPU counts; keep it off unless asked.
-  setenv("NCCL_NVLS_ENABLE", "0", 0);
-  void* p = mmap(nullptr, TP_MAILBOX_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED)
-    die("cannot map %zu MiB of shared memory for the tensor-parallel mailbox: %s", TP_MAILBOX_BYTES >> 20,
-        strerror(errno));
-  g_tp.mb = static_cast<TPMailbox*>(p);
-  g_tp.size = n;
-  sigset_t chld, old;  // a worker that dies at once is reaped only once its pid is recorded
-  sigemptyset(&chld);
-  sigaddset(&chld, SIGCHLD);
-  sigprocmask(SIG_BLOCK, &chld, &old);
-  fflush(stdout);  // or the children would print rank 0's buffered output again
-  fflush(stderr);
-  const pid_t parent = getpid();
-  for (int r = 1; r < n; r++) {
-    pid_t pid = fork();
-    if (pid < 0) {
-      int e = errno;
-      tp_stop_workers(SIGKILL);
-      die("fork() for tensor-parallel rank %d failed: %s", r, strerror(e));
-    }
-    if (pid == 0) {
-      prctl(PR_SET_PDEATHSIG, SIGTERM);   // rank 0 gone, however it went: this worker goes too
-      if (getppid() != parent) _exit(1);  // it went before prctl took effect
-      sigprocmask(SIG_SETMASK, &old, nullptr);
-      tp_worker_main(r);
-    }
-    g_tp.pids[r] = pid;
-  }
+// Rank 0, right after the forks (TPSupervisor::supervise): the reaper, the stop hook, and exit's cleanup.
+static void tp_supervise() {
   struct sigaction sa = {};
   sigemptyset(&sa.sa_mask);
   sigaddset(&sa.sa_mask, SIGCHLD), sigaddset(&sa.sa_mask, SIGINT), sigaddset(&sa.sa_mask, SIGTERM);
@@ -7920,98 +8664,37 @@ static void tp_launch(int n) {
   g_stop_hook = tp_on_stop;
   install_stop_handlers();
   atexit(tp_atexit);
-  sigprocmask(SIG_SETMASK, &old, nullptr);
 }
 
-// Rank 0: put one message in the mailbox and wake the workers.
-static void tp_send(TPOp op, const void* payload, size_t bytes, const TPStep* step = nullptr) {
-  TPMailbox* mb = g_tp.mb;
-  if (bytes > TP_PAYLOAD_BYTES)
-    die("a tensor-parallel step of %.1f MiB does not fit the %zu MiB mailbox; lower "
-        "--max-num-batched-tokens, --max-num-seqs or --max-model-len",
-        bytes / 1048576.0, TP_PAYLOAD_BYTES >> 20);
-  const uint32_t sent = mb->seq;
-  while (__atomic_load_n(&mb->acks, __ATOMIC_ACQUIRE) != sent * (uint32_t)(g_tp.size - 1)) sched_yield();
-  mb->op = op;
-  mb->bytes = bytes;
-  if (step) mb->step = *step;
-  if (bytes) memcpy(mb->payload(), payload, bytes);
-  __atomic_store_n(&mb->seq, sent + 1, __ATOMIC_RELEASE);
-  syscall(SYS_futex, &mb->seq, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+// A worker, before its loop (TPSupervisor::worker_begins): Ctrl-C is rank 0's to decide; SIGTERM ends it.
+static void tp_worker_signals(int) {
+  signal(SIGCHLD, SIG_DFL);
+  signal(SIGINT, SIG_IGN);  // Ctrl-C reaches every rank; rank 0 decides and stops the workers
+  struct sigaction sa = {};
+  sa.sa_handler = tp_worker_on_sigterm;
+  sigaction(SIGTERM, &sa, nullptr);
 }
 
-// A worker keeps one engine, the one rank 0 built last (TPOp::INIT replaces it): an older engine's step would
-// run on the newer one's block tables and buffers.
-static void tp_check_engine(uint64_t engine) {
-  if (engine != g_tp.engines)
-    die("this engine (number %llu) can no longer run with tensor parallelism: the workers serve only the "
-        "engine built last (number %llu). Build one engine at a time with --tensor-parallel-size > 1",
-        (unsigned long long)engine, (unsigned long long)g_tp.engines);
-}
-static void tp_send_step(uint64_t engine, const TPStep& step, const void* region) {
-  tp_check_engine(engine);
-  tp_send(TPOp::STEP, region, step.bytes, &step);
-}
-static void tp_send_capture(uint64_t engine) {
-  tp_check_engine(engine);
-  tp_send(TPOp::CAPTURE, nullptr, 0);
+// Test-only (TPSupervisor::worker_step): NANOVLLM_TEST_WORKER_FAIL=RANK:STEP makes worker RANK fail at its
+// STEP-th step, for the test of the paths above (test/gpu/gpu_tp_shutdown.sh).
+static void tp_worker_test_fail(int rank, long long step) {
+  const char* fail = getenv("NANOVLLM_TEST_WORKER_FAIL");
+  if (!fail) return;
+  int fail_rank = -1;
+  long long fail_step = -1;
+  if (sscanf(fail, "%d:%lld", &fail_rank, &fail_step) != 2)
+    die("NANOVLLM_TEST_WORKER_FAIL=%s: expected RANK:STEP", fail);
+  if (step == fail_step && rank == fail_rank)
+    die("NANOVLLM_TEST_WORKER_FAIL=%s: rank %d fails at its step %lld, on purpose", fail, rank, step);
 }
 
-// Every field of Config (section 2) travels; a field added there must be added here and below.
-static std::string config_to_json(const Config& c) {
-  json j = {{"model", c.model},
-            {"max_num_batched_tokens", c.max_num_batched_tokens},
-            {"max_num_seqs", c.max_num_seqs},
-            {"max_model_len", c.max_model_len},
-            {"gpu_memory_utilization", c.gpu_memory_utilization},
-            {"tensor_parallel_size", c.tensor_parallel_size},
-            {"enforce_eager", c.enforce_eager},
-            {"kvcache_block_size", c.kvcache_block_size},
-            {"num_kvcache_blocks", c.num_kvcache_blocks},
-            {"eos", c.eos},
-            {"kv_cache_dtype", kv_cache_dtype_name(c.kv_cache_dtype)},
-            {"kv_scales_from_weights", c.kv_scales_from_weights}};
-  for (const OptimizationInfo& k : kOptimizations) j["opt"][k.name] = c.opt.*k.on;
-  return j.dump();
-}
-static Config config_from_json(const std::string& text) {
-  json j = json::parse(text);
-  Config c;
-  c.model = j["model"];
-  c.max_num_batched_tokens = j["max_num_batched_tokens"];
-  c.max_num_seqs = j["max_num_seqs"];
-  c.max_model_len = j["max_model_len"];
-  c.gpu_memory_utilization = j["gpu_memory_utilization"];
-  c.tensor_parallel_size = j["tensor_parallel_size"];
-  c.enforce_eager = j["enforce_eager"];
-  c.kvcache_block_size = j["kvcache_block_size"];
-  c.num_kvcache_blocks = j["num_kvcache_blocks"];
-  c.eos = j["eos"].get<std::vector<int>>();
-  parse_kv_cache_dtype(j["kv_cache_dtype"].get<std::string>(), c.kv_cache_dtype);
-  c.kv_scales_from_weights = j["kv_scales_from_weights"];
-  for (const OptimizationInfo& k : kOptimizations) c.opt.*k.on = j["opt"][k.name].get<bool>();
-  return c;
-}
-
-// The communicator of this process for an engine with Config c, called first thing by ModelRunner. On
-// rank 0 it connects the group (once per process: NCCL unique id -> CONNECT) and sends the workers c, so
-// they build the same engine alongside; on a worker the group is already connected.
-static TPComm* tp_attach(const Config& c, int rank, uint64_t* engine) {
-  if (!g_tp.mb || g_tp.size != c.tensor_parallel_size)
-    die("--tensor-parallel-size %d, but %d ranks were launched (tp_launch(N) must run before the first CUDA "
-        "call)", c.tensor_parallel_size, g_tp.size);
-  if (rank > 0) return g_tp.comm;
-  if (!g_tp.comm) {
-    CUDA_CHECK(cudaSetDevice(0));
-    ncclUniqueId id;
-    NCCL_CHECK(ncclGetUniqueId(&id));
-    tp_send(TPOp::CONNECT, &id, sizeof id);
-    g_tp.comm = tp_comm_init(0, g_tp.size, id);
-  }
-  std::string text = config_to_json(c);
-  tp_send(TPOp::INIT, text.data(), text.size());
-  *engine = ++g_tp.engines;
-  return g_tp.comm;
+// Fork ranks 1..n-1 with all of the above (section 12's tp_fork_workers). A no-op for n = 1.
+static void tp_launch(int n) {
+  TPSupervisor sup;
+  sup.supervise = tp_supervise;
+  sup.worker_begins = tp_worker_signals;
+  sup.worker_step = tp_worker_test_fail;
+  tp_fork_workers(n, sup);
 }
 
 // nano-vllm: LLMEngine.exit. Tells the workers to exit and reaps them; false if one of them failed.
@@ -8044,109 +8727,8 @@ static bool tp_shutdown() {
   return ok;
 }
 
-// ---- 23b. The worker loop ------------------------------------------------------------------------------
-//
-// A worker waits for a message and does what rank 0 does at the same point, so that every collective call
-// on every rank has its partners: build the engine (weights, activations, the KV pool sized by the minimum
-// over ranks), capture the same CUDA graphs in the same order, and for each step copy the step region to
-// its GPU and run the same forward pass or replay the same graph. It never samples: rank 0 does, from the
-// gathered logits.
-
-// Wait until seq moves past `seen`; returns the new value.
-static uint32_t tp_wait(uint32_t seen) {
-  TPMailbox* mb = g_tp.mb;
-  const double t0 = now_seconds();
-  for (;;) {
-    uint32_t s = __atomic_load_n(&mb->seq, __ATOMIC_ACQUIRE);
-    if (s != seen) return s;
-    if (now_seconds() - t0 < TP_SPIN_SECONDS) continue;
-    struct timespec ts = {1, 0};  // a bounded sleep: the loop re-reads seq whatever woke it
-    syscall(SYS_futex, &mb->seq, FUTEX_WAIT, seen, &ts, nullptr, 0);
-  }
-}
-
-// The worker's half of ModelRunner::run: the step region is already in r's pinned buffer.
-static void tp_replay_step(ModelRunner& r, const TPStep& st) {
-  StepRegion& region = st.is_prefill ? r.prefill_region : r.decode_region;
-  CUDA_CHECK(cudaMemcpyAsync(region.d, region.h, st.bytes, cudaMemcpyHostToDevice, r.stream));
-  if (st.is_prefill) {
-    r.forward_and_sample(r.prefill_inputs(st.max_seqlen_q), st.T, st.B, true, r.p_samp.d);
-  } else if (st.graph_bs) {
-    auto it = r.graphs.find(st.graph_bs);
-    if (it == r.graphs.end())
-      die("internal error: rank 0 replays a graph of batch %d, this rank has none", st.graph_bs);
-    CUDA_CHECK(cudaGraphLaunch(it->second, r.stream));
-  } else {
-    r.forward_and_sample(r.decode_inputs(), st.B, st.B, false, r.d_samp.d);
-  }
-  CUDA_CHECK(cudaStreamSynchronize(r.stream));  // a failure surfaces here, in this step, named by rank
-}
-
-[[noreturn]] static void tp_worker_main(int rank) {
-  g_tp_rank = rank;
-  signal(SIGCHLD, SIG_DFL);
-  signal(SIGINT, SIG_IGN);  // Ctrl-C reaches every rank; rank 0 decides and stops the workers
-  struct sigaction sa = {};
-  sa.sa_handler = tp_worker_on_sigterm;
-  sigaction(SIGTERM, &sa, nullptr);
-  int fail_rank = -1;
-  long long fail_step = -1;
-  const char* fail = getenv("NANOVLLM_TEST_WORKER_FAIL");
-  if (fail && sscanf(fail, "%d:%lld", &fail_rank, &fail_step) != 2)
-    die("NANOVLLM_TEST_WORKER_FAIL=%s: expected RANK:STEP", fail);
-  TPMailbox* mb = g_tp.mb;
-  auto ack = [&] { __atomic_fetch_add(&mb->acks, 1, __ATOMIC_RELEASE); };
-  Config config;
-  std::unique_ptr<ModelRunner> runner;
-  uint32_t seen = 0;
-  long long steps = 0;
-  for (;;) {
-    seen = tp_wait(seen);
-    g_tp.worker_busy = 1;
-    if ((mb->op == TPOp::CAPTURE || mb->op == TPOp::STEP) && !runner)
-      die("internal error: tensor-parallel message %d before any engine", (int)mb->op);
-    switch (mb->op) {
-      case TPOp::CONNECT: {
-        ncclUniqueId id;
-        memcpy(&id, mb->payload(), sizeof id);
-        ack();
-        g_tp.comm = tp_comm_init(rank, g_tp.size, id);
-        break;
-      }
-      case TPOp::INIT: {
-        std::string text(mb->payload(), mb->bytes);
-        ack();
-        runner.reset();  // like rank 0's previous engine, it keeps its GPU memory (ModelRunner frees nothing)
-        config = config_from_json(text);
-        ModelConfig mc = load_model_config(config.model);
-        runner.reset(new ModelRunner(config, mc, rank));
-        break;
-      }
-      case TPOp::CAPTURE:
-        ack();
-        runner->capture_cudagraphs();
-        break;
-      case TPOp::STEP: {
-        TPStep st = mb->step;
-        StepRegion& region = st.is_prefill ? runner->prefill_region : runner->decode_region;
-        if (st.bytes > region.bytes) die("internal error: a step of %llu bytes for a region of %zu",
-                                         (unsigned long long)st.bytes, region.bytes);
-        memcpy(region.h, mb->payload(), st.bytes);
-        ack();
-        if (++steps == fail_step && rank == fail_rank)
-          die("NANOVLLM_TEST_WORKER_FAIL=%s: rank %d fails at its step %lld, on purpose", fail, rank, steps);
-        tp_replay_step(*runner, st);
-        break;
-      }
-      case TPOp::EXIT:
-        ack();
-        fflush(stderr);
-        _exit(0);  // no teardown: the driver frees this process's GPU memory, and rank 0 waits for us
-    }
-  }
-}
-
-// ==== 26. simulate: the engine without a GPU ===============================================================
+// ==== 28. simulate: the engine without a GPU ===============================================================
+// defines: SimGpu, qwen3_shape, simulated_kv_blocks, SimRunner
 //
 // `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` runs the real LLMEngine, Scheduler and BlockManager
 // (sections 3-5, 13) with SimRunner below in place of ModelRunner: no GPU, no weights, the same flags,
@@ -8204,12 +8786,15 @@ static int64_t simulated_kv_blocks(const ModelConfig& c, const Config& cfg, doub
   const int64_t NH = c.num_attention_heads, NKV = c.num_key_value_heads;
   const int64_t Tmax = std::max(cfg.max_num_batched_tokens, cfg.max_num_seqs), Bmax = cfg.max_num_seqs;
   const double weights = 2.0 * model_params(c);
+  install_optimizations(cfg.opt);  // the hooks a real run would have: their workspaces take memory too
+  const double attention_ws = g_hooks.attention_workspace_bytes
+                                  ? (double)g_hooks.attention_workspace_bytes((int)Bmax, (int)NH, cfg.max_model_len)
+                                  : 0.0;
   const double activations = 2.0 * Tmax * (3 * H + (NH + 2 * NKV) * D + NH * D + 3 * I) + 2.0 * Bmax * H +
-                             4.0 * Bmax * V + (double)attention_decode_workspace_bytes((int)Bmax, (int)NH,
-                                                                                        cfg.max_model_len);
+                             4.0 * Bmax * V + attention_ws;
   const double fixed = 1.0e9;  // CUDA context, cuBLASLt workspace, graphs, the sampler's workspace
   const double left = gpu_bytes * cfg.gpu_memory_utilization - weights - activations - fixed;
-  return left > 0 ? (int64_t)(left / kv_block_bytes(c, cfg.kvcache_block_size, 1, cfg.kv_cache_dtype)) : 0;
+  return left > 0 ? (int64_t)(left / kv_block_bytes(c, cfg.kvcache_block_size, 1, kv_cache_value_bytes(cfg.kv_cache_dtype))) : 0;
 }
 
 struct SimRunner : StepRunner {
@@ -8247,11 +8832,11 @@ struct SimRunner : StepRunner {
   }
 
   std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) override {
-    const double kv_token = (double)kv_block_bytes(mc, 1, 1, config.kv_cache_dtype);  // one token's K and V
+    const double kv_token = (double)kv_block_bytes(mc, 1, 1, kv_cache_value_bytes(config.kv_cache_dtype));  // one token's K and V
     const double params = (double)model_params(mc);
     double bytes = 2.0 * params, flops = 0;
     // A decode row in a prefill (or mixed) step goes through the prefill attention kernel, which reads its
-    // K/V once per query head rather than once per GQA group (section 8).
+    // K/V once per query head rather than once per GQA group (section 14).
     const double group = (double)mc.num_attention_heads / mc.num_key_value_heads;
     for (const Sequence* s : seqs) {
       const double n = s->num_scheduled_tokens, first = s->num_cached_tokens;
@@ -8267,7 +8852,8 @@ struct SimRunner : StepRunner {
   }
 };
 
-// ==== 27. Command line and main ============================================================================
+// ==== 29. Command line and main ============================================================================
+// defines: Cli, usage_text, parse_args, main
 
 struct Cli {
   Config config;
@@ -8278,12 +8864,12 @@ struct Cli {
   int64_t seed = 0;
   bool trace = false;
   double request_rate = 0;   // --request-rate: requests/s of a Poisson process (0: all arrive at once)
-  bool simulate = false;     // `nanovllm simulate` (section 26)
+  bool simulate = false;     // `nanovllm simulate` (section 28)
   double sim_gpu_bytes = 0;  // --simulate-gpu-memory
   std::string sim_model = "Qwen3-0.6B";  // --simulate-model: the shape when there is no config.json
   bool sim_model_given = false;
   double sim_eos_prob = 0;   // --simulate-eos-prob
-  json sampling_flags = json::object();  // the sampling flags given, by vLLM's field names (section 23)
+  json sampling_flags = json::object();  // the sampling flags given, by vLLM's field names (section 25)
   bool generation_config = true;         // --generation-config auto (true) or vllm
 };
 
@@ -8306,12 +8892,11 @@ static const char* kUsage =
     "  --enforce-eager              no CUDA graphs\n"
     "  --kvcache-block-size N       tokens per KV block, power of two 16-256  (256)\n"
     "  --num-kvcache-blocks N       KV blocks (default: as many as fit)\n"
-    "  --kv-cache-dtype T           auto (= bf16), bf16, or fp8 (e4m3: half the bytes, twice the tokens;\n"
-    "                               GPUs of compute capability 8.9 and newer)  (auto)\n"
-    "speed (Part II of nanovllm.cu; every optimization but persistent is on by default):\n"
+    "  --kv-cache-dtype T           what the KV cache stores: @KV_FORMATS@  (auto = bf16)\n"
+    "speed (Part II of nanovllm.cu; on by default: @OPT_DEFAULTS@):\n"
     "  --plain                      Part I alone: no optimization of Part II (same as --opt none)\n"
     "  --opt LIST                   comma-separated: all, none, NAME (on) or -NAME (off), left to right;\n"
-    "                               NAME: pdl gemv cluster_merge fused_rope oneshot_allreduce fast_sampler persistent\n"
+    "                               NAME: @OPT_NAMES@\n"
     "sampling (defaults for every request, vLLM's names; a .jsonl line may override them):\n"
     "  --generation-config auto|vllm  auto: the model's generation_config.json sets the defaults it names\n"
     "                               (Qwen3: temperature 0.6, top_k 20, top_p 0.95); vllm: the built-in ones (auto)\n"
@@ -8345,6 +8930,29 @@ static const char* kUsage =
     "  --simulate-model NAME        the shape when MODEL_OR_TOKENIZER has no config.json       (Qwen3-0.6B)\n"
     "  --simulate-eos-prob P        each token is EOS with probability P (not with ignore_eos)   (0)\n"
     "  --help                       this text\n";
+
+// kUsage with the names this build knows filled in: the registered optimizations (with their one-line
+// descriptions) and KV cache formats. A build with Part II cut out lists none.
+static std::string usage_text() {
+  std::string text = kUsage, names, defaults, formats, lines;
+  for (const Optimization& o : optimization_registry()) {
+    names += std::string(names.empty() ? "" : " ") + o.name;
+    if (o.on_by_default) defaults += std::string(defaults.empty() ? "" : " ") + o.name;
+    lines += std::string("                                 ") + o.name + ": " + o.what + "\n";
+  }
+  for (const KVCacheFormat& f : kv_cache_formats()) {
+    for (const std::string& a : f.aliases) formats += a + ", ";
+    formats += std::string(f.name) + ", ";
+  }
+  auto put = [&](const std::string& key, const std::string& value) {
+    const size_t at = text.find(key);
+    if (at != std::string::npos) text.replace(at, key.size(), value);
+  };
+  put("@KV_FORMATS@", formats.substr(0, formats.size() - 2));
+  put("@OPT_DEFAULTS@", defaults.empty() ? "none in this build" : defaults);
+  put("@OPT_NAMES@\n", (names.empty() ? std::string("(none in this build)") : names) + "\n" + lines);
+  return text;
+}
 
 // A memory size: a number and a unit, GB or MB (read as GiB and MiB, as GPU makers mean them: an "80GB"
 // card has 80 GiB, less what the driver keeps), or bytes.
@@ -8410,7 +9018,7 @@ static Cli parse_args(int argc, char** argv, bool simulate = false) {
     std::string field = a.size() > 2 ? a.substr(2) : "";
     std::replace(field.begin(), field.end(), '-', '_');
     if (a == "--help" || a == "-h") {
-      fputs(kUsage, stdout);
+      fputs(usage_text().c_str(), stdout);
       exit(0);
     } else if (a == "--max-num-batched-tokens") c.max_num_batched_tokens = as_int32(value());
     else if (a == "--max-num-seqs") c.max_num_seqs = as_int32(value());
@@ -8451,7 +9059,7 @@ static Cli parse_args(int argc, char** argv, bool simulate = false) {
     else if (a == "--no-thinking") flag_only(), cli.prompts.enable_thinking = false;
     else if (a == "--output") cli.output_path = value();
     else if (a == "--trace") flag_only(), cli.trace = true;
-    else if (a == "--plain") flag_only(), c.opt = Optimizations{}, parse_optimizations("none", c.opt);
+    else if (a == "--plain") flag_only(), parse_optimizations("none", c.opt);
     else if (a == "--report") cli.report_path = value();
     else if (a == "--scheduler") {
       std::string v = value();
@@ -8586,16 +9194,20 @@ static int roofline_command() {
 }
 
 // What of the optimizations in force this machine cannot run, for the start-up line ("" when nothing).
-static std::string fast_path_notes(ModelRunner& runner) {
+// What the switched-on optimizations say about this machine (Optimization::note), for the start-up line.
+static std::string optimization_notes(ModelRunner& runner) {
   std::string notes;
-  if (g_opt.pdl && gpu_cc_major() < 9) notes += "; pdl needs sm_90, off here";
-  if (g_opt.cluster_merge && !decode_clusters_supported()) notes += "; cluster_merge needs sm_90, off here";
-  if (g_opt.oneshot_allreduce && runner.model.tp > 1 && !runner.model.comm->oneshot)
-    notes += "; oneshot_allreduce: the GPUs cannot reach each other's memory, NCCL alone";
+  for (size_t i = 0; i < optimization_registry().size(); i++) {
+    const Optimization& o = optimization_registry()[i];
+    if (o.note && i < runner.config.opt.on.size() && runner.config.opt.on[i]) {
+      const std::string n = o.note(runner.model);
+      if (!n.empty()) notes += "; " + n;
+    }
+  }
   return notes.empty() ? "" : " (" + notes.substr(2) + ")";
 }
 
-// The sampling defaults of this run (section 23's sampling_defaults) into cli.prompts.defaults; returns the
+// The sampling defaults of this run (section 25's sampling_defaults) into cli.prompts.defaults; returns the
 // description the start-up line prints.
 static std::string sampling_defaults_for(Cli& cli, const ModelConfig& mc) {
   std::string described;
@@ -8606,13 +9218,13 @@ static std::string sampling_defaults_for(Cli& cli, const ModelConfig& mc) {
 
 // After generate(), for a real run and a simulated one alike: completions to stdout and --output, the
 // report, the closing line and the summary. Returns the exit status.
-static int finish_run(const Cli& cli, LLMEngine& engine, const std::vector<Request>& requests,
+static int finish_run(const Cli& cli, LLMEngine& engine, const RunStats& st, const std::vector<Request>& requests,
                       const std::vector<Completion>& outs, const Tokenizer& tok, uint64_t logits_hash,
                       const std::vector<StepTrace>& steps, const std::string& title, double first_token_after) {
   const Config& config = cli.config;
-  RunSummary summary = run_summary(engine.stats, engine.scheduler.stats, config.num_kvcache_blocks, outs,
+  RunSummary summary = run_summary(st, engine.scheduler.stats, config.num_kvcache_blocks, outs,
                                    logits_hash, config.mixed_scheduler);
-  summary.kv_cache_dtype = kv_cache_dtype_name(config.kv_cache_dtype);
+  summary.kv_cache_dtype = config.kv_cache_dtype.c_str();
   summary.kv_pool_tokens = (int64_t)config.num_kvcache_blocks * config.kvcache_block_size;
   FILE* jsonl = nullptr;
   if (!cli.output_path.empty() && !(jsonl = fopen(cli.output_path.c_str(), "w")))
@@ -8623,7 +9235,6 @@ static int finish_run(const Cli& cli, LLMEngine& engine, const std::vector<Reque
   if (!write_completions(requests, outs, tok, jsonl, model_name)) write_summary(summary, jsonl);
   if (jsonl) fclose(jsonl);
   if (!cli.report_path.empty()) write_report(cli.report_path, title, summary_json(summary), steps, outs);
-  const RunStats& st = engine.stats;
   int64_t out_tokens = 0;
   for (auto& o : outs) out_tokens += (int64_t)o.token_ids.size();
   size_t ran = 0;  // requests that ran (an OpenAI batch's error lines do not); with n > 1, more completions
@@ -8643,7 +9254,7 @@ static int finish_run(const Cli& cli, LLMEngine& engine, const std::vector<Reque
   return g_stop_requested ? 128 + SIGINT : 0;
 }
 
-// `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` (section 26): the same checks and the same engine as
+// `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` (section 28): the same checks and the same engine as
 // a run, with SimRunner in place of the GPU.
 static int simulate_command(Cli& cli) {
   Config& config = cli.config;
@@ -8679,17 +9290,19 @@ static int simulate_command(Cli& cli) {
   const std::string shape = has_config ? src + "/config.json" : cli.sim_model;
   fprintf(stderr,
           "nanovllm: simulate | shape of %s (%.2f B parameters) | KV cache %s, %d blocks x %d tokens = %lld "
-          "tokens | scheduler %s | no GPU: a stand-in model and a modelled clock (section 26)\n",
-          shape.c_str(), model_params(mc) / 1e9, kv_cache_dtype_name(config.kv_cache_dtype),
+          "tokens | scheduler %s | no GPU: a stand-in model and a modelled clock (section 28)\n",
+          shape.c_str(), model_params(mc) / 1e9, config.kv_cache_dtype.c_str(),
           config.num_kvcache_blocks, config.kvcache_block_size,
           (long long)config.num_kvcache_blocks * config.kvcache_block_size,
           config.mixed_scheduler ? "mixed" : "nano");
   fprintf(stderr, "nanovllm: sampling defaults: %s\n", sampling.c_str());
   LLMEngine engine(config, sim);
-  engine.trace = cli.trace;
+  RunWatcher watcher;
+  watcher.trace = cli.trace;
+  engine.observer = &watcher;
   engine.tok = &tok;
   std::vector<StepTrace> steps;
-  if (!cli.report_path.empty()) engine.record = &steps;
+  if (!cli.report_path.empty()) watcher.record = &steps;
   install_stop_handlers();
   g_stop_armed = 1;
   std::vector<Completion> outs = engine.generate(requests);
@@ -8698,7 +9311,7 @@ static int simulate_command(Cli& cli) {
            shape.c_str(), config.num_kvcache_blocks, config.kvcache_block_size,
            config.mixed_scheduler ? "mixed (vLLM V1)" : "nano (nano-vllm)", requests.size(),
            cli.request_rate > 0 ? (", arriving at " + fmt("%g", cli.request_rate) + " per second").c_str() : "");
-  return finish_run(cli, engine, requests, outs, tok, 0, steps, title, engine.stats.first_token_at);
+  return finish_run(cli, engine, watcher.stats, requests, outs, tok, 0, steps, title, watcher.stats.first_token_at);
 }
 
 #ifndef NANOVLLM_TESTING
@@ -8726,7 +9339,7 @@ int main(int argc, char** argv) {
   if (!cli.output_path.empty()) check_output_path(cli.output_path);
   if (!cli.report_path.empty()) check_output_path(cli.report_path, "--report", "report.html");
   // 2. The GPU: weights, KV cache, CUDA graphs. Tensor-parallel workers are forked first: a child process
-  //    cannot use CUDA once its parent has (section 25).
+  //    cannot use CUDA once its parent has (section 27).
   tp_launch(config.tensor_parallel_size);
   check_gpus(config.tensor_parallel_size);
   ModelRunner runner(config, mc);
@@ -8740,20 +9353,21 @@ int main(int argc, char** argv) {
           "nanovllm: %s | weights %.2f GB%s loaded in %.2f s (%.1f GB/s) | KV cache %s, %d blocks x %d tokens = "
           "%lld tokens, %.2f GiB | %zu CUDA graphs in %.2f s | ready after %.2f s\n",
           gpus.c_str(), runner.model.w.bytes / 1e9, tp > 1 ? " per GPU" : "", runner.load_seconds,
-          runner.load_gbps, kv_cache_dtype_name(config.kv_cache_dtype), config.num_kvcache_blocks,
+          runner.load_gbps, config.kv_cache_dtype.c_str(), config.num_kvcache_blocks,
           config.kvcache_block_size, (long long)config.num_kvcache_blocks * config.kvcache_block_size,
           runner.model.kv.bytes / (double)(1 << 30), runner.graphs.size(), runner.capture_seconds,
           now_seconds() - t_start);
   fprintf(stderr, "nanovllm: optimizations (Part II): %s%s\n", optimizations_str(config.opt).c_str(),
-          fast_path_notes(runner).c_str());
-  fprintf(stderr, "nanovllm: decode: %s\n", persist_describe(*runner.persist).c_str());
+          optimization_notes(runner).c_str());
   fprintf(stderr, "nanovllm: sampling defaults: %s\n", sampling.c_str());
   // 3. Generate. From here the first Ctrl-C stops after the current step and still writes what finished.
   LLMEngine engine(config, runner);
-  engine.trace = cli.trace;
+  RunWatcher watcher;
+  watcher.trace = cli.trace;
+  engine.observer = &watcher;
   engine.tok = &tok;
   std::vector<StepTrace> steps;
-  if (!cli.report_path.empty()) engine.record = &steps;
+  if (!cli.report_path.empty()) watcher.record = &steps;
   double t_gen = now_seconds();
   install_stop_handlers();
   g_stop_armed = 1;
@@ -8761,8 +9375,9 @@ int main(int argc, char** argv) {
   const std::string title = config.model + " on " + gpus + ", scheduler " +
                             (config.mixed_scheduler ? "mixed (vLLM V1)" : "nano (nano-vllm)") + ", " +
                             std::to_string(requests.size()) + " requests";
-  int rc = finish_run(cli, engine, requests, outs, tok, last_logits_xxh64(runner, engine.stats.last_batch), steps,
-                      title, t_gen - t_start + engine.stats.first_token_at);
+  int rc = finish_run(cli, engine, watcher.stats, requests, outs, tok,
+                      last_logits_xxh64(runner, watcher.stats.last_batch), steps, title,
+                      t_gen - t_start + watcher.stats.first_token_at);
   if (!tp_shutdown()) return 1;
   return rc;
 }

@@ -98,7 +98,7 @@ refuse flag_block_size_not_pow2 "--kvcache-block-size must be a power of two|48"
 refuse flag_block_size_too_big "--kvcache-block-size must be a power of two from 16 to 256|512" \
   "$G" "$PT" --kvcache-block-size 512
 refuse flag_max_model_len_one "--max-model-len must be at least 2" "$G" "$PT" --max-model-len 1
-refuse flag_kv_cache_dtype_unknown "--kv-cache-dtype must be auto, bf16 or fp8|'fp9'" "$G" "$PT" --kv-cache-dtype fp9
+refuse flag_kv_cache_dtype_unknown "--kv-cache-dtype must be one of auto, bfloat16, bf16, fp8_e4m3, fp8|'fp9'" "$G" "$PT" --kv-cache-dtype fp9
 refuse flag_kv_cache_dtype_e5m2 "--kv-cache-dtype fp8_e5m2 is not supported|e4m3" "$G" "$PT" \
   --kv-cache-dtype fp8_e5m2
 refuse flag_kv_cache_dtype_fp8_reaches_gpu_check "$NOGPU" "$G" "$PT" --kv-cache-dtype fp8

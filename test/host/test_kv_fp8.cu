@@ -1,4 +1,4 @@
-// The FP8 KV cache's host side (nanovllm.cu section 21, and section 2's --kv-cache-dtype): the e4m3 CPU
+// The FP8 KV cache's host side (nanovllm.cu section 22, and section 2's --kv-cache-dtype): the e4m3 CPU
 // reference the GPU suites hold the kernels to, the per-layer scale rule, the flag, the block size and the
 // trip to the tensor-parallel workers. No GPU: the kernels are checked against these in test/gpu.
 #define NANOVLLM_TESTING
@@ -75,36 +75,37 @@ TEST(kv_scale_is_the_smallest_power_of_two_that_fits) {
 }
 
 TEST(kv_cache_dtype_flag_and_block_size) {
-  KVCacheDtype d = KVCacheDtype::FP8;
+  std::string d = "fp8";
   for (const char* s : {"auto", "bf16", "bfloat16"}) {
     CHECK_EQ(parse_kv_cache_dtype(s, d), std::string(""));
-    CHECK(d == KVCacheDtype::BF16);
+    CHECK_EQ(d, std::string("bf16"));
   }
   for (const char* s : {"fp8", "fp8_e4m3"}) {
     CHECK_EQ(parse_kv_cache_dtype(s, d), std::string(""));
-    CHECK(d == KVCacheDtype::FP8);
+    CHECK_EQ(d, std::string("fp8"));
   }
   CHECK(parse_kv_cache_dtype("fp8_e5m2", d).find("not supported") != std::string::npos);
-  CHECK(parse_kv_cache_dtype("fp9", d).find("must be auto, bf16 or fp8") != std::string::npos);
+  const std::string e = parse_kv_cache_dtype("fp9", d);
+  CHECK_MSG(e.find("must be one of auto, bfloat16, bf16, fp8_e4m3, fp8") != std::string::npos, "%s", e.c_str());
+  CHECK_EQ(kv_cache_value_bytes("bf16"), 2);
+  CHECK_EQ(kv_cache_value_bytes("fp8"), 1);
   ModelConfig m;
   m.num_hidden_layers = 36, m.num_key_value_heads = 8, m.head_dim = 128;
   for (int tp : {1, 2, 4, 8})
     for (int P : {16, 256}) {
-      CHECK_EQ(2 * kv_block_bytes(m, P, tp, KVCacheDtype::FP8), kv_block_bytes(m, P, tp, KVCacheDtype::BF16));
-      CHECK_EQ(kv_block_bytes(m, P, tp), kv_block_bytes(m, P, tp, KVCacheDtype::BF16));
+      CHECK_EQ(2 * kv_block_bytes(m, P, tp, kv_cache_value_bytes("fp8")), kv_block_bytes(m, P, tp, 2));
+      CHECK_EQ(kv_block_bytes(m, P, tp), kv_block_bytes(m, P, tp, kv_cache_value_bytes("bf16")));
     }
 }
 
-// The workers build their engine from Config as JSON (section 25): the cache's dtype and scale rule too.
+// The workers build their engine from Config as JSON (section 27): the cache's format too.
 TEST(kv_cache_dtype_travels_to_the_workers) {
-  for (KVCacheDtype d : {KVCacheDtype::BF16, KVCacheDtype::FP8})
-    for (bool from_weights : {false, true}) {
-      Config c;
-      c.kv_cache_dtype = d, c.kv_scales_from_weights = from_weights;
-      Config back = config_from_json(config_to_json(c));
-      CHECK(back.kv_cache_dtype == d);
-      CHECK_EQ(back.kv_scales_from_weights, from_weights);
-    }
+  for (const char* d : {"bf16", "fp8"}) {
+    Config c;
+    c.kv_cache_dtype = d;
+    Config back = config_from_json(config_to_json(c));
+    CHECK_EQ(back.kv_cache_dtype, std::string(d));
+  }
 }
 
 int main(int argc, char** argv) { return test_main(argc, argv); }

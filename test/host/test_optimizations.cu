@@ -1,70 +1,112 @@
-// The optimization switch (nanovllm.cu section 2, used by Part II): --plain and --opt parse as documented,
-// every named optimization exists as a field of Optimizations and a line of --help, and the switch travels
-// to the tensor-parallel workers with the rest of Config. No GPU needed.
+// The optimization switch (nanovllm.cu section 2's registry, filled by the sections of Part II) and the hook
+// table (section 11): --plain and --opt parse as documented, every Part II section registers one name with a
+// line of --help, each switch sets its own field of Part II's Optimizations and fills the hooks it says it
+// does, and the switch travels to the tensor-parallel workers with the rest of Config. No GPU needed.
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
 #include "../test.h"
 
-static int count_on(const Optimizations& o) {
+static const std::vector<Optimization>& reg() { return optimization_registry(); }
+static int count_on(const OptimizationSet& s) {
   int n = 0;
-  for (const OptimizationInfo& k : kOptimizations) n += o.*k.on;
+  for (bool on : s.on) n += on;
   return n;
 }
-static const int kNumOptimizations = (int)(sizeof kOptimizations / sizeof kOptimizations[0]);
-
-// Every field of Optimizations has exactly one name, and every name one field.
-TEST(every_optimization_is_named_once) {
-  CHECK_EQ(sizeof(Optimizations), (size_t)kNumOptimizations * sizeof(bool));
-  std::set<std::string> names;
-  for (const OptimizationInfo& k : kOptimizations) {
-    CHECK_MSG(names.insert(k.name).second, "name %s twice", k.name);
-    Optimizations o;
-    parse_optimizations("none", o);
-    o.*k.on = true;
-    CHECK_MSG(count_on(o) == 1, "%s sets %d fields", k.name, count_on(o));
-    CHECK_MSG(std::string(k.what).find("section") != std::string::npos || std::string(k.what).find("(1") != std::string::npos,
-              "%s: its description names no section", k.name);
-  }
-  CHECK_EQ((int)names.size(), 7);
-  for (const char* n : {"pdl", "gemv", "cluster_merge", "fused_rope", "oneshot_allreduce", "fast_sampler", "persistent"})
-    CHECK_MSG(names.count(n), "no optimization named %s", n);
+static bool is_on(const OptimizationSet& s, const char* name) {
+  for (size_t i = 0; i < reg().size(); i++)
+    if (!strcmp(reg()[i].name, name)) return i < s.on.size() && s.on[i];
+  fprintf(stderr, "no optimization named %s\n", name);
+  return false;
+}
+static OptimizationSet parsed(const char* spec) {
+  OptimizationSet s = default_optimizations();
+  std::string e = parse_optimizations(spec, s);
+  if (!e.empty()) fprintf(stderr, "parse_optimizations(%s): %s\n", spec, e.c_str());
+  return s;
+}
+static int fields_on(const Optimizations& o) {
+  return o.flash_attn + o.pdl + o.gemv + o.cluster_merge + o.fused_rope + o.oneshot_allreduce + o.fast_sampler +
+         o.persistent;
 }
 
-// Every optimization is on by default except section 22's persistent kernel, which is not yet faster than
+// Every Part II section registered exactly one name, in file order, with a description naming its section,
+// and switching it on alone sets exactly one field of Optimizations (its own).
+TEST(every_optimization_is_registered_once) {
+  const char* expected[] = {"flash_attn", "pdl",          "gemv",        "cluster_merge",
+                            "fused_rope", "oneshot_allreduce", "fast_sampler", "persistent"};
+  CHECK_EQ(reg().size(), sizeof expected / sizeof expected[0]);
+  CHECK_EQ(sizeof(Optimizations), reg().size() * sizeof(bool));
+  for (size_t i = 0; i < reg().size() && i < 8; i++) {
+    CHECK_MSG(!strcmp(reg()[i].name, expected[i]), "registry[%zu] is %s, expected %s", i, reg()[i].name,
+              expected[i]);
+    CHECK_MSG(std::string(reg()[i].what).find("(section 1") != std::string::npos ||
+                  std::string(reg()[i].what).find("(section 2") != std::string::npos,
+              "%s: its description names no Part II section", reg()[i].name);
+    OptimizationSet one = parsed("none");
+    one.on[i] = true;
+    install_optimizations(one);
+    CHECK_MSG(fields_on(g_opt) == 1, "%s sets %d fields", reg()[i].name, fields_on(g_opt));
+  }
+  install_optimizations(parsed("none"));
+  CHECK_EQ(fields_on(g_opt), 0);
+}
+
+// The hooks each switch fills, and that --plain leaves the table empty (Part I runs everything).
+TEST(switches_fill_their_hooks) {
+  install_optimizations(parsed("none"));
+  CHECK(!g_hooks.forward && !g_hooks.decode_step && !g_hooks.sample && !g_hooks.sample_workspace_bytes &&
+        !g_hooks.compute_logprobs && !g_hooks.logprobs_workspace_bytes && !g_hooks.attention_workspace_bytes &&
+        !g_hooks.tp_ready && g_hooks.model_ready.empty());
+  install_optimizations(parsed("none,flash_attn"));
+  CHECK(g_hooks.forward == forward_fast && g_hooks.attention_workspace_bytes && !g_hooks.sample);
+  install_optimizations(parsed("none,pdl"));
+  CHECK(!g_hooks.forward && g_opt.pdl);  // pdl changes how Part II launches, not what runs
+  install_optimizations(parsed("none,fast_sampler"));
+  CHECK(!g_hooks.forward && g_hooks.sample == sample_fast && g_hooks.compute_logprobs == compute_logprobs_fast);
+  install_optimizations(parsed("none,oneshot_allreduce"));
+  CHECK(g_hooks.tp_ready == oneshot_setup && g_hooks.forward == forward_fast);
+  install_optimizations(parsed("none,persistent"));
+  CHECK(g_hooks.decode_step && g_hooks.model_ready.size() == 1);
+  install_optimizations(parsed("all"));
+  CHECK(g_hooks.forward == forward_fast && g_hooks.decode_step && g_hooks.sample && g_hooks.tp_ready);
+  install_optimizations(default_optimizations());
+  CHECK(!g_hooks.decode_step);  // persistent is off by default
+}
+
+// Every optimization is on by default except section 23's persistent kernel, which is not yet faster than
 // the rest on an H100 (README): it runs with --opt all or --opt persistent.
 TEST(defaults_are_all_but_persistent) {
-  Optimizations o;
-  CHECK_EQ(count_on(o), kNumOptimizations - 1);
-  CHECK(!o.persistent);
+  OptimizationSet o = default_optimizations();
+  CHECK_EQ(count_on(o), (int)reg().size() - 1);
+  CHECK(!is_on(o, "persistent"));
   CHECK_EQ(optimizations_str(o), std::string("all except persistent"));
   Config c;
-  CHECK_EQ(count_on(c.opt), kNumOptimizations - 1);
+  CHECK(c.opt == o);
   CHECK_EQ(parse_optimizations("all", o), std::string(""));
   CHECK_EQ(optimizations_str(o), std::string("all"));
 }
 
 TEST(parse_lists_left_to_right) {
-  Optimizations o;
-  CHECK_EQ(parse_optimizations("none", o), std::string(""));
+  OptimizationSet o = parsed("none");
   CHECK_EQ(count_on(o), 0);
   CHECK_EQ(optimizations_str(o), std::string("none (Part I alone)"));
   CHECK_EQ(parse_optimizations("gemv,+pdl", o), std::string(""));
-  CHECK(o.gemv && o.pdl && !o.fused_rope && !o.cluster_merge && !o.oneshot_allreduce && !o.fast_sampler);
+  CHECK(is_on(o, "gemv") && is_on(o, "pdl") && count_on(o) == 2);
   CHECK_EQ(optimizations_str(o), std::string("pdl gemv"));
   CHECK_EQ(parse_optimizations("all,-fused_rope,-fast_sampler", o), std::string(""));
-  CHECK(!o.fused_rope && !o.fast_sampler && o.gemv && o.cluster_merge && o.pdl && o.oneshot_allreduce);
+  CHECK(!is_on(o, "fused_rope") && !is_on(o, "fast_sampler") && is_on(o, "gemv") && is_on(o, "flash_attn"));
   CHECK_EQ(parse_optimizations("-pdl,none,cluster_merge", o), std::string(""));  // none resets what came before
   CHECK_EQ(count_on(o), 1);
-  CHECK(o.cluster_merge);
+  CHECK(is_on(o, "cluster_merge"));
   CHECK_EQ(parse_optimizations("all", o), std::string(""));
-  CHECK_EQ(count_on(o), kNumOptimizations);
+  CHECK_EQ(count_on(o), (int)reg().size());
 }
 
 TEST(parse_refuses_what_it_does_not_know) {
-  Optimizations o;
+  OptimizationSet o = default_optimizations();
   std::string e = parse_optimizations("none,fused_gemv", o);
   CHECK_MSG(e.find("unknown optimization 'fused_gemv'") != std::string::npos, "%s", e.c_str());
-  for (const OptimizationInfo& k : kOptimizations) CHECK_MSG(e.find(k.name) != std::string::npos, "%s", e.c_str());
+  for (const Optimization& k : reg()) CHECK_MSG(e.find(k.name) != std::string::npos, "%s", e.c_str());
   CHECK(!parse_optimizations("", o).empty());
   CHECK(!parse_optimizations("gemv,", o).empty());  // an empty item is an unknown name
   CHECK(!parse_optimizations("-none", o).empty());
@@ -78,25 +120,27 @@ TEST(command_line_flags) {
     args.insert(args.begin(), "nanovllm");
     return parse_args((int)args.size(), const_cast<char**>(args.data()));
   };
-  CHECK_EQ(count_on(parse({"model", "p.txt"}).config.opt), kNumOptimizations - 1);  // all but persistent
+  CHECK_EQ(count_on(parse({"model", "p.txt"}).config.opt), (int)reg().size() - 1);  // all but persistent
   CHECK_EQ(count_on(parse({"--plain", "model"}).config.opt), 0);
   Cli c = parse({"--opt", "-pdl", "--opt=-gemv"});
-  CHECK(!c.config.opt.pdl && !c.config.opt.gemv && c.config.opt.fused_rope);
+  CHECK(!is_on(c.config.opt, "pdl") && !is_on(c.config.opt, "gemv") && is_on(c.config.opt, "fused_rope"));
   c = parse({"--plain", "--opt", "fast_sampler"});
   CHECK_EQ(count_on(c.config.opt), 1);
-  CHECK(c.config.opt.fast_sampler);
-  for (const OptimizationInfo& k : kOptimizations)
-    CHECK_MSG(std::string(kUsage).find(k.name) != std::string::npos, "--help does not name %s", k.name);
-  CHECK(std::string(kUsage).find("--plain") != std::string::npos);
+  CHECK(is_on(c.config.opt, "fast_sampler"));
+  const std::string help = usage_text();
+  for (const Optimization& k : reg())
+    CHECK_MSG(help.find(std::string(k.name) + ": " + k.what) != std::string::npos, "--help does not name %s",
+              k.name);
+  CHECK(help.find("--plain") != std::string::npos && help.find('@') == std::string::npos);
 }
 
-// The workers build their engine from Config as JSON (section 25): the switch must survive the trip.
+// The workers build their engine from Config as JSON (section 27): the switch must survive the trip.
 TEST(switch_travels_to_the_workers) {
   Config c;
-  parse_optimizations("none,gemv,oneshot_allreduce", c.opt);
+  c.opt = parsed("none,gemv,oneshot_allreduce");
   Config back = config_from_json(config_to_json(c));
-  for (const OptimizationInfo& k : kOptimizations)
-    CHECK_MSG(back.opt.*k.on == c.opt.*k.on, "%s did not travel", k.name);
+  CHECK(back.opt == c.opt);
+  CHECK(!(back.opt == default_optimizations()));
 }
 
 int main(int argc, char** argv) { return test_main(argc, argv); }

@@ -1,4 +1,4 @@
-// test_requests.cu — the request fields of vLLM's SamplingParams (nanovllm.cu sections 2, 5, 9b, 13, 21)
+// test_requests.cu — the request fields of vLLM's SamplingParams (nanovllm.cu sections 2, 5, 9b, 13, 22)
 // without a GPU: stop strings matched on the growing text across token boundaries, stop token ids and
 // min_tokens in the scheduler, n completions sharing the prompt's blocks, the penalties' and bans' logit
 // edits and the log-probabilities against plain CPU formulas, min_p's threshold, the generation_config.json
@@ -38,11 +38,13 @@ static std::vector<Completion> run_script(const std::vector<int>& script, const 
                                           std::vector<SamplingParams>* params = nullptr) {
   ScriptedRunner r(script);
   LLMEngine e(c, r);
-  e.progress = false;
+  RunWatcher w;
+  w.progress = false;
+  e.observer = &w;
   e.tok = tok;
   std::vector<Completion> outs = e.generate(reqs);
   if (sched) *sched = e.scheduler.stats;
-  if (peak_blocks) *peak_blocks = e.stats.peak_blocks_used;
+  if (peak_blocks) *peak_blocks = w.stats.peak_blocks_used;
   if (params)
     for (auto& s : e.seqs) params->push_back(s->params);
   return outs;
@@ -168,8 +170,10 @@ TEST(n_with_a_prompt_shorter_than_a_block_does_not_wait) {
   std::vector<StepTrace> steps;
   ScriptedRunner runner({5});
   LLMEngine e(c, runner);
-  e.progress = false;
-  e.record = &steps;
+  RunWatcher w;
+  w.progress = false;
+  w.record = &steps;
+  e.observer = &w;
   e.generate({r});
   CHECK_EQ(steps[0].batch, 3);  // nothing to share: all three are admitted in the first step
 }

@@ -1,5 +1,5 @@
-// `nanovllm simulate` (nanovllm.cu section 26), the mixed scheduler (section 5b), arrival times and the
-// report (section 24), without a GPU: LLMEngine runs with SimRunner in place of ModelRunner.
+// `nanovllm simulate` (nanovllm.cu section 28), the mixed scheduler (section 5b), arrival times and the
+// report (section 26), without a GPU: LLMEngine runs with SimRunner in place of ModelRunner.
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
 #include "../test.h"
@@ -24,13 +24,15 @@ struct SimRun {
     config.max_model_len = 4096;
     SimRunner sim(mc, config, seed, eos_prob);
     LLMEngine e(config, sim);
-    e.progress = false;
-    e.trace = true;
+    RunWatcher w;
+    w.progress = false;
+    w.trace = true;
     FILE* f = tmpfile();
-    e.trace_out = f;
-    e.record = &steps;
+    w.trace_out = f;
+    w.record = &steps;
+    e.observer = &w;
     outs = e.generate(reqs);
-    stats = e.stats, sched = e.scheduler.stats;
+    stats = w.stats, sched = e.scheduler.stats;
     rewind(f);
     char buf[512];
     while (fgets(buf, sizeof buf, f)) trace += buf;

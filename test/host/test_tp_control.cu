@@ -1,4 +1,4 @@
-// The tensor-parallel control plane without a GPU (nanovllm.cu section 25): fork, the mailbox, and the
+// The tensor-parallel control plane without a GPU (nanovllm.cu sections 12b and 27): fork, the mailbox, and the
 // end of a run on every path. Each case runs a "rank 0" in a child process (tp_launch installs signal
 // handlers and an atexit hook, which must not touch this test process), which forks its workers. This
 // process is a child subreaper, so a worker whose rank 0 vanished is re-parented here and can be checked.
@@ -97,13 +97,14 @@ TEST(worker_failure_ends_the_run) {
     Config c;
     c.model = "/nonexistent/model-folder";
     c.tensor_parallel_size = 3;
-    std::string text = config_to_json(c);
+    const std::string text = tp_init_payload(c, ModelConfig{});
     tp_send(TPOp::INIT, text.data(), text.size());
     sleep(30);  // rank 0 would now wait for a collective; the SIGCHLD handler must end it first
     _exit(99);
   });
   CHECK_MSG(WIFEXITED(rz.status) && WEXITSTATUS(rz.status) == 1, "rank 0 wait status %d", rz.status);
-  CHECK_MSG(rz.log.find("] nanovllm: error: model folder '/nonexistent/model-folder'") != std::string::npos,
+  CHECK_MSG(rz.log.find("] nanovllm: error: no weights in /nonexistent/model-folder") !=
+                std::string::npos,
             "no worker message in:\n%s", rz.log.c_str());
   CHECK_MSG(rz.log.find("nanovllm: error: tensor-parallel rank ") != std::string::npos &&
                 rz.log.find("exited with status 1") != std::string::npos,

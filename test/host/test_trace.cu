@@ -257,7 +257,7 @@ TEST(readme_continuous_batching) {
   CHECK(batches == want);
 }
 
-// `nanovllm simulate` steps the same code: LLMEngine with SimRunner (section 25) in place of the GPU prints,
+// `nanovllm simulate` steps the same code: LLMEngine with SimRunner (section 27) in place of the GPU prints,
 // for the workloads of the README's experiments (real H200 runs with --ignore-eos), the very trace lines the
 // scheduler replays above print, step for step (the step time aside).
 static std::vector<std::string> simulated(const Config& base, const std::vector<int>& prompt_lens,
@@ -268,9 +268,11 @@ static std::vector<std::string> simulated(const Config& base, const std::vector<
   qwen3_shape("Qwen3-0.6B", mc);
   SimRunner sim(mc, c, 0, 0.0);
   LLMEngine e(c, sim);
-  e.progress = false, e.trace = true;
+  RunWatcher w;
+  w.progress = false, w.trace = true;
+  e.observer = &w;
   FILE* f = tmpfile();
-  e.trace_out = f;
+  w.trace_out = f;
   std::vector<Request> reqs;
   for (size_t i = 0; i < prompt_lens.size(); i++) {
     Request r;
