@@ -2014,8 +2014,8 @@ __global__ void attention_decode_kernel(bf16* out, const bf16* qkv, const bf16* 
 // error.
 static void check_attention_shapes(const char* who, int NH, int NKV, int P) {
   INTERNAL_CHECK(NKV > 0 && NH % NKV == 0, "%s: NH=%d is not a multiple of NKV=%d", who, NH, NKV);
-  INTERNAL_CHECK(P >= 16 && P <= 256 && (P & (P - 1)) == 0, "%s: block size P=%d must be a power of two in 16..256",
-                 who, P);
+  INTERNAL_CHECK(P >= 16 && P <= 256 && (P & (P - 1)) == 0,
+                 "%s: block size P=%d must be a power of two in 16..256", who, P);
 }
 
 // out: bf16 [T, NH*D]; qkv: bf16 [T, (NH+2NKV)*D]; cache: bf16 [NB, NKV, P, D] each;
@@ -2612,8 +2612,8 @@ static void linear_reference(float* y, const float* x, const float* W, int M, in
 // CUDA graphs (decode only): a decode step of Qwen3-0.6B is ~400 small kernel launches whose launch cost
 // would rival their run time. They are captured once per batch size 1, 2, 4, 8, 16, 32, ..., 512 (largest
 // first) and replayed; a batch of 37 replays the 48 graph with 11 padding rows (slot -1: nothing stored,
-// context 1: a harmless read, token discarded). The attention grid depends only on max_model_len, never on
-// the contexts, so one capture serves every step.
+// context 1: a harmless read, token discarded). No kernel's grid depends on the contexts (section 8's on the
+// batch size, section 14's on max_model_len), so one capture serves every step.
 
 // A pinned host array and its device twin inside one of the two step regions.
 template <typename Tp>
@@ -2925,12 +2925,14 @@ struct ModelRunner : StepRunner {
       fill_block_table(prefill_bt.host + b * MB, seq);
       prefill_samp.host[b] = sampling_slot(seq);
     }
-    CUDA_CHECK(cudaMemcpyAsync(prefill_region.dev, prefill_region.host, prefill_region.used, cudaMemcpyHostToDevice,
+    CUDA_CHECK(cudaMemcpyAsync(prefill_region.dev, prefill_region.host, prefill_region.used,
+                               cudaMemcpyHostToDevice,
                                stream));
     return prefill_inputs(max_q);
   }
   StepInputs prefill_inputs(int max_q) const {
-    return StepInputs{prefill_ids.dev, prefill_pos.dev, prefill_slots.dev, prefill_cu_q.dev, prefill_seqlens_k.dev, prefill_bt.dev, max_q};
+    return StepInputs{prefill_ids.dev,  prefill_pos.dev,       prefill_slots.dev, prefill_cu_q.dev,
+                      prefill_seqlens_k.dev, prefill_bt.dev, max_q};
   }
 
   // nano-vllm: prepare_decode. One token per sequence: its last one, at position len-1. Rows bs..padded_bs-1
@@ -4324,8 +4326,9 @@ __global__ void __launch_bounds__(PREFILL_WARPS * 32)
 // cu_seqlens_q: int [B+1] (device); seqlens_k: int [B] (device, keys of sequence b including this step's);
 // block_tables: int [B, MB] (device); max_seqlen_q: the largest q_len (host). scale = 1/sqrt(D).
 static void flash_attention_prefill(bf16* out, const bf16* qkv, const KVView& cache,
-                                    const int* cu_seqlens_q, const int* seqlens_k, const int* block_tables, int B, int max_seqlen_q, int NH,
-                              int NKV, int P, int MB, float scale, cudaStream_t stream) {
+                                    const int* cu_seqlens_q, const int* seqlens_k, const int* block_tables,
+                                    int B, int max_seqlen_q, int NH, int NKV, int P, int MB, float scale,
+                                    cudaStream_t stream) {
   check_attention_shapes("flash_attention_prefill", NH, NKV, P);
   if (B == 0 || max_seqlen_q == 0) return;
   const size_t smem = (PREFILL_BLOCK_M + 2 * ATTN_STAGES * ATTN_KV_TILE) * HEAD_DIM * sizeof(bf16);  // 96 KiB
@@ -4544,8 +4547,8 @@ static void flash_attention_decode(bf16* out, const bf16* qkv, const KVView& cac
                              const int* block_tables, int B, int NH, int NKV, int P, int MB, int max_context_len,
                              float* workspace, float scale, cudaStream_t stream) {
   check_attention_shapes("flash_attention_decode", NH, NKV, P);
-  INTERNAL_CHECK(NH / NKV <= DECODE_ROWS, "flash_attention_decode: NH/NKV = %d query heads per kv head, at most %d",
-                 NH / NKV, DECODE_ROWS);
+  INTERNAL_CHECK(NH / NKV <= DECODE_ROWS,
+                 "flash_attention_decode: NH/NKV = %d query heads per kv head, at most %d", NH / NKV, DECODE_ROWS);
   if (B == 0) return;
   const int partition = decode_partition(B, cache.dtype);
   const int max_parts = (int)cdiv(max_context_len, partition);
@@ -6066,7 +6069,7 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
 // each bound (raised by a hundredth for the bf16 roundings on the way) over 448, rounded up to a power of
 // two. A typical element then lands about sqrt(D) (keys) or sqrt(H) (values) below 448, far above 2^-6. The
 // README's FP8 section has the accuracy of this choice and of vLLM's default (scale 1.0);
-// Config::kv_scales_from_weights = false runs the latter.
+// g_kv_scales_from_weights = false (below; the tests' switch) runs the latter.
 // Why powers of two: dividing by one is exact, so the stored byte is the rounding of the bf16 value itself,
 // whatever the scale, and the scale can be applied after the matrix products at no cost in accuracy.
 //

@@ -1,11 +1,21 @@
-// gpu_attention.cu — section 8 (paged attention, prefill and decode) against its CPU reference, sections 16
-// and 17 (the cluster merge, the fused decode kernel) against section 8, and timings.
+// gpu_attention.cu — paged attention, prefill and decode, the way the file climbs:
+//   * section 8's plain kernels (attention_prefill, attention_decode) against the CPU reference beside them
+//     (attention_reference, fp64 over the same bf16-rounded inputs);
+//   * section 14's flash kernels (flash_attention_prefill, flash_attention_decode) against the same
+//     reference, and against section 8 on the same inputs, within a bound of a few bf16 ulps
+//     (compare_flash_with_plain says why);
+//   * sections 17 and 18 (the cluster merge, the fused q/k-norm + RoPE + store decode kernel) against
+//     section 14, bit for bit;
+//   * section 22's fp8 cache, read by section 14's kernels (section 8 reads bf16 only), against the
+//     reference over the values its bytes stand for;
+//   * CUDA-graph replay of both decode kernels as contexts grow, and timings (timing_*: figures only).
 //
 // Every case builds a paged KV cache the way the engine does: blocks handed out in a shuffled order, the
 // block-table tail set to -1, and every slot that no sequence owns (spare blocks, the tail of each last
 // block) set to NaN, so a kernel that reads a key it should not turns its output into NaN. Outputs and the
 // decode workspace are poisoned with NaN bytes before each run, and a guard zone after the output must
-// survive. The reference is fp64 over the same bf16-rounded inputs. Cases named timing_* print numbers.
+// survive. Shapes: 1 token, odd lengths, partial blocks, chunked prefill over a cached prefix, mixed
+// batches, P = 16 to 256, GQA ratios 1 to 16, contexts up to 4000.
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
 #include "../test.h"
@@ -118,7 +128,7 @@ static std::vector<bf16> to_bf16(const std::vector<float>& x) {
   return y;
 }
 
-// The batch with an fp8 cache (section 21): every owned key and value replaced by what its e4m3 byte at
+// The batch with an fp8 cache (section 22): every owned key and value replaced by what its e4m3 byte at
 // these scales stands for, so the fp64 reference sees exactly what the kernels read. NaN slots stay NaN.
 static PagedBatch with_fp8_values(PagedBatch pb, KVScales s) {
   for (auto* c : {&pb.k, &pb.v}) {
@@ -133,6 +143,9 @@ static std::vector<uint8_t> to_e4m3(const std::vector<float>& x, float scale) {
   for (size_t i = 0; i < x.size(); i++) y[i] = e4m3_from_float(x[i] / scale);
   return y;
 }
+
+// Bytes per stored key or value: bf16, or (section 22) one e4m3 byte.
+static size_t kv_value_bytes(KVCacheDtype d) { return d == KVCacheDtype::FP8 ? 1 : 2; }
 
 // The batch on the device, its cache in bf16 or (fp8) in e4m3 bytes at `scale`. Decode uses context_lens =
 // k_lens and ignores cu_q.
@@ -156,8 +169,14 @@ struct DeviceBatch {
     k_lens = to_device(pb.k_lens);
     block_tables = to_device(pb.block_tables);
   }
-  // The cache as the kernels are told to read it; read_factor != 1 lies about the scales (a test of the test).
-  KVLayer layer(float read_factor = 1.f) const {
+  // The cache as section 8's kernels take it (bf16 only).
+  KVLayer layer() const {
+    if (dtype != KVCacheDtype::BF16) die("internal error: DeviceBatch::layer: section 8 reads bf16 only");
+    return {(bf16*)k, (bf16*)v};
+  }
+  // The cache as Part II's kernels are told to read it; read_factor != 1 lies about the scales (a test of
+  // the test).
+  KVView view(float read_factor = 1.f) const {
     return {k, v, dtype, {scale.k * read_factor, scale.v * read_factor}};
   }
   ~DeviceBatch() {
@@ -205,8 +224,49 @@ static void compare(const char* what, const std::vector<float>& got, const std::
   else CHECK_MSG(outside > 0, "%s: the comparison did not notice the wrong scales", what);
 }
 
-// fp8 (section 21): the cache is stored in e4m3 at `scale` and the reference reads the values it stands for;
-// read_factor != 1 tells the kernel the wrong scales and expects the comparison to fail.
+// bf16 ulps between two bf16 values (their bit patterns as ordered integers); NaN: a large number.
+static int bf16_ulps(float a, float b) {
+  if (std::isnan(a) || std::isnan(b)) return INT_MAX;
+  auto ordered = [](float x) {
+    const bf16 h = __float2bfloat16(x);
+    const int bits = *reinterpret_cast<const uint16_t*>(&h);
+    return bits & 0x8000 ? -(bits & 0x7fff) : bits;
+  };
+  return std::abs(ordered(a) - ordered(b));
+}
+
+// Section 14 against section 8 on the same inputs. Both multiply bf16 inputs and accumulate in fp32, and
+// round each output to bf16 once; they add in different orders, and section 14 rounds each probability
+// p_j = exp(s_j - m) to bf16 before P V (its tensor cores take bf16 operands). That rounding moves an output
+// by at most 2^-8 * sum_j p_j |v_j| / sum_j p_j <= 2^-8 * max|v| = 2^-8 here (values lie in [-1, 1)), and the
+// two final roundings by half an ulp each, an ulp of x being at most 2^-7 |x|. The bound, with an ulp to
+// spare for the fp32 sums: |flash - plain| <= 2^-8 + 2^-6 |plain|. Prints how many outputs differ at all,
+// the largest difference, and the element nearest the bound (index, both values, the fraction of the bound
+// it uses, its distance in bf16 ulps); on failure, the worst element outside it.
+static void compare_flash_with_plain(const char* what, const std::vector<float>& flash,
+                                     const std::vector<float>& plain) {
+  const double atol = 1.0 / 256, rtol = 1.0 / 64;
+  size_t worst = 0, outside = 0, differ = 0;
+  double worst_share = -1, max_diff = 0;
+  for (size_t i = 0; i < flash.size(); i++) {
+    const double e = std::isnan(flash[i]) || std::isnan(plain[i]) ? INFINITY : fabs((double)flash[i] - plain[i]);
+    const double share = e / (atol + rtol * fabs((double)plain[i]));
+    if (share > worst_share) worst_share = share, worst = i;
+    outside += !(share <= 1);
+    differ += !(flash[i] == plain[i]);
+    max_diff = std::max(max_diff, e);
+  }
+  printf("    %-58s vs section 8: %zu of %zu differ, max |diff| %.2e; nearest the bound [%zu]: %.5f vs %.5f "
+         "(%.2f of it, %d ulps)\n", what, differ, flash.size(), max_diff, worst, flash[worst], plain[worst],
+         worst_share, bf16_ulps(flash[worst], plain[worst]));
+  CHECK_MSG(outside == 0, "%s: section 14 vs section 8: %zu of %zu outside 2^-8 + 2^-6 |plain|; worst at "
+            "[%zu]: flash %.6f, plain %.6f (%.2f x the bound, %d ulps)", what, outside, flash.size(), worst,
+            flash[worst], plain[worst], worst_share, bf16_ulps(flash[worst], plain[worst]));
+}
+
+// fp8 (section 22): the cache is stored in e4m3 at `scale` and the reference reads the values it stands for;
+// read_factor != 1 tells the kernel the wrong scales and expects the comparison to fail. Section 8 reads bf16
+// only, so fp8 cases run section 14 (and 17) alone.
 struct KVChoice {
   KVCacheDtype dtype = KVCacheDtype::BF16;
   KVScales scale;
@@ -218,36 +278,70 @@ static const PagedBatch& reference_input(const PagedBatch& pb, const KVChoice& k
   return holder;
 }
 
+static std::string label(const char* what, const char* path) { return std::string(what) + " " + path; }
+
+// Section 8's prefill kernel (bf16) and section 14's, each against the fp64 reference; then 14 against 8.
 static void check_prefill(const char* what, const PagedBatch& pb, const KVChoice& kv = {}) {
   DeviceBatch db(pb, kv.dtype, kv.scale);
-  PoisonedOutput out((size_t)pb.T * pb.NH * HEAD_DIM);
-  int max_q = *std::max_element(pb.q_lens.begin(), pb.q_lens.end());
-  attention_prefill(out.d, db.qkv, db.layer(kv.read_factor), db.cu_q, db.k_lens, db.block_tables, pb.B, max_q,
-                    pb.NH, pb.NKV, pb.P, pb.MB, 1.f / sqrtf((float)HEAD_DIM), 0);
-  PagedBatch holder;
-  compare(what, out.read(), reference_attention(reference_input(pb, kv, holder)), kv.read_factor == 1.f);
-}
-
-// Section 8's decode kernel, and section 16's cluster merge where it applies (batches of at most
-// DECODE_CLUSTER_MAX_B on sm_90 and later), each against the fp64 reference.
-static void check_decode(const char* what, const PagedBatch& pb, int max_context_len, const KVChoice& kv = {}) {
-  DeviceBatch db(pb, kv.dtype, kv.scale);
-  size_t ws_bytes = attention_decode_workspace_bytes(pb.B, pb.NH, max_context_len);
-  float* ws = nullptr;
-  CUDA_CHECK(cudaMalloc(&ws, ws_bytes));
+  const int max_q = *std::max_element(pb.q_lens.begin(), pb.q_lens.end());
+  const float scale = 1.f / sqrtf((float)HEAD_DIM);
+  const size_t n = (size_t)pb.T * pb.NH * HEAD_DIM;
   PagedBatch holder;
   const std::vector<float> want = reference_attention(reference_input(pb, kv, holder));
+  std::vector<float> plain;
+  if (kv.dtype == KVCacheDtype::BF16) {
+    PoisonedOutput out(n);
+    attention_prefill(out.d, db.qkv, db.layer(), db.cu_q, db.k_lens, db.block_tables, pb.B, max_q, pb.NH, pb.NKV,
+                      pb.P, pb.MB, scale, 0);
+    plain = out.read();
+    compare(label(what, "[section 8]").c_str(), plain, want);
+  }
+  PoisonedOutput out(n);
+  flash_attention_prefill(out.d, db.qkv, db.view(kv.read_factor), db.cu_q, db.k_lens, db.block_tables, pb.B,
+                          max_q, pb.NH, pb.NKV, pb.P, pb.MB, scale, 0);
+  const std::vector<float> flash = out.read();
+  compare(label(what, "[section 14]").c_str(), flash, want, kv.read_factor == 1.f);
+  if (!plain.empty()) compare_flash_with_plain(label(what, "[section 14]").c_str(), flash, plain);
+}
+
+// Section 8's decode kernel (bf16); section 14's split-K kernel with its merge kernel; and section 17's
+// cluster merge where it applies (batches of at most DECODE_CLUSTER_MAX_B on sm_90 and later): each against
+// the fp64 reference, and the Part II ones against section 8.
+static void check_decode(const char* what, const PagedBatch& pb, int max_context_len, const KVChoice& kv = {}) {
+  DeviceBatch db(pb, kv.dtype, kv.scale);
+  const float scale = 1.f / sqrtf((float)HEAD_DIM);
+  const size_t n = (size_t)pb.B * pb.NH * HEAD_DIM;
+  PagedBatch holder;
+  const std::vector<float> want = reference_attention(reference_input(pb, kv, holder));
+  std::vector<float> plain;
+  if (kv.dtype == KVCacheDtype::BF16) {
+    PoisonedOutput out(n);
+    attention_decode(out.d, db.qkv, db.layer(), db.k_lens, db.block_tables, pb.B, pb.NH, pb.NKV, pb.P, pb.MB,
+                     scale, 0);
+    plain = out.read();
+    compare(label(what, "[section 8]").c_str(), plain, want);
+  }
+  const size_t ws_bytes = flash_decode_workspace_bytes(pb.B, pb.NH, max_context_len);
+  float* ws = nullptr;
+  CUDA_CHECK(cudaMalloc(&ws, ws_bytes));
   const bool cluster = pb.B <= DECODE_CLUSTER_MAX_B && decode_clusters_supported();
   for (int path = 0; path < (cluster ? 2 : 1); path++) {
-    PoisonedOutput out((size_t)pb.B * pb.NH * HEAD_DIM);
+    PoisonedOutput out(n);
     CUDA_CHECK(cudaMemset(ws, 0xFF, ws_bytes));
-    const Optimizations saved = g_opt;
-    g_opt.cluster_merge = path == 1;
-    attention_decode_fast(out.d, db.qkv, db.layer(kv.read_factor), db.k_lens, db.block_tables, pb.B, pb.NH,
-                          pb.NKV, pb.P, pb.MB, max_context_len, ws, 1.f / sqrtf((float)HEAD_DIM), 0, nullptr);
-    g_opt = saved;
-    compare((std::string(what) + (path ? " [cluster merge]" : " [section 8]")).c_str(), out.read(), want,
-            kv.read_factor == 1.f);
+    if (path == 0) {
+      flash_attention_decode(out.d, db.qkv, db.view(kv.read_factor), db.k_lens, db.block_tables, pb.B, pb.NH,
+                             pb.NKV, pb.P, pb.MB, max_context_len, ws, scale, 0);
+    } else {
+      const Optimizations saved = g_opt;
+      g_opt.cluster_merge = true;
+      attention_decode_fast(out.d, db.qkv, db.view(kv.read_factor), db.k_lens, db.block_tables, pb.B, pb.NH,
+                            pb.NKV, pb.P, pb.MB, max_context_len, ws, scale, 0, nullptr);
+      g_opt = saved;
+    }
+    const std::string name = label(what, path ? "[cluster merge, 17]" : "[section 14]");
+    const std::vector<float> got = out.read();
+    compare(name.c_str(), got, want, kv.read_factor == 1.f);
+    if (!plain.empty()) compare_flash_with_plain(name.c_str(), got, plain);
   }
   CUDA_CHECK(cudaFree(ws));
 }
@@ -295,6 +389,19 @@ TEST(prefill_long_peaky) {
                 make_batch(16, 8, 256, {2048}, {2048}, 10, 4.f));
 }
 
+// GQA ratios NH/NKV of 1, 2 and 8 (Qwen3-0.6B is 2, Qwen3-32B is 8), each at P = 16 and 256, with a
+// cached prefix and partial blocks.
+TEST(prefill_gqa_ratios) {
+  REQUIRE_GPU();
+  const std::vector<int> q = {1, 37, 300}, k = {17, 37, 1100};
+  check_prefill("prefill GQA 1 (NH=4 NKV=4) B=3 P=16", make_batch(4, 4, 16, q, k, 71));
+  check_prefill("prefill GQA 1 (NH=4 NKV=4) B=3 P=256", make_batch(4, 4, 256, q, k, 72));
+  check_prefill("prefill GQA 2 (NH=8 NKV=4) B=3 P=16", make_batch(8, 4, 16, q, k, 73));
+  check_prefill("prefill GQA 2 (NH=8 NKV=4) B=3 P=256", make_batch(8, 4, 256, q, k, 74));
+  check_prefill("prefill GQA 8 (NH=16 NKV=2) B=3 P=16", make_batch(16, 2, 16, q, k, 75));
+  check_prefill("prefill GQA 8 (NH=64 NKV=8) B=3 P=256", make_batch(64, 8, 256, q, k, 76));
+}
+
 // ---- decode ----------------------------------------------------------------------------------------------
 
 TEST(decode_one_token) {
@@ -331,6 +438,19 @@ TEST(decode_small_batch_cluster_merge) {
   check_decode("decode B=1 ctx=16 P=16 NH=16 NKV=1 peaky", make_batch(16, 1, 16, {1}, {16}, 63, 8.f), 4096);
 }
 
+TEST(decode_gqa_ratios) {
+  REQUIRE_GPU();
+  const std::vector<int> ctx = {1, 31, 257, 2500, 700};
+  const std::vector<int> ones(ctx.size(), 1);
+  check_decode("decode GQA 1 (NH=4 NKV=4) B=5 P=16", make_batch(4, 4, 16, ones, ctx, 81), 4096);
+  check_decode("decode GQA 1 (NH=4 NKV=4) B=5 P=256", make_batch(4, 4, 256, ones, ctx, 82), 2560);
+  check_decode("decode GQA 2 (NH=8 NKV=4) B=5 P=16", make_batch(8, 4, 16, ones, ctx, 83), 2500);
+  check_decode("decode GQA 2 (NH=8 NKV=4) B=5 P=256", make_batch(8, 4, 256, ones, ctx, 84), 4096);
+  check_decode("decode GQA 8 (NH=16 NKV=2) B=5 P=16", make_batch(16, 2, 16, ones, ctx, 85), 4096);
+  check_decode("decode GQA 8 (NH=64 NKV=8) B=5 P=256 peaky", make_batch(64, 8, 256, ones, ctx, 86, 4.f), 4096);
+  check_decode("decode GQA 8 (NH=32 NKV=4) B=2 P=16", make_batch(32, 4, 16, {1, 1}, {3001, 2}, 87), 3072);
+}
+
 TEST(decode_batch_64_mixed) {
   REQUIRE_GPU();
   const std::vector<int> ones(64, 1);
@@ -347,28 +467,48 @@ TEST(decode_batch_256) {
                make_batch(16, 8, 256, ones, random_lengths(256, 1, 600, 22), 23), 1024);
 }
 
-// The engine captures decode once per batch size and replays it as contexts grow and blocks change.
-TEST(decode_cuda_graph_replay) {
-  REQUIRE_GPU();
+// The engine captures decode once per batch size and replays it as contexts grow and blocks change: one
+// capture, three steps whose every context is longer than at the step before (new contents, new blocks),
+// each replay against the fp64 reference and bit for bit against the same kernel run eagerly on the same
+// inputs. plain: section 8's kernel (its grid depends on B alone); else section 14's (a grid sized by
+// max_context_len, the bound every step stays under).
+static void check_decode_graph_replay(bool plain) {
   const int B = 32, NH = 16, NKV = 8, P = 64, max_ctx = 2048, MB = max_ctx / P, NB = B * MB + 3;
   const std::vector<int> ones(B, 1);
-  PagedBatch a = make_batch(NH, NKV, P, ones, random_lengths(B, 1, 700, 24), 25, 1.f, MB, NB);
-  PagedBatch b = make_batch(NH, NKV, P, ones, random_lengths(B, 300, 2048, 26), 27, 2.f, MB, NB);
-  DeviceBatch db(a);
-  PoisonedOutput out((size_t)B * NH * HEAD_DIM);
-  size_t ws_bytes = attention_decode_workspace_bytes(B, NH, max_ctx);
+  std::vector<std::vector<int>> lens = {random_lengths(B, 1, 700, 24)};
+  Rng grow{26};
+  for (int step = 1; step < 3; step++) {
+    std::vector<int> next = lens.back();
+    for (int& c : next) c += grow.range(1, std::max(1, (max_ctx - c) / (3 - step)));
+    lens.push_back(next);
+  }
+  std::vector<PagedBatch> steps;
+  for (int step = 0; step < 3; step++)
+    steps.push_back(make_batch(NH, NKV, P, ones, lens[step], 25 + 2 * step, 1.f + step, MB, NB));
+  DeviceBatch db(steps[0]);
+  PoisonedOutput out((size_t)B * NH * HEAD_DIM), eager((size_t)B * NH * HEAD_DIM);
+  const size_t ws_bytes = flash_decode_workspace_bytes(B, NH, max_ctx);
   float* ws = nullptr;
   CUDA_CHECK(cudaMalloc(&ws, ws_bytes));
+  const float scale = 1.f / sqrtf((float)HEAD_DIM);
+  auto launch = [&](bf16* o, cudaStream_t st) {
+    if (plain)
+      attention_decode(o, db.qkv, db.layer(), db.k_lens, db.block_tables, B, NH, NKV, P, MB, scale, st);
+    else
+      flash_attention_decode(o, db.qkv, db.view(), db.k_lens, db.block_tables, B, NH, NKV, P, MB, max_ctx, ws,
+                             scale, st);
+  };
   cudaStream_t stream;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  attention_decode(out.d, db.qkv, db.layer(), db.k_lens, db.block_tables, B, NH, NKV, P, MB, max_ctx, ws,
-                   1.f / sqrtf((float)HEAD_DIM), stream);
+  launch(out.d, stream);
   CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (const PagedBatch* pb : {&a, &b}) {
+  const char* path = plain ? "section 8" : "section 14";
+  for (int step = 0; step < 3; step++) {
+    const PagedBatch* pb = &steps[step];
     // New step: same buffers, new contents (what ModelRunner.prepare_decode does before a replay).
     CUDA_CHECK(cudaMemcpy(db.qkv, to_bf16(pb->qkv).data(), pb->qkv.size() * sizeof(bf16),
                           cudaMemcpyHostToDevice));
@@ -378,19 +518,40 @@ TEST(decode_cuda_graph_replay) {
     CUDA_CHECK(cudaMemcpy(db.block_tables, pb->block_tables.data(), pb->block_tables.size() * sizeof(int),
                           cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemset(out.d, 0xFF, out.n * sizeof(bf16)));
+    CUDA_CHECK(cudaMemset(eager.d, 0xFF, eager.n * sizeof(bf16)));
     CUDA_CHECK(cudaMemset(ws, 0xFF, ws_bytes));
     // The copies and memsets above ran on the legacy default stream, which does not order work on a
     // cudaStreamNonBlocking stream: wait for them before the replay reads their results.
     CUDA_CHECK(cudaDeviceSynchronize());
     CUDA_CHECK(cudaGraphLaunch(exec, stream));
     CUDA_CHECK(cudaStreamSynchronize(stream));
-    compare(pb == &a ? "decode graph replay 1: B=32 ctx 1..700" : "decode graph replay 2: B=32 ctx 300..2048",
-            out.read(), reference_attention(*pb));
+    const std::vector<float> replayed = out.read();
+    launch(eager.d, stream);  // the same kernel eagerly, on the same inputs
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    const std::vector<float> direct = eager.read();
+    const auto [lo, hi] = std::minmax_element(pb->k_lens.begin(), pb->k_lens.end());
+    char what[96];
+    snprintf(what, sizeof what, "decode graph replay %d (%s): B=32 ctx %d..%d", step + 1, path, *lo, *hi);
+    compare(what, replayed, reference_attention(*pb));
+    size_t differ = 0;
+    for (size_t i = 0; i < replayed.size(); i++)
+      differ += memcmp(&replayed[i], &direct[i], sizeof(float)) != 0;
+    CHECK_MSG(differ == 0, "%s: %zu outputs differ from the eager run", what, differ);
   }
   CUDA_CHECK(cudaGraphExecDestroy(exec));
   CUDA_CHECK(cudaGraphDestroy(graph));
   CUDA_CHECK(cudaStreamDestroy(stream));
   CUDA_CHECK(cudaFree(ws));
+}
+
+TEST(decode_cuda_graph_replay) {
+  REQUIRE_GPU();
+  check_decode_graph_replay(false);
+}
+
+TEST(decode_plain_cuda_graph_replay) {
+  REQUIRE_GPU();
+  check_decode_graph_replay(true);
 }
 
 // ---- timings ---------------------------------------------------------------------------------------------
@@ -466,8 +627,11 @@ static std::vector<int> shuffled_tables(const std::vector<int>& ctx, int P, int 
   return bt;
 }
 
-// Decode at a fixed batch: KV bytes read = sum(ctx) * NKV * D * 2 bytes * (K and V). The cache (hundreds of
-// MB) is far larger than L2, so every run reads it from HBM.
+// Decode at a fixed batch: KV bytes read = sum(ctx) * NKV * D * (2 bytes, fp8: 1) * (K and V). The cache
+// (hundreds of MB) is far larger than L2, so every run reads it from HBM. Rows: section 14's kernel (with
+// its merge kernel), the engine's default decode path (sections 17-18), and section 8's plain kernel (bf16
+// only; each query head of a GQA group reads the group's keys again, from L2 if they are still there: its
+// GB/s counts the bytes once, as the others do).
 static void time_decode(const char* what, const std::vector<int>& ctx, int NH, int NKV, int P, int max_ctx,
                         KVCacheDtype dtype = KVCacheDtype::BF16) {
   const int B = (int)ctx.size(), MB = (int)cdiv(max_ctx, P);
@@ -483,29 +647,41 @@ static void time_decode(const char* what, const std::vector<int>& ctx, int NH, i
   bf16* out = nullptr;
   CUDA_CHECK(cudaMalloc(&out, (size_t)B * NH * HEAD_DIM * sizeof(bf16)));
   float* ws = nullptr;
-  CUDA_CHECK(cudaMalloc(&ws, attention_decode_workspace_bytes(B, NH, max_ctx)));
+  CUDA_CHECK(cudaMalloc(&ws, flash_decode_workspace_bytes(B, NH, max_ctx)));
+  const KVView view{k, v, dtype, {}};
   double us = median_us([&] {
-    attention_decode(out, qkv, KVLayer{k, v, dtype, {}}, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws,
-                     1.f / sqrtf(128.f), 0);
+    flash_attention_decode(out, qkv, view, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws, 1.f / sqrtf(128.f), 0);
   });
-  // The engine's default decode path: section 17's kernel (q/k-norm, RoPE and the store inside; padding slots
-  // here, so the cache is not written) and, at small batches, section 16's cluster merge.
+  // The engine's default decode path: section 18's kernel (q/k-norm, RoPE and the store inside; padding slots
+  // here, so the cache is not written) and, at small batches, section 17's cluster merge.
   std::vector<int> pos(B), no_slots(B, -1);
   for (int b = 0; b < B; b++) pos[b] = ctx[b] - 1;
   int *d_pos = to_device(pos), *d_slots = to_device(no_slots);
   bf16* w = device_random(HEAD_DIM, 4);
   const DecodeRope rope{d_pos, d_slots, w, w, 1e-6f, rope_inv_freq(1e6f)};
+  const Optimizations saved = g_opt;
+  g_opt.cluster_merge = true;  // the engine's default (where the GPU has clusters)
   double us_fused = median_us([&] {
-    attention_decode_fast(out, qkv, KVLayer{k, v, dtype, {}}, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws,
-                          1.f / sqrtf(128.f), 0, &rope);
+    attention_decode_fast(out, qkv, view, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws, 1.f / sqrtf(128.f), 0,
+                          &rope);
   });
+  g_opt = saved;
+  CHECK_MSG(count_nonfinite(out, (size_t)B * NH * HEAD_DIM) == 0, "non-finite decode output (Part II)");
   double tokens = 0;
   for (int c : ctx) tokens += c;
-  const double bytes = tokens * NKV * HEAD_DIM * kv_cache_elem_bytes(dtype) * 2;
-  printf("    TIMING %s: %.1f us, KV %.1f MB, %.0f GB/s; fused (section 17) %.1f us, %.0f GB/s\n", what, us,
-         bytes / 1e6, bytes / us / 1e3, us_fused, bytes / us_fused / 1e3);
+  const double bytes = tokens * NKV * HEAD_DIM * kv_value_bytes(dtype) * 2;
+  char plain_row[64] = "n/a (bf16 only)";
+  if (!fp8) {
+    const double us_plain = median_us([&] {
+      attention_decode(out, qkv, KVLayer{(bf16*)k, (bf16*)v}, d_ctx, d_bt, B, NH, NKV, P, MB, 1.f / sqrtf(128.f),
+                       0);
+    });
+    snprintf(plain_row, sizeof plain_row, "%.1f us, %.0f GB/s", us_plain, bytes / us_plain / 1e3);
+    CHECK_MSG(count_nonfinite(out, (size_t)B * NH * HEAD_DIM) == 0, "non-finite decode output (section 8)");
+  }
+  printf("    TIMING %s: KV %.1f MB; section 14 %.1f us, %.0f GB/s; fused (sections 17-18) %.1f us, %.0f GB/s; "
+         "section 8 %s\n", what, bytes / 1e6, us, bytes / us / 1e3, us_fused, bytes / us_fused / 1e3, plain_row);
   for (void* p : {(void*)d_pos, (void*)d_slots, (void*)w}) CUDA_CHECK(cudaFree(p));
-  CHECK_MSG(count_nonfinite(out, (size_t)B * NH * HEAD_DIM) == 0, "non-finite decode output");
   for (void* p : {k, v, (void*)qkv, (void*)d_ctx, (void*)d_bt, (void*)out, (void*)ws}) CUDA_CHECK(cudaFree(p));
 }
 
@@ -534,16 +710,16 @@ static void* device_copy_bytes(const void* src, size_t n) {
   return d;
 }
 
-// Section 17's fused kernel (q/k-norm, RoPE and the KV store inside decode attention) against the kernels
-// it replaces, qk_norm_rope then section 8's attention_decode, on the same raw qkv and cache: the outputs of
-// the real rows and the whole cache afterwards must be equal bit for bit. Where the cluster merge applies
-// (section 16), the same again with it on both sides, and (contexts of at most 1024 keys, where its partition
-// length equals section 8's 64 keys: a bf16 cache) the cluster path against section 8 too.
+// Section 18's fused kernel (q/k-norm, RoPE and the KV store inside decode attention) against the kernels
+// it replaces, qk_norm_rope then section 14's flash_attention_decode, on the same raw qkv and cache: the
+// outputs of the real rows and the whole cache afterwards must be equal bit for bit. Where the cluster merge
+// applies (section 17), the same again with it on both sides, and (contexts of at most 1024 keys, where its
+// partition length equals section 14's 64 keys: a bf16 cache) the cluster path against section 14 too.
 // The last n_pad rows are padding (slot -1, as the engine pads a graph's batch): every path stores nothing
 // for them; their outputs are not compared (the fused kernel attends to the row's own k and v, the separate
 // path to what the cache held).
-// fp8 (section 21): the same over an e4m3 cache at these scales; this step's k and v are then the values their
-// bytes stand for on both sides.
+// fp8 (section 22): the same over an e4m3 cache at these scales (qk_norm_rope_view stores e4m3); this step's
+// k and v are then the values their bytes stand for on both sides.
 static void check_fused_rope(const char* what, int NH, int NKV, int P, const std::vector<int>& ctx, int n_pad,
                              int max_ctx, uint64_t seed, KVCacheDtype dtype = KVCacheDtype::BF16,
                              KVScales kv_scale = {}) {
@@ -557,14 +733,14 @@ static void check_fused_rope(const char* what, int NH, int NKV, int P, const std
   }
   const size_t cache = (size_t)NB * NKV * P * HEAD_DIM;
   const bool fp8 = dtype == KVCacheDtype::FP8;
-  const size_t cache_bytes = cache * kv_cache_elem_bytes(dtype);
+  const size_t cache_bytes = cache * kv_value_bytes(dtype);
   void* k0 = fp8 ? device_random_e4m3(cache, seed + 1) : (void*)device_random(cache, seed + 1);
   void* v0 = fp8 ? device_random_e4m3(cache, seed + 2) : (void*)device_random(cache, seed + 2);
   bf16* qkv0 = device_random((size_t)B * W, seed + 3);
   bf16 *qw = device_random(HEAD_DIM, seed + 4), *kw = device_random(HEAD_DIM, seed + 5);
   int *d_ctx = to_device(ctx), *d_bt = to_device(bt), *d_pos = to_device(pos), *d_slots = to_device(slots);
   float* ws = nullptr;
-  CUDA_CHECK(cudaMalloc(&ws, attention_decode_workspace_bytes(B, NH, max_ctx)));
+  CUDA_CHECK(cudaMalloc(&ws, flash_decode_workspace_bytes(B, NH, max_ctx)));
   const float theta = 1e6f, eps = 1e-6f, scale = 1.f / sqrtf((float)HEAD_DIM);
   const bool cluster = B <= DECODE_CLUSTER_MAX_B && decode_clusters_supported();
   const int variants = cluster ? 4 : 2;  // bit 0: fused rope; bit 1: cluster merge
@@ -576,14 +752,14 @@ static void check_fused_rope(const char* what, int NH, int NKV, int P, const std
     g_opt.cluster_merge = variant & 2;
     bf16* qkv = device_copy(qkv0, (size_t)B * W);
     void *k = device_copy_bytes(k0, cache_bytes), *v = device_copy_bytes(v0, cache_bytes);
-    const KVLayer layer{k, v, dtype, kv_scale};
+    const KVView layer{k, v, dtype, kv_scale};
     PoisonedOutput out((size_t)B * NH * HEAD_DIM);
-    CUDA_CHECK(cudaMemset(ws, 0xFF, attention_decode_workspace_bytes(B, NH, max_ctx)));
+    CUDA_CHECK(cudaMemset(ws, 0xFF, flash_decode_workspace_bytes(B, NH, max_ctx)));
     if (fused) {
       const DecodeRope rope{d_pos, d_slots, qw, kw, eps, rope_inv_freq(theta)};
       attention_decode_fast(out.d, qkv, layer, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws, scale, 0, &rope);
-    } else {
-      qk_norm_rope(qkv, d_pos, qw, kw, layer, d_slots, B, NH, NKV, P, theta, eps, 0);
+    } else {  // (without the cluster merge, attention_decode_fast is flash_attention_decode)
+      qk_norm_rope_view(qkv, d_pos, qw, kw, layer, d_slots, B, NH, NKV, P, theta, eps, 0);
       attention_decode_fast(out.d, qkv, layer, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws, scale, 0, nullptr);
     }
     std::vector<float> o = out.read();  // also checks the guard zone
@@ -608,14 +784,14 @@ static void check_fused_rope(const char* what, int NH, int NKV, int P, const std
     printf("    %-50s %-26s outputs differing %zu, k cache %zu, v cache %zu\n", what, label, out_diff, k_diff, v_diff);
     CHECK_MSG(out_diff == 0 && k_diff == 0 && v_diff == 0, "%s: %s differ", what, label);
   };
-  compare_bits(1, 0, "fused vs section 8");
+  compare_bits(1, 0, "fused vs section 14");
   if (cluster) compare_bits(3, 2, "fused vs separate, cluster");
   if (cluster && *std::max_element(ctx.begin(), ctx.end()) <= 1024 && decode_partition(B, dtype) == ATTN_KV_TILE)
-    compare_bits(2, 0, "cluster vs section 8");
+    compare_bits(2, 0, "cluster vs section 14");
   // the store happened: every real row's slot changed (random values repeat by chance only rarely)
   std::vector<uint8_t> k_before = download_bytes(k0, cache_bytes);
   size_t stored = 0;
-  const size_t row_bytes = HEAD_DIM * kv_cache_elem_bytes(dtype);
+  const size_t row_bytes = HEAD_DIM * kv_value_bytes(dtype);
   for (int b = 0; b < B - n_pad; b++) {
     const size_t at = ((size_t)(slots[b] / P) * NKV * P + slots[b] % P) * row_bytes;  // kv head 0
     stored += memcmp(&k_before[at], &k_bits[1][at], row_bytes) != 0;
@@ -641,7 +817,7 @@ TEST(decode_fused_rope_matches_separate_kernels) {
                    59);
 }
 
-// ---- section 21: the fp8 cache ------------------------------------------------------------------------------
+// ---- section 22: the fp8 cache ------------------------------------------------------------------------------
 // The kernels read e4m3 bytes and widen them exactly, so against the fp64 reference over the values the
 // bytes stand for they are held to the bf16 tolerance. Scales other than 1 on purpose (keys 1/4, values 2).
 
@@ -683,8 +859,9 @@ TEST(fp8_wrong_scale_is_caught) {
                make_batch(16, 8, 64, std::vector<int>(40, 1), random_lengths(40, 1, 900, 123), 124), 1024, wrong);
 }
 
-// Section 17 with an fp8 cache: the fused kernel keeps this step's key and value in shared memory as the values
-// their bytes stand for, so its outputs and the bytes it stores equal qk_norm_rope + section 8's, bit for bit.
+// Section 18 with an fp8 cache: the fused kernel keeps this step's key and value in shared memory as the values
+// their bytes stand for, so its outputs and the bytes it stores equal qk_norm_rope_view + section 14's, bit
+// for bit.
 TEST(fp8_decode_fused_rope_matches_separate_kernels) {
   REQUIRE_GPU();
   const KVScales s{0.25f, 2.f};
@@ -718,7 +895,8 @@ TEST(timing_decode) {
 }
 
 // Prefill of S sequences of L tokens (no cached prefix). Causal FLOPs: 4 * D * NH * sum over queries of
-// (keys seen) — QK^T and PV, 2 FLOPs per multiply-add each.
+// (keys seen) — QK^T and PV, 2 FLOPs per multiply-add each. Rows: section 14's kernel (tensor cores) and
+// section 8's (a warp per query row and head, on the CUDA cores).
 TEST(timing_prefill) {
   REQUIRE_GPU();
   const int S = 64, L = 2048, NH = 16, NKV = 8, P = 256, T = S * L, MB = L / P;
@@ -735,21 +913,30 @@ TEST(timing_prefill) {
   int* d_bt = to_device(bt);
   bf16* out = nullptr;
   CUDA_CHECK(cudaMalloc(&out, (size_t)T * NH * HEAD_DIM * sizeof(bf16)));
-  double us = median_us(
-      [&] {
-        attention_prefill(out, qkv, bf16_kv_layer(k, v), d_cu, d_lens, d_bt, S, L, NH, NKV, P, MB,
-                          1.f / sqrtf(128.f), 0);
-      },
-      7);
+  const float scale = 1.f / sqrtf(128.f);
   const double flops = 4.0 * HEAD_DIM * NH * S * ((double)L * (L + 1) / 2);
-  printf("    TIMING prefill %d x %d NH=%d NKV=%d P=%d: %.0f us, %.1f TFLOP/s, %.0f tok/s (1 layer)\n",
-         S, L, NH, NKV, P, us, flops / us / 1e6, T / us * 1e6);
-  CHECK_MSG(count_nonfinite(out, (size_t)T * NH * HEAD_DIM) == 0, "non-finite prefill output");
+  for (int plain = 0; plain < 2; plain++) {
+    CUDA_CHECK(cudaMemset(out, 0xFF, (size_t)T * NH * HEAD_DIM * sizeof(bf16)));
+    const double us = median_us(
+        [&] {
+          if (plain)
+            attention_prefill(out, qkv, KVLayer{k, v}, d_cu, d_lens, d_bt, S, L, NH, NKV, P, MB, scale, 0);
+          else
+            flash_attention_prefill(out, qkv, bf16_kv_view({k, v}), d_cu, d_lens, d_bt, S, L, NH, NKV, P, MB,
+                                    scale, 0);
+        },
+        plain ? 3 : 7);
+    printf("    TIMING prefill %d x %d NH=%d NKV=%d P=%d, section %d: %.0f us, %.1f TFLOP/s, %.0f tok/s "
+           "(1 layer)\n", S, L, NH, NKV, P, plain ? 8 : 14, us, flops / us / 1e6, T / us * 1e6);
+    CHECK_MSG(count_nonfinite(out, (size_t)T * NH * HEAD_DIM) == 0, "non-finite prefill output (section %d)",
+              plain ? 8 : 14);
+  }
   for (void* p : {(void*)k, (void*)v, (void*)qkv, (void*)d_cu, (void*)d_lens, (void*)d_bt, (void*)out})
     CUDA_CHECK(cudaFree(p));
 }
 
 int main(int argc, char** argv) {
+  install_default_optimizations();
   if (have_gpu()) {
     cudaDeviceProp p;
     CUDA_CHECK(cudaGetDeviceProperties(&p, 0));

@@ -13,17 +13,19 @@
 //     holds one max_model_len sequence (preemption on most steps), and 16 requests behind one long prefix.
 // (b) and (c) are written to SHAPE/gen_results.json for the teacher-forcing check in Python.
 // NANOVLLM_E2E_TP=N runs every engine with --tensor-parallel-size N: main() forks the N-1 workers before
-// any CUDA call, and they serve the engines this process builds, one at a time (the newest; section 25).
+// any CUDA call, and they serve the engines this process builds, one at a time (the newest; section 27).
 // NANOVLLM_E2E_OPT=LIST runs every engine with --opt LIST (none: Part I alone, the plain path; default all:
-// every optimization, section 22's persistent decode kernel included, which the engine's own default leaves
+// every optimization, section 23's persistent decode kernel included, which the engine's own default leaves
 // off), so the same comparison with Hugging Face checks the plain path and the fast ones.
 // NANOVLLM_E2E_SCHEDULER=mixed runs every engine with --scheduler mixed (vLLM V1's, section 5b): steps that
 // hold decode tokens and prompt chunks together go through the prefill kernels, eagerly.
-// NANOVLLM_E2E_KV=fp8 runs every engine with --kv-cache-dtype fp8 (section 21). Its bar for (a) is 5x the bf16
+// NANOVLLM_E2E_KV=fp8 runs every engine with --kv-cache-dtype fp8 (section 22). Its bar for (a) is 5x the bf16
 // one: e4m3 rounds each key and value to 3 mantissa bits (a relative error up to 2^-4, 16x bf16's), which on
 // these shapes costs 3-5x bf16's logit error (README, FP8 section), and a scale off by 2x costs far more
 // (gpu_attention's fp8_wrong_scale_is_caught); the argmax check and the teacher-forcing tolerance follow our
 // own error as always. NANOVLLM_E2E_KV_SCALES=one uses scale 1.0 (vLLM's default) instead of the weight bounds.
+// An fp8 cache is read by section 14's flash kernels only, so with an NANOVLLM_E2E_OPT that switches
+// flash_attn off (none) the fp8 run is SKIPPED, with the reason, rather than failed or passed.
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
 #include "../test.h"
@@ -38,19 +40,31 @@ static std::vector<float> read_f32(const std::string& path, size_t n) {
   return v;
 }
 
-static Optimizations e2e_opt() {
-  Optimizations o;
+// The optimizations NANOVLLM_E2E_OPT names (default all), through section 2's registry as --opt reads them.
+static OptimizationSet e2e_opt() {
+  OptimizationSet o = default_optimizations();
   const char* s = getenv("NANOVLLM_E2E_OPT");
   std::string problem = parse_optimizations(s ? s : "all", o);
   if (!problem.empty()) die("NANOVLLM_E2E_OPT: %s", problem.c_str());
   return o;
 }
+// Whether the registered optimization `name` is on in `set` (false when this build has no such entry).
+static bool e2e_opt_on(const OptimizationSet& set, const char* name) {
+  const std::vector<Optimization>& reg = optimization_registry();
+  for (size_t i = 0; i < reg.size() && i < set.on.size(); i++)
+    if (!strcmp(reg[i].name, name)) return set.on[i];
+  return false;
+}
 
-static KVCacheDtype e2e_kv() {
+// The cache format NANOVLLM_E2E_KV names (default bf16), as --kv-cache-dtype reads it: its canonical name.
+static std::string e2e_kv() {
   const char* s = getenv("NANOVLLM_E2E_KV");
-  KVCacheDtype d = KVCacheDtype::BF16;
-  if (s && !parse_kv_cache_dtype(s, d).empty()) die("NANOVLLM_E2E_KV=%s: expected bf16 or fp8", s);
-  return d;
+  std::string name = "bf16";
+  if (s) {
+    std::string problem = parse_kv_cache_dtype(s, name);
+    if (!problem.empty()) die("NANOVLLM_E2E_KV=%s: %s", s, problem.c_str());
+  }
+  return name;
 }
 static bool e2e_scales_from_weights() {
   const char* s = getenv("NANOVLLM_E2E_KV_SCALES");
@@ -68,6 +82,7 @@ struct Engine {
   ModelConfig mc;
   std::unique_ptr<ModelRunner> runner;
   std::unique_ptr<LLMEngine> engine;
+  RunWatcher watcher;  // the step counts (section 26's observer), without its progress line
   Engine(const std::string& dir, int max_batched, int block_size, int num_blocks, int max_model_len) {
     config.model = dir;
     config.max_num_batched_tokens = max_batched;
@@ -78,8 +93,7 @@ struct Engine {
     config.gpu_memory_utilization = 0.95f;
     config.tensor_parallel_size = e2e_tp();
     config.opt = e2e_opt();
-    config.kv_cache_dtype = e2e_kv();
-    config.kv_scales_from_weights = e2e_scales_from_weights();
+    config.kv_cache_dtype = e2e_kv();  // (the scales: g_kv_scales_from_weights, set in main)
     const char* sched = getenv("NANOVLLM_E2E_SCHEDULER");
     if (sched && strcmp(sched, "nano") && strcmp(sched, "mixed"))
       die("NANOVLLM_E2E_SCHEDULER=%s: expected nano or mixed", sched);
@@ -89,7 +103,8 @@ struct Engine {
     runner.reset(new ModelRunner(config, mc));
     runner->capture_cudagraphs();
     engine.reset(new LLMEngine(config, *runner));
-    engine->progress = false;
+    watcher.progress = false;
+    engine->observer = &watcher;
   }
   // Greedy completions of `prompts`, each returned as prompt + generated ids; `base` sets the other fields.
   std::vector<std::vector<int>> generate(const std::vector<std::vector<int>>& prompts, int max_tokens,
@@ -123,12 +138,17 @@ static void run_shape(const std::string& dir) {
   json gen_prompts = json::parse(read_file(dir + "/gen_prompts.json", "prompts"));
   Engine e(dir, 16384, 256, 64, 4096);
   const int V = e.mc.vocab_size;
-  const bool fp8 = e.config.kv_cache_dtype == KVCacheDtype::FP8;
+  const bool fp8 = e.config.kv_cache_dtype == "fp8";
+#ifdef NANOVLLM_PART_II  // (a build with Part II cut out stores bf16 only: parse_kv_cache_dtype refuses fp8)
   if (fp8) {
+    CHECK_MSG(g_kv_dtype == KVCacheDtype::FP8 && (int)g_kv_scales.size() == e.mc.num_hidden_layers,
+              "--kv-cache-dtype fp8 asked for, but the engine's cache is not fp8 (%zu layers of scales)",
+              g_kv_scales.size());
     printf("    fp8 KV cache, scales (k, v) per layer:");
-    for (const KVScales& sc : e.runner->model.kv.scales) printf(" (%g, %g)", sc.k, sc.v);
+    for (const KVScales& sc : g_kv_scales) printf(" (%g, %g)", sc.k, sc.v);
     printf("\n");
   }
+#endif
   // (a) logits
   double worst_abs = 0;
   for (size_t i = 0; i < cases.size(); i++) {
@@ -137,7 +157,7 @@ static void run_shape(const std::string& dir) {
     r.prompt_token_ids = ids;
     r.params.temperature = 0;
     r.params.max_tokens = 1;
-    e.engine->add_request(ids, r.params);
+    e.engine->add_request(r);
     e.engine->step();
     std::vector<float> got(V);
     CUDA_CHECK(cudaMemcpy(got.data(), e.runner->logits, V * sizeof(float), cudaMemcpyDeviceToHost));
@@ -186,8 +206,8 @@ static void run_shape(const std::string& dir) {
   {
     Engine chunked(dir, 512, 256, 64, 4096);
     record("chunked_prefill", chunked.generate(prompts, 128), plens);
-    printf("    (c) chunked: %lld prefill steps\n", (long long)chunked.engine->stats.steps_prefill);
-    CHECK(chunked.engine->stats.steps_prefill >= 5);
+    printf("    (c) chunked: %lld prefill steps\n", (long long)chunked.watcher.stats.steps_prefill);
+    CHECK(chunked.watcher.stats.steps_prefill >= 5);
   }
   {
     Engine small(dir, 16384, 16, 100, 1200);  // 1600 token slots for ~3.4k tokens of work
@@ -301,25 +321,27 @@ static void run_shape(const std::string& dir) {
     for (int i = 0; i < 4; i++) differ += penalized[i] != batch[i];
     printf("    (d) penalties: %d of 4 greedy completions differ from the unpenalized ones\n", differ);
     CHECK(differ > 0);
-    // n = 3: three sequences of one batch, so three identical greedy completions; the two later ones share
-    // the prompt's full blocks (a 600-token prompt: 2 blocks of 256). Whether they equal the request alone
-    // is printed, not required: a batch of 3 and a batch of 1 may run different kernels (section 20: cuBLASLt
-    // and the gemv; section 22: different attention partitions, or no plan at one of the sizes), and a
-    // near-tie may then go the other way. Teacher forcing scores the tokens.
+    // n = 3: three sequences of one request; the two later ones share the prompt's full blocks (a 600-token
+    // prompt: 2 blocks of 256) and compute only its last tokens themselves, in matrix products of another
+    // height than the first one's 600 rows (cuBLASLt may pick another algorithm, so the rounding differs).
+    // So the three greedy completions agree unless a near-tie goes another way (it did on the 8B-width shape
+    // with --plain); whether they agree, and whether they equal the request alone, is printed, not required.
+    // Teacher forcing scores every token of all three; the prefix-cache hits are required.
     SamplingParams three;
     three.n = 3;
     Engine fresh(dir, 16384, 256, 64, 4096);
     auto trio = fresh.generate({prompts[6]}, 128, three);
     CHECK_EQ(trio.size(), (size_t)3);
-    for (auto& t : trio) CHECK_MSG(t == trio[0], "n = 3: the completions of one batch differ");
+    int same = 0;
+    for (auto& t : trio) same += t == trio[0];
     const int64_t shared = fresh.engine->scheduler.stats.prefix_hit_tokens;
-    printf("    (d) n = 3: identical greedy completions (%s the request alone), %lld prefix-hit tokens "
-           "(2 x %zu expected)\n", trio[0] == one[6] ? "the same as" : "not the same as", (long long)shared,
-           (prompts[6].size() - 1) / 256 * 256);
+    printf("    (d) n = 3: %d of 3 greedy completions the same as the first (%s the request alone), %lld "
+           "prefix-hit tokens (2 x %zu expected)\n", same, trio[0] == one[6] ? "the same as" : "not the same as",
+           (long long)shared, (prompts[6].size() - 1) / 256 * 256);
     CHECK_EQ(shared, (int64_t)(2 * ((prompts[6].size() - 1) / 256 * 256)));
     record("n_greedy", trio, {plens[6], plens[6], plens[6]});
   }
-  json out = {{"tolerance", tol}, {"runs", runs}, {"kv_cache_dtype", kv_cache_dtype_name(e.config.kv_cache_dtype)}};
+  json out = {{"tolerance", tol}, {"runs", runs}, {"kv_cache_dtype", e.config.kv_cache_dtype}};
   std::ofstream(dir + "/gen_results.json") << out.dump();
 }
 
@@ -330,16 +352,24 @@ TEST(e2e_against_transformers) {
   const char* shapes = getenv("NANOVLLM_E2E_SHAPES");
   std::string list = shapes ? shapes : "tiny 0.6b 8b-short";
   const char* sched = getenv("NANOVLLM_E2E_SCHEDULER");
+  const std::string kv = e2e_kv();
   printf("    tensor-parallel size %d, optimizations: %s, scheduler %s, KV cache %s%s\n", e2e_tp(),
-         optimizations_str(e2e_opt()).c_str(), sched ? sched : "nano", kv_cache_dtype_name(e2e_kv()),
-         e2e_kv() == KVCacheDtype::FP8 ? (e2e_scales_from_weights() ? " (scales from the weights)" : " (scales 1)")
-                                       : "");
+         optimizations_str(e2e_opt()).c_str(), sched ? sched : "nano", kv.c_str(),
+         kv == "fp8" ? (e2e_scales_from_weights() ? " (scales from the weights)" : " (scales 1)") : "");
+  if (kv == "fp8" && !e2e_opt_on(e2e_opt(), "flash_attn"))
+    SKIP("NANOVLLM_E2E_KV=fp8 needs flash_attn (section 14 reads the fp8 cache; the engine refuses it "
+         "without), and NANOVLLM_E2E_OPT=%s switches it off", getenv("NANOVLLM_E2E_OPT") ?: "all");
   std::istringstream is(list);
   std::string s;
   while (is >> s) run_shape(std::string(d) + "/" + s);
 }
 
 int main(int argc, char** argv) {
+  // Read when a ModelRunner allocates an fp8 pool, on every rank: set before the workers are forked, so
+  // that they have it too.
+#ifdef NANOVLLM_PART_II
+  g_kv_scales_from_weights = e2e_scales_from_weights();
+#endif
   tp_launch(e2e_tp());  // before any CUDA call; a no-op for 1
   int rc = test_main(argc, argv);
   return tp_shutdown() ? rc : 1;

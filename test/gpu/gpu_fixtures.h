@@ -1,7 +1,8 @@
 // gpu_fixtures.h — what every GPU suite needs: whether a GPU is visible (a suite's cases SKIP without one, so
 // `make test` on a CPU machine says so instead of passing), and DevBuf, a device array with upload, download
-// and poison (0xFF bytes: a value the code under test must overwrite), and rows of random logits. Include
-// after nanovllm.cu and test.h.
+// and poison (0xFF bytes: a value the code under test must overwrite), rows of random logits, and Part II's
+// switches: install_default_optimizations (every suite's main) and ScopedOptimizations (a set, for one
+// scope). Include after nanovllm.cu and test.h.
 #pragma once
 
 static bool have_gpu() {
@@ -45,3 +46,32 @@ static std::vector<float> random_logits(size_t n, std::mt19937& rng, float stdde
   for (auto& x : v) x = d(rng);
   return v;
 }
+
+// The engine's default switches (section 2's registry), installed as a ModelRunner installs them (section
+// 11). Every suite's main calls it before the cases run: until something installs a set, Part II's g_opt is
+// all off, and the Part II kernels a case calls directly read it (launch_pdl: pdl; attention_decode_fast:
+// cluster_merge; all_reduce_fast: oneshot_allreduce).
+static void install_default_optimizations() { install_optimizations(default_optimizations()); }
+
+#ifdef NANOVLLM_PART_II  // (a build with Part II cut out has none of these names)
+// Part II's switches as `--opt spec` sets them (section 2's registry), installed the way ModelRunner does
+// (install_optimizations, section 11: g_opt and the hook table g_hooks), for the life of this object; what
+// was installed before (and the cache format, which installing resets to bf16) is put back at its end.
+// A case that only picks one kernel path may still set a g_opt field directly.
+struct ScopedOptimizations {
+  const Optimizations saved_opt = g_opt;
+  const Hooks saved_hooks = g_hooks;
+  const KVCacheDtype saved_kv_dtype = g_kv_dtype;
+  const std::vector<KVScales> saved_kv_scales = g_kv_scales;
+  explicit ScopedOptimizations(const char* spec) {
+    OptimizationSet set = default_optimizations();
+    const std::string problem = parse_optimizations(spec, set);
+    if (!problem.empty()) die("ScopedOptimizations(\"%s\"): %s", spec, problem.c_str());
+    install_optimizations(set);
+  }
+  ~ScopedOptimizations() {
+    g_opt = saved_opt, g_hooks = saved_hooks, g_kv_dtype = saved_kv_dtype, g_kv_scales = saved_kv_scales;
+  }
+  ScopedOptimizations(const ScopedOptimizations&) = delete;
+};
+#endif

@@ -1,4 +1,4 @@
-// Sections 10 and 15 on the GPU: matrix products through cuBLASLt (Part I) and through the small-batch gemv
+// Sections 10 and 16 on the GPU: matrix products through cuBLASLt (Part I) and through the small-batch gemv
 // (Part II), each against the CPU reference (linear_reference, in double), the fused gemvs bit for bit
 // against the kernels they replace, and the two paths timed side by side at decode shapes.
 #define NANOVLLM_TESTING
@@ -220,4 +220,7 @@ TEST(fused_gemv_speed) {
          "fused %.1f us\n", t[0], t[1]);
 }
 
-int main(int argc, char** argv) { return test_main(argc, argv); }
+int main(int argc, char** argv) {
+  install_default_optimizations();
+  return test_main(argc, argv);
+}

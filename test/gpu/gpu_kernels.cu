@@ -1,6 +1,7 @@
-// gpu_kernels.cu — sections 7 (elementwise and normalisation kernels), 9 (the sampler) and 19 (the fast
-// sampler) against the CPU references beside them in nanovllm.cu, and section 19 against section 9. Every case poisons its outputs first (0xFF bytes: bf16 NaN), uses fresh random inputs and
-// awkward sizes. Without a visible GPU every GPU case is SKIPPED (never reported as passed).
+// gpu_kernels.cu — sections 7 (elementwise and normalisation kernels), 9 (the sampler) and 20 (the fast
+// sampler) against the CPU references beside them in nanovllm.cu, section 20 against section 9, and section
+// 22's fp8 conversions and store. Every case poisons its outputs first (0xFF bytes: bf16 NaN), uses fresh
+// random inputs and awkward sizes. Without a visible GPU every GPU case is SKIPPED (never reported as passed).
 //   build: make test (or nvcc -std=c++17 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a
 //          -o build/gpu_kernels test/gpu/gpu_kernels.cu -lcublasLt -lnccl libutf8proc.a)
 //   run:   ./build/gpu_kernels [NAME_SUBSTRING]
@@ -164,7 +165,7 @@ TEST(qk_norm_rope_matches_reference) {
     for (int i = 0; i < c.T && i < 5; i++) pos[i] = edge[i];
     DevBuf<bf16> d_qkv(qkv), d_qw(qw), d_kw(kw), d_cache((size_t)c.NKV * 16 * HEAD_DIM);
     DevBuf<int> d_pos(pos), d_slots(std::vector<int>(c.T, -1));  // no store here: see the next test
-    qk_norm_rope(d_qkv.p, d_pos.p, d_qw.p, d_kw.p, bf16_kv_layer(d_cache.p, d_cache.p), d_slots.p, c.T, c.NH,
+    qk_norm_rope(d_qkv.p, d_pos.p, d_qw.p, d_kw.p, KVLayer{d_cache.p, d_cache.p}, d_slots.p, c.T, c.NH,
                  c.NKV, 16, c.theta, eps, 0);
     auto got = to_float(d_qkv.download());
     auto want = to_float(qkv);
@@ -200,7 +201,7 @@ TEST(store_kvcache_slots_and_padding) {
       DevBuf<int> d_slots(slots), d_pos(pos);
       d_k.poison();
       d_v.poison();
-      qk_norm_rope(d_qkv.p, d_pos.p, d_w.p, d_w.p, bf16_kv_layer(d_k.p, d_v.p), d_slots.p, T, NH, NKV, P, 1e6f,
+      qk_norm_rope(d_qkv.p, d_pos.p, d_w.p, d_w.p, KVLayer{d_k.p, d_v.p}, d_slots.p, T, NH, NKV, P, 1e6f,
                    1e-6f, 0);
       auto k = d_k.download(), v = d_v.download();
       auto roped = d_qkv.download();  // k heads as qk_norm_rope wrote them
@@ -226,7 +227,7 @@ TEST(store_kvcache_slots_and_padding) {
     }
 }
 
-// ---- section 21: the fp8 cache's conversions and store ---------------------------------------------------
+// ---- section 22: the fp8 cache's conversions and store ---------------------------------------------------
 
 __global__ void fp8_round_trip_kernel(const uint16_t* in, uint8_t* bytes, uint16_t* back, uint8_t* again, int n,
                                       float scale) {
@@ -240,7 +241,7 @@ __global__ void fp8_round_trip_kernel(const uint16_t* in, uint8_t* bytes, uint16
 }
 
 // Every bf16 value (all 65,536 bit patterns but NaN), at scales 1, 2^-3, 2^5 and 2^7: the byte the store
-// writes equals section 21's CPU rounding of value / scale (nearest, ties to even, saturating at 448); the
+// writes equals section 22's CPU rounding of value / scale (nearest, ties to even, saturating at 448); the
 // fp16 the attention tiles get is exactly that e4m3 value (subnormals included); and the fused kernel's
 // store of those tile values writes the same byte again.
 TEST(fp8_conversions_exact) {
@@ -278,8 +279,9 @@ TEST(fp8_conversions_exact) {
   }
 }
 
-// qk_norm_rope's store into an fp8 cache: every k head lands in its slot as e4m3(k / k_scale) of the bf16 k
-// it left in qkv, every v head as e4m3(v / v_scale); slot -1 stores nothing; nothing else is touched.
+// qk_norm_rope_view's store into an fp8 cache (section 22): every k head lands in its slot as e4m3(k / k_scale)
+// of the bf16 k it left in qkv, every v head as e4m3(v / v_scale); slot -1 stores nothing; nothing else is
+// touched.
 TEST(store_kvcache_fp8) {
   REQUIRE_GPU();
   std::mt19937 rng(14);
@@ -302,8 +304,8 @@ TEST(store_kvcache_fp8) {
     CUDA_CHECK(cudaMemset(d_k.p, 0xA5, cache_n));
     CUDA_CHECK(cudaMemset(d_v.p, 0xA5, cache_n));
     const KVScales scale{0.25f, 2.f};
-    qk_norm_rope(d_qkv.p, d_pos.p, d_w.p, d_w.p, KVLayer{d_k.p, d_v.p, KVCacheDtype::FP8, scale}, d_slots.p, T, NH,
-                 NKV, P, 1e6f, 1e-6f, 0);
+    qk_norm_rope_view(d_qkv.p, d_pos.p, d_w.p, d_w.p, KVView{d_k.p, d_v.p, KVCacheDtype::FP8, scale}, d_slots.p, T,
+                      NH, NKV, P, 1e6f, 1e-6f, 0);
     auto k = d_k.download(), v = d_v.download();
     auto roped = d_qkv.download();
     std::vector<uint8_t> want_k(cache_n, 0xA5), want_v(cache_n, 0xA5);
@@ -382,7 +384,7 @@ TEST(bench_elementwise_bandwidth) {
        time_ms([&] { add_rmsnorm(out.p, res.p, in.p, w.p, T, H, 1e-6f, 0); })},
       {"qk_norm_rope + KV store T=16384 NH=16 NKV=8", (2.0 * (NH + NKV) + 3.0 * NKV) * T * HEAD_DIM * 2,
        time_ms([&] {
-         qk_norm_rope(out.p, d_pos.p, w.p, w.p, bf16_kv_layer(kc.p, vc.p), d_slots.p, T, NH, NKV, P, 1e6f, 1e-6f, 0);
+         qk_norm_rope(out.p, d_pos.p, w.p, w.p, KVLayer{kc.p, vc.p}, d_slots.p, T, NH, NKV, P, 1e6f, 1e-6f, 0);
        })},
       {"silu_and_mul   T=16384 I=3072", 3.0 * T * I * 2,
        time_ms([&] { silu_and_mul(out.p, in.p, T, I, 0); })},
@@ -395,7 +397,7 @@ TEST(bench_elementwise_bandwidth) {
   }
 }
 
-// ==== sections 9 and 19: the sampler =====================================================================
+// ==== sections 9 and 20: the sampler =====================================================================
 
 TEST(philox_known_answers) {  // Random123's kat_vectors for philox4x32-10; runs on the CPU
   struct Kat { uint4 ctr; uint2 key; uint4 want; };
@@ -446,7 +448,7 @@ static int cpu_sample(const float* logits, int V, const SamplingSlot& s, const s
   return sample_reference(logits, V, s, keep.empty() ? std::vector<char>(V, 1) : keep, margin);
 }
 
-// Which sampler gpu_sample and sample_histogram run: section 19's (the engine's default) or section 9's.
+// Which sampler gpu_sample and sample_histogram run: section 20's (the engine's default) or section 9's.
 static bool g_fast_sampler = true;
 static void run_sampler(int* out, const float* logits, const SamplingSlot* slots, int B, int V, void* ws,
                         size_t ws_bytes) {
@@ -512,7 +514,7 @@ TEST(sample_reproduces_cpu_draws_exactly) {
   REQUIRE_GPU();
   for (bool fast : {true, false}) {
   g_fast_sampler = fast;
-  printf("    %s:\n", fast ? "section 19 (fast)" : "section 9 (plain)");
+  printf("    %s:\n", fast ? "section 20 (fast)" : "section 9 (plain)");
   std::mt19937_64 rng(12);
   std::mt19937 rng32(13);
   struct Cfg { float t; int k; float p; float stddev; };
@@ -780,10 +782,10 @@ TEST(sample_every_path_once) {
   g_fast_sampler = true;
 }
 
-// Section 19 computes the same kept set and the same draw as section 9 by another road: every token must be
+// Section 20 computes the same kept set and the same draw as section 9 by another road: every token must be
 // equal, on every kind of row (greedy with planted ties and NaNs, temperature, top-k small and huge, top-p
 // with a short list and with the list overflow of a flat row, both cuts), at batch sizes that change how
-// section 19 splits rows, and at vocabulary sizes with V % 4 != 0.
+// section 20 splits rows, and at vocabulary sizes with V % 4 != 0.
 TEST(sample_fast_matches_plain) {
   REQUIRE_GPU();
   std::mt19937 rng(19);
@@ -816,7 +818,7 @@ TEST(sample_fast_matches_plain) {
         CHECK_MSG(fast[b] == plain[b], "V=%d B=%d row %d (T=%g k=%d p=%g): fast %d, plain %d", V, B, b,
                   slots[b].temperature, slots[b].top_k, slots[b].top_p, fast[b], plain[b]);
     }
-  printf("    %d rows: section 19 and section 9 drew the same token\n", compared);
+  printf("    %d rows: section 20 and section 9 drew the same token\n", compared);
 }
 
 TEST(bench_sampler) {
@@ -851,4 +853,7 @@ TEST(bench_sampler) {
   }
 }
 
-int main(int argc, char** argv) { return test_main(argc, argv); }
+int main(int argc, char** argv) {
+  install_default_optimizations();
+  return test_main(argc, argv);
+}

@@ -1,12 +1,13 @@
-// gpu_persistent.cu — section 22's persistent decode kernel against section 20's forward pass and Part I's
+// gpu_persistent.cu — section 23's persistent decode kernel against section 21's forward pass and Part I's
 // (Qwen3::forward), on random-weight models built in GPU memory (the Qwen3-0.6B shape with all 28 layers,
 // a 4-layer slice of the Qwen3-8B shape, and an odd small shape whose sizes leave partial row groups and
 // partial chunks everywhere, with one KV head and 16-token blocks), at every batch size the kernel has a plan
 // for (1, 2, 4) with contexts from 1 to 3000 tokens over shuffled paged blocks.
-//   * Accuracy. The kernel adds its sums in another order than section 20 (and cuBLASLt), so the results are
+//   * Accuracy. The kernel adds its sums in another order than section 21 (and cuBLASLt), so the results are
 //     not bit-identical: each bf16 rounding may land one ulp apart and the difference travels through the
-//     layers. The yardstick is how far section 15's gemv (another legitimate order, which section 20 uses at
-//     batch 1 and 2) lands from Part I on the same model: the persistent logits' relative L2 distance to Part
+//     layers. The yardstick is how far section 21 (other legitimate orders: section 16's gemv at batch 1
+//     and 2, section 14's flash attention at every batch) lands from Part I (cuBLASLt, section 8's plain
+//     attention) on the same model at batch 1 and 2: the persistent logits' relative L2 distance to Part
 //     I's must be within 1.5x that plus 2e-3, likewise the keys and values the step stores, and the same token
 //     must win wherever Part I's top-2 margin is clear of the logit error. The stored slots are poisoned with
 //     NaN before each run: a run that does not store them, or that reads the step's own key back from the
@@ -16,7 +17,7 @@
 //     arithmetic does not depend on timing, so any difference is a read that raced a write. And the control:
 //     leaving out one operation's wait (skip_wait) under the same skew must change the results, so this
 //     check can fail.
-//   * timing_*: one decode step captured in a CUDA graph, persistent vs section 20 (sampler not included), for
+//   * timing_*: one decode step captured in a CUDA graph, persistent vs section 21 (sampler not included), for
 //     the 0.6B and the full 8B shapes; and the breakdown of a step by operation (PersistArgs::trace).
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
@@ -58,7 +59,7 @@ static ModelConfig test_shape(const std::string& name) {
   return c;
 }
 
-// A Qwen3 with random weights and a random bf16 cache, and section 22's plans, without a checkpoint.
+// A Qwen3 with random weights and a random bf16 cache, and section 23's plans, without a checkpoint.
 struct TestModel {
   Qwen3 m;
   PersistentDecode pd;
@@ -105,7 +106,8 @@ struct TestModel {
     alloc(&a.residual, Bmax * H), alloc(&a.hidden, Bmax * H), alloc(&a.x, Bmax * H);
     alloc(&a.qkv, Bmax * (NH + 2 * NKV) * D), alloc(&a.attn, Bmax * NH * D), alloc(&a.gate_up, Bmax * 2 * I);
     alloc(&a.act, Bmax * I), alloc(&a.last, Bmax * H), alloc(&a.logits, Bmax * V);
-    CUDA_CHECK(cudaMalloc(&a.attn_workspace, attention_decode_workspace_bytes(Bmax, NH, max_model_len)));
+    // section 14's split-K decode scratch, which ModelRunner allocates when flash_attn asks (Hooks)
+    CUDA_CHECK(cudaMalloc(&a.attn_workspace, flash_decode_workspace_bytes(Bmax, NH, max_model_len)));
     m.gemm = new Gemm;
     m.gemm->init();
     CUDA_CHECK(cudaDeviceSynchronize());
@@ -166,21 +168,22 @@ static StepResult run_step(TestModel& t, DecodeStep& st, Path path, int skew_ns 
   CUDA_CHECK(cudaMemset(t.m.act.logits, 0xFF, (size_t)st.B * c.vocab_size * sizeof(float)));
   for_each_stored_row(t, st, [&](int64_t off, size_t) { CUDA_CHECK(cudaMemset(kv + off, 0xFF, HEAD_DIM * 2)); });
   CUDA_CHECK(cudaDeviceSynchronize());
-  const Optimizations saved = g_opt;
   const StepInputs in = st.inputs();
   if (path == Path::PLAIN) {
-    parse_optimizations("none", g_opt);
+    ScopedOptimizations plain("none");
     t.m.forward(in, st.B, st.B, false, t.s);
+    CUDA_CHECK(cudaStreamSynchronize(t.s));
   } else if (path == Path::FAST) {
-    parse_optimizations("all,-persistent", g_opt);
+    ScopedOptimizations fast("all,-persistent");
+    CHECK_MSG(g_opt.flash_attn && g_opt.gemv, "section 21 with flash_attn and gemv expected");
     forward_fast(t.m, in, st.B, st.B, false, t.s);
+    CUDA_CHECK(cudaStreamSynchronize(t.s));
   } else {
     const PersistPlan* plan = t.pd.plans.count(st.B) ? &t.pd.plans.at(st.B) : nullptr;
     if (!plan) die("gpu_persistent: no plan for batch %d (%s)", st.B, t.pd.off_reason.c_str());
     persistent_decode(t.m, *plan, in, t.s, skew_ns, skip_wait, nullptr);
   }
   CUDA_CHECK(cudaStreamSynchronize(t.s));
-  g_opt = saved;
   StepResult r;
   r.logits.resize((size_t)st.B * c.vocab_size);
   CUDA_CHECK(cudaMemcpy(r.logits.data(), t.m.act.logits, r.logits.size() * 4, cudaMemcpyDeviceToHost));
@@ -244,15 +247,16 @@ static void accuracy_case(const std::string& shape, int P) {
          t.pd.plans.count(1) ? t.pd.plans.at(1).parts : 0);
   CHECK_MSG(t.pd.plans.count(1), "no plan for batch 1 (%s)", t.pd.off_reason.c_str());
   const int V = t.m.cfg.vocab_size;
-  // The yardstick: how far another legitimate summation order lands from Part I on this model. Section 20
-  // runs batch 1 and 2 through section 15's gemv, whose order differs from cuBLASLt's (larger batches go
-  // through cuBLASLt like Part I, often to the bit); its largest distance there is the shape's noise level.
+  // The yardstick: how far other legitimate summation orders land from Part I on this model. Section 21
+  // runs batch 1 and 2 through section 16's gemv, whose order differs from cuBLASLt's (larger batches go
+  // through cuBLASLt like Part I), and attention at every batch through section 14's flash kernels, whose
+  // order differs from section 8's; its largest distance at batch 1 and 2 is the shape's noise level.
   struct Row { int B; double e_fast, e_pers, e_pf, kv_fast, kv_pers; int same, checked; };
   std::vector<Row> rows;
   double noise = 0, noise_kv = 0;
   for (int B : {1, 2, 4, 8}) {
     if (!t.pd.plans.count(B)) {
-      printf("    %s B=%d: no plan (shared memory does not fit): section 20's path\n", shape.c_str(), B);
+      printf("    %s B=%d: no plan (shared memory does not fit): section 21's path\n", shape.c_str(), B);
       continue;
     }
     DecodeStep st(t, contexts_for(B, max_len)[0], 1000 + B);
@@ -270,8 +274,8 @@ static void accuracy_case(const std::string& shape, int P) {
     rows.push_back(r);
   }
   for (const Row& r : rows) {
-    printf("    %s B=%d: logits vs Part I: section 20 %.2e, persistent %.2e (vs section 20 %.2e); stored K/V vs "
-           "Part I: section 20 %.2e, persistent %.2e; argmax %d/%d clear rows\n", shape.c_str(), r.B, r.e_fast,
+    printf("    %s B=%d: logits vs Part I: section 21 %.2e, persistent %.2e (vs section 21 %.2e); stored K/V vs "
+           "Part I: section 21 %.2e, persistent %.2e; argmax %d/%d clear rows\n", shape.c_str(), r.B, r.e_fast,
            r.e_pers, r.e_pf, r.kv_fast, r.kv_pers, r.same, r.checked);
     CHECK_MSG(r.e_pers <= 1.5 * noise + 2e-3, "%s B=%d: logits %.3e from Part I, noise level %.3e", shape.c_str(),
               r.B, r.e_pers, noise);
@@ -317,7 +321,7 @@ TEST(persistent_results_do_not_depend_on_timing) {
   }
 }
 
-// One decode step in a CUDA graph: section 20's kernels vs the persistent kernel (no sampler).
+// One decode step in a CUDA graph: section 21's kernels vs the persistent kernel (no sampler).
 TEST(timing_persistent_vs_section20) {
   REQUIRE_GPU();
   for (const char* shape : {"0.6b", "8b"}) {
@@ -329,8 +333,7 @@ TEST(timing_persistent_vs_section20) {
       const StepInputs in = st.inputs();
       double us[2];
       for (int k = 0; k < 2; k++) {
-        const Optimizations saved = g_opt;
-        parse_optimizations(k ? "all" : "all,-persistent", g_opt);
+        ScopedOptimizations opt(k ? "all" : "all,-persistent");
         auto step = [&] {
           if (k) persistent_decode(t.m, t.pd.plans.at(B), in, t.s, 0, -1, nullptr);
           else forward_fast(t.m, in, B, B, false, t.s);
@@ -357,10 +360,9 @@ TEST(timing_persistent_vs_section20) {
         us[k] = ms * 1000 / n;
         CUDA_CHECK(cudaGraphExecDestroy(exec));
         CUDA_CHECK(cudaGraphDestroy(graph));
-        g_opt = saved;
       }
       const double kv_bytes = 2.0 * t.m.cfg.num_hidden_layers * B * 600 * t.m.cfg.num_key_value_heads * HEAD_DIM * 2;
-      printf("    TIMING %s B=%d ctx 600: section 20 %.1f us (%.0f GB/s), persistent %.1f us (%.0f GB/s), %.2fx\n",
+      printf("    TIMING %s B=%d ctx 600: section 21 %.1f us (%.0f GB/s), persistent %.1f us (%.0f GB/s), %.2fx\n",
              shape, B, us[0], (weight_bytes + kv_bytes) / us[0] / 1e3, us[1], (weight_bytes + kv_bytes) / us[1] / 1e3,
              us[0] / us[1]);
     }
@@ -420,4 +422,7 @@ TEST(timing_persistent_breakdown) {
   }
 }
 
-int main(int argc, char** argv) { return test_main(argc, argv); }
+int main(int argc, char** argv) {
+  install_default_optimizations();
+  return test_main(argc, argv);
+}

@@ -1,4 +1,4 @@
-// The tensor-parallel data plane on two GPUs (nanovllm.cu sections 12 and 18): all_reduce_fast on both roads (the
+// The tensor-parallel data plane on two GPUs (nanovllm.cu sections 12 and 19): all_reduce_fast on both roads (the
 // one-shot NVLink kernel and NCCL), in place and into a residual, against an fp32 reference, eagerly and
 // replayed from CUDA graphs mixed with eager calls, and back to back with the ranks out of step;
 // gather_logits with an odd vocabulary; all_reduce_min; and the latency of one all-reduce at the message
@@ -67,7 +67,7 @@ static void check_all_reduce(bf16* x, size_t n, int salt, cudaStream_t s, const 
 
 TEST(all_reduce_matches_fp32_sum_on_both_roads) {
   NEED_TWO_GPUS();
-  printf("    one-shot NVLink all-reduce available: %s\n", g_comm->oneshot ? "yes" : "no (NCCL only)");
+  printf("    one-shot NVLink all-reduce available: %s\n", g_comm->fast ? "yes" : "no (NCCL only)");
   const size_t sizes[] = {8, 4096, 4096 * 3, 5120 * 37, 4096 * 512, AR_DATA_BYTES / 2, (size_t)16384 * 4096};
   bf16 *x, *residual;
   CUDA_CHECK(cudaMalloc(&x, sizes[6] * 2));
@@ -75,7 +75,7 @@ TEST(all_reduce_matches_fp32_sum_on_both_roads) {
   cudaStream_t s;
   CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   const Optimizations saved = g_opt;
-  for (int m : {0, 1}) {  // 0: the one-shot road where it applies (section 18); 1: NCCL alone (section 12)
+  for (int m : {0, 1}) {  // 0: the one-shot road where it applies (section 19); 1: NCCL alone (section 12)
     g_opt.oneshot_allreduce = m == 0;
     for (size_t n : sizes)
       for (bf16* r : {(bf16*)nullptr, residual})
@@ -303,7 +303,7 @@ TEST(bench_all_reduce_latency) {
         graph_us_per_call(s, [&] { all_reduce_fast(g_comm, x, (size_t)B * 4096, s, residual); });
     printf("    all-reduce of %4d x 4096 bf16 (%7d bytes): %s %.2f us (%.2f us into the residual), "
            "NCCL %.2f us per call (in a CUDA graph)\n",
-           B, B * 4096 * 2, g_comm->oneshot ? "one-shot" : "auto(NCCL)", us[0], add_us, us[1]);
+           B, B * 4096 * 2, g_comm->fast ? "one-shot" : "auto(NCCL)", us[0], add_us, us[1]);
   }
   g_opt = saved;
   // One decode step's logits gather at batch 1 (Qwen3's vocabulary), also from a graph of 100.
@@ -318,6 +318,9 @@ TEST(bench_all_reduce_latency) {
 }
 
 int main(int argc, char** argv) {
+  // The engine's default switches, on both ranks, as a ModelRunner installs them (section 11): the one-shot
+  // road where it applies (g_opt is all off until a set is installed).
+  install_optimizations(default_optimizations());
   setenv("NCCL_NVLS_ENABLE", "0", 0);
   struct Shared {
     volatile int ready;
@@ -344,7 +347,7 @@ int main(int argc, char** argv) {
       while (!__atomic_load_n(&sh->ready, __ATOMIC_ACQUIRE)) usleep(1000);
     }
     g_comm = tp_comm_init(g_rank, 2, sh->id);
-    oneshot_setup(g_comm);  // section 18, as ModelRunner does it
+    oneshot_setup(g_comm);  // section 19, as ModelRunner does it (the tp_ready hook)
   }
   int rc = test_main(argc, argv);
   if (g_rank == 1) _exit(rc);
