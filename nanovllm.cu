@@ -3213,7 +3213,7 @@ static TPComm* tp_comm_init(int rank, int size, const ncclUniqueId& id) {
   CUDA_CHECK(cudaMalloc(&c->scratch, sizeof(int64_t)));
   if (const char* mode = getenv("NANOVLLM_ALLREDUCE")) {
     if (strcmp(mode, "skip"))
-      die("NANOVLLM_ALLREDUCE=%s: the only value is skip (timing only); NCCL alone is --opt -oneshot_allreduce",
+      die("NANOVLLM_ALLREDUCE=%s: the only value is skip (timing only: every all-reduce is left out)",
           mode);
     c->skip = true;
     if (rank == 0)
@@ -3444,7 +3444,7 @@ static std::string tp_init_payload(const Config& c, const ModelConfig& mc) {
 // mc, so they build the same engine alongside; on a worker the group is already connected.
 static TPComm* tp_attach(const Config& c, const ModelConfig& mc, int rank, uint64_t* engine) {
   if (!g_tp.mb || g_tp.size != c.tensor_parallel_size)
-    die("--tensor-parallel-size %d, but %d ranks were launched (tp_launch(N) must run before the first CUDA "
+    die("--tensor-parallel-size %d, but %d ranks were launched (tp_fork_workers must run before the first CUDA "
         "call)", c.tensor_parallel_size, g_tp.size);
   if (rank > 0) return g_tp.comm;
   if (!g_tp.comm) {
