@@ -213,7 +213,8 @@ template <typename... Args>
   do {                                                                                               \
     if (!(cond)) internal_error(#cond, __FILE__, __LINE__, __VA_ARGS__);                             \
   } while (0)
-__attribute__((format(printf, 4, 5)))
+[[noreturn]] static void internal_error(const char* cond, const char* file, int line, const char* fmt, ...)
+    __attribute__((format(printf, 4, 5)));  // (the compiler checks every INTERNAL_CHECK's format and values)
 [[noreturn]] static void internal_error(const char* cond, const char* file, int line, const char* fmt, ...) {
   char what[1024];
   va_list ap;
