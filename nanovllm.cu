@@ -3603,7 +3603,7 @@ struct LLMEngine;
 // observer interface: StepObserver
 // Whoever watches the engine run (Part III: the progress line, --trace, the run summary, --report) sees it
 // through these calls, made around the three phases of a step. None of them may change what the engine
-// computes; with no observer the engine records nothing.
+// computes; with no observer nothing is printed or kept but the completions' own times.
 struct StepObserver {
   virtual void step_begins(const LLMEngine&) {}                                  // before schedule()
   virtual void scheduled(const LLMEngine&, const std::vector<Sequence*>&, bool) {}  // the batch, is_prefill
@@ -7244,9 +7244,18 @@ static std::string optimizations_str(const OptimizationSet& set) {
   return n_off < n_on ? "all except" + off : on.substr(1);
 }
 
+// Every spelling --kv-cache-dtype accepts in this build, for messages and --help: "auto, bfloat16, bf16, ...".
+static std::string kv_cache_spellings() {
+  std::string known;
+  for (const KVCacheFormat& f : kv_cache_formats()) {
+    for (const std::string& a : f.aliases) known += a + ", ";
+    known += std::string(f.name) + ", ";
+  }
+  return known.substr(0, known.size() - 2);
+}
+
 // The format a spelling names. Returns "" and sets `name` to the canonical name, or says what is wrong.
 static std::string parse_kv_cache_dtype(const std::string& s, std::string& name) {
-  std::string known;
   for (const KVCacheFormat& f : kv_cache_formats()) {
     for (const auto& r : f.refused)
       if (s == r.first) return "--kv-cache-dtype " + s + " is not supported: " + r.second;
@@ -7254,10 +7263,8 @@ static std::string parse_kv_cache_dtype(const std::string& s, std::string& name)
       name = f.name;
       return "";
     }
-    for (const std::string& a : f.aliases) known += a + ", ";
-    known += std::string(f.name) + ", ";
   }
-  return "--kv-cache-dtype must be one of " + known.substr(0, known.size() - 2) + "; found '" + s + "'";
+  return "--kv-cache-dtype must be one of " + kv_cache_spellings() + "; found '" + s + "'";
 }
 static bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
 
@@ -8049,6 +8056,7 @@ struct RunWatcher : StepObserver {
   int64_t num_tokens = 0, decode_tokens = 0; // of the step in flight (decode: the next token of a sequence
                                              // that has generated)
   double h0 = 0, h1 = 0, h2 = 0, start = 0, gpu_before = 0, last_print = 0;
+  const bool tty = isatty(2);                // a terminal: the progress line is rewritten in place
 
   void step_begins(const LLMEngine& e) override {
     h0 = now_seconds(), start = e.clock();
@@ -8102,7 +8110,6 @@ struct RunWatcher : StepObserver {
   }
   // The progress line: every 0.25 s on a terminal (rewritten in place), every 5 s into a file.
   void print_progress(const LLMEngine& e, bool last) {
-    const bool tty = isatty(2);
     if (!progress || trace) return;
     const double t = now_seconds();
     if (last) {
@@ -8798,7 +8805,9 @@ static int64_t simulated_kv_blocks(const ModelConfig& c, const Config& cfg, doub
                              4.0 * Bmax * V + attention_ws;
   const double fixed = 1.0e9;  // CUDA context, cuBLASLt workspace, graphs, the sampler's workspace
   const double left = gpu_bytes * cfg.gpu_memory_utilization - weights - activations - fixed;
-  return left > 0 ? (int64_t)(left / kv_block_bytes(c, cfg.kvcache_block_size, 1, kv_cache_value_bytes(cfg.kv_cache_dtype))) : 0;
+  const int value_bytes = kv_cache_value_bytes(cfg.kv_cache_dtype);
+  const size_t block_bytes = kv_block_bytes(c, cfg.kvcache_block_size, 1, value_bytes);
+  return left > 0 ? (int64_t)(left / block_bytes) : 0;
 }
 
 struct SimRunner : StepRunner {
@@ -8836,7 +8845,8 @@ struct SimRunner : StepRunner {
   }
 
   std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) override {
-    const double kv_token = (double)kv_block_bytes(mc, 1, 1, kv_cache_value_bytes(config.kv_cache_dtype));  // one token's K and V
+    // one token's K and V
+    const double kv_token = (double)kv_block_bytes(mc, 1, 1, kv_cache_value_bytes(config.kv_cache_dtype));
     const double params = (double)model_params(mc);
     double bytes = 2.0 * params, flops = 0;
     // A decode row in a prefill (or mixed) step goes through the prefill attention kernel, which reads its
@@ -8938,21 +8948,17 @@ static const char* kUsage =
 // kUsage with the names this build knows filled in: the registered optimizations (with their one-line
 // descriptions) and KV cache formats. A build with Part II cut out lists none.
 static std::string usage_text() {
-  std::string text = kUsage, names, defaults, formats, lines;
+  std::string text = kUsage, names, defaults, lines;
   for (const Optimization& o : optimization_registry()) {
     names += std::string(names.empty() ? "" : " ") + o.name;
     if (o.on_by_default) defaults += std::string(defaults.empty() ? "" : " ") + o.name;
     lines += std::string("                                 ") + o.name + ": " + o.what + "\n";
   }
-  for (const KVCacheFormat& f : kv_cache_formats()) {
-    for (const std::string& a : f.aliases) formats += a + ", ";
-    formats += std::string(f.name) + ", ";
-  }
   auto put = [&](const std::string& key, const std::string& value) {
     const size_t at = text.find(key);
     if (at != std::string::npos) text.replace(at, key.size(), value);
   };
-  put("@KV_FORMATS@", formats.substr(0, formats.size() - 2));
+  put("@KV_FORMATS@", kv_cache_spellings());
   put("@OPT_DEFAULTS@", defaults.empty() ? "none in this build" : defaults);
   put("@OPT_NAMES@\n", (names.empty() ? std::string("(none in this build)") : names) + "\n" + lines);
   return text;
