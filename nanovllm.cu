@@ -3847,7 +3847,7 @@ static void qk_norm_rope_view(bf16* qkv, const int* positions, const bf16* q_nor
 // persistent kernel of section 23) are templates over the cache's element type KV: bf16 is Part I's cache;
 // fp8e4m3 is section 22's, whose pieces are declared here and defined there. A KVView is one layer's cache
 // as these kernels take it; the launchers pick the instance from its dtype. Accumulation is fp32 either way;
-// an fp8 tile is widened (to fp16) in shared memory before the tensor cores see it.
+// fp8 values are widened (to fp16, exactly) before the tensor cores see them.
 typedef __nv_fp8_e4m3 fp8e4m3;  // one byte: sign, 4 exponent bits, 3 mantissa bits (section 22)
 enum class KVCacheDtype { BF16, FP8 };
 struct KVScales {
@@ -3914,12 +3914,9 @@ constexpr int DECODE_ROWS = 16;        // MMA rows in decode: the query heads of
 static_assert(DECODE_WARPS * 32 == HEAD_DIM, "the decode epilogue gives each thread one output dim");
 static_assert(DECODE_WARPS * 16 == ATTN_KV_TILE, "decode warps split each tile 16 keys apiece");
 static_assert(DECODE_PARTITION % ATTN_KV_TILE == 0, "partitions are made of whole tiles");
-// fp8 caches (section 22): the staging slots of each kernel's ring. Two fit in the second stage, so shared
-// memory stays what bf16 needs; section 17's cluster kernel, which runs few thread blocks per SM, takes four
-// and keeps three tiles in flight.
+// fp8 caches (section 22): the staging slots of the prefill kernel's ring. Two fit in the second stage, so
+// shared memory stays what bf16 needs. (Decode over an fp8 cache runs a loop of its own: section 22.)
 constexpr int PREFILL_FP8_RING = 2;
-constexpr int DECODE_FP8_RING = 2;
-constexpr int CLUSTER_FP8_RING = 4;
 
 // Keys per decode CTA for a batch of B sequences. With few sequences, 512-key partitions leave most of the
 // GPU idle (B = 1, NKV = 8, a 768-token context: 16 CTAs for 132 SMs), so small batches use shorter
@@ -4100,39 +4097,16 @@ __device__ __forceinline__ void issue_first_kv_tiles(bf16* sK, bf16* sV, const K
   }
 }
 
-// One warp's share of one K/V tile, the heart of both kernels:
-//   S = Q K^T over NKEYS keys (tile rows row0 .. row0+NKEYS-1, absolute key numbers key0 ..), scores of keys
-//   past a row's last_key set to -inf (only when need_mask), then the online-softmax update of the row max
-//   m and row sum l, rescaling of O, and O += P V.
-// q: the warp's 16 query rows as A fragments, one per 16-dim slice. o: [16 row x 128 dim] accumulator as
-// 16 fragments of 8 dims. m, l, last_key: this lane's two rows (lane/4 and lane/4 + 8). m is kept in raw
-// score units; l is this lane's partial sum over its own columns (the quad adds them up at the very end,
-// which is valid because all four lanes of a row always rescale by the same factor).
-template <int NKEYS, class T = bf16>
-__device__ __forceinline__ void attend_kv_slice(const uint32_t (&q)[HEAD_DIM / 16][4], const bf16* sK,
-                                                const bf16* sV, int row0, int key0, bool need_mask,
-                                                const int (&last_key)[2], float scale_log2,
-                                                float (&o)[HEAD_DIM / 8][4], float (&m)[2], float (&l)[2]) {
+// The online-softmax step of one warp's slice of keys, shared by the kernels here and section 22's fp8 decode
+// loop: scores
+// s (the S = Q K^T accumulators of NKEYS keys, key0 .. in 8-key column groups) of keys past a row's last_key
+// set to -inf (only when need_mask), then the update of the row max m and row sum l, the rescaling of O,
+// and s turned into the probabilities P in place (unnormalised). Lane layout as in attend_kv_slice below.
+template <int NKEYS>
+__device__ __forceinline__ void online_softmax_update(float (&s)[NKEYS / 8][4], int key0, bool need_mask,
+                                                      const int (&last_key)[2], float scale_log2,
+                                                      float (&o)[HEAD_DIM / 8][4], float (&m)[2], float (&l)[2]) {
   const int lane = threadIdx.x & 31;
-  float s[NKEYS / 8][4];
-#pragma unroll
-  for (int j = 0; j < NKEYS / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-
-  // S = Q K^T. K is stored [key][dim], which is exactly the "column-major B" the MMA wants: one
-  // ldmatrix.x4 gives the B fragments of 16 keys x 16 dims (matrices: keys 0-7 / dims 0-7, keys 0-7 /
-  // dims 8-15, keys 8-15 / dims 0-7, keys 8-15 / dims 8-15).
-#pragma unroll
-  for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
-#pragma unroll
-    for (int j = 0; j < NKEYS / 16; j++) {
-      uint32_t b[4];
-      const int row = row0 + j * 16 + (lane & 7) + ((lane >> 4) << 3);
-      ldmatrix_x4(b, sK + attn_smem_index(row, 2 * kk + ((lane >> 3) & 1)));
-      mma_16816<T>(s[2 * j], q[kk], b[0], b[1]);
-      mma_16816<T>(s[2 * j + 1], q[kk], b[2], b[3]);
-    }
-  }
-
   if (need_mask) {
 #pragma unroll
     for (int j = 0; j < NKEYS / 8; j++)
@@ -4168,6 +4142,41 @@ __device__ __forceinline__ void attend_kv_slice(const uint32_t (&q)[HEAD_DIM / 1
 #pragma unroll
     for (int d = 0; d < HEAD_DIM / 8; d++) o[d][2 * i] *= alpha, o[d][2 * i + 1] *= alpha;
   }
+}
+
+// One warp's share of one K/V tile, the heart of both kernels:
+//   S = Q K^T over NKEYS keys (tile rows row0 .. row0+NKEYS-1, absolute key numbers key0 ..), then
+//   online_softmax_update (the mask, the row max m and row sum l, O rescaled), and O += P V.
+// q: the warp's 16 query rows as A fragments, one per 16-dim slice. o: [16 row x 128 dim] accumulator as
+// 16 fragments of 8 dims. m, l, last_key: this lane's two rows (lane/4 and lane/4 + 8). m is kept in raw
+// score units; l is this lane's partial sum over its own columns (the quad adds them up at the very end,
+// which is valid because all four lanes of a row always rescale by the same factor).
+template <int NKEYS, class T = bf16>
+__device__ __forceinline__ void attend_kv_slice(const uint32_t (&q)[HEAD_DIM / 16][4], const bf16* sK,
+                                                const bf16* sV, int row0, int key0, bool need_mask,
+                                                const int (&last_key)[2], float scale_log2,
+                                                float (&o)[HEAD_DIM / 8][4], float (&m)[2], float (&l)[2]) {
+  const int lane = threadIdx.x & 31;
+  float s[NKEYS / 8][4];
+#pragma unroll
+  for (int j = 0; j < NKEYS / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+
+  // S = Q K^T. K is stored [key][dim], which is exactly the "column-major B" the MMA wants: one
+  // ldmatrix.x4 gives the B fragments of 16 keys x 16 dims (matrices: keys 0-7 / dims 0-7, keys 0-7 /
+  // dims 8-15, keys 8-15 / dims 0-7, keys 8-15 / dims 8-15).
+#pragma unroll
+  for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
+#pragma unroll
+    for (int j = 0; j < NKEYS / 16; j++) {
+      uint32_t b[4];
+      const int row = row0 + j * 16 + (lane & 7) + ((lane >> 4) << 3);
+      ldmatrix_x4(b, sK + attn_smem_index(row, 2 * kk + ((lane >> 3) & 1)));
+      mma_16816<T>(s[2 * j], q[kk], b[0], b[1]);
+      mma_16816<T>(s[2 * j + 1], q[kk], b[2], b[3]);
+    }
+  }
+
+  online_softmax_update<NKEYS>(s, key0, need_mask, last_key, scale_log2, o, m, l);
 
   // O += P V. The accumulator layout of S is the A-fragment layout of P (two 8-key column groups make
   // one 16-key k-slice), so P goes from registers to the MMA without shared memory. V needs .trans.
@@ -4364,50 +4373,85 @@ static void flash_attention_prefill(bf16* out, const bf16* qkv, const KVView& ca
 //   Preconditions: 1 <= context_lens[b] <= max_context_len; NH/NKV <= 16; this step's k and v are in the
 //   cache (qk_norm_rope ran).
 
-// The tile loop of a decode thread block over keys [key_begin, key_end): prefetch the tile kv_tiles_ahead()
-// ahead, wait for tile t, and let each warp attend to its 16 keys of it (attend_kv_slice). The caller has
-// issued the first tiles (issue_first_kv_tiles). after_landing(t, n_tiles, sK_t, sV_t, first_key) runs
-// when tile t has landed for this thread and before the barrier that publishes it to the others: the fused
-// kernel of section 18 writes this step's own key into the last tile there. skip_key: a key the tile loads
-// leave alone (-1: none).
-template <int RING, class KV, class AfterLanding>
+// The tile loop of a decode thread block over keys [key_begin, key_end) of a bf16 cache: prefetch the tile
+// ATTN_STAGES - 1 ahead, wait for tile t, and let each warp attend to its 16 keys of it (attend_kv_slice).
+// The caller has issued the first tiles (issue_first_kv_tiles). after_landing(t, n_tiles, sK_t, sV_t,
+// first_key) runs when tile t has landed for this thread and before the barrier that publishes it to the
+// others: the fused kernel of section 18 writes this step's own key into the last tile there. skip_key: a
+// key the tile loads leave alone (-1: none).
+template <class AfterLanding>
 __device__ __forceinline__ void decode_attend_tiles(const uint32_t (&q)[HEAD_DIM / 16][4], bf16* sK, bf16* sV,
-                                                    const KV* k_cache, const KV* v_cache, KVScales kv_scale,
+                                                    const bf16* k_cache, const bf16* v_cache,
                                                     const int* block_table, int kvh, int NKV, int log2P,
                                                     int key_begin, int key_end, int skip_key, float scale_log2,
                                                     float (&o)[HEAD_DIM / 8][4], float (&m)[2], float (&l)[2],
                                                     AfterLanding after_landing) {
-  constexpr int AHEAD = kv_tiles_ahead<KV, RING>();
+  constexpr int AHEAD = ATTN_STAGES - 1, TILE = ATTN_KV_TILE * HEAD_DIM;
   const int n_tiles = cdiv_dev(key_end - key_begin, ATTN_KV_TILE);
   const int warp = threadIdx.x >> 5;
   const int last_key[2] = {key_end - 1, key_end - 1};  // no causal mask within the context: only its end
   for (int t = 0; t < n_tiles; t++) {  // the same pipeline as the prefill loop
     const int ahead = t + AHEAD;
     if (ahead < n_tiles)
-      issue_kv_tile<DECODE_WARPS * 32, RING>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, ahead,
-                                             key_begin + ahead * ATTN_KV_TILE, key_end, skip_key);
+      load_kv_tile<DECODE_WARPS * 32>(sK + (ahead % ATTN_STAGES) * TILE, sV + (ahead % ATTN_STAGES) * TILE, k_cache,
+                                      v_cache, block_table, kvh, NKV, log2P, key_begin + ahead * ATTN_KV_TILE,
+                                      key_end, skip_key);
     cp_async_commit();
     cp_async_wait<AHEAD>();
     const int tile_key0 = key_begin + t * ATTN_KV_TILE;
-    const bool skip_here = skip_key >= tile_key0 && skip_key < tile_key0 + ATTN_KV_TILE;
-    bf16 *sK_t, *sV_t;
-    kv_tile_ready<DECODE_WARPS * 32, RING, KV>(sK, sV, t, skip_here ? skip_key - tile_key0 : -1, sK_t, sV_t);
+    bf16 *sK_t = sK + (t % ATTN_STAGES) * TILE, *sV_t = sV + (t % ATTN_STAGES) * TILE;
     after_landing(t, n_tiles, sK_t, sV_t, tile_key0);
     __syncthreads();
     const int key0 = tile_key0 + warp * 16;
     if (key0 < key_end)
-      attend_kv_slice<16, tile_t<KV>>(q, sK_t, sV_t, warp * 16, key0, key0 + 16 > key_end, last_key, scale_log2,
-                                      o, m, l);
+      attend_kv_slice<16>(q, sK_t, sV_t, warp * 16, key0, key0 + 16 > key_end, last_key, scale_log2, o, m, l);
     __syncthreads();
   }
-  scale_output<KV>(o, kv_scale);
+}
+
+// What the decode kernels do differently for an fp8 cache (section 22 defines these): tiles of 128 keys
+// read from shared memory straight into registers, no widening pass, and Q fragments and an output
+// accumulator that follow a renaming of the head dims (fp8_decode_column). The kernels below and in section
+// 18 pick per cache type.
+constexpr int FP8_TILE_KEYS = 2 * ATTN_KV_TILE;               // keys per fp8 decode tile: 128
+constexpr int FP8_STAGE_BYTES = 2 * FP8_TILE_KEYS * HEAD_DIM;  // its keys and values: 32 KiB, a bf16 tile's
+__device__ __forceinline__ void fp8_decode_issue_first(char* stages, const fp8e4m3* k_cache, const fp8e4m3* v_cache,
+                                                       const int* block_table, int kvh, int NKV, int log2P,
+                                                       int key_begin, int key_end, int skip_key);
+__device__ __forceinline__ void fp8_decode_q_fragments(uint32_t (&q)[HEAD_DIM / 16][4], const bf16* sQ);
+__device__ __forceinline__ void fp8_decode_attend(const uint32_t (&q)[HEAD_DIM / 16][4], char* stages,
+                                                  const fp8e4m3* k_cache, const fp8e4m3* v_cache, KVScales kv_scale,
+                                                  const int* block_table, int kvh, int NKV, int log2P, int key_begin,
+                                                  int key_end, int new_key, const uint4 (*new_kv)[HEAD_DIM / 8],
+                                                  float scale_log2, float (&o)[HEAD_DIM / 8][4], float (&m)[2],
+                                                  float (&l)[2]);
+__device__ __forceinline__ int fp8_decode_column(int dim);
+
+// The first loads of a decode thread block: its first tile (fp8: section 22's, whose stages start at sK).
+template <class KV>
+__device__ __forceinline__ void decode_issue_first(bf16* sK, bf16* sV, const KV* k_cache, const KV* v_cache,
+                                                   const int* block_table, int kvh, int NKV, int log2P,
+                                                   int key_begin, int key_end, int skip_key) {
+  if constexpr (std::is_same<KV, bf16>::value)
+    issue_first_kv_tiles<DECODE_WARPS * 32, ATTN_STAGES>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P,
+                                                         key_begin, key_end, skip_key);
+  else
+    fp8_decode_issue_first(reinterpret_cast<char*>(sK), k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin,
+                           key_end, skip_key);
+}
+// The group's Q tile as every warp's A fragments (all warps hold the same 16 rows: the group's heads).
+template <class KV>
+__device__ __forceinline__ void decode_q_fragments(uint32_t (&q)[HEAD_DIM / 16][4], const bf16* sQ) {
+  if constexpr (std::is_same<KV, bf16>::value) load_q_fragments(q, sQ, 0);
+  else fp8_decode_q_fragments(q, sQ);
 }
 
 // Combines the four warps of a decode thread block. Their O, m, l go to shared memory (reusing the K/V
 // stages sK: every copy has landed and every warp is past the loop's last barrier), then thread d computes
 // output dim d of every head g of the group and calls write(g, acc, m_max, l_sum): acc = sum_w 2^(m_w -
-// m_max) O_w[d], l_sum the same sum of the l_w, m_max in log2 units (so out = acc / l_sum).
-template <class Write>
+// m_max) O_w[d], l_sum the same sum of the l_w, m_max in log2 units (so out = acc / l_sum). KV: the cache's
+// type, for where O's columns lie (fp8: renamed, fp8_decode_column).
+template <class KV, class Write>
 __device__ __forceinline__ void decode_combine_warps(const float (&o)[HEAD_DIM / 8][4], const float (&m)[2],
                                                      float (&l)[2], float scale_log2, bf16* sK, int group,
                                                      Write write) {
@@ -4430,6 +4474,7 @@ __device__ __forceinline__ void decode_combine_warps(const float (&o)[HEAD_DIM /
   }
   __syncthreads();
   const int d = threadIdx.x;
+  const int col = std::is_same<KV, bf16>::value ? d : fp8_decode_column(d);  // where dim d's sums lie
   for (int g = 0; g < group; g++) {
     float m_max = -INFINITY;  // warp 0 saw the partition's first key, so at least one warp has a finite m
     for (int w = 0; w < DECODE_WARPS; w++) m_max = fmaxf(m_max, sML[(w * DECODE_ROWS + g) * 2]);
@@ -4437,7 +4482,7 @@ __device__ __forceinline__ void decode_combine_warps(const float (&o)[HEAD_DIM /
     for (int w = 0; w < DECODE_WARPS; w++) {
       const float f = fast_exp2(sML[(w * DECODE_ROWS + g) * 2] - m_max);
       l_sum += sML[(w * DECODE_ROWS + g) * 2 + 1] * f;
-      acc += sO[(w * DECODE_ROWS + g) * HEAD_DIM + d] * f;
+      acc += sO[(w * DECODE_ROWS + g) * HEAD_DIM + col] * f;
     }
     write(g, acc, m_max, l_sum);
   }
@@ -4471,22 +4516,23 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
     cp_async_16(sQ + attn_smem_index(r, c), r < group ? q_src + r * HEAD_DIM + c * 8 : qkv, r < group);
   }
   cp_async_commit();
-  issue_first_kv_tiles<DECODE_WARPS * 32, DECODE_FP8_RING>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P,
-                                                           key_begin, key_end);
-  cp_async_wait<kv_tiles_ahead<KV, DECODE_FP8_RING>()>();  // the Q tile has landed
+  decode_issue_first<KV>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end, -1);
+  cp_async_wait<1>();  // the Q tile has landed (the first K/V tile is the group after it)
   __syncthreads();
   uint32_t q[HEAD_DIM / 16][4];
-  load_q_fragments(q, sQ, 0);  // every warp holds the same 16 rows (the group's heads)
-  q_fragments_for_tiles<KV>(q);
+  decode_q_fragments<KV>(q, sQ);
   scale_log2 = score_scale<KV>(scale_log2, kv_scale);
 
   float o[HEAD_DIM / 8][4] = {};
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  decode_attend_tiles<DECODE_FP8_RING>(q, sK, sV, k_cache, v_cache, kv_scale, block_table, kvh, NKV, log2P,
-                                       key_begin, key_end, -1, scale_log2, o, m, l,
-                                       [](int, int, bf16*, bf16*, int) {});
+  if constexpr (std::is_same<KV, bf16>::value)
+    decode_attend_tiles(q, sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end, -1,
+                        scale_log2, o, m, l, [](int, int, bf16*, bf16*, int) {});
+  else
+    fp8_decode_attend(q, reinterpret_cast<char*>(sK), k_cache, v_cache, kv_scale, block_table, kvh, NKV, log2P,
+                      key_begin, key_end, -1, nullptr, scale_log2, o, m, l);
   const bool single = key_begin == 0 && key_end == ctx;  // the only live partition: finish here
-  decode_combine_warps(o, m, l, scale_log2, sK, group, [&](int g, float acc, float m_max, float l_sum) {
+  decode_combine_warps<KV>(o, m, l, scale_log2, sK, group, [&](int g, float acc, float m_max, float l_sum) {
     const int h = kvh * group + g, d = threadIdx.x;
     if (single) {
       out[(size_t)b * NH * HEAD_DIM + h * HEAD_DIM + d] = __float2bfloat16(acc / l_sum);
@@ -4532,13 +4578,11 @@ static size_t flash_decode_workspace_bytes(int B, int NH, int max_context_len) {
   return parts * NH * (HEAD_DIM + 2) * sizeof(float);
 }
 
-constexpr size_t DECODE_SMEM = (DECODE_ROWS + 2 * ATTN_STAGES * ATTN_KV_TILE) * HEAD_DIM * sizeof(bf16);  // 68 KiB
-// With an fp8 cache, a ring of more than the two slots that fit in the second stage (section 22) adds 16 KiB
-// a slot: the cluster kernel's ring of four makes 100 KiB.
-template <class KV, int RING = DECODE_FP8_RING>
-constexpr size_t decode_smem() {
-  return DECODE_SMEM + (std::is_same<KV, bf16>::value ? 0 : (RING - 2) * 2 * ATTN_KV_TILE * HEAD_DIM);
-}
+// Shared memory of a decode thread block: the Q tile, then two K/V stages of 32 KiB (bf16: 64 keys; fp8:
+// 128), 68 KiB either way.
+constexpr size_t DECODE_SMEM = DECODE_ROWS * HEAD_DIM * sizeof(bf16) + ATTN_STAGES * FP8_STAGE_BYTES;
+static_assert(FP8_STAGE_BYTES == 2 * ATTN_KV_TILE * HEAD_DIM * sizeof(bf16), "the same stages for both caches");
+
 
 // out: bf16 [B, NH*D]; qkv: bf16 [B, (NH+2NKV)*D]; k_cache, v_cache: bf16 [NB, NKV, P, D];
 // context_lens: int [B] (device, keys including the current token); block_tables: int [B, MB] (device);
@@ -4560,10 +4604,10 @@ static void flash_attention_decode(bf16* out, const bf16* qkv, const KVView& cac
     static bool opted_in = false;  // more than the default 48 KiB of shared memory must be asked for, once
     if (!opted_in) {
       CUDA_CHECK(cudaFuncSetAttribute(flash_decode_kernel<KV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      (int)decode_smem<KV>()));
+                                      (int)DECODE_SMEM));
       opted_in = true;
     }
-    flash_decode_kernel<KV><<<dim3(max_parts, NKV, B), DECODE_WARPS * 32, decode_smem<KV>(), stream>>>(
+    flash_decode_kernel<KV><<<dim3(max_parts, NKV, B), DECODE_WARPS * 32, DECODE_SMEM, stream>>>(
         out, qkv, (const KV*)cache.k, (const KV*)cache.v, cache.scale, context_lens, block_tables, NH, NKV,
         __builtin_ctz(P), MB, max_parts, partition, ws_o, ws_ml, scale * (float)M_LOG2E);
   });
@@ -4933,12 +4977,12 @@ __device__ void cluster_merge(bf16* out, int b, int kvh, int group, int NH, int 
 // than a kernel boundary); the thread block whose partition ends at the context's end (the "owner": key
 // ctx-1 is this step's token) does the same for the k head, writes k and v to their cache slot
 // (slot_mapping; -1 stores nothing) and puts them in its last tile itself, the one key its tile loads leave
-// out. Because of that, everything a thread block reads before its Q tile was written before the kernel
+// out (an fp8 cache: the warp whose slice holds that key takes it into its registers instead). Because of that, everything a thread block reads before its Q tile was written before the kernel
 // ahead of this one started: context lengths and block tables by the step's upload, the cached keys and
 // values by earlier steps. So it issues its first K/V tile loads before pdl_begin() (section 15), while the
 // qkv projection before it still runs; at batch 1 that is all of the keys it reads.
 // The result is bit for bit that of qk_norm_rope followed by section 14's kernel, since the math is the same
-// code (head_norm_rope, decode_attend_tiles, decode_combine_warps); test/gpu/gpu_attention.cu checks it.
+// code (head_norm_rope, decode_attend_tiles or fp8_decode_attend, decode_combine_warps); gpu_attention checks it.
 // Switch: fused_rope. The kernel also carries section 17's cluster merge (CLUSTER): <ROPE, CLUSTER> is
 // <true, false>, <true, true>, or <false, true> (cluster merge alone, after qk_norm_rope).
 struct DecodeRope {         // the fused q/k-norm + RoPE + KV store (ROPE = true)
@@ -4993,9 +5037,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
     }
   }
   cp_async_commit();  // (empty with ROPE: the group count stays the same)
-  constexpr int RING = CLUSTER ? CLUSTER_FP8_RING : DECODE_FP8_RING;
-  issue_first_kv_tiles<DECODE_WARPS * 32, RING>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin,
-                                                key_end, new_key);
+  decode_issue_first<KV>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end, new_key);
   if (ROPE) {
     pdl_begin();  // qkv is the kernel before's output
     rope_angles(cos_s, sin_s, rope.positions[b], rope.inv_freq);
@@ -5033,11 +5075,10 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
       store_kv_chunk_tile((kv ? v_cache : k_cache) + row * HEAD_DIM, c, s_new_kv[kv][c]);
     }
   }
-  cp_async_wait<kv_tiles_ahead<KV, RING>()>();
+  cp_async_wait<1>();  // the Q tile has landed (the first K/V tile is the group after it)
   __syncthreads();
   uint32_t q[HEAD_DIM / 16][4];
-  load_q_fragments(q, sQ, 0);  // every warp holds the same 16 rows (the group's heads)
-  q_fragments_for_tiles<KV>(q);
+  decode_q_fragments<KV>(q, sQ);
   scale_log2 = score_scale<KV>(scale_log2, kv_scale);
 
   float o[HEAD_DIM / 8][4] = {};
@@ -5049,10 +5090,14 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
       *reinterpret_cast<uint4*>(dst) = s_new_kv[kv][c];
     }
   };
-  decode_attend_tiles<RING>(q, sK, sV, k_cache, v_cache, kv_scale, block_table, kvh, NKV, log2P, key_begin,
-                            key_end, new_key, scale_log2, o, m, l, put_new_key);
+  if constexpr (std::is_same<KV, bf16>::value)
+    decode_attend_tiles(q, sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end, new_key,
+                        scale_log2, o, m, l, put_new_key);
+  else  // each warp takes this step's key from s_new_kv when its slice holds it
+    fp8_decode_attend(q, reinterpret_cast<char*>(sK), k_cache, v_cache, kv_scale, block_table, kvh, NKV, log2P,
+                      key_begin, key_end, new_key, s_new_kv, scale_log2, o, m, l);
   const bool single = key_begin == 0 && key_end == ctx;  // the only live partition: finish here
-  decode_combine_warps(o, m, l, scale_log2, sK, group, [&](int g, float acc, float m_max, float l_sum) {
+  decode_combine_warps<KV>(o, m, l, scale_log2, sK, group, [&](int g, float acc, float m_max, float l_sum) {
     const int h = kvh * group + g, d = threadIdx.x;
     if (CLUSTER) {  // this partition's share of head g, for cluster_merge (same offset in every block)
       cluster_partial(g)[d] = acc;
@@ -5068,11 +5113,6 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
   if (CLUSTER) cluster_merge(out, b, kvh, group, NH, cdiv_dev(ctx, partition), true);
 }
 
-// The fused kernel's shared memory: section 14's decode kernel's, with the cluster kernel's deeper fp8 ring.
-template <bool CLUSTER, class KV>
-constexpr size_t fused_smem() {
-  return decode_smem<KV, CLUSTER ? CLUSTER_FP8_RING : DECODE_FP8_RING>();
-}
 // The fused kernel of this kind, its opt-ins (the decode shared memory; clusters of 16) made once.
 template <bool ROPE, bool CLUSTER, class KV = bf16>
 static auto decode_fused_kernel() {
@@ -5080,7 +5120,7 @@ static auto decode_fused_kernel() {
   auto kernel = attention_decode_fused_kernel<ROPE, CLUSTER, KV>;
   if (!ready) {
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)fused_smem<CLUSTER, KV>()));
+                                    (int)DECODE_SMEM));
     if (CLUSTER) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     ready = true;
   }
@@ -5100,7 +5140,7 @@ static bool decode_clusters_supported() {
       attr.id = cudaLaunchAttributeClusterDimension;
       attr.val.clusterDim = {DECODE_CLUSTER, 1, 1};
       cfg.gridDim = dim3(DECODE_CLUSTER, 1, 1), cfg.blockDim = DECODE_WARPS * 32;
-      cfg.dynamicSmemBytes = fused_smem<true, KV>(), cfg.attrs = &attr, cfg.numAttrs = 1;
+      cfg.dynamicSmemBytes = DECODE_SMEM, cfg.attrs = &attr, cfg.numAttrs = 1;
       int clusters = 0;
       ok = cudaOccupancyMaxActiveClusters(&clusters, decode_fused_kernel<true, true, KV>(), &cfg) == cudaSuccess &&
            clusters > 0;
@@ -5140,7 +5180,7 @@ static void attention_decode_fast(bf16* out, const bf16* qkv, const KVView& cach
     if (cluster) {  // merged inside the kernel
       auto kernel = rope ? decode_fused_kernel<true, true, KV>() : decode_fused_kernel<false, true, KV>();
       launch_pdl_cluster(DECODE_CLUSTER, kernel, dim3(DECODE_CLUSTER, NKV, B), DECODE_WARPS * 32,
-                         fused_smem<true, KV>(),
+                         DECODE_SMEM,
                          stream, out, qkv, k_cache, v_cache, cache.scale, context_lens, block_tables, NH, NKV,
                          __builtin_ctz(P), MB, 0, 0, nullptr, nullptr, scale_log2, r);
       CUDA_CHECK(cudaGetLastError());
@@ -5151,7 +5191,7 @@ static void attention_decode_fast(bf16* out, const bf16* qkv, const KVView& cach
     float* ws_o = workspace;                                           // [B, NH, max_parts, D]
     float* ws_ml = workspace + (size_t)B * NH * max_parts * HEAD_DIM;  // [B, NH, max_parts, 2]
     launch_pdl(decode_fused_kernel<true, false, KV>(), dim3(max_parts, NKV, B), DECODE_WARPS * 32,
-               fused_smem<false, KV>(),
+               DECODE_SMEM,
                stream, out, qkv, k_cache, v_cache, cache.scale, context_lens, block_tables, NH, NKV,
                __builtin_ctz(P), MB, max_parts, partition, ws_o, ws_ml, scale_log2, r);
     CUDA_CHECK(cudaGetLastError());
@@ -6012,8 +6052,8 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
       flash_attention_prefill(act.attn, act.qkv, cache, in.cu_seqlens_q, in.seqlens_k, in.block_tables, B,
                               in.max_seqlen_q, NH, NKV, P, MB, scale, s);
     } else if (g_opt.fused_rope && (cache.dtype == KVCacheDtype::BF16 || B <= DECODE_CLUSTER_MAX_B)) {
-      // q/k-norm, RoPE and the KV store inside the attention kernel. (With an fp8 cache, at batches above
-      // the cluster kernel's, the fused kernel measured slower than the two it replaces: README, FP8 section.)
+      // q/k-norm, RoPE and the KV store inside the attention kernel. (With an fp8 cache, at batches above the
+      // cluster kernel's, the fused kernel measured 1.7% slower on bench.py than the two it replaces: README.)
       const DecodeRope rope{in.positions, in.slot_mapping, lw.q_norm, lw.k_norm, eps, rope_inv_freq(cfg.rope_theta)};
       attention_decode_fast(act.attn, act.qkv, cache, in.seqlens_k, in.block_tables, B, NH, NKV, P, MB,
                             model.max_model_len, act.attn_workspace, scale, s, &rope);
@@ -6075,16 +6115,13 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
 // whatever the scale, and the scale can be applied after the matrix products at no cost in accuracy.
 //
 // Writing (qk_norm_rope, section 18's kernel): a bf16 value / scale, rounded to nearest even, saturating at
-// +-448 (cvt ... satfinite). Reading (both attention kernels, section 14's tile pipeline): the fp8 rows of a
-// tile are copied (cp.async, 16 bytes = 16 values per copy) into a staging slot; when the tile's turn comes,
-// every thread widens the chunks it copied itself to fp16 into the compute tile (one conversion instruction
-// per pair of values, no barrier: nobody else reads a thread's staged chunks). fp16 and not bf16 because
-// every e4m3 value is exact in fp16 and e4m3 -> fp16 is one instruction (there is none to bf16). The tensor
-// cores then multiply fp16 tiles (the q fragments are converted once per thread block, exact for |q| up to
-// 65504), the key scale multiplies the scores' scale and the value scale the output, both once. Staging
-// slots cost shared memory, and shared memory decides how many thread blocks share an SM, so the plain
-// kernels keep one tile in flight as with bf16 (half the bytes), and section 17's cluster kernel, which
-// runs few thread blocks, keeps three (CLUSTER_FP8_RING).
+// +-448 (cvt ... satfinite). Reading: every value is converted to fp16 (exact: every e4m3 value is an fp16
+// number; e4m3 -> fp16 is one instruction per pair, and there is none to bf16), the tensor cores multiply
+// fp16 (the q fragments are converted once per thread block, exact for |q| up to 65504), and the key scale
+// multiplies the scores' scale and the value scale the output, both once. Where the conversion happens
+// differs: the prefill kernel stages a tile's bytes (cp.async, 16 values a copy) and every thread widens the
+// chunks it copied itself into section 14's fp16 tile (no barrier: nobody else reads a thread's staged
+// chunks); decode, which only streams, converts in registers on the way into the MMAs (the decode loop below).
 // Needs: FP8 conversion instructions (compute capability 8.9 and later: Ada, Hopper); ModelRunner refuses
 // --kv-cache-dtype fp8 on older GPUs with a message.
 
@@ -6142,20 +6179,18 @@ __device__ __forceinline__ void store_kv_chunk_tile_fp8(fp8e4m3* row, int chunk,
   reinterpret_cast<uint2*>(row)[chunk] = half8_to_fp8x8(tile_values);
 }
 
-// The ring of staging slots where fp8 tiles wait (section 14's tile pipeline). A slot is one tile of keys then
-// one of values, FP8_TILE_BYTES each, row r's 16-byte chunk c (values 16c .. 16c+15) at chunk r * 8 + c:
-// plain order, because only the thread that copied a chunk reads it back. Slots 0 and 1 are the second
-// bf16 stage of sK and of sV (the widened tile always goes to stage 0, so the second one is free); slots 2
-// and up follow sV (decode_smem). So the rings of 2 (prefill, decode) cost no shared memory, and the cluster
-// kernel's ring of 4 keeps three tiles in flight, as many bytes as a bf16 cache's one.
+// The ring of staging slots where the prefill kernel's fp8 tiles wait (section 14's tile pipeline). A slot is
+// one tile of keys then one of values, FP8_TILE_BYTES each, row r's 16-byte chunk c (values 16c .. 16c+15)
+// at chunk r * 8 + c: plain order, because only the thread that copied a chunk reads it back. Slots 0 and 1
+// are the second bf16 stage of sK and of sV (the widened tile always goes to stage 0, so the second one is
+// free): the ring of PREFILL_FP8_RING = 2 costs no shared memory.
 constexpr int FP8_ROW_CHUNKS = HEAD_DIM / 16;                // 16-byte chunks in one fp8 row: 8
 constexpr int FP8_TILE_BYTES = ATTN_KV_TILE * HEAD_DIM;      // 8 KiB
 static_assert(2 * FP8_TILE_BYTES == ATTN_KV_TILE * HEAD_DIM * sizeof(bf16), "slots 0, 1 fill a bf16 stage");
+static_assert(PREFILL_FP8_RING == 2, "the prefill ring is the second bf16 stage");
 __device__ __forceinline__ char* fp8_ring_slot(bf16* sK, bf16* sV, int i) {
   constexpr int TILE = ATTN_KV_TILE * HEAD_DIM;
-  return i == 0 ? reinterpret_cast<char*>(sK + TILE)
-         : i == 1 ? reinterpret_cast<char*>(sV + TILE)
-                  : reinterpret_cast<char*>(sV + 2 * TILE) + (i - 2) * 2 * FP8_TILE_BYTES;
+  return reinterpret_cast<char*>((i == 0 ? sK : sV) + TILE);
 }
 __device__ __forceinline__ bf16* fp8_staged(char* slot, int kv, int r, int c) {
   return reinterpret_cast<bf16*>(slot + kv * FP8_TILE_BYTES + (r * FP8_ROW_CHUNKS + c) * 16);
@@ -6193,6 +6228,204 @@ __device__ __forceinline__ void widen_kv_tile_fp8(const char* slot, bf16* sK, bf
     *reinterpret_cast<uint4*>(sV + attn_smem_index(r, 2 * chunk)) = fp8x8_to_half8({v.x, v.y});
     *reinterpret_cast<uint4*>(sV + attn_smem_index(r, 2 * chunk + 1)) = fp8x8_to_half8({v.z, v.w});
   }
+}
+
+// ---- Decode attention over an fp8 cache ----------------------------------------------------------------
+// The tile pipeline above is how the prefill kernel reads fp8, and how decode read it at first: stage a 64-key
+// tile, widen it to fp16 in shared memory, a barrier, the tensor cores, a barrier. Measured on an H100 (B =
+// 128, 1,024-token contexts), that decode streamed the cache at about 2.0 TB/s where the bf16 kernel streams
+// 2.7: half the bytes took two thirds of the time. It kept one 16 KiB fp8 tile in flight per thread block
+// (the staging slots live in the shadow of the bf16 tile, half of what bf16 keeps in flight at the same
+// shared memory), and every byte made an extra round trip through shared memory to be widened.
+//
+// The decode loop below reads fp8 the way the bf16 kernel reads bf16: tiles of FP8_TILE_KEYS = 128 keys
+// (16 KiB of keys and 16 of values: the bytes of a bf16 tile), two stages, the next tile in flight while this
+// one is computed, every copy instruction reading whole 128-byte rows. What it drops is the widening pass:
+// every lane reads the bytes it will feed to the tensor cores from the staged tile straight into registers
+// and converts them there (one cvt.rn.f16x2.e4m3x2 per pair of values) into the B fragments of the MMAs.
+// Warp w takes two slices of 16 keys of each tile, rows 16w .. 16w+15 and 64+16w .. 64+16w+15 (fp8_attend_slice).
+//
+// What makes the register route possible is a choice of order. A B fragment of mma.m16n8k16 (section 14's
+// vocabulary) wants, in lane (g = lane/4, c = lane%4), two consecutive values along k at k = 2c and 2c + 8.
+// Fed from a row of the cache that would be 2-byte pieces scattered over the row. But a dot product does not
+// care in which order its terms are added, so the kernel renames the dims:
+//   S = Q K^T   sums over the head dims: lane c reads, of each key row, the 16 bytes 16c .. 16c+15 and the
+//               16 bytes 64+16c .. 64+16c+15, and uses its 4-byte word kk as k-slice kk's values 2c, 2c+1,
+//               2c+8, 2c+9. The Q fragments are built with the same renaming (fp8_decode_q_fragments), so
+//               every product pairs q_d with k_d as before.
+//   O += P V    sums over keys (P's columns are S's, in S's order), and its output columns are head dims:
+//               lane g reads bytes 16g .. 16g+15 of the value rows of keys 2c, 2c+1, 2c+8, 2c+9, and uses
+//               byte t as output column 8t + g of the MMA. So the accumulator's column 8t + j is head dim
+//               16j + t (fp8_decode_column), which decode_combine_warps undoes when it reads O back.
+// A B fragment of V pairs one dim of two keys, so those bytes are paired first (one byte_perm per two pairs).
+// Every read is 16 bytes, and the tile is swizzled like section 14's, so that the lanes of a read hit
+// different banks.
+//
+// Measured on the way (README, FP8 section): warp-private rings (each warp streaming its own 16-key slices,
+// three in flight, no barrier at all) reached only 2.2 TB/s, and about the same with the tensor-core work
+// removed: how the cache is fetched, not the conversions, decided the speed. Thread-block tiles as large as
+// the bf16 kernel's are what streams at its rate.
+
+// Where lane's chunk i of a 16-key slice comes from: the key row (0..15 within the slice) and the byte
+//   i = 0, 1: key row g,     bytes 16c and 64 + 16c        i = 2, 3: key row g + 8, the same bytes
+//   i = 4..7: value rows 2c, 2c + 1, 2c + 8, 2c + 9, bytes 16g
+// (16 bytes each; i < 4 from the key tile, the rest from the value tile).
+constexpr int FP8_SLICE_KEYS = 16;
+constexpr int FP8_SLICE_CHUNKS = 8;
+static_assert(DECODE_WARPS * 2 * FP8_SLICE_KEYS == FP8_TILE_KEYS, "each warp takes two slices of every tile");
+__device__ __forceinline__ void fp8_slice_source(int i, int& row, int& byte) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  if (i < 4) row = g + 8 * (i >> 1), byte = 16 * c + 64 * (i & 1);
+  else row = 2 * c + (i & 1) + 8 * ((i - 4) >> 1), byte = 16 * g;
+}
+// The accumulator column 8t + j (j = 0..7) that holds head dim 16j + t (see above).
+__device__ __forceinline__ int fp8_decode_column(int dim) { return 8 * (dim % 16) + dim / 16; }
+// The head dim of k-slice kk's value e (0..3: MMA k = 2c, 2c+1, 2c+8, 2c+9) in lane c (see above).
+__device__ __forceinline__ int fp8_key_dim(int c, int kk, int e) {
+  return (kk < 4 ? 16 * c + 4 * kk : 64 + 16 * c + 4 * (kk - 4)) + e;
+}
+
+// A staged tile: FP8_TILE_KEYS rows of keys (128 bytes each), then as many of values; 16-byte chunk c of row
+// r at r * 128 + 16 * (c ^ (r % 8)), the XOR swizzle of section 14 on 8 chunks a row.
+constexpr int FP8_TILE_HALF = FP8_TILE_KEYS * HEAD_DIM;  // bytes of keys (or of values) in a tile: 16 KiB
+static_assert(2 * FP8_TILE_HALF == FP8_STAGE_BYTES, "a stage is a tile of keys and one of values");
+__device__ __forceinline__ int fp8_tile_offset(int row, int chunk) { return row * HEAD_DIM + ((chunk ^ (row & 7)) << 4); }
+
+// Issue (not wait for) the copies of keys key0 .. key0 + FP8_TILE_KEYS - 1 into `stage`, all DECODE_WARPS * 32
+// threads, 8 threads a row (so one copy instruction reads 4 whole rows). Keys at or past key_end, and
+// skip_key (this step's own key, which the fused kernel holds itself), are zero-filled instead of read;
+// slices of 16 keys that lie wholly past key_end are not written at all (nobody reads them).
+__device__ __forceinline__ void fp8_issue_tile(char* stage, const fp8e4m3* k_cache, const fp8e4m3* v_cache,
+                                               const int* block_table, int kvh, int NKV, int log2P, int key0,
+                                               int key_end, int skip_key) {
+  const int chunk = threadIdx.x & 7;
+#pragma unroll
+  for (int r = threadIdx.x >> 3; r < FP8_TILE_KEYS; r += DECODE_WARPS * 32 / 8) {
+    const int key = key0 + r;
+    if (key0 + (r & ~(FP8_SLICE_KEYS - 1)) >= key_end) break;  // a slice no warp reads (past the partition)
+    const bool valid = key < key_end && key != skip_key;
+    const size_t off = valid ? kv_cache_row(block_table, kvh, NKV, log2P, key) * HEAD_DIM + chunk * 16 : 0;
+    cp_async_16(reinterpret_cast<bf16*>(stage + fp8_tile_offset(r, chunk)),
+                reinterpret_cast<const bf16*>(k_cache + off), valid);
+    cp_async_16(reinterpret_cast<bf16*>(stage + FP8_TILE_HALF + fp8_tile_offset(r, chunk)),
+                reinterpret_cast<const bf16*>(v_cache + off), valid);
+  }
+}
+// The first tile of a decode thread block's partition into stage 0, as one committed group.
+__device__ __forceinline__ void fp8_decode_issue_first(char* stages, const fp8e4m3* k_cache, const fp8e4m3* v_cache,
+                                                       const int* block_table, int kvh, int NKV, int log2P,
+                                                       int key_begin, int key_end, int skip_key) {
+  fp8_issue_tile(stages, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end, skip_key);
+  cp_async_commit();
+}
+
+// The group's Q tile (bf16, swizzled, section 14's layout) as fp16 A fragments in the renamed dim order:
+// fragment kk, register e holds rows g (e even) or g + 8 (e odd) at the dims of values 2(e/2), 2(e/2) + 1.
+__device__ __forceinline__ void fp8_decode_q_fragments(uint32_t (&q)[HEAD_DIM / 16][4], const bf16* sQ) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int kk = 0; kk < HEAD_DIM / 16; kk++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int row = g + 8 * (e & 1), d = fp8_key_dim(c, kk, 2 * (e >> 1));
+      const float2 f = __bfloat1622float2(
+          *reinterpret_cast<const __nv_bfloat162*>(sQ + attn_smem_index(row, d >> 3) + (d & 7)));
+      const __half2 h = __floats2half2_rn(f.x, f.y);  // exact: a bf16 q below 65504 is an fp16 number
+      q[kk][e] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+}
+
+// Two e4m3 bytes (the low one first) -> fp16x2, exactly.
+__device__ __forceinline__ uint32_t fp8x2_to_half2(uint32_t two_bytes) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two_bytes & 0xffff), __NV_E4M3);
+  return (uint32_t)h.x | ((uint32_t)h.y << 16);
+}
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int w) {
+  return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
+}
+
+// One warp's slice of 16 keys from the registers x (its chunks, fp8_slice_source's order): S = Q K^T, the
+// online softmax (section 14's), O += P V.
+__device__ __forceinline__ void fp8_attend_slice(const uint32_t (&q)[HEAD_DIM / 16][4], const uint4 (&x)[8],
+                                                 int key0, bool need_mask, const int (&last_key)[2],
+                                                 float scale_log2, float (&o)[HEAD_DIM / 8][4], float (&m)[2],
+                                                 float (&l)[2]) {
+  float s[2][4] = {};
+#pragma unroll
+  for (int kk = 0; kk < HEAD_DIM / 16; kk++)
+#pragma unroll
+    for (int j = 0; j < 2; j++) {  // keys 8j + g of the slice: this lane's chunks 2j (k-slices 0-3), 2j + 1 (4-7)
+      const uint32_t w = word_of(x[2 * j + kk / 4], kk % 4);
+      mma_16816<__half>(s[j], q[kk], fp8x2_to_half2(w), fp8x2_to_half2(w >> 16));
+    }
+  online_softmax_update<16>(s, key0, need_mask, last_key, scale_log2, o, m, l);
+  const uint32_t p[4] = {pack_x2<__half>(s[0][0], s[0][1]), pack_x2<__half>(s[0][2], s[0][3]),
+                         pack_x2<__half>(s[1][0], s[1][1]), pack_x2<__half>(s[1][2], s[1][3])};
+#pragma unroll
+  for (int w = 0; w < 4; w++) {  // bytes 4w .. 4w+3 of the four value chunks: output columns t = 4w .. 4w+3
+    const uint32_t a = word_of(x[4], w), b = word_of(x[5], w), c = word_of(x[6], w), d = word_of(x[7], w);
+    const uint32_t ab[2] = {__byte_perm(a, b, 0x5140), __byte_perm(a, b, 0x7362)};  // a0 b0 a1 b1, a2 b2 a3 b3
+    const uint32_t cd[2] = {__byte_perm(c, d, 0x5140), __byte_perm(c, d, 0x7362)};
+#pragma unroll
+    for (int t = 0; t < 4; t++) {
+      const int shift = 16 * (t & 1);
+      mma_16816<__half>(o[4 * w + t], p, fp8x2_to_half2(ab[t >> 1] >> shift), fp8x2_to_half2(cd[t >> 1] >> shift));
+    }
+  }
+}
+
+// The decode loop of a thread block over keys [key_begin, key_end) of an fp8 cache: issue tile t + 1 into
+// the other stage, wait for tile t, and let each warp read its two slices of it into registers and attend.
+// new_key: this step's key, whose bytes come from new_kv (section 18's tile values, fp16: converted back to
+// the bytes the cache holds) instead of the cache; -1: none. The caller issued the first tile
+// (fp8_decode_issue_first). A partition need not be a whole number of these tiles (the cluster kernel's and
+// small batches' are multiples of 64 keys): rows past key_end are zero-filled, never read, and masked. The
+// loop's last barrier frees the stages for decode_combine_warps.
+__device__ __forceinline__ void fp8_decode_attend(const uint32_t (&q)[HEAD_DIM / 16][4], char* stages,
+                                                  const fp8e4m3* k_cache, const fp8e4m3* v_cache, KVScales kv_scale,
+                                                  const int* block_table, int kvh, int NKV, int log2P, int key_begin,
+                                                  int key_end, int new_key, const uint4 (*new_kv)[HEAD_DIM / 8],
+                                                  float scale_log2, float (&o)[HEAD_DIM / 8][4], float (&m)[2],
+                                                  float (&l)[2]) {
+  const int last_key[2] = {key_end - 1, key_end - 1};
+  const int n_tiles = cdiv_dev(key_end - key_begin, FP8_TILE_KEYS), warp = threadIdx.x >> 5;
+  for (int t = 0; t < n_tiles; t++) {
+    if (t + 1 < n_tiles)
+      fp8_issue_tile(stages + ((t + 1) & 1) * FP8_STAGE_BYTES, k_cache, v_cache, block_table, kvh, NKV, log2P,
+                     key_begin + (t + 1) * FP8_TILE_KEYS, key_end, new_key);
+    cp_async_commit();
+    cp_async_wait<1>();  // tile t has landed (this thread's copies) ...
+    __syncthreads();     // ... and everyone's
+    const char* stage = stages + (t & 1) * FP8_STAGE_BYTES;
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+      // warp w: rows 16w .. 16w+15 and 64+16w .. (a partition of 64 keys still gives every warp a slice)
+      const int row0 = FP8_SLICE_KEYS * (warp + DECODE_WARPS * j), key0 = key_begin + t * FP8_TILE_KEYS + row0;
+      if (key0 >= key_end) continue;
+      uint4 x[FP8_SLICE_CHUNKS];
+#pragma unroll
+      for (int i = 0; i < FP8_SLICE_CHUNKS; i++) {
+        int row, byte;
+        fp8_slice_source(i, row, byte);
+        x[i] = *reinterpret_cast<const uint4*>(stage + (i < 4 ? 0 : FP8_TILE_HALF) +
+                                               fp8_tile_offset(row0 + row, byte / 16));
+      }
+      if (new_key >= key0 && new_key < key0 + FP8_SLICE_KEYS) {  // this step's key (zero-filled in the tile)
+#pragma unroll
+        for (int i = 0; i < FP8_SLICE_CHUNKS; i++) {
+          int row, byte;
+          fp8_slice_source(i, row, byte);
+          if (key0 + row != new_key) continue;
+          const uint4* tile = new_kv[i < 4 ? 0 : 1] + byte / 8;  // 8 values per fp16 chunk
+          const uint2 lo = half8_to_fp8x8(tile[0]), hi = half8_to_fp8x8(tile[1]);
+          x[i] = make_uint4(lo.x, lo.y, hi.x, hi.y);
+        }
+      }
+      fp8_attend_slice(q, x, key0, key0 + FP8_SLICE_KEYS > key_end, last_key, scale_log2, o, m, l);
+    }
+    __syncthreads();  // every warp is done with stage t % 2 before tile t + 2 is issued into it
+  }
+  scale_output<fp8e4m3>(o, kv_scale);
 }
 
 // What the kernels compute, on the CPU: e4m3 rounding (to nearest, ties to even, saturating at +-448; NaN
