@@ -6053,7 +6053,7 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
                               in.max_seqlen_q, NH, NKV, P, MB, scale, s);
     } else if (g_opt.fused_rope && (cache.dtype == KVCacheDtype::BF16 || B <= DECODE_CLUSTER_MAX_B)) {
       // q/k-norm, RoPE and the KV store inside the attention kernel. (With an fp8 cache, at batches above the
-      // cluster kernel's, the fused kernel measured 1.7% slower on bench.py than the two it replaces: README.)
+      // cluster kernel's, the fused kernel measured slower on bench.py than the two it replaces: README.)
       const DecodeRope rope{in.positions, in.slot_mapping, lw.q_norm, lw.k_norm, eps, rope_inv_freq(cfg.rope_theta)};
       attention_decode_fast(act.attn, act.qkv, cache, in.seqlens_k, in.block_tables, B, NH, NKV, P, MB,
                             model.max_model_len, act.attn_workspace, scale, s, &rope);
@@ -6232,9 +6232,8 @@ __device__ __forceinline__ void widen_kv_tile_fp8(const char* slot, bf16* sK, bf
 
 // ---- Decode attention over an fp8 cache ----------------------------------------------------------------
 // The tile pipeline above is how the prefill kernel reads fp8, and how decode read it at first: stage a 64-key
-// tile, widen it to fp16 in shared memory, a barrier, the tensor cores, a barrier. Measured on an H100 (B =
-// 128, 1,024-token contexts), that decode streamed the cache at about 2.0 TB/s where the bf16 kernel streams
-// 2.7: half the bytes took two thirds of the time. It kept one 16 KiB fp8 tile in flight per thread block
+// tile, widen it to fp16 in shared memory, a barrier, the tensor cores, a barrier. Measured on an H100 (README,
+// FP8 section), half the bytes took two thirds of the bf16 kernel's time. It kept one 16 KiB fp8 tile in flight per thread block
 // (the staging slots live in the shadow of the bf16 tile, half of what bf16 keeps in flight at the same
 // shared memory), and every byte made an extra round trip through shared memory to be widened.
 //
@@ -6258,13 +6257,13 @@ __device__ __forceinline__ void widen_kv_tile_fp8(const char* slot, bf16* sK, bf
 //               byte t as output column 8t + g of the MMA. So the accumulator's column 8t + j is head dim
 //               16j + t (fp8_decode_column), which decode_combine_warps undoes when it reads O back.
 // A B fragment of V pairs one dim of two keys, so those bytes are paired first (one byte_perm per two pairs).
-// Every read is 16 bytes, and the tile is swizzled like section 14's, so that the lanes of a read hit
-// different banks.
+// Every read is 16 bytes, and the tile is swizzled like section 14's, which spreads a read over the banks
+// (the key reads still meet 2-way conflicts).
 //
 // Measured on the way (README, FP8 section): warp-private rings (each warp streaming its own 16-key slices,
-// three in flight, no barrier at all) reached only 2.2 TB/s, and about the same with the tensor-core work
-// removed: how the cache is fetched, not the conversions, decided the speed. Thread-block tiles as large as
-// the bf16 kernel's are what streams at its rate.
+// three in flight, no barrier at all) stayed well below the bf16 kernel's rate, and as far below with the
+// tensor-core work removed: how the cache is fetched, not the conversions, decided the speed. Thread-block
+// tiles as large as the bf16 kernel's are what streams at its rate.
 
 // Where lane's chunk i of a 16-key slice comes from: the key row (0..15 within the slice) and the byte
 //   i = 0, 1: key row g,     bytes 16c and 64 + 16c        i = 2, 3: key row g + 8, the same bytes
