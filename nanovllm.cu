@@ -8515,6 +8515,15 @@ static json summary_json(const RunSummary& r) {
 
 // The summary's four stderr lines. None contains the word "requests": bench.sh parses the last line
 // that does.
+// Which sequences --max-num-seqs caps under each scheduler, for the summary: latencies of the two are only
+// comparable when that is said. nano-vllm caps the sequences of one step and lets any number run (a
+// request admitted in an earlier step keeps its KV blocks while it waits for a decode step with room), so
+// its time to first token hides waiting that vLLM's cap on running requests shows as queueing.
+static const char* scheduler_cap(const char* scheduler) {
+  return strcmp(scheduler, "mixed") == 0 ? "max_num_seqs caps running sequences"
+                                         : "max_num_seqs caps each step's sequences";
+}
+
 static std::string format_summary(const RunSummary& r) {
   auto pct = [](double part, double whole) { return 100.0 * part / std::max(whole, 1e-9); };
   char buf[4][512];
@@ -8531,9 +8540,10 @@ static std::string format_summary(const RunSummary& r) {
            r.steps_s, (long long)(r.steps_prefill + r.steps_decode), r.host_s(), pct(r.host_s(), r.steps_s),
            r.schedule_s, r.prepare_s, r.postprocess_s, r.gpu_wait_s, pct(r.gpu_wait_s, r.steps_s));
   snprintf(buf[2], sizeof buf[2],
-           "nanovllm: latency | scheduler %s | time to first token median %.3f s, p99 %.3f s | time per output "
-           "token median %.2f ms, p99 %.2f ms\n",
-           r.scheduler, r.ttft.median, r.ttft.p99, 1e3 * r.tpot.median, 1e3 * r.tpot.p99);
+           "nanovllm: latency | scheduler %s (%s) | time to first token median %.3f s, p99 %.3f s | time per "
+           "output token median %.2f ms, p99 %.2f ms\n",
+           r.scheduler, scheduler_cap(r.scheduler), r.ttft.median, r.ttft.p99, 1e3 * r.tpot.median,
+           1e3 * r.tpot.p99);
   snprintf(buf[3], sizeof buf[3],
            "nanovllm: check | tokens xxh64 %s (all completions, in input order) | logits xxh64 %s "
            "(last step, %d rows)\n",

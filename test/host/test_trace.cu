@@ -132,8 +132,8 @@ TEST(summary_numbers_lines_and_json) {
       "batch 2.50 over 4 steps | peak KV 25 of 100 blocks (25.0%) | KV cache fp8, 1600 tokens\n"
       "nanovllm: time | 2.000 s in 6 steps | host 0.400 s (20%): schedule 0.100, prepare + launch 0.200, "
       "postprocess 0.100 | waiting for the GPU 1.600 s (80%)\n"
-      "nanovllm: latency | scheduler nano | time to first token median 0.000 s, p99 0.000 s | time per output "
-      "token median 0.00 ms, p99 0.00 ms\n"
+      "nanovllm: latency | scheduler nano (max_num_seqs caps each step's sequences) | time to first token "
+      "median 0.000 s, p99 0.000 s | time per output token median 0.00 ms, p99 0.00 ms\n"
       "nanovllm: check | tokens xxh64 " +
           hex64(completions_xxh64(outs)) +
           " (all completions, in input order) | logits xxh64 abcdef0123456789 (last step, 3 rows)\n");
