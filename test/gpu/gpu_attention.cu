@@ -885,11 +885,12 @@ TEST(timing_decode) {
   time_decode("decode B=256 ctx=512 NH=32 NKV=8 P=256 max_ctx=4096", std::vector<int>(256, 512), 32, 8, 256,
               4096);
   time_decode("decode B=1 ctx=4096 NH=16 NKV=8 P=256 max_ctx=4096", {4096}, 16, 8, 256, 4096);
-  // The same KV bytes as the fp8 rows below at twice their batch (and the bf16 rows above at half theirs).
+  // 268 MB, the KV bytes of the fp8 row at B = 128 below (bf16 at half the batch reads as many bytes).
   time_decode("decode B=64 ctx=1024 NH=16 NKV=8 P=256 max_ctx=4096", std::vector<int>(64, 1024), 16, 8, 256, 4096);
   const KVCacheDtype fp8 = KVCacheDtype::FP8;
   time_decode("fp8 decode B=1 ctx=4096 NH=16 NKV=8 P=256 max_ctx=4096", {4096}, 16, 8, 256, 4096, fp8);
   time_decode("fp8 decode B=128 ctx=1024 NH=16 NKV=8 P=256 max_ctx=4096", ctx1024, 16, 8, 256, 4096, fp8);
+  // 537 MB, the KV bytes of the bf16 rows at B = 128 above.
   time_decode("fp8 decode B=256 ctx=1024 NH=16 NKV=8 P=256 max_ctx=4096", std::vector<int>(256, 1024), 16, 8, 256,
               4096, fp8);
   time_decode("fp8 decode B=131 ctx 100..2000 NH=16 NKV=8 P=256 max_ctx=4096", random_lengths(131, 100, 2000, 41),
