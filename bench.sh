@@ -9,7 +9,8 @@
 #          --only throughput|latency|prefill (one measure; --only model just makes the --random checkpoint),
 #          --tp N (tensor parallelism on N GPUs; the roofline is then N GPUs' bandwidth and GEMM rate),
 #          --opt LIST (passed to nanovllm: which optimizations of Part II run; --opt none is --plain),
-#          --kv-cache-dtype bf16|fp8 (passed to nanovllm; the roofline then counts 1 byte per K/V value).
+#          --kv-cache-dtype bf16|fp8 (passed to nanovllm; the roofline then counts 1 byte per K/V value),
+#          --scheduler nano|mixed (passed to nanovllm: nano-vllm's prefill-first rule or vLLM V1's).
 #          TOKENIZER_DIR: tokenizer for --random.
 #
 #   ./bench.sh --ladder [--random 0.6b | --model DIR] [--baseline PATH]
@@ -26,10 +27,16 @@
 # 2. batch-1 decode: one 512-token prompt, 512 greedy tokens: ms per output token.
 # 3. prefill: 64 prompts of 2048 tokens, max_tokens 1: prompt tokens per second.
 # 4. cold start: process start to first generated token (model load and graph capture included), from run 2.
+# Two more, for the schedulers, run only when named (--only short|staggered), with --max-num-seqs 512:
+# 5. short: 2,000 requests arriving at once, prompts and outputs of randint(100, 400) tokens: throughput and
+#    the p99 time per output token (how long prefill steps stall the running requests).
+# 6. staggered: bench.py's 256 requests arriving as a Poisson process of 40 per second (--seed 0): time to
+#    first token and time per output token, median and p99.
 # Roofline: `nanovllm roofline` measures this GPU's copy bandwidth and bf16 GEMM rate in the same run.
 set -euo pipefail
 cd "$(dirname "$0")"
 MODEL= RANDOM_SHAPE= NANOVLLM=./nanovllm LOG_DIR=build/bench-logs ONLY= TP=1 OPT=all LADDER=0 BASELINE= KV=auto
+SCHED=
 while [ $# -gt 0 ]; do
   case $1 in
     --model) MODEL=$2; shift 2 ;;
@@ -40,9 +47,10 @@ while [ $# -gt 0 ]; do
     --tp) TP=$2; shift 2 ;;
     --opt) OPT=$2; shift 2 ;;
     --kv-cache-dtype) KV=$2; shift 2 ;;
+    --scheduler) SCHED=$2; shift 2 ;;
     --ladder) LADDER=1; shift ;;
     --baseline) BASELINE=$2; shift 2 ;;
-    -h|--help) sed -n 2,28p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,35p "$0"; exit 0 ;;
     *) echo "bench.sh: unknown argument '$1' (see --help)" >&2; exit 1 ;;
   esac
 done
@@ -75,6 +83,7 @@ fi
 [ "$ONLY" = model ] && exit 0
 OPT_FLAGS=(); [ "$OPT" = all ] || OPT_FLAGS=(--opt "$OPT")  # only then: an older binary knows no --opt
 [ "$KV" = auto ] || OPT_FLAGS+=(--kv-cache-dtype "$KV")
+[ -z "$SCHED" ] || OPT_FLAGS+=(--scheduler "$SCHED")
 case $KV in auto|bf16) KV_BYTES=2 ;; fp8|fp8_e4m3) KV_BYTES=1 ;; *) echo "bench.sh: --kv-cache-dtype takes bf16 or fp8" >&2; exit 1 ;; esac
 [ -n "$MODEL" ] || { echo "bench.sh: give --model DIR or --random 0.6b|8b" >&2; exit 1; }
 [ -x "$NANOVLLM" ] || { echo "bench.sh: $NANOVLLM not found; run make first" >&2; exit 1; }
@@ -95,6 +104,11 @@ with open(f"{d}/latency.jsonl", "w") as f:
 with open(f"{d}/prefill.jsonl", "w") as f:
     for _ in range(64):
         f.write(json.dumps({"prompt_token_ids": [rng.randint(0, 10000) for _ in range(2048)], "max_tokens": 1}) + "\n")
+rng = random.Random(2)
+with open(f"{d}/short.jsonl", "w") as f:
+    for _ in range(2000):
+        n, m = rng.randint(100, 400), rng.randint(100, 400)
+        f.write(json.dumps({"prompt_token_ids": [rng.randint(0, 10000) for _ in range(n)], "max_tokens": m}) + "\n")
 PY
 
 "$NANOVLLM" roofline | tee "$LOG_DIR/roofline.txt"
@@ -145,6 +159,9 @@ fi
 { [ -z "$ONLY" ] || [ "$ONLY" = throughput ]; } && run throughput --temperature 0.6
 { [ -z "$ONLY" ] || [ "$ONLY" = latency ]; } && run latency --temperature 0
 { [ -z "$ONLY" ] || [ "$ONLY" = prefill ]; } && run prefill --temperature 0
+[ "$ONLY" = short ] && run short --temperature 0.6 --max-num-seqs 512
+[ "$ONLY" = staggered ] && cp "$LOG_DIR/throughput.jsonl" "$LOG_DIR/staggered.jsonl" &&
+  run staggered --temperature 0.6 --max-num-seqs 512 --request-rate 40 --seed 0
 
 # The table, with roofline fractions computed from the model's shape and the measured ceilings.
 python3 - "$LOG_DIR" "$MODEL" "$BW" "$TF" "$GPU" "$ONLY" "$TP" "${RUNGS:-}" "$KV_BYTES" <<'PY'
@@ -164,10 +181,17 @@ params = L * layer + V * H * (1 if tied else 2) + H
 wbytes = 2 * (params - (0 if tied else V * H))  # decode reads every weight once per step (not the embedding table)
 kv_tok = 2 * L * NKV * D * kv_bytes  # K and V bytes per token
 def summary(name, log=None):
-    line = [l for l in open(log or f"{d}/{name}.log") if l.startswith("nanovllm:") and "requests" in l][-1]
-    num = lambda pat: float(re.search(pat, line).group(1))
-    return dict(seconds=num(r"tokens in ([\d.]+) s"), gen=num(r"\+ (\d+) generated"), prompt=num(r"\| (\d+) prompt"),
-                prefill=num(r"prefill (\d+) tok/s"), decode=num(r"decode (\d+) tok/s"), first=num(r"first token ([\d.]+) s"))
+    lines = open(log or f"{d}/{name}.log").readlines()
+    line = [l for l in lines if l.startswith("nanovllm:") and "requests" in l][-1]
+    num = lambda pat, l=line: float(re.search(pat, l).group(1))
+    r = dict(seconds=num(r"tokens in ([\d.]+) s"), gen=num(r"\+ (\d+) generated"), prompt=num(r"\| (\d+) prompt"),
+             prefill=num(r"prefill (\d+) tok/s"), decode=num(r"decode (\d+) tok/s"), first=num(r"first token ([\d.]+) s"))
+    lat = [l for l in lines if l.startswith("nanovllm: latency")]
+    if lat:
+        r.update(sched=re.search(r"scheduler (\w+)", lat[-1]).group(1),
+                 ttft=(num(r"first token median ([\d.]+) s", lat[-1]), num(r"first token median [\d.]+ s, p99 ([\d.]+) s", lat[-1])),
+                 tpot=(num(r"output token median ([\d.]+) ms", lat[-1]), num(r"output token median [\d.]+ ms, p99 ([\d.]+) ms", lat[-1])))
+    return r
 rows = []
 print(f"\nGPU: {gpu} | copy bandwidth {bw/1e9:.0f} GB/s | bf16 GEMM {tf/1e12:.0f} TFLOP/s | model {model}: {params/1e9:.3f} B params"
       f" | KV cache {'fp8' if kv_bytes == 1 else 'bf16'}")
@@ -209,6 +233,13 @@ if only in ("", "prefill"):
     flops = 2 * L * layer + 4 * NH * D * 1024 * L  # per token: the layers' weights + causal attention (mean 1024 keys)
     ceil = tf / flops
     rows.append(("prefill (64 x 2048)", f"{s['prefill']:.0f} tok/s", f"{100 * s['prefill'] / ceil:.0f}% of the {ceil:.0f} tok/s GEMM ceiling"))
+for w in ("short", "staggered"):
+    if only != w: continue
+    s = summary(w)
+    tput = s["gen"] / s["seconds"]
+    rows.append((f"{w} ({s['sched']})", f"{tput:.0f} tok/s",
+                 f"TTFT median/p99 {1e3 * s['ttft'][0]:.0f} / {1e3 * s['ttft'][1]:.0f} ms, TPOT median/p99 "
+                 f"{s['tpot'][0]:.2f} / {s['tpot'][1]:.2f} ms"))
 print(f"\n{'measure':<22} {'result':<26} roofline")
 for r in rows:
     print(f"{r[0]:<22} {r[1]:<26} {r[2]}")

@@ -383,7 +383,8 @@ struct Config {
   int num_kvcache_blocks = -1;         // NB: -1 = as many as fit (measured after a warm-up)
   std::vector<int> eos;                // filled from the model config
   OptimizationSet opt = default_optimizations();  // which Part II optimizations run (--plain, --opt)
-  bool mixed_scheduler = false;        // --scheduler mixed: vLLM V1's scheduler (section 5b), not nano-vllm's
+  bool mixed_scheduler = false;        // vLLM V1's scheduler (section 5b), not nano-vllm's. The command line's
+                                       // default (section 29, measured: README); the engine's is nano-vllm's
   std::string kv_cache_dtype = "bf16"; // --kv-cache-dtype: a KVCacheFormat's name (Part I: bf16)
 };
 
@@ -935,9 +936,10 @@ struct Scheduler {
 //   2. then waiting sequences are admitted in order, with chunked prefill from the rest of the budget,
 //      while max_num_seqs allows, but not in a step that preempted (vLLM V1's rule: the pool is short).
 // A sequence joins `running` as soon as it is admitted, even mid-prompt. So a step can hold decode tokens
-// and prompt chunks together: the prefill attention kernel computes it (a decoding sequence is a query of
-// length 1 over its cached keys), eagerly; steps that hold only decode tokens still replay CUDA graphs.
-// (vLLM itself captures mixed steps too, piecewise: everything but attention in CUDA graphs.)
+// and prompt chunks together, and it is a prefill step to the model: Part I's prefill attention kernel
+// computes it (a decoding sequence is a query of length 1 over its cached keys). Because running sequences
+// come first, the decoding ones lead the step, which is what lets Part II send them through its decode
+// kernel instead (section 21) and replay the rest of the step from CUDA graphs (section 21b, as vLLM does).
 // postprocess() above needs no change: a sequence whose scheduled tokens reach its end gets a token.
 
 // A sequence whose one remaining token is its last (it decodes, or its prompt's last token is left).
@@ -1356,6 +1358,9 @@ struct StepInputs {
   int* seqlens_k;     // [B]   prefill: keys each sequence attends (cached + new); decode: context lengths
   int* block_tables;  // [B, MB]
   int max_seqlen_q;   // host value (prefill)
+  int decode_rows = 0;  // host value (prefill): how many leading sequences compute one token, their last
+                        // (decoding sequences in a --scheduler mixed step, 5b). Part I ignores it: such a row
+                        // is a query of length 1 to the prefill kernel. Section 21 runs them as decode rows.
 };
 
 // The launchers the forward pass calls (section 7: elementwise kernels; 8: attention; 10: cuBLASLt;
@@ -2610,8 +2615,8 @@ static void linear_reference(float* y, const float* x, const float* W, int M, in
 //   decode region:  input_ids [B] positions [B] slot_mapping [B] context_lens [B] block_tables [B, MB]
 //                   sampling slots [B]         (fixed addresses: the CUDA graphs read them)
 //
-// CUDA graphs (decode only): a decode step of Qwen3-0.6B is ~400 small kernel launches whose launch cost
-// would rival their run time. They are captured once per batch size 1, 2, 4, 8, 16, 32, ..., 512 (largest
+// CUDA graphs (decode steps; section 21b adds prefill steps, in pieces): a decode step of Qwen3-0.6B is
+// ~400 small kernel launches whose launch cost would rival their run time. They are captured once per batch size 1, 2, 4, 8, 16, 32, ..., 512 (largest
 // first) and replayed; a batch of 37 replays the 48 graph with 11 padding rows (slot -1: nothing stored,
 // context 1: a harmless read, token discarded). No kernel's grid depends on the contexts (section 8's on the
 // batch size, section 14's on max_model_len), so one capture serves every step.
@@ -2649,6 +2654,7 @@ struct TPStep {      // what rank 0 decided for one step; the step region's byte
   int is_prefill;
   int T, B;          // tokens and sequences (decode: B padded to the graph's batch size, T = B)
   int max_seqlen_q;  // prefill
+  int decode_rows;   // prefill: StepInputs::decode_rows
   int graph_bs;      // decode: the CUDA graph to replay, 0 = run eagerly
   uint64_t bytes;    // used bytes of the step region
 };
@@ -2671,6 +2677,12 @@ struct Hooks {
   // A decode step of B sequences run some other way; returns false for a B it does not take. Empty (or
   // false): `forward`.
   bool (*decode_step)(Qwen3& model, const StepInputs& in, int B, cudaStream_t s) = nullptr;
+  // A prefill step of T tokens run some other way (CUDA graphs); returns false for a step it does not take.
+  // It may write the step's inputs past row T (padding). Empty (or false): `forward`.
+  bool (*prefill_step)(Qwen3& model, const StepInputs& in, int T, int B, cudaStream_t s) = nullptr;
+  // Captures what prefill_step replays, after the decode graphs (capture_cudagraphs); `in` is the prefill
+  // region's inputs, free to overwrite, Tmax the largest step. Empty: nothing.
+  void (*capture_prefill)(Qwen3& model, const StepInputs& in, int Tmax, cudaStream_t s) = nullptr;
   // The sampler, with a workspace of sample_workspace_bytes(Bmax, V). Empty: section 9's sample.
   void (*sample)(int* out_tokens, const float* logits, const SamplingSlot* slots, int B, int V, void* workspace,
                  size_t workspace_bytes, cudaStream_t stream) = nullptr;
@@ -2686,6 +2698,10 @@ struct Hooks {
   void (*tp_ready)(TPComm* comm) = nullptr;
   // Run in order once the model's weights, activations and KV cache exist (plans, tables). Empty: nothing.
   std::vector<void (*)(Qwen3& model, const Config& c)> model_ready;
+  // What `nanovllm simulate` (section 28) must know to price a prefill step the way it runs. Empty: Part I's
+  // way (every one-token row read once per query head, every prefill step launched kernel by kernel).
+  bool decode_rows_as_decode = false;  // a step's leading one-token rows read their K/V once per GQA group
+  int prefill_graph_tokens = 0;        // prefill steps of at most this many tokens replay CUDA graphs
 };
 static Hooks g_hooks;
 
@@ -2909,7 +2925,7 @@ struct ModelRunner : StepRunner {
   // nano-vllm: prepare_prefill. Each sequence contributes its scheduled tokens [start, end).
   StepInputs prepare_prefill(const std::vector<Sequence*>& seqs, int& T) {
     T = 0;
-    int max_q = 0;
+    int max_q = 0, decode_rows = 0;
     prefill_cu_q.host[0] = 0;
     for (size_t b = 0; b < seqs.size(); b++) {
       const Sequence& seq = *seqs[b];
@@ -2923,17 +2939,18 @@ struct ModelRunner : StepRunner {
       prefill_cu_q.host[b + 1] = T;
       prefill_seqlens_k.host[b] = end;
       max_q = std::max(max_q, end - start);
+      if (decode_rows == (int)b && end - start == 1) decode_rows++;
       fill_block_table(prefill_bt.host + b * MB, seq);
       prefill_samp.host[b] = sampling_slot(seq);
     }
     CUDA_CHECK(cudaMemcpyAsync(prefill_region.dev, prefill_region.host, prefill_region.used,
                                cudaMemcpyHostToDevice,
                                stream));
-    return prefill_inputs(max_q);
+    return prefill_inputs(max_q, decode_rows);
   }
-  StepInputs prefill_inputs(int max_q) const {
+  StepInputs prefill_inputs(int max_q, int decode_rows) const {
     return StepInputs{prefill_ids.dev,  prefill_pos.dev,       prefill_slots.dev, prefill_cu_q.dev,
-                      prefill_seqlens_k.dev, prefill_bt.dev, max_q};
+                      prefill_seqlens_k.dev, prefill_bt.dev, max_q, decode_rows};
   }
 
   // nano-vllm: prepare_decode. One token per sequence: its last one, at position len-1. Rows bs..padded_bs-1
@@ -2967,7 +2984,8 @@ struct ModelRunner : StepRunner {
   // The model, then (rank 0) the sampler: Part I's, or Part II's where a hook is filled.
   void forward_and_sample(const StepInputs& in, int T, int B, bool is_prefill, const SamplingSlot* slots_d,
                           bool draw = true) {
-    const bool done = !is_prefill && g_hooks.decode_step && g_hooks.decode_step(model, in, B, stream);
+    const bool done = is_prefill ? g_hooks.prefill_step && g_hooks.prefill_step(model, in, T, B, stream)
+                                 : g_hooks.decode_step && g_hooks.decode_step(model, in, B, stream);
     if (!done && g_hooks.forward) g_hooks.forward(model, in, T, B, is_prefill, stream);
     else if (!done) model.forward(in, T, B, is_prefill, stream);
     if (model.tp > 1)
@@ -3078,14 +3096,15 @@ struct ModelRunner : StepRunner {
       int T;
       StepInputs in = prepare_prefill(seqs, T);
       if (model.tp > 1)
-        tp_send_step(tp_engine, {1, T, B, in.max_seqlen_q, 0, prefill_region.used}, prefill_region.host);
+        tp_send_step(tp_engine, {1, T, B, in.max_seqlen_q, in.decode_rows, 0, prefill_region.used},
+                     prefill_region.host);
       forward_and_sample(in, T, B, true, prefill_samp.dev, !x.edits);
       if (x.edits || x.logprobs) process_and_sample(x, B, prefill_samp.dev);
     } else {
       int g = config.enforce_eager ? 0 : graph_size_for(B);
       StepInputs in = prepare_decode(seqs, g ? g : B);
       if (model.tp > 1)
-        tp_send_step(tp_engine, {0, g ? g : B, g ? g : B, 1, g, decode_region.used}, decode_region.host);
+        tp_send_step(tp_engine, {0, g ? g : B, g ? g : B, 1, 0, g, decode_region.used}, decode_region.host);
       if (g) CUDA_CHECK(cudaGraphLaunch(graphs[g], stream));
       else forward_and_sample(in, B, B, false, decode_samp.dev, !x.edits);
       if (x.edits || x.logprobs) process_and_sample(x, B, decode_samp.dev);
@@ -3119,6 +3138,7 @@ struct ModelRunner : StepRunner {
       CUDA_CHECK(cudaGraphDestroy(graph));
       graphs[bs] = exec;
     }
+    if (g_hooks.capture_prefill) g_hooks.capture_prefill(model, prefill_inputs(0, 0), Tmax, stream);
     CUDA_CHECK(cudaStreamSynchronize(stream));
     capture_seconds = now_seconds() - t0;
   }
@@ -3487,7 +3507,8 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
   StepRegion& region = st.is_prefill ? r.prefill_region : r.decode_region;
   CUDA_CHECK(cudaMemcpyAsync(region.dev, region.host, st.bytes, cudaMemcpyHostToDevice, r.stream));
   if (st.is_prefill) {
-    r.forward_and_sample(r.prefill_inputs(st.max_seqlen_q), st.T, st.B, true, r.prefill_samp.dev);
+    r.forward_and_sample(r.prefill_inputs(st.max_seqlen_q, st.decode_rows), st.T, st.B, true,
+                          r.prefill_samp.dev);
   } else if (st.graph_bs) {
     auto it = r.graphs.find(st.graph_bs);
     INTERNAL_CHECK(it != r.graphs.end(), "rank 0 replays a graph of batch %d, this rank has none", st.graph_bs);
@@ -3779,8 +3800,8 @@ struct LLMEngine {
 // between them (15), matrix products too thin for cuBLASLt's tiles (16), the kernels that exist only to
 // merge partial results (17) or to prepare q and k (18). With tensor parallelism, NCCL's latency on small
 // messages (19). And a sampler that reads its row many times (20). Section 21 is the forward pass that routes
-// each operation to its fast version; 22 halves the bytes of the cache, and 23 runs a small decode step as
-// one kernel.
+// each operation to its fast version (21b replays prefill and mixed steps from CUDA graphs too); 22 halves
+// the bytes of the cache, and 23 runs a small decode step as one kernel.
 
 // Defined only while this part is in the file: a test that also exercises Part II asks for it.
 #define NANOVLLM_PART_II 1
@@ -3796,6 +3817,7 @@ struct Optimizations {
   bool fused_rope = false;         // 18: decode attention does q/k-norm, RoPE and the KV store itself
   bool oneshot_allreduce = false;  // 19: small all-reduces over NVLink in one crossing, not NCCL's ring
   bool fast_sampler = false;       // 20: radix-select top-k/top-p and split rows, not the plain sampler
+  bool prefill_graphs = false;     // 21b: prefill and mixed steps replay CUDA graphs, attention between pieces
   bool persistent = false;         // 23: a small-batch decode step in one persistent kernel
 };
 static Optimizations g_opt;  // set by each section's apply (install_optimizations, section 11)
@@ -4628,6 +4650,7 @@ static void apply_flash_attn(bool on, Hooks& h) {
   if (!on) return;
   h.forward = forward_fast;
   h.attention_workspace_bytes = flash_decode_workspace_bytes;
+  h.decode_rows_as_decode = true;  // section 21's attention_prefill_step
 }
 static const int kFlashAttnRegistered = register_optimization(
     {"flash_attn", "flash attention on tensor cores, split-K decode (section 14)", true, apply_flash_attn});
@@ -5985,7 +6008,7 @@ static const int kFastSamplerRegistered = register_optimization(
     {"fast_sampler", "radix-select sampler and split log-probabilities (section 20)", true, apply_fast_sampler});
 
 // ==== 21. The forward pass with every fusion ===============================================================
-// defines: forward_fast
+// defines: attention_prefill_step, forward_fast
 //
 // Section 6c's forward pass, with each operation routed to its Part II version where that is switched on.
 // It computes what 6c computes (the GPU tests compare the two); what changes is where the work runs:
@@ -5998,9 +6021,76 @@ static const int kFastSamplerRegistered = register_optimization(
 //       one GPU, else    inside the next norm (add_rmsnorm), as in 6c;
 //   * decode attention does q/k-norm, RoPE and the KV store itself (fused_rope, section 18; with an fp8
 //     cache only at the cluster kernel's batches) and merges its split-K partitions in a cluster
-//     (cluster_merge, section 17).
+//     (cluster_merge, section 17);
+//   * in a prefill step, the rows that decode (a --scheduler mixed step's running sequences) go through the
+//     decode attention kernel, the prompt chunks through the prefill kernel (attention_prefill_step).
 // With everything on, a batch-1 layer on one GPU is 5 kernels: qkv, attention, o, gate_up, down (6c: 9 and
 // a merge kernel).
+
+// Attention of a prefill step (q/k-norm, RoPE and the KV store done). Under --scheduler mixed (5b) a step
+// holds decode rows and prompt chunks; the scheduler serves the running sequences first, so the decoding
+// ones lead (in.decode_rows of them, one query row each, rows 0..nd-1). Those go through the decode kernel
+// (sections 14, 17), which reads each K/V tile once for the GQA group and uses all of its tiles' rows; the
+// prefill kernel would read it once per query head into tiles of 128 query rows holding one. The prompt
+// chunks, from sequence nd on, go through the prefill kernel as in any prefill step. Both kernels write
+// their own rows of out, and both read the keys qk_norm_rope just stored.
+static void attention_prefill_step(bf16* out, const bf16* qkv, const KVView& cache, const StepInputs& in, int B,
+                                   int NH, int NKV, int P, int MB, int max_context_len, float* workspace,
+                                   float scale, cudaStream_t s) {
+  const int nd = in.decode_rows;
+  if (nd > 0)
+    attention_decode_fast(out, qkv, cache, in.seqlens_k, in.block_tables, nd, NH, NKV, P, MB, max_context_len,
+                          workspace, scale, s, nullptr);
+  if (nd < B)
+    flash_attention_prefill(out, qkv, cache, in.cu_seqlens_q + nd, in.seqlens_k + nd,
+                            in.block_tables + (size_t)nd * MB, B - nd, in.max_seqlen_q, NH, NKV, P, MB, scale, s);
+}
+
+// Layer l's attention in a prefill step: section 8's kernel, or with flash_attn on the step above.
+static void prefill_attention(Qwen3& model, const StepInputs& in, int l, int B, cudaStream_t s) {
+  const ModelConfig& cfg = model.cfg;
+  const int NH = cfg.num_attention_heads / model.tp, NKV = cfg.num_key_value_heads / model.tp;
+  const float scale = 1.0f / sqrtf((float)cfg.head_dim);
+  Activations& act = model.act;
+  if (!g_opt.flash_attn)
+    attention_prefill(act.attn, act.qkv, model.kv.layer(l), in.cu_seqlens_q, in.seqlens_k, in.block_tables, B,
+                      in.max_seqlen_q, NH, NKV, model.P, model.MB, scale, s);
+  else
+    attention_prefill_step(act.attn, act.qkv, kv_view(model.kv, l), in, B, NH, NKV, model.P, model.MB,
+                           model.max_model_len, act.attn_workspace, scale, s);
+}
+
+// The step's logits from the final normed rows (act.x): in a prefill step only each sequence's last row needs
+// them (nano-vllm: ParallelLMHead).
+static void lm_head_logits(Qwen3& model, const StepInputs& in, int B, bool is_prefill, cudaStream_t s) {
+  const int H = model.cfg.hidden_size, V = (int)cdiv(model.cfg.vocab_size, model.tp);
+  const bf16* last = model.act.x;
+  if (is_prefill) {
+    gather_last_tokens(model.act.last, model.act.x, in.cu_seqlens_q, B, H, s);
+    last = model.act.last;
+  }
+  linear(*model.gemm, model.act.logits, last, model.w.lm_head, B, V, H, s, CUDA_R_32F);
+}
+
+// Section 21b captures prefill steps in pieces: while it does, forward_fast ends a piece at each of its two
+// cut points (before a layer's attention, before the LM head) and skips what follows the cut, which the replay
+// runs between the pieces. Off (every other time), cut() does nothing and returns false.
+struct PiecewiseCapture {
+  enum { OFF, WARMUP, CAPTURE } mode = OFF;  // WARMUP: a run outside any capture (cuBLASLt picks its algorithms)
+  std::vector<cudaGraph_t> pieces;           // CAPTURE: the pieces so far
+  bool cut(cudaStream_t s) {
+    if (mode == OFF) return false;
+    if (mode == CAPTURE) {
+      cudaGraph_t g;
+      CUDA_CHECK(cudaStreamEndCapture(s, &g));
+      pieces.push_back(g);
+      CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    }
+    return true;
+  }
+};
+static PiecewiseCapture g_pieces;
+
 static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool is_prefill, cudaStream_t s) {
   const ModelConfig& cfg = model.cfg;
   const Weights& w = model.w;
@@ -6037,20 +6127,15 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
     const LayerWeights& lw = w.layers[l];
     norm_matmul(act.qkv, lw.input_layernorm, lw.qkv_proj, (NH + 2 * NKV) * D, l > 0);
     const KVView cache = kv_view(kv, l);
-    if (!g_opt.flash_attn) {  // section 8's kernels (bf16 only: section 22 needs flash_attn)
-      qk_norm_rope(act.qkv, in.positions, lw.q_norm, lw.k_norm, kv.layer(l), in.slot_mapping, T, NH, NKV, P,
-                   cfg.rope_theta, eps, s);
-      if (is_prefill)
-        attention_prefill(act.attn, act.qkv, kv.layer(l), in.cu_seqlens_q, in.seqlens_k, in.block_tables, B,
-                          in.max_seqlen_q, NH, NKV, P, MB, scale, s);
-      else
-        attention_decode(act.attn, act.qkv, kv.layer(l), in.seqlens_k, in.block_tables, B, NH, NKV, P, MB, scale,
-                         s);
-    } else if (is_prefill) {
+    if (is_prefill) {
       qk_norm_rope_view(act.qkv, in.positions, lw.q_norm, lw.k_norm, cache, in.slot_mapping, T, NH, NKV, P,
                         cfg.rope_theta, eps, s);
-      flash_attention_prefill(act.attn, act.qkv, cache, in.cu_seqlens_q, in.seqlens_k, in.block_tables, B,
-                              in.max_seqlen_q, NH, NKV, P, MB, scale, s);
+      if (!g_pieces.cut(s)) prefill_attention(model, in, l, B, s);  // (section 21b cuts its graphs here)
+    } else if (!g_opt.flash_attn) {  // section 8's kernels (bf16 only: section 22 needs flash_attn)
+      qk_norm_rope(act.qkv, in.positions, lw.q_norm, lw.k_norm, kv.layer(l), in.slot_mapping, T, NH, NKV, P,
+                   cfg.rope_theta, eps, s);
+      attention_decode(act.attn, act.qkv, kv.layer(l), in.seqlens_k, in.block_tables, B, NH, NKV, P, MB, scale,
+                       s);
     } else if (g_opt.fused_rope && (cache.dtype == KVCacheDtype::BF16 || B <= DECODE_CLUSTER_MAX_B)) {
       // q/k-norm, RoPE and the KV store inside the attention kernel. (With an fp8 cache, at batches above the
       // cluster kernel's, the fused kernel measured slower on bench.py than the two it replaces: README.)
@@ -6074,13 +6159,133 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
   }
   if (add_in_norm) add_rmsnorm(act.x, act.residual, act.hidden, w.norm, T, H, eps, s);
   else rmsnorm(act.x, act.residual, w.norm, T, H, eps, s);
-  const bf16* last = act.x;
-  if (is_prefill) {  // only each sequence's last position needs logits (nano-vllm: ParallelLMHead)
-    gather_last_tokens(act.last, act.x, in.cu_seqlens_q, B, H, s);
-    last = act.last;
-  }
-  linear(gemm, act.logits, last, w.lm_head, B, V, H, s, CUDA_R_32F);
+  if (is_prefill && g_pieces.cut(s)) return;
+  lm_head_logits(model, in, B, is_prefill, s);
 }
+
+// ---- 21b. Prefill and mixed steps in CUDA graphs, in pieces ------------------------------------------
+// defines: prefill_graph_sizes, pad_prefill_rows, capture_prefill_graphs, prefill_step_graphs; switch
+//          prefill_graphs
+//
+// Replaces: running every prefill step kernel by kernel (section 11 captures decode steps only).
+// Why it is faster: a step of Qwen3-0.6B is about 400 launches, which cost the host more than a millisecond;
+// under --scheduler mixed (5b) most steps of a busy engine hold a few new prompt tokens among the decode
+// rows, so they are prefill steps, and without graphs they pay that launch cost where a decode step would
+// replay one graph.
+//
+// Why in pieces. A graph replays fixed launches: fixed grids and fixed arguments. Everything in a step but
+// attention has shapes that follow the number of tokens T alone (the matrix products, norms, RoPE, the KV
+// store: one row per token), so it can be captured for a ladder of T and the step padded up to the next
+// rung. Attention's work follows the sequences (how many, how long each chunk, how many keys each reads, how
+// many decode rows, section 21's split), which a fixed grid could only cover by launching for the worst case
+// of all of them and letting most thread blocks exit. So, as vLLM does (piecewise CUDA graphs), attention
+// stays out: for each rung, L + 1 graphs, cut before each layer's attention and before the LM head.
+//   piece 0      embedding, layer 0 up to and including q/k-norm, RoPE and the KV store
+//   piece l      layer l-1 after attention (o_proj, MLP), layer l up to attention       (l = 1 .. L-1)
+//   piece L      layer L-1 after attention, the final norm
+// A replay is piece 0, then for each layer its attention (launched as usual, with this step's sequences)
+// and the next piece; then the LM head on the B last rows and the sampler, as usual: about 4 L + 4 launches
+// instead of about 14 L. forward_fast itself is what is captured (g_pieces.cut ends a piece where it would
+// run attention or the LM head), so the pieces compute exactly what an eager step of T padded tokens does.
+//
+// Padding. Rows T .. Tg - 1 of a step padded to rung Tg are token 0 at position 0 with slot -1: the KV
+// store skips them, no sequence's attention reads them (cu_seqlens_q ends at T), and each of the other
+// operations works row by row, so they change no real row; the LM head reads only the sequences' last rows.
+// They cost what Tg - T more tokens cost in the matrix products (the rungs are 128 tokens apart above 128, so
+// at most 127 rows: an eighth of a step of 1,024 tokens, less above). Above the last rung (PREFILL_GRAPH_MAX_T) a
+// step runs eagerly: there the launches are a small part of the step. Tensor parallelism keeps prefill steps
+// eager too (the workers would have to replay the same pieces; not built).
+constexpr int PREFILL_GRAPH_MAX_T = 2048;
+
+// The rungs: 16, 32, 64, then every 128 tokens up to PREFILL_GRAPH_MAX_T (and no more than the step's budget).
+static std::vector<int> prefill_graph_sizes(int Tmax) {
+  std::vector<int> sizes;
+  for (int t : {16, 32, 64})
+    if (t <= Tmax) sizes.push_back(t);
+  for (int t = 128; t <= std::min(Tmax, PREFILL_GRAPH_MAX_T); t += 128) sizes.push_back(t);
+  return sizes;
+}
+
+// Each rung's pieces (the current engine's: emptied whenever an engine installs its optimizations).
+static std::map<int, std::vector<cudaGraphExec_t>> g_prefill_graphs;
+
+static void drop_prefill_graphs() {
+  for (auto& rung : g_prefill_graphs)
+    for (cudaGraphExec_t e : rung.second) CUDA_CHECK(cudaGraphExecDestroy(e));
+  g_prefill_graphs.clear();
+}
+
+// Rows T .. Tg - 1 of the step's inputs: token 0 at position 0, stored nowhere (slot -1).
+static void pad_prefill_rows(const StepInputs& in, int T, int Tg, cudaStream_t s) {
+  if (Tg <= T) return;
+  const size_t n = (size_t)(Tg - T) * sizeof(int);
+  CUDA_CHECK(cudaMemsetAsync(in.input_ids + T, 0, n, s));
+  CUDA_CHECK(cudaMemsetAsync(in.positions + T, 0, n, s));
+  CUDA_CHECK(cudaMemsetAsync(in.slot_mapping + T, 0xFF, n, s));  // every byte 0xFF: -1
+}
+
+// ModelRunner::capture_cudagraphs, after the decode graphs: every rung, each first run once outside a capture
+// (cuBLASLt chooses its algorithms for the shape then), then captured piece by piece. `in`: the step region's
+// inputs, whose first Tmax rows this fills with padding.
+static void capture_prefill_graphs(Qwen3& model, const StepInputs& in, int Tmax, cudaStream_t s) {
+  drop_prefill_graphs();
+  if (model.tp > 1) return;
+  for (int Tg : prefill_graph_sizes(Tmax)) {
+    pad_prefill_rows(in, 0, Tg, s);
+    g_pieces.mode = PiecewiseCapture::WARMUP;
+    forward_fast(model, in, Tg, 0, true, s);
+    CUDA_CHECK(cudaStreamSynchronize(s));
+    g_pieces.mode = PiecewiseCapture::CAPTURE;
+    g_pieces.pieces.clear();
+    CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    forward_fast(model, in, Tg, 0, true, s);
+    cudaGraph_t after_last_cut;  // empty: forward_fast returned at its last cut
+    CUDA_CHECK(cudaStreamEndCapture(s, &after_last_cut));
+    CUDA_CHECK(cudaGraphDestroy(after_last_cut));
+    g_pieces.mode = PiecewiseCapture::OFF;
+    INTERNAL_CHECK((int)g_pieces.pieces.size() == model.cfg.num_hidden_layers + 1,
+                   "capture_prefill_graphs: %zu pieces for %d layers", g_pieces.pieces.size(),
+                   model.cfg.num_hidden_layers);
+    std::vector<cudaGraphExec_t>& execs = g_prefill_graphs[Tg];
+    for (cudaGraph_t g : g_pieces.pieces) {
+      cudaGraphExec_t e;
+      CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
+      CUDA_CHECK(cudaGraphDestroy(g));
+      execs.push_back(e);
+    }
+    g_pieces.pieces.clear();
+  }
+  CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+// A prefill step of T tokens and B sequences from the pieces of the smallest rung that holds it (false: none
+// does, the step runs eagerly). The logits land where forward_fast puts them.
+static bool prefill_step_graphs(Qwen3& model, const StepInputs& in, int T, int B, cudaStream_t s) {
+  auto rung = g_prefill_graphs.lower_bound(T);
+  if (rung == g_prefill_graphs.end()) return false;
+  pad_prefill_rows(in, T, rung->first, s);
+  const std::vector<cudaGraphExec_t>& pieces = rung->second;
+  for (int l = 0; l < model.cfg.num_hidden_layers; l++) {
+    CUDA_CHECK(cudaGraphLaunch(pieces[l], s));
+    prefill_attention(model, in, l, B, s);
+  }
+  CUDA_CHECK(cudaGraphLaunch(pieces.back(), s));
+  lm_head_logits(model, in, B, true, s);
+  return true;
+}
+
+static void apply_prefill_graphs(bool on, Hooks& h) {
+  g_opt.prefill_graphs = on;
+  drop_prefill_graphs();
+  if (!on) return;
+  h.forward = forward_fast;  // what the pieces are captured from, so eager steps match them
+  h.prefill_step = prefill_step_graphs;
+  h.capture_prefill = capture_prefill_graphs;
+  h.prefill_graph_tokens = PREFILL_GRAPH_MAX_T;
+}
+static const int kPrefillGraphsRegistered = register_optimization(
+    {"prefill_graphs", "prefill and mixed steps of up to 2048 tokens replay CUDA graphs, in pieces (section 21b)",
+     true, apply_prefill_graphs});
 
 // ==== 22. An FP8 KV cache ==================================================================================
 // defines: e4m3_from_float, e4m3_to_float, kv_scale_for, kv_scales_from_weights, KVStoreFp8,
@@ -9061,7 +9266,9 @@ struct SimRunner : StepRunner {
   double clock = 0;         // the modelled time, in seconds
   std::vector<int> graph_bs = graph_batch_sizes(config.max_num_seqs);
 
-  SimRunner(const ModelConfig& m, const Config& c, uint64_t s, double p) : mc(m), config(c), seed(s), eos_prob(p) {}
+  SimRunner(const ModelConfig& m, const Config& c, uint64_t s, double p) : mc(m), config(c), seed(s), eos_prob(p) {
+    install_optimizations(c.opt);  // the switches a real run would have (the clock reads g_hooks)
+  }
 
   double now() override { return clock; }
   void wait_until(double t) override { clock = std::max(clock, t); }
@@ -9091,15 +9298,25 @@ struct SimRunner : StepRunner {
     const double kv_token = (double)kv_block_bytes(mc, 1, 1, kv_cache_value_bytes(config.kv_cache_dtype));
     const double params = (double)model_params(mc);
     double bytes = 2.0 * params, flops = 0;
-    // A decode row in a prefill (or mixed) step goes through the prefill attention kernel, which reads its
-    // K/V once per query head rather than once per GQA group (section 14).
+    // A one-token row of a prefill (or mixed) step that goes through the prefill attention kernel reads its
+    // K/V once per query head rather than once per GQA group (section 14); Part II sends the leading ones (a
+    // mixed step's decode rows) through the decode kernel instead (Hooks::decode_rows_as_decode).
     const double group = (double)mc.num_attention_heads / mc.num_key_value_heads;
+    bool leading = true;  // every row so far had one token
+    int tokens = 0;
     for (const Sequence* s : seqs) {
       const double n = s->num_scheduled_tokens, first = s->num_cached_tokens;
-      bytes += kv_token * (first + n) * (is_prefill && n == 1 ? group : 1.0);  // the context attended
+      tokens += s->num_scheduled_tokens;
+      leading = leading && n == 1;
+      const bool per_head = is_prefill && n == 1 && !(leading && g_hooks.decode_rows_as_decode);
+      bytes += kv_token * (first + n) * (per_head ? group : 1.0);  // the context attended
       flops += 2 * params * n + 4.0 * mc.num_attention_heads * mc.head_dim * mc.num_hidden_layers * n * (first + n / 2);
     }
-    const bool eager = is_prefill || config.enforce_eager;
+    // A prefill step replays graphs where Part II captured them (Hooks::prefill_graph_tokens; one GPU only),
+    // charged like a decode graph (the launches of attention between the pieces, and the padding up to the
+    // captured size, are left out of the model).
+    const bool graphs = tokens <= g_hooks.prefill_graph_tokens && config.tensor_parallel_size == 1;
+    const bool eager = config.enforce_eager || (is_prefill && !graphs);
     const double seconds = (eager ? gpu.eager_cost : gpu.step_cost) + std::max(bytes / gpu.bandwidth, flops / gpu.flops);
     clock += seconds;  // (gpu_seconds stays 0: the host's own time is real, the step's is modelled)
     std::vector<int> out;
@@ -9179,7 +9396,7 @@ static const char* kUsage =
     "  --trace                      one line per scheduler step on stderr\n"
     "  --report FILE.html           a picture of the whole run: steps, KV pool, hits, preemptions, requests\n"
     "scheduling:\n"
-    "  --scheduler nano|mixed       nano-vllm's (prefill first) or vLLM V1's (one token budget)  (nano)\n"
+    "  --scheduler nano|mixed       nano-vllm's (prefill first) or vLLM V1's (one token budget)  (mixed)\n"
     "  --request-rate R             requests arrive at R per second (Poisson, seeded by --seed), not at once\n"
     "simulate (nanovllm simulate: no GPU, a stand-in model and a modelled clock):\n"
     "  --simulate-gpu-memory SIZE   size the KV pool for a GPU of SIZE (e.g. 24GB, 80GB), this model's shape\n"
@@ -9222,6 +9439,10 @@ static double parse_size(const std::string& flag, const std::string& v) {
 static Cli parse_args(int argc, char** argv, bool simulate = false) {
   Cli cli;
   cli.simulate = simulate;
+  // vLLM V1's scheduler by default: with the decode rows of its mixed steps at decode speed (section 21) and
+  // those steps in CUDA graphs (21b) it matches nano-vllm's rule on bench.py and cuts the tail of the time per
+  // output token (README, "Two schedulers"). --scheduler nano runs nano-vllm's, the one Part I tells first.
+  cli.config.mixed_scheduler = true;
   const char* home = getenv("HOME");
   cli.config.model = std::string(home ? home : ".") + "/huggingface/Qwen3-0.6B/";
   std::vector<std::string> positional;

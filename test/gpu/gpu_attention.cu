@@ -272,6 +272,9 @@ struct KVChoice {
   KVScales scale;
   float read_factor = 1.f;
 };
+// The fp8 cache as the fp8 tests store it (section 22's tests, below): scales other than 1 on purpose.
+static const KVChoice kFp8{KVCacheDtype::FP8, {0.25f, 2.f}, 1.f};
+
 static const PagedBatch& reference_input(const PagedBatch& pb, const KVChoice& kv, PagedBatch& holder) {
   if (kv.dtype == KVCacheDtype::BF16) return pb;
   holder = with_fp8_values(pb, kv.scale);
@@ -280,7 +283,48 @@ static const PagedBatch& reference_input(const PagedBatch& pb, const KVChoice& k
 
 static std::string label(const char* what, const char* path) { return std::string(what) + " " + path; }
 
+// Section 21's attention_prefill_step on a batch whose first nd sequences have one query row (a mixed step's
+// decode rows): those through the decode kernel (with and without the cluster merge), the rest through
+// section 14's prefill kernel. Against the fp64 reference; the prompt rows bit for bit what section 14's
+// prefill kernel gave for the whole batch (flash), the decode rows bit for bit what the decode path gives for
+// those nd sequences alone.
+static void check_prefill_step(const char* what, const PagedBatch& pb, const DeviceBatch& db, const KVChoice& kv,
+                               int nd, int max_q, const std::vector<float>& want, const std::vector<float>& flash) {
+  const float scale = 1.f / sqrtf((float)HEAD_DIM);
+  const size_t n = (size_t)pb.T * pb.NH * HEAD_DIM, row = (size_t)pb.NH * HEAD_DIM;
+  const int max_ctx = *std::max_element(pb.k_lens.begin(), pb.k_lens.end());
+  const size_t ws_bytes = flash_decode_workspace_bytes(pb.B, pb.NH, max_ctx);
+  float* ws = nullptr;
+  CUDA_CHECK(cudaMalloc(&ws, ws_bytes));
+  StepInputs in{nullptr, nullptr, nullptr, db.cu_q, db.k_lens, db.block_tables, max_q, nd};
+  const Optimizations saved = g_opt;
+  for (bool cluster : {false, true}) {
+    if (cluster && !(nd <= DECODE_CLUSTER_MAX_B && decode_clusters_supported())) continue;
+    g_opt.cluster_merge = cluster;
+    const std::string name = label(what, cluster ? "[prefill step, decode rows with cluster merge, 21]"
+                                                 : "[prefill step, decode rows through section 14, 21]");
+    PoisonedOutput out(n), alone((size_t)nd * row);
+    CUDA_CHECK(cudaMemset(ws, 0xFF, ws_bytes));
+    attention_prefill_step(out.d, db.qkv, db.view(kv.read_factor), in, pb.B, pb.NH, pb.NKV, pb.P, pb.MB, max_ctx,
+                           ws, scale, 0);
+    const std::vector<float> got = out.read();
+    compare(name.c_str(), got, want, kv.read_factor == 1.f);
+    attention_decode_fast(alone.d, db.qkv, db.view(kv.read_factor), db.k_lens, db.block_tables, nd, pb.NH, pb.NKV,
+                          pb.P, pb.MB, max_ctx, ws, scale, 0, nullptr);
+    const std::vector<float> dec = alone.read();
+    size_t differ_decode = 0, differ_prompt = 0;
+    for (size_t i = 0; i < (size_t)nd * row; i++) differ_decode += got[i] != dec[i];
+    for (size_t i = (size_t)nd * row; i < n; i++) differ_prompt += got[i] != flash[i];
+    CHECK_MSG(differ_decode == 0 && differ_prompt == 0,
+              "%s: %zu decode-row values differ from the decode path alone, %zu prompt-row values from section 14",
+              name.c_str(), differ_decode, differ_prompt);
+  }
+  g_opt = saved;
+  CUDA_CHECK(cudaFree(ws));
+}
+
 // Section 8's prefill kernel (bf16) and section 14's, each against the fp64 reference; then 14 against 8.
+// Where the batch starts with one-row sequences, section 21's prefill step too (check_prefill_step).
 static void check_prefill(const char* what, const PagedBatch& pb, const KVChoice& kv = {}) {
   DeviceBatch db(pb, kv.dtype, kv.scale);
   const int max_q = *std::max_element(pb.q_lens.begin(), pb.q_lens.end());
@@ -302,6 +346,9 @@ static void check_prefill(const char* what, const PagedBatch& pb, const KVChoice
   const std::vector<float> flash = out.read();
   compare(label(what, "[section 14]").c_str(), flash, want, kv.read_factor == 1.f);
   if (!plain.empty()) compare_flash_with_plain(label(what, "[section 14]").c_str(), flash, plain);
+  int nd = 0;  // leading sequences with one query row: a mixed step's decode rows
+  while (nd < pb.B && pb.q_lens[nd] == 1) nd++;
+  if (nd) check_prefill_step(what, pb, db, kv, nd, max_q, want, flash);
 }
 
 // Section 8's decode kernel (bf16); section 14's split-K kernel with its merge kernel; and section 17's
@@ -381,6 +428,22 @@ TEST(prefill_mixed_batch) {
   check_prefill("prefill mixed B=7 P=16 NH=8 NKV=8", make_batch(8, 8, 16, q, k, 7));
   check_prefill("prefill mixed B=7 P=64 NH=16 NKV=8", make_batch(16, 8, 64, q, k, 8));
   check_prefill("prefill mixed B=7 P=256 NH=32 NKV=8", make_batch(32, 8, 256, q, k, 9));
+}
+
+// A mixed step (--scheduler mixed): many decoding sequences first (one query row each, contexts from 1 to
+// 2000 keys), then prompt chunks over cached prefixes and a prompt whose last token is left. 3 decode rows
+// take the cluster kernel where there is one; 40 the split-K kernel with its merge.
+TEST(prefill_step_with_decode_rows) {
+  REQUIRE_GPU();
+  for (int nd : {3, 40}) {
+    std::vector<int> q(nd, 1), k = random_lengths(nd, 1, 2000, 200 + nd);
+    for (int x : {130, 1, 300}) q.push_back(x);
+    for (int x : {400, 77, 300}) k.push_back(x);
+    const std::string name = "prefill step, " + std::to_string(nd) + " decode rows + 3 sequences";
+    check_prefill((name + " P=16 NH=16 NKV=8").c_str(), make_batch(16, 8, 16, q, k, 300 + nd));
+    check_prefill((name + " P=256 NH=32 NKV=8").c_str(), make_batch(32, 8, 256, q, k, 310 + nd));
+    check_prefill(("fp8 " + name + " P=16 NH=16 NKV=8").c_str(), make_batch(16, 8, 16, q, k, 320 + nd), kFp8);
+  }
 }
 
 TEST(prefill_long_peaky) {
@@ -819,9 +882,8 @@ TEST(decode_fused_rope_matches_separate_kernels) {
 
 // ---- section 22: the fp8 cache ------------------------------------------------------------------------------
 // The kernels read e4m3 bytes and widen them exactly, so against the fp64 reference over the values the
-// bytes stand for they are held to the bf16 tolerance. Scales other than 1 on purpose (keys 1/4, values 2).
-
-static const KVChoice kFp8{KVCacheDtype::FP8, {0.25f, 2.f}, 1.f};
+// bytes stand for they are held to the bf16 tolerance. Scales other than 1 on purpose (kFp8, above:
+// keys 1/4, values 2).
 
 TEST(fp8_prefill) {
   REQUIRE_GPU();

@@ -18,7 +18,8 @@
 // every optimization, section 23's persistent decode kernel included, which the engine's own default leaves
 // off), so the same comparison with Hugging Face checks the plain path and the fast ones.
 // NANOVLLM_E2E_SCHEDULER=mixed runs every engine with --scheduler mixed (vLLM V1's, section 5b): steps that
-// hold decode tokens and prompt chunks together go through the prefill kernels, eagerly.
+// hold decode tokens and prompt chunks together (their decode rows through the decode kernel, section 21, and
+// replayed from section 21b's graphs up to 2,048 tokens, with the default optimizations).
 // NANOVLLM_E2E_KV=fp8 runs every engine with --kv-cache-dtype fp8 (section 22). Its bar for (a) is 5x the bf16
 // one: e4m3 rounds each key and value to 3 mantissa bits (a relative error up to 2^-4, 16x bf16's), which on
 // these shapes costs 3-5x bf16's logit error (README, FP8 section), and a scale off by 2x costs far more
@@ -343,6 +344,155 @@ static void run_shape(const std::string& dir) {
   }
   json out = {{"tolerance", tol}, {"runs", runs}, {"kv_cache_dtype", e.config.kv_cache_dtype}};
   std::ofstream(dir + "/gen_results.json") << out.dump();
+}
+
+#ifdef NANOVLLM_PART_II
+// Section 21b: a mixed step (3 decoding sequences, then a 300-token prompt) replayed from the pieces of its
+// rung, against the same step run kernel by kernel (forward_fast) on the tiny and 0.6b checkpoints:
+//   * at the rung's padded size (the same kernels, the same shapes): the same logits and cache bytes, bit for
+//     bit;
+//   * at the step's own size T (cuBLASLt may pick other tiles for other shapes): close logits, the same
+//     argmax wherever the top-2 margin is clear of the difference;
+//   * the replay changes no cache byte outside the step's own slots: the padding rows (slot -1) store nothing
+//     (block 0, where a wrong slot 0 would land, is held by no sequence).
+static std::vector<float> logits_of(ModelRunner& r, int B) {
+  std::vector<float> v((size_t)B * r.model.cfg.vocab_size);
+  CUDA_CHECK(cudaStreamSynchronize(r.stream));
+  CUDA_CHECK(cudaMemcpy(v.data(), r.logits, v.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  return v;
+}
+static std::vector<uint8_t> cache_of(ModelRunner& r) {
+  std::vector<uint8_t> v(r.model.kv.bytes);
+  CUDA_CHECK(cudaStreamSynchronize(r.stream));
+  CUDA_CHECK(cudaMemcpy(v.data(), r.model.kv.base, v.size(), cudaMemcpyDeviceToHost));
+  return v;
+}
+
+static void check_prefill_graphs(const std::string& dir) {
+  Engine e(dir, 4096, 16, 96, 1024);
+  ModelRunner& r = *e.runner;
+  const int V = r.model.cfg.vocab_size, P = 16;
+  std::mt19937 rng(5);
+  int next_block = 1;  // block 0 stays free
+  std::vector<std::unique_ptr<Sequence>> seqs;
+  auto grow = [&](Sequence& q) {  // blocks for every token it has
+    while ((int)q.block_table.size() * P < q.size()) q.block_table.push_back(next_block++);
+  };
+  auto prompt = [&](int n) {
+    std::vector<int> t(n);
+    for (int& x : t) x = (int)(rng() % 10000);
+    return t;
+  };
+  // Step 1 fills the cache: three prompts.
+  std::vector<Sequence*> step;
+  for (int n : {40, 200, 333}) {
+    seqs.emplace_back(new Sequence((int64_t)seqs.size(), prompt(n), SamplingParams{}, P));
+    grow(*seqs.back());
+    seqs.back()->num_scheduled_tokens = n;
+    step.push_back(seqs.back().get());
+  }
+  std::vector<int> tok = r.run(step, true);
+  // Step 2, mixed: the three decode their next token, a fourth prompt comes whole.
+  for (size_t b = 0; b < step.size(); b++) {
+    step[b]->num_cached_tokens = step[b]->size();
+    step[b]->append_token(tok[b]);
+    step[b]->num_scheduled_tokens = 1;
+    grow(*step[b]);
+  }
+  seqs.emplace_back(new Sequence(3, prompt(300), SamplingParams{}, P));
+  grow(*seqs.back());
+  seqs.back()->num_scheduled_tokens = 300;
+  step.push_back(seqs.back().get());
+  const int B = (int)step.size();
+  const std::vector<uint8_t> before = cache_of(r);
+  int T = 0;
+  StepInputs in = r.prepare_prefill(step, T);
+  CHECK_EQ(in.decode_rows, 3);
+  auto rung = g_prefill_graphs.lower_bound(T);
+  CHECK(rung != g_prefill_graphs.end());
+  const int Tg = rung->first;
+  CHECK(g_hooks.prefill_step(r.model, in, T, B, r.stream));  // the replay
+  const std::vector<float> replay = logits_of(r, B);
+  const std::vector<uint8_t> after = cache_of(r);
+  // Bytes the step may change: its tokens' slots, in every layer, keys and values.
+  const KVCache& kv = r.model.kv;
+  const int NKV = r.model.cfg.num_key_value_heads, D = r.model.cfg.head_dim, vb = kv.value_bytes;
+  std::vector<bool> own(before.size(), false);
+  for (const Sequence* q : step)
+    for (int t = q->num_cached_tokens; t < q->num_cached_tokens + q->num_scheduled_tokens; t++) {
+      const int64_t slot = (int64_t)q->block_table[t / P] * P + t % P;
+      for (int l = 0; l < r.model.cfg.num_hidden_layers; l++)
+        for (int kvi = 0; kvi < 2; kvi++)
+          for (int h = 0; h < NKV; h++) {
+            // the cache layout of section 6b: [layer][k|v][block][kv head][P][D], slot = block * P + offset
+            const int64_t blk = slot / P, off = slot % P;
+            const int64_t e0 = l * kv.layer_stride + kvi * kv.kv_stride + ((blk * NKV + h) * P + off) * D;
+            for (int64_t i = e0 * vb; i < (e0 + D) * vb; i++) own[i] = true;
+          }
+    }
+  size_t stray = 0, changed = 0;
+  for (size_t i = 0; i < before.size(); i++) {
+    stray += !own[i] && before[i] != after[i];
+    changed += own[i] && before[i] != after[i];
+  }
+  CHECK_MSG(stray == 0, "%s: the replay changed %zu cache bytes outside the step's slots", dir.c_str(), stray);
+  CHECK_MSG(changed > 0, "%s: the replay stored nothing (a test that cannot fail?)", dir.c_str());
+  // The same step kernel by kernel at the rung's size (the inputs are still padded): bit for bit.
+  forward_fast(r.model, in, Tg, B, true, r.stream);
+  const std::vector<float> eager_tg = logits_of(r, B);
+  const std::vector<uint8_t> after_tg = cache_of(r);
+  size_t differ = 0;
+  for (size_t i = 0; i < replay.size(); i++) differ += memcmp(&replay[i], &eager_tg[i], 4) != 0;
+  CHECK_MSG(differ == 0, "%s: T=%d padded to %d: %zu logits differ between the replay and the eager step",
+            dir.c_str(), T, Tg, differ);
+  CHECK_MSG(after == after_tg, "%s: the cache differs between the replay and the eager step", dir.c_str());
+  // At the step's own size: close, and the same token wherever the margin is clear.
+  forward_fast(r.model, in, T, B, true, r.stream);
+  const std::vector<float> eager_t = logits_of(r, B);
+  for (int b = 0; b < B; b++) {
+    const float* x = &replay[(size_t)b * V];
+    const float* y = &eager_t[(size_t)b * V];
+    double num = 0, den = 0, worst = 0;
+    int ax = 0, ay = 0;
+    for (int i = 0; i < V; i++) {
+      num += (double)(x[i] - y[i]) * (x[i] - y[i]), den += (double)y[i] * y[i];
+      worst = std::max(worst, (double)fabsf(x[i] - y[i]));
+      if (x[i] > x[ax]) ax = i;
+      if (y[i] > y[ay]) ay = i;
+    }
+    float second = -INFINITY;
+    for (int i = 0; i < V; i++)
+      if (i != ay) second = std::max(second, y[i]);
+    const double rel = sqrt(num / std::max(den, 1e-30));
+    CHECK_MSG(rel < 1e-2, "%s row %d: relative L2 distance %.3g between replay (T=%d as %d) and eager", dir.c_str(),
+              b, rel, T, Tg);
+    CHECK_MSG(ax == ay || y[ay] - second <= 2 * worst, "%s row %d: argmax %d (replay) vs %d (eager), margin %.4g",
+              dir.c_str(), b, ax, ay, y[ay] - second);
+  }
+  printf("    %s: mixed step T=%d (3 decode rows) replayed as %d: logits and cache bit for bit as the eager step "
+         "at %d; %zu cache bytes of its own slots stored, none elsewhere\n",
+         dir.c_str(), T, Tg, Tg, changed);
+}
+#endif
+
+TEST(prefill_graphs_match_eager_steps) {
+  if (!have_gpu()) SKIP("no GPU");
+  const char* d = getenv("NANOVLLM_E2E_DIR");
+  if (!d) SKIP("set NANOVLLM_E2E_DIR to the output of test/ref/hf_reference.py");
+#ifndef NANOVLLM_PART_II
+  SKIP("Part II is cut out of this build: no prefill graphs");
+#else
+  if (e2e_tp() > 1) SKIP("prefill graphs are captured on one GPU only (section 21b)");
+  if (!e2e_opt_on(e2e_opt(), "prefill_graphs")) SKIP("NANOVLLM_E2E_OPT switches prefill_graphs off");
+  int done = 0;
+  for (const char* shape : {"tiny", "0.6b"}) {
+    const std::string dir = std::string(d) + "/" + shape;
+    if (access((dir + "/config.json").c_str(), F_OK) != 0) continue;
+    check_prefill_graphs(dir);
+    done++;
+  }
+  if (!done) SKIP("no tiny or 0.6b checkpoint in NANOVLLM_E2E_DIR");
+#endif
 }
 
 TEST(e2e_against_transformers) {

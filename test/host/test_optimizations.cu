@@ -26,17 +26,17 @@ static OptimizationSet parsed(const char* spec) {
 }
 static int fields_on(const Optimizations& o) {
   return o.flash_attn + o.pdl + o.gemv + o.cluster_merge + o.fused_rope + o.oneshot_allreduce + o.fast_sampler +
-         o.persistent;
+         o.prefill_graphs + o.persistent;
 }
 
 // Every Part II section registered exactly one name, in file order, with a description naming its section,
 // and switching it on alone sets exactly one field of Optimizations (its own).
 TEST(every_optimization_is_registered_once) {
-  const char* expected[] = {"flash_attn", "pdl",          "gemv",        "cluster_merge",
-                            "fused_rope", "oneshot_allreduce", "fast_sampler", "persistent"};
+  const char* expected[] = {"flash_attn",   "pdl",          "gemv",           "cluster_merge", "fused_rope",
+                            "oneshot_allreduce", "fast_sampler", "prefill_graphs", "persistent"};
   CHECK_EQ(reg().size(), sizeof expected / sizeof expected[0]);
   CHECK_EQ(sizeof(Optimizations), reg().size() * sizeof(bool));
-  for (size_t i = 0; i < reg().size() && i < 8; i++) {
+  for (size_t i = 0; i < reg().size() && i < sizeof expected / sizeof expected[0]; i++) {
     CHECK_MSG(!strcmp(reg()[i].name, expected[i]), "registry[%zu] is %s, expected %s", i, reg()[i].name,
               expected[i]);
     CHECK_MSG(std::string(reg()[i].what).find("(section 1") != std::string::npos ||
@@ -56,9 +56,14 @@ TEST(switches_fill_their_hooks) {
   install_optimizations(parsed("none"));
   CHECK(!g_hooks.forward && !g_hooks.decode_step && !g_hooks.sample && !g_hooks.sample_workspace_bytes &&
         !g_hooks.compute_logprobs && !g_hooks.logprobs_workspace_bytes && !g_hooks.attention_workspace_bytes &&
-        !g_hooks.tp_ready && g_hooks.model_ready.empty());
+        !g_hooks.tp_ready && g_hooks.model_ready.empty() && !g_hooks.prefill_step && !g_hooks.capture_prefill &&
+        !g_hooks.decode_rows_as_decode && g_hooks.prefill_graph_tokens == 0);
   install_optimizations(parsed("none,flash_attn"));
   CHECK(g_hooks.forward == forward_fast && g_hooks.attention_workspace_bytes && !g_hooks.sample);
+  CHECK(g_hooks.decode_rows_as_decode && !g_hooks.prefill_step);
+  install_optimizations(parsed("none,prefill_graphs"));
+  CHECK(g_hooks.forward == forward_fast && g_hooks.prefill_step == prefill_step_graphs &&
+        g_hooks.capture_prefill == capture_prefill_graphs && g_hooks.prefill_graph_tokens == PREFILL_GRAPH_MAX_T);
   install_optimizations(parsed("none,pdl"));
   CHECK(!g_hooks.forward && g_opt.pdl);  // pdl changes how Part II launches, not what runs
   install_optimizations(parsed("none,fast_sampler"));
@@ -71,6 +76,25 @@ TEST(switches_fill_their_hooks) {
   CHECK(g_hooks.forward == forward_fast && g_hooks.decode_step && g_hooks.sample && g_hooks.tp_ready);
   install_optimizations(default_optimizations());
   CHECK(!g_hooks.decode_step);  // persistent is off by default
+}
+
+// Section 21b's rungs: ascending, within the step budget and PREFILL_GRAPH_MAX_T, and every step size up to
+// the last rung finds one that holds it with fewer than 128 padding rows (at most doubling below 128).
+TEST(prefill_graph_rungs_bound_the_padding) {
+  for (int Tmax : {8, 16, 100, 512, 2048, 2100, 16384}) {
+    const std::vector<int> rungs = prefill_graph_sizes(Tmax);
+    CHECK_MSG(std::is_sorted(rungs.begin(), rungs.end()), "Tmax %d: rungs out of order", Tmax);
+    for (int r : rungs) CHECK_MSG(r <= Tmax && r <= PREFILL_GRAPH_MAX_T, "Tmax %d: rung %d too large", Tmax, r);
+    const int top = rungs.empty() ? 0 : rungs.back();
+    CHECK_MSG(Tmax < 16 || top == std::min(Tmax, PREFILL_GRAPH_MAX_T) / 128 * 128 ||
+                  (Tmax < 128 && top == (Tmax >= 64 ? 64 : Tmax >= 32 ? 32 : 16)),
+              "Tmax %d: last rung %d", Tmax, top);
+    for (int T = 1; T <= top; T++) {
+      auto it = std::lower_bound(rungs.begin(), rungs.end(), T);
+      CHECK_MSG(it != rungs.end() && *it - T < 128 && *it < 2 * T + 16,
+                "Tmax %d: T=%d pads to %d", Tmax, T, it == rungs.end() ? -1 : *it);
+    }
+  }
 }
 
 // Every optimization is on by default except section 23's persistent kernel, which is not yet faster than
@@ -132,6 +156,12 @@ TEST(command_line_flags) {
     CHECK_MSG(help.find(std::string(k.name) + ": " + k.what) != std::string::npos, "--help does not name %s",
               k.name);
   CHECK(help.find("--plain") != std::string::npos && help.find('@') == std::string::npos);
+  // The scheduler: vLLM V1's on the command line unless --scheduler nano (the engine's Config keeps nano-vllm's).
+  CHECK(parse({"model", "p.txt"}).config.mixed_scheduler);
+  CHECK(!parse({"model", "p.txt", "--scheduler", "nano"}).config.mixed_scheduler);
+  CHECK(parse({"--scheduler=mixed", "model"}).config.mixed_scheduler);
+  CHECK(!Config{}.mixed_scheduler);
+  CHECK(help.find("(mixed)") != std::string::npos);
 }
 
 // The workers build their engine from Config as JSON (section 27): the switch must survive the trip.
