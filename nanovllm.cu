@@ -3104,7 +3104,8 @@ struct ModelRunner : StepRunner {
       int g = config.enforce_eager ? 0 : graph_size_for(B);
       StepInputs in = prepare_decode(seqs, g ? g : B);
       if (model.tp > 1)
-        tp_send_step(tp_engine, {0, g ? g : B, g ? g : B, 1, 0, g, decode_region.used}, decode_region.host);
+        tp_send_step(tp_engine, {0, g ? g : B, g ? g : B, 1, 0, g, decode_region.used},
+                     decode_region.host);
       if (g) CUDA_CHECK(cudaGraphLaunch(graphs[g], stream));
       else forward_and_sample(in, B, B, false, decode_samp.dev, !x.edits);
       if (x.edits || x.logprobs) process_and_sample(x, B, decode_samp.dev);
@@ -6163,7 +6164,7 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
   lm_head_logits(model, in, B, is_prefill, s);
 }
 
-// ---- 21b. Prefill and mixed steps in CUDA graphs, in pieces ------------------------------------------
+// ---- 21b. Prefill and mixed steps in CUDA graphs, in pieces --------------------------------------------
 // defines: prefill_graph_sizes, pad_prefill_rows, capture_prefill_graphs, prefill_step_graphs; switch
 //          prefill_graphs
 //
@@ -6184,17 +6185,17 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
 //   piece l      layer l-1 after attention (o_proj, MLP), layer l up to attention       (l = 1 .. L-1)
 //   piece L      layer L-1 after attention, the final norm
 // A replay is piece 0, then for each layer its attention (launched as usual, with this step's sequences)
-// and the next piece; then the LM head on the B last rows and the sampler, as usual: about 4 L + 4 launches
-// instead of about 14 L. forward_fast itself is what is captured (g_pieces.cut ends a piece where it would
+// and the next piece; then the LM head on the B last rows and the sampler, as usual: about 3 to 4 launches
+// per layer instead of about 14. forward_fast itself is what is captured (g_pieces.cut ends a piece where it would
 // run attention or the LM head), so the pieces compute exactly what an eager step of T padded tokens does.
 //
 // Padding. Rows T .. Tg - 1 of a step padded to rung Tg are token 0 at position 0 with slot -1: the KV
 // store skips them, no sequence's attention reads them (cu_seqlens_q ends at T), and each of the other
 // operations works row by row, so they change no real row; the LM head reads only the sequences' last rows.
-// They cost what Tg - T more tokens cost in the matrix products (the rungs are 128 tokens apart above 128, so
-// at most 127 rows: an eighth of a step of 1,024 tokens, less above). Above the last rung (PREFILL_GRAPH_MAX_T) a
-// step runs eagerly: there the launches are a small part of the step. Tensor parallelism keeps prefill steps
-// eager too (the workers would have to replay the same pieces; not built).
+// They cost what Tg - T more tokens cost in the matrix products (the rungs are 128 tokens apart above 128,
+// so at most 127 rows: an eighth of a step of 1,024 tokens, less above). Above the last rung
+// (PREFILL_GRAPH_MAX_T) a step runs eagerly: there the launches are a small part of the step. Tensor
+// parallelism keeps prefill steps eager too (the workers would have to replay the same pieces; not built).
 constexpr int PREFILL_GRAPH_MAX_T = 2048;
 
 // The rungs: 16, 32, 64, then every 128 tokens up to PREFILL_GRAPH_MAX_T (and no more than the step's budget).
