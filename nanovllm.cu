@@ -2615,11 +2615,12 @@ static void linear_reference(float* y, const float* x, const float* W, int M, in
 //   decode region:  input_ids [B] positions [B] slot_mapping [B] context_lens [B] block_tables [B, MB]
 //                   sampling slots [B]         (fixed addresses: the CUDA graphs read them)
 //
-// CUDA graphs (decode steps; section 21b adds prefill steps, in pieces): a decode step of Qwen3-0.6B is
-// ~400 small kernel launches whose launch cost would rival their run time. They are captured once per batch size 1, 2, 4, 8, 16, 32, ..., 512 (largest
-// first) and replayed; a batch of 37 replays the 48 graph with 11 padding rows (slot -1: nothing stored,
-// context 1: a harmless read, token discarded). No kernel's grid depends on the contexts (section 8's on the
-// batch size, section 14's on max_model_len), so one capture serves every step.
+// CUDA graphs (decode steps; section 21b adds prefill steps, in pieces): a decode step of Qwen3-0.6B is ~400
+// small kernel launches whose launch cost would rival their run time. They are captured once per batch size
+// 1, 2, 4, 8, 16, 32, ..., 512 (largest first) and replayed; a batch of 37 replays the 48 graph with 11
+// padding rows (slot -1: nothing stored, context 1: a harmless read, token discarded). No kernel's grid
+// depends on the contexts (section 8's on the batch size, section 14's on max_model_len), so one capture
+// serves every step.
 
 // A pinned host array and its device twin inside one of the two step regions.
 template <typename Tp>
@@ -4606,7 +4607,6 @@ static size_t flash_decode_workspace_bytes(int B, int NH, int max_context_len) {
 constexpr size_t DECODE_SMEM = DECODE_ROWS * HEAD_DIM * sizeof(bf16) + ATTN_STAGES * FP8_STAGE_BYTES;
 static_assert(FP8_STAGE_BYTES == 2 * ATTN_KV_TILE * HEAD_DIM * sizeof(bf16), "the same stages for both caches");
 
-
 // out: bf16 [B, NH*D]; qkv: bf16 [B, (NH+2NKV)*D]; k_cache, v_cache: bf16 [NB, NKV, P, D];
 // context_lens: int [B] (device, keys including the current token); block_tables: int [B, MB] (device);
 // max_context_len: host bound on every context_lens[b] (max_model_len): the grid depends only on it, so a
@@ -4999,14 +4999,15 @@ __device__ void cluster_merge(bf16* out, int b, int kvh, int group, int NH, int 
 // normalises and rotates its group's query heads straight into its Q tile (the few hundred bytes are read
 // from qkv by every thread block of the group, and the 64 sines and cosines computed by each: both cheaper
 // than a kernel boundary); the thread block whose partition ends at the context's end (the "owner": key
-// ctx-1 is this step's token) does the same for the k head, writes k and v to their cache slot
-// (slot_mapping; -1 stores nothing) and puts them in its last tile itself, the one key its tile loads leave
-// out (an fp8 cache: the warp whose slice holds that key takes it into its registers instead). Because of that, everything a thread block reads before its Q tile was written before the kernel
-// ahead of this one started: context lengths and block tables by the step's upload, the cached keys and
-// values by earlier steps. So it issues its first K/V tile loads before pdl_begin() (section 15), while the
-// qkv projection before it still runs; at batch 1 that is all of the keys it reads.
-// The result is bit for bit that of qk_norm_rope followed by section 14's kernel, since the math is the same
-// code (head_norm_rope, decode_attend_tiles or fp8_decode_attend, decode_combine_warps); gpu_attention checks it.
+// ctx-1 is this step's token) does the same for the k head, writes k and v to their cache slot (slot_mapping;
+// -1 stores nothing) and puts them in its last tile itself, the one key its tile loads leave out (an fp8
+// cache: the warp whose slice holds that key takes it into its registers instead). Because of that,
+// everything a thread block reads before its Q tile was written before the kernel ahead of this one started:
+// context lengths and block tables by the step's upload, the cached keys and values by earlier steps. So it
+// issues its first K/V tile loads before pdl_begin() (section 15), while the qkv projection before it still
+// runs; at batch 1 that is all of the keys it reads. The result is bit for bit that of qk_norm_rope followed
+// by section 14's kernel, since the math is the same code (head_norm_rope, decode_attend_tiles or
+// fp8_decode_attend, decode_combine_warps); gpu_attention checks it.
 // Switch: fused_rope. The kernel also carries section 17's cluster merge (CLUSTER): <ROPE, CLUSTER> is
 // <true, false>, <true, true>, or <false, true> (cluster merge alone, after qk_norm_rope).
 struct DecodeRope {         // the fused q/k-norm + RoPE + KV store (ROPE = true)
@@ -6186,8 +6187,9 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
 //   piece L      layer L-1 after attention, the final norm
 // A replay is piece 0, then for each layer its attention (launched as usual, with this step's sequences)
 // and the next piece; then the LM head on the B last rows and the sampler, as usual: about 3 to 4 launches
-// per layer instead of about 14. forward_fast itself is what is captured (g_pieces.cut ends a piece where it would
-// run attention or the LM head), so the pieces compute exactly what an eager step of T padded tokens does.
+// per layer instead of about 14. forward_fast itself is what is captured (g_pieces.cut ends a piece where
+// it would run attention or the LM head), so the pieces compute exactly what an eager step of T padded
+// tokens does.
 //
 // Padding. Rows T .. Tg - 1 of a step padded to rung Tg are token 0 at position 0 with slot -1: the KV
 // store skips them, no sequence's attention reads them (cu_seqlens_q ends at T), and each of the other
@@ -6227,7 +6229,7 @@ static void pad_prefill_rows(const StepInputs& in, int T, int Tg, cudaStream_t s
 
 // ModelRunner::capture_cudagraphs, after the decode graphs: every rung, each first run once outside a capture
 // (cuBLASLt chooses its algorithms for the shape then), then captured piece by piece. `in`: the step region's
-// inputs, whose first Tmax rows this fills with padding.
+// inputs, whose first rows (up to the largest rung) this fills with padding.
 static void capture_prefill_graphs(Qwen3& model, const StepInputs& in, int Tmax, cudaStream_t s) {
   drop_prefill_graphs();
   if (model.tp > 1) return;
@@ -6437,18 +6439,20 @@ __device__ __forceinline__ void widen_kv_tile_fp8(const char* slot, bf16* sK, bf
 }
 
 // ---- Decode attention over an fp8 cache ----------------------------------------------------------------
-// The tile pipeline above is how the prefill kernel reads fp8, and how decode read it at first: stage a 64-key
-// tile, widen it to fp16 in shared memory, a barrier, the tensor cores, a barrier. Measured on an H100 (README,
-// FP8 section), half the bytes took two thirds of the bf16 kernel's time. It kept one 16 KiB fp8 tile in flight per thread block
-// (the staging slots live in the shadow of the bf16 tile, half of what bf16 keeps in flight at the same
-// shared memory), and every byte made an extra round trip through shared memory to be widened.
+// The tile pipeline above is how the prefill kernel reads fp8, and how decode read it at first: stage a
+// 64-key tile, widen it to fp16 in shared memory, a barrier, the tensor cores, a barrier. Measured on an H100
+// (README, FP8 section), half the bytes took two thirds of the bf16 kernel's time. It kept one 16 KiB fp8
+// tile in flight per thread block (the staging slots live in the shadow of the bf16 tile, half of what bf16
+// keeps in flight at the same shared memory), and every byte made an extra round trip through shared memory
+// to be widened.
 //
 // The decode loop below reads fp8 the way the bf16 kernel reads bf16: tiles of FP8_TILE_KEYS = 128 keys
-// (16 KiB of keys and 16 of values: the bytes of a bf16 tile), two stages, the next tile in flight while this
-// one is computed, every copy instruction reading whole 128-byte rows. What it drops is the widening pass:
-// every lane reads the bytes it will feed to the tensor cores from the staged tile straight into registers
-// and converts them there (one cvt.rn.f16x2.e4m3x2 per pair of values) into the B fragments of the MMAs.
-// Warp w takes two slices of 16 keys of each tile, rows 16w .. 16w+15 and 64+16w .. 64+16w+15 (fp8_attend_slice).
+// (16 KiB of keys and 16 of values: the bytes of a bf16 tile), two stages, the next tile in flight while
+// this one is computed, every copy instruction reading whole 128-byte rows. What it drops is the widening
+// pass: every lane reads the bytes it will feed to the tensor cores from the staged tile straight into
+// registers and converts them there (one cvt.rn.f16x2.e4m3x2 per pair of values) into the B fragments of the
+// MMAs. Warp w takes two slices of 16 keys of each tile, rows 16w .. 16w+15 and 64+16w .. 64+16w+15
+// (fp8_attend_slice).
 //
 // What makes the register route possible is a choice of order. A B fragment of mma.m16n8k16 (section 14's
 // vocabulary) wants, in lane (g = lane/4, c = lane%4), two consecutive values along k at k = 2c and 2c + 8.
@@ -6494,7 +6498,9 @@ __device__ __forceinline__ int fp8_key_dim(int c, int kk, int e) {
 // r at r * 128 + 16 * (c ^ (r % 8)), the XOR swizzle of section 14 on 8 chunks a row.
 constexpr int FP8_TILE_HALF = FP8_TILE_KEYS * HEAD_DIM;  // bytes of keys (or of values) in a tile: 16 KiB
 static_assert(2 * FP8_TILE_HALF == FP8_STAGE_BYTES, "a stage is a tile of keys and one of values");
-__device__ __forceinline__ int fp8_tile_offset(int row, int chunk) { return row * HEAD_DIM + ((chunk ^ (row & 7)) << 4); }
+__device__ __forceinline__ int fp8_tile_offset(int row, int chunk) {
+  return row * HEAD_DIM + ((chunk ^ (row & 7)) << 4);
+}
 
 // Issue (not wait for) the copies of keys key0 .. key0 + FP8_TILE_KEYS - 1 into `stage`, all DECODE_WARPS * 32
 // threads, 8 threads a row (so one copy instruction reads 4 whole rows). Keys at or past key_end, and

@@ -17,9 +17,9 @@
 // NANOVLLM_E2E_OPT=LIST runs every engine with --opt LIST (none: Part I alone, the plain path; default all:
 // every optimization, section 23's persistent decode kernel included, which the engine's own default leaves
 // off), so the same comparison with Hugging Face checks the plain path and the fast ones.
-// NANOVLLM_E2E_SCHEDULER=mixed runs every engine with --scheduler mixed (vLLM V1's, section 5b): steps that
-// hold decode tokens and prompt chunks together (their decode rows through the decode kernel, section 21, and
-// replayed from section 21b's graphs up to 2,048 tokens, with the default optimizations).
+// NANOVLLM_E2E_SCHEDULER=mixed runs every engine with --scheduler mixed (vLLM V1's, section 5b): steps then
+// hold decode tokens and prompt chunks together (with the default optimizations, their decode rows go through
+// the decode kernel, section 21, and steps of up to 2,048 tokens replay section 21b's graphs).
 // NANOVLLM_E2E_KV=fp8 runs every engine with --kv-cache-dtype fp8 (section 22). Its bar for (a) is 5x the bf16
 // one: e4m3 rounds each key and value to 3 mantissa bits (a relative error up to 2^-4, 16x bf16's), which on
 // these shapes costs 3-5x bf16's logit error (README, FP8 section), and a scale off by 2x costs far more

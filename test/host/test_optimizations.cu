@@ -79,7 +79,7 @@ TEST(switches_fill_their_hooks) {
 }
 
 // Section 21b's rungs: ascending, within the step budget and PREFILL_GRAPH_MAX_T, and every step size up to
-// the last rung finds one that holds it with fewer than 128 padding rows (at most doubling below 128).
+// the last rung finds one that holds it with fewer than 128 padding rows (below 128: a rung under 2T + 16).
 TEST(prefill_graph_rungs_bound_the_padding) {
   for (int Tmax : {8, 16, 100, 512, 2048, 2100, 16384}) {
     const std::vector<int> rungs = prefill_graph_sizes(Tmax);
