@@ -6824,6 +6824,7 @@ constexpr int PERSIST_KC = 1024;         // columns per chunk: a chunk is 16 x 1
 constexpr int PERSIST_WARP_K = PERSIST_KC / PERSIST_WARPS;  // 64 columns of a chunk per warp: 4 k-tiles
 constexpr int PERSIST_SLOT_ELEMS = PERSIST_ROWS * PERSIST_KC;
 constexpr int PERSIST_RING = 4;          // slots: 3 chunks (96 KiB) ahead of the one in use
+static_assert((PERSIST_RING & (PERSIST_RING - 1)) == 0, "the ring's slot is a count modulo PERSIST_RING");
 constexpr int PERSIST_PREFETCH = 8;       // attention: tokens per warp whose K and V are loaded before the wait
 constexpr int PERSIST_MAX_B = 4;          // batch sizes 1, 2, 4 (decode graph sizes); at 8 it measured slower
 
@@ -6845,6 +6846,7 @@ struct PersistOp {
   int groups;          // groups of 16 weight rows (GATE_UP: 8 gate rows and the 8 up rows they pair with)
   int tasks;           // how many adds to done[o] complete this operation
 };
+
 
 // Shared-memory bytes of a copy of the operation list (16-byte multiple).
 __host__ __device__ constexpr size_t persist_ops_bytes(int n_ops) {
@@ -6868,8 +6870,7 @@ struct PersistArgs {
   RopeInvFreq inv_freq;
   int skew_ns;    // tests: block i starts operation o after ((7 i + 13 o) % 11) * skew_ns ns (0: never)
   int skip_wait;  // tests: the operation whose wait is left out (-1: none)
-  uint64_t* trace;  // tests: [grid, n_ops, 4] clock at each operation's start, after its wait (and input),
-                    // at its end, and (gemv) when warp 0 finished its rows
+  uint64_t* trace;  // tests: [grid, n_ops, PERSIST_TRACE], see persist_trace
 };
 
 // Rows of W that row r of group g of op uses (-1: past the end, not loaded, result not written).
@@ -6883,7 +6884,7 @@ __device__ __forceinline__ int64_t persist_weight_row(const PersistOp& op, int g
   return n < op.N ? n : -1;
 }
 __device__ __forceinline__ bool persist_is_gemv(int kind) { return kind != PERSIST_EMBED && kind != PERSIST_ATTN; }
-__device__ __forceinline__ int persist_k_chunks(const PersistOp& op) {
+__host__ __device__ __forceinline__ int persist_k_chunks(const PersistOp& op) {
   return (op.K + PERSIST_KC - 1) / PERSIST_KC;
 }
 
@@ -6891,6 +6892,7 @@ __device__ __forceinline__ int persist_k_chunks(const PersistOp& op) {
 // in this thread block's order, which is the order the block consumes them in.
 struct PersistCursor {
   int o, g, kc;
+  int n;  // how many chunks of this block's order come before this one
 };
 // Moves c to this block's first chunk at or after it; false when there is none. ops: the list's copy in
 // shared memory (read at every chunk).
@@ -6920,14 +6922,32 @@ __device__ __forceinline__ void persist_issue(const PersistArgs& a, const Persis
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int k0 = c.kc * PERSIST_KC + warp * PERSIST_WARP_K;
     bf16* strip = slot + warp * PERSIST_ROWS * PERSIST_WARP_K;
+    const bool gate_up = op.kind == PERSIST_GATE_UP;
+    if (k0 + PERSIST_WARP_K <= op.K && (c.g + 1) * (gate_up ? PERSIST_ROWS / 2 : PERSIST_ROWS) <= op.N) {
+      // The whole strip lies inside W (every chunk but the edges of odd shapes): this lane's four pieces are
+      // rows r0, r0 + 4, r0 + 8, r0 + 12 of the group at the same columns, so one address and two strides
+      // (rows 8-15 are 8 rows on, or GATE_UP's up rows, N rows on) place them all; rows r and r + 8 rotate
+      // their pieces alike (r % 8).
+      const int r0 = lane >> 3, piece = lane & 7;
+      const int64_t first = (int64_t)c.g * (gate_up ? PERSIST_ROWS / 2 : PERSIST_ROWS) + r0;
+      const int64_t four = 4 * (int64_t)op.K, half = (gate_up ? (int64_t)op.N : 8) * op.K;
+      const bf16* src = op.W + first * op.K + k0 + piece * 8;
+      bf16* dst = strip + r0 * PERSIST_WARP_K;
+      const int rot0 = (piece ^ r0) << 3, rot4 = (piece ^ (r0 + 4)) << 3;
+      cp_async_16(dst + rot0, src, true);
+      cp_async_16(dst + 4 * PERSIST_WARP_K + rot4, src + four, true);
+      cp_async_16(dst + 8 * PERSIST_WARP_K + rot0, src + half, true);
+      cp_async_16(dst + 12 * PERSIST_WARP_K + rot4, src + half + four, true);
+    } else {
 #pragma unroll
-    for (int i = 0; i < PERSIST_ROWS * PERSIST_WARP_K / 8 / 32; i++) {
-      const int p = lane + 32 * i, r = p >> 3, piece = p & 7, col = k0 + piece * 8;
-      const int64_t row = persist_weight_row(op, c.g, r);
-      const bool valid = row >= 0 && col < op.K;
-      cp_async_16(strip + persist_strip_index(r, piece), valid ? op.W + row * op.K + col : op.W, valid);
+      for (int i = 0; i < PERSIST_ROWS * PERSIST_WARP_K / 8 / 32; i++) {
+        const int p = lane + 32 * i, r = p >> 3, piece = p & 7, col = k0 + piece * 8;
+        const int64_t row = persist_weight_row(op, c.g, r);
+        const bool valid = row >= 0 && col < op.K;
+        cp_async_16(strip + persist_strip_index(r, piece), valid ? op.W + row * op.K + col : op.W, valid);
+      }
     }
-    c.kc++;
+    c.kc++, c.n++;
   }
   cp_async_commit();
 }
@@ -6935,6 +6955,11 @@ __device__ __forceinline__ void persist_issue(const PersistArgs& a, const Persis
 __device__ __forceinline__ int persist_load_acquire(const int* p) {
   int v;
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ int persist_load_relaxed(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 __device__ __forceinline__ uint64_t persist_clock_ns() {
@@ -6952,16 +6977,21 @@ __device__ __forceinline__ int atom_acq_rel_add(int* p, int v) {
   asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
 }
-// One thread waits until done[op] >= target (acquire); the barrier then releases the whole block.
+// One thread waits until done[op] >= target, then the barrier releases the whole block. It polls with relaxed
+// loads and reads the count once more with an acquire load when it has reached the target (the count only
+// grows, so that read sees it too): an acquire load also discards the SM's L1 cache, which at every poll
+// would cost both the polling and the block's other warps.
 __device__ __forceinline__ void persist_wait(const PersistArgs& a, int op, int target) {
   if (threadIdx.x == PERSIST_SYNC_THREAD) {
     const uint64_t t0 = persist_clock_ns();
-    for (int spins = 1; persist_load_acquire(a.done + op) < target; spins++)
+    for (int spins = 1; persist_load_relaxed(a.done + op) < target; spins++) {
       if (spins % 4096 == 0 && persist_clock_ns() - t0 > 5000000000ull) {
         printf("nanovllm: persistent decode: thread block %d waited 5 s for operation %d (%d of %d done): "
                "are all %d thread blocks resident?\n", blockIdx.x, op, a.done[op], target, gridDim.x);
         __trap();
       }
+    }
+    persist_load_acquire(a.done + op);  // the count only grows, so this read sees the target too
   }
   __syncthreads();
 }
@@ -6972,10 +7002,19 @@ __device__ __forceinline__ void persist_signal(const PersistArgs& a, int op) {
   __syncthreads();
   if (threadIdx.x == PERSIST_SYNC_THREAD) red_release_add(a.done + op, 1);
 }
-// Tests only: the clock at point k of operation o in this block (0 start, 1 after the wait and the input,
-// 2 end, 3 when warp 0 finished its rows of a gemv).
+// Tests only: what thread block b saw of operation o, at trace[(b * n_ops + o) * PERSIST_TRACE + k]: the
+// clock at k = 0 its start, 1 after its wait and its input, 2 its end, 3 when warp 0 finished its rows of a
+// gemv, 4 just past its wait; and 5, how many chunks the block had issued to its ring and not yet used when
+// it got past its wait (its weights in flight or landed).
+constexpr int PERSIST_TRACE = 8;
 __device__ __forceinline__ void persist_trace(const PersistArgs& a, int o, int k) {
-  if (a.trace && threadIdx.x == 0) a.trace[((size_t)blockIdx.x * a.n_ops + o) * 4 + k] = persist_clock_ns();
+  if (a.trace && threadIdx.x == 0) a.trace[((size_t)blockIdx.x * a.n_ops + o) * PERSIST_TRACE + k] = persist_clock_ns();
+}
+__device__ __forceinline__ void persist_trace_ahead(const PersistArgs& a, int o, const PersistCursor& load,
+                                                    int consumed) {
+  if (!a.trace || threadIdx.x != 0) return;
+  uint64_t* t = a.trace + ((size_t)blockIdx.x * a.n_ops + o) * PERSIST_TRACE;
+  t[4] = persist_clock_ns(), t[5] = load.n - consumed;
 }
 // Tests only: hold this block back before operation o, by an amount that differs between blocks.
 __device__ __forceinline__ void persist_skew(const PersistArgs& a, int o) {
@@ -6990,13 +7029,25 @@ __device__ __forceinline__ void persist_copy_in(bf16* dst, const bf16* src, int 
     reinterpret_cast<uint4*>(dst)[c] = __ldcg(reinterpret_cast<const uint4*>(src) + c);
 }
 
-// The input of a gemv for all B sequences into xs [B, K + 8] (rows 16 bytes longer than K, so the
-// sequences' reads in persist_gemv_chunk fall in different banks): a copy of attn or act, or rmsnorm of the residual stream with
-// section 7's rmsnorm_row (so the rounding is the same as everywhere else). O and DOWN also copy the residual
-// stream into res [B, H], for their epilogue.
+// The weights of op's RMSNorm (QKV, GATE_UP, LM_HEAD), the chunks of 8 this thread normalises (those
+// rmsnorm_row gives it): loaded before the wait, since they do not depend on it.
+__device__ __forceinline__ void persist_load_norm(const PersistOp& op, uint4 (&nw)[NORM_MAX_CHUNKS]) {
+#pragma unroll
+  for (int k = 0; k < NORM_MAX_CHUNKS; k++) {
+    const int c = threadIdx.x + k * PERSIST_THREADS;
+    if (op.norm_w && c < op.K / 8) nw[k] = __ldg(reinterpret_cast<const uint4*>(op.norm_w) + c);
+  }
+}
+
+// The input of a gemv for all B sequences into xs [B, K + 8] (rows 16 bytes longer than K, so the sequences'
+// reads in persist_gemv_chunk fall in different banks): a copy of attn or act, or rmsnorm of the residual
+// stream. O and DOWN also copy the residual stream into res [B, H], for their epilogue. The RMSNorm is
+// section 7's rmsnorm_row, bit for bit (each thread's squares in its chunks' order, added across the warp,
+// then over the warps in order; then w * bf16(x * scale)), done for the B rows at once: one barrier for all
+// of them, and the weights nw already in registers. scratch: [B, 32].
 template <int B>
 __device__ __forceinline__ void persist_stage_input(const PersistArgs& a, const PersistOp& op, bf16* xs, bf16* res,
-                                                    float* scratch) {
+                                                    float* scratch, const uint4 (&nw)[NORM_MAX_CHUNKS]) {
   const bf16* src = op.kind == PERSIST_O ? a.attn : op.kind == PERSIST_DOWN ? a.act : a.residual;
   const int ks = op.K + 8;
   for (int c = threadIdx.x; c < B * op.K / 8; c += PERSIST_THREADS) {
@@ -7005,12 +7056,54 @@ __device__ __forceinline__ void persist_stage_input(const PersistArgs& a, const 
   }
   if (op.kind == PERSIST_O || op.kind == PERSIST_DOWN) persist_copy_in(res, a.residual, B * op.N);
   __syncthreads();
-  if (op.norm_w) {
+  if (!op.norm_w) return;
+  const int nchunks = op.K / 8, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float ss[B];
+#pragma unroll
+  for (int b = 0; b < B; b++) ss[b] = 0.f;
+#pragma unroll
+  for (int k = 0; k < NORM_MAX_CHUNKS; k++) {
+    const int c = threadIdx.x + k * PERSIST_THREADS;
+    if (c >= nchunks) break;
+#pragma unroll
     for (int b = 0; b < B; b++) {
-      rmsnorm_row<false>(xs + b * ks, nullptr, xs + b * ks, op.norm_w, op.K, a.eps, scratch);
-      __syncthreads();
+      float v[8];
+      bf16x8_to_float(reinterpret_cast<const uint4*>(xs + b * ks)[c], v);
+#pragma unroll
+      for (int i = 0; i < 8; i++) ss[b] += v[i] * v[i];
     }
   }
+#pragma unroll
+  for (int b = 0; b < B; b++) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss[b] += __shfl_xor_sync(0xffffffffu, ss[b], o);
+    if (lane == 0) scratch[b * 32 + warp] = ss[b];
+  }
+  __syncthreads();
+  float scale[B];
+#pragma unroll
+  for (int b = 0; b < B; b++) {
+    float total = 0.f;
+    for (int w = 0; w < PERSIST_WARPS; w++) total += scratch[b * 32 + w];
+    scale[b] = rsqrtf(total / (float)op.K + a.eps);
+  }
+#pragma unroll
+  for (int k = 0; k < NORM_MAX_CHUNKS; k++) {
+    const int c = threadIdx.x + k * PERSIST_THREADS;
+    if (c >= nchunks) break;
+    float wf[8];
+    bf16x8_to_float(nw[k], wf);
+#pragma unroll
+    for (int b = 0; b < B; b++) {
+      uint4* row = reinterpret_cast<uint4*>(xs + b * ks);
+      float v[8], o[8];
+      bf16x8_to_float(row[c], v);
+#pragma unroll
+      for (int i = 0; i < 8; i++) o[i] = wf[i] * bf16_round(v[i] * scale[b]);
+      row[c] = float_to_bf16x8(o);
+    }
+  }
+  __syncthreads();
 }
 
 // acc += this warp's strip of chunk kc (16 rows x 64 columns of W) times the same 64 columns of the B inputs:
@@ -7023,6 +7116,22 @@ __device__ __forceinline__ void persist_gemv_chunk(const PersistOp& op, int kc, 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, ks = op.K + 8;
   const int k0 = kc * PERSIST_KC + warp * PERSIST_WARP_K, n = lane >> 2;
   const bf16* strip = slot + warp * PERSIST_ROWS * PERSIST_WARP_K;
+  if (k0 + PERSIST_WARP_K <= op.K) {  // the whole strip inside K: no bounds to check (same arithmetic)
+    const bf16* arow = strip + ((lane & 7) + ((lane >> 3) & 1) * 8) * PERSIST_WARP_K;
+    const bf16* xrow = xs + n * ks + k0 + 2 * (lane & 3);
+#pragma unroll
+    for (int t = 0; t < PERSIST_WARP_K / 16; t++) {
+      uint32_t w[4];
+      ldmatrix_x4(w, arow + (((2 * t + (lane >> 4)) ^ (lane & 7)) << 3));
+      uint32_t x0 = 0, x1 = 0;
+      if (n < B) {
+        x0 = *reinterpret_cast<const uint32_t*>(xrow + 16 * t);
+        x1 = *reinterpret_cast<const uint32_t*>(xrow + 16 * t + 8);
+      }
+      mma_bf16_16816(acc, w, x0, x1);
+    }
+    return;
+  }
 #pragma unroll
   for (int t = 0; t < PERSIST_WARP_K / 16; t++) {
     const int k = k0 + 16 * t;
@@ -7083,21 +7192,48 @@ __device__ __forceinline__ void persist_gemv_epilogue(const PersistArgs& a, cons
   }
 }
 
+// Which (sequence b, KV head g, partition p) attention task `task` is, and the partition's keys [t0, t1).
+struct PersistTask {
+  int b, g, p, ctx, t0, t1;
+};
+__device__ __forceinline__ PersistTask persist_task(const PersistArgs& a, int task) {
+  PersistTask k;
+  k.p = task % a.parts, k.g = (task / a.parts) % a.NKV, k.b = task / (a.parts * a.NKV);
+  k.ctx = a.context_lens[k.b];
+  const int len = (k.ctx + a.parts - 1) / a.parts;
+  k.t0 = min(k.ctx, k.p * len), k.t1 = min(k.ctx, k.t0 + len);
+  return k;
+}
+// A block's attention task is the same in every layer (there are at most as many tasks as blocks), and so are
+// the cache rows of the keys and values it reads first: they are looked up once per step, at the kernel's
+// start, into rows [WARPS, PERSIST_PREFETCH] (warp w's i-th token; -1: none), not in every layer while the
+// block is about to wait (a block-table read that misses L1 is a trip to L2 on the critical path).
+__device__ __forceinline__ void persist_first_rows(const PersistArgs& a, int64_t* rows) {
+  const PersistTask k = persist_task(a, blockIdx.x);
+  const int GQA = a.NH / a.NKV, wph = PERSIST_WARPS / GQA;
+  for (int i = threadIdx.x; i < PERSIST_WARPS * PERSIST_PREFETCH; i += PERSIST_THREADS) {
+    const int w = i / PERSIST_PREFETCH, t = k.t0 + w % wph + (i % PERSIST_PREFETCH) * wph;
+    const bool used = w / wph < GQA && t < k.t1;
+    rows[i] = used ? ((int64_t)a.block_tables[(size_t)k.b * a.MB + t / a.P] * a.NKV + k.g) * a.P + t % a.P : -1;
+  }
+}
+
 // Attention for one (sequence b, KV head g, partition p) of layer op.layer: q/k-norm and RoPE of the group's
 // heads (each partition does it for itself, from qkv), the partition's share of the context with an online
 // softmax, its partial result to a.partials; the last partition to finish merges them all into attn and
 // counts the (b, g) pair done. Warps split as (query head of the group, every wph-th token of the partition);
-// lane l holds dimensions [4l, 4l + 4). smem: see persist_smem_bytes.
+// lane l holds dimensions [4l, 4l + 4). angles: RoPE's cosines and sines for each sequence [B, D], computed
+// once at the kernel's start (the positions do not change during a step). smem: see persist_smem_bytes.
 __device__ __forceinline__ void persist_attention(const PersistArgs& a, const PersistOp* ops, const PersistOp& op,
-                                                  int o, int task, float* smem) {
-  const int D = HEAD_DIM, GQA = a.NH / a.NKV, wph = PERSIST_WARPS / GQA;
-  const int p = task % a.parts, g = (task / a.parts) % a.NKV, b = task / (a.parts * a.NKV);
+                                                  int o, int task, const float* angles, const int64_t* first_rows,
+                                                  float* smem, const PersistCursor& load, int consumed) {
+  const int D = HEAD_DIM, GQA = a.NH / a.NKV, wph = PERSIST_WARPS / GQA, parts = a.parts;
+  const PersistTask k = persist_task(a, task);
+  const int p = k.p, g = k.g, b = k.b, ctx = k.ctx, t0 = k.t0, t1 = k.t1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, h = warp / wph;
-  const int ctx = a.context_lens[b], len = (ctx + a.parts - 1) / a.parts;
-  const int t0 = min(ctx, p * len), t1 = min(ctx, t0 + len);
-  float* cos_s = smem;                // [64]
-  float* sin_s = cos_s + D / 2;       // [64]
-  float* q_s = sin_s + D / 2;         // [GQA, D] normed, rotated queries (bf16 values)
+  const float* cos_s = angles + b * D;  // [64]
+  const float* sin_s = cos_s + D / 2;   // [64]
+  float* q_s = smem;                    // [GQA, D] normed, rotated queries (bf16 values)
   float* kv_new = q_s + GQA * D;      // [2, D] this step's key (normed, rotated) and value
   float* wpart = kv_new + 2 * D;      // [WARPS, D + 2] each warp's o, m, l
   int* flag = reinterpret_cast<int*>(wpart + PERSIST_WARPS * (D + 2));
@@ -7105,7 +7241,7 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
   const bf16* v_cache = k_cache + a.kv_stride;
   const int* bt = a.block_tables + (size_t)b * a.MB;
   auto cache_row = [&](int t) { return ((int64_t)bt[t / a.P] * a.NKV + g) * a.P + t % a.P; };
-  // Before the wait: this warp's first tokens' keys and values (written by earlier steps), and RoPE's angles.
+  // Before the wait: this warp's first tokens' keys and values (written by earlier steps).
   const bool live = h < GQA;
   const int first = t0 + warp % wph;  // this warp's tokens: first, first + wph, ...
   uint2 kr[PERSIST_PREFETCH], vr[PERSIST_PREFETCH];
@@ -7120,10 +7256,20 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
       }
     }
   };
-  load_batch(first);
-  rope_angles(cos_s, sin_s, a.positions[b], a.inv_freq);
-  __syncthreads();
+  if (task == (int)blockIdx.x) {  // the rows looked up at the start
+#pragma unroll
+    for (int i = 0; i < PERSIST_PREFETCH; i++) {
+      const int64_t r = first_rows[warp * PERSIST_PREFETCH + i];
+      if (r >= 0) {
+        kr[i] = *reinterpret_cast<const uint2*>(k_cache + r * D + lane * 4);
+        vr[i] = *reinterpret_cast<const uint2*>(v_cache + r * D + lane * 4);
+      }
+    }
+  } else {
+    load_batch(first);
+  }
   if (o != a.skip_wait) persist_wait(a, o - 1, ops[o - 1].tasks);
+  persist_trace_ahead(a, o, load, consumed);
   persist_trace(a, o, 1);
   // q/k-norm and RoPE: 8 threads per head (section 7's pieces), heads 0..GQA-1 = queries, GQA = the key.
   const bf16* row = a.qkv + (size_t)b * (a.NH + 2 * a.NKV) * D;
@@ -7198,7 +7344,7 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
   }
   __syncthreads();
   // The warps of each head combined (in warp order) into this partition's partial result.
-  float* part = a.partials + ((((size_t)b * a.NKV + g) * a.parts + p) * GQA) * (D + 2);
+  float* part = a.partials + ((((size_t)b * a.NKV + g) * parts + p) * GQA) * (D + 2);
   for (int e = threadIdx.x; e < GQA * D; e += PERSIST_THREADS) {
     const int hq = e / D, d = e % D;
     float mm = -INFINITY;
@@ -7218,35 +7364,40 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
   // The last partition of (b, g) to get here merges them all.
   __syncthreads();
   if (threadIdx.x == PERSIST_SYNC_THREAD)  // release: our partial is out; acquire: so are the others'
-    *flag = atom_acq_rel_add(a.tickets + ((size_t)op.layer * a.B + b) * a.NKV + g, 1) == a.parts - 1;
+    *flag = atom_acq_rel_add(a.tickets + ((size_t)op.layer * a.B + b) * a.NKV + g, 1) == parts - 1;
   __syncthreads();
   if (!*flag) return;
-  const float* all = a.partials + (((size_t)b * a.NKV + g) * a.parts) * GQA * (D + 2);
-  float* ml = wpart;  // [parts, GQA, 2] every partition's max and sum, loaded at once
-  for (int i = threadIdx.x; i < a.parts * GQA; i += PERSIST_THREADS) {
-    ml[2 * i] = __ldcg(all + (size_t)i * (D + 2) + D);
-    ml[2 * i + 1] = __ldcg(all + (size_t)i * (D + 2) + D + 1);
-  }
-  __syncthreads();
+  // Each thread merges one (query head, dimension) over the partitions, 16 at a time in partition order:
+  // their outputs, maxima and sums are all loaded before any is used (one trip to L2 for up to 16
+  // partitions), and a batch's larger maximum rescales what the batches before it added up.
+  const float* all = a.partials + (((size_t)b * a.NKV + g) * parts) * GQA * (D + 2);
   for (int e = threadIdx.x; e < GQA * D; e += PERSIST_THREADS) {
     const int hq = e / D, d = e % D;
-    float mm = -INFINITY;
-    for (int q2 = 0; q2 < a.parts; q2++) mm = fmaxf(mm, ml[2 * (q2 * GQA + hq)]);
-    float ll = 0.f, oo = 0.f;
-    for (int q0 = 0; q0 < a.parts; q0 += 8) {  // 8 loads in flight at a time, added in partition order
-      float ov[8];
+    float mm = -INFINITY, ll = 0.f, oo = 0.f;
+    for (int q0 = 0; q0 < parts; q0 += 16) {
+      float ov[16], mv[16], lv[16];
 #pragma unroll
-      for (int j = 0; j < 8; j++)
-        ov[j] = q0 + j < a.parts ? __ldcg(all + ((size_t)(q0 + j) * GQA + hq) * (D + 2) + d) : 0.f;
+      for (int j = 0; j < 16; j++) {
+        const float* pj = all + ((size_t)(q0 + j) * GQA + hq) * (D + 2);
+        const bool in = q0 + j < parts;
+        ov[j] = in ? __ldcg(pj + d) : 0.f;
+        mv[j] = in ? __ldcg(pj + D) : -INFINITY;
+        lv[j] = in ? __ldcg(pj + D + 1) : 0.f;
+      }
+      float bm = mm;
 #pragma unroll
-      for (int j = 0; j < 8; j++) {
-        if (q0 + j >= a.parts) break;
-        const float pm = ml[2 * ((q0 + j) * GQA + hq)];
-        if (pm == -INFINITY) continue;
-        const float f = fast_exp2(pm - mm);
-        ll += ml[2 * ((q0 + j) * GQA + hq) + 1] * f;
+      for (int j = 0; j < 16; j++) bm = fmaxf(bm, mv[j]);
+      if (bm == -INFINITY) continue;  // no keys in these partitions (nor before)
+      const float r = fast_exp2(mm - bm);  // 0 while nothing came before
+      ll *= r, oo *= r;
+#pragma unroll
+      for (int j = 0; j < 16; j++) {
+        if (mv[j] == -INFINITY) continue;
+        const float f = fast_exp2(mv[j] - bm);
+        ll += lv[j] * f;
         oo += ov[j] * f;
       }
+      mm = bm;
     }
     a.attn[(size_t)b * a.NH * D + (g * GQA + hq) * D + d] = __float2bfloat16(oo / ll);
   }
@@ -7258,18 +7409,23 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
   extern __shared__ __align__(16) unsigned char persist_smem[];
   bf16* ring = reinterpret_cast<bf16*>(persist_smem);                      // [RING, SLOT_ELEMS]
   float* red = reinterpret_cast<float*>(ring + PERSIST_RING * PERSIST_SLOT_ELEMS);  // [2, WARPS, 16, 8]
-  float* scratch = red + 2 * PERSIST_WARPS * PERSIST_ROWS * 8;             // [32]
-  PersistOp* ops = reinterpret_cast<PersistOp*>(scratch + 32);  // the operation list, read at every chunk
+  float* scratch = red + 2 * PERSIST_WARPS * PERSIST_ROWS * 8;             // [B, 32] the RMSNorm's sums
+  float* angles = scratch + B * 32;                                        // [B, HEAD_DIM] RoPE's, per sequence
+  int64_t* first_rows = reinterpret_cast<int64_t*>(angles + B * HEAD_DIM);  // [WARPS, PREFETCH] attention's
+  PersistOp* ops = reinterpret_cast<PersistOp*>(first_rows + PERSIST_WARPS * PERSIST_PREFETCH);  // read per chunk
   float* work = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(ops) + persist_ops_bytes(a.n_ops));
   bf16* xs = reinterpret_cast<bf16*>(work);  // a gemv's input [B, Kmax + 8], or attention's buffers
   bf16* res = xs + B * (a.Kmax + 8);           // O, DOWN: the residual stream [B, H]
   for (int i = threadIdx.x; i < a.n_ops * (int)sizeof(PersistOp) / 4; i += PERSIST_THREADS)
     reinterpret_cast<int*>(ops)[i] = reinterpret_cast<const int*>(a.ops)[i];
+  for (int b = 0; b < B; b++) rope_angles(angles + b * HEAD_DIM, angles + b * HEAD_DIM + HEAD_DIM / 2,
+                                          a.positions[b], a.inv_freq);
+  if ((int)blockIdx.x < B * a.NKV * a.parts) persist_first_rows(a, first_rows);
   __syncthreads();
   // Fill the ring: chunks 0 .. RING-2 of this block's order (each warp its own strips).
-  PersistCursor load{0, (int)blockIdx.x, 0};
+  PersistCursor load{0, (int)blockIdx.x, 0, 0};
   for (int s = 0; s < PERSIST_RING - 1; s++) persist_issue(a, ops, load, ring + s * PERSIST_SLOT_ELEMS);
-  int consumed = 0;
+  unsigned consumed = 0;  // chunks used so far (RING is a power of 2: the slot is consumed % RING)
   for (int o = 0; o < a.n_ops; o++) {
     const PersistOp& op = ops[o];  // in shared memory
     persist_skew(a, o);
@@ -7288,13 +7444,16 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
     }
     if (op.kind == PERSIST_ATTN) {
       for (int task = blockIdx.x; task < B * a.NKV * a.parts; task += gridDim.x)
-        persist_attention(a, ops, op, o, task, work);
+        persist_attention(a, ops, op, o, task, angles, first_rows, work, load, consumed);
       persist_trace(a, o, 2);
       continue;
     }
     if ((int)blockIdx.x >= op.groups) continue;  // no rows of this operation here: nothing to wait for
+    uint4 nw[NORM_MAX_CHUNKS];
+    persist_load_norm(op, nw);
     if (o != a.skip_wait) persist_wait(a, o - 1, ops[o - 1].tasks);
-    persist_stage_input<B>(a, op, xs, res, scratch);
+    persist_trace_ahead(a, o, load, consumed);
+    persist_stage_input<B>(a, op, xs, res, scratch, nw);
     persist_trace(a, o, 1);
     const int kchunks = persist_k_chunks(op);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -7323,7 +7482,7 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
 // synchronises through. A decode step then costs one memset (the counters) and one launch, both captured
 // in the step's CUDA graph; the host does nothing per step beyond Part I's input upload.
 struct PersistPlan {
-  int B = 0, grid = 0, parts = 0;
+  int B = 0, grid = 0, parts = 0;  // parts: attention's partitions of each (sequence, KV head)
   size_t smem = 0;
   std::vector<PersistOp> ops;
   PersistOp* ops_d = nullptr;
@@ -7335,20 +7494,24 @@ struct PersistPlan {
 struct PersistentDecode {
   std::map<int, PersistPlan> plans;  // by batch size
   std::string off_reason;            // why there are none (for the start-up line)
+  std::set<int> route;               // the batch sizes that run their plan (persist_measure)
+  std::map<int, std::pair<double, double>> timed;  // B -> microseconds per step: section 21's, the kernel's
+  int timed_context = 0;
   // The plan a decode step of B sequences runs, or null: section 21's path.
   const PersistPlan* plan_for(int B) const {
     auto it = plans.find(B);
-    return g_opt.persistent && it != plans.end() ? &it->second : nullptr;
+    return g_opt.persistent && route.count(B) && it != plans.end() ? &it->second : nullptr;
   }
 };
 
-// Shared memory: the ring, the epilogue's per-warp sums (two buffers), a reduction scratch, the operation
-// list, then the larger of a gemv's staged input [B, Kmax + 8] and residual [B, H], and attention's buffers
-// (angles, queries, the new key and value, per-warp partials).
+// Shared memory: the ring, the epilogue's per-warp sums (two buffers), a reduction scratch, RoPE's angles,
+// attention's first cache rows, the operation list, then the larger of a gemv's staged input [B, Kmax + 8] and residual [B, H], and
+// attention's buffers (queries, the new key and value, per-warp partials).
 static size_t persist_smem_bytes(int B, int Kmax, int H, int gqa, int n_ops) {
-  const size_t attn = (size_t)(HEAD_DIM + gqa * HEAD_DIM + 2 * HEAD_DIM + PERSIST_WARPS * (HEAD_DIM + 2)) * 4 + 16;
+  const size_t attn = (size_t)(gqa * HEAD_DIM + 2 * HEAD_DIM + PERSIST_WARPS * (HEAD_DIM + 2)) * 4 + 16;
   return (size_t)PERSIST_RING * PERSIST_SLOT_ELEMS * sizeof(bf16) + 2 * PERSIST_WARPS * PERSIST_ROWS * 8 * 4 +
-         32 * 4 + persist_ops_bytes(n_ops) + std::max((size_t)B * (Kmax + 8 + H) * sizeof(bf16), attn);
+         (size_t)B * (32 + HEAD_DIM) * 4 + PERSIST_WARPS * PERSIST_PREFETCH * 8 + persist_ops_bytes(n_ops) +
+         std::max((size_t)B * (Kmax + 8 + H) * sizeof(bf16), attn);
 }
 
 template <int B>
@@ -7442,7 +7605,8 @@ static void persistent_decode(Qwen3& model, const PersistPlan& plan, const StepI
   a.kv = reinterpret_cast<bf16*>(model.kv.base), a.layer_stride = model.kv.layer_stride;
   a.kv_stride = model.kv.kv_stride;
   a.B = plan.B, a.H = c.hidden_size, a.NH = c.num_attention_heads, a.NKV = c.num_key_value_heads;
-  a.I = c.intermediate_size, a.V = c.vocab_size, a.P = model.P, a.MB = model.MB, a.parts = plan.parts;
+  a.I = c.intermediate_size, a.V = c.vocab_size, a.P = model.P, a.MB = model.MB;
+  a.parts = plan.parts;
   a.Kmax = std::max({c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size});
   a.eps = c.rms_norm_eps, a.scale = 1.0f / sqrtf((float)c.head_dim), a.inv_freq = rope_inv_freq(c.rope_theta);
   a.skew_ns = skew_ns, a.skip_wait = skip_wait, a.trace = trace;
@@ -7455,29 +7619,105 @@ static void persistent_decode(Qwen3& model, const PersistPlan& plan, const StepI
   CUDA_CHECK(cudaGetLastError());
 }
 
-// For the start-up line: which decode path runs at which batch sizes.
-static PersistentDecode* persist_setup_new(Qwen3& model, int max_num_seqs) {
-  return new PersistentDecode(persist_setup(model, max_num_seqs));  // lives as long as the engine's weights
+// Which batch sizes take the kernel: measured once at start-up, on this GPU and this model, because the
+// answer depends on both (how many layers, how wide, how many SMs) and on the batch size. For each batch size
+// with a plan, a decode step of B sequences of `context` keys (the cache's first blocks; slot -1, so nothing
+// is stored) runs both ways, each captured in a CUDA graph as the engine runs it (5 replays to warm up, 20
+// timed); the faster way takes that batch size. NANOVLLM_PERSISTENT=always skips the measurement and routes
+// every batch size with a plan to the kernel (the tests that check it inside the engine).
+template <typename Step>
+static double persist_time_graph(Step step, cudaStream_t s) {
+  step();  // once outside the capture (cuBLASLt's algorithm choice, the kernels' attributes)
+  CUDA_CHECK(cudaStreamSynchronize(s));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  step();
+  CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t e0, e1;
+  CUDA_CHECK(cudaEventCreate(&e0));
+  CUDA_CHECK(cudaEventCreate(&e1));
+  for (int i = 0; i < 5; i++) CUDA_CHECK(cudaGraphLaunch(exec, s));
+  const int n = 20;
+  CUDA_CHECK(cudaEventRecord(e0, s));
+  for (int i = 0; i < n; i++) CUDA_CHECK(cudaGraphLaunch(exec, s));
+  CUDA_CHECK(cudaEventRecord(e1, s));
+  CUDA_CHECK(cudaEventSynchronize(e1));
+  float ms = 0;
+  CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  CUDA_CHECK(cudaEventDestroy(e0));
+  CUDA_CHECK(cudaEventDestroy(e1));
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  return ms * 1000.0 / n;
 }
-static const PersistPlan* persist_plan_for(const PersistentDecode* pd, int B) { return pd->plan_for(B); }
+static void persist_measure(Qwen3& model, PersistentDecode& pd, cudaStream_t s) {
+  const char* env = getenv("NANOVLLM_PERSISTENT");
+  if (env && !strcmp(env, "always")) {
+    for (const auto& [B, p] : pd.plans) pd.route.insert(B);
+    return;
+  }
+  const int ctx = std::max(1, std::min(512, model.max_model_len - 1));
+  const int per_seq = (int)cdiv(ctx, model.P);
+  for (const auto& entry : pd.plans) {
+    const int B = entry.first;
+    const PersistPlan& plan = entry.second;
+    std::vector<int> ids(B, 0), pos(B, ctx - 1), slots(B, -1), lens(B, ctx), bt((size_t)B * model.MB, 0);
+    for (int b = 0; b < B; b++)
+      for (int i = 0; i < per_seq; i++) bt[(size_t)b * model.MB + i] = (int)((b * per_seq + i) % model.kv.num_blocks);
+    int* d = nullptr;  // ids, positions, slots, context lengths, block tables
+    const size_t n = 4 * (size_t)B + bt.size();
+    CUDA_CHECK(cudaMalloc(&d, n * sizeof(int)));
+    std::vector<int> all;
+    for (const auto* v : {&ids, &pos, &slots, &lens, &bt}) all.insert(all.end(), v->begin(), v->end());
+    CUDA_CHECK(cudaMemcpy(d, all.data(), n * sizeof(int), cudaMemcpyHostToDevice));
+    const StepInputs in{d, d + B, d + 2 * B, nullptr, d + 3 * B, d + 4 * B, 1};
+    const double fused = persist_time_graph([&] {
+      if (g_hooks.forward) g_hooks.forward(model, in, B, B, false, s);
+      else model.forward(in, B, B, false, s);
+    }, s);
+    const double kernel = persist_time_graph([&] { persistent_decode(model, plan, in, s, 0, -1, nullptr); }, s);
+    CUDA_CHECK(cudaFree(d));
+    pd.timed[B] = {fused, kernel};
+    if (kernel < fused) pd.route.insert(B);
+  }
+  pd.timed_context = ctx;
+}
 
 static std::string persist_describe(const PersistentDecode& pd) {
   if (!g_opt.persistent) return "section 21's kernels (persistent off)";
   if (pd.plans.empty()) return "section 21's kernels (persistent: " + pd.off_reason + ")";
-  std::string sizes;
-  for (const auto& [B, p] : pd.plans) sizes += (sizes.empty() ? "" : ", ") + std::to_string(B);
+  std::string sizes, times;
+  char buf[96];
+  for (int B : pd.route) sizes += (sizes.empty() ? "" : ", ") + std::to_string(B);
+  for (const auto& [B, t] : pd.timed) {
+    snprintf(buf, sizeof buf, "%sB=%d %.3f / %.3f", times.empty() ? "" : ", ", B, t.first / 1e3, t.second / 1e3);
+    times += buf;
+  }
   const PersistPlan& p = pd.plans.begin()->second;
-  return "one persistent kernel at batch " + sizes + " (" + std::to_string(p.grid) + " thread blocks, " +
-         std::to_string(PERSIST_RING * PERSIST_SLOT_ELEMS * 2 / 1024) + " KiB weight ring each), section 21's "
-         "kernels at other batch sizes";
+  std::string line = sizes.empty() ? "section 21's kernels at every batch size"
+                                   : "one persistent kernel at batch " + sizes + " (" + std::to_string(p.grid) +
+                                         " thread blocks), section 21's kernels at the others";
+  snprintf(buf, sizeof buf, " (measured at start-up, %d-token contexts, ms per step, section 21 / persistent: ",
+           pd.timed_context);
+  if (!times.empty()) line += buf + times + ")";
+  else if (!sizes.empty()) line += " (NANOVLLM_PERSISTENT=always)";
+  return line;
 }
 
 // ---- The switch: persistent ----
-// Off by default: the README's performance section has the measurements that decide it.
+// On by default; each batch size takes the path persist_measure found faster on this GPU.
 static PersistentDecode* g_persist = nullptr;  // the plans of the engine built last (ModelRunner)
-static void persist_model_ready(Qwen3& model, const Config& c) { g_persist = persist_setup_new(model, c.max_num_seqs); }
+static void persist_model_ready(Qwen3& model, const Config& c) {
+  g_persist = new PersistentDecode(persist_setup(model, c.max_num_seqs));  // lives as long as the weights
+  cudaStream_t s;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  persist_measure(model, *g_persist, s);
+  CUDA_CHECK(cudaStreamDestroy(s));
+}
 static bool persist_decode_step(Qwen3& model, const StepInputs& in, int B, cudaStream_t s) {
-  const PersistPlan* plan = g_persist ? persist_plan_for(g_persist, B) : nullptr;
+  const PersistPlan* plan = g_persist ? g_persist->plan_for(B) : nullptr;
   if (!plan) return false;
   persistent_decode(model, *plan, in, s, 0, -1, nullptr);
   return true;
@@ -7491,7 +7731,7 @@ static void apply_persistent(bool on, Hooks& h) {
 }
 static std::string persist_note(const Qwen3&) { return g_persist ? "decode: " + persist_describe(*g_persist) : ""; }
 static const int kPersistentRegistered = register_optimization(
-    {"persistent", "a small-batch decode step in one persistent kernel (section 23)", false, apply_persistent,
+    {"persistent", "a small-batch decode step in one persistent kernel (section 23)", true, apply_persistent,
      persist_note});
 
 // ##########################################################################################################

@@ -15,8 +15,9 @@
 // NANOVLLM_E2E_TP=N runs every engine with --tensor-parallel-size N: main() forks the N-1 workers before
 // any CUDA call, and they serve the engines this process builds, one at a time (the newest; section 27).
 // NANOVLLM_E2E_OPT=LIST runs every engine with --opt LIST (none: Part I alone, the plain path; default all:
-// every optimization, section 23's persistent decode kernel included, which the engine's own default leaves
-// off), so the same comparison with Hugging Face checks the plain path and the fast ones.
+// every optimization), so the same comparison with Hugging Face checks the plain path and the fast ones.
+// Section 23's persistent decode kernel takes every batch size it has a plan for (NANOVLLM_PERSISTENT=always,
+// set here unless the environment says otherwise), not only those it measured faster at start-up.
 // NANOVLLM_E2E_SCHEDULER=mixed runs every engine with --scheduler mixed (vLLM V1's, section 5b): steps then
 // hold decode tokens and prompt chunks together (with the default optimizations, their decode rows go through
 // the decode kernel, section 21, and steps of up to 2,048 tokens replay section 21b's graphs).
@@ -515,6 +516,7 @@ TEST(e2e_against_transformers) {
 }
 
 int main(int argc, char** argv) {
+  setenv("NANOVLLM_PERSISTENT", "always", 0);  // read at each engine's start-up (section 23), on rank 0
   // Read when a ModelRunner allocates an fp8 pool, on every rank: set before the workers are forked, so
   // that they have it too.
 #ifdef NANOVLLM_PART_II

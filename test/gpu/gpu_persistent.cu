@@ -369,26 +369,38 @@ TEST(timing_persistent_vs_section20) {
   }
 }
 
-// Where a step's time goes: every thread block's clock at the start of each operation, after its wait (and
-// the input staging), and at its end. Per kind of operation, averaged over the layers: from the previous
-// operation's completion (its last block's end) to this one's first block past its wait, to its last block
-// past it, to its completion.
+// Where a step's time goes: every thread block's clock at the start of each operation, past its wait, after
+// its input, and at its end (persist_trace). Per kind of operation, averaged over the layers: from the
+// previous operation's completion (its last block's end) to this one's first block past its wait, to its
+// last block past it, to its completion; then per block, from past its wait to its end, beside the time
+// its share of the weights takes at its share (1 / grid) of the copy bandwidth, and how many of its chunks
+// were in its ring (in flight or landed) at that moment.
 TEST(timing_persistent_breakdown) {
   REQUIRE_GPU();
   TestModel t("0.6b", 256, 4096, 64);
+  double copy_gbps = 0;  // device-to-device copy of 512 MiB: bytes read and written per ns, the best of 5
+  {
+    DevBuf<char> src(512u << 20), dst(512u << 20);
+    for (int i = 0; i < 5; i++) {
+      const double t0 = now_seconds();
+      CUDA_CHECK(cudaMemcpy(dst.p, src.p, src.n, cudaMemcpyDeviceToDevice));
+      CUDA_CHECK(cudaDeviceSynchronize());
+      copy_gbps = std::max(copy_gbps, 2.0 * src.n / ((now_seconds() - t0) * 1e9));
+    }
+  }
   for (int B : {1, 4}) {
     if (!t.pd.plans.count(B)) continue;
     DecodeStep st(t, std::vector<int>(B, 600), 5);
     const PersistPlan& plan = t.pd.plans.at(B);
     const int n = (int)plan.ops.size();
-    DevBuf<uint64_t> trace((size_t)plan.grid * n * 4);
+    DevBuf<uint64_t> trace((size_t)plan.grid * n * PERSIST_TRACE);
     for (int rep = 0; rep < 3; rep++) {  // the last of three
       CUDA_CHECK(cudaMemset(trace.p, 0, trace.n * 8));
       persistent_decode(t.m, plan, st.inputs(), t.s, 0, -1, trace.p);
       CUDA_CHECK(cudaStreamSynchronize(t.s));
     }
     const std::vector<uint64_t> tr = trace.download();
-    auto at = [&](int b, int o, int k) { return tr[((size_t)b * n + o) * 4 + k]; };
+    auto at = [&](int b, int o, int k) { return tr[((size_t)b * n + o) * PERSIST_TRACE + k]; };
     std::vector<double> end(n, 0), first(n, 1e300), last(n, 0);
     double start = 1e300;
     for (int b = 0; b < plan.grid; b++) start = std::min(start, (double)at(b, 0, 0));
@@ -396,29 +408,44 @@ TEST(timing_persistent_breakdown) {
       for (int b = 0; b < plan.grid; b++) {
         if (!at(b, o, 2)) continue;
         end[o] = std::max(end[o], (double)at(b, o, 2) - start);
-        if (at(b, o, 1)) first[o] = std::min(first[o], (double)at(b, o, 1) - start), last[o] = std::max(last[o], (double)at(b, o, 1) - start);
+        if (at(b, o, 4)) first[o] = std::min(first[o], (double)at(b, o, 4) - start), last[o] = std::max(last[o], (double)at(b, o, 4) - start);
       }
+    const double step_ns = end[n - 1], gbps = (double)t.m.w.bytes / step_ns;  // bytes per ns
     const char* names[] = {"embed", "qkv", "attention", "o_proj", "gate_up", "down", "lm_head"};
-    double sum[7][6] = {}, cnt[7] = {};
+    double sum[7][11] = {}, cnt[7] = {};
     for (int o = 1; o < n; o++) {
-      const int k = plan.ops[o].kind;
+      const PersistOp& op = plan.ops[o];
+      const int k = op.kind;
       sum[k][0] += first[o] - end[o - 1], sum[k][1] += last[o] - end[o - 1], sum[k][2] += end[o] - end[o - 1];
-      double work = 0, work_max = 0, tail = 0;  // per block: after its wait to warp 0's last row; then to its end
+      double after = 0, after_max = 0, ring = 0, chunks = 0;  // per block that had a share
+      double staging = 0, rows = 0, tail = 0;  // gemvs: past its wait -> input staged -> warp 0's rows -> end
       int blocks = 0;
       for (int b = 0; b < plan.grid; b++) {
-        if (!at(b, o, 2) || !at(b, o, 3)) continue;
-        const double w = (double)at(b, o, 3) - at(b, o, 1);
-        work += w, work_max = std::max(work_max, w), tail += (double)at(b, o, 2) - at(b, o, 3), blocks++;
+        if (!at(b, o, 2) || !at(b, o, 4)) continue;
+        const double w = (double)at(b, o, 2) - at(b, o, 4);
+        after += w, after_max = std::max(after_max, w), ring += at(b, o, 5), blocks++;
+        if (at(b, o, 3))
+          staging += (double)at(b, o, 1) - at(b, o, 4), rows += (double)at(b, o, 3) - at(b, o, 1),
+              tail += (double)at(b, o, 2) - at(b, o, 3);
       }
-      if (blocks) sum[k][3] += work / blocks, sum[k][4] += work_max, sum[k][5] += tail / blocks;
+      if (blocks) sum[k][8] += staging / blocks, sum[k][9] += rows / blocks, sum[k][10] += tail / blocks;
+      if (op.kind != PERSIST_ATTN && op.kind != PERSIST_EMBED)
+        chunks = (double)op.groups * persist_k_chunks(op) / std::min(op.groups, plan.grid);
+      if (blocks) {
+        sum[k][3] += after / blocks, sum[k][4] += after_max, sum[k][5] += ring / blocks;
+        sum[k][7] += chunks * PERSIST_SLOT_ELEMS * 2 * plan.grid / copy_gbps;
+      }
       cnt[k]++;
     }
-    printf("    TIMING breakdown 0.6b B=%d ctx 600: step %.1f us (one launch, no graph); per operation, mean over "
-           "layers, us after the previous one completed:\n", B, end[n - 1] / 1e3);
+    printf("    TIMING breakdown 0.6b B=%d ctx 600: step %.1f us (one launch, no graph, %.0f GB/s of weights, copy "
+           "bandwidth %.0f GB/s); per operation, mean over layers (us):\n", B, step_ns / 1e3, gbps, copy_gbps);
     for (int k = 1; k < 7; k++)
-      printf("      %-9s first block past its wait %6.2f, last %6.2f, complete %6.2f | a block's rows: mean %5.2f, "
-             "max %5.2f, then its end barrier %5.2f\n", names[k], sum[k][0] / cnt[k] / 1e3, sum[k][1] / cnt[k] / 1e3,
-             sum[k][2] / cnt[k] / 1e3, sum[k][3] / cnt[k] / 1e3, sum[k][4] / cnt[k] / 1e3, sum[k][5] / cnt[k] / 1e3);
+      printf("      %-9s past its wait: first block %6.2f, last %6.2f after the previous op completed; complete "
+             "%6.2f | a block from past its wait to its end: mean %5.2f (input %4.2f, rows %4.2f, sums and signal "
+             "%4.2f), max %5.2f (its weights: %5.2f) | chunks in its ring at its wait %4.2f\n",
+             names[k], sum[k][0] / cnt[k] / 1e3, sum[k][1] / cnt[k] / 1e3, sum[k][2] / cnt[k] / 1e3,
+             sum[k][3] / cnt[k] / 1e3, sum[k][8] / cnt[k] / 1e3, sum[k][9] / cnt[k] / 1e3, sum[k][10] / cnt[k] / 1e3,
+             sum[k][4] / cnt[k] / 1e3, sum[k][7] / cnt[k] / 1e3, sum[k][5] / cnt[k]);
   }
 }
 

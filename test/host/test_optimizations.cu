@@ -75,7 +75,7 @@ TEST(switches_fill_their_hooks) {
   install_optimizations(parsed("all"));
   CHECK(g_hooks.forward == forward_fast && g_hooks.decode_step && g_hooks.sample && g_hooks.tp_ready);
   install_optimizations(default_optimizations());
-  CHECK(!g_hooks.decode_step);  // persistent is off by default
+  CHECK(g_hooks.decode_step && g_hooks.model_ready.size() == 1);  // on; it measures which batch sizes it takes
 }
 
 // Section 21b's rungs: ascending, within the step budget and PREFILL_GRAPH_MAX_T, and every step size up to
@@ -97,13 +97,13 @@ TEST(prefill_graph_rungs_bound_the_padding) {
   }
 }
 
-// Every optimization is on by default except section 23's persistent kernel, which is not yet faster than
-// the rest on an H100 (README): it runs with --opt all or --opt persistent.
-TEST(defaults_are_all_but_persistent) {
+// Every optimization is on by default (section 23's persistent kernel then takes only the batch sizes it
+// measures faster at start-up).
+TEST(defaults_are_all) {
   OptimizationSet o = default_optimizations();
-  CHECK_EQ(count_on(o), (int)reg().size() - 1);
-  CHECK(!is_on(o, "persistent"));
-  CHECK_EQ(optimizations_str(o), std::string("all except persistent"));
+  CHECK_EQ(count_on(o), (int)reg().size());
+  CHECK(is_on(o, "persistent"));
+  CHECK_EQ(optimizations_str(o), std::string("all"));
   Config c;
   CHECK(c.opt == o);
   CHECK_EQ(parse_optimizations("all", o), std::string(""));
@@ -144,7 +144,7 @@ TEST(command_line_flags) {
     args.insert(args.begin(), "nanovllm");
     return parse_args((int)args.size(), const_cast<char**>(args.data()));
   };
-  CHECK_EQ(count_on(parse({"model", "p.txt"}).config.opt), (int)reg().size() - 1);  // all but persistent
+  CHECK_EQ(count_on(parse({"model", "p.txt"}).config.opt), (int)reg().size());  // all
   CHECK_EQ(count_on(parse({"--plain", "model"}).config.opt), 0);
   Cli c = parse({"--opt", "-pdl", "--opt=-gemv"});
   CHECK(!is_on(c.config.opt, "pdl") && !is_on(c.config.opt, "gemv") && is_on(c.config.opt, "fused_rope"));
