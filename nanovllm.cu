@@ -6755,7 +6755,8 @@ static const int kFp8FormatRegistered = register_kv_cache_format(
     {"fp8", {"fp8_e4m3"}, 1, {{"fp8_e5m2", "nanovllm stores FP8 as e4m3 (write fp8 or fp8_e4m3)"}}, use_fp8_cache});
 
 // ==== 23. One persistent kernel for a small-batch decode step ============================================
-// defines: PersistOp, PersistPlan, PersistentDecode, persist_setup, persistent_decode, persist_describe;
+// defines: PersistOp, PersistPlan, PersistentDecode, persist_setup, persist_measure, persistent_decode,
+//          persist_describe;
 //          switch persistent
 //
 // Replaces: at decode steps of 1, 2 or 4 sequences on one GPU with a bf16 cache, all of section 21's forward
@@ -6781,21 +6782,22 @@ static const int kFp8FormatRegistered = register_kv_cache_format(
 //   * weights do not depend on the step, so a block loads them ahead of time, across operation and layer
 //     boundaries. A chunk is 16 weight rows x 1024 columns (32 KiB); each of the 16 warps copies its own
 //     64-column strip of every chunk into a ring of PERSIST_RING shared-memory slots (cp.async) and reads
-//     only that strip back, so the stream needs no barrier across the block. Attention, which reads the KV
-//     cache instead, loads its first keys and values into registers before its wait (earlier steps wrote
-//     them);
+//     only that strip back, so the stream needs no barrier across the block. Anything else that does not
+//     depend on the wait is also done before it: attention loads its first keys and values into registers
+//     (earlier steps wrote them; which cache rows they are is looked up once per step), RoPE's angles are
+//     computed once per step, and an RMSNorm's weights are in registers before its input arrives;
 //   * the dot products run on the tensor cores (m16n8k16, section 14's mma): a warp multiplies its 16 x 64
 //     strip by the same 64 columns of the B <= 4 inputs, which sit as the 8 columns of the right-hand matrix,
 //     so a step of 4 sequences costs the same instructions as a step of 1. The 16 warps' partial sums of a
 //     group meet in shared memory, are added in warp order, and the output is written the way section 21
 //     writes it (bf16 roundings in the same places).
-// Why it is correct: an operation's inputs were written by the operation before it (or earlier), whose
-// blocks count themselves done only after their writes (a barrier, then one thread's release add), while a
-// waiting block reads the counter with an acquire load before it reads anything, and reads what other
-// blocks wrote through L2 (__ldcg), never from a stale L1 line. The operations form a chain, so when
-// operation o starts every earlier one is complete: a buffer that o writes (qkv, attn, act, the residual
-// stream) is no longer read by anyone. Attention's last step, merging the partitions of a (sequence, KV
-// head), is done by whichever partition finishes last (a ticket counter per layer, sequence and KV head,
+// Why it is correct: an operation's inputs were written by the operation before it (or earlier), whose blocks
+// count themselves done only after their writes (a barrier, then one thread's release add), while a waiting
+// block, once its polls see the count, reads the counter with an acquire load before it reads anything, and
+// reads what other blocks wrote through L2 (__ldcg), never from a stale L1 line. The operations form a chain,
+// so when operation o starts every earlier one is complete: a buffer that o writes (qkv, attn, act, the
+// residual stream) is no longer read by anyone. Attention's last step, merging the partitions of a (sequence,
+// KV head), is done by whichever partition finishes last (a ticket counter per layer, sequence and KV head,
 // taken with an acquire-release add), which then counts the pair done. Every sum is computed by one thread
 // block in a fixed order whatever the timing, so the results do not depend on scheduling:
 // test/gpu/gpu_persistent.cu runs the kernel with thread blocks delayed by different amounts at every
@@ -6803,20 +6805,30 @@ static const int kFp8FormatRegistered = register_kv_cache_format(
 // All thread blocks must be resident at once (a waiting block never yields its SM): the grid is one block per
 // SM, the kernel is launched alone in its stream, and a block that waits longer than 5 s stops the kernel
 // with a message instead of hanging.
-// What it costs, and why it is off by default. Every hand-off between two operations still costs a release,
-// a poll that sees it, and the next inputs' trip through L2 (plus an RMSNorm for qkv and gate_up): a few
-// microseconds, 141 times a step, no shorter than the bubble it replaces. And the ring is only a few chunks
-// deep, so most of an operation's weights stream while it runs rather than during the wait before it. On an
-// H100 this kernel is slower than sections 14-21 at batch 1 of Qwen3-0.6B, about as fast at batch 2 and 4
-// and for the 8B shape (README, "One persistent kernel"); test/gpu/gpu_persistent.cu's breakdown prints where
-// the time goes, per operation. It runs with --opt all or --opt persistent.
+// What limits it. test/gpu/gpu_persistent.cu's breakdown times every operation of every block: when it got
+// past its wait, how many of its chunks were then in its ring (all RING - 1 of them: the weights are ahead),
+// how long its input took, its rows, its end. Three things showed there, and the code answers each:
+//   * instructions. With the weights already in shared memory, an operation's rows took as long as
+//     streaming them would have: 16 warps on 4 schedulers leave few warps to hide latency, so every
+//     instruction counts, and working out each copy's address and bounds took most of them. A strip that
+//     lies wholly inside W (all but the edges of odd shapes) now costs one address and two strides
+//     (persist_issue, persist_gemv_chunk);
+//   * a release waits for the signalling thread's earlier memory operations, its cp.async copies included.
+//     The copy issued at an operation's last chunk (of a later operation's weights) held the count back
+//     until it landed, a memory latency on every hand-off; it is now issued just after the signal;
+//   * round trips on the critical path: the count seen, the input through L2, the norm's weights (now
+//     loaded before the wait), attention's merge (one trip for up to 16 partitions). Polling with acquire
+//     loads emptied the SM's L1 at every poll; relaxed polls and one acquire load at the end cost less.
+// What is left is mostly those hand-offs and attention's chain of trips, and the README has the figures.
+// Whether it beats sections 14-21 depends on the GPU, the model and the batch size, so each batch size with
+// a plan takes it only where a measurement at start-up finds it faster (persist_measure).
 // What it computes: section 21's arithmetic with the sums added in another order, so results match section
 // 20's within float rounding, not bit for bit (gpu_persistent.cu states the tolerance). Tensor parallelism
 // keeps section 21's path: an all-reduce inside the kernel would need every GPU's kernel resident at once and
 // flags across GPUs.
-// Switch: persistent (off by default). Needs sm_80; a batch size whose shared memory does not fit, an fp8
-// cache or TP > 1 uses section 21's path, and the start-up line says which decode path runs at which batch
-// sizes.
+// Switch: persistent (on by default; measured per batch size at start-up). Needs sm_80; a batch size whose
+// shared memory does not fit, an fp8 cache or TP > 1 uses section 21's path, and the start-up line says which
+// decode path runs at which batch sizes, with the times measured.
 constexpr int PERSIST_THREADS = 512;
 constexpr int PERSIST_WARPS = PERSIST_THREADS / 32;
 constexpr int PERSIST_ROWS = 16;        // weight rows per group: one tensor-core tile (m16n8k16) tall
@@ -7458,13 +7470,16 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
     const int kchunks = persist_k_chunks(op);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     int parity = 0;
+    bf16* deferred = nullptr;  // the operation's last copy: issued after the signal (What limits it, above)
     for (int g = blockIdx.x; g < op.groups; g += gridDim.x, parity ^= 1) {
       for (int kc = 0; kc < kchunks; kc++) {
         // This warp's strip of chunk `consumed` has landed (its group is at most RING-2 behind the newest);
         // the strip of the chunk before, which this warp has finished with, takes the chunk RING-1 ahead.
         cp_async_wait<PERSIST_RING - 2>();
         __syncwarp();
-        persist_issue(a, ops, load, ring + (consumed + PERSIST_RING - 1) % PERSIST_RING * PERSIST_SLOT_ELEMS);
+        bf16* next = ring + (consumed + PERSIST_RING - 1) % PERSIST_RING * PERSIST_SLOT_ELEMS;
+        if (g + (int)gridDim.x >= op.groups && kc == kchunks - 1) deferred = next;
+        else persist_issue(a, ops, load, next);
         persist_gemv_chunk<B>(op, kc, ring + consumed % PERSIST_RING * PERSIST_SLOT_ELEMS, xs, acc);
         consumed++;
       }
@@ -7472,6 +7487,7 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
     }
     persist_trace(a, o, 3);
     persist_signal(a, o);
+    persist_issue(a, ops, load, deferred);
     persist_trace(a, o, 2);
   }
   cp_async_wait<0>();
@@ -7505,8 +7521,8 @@ struct PersistentDecode {
 };
 
 // Shared memory: the ring, the epilogue's per-warp sums (two buffers), a reduction scratch, RoPE's angles,
-// attention's first cache rows, the operation list, then the larger of a gemv's staged input [B, Kmax + 8] and residual [B, H], and
-// attention's buffers (queries, the new key and value, per-warp partials).
+// attention's first cache rows, the operation list, then the larger of a gemv's staged input [B, Kmax + 8] and
+// residual [B, H], and attention's buffers (queries, the new key and value, per-warp partials).
 static size_t persist_smem_bytes(int B, int Kmax, int H, int gqa, int n_ops) {
   const size_t attn = (size_t)(gqa * HEAD_DIM + 2 * HEAD_DIM + PERSIST_WARPS * (HEAD_DIM + 2)) * 4 + 16;
   return (size_t)PERSIST_RING * PERSIST_SLOT_ELEMS * sizeof(bf16) + 2 * PERSIST_WARPS * PERSIST_ROWS * 8 * 4 +

@@ -18,7 +18,9 @@
 //     leaving out one operation's wait (skip_wait) under the same skew must change the results, so this
 //     check can fail.
 //   * timing_*: one decode step captured in a CUDA graph, persistent vs section 21 (sampler not included), for
-//     the 0.6B and the full 8B shapes; and the breakdown of a step by operation (PersistArgs::trace).
+//     the 0.6B and the full 8B shapes; and the breakdown of a step by operation (PersistArgs::trace): when
+//     each block got past its wait, how many chunks of weights its ring then held, how long its input, its
+//     rows and its end took, beside the time its share of the weights takes at its share of the bandwidth.
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
 #include "../test.h"
@@ -408,7 +410,9 @@ TEST(timing_persistent_breakdown) {
       for (int b = 0; b < plan.grid; b++) {
         if (!at(b, o, 2)) continue;
         end[o] = std::max(end[o], (double)at(b, o, 2) - start);
-        if (at(b, o, 4)) first[o] = std::min(first[o], (double)at(b, o, 4) - start), last[o] = std::max(last[o], (double)at(b, o, 4) - start);
+        if (!at(b, o, 4)) continue;
+        const double past = (double)at(b, o, 4) - start;  // past its wait
+        first[o] = std::min(first[o], past), last[o] = std::max(last[o], past);
       }
     const double step_ns = end[n - 1], gbps = (double)t.m.w.bytes / step_ns;  // bytes per ns
     const char* names[] = {"embed", "qkv", "attention", "o_proj", "gate_up", "down", "lm_head"};
