@@ -17,7 +17,7 @@
 #                                     the climb from Part I to the default path, on this GPU in one run:
 #                                     batch-1 latency and bench.py throughput for --plain, then Part I plus
 #                                     flash_attn (section 14), then flash_attn plus each other optimization of
-#                                     Part II, then the default (all but persistent), and
+#                                     Part II, then the default (every optimization), and
 #                                     with --baseline another nanovllm binary's default path (an older build
 #                                     to compare with). One table, each row with its roofline fraction.
 #
