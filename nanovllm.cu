@@ -6859,7 +6859,6 @@ struct PersistOp {
   int tasks;           // how many adds to done[o] complete this operation
 };
 
-
 // Shared-memory bytes of a copy of the operation list (16-byte multiple).
 __host__ __device__ constexpr size_t persist_ops_bytes(int n_ops) {
   return (n_ops * sizeof(PersistOp) + 15) / 16 * 16;
@@ -7204,6 +7203,10 @@ __device__ __forceinline__ void persist_gemv_epilogue(const PersistArgs& a, cons
   }
 }
 
+// The cache row (block, KV head g, slot) of sequence b's key t.
+__device__ __forceinline__ int64_t persist_cache_row(const PersistArgs& a, int b, int g, int t) {
+  return ((int64_t)a.block_tables[(size_t)b * a.MB + t / a.P] * a.NKV + g) * a.P + t % a.P;
+}
 // Which (sequence b, KV head g, partition p) attention task `task` is, and the partition's keys [t0, t1).
 struct PersistTask {
   int b, g, p, ctx, t0, t1;
@@ -7226,7 +7229,7 @@ __device__ __forceinline__ void persist_first_rows(const PersistArgs& a, int64_t
   for (int i = threadIdx.x; i < PERSIST_WARPS * PERSIST_PREFETCH; i += PERSIST_THREADS) {
     const int w = i / PERSIST_PREFETCH, t = k.t0 + w % wph + (i % PERSIST_PREFETCH) * wph;
     const bool used = w / wph < GQA && t < k.t1;
-    rows[i] = used ? ((int64_t)a.block_tables[(size_t)k.b * a.MB + t / a.P] * a.NKV + k.g) * a.P + t % a.P : -1;
+    rows[i] = used ? persist_cache_row(a, k.b, k.g, t) : -1;
   }
 }
 
@@ -7251,8 +7254,7 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
   int* flag = reinterpret_cast<int*>(wpart + PERSIST_WARPS * (D + 2));
   const bf16* k_cache = a.kv + op.layer * a.layer_stride;
   const bf16* v_cache = k_cache + a.kv_stride;
-  const int* bt = a.block_tables + (size_t)b * a.MB;
-  auto cache_row = [&](int t) { return ((int64_t)bt[t / a.P] * a.NKV + g) * a.P + t % a.P; };
+  auto cache_row = [&](int t) { return persist_cache_row(a, b, g, t); };
   // Before the wait: this warp's first tokens' keys and values (written by earlier steps).
   const bool live = h < GQA;
   const int first = t0 + warp % wph;  // this warp's tokens: first, first + wph, ...
@@ -7621,8 +7623,7 @@ static void persistent_decode(Qwen3& model, const PersistPlan& plan, const StepI
   a.kv = reinterpret_cast<bf16*>(model.kv.base), a.layer_stride = model.kv.layer_stride;
   a.kv_stride = model.kv.kv_stride;
   a.B = plan.B, a.H = c.hidden_size, a.NH = c.num_attention_heads, a.NKV = c.num_key_value_heads;
-  a.I = c.intermediate_size, a.V = c.vocab_size, a.P = model.P, a.MB = model.MB;
-  a.parts = plan.parts;
+  a.I = c.intermediate_size, a.V = c.vocab_size, a.P = model.P, a.MB = model.MB, a.parts = plan.parts;
   a.Kmax = std::max({c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size});
   a.eps = c.rms_norm_eps, a.scale = 1.0f / sqrtf((float)c.head_dim), a.inv_freq = rope_inv_freq(c.rope_theta);
   a.skew_ns = skew_ns, a.skip_wait = skip_wait, a.trace = trace;
@@ -7635,17 +7636,19 @@ static void persistent_decode(Qwen3& model, const PersistPlan& plan, const StepI
   CUDA_CHECK(cudaGetLastError());
 }
 
-// Which batch sizes take the kernel: measured once at start-up, on this GPU and this model, because the
-// answer depends on both (how many layers, how wide, how many SMs) and on the batch size. For each batch size
-// with a plan, a decode step of B sequences of `context` keys (the cache's first blocks; slot -1, so nothing
-// is stored) runs both ways, each captured in a CUDA graph as the engine runs it (5 replays to warm up, 20
+// Which batch sizes take the kernel: measured once at start-up, on this GPU and this model, because the answer
+// depends on both (how many layers, how wide, how many SMs) and on the batch size. For each batch size with a
+// plan, a decode step of B sequences of `context` keys (the cache's first blocks; slot -1, so nothing is
+// stored) runs both ways, each captured in a CUDA graph as the engine runs it (5 replays to warm up, 20
 // timed); the kernel takes that batch size if it is at least PERSIST_ROUTE_MARGIN faster. The two paths add
-// their sums in different orders, so their logits differ in the last bits: the margin keeps a batch size
-// whose two times are close on section 21's path, rather than on whichever won this run's measurement. NANOVLLM_PERSISTENT=always skips the measurement and routes
-// every batch size with a plan to the kernel (the tests that check it inside the engine).
+// their sums in different orders, so their logits differ in the last bits: the margin keeps a batch size whose
+// two times are close on section 21's path, rather than on whichever won this run's measurement.
+// NANOVLLM_PERSISTENT=always skips the measurement and routes every batch size with a plan to the kernel (the
+// tests that check it inside the engine).
 constexpr double PERSIST_ROUTE_MARGIN = 0.02;
+// Microseconds per replay of `step` captured in a CUDA graph (warm replays first, then `timed` timed).
 template <typename Step>
-static double persist_time_graph(Step step, cudaStream_t s) {
+static double persist_time_graph(Step step, cudaStream_t s, int warm = 5, int timed = 20) {
   step();  // once outside the capture (cuBLASLt's algorithm choice, the kernels' attributes)
   CUDA_CHECK(cudaStreamSynchronize(s));
   cudaGraph_t graph;
@@ -7657,10 +7660,9 @@ static double persist_time_graph(Step step, cudaStream_t s) {
   cudaEvent_t e0, e1;
   CUDA_CHECK(cudaEventCreate(&e0));
   CUDA_CHECK(cudaEventCreate(&e1));
-  for (int i = 0; i < 5; i++) CUDA_CHECK(cudaGraphLaunch(exec, s));
-  const int n = 20;
+  for (int i = 0; i < warm; i++) CUDA_CHECK(cudaGraphLaunch(exec, s));
   CUDA_CHECK(cudaEventRecord(e0, s));
-  for (int i = 0; i < n; i++) CUDA_CHECK(cudaGraphLaunch(exec, s));
+  for (int i = 0; i < timed; i++) CUDA_CHECK(cudaGraphLaunch(exec, s));
   CUDA_CHECK(cudaEventRecord(e1, s));
   CUDA_CHECK(cudaEventSynchronize(e1));
   float ms = 0;
@@ -7669,7 +7671,7 @@ static double persist_time_graph(Step step, cudaStream_t s) {
   CUDA_CHECK(cudaEventDestroy(e1));
   CUDA_CHECK(cudaGraphExecDestroy(exec));
   CUDA_CHECK(cudaGraphDestroy(graph));
-  return ms * 1000.0 / n;
+  return ms * 1000.0 / timed;
 }
 static void persist_measure(Qwen3& model, PersistentDecode& pd, cudaStream_t s) {
   const char* env = getenv("NANOVLLM_PERSISTENT");

@@ -336,32 +336,10 @@ TEST(timing_persistent_vs_section20) {
       double us[2];
       for (int k = 0; k < 2; k++) {
         ScopedOptimizations opt(k ? "all" : "all,-persistent");
-        auto step = [&] {
+        us[k] = persist_time_graph([&] {
           if (k) persistent_decode(t.m, t.pd.plans.at(B), in, t.s, 0, -1, nullptr);
           else forward_fast(t.m, in, B, B, false, t.s);
-        };
-        step();
-        CUDA_CHECK(cudaStreamSynchronize(t.s));
-        cudaGraph_t graph;
-        cudaGraphExec_t exec;
-        CUDA_CHECK(cudaStreamBeginCapture(t.s, cudaStreamCaptureModeThreadLocal));
-        step();
-        CUDA_CHECK(cudaStreamEndCapture(t.s, &graph));
-        CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-        for (int i = 0; i < 20; i++) CUDA_CHECK(cudaGraphLaunch(exec, t.s));
-        cudaEvent_t e0, e1;
-        CUDA_CHECK(cudaEventCreate(&e0));
-        CUDA_CHECK(cudaEventCreate(&e1));
-        const int n = 200;
-        CUDA_CHECK(cudaEventRecord(e0, t.s));
-        for (int i = 0; i < n; i++) CUDA_CHECK(cudaGraphLaunch(exec, t.s));
-        CUDA_CHECK(cudaEventRecord(e1, t.s));
-        CUDA_CHECK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        us[k] = ms * 1000 / n;
-        CUDA_CHECK(cudaGraphExecDestroy(exec));
-        CUDA_CHECK(cudaGraphDestroy(graph));
+        }, t.s, 20, 200);
       }
       const double kv_bytes = 2.0 * t.m.cfg.num_hidden_layers * B * 600 * t.m.cfg.num_key_value_heads * HEAD_DIM * 2;
       printf("    TIMING %s B=%d ctx 600: section 21 %.1f us (%.0f GB/s), persistent %.1f us (%.0f GB/s), %.2fx\n",
