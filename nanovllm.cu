@@ -4433,10 +4433,18 @@ __device__ __forceinline__ void decode_attend_tiles(const uint32_t (&q)[HEAD_DIM
   }
 }
 
+// A decode thread block's running sums: per warp, O and the online softmax's max m and sum l of each query
+// head it holds. bf16 uses section 14's layout (o[d][e], m[i], l[i]); an fp8 cache (section 22) puts keys
+// on the MMA rows instead, and the heads 8..15 of a group larger than 8 in m_hi, l_hi.
+struct DecodeAcc {
+  float o[HEAD_DIM / 8][4] = {};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float m_hi[2] = {-INFINITY, -INFINITY}, l_hi[2] = {0.f, 0.f};
+};
 // What the decode kernels do differently for an fp8 cache (section 22 defines these): tiles of 128 keys
-// read from shared memory straight into registers, no widening pass, and Q fragments and an output
-// accumulator that follow a renaming of the head dims (fp8_decode_column). The kernels below and in section
-// 18 pick per cache type.
+// read from shared memory straight into registers, no widening pass, Q fragments that follow a renaming of
+// the head dims, and the transposed products (keys and dims on the MMA rows, heads on its columns). The
+// kernels below and in section 18 pick per cache type.
 constexpr int FP8_TILE_KEYS = 2 * ATTN_KV_TILE;               // keys per fp8 decode tile: 128
 constexpr int FP8_STAGE_BYTES = 2 * FP8_TILE_KEYS * HEAD_DIM;  // its keys and values: 32 KiB, a bf16 tile's
 __device__ __forceinline__ void fp8_decode_issue_first(char* stages, const fp8e4m3* k_cache, const fp8e4m3* v_cache,
@@ -4447,9 +4455,8 @@ __device__ __forceinline__ void fp8_decode_attend(const uint32_t (&q)[HEAD_DIM /
                                                   const fp8e4m3* k_cache, const fp8e4m3* v_cache, KVScales kv_scale,
                                                   const int* block_table, int kvh, int NKV, int log2P, int key_begin,
                                                   int key_end, int new_key, const uint4 (*new_kv)[HEAD_DIM / 8],
-                                                  float scale_log2, float (&o)[HEAD_DIM / 8][4], float (&m)[2],
-                                                  float (&l)[2]);
-__device__ __forceinline__ int fp8_decode_column(int dim);
+                                                  int group, float scale_log2, DecodeAcc& sums);
+__device__ __forceinline__ void fp8_decode_store_partials(DecodeAcc& sums, float scale_log2, float* sO, float* sML);
 
 // The first loads of a decode thread block: its first tile (fp8: section 22's, whose stages start at sK).
 template <class KV>
@@ -4474,10 +4481,9 @@ __device__ __forceinline__ void decode_q_fragments(uint32_t (&q)[HEAD_DIM / 16][
 // stages sK: every copy has landed and every warp is past the loop's last barrier), then thread d computes
 // output dim d of every head g of the group and calls write(g, acc, m_max, l_sum): acc = sum_w 2^(m_w -
 // m_max) O_w[d], l_sum the same sum of the l_w, m_max in log2 units (so out = acc / l_sum). KV: the cache's
-// type, for where O's columns lie (fp8: renamed, fp8_decode_column).
+// type, for where each warp's sums lie in its registers (fp8: fp8_decode_store_partials).
 template <class KV, class Write>
-__device__ __forceinline__ void decode_combine_warps(const float (&o)[HEAD_DIM / 8][4], const float (&m)[2],
-                                                     float (&l)[2], float scale_log2, bf16* sK, int group,
+__device__ __forceinline__ void decode_combine_warps(DecodeAcc& sums, float scale_log2, bf16* sK, int group,
                                                      Write write) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   float* sO = reinterpret_cast<float*>(sK);                 // [DECODE_WARPS][DECODE_ROWS][D]
@@ -4485,20 +4491,23 @@ __device__ __forceinline__ void decode_combine_warps(const float (&o)[HEAD_DIM /
   static_assert((DECODE_WARPS * DECODE_ROWS * (HEAD_DIM + 2)) * sizeof(float) <=
                     2 * ATTN_STAGES * ATTN_KV_TILE * HEAD_DIM * sizeof(bf16),
                 "the combine buffers fit in the K/V stages");
+  if constexpr (std::is_same<KV, bf16>::value) {
 #pragma unroll
-  for (int i = 0; i < 2; i++) {
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-    const int row = warp * DECODE_ROWS + lane / 4 + 8 * i;
+    for (int i = 0; i < 2; i++) {
+      sums.l[i] += __shfl_xor_sync(0xffffffffu, sums.l[i], 1);
+      sums.l[i] += __shfl_xor_sync(0xffffffffu, sums.l[i], 2);
+      const int row = warp * DECODE_ROWS + lane / 4 + 8 * i;
 #pragma unroll
-    for (int d = 0; d < HEAD_DIM / 8; d++)
-      *reinterpret_cast<float2*>(sO + row * HEAD_DIM + d * 8 + 2 * (lane & 3)) =
-          make_float2(o[d][2 * i], o[d][2 * i + 1]);
-    if ((lane & 3) == 0) sML[row * 2] = m[i] * scale_log2, sML[row * 2 + 1] = l[i];  // -inf stays -inf
+      for (int d = 0; d < HEAD_DIM / 8; d++)
+        *reinterpret_cast<float2*>(sO + row * HEAD_DIM + d * 8 + 2 * (lane & 3)) =
+            make_float2(sums.o[d][2 * i], sums.o[d][2 * i + 1]);
+      if ((lane & 3) == 0) sML[row * 2] = sums.m[i] * scale_log2, sML[row * 2 + 1] = sums.l[i];  // -inf stays -inf
+    }
+  } else {
+    fp8_decode_store_partials(sums, scale_log2, sO, sML);
   }
   __syncthreads();
   const int d = threadIdx.x;
-  const int col = std::is_same<KV, bf16>::value ? d : fp8_decode_column(d);  // where dim d's sums lie
   for (int g = 0; g < group; g++) {
     float m_max = -INFINITY;  // warp 0 saw the partition's first key, so at least one warp has a finite m
     for (int w = 0; w < DECODE_WARPS; w++) m_max = fmaxf(m_max, sML[(w * DECODE_ROWS + g) * 2]);
@@ -4506,7 +4515,7 @@ __device__ __forceinline__ void decode_combine_warps(const float (&o)[HEAD_DIM /
     for (int w = 0; w < DECODE_WARPS; w++) {
       const float f = fast_exp2(sML[(w * DECODE_ROWS + g) * 2] - m_max);
       l_sum += sML[(w * DECODE_ROWS + g) * 2 + 1] * f;
-      acc += sO[(w * DECODE_ROWS + g) * HEAD_DIM + col] * f;
+      acc += sO[(w * DECODE_ROWS + g) * HEAD_DIM + d] * f;
     }
     write(g, acc, m_max, l_sum);
   }
@@ -4547,16 +4556,15 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
   decode_q_fragments<KV>(q, sQ);
   scale_log2 = score_scale<KV>(scale_log2, kv_scale);
 
-  float o[HEAD_DIM / 8][4] = {};
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  DecodeAcc sums;
   if constexpr (std::is_same<KV, bf16>::value)
     decode_attend_tiles(q, sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end, -1,
-                        scale_log2, o, m, l, [](int, int, bf16*, bf16*, int) {});
+                        scale_log2, sums.o, sums.m, sums.l, [](int, int, bf16*, bf16*, int) {});
   else
     fp8_decode_attend(q, reinterpret_cast<char*>(sK), k_cache, v_cache, kv_scale, block_table, kvh, NKV, log2P,
-                      key_begin, key_end, -1, nullptr, scale_log2, o, m, l);
+                      key_begin, key_end, -1, nullptr, group, scale_log2, sums);
   const bool single = key_begin == 0 && key_end == ctx;  // the only live partition: finish here
-  decode_combine_warps<KV>(o, m, l, scale_log2, sK, group, [&](int g, float acc, float m_max, float l_sum) {
+  decode_combine_warps<KV>(sums, scale_log2, sK, group, [&](int g, float acc, float m_max, float l_sum) {
     const int h = kvh * group + g, d = threadIdx.x;
     if (single) {
       out[(size_t)b * NH * HEAD_DIM + h * HEAD_DIM + d] = __float2bfloat16(acc / l_sum);
@@ -5106,8 +5114,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
   decode_q_fragments<KV>(q, sQ);
   scale_log2 = score_scale<KV>(scale_log2, kv_scale);
 
-  float o[HEAD_DIM / 8][4] = {};
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  DecodeAcc sums;
   auto put_new_key = [&](int t, int n_tiles, bf16* sK_t, bf16* sV_t, int key_tile) {
     if (owner && t == n_tiles - 1 && threadIdx.x < 2 * HEAD_DIM / 8) {  // the left-out key
       const int kv = threadIdx.x / 16, c = threadIdx.x % 16;
@@ -5117,12 +5124,12 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
   };
   if constexpr (std::is_same<KV, bf16>::value)
     decode_attend_tiles(q, sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end, new_key,
-                        scale_log2, o, m, l, put_new_key);
+                        scale_log2, sums.o, sums.m, sums.l, put_new_key);
   else  // each warp takes this step's key from s_new_kv when its slice holds it
     fp8_decode_attend(q, reinterpret_cast<char*>(sK), k_cache, v_cache, kv_scale, block_table, kvh, NKV, log2P,
-                      key_begin, key_end, new_key, s_new_kv, scale_log2, o, m, l);
+                      key_begin, key_end, new_key, s_new_kv, group, scale_log2, sums);
   const bool single = key_begin == 0 && key_end == ctx;  // the only live partition: finish here
-  decode_combine_warps<KV>(o, m, l, scale_log2, sK, group, [&](int g, float acc, float m_max, float l_sum) {
+  decode_combine_warps<KV>(sums, scale_log2, sK, group, [&](int g, float acc, float m_max, float l_sum) {
     const int h = kvh * group + g, d = threadIdx.x;
     if (CLUSTER) {  // this partition's share of head g, for cluster_merge (same offset in every block)
       cluster_partial(g)[d] = acc;
@@ -6450,25 +6457,39 @@ __device__ __forceinline__ void widen_kv_tile_fp8(const char* slot, bf16* sK, bf
 // (16 KiB of keys and 16 of values: the bytes of a bf16 tile), two stages, the next tile in flight while
 // this one is computed, every copy instruction reading whole 128-byte rows. What it drops is the widening
 // pass: every lane reads the bytes it will feed to the tensor cores from the staged tile straight into
-// registers and converts them there (one cvt.rn.f16x2.e4m3x2 per pair of values) into the B fragments of the
-// MMAs. Warp w takes two slices of 16 keys of each tile, rows 16w .. 16w+15 and 64+16w .. 64+16w+15
-// (fp8_attend_slice).
+// registers and converts them there (one cvt.rn.f16x2.e4m3x2 per pair of values) into MMA fragments. Warp
+// w takes two slices of 16 keys of each tile, rows 16w .. 16w+15 and 64+16w .. 64+16w+15 (fp8_attend_slice).
 //
-// What makes the register route possible is a choice of order. A B fragment of mma.m16n8k16 (section 14's
-// vocabulary) wants, in lane (g = lane/4, c = lane%4), two consecutive values along k at k = 2c and 2c + 8.
-// Fed from a row of the cache that would be 2-byte pieces scattered over the row. But a dot product does not
-// care in which order its terms are added, so the kernel renames the dims:
-//   S = Q K^T   sums over the head dims: lane c reads, of each key row, the 16 bytes 16c .. 16c+15 and the
-//               16 bytes 64+16c .. 64+16c+15, and uses its 4-byte word kk as k-slice kk's values 2c, 2c+1,
-//               2c+8, 2c+9. The Q fragments are built with the same renaming (fp8_decode_q_fragments), so
-//               every product pairs q_d with k_d as before.
-//   O += P V    sums over keys (P's columns are S's, in S's order), and its output columns are head dims:
-//               lane g reads bytes 16g .. 16g+15 of the value rows of keys 2c, 2c+1, 2c+8, 2c+9, and uses
-//               byte t as output column 8t + g of the MMA. So the accumulator's column 8t + j is head dim
-//               16j + t (fp8_decode_column), which decode_combine_warps undoes when it reads O back.
-// A B fragment of V pairs one dim of two keys, so those bytes are paired first (one byte_perm per two pairs).
-// Every read is 16 bytes, and the tile is swizzled like section 14's, which spreads a read over the banks
-// (the key reads still meet 2-way conflicts).
+// Keys on the MMA's rows. Section 14 puts the GQA group's query heads on the 16 rows of mma.m16n8k16 and
+// keys on its 8 columns; with 2 heads per group (Qwen3-0.6B) 14 of the 16 rows are padding, and the online
+// softmax, which runs on every element a lane holds, does 8 times the work it needs. Half the bytes per key
+// make that matter: per byte of cache an fp8 tile holds twice the keys, so twice the MMAs and softmax steps
+// of a bf16 one, and the kernel ran out of instruction issue before it ran out of bandwidth. So the fp8 loop
+// computes the transposed products, with the keys (and, for P V, the head dims) on the 16 rows and the heads
+// on the 8 columns:
+//   S^T = K Q^T      16 keys x 8 heads per k-step of 16 dims: 8 MMAs a slice instead of 16;
+//   O^T += V^T P^T   16 dims x 8 heads per k-step of 16 keys: 8 MMAs a slice instead of 16.
+// A lane then holds 4 scores (keys g and g + 8, heads 2c and 2c + 1: g = lane/4, c = lane%4) instead of 8,
+// and the softmax's max and sum run over the 8 lanes of one c. P^T must reach the second product as a B
+// fragment (lane g: head g, keys 2c, 2c + 1), while the first product left it with lane g holding key g:
+// movmatrix, the warp's transpose of an 8 x 8 matrix of 16-bit values, moves it over, once per 8 keys.
+// A group of more than 8 heads takes two column tiles (NT = 2); Qwen3's groups have at most 8.
+//
+// What makes the register route possible is a choice of order. An A fragment of mma.m16n8k16 (section 14's
+// vocabulary) wants, in lane (g, c), two consecutive values along k at k = 2c and 2c + 8, of rows g and
+// g + 8. Fed from a row of the cache that would be 2-byte pieces scattered over the row. But a dot product
+// does not care in which order its terms are added, so the kernel renames:
+//   S^T         sums over the head dims: lane c reads, of key rows g and g + 8, the 16 bytes 16c .. 16c+15
+//               and the 16 bytes 64+16c .. 64+16c+15, and uses its 4-byte word kk as k-slice kk's values
+//               2c, 2c+1, 2c+8, 2c+9. The Q fragments are built with the same renaming
+//               (fp8_decode_q_fragments), so every product pairs q_d with k_d as before.
+//   O^T         sums over keys, and its rows are head dims: lane g reads bytes 16g .. 16g+15 of the value
+//               rows of keys 2c, 2c+1, 2c+8, 2c+9, and row-tile mt takes bytes 2mt (row g) and 2mt + 1
+//               (row g + 8). So accumulator o[mt][e] holds head 2c + e%2 at head dim 16g + 2mt + e/2, which
+//               fp8_decode_store_partials writes back in head-dim order.
+// An A fragment of V^T pairs one dim of two keys, so those bytes are paired first (one byte_perm per two
+// pairs). Every read is 16 bytes, and the tile is swizzled like section 14's, which spreads a read over the
+// banks (the key reads still meet 2-way conflicts).
 //
 // Measured on the way (README, FP8 section): warp-private rings (each warp streaming its own 16-key slices,
 // three in flight, no barrier at all) stayed well below the bf16 kernel's rate, and as far below with the
@@ -6487,8 +6508,6 @@ __device__ __forceinline__ void fp8_slice_source(int i, int& row, int& byte) {
   if (i < 4) row = g + 8 * (i >> 1), byte = 16 * c + 64 * (i & 1);
   else row = 2 * c + (i & 1) + 8 * ((i - 4) >> 1), byte = 16 * g;
 }
-// The accumulator column 8t + j (j = 0..7) that holds head dim 16j + t (see above).
-__device__ __forceinline__ int fp8_decode_column(int dim) { return 8 * (dim % 16) + dim / 16; }
 // The head dim of k-slice kk's value e (0..3: MMA k = 2c, 2c+1, 2c+8, 2c+9) in lane c (see above).
 __device__ __forceinline__ int fp8_key_dim(int c, int kk, int e) {
   return (kk < 4 ? 16 * c + 4 * kk : 64 + 16 * c + 4 * (kk - 4)) + e;
@@ -6555,32 +6574,69 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int w) {
   return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
 }
 
-// One warp's slice of 16 keys from the registers x (its chunks, fp8_slice_source's order): S = Q K^T, the
-// online softmax (section 14's), O += P V.
+// The warp's transpose of an 8 x 8 matrix of 16-bit values: lane (g, c) gives its row g, columns 2c, 2c + 1
+// (an accumulator's layout) and gets back row g of the transpose, i.e. column g, rows 2c, 2c + 1.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// One warp's slice of 16 keys from the registers x (its chunks, fp8_slice_source's order), for the group's
+// heads 0..8NT-1 (8NT >= the group): S^T = K Q^T, the online softmax per head, O^T += V^T P^T (see above).
+template <int NT>
 __device__ __forceinline__ void fp8_attend_slice(const uint32_t (&q)[HEAD_DIM / 16][4], const uint4 (&x)[8],
-                                                 int key0, bool need_mask, const int (&last_key)[2],
-                                                 float scale_log2, float (&o)[HEAD_DIM / 8][4], float (&m)[2],
-                                                 float (&l)[2]) {
-  float s[2][4] = {};
+                                                 int key0, int key_end, float scale_log2, DecodeAcc& sums) {
+  const int g = (threadIdx.x & 31) >> 2;
+  float s[NT][4] = {};  // [column tile][e]: key g + 8 (e / 2), head 2c + e % 2 (+ 8 per column tile)
 #pragma unroll
-  for (int kk = 0; kk < HEAD_DIM / 16; kk++)
+  for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
+    const uint32_t w0 = word_of(x[kk / 4], kk % 4), w1 = word_of(x[2 + kk / 4], kk % 4);  // key rows g, g + 8
+    const uint32_t a[4] = {fp8x2_to_half2(w0), fp8x2_to_half2(w1), fp8x2_to_half2(w0 >> 16),
+                           fp8x2_to_half2(w1 >> 16)};
 #pragma unroll
-    for (int j = 0; j < 2; j++) {  // keys 8j + g of the slice: this lane's chunks 2j (k-slices 0-3), 2j + 1 (4-7)
-      const uint32_t w = word_of(x[2 * j + kk / 4], kk % 4);
-      mma_16816<__half>(s[j], q[kk], fp8x2_to_half2(w), fp8x2_to_half2(w >> 16));
+    for (int nt = 0; nt < NT; nt++) mma_16816<__half>(s[nt], a, q[kk][nt], q[kk][2 + nt]);
+  }
+  // The online softmax of section 14 (online_softmax_update), per head: a lane holds two keys of it, and
+  // the other six pairs sit in the lanes of the same c (xor-shuffles over 4, 8, 16).
+  uint32_t p[NT][2];  // P^T as B fragments: keys 2c, 2c + 1 (then + 8) of head g
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++) {
+    if (key0 + 16 > key_end)
+#pragma unroll
+      for (int e = 0; e < 4; e++)
+        if (key0 + g + 8 * (e >> 1) >= key_end) s[nt][e] = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+      float& m = nt ? sums.m_hi[i] : sums.m[i];
+      float& l = nt ? sums.l_hi[i] : sums.l[i];
+      float mx = fmaxf(m, fmaxf(s[nt][i], s[nt][2 + i]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+      const float m_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;  // as in online_softmax_update
+      const float alpha = fast_exp2(m * scale_log2 - m_scaled);
+      m = mx;
+      s[nt][i] = fast_exp2(fmaf(s[nt][i], scale_log2, -m_scaled));
+      s[nt][2 + i] = fast_exp2(fmaf(s[nt][2 + i], scale_log2, -m_scaled));
+      l = l * alpha + (s[nt][i] + s[nt][2 + i]);
+#pragma unroll
+      for (int mt = 0; mt < HEAD_DIM / 16; mt++) sums.o[8 * nt + mt][i] *= alpha, sums.o[8 * nt + mt][2 + i] *= alpha;
     }
-  online_softmax_update<16>(s, key0, need_mask, last_key, scale_log2, o, m, l);
-  const uint32_t p[4] = {pack_x2<__half>(s[0][0], s[0][1]), pack_x2<__half>(s[0][2], s[0][3]),
-                         pack_x2<__half>(s[1][0], s[1][1]), pack_x2<__half>(s[1][2], s[1][3])};
+    p[nt][0] = movmatrix_trans(pack_x2<__half>(s[nt][0], s[nt][1]));
+    p[nt][1] = movmatrix_trans(pack_x2<__half>(s[nt][2], s[nt][3]));
+  }
 #pragma unroll
-  for (int w = 0; w < 4; w++) {  // bytes 4w .. 4w+3 of the four value chunks: output columns t = 4w .. 4w+3
+  for (int w = 0; w < 4; w++) {  // bytes 4w .. 4w+3 of the four value chunks: row tiles 2w and 2w + 1
     const uint32_t a = word_of(x[4], w), b = word_of(x[5], w), c = word_of(x[6], w), d = word_of(x[7], w);
     const uint32_t ab[2] = {__byte_perm(a, b, 0x5140), __byte_perm(a, b, 0x7362)};  // a0 b0 a1 b1, a2 b2 a3 b3
     const uint32_t cd[2] = {__byte_perm(c, d, 0x5140), __byte_perm(c, d, 0x7362)};
 #pragma unroll
-    for (int t = 0; t < 4; t++) {
-      const int shift = 16 * (t & 1);
-      mma_16816<__half>(o[4 * w + t], p, fp8x2_to_half2(ab[t >> 1] >> shift), fp8x2_to_half2(cd[t >> 1] >> shift));
+    for (int h = 0; h < 2; h++) {
+      const uint32_t v[4] = {fp8x2_to_half2(ab[h]), fp8x2_to_half2(ab[h] >> 16), fp8x2_to_half2(cd[h]),
+                             fp8x2_to_half2(cd[h] >> 16)};
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++) mma_16816<__half>(sums.o[8 * nt + 2 * w + h], v, p[nt][0], p[nt][1]);
     }
   }
 }
@@ -6591,14 +6647,13 @@ __device__ __forceinline__ void fp8_attend_slice(const uint32_t (&q)[HEAD_DIM / 
 // the bytes the cache holds) instead of the cache; -1: none. The caller issued the first tile
 // (fp8_decode_issue_first). A partition need not be a whole number of these tiles (the cluster kernel's and
 // small batches' are multiples of 64 keys): rows past key_end are zero-filled, never read, and masked. The
-// loop's last barrier frees the stages for decode_combine_warps.
+// loop's last barrier frees the stages for decode_combine_warps. group: the GQA group's query heads (one
+// column tile of the products up to 8, two up to 16).
 __device__ __forceinline__ void fp8_decode_attend(const uint32_t (&q)[HEAD_DIM / 16][4], char* stages,
                                                   const fp8e4m3* k_cache, const fp8e4m3* v_cache, KVScales kv_scale,
                                                   const int* block_table, int kvh, int NKV, int log2P, int key_begin,
                                                   int key_end, int new_key, const uint4 (*new_kv)[HEAD_DIM / 8],
-                                                  float scale_log2, float (&o)[HEAD_DIM / 8][4], float (&m)[2],
-                                                  float (&l)[2]) {
-  const int last_key[2] = {key_end - 1, key_end - 1};
+                                                  int group, float scale_log2, DecodeAcc& sums) {
   const int n_tiles = cdiv_dev(key_end - key_begin, FP8_TILE_KEYS), warp = threadIdx.x >> 5;
   for (int t = 0; t < n_tiles; t++) {
     if (t + 1 < n_tiles)
@@ -6632,11 +6687,34 @@ __device__ __forceinline__ void fp8_decode_attend(const uint32_t (&q)[HEAD_DIM /
           x[i] = make_uint4(lo.x, lo.y, hi.x, hi.y);
         }
       }
-      fp8_attend_slice(q, x, key0, key0 + FP8_SLICE_KEYS > key_end, last_key, scale_log2, o, m, l);
+      if (group <= 8) fp8_attend_slice<1>(q, x, key0, key_end, scale_log2, sums);
+      else fp8_attend_slice<2>(q, x, key0, key_end, scale_log2, sums);
     }
     __syncthreads();  // every warp is done with stage t % 2 before tile t + 2 is issued into it
   }
-  scale_output<fp8e4m3>(o, kv_scale);
+  scale_output<fp8e4m3>(sums.o, kv_scale);
+}
+
+// A warp's sums of the fp8 loop into decode_combine_warps' buffers, in the bf16 layout: sO[warp][head][dim]
+// and sML[warp][head] = (m in log2 units, l). Accumulator o[8 nt + mt][e] holds head 2c + e % 2 + 8 nt at
+// dim 16g + 2mt + e / 2; each lane holds a partial l of its keys, summed here over the lanes of one c.
+__device__ __forceinline__ void fp8_decode_store_partials(DecodeAcc& sums, float scale_log2, float* sO, float* sML) {
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+#pragma unroll
+  for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+      const int head = warp * DECODE_ROWS + 8 * nt + 2 * c + i;
+      float& l = nt ? sums.l_hi[i] : sums.l[i];
+      l += __shfl_xor_sync(0xffffffffu, l, 4);
+      l += __shfl_xor_sync(0xffffffffu, l, 8);
+      l += __shfl_xor_sync(0xffffffffu, l, 16);
+#pragma unroll
+      for (int mt = 0; mt < HEAD_DIM / 16; mt++)
+        *reinterpret_cast<float2*>(sO + head * HEAD_DIM + 16 * g + 2 * mt) =
+            make_float2(sums.o[8 * nt + mt][i], sums.o[8 * nt + mt][2 + i]);
+      if (g == 0) sML[head * 2] = (nt ? sums.m_hi[i] : sums.m[i]) * scale_log2, sML[head * 2 + 1] = l;
+    }
 }
 
 // What the kernels compute, on the CPU: e4m3 rounding (to nearest, ties to even, saturating at +-448; NaN
