@@ -4067,21 +4067,23 @@ __device__ __forceinline__ void load_kv_tile(bf16* sK, bf16* sV, const bf16* k_c
 // kv_tiles_ahead() tiles before it is needed, one committed cp.async group per tile; when its turn comes,
 // kv_tile_ready says where it lies as a [ATTN_KV_TILE][HEAD_DIM] tile (swizzled) of tile_t<KV>. For a bf16
 // cache the copies land straight in stage index % ATTN_STAGES of sK, sV, and there is nothing more to do. An
-// fp8 cache (section 22) lands in a ring of RING staging slots and kv_tile_ready widens the tile to fp16
-// into stage 0; its pieces are declared here and defined there.
+// fp8 cache (section 22; only the prefill kernel takes this road, decode has a loop of its own there) lands
+// in a ring of PREFILL_FP8_RING staging slots and kv_tile_ready widens the tile to fp16 into stage 0; its
+// pieces are declared here and defined there. skip_key (bf16 only): a key the copies leave alone, for section
+// 18's fused decode kernel, which writes that key itself.
 template <int NTHREADS>
 __device__ __forceinline__ void load_kv_tile_fp8(char* slot, const fp8e4m3* k_cache, const fp8e4m3* v_cache,
                                                  const int* block_table, int kvh, int NKV, int log2P, int key0,
-                                                 int key_end, int skip_key);
+                                                 int key_end);
 template <int NTHREADS>
-__device__ __forceinline__ void widen_kv_tile_fp8(const char* slot, bf16* sK, bf16* sV, int skip_row);
+__device__ __forceinline__ void widen_kv_tile_fp8(const char* slot, bf16* sK, bf16* sV);
 __device__ __forceinline__ char* fp8_ring_slot(bf16* sK, bf16* sV, int i);
 
-template <class KV, int RING>
+template <class KV>
 constexpr int kv_tiles_ahead() {
-  return std::is_same<KV, bf16>::value ? ATTN_STAGES - 1 : RING - 1;
+  return std::is_same<KV, bf16>::value ? ATTN_STAGES - 1 : PREFILL_FP8_RING - 1;
 }
-template <int NTHREADS, int RING, class KV>
+template <int NTHREADS, class KV>
 __device__ __forceinline__ void issue_kv_tile(bf16* sK, bf16* sV, const KV* k_cache, const KV* v_cache,
                                               const int* block_table, int kvh, int NKV, int log2P, int index,
                                               int key0, int key_end, int skip_key = -1) {
@@ -4090,33 +4092,31 @@ __device__ __forceinline__ void issue_kv_tile(bf16* sK, bf16* sV, const KV* k_ca
     load_kv_tile<NTHREADS>(sK + (index % ATTN_STAGES) * TILE, sV + (index % ATTN_STAGES) * TILE, k_cache, v_cache,
                            block_table, kvh, NKV, log2P, key0, key_end, skip_key);
   else
-    load_kv_tile_fp8<NTHREADS>(fp8_ring_slot(sK, sV, index % RING), k_cache, v_cache, block_table, kvh, NKV, log2P,
-                               key0, key_end, skip_key);
+    load_kv_tile_fp8<NTHREADS>(fp8_ring_slot(sK, sV, index % PREFILL_FP8_RING), k_cache, v_cache, block_table, kvh,
+                               NKV, log2P, key0, key_end);
 }
 // Called by every thread once tile `index` has landed for it (cp_async_wait), before the barrier that
-// publishes the tile; sets sK_t, sV_t. skip_row: the tile row the fp8 widening leaves alone (-1: none).
-template <int NTHREADS, int RING, class KV>
-__device__ __forceinline__ void kv_tile_ready(bf16* sK, bf16* sV, int index, int skip_row,
-                                              bf16*& sK_t, bf16*& sV_t) {
+// publishes the tile; sets sK_t, sV_t.
+template <int NTHREADS, class KV>
+__device__ __forceinline__ void kv_tile_ready(bf16* sK, bf16* sV, int index, bf16*& sK_t, bf16*& sV_t) {
   constexpr int TILE = ATTN_KV_TILE * HEAD_DIM;
   if constexpr (std::is_same<KV, bf16>::value) {
     sK_t = sK + (index % ATTN_STAGES) * TILE, sV_t = sV + (index % ATTN_STAGES) * TILE;
   } else {
-    widen_kv_tile_fp8<NTHREADS>(fp8_ring_slot(sK, sV, index % RING), sK, sV, skip_row);
+    widen_kv_tile_fp8<NTHREADS>(fp8_ring_slot(sK, sV, index % PREFILL_FP8_RING), sK, sV);
     sK_t = sK, sV_t = sV;
   }
 }
 // The first kv_tiles_ahead() tiles of keys [key_begin, key_end), one committed group each (empty past the end).
-template <int NTHREADS, int RING, class KV>
+template <int NTHREADS, class KV>
 __device__ __forceinline__ void issue_first_kv_tiles(bf16* sK, bf16* sV, const KV* k_cache, const KV* v_cache,
                                                      const int* block_table, int kvh, int NKV, int log2P,
                                                      int key_begin, int key_end, int skip_key = -1) {
 #pragma unroll
-  for (int t = 0; t < kv_tiles_ahead<KV, RING>(); t++) {
+  for (int t = 0; t < kv_tiles_ahead<KV>(); t++) {
     const int key0 = key_begin + t * ATTN_KV_TILE;
     if (key0 < key_end)
-      issue_kv_tile<NTHREADS, RING>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, t, key0, key_end,
-                                    skip_key);
+      issue_kv_tile<NTHREADS>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, t, key0, key_end, skip_key);
     cp_async_commit();
   }
 }
@@ -4303,9 +4303,8 @@ __global__ void __launch_bounds__(PREFILL_WARPS * 32)
     cp_async_16(sQ + attn_smem_index(r, c), valid ? src : qkv, valid);
   }
   cp_async_commit();
-  constexpr int AHEAD = kv_tiles_ahead<KV, PREFILL_FP8_RING>();
-  issue_first_kv_tiles<PREFILL_WARPS * 32, PREFILL_FP8_RING>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P,
-                                                             0, kv_len);
+  constexpr int AHEAD = kv_tiles_ahead<KV>();
+  issue_first_kv_tiles<PREFILL_WARPS * 32>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, 0, kv_len);
   cp_async_wait<AHEAD>();  // the Q group is complete
   __syncthreads();
   uint32_t q[HEAD_DIM / 16][4];
@@ -4324,12 +4323,12 @@ __global__ void __launch_bounds__(PREFILL_WARPS * 32)
     // __syncthreads that ended it). An empty commit at the end keeps the group count uniform.
     const int ahead = t + AHEAD;
     if (ahead < n_tiles)
-      issue_kv_tile<PREFILL_WARPS * 32, PREFILL_FP8_RING>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P,
-                                                          ahead, ahead * ATTN_KV_TILE, kv_len);
+      issue_kv_tile<PREFILL_WARPS * 32>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, ahead,
+                                        ahead * ATTN_KV_TILE, kv_len);
     cp_async_commit();
     cp_async_wait<AHEAD>();  // tile t has landed (for this thread) ...
     bf16 *sK_t, *sV_t;
-    kv_tile_ready<PREFILL_WARPS * 32, PREFILL_FP8_RING, KV>(sK, sV, t, -1, sK_t, sV_t);
+    kv_tile_ready<PREFILL_WARPS * 32, KV>(sK, sV, t, sK_t, sV_t);
     __syncthreads();         // ... and for every thread
     const int key0 = t * ATTN_KV_TILE;
     // Only tiles that cross the diagonal need the mask; a warp whose rows all precede the tile skips it.
@@ -4464,8 +4463,8 @@ __device__ __forceinline__ void decode_issue_first(bf16* sK, bf16* sV, const KV*
                                                    const int* block_table, int kvh, int NKV, int log2P,
                                                    int key_begin, int key_end, int skip_key) {
   if constexpr (std::is_same<KV, bf16>::value)
-    issue_first_kv_tiles<DECODE_WARPS * 32, ATTN_STAGES>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P,
-                                                         key_begin, key_end, skip_key);
+    issue_first_kv_tiles<DECODE_WARPS * 32>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin,
+                                            key_end, skip_key);
   else
     fp8_decode_issue_first(reinterpret_cast<char*>(sK), k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin,
                            key_end, skip_key);
@@ -6410,32 +6409,30 @@ __device__ __forceinline__ char* fp8_ring_slot(bf16* sK, bf16* sV, int i) {
 __device__ __forceinline__ bf16* fp8_staged(char* slot, int kv, int r, int c) {
   return reinterpret_cast<bf16*>(slot + kv * FP8_TILE_BYTES + (r * FP8_ROW_CHUNKS + c) * 16);
 }
-// load_kv_tile for an fp8 cache, into a ring slot: the same rows (zero-filled past key_end, skip_key left
-// alone), 8 threads per row.
+// load_kv_tile for an fp8 cache, into a ring slot: the same rows (zero-filled past key_end), 8 threads per
+// row.
 template <int NTHREADS>
 __device__ __forceinline__ void load_kv_tile_fp8(char* slot, const fp8e4m3* k_cache, const fp8e4m3* v_cache,
                                                  const int* block_table, int kvh, int NKV, int log2P, int key0,
-                                                 int key_end, int skip_key) {
+                                                 int key_end) {
   const int chunk = threadIdx.x % FP8_ROW_CHUNKS;
 #pragma unroll
   for (int r = threadIdx.x / FP8_ROW_CHUNKS; r < ATTN_KV_TILE; r += NTHREADS / FP8_ROW_CHUNKS) {
     const int key = key0 + r;
-    if (key == skip_key) continue;
     const bool valid = key < key_end;
     const size_t offset = valid ? kv_cache_row(block_table, kvh, NKV, log2P, key) * HEAD_DIM + chunk * 16 : 0;
     cp_async_16(fp8_staged(slot, 0, r, chunk), reinterpret_cast<const bf16*>(k_cache + offset), valid);
     cp_async_16(fp8_staged(slot, 1, r, chunk), reinterpret_cast<const bf16*>(v_cache + offset), valid);
   }
 }
-// Every thread widens the chunks it copied into the bf16 tiles sK, sV (stage 0), except row skip_row (the
-// fused kernel writes that one). No barrier is needed before: each thread reads only its own copies, and
-// the barrier that ended the previous tile's attention freed stage 0.
+// Every thread widens the chunks it copied into the bf16 tiles sK, sV (stage 0). No barrier is needed
+// before: each thread reads only its own copies, and the barrier that ended the previous tile's attention
+// freed stage 0.
 template <int NTHREADS>
-__device__ __forceinline__ void widen_kv_tile_fp8(const char* slot, bf16* sK, bf16* sV, int skip_row) {
+__device__ __forceinline__ void widen_kv_tile_fp8(const char* slot, bf16* sK, bf16* sV) {
   const int chunk = threadIdx.x % FP8_ROW_CHUNKS;
 #pragma unroll
   for (int r = threadIdx.x / FP8_ROW_CHUNKS; r < ATTN_KV_TILE; r += NTHREADS / FP8_ROW_CHUNKS) {
-    if (r == skip_row) continue;
     const uint4 k = *reinterpret_cast<const uint4*>(fp8_staged(const_cast<char*>(slot), 0, r, chunk));
     const uint4 v = *reinterpret_cast<const uint4*>(fp8_staged(const_cast<char*>(slot), 1, r, chunk));
     *reinterpret_cast<uint4*>(sK + attn_smem_index(r, 2 * chunk)) = fp8x8_to_half8({k.x, k.y});
