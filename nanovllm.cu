@@ -6595,7 +6595,7 @@ __device__ __forceinline__ void fp8_attend_slice(const uint32_t (&q)[HEAD_DIM / 
     for (int nt = 0; nt < NT; nt++) mma_16816<__half>(s[nt], a, q[kk][nt], q[kk][2 + nt]);
   }
   // The online softmax of section 14 (online_softmax_update), per head: a lane holds two keys of it, and
-  // the other six pairs sit in the lanes of the same c (xor-shuffles over 4, 8, 16).
+  // the other seven pairs sit in the lanes of the same c (xor-shuffles over 4, 8, 16).
   uint32_t p[NT][2];  // P^T as B fragments: keys 2c, 2c + 1 (then + 8) of head g
 #pragma unroll
   for (int nt = 0; nt < NT; nt++) {
