@@ -4121,11 +4121,11 @@ __device__ __forceinline__ void issue_first_kv_tiles(bf16* sK, bf16* sV, const K
   }
 }
 
-// The online-softmax step of one warp's slice of keys, shared by the kernels here and section 22's fp8
-// decode loop: scores s (the S = Q K^T accumulators of NKEYS keys, key0 .., in 8-key column groups) of keys
-// past a row's last_key set to -inf (only when need_mask), then the update of the row max m and row sum l,
-// the rescaling of O, and s turned into the probabilities P in place (unnormalised). Lane layout as in
-// attend_kv_slice below.
+// The online-softmax step of one warp's slice of keys, for attend_kv_slice below (section 22's fp8 decode
+// loop, whose heads lie on the MMA's columns, does the same per column in fp8_attend_slice): scores s (the
+// S = Q K^T accumulators of NKEYS keys, key0 .., in 8-key column groups) of keys past a row's last_key set
+// to -inf (only when need_mask), then the update of the row max m and row sum l, the rescaling of O, and s
+// turned into the probabilities P in place (unnormalised). Lane layout as in attend_kv_slice below.
 template <int NKEYS>
 __device__ __forceinline__ void online_softmax_update(float (&s)[NKEYS / 8][4], int key0, bool need_mask,
                                                       const int (&last_key)[2], float scale_log2,
