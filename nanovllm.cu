@@ -6834,8 +6834,8 @@ static const int kFp8FormatRegistered = register_kv_cache_format(
 //          persist_describe;
 //          switch persistent
 //
-// Replaces: at decode steps of 1, 2 or 4 sequences on one GPU with a bf16 cache, all of section 21's forward
-// pass: about five kernels per layer plus the head, 143 launches for Qwen3-0.6B.
+// Replaces: at decode steps of 1, 2 or 4 sequences on one GPU, all of section 21's forward pass: about five
+// kernels per layer plus the head, 143 launches for Qwen3-0.6B.
 // Why it could be faster. A batch-1 step reads every weight once (1.19 GB for Qwen3-0.6B) and does little
 // else, so its floor is the time to stream the weights at the GPU's copy bandwidth. Between two kernels the
 // GPU is not streaming: the last thread blocks of one kernel finish while most SMs idle, then the next
@@ -6897,13 +6897,18 @@ static const int kFp8FormatRegistered = register_kv_cache_format(
 // What is left is mostly those hand-offs and attention's chain of trips, and the README has the figures.
 // Whether it beats sections 14-21 depends on the GPU, the model and the batch size, so each batch size with
 // a plan takes it only where a measurement at start-up finds it faster (persist_measure).
+// An fp8 cache (section 22) changes only what attention reads: a lane's 4 values of a row are 4 bytes instead
+// of 8, widened with section 22's conversion; the key scale joins the scores' scale and the value scale the
+// partition's output, and the step's own key and value are rounded to e4m3 before they are used (and stored),
+// as section 22's kernels use them. At batch 1 a step's cache bytes are a few percent of its weights', so the
+// kernel is what makes an fp8 engine's latency the same as a bf16 one's.
 // What it computes: section 21's arithmetic with the sums added in another order, so results match section
 // 20's within float rounding, not bit for bit (gpu_persistent.cu states the tolerance). Tensor parallelism
 // keeps section 21's path: an all-reduce inside the kernel would need every GPU's kernel resident at once and
 // flags across GPUs.
 // Switch: persistent (on by default; measured per batch size at start-up). Needs sm_80; a batch size whose
-// shared memory does not fit, an fp8 cache or TP > 1 uses section 21's path, and the start-up line says which
-// decode path runs at which batch sizes, with the times measured.
+// shared memory does not fit, or TP > 1, uses section 21's path, and the start-up line says which decode path
+// runs at which batch sizes, with the times measured.
 constexpr int PERSIST_THREADS = 512;
 constexpr int PERSIST_WARPS = PERSIST_THREADS / 32;
 constexpr int PERSIST_ROWS = 16;        // weight rows per group: one tensor-core tile (m16n8k16) tall
@@ -6932,6 +6937,7 @@ struct PersistOp {
   int N, K;            // outputs per sequence (GATE_UP: I), input length
   int groups;          // groups of 16 weight rows (GATE_UP: 8 gate rows and the 8 up rows they pair with)
   int tasks;           // how many adds to done[o] complete this operation
+  KVScales kv_scale;   // ATTN over an fp8 cache: the layer's key and value scales (section 22)
 };
 
 // Shared-memory bytes of a copy of the operation list (16-byte multiple).
@@ -6949,7 +6955,7 @@ struct PersistArgs {
   float* logits;
   const bf16* embed;
   const int *ids, *positions, *slots, *context_lens, *block_tables;  // the decode step's inputs
-  bf16* kv;                        // the cache: layer l's keys at kv + l * layer_stride, values + kv_stride
+  void* kv;  // the cache: layer l's keys at value l * layer_stride, its values kv_stride values further
   int64_t layer_stride, kv_stride;
   int B, H, NH, NKV, I, V, P, MB, parts, Kmax;
   float eps, scale;
@@ -7308,15 +7314,57 @@ __device__ __forceinline__ void persist_first_rows(const PersistArgs& a, int64_t
   }
 }
 
+// A cache format as attention reads it here: a lane reads 4 values of a row (dims 4 lane .. 4 lane + 3) as one
+// Word, 8 bytes of bf16 or 4 bytes of e4m3 (section 22), and widens them to float; the e4m3 ones stay
+// unscaled (the key scale multiplies the scores' scale, the value scale the output, as in section 22).
+template <class KV>
+struct PersistKV;
+template <>
+struct PersistKV<bf16> {
+  using Word = uint2;
+  __device__ static void widen(uint2 w, float (&f)[4]) {
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.y));
+    f[0] = lo.x, f[1] = lo.y, f[2] = hi.x, f[3] = hi.y;
+  }
+  // 8 values of kv_chunk_tile_values (bf16) as floats
+  __device__ static void tile_floats(uint4 v, float* f) { bf16x8_to_float(v, f); }
+};
+template <>
+struct PersistKV<fp8e4m3> {
+  using Word = uint32_t;
+  __device__ static void widen(uint32_t w, float (&f)[4]) {
+    const uint32_t h[2] = {fp8x2_to_half2(w), fp8x2_to_half2(w >> 16)};  // section 22's conversion
+    const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&h[0]));
+    const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&h[1]));
+    f[0] = lo.x, f[1] = lo.y, f[2] = hi.x, f[3] = hi.y;
+  }
+  // 8 values of kv_chunk_tile_values (fp16: e4m3 values, unscaled) as floats
+  __device__ static void tile_floats(uint4 v, float* f) {
+    const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const float2 x = __half22float2(h[i]);
+      f[2 * i] = x.x, f[2 * i + 1] = x.y;
+    }
+  }
+};
+
 // Attention for one (sequence b, KV head g, partition p) of layer op.layer: q/k-norm and RoPE of the group's
 // heads (each partition does it for itself, from qkv), the partition's share of the context with an online
 // softmax, its partial result to a.partials; the last partition to finish merges them all into attn and
 // counts the (b, g) pair done. Warps split as (query head of the group, every wph-th token of the partition);
 // lane l holds dimensions [4l, 4l + 4). angles: RoPE's cosines and sines for each sequence [B, D], computed
 // once at the kernel's start (the positions do not change during a step). smem: see persist_smem_bytes.
+// KV: the cache's element, bf16 or fp8e4m3 (section 22). With fp8 the step's own key and value are stored as
+// e4m3 bytes and used as the cache will return them (rounded): this step computes with the numbers every later
+// step reads from that row, as section 22's kernels do.
+template <class KV>
 __device__ __forceinline__ void persist_attention(const PersistArgs& a, const PersistOp* ops, const PersistOp& op,
                                                   int o, int task, const float* angles, const int64_t* first_rows,
                                                   float* smem, const PersistCursor& load, int consumed) {
+  using Word = typename PersistKV<KV>::Word;
+  constexpr bool FP8 = std::is_same<KV, fp8e4m3>::value;
   const int D = HEAD_DIM, GQA = a.NH / a.NKV, wph = PERSIST_WARPS / GQA, parts = a.parts;
   const PersistTask k = persist_task(a, task);
   const int p = k.p, g = k.g, b = k.b, ctx = k.ctx, t0 = k.t0, t1 = k.t1;
@@ -7324,24 +7372,25 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
   const float* cos_s = angles + b * D;  // [64]
   const float* sin_s = cos_s + D / 2;   // [64]
   float* q_s = smem;                    // [GQA, D] normed, rotated queries (bf16 values)
-  float* kv_new = q_s + GQA * D;      // [2, D] this step's key (normed, rotated) and value
+  float* kv_new = q_s + GQA * D;      // [2, D] this step's key (normed, rotated) and value as the cache holds them
   float* wpart = kv_new + 2 * D;      // [WARPS, D + 2] each warp's o, m, l
   int* flag = reinterpret_cast<int*>(wpart + PERSIST_WARPS * (D + 2));
-  const bf16* k_cache = a.kv + op.layer * a.layer_stride;
-  const bf16* v_cache = k_cache + a.kv_stride;
+  KV* k_cache = static_cast<KV*>(a.kv) + op.layer * a.layer_stride;
+  KV* v_cache = k_cache + a.kv_stride;
+  const KVScales kv_scale = FP8 ? op.kv_scale : KVScales{};
   auto cache_row = [&](int t) { return persist_cache_row(a, b, g, t); };
   // Before the wait: this warp's first tokens' keys and values (written by earlier steps).
   const bool live = h < GQA;
   const int first = t0 + warp % wph;  // this warp's tokens: first, first + wph, ...
-  uint2 kr[PERSIST_PREFETCH], vr[PERSIST_PREFETCH];
+  Word kr[PERSIST_PREFETCH], vr[PERSIST_PREFETCH];
   auto load_batch = [&](int from) {  // PERSIST_PREFETCH of them, every load issued before any is used
 #pragma unroll
     for (int i = 0; i < PERSIST_PREFETCH; i++) {
       const int t = from + i * wph;
       if (live && t < t1) {
         const int64_t at = cache_row(t) * D + lane * 4;
-        kr[i] = *reinterpret_cast<const uint2*>(k_cache + at);
-        vr[i] = *reinterpret_cast<const uint2*>(v_cache + at);
+        kr[i] = *reinterpret_cast<const Word*>(k_cache + at);
+        vr[i] = *reinterpret_cast<const Word*>(v_cache + at);
       }
     }
   };
@@ -7350,8 +7399,8 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
     for (int i = 0; i < PERSIST_PREFETCH; i++) {
       const int64_t r = first_rows[warp * PERSIST_PREFETCH + i];
       if (r >= 0) {
-        kr[i] = *reinterpret_cast<const uint2*>(k_cache + r * D + lane * 4);
-        vr[i] = *reinterpret_cast<const uint2*>(v_cache + r * D + lane * 4);
+        kr[i] = *reinterpret_cast<const Word*>(k_cache + r * D + lane * 4);
+        vr[i] = *reinterpret_cast<const Word*>(v_cache + r * D + lane * 4);
       }
     }
   } else {
@@ -7372,44 +7421,43 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
     const float ss = head_sum_squares(ua, ub);
     if (mine) {
       head_norm_rope(ua, ub, ss, hh < GQA ? op.norm_w : op.k_norm, cos_s, sin_s, j, a.eps);
-      float* dst = hh < GQA ? q_s + hh * D : kv_new;
-      bf16x8_to_float(ua, dst + 8 * j);
-      bf16x8_to_float(ub, dst + D / 2 + 8 * j);
-      const int slot = a.slots[b];
-      if (hh == GQA && slot >= 0 && t0 <= ctx - 1 && ctx - 1 < t1) {  // the partition that owns the new token
-        bf16* dst_k = const_cast<bf16*>(k_cache) + (((int64_t)(slot / a.P) * a.NKV + g) * a.P + slot % a.P) * D;
-        reinterpret_cast<uint4*>(dst_k)[j] = ua;
-        reinterpret_cast<uint4*>(dst_k)[j + 8] = ub;
+      if (hh < GQA) {  // a query: bf16 values, as section 14 takes them
+        bf16x8_to_float(ua, q_s + hh * D + 8 * j);
+        bf16x8_to_float(ub, q_s + hh * D + D / 2 + 8 * j);
+      } else {  // the key, as the cache holds it
+        PersistKV<KV>::tile_floats(kv_chunk_tile_values<KV>(ua, kv_scale.k), kv_new + 8 * j);
+        PersistKV<KV>::tile_floats(kv_chunk_tile_values<KV>(ub, kv_scale.k), kv_new + D / 2 + 8 * j);
+        const int slot = a.slots[b];
+        if (slot >= 0 && t0 <= ctx - 1 && ctx - 1 < t1) {  // the partition that owns the new token stores it
+          KV* dst_k = k_cache + (((int64_t)(slot / a.P) * a.NKV + g) * a.P + slot % a.P) * D;
+          store_kv_chunk(dst_k, j, ua, kv_scale.k);
+          store_kv_chunk(dst_k, j + 8, ub, kv_scale.k);
+        }
       }
     }
   }
   if (threadIdx.x < D / 8) {
     const uint4 v = __ldcg(reinterpret_cast<const uint4*>(row + (size_t)(a.NH + a.NKV + g) * D) + threadIdx.x);
-    bf16x8_to_float(v, kv_new + D + 8 * threadIdx.x);
+    PersistKV<KV>::tile_floats(kv_chunk_tile_values<KV>(v, kv_scale.v), kv_new + D + 8 * threadIdx.x);
     const int slot = a.slots[b];
     if (slot >= 0 && t0 <= ctx - 1 && ctx - 1 < t1) {
-      bf16* dst_v = const_cast<bf16*>(v_cache) + (((int64_t)(slot / a.P) * a.NKV + g) * a.P + slot % a.P) * D;
-      reinterpret_cast<uint4*>(dst_v)[threadIdx.x] = v;
+      KV* dst_v = v_cache + (((int64_t)(slot / a.P) * a.NKV + g) * a.P + slot % a.P) * D;
+      store_kv_chunk(dst_v, threadIdx.x, v, kv_scale.v);
     }
   }
   __syncthreads();
   // The partition's tokens, this warp's share, online softmax in base 2 (section 14's arithmetic).
-  const float scale_log2 = a.scale * 1.4426950408889634f;
+  const float scale_log2 = a.scale * kv_scale.k * 1.4426950408889634f;
   float m = -INFINITY, l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f}, q[4];
   if (live) {
     for (int i = 0; i < 4; i++) q[i] = q_s[h * D + lane * 4 + i];
-    auto step = [&](int t, uint2 kw, uint2 vw) {
+    auto step = [&](int t, Word kw, Word vw) {
       float k[4], v[4];
       if (t == ctx - 1) {
         for (int i = 0; i < 4; i++) k[i] = kv_new[lane * 4 + i], v[i] = kv_new[D + lane * 4 + i];
       } else {
-        const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(&kw);
-        const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&vw);
-        float2 f;
-        f = __bfloat1622float2(k2[0]), k[0] = f.x, k[1] = f.y;
-        f = __bfloat1622float2(k2[1]), k[2] = f.x, k[3] = f.y;
-        f = __bfloat1622float2(v2[0]), v[0] = f.x, v[1] = f.y;
-        f = __bfloat1622float2(v2[1]), v[2] = f.x, v[3] = f.y;
+        PersistKV<KV>::widen(kw, k);
+        PersistKV<KV>::widen(vw, v);
       }
       float s = q[0] * k[0] + q[1] * k[1] + q[2] * k[2] + q[3] * k[3];
 #pragma unroll
@@ -7428,7 +7476,7 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
         if (from + i * wph < t1) step(from + i * wph, kr[i], vr[i]);
     }
     float* wp = wpart + warp * (D + 2);
-    for (int i = 0; i < 4; i++) wp[lane * 4 + i] = acc[i];
+    for (int i = 0; i < 4; i++) wp[lane * 4 + i] = acc[i] * kv_scale.v;  // (a power of two: exact)
     if (lane == 0) wp[D] = m, wp[D + 1] = l;
   }
   __syncthreads();
@@ -7493,7 +7541,9 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
   persist_signal(a, o);
 }
 
-template <int B>
+// KV: the cache's element, bf16 or fp8e4m3 (one kernel per format: the other's attention would cost this one
+// registers).
+template <int B, class KV>
 __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(PersistArgs a) {
   extern __shared__ __align__(16) unsigned char persist_smem[];
   bf16* ring = reinterpret_cast<bf16*>(persist_smem);                      // [RING, SLOT_ELEMS]
@@ -7533,7 +7583,7 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
     }
     if (op.kind == PERSIST_ATTN) {
       for (int task = blockIdx.x; task < B * a.NKV * a.parts; task += gridDim.x)
-        persist_attention(a, ops, op, o, task, angles, first_rows, work, load, consumed);
+        persist_attention<KV>(a, ops, op, o, task, angles, first_rows, work, load, consumed);
       persist_trace(a, o, 2);
       continue;
     }
@@ -7576,6 +7626,7 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
 // in the step's CUDA graph; the host does nothing per step beyond Part I's input upload.
 struct PersistPlan {
   int B = 0, grid = 0, parts = 0;  // parts: attention's partitions of each (sequence, KV head)
+  bool fp8 = false;                // the cache's format (section 22), fixed when the pool was allocated
   size_t smem = 0;
   std::vector<PersistOp> ops;
   PersistOp* ops_d = nullptr;
@@ -7609,25 +7660,30 @@ static size_t persist_smem_bytes(int B, int Kmax, int H, int gqa, int n_ops) {
 
 template <int B>
 static void persist_kernel_launch(const PersistPlan& plan, const PersistArgs& a, cudaStream_t s) {
-  persistent_decode_kernel<B><<<plan.grid, PERSIST_THREADS, plan.smem, s>>>(a);
+  if (plan.fp8) persistent_decode_kernel<B, fp8e4m3><<<plan.grid, PERSIST_THREADS, plan.smem, s>>>(a);
+  else persistent_decode_kernel<B, bf16><<<plan.grid, PERSIST_THREADS, plan.smem, s>>>(a);
 }
-template <int B>
+template <int B, class KV>
 static bool persist_kernel_fits(size_t smem) {
-  if (cudaFuncSetAttribute(persistent_decode_kernel<B>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
-      cudaSuccess) {
+  const auto kernel = persistent_decode_kernel<B, KV>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
     cudaGetLastError();
     return false;
   }
   int blocks = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, persistent_decode_kernel<B>, PERSIST_THREADS,
-                                                           smem));
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, PERSIST_THREADS, smem));
   return blocks >= 1;
 }
-static bool persist_fits(int B, size_t smem) {
-  switch (B) {
-    case 1: return persist_kernel_fits<1>(smem);
-    case 2: return persist_kernel_fits<2>(smem);
-    case 4: return persist_kernel_fits<4>(smem);
+// Whether batch B's kernel for this cache format (fp8 or bf16) fits on this GPU with smem bytes of shared
+// memory (and sets its limit to that).
+static bool persist_fits(int B, bool fp8, size_t smem) {
+  switch (B * 2 + fp8) {
+    case 2: return persist_kernel_fits<1, bf16>(smem);
+    case 3: return persist_kernel_fits<1, fp8e4m3>(smem);
+    case 4: return persist_kernel_fits<2, bf16>(smem);
+    case 5: return persist_kernel_fits<2, fp8e4m3>(smem);
+    case 8: return persist_kernel_fits<4, bf16>(smem);
+    case 9: return persist_kernel_fits<4, fp8e4m3>(smem);
   }
   return false;
 }
@@ -7639,7 +7695,6 @@ static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs) {
   const int H = c.hidden_size, I = c.intermediate_size, D = c.head_dim, L = c.num_hidden_layers;
   const int NH = c.num_attention_heads, NKV = c.num_key_value_heads, V = c.vocab_size;
   if (model.tp > 1) return pd.off_reason = "tensor parallelism keeps section 21's path", pd;
-  if (g_kv_dtype != KVCacheDtype::BF16) return pd.off_reason = "the fp8 cache keeps section 21's path", pd;
   int dev = 0, cc = 0, sms = 0;
   CUDA_CHECK(cudaGetDevice(&dev));
   CUDA_CHECK(cudaDeviceGetAttribute(&cc, cudaDevAttrComputeCapabilityMajor, dev));
@@ -7652,7 +7707,8 @@ static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs) {
   for (int B = 1; B <= std::min(PERSIST_MAX_B, max_num_seqs); B *= 2) {
     PersistPlan p;
     p.B = B, p.grid = sms, p.smem = persist_smem_bytes(B, Kmax, H, gqa, 2 + 5 * L);
-    if (!persist_fits(B, p.smem)) continue;
+    p.fp8 = g_kv_dtype == KVCacheDtype::FP8;
+    if (!persist_fits(B, p.fp8, p.smem)) continue;
     p.parts = std::max(1, std::min(64, sms / (B * NKV)));
     auto gemv_op = [&](int kind, int layer, const bf16* W, const bf16* norm_w, int N, int K) {
       PersistOp op = {kind, layer, W, norm_w, nullptr, N, K, 0, 0};
@@ -7665,7 +7721,8 @@ static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs) {
     for (int l = 0; l < L; l++) {
       const LayerWeights& lw = model.w.layers[l];
       gemv_op(PERSIST_QKV, l, lw.qkv_proj, lw.input_layernorm, (NH + 2 * NKV) * D, H);
-      p.ops.push_back({PERSIST_ATTN, l, nullptr, lw.q_norm, lw.k_norm, 0, 0, 0, B * NKV});
+      p.ops.push_back({PERSIST_ATTN, l, nullptr, lw.q_norm, lw.k_norm, 0, 0, 0, B * NKV,
+                       p.fp8 ? g_kv_scales.at(l) : KVScales{}});
       gemv_op(PERSIST_O, l, lw.o_proj, nullptr, H, NH * D);
       gemv_op(PERSIST_GATE_UP, l, lw.gate_up_proj, lw.post_attention_layernorm, I, H);
       gemv_op(PERSIST_DOWN, l, lw.down_proj, nullptr, H, I);
@@ -7695,8 +7752,8 @@ static void persistent_decode(Qwen3& model, const PersistPlan& plan, const StepI
   a.logits = model.act.logits, a.embed = model.w.embed_tokens;
   a.ids = in.input_ids, a.positions = in.positions, a.slots = in.slot_mapping, a.context_lens = in.seqlens_k;
   a.block_tables = in.block_tables;
-  a.kv = reinterpret_cast<bf16*>(model.kv.base), a.layer_stride = model.kv.layer_stride;
-  a.kv_stride = model.kv.kv_stride;
+  a.kv = model.kv.base, a.layer_stride = model.kv.layer_stride, a.kv_stride = model.kv.kv_stride;
+  INTERNAL_CHECK(model.kv.value_bytes == (plan.fp8 ? 1 : 2), "the cache's format changed after the plan");
   a.B = plan.B, a.H = c.hidden_size, a.NH = c.num_attention_heads, a.NKV = c.num_key_value_heads;
   a.I = c.intermediate_size, a.V = c.vocab_size, a.P = model.P, a.MB = model.MB, a.parts = plan.parts;
   a.Kmax = std::max({c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size});

@@ -2,7 +2,8 @@
 // (Qwen3::forward), on random-weight models built in GPU memory (the Qwen3-0.6B shape with all 28 layers,
 // a 4-layer slice of the Qwen3-8B shape, and an odd small shape whose sizes leave partial row groups and
 // partial chunks everywhere, with one KV head and 16-token blocks), at every batch size the kernel has a plan
-// for (1, 2, 4) with contexts from 1 to 3000 tokens over shuffled paged blocks.
+// for (1, 2, 4) with contexts from 1 to 3000 tokens over shuffled paged blocks; with a bf16 cache and with
+// an fp8 one (section 22).
 //   * Accuracy. The kernel adds its sums in another order than section 21 (and cuBLASLt), so the results are
 //     not bit-identical: each bf16 rounding may land one ulp apart and the difference travels through the
 //     layers. The yardstick is how far section 21 (other legitimate orders: section 16's gemv at batch 1
@@ -12,6 +13,12 @@
 //     must win wherever Part I's top-2 margin is clear of the logit error. The stored slots are poisoned with
 //     NaN before each run: a run that does not store them, or that reads the step's own key back from the
 //     cache instead of using it directly, is caught.
+//     With an fp8 cache the reference is Part I on a bf16 copy of it (every stored e4m3 byte times its scale
+//     is a bf16 number, so Part I sees exactly the values the fp8 paths read); the yardstick is section 21's
+//     own distance from it at the same batch size (both fp8 paths round the step's new keys and values, which
+//     Part I keeps in bf16); and at least a quarter of the stored bytes must equal section 21's: both round
+//     the same numbers, which differ by an ulp here and there (more of them the deeper the model), while a
+//     wrong scale or format changes nearly every byte.
 //   * Synchronisation. With thread blocks held back by different amounts at every operation (PersistArgs::
 //     skew_ns), the logits and the stored keys and values must be the same bits as without: the kernel's
 //     arithmetic does not depend on timing, so any difference is a read that raced a write. And the control:
@@ -61,13 +68,38 @@ static ModelConfig test_shape(const std::string& name) {
   return c;
 }
 
-// A Qwen3 with random weights and a random bf16 cache, and section 23's plans, without a checkpoint.
+// Random e4m3 bytes whose values times `scale` are uniform in about [-1, 1) (so: the bf16 fill's range).
+__global__ void fill_e4m3(fp8e4m3* p, size_t n, uint64_t seed, float scale) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    uint64_t z = (i + seed * 0x632BE59BD9B4E019ull) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z ^= z >> 31;
+    const float u = (float)(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
+    reinterpret_cast<uint8_t*>(p)[i] = __nv_cvt_float_to_fp8(u / scale, __NV_SATFINITE, __NV_E4M3);
+  }
+}
+// bf16 copies of e4m3 bytes times scale (exact: a power-of-two scale times an e4m3 value is a bf16 number).
+__global__ void widen_e4m3(bf16* out, const fp8e4m3* in, size_t n, float scale) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    out[i] = __float2bfloat16(float(in[i]) * scale);
+}
+
+// A Qwen3 with random weights and a random cache, bf16 or (fp8 = true) fp8 with the scales the engine would
+// choose for these weights plus a bf16 copy of it for Part I, and section 23's plans, without a checkpoint.
 struct TestModel {
   Qwen3 m;
   PersistentDecode pd;
   int NB = 0, Bmax = 8;
   cudaStream_t s;
-  TestModel(const std::string& shape, int P, int max_model_len, int NB_) : NB(NB_) {
+  bool fp8 = false;
+  std::vector<KVScales> scales;  // fp8: per layer
+  char* bf16_copy = nullptr;     // fp8: the cache as bf16 values, [L, 2, NB, NKV, P, D]
+  // The engine's cache format for this model (g_kv_dtype, g_kv_scales are global: set before every use).
+  void use_format() const {
+    g_kv_dtype = fp8 ? KVCacheDtype::FP8 : KVCacheDtype::BF16;
+    g_kv_scales = scales;
+  }
+  TestModel(const std::string& shape, int P, int max_model_len, int NB_, bool fp8_ = false) : NB(NB_), fp8(fp8_) {
     const ModelConfig c = test_shape(shape);
     m.cfg = c, m.P = P, m.MB = (int)cdiv(max_model_len, P), m.max_model_len = max_model_len;
     CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -100,9 +132,25 @@ struct TestModel {
     if (p != (bf16*)w.arena + total) die("gpu_persistent: weight layout mismatch");
     KVCache& kv = m.kv;
     kv.num_blocks = NB, kv.kv_stride = (int64_t)NB * NKV * P * D, kv.layer_stride = 2 * kv.kv_stride;
-    kv.bytes = (size_t)c.num_hidden_layers * kv.layer_stride * sizeof(bf16);
+    kv.value_bytes = fp8 ? 1 : 2;
+    kv.bytes = (size_t)c.num_hidden_layers * kv.layer_stride * kv.value_bytes;
     CUDA_CHECK(cudaMalloc(&kv.base, kv.bytes));
-    fill((bf16*)kv.base, kv.bytes / 2, 99, 0.f, 1.f);
+    if (!fp8) {
+      fill((bf16*)kv.base, kv.bytes / 2, 99, 0.f, 1.f);
+    } else {
+      CUDA_CHECK(cudaDeviceSynchronize());
+      scales = kv_scales_from_weights(w, c, 1);
+      CUDA_CHECK(cudaMalloc(&bf16_copy, kv.bytes * 2));
+      for (int l = 0; l < c.num_hidden_layers; l++)
+        for (int which = 0; which < 2; which++) {
+          const float scale = which ? scales[l].v : scales[l].k;
+          const int64_t at = l * kv.layer_stride + which * kv.kv_stride;
+          fp8e4m3* bytes = reinterpret_cast<fp8e4m3*>(kv.base) + at;
+          fill_e4m3<<<1024, 256>>>(bytes, kv.kv_stride, 99 + 2 * l + which, scale);
+          widen_e4m3<<<1024, 256>>>(reinterpret_cast<bf16*>(bf16_copy) + at, bytes, kv.kv_stride, scale);
+        }
+      CUDA_CHECK(cudaGetLastError());
+    }
     Activations& a = m.act;
     auto alloc = [&](auto** q, size_t n) { CUDA_CHECK(cudaMalloc((void**)q, n * sizeof(**q))); };
     alloc(&a.residual, Bmax * H), alloc(&a.hidden, Bmax * H), alloc(&a.x, Bmax * H);
@@ -113,7 +161,12 @@ struct TestModel {
     m.gemm = new Gemm;
     m.gemm->init();
     CUDA_CHECK(cudaDeviceSynchronize());
+    use_format();
     pd = persist_setup(m, Bmax);
+  }
+  ~TestModel() {  // the large buffers (a test may build several models of the 8B shape)
+    CUDA_CHECK(cudaDeviceSynchronize());
+    cudaFree(m.w.arena), cudaFree(m.kv.base), cudaFree(bf16_copy);
   }
 };
 
@@ -144,11 +197,12 @@ struct DecodeStep {
 
 enum class Path { PLAIN, FAST, PERSIST };
 struct StepResult {
-  std::vector<float> logits;    // [B, V]
-  std::vector<uint16_t> kv;     // the step's stored keys and values, [L, 2, B, NKV, D] bf16 bits
+  std::vector<float> logits;  // [B, V]
+  std::vector<uint8_t> kv;    // the step's stored keys and values, [L, 2, B, NKV, D] values (bf16 or e4m3 bytes)
+  std::vector<float> kv_values;  // the same, as the numbers they stand for (e4m3: times the layer's scale)
 };
 
-// Element offset of the cache row (layer l, keys/values, slot, kv head g).
+// Value offset of the cache row (layer l, keys/values, slot, kv head g).
 static int64_t slot_offset(const TestModel& t, int l, int which, int slot, int g) {
   const int P = t.m.P, NKV = t.m.cfg.num_key_value_heads;
   return l * t.m.kv.layer_stride + which * t.m.kv.kv_stride + (((int64_t)(slot / P) * NKV + g) * P + slot % P) * HEAD_DIM;
@@ -165,10 +219,17 @@ static void for_each_stored_row(const TestModel& t, const DecodeStep& st,
 
 static StepResult run_step(TestModel& t, DecodeStep& st, Path path, int skew_ns = 0, int skip_wait = -1) {
   const ModelConfig& c = t.m.cfg;
-  bf16* kv = (bf16*)t.m.kv.base;
-  // Poison what the step must write: the logits and the step's own cache rows.
+  // Part I reads an fp8 model's bf16 copy of the cache: the engine's format is bf16 for this run.
+  const bool bf16_copy = path == Path::PLAIN && t.fp8;
+  char* const fp8_base = t.m.kv.base;
+  if (bf16_copy) t.m.kv.base = t.bf16_copy, t.m.kv.value_bytes = 2, g_kv_dtype = KVCacheDtype::BF16;
+  else t.use_format();
+  char* kv = t.m.kv.base;
+  const int vb = t.m.kv.value_bytes;
+  // Poison what the step must write: the logits and the step's own cache rows (0xFF: NaN in both formats).
   CUDA_CHECK(cudaMemset(t.m.act.logits, 0xFF, (size_t)st.B * c.vocab_size * sizeof(float)));
-  for_each_stored_row(t, st, [&](int64_t off, size_t) { CUDA_CHECK(cudaMemset(kv + off, 0xFF, HEAD_DIM * 2)); });
+  for_each_stored_row(t, st,
+                      [&](int64_t off, size_t) { CUDA_CHECK(cudaMemset(kv + off * vb, 0xFF, HEAD_DIM * vb)); });
   CUDA_CHECK(cudaDeviceSynchronize());
   const StepInputs in = st.inputs();
   if (path == Path::PLAIN) {
@@ -177,6 +238,7 @@ static StepResult run_step(TestModel& t, DecodeStep& st, Path path, int skew_ns 
     CUDA_CHECK(cudaStreamSynchronize(t.s));
   } else if (path == Path::FAST) {
     ScopedOptimizations fast("all,-persistent");
+    t.use_format();  // (switching flash_attn resets the format to bf16)
     CHECK_MSG(g_opt.flash_attn && g_opt.gemv, "section 21 with flash_attn and gemv expected");
     forward_fast(t.m, in, st.B, st.B, false, t.s);
     CUDA_CHECK(cudaStreamSynchronize(t.s));
@@ -189,10 +251,25 @@ static StepResult run_step(TestModel& t, DecodeStep& st, Path path, int skew_ns 
   StepResult r;
   r.logits.resize((size_t)st.B * c.vocab_size);
   CUDA_CHECK(cudaMemcpy(r.logits.data(), t.m.act.logits, r.logits.size() * 4, cudaMemcpyDeviceToHost));
-  r.kv.resize((size_t)c.num_hidden_layers * 2 * st.B * c.num_key_value_heads * HEAD_DIM);
+  const size_t rows = (size_t)c.num_hidden_layers * 2 * st.B * c.num_key_value_heads;
+  r.kv.resize(rows * HEAD_DIM * vb);
+  r.kv_values.resize(rows * HEAD_DIM);
+  const size_t per_layer = 2 * (size_t)st.B * c.num_key_value_heads;  // rows of one layer (for_each_stored_row)
   for_each_stored_row(t, st, [&](int64_t off, size_t i) {
-    CUDA_CHECK(cudaMemcpy(&r.kv[i * HEAD_DIM], kv + off, HEAD_DIM * 2, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(&r.kv[i * HEAD_DIM * vb], kv + off * vb, HEAD_DIM * vb, cudaMemcpyDeviceToHost));
+    const int l = (int)(i / per_layer), which = (int)(i % per_layer / (per_layer / 2));
+    for (int d = 0; d < HEAD_DIM; d++) {
+      const size_t e = i * HEAD_DIM + d;
+      if (vb == 2) {
+        uint16_t bits;
+        memcpy(&bits, &r.kv[e * 2], 2);
+        r.kv_values[e] = bf16_bits_to_float(bits);
+      } else {
+        r.kv_values[e] = e4m3_to_float(r.kv[e]) * (which ? t.scales[l].v : t.scales[l].k);
+      }
+    }
   });
+  if (bf16_copy) t.m.kv.base = fp8_base, t.m.kv.value_bytes = 1, t.use_format();
   return r;
 }
 
@@ -204,11 +281,7 @@ static double rel_l2(const std::vector<float>& a, const std::vector<float>& ref)
   }
   return sqrt(num / std::max(den, 1e-30));
 }
-static std::vector<float> kv_floats(const StepResult& r) {
-  std::vector<float> f(r.kv.size());
-  for (size_t i = 0; i < f.size(); i++) f[i] = bf16_bits_to_float(r.kv[i]);
-  return f;
-}
+static const std::vector<float>& kv_floats(const StepResult& r) { return r.kv_values; }
 static bool all_finite(const std::vector<float>& v) {
   for (float x : v)
     if (!std::isfinite(x)) return false;
@@ -233,6 +306,13 @@ static int argmax_agrees(const std::vector<float>& got, const std::vector<float>
   return same;
 }
 
+static bool fp8_cache_supported() {  // section 22's conversion instructions: compute capability 8.9
+  int major = 0, minor = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0));
+  return major * 10 + minor >= 89;
+}
+
 static std::vector<std::vector<int>> contexts_for(int B, int max_len) {
   std::vector<std::vector<int>> all = {{700}, {1, 2049}, {33, 256, 257, 1500},
                                        {5, 17, 100, 256, 511, 512, 1023, 3000}};
@@ -241,10 +321,11 @@ static std::vector<std::vector<int>> contexts_for(int B, int max_len) {
   return {all[B == 1 ? 0 : B == 2 ? 1 : B == 4 ? 2 : 3]};
 }
 
-static void accuracy_case(const std::string& shape, int P) {
+static void accuracy_case(const std::string& shape, int P, bool fp8 = false) {
   const int max_len = 3072;
-  TestModel t(shape, P, max_len, 8 * (int)cdiv(max_len, P) + 3);
-  printf("    %s, P = %d: plans for %zu batch sizes, grid %d, partitions at B=1: %d\n", shape.c_str(), P,
+  TestModel t(shape, P, max_len, 8 * (int)cdiv(max_len, P) + 3, fp8);
+  const char* cache = fp8 ? "fp8 cache" : "bf16 cache";
+  printf("    %s, %s, P = %d: plans for %zu batch sizes, grid %d, partitions at B=1: %d\n", shape.c_str(), cache, P,
          t.pd.plans.size(), t.pd.plans.empty() ? 0 : t.pd.plans.begin()->second.grid,
          t.pd.plans.count(1) ? t.pd.plans.at(1).parts : 0);
   CHECK_MSG(t.pd.plans.count(1), "no plan for batch 1 (%s)", t.pd.off_reason.c_str());
@@ -252,8 +333,10 @@ static void accuracy_case(const std::string& shape, int P) {
   // The yardstick: how far other legitimate summation orders land from Part I on this model. Section 21
   // runs batch 1 and 2 through section 16's gemv, whose order differs from cuBLASLt's (larger batches go
   // through cuBLASLt like Part I), and attention at every batch through section 14's flash kernels, whose
-  // order differs from section 8's; its largest distance at batch 1 and 2 is the shape's noise level.
-  struct Row { int B; double e_fast, e_pers, e_pf, kv_fast, kv_pers; int same, checked; };
+  // order differs from section 8's; its largest distance at batch 1 and 2 is the shape's noise level. With an
+  // fp8 cache section 21's distance at every batch size counts (its fp8 roundings of the step's keys and
+  // values, which Part I does not make, are there at every batch size).
+  struct Row { int B; double e_fast, e_pers, e_pf, kv_fast, kv_pers, bytes_same; int same, checked; };
   std::vector<Row> rows;
   double noise = 0, noise_kv = 0;
   for (int B : {1, 2, 4, 8}) {
@@ -267,24 +350,32 @@ static void accuracy_case(const std::string& shape, int P) {
     CHECK_MSG(all_finite(pers.logits), "%s B=%d: non-finite logits", shape.c_str(), B);
     CHECK_MSG(all_finite(kv_floats(pers)), "%s B=%d: a stored key or value is missing (NaN)", shape.c_str(), B);
     Row r{B, rel_l2(fast.logits, plain.logits), rel_l2(pers.logits, plain.logits), rel_l2(pers.logits, fast.logits),
-          rel_l2(kv_floats(fast), kv_floats(plain)), rel_l2(kv_floats(pers), kv_floats(plain)), 0, 0};
+          rel_l2(kv_floats(fast), kv_floats(plain)), rel_l2(kv_floats(pers), kv_floats(plain)), 0, 0, 0};
+    size_t same_bytes = 0;  // the stored bytes the persistent kernel and section 21 agree on
+    for (size_t i = 0; i < pers.kv.size(); i++) same_bytes += pers.kv[i] == fast.kv[i];
+    r.bytes_same = (double)same_bytes / pers.kv.size();
     double worst = 0;  // the largest logit difference from Part I: what an argmax may be off by
     for (size_t i = 0; i < pers.logits.size(); i++)
       worst = std::max(worst, (double)fabsf(pers.logits[i] - plain.logits[i]));
     r.same = argmax_agrees(pers.logits, plain.logits, B, V, 2 * worst, &r.checked);
-    if (B <= GEMV_MAX_M) noise = std::max(noise, r.e_fast), noise_kv = std::max(noise_kv, r.kv_fast);
+    if (B <= GEMV_MAX_M || fp8) noise = std::max(noise, r.e_fast), noise_kv = std::max(noise_kv, r.kv_fast);
     rows.push_back(r);
   }
   for (const Row& r : rows) {
-    printf("    %s B=%d: logits vs Part I: section 21 %.2e, persistent %.2e (vs section 21 %.2e); stored K/V vs "
-           "Part I: section 21 %.2e, persistent %.2e; argmax %d/%d clear rows\n", shape.c_str(), r.B, r.e_fast,
-           r.e_pers, r.e_pf, r.kv_fast, r.kv_pers, r.same, r.checked);
+    printf("    %s %s B=%d: logits vs Part I: section 21 %.2e, persistent %.2e (vs section 21 %.2e); stored K/V vs "
+           "Part I: section 21 %.2e, persistent %.2e, bytes equal to section 21's %.2f%%; argmax %d/%d clear "
+           "rows\n", shape.c_str(), cache, r.B, r.e_fast, r.e_pers, r.e_pf, r.kv_fast, r.kv_pers,
+           100 * r.bytes_same, r.same, r.checked);
     CHECK_MSG(r.e_pers <= 1.5 * noise + 2e-3, "%s B=%d: logits %.3e from Part I, noise level %.3e", shape.c_str(),
               r.B, r.e_pers, noise);
     CHECK_MSG(r.kv_pers <= 1.5 * noise_kv + 2e-3, "%s B=%d: stored K/V %.3e from Part I, noise level %.3e",
               shape.c_str(), r.B, r.kv_pers, noise_kv);
     CHECK_MSG(r.same == r.checked, "%s B=%d: argmax differs in %d of %d clear rows", shape.c_str(), r.B,
               r.checked - r.same, r.checked);
+    // fp8: both store the same numbers rounded the same way; a one-ulp difference in a bf16 key or value before
+    // the rounding moves a byte now and then, a wrong scale or format moves nearly all of them.
+    CHECK_MSG(!fp8 || r.bytes_same >= 0.25, "%s B=%d: only %.1f%% of the stored bytes match section 21's", shape.c_str(),
+              r.B, 100 * r.bytes_same);
   }
 }
 
@@ -300,34 +391,59 @@ TEST(persistent_matches_section20_and_part1_8b_short) {
   REQUIRE_GPU();
   accuracy_case("8b-short", 64);
 }
+#define REQUIRE_FP8()                                                                      \
+  do {                                                                                     \
+    REQUIRE_GPU();                                                                         \
+    if (!fp8_cache_supported()) SKIP("an fp8 cache needs compute capability 8.9 or newer"); \
+  } while (0)
+TEST(persistent_matches_section20_and_part1_fp8_odd_shape) {
+  REQUIRE_FP8();
+  accuracy_case("odd", 16, true);
+}
+TEST(persistent_matches_section20_and_part1_fp8_06b) {
+  REQUIRE_FP8();
+  accuracy_case("0.6b", 256, true);
+}
+TEST(persistent_matches_section20_and_part1_fp8_8b_short) {
+  REQUIRE_FP8();
+  accuracy_case("8b-short", 64, true);
+}
 
 // Same bits whatever the timing; and a left-out wait is caught under the same skew.
-TEST(persistent_results_do_not_depend_on_timing) {
-  REQUIRE_GPU();
-  TestModel t("0.6b", 256, 4096, 40);
+static void timing_independence_case(bool fp8) {
+  TestModel t("0.6b", 256, 4096, 40, fp8);
+  const char* cache = fp8 ? "fp8 cache" : "bf16 cache";
   for (int B : {1, 4}) {
     DecodeStep st(t, B == 1 ? std::vector<int>{1200} : std::vector<int>{1, 300, 900, 2500}, 7 + B);
     const StepResult ref = run_step(t, st, Path::PERSIST);
     for (int skew : {1000, 4000}) {
       const StepResult r = run_step(t, st, Path::PERSIST, skew);
-      CHECK_MSG(r.logits == ref.logits && r.kv == ref.kv, "B=%d skew %d ns: results changed", B, skew);
+      CHECK_MSG(r.logits == ref.logits && r.kv == ref.kv, "%s B=%d skew %d ns: results changed", cache, B, skew);
     }
     // The control: operation 3 is layer 0's o_proj (reads attention's output), 10 layer 1's down (reads
     // gate_up's), 12 layer 2's attention (reads qkv); without their waits the same skew must show.
     for (int skip : {3, 10, 12}) {
       const StepResult r = run_step(t, st, Path::PERSIST, 4000, skip);
       const bool caught = r.logits != ref.logits || r.kv != ref.kv;
-      printf("    B=%d without operation %d's wait: %s\n", B, skip, caught ? "results differ (caught)" : "SAME");
-      CHECK_MSG(caught, "B=%d: leaving out operation %d's wait went unnoticed", B, skip);
+      printf("    %s B=%d without operation %d's wait: %s\n", cache, B, skip,
+             caught ? "results differ (caught)" : "SAME");
+      CHECK_MSG(caught, "%s B=%d: leaving out operation %d's wait went unnoticed", cache, B, skip);
     }
   }
+}
+TEST(persistent_results_do_not_depend_on_timing) {
+  REQUIRE_GPU();
+  timing_independence_case(false);
+  if (fp8_cache_supported()) timing_independence_case(true);
 }
 
 // One decode step in a CUDA graph: section 21's kernels vs the persistent kernel (no sampler).
 TEST(timing_persistent_vs_section20) {
   REQUIRE_GPU();
-  for (const char* shape : {"0.6b", "8b"}) {
-    TestModel t(shape, 256, 4096, 64);
+  for (const char* shape : {"0.6b", "8b"})
+  for (bool fp8 : {false, true}) {
+    if (fp8 && !fp8_cache_supported()) continue;
+    TestModel t(shape, 256, 4096, 64, fp8);
     const double weight_bytes = (double)t.m.w.bytes;
     for (int B : {1, 2, 4, 8}) {
       if (!t.pd.plans.count(B)) continue;
@@ -336,14 +452,17 @@ TEST(timing_persistent_vs_section20) {
       double us[2];
       for (int k = 0; k < 2; k++) {
         ScopedOptimizations opt(k ? "all" : "all,-persistent");
+        t.use_format();
         us[k] = persist_time_graph([&] {
           if (k) persistent_decode(t.m, t.pd.plans.at(B), in, t.s, 0, -1, nullptr);
           else forward_fast(t.m, in, B, B, false, t.s);
         }, t.s, 20, 200);
       }
-      const double kv_bytes = 2.0 * t.m.cfg.num_hidden_layers * B * 600 * t.m.cfg.num_key_value_heads * HEAD_DIM * 2;
-      printf("    TIMING %s B=%d ctx 600: section 21 %.1f us (%.0f GB/s), persistent %.1f us (%.0f GB/s), %.2fx\n",
-             shape, B, us[0], (weight_bytes + kv_bytes) / us[0] / 1e3, us[1], (weight_bytes + kv_bytes) / us[1] / 1e3,
+      const double kv_bytes =
+          2.0 * t.m.cfg.num_hidden_layers * B * 600 * t.m.cfg.num_key_value_heads * HEAD_DIM * t.m.kv.value_bytes;
+      const double bytes = weight_bytes + kv_bytes;
+      printf("    TIMING %s %s cache B=%d ctx 600: section 21 %.1f us (%.0f GB/s), persistent %.1f us (%.0f GB/s), "
+             "%.2fx\n", shape, fp8 ? "fp8" : "bf16", B, us[0], bytes / us[0] / 1e3, us[1], bytes / us[1] / 1e3,
              us[0] / us[1]);
     }
   }
