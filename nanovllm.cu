@@ -4455,7 +4455,8 @@ __device__ __forceinline__ void fp8_decode_attend(const uint32_t (&q)[HEAD_DIM /
                                                   const int* block_table, int kvh, int NKV, int log2P, int key_begin,
                                                   int key_end, int new_key, const uint4 (*new_kv)[HEAD_DIM / 8],
                                                   int group, float scale_log2, DecodeAcc& sums);
-__device__ __forceinline__ void fp8_decode_store_partials(DecodeAcc& sums, float scale_log2, float* sO, float* sML);
+__device__ __forceinline__ void fp8_decode_store_partials(DecodeAcc& sums, float scale_log2, int group, float* sO,
+                                                          float* sML);
 
 // The first loads of a decode thread block: its first tile (fp8: section 22's, whose stages start at sK).
 template <class KV>
@@ -4503,7 +4504,7 @@ __device__ __forceinline__ void decode_combine_warps(DecodeAcc& sums, float scal
       if ((lane & 3) == 0) sML[row * 2] = sums.m[i] * scale_log2, sML[row * 2 + 1] = sums.l[i];  // -inf stays -inf
     }
   } else {
-    fp8_decode_store_partials(sums, scale_log2, sO, sML);
+    fp8_decode_store_partials(sums, scale_log2, group, sO, sML);
   }
   __syncthreads();
   const int d = threadIdx.x;
@@ -6694,11 +6695,14 @@ __device__ __forceinline__ void fp8_decode_attend(const uint32_t (&q)[HEAD_DIM /
 
 // A warp's sums of the fp8 loop into decode_combine_warps' buffers, in the bf16 layout: sO[warp][head][dim]
 // and sML[warp][head] = (m in log2 units, l). Accumulator o[8 nt + mt][e] holds head 2c + e % 2 + 8 nt at
-// dim 16g + 2mt + e / 2; each lane holds a partial l of its keys, summed here over the lanes of one c.
-__device__ __forceinline__ void fp8_decode_store_partials(DecodeAcc& sums, float scale_log2, float* sO, float* sML) {
+// dim 16g + 2mt + e / 2; each lane holds a partial l of its keys, summed here over the lanes of one c. Only
+// the column tiles the loop used (fp8_attend_slice<NT>) are written: heads past them are never read.
+__device__ __forceinline__ void fp8_decode_store_partials(DecodeAcc& sums, float scale_log2, int group, float* sO,
+                                                          float* sML) {
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
 #pragma unroll
-  for (int nt = 0; nt < 2; nt++)
+  for (int nt = 0; nt < 2; nt++) {
+    if (nt == 1 && group <= 8) break;  // one column tile (fp8_decode_attend's choice)
 #pragma unroll
     for (int i = 0; i < 2; i++) {
       const int head = warp * DECODE_ROWS + 8 * nt + 2 * c + i;
@@ -6712,6 +6716,7 @@ __device__ __forceinline__ void fp8_decode_store_partials(DecodeAcc& sums, float
             make_float2(sums.o[8 * nt + mt][i], sums.o[8 * nt + mt][2 + i]);
       if (g == 0) sML[head * 2] = (nt ? sums.m_hi[i] : sums.m[i]) * scale_log2, sML[head * 2 + 1] = l;
     }
+  }
 }
 
 // What the kernels compute, on the CPU: e4m3 rounding (to nearest, ties to even, saturating at +-448; NaN

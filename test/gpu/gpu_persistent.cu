@@ -220,9 +220,9 @@ static void for_each_stored_row(const TestModel& t, const DecodeStep& st,
 static StepResult run_step(TestModel& t, DecodeStep& st, Path path, int skew_ns = 0, int skip_wait = -1) {
   const ModelConfig& c = t.m.cfg;
   // Part I reads an fp8 model's bf16 copy of the cache: the engine's format is bf16 for this run.
-  const bool bf16_copy = path == Path::PLAIN && t.fp8;
+  const bool on_copy = path == Path::PLAIN && t.fp8;
   char* const fp8_base = t.m.kv.base;
-  if (bf16_copy) t.m.kv.base = t.bf16_copy, t.m.kv.value_bytes = 2, g_kv_dtype = KVCacheDtype::BF16;
+  if (on_copy) t.m.kv.base = t.bf16_copy, t.m.kv.value_bytes = 2, g_kv_dtype = KVCacheDtype::BF16;
   else t.use_format();
   char* kv = t.m.kv.base;
   const int vb = t.m.kv.value_bytes;
@@ -269,7 +269,7 @@ static StepResult run_step(TestModel& t, DecodeStep& st, Path path, int skew_ns 
       }
     }
   });
-  if (bf16_copy) t.m.kv.base = fp8_base, t.m.kv.value_bytes = 1, t.use_format();
+  if (on_copy) t.m.kv.base = fp8_base, t.m.kv.value_bytes = 1, t.use_format();
   return r;
 }
 
@@ -281,7 +281,6 @@ static double rel_l2(const std::vector<float>& a, const std::vector<float>& ref)
   }
   return sqrt(num / std::max(den, 1e-30));
 }
-static const std::vector<float>& kv_floats(const StepResult& r) { return r.kv_values; }
 static bool all_finite(const std::vector<float>& v) {
   for (float x : v)
     if (!std::isfinite(x)) return false;
@@ -348,9 +347,9 @@ static void accuracy_case(const std::string& shape, int P, bool fp8 = false) {
     const StepResult plain = run_step(t, st, Path::PLAIN), fast = run_step(t, st, Path::FAST);
     const StepResult pers = run_step(t, st, Path::PERSIST);
     CHECK_MSG(all_finite(pers.logits), "%s B=%d: non-finite logits", shape.c_str(), B);
-    CHECK_MSG(all_finite(kv_floats(pers)), "%s B=%d: a stored key or value is missing (NaN)", shape.c_str(), B);
+    CHECK_MSG(all_finite(pers.kv_values), "%s B=%d: a stored key or value is missing (NaN)", shape.c_str(), B);
     Row r{B, rel_l2(fast.logits, plain.logits), rel_l2(pers.logits, plain.logits), rel_l2(pers.logits, fast.logits),
-          rel_l2(kv_floats(fast), kv_floats(plain)), rel_l2(kv_floats(pers), kv_floats(plain)), 0, 0, 0};
+          rel_l2(fast.kv_values, plain.kv_values), rel_l2(pers.kv_values, plain.kv_values), 0, 0, 0};
     size_t same_bytes = 0;  // the stored bytes the persistent kernel and section 21 agree on
     for (size_t i = 0; i < pers.kv.size(); i++) same_bytes += pers.kv[i] == fast.kv[i];
     r.bytes_same = (double)same_bytes / pers.kv.size();
