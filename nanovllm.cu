@@ -5057,6 +5057,10 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
   bf16* sQ = reinterpret_cast<bf16*>(attn_smem);              // [DECODE_ROWS][D]
   bf16* sK = sQ + DECODE_ROWS * HEAD_DIM;                     // [ATTN_STAGES][ATTN_KV_TILE][D]
   bf16* sV = sK + ATTN_STAGES * ATTN_KV_TILE * HEAD_DIM;      // [ATTN_STAGES][ATTN_KV_TILE][D]
+  // Static shared memory comes before the dynamic buffer, so its size sets where attn_smem starts: these
+  // arrays are 512 bytes each (or unused and dropped), which keeps the tiles' rows on whole 128-byte lines.
+  // Measured with a 16-byte flag beside them (a variant tried and dropped; figures in the README's FP8
+  // section): the buffer then started 16 bytes into a line, and L2 served every tile copy twice.
   __shared__ uint4 s_new_kv[2][HEAD_DIM / 8];                 // ROPE owner: this step's k and v, as in a tile
   __shared__ float cos_s[ROPE ? HEAD_DIM / 2 : 1], sin_s[ROPE ? HEAD_DIM / 2 : 1];
 

@@ -715,8 +715,11 @@ static void time_decode(const char* what, const std::vector<int>& ctx, int NH, i
   double us = median_us([&] {
     flash_attention_decode(out, qkv, view, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws, 1.f / sqrtf(128.f), 0);
   });
-  // The engine's default decode path: section 18's kernel (q/k-norm, RoPE and the store inside; padding slots
-  // here, so the cache is not written) and, at small batches, section 17's cluster merge.
+  // The engine's default decode path (forward_fast): section 18's kernel, with q/k-norm, RoPE and the store
+  // inside (padding slots here, so the cache is not written) where the engine fuses them (a bf16 cache, or
+  // small batches; elsewhere the kernel after them, which is section 14's: their kernel is not timed here),
+  // and at small batches section 17's cluster merge.
+  const bool fuse = !fp8 || B <= DECODE_CLUSTER_MAX_B;
   std::vector<int> pos(B), no_slots(B, -1);
   for (int b = 0; b < B; b++) pos[b] = ctx[b] - 1;
   int *d_pos = to_device(pos), *d_slots = to_device(no_slots);
@@ -726,7 +729,7 @@ static void time_decode(const char* what, const std::vector<int>& ctx, int NH, i
   g_opt.cluster_merge = true;  // the engine's default (where the GPU has clusters)
   double us_fused = median_us([&] {
     attention_decode_fast(out, qkv, view, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws, 1.f / sqrtf(128.f), 0,
-                          &rope);
+                          fuse ? &rope : nullptr);
   });
   g_opt = saved;
   CHECK_MSG(count_nonfinite(out, (size_t)B * NH * HEAD_DIM) == 0, "non-finite decode output (Part II)");
@@ -742,8 +745,9 @@ static void time_decode(const char* what, const std::vector<int>& ctx, int NH, i
     snprintf(plain_row, sizeof plain_row, "%.1f us, %.0f GB/s", us_plain, bytes / us_plain / 1e3);
     CHECK_MSG(count_nonfinite(out, (size_t)B * NH * HEAD_DIM) == 0, "non-finite decode output (section 8)");
   }
-  printf("    TIMING %s: KV %.1f MB; section 14 %.1f us, %.0f GB/s; fused (sections 17-18) %.1f us, %.0f GB/s; "
-         "section 8 %s\n", what, bytes / 1e6, us, bytes / us / 1e3, us_fused, bytes / us_fused / 1e3, plain_row);
+  printf("    TIMING %s: KV %.1f MB; section 14 %.1f us, %.0f GB/s; engine (sections 17-18%s) %.1f us, %.0f GB/s; "
+         "section 8 %s\n", what, bytes / 1e6, us, bytes / us / 1e3, fuse ? ", fused rope" : "", us_fused,
+         bytes / us_fused / 1e3, plain_row);
   for (void* p : {(void*)d_pos, (void*)d_slots, (void*)w}) CUDA_CHECK(cudaFree(p));
   for (void* p : {k, v, (void*)qkv, (void*)d_ctx, (void*)d_bt, (void*)out, (void*)ws}) CUDA_CHECK(cudaFree(p));
 }
