@@ -4579,15 +4579,19 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
 // flash_decode_merge_kernel — split-K, phase 2: combine the partitions of one (sequence, head).
 //   With partition p holding O_p = sum_j 2^(x_j - m_p) v_j and l_p = sum_j 2^(x_j - m_p) (x in log2 units):
 //   out = sum_p 2^(m_p - M) O_p / sum_p 2^(m_p - M) l_p, M = max_p m_p (the log-sum-exp rule).
-//   One CTA per (head h, sequence b), thread d owns dim d. Sequences with one partition were finished by
-//   phase 1 and exit at once. Reads ws_o, ws_ml as written by flash_decode_kernel; writes out.
-__global__ void __launch_bounds__(HEAD_DIM)
+//   One CTA per MERGE_HEADS heads of a sequence b (grid: cdiv(NH, MERGE_HEADS) x B); thread (g, d) owns dim
+//   d of head blockIdx.x * MERGE_HEADS + g. Sequences with one partition were finished by phase 1 and exit at
+//   once: in a large batch most of them, which is why a CTA takes several heads (the GPU launches a quarter
+//   as many CTAs that do nothing; one CTA per head measured slower at large batches, README).
+//   Reads ws_o, ws_ml as written by flash_decode_kernel; writes out.
+constexpr int MERGE_HEADS = 4;
+__global__ void __launch_bounds__(MERGE_HEADS * HEAD_DIM)
     flash_decode_merge_kernel(bf16* __restrict__ out, const int* __restrict__ context_lens,
                                   const float* __restrict__ ws_o, const float* __restrict__ ws_ml, int NH,
                                   int max_parts, int partition) {
-  const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
+  const int h = blockIdx.x * MERGE_HEADS + threadIdx.x / HEAD_DIM, b = blockIdx.y, d = threadIdx.x % HEAD_DIM;
   const int n_parts = cdiv_dev(context_lens[b], partition);
-  if (n_parts <= 1) return;
+  if (n_parts <= 1 || h >= NH) return;
   const size_t base = ((size_t)b * NH + h) * max_parts;
   float m_max = -INFINITY;
   for (int p = 0; p < n_parts; p++) m_max = fmaxf(m_max, ws_ml[(base + p) * 2]);
@@ -4644,8 +4648,8 @@ static void flash_attention_decode(bf16* out, const bf16* qkv, const KVView& cac
   });
   CUDA_CHECK(cudaGetLastError());
   if (max_parts > 1) {
-    flash_decode_merge_kernel<<<dim3(NH, B), HEAD_DIM, 0, stream>>>(out, context_lens, ws_o, ws_ml, NH,
-                                                                        max_parts, partition);
+    flash_decode_merge_kernel<<<dim3(cdiv(NH, MERGE_HEADS), B), MERGE_HEADS * HEAD_DIM, 0, stream>>>(
+        out, context_lens, ws_o, ws_ml, NH, max_parts, partition);
     CUDA_CHECK(cudaGetLastError());
   }
 }
@@ -5232,8 +5236,8 @@ static void attention_decode_fast(bf16* out, const bf16* qkv, const KVView& cach
                __builtin_ctz(P), MB, max_parts, partition, ws_o, ws_ml, scale_log2, r);
     CUDA_CHECK(cudaGetLastError());
     if (max_parts > 1) {  // section 14's merge kernel, launched the ordinary way (it has no pdl_begin)
-      flash_decode_merge_kernel<<<dim3(NH, B), HEAD_DIM, 0, stream>>>(out, context_lens, ws_o, ws_ml, NH,
-                                                                          max_parts, partition);
+      flash_decode_merge_kernel<<<dim3(cdiv(NH, MERGE_HEADS), B), MERGE_HEADS * HEAD_DIM, 0, stream>>>(
+          out, context_lens, ws_o, ws_ml, NH, max_parts, partition);
       CUDA_CHECK(cudaGetLastError());
     }
   });
