@@ -512,6 +512,11 @@ TEST(decode_gqa_ratios) {
   check_decode("decode GQA 8 (NH=16 NKV=2) B=5 P=16", make_batch(16, 2, 16, ones, ctx, 85), 4096);
   check_decode("decode GQA 8 (NH=64 NKV=8) B=5 P=256 peaky", make_batch(64, 8, 256, ones, ctx, 86, 4.f), 4096);
   check_decode("decode GQA 8 (NH=32 NKV=4) B=2 P=16", make_batch(32, 4, 16, {1, 1}, {3001, 2}, 87), 3072);
+  // Head counts the merge kernel's 4 heads per thread block do not divide: one rank's share at tensor
+  // parallelism 8 of Qwen3-14B (40 / 8 heads, 8 / 8 kv heads) and of Qwen3-0.6B (16 / 8, 8 / 8).
+  check_decode("decode GQA 5 (NH=5 NKV=1) B=5 P=16", make_batch(5, 1, 16, ones, ctx, 88), 4096);
+  check_decode("decode GQA 2 (NH=2 NKV=1) B=40 P=64", make_batch(2, 1, 64, std::vector<int>(40, 1),
+                                                                    random_lengths(40, 1, 2000, 89), 90), 2048);
 }
 
 TEST(decode_batch_64_mixed) {
