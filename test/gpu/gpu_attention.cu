@@ -720,10 +720,11 @@ static void time_decode(const char* what, const std::vector<int>& ctx, int NH, i
   double us = median_us([&] {
     flash_attention_decode(out, qkv, view, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws, 1.f / sqrtf(128.f), 0);
   });
-  // The engine's default decode path (forward_fast): section 18's kernel, with q/k-norm, RoPE and the store
-  // inside (padding slots here, so the cache is not written) where the engine fuses them (a bf16 cache, or
-  // small batches; elsewhere the kernel after them, which is section 14's: their kernel is not timed here),
-  // and at small batches section 17's cluster merge.
+  // Section 21's decode attention, as forward_fast routes it (at batches of 1, 2 and 4 section 23's persistent
+  // kernel may take the whole step instead): section 18's kernel, with q/k-norm, RoPE and the store inside
+  // (padding slots here, so the cache is not written) where the engine fuses them (a bf16 cache, or small
+  // batches; elsewhere the kernel after them, which is section 14's: their kernel is not timed here), and at
+  // small batches section 17's cluster merge.
   const bool fuse = !fp8 || B <= DECODE_CLUSTER_MAX_B;
   std::vector<int> pos(B), no_slots(B, -1);
   for (int b = 0; b < B; b++) pos[b] = ctx[b] - 1;
