@@ -2678,6 +2678,9 @@ struct Hooks {
   // A decode step of B sequences run some other way; returns false for a B it does not take. Empty (or
   // false): `forward`.
   bool (*decode_step)(Qwen3& model, const StepInputs& in, int B, cudaStream_t s) = nullptr;
+  // The order of a decode step's rows: the engine applies it to the batch before the runner lays it out (and
+  // reads the tokens back in the same order). Empty: the scheduler's order.
+  void (*order_decode_batch)(std::vector<Sequence*>& batch) = nullptr;
   // A prefill step of T tokens run some other way (CUDA graphs); returns false for a step it does not take.
   // It may write the step's inputs past row T (padding). Empty (or false): `forward`.
   bool (*prefill_step)(Qwen3& model, const StepInputs& in, int T, int B, cudaStream_t s) = nullptr;
@@ -3682,6 +3685,7 @@ struct LLMEngine {
     admit_arrivals();
     if (observer) observer->step_begins(*this);
     std::vector<Sequence*> batch = scheduler.schedule(is_prefill);
+    if (!is_prefill && g_hooks.order_decode_batch) g_hooks.order_decode_batch(batch);  // (section 11's hooks)
     if (observer) observer->scheduled(*this, batch, is_prefill);
     std::vector<int> token_ids = runner.run(batch, is_prefill);
     if (observer) observer->ran(*this);
@@ -3813,6 +3817,7 @@ struct LLMEngine {
 // never name them.
 struct Optimizations {
   bool flash_attn = false;         // 14: flash attention on tensor cores, not section 8's kernels
+  bool longest_first = false;      // 14b: a decode step's rows in order of context length, longest first
   bool pdl = false;                // 15: the next kernel launches while the previous one finishes
   bool gemv = false;               // 16: batch-1/2 matrix products in a gemv with its neighbours fused in
   bool cluster_merge = false;      // 17: decode's split-K merge inside a cluster, no merge kernel
@@ -3835,7 +3840,8 @@ static void qk_norm_rope_view(bf16* qkv, const int* positions, const bf16* q_nor
 
 // ==== 14. Flash attention on tensor cores =================================================================
 // defines: KVCacheDtype, KVScales, KVView, kv_view, flash_attention_prefill,
-//          flash_attention_decode, flash_decode_workspace_bytes; switch flash_attn
+//          flash_attention_decode, flash_decode_workspace_bytes, order_longest_first; switches flash_attn,
+//          longest_first (14b)
 //
 // Replaces: section 8's attention kernels, which give each (query row, head) a warp of its own. There,
 // every query head of a GQA group reads the same keys again, every row of a prefill reads its keys again,
@@ -4667,6 +4673,36 @@ static void apply_flash_attn(bool on, Hooks& h) {
 }
 static const int kFlashAttnRegistered = register_optimization(
     {"flash_attn", "flash attention on tensor cores, split-K decode (section 14)", true, apply_flash_attn});
+
+// ---- 14b. A decode step's rows, longest context first: the switch longest_first ----
+// Replaces: the scheduler's order of a decode step's rows, which is the order flash_decode_kernel's thread
+// blocks start in (its grid runs partition fastest, then kv head, then row).
+// Why it is faster: a step's contexts differ (bench.py's run from 100 to 2,048 tokens), and a thread block
+// takes as long as its partition has keys. The GPU starts blocks in grid order as slots free up, so a long
+// context whose blocks come late still runs while most SMs have nothing left to start. With the rows in
+// order of context length, longest first (the "longest processing time first" rule for jobs on parallel
+// machines), the blocks that start last are the shortest, and they fill that tail. That pays with an fp8
+// cache (section 22), whose partitions are twice as long (1,024 keys above 32 sequences), so its blocks
+// differ more; with bf16's 512-key partitions the order measured no gain, so a bf16 run keeps the
+// scheduler's order (README, FP8 section).
+// What it changes: only which row of the step a sequence sits in. Every kernel of a decode step computes each
+// row on its own, and the engine reads a token back by its row, so every sequence gets the same tokens (the
+// run's tokens hash is the same with the switch on or off; the trace and the last step's logits hash follow
+// the new order). The order is a stable sort of the batch on the engine's side; prefill and mixed steps
+// keep the scheduler's order (a mixed step's decode rows must lead, section 21).
+// Switch: longest_first.
+static void order_longest_first(std::vector<Sequence*>& batch) {
+  if (g_kv_dtype != KVCacheDtype::FP8) return;  // (the cache's format is fixed for a run)
+  std::stable_sort(batch.begin(), batch.end(),
+                   [](const Sequence* a, const Sequence* b) { return a->size() > b->size(); });
+}
+static void apply_longest_first(bool on, Hooks& h) {
+  g_opt.longest_first = on;
+  if (on) h.order_decode_batch = order_longest_first;
+}
+static const int kLongestFirstRegistered = register_optimization(
+    {"longest_first", "an fp8 decode step's rows in order of context length, longest first (section 14b)", true,
+     apply_longest_first});
 
 // ==== 15. Programmatic dependent launch ====================================================================
 // defines: pdl_begin, pdl_trigger, gpu_cc_major, launch_pdl, launch_pdl_cluster; switch pdl

@@ -5,6 +5,7 @@
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
 #include "../test.h"
+#include "../engine_fixtures.h"
 
 static const std::vector<Optimization>& reg() { return optimization_registry(); }
 static int count_on(const OptimizationSet& s) {
@@ -25,15 +26,16 @@ static OptimizationSet parsed(const char* spec) {
   return s;
 }
 static int fields_on(const Optimizations& o) {
-  return o.flash_attn + o.pdl + o.gemv + o.cluster_merge + o.fused_rope + o.oneshot_allreduce + o.fast_sampler +
-         o.prefill_graphs + o.persistent;
+  return o.flash_attn + o.longest_first + o.pdl + o.gemv + o.cluster_merge + o.fused_rope + o.oneshot_allreduce +
+         o.fast_sampler + o.prefill_graphs + o.persistent;
 }
 
 // Every Part II section registered exactly one name, in file order, with a description naming its section,
 // and switching it on alone sets exactly one field of Optimizations (its own).
 TEST(every_optimization_is_registered_once) {
-  const char* expected[] = {"flash_attn",   "pdl",          "gemv",           "cluster_merge", "fused_rope",
-                            "oneshot_allreduce", "fast_sampler", "prefill_graphs", "persistent"};
+  const char* expected[] = {"flash_attn",        "longest_first", "pdl",           "gemv",
+                            "cluster_merge",     "fused_rope",    "oneshot_allreduce", "fast_sampler",
+                            "prefill_graphs",    "persistent"};
   CHECK_EQ(reg().size(), sizeof expected / sizeof expected[0]);
   CHECK_EQ(sizeof(Optimizations), reg().size() * sizeof(bool));
   for (size_t i = 0; i < reg().size() && i < sizeof expected / sizeof expected[0]; i++) {
@@ -57,13 +59,15 @@ TEST(switches_fill_their_hooks) {
   CHECK(!g_hooks.forward && !g_hooks.decode_step && !g_hooks.sample && !g_hooks.sample_workspace_bytes &&
         !g_hooks.compute_logprobs && !g_hooks.logprobs_workspace_bytes && !g_hooks.attention_workspace_bytes &&
         !g_hooks.tp_ready && g_hooks.model_ready.empty() && !g_hooks.prefill_step && !g_hooks.capture_prefill &&
-        !g_hooks.decode_rows_as_decode && g_hooks.prefill_graph_tokens == 0);
+        !g_hooks.decode_rows_as_decode && g_hooks.prefill_graph_tokens == 0 && !g_hooks.order_decode_batch);
   install_optimizations(parsed("none,flash_attn"));
   CHECK(g_hooks.forward == forward_fast && g_hooks.attention_workspace_bytes && !g_hooks.sample);
   CHECK(g_hooks.decode_rows_as_decode && !g_hooks.prefill_step);
   install_optimizations(parsed("none,prefill_graphs"));
   CHECK(g_hooks.forward == forward_fast && g_hooks.prefill_step == prefill_step_graphs &&
         g_hooks.capture_prefill == capture_prefill_graphs && g_hooks.prefill_graph_tokens == PREFILL_GRAPH_MAX_T);
+  install_optimizations(parsed("none,longest_first"));
+  CHECK(!g_hooks.forward && g_hooks.order_decode_batch == order_longest_first);
   install_optimizations(parsed("none,pdl"));
   CHECK(!g_hooks.forward && g_opt.pdl);  // pdl changes how Part II launches, not what runs
   install_optimizations(parsed("none,fast_sampler"));
@@ -76,6 +80,87 @@ TEST(switches_fill_their_hooks) {
   CHECK(g_hooks.forward == forward_fast && g_hooks.decode_step && g_hooks.sample && g_hooks.tp_ready);
   install_optimizations(default_optimizations());
   CHECK(g_hooks.decode_step && g_hooks.model_ready.size() == 1);  // on; it measures which batch sizes it takes
+}
+
+// Section 14b's order: with an fp8 cache, a decode batch sorted by context length, longest first, ties kept in
+// the scheduler's order (stable), the same sequences; with a bf16 cache, the batch as it was.
+TEST(longest_first_orders_decode_rows) {
+  std::vector<Sequence> seqs;
+  seqs.reserve(8);
+  const int lens[] = {5, 300, 17, 300, 1, 17, 4096, 300};
+  for (int i = 0; i < 8; i++) seqs.emplace_back(i, std::vector<int>(lens[i], 7), SamplingParams{}, 16);
+  std::vector<Sequence*> batch;
+  for (auto& s : seqs) batch.push_back(&s);
+  std::vector<Sequence*> sorted = batch;
+  g_kv_dtype = KVCacheDtype::BF16;
+  order_longest_first(sorted);
+  CHECK(sorted == batch);
+  g_kv_dtype = KVCacheDtype::FP8;
+  order_longest_first(sorted);
+  g_kv_dtype = KVCacheDtype::BF16;
+  const int want[] = {6, 1, 3, 7, 2, 5, 0, 4};  // by length, then by place in the batch
+  for (int i = 0; i < 8; i++)
+    CHECK_MSG(sorted[i] == batch[want[i]], "row %d holds sequence %d (length %d), expected %d", i,
+              (int)(sorted[i] - batch[0]), sorted[i]->size(), want[i]);
+}
+
+// ... and the engine applies it to decode steps only: a fake runner records each step's rows and answers
+// with a token that depends on the sequence alone. With the switch on, every decode step's rows run longest
+// first and every prefill step's rows come as scheduled (the same steps as with it off); the completions are
+// the same either way (the engine reads each token back by its row).
+struct RecordingRunner : StepRunner {
+  std::vector<std::pair<bool, std::vector<int64_t>>> steps;  // (is_prefill, the rows' seq_ids)
+  std::vector<std::vector<int>> sizes;                       // the rows' context lengths
+  std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) override {
+    steps.push_back({is_prefill, {}});
+    sizes.push_back({});
+    std::vector<int> out;
+    for (const Sequence* s : seqs) {
+      steps.back().second.push_back(s->seq_id);
+      sizes.back().push_back(s->size());
+      out.push_back((int)(s->seq_id * 100 + s->num_completion_tokens()) % 151000);
+    }
+    return out;
+  }
+  int padded_batch(int B, bool) const override { return B; }
+};
+TEST(longest_first_reorders_decode_steps_only) {
+  std::vector<Request> reqs;
+  for (int i = 0; i < 12; i++) {  // prompts of 3..80 tokens, outputs of 5..27, so contexts differ every step
+    Request r;
+    r.prompt_token_ids = iota_tokens(3 + (i * 37) % 78, i);
+    r.params = params_len(5 + (i * 7) % 23);
+    reqs.push_back(r);
+  }
+  std::vector<std::vector<int>> tokens[2];
+  RecordingRunner runners[2];
+  for (int on = 0; on < 2; on++) {
+    install_optimizations(parsed(on ? "none,longest_first" : "none"));
+    g_kv_dtype = KVCacheDtype::FP8;  // (the order applies to an fp8 cache; no GPU: only the format's tag)
+    Config c = small_config(200, 16, 64);  // a small token budget: prompts spread over several prefill steps
+    LLMEngine e(c, runners[on]);
+    for (const Completion& o : e.generate(reqs)) tokens[on].push_back(o.token_ids);
+  }
+  install_optimizations(default_optimizations());  // (and the format back to bf16)
+  CHECK_MSG(tokens[0] == tokens[1], "the completions differ with longest_first on");
+  CHECK_EQ(runners[0].steps.size(), runners[1].steps.size());
+  int decode_steps = 0, reordered = 0;
+  for (size_t k = 0; k < runners[1].steps.size() && k < runners[0].steps.size(); k++) {
+    const auto &off = runners[0].steps[k], &on = runners[1].steps[k];
+    CHECK_EQ(off.first, on.first);
+    if (on.first) {
+      CHECK_MSG(on.second == off.second, "prefill step %zu: rows reordered", k);
+      continue;
+    }
+    decode_steps++;
+    const std::vector<int>& sz = runners[1].sizes[k];
+    CHECK_MSG(std::is_sorted(sz.rbegin(), sz.rend()), "decode step %zu: rows not longest first", k);
+    std::vector<int64_t> a = off.second, b = on.second;
+    reordered += a != b;
+    std::sort(a.begin(), a.end()), std::sort(b.begin(), b.end());
+    CHECK_MSG(a == b, "decode step %zu: not the same sequences", k);
+  }
+  CHECK(decode_steps > 0 && reordered > 0);  // the workload did exercise the order
 }
 
 // Section 21b's rungs: ascending, within the step budget and PREFILL_GRAPH_MAX_T, and every step size up to
