@@ -4674,7 +4674,7 @@ static void apply_flash_attn(bool on, Hooks& h) {
 static const int kFlashAttnRegistered = register_optimization(
     {"flash_attn", "flash attention on tensor cores, split-K decode (section 14)", true, apply_flash_attn});
 
-// ---- 14b. A decode step's rows, longest context first: the switch longest_first ----
+// ---- 14b. A decode step's rows, longest context first (switch longest_first) ---------------------------
 // Replaces: the scheduler's order of a decode step's rows, which is the order flash_decode_kernel's thread
 // blocks start in (its grid runs partition fastest, then kv head, then row).
 // Why it is faster: a step's contexts differ (bench.py's run from 100 to 2,048 tokens), and a thread block
