@@ -3817,7 +3817,7 @@ struct LLMEngine {
 // never name them.
 struct Optimizations {
   bool flash_attn = false;         // 14: flash attention on tensor cores, not section 8's kernels
-  bool longest_first = false;      // 14b: a decode step's rows in order of context length, longest first
+  bool longest_first = false;      // 14b: an fp8 decode step's rows in order of context length, longest first
   bool pdl = false;                // 15: the next kernel launches while the previous one finishes
   bool gemv = false;               // 16: batch-1/2 matrix products in a gemv with its neighbours fused in
   bool cluster_merge = false;      // 17: decode's split-K merge inside a cluster, no merge kernel

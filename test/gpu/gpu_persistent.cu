@@ -16,9 +16,9 @@
 //     With an fp8 cache the reference is Part I on a bf16 copy of it (every stored e4m3 byte times its scale
 //     is a bf16 number, so Part I sees exactly the values the fp8 paths read); the yardstick is section 21's
 //     own distance from it, the largest over every batch size (both fp8 paths round the step's new keys and
-//     values, which Part I keeps in bf16, at every batch size); and at least a quarter of the stored bytes must equal section 21's: both round
-//     the same numbers, which differ by an ulp here and there (more of them the deeper the model), while a
-//     wrong scale or format changes nearly every byte.
+//     values, which Part I keeps in bf16, at every batch size); and at least a quarter of the stored bytes
+//     must equal section 21's: both round the same numbers, which differ by an ulp here and there (more of
+//     them the deeper the model), while a wrong scale or format changes nearly every byte.
 //   * Synchronisation. With thread blocks held back by different amounts at every operation (PersistArgs::
 //     skew_ns), the logits and the stored keys and values must be the same bits as without: the kernel's
 //     arithmetic does not depend on timing, so any difference is a read that raced a write. And the control:
