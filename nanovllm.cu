@@ -3840,8 +3840,8 @@ static void qk_norm_rope_view(bf16* qkv, const int* positions, const bf16* q_nor
 
 // ==== 14. Flash attention on tensor cores =================================================================
 // defines: KVCacheDtype, KVScales, KVView, kv_view, flash_attention_prefill,
-//          flash_attention_decode, flash_decode_workspace_bytes, order_longest_first; switches flash_attn,
-//          longest_first (14b)
+//          flash_attention_decode, flash_decode_merge, flash_decode_workspace_bytes, order_longest_first;
+//          switches flash_attn, longest_first (14b)
 //
 // Replaces: section 8's attention kernels, which give each (query row, head) a warp of its own. There,
 // every query head of a GQA group reads the same keys again, every row of a prefill reads its keys again,
@@ -4609,6 +4609,15 @@ __global__ void __launch_bounds__(MERGE_HEADS * HEAD_DIM)
   }
   out[(size_t)b * NH * HEAD_DIM + h * HEAD_DIM + d] = __float2bfloat16(acc / l_sum);
 }
+// Phase 2 for a batch of B sequences whose partials phase 1 left in ws_o, ws_ml (nothing to do when no
+// context spans more than one partition). Section 18's split-K kernel merges through it too.
+static void flash_decode_merge(bf16* out, const int* context_lens, const float* ws_o, const float* ws_ml, int B,
+                               int NH, int max_parts, int partition, cudaStream_t stream) {
+  if (max_parts <= 1) return;
+  flash_decode_merge_kernel<<<dim3(cdiv(NH, MERGE_HEADS), B), MERGE_HEADS * HEAD_DIM, 0, stream>>>(
+      out, context_lens, ws_o, ws_ml, NH, max_parts, partition);
+  CUDA_CHECK(cudaGetLastError());
+}
 
 // Bytes of float workspace flash_attention_decode needs: partial O and (m, l) for every (sequence, head,
 // partition), for any batch of at most B. B = 512, NH = 16, max_context_len = 4096 (nano-vllm defaults) ->
@@ -4653,11 +4662,7 @@ static void flash_attention_decode(bf16* out, const bf16* qkv, const KVView& cac
         __builtin_ctz(P), MB, max_parts, partition, ws_o, ws_ml, scale * (float)M_LOG2E);
   });
   CUDA_CHECK(cudaGetLastError());
-  if (max_parts > 1) {
-    flash_decode_merge_kernel<<<dim3(cdiv(NH, MERGE_HEADS), B), MERGE_HEADS * HEAD_DIM, 0, stream>>>(
-        out, context_lens, ws_o, ws_ml, NH, max_parts, partition);
-    CUDA_CHECK(cudaGetLastError());
-  }
+  flash_decode_merge(out, context_lens, ws_o, ws_ml, B, NH, max_parts, partition, stream);
 }
 
 // ---- The switch: flash_attn ----
@@ -5271,11 +5276,8 @@ static void attention_decode_fast(bf16* out, const bf16* qkv, const KVView& cach
                stream, out, qkv, k_cache, v_cache, cache.scale, context_lens, block_tables, NH, NKV,
                __builtin_ctz(P), MB, max_parts, partition, ws_o, ws_ml, scale_log2, r);
     CUDA_CHECK(cudaGetLastError());
-    if (max_parts > 1) {  // section 14's merge kernel, launched the ordinary way (it has no pdl_begin)
-      flash_decode_merge_kernel<<<dim3(cdiv(NH, MERGE_HEADS), B), MERGE_HEADS * HEAD_DIM, 0, stream>>>(
-          out, context_lens, ws_o, ws_ml, NH, max_parts, partition);
-      CUDA_CHECK(cudaGetLastError());
-    }
+    // section 14's merge kernel, launched the ordinary way (it has no pdl_begin)
+    flash_decode_merge(out, context_lens, ws_o, ws_ml, B, NH, max_parts, partition, stream);
   });
 }
 
