@@ -6969,7 +6969,7 @@ constexpr int PERSIST_SLOT_ELEMS = PERSIST_ROWS * PERSIST_KC;
 constexpr int PERSIST_RING = 4;          // slots: 3 chunks (96 KiB) ahead of the one in use
 static_assert((PERSIST_RING & (PERSIST_RING - 1)) == 0, "the ring's slot is a count modulo PERSIST_RING");
 constexpr int PERSIST_PREFETCH = 8;       // attention: tokens per warp whose K and V are loaded before the wait
-constexpr int PERSIST_MAX_B = 4;          // batch sizes 1, 2, 4 (decode graph sizes); at 8 it measured slower
+constexpr int PERSIST_MAX_B = 4;          // batch sizes 1, 2, 4 (decode graph sizes); 8: README
 
 enum PersistKind : int { PERSIST_EMBED, PERSIST_QKV, PERSIST_ATTN, PERSIST_O, PERSIST_GATE_UP, PERSIST_DOWN,
                          PERSIST_LM_HEAD };
@@ -7351,16 +7351,31 @@ __device__ __forceinline__ PersistTask persist_task(const PersistArgs& a, int ta
   k.t0 = min(k.ctx, k.p * len), k.t1 = min(k.ctx, k.t0 + len);
   return k;
 }
+// How attention's 16 warps split a partition: a warp takes `hpw` query heads of the group (all of them when
+// there are at most PERSIST_MAX_HPW, so each key and value is read once per thread block, and the heads'
+// dot products interleave), the group's ng = GQA / hpw sets of heads each take wph warps, and warp w of a set
+// takes every wph-th token of the partition from w % wph on. (GQA 2 or 4, Qwen3's common case: one set, 16
+// warps, each on a sixteenth of the tokens for every head.) Batch 1 keeps one head per warp: its partitions
+// are short (132 thread blocks share 8 KV heads' contexts), and the README has the measurement.
+constexpr int PERSIST_MAX_HPW = 4;  // query heads a warp carries (registers: 10 floats per head)
+struct PersistAttnSplit {
+  int hpw, ng, wph;
+};
+__host__ __device__ inline PersistAttnSplit persist_attn_split(int gqa, int B) {
+  const int hpw = B == 1 ? 1 : gqa <= PERSIST_MAX_HPW ? gqa : gqa % 4 == 0 ? 4 : gqa % 2 == 0 ? 2 : 1;
+  return {hpw, gqa / hpw, PERSIST_WARPS / (gqa / hpw)};
+}
+
 // A block's attention task is the same in every layer (there are at most as many tasks as blocks), and so are
 // the cache rows of the keys and values it reads first: they are looked up once per step, at the kernel's
 // start, into rows [WARPS, PERSIST_PREFETCH] (warp w's i-th token; -1: none), not in every layer while the
 // block is about to wait (a block-table read that misses L1 is a trip to L2 on the critical path).
 __device__ __forceinline__ void persist_first_rows(const PersistArgs& a, int64_t* rows) {
   const PersistTask k = persist_task(a, blockIdx.x);
-  const int GQA = a.NH / a.NKV, wph = PERSIST_WARPS / GQA;
+  const PersistAttnSplit sp = persist_attn_split(a.NH / a.NKV, a.B);
   for (int i = threadIdx.x; i < PERSIST_WARPS * PERSIST_PREFETCH; i += PERSIST_THREADS) {
-    const int w = i / PERSIST_PREFETCH, t = k.t0 + w % wph + (i % PERSIST_PREFETCH) * wph;
-    const bool used = w / wph < GQA && t < k.t1;
+    const int w = i / PERSIST_PREFETCH, t = k.t0 + w % sp.wph + (i % PERSIST_PREFETCH) * sp.wph;
+    const bool used = w / sp.wph < sp.ng && t < k.t1;
     rows[i] = used ? persist_cache_row(a, k.b, k.g, t) : -1;
   }
 }
@@ -7404,34 +7419,37 @@ struct PersistKV<fp8e4m3> {
 // Attention for one (sequence b, KV head g, partition p) of layer op.layer: q/k-norm and RoPE of the group's
 // heads (each partition does it for itself, from qkv), the partition's share of the context with an online
 // softmax, its partial result to a.partials; the last partition to finish merges them all into attn and
-// counts the (b, g) pair done. Warps split as (query head of the group, every wph-th token of the partition);
-// lane l holds dimensions [4l, 4l + 4). angles: RoPE's cosines and sines for each sequence [B, D], computed
-// once at the kernel's start (the positions do not change during a step). smem: see persist_smem_bytes.
+// counts the (b, g) pair done. Warps split as persist_attn_split says: HPW query heads of the group per warp,
+// every wph-th token of the partition; lane l holds dimensions [4l, 4l + 4) of each. angles: RoPE's cosines
+// and sines for each sequence [B, D], computed once at the kernel's start (the positions do not change during
+// a step). smem: see persist_smem_bytes.
 // KV: the cache's element, bf16 or fp8e4m3 (section 22). With fp8 the step's own key and value are stored as
 // e4m3 bytes and used as the cache will return them (rounded): this step computes with the numbers every later
 // step reads from that row, as section 22's kernels do.
-template <class KV>
+template <class KV, int HPW>
 __device__ __forceinline__ void persist_attention(const PersistArgs& a, const PersistOp* ops, const PersistOp& op,
                                                   int o, int task, const float* angles, const int64_t* first_rows,
                                                   float* smem, const PersistCursor& load, int consumed) {
   using Word = typename PersistKV<KV>::Word;
   constexpr bool FP8 = std::is_same<KV, fp8e4m3>::value;
-  const int D = HEAD_DIM, GQA = a.NH / a.NKV, wph = PERSIST_WARPS / GQA, parts = a.parts;
+  const int D = HEAD_DIM, GQA = a.NH / a.NKV, parts = a.parts;
+  const PersistAttnSplit sp = persist_attn_split(GQA, a.B);
+  const int wph = sp.wph;
   const PersistTask k = persist_task(a, task);
   const int p = k.p, g = k.g, b = k.b, ctx = k.ctx, t0 = k.t0, t1 = k.t1;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, h = warp / wph;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, hg = warp / wph;  // heads hg*HPW .. + HPW-1
   const float* cos_s = angles + b * D;  // [64]
   const float* sin_s = cos_s + D / 2;   // [64]
   float* q_s = smem;                    // [GQA, D] normed, rotated queries (bf16 values)
   float* kv_new = q_s + GQA * D;      // [2, D] this step's key (normed, rotated) and value as the cache holds them
-  float* wpart = kv_new + 2 * D;      // [WARPS, D + 2] each warp's o, m, l
-  int* flag = reinterpret_cast<int*>(wpart + PERSIST_WARPS * (D + 2));
+  float* wpart = kv_new + 2 * D;      // [WARPS, HPW, D + 2] each warp's o, m, l for each of its heads
+  int* flag = reinterpret_cast<int*>(wpart + PERSIST_WARPS * HPW * (D + 2));
   KV* k_cache = static_cast<KV*>(a.kv) + op.layer * a.layer_stride;
   KV* v_cache = k_cache + a.kv_stride;
   const KVScales kv_scale = FP8 ? op.kv_scale : KVScales{};
   auto cache_row = [&](int t) { return persist_cache_row(a, b, g, t); };
   // Before the wait: this warp's first tokens' keys and values (written by earlier steps).
-  const bool live = h < GQA;
+  const bool live = hg < sp.ng;
   const int first = t0 + warp % wph;  // this warp's tokens: first, first + wph, ...
   Word kr[PERSIST_PREFETCH], vr[PERSIST_PREFETCH];
   auto load_batch = [&](int from) {  // PERSIST_PREFETCH of them, every load issued before any is used
@@ -7499,9 +7517,16 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
   __syncthreads();
   // The partition's tokens, this warp's share, online softmax in base 2 (section 14's arithmetic).
   const float scale_log2 = a.scale * kv_scale.k * 1.4426950408889634f;
-  float m = -INFINITY, l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f}, q[4];
+  // Each of the warp's HPW heads keeps its own running max m, sum l and output acc; a key's HPW dot products
+  // are reduced across the warp together, so their shuffles overlap.
+  float m[HPW], l[HPW], acc[HPW][4], q[HPW][4];
   if (live) {
-    for (int i = 0; i < 4; i++) q[i] = q_s[h * D + lane * 4 + i];
+#pragma unroll
+    for (int j = 0; j < HPW; j++) {
+      m[j] = -INFINITY, l[j] = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; i++) acc[j][i] = 0.f, q[j][i] = q_s[(hg * HPW + j) * D + lane * 4 + i];
+    }
     auto step = [&](int t, Word kw, Word vw) {
       float k[4], v[4];
       if (t == ctx - 1) {
@@ -7510,15 +7535,22 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
         PersistKV<KV>::widen(kw, k);
         PersistKV<KV>::widen(vw, v);
       }
-      float s = q[0] * k[0] + q[1] * k[1] + q[2] * k[2] + q[3] * k[3];
+      float s[HPW];
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-      s *= scale_log2;
-      const float m_new = fmaxf(m, s), alpha = fast_exp2(m - m_new), pr = fast_exp2(s - m_new);
-      l = l * alpha + pr;
+      for (int j = 0; j < HPW; j++) s[j] = q[j][0] * k[0] + q[j][1] * k[1] + q[j][2] * k[2] + q[j][3] * k[3];
 #pragma unroll
-      for (int i = 0; i < 4; i++) acc[i] = acc[i] * alpha + pr * v[i];
-      m = m_new;
+      for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+        for (int j = 0; j < HPW; j++) s[j] += __shfl_xor_sync(0xffffffffu, s[j], off);
+#pragma unroll
+      for (int j = 0; j < HPW; j++) {
+        const float sj = s[j] * scale_log2;
+        const float m_new = fmaxf(m[j], sj), alpha = fast_exp2(m[j] - m_new), pr = fast_exp2(sj - m_new);
+        l[j] = l[j] * alpha + pr;
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[j][i] = acc[j][i] * alpha + pr * v[i];
+        m[j] = m_new;
+      }
     };
     for (int from = first; from < t1; from += PERSIST_PREFETCH * wph) {
       if (from != first) load_batch(from);
@@ -7526,21 +7558,24 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
       for (int i = 0; i < PERSIST_PREFETCH; i++)
         if (from + i * wph < t1) step(from + i * wph, kr[i], vr[i]);
     }
-    float* wp = wpart + warp * (D + 2);
-    for (int i = 0; i < 4; i++) wp[lane * 4 + i] = acc[i] * kv_scale.v;  // (a power of two: exact)
-    if (lane == 0) wp[D] = m, wp[D + 1] = l;
+#pragma unroll
+    for (int j = 0; j < HPW; j++) {
+      float* wp = wpart + (warp * HPW + j) * (D + 2);
+      for (int i = 0; i < 4; i++) wp[lane * 4 + i] = acc[j][i] * kv_scale.v;  // (a power of two: exact)
+      if (lane == 0) wp[D] = m[j], wp[D + 1] = l[j];
+    }
   }
   __syncthreads();
   // The warps of each head combined (in warp order) into this partition's partial result.
   float* part = a.partials + ((((size_t)b * a.NKV + g) * parts + p) * GQA) * (D + 2);
   for (int e = threadIdx.x; e < GQA * D; e += PERSIST_THREADS) {
-    const int hq = e / D, d = e % D;
+    const int hq = e / D, d = e % D, w0 = hq / HPW * wph, j = hq % HPW;  // head hq: warps w0.., slot j
     float mm = -INFINITY;
-    for (int w = hq * wph; w < (hq + 1) * wph; w++) mm = fmaxf(mm, wpart[w * (D + 2) + D]);
+    for (int w = w0; w < w0 + wph; w++) mm = fmaxf(mm, wpart[(w * HPW + j) * (D + 2) + D]);
     float ll = 0.f, oo = 0.f;
     if (mm != -INFINITY)
-      for (int w = hq * wph; w < (hq + 1) * wph; w++) {
-        const float* wp = wpart + w * (D + 2);
+      for (int w = w0; w < w0 + wph; w++) {
+        const float* wp = wpart + (w * HPW + j) * (D + 2);
         if (wp[D] == -INFINITY) continue;
         const float f = fast_exp2(wp[D] - mm);
         ll += wp[D + 1] * f;
@@ -7633,8 +7668,12 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
       continue;
     }
     if (op.kind == PERSIST_ATTN) {
-      for (int task = blockIdx.x; task < B * a.NKV * a.parts; task += gridDim.x)
-        persist_attention<KV>(a, ops, op, o, task, angles, first_rows, work, load, consumed);
+      const int hpw = persist_attn_split(a.NH / a.NKV, B).hpw;
+      for (int task = blockIdx.x; task < B * a.NKV * a.parts; task += gridDim.x) {
+        if (hpw == 4) persist_attention<KV, 4>(a, ops, op, o, task, angles, first_rows, work, load, consumed);
+        else if (hpw == 2) persist_attention<KV, 2>(a, ops, op, o, task, angles, first_rows, work, load, consumed);
+        else persist_attention<KV, 1>(a, ops, op, o, task, angles, first_rows, work, load, consumed);
+      }
       persist_trace(a, o, 2);
       continue;
     }
@@ -7703,7 +7742,8 @@ struct PersistentDecode {
 // attention's first cache rows, the operation list, then the larger of a gemv's staged input [B, Kmax + 8] and
 // residual [B, H], and attention's buffers (queries, the new key and value, per-warp partials).
 static size_t persist_smem_bytes(int B, int Kmax, int H, int gqa, int n_ops) {
-  const size_t attn = (size_t)(gqa * HEAD_DIM + 2 * HEAD_DIM + PERSIST_WARPS * (HEAD_DIM + 2)) * 4 + 16;
+  const size_t attn =
+      (size_t)(gqa * HEAD_DIM + 2 * HEAD_DIM + PERSIST_WARPS * persist_attn_split(gqa, B).hpw * (HEAD_DIM + 2)) * 4 + 16;
   return (size_t)PERSIST_RING * PERSIST_SLOT_ELEMS * sizeof(bf16) + 2 * PERSIST_WARPS * PERSIST_ROWS * 8 * 4 +
          (size_t)B * (32 + HEAD_DIM) * 4 + PERSIST_WARPS * PERSIST_PREFETCH * 8 + persist_ops_bytes(n_ops) +
          std::max((size_t)B * (Kmax + 8 + H) * sizeof(bf16), attn);

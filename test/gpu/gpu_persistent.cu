@@ -61,9 +61,12 @@ static ModelConfig test_shape(const std::string& name) {
   } else if (name == "8b") {
     c.hidden_size = 4096, c.intermediate_size = 12288, c.num_hidden_layers = 36;
     c.num_attention_heads = 32, c.num_key_value_heads = 8, c.vocab_size = 151936;
-  } else {  // "odd": nothing divides evenly
+  } else {  // "odd": nothing divides evenly; "odd-gqa6", "odd-gqa8": the same with 6 or 8 query heads per KV
+             // head (attention's warps then take 2 or 4 heads each, in 3 or 2 sets: persist_attn_split)
     c.hidden_size = 520, c.intermediate_size = 1048, c.num_hidden_layers = 3;
     c.num_attention_heads = 4, c.num_key_value_heads = 1, c.vocab_size = 1001;
+    if (name == "odd-gqa6") c.num_attention_heads = 12, c.num_key_value_heads = 2;
+    if (name == "odd-gqa8") c.num_attention_heads = 8, c.num_key_value_heads = 1;
   }
   return c;
 }
@@ -381,6 +384,11 @@ static void accuracy_case(const std::string& shape, int P, bool fp8 = false) {
 TEST(persistent_matches_section20_and_part1_odd_shape) {
   REQUIRE_GPU();
   accuracy_case("odd", 16);
+}
+TEST(persistent_matches_section20_and_part1_wide_groups) {
+  REQUIRE_GPU();
+  accuracy_case("odd-gqa6", 16);
+  accuracy_case("odd-gqa8", 16);
 }
 TEST(persistent_matches_section20_and_part1_06b) {
   REQUIRE_GPU();
