@@ -6969,7 +6969,7 @@ constexpr int PERSIST_SLOT_ELEMS = PERSIST_ROWS * PERSIST_KC;
 constexpr int PERSIST_RING = 4;          // slots: 3 chunks (96 KiB) ahead of the one in use
 static_assert((PERSIST_RING & (PERSIST_RING - 1)) == 0, "the ring's slot is a count modulo PERSIST_RING");
 constexpr int PERSIST_PREFETCH = 8;       // attention: tokens per warp whose K and V are loaded before the wait
-constexpr int PERSIST_MAX_B = 4;          // batch sizes 1, 2, 4 (decode graph sizes); 8: README
+constexpr int PERSIST_MAX_B = 4;          // batch sizes 1, 2, 4 (decode graph sizes); 8 lost end to end (README)
 
 enum PersistKind : int { PERSIST_EMBED, PERSIST_QKV, PERSIST_ATTN, PERSIST_O, PERSIST_GATE_UP, PERSIST_DOWN,
                          PERSIST_LM_HEAD };
@@ -7742,8 +7742,8 @@ struct PersistentDecode {
 // attention's first cache rows, the operation list, then the larger of a gemv's staged input [B, Kmax + 8] and
 // residual [B, H], and attention's buffers (queries, the new key and value, per-warp partials).
 static size_t persist_smem_bytes(int B, int Kmax, int H, int gqa, int n_ops) {
-  const size_t attn =
-      (size_t)(gqa * HEAD_DIM + 2 * HEAD_DIM + PERSIST_WARPS * persist_attn_split(gqa, B).hpw * (HEAD_DIM + 2)) * 4 + 16;
+  const int hpw = persist_attn_split(gqa, B).hpw;  // attention's per-warp partials: one per head it carries
+  const size_t attn = (size_t)(gqa * HEAD_DIM + 2 * HEAD_DIM + PERSIST_WARPS * hpw * (HEAD_DIM + 2)) * 4 + 16;
   return (size_t)PERSIST_RING * PERSIST_SLOT_ELEMS * sizeof(bf16) + 2 * PERSIST_WARPS * PERSIST_ROWS * 8 * 4 +
          (size_t)B * (32 + HEAD_DIM) * 4 + PERSIST_WARPS * PERSIST_PREFETCH * 8 + persist_ops_bytes(n_ops) +
          std::max((size_t)B * (Kmax + 8 + H) * sizeof(bf16), attn);
