@@ -2620,7 +2620,8 @@ static void linear_reference(float* y, const float* x, const float* W, int M, in
 // 1, 2, 4, 8, 16, 32, ..., 512 (largest first) and replayed; a batch of 37 replays the 48 graph with 11
 // padding rows (slot -1: nothing stored, context 1: a harmless read, token discarded). No kernel's grid
 // depends on the contexts (section 8's on the batch size, section 14's on max_model_len), so one capture
-// serves every step.
+// serves every step. (A Part II decode path that pays only up to some context asks for a second graph of a
+// batch size, for the steps past it: Hooks::decode_step_context_limit, graph_for.)
 
 // A pinned host array and its device twin inside one of the two step regions.
 template <typename Tp>
@@ -2654,7 +2655,7 @@ struct StepRegion {
 struct TPStep {      // what rank 0 decided for one step; the step region's bytes follow it (section 12b)
   int is_prefill;
   int T, B;          // tokens and sequences (decode: B padded to the graph's batch size, T = B)
-  int max_seqlen_q;  // prefill
+  int max_seqlen_q;  // prefill; decode: the longest context (ModelRunner::graph_for)
   int decode_rows;   // prefill: StepInputs::decode_rows
   int graph_bs;      // decode: the CUDA graph to replay, 0 = run eagerly
   uint64_t bytes;    // used bytes of the step region
@@ -2675,9 +2676,12 @@ static void gather_logits(TPComm* comm, const float* shard, float* staging, floa
 struct Hooks {
   // The forward pass of a step. Empty: section 6c's Qwen3::forward.
   void (*forward)(Qwen3& model, const StepInputs& in, int T, int B, bool is_prefill, cudaStream_t s) = nullptr;
-  // A decode step of B sequences run some other way; returns false for a B it does not take. Empty (or
-  // false): `forward`.
-  bool (*decode_step)(Qwen3& model, const StepInputs& in, int B, cudaStream_t s) = nullptr;
+  // A decode step of B sequences whose longest context is max_context keys, run some other way; returns false
+  // for a step it does not take. Empty (or false): `forward`.
+  bool (*decode_step)(Qwen3& model, const StepInputs& in, int B, int max_context, cudaStream_t s) = nullptr;
+  // The longest context at which decode_step takes a step of B sequences (0: none). Where that is shorter than
+  // max_model_len, the runner captures a second CUDA graph of B for the longer steps. Empty: 0.
+  int (*decode_step_context_limit)(int B) = nullptr;
   // The order of a decode step's rows: the engine applies it to the batch before the runner lays it out (and
   // reads the tokens back in the same order). Empty: the scheduler's order.
   void (*order_decode_batch)(std::vector<Sequence*>& batch) = nullptr;
@@ -2776,6 +2780,7 @@ struct ModelRunner : StepRunner {
   uint64_t tp_engine = 0;          // rank 0 with tensor parallelism: the engine the workers built for this one
   std::vector<int> graph_bs;                 // captured batch sizes, ascending
   std::map<int, cudaGraphExec_t> graphs;
+  std::map<int, cudaGraphExec_t> graphs_long;  // where decode_step stops at a context limit: the steps past it
   double load_seconds = 0, load_gbps = 0, capture_seconds = 0;
   size_t free_at_start = 0;  // GPU memory free when this engine began: the rest is other processes' (and
                              // this process's CUDA context, or an earlier engine's)
@@ -2985,11 +2990,12 @@ struct ModelRunner : StepRunner {
     return StepInputs{decode_ids.dev, decode_pos.dev, decode_slots.dev, nullptr, decode_ctx.dev, decode_bt.dev, 1};
   }
 
-  // The model, then (rank 0) the sampler: Part I's, or Part II's where a hook is filled.
-  void forward_and_sample(const StepInputs& in, int T, int B, bool is_prefill, const SamplingSlot* slots_d,
-                          bool draw = true) {
+  // The model, then (rank 0) the sampler: Part I's, or Part II's where a hook is filled. max_context: a decode
+  // step's longest context (keys), which a Part II decode path may depend on.
+  void forward_and_sample(const StepInputs& in, int T, int B, bool is_prefill, int max_context,
+                          const SamplingSlot* slots_d, bool draw = true) {
     const bool done = is_prefill ? g_hooks.prefill_step && g_hooks.prefill_step(model, in, T, B, stream)
-                                 : g_hooks.decode_step && g_hooks.decode_step(model, in, B, stream);
+                                 : g_hooks.decode_step && g_hooks.decode_step(model, in, B, max_context, stream);
     if (!done && g_hooks.forward) g_hooks.forward(model, in, T, B, is_prefill, stream);
     else if (!done) model.forward(in, T, B, is_prefill, stream);
     if (model.tp > 1)
@@ -3004,6 +3010,12 @@ struct ModelRunner : StepRunner {
     else sample(out_tokens_d, logits, slots_d, B, V, stream);
   }
 
+  // The decode graph of batch g for a step whose longest context is max_context keys.
+  cudaGraphExec_t graph_for(int g, int max_context) const {
+    auto it = graphs_long.find(g);
+    if (it != graphs_long.end() && max_context > g_hooks.decode_step_context_limit(g)) return it->second;
+    return graphs.at(g);
+  }
   int graph_size_for(int bs) const {
     for (int g : graph_bs)
       if (g >= bs) return g;
@@ -3102,16 +3114,18 @@ struct ModelRunner : StepRunner {
       if (model.tp > 1)
         tp_send_step(tp_engine, {1, T, B, in.max_seqlen_q, in.decode_rows, 0, prefill_region.used},
                      prefill_region.host);
-      forward_and_sample(in, T, B, true, prefill_samp.dev, !x.edits);
+      forward_and_sample(in, T, B, true, 0, prefill_samp.dev, !x.edits);
       if (x.edits || x.logprobs) process_and_sample(x, B, prefill_samp.dev);
     } else {
       int g = config.enforce_eager ? 0 : graph_size_for(B);
       StepInputs in = prepare_decode(seqs, g ? g : B);
+      int max_context = 1;
+      for (const Sequence* s : seqs) max_context = std::max(max_context, s->size());
       if (model.tp > 1)
-        tp_send_step(tp_engine, {0, g ? g : B, g ? g : B, 1, 0, g, decode_region.used},
+        tp_send_step(tp_engine, {0, g ? g : B, g ? g : B, max_context, 0, g, decode_region.used},
                      decode_region.host);
-      if (g) CUDA_CHECK(cudaGraphLaunch(graphs[g], stream));
-      else forward_and_sample(in, B, B, false, decode_samp.dev, !x.edits);
+      if (g) CUDA_CHECK(cudaGraphLaunch(graph_for(g, max_context), stream));
+      else forward_and_sample(in, B, B, false, max_context, decode_samp.dev, !x.edits);
       if (x.edits || x.logprobs) process_and_sample(x, B, decode_samp.dev);
     }
     have_logprobs = x.logprobs;
@@ -3129,19 +3143,25 @@ struct ModelRunner : StepRunner {
     double t0 = now_seconds();
     graph_bs = graph_batch_sizes(Bmax);
     std::vector<Sequence*> none;
-    for (auto it = graph_bs.rbegin(); it != graph_bs.rend(); ++it) {
-      int bs = *it;
+    // One graph per batch size, of the step as the hooks run it at short contexts (max_context 1), and where
+    // a Part II decode path stops at a context limit, a second one of the step past it.
+    auto capture = [&](int bs, int max_context) {
       StepInputs in = prepare_decode(none, bs);  // all padding rows: valid inputs that store nothing
-      forward_and_sample(in, bs, bs, false, decode_samp.dev);  // warm-up: cuBLASLt picks its algorithms here
+      forward_and_sample(in, bs, bs, false, max_context, decode_samp.dev);  // warm-up: cuBLASLt chooses here
       CUDA_CHECK(cudaStreamSynchronize(stream));
       cudaGraph_t graph;
       CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      forward_and_sample(in, bs, bs, false, decode_samp.dev);
+      forward_and_sample(in, bs, bs, false, max_context, decode_samp.dev);
       CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
       cudaGraphExec_t exec;
       CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
       CUDA_CHECK(cudaGraphDestroy(graph));
-      graphs[bs] = exec;
+      return exec;
+    };
+    for (auto it = graph_bs.rbegin(); it != graph_bs.rend(); ++it) {
+      graphs[*it] = capture(*it, 1);
+      const int limit = g_hooks.decode_step_context_limit ? g_hooks.decode_step_context_limit(*it) : 0;
+      if (limit > 0 && limit < config.max_model_len) graphs_long[*it] = capture(*it, config.max_model_len);
     }
     if (g_hooks.capture_prefill) g_hooks.capture_prefill(model, prefill_inputs(0, 0), Tmax, stream);
     CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -3512,14 +3532,14 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
   StepRegion& region = st.is_prefill ? r.prefill_region : r.decode_region;
   CUDA_CHECK(cudaMemcpyAsync(region.dev, region.host, st.bytes, cudaMemcpyHostToDevice, r.stream));
   if (st.is_prefill) {
-    r.forward_and_sample(r.prefill_inputs(st.max_seqlen_q, st.decode_rows), st.T, st.B, true,
+    r.forward_and_sample(r.prefill_inputs(st.max_seqlen_q, st.decode_rows), st.T, st.B, true, 0,
                           r.prefill_samp.dev);
   } else if (st.graph_bs) {
-    auto it = r.graphs.find(st.graph_bs);
-    INTERNAL_CHECK(it != r.graphs.end(), "rank 0 replays a graph of batch %d, this rank has none", st.graph_bs);
-    CUDA_CHECK(cudaGraphLaunch(it->second, r.stream));
+    INTERNAL_CHECK(r.graphs.count(st.graph_bs), "rank 0 replays a graph of batch %d, this rank has none",
+                   st.graph_bs);
+    CUDA_CHECK(cudaGraphLaunch(r.graph_for(st.graph_bs, st.max_seqlen_q), r.stream));
   } else {
-    r.forward_and_sample(r.decode_inputs(), st.B, st.B, false, r.decode_samp.dev);
+    r.forward_and_sample(r.decode_inputs(), st.B, st.B, false, st.max_seqlen_q, r.decode_samp.dev);
   }
   CUDA_CHECK(cudaStreamSynchronize(r.stream));  // a failure surfaces here, in this step, named by rank
 }
@@ -6881,8 +6901,8 @@ static const int kFp8FormatRegistered = register_kv_cache_format(
     {"fp8", {"fp8_e4m3"}, 1, {{"fp8_e5m2", "nanovllm stores FP8 as e4m3 (write fp8 or fp8_e4m3)"}}, use_fp8_cache});
 
 // ==== 23. One persistent kernel for a small-batch decode step ============================================
-// defines: PersistOp, PersistPlan, PersistentDecode, persist_setup, persist_measure, persistent_decode,
-//          persist_describe;
+// defines: PersistOp, PersistPlan, PersistentDecode, persist_setup, persist_measure, persist_context_limit,
+//          persistent_decode, persist_describe;
 //          switch persistent
 //
 // Replaces: at decode steps of 1, 2 or 4 sequences on one GPU, all of section 21's forward pass: about five
@@ -6946,8 +6966,9 @@ static const int kFp8FormatRegistered = register_kv_cache_format(
 //     loaded before the wait), attention's merge (one trip for up to 16 partitions). Polling with acquire
 //     loads emptied the SM's L1 at every poll; relaxed polls and one acquire load at the end cost less.
 // What is left is mostly those hand-offs and attention's chain of trips, and the README has the figures.
-// Whether it beats sections 14-21 depends on the GPU, the model and the batch size, so each batch size with
-// a plan takes it only where a measurement at start-up finds it faster (persist_measure).
+// Whether it beats sections 14-21 depends on the GPU, the model, the batch size and the contexts, so a decode
+// step of a batch size with a plan takes it only up to the context at which a measurement at start-up finds it
+// faster (persist_measure).
 // An fp8 cache (section 22) changes only what attention reads: a lane's 4 values of a row are 4 bytes instead
 // of 8, widened with section 22's conversion; the key scale joins the scores' scale and the value scale the
 // partition's output, and the step's own key and value are rounded to e4m3 before they are used (and stored),
@@ -6959,7 +6980,7 @@ static const int kFp8FormatRegistered = register_kv_cache_format(
 // flags across GPUs.
 // Switch: persistent (on by default; measured per batch size at start-up). Needs sm_80; a batch size whose
 // shared memory does not fit, or TP > 1, uses section 21's path, and the start-up line says which decode path
-// runs at which batch sizes, with the times measured.
+// runs at which batch sizes and contexts, with the times measured.
 constexpr int PERSIST_THREADS = 512;
 constexpr int PERSIST_WARPS = PERSIST_THREADS / 32;
 constexpr int PERSIST_ROWS = 16;        // weight rows per group: one tensor-core tile (m16n8k16) tall
@@ -7725,16 +7746,26 @@ struct PersistPlan {
   float* partials_d = nullptr;
 };
 
+// One measurement of a decode step both ways (persist_measure): microseconds per step at `context` keys.
+struct PersistTimes {
+  int context;
+  double fused, kernel;  // section 21's path, the kernel
+};
 struct PersistentDecode {
   std::map<int, PersistPlan> plans;  // by batch size
   std::string off_reason;            // why there are none (for the start-up line)
   std::set<int> route;               // the batch sizes that run their plan (persist_measure)
-  std::map<int, std::pair<double, double>> timed;  // B -> microseconds per step: section 21's, the kernel's
-  int timed_context = 0;
-  // The plan a decode step of B sequences runs, or null: section 21's path.
-  const PersistPlan* plan_for(int B) const {
-    auto it = plans.find(B);
-    return g_opt.persistent && route.count(B) && it != plans.end() ? &it->second : nullptr;
+  std::map<int, int> context_limit;  // B -> the longest context it runs its plan at (none: every context)
+  std::map<int, std::vector<PersistTimes>> timed;  // B -> what persist_measure measured
+  // The longest context at which a step of B sequences runs the kernel (0: never).
+  int limit_for(int B) const {
+    if (!g_opt.persistent || !route.count(B) || !plans.count(B)) return 0;
+    auto it = context_limit.find(B);
+    return it == context_limit.end() ? INT_MAX : it->second;
+  }
+  // The plan a decode step of B sequences, the longest of max_context keys, runs, or null: section 21's path.
+  const PersistPlan* plan_for(int B, int max_context) const {
+    return max_context <= limit_for(B) ? &plans.at(B) : nullptr;
   }
 };
 
@@ -7859,16 +7890,39 @@ static void persistent_decode(Qwen3& model, const PersistPlan& plan, const StepI
   CUDA_CHECK(cudaGetLastError());
 }
 
-// Which batch sizes take the kernel: measured once at start-up, on this GPU and this model, because the answer
-// depends on both (how many layers, how wide, how many SMs) and on the batch size. For each batch size with a
-// plan, a decode step of B sequences of `context` keys (the cache's first blocks; slot -1, so nothing is
-// stored) runs both ways, each captured in a CUDA graph as the engine runs it (5 replays to warm up, 20
-// timed); the kernel takes that batch size if it is at least PERSIST_ROUTE_MARGIN faster. The two paths add
-// their sums in different orders, so their logits differ in the last bits: the margin keeps a batch size whose
-// two times are close on section 21's path, rather than on whichever won this run's measurement.
-// NANOVLLM_PERSISTENT=always skips the measurement and routes every batch size with a plan to the kernel (the
-// tests that check it inside the engine).
+// Which steps take the kernel: measured once at start-up, on this GPU and this model, because the answer
+// depends on both (how many layers, how wide, how many SMs), on the batch size and on the context. The kernel
+// wins where a step is mostly weights; its attention, a share of 132 thread blocks that wait for qkv, reads
+// the cache more slowly than section 14's kernels, which have the whole GPU to themselves, so the longer the
+// contexts the less it wins, and past some length it loses (at batch 1 on an H100, from about 2,000 keys on:
+// README). For each batch size with a plan, a decode step of B sequences of the same context (the cache's
+// first blocks; slot -1, so nothing is stored) runs both ways, each captured in a CUDA graph as the engine runs
+// it (5 replays to warm up, 20 timed), at 512 keys and at 4,096 (or max_model_len - 1 where that is shorter).
+// A step's time grows about linearly with its contexts on either path (the cache bytes it reads), so the two
+// measurements give a line for each, and the kernel takes the steps of B sequences whose longest context is
+// at most where the kernel's line meets section 21's less PERSIST_ROUTE_MARGIN (persist_context_limit); past
+// it, and at batch sizes where the kernel does not win at 512 keys, section 21's path runs. The two paths add
+// their sums in different orders, so their logits differ in the last bits: the margin keeps a step whose two
+// times are close on section 21's path, rather than on whichever won this run's measurement. The engine keeps
+// a CUDA graph of each path for such a batch size (ModelRunner::graph_for picks one per step).
+// NANOVLLM_PERSISTENT=always skips the measurement and routes every step of a batch size with a plan to the
+// kernel, whatever its contexts (the tests that check it inside the engine); NANOVLLM_PERSISTENT=upto:N the
+// steps whose longest context is at most N keys (the tests of the switch between the two graphs).
 constexpr double PERSIST_ROUTE_MARGIN = 0.02;
+constexpr int PERSIST_MEASURE_SHORT = 512, PERSIST_MEASURE_LONG = 4096;  // contexts measured (keys)
+// The longest context at which the kernel is still PERSIST_ROUTE_MARGIN faster than section 21's path, from the
+// two measurements a (the shorter context) and b: 0 if it is not faster at a; INT_MAX if its lead does not
+// shrink from a to b (or a is the only measurement); else where the lead, a straight line through a and b,
+// reaches 0 (past b too, if it is still positive there).
+static int persist_context_limit(const PersistTimes& a, const PersistTimes* b, double margin) {
+  const double lead_a = (1.0 - margin) * a.fused - a.kernel;  // microseconds the kernel wins by, less the margin
+  if (lead_a <= 0) return 0;
+  if (!b) return INT_MAX;
+  const double lead_b = (1.0 - margin) * b->fused - b->kernel;
+  if (lead_b >= lead_a) return INT_MAX;
+  const double at = a.context + lead_a / (lead_a - lead_b) * (b->context - a.context);
+  return at >= (double)INT_MAX ? INT_MAX : (int)at;
+}
 // Microseconds per replay of `step` captured in a CUDA graph (warm replays first, then `timed` timed).
 template <typename Step>
 static double persist_time_graph(Step step, cudaStream_t s, int warm = 5, int timed = 20) {
@@ -7898,15 +7952,16 @@ static double persist_time_graph(Step step, cudaStream_t s, int warm = 5, int ti
 }
 static void persist_measure(Qwen3& model, PersistentDecode& pd, cudaStream_t s) {
   const char* env = getenv("NANOVLLM_PERSISTENT");
-  if (env && !strcmp(env, "always")) {
-    for (const auto& [B, p] : pd.plans) pd.route.insert(B);
+  if (env && (!strcmp(env, "always") || !strncmp(env, "upto:", 5))) {
+    for (const auto& [B, p] : pd.plans) {
+      pd.route.insert(B);
+      if (env[0] == 'u') pd.context_limit[B] = std::max(1, atoi(env + 5));
+    }
     return;
   }
-  const int ctx = std::max(1, std::min(512, model.max_model_len - 1));
-  const int per_seq = (int)cdiv(ctx, model.P);
-  for (const auto& entry : pd.plans) {
-    const int B = entry.first;
-    const PersistPlan& plan = entry.second;
+  // One step of B sequences of ctx keys, both ways.
+  auto measure = [&](int B, const PersistPlan& plan, int ctx) {
+    const int per_seq = (int)cdiv(ctx, model.P);
     std::vector<int> ids(B, 0), pos(B, ctx - 1), slots(B, -1), lens(B, ctx), bt((size_t)B * model.MB, 0);
     for (int b = 0; b < B; b++)
       for (int i = 0; i < per_seq; i++) bt[(size_t)b * model.MB + i] = (int)((b * per_seq + i) % model.kv.num_blocks);
@@ -7923,35 +7978,50 @@ static void persist_measure(Qwen3& model, PersistentDecode& pd, cudaStream_t s) 
     }, s);
     const double kernel = persist_time_graph([&] { persistent_decode(model, plan, in, s, 0, -1, nullptr); }, s);
     CUDA_CHECK(cudaFree(d));
-    pd.timed[B] = {fused, kernel};
-    if (kernel < fused * (1.0 - PERSIST_ROUTE_MARGIN)) pd.route.insert(B);
+    return PersistTimes{ctx, fused, kernel};
+  };
+  const int longest = model.max_model_len - 1;
+  for (const auto& [B, plan] : pd.plans) {
+    std::vector<PersistTimes>& t = pd.timed[B];
+    t.push_back(measure(B, plan, std::max(1, std::min(PERSIST_MEASURE_SHORT, longest))));
+    if (t[0].kernel >= t[0].fused * (1.0 - PERSIST_ROUTE_MARGIN)) continue;  // section 21's path at every context
+    pd.route.insert(B);
+    if (longest > t[0].context) t.push_back(measure(B, plan, std::min(PERSIST_MEASURE_LONG, longest)));
+    const int limit = persist_context_limit(t[0], t.size() > 1 ? &t[1] : nullptr, PERSIST_ROUTE_MARGIN);
+    if (limit < longest) pd.context_limit[B] = limit;  // (else it takes every step of B sequences)
   }
-  pd.timed_context = ctx;
 }
 
 static std::string persist_describe(const PersistentDecode& pd) {
   if (!g_opt.persistent) return "section 21's kernels (persistent off)";
   if (pd.plans.empty()) return "section 21's kernels (persistent: " + pd.off_reason + ")";
   std::string sizes, times;
-  char buf[96];
-  for (int B : pd.route) sizes += (sizes.empty() ? "" : ", ") + std::to_string(B);
-  for (const auto& [B, t] : pd.timed) {
-    snprintf(buf, sizeof buf, "%sB=%d %.3f / %.3f", times.empty() ? "" : ", ", B, t.first / 1e3, t.second / 1e3);
-    times += buf;
+  char buf[128];
+  for (int B : pd.route) {
+    sizes += (sizes.empty() ? "" : ", ") + std::to_string(B);
+    if (pd.context_limit.count(B)) sizes += " up to " + std::to_string(pd.context_limit.at(B)) + " keys";
+  }
+  for (const auto& [B, ts] : pd.timed) {
+    std::string one = "B=" + std::to_string(B);
+    for (size_t i = 0; i < ts.size(); i++) {
+      snprintf(buf, sizeof buf, "%s %.3f / %.3f at %d", i ? "," : "", ts[i].fused / 1e3, ts[i].kernel / 1e3,
+               ts[i].context);
+      one += buf;
+    }
+    times += (times.empty() ? "" : "; ") + one;
   }
   const PersistPlan& p = pd.plans.begin()->second;
   std::string line = sizes.empty() ? "section 21's kernels at every batch size"
                                    : "one persistent kernel at batch " + sizes + " (" + std::to_string(p.grid) +
                                          " thread blocks), section 21's kernels at the others";
-  snprintf(buf, sizeof buf, " (measured at start-up, %d-token contexts, ms per step, section 21 / persistent: ",
-           pd.timed_context);
-  if (!times.empty()) line += buf + times + ")";
+  if (!times.empty()) line += " (measured at start-up, ms per step, section 21 / persistent at a context: " +
+                              times + ")";
   else if (!sizes.empty()) line += " (NANOVLLM_PERSISTENT=always)";
   return line;
 }
 
 // ---- The switch: persistent ----
-// On by default; each batch size takes the path persist_measure found faster on this GPU.
+// On by default; a decode step takes the path persist_measure found faster for its batch size and contexts.
 static PersistentDecode* g_persist = nullptr;  // the plans of the engine built last (ModelRunner)
 static void persist_model_ready(Qwen3& model, const Config& c) {
   g_persist = new PersistentDecode(persist_setup(model, c.max_num_seqs));  // lives as long as the weights
@@ -7960,18 +8030,20 @@ static void persist_model_ready(Qwen3& model, const Config& c) {
   persist_measure(model, *g_persist, s);
   CUDA_CHECK(cudaStreamDestroy(s));
 }
-static bool persist_decode_step(Qwen3& model, const StepInputs& in, int B, cudaStream_t s) {
-  const PersistPlan* plan = g_persist ? g_persist->plan_for(B) : nullptr;
+static bool persist_decode_step(Qwen3& model, const StepInputs& in, int B, int max_context, cudaStream_t s) {
+  const PersistPlan* plan = g_persist ? g_persist->plan_for(B, max_context) : nullptr;
   if (!plan) return false;
   persistent_decode(model, *plan, in, s, 0, -1, nullptr);
   return true;
 }
+static int persist_step_context_limit(int B) { return g_persist ? g_persist->limit_for(B) : 0; }
 static void apply_persistent(bool on, Hooks& h) {
   g_opt.persistent = on;
   g_persist = nullptr;
   if (!on) return;
   h.model_ready.push_back(persist_model_ready);
   h.decode_step = persist_decode_step;
+  h.decode_step_context_limit = persist_step_context_limit;
 }
 static std::string persist_note(const Qwen3&) { return g_persist ? "decode: " + persist_describe(*g_persist) : ""; }
 static const int kPersistentRegistered = register_optimization(

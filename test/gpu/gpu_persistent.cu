@@ -475,6 +475,44 @@ TEST(timing_persistent_vs_section20) {
   }
 }
 
+// Routing by context (persist_measure): on this GPU, the limit it measures for batch 1 of the 0.6B shape is
+// right on both sides. Each path timed again in a graph at half the limit (the kernel must be faster) and at
+// twice it (section 21's path must be); with no limit, the kernel must be faster at the longest context
+// measured, and where it takes no step, section 21's path at the shortest.
+TEST(timing_routing_by_context) {
+  REQUIRE_GPU();
+  const int max_len = 16384;
+  TestModel t("0.6b", 256, max_len, 4 * max_len / 256);
+  ScopedOptimizations opt("all");
+  t.use_format();
+  persist_measure(t.m, t.pd, t.s);
+  const int limit = t.pd.limit_for(1);
+  printf("    TIMING routing: %s\n", persist_describe(t.pd).c_str());
+  auto time_at = [&](int ctx, int k) {  // k = 0: section 21's path, 1: the kernel
+    DecodeStep st(t, std::vector<int>(1, ctx), 7);
+    const StepInputs in = st.inputs();
+    ScopedOptimizations o(k ? "all" : "all,-persistent");
+    t.use_format();
+    return persist_time_graph([&] {
+      if (k) persistent_decode(t.m, t.pd.plans.at(1), in, t.s, 0, -1, nullptr);
+      else forward_fast(t.m, in, 1, 1, false, t.s);
+    }, t.s, 10, 50);
+  };
+  auto check = [&](int ctx, bool kernel_faster) {
+    const double fused = time_at(ctx, 0), kernel = time_at(ctx, 1);
+    printf("    TIMING routing: B=1 ctx %d: section 21 %.1f us, persistent %.1f us\n", ctx, fused, kernel);
+    CHECK_MSG(kernel_faster ? kernel < fused : fused < kernel, "B=1 at %d keys: the %s path should be faster "
+              "(limit %d)", ctx, kernel_faster ? "persistent" : "section 21", limit);
+  };
+  if (limit == 0) check(PERSIST_MEASURE_SHORT, false);
+  else if (limit == INT_MAX) check(PERSIST_MEASURE_LONG, true);
+  else {
+    CHECK_MSG(limit > PERSIST_MEASURE_SHORT && limit < max_len - 1, "limit %d", limit);
+    check(limit / 2, true);
+    if (2 * limit < max_len) check(2 * limit, false);
+  }
+}
+
 // Where a step's time goes: every thread block's clock at the start of each operation, past its wait, after
 // its input, and at its end (persist_trace). Per kind of operation, averaged over the layers: from the
 // previous operation's completion (its last block's end) to this one's first block past its wait, to its

@@ -195,6 +195,46 @@ TEST(defaults_are_all) {
   CHECK_EQ(optimizations_str(o), std::string("all"));
 }
 
+// Section 23's routing by context: where the kernel's line meets section 21's less the margin, from two
+// measurements; and the plan a step gets on either side of that limit. Pure host arithmetic.
+TEST(persistent_routing_by_context) {
+  const double m = PERSIST_ROUTE_MARGIN;
+  // Section 21: 900 us at 512 keys, +0.06 us a key; the kernel: 800 us at 512, +0.14 us a key. Their lead
+  // less the margin, 0.98 (900 + 0.06 x) - (800 + 0.14 x) = 82 - 0.0812 x with x = keys past 512, reaches 0
+  // at x = 1,009.9: 1,521 keys.
+  const PersistTimes a{512, 900, 800}, b{4096, 900 + 0.06 * 3584, 800 + 0.14 * 3584};
+  const int limit = persist_context_limit(a, &b, m);
+  CHECK_MSG(limit == 1521, "limit %d", limit);
+  // The same lines measured at two other contexts give the same limit (it is where they meet, not a point).
+  const PersistTimes c{1024, 900 + 0.06 * 512, 800 + 0.14 * 512}, d{2048, 900 + 0.06 * 1536, 800 + 0.14 * 1536};
+  CHECK_EQ(persist_context_limit(c, &d, m), limit);
+  // Still faster at the longer context (a kernel line of +0.07 us a key: 82 - 0.0112 x, 0 at x = 7,321.4): the
+  // line is followed past it.
+  const PersistTimes e{4096, 900 + 0.06 * 3584, 800 + 0.07 * 3584};
+  const int far = persist_context_limit(a, &e, m);
+  CHECK_MSG(far == 7833, "limit %d", far);
+  // A lead that does not shrink, or a single measurement: every context. Not faster at the first: none.
+  const PersistTimes f{4096, 1200, 1000};
+  CHECK_EQ(persist_context_limit(a, &f, m), INT_MAX);
+  CHECK_EQ(persist_context_limit(a, nullptr, m), INT_MAX);
+  CHECK_EQ(persist_context_limit(PersistTimes{512, 900, 890}, &b, m), 0);  // 1.1% faster: inside the margin
+  // The plan for a step: its batch size routed and its longest context within the limit.
+  const Optimizations saved = g_opt;
+  g_opt.persistent = true;
+  PersistentDecode pd;
+  pd.plans[1], pd.plans[2], pd.plans[4];
+  pd.route = {1, 2};
+  pd.context_limit[1] = limit;
+  CHECK(pd.plan_for(1, 1) == &pd.plans[1] && pd.plan_for(1, limit) == &pd.plans[1]);
+  CHECK(pd.plan_for(1, limit + 1) == nullptr);
+  CHECK(pd.plan_for(2, 100000) == &pd.plans[2] && pd.limit_for(2) == INT_MAX);  // no limit: every context
+  CHECK(pd.plan_for(4, 1) == nullptr && pd.limit_for(4) == 0);                 // not routed
+  CHECK(pd.plan_for(8, 1) == nullptr && pd.limit_for(8) == 0);                 // no plan
+  g_opt.persistent = false;
+  CHECK(pd.plan_for(1, 1) == nullptr && pd.limit_for(1) == 0);
+  g_opt = saved;
+}
+
 TEST(parse_lists_left_to_right) {
   OptimizationSet o = parsed("none");
   CHECK_EQ(count_on(o), 0);
