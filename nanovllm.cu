@@ -7894,14 +7894,14 @@ static void persistent_decode(Qwen3& model, const PersistPlan& plan, const StepI
 // depends on both (how many layers, how wide, how many SMs), on the batch size and on the context. The kernel
 // wins where a step is mostly weights; its attention, a share of 132 thread blocks that wait for qkv, reads
 // the cache more slowly than section 14's kernels, which have the whole GPU to themselves, so the longer the
-// contexts the less it wins, and past some length it loses (at batch 1 on an H100, from about 2,000 keys on:
-// README). For each batch size with a plan, a decode step of B sequences of the same context (the cache's
-// first blocks; slot -1, so nothing is stored) runs both ways, each captured in a CUDA graph as the engine runs
-// it (5 replays to warm up, 20 timed), at 512 keys and at 4,096 (or max_model_len - 1 where that is shorter).
+// contexts the less it wins, and past some length it loses (README: the measurements). For each batch size
+// with a plan, a decode step of B sequences of the same context (the cache's first blocks; slot -1, so
+// nothing is stored) runs both ways, each captured in a CUDA graph as the engine runs it (5 replays to warm
+// up, 20 timed), at PERSIST_MEASURE_SHORT keys and at PERSIST_MEASURE_LONG (or max_model_len - 1 if shorter).
 // A step's time grows about linearly with its contexts on either path (the cache bytes it reads), so the two
 // measurements give a line for each, and the kernel takes the steps of B sequences whose longest context is
 // at most where the kernel's line meets section 21's less PERSIST_ROUTE_MARGIN (persist_context_limit); past
-// it, and at batch sizes where the kernel does not win at 512 keys, section 21's path runs. The two paths add
+// it, and at batch sizes where the kernel does not win at the shorter context, section 21's path runs. The two paths add
 // their sums in different orders, so their logits differ in the last bits: the margin keeps a step whose two
 // times are close on section 21's path, rather than on whichever won this run's measurement. The engine keeps
 // a CUDA graph of each path for such a batch size (ModelRunner::graph_for picks one per step).
