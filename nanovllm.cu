@@ -7376,14 +7376,15 @@ __device__ __forceinline__ PersistTask persist_task(const PersistArgs& a, int ta
 // there are at most PERSIST_MAX_HPW, so each key and value is read once per thread block, and the heads'
 // dot products interleave), the group's ng = GQA / hpw sets of heads each take wph warps, and warp w of a set
 // takes every wph-th token of the partition from w % wph on. (GQA 2 or 4, Qwen3's common case: one set, 16
-// warps, each on a sixteenth of the tokens for every head.) Batch 1 keeps one head per warp: its partitions
-// are short (132 thread blocks share 8 KV heads' contexts), and the README has the measurement.
+// warps, each on a sixteenth of the tokens for every head.) At batch 1 too: one head per warp was slightly
+// faster there at short contexts on Qwen3-0.6B, but loads every key once per head, and its time grows about
+// twice as fast with the context (README).
 constexpr int PERSIST_MAX_HPW = 4;  // query heads a warp carries (registers: 10 floats per head)
 struct PersistAttnSplit {
   int hpw, ng, wph;
 };
-__host__ __device__ inline PersistAttnSplit persist_attn_split(int gqa, int B) {
-  const int hpw = B == 1 ? 1 : gqa <= PERSIST_MAX_HPW ? gqa : gqa % 4 == 0 ? 4 : gqa % 2 == 0 ? 2 : 1;
+__host__ __device__ inline PersistAttnSplit persist_attn_split(int gqa) {
+  const int hpw = gqa <= PERSIST_MAX_HPW ? gqa : gqa % 4 == 0 ? 4 : gqa % 2 == 0 ? 2 : 1;
   return {hpw, gqa / hpw, PERSIST_WARPS / (gqa / hpw)};
 }
 
@@ -7393,7 +7394,7 @@ __host__ __device__ inline PersistAttnSplit persist_attn_split(int gqa, int B) {
 // block is about to wait (a block-table read that misses L1 is a trip to L2 on the critical path).
 __device__ __forceinline__ void persist_first_rows(const PersistArgs& a, int64_t* rows) {
   const PersistTask k = persist_task(a, blockIdx.x);
-  const PersistAttnSplit sp = persist_attn_split(a.NH / a.NKV, a.B);
+  const PersistAttnSplit sp = persist_attn_split(a.NH / a.NKV);
   for (int i = threadIdx.x; i < PERSIST_WARPS * PERSIST_PREFETCH; i += PERSIST_THREADS) {
     const int w = i / PERSIST_PREFETCH, t = k.t0 + w % sp.wph + (i % PERSIST_PREFETCH) * sp.wph;
     const bool used = w / sp.wph < sp.ng && t < k.t1;
@@ -7454,7 +7455,7 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
   using Word = typename PersistKV<KV>::Word;
   constexpr bool FP8 = std::is_same<KV, fp8e4m3>::value;
   const int D = HEAD_DIM, GQA = a.NH / a.NKV, parts = a.parts;
-  const PersistAttnSplit sp = persist_attn_split(GQA, a.B);
+  const PersistAttnSplit sp = persist_attn_split(GQA);
   const int wph = sp.wph;
   const PersistTask k = persist_task(a, task);
   const int p = k.p, g = k.g, b = k.b, ctx = k.ctx, t0 = k.t0, t1 = k.t1;
@@ -7689,7 +7690,7 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
       continue;
     }
     if (op.kind == PERSIST_ATTN) {
-      const int hpw = persist_attn_split(a.NH / a.NKV, B).hpw;
+      const int hpw = persist_attn_split(a.NH / a.NKV).hpw;
       for (int task = blockIdx.x; task < B * a.NKV * a.parts; task += gridDim.x) {
         if (hpw == 4) persist_attention<KV, 4>(a, ops, op, o, task, angles, first_rows, work, load, consumed);
         else if (hpw == 2) persist_attention<KV, 2>(a, ops, op, o, task, angles, first_rows, work, load, consumed);
@@ -7773,7 +7774,7 @@ struct PersistentDecode {
 // attention's first cache rows, the operation list, then the larger of a gemv's staged input [B, Kmax + 8] and
 // residual [B, H], and attention's buffers (queries, the new key and value, per-warp partials).
 static size_t persist_smem_bytes(int B, int Kmax, int H, int gqa, int n_ops) {
-  const int hpw = persist_attn_split(gqa, B).hpw;  // attention's per-warp partials: one per head it carries
+  const int hpw = persist_attn_split(gqa).hpw;  // attention's per-warp partials: one per head it carries
   const size_t attn = (size_t)(gqa * HEAD_DIM + 2 * HEAD_DIM + PERSIST_WARPS * hpw * (HEAD_DIM + 2)) * 4 + 16;
   return (size_t)PERSIST_RING * PERSIST_SLOT_ELEMS * sizeof(bf16) + 2 * PERSIST_WARPS * PERSIST_ROWS * 8 * 4 +
          (size_t)B * (32 + HEAD_DIM) * 4 + PERSIST_WARPS * PERSIST_PREFETCH * 8 + persist_ops_bytes(n_ops) +
