@@ -6978,9 +6978,9 @@ static const int kFp8FormatRegistered = register_kv_cache_format(
 // 20's within float rounding, not bit for bit (gpu_persistent.cu states the tolerance). Tensor parallelism
 // keeps section 21's path: an all-reduce inside the kernel would need every GPU's kernel resident at once and
 // flags across GPUs.
-// Switch: persistent (on by default; measured per batch size at start-up). Needs sm_80; a batch size whose
-// shared memory does not fit, or TP > 1, uses section 21's path, and the start-up line says which decode path
-// runs at which batch sizes and contexts, with the times measured.
+// Switch: persistent (on by default; measured per batch size and context at start-up). Needs sm_80; a batch
+// size whose shared memory does not fit, or TP > 1, uses section 21's path, and the start-up line says which
+// decode path runs at which batch sizes and contexts, with the times measured.
 constexpr int PERSIST_THREADS = 512;
 constexpr int PERSIST_WARPS = PERSIST_THREADS / 32;
 constexpr int PERSIST_ROWS = 16;        // weight rows per group: one tensor-core tile (m16n8k16) tall
@@ -7902,9 +7902,9 @@ static void persistent_decode(Qwen3& model, const PersistPlan& plan, const StepI
 // A step's time grows about linearly with its contexts on either path (the cache bytes it reads), so the two
 // measurements give a line for each, and the kernel takes the steps of B sequences whose longest context is
 // at most where the kernel's line meets section 21's less PERSIST_ROUTE_MARGIN (persist_context_limit); past
-// it, and at batch sizes where the kernel does not win at the shorter context, section 21's path runs. The two paths add
-// their sums in different orders, so their logits differ in the last bits: the margin keeps a step whose two
-// times are close on section 21's path, rather than on whichever won this run's measurement. The engine keeps
+// it, and at batch sizes where the kernel does not win at the shorter context, section 21's path runs. The two
+// paths add their sums in different orders, so their logits differ in the last bits: the margin keeps a step
+// whose two times are close on section 21's path, rather than on whichever won this run's measurement. The engine keeps
 // a CUDA graph of each path for such a batch size (ModelRunner::graph_for picks one per step).
 // NANOVLLM_PERSISTENT=always skips the measurement and routes every step of a batch size with a plan to the
 // kernel, whatever its contexts (the tests that check it inside the engine); NANOVLLM_PERSISTENT=upto:N the
@@ -7985,7 +7985,7 @@ static void persist_measure(Qwen3& model, PersistentDecode& pd, cudaStream_t s) 
   for (const auto& [B, plan] : pd.plans) {
     std::vector<PersistTimes>& t = pd.timed[B];
     t.push_back(measure(B, plan, std::max(1, std::min(PERSIST_MEASURE_SHORT, longest))));
-    if (t[0].kernel >= t[0].fused * (1.0 - PERSIST_ROUTE_MARGIN)) continue;  // section 21's path at every context
+    if (!persist_context_limit(t[0], nullptr, PERSIST_ROUTE_MARGIN)) continue;  // section 21's path at every context
     pd.route.insert(B);
     if (longest > t[0].context) t.push_back(measure(B, plan, std::min(PERSIST_MEASURE_LONG, longest)));
     const int limit = persist_context_limit(t[0], t.size() > 1 ? &t[1] : nullptr, PERSIST_ROUTE_MARGIN);
@@ -8017,7 +8017,7 @@ static std::string persist_describe(const PersistentDecode& pd) {
                                          " thread blocks), section 21's kernels at the others";
   if (!times.empty()) line += " (measured at start-up, ms per step, section 21 / persistent at a context: " +
                               times + ")";
-  else if (!sizes.empty()) line += " (NANOVLLM_PERSISTENT=always)";
+  else if (!sizes.empty()) line += " (NANOVLLM_PERSISTENT, not measured)";
   return line;
 }
 
