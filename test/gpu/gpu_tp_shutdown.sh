@@ -33,14 +33,26 @@ sleep 1
 grep -q -- '--num-kvcache-blocks 100000000 needs' "$T/kv.err" && [ $rc = 1 ] && [ "$(left)" = 0 ]
 check rank0_error_ends_every_rank $? "rc=$rc, $(left) processes left; $(tail -n 3 "$T/kv.err")"
 
+# More ranks than GPUs: the smallest --tp above the GPU count that splits this model must be refused for the
+# GPUs; where none does (a model with 2 KV heads on 2 GPUs), --tp 8 must be refused for the model's shape.
+# Either way before any worker exists, with rc 1.
 gpus=$(nvidia-smi -L | grep -c GPU)
-"$NV" "$MODEL" "$T/prompts.txt" --tp 8 >/dev/null 2>"$T/gpus.err"
+cfg() { grep -o "\"$1\": *[0-9]*" "$MODEL/config.json" | head -n1 | grep -o '[0-9]*$'; }
+NH=$(cfg num_attention_heads) NKV=$(cfg num_key_value_heads) I=$(cfg intermediate_size)
+tp=8 expect="--tensor-parallel-size 8 must divide"
+for n in 2 4 8; do
+  if [ "$n" -gt "$gpus" ] && [ $((NH % n)) = 0 ] && [ $((NKV % n)) = 0 ] && [ $((I % n)) = 0 ] &&
+    [ $((I / n % 8)) = 0 ]; then
+    tp=$n expect="--tensor-parallel-size $n needs $n GPUs, but $gpus are visible"
+    break
+  fi
+done
+"$NV" "$MODEL" "$T/prompts.txt" --tp $tp >/dev/null 2>"$T/gpus.err"
 rc=$?
 sleep 1
 if [ "$gpus" -lt 8 ]; then
-  grep -q -- "--tensor-parallel-size 8 needs 8 GPUs, but $gpus are visible" "$T/gpus.err" && [ $rc = 1 ] &&
-    [ "$(left)" = 0 ]
-  check too_many_gpus_is_refused $? "rc=$rc, $(left) processes left; $(cat "$T/gpus.err")"
+  grep -q -- "$expect" "$T/gpus.err" && [ $rc = 1 ] && [ "$(left)" = 0 ]
+  check too_many_gpus_is_refused $? "--tp $tp on $gpus GPUs: rc=$rc, $(left) processes left; $(cat "$T/gpus.err")"
 fi
 
 [ "$(ls /dev/shm | sort)" = "$shm_before" ]
