@@ -7053,20 +7053,39 @@ __host__ __device__ __forceinline__ int persist_k_chunks(const PersistOp& op) {
 }
 
 // The weight ring's producer side: the position of the next chunk to load (operation, group, column chunk)
-// in this thread block's order, which is the order the block consumes them in.
+// in this thread block's order, which is the order the block consumes them in, and what the copies need of
+// that operation, held in registers while the cursor stays in it. The stream issues one chunk per chunk
+// consumed, in every warp, so its cost per chunk is paid inside the rows: reading the operation from the
+// list at every chunk, as an earlier version did, took about half the instructions of a chunk (README).
 struct PersistCursor {
   int o, g, kc;
   int n;  // how many chunks of this block's order come before this one
+  const bf16* W;              // operation o's weights
+  int K, N, kchunks, groups;  // its input length, outputs, column chunks per group and groups
+  int per;   // W rows a group starts apart: 16, or GATE_UP's 8 (a group is 8 gate rows and their 8 up rows)
+  int half;  // row r + 8 of a group is `half` rows of W after row r: 8, or GATE_UP's N (gate row r's up row)
 };
-// Moves c to this block's first chunk at or after it; false when there is none. ops: the list's copy in
-// shared memory (read at every chunk).
+// Before the block's first chunk.
+__device__ __forceinline__ PersistCursor persist_cursor_start() {
+  PersistCursor c = {};
+  c.o = -1, c.kchunks = 1;  // past the end of "operation -1": persist_seek enters the first
+  return c;
+}
+// Moves c to this block's next chunk at or after it (the column chunk past a group's last is the next group's
+// first, the group past an operation's last for this block is the next operation's), entering an operation
+// by reading its fields from ops (the list's copy in shared memory); false when there is none.
 __device__ __forceinline__ bool persist_seek(const PersistArgs& a, const PersistOp* ops, PersistCursor& c) {
-  for (; c.o < a.n_ops; c.o++, c.g = blockIdx.x, c.kc = 0) {
+  if (c.kc >= c.kchunks) c.kc = 0, c.g += gridDim.x;
+  if (c.g < c.groups) return true;
+  while (++c.o < a.n_ops) {
     const PersistOp& op = ops[c.o];
-    if (!persist_is_gemv(op.kind)) continue;
-    if (c.kc >= persist_k_chunks(op)) c.kc = 0, c.g += gridDim.x;
-    if (c.g < op.groups) return true;
+    if (!persist_is_gemv(op.kind) || (int)blockIdx.x >= op.groups) continue;
+    const bool gate_up = op.kind == PERSIST_GATE_UP;
+    c.g = blockIdx.x, c.kc = 0, c.W = op.W, c.K = op.K, c.N = op.N, c.kchunks = persist_k_chunks(op);
+    c.groups = op.groups, c.per = gate_up ? PERSIST_ROWS / 2 : PERSIST_ROWS, c.half = gate_up ? op.N : 8;
+    return true;
   }
+  c.groups = 0;
   return false;
 }
 // Each warp streams its own share of every chunk: warp w computes columns [64 w, 64 w + 64) of the chunk's
@@ -7082,20 +7101,17 @@ __device__ __forceinline__ int persist_strip_index(int r, int c) {
 __device__ __forceinline__ void persist_issue(const PersistArgs& a, const PersistOp* ops, PersistCursor& c,
                                               bf16* slot) {
   if (persist_seek(a, ops, c)) {
-    const PersistOp& op = ops[c.o];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int k0 = c.kc * PERSIST_KC + warp * PERSIST_WARP_K;
     bf16* strip = slot + warp * PERSIST_ROWS * PERSIST_WARP_K;
-    const bool gate_up = op.kind == PERSIST_GATE_UP;
-    if (k0 + PERSIST_WARP_K <= op.K && (c.g + 1) * (gate_up ? PERSIST_ROWS / 2 : PERSIST_ROWS) <= op.N) {
+    if (k0 + PERSIST_WARP_K <= c.K && (c.g + 1) * c.per <= c.N) {
       // The whole strip lies inside W (every chunk but the edges of odd shapes): this lane's four pieces are
       // rows r0, r0 + 4, r0 + 8, r0 + 12 of the group at the same columns, so one address and two strides
       // (rows 8-15 are 8 rows on, or GATE_UP's up rows, N rows on) place them all; rows r and r + 8 rotate
       // their pieces alike (r % 8).
       const int r0 = lane >> 3, piece = lane & 7;
-      const int64_t first = (int64_t)c.g * (gate_up ? PERSIST_ROWS / 2 : PERSIST_ROWS) + r0;
-      const int64_t four = 4 * (int64_t)op.K, half = (gate_up ? (int64_t)op.N : 8) * op.K;
-      const bf16* src = op.W + first * op.K + k0 + piece * 8;
+      const int64_t four = 4 * (int64_t)c.K, half = (int64_t)c.half * c.K;
+      const bf16* src = c.W + ((int64_t)c.g * c.per + r0) * c.K + k0 + piece * 8;
       bf16* dst = strip + r0 * PERSIST_WARP_K;
       const int rot0 = (piece ^ r0) << 3, rot4 = (piece ^ (r0 + 4)) << 3;
       cp_async_16(dst + rot0, src, true);
@@ -7103,6 +7119,7 @@ __device__ __forceinline__ void persist_issue(const PersistArgs& a, const Persis
       cp_async_16(dst + 8 * PERSIST_WARP_K + rot0, src + half, true);
       cp_async_16(dst + 12 * PERSIST_WARP_K + rot4, src + half + four, true);
     } else {
+      const PersistOp& op = ops[c.o];
 #pragma unroll
       for (int i = 0; i < PERSIST_ROWS * PERSIST_WARP_K / 8 / 32; i++) {
         const int p = lane + 32 * i, r = p >> 3, piece = p & 7, col = k0 + piece * 8;
@@ -7659,7 +7676,7 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
   float* scratch = red + 2 * PERSIST_WARPS * PERSIST_ROWS * 8;             // [B, 32] the RMSNorm's sums
   float* angles = scratch + B * 32;                                        // [B, HEAD_DIM] RoPE's, per sequence
   int64_t* first_rows = reinterpret_cast<int64_t*>(angles + B * HEAD_DIM);  // [WARPS, PREFETCH] attention's
-  PersistOp* ops = reinterpret_cast<PersistOp*>(first_rows + PERSIST_WARPS * PERSIST_PREFETCH);  // read per chunk
+  PersistOp* ops = reinterpret_cast<PersistOp*>(first_rows + PERSIST_WARPS * PERSIST_PREFETCH);  // the list
   float* work = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(ops) + persist_ops_bytes(a.n_ops));
   bf16* xs = reinterpret_cast<bf16*>(work);  // a gemv's input [B, Kmax + 8], or attention's buffers
   bf16* res = xs + B * (a.Kmax + 8);           // O, DOWN: the residual stream [B, H]
@@ -7670,7 +7687,7 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
   if ((int)blockIdx.x < B * a.NKV * a.parts) persist_first_rows(a, first_rows);
   __syncthreads();
   // Fill the ring: chunks 0 .. RING-2 of this block's order (each warp its own strips).
-  PersistCursor load{0, (int)blockIdx.x, 0, 0};
+  PersistCursor load = persist_cursor_start();
   for (int s = 0; s < PERSIST_RING - 1; s++) persist_issue(a, ops, load, ring + s * PERSIST_SLOT_ELEMS);
   unsigned consumed = 0;  // chunks used so far (RING is a power of 2: the slot is consumed % RING)
   for (int o = 0; o < a.n_ops; o++) {
