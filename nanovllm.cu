@@ -6958,14 +6958,16 @@ static const int kFp8FormatRegistered = register_kv_cache_format(
 //     streaming them would have: 16 warps on 4 schedulers leave few warps to hide latency, so every
 //     instruction counts, and working out each copy's address and bounds took most of them. A strip that
 //     lies wholly inside W (all but the edges of odd shapes) now costs one address and two strides
-//     (persist_issue, persist_gemv_chunk);
+//     (persist_issue, persist_gemv_chunk), and the stream's cursor keeps its operation in registers
+//     (PersistCursor) instead of reading it from the list at every chunk;
 //   * a release waits for the signalling thread's earlier memory operations, its cp.async copies included.
 //     The copy issued at an operation's last chunk (of a later operation's weights) held the count back
 //     until it landed, a memory latency on every hand-off; it is now issued just after the signal;
 //   * round trips on the critical path: the count seen, the input through L2, the norm's weights (now
 //     loaded before the wait), attention's merge (one trip for up to 16 partitions). Polling with acquire
 //     loads emptied the SM's L1 at every poll; relaxed polls and one acquire load at the end cost less.
-// What is left is mostly those hand-offs and attention's chain of trips, and the README has the figures.
+// What is left is mostly those hand-offs and attention's chain of trips, not the weights (read from L2 instead
+// of memory they shorten the step only a little), and the README has the figures.
 // Whether it beats sections 14-21 depends on the GPU, the model, the batch size and the contexts, so a decode
 // step of a batch size with a plan takes it only up to the context at which a measurement at start-up finds it
 // faster (persist_measure).
