@@ -6967,7 +6967,8 @@ static const int kFp8FormatRegistered = register_kv_cache_format(
 //     loaded before the wait), attention's merge (one trip for up to 16 partitions). Polling with acquire
 //     loads emptied the SM's L1 at every poll; relaxed polls and one acquire load at the end cost less.
 // What is left is mostly those hand-offs and attention's chain of trips, not the weights (read from L2 instead
-// of memory they shorten the step only a little), and the README has the figures.
+// of memory they shorten the step only a little, while the blocks with no rows in o_proj and down stream the
+// next operations' weights meanwhile), and the README has the figures.
 // Whether it beats sections 14-21 depends on the GPU, the model, the batch size and the contexts, so a decode
 // step of a batch size with a plan takes it only up to the context at which a measurement at start-up finds it
 // faster (persist_measure).
