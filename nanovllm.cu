@@ -7050,7 +7050,7 @@ __device__ __forceinline__ int64_t persist_weight_row(const PersistOp& op, int g
   const int n = g * PERSIST_ROWS + r;
   return n < op.N ? n : -1;
 }
-__device__ __forceinline__ bool persist_is_gemv(int kind) { return kind != PERSIST_EMBED && kind != PERSIST_ATTN; }
+__host__ __device__ __forceinline__ bool persist_is_gemv(int kind) { return kind != PERSIST_EMBED && kind != PERSIST_ATTN; }
 __host__ __device__ __forceinline__ int persist_k_chunks(const PersistOp& op) {
   return (op.K + PERSIST_KC - 1) / PERSIST_KC;
 }
@@ -7069,22 +7069,24 @@ struct PersistCursor {
   int half;  // row r + 8 of a group is `half` rows of W after row r: 8, or GATE_UP's N (gate row r's up row)
 };
 // Before the block's first chunk.
-__device__ __forceinline__ PersistCursor persist_cursor_start() {
+__host__ __device__ __forceinline__ PersistCursor persist_cursor_start() {
   PersistCursor c = {};
   c.o = -1, c.kchunks = 1;  // past the end of "operation -1": persist_seek enters the first
   return c;
 }
-// Moves c to this block's next chunk at or after it (the column chunk past a group's last is the next group's
-// first, the group past an operation's last for this block is the next operation's), entering an operation
-// by reading its fields from ops (the list's copy in shared memory); false when there is none.
-__device__ __forceinline__ bool persist_seek(const PersistArgs& a, const PersistOp* ops, PersistCursor& c) {
-  if (c.kc >= c.kchunks) c.kc = 0, c.g += gridDim.x;
+// Moves c to thread block `block`'s next chunk at or after it (the column chunk past a group's last is the next
+// group's first, the group past an operation's last for this block is the next operation's), entering an
+// operation by reading its fields from ops (the list's copy in shared memory); false when there is none. The
+// kernel consumes the chunks in the same order (test_optimizations checks the two orders agree).
+__host__ __device__ __forceinline__ bool persist_seek(int n_ops, const PersistOp* ops, PersistCursor& c, int block,
+                                                      int grid) {
+  if (c.kc >= c.kchunks) c.kc = 0, c.g += grid;
   if (c.g < c.groups) return true;
-  while (++c.o < a.n_ops) {
+  while (++c.o < n_ops) {
     const PersistOp& op = ops[c.o];
-    if (!persist_is_gemv(op.kind) || (int)blockIdx.x >= op.groups) continue;
+    if (!persist_is_gemv(op.kind) || block >= op.groups) continue;
     const bool gate_up = op.kind == PERSIST_GATE_UP;
-    c.g = blockIdx.x, c.kc = 0, c.W = op.W, c.K = op.K, c.N = op.N, c.kchunks = persist_k_chunks(op);
+    c.g = block, c.kc = 0, c.W = op.W, c.K = op.K, c.N = op.N, c.kchunks = persist_k_chunks(op);
     c.groups = op.groups, c.per = gate_up ? PERSIST_ROWS / 2 : PERSIST_ROWS, c.half = gate_up ? op.N : 8;
     return true;
   }
@@ -7103,7 +7105,7 @@ __device__ __forceinline__ int persist_strip_index(int r, int c) {
 }
 __device__ __forceinline__ void persist_issue(const PersistArgs& a, const PersistOp* ops, PersistCursor& c,
                                               bf16* slot) {
-  if (persist_seek(a, ops, c)) {
+  if (persist_seek(a.n_ops, ops, c, blockIdx.x, gridDim.x)) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int k0 = c.kc * PERSIST_KC + warp * PERSIST_WARP_K;
     bf16* strip = slot + warp * PERSIST_ROWS * PERSIST_WARP_K;

@@ -4,6 +4,7 @@
 // does, and the switch travels to the tensor-parallel workers with the rest of Config. No GPU needed.
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
+#include <random>
 #include "../test.h"
 #include "../engine_fixtures.h"
 
@@ -193,6 +194,56 @@ TEST(defaults_are_all) {
   CHECK(c.opt == o);
   CHECK_EQ(parse_optimizations("all", o), std::string(""));
   CHECK_EQ(optimizations_str(o), std::string("all"));
+}
+
+// Section 23's weight stream: the chunks a thread block's cursor visits (persist_seek, then the next column chunk,
+// as persist_issue steps it) come in the order the kernel's main loop uses them: operation by operation, the
+// block's groups (block, block + grid, ...), each group's column chunks in order; none of operations that are
+// not matrix products or in which the block has no group; and once past the last, none again. The cursor
+// holds the fields of the operation it is in. Any other order would multiply one operation's weights by
+// another's input. Random operation lists, grids of 1 to 132 blocks.
+TEST(persistent_weight_stream_order) {
+  std::mt19937 rng(23);
+  const int kinds[] = {PERSIST_EMBED, PERSIST_QKV,     PERSIST_ATTN,   PERSIST_O,
+                       PERSIST_GATE_UP, PERSIST_DOWN, PERSIST_LM_HEAD};
+  const int grids[] = {1, 3, 7, 132};
+  size_t visited = 0;
+  for (int trial = 0; trial < 400; trial++) {
+    const int grid = grids[trial % 4], n = 1 + (int)(rng() % 12);
+    std::vector<PersistOp> ops(n);
+    for (int i = 0; i < n; i++) {
+      PersistOp& op = ops[i];
+      op = PersistOp{};
+      op.kind = kinds[rng() % 7], op.layer = i;
+      op.W = reinterpret_cast<const bf16*>((uintptr_t)(i + 1) << 20);
+      op.K = 1 + (int)(rng() % 5000), op.N = 1 + (int)(rng() % 3000);
+      op.groups = rng() % 4 ? 1 + (int)(rng() % 400) : (int)(rng() % 3);  // some with fewer groups than blocks
+    }
+    for (int block = 0; block < grid; block++) {
+      std::vector<std::vector<int>> want, got;  // (operation, group, column chunk)
+      for (int o = 0; o < n; o++) {
+        if (!persist_is_gemv(ops[o].kind)) continue;
+        for (int g = block; g < ops[o].groups; g += grid)
+          for (int kc = 0; kc < persist_k_chunks(ops[o]); kc++) want.push_back({o, g, kc});
+      }
+      PersistCursor c = persist_cursor_start();
+      bool fields = true;
+      while (got.size() <= want.size() && persist_seek(n, ops.data(), c, block, grid)) {
+        got.push_back({c.o, c.g, c.kc});
+        const PersistOp& op = ops[c.o];
+        const bool gate_up = op.kind == PERSIST_GATE_UP;
+        fields &= c.W == op.W && c.K == op.K && c.N == op.N && c.groups == op.groups &&
+                  c.kchunks == persist_k_chunks(op) && c.per == (gate_up ? 8 : 16) && c.half == (gate_up ? op.N : 8);
+        c.kc++, c.n++;
+      }
+      CHECK_MSG(got == want, "trial %d, block %d of %d: the cursor visited %zu chunks, the kernel uses %zu", trial,
+                block, grid, got.size(), want.size());
+      CHECK_MSG(fields, "trial %d, block %d: the cursor's fields are not its operation's", trial, block);
+      CHECK(!persist_seek(n, ops.data(), c, block, grid) && !persist_seek(n, ops.data(), c, block, grid));
+      visited += got.size();
+    }
+  }
+  CHECK(visited > 100000);  // the lists are not all empty
 }
 
 // Section 23's routing by context: where the kernel's line meets section 21's less the margin, from two
