@@ -7050,7 +7050,9 @@ __device__ __forceinline__ int64_t persist_weight_row(const PersistOp& op, int g
   const int n = g * PERSIST_ROWS + r;
   return n < op.N ? n : -1;
 }
-__host__ __device__ __forceinline__ bool persist_is_gemv(int kind) { return kind != PERSIST_EMBED && kind != PERSIST_ATTN; }
+__host__ __device__ __forceinline__ bool persist_is_gemv(int kind) {
+  return kind != PERSIST_EMBED && kind != PERSIST_ATTN;
+}
 __host__ __device__ __forceinline__ int persist_k_chunks(const PersistOp& op) {
   return (op.K + PERSIST_KC - 1) / PERSIST_KC;
 }
@@ -7078,8 +7080,8 @@ __host__ __device__ __forceinline__ PersistCursor persist_cursor_start() {
 // group's first, the group past an operation's last for this block is the next operation's), entering an
 // operation by reading its fields from ops (the list's copy in shared memory); false when there is none. The
 // kernel consumes the chunks in the same order (test_optimizations checks the two orders agree).
-__host__ __device__ __forceinline__ bool persist_seek(int n_ops, const PersistOp* ops, PersistCursor& c, int block,
-                                                      int grid) {
+__host__ __device__ __forceinline__ bool persist_seek(int n_ops, const PersistOp* ops, PersistCursor& c,
+                                                      int block, int grid) {
   if (c.kc >= c.kchunks) c.kc = 0, c.g += grid;
   if (c.g < c.groups) return true;
   while (++c.o < n_ops) {
@@ -7918,16 +7920,16 @@ static void persistent_decode(Qwen3& model, const PersistPlan& plan, const StepI
 // wins where a step is mostly weights; its attention, a share of 132 thread blocks that wait for qkv, reads
 // the cache more slowly than section 14's kernels, which have the whole GPU to themselves, so the longer the
 // contexts the less it wins, and past some length it loses (README: the measurements). For each batch size
-// with a plan, a decode step of B sequences of the same context (the cache's first blocks; slot -1, so
-// nothing is stored) runs both ways, each captured in a CUDA graph as the engine runs it (5 replays to warm
-// up, 20 timed), at PERSIST_MEASURE_SHORT keys and at PERSIST_MEASURE_LONG (or max_model_len - 1 if shorter).
-// A step's time grows about linearly with its contexts on either path (the cache bytes it reads), so the two
-// measurements give a line for each, and the kernel takes the steps of B sequences whose longest context is
-// at most where the kernel's line meets section 21's less PERSIST_ROUTE_MARGIN (persist_context_limit); past
-// it, and at batch sizes where the kernel does not win at the shorter context, section 21's path runs. The two
+// with a plan, a decode step of B sequences of the same context (the cache's first blocks; slot -1, so nothing
+// is stored) runs both ways, each captured in a CUDA graph as the engine runs it (5 replays to warm up, 20
+// timed), at PERSIST_MEASURE_SHORT keys and at PERSIST_MEASURE_LONG (or max_model_len - 1 if shorter). A
+// step's time grows about linearly with its contexts on either path (the cache bytes it reads), so the two
+// measurements give a line for each, and the kernel takes the steps of B sequences whose longest context is at
+// most where the kernel's line meets section 21's less PERSIST_ROUTE_MARGIN (persist_context_limit); past it,
+// and at batch sizes where the kernel does not win at the shorter context, section 21's path runs. The two
 // paths add their sums in different orders, so their logits differ in the last bits: the margin keeps a step
-// whose two times are close on section 21's path, rather than on whichever won this run's measurement. The engine keeps
-// a CUDA graph of each path for such a batch size (ModelRunner::graph_for picks one per step).
+// whose two times are close on section 21's path, rather than on whichever won this run's measurement. The
+// engine keeps a CUDA graph of each path for such a batch size (ModelRunner::graph_for picks one per step).
 // NANOVLLM_PERSISTENT=always skips the measurement and routes every step of a batch size with a plan to the
 // kernel, whatever its contexts (the tests that check it inside the engine); NANOVLLM_PERSISTENT=upto:N the
 // steps whose longest context is at most N keys (the tests of the switch between the two graphs).
@@ -8007,7 +8009,7 @@ static void persist_measure(Qwen3& model, PersistentDecode& pd, cudaStream_t s) 
   for (const auto& [B, plan] : pd.plans) {
     std::vector<PersistTimes>& t = pd.timed[B];
     t.push_back(measure(B, plan, std::max(1, std::min(PERSIST_MEASURE_SHORT, longest))));
-    if (!persist_context_limit(t[0], nullptr, PERSIST_ROUTE_MARGIN)) continue;  // section 21's path at every context
+    if (!persist_context_limit(t[0], nullptr, PERSIST_ROUTE_MARGIN)) continue;  // section 21's path throughout
     pd.route.insert(B);
     if (longest > t[0].context) t.push_back(measure(B, plan, std::min(PERSIST_MEASURE_LONG, longest)));
     const int limit = persist_context_limit(t[0], t.size() > 1 ? &t[1] : nullptr, PERSIST_ROUTE_MARGIN);

@@ -52,7 +52,8 @@ rc=$?
 sleep 1
 if [ "$gpus" -lt 8 ]; then
   grep -q -- "$expect" "$T/gpus.err" && [ $rc = 1 ] && [ "$(left)" = 0 ]
-  check too_many_gpus_is_refused $? "--tp $tp on $gpus GPUs: rc=$rc, $(left) processes left; $(cat "$T/gpus.err")"
+  check too_many_gpus_is_refused $? \
+    "--tp $tp on $gpus GPUs: rc=$rc, $(left) processes left; $(cat "$T/gpus.err")"
 fi
 
 [ "$(ls /dev/shm | sort)" = "$shm_before" ]

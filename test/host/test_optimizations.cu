@@ -196,12 +196,12 @@ TEST(defaults_are_all) {
   CHECK_EQ(optimizations_str(o), std::string("all"));
 }
 
-// Section 23's weight stream: the chunks a thread block's cursor visits (persist_seek, then the next column chunk,
-// as persist_issue steps it) come in the order the kernel's main loop uses them: operation by operation, the
-// block's groups (block, block + grid, ...), each group's column chunks in order; none of operations that are
-// not matrix products or in which the block has no group; and once past the last, none again. The cursor
-// holds the fields of the operation it is in. Any other order would multiply one operation's weights by
-// another's input. Random operation lists, grids of 1 to 132 blocks.
+// Section 23's weight stream: the chunks a thread block's cursor visits (persist_seek, then the next column
+// chunk, as persist_issue steps it) come in the order the kernel's main loop uses them: operation by
+// operation, the block's groups (block, block + grid, ...), each group's column chunks in order; none of
+// operations that are not matrix products or in which the block has no group; and once past the last, none
+// again. The cursor holds the fields of the operation it is in. Any other order would multiply one
+// operation's weights by another's input. Random operation lists, grids of 1 to 132 blocks.
 TEST(persistent_weight_stream_order) {
   std::mt19937 rng(23);
   const int kinds[] = {PERSIST_EMBED, PERSIST_QKV,     PERSIST_ATTN,   PERSIST_O,
@@ -233,11 +233,12 @@ TEST(persistent_weight_stream_order) {
         const PersistOp& op = ops[c.o];
         const bool gate_up = op.kind == PERSIST_GATE_UP;
         fields &= c.W == op.W && c.K == op.K && c.N == op.N && c.groups == op.groups &&
-                  c.kchunks == persist_k_chunks(op) && c.per == (gate_up ? 8 : 16) && c.half == (gate_up ? op.N : 8);
+                  c.kchunks == persist_k_chunks(op) && c.per == (gate_up ? 8 : 16) &&
+                  c.half == (gate_up ? op.N : 8);
         c.kc++, c.n++;
       }
-      CHECK_MSG(got == want, "trial %d, block %d of %d: the cursor visited %zu chunks, the kernel uses %zu", trial,
-                block, grid, got.size(), want.size());
+      CHECK_MSG(got == want, "trial %d, block %d of %d: the cursor visited %zu chunks, the kernel uses %zu",
+                trial, block, grid, got.size(), want.size());
       CHECK_MSG(fields, "trial %d, block %d: the cursor's fields are not its operation's", trial, block);
       CHECK(!persist_seek(n, ops.data(), c, block, grid) && !persist_seek(n, ops.data(), c, block, grid));
       visited += got.size();
