@@ -6968,7 +6968,10 @@ static const int kFp8FormatRegistered = register_kv_cache_format(
 //     loads emptied the SM's L1 at every poll; relaxed polls and one acquire load at the end cost less.
 // What is left is mostly those hand-offs and attention's chain of trips, not the weights (read from L2 instead
 // of memory they shorten the step only a little, while the blocks with no rows in o_proj and down stream the
-// next operations' weights meanwhile), and the README has the figures.
+// next operations' weights meanwhile), and the README has the figures. And a constraint on any change: the
+// kernel has at most 128 registers a thread (512 threads on an SM) and already spills some, and code added to
+// one operation's path, even code that never runs, has lengthened every operation's rows (README: down fed
+// by gate_up's words), so a change is measured on all of them, not only on the operation it is for.
 // Whether it beats sections 14-21 depends on the GPU, the model, the batch size and the contexts, so a decode
 // step of a batch size with a plan takes it only up to the context at which a measurement at start-up finds it
 // faster (persist_measure).
