@@ -672,9 +672,9 @@ static double median_us(F&& launch, int iters = 21) {
   std::sort(ms.begin(), ms.end());
   return ms[iters / 2] * 1000.0;
 }
-// The same, per launch, for `reps` launches issued back to back between the two events: the host's launch
-// latency, which median_us times with the kernel (the GPU waits for the launch), then overlaps the launches
-// before it, as in the engine, whose decode steps are CUDA graphs of kernels back to back.
+// The same, per launch, for `reps` launches issued back to back between the two events. median_us also times
+// the host's launch latency (the GPU waits for the launch); back to back, the next launch is issued while the
+// one before it runs, as kernels follow one another in the engine's CUDA graphs.
 template <class F>
 static double median_us_back_to_back(F&& launch, int reps = 10) {
   return median_us([&] {
@@ -742,14 +742,11 @@ static void time_decode(const char* what, const std::vector<int>& ctx, int NH, i
   const DecodeRope rope{d_pos, d_slots, w, w, 1e-6f, rope_inv_freq(1e6f)};
   const Optimizations saved = g_opt;
   g_opt.cluster_merge = true;  // the engine's default (where the GPU has clusters)
-  double us_fused = median_us([&] {
+  auto engine = [&] {
     attention_decode_fast(out, qkv, view, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws, 1.f / sqrtf(128.f), 0,
                           fuse ? &rope : nullptr);
-  });
-  double us_fused_b2b = median_us_back_to_back([&] {
-    attention_decode_fast(out, qkv, view, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws, 1.f / sqrtf(128.f), 0,
-                          fuse ? &rope : nullptr);
-  });
+  };
+  const double us_fused = median_us(engine), us_fused_b2b = median_us_back_to_back(engine);
   g_opt = saved;
   CHECK_MSG(count_nonfinite(out, (size_t)B * NH * HEAD_DIM) == 0, "non-finite decode output (Part II)");
   double tokens = 0;
