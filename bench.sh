@@ -16,7 +16,7 @@
 #   ./bench.sh --ladder [--random 0.6b | --model DIR] [--baseline PATH]
 #                                     the climb from Part I to the default path, on this GPU in one run:
 #                                     batch-1 latency and bench.py throughput for --plain, then Part I plus
-#                                     flash_attn (section 14), then flash_attn plus each other optimization of
+#                                     flash_attn (section 15), then flash_attn plus each other optimization of
 #                                     Part II, then the default (every optimization), and
 #                                     with --baseline another nanovllm binary's default path (an older build
 #                                     to compare with). One table, each row with its roofline fraction.
@@ -141,7 +141,7 @@ if [ "$LADDER" = 1 ]; then
   }
   RUNGS="plain"
   rung plain "$NANOVLLM" --plain
-  # Section 14's flash attention is the second rung; the others build on it (cluster_merge and fused_rope
+  # Section 15's flash attention is the second rung; the others build on it (cluster_merge and fused_rope
   # change its decode kernel), so each of them is measured with it: "+NAME" runs --opt none,flash_attn,NAME.
   # An older binary without flash_attn runs each alone.
   names=$("$NANOVLLM" --help | sed -n 's/^ *NAME: //p')

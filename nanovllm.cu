@@ -20,11 +20,12 @@
 //   ModelRunner with CUDA graphs, tensor parallelism and the LLMEngine loop. It is complete and correct on
 //   its own, and names nothing defined after it: `--plain` runs it alone, and a build with Part II cut out
 //   (test/cli/part2_cut.sh) compiles and runs.
-//   Part II (sections 14-23) makes it fast, one optimization per section. Each says what it replaces, why
-//   it is faster on the hardware, and plugs in through the hook table Part I declares (section 11); each
-//   registers its own switch (--opt NAME, section 2; section 22, the FP8 KV cache, registers a value of
-//   --kv-cache-dtype instead, since it trades accuracy). The README's performance section has the measured
-//   gain of each. The Part I code each one replaces stays, as the reference the GPU tests compare it with.
+//   Part II (sections 14-23) makes it fast. Section 14 cuts the forward pass into stages; each chapter after
+//   it is one optimization that says what it replaces and why it is faster on the hardware, and installs
+//   itself through the hook table Part I declares (section 11) or section 14's stages; each registers its
+//   own switch (--opt NAME, section 2; section 22, the FP8 KV cache, registers a value of --kv-cache-dtype
+//   instead, since it trades accuracy). docs/performance.md has the measured gain of each. The Part I code
+//   each one replaces stays, as the reference the GPU tests compare it with.
 //   Part III (sections 24-29) is the program around the engine: reading config.json and the flags, prompts
 //   in and completions out, the trace, summary and report, signals and the worker processes, `simulate`
 //   (the engine without a GPU), the command line and main.
@@ -40,14 +41,16 @@
 // Invariants a reader must hold
 //   * The host owns all bookkeeping (Sequence, BlockManager, Scheduler); the GPU only sees flat int arrays
 //     (input_ids, positions, slot_mapping, block_tables, ...) built once per step by ModelRunner.
-//   * A step is all prefill or all decode (nano-vllm's rule). Prefill writes K/V to the cache first and then
-//     attends over the cache, so prefix-cache hits and chunked prefill need no special kernel.
+//   * A step is a prefill step or a decode step. Under nano-vllm's scheduler (section 5) it holds prompt
+//     tokens only or one token per running sequence; under vLLM V1's (5b, the command line's default) a
+//     prefill step may also carry the running sequences' next tokens. Prefill writes K/V to the cache first
+//     and then attends over the cache, so prefix-cache hits and chunked prefill need no special kernel.
 //   * A KV slot is block_id * P + offset; slot -1 means "padding, do not store".
 //   * Activations are bf16, every reduction (norms, softmax, matmul accumulation) is fp32.
 //
 // Glossary (the engine's words first, then the GPU's)
-//   prefill / decode  a step that computes the K/V of prompt tokens (many per sequence) / one new token for
-//                     each running sequence
+//   prefill / decode  a step that computes the K/V of prompt tokens (many per sequence; under vLLM V1's
+//                     scheduler, decode rows too) / one new token for each running sequence
 //   KV cache, block   the keys and values of every token computed so far, in a pool of fixed-size blocks of
 //                     P tokens. "Block" alone always means such a KV block; the CUDA one is a thread block.
 //   block table       a sequence's list of KV block ids: logical block i of the sequence -> physical block
@@ -65,7 +68,7 @@
 //   cluster           (Hopper) up to 16 thread blocks on neighbouring SMs that can read each other's shared
 //                     memory ("distributed shared memory")
 //   shared memory     fast on-chip memory of one SM, private to a thread block; L2 is the cache all SMs share
-//   tensor core, MMA  the unit that multiplies small matrix tiles in one instruction (section 14)
+//   tensor core, MMA  the unit that multiplies small matrix tiles in one instruction (section 15)
 //   gemv              a matrix-vector product: a matrix product whose batch is 1 or 2 rows
 //   split-K           splitting a long reduction (here: over keys) among thread blocks, then merging their
 //                     partial results
@@ -75,7 +78,7 @@
 //   CUDA graph        a recorded sequence of kernel launches replayed with one call, without the per-launch
 //                     CPU cost
 //   PDL               programmatic dependent launch (Hopper): the next kernel starts while the previous one
-//                     finishes, and waits inside itself for its data (section 15)
+//                     finishes, and waits inside itself for its data (section 16)
 //   all-reduce        every rank ends with the sum of every rank's array (tensor parallelism)
 //   NCCL              NVIDIA's library of collectives (all-reduce, send/receive) between GPUs
 //   NVLink            the direct GPU-to-GPU link; GPUs on it can read and write each other's memory
@@ -99,14 +102,14 @@
 //   12. Tensor parallelism: sharded weights, NCCL all-reduce
 //   13. LLMEngine: add_request, step, generate
 //   PART II — MAKING IT FAST
-//   14. Flash attention on tensor cores
-//   15. Programmatic dependent launch
-//   16. Small-batch gemv with its neighbours fused in
-//   17. The split-K merge inside a cluster
-//   18. Decode attention does q/k-norm, RoPE and the KV store
+//   14. The forward pass, in stages a chapter can replace
+//   15. Flash attention on tensor cores
+//   16. Programmatic dependent launch
+//   17. Small-batch gemv with its neighbours fused in
+//   18. Decode attention in one kernel: the split-K merge in a cluster, q/k-norm, RoPE, the KV store
 //   19. One-shot all-reduce over NVLink
 //   20. The fast sampler: radix select
-//   21. The forward pass with every fusion
+//   21. Prefill and mixed steps in CUDA graphs, in pieces
 //   22. An FP8 KV cache
 //   23. One persistent kernel for a small-batch decode step
 //   PART III — THE PROGRAM AROUND IT
@@ -170,7 +173,7 @@ typedef __nv_bfloat16 bf16;
 // ##########################################################################################################
 
 // ==== 1. Errors and utilities ==============================================================================
-// defines: die, CUDA_CHECK, CUBLAS_CHECK, NCCL_CHECK, NANOVLLM_CHECK, g_tp_rank, now_seconds, cdiv,
+// defines: die, INTERNAL_CHECK, CUDA_CHECK, CUBLAS_CHECK, NCCL_CHECK, g_tp_rank, now_seconds, cdiv,
 //          read_file, is_dir, is_file, splitmix64
 //
 // Two kinds of failure, treated differently:
@@ -383,8 +386,9 @@ struct Config {
   int num_kvcache_blocks = -1;         // NB: -1 = as many as fit (measured after a warm-up)
   std::vector<int> eos;                // filled from the model config
   OptimizationSet opt = default_optimizations();  // which Part II optimizations run (--plain, --opt)
-  bool mixed_scheduler = false;        // vLLM V1's scheduler (section 5b), not nano-vllm's. The command line's
-                                       // default (section 29, measured: README); the engine's is nano-vllm's
+  bool mixed_scheduler = false;        // vLLM V1's scheduler (section 5b), not nano-vllm's: a step may mix
+                                       // decode rows and prompt chunks. The command line's default (section
+                                       // 29); a Config built in code gets nano-vllm's, as Part I tells it
   std::string kv_cache_dtype = "bf16"; // --kv-cache-dtype: a KVCacheFormat's name (Part I: bf16)
 };
 
@@ -939,7 +943,7 @@ struct Scheduler {
 // and prompt chunks together, and it is a prefill step to the model: Part I's prefill attention kernel
 // computes it (a decoding sequence is a query of length 1 over its cached keys). Because running sequences
 // come first, the decoding ones lead the step, which is what lets Part II send them through its decode
-// kernel instead (section 21) and replay the rest of the step from CUDA graphs (section 21b, as vLLM does).
+// kernel instead (section 15) and replay the rest of the step from CUDA graphs (section 21, as vLLM does).
 // postprocess() above needs no change: a sequence whose scheduled tokens reach its end gets a token.
 
 // A sequence whose one remaining token is its last (it decodes, or its prompt's last token is left).
@@ -1360,7 +1364,7 @@ struct StepInputs {
   int max_seqlen_q;   // host value (prefill)
   int decode_rows = 0;  // host value (prefill): how many leading sequences compute one token, their last
                         // (decoding sequences in a --scheduler mixed step, 5b). Part I ignores it: such a row
-                        // is a query of length 1 to the prefill kernel. Section 21 runs them as decode rows.
+                        // is a query of length 1 to the prefill kernel. Section 15 runs them as decode rows.
 };
 
 // The launchers the forward pass calls (section 7: elementwise kernels; 8: attention; 10: cuBLASLt;
@@ -1504,6 +1508,15 @@ static int row_threads(int64_t chunks, int max_threads) {
 // Reads  ids [T], table [V_local, H] (this rank's rows, vocab ids vocab_start .. vocab_start+V_local-1).
 // Writes out [T, H].
 // Thread block = one token; each thread copies 16-byte chunks of the row (zeros for a foreign id).
+// What embedding_kernel computes, on the CPU (bf16 as float): out [T, H].
+static void embedding_reference(float* out, const int* ids, const float* table, int T, int H, int vocab_start,
+                                int V_local) {
+  for (int t = 0; t < T; t++) {
+    const int64_t local = (int64_t)ids[t] - vocab_start;
+    for (int h = 0; h < H; h++) out[(size_t)t * H + h] = local >= 0 && local < V_local ? table[local * H + h] : 0.f;
+  }
+}
+
 __global__ void embedding_kernel(bf16* out, const int* ids, const bf16* table, int H, int vocab_start,
                                  int V_local) {
   int t = blockIdx.x;
@@ -1522,14 +1535,6 @@ void embedding(bf16* out, const int* ids, const bf16* table, int T, int H, int v
   embedding_kernel<<<T, row_threads(H / 8, 256), 0, stream>>>(out, ids, table, H, vocab_start, V_local);
   CUDA_CHECK(cudaGetLastError());
 }
-// What embedding_kernel computes, on the CPU (bf16 as float): out [T, H].
-static void embedding_reference(float* out, const int* ids, const float* table, int T, int H, int vocab_start,
-                                int V_local) {
-  for (int t = 0; t < T; t++) {
-    const int64_t local = (int64_t)ids[t] - vocab_start;
-    for (int h = 0; h < H; h++) out[(size_t)t * H + h] = local >= 0 && local < V_local ? table[local * H + h] : 0.f;
-  }
-}
 
 // ---- rmsnorm and add_rmsnorm -------------------------------------------------------------------------
 // Replaces (Hugging Face Qwen3RMSNorm, which nano-vllm's RMSNorm reproduces):
@@ -1543,10 +1548,19 @@ static void embedding_reference(float* out, const int* ids, const float* table, 
 // the row is read from memory once: sum of squares -> reduction over the thread block -> scale and write.
 // out may alias x (a thread reads its chunks before writing the same chunks).
 // Preconditions: H % 8 == 0, H <= NORM_THREADS * NORM_MAX_CHUNKS * 8 = 8192 (Qwen3-32B has H = 5120).
+// What rmsnorm_kernel computes for one row, on the CPU, with Hugging Face's roundings: x [H] holds bf16
+// values (for add_rmsnorm: bf16(x + residual), which is also the new residual), out [H].
+static void rmsnorm_reference(float* out, const float* x, const float* w, int H, float eps) {
+  double ss = 0;
+  for (int h = 0; h < H; h++) ss += (double)x[h] * x[h];
+  const float scale = (float)(1.0 / sqrt(ss / H + eps));
+  for (int h = 0; h < H; h++) out[h] = bf16_round(w[h] * bf16_round(x[h] * scale));
+}
+
 constexpr int NORM_THREADS = 256;
 constexpr int NORM_MAX_CHUNKS = 4;
 
-// One row, by the whole thread block (rmsnorm_kernel's body; the fused gemv of section 16 calls it too, so the
+// One row, by the whole thread block (rmsnorm_kernel's body; the fused gemv of section 17 calls it too, so the
 // fused and the separate paths round identically). scratch: 32 floats of shared memory.
 template <bool ADD_RESIDUAL>
 __device__ __forceinline__ void rmsnorm_row(bf16* out, bf16* residual, const bf16* x, const bf16* w, int H,
@@ -1616,14 +1630,6 @@ void add_rmsnorm(bf16* out, bf16* residual, const bf16* x, const bf16* w, int T,
   rmsnorm_kernel<true><<<T, row_threads(H / 8, NORM_THREADS), 0, stream>>>(out, residual, x, w, H, eps);
   CUDA_CHECK(cudaGetLastError());
 }
-// What rmsnorm_kernel computes for one row, on the CPU, with Hugging Face's roundings: x [H] holds bf16
-// values (for add_rmsnorm: bf16(x + residual), which is also the new residual), out [H].
-static void rmsnorm_reference(float* out, const float* x, const float* w, int H, float eps) {
-  double ss = 0;
-  for (int h = 0; h < H; h++) ss += (double)x[h] * x[h];
-  const float scale = (float)(1.0 / sqrt(ss / H + eps));
-  for (int h = 0; h < H; h++) out[h] = bf16_round(w[h] * bf16_round(x[h] * scale));
-}
 
 // ---- qk_norm_rope (and the KV-cache store) ---------------------------------------------------------------
 // Replaces (Qwen3Attention.forward, between the qkv projection and attention):
@@ -1654,6 +1660,45 @@ constexpr int ROPE_THREADS_PER_HEAD = 8;
 struct RopeInvFreq {
   float v[HEAD_DIM / 2];
 };
+
+// RoPE's inverse frequencies for theta, as PyTorch computes them:
+//   inv_freq = 1.0 / (theta ** (arange(0, D, 2).float() / D)), every step in float. The pow is evaluated in
+// double and rounded once, i.e. the correctly rounded float of PyTorch's expression. Cached: launchers ask
+// once per layer per step and theta never changes within a run.
+static const RopeInvFreq& rope_inv_freq(float rope_theta) {
+  static RopeInvFreq inv_freq;
+  static float cached_theta = -1.f;
+  if (rope_theta != cached_theta) {
+    for (int i = 0; i < HEAD_DIM / 2; i++) {
+      float exponent = (float)(2 * i) / (float)HEAD_DIM;
+      float denom = (float)pow((double)rope_theta, (double)exponent);
+      inv_freq.v[i] = 1.0f / denom;
+    }
+    cached_theta = rope_theta;
+  }
+  return inv_freq;
+}
+
+// What qk_norm_rope_kernel computes, on the CPU, in place on qkv [T, (NH + 2*NKV) * D] (bf16 as float):
+// per-head RMSNorm with Hugging Face's roundings, then rotate-half RoPE in double with one bf16 rounding.
+// The KV store is a copy: k heads as left here, v heads as they came in, to their slots.
+static void qk_norm_rope_reference(float* qkv, const int* positions, const float* q_norm_w,
+                                   const float* k_norm_w, int T, int NH, int NKV, float theta, float eps) {
+  const int D = HEAD_DIM;
+  const RopeInvFreq& inv_freq = rope_inv_freq(theta);
+  for (int t = 0; t < T; t++)
+    for (int h = 0; h < NH + NKV; h++) {
+      float* x = &qkv[((size_t)t * (NH + 2 * NKV) + h) * D];
+      float n[D];
+      rmsnorm_reference(n, x, h < NH ? q_norm_w : k_norm_w, D, eps);
+      for (int i = 0; i < D / 2; i++) {
+        const double angle = (double)((float)positions[t] * inv_freq.v[i]);  // the fp32 angle, as PyTorch
+        const double c = cos(angle), s = sin(angle);
+        x[i] = bf16_round((float)(n[i] * c - n[i + D / 2] * s));
+        x[i + D / 2] = bf16_round((float)(n[i + D / 2] * c + n[i] * s));
+      }
+    }
+}
 
 // The pieces both users share (this kernel and the fused decode attention of section 18):
 // rope_angles: thread i < D/2 puts the cosine and sine of angle i of position pos into cos_s[i], sin_s[i].
@@ -1751,23 +1796,6 @@ __global__ void qk_norm_rope_kernel(bf16* qkv, const int* positions, const bf16*
     store.value((cache_block * NKV + h) * P + cache_offset, chunk, v_src[c]);
   }
 }
-// RoPE's inverse frequencies for theta, as PyTorch computes them:
-//   inv_freq = 1.0 / (theta ** (arange(0, D, 2).float() / D)), every step in float. The pow is evaluated in
-// double and rounded once, i.e. the correctly rounded float of PyTorch's expression. Cached: launchers ask
-// once per layer per step and theta never changes within a run.
-static const RopeInvFreq& rope_inv_freq(float rope_theta) {
-  static RopeInvFreq inv_freq;
-  static float cached_theta = -1.f;
-  if (rope_theta != cached_theta) {
-    for (int i = 0; i < HEAD_DIM / 2; i++) {
-      float exponent = (float)(2 * i) / (float)HEAD_DIM;
-      float denom = (float)pow((double)rope_theta, (double)exponent);
-      inv_freq.v[i] = 1.0f / denom;
-    }
-    cached_theta = rope_theta;
-  }
-  return inv_freq;
-}
 // Threads of one qk_norm_rope thread block: 8 per head, at least D/2 (one per RoPE angle), at most 512.
 static int qk_norm_rope_threads(int NH, int NKV) {
   return (int)std::min<int64_t>(512, std::max<int64_t>(HEAD_DIM / 2,
@@ -1789,26 +1817,6 @@ void qk_norm_rope(bf16* qkv, const int* positions, const bf16* q_norm_w, const b
       rope_inv_freq(rope_theta));
   CUDA_CHECK(cudaGetLastError());
 }
-// What qk_norm_rope_kernel computes, on the CPU, in place on qkv [T, (NH + 2*NKV) * D] (bf16 as float):
-// per-head RMSNorm with Hugging Face's roundings, then rotate-half RoPE in double with one bf16 rounding.
-// The KV store is a copy: k heads as left here, v heads as they came in, to their slots.
-static void qk_norm_rope_reference(float* qkv, const int* positions, const float* q_norm_w,
-                                   const float* k_norm_w, int T, int NH, int NKV, float theta, float eps) {
-  const int D = HEAD_DIM;
-  const RopeInvFreq& inv_freq = rope_inv_freq(theta);
-  for (int t = 0; t < T; t++)
-    for (int h = 0; h < NH + NKV; h++) {
-      float* x = &qkv[((size_t)t * (NH + 2 * NKV) + h) * D];
-      float n[D];
-      rmsnorm_reference(n, x, h < NH ? q_norm_w : k_norm_w, D, eps);
-      for (int i = 0; i < D / 2; i++) {
-        const double angle = (double)((float)positions[t] * inv_freq.v[i]);  // the fp32 angle, as PyTorch
-        const double c = cos(angle), s = sin(angle);
-        x[i] = bf16_round((float)(n[i] * c - n[i + D / 2] * s));
-        x[i + D / 2] = bf16_round((float)(n[i + D / 2] * c + n[i] * s));
-      }
-    }
-}
 
 // ---- silu_and_mul --------------------------------------------------------------------------------------
 // Replaces: nano-vllm SiluAndMul: x, y = gate_up.chunk(2, -1); return F.silu(x) * y
@@ -1817,7 +1825,16 @@ static void qk_norm_rope_reference(float* qkv, const int* positions, const float
 // One thread = one 16-byte chunk of out (8 outputs), a flat grid over T * I / 8 chunks.
 // Precondition: I % 8 == 0 (true for every Qwen3 size divided by any tensor-parallel degree up to 8).
 // One output, before its bf16 rounding (section 23's epilogue uses it alone), then 8 outputs from 8 gates
-// and 8 ups (the fused gemv of section 16 uses it too).
+// and 8 ups (the fused gemv of section 17 uses it too).
+// What silu_and_mul_kernel computes, on the CPU: out [T, I] from gate_up [T, 2I] (bf16 as float).
+static void silu_and_mul_reference(float* out, const float* gate_up, int T, int I) {
+  for (int t = 0; t < T; t++)
+    for (int i = 0; i < I; i++) {
+      const double g = gate_up[(size_t)t * 2 * I + i], u = gate_up[(size_t)t * 2 * I + I + i];
+      out[(size_t)t * I + i] = bf16_round((float)(g / (1 + exp(-g)) * u));
+    }
+}
+
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
 __device__ __forceinline__ uint4 silu_mul8(const uint4& gate, const uint4& up) {
   float g[8], u[8], o[8];
@@ -1844,14 +1861,6 @@ void silu_and_mul(bf16* out, const bf16* gate_up, int T, int I, cudaStream_t str
   if (total == 0) return;
   silu_and_mul_kernel<<<(unsigned)cdiv(total, 256), 256, 0, stream>>>(out, gate_up, total, I);
   CUDA_CHECK(cudaGetLastError());
-}
-// What silu_and_mul_kernel computes, on the CPU: out [T, I] from gate_up [T, 2I] (bf16 as float).
-static void silu_and_mul_reference(float* out, const float* gate_up, int T, int I) {
-  for (int t = 0; t < T; t++)
-    for (int i = 0; i < I; i++) {
-      const double g = gate_up[(size_t)t * 2 * I + i], u = gate_up[(size_t)t * 2 * I + I + i];
-      out[(size_t)t * I + i] = bf16_round((float)(g / (1 + exp(-g)) * u));
-    }
 }
 
 // ---- gather_last_tokens ------------------------------------------------------------------------------
@@ -2532,6 +2541,17 @@ static TokenLogprobs logprobs_reference(const float* row, int V, int token, int 
 // Choosing an algorithm costs tens of microseconds, so it is done once per (M, N, K, output type) and cached;
 // a CUDA graph captures the chosen algorithm and the one preallocated workspace.
 
+// What every matrix product computes, on the CPU: y [M, N] = x [M, K] @ W [N, K]^T in double, rounded to
+// bf16 (x and W hold bf16 values as float).
+static void linear_reference(float* y, const float* x, const float* W, int M, int N, int K) {
+  for (int m = 0; m < M; m++)
+    for (int n = 0; n < N; n++) {
+      double acc = 0;
+      for (int k = 0; k < K; k++) acc += (double)x[(size_t)m * K + k] * W[(size_t)n * K + k];
+      y[(size_t)m * N + n] = bf16_round((float)acc);
+    }
+}
+
 struct GemmPlan {
   cublasLtMatmulDesc_t desc;
   cublasLtMatrixLayout_t a, b, c;
@@ -2591,16 +2611,6 @@ static void linear(Gemm& gemm, void* y, const bf16* x, const bf16* W, int M, int
   gemm.run(y, x, W, M, N, K, stream, out_type);
 }
 
-// What every matrix product computes, on the CPU: y [M, N] = x [M, K] @ W [N, K]^T in double, rounded to
-// bf16 (x and W hold bf16 values as float).
-static void linear_reference(float* y, const float* x, const float* W, int M, int N, int K) {
-  for (int m = 0; m < M; m++)
-    for (int n = 0; n < N; n++) {
-      double acc = 0;
-      for (int k = 0; k < K; k++) acc += (double)x[(size_t)m * K + k] * W[(size_t)n * K + k];
-      y[(size_t)m * N + n] = bf16_round((float)acc);
-    }
-}
 // ==== 11. ModelRunner: step inputs, CUDA graphs ============================================================
 // defines: StepRegion, Field, TPStep, Hooks, g_hooks, install_optimizations, StepRunner, graph_batch_sizes,
 //          ModelRunner
@@ -2615,11 +2625,11 @@ static void linear_reference(float* y, const float* x, const float* W, int M, in
 //   decode region:  input_ids [B] positions [B] slot_mapping [B] context_lens [B] block_tables [B, MB]
 //                   sampling slots [B]         (fixed addresses: the CUDA graphs read them)
 //
-// CUDA graphs (decode steps; section 21b adds prefill steps, in pieces): a decode step of Qwen3-0.6B is ~400
+// CUDA graphs (decode steps; section 21 adds prefill steps, in pieces): a decode step of Qwen3-0.6B is ~400
 // small kernel launches whose launch cost would rival their run time. They are captured once per batch size
 // 1, 2, 4, 8, 16, 32, ..., 512 (largest first) and replayed; a batch of 37 replays the 48 graph with 11
 // padding rows (slot -1: nothing stored, context 1: a harmless read, token discarded). No kernel's grid
-// depends on the contexts (section 8's on the batch size, section 14's on max_model_len), so one capture
+// depends on the contexts (section 8's on the batch size, section 15's on max_model_len), so one capture
 // serves every step. (A Part II decode path that pays only up to some context asks for a second graph of a
 // batch size, for the steps past it: Hooks::decode_step_context_limit, graph_for.)
 
@@ -3809,25 +3819,26 @@ struct LLMEngine {
 // PART II — MAKING IT FAST
 // ##########################################################################################################
 // Part I is complete: every request runs, and every result is right. This part makes it fast, and can be
-// taken away: nothing before it or after it names what it defines. Each section below is one optimization:
-// what it replaces, why that is faster on the hardware, and its switch. A section registers its switch with
-// Part I's registry (register_optimization, section 2: `--opt -NAME` turns one off, `--plain` all of them)
-// and, when switched on, fills the entries of Part I's hook table (Hooks, section 11) for the code it
-// replaces. The README's performance section has the measured gain of each, from `./bench.sh --ladder` (Part
-// I alone, Part I plus each optimization, everything). The Part I code each one replaces stays: it is what
-// --plain runs, and what the GPU tests check the fast code against (bit for bit where the arithmetic is the
-// same, else a stated tolerance).
+// taken away: nothing before it or after it names what it defines. Each chapter below is one optimization:
+// what it replaces, why that is faster on the hardware, its switch, and where docs/performance.md has its
+// measurement. A chapter registers its switch with Part I's registry (register_optimization, section 2:
+// `--opt -NAME` turns one off, `--plain` all of them) and, when switched on, installs its own change: it fills
+// the entries of Part I's hook table (Hooks, section 11) or of section 14's stage table for the code it
+// replaces, so it changes the engine without help from a later chapter. The Part I code each one replaces
+// stays: it is what --plain runs, and what the GPU tests check the fast code against (bit for bit where the
+// arithmetic is the same, else a stated tolerance). `./bench.sh --ladder` measures Part I alone, Part I plus
+// each chapter, and everything.
 //
 // Where the time goes, and so what there is to win: a decode step must read every weight and every active
-// sequence's K/V once, so its floor is those bytes over the memory bandwidth (the roofline). Part I's
-// attention reads each key once per query head and per query row; flash attention (14) shares each tile of
-// keys among them on tensor cores, and is what brings large batches near the roofline. Small batches are
-// not near it: a batch-1 step of Qwen3-0.6B is hundreds of small kernels, and what costs is the gaps
-// between them (15), matrix products too thin for cuBLASLt's tiles (16), the kernels that exist only to
-// merge partial results (17) or to prepare q and k (18). With tensor parallelism, NCCL's latency on small
-// messages (19). And a sampler that reads its row many times (20). Section 21 is the forward pass that routes
-// each operation to its fast version (21b replays prefill and mixed steps from CUDA graphs too); 22 halves
-// the bytes of the cache, and 23 runs a small decode step as one kernel.
+// sequence's K/V once, so its floor is those bytes over the memory bandwidth (the roofline). Section 14 first
+// cuts section 6c's forward pass into stages a chapter can replace. Part I's attention reads each key once
+// per query head and per query row; flash attention (15) shares each tile of keys among them on tensor
+// cores, and is what brings large batches near the roofline. Small batches are not near it: a batch-1 step of
+// Qwen3-0.6B is hundreds of small kernels, and what costs is the gaps between them (16), matrix products too
+// thin for cuBLASLt's tiles (17), and the kernels that exist only to merge partial results or to prepare q and
+// k (18). With tensor parallelism, NCCL's latency on small messages (19). A sampler that reads its row many
+// times (20). Prefill and mixed steps launched kernel by kernel (21). Then 22 halves the bytes of the cache,
+// and 23 runs a small decode step as one kernel.
 
 // Defined only while this part is in the file: a test that also exercises Part II asks for it.
 #define NANOVLLM_PART_II 1
@@ -3836,32 +3847,190 @@ struct LLMEngine {
 // section 2, and fills its hook entries, section 11, when on). They live here, so that Part I and Part III
 // never name them.
 struct Optimizations {
-  bool flash_attn = false;         // 14: flash attention on tensor cores, not section 8's kernels
-  bool longest_first = false;      // 14b: an fp8 decode step's rows in order of context length, longest first
-  bool pdl = false;                // 15: the next kernel launches while the previous one finishes
-  bool gemv = false;               // 16: batch-1/2 matrix products in a gemv with its neighbours fused in
-  bool cluster_merge = false;      // 17: decode's split-K merge inside a cluster, no merge kernel
+  bool flash_attn = false;         // 15: flash attention on tensor cores, not section 8's kernels
+  bool longest_first = false;      // 15b: an fp8 decode step's rows in order of context length, longest first
+  bool pdl = false;                // 16: the next kernel launches while the previous one finishes
+  bool gemv = false;               // 17: batch-1/2 matrix products in a gemv with its neighbours fused in
+  bool cluster_merge = false;      // 18: decode's split-K merge inside a cluster, no merge kernel
   bool fused_rope = false;         // 18: decode attention does q/k-norm, RoPE and the KV store itself
   bool oneshot_allreduce = false;  // 19: small all-reduces over NVLink in one crossing, not NCCL's ring
   bool fast_sampler = false;       // 20: radix-select top-k/top-p and split rows, not the plain sampler
-  bool prefill_graphs = false;     // 21b: prefill and mixed steps replay CUDA graphs, attention between pieces
+  bool prefill_graphs = false;     // 21: prefill and mixed steps replay CUDA graphs, attention between pieces
   bool persistent = false;         // 23: a small-batch decode step in one persistent kernel
 };
 static Optimizations g_opt;  // set by each section's apply (install_optimizations, section 11)
 
-// The forward pass of section 21, which routes each operation to its fast version, is the forward hook of
-// every optimization that changes an operation of the pass.
-static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool is_prefill, cudaStream_t s);
-// Section 7's qk_norm_rope for a cache of either format (section 22).
-struct KVView;
-static void qk_norm_rope_view(bf16* qkv, const int* positions, const bf16* q_norm_w, const bf16* k_norm_w,
-                              const KVView& cache, const int* slot_mapping, int T, int NH, int NKV, int P,
-                              float rope_theta, float eps, cudaStream_t stream);
+// ==== 14. The forward pass, in stages a chapter can replace ===============================================
+// defines: Pass, ForwardStages, g_stages, stages_for, forward_fast, lm_head_logits
+//
+// Section 6c's forward pass is a list of named calls. The chapters of this part each replace a few of them
+// (flash attention replaces the attention calls, the gemv the matrix products of small steps, the one-shot
+// all-reduce the sums over the GPUs), so this section writes the same pass once more, with those calls
+// cut into stages, and a table that says which code runs each stage. Every entry starts as Part I's code:
+// with no chapter switched on, forward_fast computes exactly what Qwen3::forward computes, with the same
+// kernels in the same order. A chapter switched on writes its own function into the entries it replaces
+// (in its apply, section 2's switch), and so it changes the engine by itself, whatever comes after it.
+//
+//   per layer          Part I's stage                                   replaced by
+//   norm_matmul        y = RMSNorm(residual) @ W^T: rmsnorm + cuBLASLt   17 (gemv: the norm inside the gemv)
+//   store_qkv          q/k-norm, RoPE, this step's K/V into the cache    22 (the same into an fp8 cache)
+//   attention_prefill  section 8's prefill kernel                        15 (flash attention)
+//   attention_decode   store_qkv, then section 8's decode kernel         15, then 18 (all in one kernel)
+//   matmul_out         h = x @ W^T (after SiLU-and-mul for down), summed over the ranks   17
+//   all_reduce         NCCL's all-reduce (section 12)                    19 (one crossing of NVLink)
+// and one entry that only a chapter fills: cut (21: where a CUDA graph of a prefill step ends a piece).
+//
+// The residual stream. Part I adds a sub-layer's output h to the residual stream inside the next RMSNorm
+// (add_rmsnorm). A chapter may add it earlier, where that costs no kernel of its own: in the gemv's
+// epilogue, or inside the all-reduce that sums h over the GPUs. So the stages share one fact, Pass::pending:
+// h waits in act.hidden for the next norm_matmul (or the final norm) to add it. A stage that adds h itself
+// clears it; norm_matmul always clears it.
+//
+// A chapter's apply calls stages_for(h) to get the table: the first call after install_optimizations has
+// emptied Part I's hook table (section 11) starts the table over from Part I's stages and makes forward_fast
+// the forward hook, so each engine's table holds exactly the chapters its Config switches on.
 
-// ==== 14. Flash attention on tensor cores =================================================================
+// One step's forward pass, as its stages share it.
+struct Pass {
+  Qwen3& m;
+  const StepInputs& in;
+  int T, B;                // tokens and sequences of the step
+  bool is_prefill;
+  cudaStream_t s;
+  bool pending = false;    // act.hidden holds a sub-layer's output not yet added to act.residual
+};
+
+// Part I's stages: the calls of section 6c, one stage each.
+static void norm_matmul_plain(Pass& p, bf16* y, const bf16* norm_w, const bf16* W, int N) {
+  Activations& a = p.m.act;
+  const int H = p.m.cfg.hidden_size;
+  const float eps = p.m.cfg.rms_norm_eps;
+  if (p.pending) add_rmsnorm(a.x, a.residual, a.hidden, norm_w, p.T, H, eps, p.s);
+  else rmsnorm(a.x, a.residual, norm_w, p.T, H, eps, p.s);
+  p.pending = false;
+  linear(*p.m.gemm, y, a.x, W, p.T, N, H, p.s);
+}
+static bool all_reduce_plain(TPComm* comm, bf16* x, size_t n, cudaStream_t s, bf16*) {
+  all_reduce_sum(comm, x, n, s);
+  return false;  // summed in place; nothing added to the residual stream
+}
+static void matmul_out_plain(Pass& p, const bf16* x, const bf16* W, int K, bool gate_up);
+static void store_qkv_plain(Pass& p, int l) {
+  const Qwen3& m = p.m;
+  const ModelConfig& c = m.cfg;
+  const LayerWeights& lw = m.w.layers[l];
+  qk_norm_rope(m.act.qkv, p.in.positions, lw.q_norm, lw.k_norm, m.kv.layer(l), p.in.slot_mapping, p.T,
+               c.num_attention_heads / m.tp, c.num_key_value_heads / m.tp, m.P, c.rope_theta, c.rms_norm_eps,
+               p.s);
+}
+static void attention_prefill_plain(Pass& p, int l) {
+  const Qwen3& m = p.m;
+  const ModelConfig& c = m.cfg;
+  attention_prefill(m.act.attn, m.act.qkv, m.kv.layer(l), p.in.cu_seqlens_q, p.in.seqlens_k, p.in.block_tables,
+                    p.B, p.in.max_seqlen_q, c.num_attention_heads / m.tp, c.num_key_value_heads / m.tp, m.P, m.MB,
+                    1.0f / sqrtf((float)c.head_dim), p.s);
+}
+static void attention_decode_plain(Pass& p, int l);
+
+// The table. Each entry's comment says what it must compute; the default is Part I's code.
+struct ForwardStages {
+  // y [T, N] = RMSNorm(residual) @ W^T, after residual += hidden where p.pending; clears p.pending.
+  void (*norm_matmul)(Pass& p, bf16* y, const bf16* norm_w, const bf16* W, int N) = norm_matmul_plain;
+  // A sub-layer's output h [T, H] = x @ W^T (x [T, K]; with gate_up, x is gate_up [T, 2K] and the product is
+  // of SiLU(gate) * up), summed over the ranks, then either left in act.hidden (p.pending) or added.
+  void (*matmul_out)(Pass& p, const bf16* x, const bf16* W, int K, bool gate_up) = matmul_out_plain;
+  // x [n] summed over the ranks. Given `residual`, it may add the sum into residual instead, and says so.
+  bool (*all_reduce)(TPComm* comm, bf16* x, size_t n, cudaStream_t s, bf16* residual) = all_reduce_plain;
+  // Layer l: q/k-norm and RoPE of act.qkv in place, this step's keys and values into the cache.
+  void (*store_qkv)(Pass& p, int l) = store_qkv_plain;
+  // Layer l's attention of a prefill step (store_qkv done) into act.attn.
+  void (*attention_prefill)(Pass& p, int l) = attention_prefill_plain;
+  // Layer l's attention of a decode step from the raw projection act.qkv (store_qkv included) into act.attn.
+  void (*attention_decode)(Pass& p, int l) = attention_decode_plain;
+  // Filled by section 21 while it captures a prefill step in pieces: ends a piece (before a layer's attention
+  // and before the LM head) and says the pass must skip what follows it. Empty: the pass runs whole.
+  bool (*cut)(cudaStream_t s) = nullptr;
+};
+static ForwardStages g_stages;
+
+static void attention_decode_plain(Pass& p, int l) {
+  const Qwen3& m = p.m;
+  const ModelConfig& c = m.cfg;
+  g_stages.store_qkv(p, l);
+  attention_decode(m.act.attn, m.act.qkv, m.kv.layer(l), p.in.seqlens_k, p.in.block_tables, p.B,
+                   c.num_attention_heads / m.tp, c.num_key_value_heads / m.tp, m.P, m.MB,
+                   1.0f / sqrtf((float)c.head_dim), p.s);
+}
+static void matmul_out_plain(Pass& p, const bf16* x, const bf16* W, int K, bool gate_up) {
+  Activations& a = p.m.act;
+  const int H = p.m.cfg.hidden_size;
+  if (gate_up) {
+    silu_and_mul(a.act, x, p.T, K, p.s);
+    x = a.act;
+  }
+  linear(*p.m.gemm, a.hidden, x, W, p.T, H, K, p.s);
+  p.pending = true;
+  if (p.m.tp > 1 && g_stages.all_reduce(p.m.comm, a.hidden, (size_t)p.T * H, p.s, a.residual)) p.pending = false;
+}
+
+static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool is_prefill, cudaStream_t s);
+// The table a chapter's apply fills (see above): started over from Part I's stages at the first call of each
+// install_optimizations, which also makes forward_fast the forward hook.
+static ForwardStages& stages_for(Hooks& h) {
+  if (h.forward != forward_fast) {
+    g_stages = ForwardStages{};
+    h.forward = forward_fast;
+  }
+  return g_stages;
+}
+
+// The step's logits from the final normed rows (act.x): in a prefill step only each sequence's last row needs
+// them (nano-vllm: ParallelLMHead).
+static void lm_head_logits(Qwen3& model, const StepInputs& in, int B, bool is_prefill, cudaStream_t s) {
+  const int H = model.cfg.hidden_size, V = (int)cdiv(model.cfg.vocab_size, model.tp);
+  const bf16* last = model.act.x;
+  if (is_prefill) {
+    gather_last_tokens(model.act.last, model.act.x, in.cu_seqlens_q, B, H, s);
+    last = model.act.last;
+  }
+  linear(*model.gemm, model.act.logits, last, model.w.lm_head, B, V, H, s, CUDA_R_32F);
+}
+
+// Section 6c's pass, stage by stage (the forward hook of every chapter that fills a stage).
+static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool is_prefill, cudaStream_t s) {
+  const ModelConfig& cfg = model.cfg;
+  const Weights& w = model.w;
+  Activations& act = model.act;
+  const ForwardStages& st = g_stages;
+  const int H = cfg.hidden_size, I = cfg.intermediate_size / model.tp, D = cfg.head_dim;
+  const int NH = cfg.num_attention_heads / model.tp, NKV = cfg.num_key_value_heads / model.tp;
+  const int V = (int)cdiv(cfg.vocab_size, model.tp);
+  Pass p{model, in, T, B, is_prefill, s};
+  embedding(act.residual, in.input_ids, w.embed_tokens, T, H, model.rank * V, V, s);
+  if (model.tp > 1) st.all_reduce(model.comm, act.residual, (size_t)T * H, s, nullptr);  // ids of each rank
+  for (int l = 0; l < cfg.num_hidden_layers; l++) {
+    const LayerWeights& lw = w.layers[l];
+    st.norm_matmul(p, act.qkv, lw.input_layernorm, lw.qkv_proj, (NH + 2 * NKV) * D);
+    if (is_prefill) {
+      st.store_qkv(p, l);
+      if (!(st.cut && st.cut(s))) st.attention_prefill(p, l);
+    } else {
+      st.attention_decode(p, l);
+    }
+    st.matmul_out(p, act.attn, lw.o_proj, NH * D, false);
+    st.norm_matmul(p, act.gate_up, lw.post_attention_layernorm, lw.gate_up_proj, 2 * I);
+    st.matmul_out(p, act.gate_up, lw.down_proj, I, true);
+  }
+  if (p.pending) add_rmsnorm(act.x, act.residual, act.hidden, w.norm, T, H, cfg.rms_norm_eps, s);
+  else rmsnorm(act.x, act.residual, w.norm, T, H, cfg.rms_norm_eps, s);
+  if (is_prefill && st.cut && st.cut(s)) return;
+  lm_head_logits(model, in, B, is_prefill, s);
+}
+
+// ==== 15. Flash attention on tensor cores =================================================================
 // defines: KVCacheDtype, KVScales, KVView, kv_view, flash_attention_prefill,
 //          flash_attention_decode, flash_decode_merge, flash_decode_workspace_bytes, order_longest_first;
-//          switches flash_attn, longest_first (14b)
+//          switches flash_attn, longest_first (15b)
 //
 // Replaces: section 8's attention kernels, which give each (query row, head) a warp of its own. There,
 // every query head of a GQA group reads the same keys again, every row of a prefill reads its keys again,
@@ -4404,6 +4573,10 @@ static void flash_attention_prefill(bf16* out, const bf16* qkv, const KVView& ca
   CUDA_CHECK(cudaGetLastError());
 }
 
+// ---- 15a. Decode: split-K over the context, then a merge ------------------------------------------------
+// defines: flash_decode_kernel, flash_decode_merge, flash_decode_workspace_bytes, flash_attention_decode,
+//          attention_prefill_step; the stages attention_prefill, attention_decode; switch flash_attn
+
 // flash_decode_kernel — one new token per sequence attends to its whole context (split-K, phase 1).
 //   Replaces: flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens,
 //             block_table=block_tables, causal=True) in nano-vllm's Attention.forward (decode branch).
@@ -4459,7 +4632,7 @@ __device__ __forceinline__ void decode_attend_tiles(const uint32_t (&q)[HEAD_DIM
 }
 
 // A decode thread block's running sums: per warp, O and the online softmax's max m and sum l of each query
-// head it holds. bf16 uses section 14's layout (o[d][e], m[i], l[i]); an fp8 cache (section 22) puts keys
+// head it holds. bf16 uses section 15's layout (o[d][e], m[i], l[i]); an fp8 cache (section 22) puts keys
 // on the MMA rows instead, and the heads 8..15 of a group larger than 8 in m_hi, l_hi.
 struct DecodeAcc {
   float o[HEAD_DIM / 8][4] = {};
@@ -4685,21 +4858,69 @@ static void flash_attention_decode(bf16* out, const bf16* qkv, const KVView& cac
   flash_decode_merge(out, context_lens, ws_o, ws_ml, B, NH, max_parts, partition, stream);
 }
 
-// ---- The switch: flash_attn ----
-// Part I's hooks this section fills: the forward pass (section 21 routes attention here) and the decode
-// workspace. It also resets the cache format to bf16: section 22 sets it again when the engine asks for fp8.
+// ---- The stages this section fills, and its switch: flash_attn ----
+// The decode kernel above, as the attention of a decode step's rows (each one query token whose q, k and v
+// are ready). Section 18 swaps in its cluster merge here (apply_cluster_merge), and both a decode step and a
+// mixed step's decode rows then take it.
+typedef void (*DecodeAttention)(bf16* out, const bf16* qkv, const KVView& cache, const int* context_lens,
+                                const int* block_tables, int B, int NH, int NKV, int P, int MB,
+                                int max_context_len, float* workspace, float scale, cudaStream_t stream);
+static DecodeAttention g_decode_attention = flash_attention_decode;
+
+// The attention of a prefill step (q/k-norm, RoPE and the KV store done). Under --scheduler mixed (5b) a step
+// holds decode rows and prompt chunks; the scheduler serves the running sequences first, so the decoding
+// ones lead (in.decode_rows of them, one query row each, rows 0..nd-1). Those go through the decode kernel,
+// which reads each K/V tile once for the GQA group and uses all of its tiles' rows; the prefill kernel would
+// read it once per query head into tiles of 128 query rows holding one. The prompt chunks, from sequence nd
+// on, go through the prefill kernel as in any prefill step. Both kernels write their own rows of out, and
+// both read the keys store_qkv just stored.
+static void attention_prefill_step(bf16* out, const bf16* qkv, const KVView& cache, const StepInputs& in, int B,
+                                   int NH, int NKV, int P, int MB, int max_context_len, float* workspace,
+                                   float scale, cudaStream_t s) {
+  const int nd = in.decode_rows;
+  if (nd > 0)
+    g_decode_attention(out, qkv, cache, in.seqlens_k, in.block_tables, nd, NH, NKV, P, MB, max_context_len,
+                       workspace, scale, s);
+  if (nd < B)
+    flash_attention_prefill(out, qkv, cache, in.cu_seqlens_q + nd, in.seqlens_k + nd,
+                            in.block_tables + (size_t)nd * MB, B - nd, in.max_seqlen_q, NH, NKV, P, MB, scale, s);
+}
+
+// Section 14's stages attention_prefill and attention_decode, on this section's kernels.
+static void flash_attention_prefill_stage(Pass& p, int l) {
+  Qwen3& m = p.m;
+  const ModelConfig& c = m.cfg;
+  attention_prefill_step(m.act.attn, m.act.qkv, kv_view(m.kv, l), p.in, p.B, c.num_attention_heads / m.tp,
+                         c.num_key_value_heads / m.tp, m.P, m.MB, m.max_model_len, m.act.attn_workspace,
+                         1.0f / sqrtf((float)c.head_dim), p.s);
+}
+static void flash_attention_decode_stage(Pass& p, int l) {
+  Qwen3& m = p.m;
+  const ModelConfig& c = m.cfg;
+  g_stages.store_qkv(p, l);
+  g_decode_attention(m.act.attn, m.act.qkv, kv_view(m.kv, l), p.in.seqlens_k, p.in.block_tables, p.B,
+                     c.num_attention_heads / m.tp, c.num_key_value_heads / m.tp, m.P, m.MB, m.max_model_len,
+                     m.act.attn_workspace, 1.0f / sqrtf((float)c.head_dim), p.s);
+}
+
+// Part I's hooks this section fills: the forward pass (section 14's stages) and the decode workspace. It also
+// resets the cache format to bf16 (section 22 sets it again when the engine asks for fp8) and the decode
+// rows' kernel to this section's (section 18 may swap in its own).
 static void apply_flash_attn(bool on, Hooks& h) {
   g_opt.flash_attn = on;
   g_kv_dtype = KVCacheDtype::BF16, g_kv_scales.clear();
+  g_decode_attention = flash_attention_decode;
   if (!on) return;
-  h.forward = forward_fast;
+  ForwardStages& st = stages_for(h);
+  st.attention_prefill = flash_attention_prefill_stage;
+  st.attention_decode = flash_attention_decode_stage;
   h.attention_workspace_bytes = flash_decode_workspace_bytes;
-  h.decode_rows_as_decode = true;  // section 21's attention_prefill_step
+  h.decode_rows_as_decode = true;  // attention_prefill_step
 }
 static const int kFlashAttnRegistered = register_optimization(
-    {"flash_attn", "flash attention on tensor cores, split-K decode (section 14)", true, apply_flash_attn});
+    {"flash_attn", "flash attention on tensor cores, split-K decode (section 15)", true, apply_flash_attn});
 
-// ---- 14b. A decode step's rows, longest context first (switch longest_first) ---------------------------
+// ---- 15b. A decode step's rows, longest context first (switch longest_first) ---------------------------
 // Replaces: the scheduler's order of a decode step's rows, which is the order flash_decode_kernel's thread
 // blocks start in (its grid runs partition fastest, then kv head, then row).
 // Why it is faster: a step's contexts differ (bench.py's run from 100 to 2,048 tokens), and a thread block
@@ -4714,7 +4935,7 @@ static const int kFlashAttnRegistered = register_optimization(
 // row on its own, and the engine reads a token back by its row, so every sequence gets the same tokens (the
 // run's tokens hash is the same with the switch on or off; the trace and the last step's logits hash follow
 // the new order). The order is a stable sort of the batch on the engine's side; prefill and mixed steps
-// keep the scheduler's order (a mixed step's decode rows must lead, section 21).
+// keep the scheduler's order (a mixed step's decode rows must lead, section 15).
 // Switch: longest_first.
 static void order_longest_first(std::vector<Sequence*>& batch) {
   if (g_kv_dtype != KVCacheDtype::FP8) return;  // (the cache's format is fixed for a run)
@@ -4726,10 +4947,10 @@ static void apply_longest_first(bool on, Hooks& h) {
   if (on) h.order_decode_batch = order_longest_first;
 }
 static const int kLongestFirstRegistered = register_optimization(
-    {"longest_first", "an fp8 decode step's rows in order of context length, longest first (section 14b)", true,
+    {"longest_first", "an fp8 decode step's rows in order of context length, longest first (section 15b)", true,
      apply_longest_first});
 
-// ==== 15. Programmatic dependent launch ====================================================================
+// ==== 16. Programmatic dependent launch ====================================================================
 // defines: pdl_begin, pdl_trigger, gpu_cc_major, launch_pdl, launch_pdl_cluster; switch pdl
 //
 // Replaces: the ordinary launch, where the GPU lets a kernel finish completely before the next one in the
@@ -4780,7 +5001,7 @@ static int gpu_cc_major() {
 
 // The kernels of Part II are launched through here: kernel<<<grid, block, smem, stream>>>(args...), plus
 // the PDL attribute when switched on; launch_pdl_cluster also groups the thread blocks in clusters of
-// cluster_x along x (section 17).
+// cluster_x along x (section 18).
 template <typename... Params, typename... Args>
 static void launch_pdl_cluster(unsigned cluster_x, void (*kernel)(Params...), dim3 grid, dim3 block,
                                size_t smem, cudaStream_t stream, Args&&... args) {
@@ -4810,9 +5031,9 @@ static void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t 
 static void apply_pdl(bool on, Hooks&) { g_opt.pdl = on; }
 static std::string pdl_note(const Qwen3&) { return gpu_cc_major() < 9 ? "pdl needs sm_90, off here" : ""; }
 static const int kPdlRegistered =
-    register_optimization({"pdl", "programmatic dependent launch (section 15)", true, apply_pdl, pdl_note});
+    register_optimization({"pdl", "programmatic dependent launch (section 16)", true, apply_pdl, pdl_note});
 
-// ==== 16. Small-batch gemv with its neighbours fused in ====================================================
+// ==== 17. Small-batch gemv with its neighbours fused in ====================================================
 // defines: GemvIn, GemvOptions, GEMV_MAX_M, gemv, gemv_can_stage; switch gemv
 //
 // Replaces: at steps of at most GEMV_MAX_M tokens (batch-1 and -2 decode), cuBLASLt's matrix products and
@@ -4824,7 +5045,7 @@ static const int kPdlRegistered =
 // split-K plus a reduction kernel for down_proj, fewer thread blocks than SMs for others;
 // test/gpu/gpu_gemm.cu times both). And a tiny kernel such as the RMSNorm of one row costs mostly the cost of
 // being a kernel at all: the gemv takes its work over where that needs no extra pass over memory.
-// Switch: gemv (section 21 routes steps of at most GEMV_MAX_M tokens here).
+// Switch: gemv (it fills section 14's stages norm_matmul and matmul_out; below).
 //
 // gemv_kernel — y [M, N] = x [M, K] @ W [N, K]^T, M <= 2.
 //   One warp per output column n streams row n of W once with 16-byte loads (all of a row's loads issued
@@ -4875,7 +5096,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     }
   };
   // No step writes the weights, so the first stretch is loaded before waiting for the kernel before
-  // (section 15, PDL): for R * K <= GEMV_UNROLL * 256 that is all of the warp's rows, in flight while that
+  // (section 16, PDL): for R * K <= GEMV_UNROLL * 256 that is all of the warp's rows, in flight while that
   // kernel finishes.
   if (n0 < N) load_stretch(0);
   pdl_begin();
@@ -4991,19 +5212,67 @@ static void gemv(bf16* y, const bf16* x, const bf16* W, int M, int N, int K, cud
   CUDA_CHECK(cudaGetLastError());
 }
 
-// ---- The switch: gemv ----
+// ---- The stages this section fills, and its switch: gemv ----
+// Section 14's norm_matmul and matmul_out at steps of at most GEMV_MAX_M tokens (larger steps: Part I's).
+// y = RMSNorm(residual) @ W^T with the norm inside the gemv. Where the residual stream still waits for h
+// (several GPUs whose all-reduce did not add it, p.pending), the norm runs on its own first.
+static void gemv_norm_matmul(Pass& p, bf16* y, const bf16* norm_w, const bf16* W, int N) {
+  if (p.T > GEMV_MAX_M) return norm_matmul_plain(p, y, norm_w, W, N);
+  Activations& a = p.m.act;
+  const int H = p.m.cfg.hidden_size;
+  const float eps = p.m.cfg.rms_norm_eps;
+  if (p.pending) {
+    add_rmsnorm(a.x, a.residual, a.hidden, norm_w, p.T, H, eps, p.s);
+    p.pending = false;
+    return gemv(y, a.x, W, p.T, N, H, p.s);
+  }
+  gemv(y, a.residual, W, p.T, N, H, p.s, {GemvIn::RMSNORM, norm_w, eps});
+}
+// h = x @ W^T with SiLU-and-mul inside (down, where the input fits in shared memory). On one GPU h goes
+// straight into the residual stream (the ADD epilogue); on several it is summed first (all_reduce), which
+// may add it too.
+static void gemv_matmul_out(Pass& p, const bf16* x, const bf16* W, int K, bool gate_up) {
+  if (p.T > GEMV_MAX_M) return matmul_out_plain(p, x, W, K, gate_up);
+  Activations& a = p.m.act;
+  const int H = p.m.cfg.hidden_size;
+  GemvIn how = GemvIn::PLAIN;
+  if (gate_up && gemv_can_stage(p.T, K)) {
+    how = GemvIn::SILU_MUL;
+  } else if (gate_up) {
+    silu_and_mul(a.act, x, p.T, K, p.s);
+    x = a.act;
+  }
+  if (p.m.tp == 1) {
+    gemv(a.residual, x, W, p.T, H, K, p.s, {how, nullptr, 0.f, true});
+    p.pending = false;
+    return;
+  }
+  gemv(a.hidden, x, W, p.T, H, K, p.s, {how});
+  p.pending = !g_stages.all_reduce(p.m.comm, a.hidden, (size_t)p.T * H, p.s, a.residual);
+}
 static void apply_gemv(bool on, Hooks& h) {
   g_opt.gemv = on;
-  if (on) h.forward = forward_fast;
+  if (!on) return;
+  ForwardStages& st = stages_for(h);
+  st.norm_matmul = gemv_norm_matmul;
+  st.matmul_out = gemv_matmul_out;
 }
 static const int kGemvRegistered = register_optimization(
-    {"gemv", "small-batch gemv with RMSNorm, SiLU and the residual add fused in (section 16)", true, apply_gemv});
+    {"gemv", "small-batch gemv with RMSNorm, SiLU and the residual add fused in (section 17)", true, apply_gemv});
 
-// ==== 17. The split-K merge inside a cluster ===============================================================
-// defines: DECODE_CLUSTER, DECODE_CLUSTER_MAX_B, cluster_partial, cluster_merge (switch cluster_merge,
-//          registered in 18)
+// ==== 18. Decode attention in one kernel: the split-K merge in a cluster, q/k-norm, RoPE, the KV store
+// defines: DECODE_CLUSTER, DECODE_CLUSTER_MAX_B, cluster_partial, cluster_merge, DecodeRope,
+//          decode_fused_kernel, decode_clusters_supported, attention_decode_fast; switches cluster_merge,
+//          fused_rope
 //
-// Replaces: flash_decode_merge_kernel (section 14) and its workspace, for batches of at most
+// A decode step's attention, as section 15 runs it, is three kernels per layer: qk_norm_rope (section 7), the
+// split-K decode kernel, and the merge kernel that combines its partitions. This section makes it one, in
+// two steps that each have a switch: first the merge moves inside the decode kernel (cluster_merge), then
+// q/k-norm, RoPE and the KV store do (fused_rope). One kernel template, decode_fused_kernel<ROPE, CLUSTER>,
+// carries both; section 15's split-K decode is its <false, false> case in all but name.
+//
+// ---- The split-K merge inside a cluster (switch cluster_merge) ----
+// Replaces: flash_decode_merge_kernel (section 15) and its workspace, for batches of at most
 // DECODE_CLUSTER_MAX_B sequences on sm_90 and later.
 // Why it is faster: a small batch needs many partitions to fill the GPU, so at long contexts the merge
 // kernel has many partials per head to read back from memory, and it is one more kernel boundary per layer.
@@ -5013,9 +5282,8 @@ static const int kGemvRegistered = register_optimization(
 // (sequence, kv head), and the partition length follows the context: ceil(ctx / DECODE_CLUSTER) rounded up
 // to whole tiles. Each live thread block leaves its share of every head of the group in shared memory
 // (cluster_partial) and cluster_merge combines them: no workspace, no second kernel. The merge does the
-// merge kernel's arithmetic in the same order, so the result is the same as section 14's at the same
-// partition length. The kernel that calls it is section 18's (the same kernel with both additions).
-// Switch: cluster_merge. GPUs before sm_90, and batches above DECODE_CLUSTER_MAX_B, use the merge kernel.
+// merge kernel's arithmetic in the same order, so the result is the same as section 15's at the same
+// partition length. GPUs before sm_90, and batches above DECODE_CLUSTER_MAX_B, use the merge kernel.
 constexpr int DECODE_CLUSTER = 16;        // thread blocks per cluster (16 is above the portable 8: opted into)
 constexpr int DECODE_CLUSTER_MAX_B = 4;   // larger batches: the workspace and the merge kernel
 
@@ -5062,12 +5330,9 @@ __device__ void cluster_merge(bf16* out, int b, int kvh, int group, int NH, int 
 #endif
 }
 
-// ==== 18. Decode attention does q/k-norm, RoPE and the KV store ============================================
-// defines: DecodeRope, decode_fused_kernel, decode_clusters_supported, attention_decode_fast; switches
-//          cluster_merge, fused_rope
-//
+// ---- q/k-norm, RoPE and the KV store inside the decode kernel (switch fused_rope) ----
 // Replaces: in decode steps, qk_norm_rope (section 7) and the kernel boundary between it and decode
-// attention (section 14).
+// attention (section 15).
 // Why it is faster: the decode kernel can do qk_norm_rope's work for its token itself. Every thread block
 // normalises and rotates its group's query heads straight into its Q tile (the few hundred bytes are read
 // from qkv by every thread block of the group, and the 64 sines and cosines computed by each: both cheaper
@@ -5077,12 +5342,12 @@ __device__ void cluster_merge(bf16* out, int b, int kvh, int group, int NH, int 
 // cache: the warp whose slice holds that key takes it into its registers instead). Because of that,
 // everything a thread block reads before its Q tile was written before the kernel ahead of this one started:
 // context lengths and block tables by the step's upload, the cached keys and values by earlier steps. So it
-// issues its first K/V tile loads before pdl_begin() (section 15), while the qkv projection before it still
+// issues its first K/V tile loads before pdl_begin() (section 16), while the qkv projection before it still
 // runs; at batch 1 that is all of the keys it reads. The result is bit for bit that of qk_norm_rope followed
-// by section 14's kernel, since the math is the same code (head_norm_rope, decode_attend_tiles or
+// by section 15's kernel, since the math is the same code (head_norm_rope, decode_attend_tiles or
 // fp8_decode_attend, decode_combine_warps); gpu_attention checks it.
-// Switch: fused_rope. The kernel also carries section 17's cluster merge (CLUSTER): <ROPE, CLUSTER> is
-// <true, false>, <true, true>, or <false, true> (cluster merge alone, after qk_norm_rope).
+// The kernel's instances: <ROPE, CLUSTER> is <true, false>, <true, true>, or <false, true> (the cluster merge
+// alone, after store_qkv).
 struct DecodeRope {         // the fused q/k-norm + RoPE + KV store (ROPE = true)
   const int* positions;     // [B] the token's position
   const int* slot_mapping;  // [B] its cache slot, -1 = do not store
@@ -5251,7 +5516,7 @@ static bool decode_clusters_supported() {
   return ok;
 }
 
-// Section 8's attention_decode with sections 17 and 18 where switched on. Arguments as there, except:
+// Section 15's decode attention with this section's two steps where switched on. Arguments as there, except:
 // rope: null = q and this step's k/v are ready (qk_norm_rope ran); else the fused kernel (ROPE = true): qkv
 // is the raw projection, and this step's k and v go to the cache here (k_cache, v_cache are written).
 static void attention_decode_fast(bf16* out, const bf16* qkv, const KVView& cache, const int* context_lens,
@@ -5296,26 +5561,48 @@ static void attention_decode_fast(bf16* out, const bf16* qkv, const KVView& cach
                stream, out, qkv, k_cache, v_cache, cache.scale, context_lens, block_tables, NH, NKV,
                __builtin_ctz(P), MB, max_parts, partition, ws_o, ws_ml, scale_log2, r);
     CUDA_CHECK(cudaGetLastError());
-    // section 14's merge kernel, launched the ordinary way (it has no pdl_begin)
+    // section 15's merge kernel, launched the ordinary way (it has no pdl_begin)
     flash_decode_merge(out, context_lens, ws_o, ws_ml, B, NH, max_parts, partition, stream);
   });
 }
 
-// ---- The switches: cluster_merge (section 17) and fused_rope (this section) ----
-// Both change flash_attn's decode kernel, so they act only where flash_attn is on too.
-static void apply_cluster_merge(bool on, Hooks& h) {
+// ---- The stages this section fills, and its switches: cluster_merge, fused_rope ----
+// Both change flash_attn's decode kernel (section 15), so they act only where flash_attn is on too.
+// cluster_merge: the decode rows' kernel (section 15's g_decode_attention) merges in a cluster where it can.
+static void attention_decode_cluster(bf16* out, const bf16* qkv, const KVView& cache, const int* context_lens,
+                                     const int* block_tables, int B, int NH, int NKV, int P, int MB,
+                                     int max_context_len, float* workspace, float scale, cudaStream_t stream) {
+  attention_decode_fast(out, qkv, cache, context_lens, block_tables, B, NH, NKV, P, MB, max_context_len,
+                        workspace, scale, stream, nullptr);
+}
+static void apply_cluster_merge(bool on, Hooks&) {
   g_opt.cluster_merge = on;
-  if (on) h.forward = forward_fast;
+  if (on && g_opt.flash_attn) g_decode_attention = attention_decode_cluster;
 }
 static std::string cluster_merge_note(const Qwen3&) {
   return decode_clusters_supported() ? "" : "cluster_merge needs sm_90, off here";
 }
 static const int kClusterMergeRegistered = register_optimization(
-    {"cluster_merge", "decode's split-K merge inside a cluster (section 17)", true, apply_cluster_merge,
+    {"cluster_merge", "decode's split-K merge inside a cluster (section 18)", true, apply_cluster_merge,
      cluster_merge_note});
+
+// fused_rope: section 14's attention_decode stage as one kernel. With an fp8 cache, at batches above the
+// cluster kernel's, section 15's stage runs instead (docs/performance.md: the fused kernel is slower there).
+static void fused_attention_decode_stage(Pass& p, int l) {
+  Qwen3& m = p.m;
+  const ModelConfig& c = m.cfg;
+  const LayerWeights& lw = m.w.layers[l];
+  const KVView cache = kv_view(m.kv, l);
+  if (cache.dtype != KVCacheDtype::BF16 && p.B > DECODE_CLUSTER_MAX_B) return flash_attention_decode_stage(p, l);
+  const DecodeRope rope{p.in.positions, p.in.slot_mapping, lw.q_norm, lw.k_norm, c.rms_norm_eps,
+                        rope_inv_freq(c.rope_theta)};
+  attention_decode_fast(m.act.attn, m.act.qkv, cache, p.in.seqlens_k, p.in.block_tables, p.B,
+                        c.num_attention_heads / m.tp, c.num_key_value_heads / m.tp, m.P, m.MB, m.max_model_len,
+                        m.act.attn_workspace, 1.0f / sqrtf((float)c.head_dim), p.s, &rope);
+}
 static void apply_fused_rope(bool on, Hooks& h) {
   g_opt.fused_rope = on;
-  if (on) h.forward = forward_fast;
+  if (on && g_opt.flash_attn) stages_for(h).attention_decode = fused_attention_decode_stage;
 }
 static const int kFusedRopeRegistered = register_optimization(
     {"fused_rope", "q/k-norm, RoPE and the KV store inside decode attention (section 18)", true,
@@ -5336,7 +5623,7 @@ static const int kFusedRopeRegistered = register_optimization(
 // TensorRT-LLM). One crossing of NVLink per call, and no release/acquire pair at system scope, which must
 // wait for the thread block's NVLink stores to be acknowledged. Large messages (prefill) stay with NCCL,
 // whose ring moves fewer bytes per GPU. The sum can also land in the residual stream at once (residual +=
-// sum): section 21 uses that instead of a separate add, so at N > 1 the add costs no kernel.
+// sum): section 14 uses that instead of a separate add, so at N > 1 the add costs no kernel.
 // Switch: oneshot_allreduce. NANOVLLM_ALLREDUCE=skip (section 12) skips every all-reduce on both roads.
 
 constexpr int AR_THREADS = 512;             // threads of an all-reduce thread block, 16 bytes each a pass
@@ -5377,7 +5664,7 @@ struct OneShot {
 //      adds, and writes AR_EMPTY back, ready for the next use of the slot.
 // Call k uses half h = k % 2. A rank writes half h again only at call k + 2, after call k + 1 got data from
 // every rank, and each rank sends that only after its own call k has finished, emptied slots included
-// (kernels run in stream order, each waiting for the one before, section 15). So two halves are enough.
+// (kernels run in stream order, each waiting for the one before, section 16). So two halves are enough.
 // The call number lives in device memory and the kernel bumps it itself, so the kernel works eagerly and
 // replayed from any CUDA graph, in any mix, as long as every rank makes the same calls in the same order.
 // Every block keeps its own copy (no block may read a counter another block of the same call updates):
@@ -5550,11 +5837,17 @@ static void oneshot_setup(TPComm* c) {
   if (all_reduce_min(c, ok) == 1) c->fast = os;  // else NCCL alone (the buffers stay: start-up only)
 }
 
-// ---- The switch: oneshot_allreduce ----
+// ---- The stage this section fills, and its switch: oneshot_allreduce ----
+// Section 14's all_reduce: this section's road where the message fits, else NCCL and residual_add_kernel;
+// either way, given the residual stream, the sum goes into it.
+static bool all_reduce_oneshot(TPComm* comm, bf16* x, size_t n, cudaStream_t s, bf16* residual) {
+  all_reduce_fast(comm, x, n, s, residual);
+  return residual != nullptr;
+}
 static void apply_oneshot(bool on, Hooks& h) {
   g_opt.oneshot_allreduce = on;
   if (!on) return;
-  h.forward = forward_fast;  // (the all-reduces of section 21's pass go through all_reduce_fast)
+  stages_for(h).all_reduce = all_reduce_oneshot;
   h.tp_ready = oneshot_setup;
 }
 static std::string oneshot_note(const Qwen3& model) {
@@ -6082,165 +6375,9 @@ static void apply_fast_sampler(bool on, Hooks& h) {
 static const int kFastSamplerRegistered = register_optimization(
     {"fast_sampler", "radix-select sampler and split log-probabilities (section 20)", true, apply_fast_sampler});
 
-// ==== 21. The forward pass with every fusion ===============================================================
-// defines: attention_prefill_step, forward_fast
-//
-// Section 6c's forward pass, with each operation routed to its Part II version where that is switched on.
-// It computes what 6c computes (the GPU tests compare the two); what changes is where the work runs:
-//   * steps of at most GEMV_MAX_M tokens (gemv, section 16): the matrix products are gemvs, the RMSNorms ride
-//     inside the gemvs that read their output, SiLU-and-mul inside the down projection's;
-//   * "residual += h" rides where it costs no kernel of its own:
-//       several GPUs     inside the all-reduce that sums h over the ranks (section 19; NCCL plus a small add
-//                        kernel when the one-shot road is off or the message too large)
-//       one GPU, gemv    inside the output gemv (its ADD epilogue)
-//       one GPU, else    inside the next norm (add_rmsnorm), as in 6c;
-//   * decode attention does q/k-norm, RoPE and the KV store itself (fused_rope, section 18; with an fp8
-//     cache only at the cluster kernel's batches) and merges its split-K partitions in a cluster
-//     (cluster_merge, section 17);
-//   * in a prefill step, the rows that decode (a --scheduler mixed step's running sequences) go through the
-//     decode attention kernel, the prompt chunks through the prefill kernel (attention_prefill_step).
-// With everything on, a batch-1 layer on one GPU is 5 kernels: qkv, attention, o, gate_up, down (6c: 9 and
-// a merge kernel).
-
-// Attention of a prefill step (q/k-norm, RoPE and the KV store done). Under --scheduler mixed (5b) a step
-// holds decode rows and prompt chunks; the scheduler serves the running sequences first, so the decoding
-// ones lead (in.decode_rows of them, one query row each, rows 0..nd-1). Those go through the decode kernel
-// (sections 14, 17), which reads each K/V tile once for the GQA group and uses all of its tiles' rows; the
-// prefill kernel would read it once per query head into tiles of 128 query rows holding one. The prompt
-// chunks, from sequence nd on, go through the prefill kernel as in any prefill step. Both kernels write
-// their own rows of out, and both read the keys qk_norm_rope just stored.
-static void attention_prefill_step(bf16* out, const bf16* qkv, const KVView& cache, const StepInputs& in, int B,
-                                   int NH, int NKV, int P, int MB, int max_context_len, float* workspace,
-                                   float scale, cudaStream_t s) {
-  const int nd = in.decode_rows;
-  if (nd > 0)
-    attention_decode_fast(out, qkv, cache, in.seqlens_k, in.block_tables, nd, NH, NKV, P, MB, max_context_len,
-                          workspace, scale, s, nullptr);
-  if (nd < B)
-    flash_attention_prefill(out, qkv, cache, in.cu_seqlens_q + nd, in.seqlens_k + nd,
-                            in.block_tables + (size_t)nd * MB, B - nd, in.max_seqlen_q, NH, NKV, P, MB, scale, s);
-}
-
-// Layer l's attention in a prefill step: section 8's kernel, or with flash_attn on the step above.
-static void prefill_attention(Qwen3& model, const StepInputs& in, int l, int B, cudaStream_t s) {
-  const ModelConfig& cfg = model.cfg;
-  const int NH = cfg.num_attention_heads / model.tp, NKV = cfg.num_key_value_heads / model.tp;
-  const float scale = 1.0f / sqrtf((float)cfg.head_dim);
-  Activations& act = model.act;
-  if (!g_opt.flash_attn)
-    attention_prefill(act.attn, act.qkv, model.kv.layer(l), in.cu_seqlens_q, in.seqlens_k, in.block_tables, B,
-                      in.max_seqlen_q, NH, NKV, model.P, model.MB, scale, s);
-  else
-    attention_prefill_step(act.attn, act.qkv, kv_view(model.kv, l), in, B, NH, NKV, model.P, model.MB,
-                           model.max_model_len, act.attn_workspace, scale, s);
-}
-
-// The step's logits from the final normed rows (act.x): in a prefill step only each sequence's last row needs
-// them (nano-vllm: ParallelLMHead).
-static void lm_head_logits(Qwen3& model, const StepInputs& in, int B, bool is_prefill, cudaStream_t s) {
-  const int H = model.cfg.hidden_size, V = (int)cdiv(model.cfg.vocab_size, model.tp);
-  const bf16* last = model.act.x;
-  if (is_prefill) {
-    gather_last_tokens(model.act.last, model.act.x, in.cu_seqlens_q, B, H, s);
-    last = model.act.last;
-  }
-  linear(*model.gemm, model.act.logits, last, model.w.lm_head, B, V, H, s, CUDA_R_32F);
-}
-
-// Section 21b captures prefill steps in pieces: while it does, forward_fast ends a piece at each of its two
-// cut points (before a layer's attention, before the LM head) and skips what follows the cut, which the replay
-// runs between the pieces. Off (every other time), cut() does nothing and returns false.
-struct PiecewiseCapture {
-  enum { OFF, WARMUP, CAPTURE } mode = OFF;  // WARMUP: a run outside any capture (cuBLASLt picks its algorithms)
-  std::vector<cudaGraph_t> pieces;           // CAPTURE: the pieces so far
-  bool cut(cudaStream_t s) {
-    if (mode == OFF) return false;
-    if (mode == CAPTURE) {
-      cudaGraph_t g;
-      CUDA_CHECK(cudaStreamEndCapture(s, &g));
-      pieces.push_back(g);
-      CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    }
-    return true;
-  }
-};
-static PiecewiseCapture g_pieces;
-
-static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool is_prefill, cudaStream_t s) {
-  const ModelConfig& cfg = model.cfg;
-  const Weights& w = model.w;
-  const KVCache& kv = model.kv;
-  Activations& act = model.act;
-  Gemm& gemm = *model.gemm;
-  const int tp = model.tp, P = model.P, MB = model.MB;
-  const int H = cfg.hidden_size, I = cfg.intermediate_size / tp, D = cfg.head_dim;
-  const int NH = cfg.num_attention_heads / tp, NKV = cfg.num_key_value_heads / tp;
-  const int V = (int)cdiv(cfg.vocab_size, tp);
-  const float eps = cfg.rms_norm_eps, scale = 1.0f / sqrtf((float)D);
-  const bool gemv_step = T <= GEMV_MAX_M && g_opt.gemv;
-  const bool add_in_gemv = gemv_step && tp == 1, add_in_norm = !gemv_step && tp == 1;
-  const bool fuse_silu = gemv_step && gemv_can_stage(T, I);
-  // y = RMSNorm(residual) @ W^T, where residual first gets the last sub-layer's output (hidden) added if
-  // that is the norm's job (add_in_norm) and there is one (not in layer 0)
-  auto norm_matmul = [&](bf16* y, const bf16* norm_w, const bf16* W, int N, bool add_hidden) {
-    if (gemv_step) return gemv(y, act.residual, W, T, N, H, s, {GemvIn::RMSNORM, norm_w, eps});
-    if (add_in_norm && add_hidden) add_rmsnorm(act.x, act.residual, act.hidden, norm_w, T, H, eps, s);
-    else rmsnorm(act.x, act.residual, norm_w, T, H, eps, s);
-    linear(gemm, y, act.x, W, T, N, H, s);
-  };
-  // A sub-layer's output projection h = x @ W^T (+ all-reduce), added to the residual stream as above.
-  // in: how x is read (SILU_MUL: x is gate_up).
-  auto matmul_out = [&](const bf16* x, const bf16* W, int K, GemvIn how) {
-    if (add_in_gemv) return gemv(act.residual, x, W, T, H, K, s, {how, nullptr, 0.f, true});
-    if (how == GemvIn::PLAIN && !gemv_step) linear(gemm, act.hidden, x, W, T, H, K, s);
-    else gemv(act.hidden, x, W, T, H, K, s, {how});
-    if (tp > 1) all_reduce_fast(model.comm, act.hidden, (size_t)T * H, s, act.residual);
-  };
-  embedding(act.residual, in.input_ids, w.embed_tokens, T, H, model.rank * V, V, s);
-  if (tp > 1) all_reduce_fast(model.comm, act.residual, (size_t)T * H, s, nullptr);
-  for (int l = 0; l < cfg.num_hidden_layers; l++) {
-    const LayerWeights& lw = w.layers[l];
-    norm_matmul(act.qkv, lw.input_layernorm, lw.qkv_proj, (NH + 2 * NKV) * D, l > 0);
-    const KVView cache = kv_view(kv, l);
-    if (is_prefill) {
-      qk_norm_rope_view(act.qkv, in.positions, lw.q_norm, lw.k_norm, cache, in.slot_mapping, T, NH, NKV, P,
-                        cfg.rope_theta, eps, s);
-      if (!g_pieces.cut(s)) prefill_attention(model, in, l, B, s);  // (section 21b cuts its graphs here)
-    } else if (!g_opt.flash_attn) {  // section 8's kernels (bf16 only: section 22 needs flash_attn)
-      qk_norm_rope(act.qkv, in.positions, lw.q_norm, lw.k_norm, kv.layer(l), in.slot_mapping, T, NH, NKV, P,
-                   cfg.rope_theta, eps, s);
-      attention_decode(act.attn, act.qkv, kv.layer(l), in.seqlens_k, in.block_tables, B, NH, NKV, P, MB, scale,
-                       s);
-    } else if (g_opt.fused_rope && (cache.dtype == KVCacheDtype::BF16 || B <= DECODE_CLUSTER_MAX_B)) {
-      // q/k-norm, RoPE and the KV store inside the attention kernel. (With an fp8 cache, at batches above the
-      // cluster kernel's, the fused kernel measured slower on bench.py than the two it replaces: README.)
-      const DecodeRope rope{in.positions, in.slot_mapping, lw.q_norm, lw.k_norm, eps, rope_inv_freq(cfg.rope_theta)};
-      attention_decode_fast(act.attn, act.qkv, cache, in.seqlens_k, in.block_tables, B, NH, NKV, P, MB,
-                            model.max_model_len, act.attn_workspace, scale, s, &rope);
-    } else {
-      qk_norm_rope_view(act.qkv, in.positions, lw.q_norm, lw.k_norm, cache, in.slot_mapping, T, NH, NKV, P,
-                        cfg.rope_theta, eps, s);
-      attention_decode_fast(act.attn, act.qkv, cache, in.seqlens_k, in.block_tables, B, NH, NKV, P, MB,
-                            model.max_model_len, act.attn_workspace, scale, s, nullptr);
-    }
-    matmul_out(act.attn, lw.o_proj, NH * D, GemvIn::PLAIN);
-    norm_matmul(act.gate_up, lw.post_attention_layernorm, lw.gate_up_proj, 2 * I, true);
-    if (fuse_silu) {
-      matmul_out(act.gate_up, lw.down_proj, I, GemvIn::SILU_MUL);
-    } else {
-      silu_and_mul(act.act, act.gate_up, T, I, s);
-      matmul_out(act.act, lw.down_proj, I, GemvIn::PLAIN);
-    }
-  }
-  if (add_in_norm) add_rmsnorm(act.x, act.residual, act.hidden, w.norm, T, H, eps, s);
-  else rmsnorm(act.x, act.residual, w.norm, T, H, eps, s);
-  if (is_prefill && g_pieces.cut(s)) return;
-  lm_head_logits(model, in, B, is_prefill, s);
-}
-
-// ---- 21b. Prefill and mixed steps in CUDA graphs, in pieces --------------------------------------------
-// defines: prefill_graph_sizes, pad_prefill_rows, capture_prefill_graphs, prefill_step_graphs; switch
-//          prefill_graphs
+// ==== 21. Prefill and mixed steps in CUDA graphs, in pieces ===============================================
+// defines: PREFILL_GRAPH_MAX_T, prefill_graph_sizes, PiecewiseCapture, piecewise_cut, pad_prefill_rows,
+//          capture_prefill_graphs, prefill_step_graphs; switch prefill_graphs
 //
 // Replaces: running every prefill step kernel by kernel (section 11 captures decode steps only).
 // Why it is faster: a step of Qwen3-0.6B is about 400 launches, which cost the host more than a millisecond;
@@ -6252,7 +6389,7 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
 // attention has shapes that follow the number of tokens T alone (the matrix products, norms, RoPE, the KV
 // store: one row per token), so it can be captured for a ladder of T and the step padded up to the next
 // rung. Attention's work follows the sequences (how many, how long each chunk, how many keys each reads, how
-// many decode rows, section 21's split), which a fixed grid could only cover by launching for the worst case
+// many decode rows, section 15's split), which a fixed grid could only cover by launching for the worst case
 // of all of them and letting most thread blocks exit. So, as vLLM does (piecewise CUDA graphs), attention
 // stays out: for each rung, L + 1 graphs, cut before each layer's attention and before the LM head.
 //   piece 0      embedding, layer 0 up to and including q/k-norm, RoPE and the KV store
@@ -6260,8 +6397,8 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
 //   piece L      layer L-1 after attention, the final norm
 // A replay is piece 0, then for each layer its attention (launched as usual, with this step's sequences)
 // and the next piece; then the LM head on the B last rows and the sampler, as usual: about 3 to 4 launches
-// per layer instead of about 14. forward_fast itself is what is captured (g_pieces.cut ends a piece where
-// it would run attention or the LM head), so the pieces compute exactly what an eager step of T padded
+// per layer instead of about 14. Section 14's forward_fast itself is what is captured (its cut stage ends a
+// piece where it would run attention or the LM head), so the pieces compute exactly what an eager step of T padded
 // tokens does.
 //
 // Padding. Rows T .. Tg - 1 of a step padded to rung Tg are token 0 at position 0 with slot -1: the KV
@@ -6281,6 +6418,26 @@ static std::vector<int> prefill_graph_sizes(int Tmax) {
   for (int t = 128; t <= std::min(Tmax, PREFILL_GRAPH_MAX_T); t += 128) sizes.push_back(t);
   return sizes;
 }
+
+// While this section captures a prefill step in pieces, section 14's cut stage ends a piece at each of the
+// pass's two cut points (before a layer's attention, before the LM head) and the pass skips what follows the
+// cut, which the replay runs between the pieces. Off (every other time), cut() does nothing and returns false.
+struct PiecewiseCapture {
+  enum { OFF, WARMUP, CAPTURE } mode = OFF;  // WARMUP: a run outside any capture (cuBLASLt picks its algorithms)
+  std::vector<cudaGraph_t> pieces;           // CAPTURE: the pieces so far
+  bool cut(cudaStream_t s) {
+    if (mode == OFF) return false;
+    if (mode == CAPTURE) {
+      cudaGraph_t g;
+      CUDA_CHECK(cudaStreamEndCapture(s, &g));
+      pieces.push_back(g);
+      CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    }
+    return true;
+  }
+};
+static PiecewiseCapture g_pieces;
+static bool piecewise_cut(cudaStream_t s) { return g_pieces.cut(s); }
 
 // Each rung's pieces (the current engine's: emptied whenever an engine installs its optimizations).
 static std::map<int, std::vector<cudaGraphExec_t>> g_prefill_graphs;
@@ -6341,9 +6498,10 @@ static bool prefill_step_graphs(Qwen3& model, const StepInputs& in, int T, int B
   if (rung == g_prefill_graphs.end()) return false;
   pad_prefill_rows(in, T, rung->first, s);
   const std::vector<cudaGraphExec_t>& pieces = rung->second;
+  Pass p{model, in, T, B, true, s};
   for (int l = 0; l < model.cfg.num_hidden_layers; l++) {
     CUDA_CHECK(cudaGraphLaunch(pieces[l], s));
-    prefill_attention(model, in, l, B, s);
+    g_stages.attention_prefill(p, l);
   }
   CUDA_CHECK(cudaGraphLaunch(pieces.back(), s));
   lm_head_logits(model, in, B, true, s);
@@ -6354,13 +6512,13 @@ static void apply_prefill_graphs(bool on, Hooks& h) {
   g_opt.prefill_graphs = on;
   drop_prefill_graphs();
   if (!on) return;
-  h.forward = forward_fast;  // what the pieces are captured from, so eager steps match them
+  stages_for(h).cut = piecewise_cut;  // the pieces are captured from forward_fast, so eager steps match them
   h.prefill_step = prefill_step_graphs;
   h.capture_prefill = capture_prefill_graphs;
   h.prefill_graph_tokens = PREFILL_GRAPH_MAX_T;
 }
 static const int kPrefillGraphsRegistered = register_optimization(
-    {"prefill_graphs", "prefill and mixed steps of up to 2048 tokens replay CUDA graphs, in pieces (section 21b)",
+    {"prefill_graphs", "prefill and mixed steps of up to 2048 tokens replay CUDA graphs, in pieces (section 21)",
      true, apply_prefill_graphs});
 
 // ==== 22. An FP8 KV cache ==================================================================================
@@ -6401,7 +6559,7 @@ static const int kPrefillGraphsRegistered = register_optimization(
 // fp16 (the q fragments are converted once per thread block, exact for |q| up to 65504), and the key scale
 // multiplies the scores' scale and the value scale the output, both once. Where the conversion happens
 // differs: the prefill kernel stages a tile's bytes (cp.async, 16 values a copy) and every thread widens the
-// chunks it copied itself into section 14's fp16 tile (no barrier: nobody else reads a thread's staged
+// chunks it copied itself into section 15's fp16 tile (no barrier: nobody else reads a thread's staged
 // chunks); decode, which only streams, converts in registers on the way into the MMAs (the decode loop below).
 // Needs: FP8 conversion instructions (compute capability 8.9 and later: Ada, Hopper); ModelRunner refuses
 // --kv-cache-dtype fp8 on older GPUs with a message.
@@ -6460,7 +6618,7 @@ __device__ __forceinline__ void store_kv_chunk_tile_fp8(fp8e4m3* row, int chunk,
   reinterpret_cast<uint2*>(row)[chunk] = half8_to_fp8x8(tile_values);
 }
 
-// The ring of staging slots where the prefill kernel's fp8 tiles wait (section 14's tile pipeline). A slot is
+// The ring of staging slots where the prefill kernel's fp8 tiles wait (section 15's tile pipeline). A slot is
 // one tile of keys then one of values, FP8_TILE_BYTES each, row r's 16-byte chunk c (values 16c .. 16c+15)
 // at chunk r * 8 + c: plain order, because only the thread that copied a chunk reads it back. Slots 0 and 1
 // are the second bf16 stage of sK and of sV (the widened tile always goes to stage 0, so the second one is
@@ -6524,7 +6682,7 @@ __device__ __forceinline__ void widen_kv_tile_fp8(const char* slot, bf16* sK, bf
 // registers and converts them there (one cvt.rn.f16x2.e4m3x2 per pair of values) into MMA fragments. Warp
 // w takes two slices of 16 keys of each tile, rows 16w .. 16w+15 and 64+16w .. 64+16w+15 (fp8_attend_slice).
 //
-// Keys on the MMA's rows. Section 14 puts the GQA group's query heads on the 16 rows of mma.m16n8k16 and
+// Keys on the MMA's rows. Section 15 puts the GQA group's query heads on the 16 rows of mma.m16n8k16 and
 // keys on its 8 columns; with 2 heads per group (Qwen3-0.6B) 14 of the 16 rows are padding, and the online
 // softmax, which runs on every element a lane holds, does 8 times the work it needs. Half the bytes per key
 // make that matter: per byte of cache an fp8 tile holds twice the keys, so twice the MMAs and softmax steps
@@ -6539,7 +6697,7 @@ __device__ __forceinline__ void widen_kv_tile_fp8(const char* slot, bf16* sK, bf
 // movmatrix, the warp's transpose of an 8 x 8 matrix of 16-bit values, moves it over, once per 8 keys.
 // A group of more than 8 heads takes two column tiles (NT = 2); Qwen3's groups have at most 8.
 //
-// What makes the register route possible is a choice of order. An A fragment of mma.m16n8k16 (section 14's
+// What makes the register route possible is a choice of order. An A fragment of mma.m16n8k16 (section 15's
 // vocabulary) wants, in lane (g, c), two consecutive values along k at k = 2c and 2c + 8, of rows g and
 // g + 8. Fed from a row of the cache that would be 2-byte pieces scattered over the row. But a dot product
 // does not care in which order its terms are added, so the kernel renames:
@@ -6552,7 +6710,7 @@ __device__ __forceinline__ void widen_kv_tile_fp8(const char* slot, bf16* sK, bf
 //               (row g + 8). So accumulator o[mt][e] holds head 2c + e%2 at head dim 16g + 2mt + e/2, which
 //               fp8_decode_store_partials writes back in head-dim order.
 // An A fragment of V^T pairs one dim of two keys, so those bytes are paired first (one byte_perm per two
-// pairs). Every read is 16 bytes, and the tile is swizzled like section 14's, which spreads a read over the
+// pairs). Every read is 16 bytes, and the tile is swizzled like section 15's, which spreads a read over the
 // banks (the key reads still meet 2-way conflicts).
 //
 // Measured on the way (README, FP8 section): warp-private rings (each warp streaming its own 16-key slices,
@@ -6578,7 +6736,7 @@ __device__ __forceinline__ int fp8_key_dim(int c, int kk, int e) {
 }
 
 // A staged tile: FP8_TILE_KEYS rows of keys (128 bytes each), then as many of values; 16-byte chunk c of row
-// r at r * 128 + 16 * (c ^ (r % 8)), the XOR swizzle of section 14 on 8 chunks a row.
+// r at r * 128 + 16 * (c ^ (r % 8)), the XOR swizzle of section 15 on 8 chunks a row.
 constexpr int FP8_TILE_HALF = FP8_TILE_KEYS * HEAD_DIM;  // bytes of keys (or of values) in a tile: 16 KiB
 static_assert(2 * FP8_TILE_HALF == FP8_STAGE_BYTES, "a stage is a tile of keys and one of values");
 __device__ __forceinline__ int fp8_tile_offset(int row, int chunk) {
@@ -6613,7 +6771,7 @@ __device__ __forceinline__ void fp8_decode_issue_first(char* stages, const fp8e4
   cp_async_commit();
 }
 
-// The group's Q tile (bf16, swizzled, section 14's layout) as fp16 A fragments in the renamed dim order:
+// The group's Q tile (bf16, swizzled, section 15's layout) as fp16 A fragments in the renamed dim order:
 // fragment kk, register e holds rows g (e even) or g + 8 (e odd) at the dims of values 2(e/2), 2(e/2) + 1.
 __device__ __forceinline__ void fp8_decode_q_fragments(uint32_t (&q)[HEAD_DIM / 16][4], const bf16* sQ) {
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
@@ -6661,7 +6819,7 @@ __device__ __forceinline__ void fp8_attend_slice(const uint32_t (&q)[HEAD_DIM / 
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) mma_16816<__half>(s[nt], a, q[kk][nt], q[kk][2 + nt]);
   }
-  // The online softmax of section 14 (online_softmax_update), per head: a lane holds two keys of it, and
+  // The online softmax of section 15 (online_softmax_update), per head: a lane holds two keys of it, and
   // the other seven pairs sit in the lanes of the same c (xor-shuffles over 4, 8, 16).
   uint32_t p[NT][2];  // P^T as B fragments: keys 2c, 2c + 1 (then + 8) of head g
 #pragma unroll
@@ -6877,6 +7035,16 @@ static void qk_norm_rope_view(bf16* qkv, const int* positions, const bf16* q_nor
   CUDA_CHECK(cudaGetLastError());
 }
 
+// Section 14's store_qkv stage for an fp8 cache.
+static void store_qkv_fp8(Pass& p, int l) {
+  const Qwen3& m = p.m;
+  const ModelConfig& c = m.cfg;
+  const LayerWeights& lw = m.w.layers[l];
+  qk_norm_rope_view(m.act.qkv, p.in.positions, lw.q_norm, lw.k_norm, kv_view(m.kv, l), p.in.slot_mapping, p.T,
+                    c.num_attention_heads / m.tp, c.num_key_value_heads / m.tp, m.P, c.rope_theta, c.rms_norm_eps,
+                    p.s);
+}
+
 // ---- The format: fp8 (--kv-cache-dtype) ----
 // Tests set this false to run vLLM's default scales (1.0) instead of the weight bounds above.
 static bool g_kv_scales_from_weights = true;
@@ -6891,28 +7059,27 @@ static void use_fp8_cache(Qwen3& model) {
         "newer: Ada, Hopper, Blackwell); this one is %d.%d. Use --kv-cache-dtype bf16 (the default)", major,
         minor);
   if (!g_opt.flash_attn)
-    die("--kv-cache-dtype fp8 is read by the flash_attn kernels (section 14), which this run switched "
+    die("--kv-cache-dtype fp8 is read by the flash_attn kernels (section 15), which this run switched "
         "off: drop --plain or -flash_attn, or use --kv-cache-dtype bf16");
   g_kv_dtype = KVCacheDtype::FP8;
   g_kv_scales = g_kv_scales_from_weights ? kv_scales_from_weights(model.w, model.cfg, model.tp)
                                          : std::vector<KVScales>(model.cfg.num_hidden_layers);
+  g_stages.store_qkv = store_qkv_fp8;  // (flash_attn is on, so section 14's stages are the pass)
 }
 static const int kFp8FormatRegistered = register_kv_cache_format(
     {"fp8", {"fp8_e4m3"}, 1, {{"fp8_e5m2", "nanovllm stores FP8 as e4m3 (write fp8 or fp8_e4m3)"}}, use_fp8_cache});
 
 // ==== 23. One persistent kernel for a small-batch decode step ============================================
-// defines: PersistOp, PersistPlan, PersistentDecode, persist_setup, persist_measure, persist_context_limit,
-//          persistent_decode, persist_describe;
-//          switch persistent
+// defines: PERSIST_MAX_B (each of 23a-23d below has its own defines line); switch persistent
 //
-// Replaces: at decode steps of 1, 2 or 4 sequences on one GPU, all of section 21's forward pass: about five
+// Replaces: at decode steps of 1, 2 or 4 sequences on one GPU, all of section 14's forward pass: about five
 // kernels per layer plus the head, 143 launches for Qwen3-0.6B.
 // Why it could be faster. A batch-1 step reads every weight once (1.19 GB for Qwen3-0.6B) and does little
 // else, so its floor is the time to stream the weights at the GPU's copy bandwidth. Between two kernels the
 // GPU is not streaming: the last thread blocks of one kernel finish while most SMs idle, then the next
 // kernel's blocks start with nothing in flight and wait a full memory latency for their first bytes. Each
 // such "bubble" lasts microseconds, a step has 143 of them, and a sub-layer of 4-12 MB streams in 2-5
-// microseconds: the bubbles are as long as the work. PDL (section 15) lets the next kernel's first loads
+// microseconds: the bubbles are as long as the work. PDL (section 16) lets the next kernel's first loads
 // start early, but the drain at the end of each kernel remains. The cure published by Hazy Research (the
 // "megakernel") and by mirage (MPK) is one kernel for the whole step, one thread block per SM, that never
 // ends between operations:
@@ -6932,10 +7099,10 @@ static const int kFp8FormatRegistered = register_kv_cache_format(
 //     depend on the wait is also done before it: attention loads its first keys and values into registers
 //     (earlier steps wrote them; which cache rows they are is looked up once per step), RoPE's angles are
 //     computed once per step, and an RMSNorm's weights are in registers before its input arrives;
-//   * the dot products run on the tensor cores (m16n8k16, section 14's mma): a warp multiplies its 16 x 64
+//   * the dot products run on the tensor cores (m16n8k16, section 15's mma): a warp multiplies its 16 x 64
 //     strip by the same 64 columns of the B <= 4 inputs, which sit as the 8 columns of the right-hand matrix,
 //     so a step of 4 sequences costs the same instructions as a step of 1. The 16 warps' partial sums of a
-//     group meet in shared memory, are added in warp order, and the output is written the way section 21
+//     group meet in shared memory, are added in warp order, and the output is written the way section 14
 //     writes it (bf16 roundings in the same places).
 // Why it is correct: an operation's inputs were written by the operation before it (or earlier), whose blocks
 // count themselves done only after their writes (a barrier, then one thread's release add), while a waiting
@@ -6951,28 +7118,22 @@ static const int kFp8FormatRegistered = register_kv_cache_format(
 // All thread blocks must be resident at once (a waiting block never yields its SM): the grid is one block per
 // SM, the kernel is launched alone in its stream, and a block that waits longer than 5 s stops the kernel
 // with a message instead of hanging.
-// What limits it. test/gpu/gpu_persistent.cu's breakdown times every operation of every block: when it got
-// past its wait, how many of its chunks were then in its ring (all RING - 1 of them: the weights are ahead),
-// how long its input took, its rows, its end. Three things showed there, and the code answers each:
-//   * instructions. With the weights already in shared memory, an operation's rows took as long as
-//     streaming them would have: 16 warps on 4 schedulers leave few warps to hide latency, so every
-//     instruction counts, and working out each copy's address and bounds took most of them. A strip that
-//     lies wholly inside W (all but the edges of odd shapes) now costs one address and two strides
-//     (persist_issue, persist_gemv_chunk), and the stream's cursor keeps its operation in registers
-//     (PersistCursor) instead of reading it from the list at every chunk;
-//   * a release waits for the signalling thread's earlier memory operations, its cp.async copies included.
-//     The copy issued at an operation's last chunk (of a later operation's weights) held the count back
-//     until it landed, a memory latency on every hand-off; it is now issued just after the signal;
-//   * round trips on the critical path: the count seen, the input through L2, the norm's weights (now
-//     loaded before the wait), attention's merge (one trip for up to 16 partitions). Polling with acquire
-//     loads emptied the SM's L1 at every poll; relaxed polls and one acquire load at the end cost less.
-// What is left is mostly those hand-offs and attention's chain of trips, not the weights (read from L2 instead
-// of memory they shorten the step only a little, while the blocks with no rows in o_proj and down stream the
-// next operations' weights meanwhile), and the README has the figures. And a constraint on any change: the
-// kernel has at most 128 registers a thread (512 threads on an SM) and already spills some, and code added to
-// one operation's path, even code that never runs, has lengthened every operation's rows (README: down fed
-// by gate_up's words), so a change is measured on all of them, not only on the operation it is for.
-// Whether it beats sections 14-21 depends on the GPU, the model, the batch size and the contexts, so a decode
+// What limits it is the hand-offs between operations, not the weights. test/gpu/gpu_persistent.cu's breakdown
+// times every operation of every block (when it got past its wait, how many of its chunks were then in its
+// ring, how long its input took, its rows, its end), and the code is shaped by what that shows:
+//   * instructions: 16 warps on 4 schedulers leave few warps to hide latency, so every instruction counts. A
+//     strip that lies wholly inside W costs one address and two strides (persist_issue, persist_gemv_chunk),
+//     and the stream's cursor keeps its operation in registers (PersistCursor);
+//   * a release waits for the signalling thread's earlier memory operations, its cp.async copies included, so
+//     the copy of a later operation's weights is issued just after an operation's signal, not before it;
+//   * round trips on the critical path (the count seen, the input through L2, attention's merge): the norm's
+//     weights are loaded before the wait, and the polls are relaxed loads with one acquire load at the end
+//     (an acquire poll empties the SM's L1 every time).
+// A constraint on any change: the kernel has at most 128 registers a thread (512 threads on an SM) and spills
+// some already, and code added to one operation's path, even code that never runs, lengthens every
+// operation's rows; so a change is measured on all of them (docs/performance.md has the measurements, and
+// what was tried and dropped).
+// Whether it beats section 14's path depends on the GPU, the model, the batch size and the contexts, so a decode
 // step of a batch size with a plan takes it only up to the context at which a measurement at start-up finds it
 // faster (persist_measure).
 // An fp8 cache (section 22) changes only what attention reads: a lane's 4 values of a row are 4 bytes instead
@@ -6980,13 +7141,17 @@ static const int kFp8FormatRegistered = register_kv_cache_format(
 // partition's output, and the step's own key and value are rounded to e4m3 before they are used (and stored),
 // as section 22's kernels use them. At batch 1 a step's cache bytes are a few percent of its weights', so the
 // kernel is what makes an fp8 engine's latency the same as a bf16 one's.
-// What it computes: section 21's arithmetic with the sums added in another order, so results match section
-// 20's within float rounding, not bit for bit (gpu_persistent.cu states the tolerance). Tensor parallelism
-// keeps section 21's path: an all-reduce inside the kernel would need every GPU's kernel resident at once and
+// What it computes: section 14's arithmetic with the sums added in another order, so results match section
+// 14's within float rounding, not bit for bit (gpu_persistent.cu states the tolerance). Tensor parallelism
+// keeps section 14's path: an all-reduce inside the kernel would need every GPU's kernel resident at once and
 // flags across GPUs.
 // Switch: persistent (on by default; measured per batch size and context at start-up). Needs sm_80; a batch
-// size whose shared memory does not fit, or TP > 1, uses section 21's path, and the start-up line says which
+// size whose shared memory does not fit, or TP > 1, uses section 14's path, and the start-up line says which
 // decode path runs at which batch sizes and contexts, with the times measured.
+
+// ---- 23a. The operation chain: operations, counters, the weight stream, the gemv --------------------------
+// defines: PersistOp, PersistArgs, PersistCursor, persist_issue, persist_wait, persist_signal,
+//          persist_stage_input, persist_gemv_chunk, persist_gemv_epilogue
 constexpr int PERSIST_THREADS = 512;
 constexpr int PERSIST_WARPS = PERSIST_THREADS / 32;
 constexpr int PERSIST_ROWS = 16;        // weight rows per group: one tensor-core tile (m16n8k16) tall
@@ -7002,7 +7167,7 @@ enum PersistKind : int { PERSIST_EMBED, PERSIST_QKV, PERSIST_ATTN, PERSIST_O, PE
                          PERSIST_LM_HEAD };
 
 // One operation of the step. The gemvs (QKV .. LM_HEAD, not ATTN) compute y[b, n] = in[b, :] . W[n, :] for
-// their N outputs and write y where section 21 writes it:
+// their N outputs and write y where section 14 writes it:
 //   QKV      in = rmsnorm(residual) * norm_w   y -> qkv (bf16)
 //   O, DOWN  in = attn / act                   residual = bf16(bf16(y) + residual)
 //   GATE_UP  in = rmsnorm(residual) * norm_w   act[j] = bf16(silu(bf16(y_gate j)) * bf16(y_up j))
@@ -7193,6 +7358,8 @@ __device__ __forceinline__ void persist_signal(const PersistArgs& a, int op) {
   __syncthreads();
   if (threadIdx.x == PERSIST_SYNC_THREAD) red_release_add(a.done + op, 1);
 }
+// -- Testing probes: what test/gpu/gpu_persistent.cu watches and perturbs. Inert in a run: the engine passes no
+//    trace buffer, no skew and no left-out wait (persistent_decode's last three arguments). --
 // Tests only: what thread block b saw of operation o, at trace[(b * n_ops + o) * PERSIST_TRACE + k]: the
 // clock at k = 0 its start, 1 after its wait and its input, 2 its end, 3 when warp 0 finished its rows of a
 // gemv, 4 just past its wait; and 5, how many chunks the block had issued to its ring and not yet used when
@@ -7383,6 +7550,11 @@ __device__ __forceinline__ void persist_gemv_epilogue(const PersistArgs& a, cons
   }
 }
 
+// ---- 23b. Attention inside the kernel ------------------------------------------------------------------
+// defines: PersistTask, PersistAttnSplit, PersistKV, persist_attention
+// A decode step's attention as tasks of the chain: one per (sequence, KV head, context partition), each a
+// share of the 132 thread blocks, the partitions of a pair merged by whichever finishes last (a ticket).
+
 // The cache row (block, KV head g, slot) of sequence b's key t.
 __device__ __forceinline__ int64_t persist_cache_row(const PersistArgs& a, int b, int g, int t) {
   return ((int64_t)a.block_tables[(size_t)b * a.MB + t / a.P] * a.NKV + g) * a.P + t % a.P;
@@ -7539,7 +7711,7 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
     const float ss = head_sum_squares(ua, ub);
     if (mine) {
       head_norm_rope(ua, ub, ss, hh < GQA ? op.norm_w : op.k_norm, cos_s, sin_s, j, a.eps);
-      if (hh < GQA) {  // a query: bf16 values, as section 14 takes them
+      if (hh < GQA) {  // a query: bf16 values, as section 15 takes them
         bf16x8_to_float(ua, q_s + hh * D + 8 * j);
         bf16x8_to_float(ub, q_s + hh * D + D / 2 + 8 * j);
       } else {  // the key, as the cache holds it
@@ -7564,7 +7736,7 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
     }
   }
   __syncthreads();
-  // The partition's tokens, this warp's share, online softmax in base 2 (section 14's arithmetic).
+  // The partition's tokens, this warp's share, online softmax in base 2 (section 15's arithmetic).
   const float scale_log2 = a.scale * kv_scale.k * 1.4426950408889634f;
   // Each of the warp's HPW heads keeps its own running max m, sum l and output acc; a key's HPW dot products
   // are reduced across the warp together, so their shuffles overlap.
@@ -7676,6 +7848,9 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
   persist_signal(a, o);
 }
 
+// ---- 23c. The kernel, its plan and its launch -------------------------------------------------------------
+// defines: persistent_decode_kernel, PersistPlan, PersistentDecode, persist_setup, persistent_decode
+
 // KV: the cache's element, bf16 or fp8e4m3 (one kernel per format: the other's attention would cost this one
 // registers).
 template <int B, class KV>
@@ -7759,7 +7934,7 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
   cp_async_wait<0>();
 }
 
-// ---- The plan: built once per batch size at start-up ---------------------------------------------------
+// The plan: built once per batch size at start-up.
 // The operation list, the split of every operation over the thread blocks, and the buffers the kernel
 // synchronises through. A decode step then costs one memset (the counters) and one launch, both captured
 // in the step's CUDA graph; the host does nothing per step beyond Part I's input upload.
@@ -7777,7 +7952,7 @@ struct PersistPlan {
 // One measurement of a decode step both ways (persist_measure): microseconds per step at `context` keys.
 struct PersistTimes {
   int context;
-  double fused, kernel;  // section 21's path, the kernel
+  double fused, kernel;  // section 14's path, the kernel
 };
 struct PersistentDecode {
   std::map<int, PersistPlan> plans;  // by batch size
@@ -7785,13 +7960,14 @@ struct PersistentDecode {
   std::set<int> route;               // the batch sizes that run their plan (persist_measure)
   std::map<int, int> context_limit;  // B -> the longest context it runs its plan at (none: every context)
   std::map<int, std::vector<PersistTimes>> timed;  // B -> what persist_measure measured
+  std::string cache_file;            // where the times came from, when they were not measured in this run
   // The longest context at which a step of B sequences runs the kernel (0: never).
   int limit_for(int B) const {
     if (!g_opt.persistent || !route.count(B) || !plans.count(B)) return 0;
     auto it = context_limit.find(B);
     return it == context_limit.end() ? INT_MAX : it->second;
   }
-  // The plan a decode step of B sequences, the longest of max_context keys, runs, or null: section 21's path.
+  // The plan a decode step of B sequences, the longest of max_context keys, runs, or null: section 14's path.
   const PersistPlan* plan_for(int B, int max_context) const {
     return max_context <= limit_for(B) ? &plans.at(B) : nullptr;
   }
@@ -7844,7 +8020,7 @@ static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs) {
   const ModelConfig& c = model.cfg;
   const int H = c.hidden_size, I = c.intermediate_size, D = c.head_dim, L = c.num_hidden_layers;
   const int NH = c.num_attention_heads, NKV = c.num_key_value_heads, V = c.vocab_size;
-  if (model.tp > 1) return pd.off_reason = "tensor parallelism keeps section 21's path", pd;
+  if (model.tp > 1) return pd.off_reason = "tensor parallelism keeps section 14's path", pd;
   int dev = 0, cc = 0, sms = 0;
   CUDA_CHECK(cudaGetDevice(&dev));
   CUDA_CHECK(cudaDeviceGetAttribute(&cc, cudaDevAttrComputeCapabilityMajor, dev));
@@ -7918,27 +8094,31 @@ static void persistent_decode(Qwen3& model, const PersistPlan& plan, const StepI
   CUDA_CHECK(cudaGetLastError());
 }
 
+// ---- 23d. Which steps take it: measured at start-up, remembered ------------------------------------------
+// defines: persist_measure, persist_context_limit, persist_route, persist_cache_read, persist_cache_write,
+//          persist_describe; switch persistent
+
 // Which steps take the kernel: measured once at start-up, on this GPU and this model, because the answer
 // depends on both (how many layers, how wide, how many SMs), on the batch size and on the context. The kernel
 // wins where a step is mostly weights; its attention, a share of 132 thread blocks that wait for qkv, reads
-// the cache more slowly than section 14's kernels, which have the whole GPU to themselves, so the longer the
+// the cache more slowly than section 15's kernels, which have the whole GPU to themselves, so the longer the
 // contexts the less it wins, and past some length it loses (README: the measurements). For each batch size
 // with a plan, a decode step of B sequences of the same context (the cache's first blocks; slot -1, so nothing
 // is stored) runs both ways, each captured in a CUDA graph as the engine runs it (5 replays to warm up, 20
 // timed), at PERSIST_MEASURE_SHORT keys and at PERSIST_MEASURE_LONG (or max_model_len - 1 if shorter). A
 // step's time grows about linearly with its contexts on either path (the cache bytes it reads), so the two
 // measurements give a line for each, and the kernel takes the steps of B sequences whose longest context is at
-// most where the kernel's line meets section 21's less PERSIST_ROUTE_MARGIN (persist_context_limit); past it,
-// and at batch sizes where the kernel does not win at the shorter context, section 21's path runs. The two
+// most where the kernel's line meets section 14's less PERSIST_ROUTE_MARGIN (persist_context_limit); past it,
+// and at batch sizes where the kernel does not win at the shorter context, section 14's path runs. The two
 // paths add their sums in different orders, so their logits differ in the last bits: the margin keeps a step
-// whose two times are close on section 21's path, rather than on whichever won this run's measurement. The
+// whose two times are close on section 14's path, rather than on whichever won this run's measurement. The
 // engine keeps a CUDA graph of each path for such a batch size (ModelRunner::graph_for picks one per step).
 // NANOVLLM_PERSISTENT=always skips the measurement and routes every step of a batch size with a plan to the
 // kernel, whatever its contexts (the tests that check it inside the engine); NANOVLLM_PERSISTENT=upto:N the
 // steps whose longest context is at most N keys (the tests of the switch between the two graphs).
 constexpr double PERSIST_ROUTE_MARGIN = 0.02;
 constexpr int PERSIST_MEASURE_SHORT = 512, PERSIST_MEASURE_LONG = 4096;  // contexts measured (keys)
-// The longest context at which the kernel is still PERSIST_ROUTE_MARGIN faster than section 21's path, from the
+// The longest context at which the kernel is still PERSIST_ROUTE_MARGIN faster than section 14's path, from the
 // two measurements a (the shorter context) and b: 0 if it is not faster at a; INT_MAX if its lead does not
 // shrink from a to b (or a is the only measurement); else where the lead, a straight line through a and b,
 // reaches 0 (past b too, if it is still positive there).
@@ -7978,6 +8158,143 @@ static double persist_time_graph(Step step, cudaStream_t s, int warm = 5, int ti
   CUDA_CHECK(cudaGraphDestroy(graph));
   return ms * 1000.0 / timed;
 }
+// The contexts persist_measure times for batch size B, and how it routes from the times (pd.timed[B]): a
+// batch size whose kernel does not win at the shorter context keeps section 14's path; else it takes the
+// kernel up to persist_context_limit. `longest`: the longest context a step can have (max_model_len - 1).
+static int persist_short_context(int longest) { return std::max(1, std::min(PERSIST_MEASURE_SHORT, longest)); }
+static int persist_long_context(int longest) { return std::min(PERSIST_MEASURE_LONG, longest); }
+static void persist_route(PersistentDecode& pd, int longest) {
+  pd.route.clear(), pd.context_limit.clear();
+  for (const auto& [B, t] : pd.timed) {
+    if (t.empty() || !persist_context_limit(t[0], nullptr, PERSIST_ROUTE_MARGIN)) continue;
+    pd.route.insert(B);
+    const int limit = persist_context_limit(t[0], t.size() > 1 ? &t[1] : nullptr, PERSIST_ROUTE_MARGIN);
+    if (limit < longest) pd.context_limit[B] = limit;  // (else it takes every step of B sequences)
+  }
+}
+
+// ---- Remembering the measurement ----
+// The measurement costs every start-up a second or so, and its answer depends only on the GPU, its driver,
+// the model's shape, the engine's settings that change either path, and this build. So the times are kept in
+// a file per such key in the user's cache directory, as cuBLAS's and TensorRT's timing caches are:
+// $NANOVLLM_CACHE_DIR, else $XDG_CACHE_HOME/nanovllm, else ~/.cache/nanovllm (NANOVLLM_CACHE_DIR=off: none).
+// The file is named by a hash of the key and holds the key in full, the times and a checksum. It is trusted
+// only whole: a key that differs (a hash collision, another build), a file that does not parse, a batch size
+// that is missing or extra, a context other than the ones this run would time, a time that is not finite and
+// positive, or a wrong checksum, and the run measures again and rewrites the file (a temporary file renamed
+// over it, so a reader never sees half of one). The build is a hash of the executable's own bytes: any
+// rebuild, of any code, measures again.
+static std::string persist_cache_dir() {
+  const char* dir = getenv("NANOVLLM_CACHE_DIR");
+  if (dir && !strcmp(dir, "off")) return "";
+  if (dir && *dir) return dir;
+  const char* xdg = getenv("XDG_CACHE_HOME");
+  if (xdg && *xdg) return std::string(xdg) + "/nanovllm";
+  const char* home = getenv("HOME");
+  return home && *home ? std::string(home) + "/.cache/nanovllm" : "";
+}
+// XXH64 of this executable's bytes (0 if it cannot be read: then nothing is cached).
+static uint64_t persist_build_hash() {
+  static uint64_t hash = [] {
+    FILE* f = fopen("/proc/self/exe", "rb");
+    if (!f) return (uint64_t)0;
+    XXH64_state_t st;
+    XXH64_reset(&st, 0);
+    std::vector<char> buf(1 << 20);
+    size_t n;
+    while ((n = fread(buf.data(), 1, buf.size(), f)) > 0) XXH64_update(&st, buf.data(), n);
+    fclose(f);
+    return (uint64_t)XXH64_digest(&st);
+  }();
+  return hash;
+}
+// Everything the two paths' times depend on, as one line.
+static std::string persist_cache_key(const Qwen3& model, const PersistentDecode& pd) {
+  int dev = 0, driver = 0, runtime = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  cudaDeviceProp prop;
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  CUDA_CHECK(cudaDriverGetVersion(&driver));
+  CUDA_CHECK(cudaRuntimeGetVersion(&runtime));
+  const ModelConfig& c = model.cfg;
+  char buf[512];
+  snprintf(buf, sizeof buf,
+           "gpu=%s cc=%d.%d sms=%d mem=%zu driver=%d runtime=%d build=%016llx model=%d,%d,%d,%d,%d,%d,%d,%d "
+           "P=%d MB=%d max_model_len=%d kv=%s opt=%d%d%d%d%d%d%d",
+           prop.name, prop.major, prop.minor, prop.multiProcessorCount, prop.totalGlobalMem, driver, runtime,
+           (unsigned long long)persist_build_hash(), c.hidden_size, c.intermediate_size, c.num_hidden_layers,
+           c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size, (int)c.tie_word_embeddings,
+           model.P, model.MB, model.max_model_len, g_kv_dtype == KVCacheDtype::FP8 ? "fp8" : "bf16",
+           g_opt.flash_attn, g_opt.pdl, g_opt.gemv, g_opt.cluster_merge, g_opt.fused_rope, g_opt.fast_sampler,
+           g_opt.prefill_graphs);
+  std::string key = buf;
+  for (const auto& [B, p] : pd.plans)
+    key += " plan=" + std::to_string(B) + ":" + std::to_string(p.grid) + ":" + std::to_string(p.smem);
+  return key;
+}
+static std::string persist_cache_path(const std::string& dir, const std::string& key) {
+  char name[64];
+  snprintf(name, sizeof name, "/persistent-%016llx.json", (unsigned long long)XXH64(key.data(), key.size(), 0));
+  return dir + name;
+}
+// The checksum of a file's key and times (its "times" as text, as json::dump writes them).
+static uint64_t persist_cache_checksum(const std::string& key, const json& times) {
+  const std::string text = key + "\n" + times.dump();
+  return XXH64(text.data(), text.size(), 0);
+}
+// pd.timed from the file of `key`, if it holds exactly what persist_measure would time; false otherwise.
+static bool persist_cache_read(const std::string& path, const std::string& key, PersistentDecode& pd,
+                               int longest) {
+  std::ifstream f(path);
+  if (!f) return false;
+  std::map<int, std::vector<PersistTimes>> timed;
+  try {
+    const json j = json::parse(f);
+    const json& times = j.at("times");
+    if (j.at("key").get<std::string>() != key || !times.is_object() || times.size() != pd.plans.size() ||
+        j.at("checksum").get<std::string>() != std::to_string(persist_cache_checksum(key, times)))
+      return false;
+    for (const auto& [B, plan] : pd.plans) {
+      std::vector<PersistTimes>& t = timed[B];
+      for (const json& row : times.at(std::to_string(B)))
+        t.push_back({row.at(0).get<int>(), row.at(1).get<double>(), row.at(2).get<double>()});
+      // The contexts persist_measure would time: the shorter one, and the longer one where the kernel won there.
+      std::vector<int> want = {persist_short_context(longest)};
+      if (!t.empty() && persist_context_limit(t[0], nullptr, PERSIST_ROUTE_MARGIN) && longest > want[0])
+        want.push_back(persist_long_context(longest));
+      if (t.size() != want.size()) return false;
+      for (size_t i = 0; i < t.size(); i++)
+        if (t[i].context != want[i] || !std::isfinite(t[i].fused) || !std::isfinite(t[i].kernel) ||
+            t[i].fused <= 0 || t[i].kernel <= 0)
+          return false;
+    }
+  } catch (const std::exception&) {
+    return false;
+  }
+  pd.timed = timed;
+  return true;
+}
+// Writes pd.timed under `key` (a failure to write costs only the next run's measurement: not an error).
+static void persist_cache_write(const std::string& dir, const std::string& path, const std::string& key,
+                                const PersistentDecode& pd) {
+  json times = json::object();
+  for (const auto& [B, t] : pd.timed) {
+    json rows = json::array();
+    for (const PersistTimes& x : t) rows.push_back({x.context, x.fused, x.kernel});
+    times[std::to_string(B)] = rows;
+  }
+  const json j = {{"key", key}, {"times", times}, {"checksum", std::to_string(persist_cache_checksum(key, times))}};
+  for (size_t i = 1; i <= dir.size(); i++)
+    if (i == dir.size() || dir[i] == '/') mkdir(dir.substr(0, i).c_str(), 0755);
+  const std::string tmp = path + ".tmp." + std::to_string(getpid());
+  std::ofstream out(tmp);
+  out << j.dump(1) << "\n";
+  out.close();
+  if (!out || rename(tmp.c_str(), path.c_str()) != 0) unlink(tmp.c_str());
+}
+
+// Routes every batch size with a plan: from NANOVLLM_PERSISTENT where it says so, else from the cached times
+// where they are valid, else by timing a step of each batch size both ways (and caching the times).
 static void persist_measure(Qwen3& model, PersistentDecode& pd, cudaStream_t s) {
   const char* env = getenv("NANOVLLM_PERSISTENT");
   if (env && (!strcmp(env, "always") || !strncmp(env, "upto:", 5))) {
@@ -7986,6 +8303,14 @@ static void persist_measure(Qwen3& model, PersistentDecode& pd, cudaStream_t s) 
       if (env[0] == 'u') pd.context_limit[B] = std::max(1, atoi(env + 5));
     }
     return;
+  }
+  const int longest = model.max_model_len - 1;
+  const std::string dir = pd.plans.empty() || !persist_build_hash() ? "" : persist_cache_dir();
+  const std::string key = dir.empty() ? "" : persist_cache_key(model, pd);
+  const std::string path = dir.empty() ? "" : persist_cache_path(dir, key);
+  if (!dir.empty() && persist_cache_read(path, key, pd, longest)) {
+    pd.cache_file = path;
+    return persist_route(pd, longest);
   }
   // One step of B sequences of ctx keys, both ways.
   auto measure = [&](int B, const PersistPlan& plan, int ctx) {
@@ -8008,21 +8333,19 @@ static void persist_measure(Qwen3& model, PersistentDecode& pd, cudaStream_t s) 
     CUDA_CHECK(cudaFree(d));
     return PersistTimes{ctx, fused, kernel};
   };
-  const int longest = model.max_model_len - 1;
   for (const auto& [B, plan] : pd.plans) {
     std::vector<PersistTimes>& t = pd.timed[B];
-    t.push_back(measure(B, plan, std::max(1, std::min(PERSIST_MEASURE_SHORT, longest))));
-    if (!persist_context_limit(t[0], nullptr, PERSIST_ROUTE_MARGIN)) continue;  // section 21's path throughout
-    pd.route.insert(B);
-    if (longest > t[0].context) t.push_back(measure(B, plan, std::min(PERSIST_MEASURE_LONG, longest)));
-    const int limit = persist_context_limit(t[0], t.size() > 1 ? &t[1] : nullptr, PERSIST_ROUTE_MARGIN);
-    if (limit < longest) pd.context_limit[B] = limit;  // (else it takes every step of B sequences)
+    t.push_back(measure(B, plan, persist_short_context(longest)));
+    if (persist_context_limit(t[0], nullptr, PERSIST_ROUTE_MARGIN) && longest > t[0].context)
+      t.push_back(measure(B, plan, persist_long_context(longest)));
   }
+  persist_route(pd, longest);
+  if (!dir.empty()) persist_cache_write(dir, path, key, pd);
 }
 
 static std::string persist_describe(const PersistentDecode& pd) {
-  if (!g_opt.persistent) return "section 21's kernels (persistent off)";
-  if (pd.plans.empty()) return "section 21's kernels (persistent: " + pd.off_reason + ")";
+  if (!g_opt.persistent) return "section 14's kernels (persistent off)";
+  if (pd.plans.empty()) return "section 14's kernels (persistent: " + pd.off_reason + ")";
   std::string sizes, times;
   char buf[128];
   for (int B : pd.route) {
@@ -8039,11 +8362,12 @@ static std::string persist_describe(const PersistentDecode& pd) {
     times += (times.empty() ? "" : "; ") + one;
   }
   const PersistPlan& p = pd.plans.begin()->second;
-  std::string line = sizes.empty() ? "section 21's kernels at every batch size"
+  std::string line = sizes.empty() ? "section 14's kernels at every batch size"
                                    : "one persistent kernel at batch " + sizes + " (" + std::to_string(p.grid) +
-                                         " thread blocks), section 21's kernels at the others";
-  if (!times.empty()) line += " (measured at start-up, ms per step, section 21 / persistent at a context: " +
-                              times + ")";
+                                         " thread blocks), section 14's kernels at the others";
+  const std::string when = pd.cache_file.empty() ? "at start-up" : "earlier, from " + pd.cache_file;
+  if (!times.empty())
+    line += " (measured " + when + ", ms per step, section 14 / persistent at a context: " + times + ")";
   else if (!sizes.empty()) line += " (NANOVLLM_PERSISTENT, not measured)";
   return line;
 }
@@ -9890,7 +10214,7 @@ struct SimRunner : StepRunner {
     const double params = (double)model_params(mc);
     double bytes = 2.0 * params, flops = 0;
     // A one-token row of a prefill (or mixed) step that goes through the prefill attention kernel reads its
-    // K/V once per query head rather than once per GQA group (section 14); Part II sends the leading ones (a
+    // K/V once per query head rather than once per GQA group (section 15); Part II sends the leading ones (a
     // mixed step's decode rows) through the decode kernel instead (Hooks::decode_rows_as_decode).
     const double group = (double)mc.num_attention_heads / mc.num_key_value_heads;
     bool leading = true;  // every row so far had one token
@@ -10030,8 +10354,8 @@ static double parse_size(const std::string& flag, const std::string& v) {
 static Cli parse_args(int argc, char** argv, bool simulate = false) {
   Cli cli;
   cli.simulate = simulate;
-  // vLLM V1's scheduler by default: with the decode rows of its mixed steps at decode speed (section 21) and
-  // those steps in CUDA graphs (21b) it matches nano-vllm's rule on bench.py and cuts the tail of the time per
+  // vLLM V1's scheduler by default: with the decode rows of its mixed steps at decode speed (section 15) and
+  // those steps in CUDA graphs (21) it matches nano-vllm's rule on bench.py and cuts the tail of the time per
   // output token (README, "Two schedulers"). --scheduler nano runs nano-vllm's, the one Part I tells first.
   cli.config.mixed_scheduler = true;
   const char* home = getenv("HOME");

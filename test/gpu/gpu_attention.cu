@@ -1,12 +1,12 @@
 // gpu_attention.cu — paged attention, prefill and decode, the way the file climbs:
 //   * section 8's plain kernels (attention_prefill, attention_decode) against the CPU reference beside them
 //     (attention_reference, fp64 over the same bf16-rounded inputs);
-//   * section 14's flash kernels (flash_attention_prefill, flash_attention_decode) against the same
+//   * section 15's flash kernels (flash_attention_prefill, flash_attention_decode) against the same
 //     reference, and against section 8 on the same inputs, within a bound of a few bf16 ulps
 //     (compare_flash_with_plain says why);
-//   * sections 17 and 18 (the cluster merge, the fused q/k-norm + RoPE + store decode kernel) against
-//     section 14, bit for bit;
-//   * section 22's fp8 cache, read by section 14's kernels (section 8 reads bf16 only), against the
+//   * sections 18 and 18 (the cluster merge, the fused q/k-norm + RoPE + store decode kernel) against
+//     section 15, bit for bit;
+//   * section 22's fp8 cache, read by section 15's kernels (section 8 reads bf16 only), against the
 //     reference over the values its bytes stand for;
 //   * CUDA-graph replay of both decode kernels as contexts grow, and timings (timing_*: figures only).
 //
@@ -235,8 +235,8 @@ static int bf16_ulps(float a, float b) {
   return std::abs(ordered(a) - ordered(b));
 }
 
-// Section 14 against section 8 on the same inputs. Both multiply bf16 inputs and accumulate in fp32, and
-// round each output to bf16 once; they add in different orders, and section 14 rounds each probability
+// Section 15 against section 8 on the same inputs. Both multiply bf16 inputs and accumulate in fp32, and
+// round each output to bf16 once; they add in different orders, and section 15 rounds each probability
 // p_j = exp(s_j - m) to bf16 before P V (its tensor cores take bf16 operands). That rounding moves an output
 // by at most 2^-8 * sum_j p_j |v_j| / sum_j p_j <= 2^-8 * max|v| = 2^-8 here (values lie in [-1, 1)), and the
 // two final roundings by half an ulp each, an ulp of x being at most 2^-7 |x|. The bound, with an ulp to
@@ -259,14 +259,14 @@ static void compare_flash_with_plain(const char* what, const std::vector<float>&
   printf("    %-58s vs section 8: %zu of %zu differ, max |diff| %.2e; nearest the bound [%zu]: %.5f vs %.5f "
          "(%.2f of it, %d ulps)\n", what, differ, flash.size(), max_diff, worst, flash[worst], plain[worst],
          worst_share, bf16_ulps(flash[worst], plain[worst]));
-  CHECK_MSG(outside == 0, "%s: section 14 vs section 8: %zu of %zu outside 2^-8 + 2^-6 |plain|; worst at "
+  CHECK_MSG(outside == 0, "%s: section 15 vs section 8: %zu of %zu outside 2^-8 + 2^-6 |plain|; worst at "
             "[%zu]: flash %.6f, plain %.6f (%.2f x the bound, %d ulps)", what, outside, flash.size(), worst,
             flash[worst], plain[worst], worst_share, bf16_ulps(flash[worst], plain[worst]));
 }
 
 // fp8 (section 22): the cache is stored in e4m3 at `scale` and the reference reads the values it stands for;
 // read_factor != 1 tells the kernel the wrong scales and expects the comparison to fail. Section 8 reads bf16
-// only, so fp8 cases run section 14 (and 17) alone.
+// only, so fp8 cases run section 15 (and 17) alone.
 struct KVChoice {
   KVCacheDtype dtype = KVCacheDtype::BF16;
   KVScales scale;
@@ -283,9 +283,9 @@ static const PagedBatch& reference_input(const PagedBatch& pb, const KVChoice& k
 
 static std::string label(const char* what, const char* path) { return std::string(what) + " " + path; }
 
-// Section 21's attention_prefill_step on a batch whose first nd sequences have one query row (a mixed step's
+// Section 15's attention_prefill_step on a batch whose first nd sequences have one query row (a mixed step's
 // decode rows): those through the decode kernel (with and without the cluster merge), the rest through
-// section 14's prefill kernel. Against the fp64 reference; the prompt rows bit for bit what section 14's
+// section 15's prefill kernel. Against the fp64 reference; the prompt rows bit for bit what section 15's
 // prefill kernel gave for the whole batch (flash), the decode rows bit for bit what the decode path gives for
 // those nd sequences alone.
 static void check_prefill_step(const char* what, const PagedBatch& pb, const DeviceBatch& db, const KVChoice& kv,
@@ -298,11 +298,13 @@ static void check_prefill_step(const char* what, const PagedBatch& pb, const Dev
   CUDA_CHECK(cudaMalloc(&ws, ws_bytes));
   StepInputs in{nullptr, nullptr, nullptr, db.cu_q, db.k_lens, db.block_tables, max_q, nd};
   const Optimizations saved = g_opt;
+  const DecodeAttention saved_decode = g_decode_attention;
   for (bool cluster : {false, true}) {
     if (cluster && !(nd <= DECODE_CLUSTER_MAX_B && decode_clusters_supported())) continue;
-    g_opt.cluster_merge = cluster;
-    const std::string name = label(what, cluster ? "[prefill step, decode rows with cluster merge, 21]"
-                                                 : "[prefill step, decode rows through section 14, 21]");
+    g_opt.cluster_merge = cluster;  // as apply_cluster_merge (section 18) sets them
+    g_decode_attention = cluster ? attention_decode_cluster : flash_attention_decode;
+    const std::string name = label(what, cluster ? "[prefill step, decode rows with cluster merge, 18]"
+                                                 : "[prefill step, decode rows through section 15]");
     PoisonedOutput out(n), alone((size_t)nd * row);
     CUDA_CHECK(cudaMemset(ws, 0xFF, ws_bytes));
     attention_prefill_step(out.d, db.qkv, db.view(kv.read_factor), in, pb.B, pb.NH, pb.NKV, pb.P, pb.MB, max_ctx,
@@ -316,15 +318,16 @@ static void check_prefill_step(const char* what, const PagedBatch& pb, const Dev
     for (size_t i = 0; i < (size_t)nd * row; i++) differ_decode += got[i] != dec[i];
     for (size_t i = (size_t)nd * row; i < n; i++) differ_prompt += got[i] != flash[i];
     CHECK_MSG(differ_decode == 0 && differ_prompt == 0,
-              "%s: %zu decode-row values differ from the decode path alone, %zu prompt-row values from section 14",
+              "%s: %zu decode-row values differ from the decode path alone, %zu prompt-row values from section 15",
               name.c_str(), differ_decode, differ_prompt);
   }
   g_opt = saved;
+  g_decode_attention = saved_decode;
   CUDA_CHECK(cudaFree(ws));
 }
 
-// Section 8's prefill kernel (bf16) and section 14's, each against the fp64 reference; then 14 against 8.
-// Where the batch starts with one-row sequences, section 21's prefill step too (check_prefill_step).
+// Section 8's prefill kernel (bf16) and section 15's, each against the fp64 reference; then 14 against 8.
+// Where the batch starts with one-row sequences, section 15's prefill step too (check_prefill_step).
 static void check_prefill(const char* what, const PagedBatch& pb, const KVChoice& kv = {}) {
   DeviceBatch db(pb, kv.dtype, kv.scale);
   const int max_q = *std::max_element(pb.q_lens.begin(), pb.q_lens.end());
@@ -344,14 +347,14 @@ static void check_prefill(const char* what, const PagedBatch& pb, const KVChoice
   flash_attention_prefill(out.d, db.qkv, db.view(kv.read_factor), db.cu_q, db.k_lens, db.block_tables, pb.B,
                           max_q, pb.NH, pb.NKV, pb.P, pb.MB, scale, 0);
   const std::vector<float> flash = out.read();
-  compare(label(what, "[section 14]").c_str(), flash, want, kv.read_factor == 1.f);
-  if (!plain.empty()) compare_flash_with_plain(label(what, "[section 14]").c_str(), flash, plain);
+  compare(label(what, "[section 15]").c_str(), flash, want, kv.read_factor == 1.f);
+  if (!plain.empty()) compare_flash_with_plain(label(what, "[section 15]").c_str(), flash, plain);
   int nd = 0;  // leading sequences with one query row: a mixed step's decode rows
   while (nd < pb.B && pb.q_lens[nd] == 1) nd++;
   if (nd) check_prefill_step(what, pb, db, kv, nd, max_q, want, flash);
 }
 
-// Section 8's decode kernel (bf16); section 14's split-K kernel with its merge kernel; and section 17's
+// Section 8's decode kernel (bf16); section 15's split-K kernel with its merge kernel; and section 18's
 // cluster merge where it applies (batches of at most DECODE_CLUSTER_MAX_B on sm_90 and later): each against
 // the fp64 reference, and the Part II ones against section 8.
 static void check_decode(const char* what, const PagedBatch& pb, int max_context_len, const KVChoice& kv = {}) {
@@ -385,7 +388,7 @@ static void check_decode(const char* what, const PagedBatch& pb, int max_context
                             pb.NKV, pb.P, pb.MB, max_context_len, ws, scale, 0, nullptr);
       g_opt = saved;
     }
-    const std::string name = label(what, path ? "[cluster merge, 17]" : "[section 14]");
+    const std::string name = label(what, path ? "[cluster merge, 17]" : "[section 15]");
     const std::vector<float> got = out.read();
     compare(name.c_str(), got, want, kv.read_factor == 1.f);
     if (!plain.empty()) compare_flash_with_plain(name.c_str(), got, plain);
@@ -538,7 +541,7 @@ TEST(decode_batch_256) {
 // The engine captures decode once per batch size and replays it as contexts grow and blocks change: one
 // capture, three steps whose every context is longer than at the step before (new contents, new blocks),
 // each replay against the fp64 reference and bit for bit against the same kernel run eagerly on the same
-// inputs. plain: section 8's kernel (its grid depends on B alone); else section 14's (a grid sized by
+// inputs. plain: section 8's kernel (its grid depends on B alone); else section 15's (a grid sized by
 // max_context_len, the bound every step stays under).
 static void check_decode_graph_replay(bool plain) {
   const int B = 32, NH = 16, NKV = 8, P = 64, max_ctx = 2048, MB = max_ctx / P, NB = B * MB + 3;
@@ -574,7 +577,7 @@ static void check_decode_graph_replay(bool plain) {
   launch(out.d, stream);
   CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  const char* path = plain ? "section 8" : "section 14";
+  const char* path = plain ? "section 8" : "section 15";
   for (int step = 0; step < 3; step++) {
     const PagedBatch* pb = &steps[step];
     // New step: same buffers, new contents (what ModelRunner.prepare_decode does before a replay).
@@ -705,8 +708,8 @@ static std::vector<int> shuffled_tables(const std::vector<int>& ctx, int P, int 
 }
 
 // Decode at a fixed batch: KV bytes read = sum(ctx) * NKV * D * (2 bytes, fp8: 1) * (K and V). The cache
-// (hundreds of MB) is far larger than L2, so every run reads it from HBM. Rows: section 14's kernel (with
-// its merge kernel), the engine's default decode path (sections 17-18), and section 8's plain kernel (bf16
+// (hundreds of MB) is far larger than L2, so every run reads it from HBM. Rows: section 15's kernel (with
+// its merge kernel), the engine's default decode path (sections 18-18), and section 8's plain kernel (bf16
 // only; each query head of a GQA group reads the group's keys again, from L2 if they are still there: its
 // GB/s counts the bytes once, as the others do).
 static void time_decode(const char* what, const std::vector<int>& ctx, int NH, int NKV, int P, int max_ctx,
@@ -729,11 +732,11 @@ static void time_decode(const char* what, const std::vector<int>& ctx, int NH, i
   double us = median_us([&] {
     flash_attention_decode(out, qkv, view, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws, 1.f / sqrtf(128.f), 0);
   });
-  // Section 21's decode attention, as forward_fast routes it (at batches of 1, 2 and 4 section 23's persistent
+  // The decode attention section 14's forward_fast runs (at batches of 1, 2 and 4 section 23's persistent
   // kernel may take the whole step instead): section 18's kernel, with q/k-norm, RoPE and the store inside
   // (padding slots here, so the cache is not written) where the engine fuses them (a bf16 cache, or small
-  // batches; elsewhere the kernel after them, which is section 14's: their kernel is not timed here), and at
-  // small batches section 17's cluster merge.
+  // batches; elsewhere the kernel after them, which is section 15's: their kernel is not timed here), and at
+  // small batches section 18's cluster merge.
   const bool fuse = !fp8 || B <= DECODE_CLUSTER_MAX_B;
   std::vector<int> pos(B), no_slots(B, -1);
   for (int b = 0; b < B; b++) pos[b] = ctx[b] - 1;
@@ -761,7 +764,7 @@ static void time_decode(const char* what, const std::vector<int>& ctx, int NH, i
     snprintf(plain_row, sizeof plain_row, "%.1f us, %.0f GB/s", us_plain, bytes / us_plain / 1e3);
     CHECK_MSG(count_nonfinite(out, (size_t)B * NH * HEAD_DIM) == 0, "non-finite decode output (section 8)");
   }
-  printf("    TIMING %s: KV %.1f MB; section 14 %.1f us, %.0f GB/s; engine (sections 17-18%s) %.1f us, %.0f GB/s, "
+  printf("    TIMING %s: KV %.1f MB; section 15 %.1f us, %.0f GB/s; engine (sections 18-18%s) %.1f us, %.0f GB/s, "
          "back to back %.1f us, %.0f GB/s; section 8 %s\n", what, bytes / 1e6, us, bytes / us / 1e3,
          fuse ? ", fused rope" : "", us_fused, bytes / us_fused / 1e3, us_fused_b2b, bytes / us_fused_b2b / 1e3,
          plain_row);
@@ -795,10 +798,10 @@ static void* device_copy_bytes(const void* src, size_t n) {
 }
 
 // Section 18's fused kernel (q/k-norm, RoPE and the KV store inside decode attention) against the kernels
-// it replaces, qk_norm_rope then section 14's flash_attention_decode, on the same raw qkv and cache: the
+// it replaces, qk_norm_rope then section 15's flash_attention_decode, on the same raw qkv and cache: the
 // outputs of the real rows and the whole cache afterwards must be equal bit for bit. Where the cluster merge
-// applies (section 17), the same again with it on both sides, and (contexts of at most 1024 keys, where its
-// partition length equals section 14's 64 keys: a bf16 cache) the cluster path against section 14 too.
+// applies (section 18), the same again with it on both sides, and (contexts of at most 1024 keys, where its
+// partition length equals section 15's 64 keys: a bf16 cache) the cluster path against section 15 too.
 // The last n_pad rows are padding (slot -1, as the engine pads a graph's batch): every path stores nothing
 // for them; their outputs are not compared (the fused kernel attends to the row's own k and v, the separate
 // path to what the cache held).
@@ -868,10 +871,10 @@ static void check_fused_rope(const char* what, int NH, int NKV, int P, const std
     printf("    %-50s %-26s outputs differing %zu, k cache %zu, v cache %zu\n", what, label, out_diff, k_diff, v_diff);
     CHECK_MSG(out_diff == 0 && k_diff == 0 && v_diff == 0, "%s: %s differ", what, label);
   };
-  compare_bits(1, 0, "fused vs section 14");
+  compare_bits(1, 0, "fused vs section 15");
   if (cluster) compare_bits(3, 2, "fused vs separate, cluster");
   if (cluster && *std::max_element(ctx.begin(), ctx.end()) <= 1024 && decode_partition(B, dtype) == ATTN_KV_TILE)
-    compare_bits(2, 0, "cluster vs section 14");
+    compare_bits(2, 0, "cluster vs section 15");
   // the store happened: every real row's slot changed (random values repeat by chance only rarely)
   std::vector<uint8_t> k_before = download_bytes(k0, cache_bytes);
   size_t stored = 0;
@@ -943,7 +946,7 @@ TEST(fp8_wrong_scale_is_caught) {
 }
 
 // Section 18 with an fp8 cache: the fused kernel keeps this step's key and value in shared memory as the values
-// their bytes stand for, so its outputs and the bytes it stores equal qk_norm_rope_view + section 14's, bit
+// their bytes stand for, so its outputs and the bytes it stores equal qk_norm_rope_view + section 15's, bit
 // for bit.
 TEST(fp8_decode_fused_rope_matches_separate_kernels) {
   REQUIRE_GPU();
@@ -983,7 +986,7 @@ TEST(timing_decode) {
 }
 
 // Prefill of S sequences of L tokens (no cached prefix). Causal FLOPs: 4 * D * NH * sum over queries of
-// (keys seen) — QK^T and PV, 2 FLOPs per multiply-add each. Rows: section 14's kernel (tensor cores) and
+// (keys seen) — QK^T and PV, 2 FLOPs per multiply-add each. Rows: section 15's kernel (tensor cores) and
 // section 8's (a warp per query row and head, on the CUDA cores).
 TEST(timing_prefill) {
   REQUIRE_GPU();

@@ -20,13 +20,13 @@
 // set here unless the environment says otherwise), not only those it measured faster at start-up.
 // NANOVLLM_E2E_SCHEDULER=mixed runs every engine with --scheduler mixed (vLLM V1's, section 5b): steps then
 // hold decode tokens and prompt chunks together (with the default optimizations, their decode rows go through
-// the decode kernel, section 21, and steps of up to 2,048 tokens replay section 21b's graphs).
+// the decode kernel, section 14, and steps of up to 2,048 tokens replay section 21's graphs).
 // NANOVLLM_E2E_KV=fp8 runs every engine with --kv-cache-dtype fp8 (section 22). Its bar for (a) is 5x the bf16
 // one: e4m3 rounds each key and value to 3 mantissa bits (a relative error up to 2^-4, 16x bf16's), which on
 // these shapes costs 3-5x bf16's logit error (README, FP8 section), and a scale off by 2x costs far more
 // (gpu_attention's fp8_wrong_scale_is_caught); the argmax check and the teacher-forcing tolerance follow our
 // own error as always. NANOVLLM_E2E_KV_SCALES=one uses scale 1.0 (vLLM's default) instead of the weight bounds.
-// An fp8 cache is read by section 14's flash kernels only, so with an NANOVLLM_E2E_OPT that switches
+// An fp8 cache is read by section 15's flash kernels only, so with an NANOVLLM_E2E_OPT that switches
 // flash_attn off (none) the fp8 run is SKIPPED, with the reason, rather than failed or passed.
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
@@ -348,7 +348,7 @@ static void run_shape(const std::string& dir) {
 }
 
 #ifdef NANOVLLM_PART_II
-// Section 21b: a mixed step (3 decoding sequences, then a 300-token prompt) replayed from the pieces of its
+// Section 21: a mixed step (3 decoding sequences, then a 300-token prompt) replayed from the pieces of its
 // rung, against the same step run kernel by kernel (forward_fast) on the tiny and 0.6b checkpoints:
 //   * at the rung's padded size (the same kernels, the same shapes): the same logits and cache bytes, bit for
 //     bit;
@@ -483,7 +483,7 @@ TEST(prefill_graphs_match_eager_steps) {
 #ifndef NANOVLLM_PART_II
   SKIP("Part II is cut out of this build: no prefill graphs");
 #else
-  if (e2e_tp() > 1) SKIP("prefill graphs are captured on one GPU only (section 21b)");
+  if (e2e_tp() > 1) SKIP("prefill graphs are captured on one GPU only (section 21)");
   if (!e2e_opt_on(e2e_opt(), "prefill_graphs")) SKIP("NANOVLLM_E2E_OPT switches prefill_graphs off");
   int done = 0;
   for (const char* shape : {"tiny", "0.6b"}) {
@@ -508,7 +508,7 @@ TEST(e2e_against_transformers) {
          optimizations_str(e2e_opt()).c_str(), sched ? sched : "nano", kv.c_str(),
          kv == "fp8" ? (e2e_scales_from_weights() ? " (scales from the weights)" : " (scales 1)") : "");
   if (kv == "fp8" && !e2e_opt_on(e2e_opt(), "flash_attn"))
-    SKIP("NANOVLLM_E2E_KV=fp8 needs flash_attn (section 14 reads the fp8 cache; the engine refuses it "
+    SKIP("NANOVLLM_E2E_KV=fp8 needs flash_attn (section 15 reads the fp8 cache; the engine refuses it "
          "without), and NANOVLLM_E2E_OPT=%s switches it off", getenv("NANOVLLM_E2E_OPT") ?: "all");
   std::istringstream is(list);
   std::string s;

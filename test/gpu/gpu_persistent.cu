@@ -1,30 +1,30 @@
-// gpu_persistent.cu — section 23's persistent decode kernel against section 21's forward pass and Part I's
+// gpu_persistent.cu — section 23's persistent decode kernel against section 14's forward pass and Part I's
 // (Qwen3::forward), on random-weight models built in GPU memory (the Qwen3-0.6B shape with all 28 layers,
 // a 4-layer slice of the Qwen3-8B shape, and an odd small shape whose sizes leave partial row groups and
 // partial chunks everywhere, with one KV head and 16-token blocks), at every batch size the kernel has a plan
 // for (1, 2, 4) with contexts from 1 to 3000 tokens over shuffled paged blocks; with a bf16 cache and with
 // an fp8 one (section 22).
-//   * Accuracy. The kernel adds its sums in another order than section 21 (and cuBLASLt), so the results are
+//   * Accuracy. The kernel adds its sums in another order than section 14 (and cuBLASLt), so the results are
 //     not bit-identical: each bf16 rounding may land one ulp apart and the difference travels through the
-//     layers. The yardstick is how far section 21 (other legitimate orders: section 16's gemv at batch 1
-//     and 2, section 14's flash attention at every batch) lands from Part I (cuBLASLt, section 8's plain
+//     layers. The yardstick is how far section 14 (other legitimate orders: section 17's gemv at batch 1
+//     and 2, section 15's flash attention at every batch) lands from Part I (cuBLASLt, section 8's plain
 //     attention) on the same model at batch 1 and 2: the persistent logits' relative L2 distance to Part
 //     I's must be within 1.5x that plus 2e-3, likewise the keys and values the step stores, and the same token
 //     must win wherever Part I's top-2 margin is clear of the logit error. The stored slots are poisoned with
 //     NaN before each run: a run that does not store them, or that reads the step's own key back from the
 //     cache instead of using it directly, is caught.
 //     With an fp8 cache the reference is Part I on a bf16 copy of it (every stored e4m3 byte times its scale
-//     is a bf16 number, so Part I sees exactly the values the fp8 paths read); the yardstick is section 21's
+//     is a bf16 number, so Part I sees exactly the values the fp8 paths read); the yardstick is section 14's
 //     own distance from it, the largest over every batch size (both fp8 paths round the step's new keys and
 //     values, which Part I keeps in bf16, at every batch size); and at least a quarter of the stored bytes
-//     must equal section 21's: both round the same numbers, which differ by an ulp here and there (more of
+//     must equal section 14's: both round the same numbers, which differ by an ulp here and there (more of
 //     them the deeper the model), while a wrong scale or format changes nearly every byte.
 //   * Synchronisation. With thread blocks held back by different amounts at every operation (PersistArgs::
 //     skew_ns), the logits and the stored keys and values must be the same bits as without: the kernel's
 //     arithmetic does not depend on timing, so any difference is a read that raced a write. And the control:
 //     leaving out one operation's wait (skip_wait) under the same skew must change the results, so this
 //     check can fail.
-//   * timing_*: one decode step captured in a CUDA graph, persistent vs section 21 (sampler not included), for
+//   * timing_*: one decode step captured in a CUDA graph, persistent vs section 14 (sampler not included), for
 //     the 0.6B and the full 8B shapes; and the breakdown of a step by operation (PersistArgs::trace): when
 //     each block got past its wait, how many chunks of weights its ring then held, how long its input, its
 //     rows and its end took, beside the time its share of the weights takes at its share of the bandwidth.
@@ -159,7 +159,7 @@ struct TestModel {
     alloc(&a.residual, Bmax * H), alloc(&a.hidden, Bmax * H), alloc(&a.x, Bmax * H);
     alloc(&a.qkv, Bmax * (NH + 2 * NKV) * D), alloc(&a.attn, Bmax * NH * D), alloc(&a.gate_up, Bmax * 2 * I);
     alloc(&a.act, Bmax * I), alloc(&a.last, Bmax * H), alloc(&a.logits, Bmax * V);
-    // section 14's split-K decode scratch, which ModelRunner allocates when flash_attn asks (Hooks)
+    // section 15's split-K decode scratch, which ModelRunner allocates when flash_attn asks (Hooks)
     CUDA_CHECK(cudaMalloc(&a.attn_workspace, flash_decode_workspace_bytes(Bmax, NH, max_model_len)));
     m.gemm = new Gemm;
     m.gemm->init();
@@ -242,7 +242,7 @@ static StepResult run_step(TestModel& t, DecodeStep& st, Path path, int skew_ns 
   } else if (path == Path::FAST) {
     ScopedOptimizations fast("all,-persistent");
     t.use_format();  // (switching flash_attn resets the format to bf16)
-    CHECK_MSG(g_opt.flash_attn && g_opt.gemv, "section 21 with flash_attn and gemv expected");
+    CHECK_MSG(g_opt.flash_attn && g_opt.gemv, "section 14 with flash_attn and gemv expected");
     forward_fast(t.m, in, st.B, st.B, false, t.s);
     CUDA_CHECK(cudaStreamSynchronize(t.s));
   } else {
@@ -332,18 +332,18 @@ static void accuracy_case(const std::string& shape, int P, bool fp8 = false) {
          t.pd.plans.count(1) ? t.pd.plans.at(1).parts : 0);
   CHECK_MSG(t.pd.plans.count(1), "no plan for batch 1 (%s)", t.pd.off_reason.c_str());
   const int V = t.m.cfg.vocab_size;
-  // The yardstick: how far other legitimate summation orders land from Part I on this model. Section 21
-  // runs batch 1 and 2 through section 16's gemv, whose order differs from cuBLASLt's (larger batches go
-  // through cuBLASLt like Part I), and attention at every batch through section 14's flash kernels, whose
+  // The yardstick: how far other legitimate summation orders land from Part I on this model. Section 14
+  // runs batch 1 and 2 through section 17's gemv, whose order differs from cuBLASLt's (larger batches go
+  // through cuBLASLt like Part I), and attention at every batch through section 15's flash kernels, whose
   // order differs from section 8's; its largest distance at batch 1 and 2 is the shape's noise level. With an
-  // fp8 cache section 21's distance at every batch size counts (its fp8 roundings of the step's keys and
+  // fp8 cache section 14's distance at every batch size counts (its fp8 roundings of the step's keys and
   // values, which Part I does not make, are there at every batch size).
   struct Row { int B; double e_fast, e_pers, e_pf, kv_fast, kv_pers, bytes_same; int same, checked; };
   std::vector<Row> rows;
   double noise = 0, noise_kv = 0;
   for (int B : {1, 2, 4, 8}) {
     if (!t.pd.plans.count(B)) {
-      printf("    %s B=%d: no plan (shared memory does not fit): section 21's path\n", shape.c_str(), B);
+      printf("    %s B=%d: no plan (shared memory does not fit): section 14's path\n", shape.c_str(), B);
       continue;
     }
     DecodeStep st(t, contexts_for(B, max_len)[0], 1000 + B);
@@ -353,7 +353,7 @@ static void accuracy_case(const std::string& shape, int P, bool fp8 = false) {
     CHECK_MSG(all_finite(pers.kv_values), "%s B=%d: a stored key or value is missing (NaN)", shape.c_str(), B);
     Row r{B, rel_l2(fast.logits, plain.logits), rel_l2(pers.logits, plain.logits), rel_l2(pers.logits, fast.logits),
           rel_l2(fast.kv_values, plain.kv_values), rel_l2(pers.kv_values, plain.kv_values), 0, 0, 0};
-    size_t same_bytes = 0;  // the stored bytes the persistent kernel and section 21 agree on
+    size_t same_bytes = 0;  // the stored bytes the persistent kernel and section 14 agree on
     for (size_t i = 0; i < pers.kv.size(); i++) same_bytes += pers.kv[i] == fast.kv[i];
     r.bytes_same = (double)same_bytes / pers.kv.size();
     double worst = 0;  // the largest logit difference from Part I: what an argmax may be off by
@@ -364,8 +364,8 @@ static void accuracy_case(const std::string& shape, int P, bool fp8 = false) {
     rows.push_back(r);
   }
   for (const Row& r : rows) {
-    printf("    %s %s B=%d: logits vs Part I: section 21 %.2e, persistent %.2e (vs section 21 %.2e); stored K/V vs "
-           "Part I: section 21 %.2e, persistent %.2e, bytes equal to section 21's %.2f%%; argmax %d/%d clear "
+    printf("    %s %s B=%d: logits vs Part I: section 14 %.2e, persistent %.2e (vs section 14 %.2e); stored K/V vs "
+           "Part I: section 14 %.2e, persistent %.2e, bytes equal to section 14's %.2f%%; argmax %d/%d clear "
            "rows\n", shape.c_str(), cache, r.B, r.e_fast, r.e_pers, r.e_pf, r.kv_fast, r.kv_pers,
            100 * r.bytes_same, r.same, r.checked);
     CHECK_MSG(r.e_pers <= 1.5 * noise + 2e-3, "%s B=%d: logits %.3e from Part I, noise level %.3e", shape.c_str(),
@@ -376,7 +376,7 @@ static void accuracy_case(const std::string& shape, int P, bool fp8 = false) {
               r.checked - r.same, r.checked);
     // fp8: both store the same numbers rounded the same way; a one-ulp difference in a bf16 key or value before
     // the rounding moves a byte now and then, a wrong scale or format moves nearly all of them.
-    CHECK_MSG(!fp8 || r.bytes_same >= 0.25, "%s B=%d: only %.1f%% of the stored bytes match section 21's", shape.c_str(),
+    CHECK_MSG(!fp8 || r.bytes_same >= 0.25, "%s B=%d: only %.1f%% of the stored bytes match section 14's", shape.c_str(),
               r.B, 100 * r.bytes_same);
   }
 }
@@ -444,7 +444,7 @@ TEST(persistent_results_do_not_depend_on_timing) {
   if (fp8_cache_supported()) timing_independence_case(true);
 }
 
-// One decode step in a CUDA graph: section 21's kernels vs the persistent kernel (no sampler).
+// One decode step in a CUDA graph: section 14's kernels vs the persistent kernel (no sampler).
 TEST(timing_persistent_vs_section20) {
   REQUIRE_GPU();
   for (const char* shape : {"0.6b", "8b"})
@@ -468,7 +468,7 @@ TEST(timing_persistent_vs_section20) {
       const double kv_bytes =
           2.0 * t.m.cfg.num_hidden_layers * B * 600 * t.m.cfg.num_key_value_heads * HEAD_DIM * t.m.kv.value_bytes;
       const double bytes = weight_bytes + kv_bytes;
-      printf("    TIMING %s %s cache B=%d ctx 600: section 21 %.1f us (%.0f GB/s), persistent %.1f us (%.0f GB/s), "
+      printf("    TIMING %s %s cache B=%d ctx 600: section 14 %.1f us (%.0f GB/s), persistent %.1f us (%.0f GB/s), "
              "%.2fx\n", shape, fp8 ? "fp8" : "bf16", B, us[0], bytes / us[0] / 1e3, us[1], bytes / us[1] / 1e3,
              us[0] / us[1]);
     }
@@ -477,8 +477,8 @@ TEST(timing_persistent_vs_section20) {
 
 // Routing by context (persist_measure): on this GPU, the limit it measures for batch 1 of the 0.6B shape is
 // right on both sides. Each path timed again in a graph at half the limit (the kernel must be faster) and at
-// twice it (section 21's path must be); with no limit, the kernel must be faster at the longest context
-// measured, and where it takes no step, section 21's path at the shortest.
+// twice it (section 14's path must be); with no limit, the kernel must be faster at the longest context
+// measured, and where it takes no step, section 14's path at the shortest.
 TEST(timing_routing_by_context) {
   REQUIRE_GPU();
   const int max_len = 16384;
@@ -488,7 +488,7 @@ TEST(timing_routing_by_context) {
   persist_measure(t.m, t.pd, t.s);
   const int limit = t.pd.limit_for(1);
   printf("    TIMING routing: %s\n", persist_describe(t.pd).c_str());
-  auto time_at = [&](int ctx, int k) {  // k = 0: section 21's path, 1: the kernel
+  auto time_at = [&](int ctx, int k) {  // k = 0: section 14's path, 1: the kernel
     DecodeStep st(t, std::vector<int>(1, ctx), 7);
     const StepInputs in = st.inputs();
     ScopedOptimizations o(k ? "all" : "all,-persistent");
@@ -500,9 +500,9 @@ TEST(timing_routing_by_context) {
   };
   auto check = [&](int ctx, bool kernel_faster) {
     const double fused = time_at(ctx, 0), kernel = time_at(ctx, 1);
-    printf("    TIMING routing: B=1 ctx %d: section 21 %.1f us, persistent %.1f us\n", ctx, fused, kernel);
+    printf("    TIMING routing: B=1 ctx %d: section 14 %.1f us, persistent %.1f us\n", ctx, fused, kernel);
     CHECK_MSG(kernel_faster ? kernel < fused : fused < kernel, "B=1 at %d keys: the %s path should be faster "
-              "(limit %d)", ctx, kernel_faster ? "persistent" : "section 21", limit);
+              "(limit %d)", ctx, kernel_faster ? "persistent" : "section 14", limit);
   };
   if (limit == 0) check(PERSIST_MEASURE_SHORT, false);
   else if (limit == INT_MAX) check(PERSIST_MEASURE_LONG, true);

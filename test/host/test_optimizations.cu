@@ -83,7 +83,35 @@ TEST(switches_fill_their_hooks) {
   CHECK(g_hooks.decode_step && g_hooks.model_ready.size() == 1);  // on; it measures which batch sizes it takes
 }
 
-// Section 14b's order: with an fp8 cache, a decode batch sorted by context length, longest first, ties kept in
+// Section 14's stage table: each chapter fills its own stages, a chapter that changes flash_attn's decode
+// kernel does nothing without flash_attn, and every install starts the table over from Part I's stages.
+TEST(chapters_fill_their_stages) {
+  install_optimizations(parsed("none,gemv"));
+  CHECK(g_hooks.forward == forward_fast && g_stages.norm_matmul == gemv_norm_matmul &&
+        g_stages.matmul_out == gemv_matmul_out && g_stages.attention_decode == attention_decode_plain &&
+        g_stages.all_reduce == all_reduce_plain && g_stages.store_qkv == store_qkv_plain && !g_stages.cut);
+  install_optimizations(parsed("none,flash_attn"));
+  CHECK(g_stages.norm_matmul == norm_matmul_plain && g_stages.matmul_out == matmul_out_plain);  // started over
+  CHECK(g_stages.attention_prefill == flash_attention_prefill_stage &&
+        g_stages.attention_decode == flash_attention_decode_stage && g_decode_attention == flash_attention_decode);
+  install_optimizations(parsed("none,fused_rope,cluster_merge"));  // without flash_attn: nothing changes
+  CHECK(!g_hooks.forward && g_decode_attention == flash_attention_decode);
+  install_optimizations(parsed("none,flash_attn,cluster_merge"));
+  CHECK(g_stages.attention_decode == flash_attention_decode_stage && g_decode_attention == attention_decode_cluster);
+  install_optimizations(parsed("none,flash_attn,fused_rope"));
+  CHECK(g_stages.attention_decode == fused_attention_decode_stage && g_decode_attention == flash_attention_decode);
+  install_optimizations(parsed("none,oneshot_allreduce"));
+  CHECK(g_hooks.forward == forward_fast && g_stages.all_reduce == all_reduce_oneshot &&
+        g_stages.attention_decode == attention_decode_plain);
+  install_optimizations(parsed("none,prefill_graphs"));
+  CHECK(g_stages.cut == piecewise_cut && g_stages.attention_prefill == attention_prefill_plain);
+  install_optimizations(default_optimizations());
+  CHECK(g_stages.norm_matmul == gemv_norm_matmul && g_stages.attention_decode == fused_attention_decode_stage &&
+        g_stages.all_reduce == all_reduce_oneshot && g_stages.cut == piecewise_cut &&
+        g_stages.attention_prefill == flash_attention_prefill_stage);
+}
+
+// Section 15b's order: with an fp8 cache, a decode batch sorted by context length, longest first, ties kept in
 // the scheduler's order (stable), the same sequences; with a bf16 cache, the batch as it was.
 TEST(longest_first_orders_decode_rows) {
   std::vector<Sequence> seqs;
@@ -164,7 +192,7 @@ TEST(longest_first_reorders_decode_steps_only) {
   CHECK(decode_steps > 0 && reordered > 0);  // the workload did exercise the order
 }
 
-// Section 21b's rungs: ascending, within the step budget and PREFILL_GRAPH_MAX_T, and every step size up to
+// Section 21's rungs: ascending, within the step budget and PREFILL_GRAPH_MAX_T, and every step size up to
 // the last rung finds one that holds it with fewer than 128 padding rows (below 128: a rung under 2T + 16).
 TEST(prefill_graph_rungs_bound_the_padding) {
   for (int Tmax : {8, 16, 100, 512, 2048, 2100, 16384}) {
@@ -247,11 +275,11 @@ TEST(persistent_weight_stream_order) {
   CHECK(visited > 100000);  // the lists are not all empty
 }
 
-// Section 23's routing by context: where the kernel's line meets section 21's less the margin, from two
+// Section 23's routing by context: where the kernel's line meets section 14's less the margin, from two
 // measurements; and the plan a step gets on either side of that limit. Pure host arithmetic.
 TEST(persistent_routing_by_context) {
   const double m = PERSIST_ROUTE_MARGIN;
-  // Section 21: 900 us at 512 keys, +0.06 us a key; the kernel: 800 us at 512, +0.14 us a key. Their lead
+  // Section 14: 900 us at 512 keys, +0.06 us a key; the kernel: 800 us at 512, +0.14 us a key. Their lead
   // less the margin, 0.98 (900 + 0.06 x) - (800 + 0.14 x) = 82 - 0.0812 x with x = keys past 512, reaches 0
   // at x = 1,009.9: 1,521 keys.
   const PersistTimes a{512, 900, 800}, b{4096, 900 + 0.06 * 3584, 800 + 0.14 * 3584};
@@ -285,6 +313,71 @@ TEST(persistent_routing_by_context) {
   g_opt.persistent = false;
   CHECK(pd.plan_for(1, 1) == nullptr && pd.limit_for(1) == 0);
   g_opt = saved;
+}
+
+// Section 23's cache of the routing measurement: what it writes it reads back whole; anything else (another
+// key, a corrupted time, a missing or extra batch size, a context the run would not time, a time that is not
+// finite and positive, a file cut short or not JSON) is refused, so the run measures again.
+TEST(persistent_routing_cache_trusts_only_a_whole_entry) {
+  char dir_template[] = "/tmp/nanovllm_cache_XXXXXX";
+  const std::string dir = std::string(mkdtemp(dir_template)) + "/a/b";  // made by the writer
+  const int longest = 4095;
+  PersistentDecode pd;
+  pd.plans[1], pd.plans[2], pd.plans[4];
+  // B=1 wins at 512 keys (so 4,095 is timed too), B=2 and 4 do not (one time each).
+  pd.timed[1] = {{512, 900, 800}, {4095, 1115, 1302}};
+  pd.timed[2] = {{512, 950, 990}};
+  pd.timed[4] = {{512, 1000, 1100}};
+  const std::string key = "gpu=test model=1,2,3 plan=1:132:1000";
+  const std::string path = persist_cache_path(dir, key);
+  persist_cache_write(dir, path, key, pd);
+  auto read = [&](const std::string& k) {
+    PersistentDecode q;
+    q.plans[1], q.plans[2], q.plans[4];
+    const bool ok = persist_cache_read(path, k, q, longest);
+    if (ok) {
+      CHECK(q.timed.size() == 3 && q.timed[1].size() == 2 && q.timed[1][1].context == 4095 &&
+            q.timed[1][1].kernel == 1302 && q.timed[2][0].fused == 950);
+      persist_route(q, longest);
+      CHECK(q.route == std::set<int>({1}) && q.context_limit.count(1) && !q.context_limit.count(2));
+    }
+    return ok;
+  };
+  CHECK(read(key));
+  CHECK(!read(key + " "));  // another key: another GPU, driver, model or build
+  const std::string good = [&] { std::ifstream f(path); return std::string(std::istreambuf_iterator<char>(f), {}); }();
+  auto edited = [&](const std::string& from, const std::string& to) {  // the file with one edit; read back
+    std::string t = good;
+    const size_t at = t.find(from);
+    CHECK_MSG(at != std::string::npos, "'%s' not in the cache file", from.c_str());
+    if (at != std::string::npos) t.replace(at, from.size(), to);
+    std::ofstream(path) << t;
+    return read(key);
+  };
+  CHECK(!edited("1302", "1301"));              // a time changed: the checksum does not match
+  CHECK(!edited("\"4\"", "\"8\""));            // a batch size without a plan (and B=4 missing)
+  CHECK(!edited("4095", "2048"));              // a context this run would not time
+  std::ofstream(path) << good.substr(0, good.size() / 2);  // cut short
+  CHECK(!read(key));
+  std::ofstream(path) << "not json";
+  CHECK(!read(key));
+  // A measurement that is not finite, or not positive, is refused even with a matching checksum.
+  PersistentDecode bad = pd;
+  bad.timed[2] = {{512, std::nan(""), 990}};
+  persist_cache_write(dir, path, key, bad);
+  CHECK(!read(key));
+  bad.timed[2] = {{512, 950, 0}};
+  persist_cache_write(dir, path, key, bad);
+  CHECK(!read(key));
+  // The times of B=2 say the kernel won at 512 keys, but the file has no longer context for it: refused.
+  bad = pd;
+  bad.timed[2] = {{512, 950, 800}};
+  persist_cache_write(dir, path, key, bad);
+  CHECK(!read(key));
+  persist_cache_write(dir, path, key, pd);  // and rewritten whole, it is read again
+  CHECK(read(key));
+  unlink(path.c_str());
+  CHECK(!read(key));  // no file
 }
 
 TEST(parse_lists_left_to_right) {
