@@ -3848,7 +3848,7 @@ struct LLMEngine {
 // never name them.
 struct Optimizations {
   bool flash_attn = false;         // 15: flash attention on tensor cores, not section 8's kernels
-  bool longest_first = false;      // 15b: an fp8 decode step's rows in order of context length, longest first
+  bool longest_first = false;      // 22b: an fp8 decode step's rows in order of context length, longest first
   bool pdl = false;                // 16: the next kernel launches while the previous one finishes
   bool gemv = false;               // 17: batch-1/2 matrix products in a gemv with its neighbours fused in
   bool cluster_merge = false;      // 18: decode's split-K merge inside a cluster, no merge kernel
@@ -4029,8 +4029,7 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
 
 // ==== 15. Flash attention on tensor cores =================================================================
 // defines: KVCacheDtype, KVScales, KVView, kv_view, flash_attention_prefill,
-//          flash_attention_decode, flash_decode_merge, flash_decode_workspace_bytes, order_longest_first;
-//          switches flash_attn, longest_first (15b)
+//          flash_attention_decode, flash_decode_merge, flash_decode_workspace_bytes; switch flash_attn
 //
 // Replaces: section 8's attention kernels, which give each (query row, head) a warp of its own. There,
 // every query head of a GQA group reads the same keys again, every row of a prefill reads its keys again,
@@ -4781,7 +4780,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
 //   One CTA per MERGE_HEADS heads of a sequence b (grid: cdiv(NH, MERGE_HEADS) x B); thread (g, d) owns dim
 //   d of head blockIdx.x * MERGE_HEADS + g. Sequences with one partition were finished by phase 1 and exit at
 //   once: in a large batch most of them, which is why a CTA takes several heads (the GPU launches a quarter
-//   as many CTAs that do nothing; one CTA per head measured slower at large batches, README).
+//   as many CTAs that do nothing; one CTA per head is slower at large batches: docs/performance.md).
 //   Reads ws_o, ws_ml as written by flash_decode_kernel; writes out.
 constexpr int MERGE_HEADS = 4;
 __global__ void __launch_bounds__(MERGE_HEADS * HEAD_DIM)
@@ -4920,36 +4919,6 @@ static void apply_flash_attn(bool on, Hooks& h) {
 static const int kFlashAttnRegistered = register_optimization(
     {"flash_attn", "flash attention on tensor cores, split-K decode (section 15)", true, apply_flash_attn});
 
-// ---- 15b. A decode step's rows, longest context first (switch longest_first) ---------------------------
-// Replaces: the scheduler's order of a decode step's rows, which is the order flash_decode_kernel's thread
-// blocks start in (its grid runs partition fastest, then kv head, then row).
-// Why it is faster: a step's contexts differ (bench.py's run from 100 to 2,048 tokens), and a thread block
-// takes as long as its partition has keys. The GPU starts blocks in grid order as slots free up, so a long
-// context whose blocks come late still runs while most SMs have nothing left to start. With the rows in
-// order of context length, longest first (the "longest processing time first" rule for jobs on parallel
-// machines), the blocks that start last are the shortest, and they fill that tail. That pays with an fp8
-// cache (section 22), whose partitions are twice as long (1,024 keys above 32 sequences), so its blocks
-// differ more; with bf16's 512-key partitions the order measured no gain, so a bf16 run keeps the
-// scheduler's order (README, FP8 section).
-// What it changes: only which row of the step a sequence sits in. Every kernel of a decode step computes each
-// row on its own, and the engine reads a token back by its row, so every sequence gets the same tokens (the
-// run's tokens hash is the same with the switch on or off; the trace and the last step's logits hash follow
-// the new order). The order is a stable sort of the batch on the engine's side; prefill and mixed steps
-// keep the scheduler's order (a mixed step's decode rows must lead, section 15).
-// Switch: longest_first.
-static void order_longest_first(std::vector<Sequence*>& batch) {
-  if (g_kv_dtype != KVCacheDtype::FP8) return;  // (the cache's format is fixed for a run)
-  std::stable_sort(batch.begin(), batch.end(),
-                   [](const Sequence* a, const Sequence* b) { return a->size() > b->size(); });
-}
-static void apply_longest_first(bool on, Hooks& h) {
-  g_opt.longest_first = on;
-  if (on) h.order_decode_batch = order_longest_first;
-}
-static const int kLongestFirstRegistered = register_optimization(
-    {"longest_first", "an fp8 decode step's rows in order of context length, longest first (section 15b)", true,
-     apply_longest_first});
-
 // ==== 16. Programmatic dependent launch ====================================================================
 // defines: pdl_begin, pdl_trigger, gpu_cc_major, launch_pdl, launch_pdl_cluster; switch pdl
 //
@@ -5070,7 +5039,7 @@ struct GemvOptions {
   float eps = 0.f;
   bool add = false;              // ADD: y += x @ W^T
 };
-constexpr int GEMV_MAX_M = 2;  // from M = 4 on, cuBLASLt's tiles win on some of Qwen3's shapes (README)
+constexpr int GEMV_MAX_M = 2;  // from M = 4 on, cuBLASLt's tiles win on some of Qwen3's shapes (docs/)
 constexpr int GEMV_WARPS = 8;
 // 16-byte loads per lane in flight per iteration (8 x 256 = 2048 columns): enough bytes in flight per SM to
 // cover the memory latency, few enough registers to keep every warp resident.
@@ -5389,8 +5358,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
   bf16* sV = sK + ATTN_STAGES * ATTN_KV_TILE * HEAD_DIM;      // [ATTN_STAGES][ATTN_KV_TILE][D]
   // Static shared memory comes before the dynamic buffer, so its size sets where attn_smem starts: these
   // arrays are 512 bytes each (or unused and dropped), which keeps the tiles' rows on whole 128-byte lines.
-  // Measured with a 16-byte flag beside them (a variant tried and dropped; figures in the README's FP8
-  // section): the buffer then started 16 bytes into a line, and L2 served every tile copy twice.
+  // A buffer that started 16 bytes into a line would make L2 serve every tile copy twice.
   __shared__ uint4 s_new_kv[2][HEAD_DIM / 8];                 // ROPE owner: this step's k and v, as in a tile
   __shared__ float cos_s[ROPE ? HEAD_DIM / 2 : 1], sin_s[ROPE ? HEAD_DIM / 2 : 1];
 
@@ -6548,7 +6516,7 @@ static const int kPrefillGraphsRegistered = register_optimization(
 //            |v_j| <= sqrt(H) * |W_v[j] * w_ln| (Cauchy-Schwarz), the largest over this rank's rows j;
 // each bound (raised by a hundredth for the bf16 roundings on the way) over 448, rounded up to a power of
 // two. A typical element then lands about sqrt(D) (keys) or sqrt(H) (values) below 448, far above 2^-6. The
-// README's FP8 section has the accuracy of this choice and of vLLM's default (scale 1.0);
+// docs/performance.md has the accuracy of this choice and of vLLM's default (scale 1.0);
 // g_kv_scales_from_weights = false (below; the tests' switch) runs the latter.
 // Why powers of two: dividing by one is exact, so the stored byte is the rounding of the bf16 value itself,
 // whatever the scale, and the scale can be applied after the matrix products at no cost in accuracy.
@@ -6668,12 +6636,11 @@ __device__ __forceinline__ void widen_kv_tile_fp8(const char* slot, bf16* sK, bf
 }
 
 // ---- Decode attention over an fp8 cache ----------------------------------------------------------------
-// The tile pipeline above is how the prefill kernel reads fp8, and how decode read it at first: stage a
-// 64-key tile, widen it to fp16 in shared memory, a barrier, the tensor cores, a barrier. Measured on an H100
-// (README, FP8 section), half the bytes took two thirds of the bf16 kernel's time. It kept one 16 KiB fp8
-// tile in flight per thread block (the staging slots live in the shadow of the bf16 tile, half of what bf16
-// keeps in flight at the same shared memory), and every byte made an extra round trip through shared memory
-// to be widened.
+// The tile pipeline above is how the prefill kernel reads fp8: stage a 64-key tile, widen it to fp16 in
+// shared memory, a barrier, the tensor cores, a barrier. For decode, which only streams, that is slow: it
+// keeps one 16 KiB fp8 tile in flight per thread block (the staging slots live in the shadow of the bf16
+// tile, half of what bf16 keeps in flight at the same shared memory), and every byte makes an extra round
+// trip through shared memory to be widened (docs/performance.md has the measurement).
 //
 // The decode loop below reads fp8 the way the bf16 kernel reads bf16: tiles of FP8_TILE_KEYS = 128 keys
 // (16 KiB of keys and 16 of values: the bytes of a bf16 tile), two stages, the next tile in flight while
@@ -6712,11 +6679,8 @@ __device__ __forceinline__ void widen_kv_tile_fp8(const char* slot, bf16* sK, bf
 // An A fragment of V^T pairs one dim of two keys, so those bytes are paired first (one byte_perm per two
 // pairs). Every read is 16 bytes, and the tile is swizzled like section 15's, which spreads a read over the
 // banks (the key reads still meet 2-way conflicts).
-//
-// Measured on the way (README, FP8 section): warp-private rings (each warp streaming its own 16-key slices,
-// three in flight, no barrier at all) stayed well below the bf16 kernel's rate, and as far below with the
-// tensor-core work removed: how the cache is fetched, not the conversions, decided the speed. Thread-block
-// tiles as large as the bf16 kernel's are what streams at its rate.
+// Thread-block tiles as large as the bf16 kernel's are what streams at its rate: how the cache is fetched,
+// not the conversions, decides the speed (docs/performance.md: the variants measured).
 
 // Where lane's chunk i of a 16-key slice comes from: the key row (0..15 within the slice) and the byte
 //   i = 0, 1: key row g,     bytes 16c and 64 + 16c        i = 2, 3: key row g + 8, the same bytes
@@ -7069,6 +7033,36 @@ static void use_fp8_cache(Qwen3& model) {
 static const int kFp8FormatRegistered = register_kv_cache_format(
     {"fp8", {"fp8_e4m3"}, 1, {{"fp8_e5m2", "nanovllm stores FP8 as e4m3 (write fp8 or fp8_e4m3)"}}, use_fp8_cache});
 
+// ---- 22b. An fp8 decode step's rows, longest context first (switch longest_first) ----------------------
+// Replaces: the scheduler's order of a decode step's rows, which is the order flash_decode_kernel's thread
+// blocks start in (its grid runs partition fastest, then kv head, then row).
+// Why it is faster: a step's contexts differ (bench.py's run from 100 to 2,048 tokens), and a thread block
+// takes as long as its partition has keys. The GPU starts blocks in grid order as slots free up, so a long
+// context whose blocks come late still runs while most SMs have nothing left to start. With the rows in
+// order of context length, longest first (the "longest processing time first" rule for jobs on parallel
+// machines), the blocks that start last are the shortest, and they fill that tail. That pays with an fp8
+// cache, whose partitions are twice as long (1,024 keys above 32 sequences), so its blocks
+// differ more; with bf16's 512-key partitions the order gains nothing, so a bf16 run keeps the
+// scheduler's order (docs/performance.md, the FP8 cache).
+// What it changes: only which row of the step a sequence sits in. Every kernel of a decode step computes each
+// row on its own, and the engine reads a token back by its row, so every sequence gets the same tokens (the
+// run's tokens hash is the same with the switch on or off; the trace and the last step's logits hash follow
+// the new order). The order is a stable sort of the batch on the engine's side; prefill and mixed steps
+// keep the scheduler's order (a mixed step's decode rows must lead, section 15).
+// Switch: longest_first.
+static void order_longest_first(std::vector<Sequence*>& batch) {
+  if (g_kv_dtype != KVCacheDtype::FP8) return;  // (the cache's format is fixed for a run)
+  std::stable_sort(batch.begin(), batch.end(),
+                   [](const Sequence* a, const Sequence* b) { return a->size() > b->size(); });
+}
+static void apply_longest_first(bool on, Hooks& h) {
+  g_opt.longest_first = on;
+  if (on) h.order_decode_batch = order_longest_first;
+}
+static const int kLongestFirstRegistered = register_optimization(
+    {"longest_first", "an fp8 decode step's rows in order of context length, longest first (section 22b)", true,
+     apply_longest_first});
+
 // ==== 23. One persistent kernel for a small-batch decode step ============================================
 // defines: PERSIST_MAX_B (each of 23a-23d below has its own defines line); switch persistent
 //
@@ -7161,7 +7155,7 @@ constexpr int PERSIST_SLOT_ELEMS = PERSIST_ROWS * PERSIST_KC;
 constexpr int PERSIST_RING = 4;          // slots: 3 chunks (96 KiB) ahead of the one in use
 static_assert((PERSIST_RING & (PERSIST_RING - 1)) == 0, "the ring's slot is a count modulo PERSIST_RING");
 constexpr int PERSIST_PREFETCH = 8;       // attention: tokens per warp whose K and V are loaded before the wait
-constexpr int PERSIST_MAX_B = 4;          // batch sizes 1, 2, 4 (decode graph sizes); 8 lost end to end (README)
+constexpr int PERSIST_MAX_B = 4;          // batch sizes 1, 2, 4 (decode graph sizes; docs/performance.md: 8)
 
 enum PersistKind : int { PERSIST_EMBED, PERSIST_QKV, PERSIST_ATTN, PERSIST_O, PERSIST_GATE_UP, PERSIST_DOWN,
                          PERSIST_LM_HEAD };
@@ -7228,8 +7222,8 @@ __host__ __device__ __forceinline__ int persist_k_chunks(const PersistOp& op) {
 // The weight ring's producer side: the position of the next chunk to load (operation, group, column chunk)
 // in this thread block's order, which is the order the block consumes them in, and what the copies need of
 // that operation, held in registers while the cursor stays in it. The stream issues one chunk per chunk
-// consumed, in every warp, so its cost per chunk is paid inside the rows: reading the operation from the
-// list at every chunk, as an earlier version did, took about half the instructions of a chunk (README).
+// consumed, in every warp, so its cost per chunk is paid inside the rows, and reading the operation from the
+// list at every chunk would cost about half the instructions of a chunk.
 struct PersistCursor {
   int o, g, kc;
   int n;  // how many chunks of this block's order come before this one
@@ -7575,9 +7569,8 @@ __device__ __forceinline__ PersistTask persist_task(const PersistArgs& a, int ta
 // there are at most PERSIST_MAX_HPW, so each key and value is read once per thread block, and the heads'
 // dot products interleave), the group's ng = GQA / hpw sets of heads each take wph warps, and warp w of a set
 // takes every wph-th token of the partition from w % wph on. (GQA 2 or 4, Qwen3's common case: one set, 16
-// warps, each on a sixteenth of the tokens for every head.) At batch 1 too: one head per warp was slightly
-// faster there at short contexts on Qwen3-0.6B, but loads every key once per head, and its time grows about
-// twice as fast with the context (README).
+// warps, each on a sixteenth of the tokens for every head.) At batch 1 too: one head per warp loads every
+// key once per head, so its time grows about twice as fast with the context (docs/performance.md).
 constexpr int PERSIST_MAX_HPW = 4;  // query heads a warp carries (registers: 10 floats per head)
 struct PersistAttnSplit {
   int hpw, ng, wph;
@@ -8102,7 +8095,7 @@ static void persistent_decode(Qwen3& model, const PersistPlan& plan, const StepI
 // depends on both (how many layers, how wide, how many SMs), on the batch size and on the context. The kernel
 // wins where a step is mostly weights; its attention, a share of 132 thread blocks that wait for qkv, reads
 // the cache more slowly than section 15's kernels, which have the whole GPU to themselves, so the longer the
-// contexts the less it wins, and past some length it loses (README: the measurements). For each batch size
+// contexts the less it wins, and past some length it loses (docs/performance.md). For each batch size
 // with a plan, a decode step of B sequences of the same context (the cache's first blocks; slot -1, so nothing
 // is stored) runs both ways, each captured in a CUDA graph as the engine runs it (5 replays to warm up, 20
 // timed), at PERSIST_MEASURE_SHORT keys and at PERSIST_MEASURE_LONG (or max_model_len - 1 if shorter). A

@@ -34,9 +34,9 @@ static int fields_on(const Optimizations& o) {
 // Every Part II section registered exactly one name, in file order, with a description naming its section,
 // and switching it on alone sets exactly one field of Optimizations (its own).
 TEST(every_optimization_is_registered_once) {
-  const char* expected[] = {"flash_attn",        "longest_first", "pdl",           "gemv",
-                            "cluster_merge",     "fused_rope",    "oneshot_allreduce", "fast_sampler",
-                            "prefill_graphs",    "persistent"};
+  const char* expected[] = {"flash_attn",   "pdl",            "gemv",          "cluster_merge",
+                            "fused_rope",   "oneshot_allreduce", "fast_sampler", "prefill_graphs",
+                            "longest_first", "persistent"};
   CHECK_EQ(reg().size(), sizeof expected / sizeof expected[0]);
   CHECK_EQ(sizeof(Optimizations), reg().size() * sizeof(bool));
   for (size_t i = 0; i < reg().size() && i < sizeof expected / sizeof expected[0]; i++) {
@@ -111,7 +111,7 @@ TEST(chapters_fill_their_stages) {
         g_stages.attention_prefill == flash_attention_prefill_stage);
 }
 
-// Section 15b's order: with an fp8 cache, a decode batch sorted by context length, longest first, ties kept in
+// Section 22b's order: with an fp8 cache, a decode batch sorted by context length, longest first, ties kept in
 // the scheduler's order (stable), the same sequences; with a bf16 cache, the batch as it was.
 TEST(longest_first_orders_decode_rows) {
   std::vector<Sequence> seqs;
