@@ -3,10 +3,290 @@
 # Every flag and every optimization name that `nanovllm --help` lists appears in README.md; every section of
 # the README's reading guide exists as a banner "// ==== N. " in nanovllm.cu (and the other way round); the
 # host concepts come before the kernels (struct Sequence before the first __global__); no comment of
-# nanovllm.cu carries a timing (ms, us, tok/s, GB/s, TFLOP/s, a percentage): those live in the README; every
+# nanovllm.cu carries a timing (ms, us, tok/s, GB/s, TFLOP/s, a percentage): those live in docs/; every
 # section banner has a "// defines:" line in its comment block; every "section N" a comment names exists; and
 # the contents table at the top lists the banners' numbers, titles and PART lines in the file's order.
+# Then the front matter's claims (issue 44): the README is a front door (at most 600 lines, the two commands
+# in its first 40, the reading guide before line 200) that links every docs/*.md, and the links of the
+# README, docs/ and test/README.md resolve (files and #headings); every name on a "// defines:" line exists;
+# every `--opt LIST` the README or docs/ shows names registered optimizations; and every CPU reference comes
+# before the kernels and launcher it checks. Each rule is spelled out above its check.
 cd "$(dirname "$0")/../.."
+helper=$(mktemp)
+trap 'rm -f "$helper"' EXIT
+cat >"$helper" <<'PY'
+import re, sys, os, glob
+
+def strip_code(text):
+    """Comments become spaces and string/char literals become "" / '', line breaks kept (line numbers hold)."""
+    def repl(m):
+        s = m.group(0)
+        if s.startswith("//") or s.startswith("/*"):
+            return re.sub(r"[^\n]", " ", s)
+        q = s[0]
+        return q + re.sub(r"[^\n]", " ", s[1:-1]) + q
+    return re.sub(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', repl, text, flags=re.S)
+
+KEYWORDS = {"return", "else", "case", "goto", "new", "delete", "throw", "sizeof", "do", "co_return", "if",
+            "while", "for", "switch", "alignof", "decltype", "typeid", "static_assert", "not", "and", "or"}
+
+def declared_names(code):
+    """Identifiers the code declares: macros, types, aliases, enumerators, and declarators (a name right after
+    a type: functions, variables, members, parameters). Lenient on purpose: it answers 'does NAME exist'."""
+    names = set(re.findall(r"^[ \t]*#[ \t]*define[ \t]+(\w+)", code, re.M))
+    names |= set(re.findall(r"\b(?:struct|class|union|enum(?:\s+class)?|namespace)\s+(\w+)", code))
+    names |= set(re.findall(r"\busing\s+(\w+)\s*=", code))
+    names |= set(re.findall(r"\btypedef\b[^;]*?\b(\w+)\s*;", code))
+    names |= set(re.findall(r"\(\s*\*\s*(\w+)\s*\)\s*\(", code))              # function pointers
+    for body in re.findall(r"\benum\b[^{;]*\{([^}]*)\}", code):              # enumerators
+        names |= set(re.findall(r"(?:^|,)\s*(\w+)", body))
+    code = re.sub(r"__launch_bounds__\s*\([^)]*\)", " ", code)
+    for m in re.finditer(r"([\w>\*&\]])\s*[\*&]*\s*\b([A-Za-z_]\w*)\s*(?:\(|=(?!=)|;|\[|\{|,|:(?!:))", code):
+        before = code[:m.start(2)].rstrip(" \t\n*&")
+        prev = re.search(r"(\w+)$", before)
+        if prev and prev.group(1) not in KEYWORDS and not prev.group(1).isdigit():
+            names.add(m.group(2))
+        elif before.endswith(">"):
+            names.add(m.group(2))
+    for m in re.finditer(r"\boperator\s*([^\s(]+)\s*\(", code):
+        names.add("operator" + m.group(1))
+    return names
+
+def body_of(code, name):
+    m = re.search(r"\b(?:struct|class|union)\s+" + re.escape(name) + r"\b[^;{]*\{", code)
+    if not m:
+        return None
+    depth, i = 1, m.end()
+    while i < len(code) and depth:
+        depth += {"{": 1, "}": -1}.get(code[i], 0)
+        i += 1
+    return code[m.end():i - 1]
+
+def registered_switches(src):
+    return re.findall(r'register_optimization\(\s*\{\s*"(\w+)"', src)
+
+IDENT = r"(?:operator\s*\S+|[A-Za-z_]\w*(?:::[A-Za-z_~]\w*)*)"
+
+def split_top(s, seps):
+    out, depth, cur = [], 0, ""
+    for ch in s:
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        if ch in seps and depth == 0:
+            out.append(cur); cur = ""
+        else:
+            cur += ch
+    out.append(cur)
+    return [x.strip() for x in out]
+
+def defines_entries(path):
+    """(line, text) of each '// defines:' line with its continuation lines ('//' then at least 4 spaces)."""
+    lines = open(path, encoding="utf-8").read().split("\n")
+    out = []
+    for i, l in enumerate(lines):
+        m = re.search(r"//\s*defines:\s*(.*)$", l)
+        if not m:
+            continue
+        text, j = m.group(1), i + 1
+        if l.lstrip().startswith("//"):
+            while j < len(lines) and re.match(r"//\s{4,}\S", lines[j]):
+                text += " " + lines[j][2:].strip(); j += 1
+        inc = re.match(r'\s*#\s*include\s*([<"])([^>"]+)[>"]', l)
+        out.append((i + 1, text, inc))
+    return out
+
+def check_defines(root):
+    bad = []
+    src_path = os.path.join(root, "nanovllm.cu")
+    headers = sorted(set(re.findall(r'#\s*include\s*"([^"]+)"', open(src_path).read())))
+    files = ["nanovllm.cu"] + [h for h in headers if os.path.exists(os.path.join(root, h))]
+    codes = {f: strip_code(open(os.path.join(root, f), encoding="utf-8").read()) for f in files}
+    decl = {f: declared_names(c) for f, c in codes.items()}
+    switches = set(registered_switches(open(src_path).read()))
+    flags = set(re.findall(r'"(--[a-z][a-z-]*)', open(src_path).read()))
+    for f in files:
+        for line, text, inc in defines_entries(os.path.join(root, f)):
+            if inc and inc.group(1) == "<":
+                continue  # a system header's names: not this repository's to check
+            where = inc.group(2) if inc else f
+            if where not in codes:
+                bad.append(f"  {f}:{line}: names {where}, which is not in the repository"); continue
+            code, names = codes[where], decl[where]
+            def exists(n):
+                if n.startswith("operator"):
+                    return re.sub(r"\s", "", n) in {re.sub(r"\s", "", x) for x in names}
+                if "::" in n:
+                    outer, inner = n.rsplit("::", 1)
+                    b = body_of(code, outer.split("::")[-1])
+                    return (b is not None and inner in declared_names(b)) or \
+                        re.search(re.escape(outer) + r"\s*::\s*" + re.escape(inner) + r"\b", code) is not None
+                return n in names
+            def item_list(s, owner=None):
+                for clause in split_top(s, ";"):
+                    in_switches = False
+                    for item in split_top(clause, ","):
+                        if not item:
+                            continue
+                        m = re.match(r"(switch(?:es)?)\s+(.*)$", item)
+                        if m:
+                            in_switches, item = True, m.group(2).strip()
+                        paren = None
+                        pm = re.match(r"(.*?)\s*\((.*)\)\s*$", item)
+                        if pm:
+                            item, paren = pm.group(1).strip(), pm.group(2)
+                        if item.startswith("--"):
+                            flag = item.split()[0]
+                            if flag not in flags:
+                                bad.append(f"  {f}:{line}: {flag} is no flag of nanovllm.cu")
+                        elif re.fullmatch(IDENT, item):
+                            if in_switches:
+                                if item not in switches:
+                                    bad.append(f"  {f}:{line}: switch {item} is not registered "
+                                               f"(register_optimization names: {', '.join(sorted(switches))})")
+                            elif owner:
+                                b = body_of(code, owner)
+                                if item not in declared_names(b):
+                                    bad.append(f"  {f}:{line}: {owner} has no member {item}")
+                            elif not exists(item):
+                                bad.append(f"  {f}:{line}: {item} is declared nowhere in {where}")
+                        else:
+                            in_switches = False  # prose ("and their CPU references", "registered in 18")
+                        if paren is not None:
+                            parts = split_top(paren, ",;")
+                            if (not in_switches and re.fullmatch(IDENT, item or "")
+                                    and body_of(code, item) is not None
+                                    and all(re.fullmatch(IDENT, p) for p in parts)):
+                                item_list(paren, owner=item)
+                            else:
+                                item_list(paren)  # prose, or a nested "switch NAME"
+            item_list(text)
+    return bad
+
+def check_opt_mentions(root, docs):
+    src = open(os.path.join(root, "nanovllm.cu")).read()
+    ok = set(registered_switches(src)) | {"all", "none"}
+    bad = []
+    for d in docs:
+        for n, l in enumerate(open(os.path.join(root, d), encoding="utf-8").read().split("\n"), 1):
+            for m in re.finditer(r"--opt(?:=|\s+)([A-Za-z0-9_,+-]+)", l):
+                for item in m.group(1).split(","):
+                    name = item.lstrip("+-")
+                    if not name or re.fullmatch(r"[A-Z][A-Z_]*", name):
+                        continue  # a placeholder: NAME, LIST
+                    if name not in ok:
+                        bad.append(f"  {d}:{n}: --opt {m.group(1)}: '{name}' is no registered optimization")
+    return bad
+
+def check_references(root):
+    raw = open(os.path.join(root, "nanovllm.cu"), encoding="utf-8").read()
+    code = strip_code(raw)
+    lines = code.split("\n")
+    banners = [(i + 1, m.group(1)) for i, l in enumerate(raw.split("\n"))
+               for m in [re.match(r"// ==== (\d+)\. ", l)] if m]
+    def section(line):
+        s = None
+        for at, n in banners:
+            if at <= line:
+                s = n
+        return s
+    def line_of(pos):
+        return code.count("\n", 0, pos) + 1
+    kernels = []  # (line, base name without _kernel)
+    c2 = re.sub(r"__launch_bounds__\s*\([^)]*\)", lambda m: re.sub(r"[^\n]", " ", m.group(0)), code)
+    for m in re.finditer(r"__global__\b[^;{(]*?\b(\w+)\s*\(", c2):
+        name = m.group(1)
+        kernels.append((line_of(m.start()), name[:-len("_kernel")] if name.endswith("_kernel") else name, name))
+    def host_definitions(name):
+        out = []
+        for m in re.finditer(r"^[A-Za-z][^\n;{}()=]*?\b" + re.escape(name) + r"\s*\(", code, re.M):
+            if "__global__" in m.group(0) or "__device__" in m.group(0):
+                continue
+            i, depth = m.end() - 1, 0
+            while i < len(code):
+                ch = code[i]
+                depth += (ch == "(") - (ch == ")")
+                if depth == 0 and ch in ";{":
+                    break
+                i += 1
+            if i < len(code) and code[i] == "{":
+                out.append(line_of(m.start()))
+        return out
+    bad, checked = [], []
+    for m in re.finditer(r"^static\b[^\n(]*?\b(\w+)_reference\s*\(", code, re.M):
+        x, rline = m.group(1), line_of(m.start())
+        sec = section(rline)
+        words = x.split("_")
+        fam = []
+        for kline, base, kname in kernels:
+            b = base.split("_")
+            contains = any(b[i:i + len(words)] == words for i in range(len(b) - len(words) + 1))
+            if section(kline) == sec and (contains or words[:len(b)] == b):
+                fam.append((kline, kname))
+        fam += [(hl, x) for hl in host_definitions(x) if section(hl) == sec]
+        if not fam:
+            continue
+        checked.append(x)
+        before = sorted(f for f in fam if f[0] < rline)
+        if before:
+            bad.append(f"  nanovllm.cu:{rline}: {x}_reference (section {sec}) comes after "
+                       + ", ".join(f"{n} (line {l})" for l, n in before))
+    return bad, checked
+
+def slug(h):
+    h = re.sub(r"`", "", h.strip().lower())
+    h = re.sub(r"[^\w\- ]", "", h)
+    return h.replace(" ", "-")
+
+def anchors(path):
+    out, counts, fence = set(), {}, False
+    for l in open(path, encoding="utf-8"):
+        if l.startswith("```"):
+            fence = not fence
+        if fence:
+            continue
+        m = re.match(r"#{1,6}\s+(.*)", l)
+        if m:
+            s = slug(m.group(1))
+            k = counts.get(s, 0); counts[s] = k + 1
+            out.add(s if k == 0 else f"{s}-{k}")
+    return out
+
+def check_links(root, docs):
+    bad = []
+    for d in docs:
+        path = os.path.join(root, d)
+        fence = False
+        for n, l in enumerate(open(path, encoding="utf-8").read().split("\n"), 1):
+            if l.startswith("```"):
+                fence = not fence
+            if fence:
+                continue
+            for m in re.finditer(r"\]\(([^)\s]+)\)", l):
+                target = m.group(1)
+                if re.match(r"[a-z]+:", target):
+                    continue
+                file, _, anchor = target.partition("#")
+                tpath = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
+                if not os.path.exists(tpath):
+                    bad.append(f"  {d}:{n}: {target}: no file {os.path.relpath(tpath, root)}")
+                elif anchor and tpath.endswith(".md") and anchor not in anchors(tpath):
+                    bad.append(f"  {d}:{n}: {target}: no heading #{anchor} in {os.path.relpath(tpath, root)}")
+    return bad
+
+if __name__ == "__main__":
+    what, root = sys.argv[1], "."
+    docs = ["README.md"] + sorted(glob.glob("docs/*.md"))
+    if what == "defines":
+        print("\n".join(check_defines(root)))
+    elif what == "opt":
+        print("\n".join(check_opt_mentions(root, docs)))
+    elif what == "refs":
+        print("\n".join(check_references(root)[0]))
+    elif what == "links":
+        print("\n".join(check_links(root, docs + ["test/README.md"])))
+PY
 passed=0 failed=0
 check() {  # check NAME CONDITION_EXIT_CODE MESSAGE
   if [ "$2" -eq 0 ]; then echo "PASS $1"; passed=$((passed + 1)); else echo "FAIL $1: $3"; failed=$((failed + 1)); fi
@@ -33,7 +313,7 @@ kernel_line=$(grep -n '__global__' nanovllm.cu | head -n1 | cut -d: -f1)
 [ -n "$seq_line" ] && [ -n "$kernel_line" ] && [ "$seq_line" -lt "$kernel_line" ]
 check sequence_before_first_kernel $? "struct Sequence at line $seq_line, first __global__ at line $kernel_line"
 timings=$(grep -nE '//.*([0-9] ?(ms|us|tok/s|GB/s|TB/s|TFLOP/s)([^a-z]|$)|[0-9]%)' nanovllm.cu | grep -v '\[trace\]')
-[ -z "$timings" ]; check no_timings_in_code_comments $? "timing figures in comments (they belong in the README):
+[ -z "$timings" ]; check no_timings_in_code_comments $? "timing figures in comments (they belong in docs/performance.md):
 $timings"
 
 # The comment block right under each "// ==== N. " banner (its "//" lines up to the first other line) holds a
@@ -84,5 +364,53 @@ diff=$(diff -U1 <(echo "$table") <(echo "$banners") | tail -n +3 | sed 's/^@@.*/
 check contents_table_matches_banners $? "the contents table and the banners differ (- only in the table, \
 + only in the banners, in file order):
 ${diff:-  the table is empty}"
+# The README is the front door (STYLE.md): at most 600 lines, the run and test commands within its first 40
+# lines, the reading guide (a code reader's first need) before line 200, and a link to every docs/*.md.
+readme_lines=$(wc -l <README.md)
+[ "$readme_lines" -le 600 ]; check readme_at_most_600_lines $? "README.md has $readme_lines lines"
+head -n 40 README.md | grep -q 'make && ./nanovllm ' && head -n 40 README.md | grep -qE '^make test( |$)'
+check readme_two_commands_first $? "'make && ./nanovllm ...' and 'make test' are not both in README.md's first 40 lines"
+guide_at=$(grep -n '^## Reading guide' README.md | head -n1 | cut -d: -f1)
+[ -n "$guide_at" ] && [ "$guide_at" -lt 200 ]
+check reading_guide_before_line_200 $? "'## Reading guide' is at line ${guide_at:-none}"
+unlinked=""
+for d in docs/*.md; do grep -q "](${d}" README.md || unlinked="$unlinked $d"; done
+[ -z "$unlinked" ]; check readme_links_every_doc $? "README.md does not link:$unlinked"
+
+# Relative links of README.md, docs/*.md and test/README.md ([text](path#anchor), outside code fences): the
+# file exists, and an #anchor into a .md file is one of its headings as GitHub spells it (lower case,
+# punctuation dropped, spaces to hyphens, -1, -2, ... for repeats).
+broken=$(python3 "$helper" links) || broken="  the scanner (python3) failed"
+[ -z "$broken" ]; check doc_links_resolve $? "links that lead nowhere:
+$broken"
+
+# Each name on a "// defines:" line exists (issue 44). The line runs on over the comment lines below it that
+# start with "//" and at least four spaces. Its items are separated by "," and ";"; an item that is one C++
+# name (Foo, Foo::bar, operator==) must be declared in the file: a macro, struct/class/union/enum, alias,
+# enumerator, or a name right after a type (a function, variable, member, parameter); "Foo (a, b)" with Foo a
+# struct or class means a and b are its members; after "switch" or "switches", the names up to the next ";"
+# are --opt switches and must be register_optimization's; an item "--flag ..." must be a flag the file parses;
+# an item of several words is prose and is skipped. A defines line on `#include "h"` is checked against h; one
+# on `#include <h>` (a system header) is not checked.
+undefined_names=$(python3 "$helper" defines) || undefined_names="  the scanner (python3) failed"
+[ -z "$undefined_names" ]; check defines_names_exist $? "names on '// defines:' lines that do not exist:
+$undefined_names"
+
+# Each `--opt LIST` (or --opt=LIST) in README.md and docs/*.md names registered optimizations: every item,
+# its +/- sign dropped, is a register_optimization name, or all or none (what parse_optimizations, section
+# 24, accepts); upper-case placeholders (NAME, LIST) are skipped.
+bad_opts=$(python3 "$helper" opt) || bad_opts="  the scanner (python3) failed"
+[ -z "$bad_opts" ]; check docs_opt_names_registered $? "--opt names that are not registered:
+$bad_opts"
+
+# The header says Part I's kernels come "each after the CPU code it must agree with". The CPU code of X is a
+# host function `static ... X_reference(` at the start of a line. Its GPU code is, in the same section
+# ("// ==== N." to the next), every __global__ kernel whose name less "_kernel" contains X's words in order
+# (apply_logit_edits_kernel for logit_edits) or is a leading part of them (sample_kernel for
+# sample_kept_reference), and the host function named X where it is defined (a body, not the forward
+# declaration of section 6c). The reference must start before each of them.
+late_refs=$(python3 "$helper" refs) || late_refs="  the scanner (python3) failed"
+[ -z "$late_refs" ]; check references_precede_their_kernels $? "CPU references after the GPU code they check:
+$late_refs"
 echo "RESULT passed=$passed failed=$failed skipped=0"
 [ "$failed" -eq 0 ]

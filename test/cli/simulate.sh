@@ -4,8 +4,8 @@
 # Qwen3 shape and a pool sized for a GPU), both schedulers, arrivals; the report it writes holds the summary
 # record --output writes, one mark per step and one per preemption; and, where Debian's chromium is
 # installed (CI installs it), the report rendered headless: a screenshot that is not blank, and the live DOM
-# holding one <g class="step"> per step of the summary. Run from the repo root; NANOVLLM_BIN overrides
-# ./nanovllm.
+# holding one <g class="step"> per step of the summary; and the trace lines docs/experiments.md quotes,
+# replayed by running its commands under simulate. Run from the repo root; NANOVLLM_BIN overrides ./nanovllm.
 source "$(dirname "$0")/lib.sh"
 if ! TOK=$(bash tools/fetch_tokenizer.sh | tail -n 1) || [ -z "$TOK" ]; then
   fail fetch_tokenizer "tools/fetch_tokenizer.sh could not provide the Qwen3 tokenizer"; finish
@@ -186,4 +186,62 @@ assert s["prefix_hit_tokens"] == 2 * 96 and s["peak_kv_blocks"] == 7 + 2, s
 print(f"3 completions; {s['prefix_hit_tokens']} prefix-hit tokens, peak {s['peak_kv_blocks']} blocks")
 PY
 check n_shares_prompt_blocks $? "$(cat "$tmp/py6.txt")"
+# 6. The experiments of docs/experiments.md, replayed: the prompt files its "Setup" block writes (its Python
+#    heredoc, run as written), then every command there of the form "./nanovllm $M build/exp/FILE $G ...
+#    --trace" run as `nanovllm simulate` with the Qwen3-0.6B shape and the pool its quoted lines show
+#    (free=F/NB, unless the command sets --num-kvcache-blocks). simulate prints the trace a GPU run prints
+#    (test_trace's simulate_prints_the_real_runs_trace), so every "[trace]" line quoted under the command, its
+#    ms= dropped, must come out in the quoted order, and every quoted "nanovllm: summary" line must match, its
+#    "..." standing for any text. The "check" lines are not replayed: simulate's stand-in model samples other
+#    tokens than the real one.
+python3 - "$tmp" "$BIN" "$TOK/tokenizer.json" docs/experiments.md >"$tmp/py7.txt" 2>&1 <<'PY'
+import os, re, shlex, subprocess, sys
+tmp, doc = sys.argv[1], sys.argv[4]
+binary, tokenizer = os.path.abspath(sys.argv[2]), os.path.abspath(sys.argv[3])  # run from another folder
+text = open(doc, encoding="utf-8").read()
+setup = re.search(r"python3 - <<'PY'\n(.*?)\nPY\n", text, re.S)
+assert setup, f"{doc}: no setup heredoc (python3 - <<'PY' ... PY) to write the prompt files"
+work = os.path.join(tmp, "exp")
+os.makedirs(os.path.join(work, "build", "exp"))
+subprocess.run([sys.executable, "-c", setup.group(1)], cwd=work, check=True)
+g = re.search(r'^M=\S+ G="([^"]*)"', text, re.M)
+assert g, f"{doc}: no line M=... G=\"...\" giving the experiments' flags"
+runs = 0
+for block in re.findall(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M):
+    cmds = []  # (command, the lines quoted under it)
+    for line in block.split("\n"):
+        if line.startswith("./nanovllm $M "):
+            cmds.append((line, []))
+        elif cmds:
+            cmds[-1][1].append(line)
+    for cmd, quoted in cmds:
+        if "--trace" not in cmd:
+            continue
+        args = shlex.split(cmd.replace("$G", g.group(1)))[2:]  # drop ./nanovllm $M
+        traces = [re.sub(r" ms=\S+", "", l) for l in quoted if l.startswith("[trace]")]
+        summaries = [l for l in quoted if l.startswith("nanovllm: summary")]
+        assert traces, f"{cmd}: no [trace] line quoted under it"
+        if "--num-kvcache-blocks" not in args:
+            nb = re.search(r"free=\d+/(\d+)", traces[0])
+            args += ["--num-kvcache-blocks", nb.group(1)]
+        r = subprocess.run([binary, "simulate", tokenizer] + args + ["--simulate-model", "Qwen3-0.6B"],
+                           cwd=work, capture_output=True, text=True)
+        assert r.returncode == 0, f"{cmd}: simulate exited {r.returncode}: {r.stderr[-500:]}"
+        got = [re.sub(r" ms=\S+", "", l) for l in r.stderr.split("\n") if l.startswith("[trace]")]
+        at = 0
+        for want in traces:
+            while at < len(got) and got[at] != want:
+                at += 1
+            assert at < len(got), f"{cmd}:\n  quoted  {want}\n  not printed in that order (simulate printed " \
+                                  f"{len(got)} trace lines)"
+            at += 1
+        for want in summaries:
+            pattern = ".*".join(re.escape(part) for part in want.split("..."))
+            line = next((l for l in r.stderr.split("\n") if l.startswith("nanovllm: summary")), "")
+            assert re.match(pattern, line), f"{cmd}:\n  quoted  {want}\n  printed {line}"
+        runs += 1
+assert runs >= 5, f"only {runs} traced commands found in {doc}"
+print(f"{runs} commands of {doc} replayed, every quoted trace and summary line printed")
+PY
+check experiments_doc_trace_lines_replay $? "$(cat "$tmp/py7.txt")"
 finish
