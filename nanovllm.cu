@@ -9363,8 +9363,8 @@ static StepTrace trace_after_schedule(const Scheduler& s, const std::vector<Sequ
   return t;
 }
 
-// The trace line, then one indented line per preemption of this step (README: "Watching the scheduler
-// think"):
+// The trace line, then one indented line per preemption of this step (docs/observability.md, "The trace
+// line"):
 //   [trace] step S KIND    batch=B tokens=N hit=K waiting=W running=R free=F/NB hashes=C ms=T
 //   [trace]   preempt seq=ID len=LEN
 // batch, tokens: sequences and tokens computed this step; hit: prompt tokens found in the prefix cache at
@@ -10106,12 +10106,12 @@ static bool tp_shutdown() {
 //   * the clock. Each step advances a modelled clock by a roofline of the step (SimGpu): a fixed cost per
 //     step (larger for a step run eagerly than for one replayed from a CUDA graph), plus the bytes it must read (every weight once, the K/V of every token attended) over the
 //     memory bandwidth or its FLOPs over the tensor-core rate, whichever is longer. The rates are what this
-//     engine reaches on an H100 (README: "Watching the scheduler think"); the times are a model, not a
+//     engine reaches on an H100 (docs/observability.md); the times are a model, not a
 //     measurement, but they make arrival times, TTFT and TPOT mean something without a GPU.
 // The KV pool: --num-kvcache-blocks, or --simulate-gpu-memory SIZE (for example 24GB): what is left of SIZE
 // x --gpu-memory-utilization after this shape's weights and an estimate of the activations.
 
-struct SimGpu {           // rates this engine reaches on an H100 80GB (README)
+struct SimGpu {           // rates this engine reaches on an H100 80GB (docs/observability.md)
   double bandwidth = 2.8e12;   // bytes/s of weights and K/V read by a step
   double flops = 3.7e14;       // bf16 FLOP/s of prefill's matrix products
   double step_cost = 0.5e-3;   // s: the fixed costs of a step replayed from a CUDA graph
@@ -10261,7 +10261,7 @@ static const char* kUsage =
     "       nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]   (the scheduler without a GPU; see below)\n"
     "\n"
     "MODEL_DIR  a Hugging Face Qwen3 folder (default ~/huggingface/Qwen3-0.6B/)\n"
-    "PROMPTS    a text file (one prompt per line) or a .jsonl file (see README); default: two example prompts\n"
+    "PROMPTS    a text file (one prompt per line) or a .jsonl file (see docs/requests.md); default: two example prompts\n"
     "\n"
     "engine (nano-vllm Config):\n"
     "  --max-num-batched-tokens N   token budget of a prefill step            (16384)\n"
@@ -10348,7 +10348,7 @@ static Cli parse_args(int argc, char** argv, bool simulate = false) {
   cli.simulate = simulate;
   // vLLM V1's scheduler by default: with the decode rows of its mixed steps at decode speed (section 15) and
   // those steps in CUDA graphs (21) it matches nano-vllm's rule on bench.py and cuts the tail of the time per
-  // output token (README, "Two schedulers"). --scheduler nano runs nano-vllm's, the one Part I tells first.
+  // output token (docs/experiments.md, "Two schedulers"). --scheduler nano runs nano-vllm's, the one Part I tells first.
   cli.config.mixed_scheduler = true;
   const char* home = getenv("HOME");
   cli.config.model = std::string(home ? home : ".") + "/huggingface/Qwen3-0.6B/";

@@ -23,7 +23,7 @@
 // the decode kernel, section 14, and steps of up to 2,048 tokens replay section 21's graphs).
 // NANOVLLM_E2E_KV=fp8 runs every engine with --kv-cache-dtype fp8 (section 22). Its bar for (a) is 5x the bf16
 // one: e4m3 rounds each key and value to 3 mantissa bits (a relative error up to 2^-4, 16x bf16's), which on
-// these shapes costs 3-5x bf16's logit error (README, FP8 section), and a scale off by 2x costs far more
+// these shapes costs 3-5x bf16's logit error (docs/performance.md, the FP8 KV cache), and a scale off by 2x costs far more
 // (gpu_attention's fp8_wrong_scale_is_caught); the argmax check and the teacher-forcing tolerance follow our
 // own error as always. NANOVLLM_E2E_KV_SCALES=one uses scale 1.0 (vLLM's default) instead of the weight bounds.
 // An fp8 cache is read by section 15's flash kernels only, so with an NANOVLLM_E2E_OPT that switches

@@ -2,7 +2,7 @@
 // one-shot NVLink kernel and NCCL), in place and into a residual, against an fp32 reference, eagerly and
 // replayed from CUDA graphs mixed with eager calls, and back to back with the ranks out of step;
 // gather_logits with an odd vocabulary; all_reduce_min; and the latency of one all-reduce at the message
-// sizes of a decode step (the "bench_" case, used for the README's all-reduce figures).
+// sizes of a decode step (the "bench_" case, used for docs/tensor-parallel.md's all-reduce figures).
 //
 // Two ranks: main() forks rank 1 before any CUDA call and both processes run every case, so each collective
 // has its partner. Rank 0 prints; rank 1 checks its own results too, silently, and its exit status counts.

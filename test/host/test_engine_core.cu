@@ -1,5 +1,5 @@
 // Host tests of the engine core (sections 3-5): Sequence, BlockManager, Scheduler. No GPU needed.
-// Each scenario mirrors one behaviour of nano-vllm bb823b3 that the README's experiments show.
+// Each scenario mirrors one behaviour of nano-vllm bb823b3 that docs/experiments.md shows.
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
 #include "../test.h"

@@ -200,7 +200,7 @@ TEST(pool_from_gpu_memory) {
   CHECK(b80 > b24 && b24 > 0 && b80 > big80 && big80 > 0);
   CHECK_EQ(big16, (int64_t)0);
   // What a real run of the 0.6B shape found on an H100 80GB (79.6 GiB as the driver reports it): 2,512 blocks
-  // of 256 tokens (README). The estimate for "80GB" lands within 5% of it.
+  // of 256 tokens (docs/observability.md). The estimate for "80GB" lands within 5% of it.
   CHECK_MSG(b80 > 2390 && b80 < 2640, "%lld blocks", (long long)b80);
 }
 

@@ -148,10 +148,10 @@ TEST(summary_numbers_lines_and_json) {
   CHECK_EQ(j["summary"]["seconds"]["gpu_wait"].get<double>(), 1.6);
 }
 
-// ---- The README's experiments, replayed ----
+// ---- docs/experiments.md's experiments, replayed ----
 // With --ignore-eos every request runs to its max_tokens, so the trace depends only on prompt lengths, the
-// budgets and the pool size, never on the weights: these replays print the very lines the README quotes from
-// H200 runs (the step time aside). If the scheduler changes, these fail and the README needs new excerpts.
+// budgets and the pool size, never on the weights: these replays print the very lines docs/experiments.md quotes from
+// H200 runs (the step time aside). If the scheduler changes, these fail and docs/experiments.md needs new excerpts.
 
 static std::string no_ms(std::string s) {
   for (size_t at; (at = s.find(" ms=0.25")) != std::string::npos;) s.erase(at, 8);
@@ -258,7 +258,7 @@ TEST(readme_continuous_batching) {
 }
 
 // `nanovllm simulate` steps the same code: LLMEngine with SimRunner (section 27) in place of the GPU prints,
-// for the workloads of the README's experiments (real H200 runs with --ignore-eos), the very trace lines the
+// for the workloads of docs/experiments.md (real H200 runs with --ignore-eos), the very trace lines the
 // scheduler replays above print, step for step (the step time aside).
 static std::vector<std::string> simulated(const Config& base, const std::vector<int>& prompt_lens,
                                           const std::vector<int>& max_tokens, bool identical_prompts = false) {
