@@ -2054,9 +2054,8 @@ static void attention_decode(bf16* out, const bf16* qkv, const KVLayer& cache, c
 // ==== 9. Sampler: greedy, temperature, top-k, min-p, top-p =================================================
 // defines: SamplingSlot, SAMPLE_THREADS, philox4x32_10, gumbel_noise, scaled_logit, min_p_keeps, fixed_mass,
 //          sample_kept_reference, sample_reference, ScoredToken, outranks, block_reduce,
-//          bitonic_compare_exchange, block_sort_descending, sample_sort_workspace_bytes, sample;
-//          9b: LogitEdit, logit_edits_of, logit_edits_reference, logit_edits, logprobs_reference,
-//          compute_logprobs
+//          bitonic_compare_exchange, block_sort_descending, sample_sort_workspace_bytes, sample, LogitEdit,
+//          logit_edits_of, logit_edits_reference, logit_edits, logprobs_reference, compute_logprobs
 //
 // What the sampler computes, per sequence b (one row of logits [V], fp32), with z_i = logit_i / temperature:
 //   temperature == 0            greedy: the argmax (lowest index on ties)
@@ -2111,7 +2110,7 @@ static void attention_decode(bf16* out, const bf16* qkv, const KVLayer& cache, c
 // What it costs: a row without a cut (greedy, or temperature alone) is read once. A row with a cut is also
 // sorted, in log2(n2) * (log2(n2) + 1) / 2 steps each touching the whole scratch row (171 for V = 151,936),
 // and needs that scratch row: V floats per sequence (sample_sort_workspace_bytes). Section 20 finds the same
-// tau in a few passes over the row, without sorting.
+// tau without sorting, by counting passes over the row.
 
 struct SamplingSlot {                // one per sequence in the step (device array [B])
   float temperature;                 // 0 = greedy
@@ -2354,23 +2353,24 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
   const SamplingSlot slot = slots[blockIdx.x];
   const bool greedy = !(slot.temperature > 0.f);
   const float inv_temp = greedy ? 1.f : 1.f / slot.temperature;
-  const bool top_k = !greedy && slot.top_k > 0 && slot.top_k < V;
-  const bool min_p = !greedy && slot.min_p > 0.f;
-  const bool top_p = !greedy && slot.top_p < 1.f;
+  const bool use_top_k = !greedy && slot.top_k > 0 && slot.top_k < V;
+  const bool use_min_p = !greedy && slot.min_p > 0.f;
+  const bool use_top_p = !greedy && slot.top_p < 1.f;
   float tau = -INFINITY;
-  if (top_k || min_p || top_p) {
+  if (use_top_k || use_min_p || use_top_p) {
     float* s = sorted + (int64_t)blockIdx.x * V;  // this row's z, sorted in place
     for (int i = threadIdx.x; i < V; i += blockDim.x) s[i] = scaled_logit(row[i], inv_temp);
     __syncthreads();
     block_sort_descending(s, V);
-    const float m = s[0], kth = top_k ? s[slot.top_k - 1] : -INFINITY;
-    const float log_min_p = min_p ? logf(slot.min_p) : 0.f;
-    unsigned long long n = 0;  // the values top-k and min-p keep: a prefix of s
-    for (int j = threadIdx.x; j < V; j += blockDim.x) n += s[j] >= kth && (!min_p || min_p_keeps(s[j], m, log_min_p));
+    const float m = s[0], kth = use_top_k ? s[slot.top_k - 1] : -INFINITY;
+    const float log_min_p = use_min_p ? logf(slot.min_p) : 0.f;
+    unsigned long long n = 0;  // how many values top-k and min-p keep: a prefix of s
+    for (int j = threadIdx.x; j < V; j += blockDim.x)
+      n += s[j] >= kth && (!use_min_p || min_p_keeps(s[j], m, log_min_p));
     n = block_reduce(n, [](unsigned long long a, unsigned long long b) { return a + b; }, sum_scratch);
-    const int last = top_p ? block_top_p_cut((int)n, slot.top_p, [&](int j) { return fixed_mass(s[j], m); },
-                                             sum_scratch)
-                           : (int)n - 1;
+    int last = (int)n - 1;  // where tau sits in s
+    auto mass = [&](int j) { return fixed_mass(s[j], m); };
+    if (use_top_p) last = block_top_p_cut((int)n, slot.top_p, mass, sum_scratch);
     tau = s[last];
   }
   ScoredToken best{0.f, -1};
@@ -2389,7 +2389,7 @@ size_t sample_sort_workspace_bytes(int B, int V) { return (size_t)B * V * sizeof
 // sample_sort_workspace_bytes(B, V) bytes of device memory (scratch: no initialisation needed).
 void sample(int* out_tokens, const float* logits, const SamplingSlot* slots, int B, int V, void* workspace,
             size_t workspace_bytes, cudaStream_t stream) {
-  INTERNAL_CHECK(V > 0 && V < 2000000, "sample: V = %d outside 1 .. 2,000,000 (the range sections 9 and 20 take)", V);
+  INTERNAL_CHECK(V > 0 && V < 2000000, "sample: V = %d outside 1 .. 2,000,000", V);
   INTERNAL_CHECK(workspace_bytes >= sample_sort_workspace_bytes(B, V),
                  "sample: workspace of %zu bytes, need sample_sort_workspace_bytes(%d, %d) = %zu", workspace_bytes, B,
                  V, sample_sort_workspace_bytes(B, V));
