@@ -2053,7 +2053,7 @@ static void attention_decode(bf16* out, const bf16* qkv, const KVLayer& cache, c
 
 // ==== 9. Sampler: greedy, temperature, top-k, min-p, top-p =================================================
 // defines: SamplingSlot, SAMPLE_THREADS, philox4x32_10, gumbel_noise, scaled_logit, min_p_keeps, fixed_mass,
-//          sample_kept_reference, sample_reference, ScoredToken, outranks, block_reduce,
+//          sample_kept_reference, sample_reference, ScoredToken, outranks, block_reduce, Plus, Larger, Top,
 //          bitonic_compare_exchange, block_sort_descending, sample_sort_workspace_bytes, sample, LogitEdit,
 //          logit_edits_of, logit_edits_reference, logit_edits, logprobs_reference, compute_logprobs
 //
@@ -2255,7 +2255,7 @@ static int sample_reference(const float* logits, int V, const SamplingSlot& s, c
   return best.index >= 0 ? best.index : 0;
 }
 
-// op(v of every thread of the block), with op a max, a sum or "the one that outranks"; every thread gets the
+// op(v of every thread of the block), with op one of the three below; every thread gets the
 // result. A warp combines its 32 values by shuffles, then the warps' results meet in scratch (32 values of
 // shared memory; the leading barrier lets the caller reuse it at once). blockDim.x: a multiple of 32.
 __device__ inline float shfl_xor(float v, int lane_mask) { return __shfl_xor_sync(0xffffffffu, v, lane_mask); }
@@ -2276,7 +2276,16 @@ __device__ T block_reduce(T v, Op op, T* scratch) {
   for (int w = 1; w < (int)blockDim.x / 32; w++) v = op(v, scratch[w]);
   return v;
 }
-__device__ inline ScoredToken top_of(ScoredToken a, ScoredToken b) { return outranks(b, a) ? b : a; }
+// block_reduce's ops: the sum, the larger, and the token that outranks.
+struct Plus {
+  template <class T> __device__ T operator()(T a, T b) const { return a + b; }
+};
+struct Larger {
+  template <class T> __device__ T operator()(T a, T b) const { return a > b ? a : b; }
+};
+struct Top {
+  __device__ ScoredToken operator()(ScoredToken a, ScoredToken b) const { return outranks(b, a) ? b : a; }
+};
 
 // One compare-exchange of the bitonic sort (see the section comment): step (k, j) at position i of
 // keys[0 .. n). __host__ so a test can run the whole sort on the CPU.
@@ -2367,7 +2376,7 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
     unsigned long long n = 0;  // how many values top-k and min-p keep: a prefix of s
     for (int j = threadIdx.x; j < V; j += blockDim.x)
       n += s[j] >= kth && (!use_min_p || min_p_keeps(s[j], m, log_min_p));
-    n = block_reduce(n, [](unsigned long long a, unsigned long long b) { return a + b; }, sum_scratch);
+    n = block_reduce(n, Plus(), sum_scratch);
     int last = (int)n - 1;  // where tau sits in s
     auto mass = [&](int j) { return fixed_mass(s[j], m); };
     if (use_top_p) last = block_top_p_cut((int)n, slot.top_p, mass, sum_scratch);
@@ -2380,7 +2389,7 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
     const ScoredToken t{greedy ? z : z + gumbel_noise(slot.seed, slot.offset, (uint32_t)i), i};
     if (outranks(t, best)) best = t;
   }
-  best = block_reduce(best, [](ScoredToken a, ScoredToken b) { return top_of(a, b); }, top_scratch);
+  best = block_reduce(best, Top(), top_scratch);
   if (threadIdx.x == 0) out_tokens[blockIdx.x] = best.index >= 0 ? best.index : 0;
 }
 // The scratch sample sorts rows in: V floats per sequence.
@@ -2537,7 +2546,7 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
   auto x_of = [&](int i) { return scaled_logit(row[i], 1.f); };  // NaN -> -inf
   float m = -INFINITY;
   for (int i = threadIdx.x; i < V; i += blockDim.x) m = fmaxf(m, x_of(i));
-  m = block_reduce(m, [](float a, float b) { return fmaxf(a, b); }, float_scratch);
+  m = block_reduce(m, Larger(), float_scratch);
   const int token = tokens[blockIdx.x];
   const float x_token = x_of(token);
   float sum = 0.f;
@@ -2547,8 +2556,8 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
     sum += m == -INFINITY ? 1.f : expf(x - m);
     above += x > x_token;
   }
-  sum = block_reduce(sum, [](float a, float b) { return a + b; }, float_scratch);
-  above = block_reduce(above, [](unsigned long long a, unsigned long long b) { return a + b; }, count_scratch);
+  sum = block_reduce(sum, Plus(), float_scratch);
+  above = block_reduce(above, Plus(), count_scratch);
   const float lse = m == -INFINITY ? -INFINITY : m + logf(sum);
   TokenLogprobs& o = out[blockIdx.x];
   if (threadIdx.x == 0) o.logprob = x_token - lse, o.rank = 1 + (int)above, o.num_top = N;
@@ -2559,7 +2568,7 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
       const ScoredToken t{x_of(i), i};
       if ((k == 0 || outranks(prev, t)) && outranks(t, best)) best = t;
     }
-    prev = block_reduce(best, [](ScoredToken a, ScoredToken b) { return top_of(a, b); }, top_scratch);
+    prev = block_reduce(best, Top(), top_scratch);
     if (threadIdx.x == 0) o.top_ids[k] = prev.index, o.top_logprobs[k] = prev.value - lse;
   }
 }
@@ -5620,37 +5629,29 @@ static const int kOneshotRegistered = register_optimization(
     {"oneshot_allreduce", "one-shot all-reduce over NVLink (section 19)", true, apply_oneshot, oneshot_note});
 
 // ==== 20. The fast sampler: radix select ===================================================================
-// defines: float_order_key, float_from_order_key, pack_candidate, min_p_threshold, block_reduce_u64,
-//          sample_bisect, sample_fast, sample_workspace_bytes, compute_logprobs_fast, logprobs_workspace_bytes;
+// defines: float_order_key, float_from_order_key, pack_candidate, min_p_threshold, sample_bisect,
+//          sample_fast, sample_workspace_bytes, compute_logprobs_fast, logprobs_workspace_bytes;
 //          switches bisect_sampler, fast_sampler
 //
-// Replaces: section 9's sampler, which sorts a row with a cut to find its threshold tau, and section 9b's
-// log-probabilities kernel; both give a whole row to one thread block. The same tokens: test/gpu/
-// gpu_kernels.cu compares the three samplers token for token on every kind of row.
-// Why it is faster: a cut needs tau alone, not the order of the whole row, and tau can be found by counting
-// instead of sorting. In two steps, each with its switch:
-//   20a  tau by bisection over the floats' bit patterns: 32 counting passes over the row per cut, read
-//        only, and no scratch (bisect_sampler);
-//   20b  tau by radix select, the same search 2048 ways at a time: two or three passes, mostly over a short
-//        candidate list in shared memory; and a row without a cut split over several thread blocks, so that
-//        a small batch still uses every SM; log-probabilities split the same way (fast_sampler).
-// With both switched on, 20b's sampler runs. Measured: the README's performance section (the fast sampler
-// against the plain one; build/gpu_kernels bench_sampler prints all three).
+// Replaces: section 9's sampler, which sorts a row with a cut to find its threshold tau and gives each row one
+// thread block, and section 9b's log-probabilities kernel. The same tokens: test/gpu/gpu_kernels.cu compares
+// the three samplers token for token. Why it is faster: tau can be found by counting instead of sorting.
+// 20a bisects over the floats' order keys: 32 read-only passes per cut, no scratch (switch bisect_sampler).
+// 20b selects tau digit by digit, in two or three passes mostly over a short list in shared memory, and
+// splits a row without a cut over several thread blocks; 20c splits the log-probabilities' rows the same way
+// (switch fast_sampler, for both; it wins over bisect_sampler when both are on). Measured: the README's
+// sampler table (build/gpu_kernels bench_sampler prints all three samplers).
 
 // ---- 20a. The kept set by bisection over order keys ----------------------------------------------------
-// The kept set is "z >= tau" (section 9), and the counts that decide tau only shrink as tau grows:
-//   top-k's tau is the largest t with at least k values >= t;
-//   top-p's tau is the largest t whose values >= t hold at least top_p of the mass that top-k and min-p kept
-//   (the mass in section 9's integers, so the sums are exact and the answer is section 9's to the bit).
-// So a bisection over t finds tau without sorting. To bisect over floats exactly, map each float z to a
-// 32-bit key whose unsigned order is the float order (flip all bits of negatives, set the sign bit of
-// positives): the threshold is then one of the 2^32 keys, found in 32 halvings, each one pass over the row
-// that counts (top-k) or adds the masses (top-p) of the keys >= the middle one. min-p's threshold key needs
-// no pass at all: it is the smallest key that passes min_p_keeps, bisected from the row max alone.
-// Value and index travel packed in one 64-bit word, (order_key(value) << 32) | ~index, so "max of the
-// packed words" is "larger value, then lower index" (section 9's outranks): one integer max per comparison.
-// A row with top-k reads its logits 33 times, with top-p 35, with both 67; a row without a cut once, as in
-// section 9. Switch: bisect_sampler.
+// The kept set is "z >= tau" (section 9), and both counts that decide tau shrink as tau grows: top-k's tau
+// is the largest t with at least k values >= t, top-p's the largest t whose values >= t hold top_p of the
+// mass top-k and min-p kept (in section 9's integers: the same sums, so the same tau). So tau can be
+// bisected. To bisect floats exactly, map each z to a 32-bit key whose unsigned order is the float order
+// (flip all bits of negatives, set the sign bit of positives): 32 halvings of the keys, each one pass over
+// the row that counts, or adds the masses of, the keys >= the middle one. min-p's key comes from the row
+// max alone. A (value, index) pair packs into one word, (key(value) << 32) | ~index, whose unsigned max is
+// the pair that outranks (section 9's order). A row with top-k reads its logits 33 times, with top-p 35,
+// with both 67; a row without a cut once. Switch: bisect_sampler.
 
 // Order-preserving float <-> uint32 map: a < b as floats  <=>  key(a) < key(b) as unsigned (for non-NaN).
 __host__ __device__ inline uint32_t float_order_key(float f) {
@@ -5683,23 +5684,6 @@ __host__ __device__ inline uint32_t min_p_threshold(float m, float min_p) {
   return hi;
 }
 
-// Sum (MAX = false) or max (MAX = true) of a 64-bit value over the thread block; every thread gets the
-// result. scratch: 32 words of shared memory (the leading barrier lets the caller reuse it at once).
-template <bool MAX>
-__device__ unsigned long long block_reduce_u64(unsigned long long v, unsigned long long* scratch) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const unsigned long long w = __shfl_xor_sync(0xffffffffu, v, o);
-    v = MAX ? max(v, w) : v + w;
-  }
-  __syncthreads();
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-  __syncthreads();
-  v = 0;
-  for (int w = 0; w < (int)blockDim.x / 32; w++) v = MAX ? max(v, scratch[w]) : v + scratch[w];
-  return v;
-}
-
 // sample_bisect_kernel — section 9's sample_kernel with tau found by bisection. Reads logits [B, V] fp32
 // and slots [B]; writes out_tokens [B]. One thread block per row; threads stride over the row, so every
 // pass reads it once, coalesced.
@@ -5729,14 +5713,14 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
     threshold = bisect(0u, (unsigned long long)slot.top_k, [&](uint32_t t) {
       unsigned long long n = 0;
       for (int i = threadIdx.x; i < V; i += blockDim.x) n += key_of(i) >= t;
-      return block_reduce_u64<false>(n, scratch);
+      return block_reduce(n, Plus(), scratch);
     });
   }
   float m = 0.f;  // the row's largest z: min_p's reference, and top-p's for the masses
   if (!greedy && (slot.top_p < 1.f || slot.min_p > 0.f)) {
     unsigned long long top = 0;
     for (int i = threadIdx.x; i < V; i += blockDim.x) top = max(top, (unsigned long long)key_of(i));
-    m = float_from_order_key((uint32_t)block_reduce_u64<true>(top, scratch));
+    m = float_from_order_key((uint32_t)block_reduce(top, Larger(), scratch));
   }
   if (!greedy && slot.min_p > 0.f) threshold = max(threshold, min_p_threshold(m, slot.min_p));
   if (!greedy && slot.top_p < 1.f) {
@@ -5746,7 +5730,7 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
         const uint32_t k = key_of(i);
         if (k >= t && k >= threshold) w += fixed_mass(float_from_order_key(k), m);
       }
-      return block_reduce_u64<false>(w, scratch);
+      return block_reduce(w, Plus(), scratch);
     };
     const unsigned long long total = mass_from(threshold);
     unsigned long long target = (unsigned long long)ceil((double)slot.top_p * (double)total);
@@ -5760,7 +5744,7 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
     const float value = greedy ? z : z + gumbel_noise(slot.seed, slot.offset, (uint32_t)i);
     best = max(best, pack_candidate(value, (uint32_t)i));
   }
-  best = block_reduce_u64<true>(best, scratch);
+  best = block_reduce(best, Larger(), scratch);
   if (threadIdx.x == 0) out_tokens[blockIdx.x] = best ? (int)~(uint32_t)best : 0;
 }
 // Section 9's sample, the same arguments (the hook's: this one needs no workspace). logits [B, V] fp32,
@@ -5783,19 +5767,16 @@ static const int kBisectSamplerRegistered = register_optimization(
     {"bisect_sampler", "top-k/min-p/top-p cut by bisection, no sort (section 20a)", true, apply_bisect_sampler});
 
 // ---- 20b. Radix select ---------------------------------------------------------------------------------
-// 20a halves the 2^32 order keys 32 times. A radix select takes the threshold key digit by digit instead,
+// 20a halves the 2^32 order keys 32 times; a radix select takes the threshold key digit by digit instead,
 // most significant first (digits of 11, 11 and 10 bits): histogram the keys that still match the digits
 // chosen so far, walk the 2048 bins from the top accumulating counts (top-k: until k is reached) or mass
 // (top-p: until top_p of the mass is reached), and the bin where the walk stops is the next digit. Three
-// passes give the exact threshold; a pass stops early when its bin must be kept whole. As in sections 9 and
-// 20a, tokens tied with the threshold are all kept. min_p (20a's min_p_threshold) is a floor under the top-p
-// select (its mass counts only what min_p keeps) and a lower bound on the final threshold.
-//
-// The masses are section 9's integers w_i, so atomics add them in any order to the same sum, and the chosen
-// threshold, hence the sampled token, is deterministic run to run (floating-point atomics would not be). A
-// histogram bin keeps w in three 32-bit counters of 11-bit pieces (w & 2047, (w >> 11) & 2047, w >> 22),
-// each of which cannot overflow for V < 2 million: 32-bit shared-memory atomics, because 64-bit ones are
-// much slower under a histogram's contention (most tokens land in a few bins).
+// passes give the exact threshold (ties at it all kept); a pass stops early when its bin must be kept whole.
+// min_p (20a's min_p_threshold) is a floor under the top-p select and a lower bound on the final threshold.
+// The masses are section 9's integers, so atomics add them in any order to the same sum (floating-point
+// atomics would not). A histogram bin keeps w in three 32-bit counters of 11-bit pieces (w & 2047, (w >> 11)
+// & 2047, w >> 22), none of which overflows for V < 2 million: 32-bit shared-memory atomics, because 64-bit
+// ones are much slower under a histogram's contention (most tokens land in a few bins).
 //
 // Keeping it cheap: after the first histogram pass over the row, only tokens at or above the first
 // digit's bin can be kept. One more pass copies those candidates (key and index) into shared memory;
@@ -5848,17 +5829,6 @@ __device__ inline int warp_aggregated_inc(int* counter) {
   if (lane == leader) base = atomicAdd(counter, __popc(mask));
   base = __shfl_sync(mask, base, leader);
   return base + __popc(mask & ((1u << lane) - 1));
-}
-
-// Max over the block; every thread gets the result.
-__device__ unsigned long long block_max_u64(unsigned long long v, SampleSmem& s) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-  __syncthreads();  // s.red may still be read by an earlier reduction
-  if (threadIdx.x % 32 == 0) s.red[threadIdx.x / 32] = v;
-  __syncthreads();
-  for (int w = 0; w < SAMPLE_THREADS / 32; w++) v = max(v, s.red[w]);
-  return v;
 }
 
 // Walk hist(nbins-1), hist(nbins-2), ... accumulating; find the bin b where the running sum first
@@ -6037,7 +6007,7 @@ __global__ __launch_bounds__(SAMPLE_THREADS, 1) void sample_radix_kernel(unsigne
       }
     });
     if (best_index >= 0) best = pack_candidate(best_value, (uint32_t)best_index);
-    best = block_max_u64(best, s);
+    best = block_reduce(best, Larger(), s.red);
     if (threadIdx.x == 0) partial[(int64_t)b * splits + split] = best;
     return;
   }
@@ -6051,7 +6021,7 @@ __global__ __launch_bounds__(SAMPLE_THREADS, 1) void sample_radix_kernel(unsigne
   auto max_z = [&](const Candidates& c) {  // the largest z (always among the candidates)
     unsigned long long mk = 0;
     c.for_each([&](uint32_t key, int) { mk = max(mk, (unsigned long long)key); });
-    return float_from_order_key((uint32_t)block_max_u64(mk, s));
+    return float_from_order_key((uint32_t)block_reduce(mk, Larger(), s.red));
   };
   float m = 0.f;            // row max of z: the reference point of the probability masses and of min_p
   uint32_t min_p_key = 0;   // min_p's threshold (20a's min_p_threshold); 0 = off
@@ -6098,7 +6068,7 @@ __global__ __launch_bounds__(SAMPLE_THREADS, 1) void sample_radix_kernel(unsigne
       best = max(best, pack_candidate(float_from_order_key(key) + gumbel_noise(slot.seed, slot.offset, i),
                                       (uint32_t)i));
   });
-  best = block_max_u64(best, s);
+  best = block_reduce(best, Larger(), s.red);
   if (threadIdx.x == 0) partial[(int64_t)b * splits] = best;
 }
 
@@ -6147,7 +6117,7 @@ void sample_fast(int* out_tokens, const float* logits, const SamplingSlot* slots
   CUDA_CHECK(cudaGetLastError());
 }
 
-// ---- Log-probabilities with the row split over thread blocks ----
+// ---- 20c. Log-probabilities with the row split over thread blocks --------------------------------------
 // Section 9b gives a row asking for logprobs one thread block, which reads the row N + 2 times: at batch 1
 // one SM does all of it while the rest idle. Here, like the draw above, a row is cut into `splits` pieces.
 // Each piece's thread block computes, over its piece, the largest logit m_j, s_j = sum exp(x - m_j), the
@@ -6181,9 +6151,9 @@ __global__ void __launch_bounds__(LOGPROB_THREADS)
     top = max(top, (unsigned long long)float_order_key(x_of(i)));
     above += x_of(i) > x_token;
   }
-  top = block_reduce_u64<true>(top, scratch);
+  top = block_reduce(top, Larger(), scratch);
   const float m = top ? float_from_order_key((uint32_t)top) : -INFINITY;  // (0: an empty piece)
-  above = block_reduce_u64<false>(above, scratch);
+  above = block_reduce(above, Plus(), scratch);
   float sum = 0.f;
   for (int i = begin + threadIdx.x; i < end; i += blockDim.x) sum += m == -INFINITY ? 0.f : expf(x_of(i) - m);
 #pragma unroll
@@ -6201,7 +6171,7 @@ __global__ void __launch_bounds__(LOGPROB_THREADS)
       const unsigned long long c = pack_candidate(x_of(i), (uint32_t)i);
       if (c < prev) best = max(best, c);
     }
-    prev = block_reduce_u64<true>(best, scratch);
+    prev = block_reduce(best, Larger(), scratch);
     if (threadIdx.x == 0) piece.top[k] = prev;
   }
 }
