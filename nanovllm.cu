@@ -2061,18 +2061,20 @@ static void attention_decode(bf16* out, const bf16* qkv, const KVLayer& cache, c
 }
 
 // ==== 9. Sampler: greedy, temperature, top-k, min-p, top-p =================================================
-// defines: SamplingSlot, sample, sample_reference, LogitEdit, logit_edits, compute_logprobs,
-//          logprobs_reference
+// defines: SamplingSlot, SAMPLE_THREADS, philox4x32_10, gumbel_noise, scaled_logit, min_p_keeps, fixed_mass,
+//          sample_kept_reference, sample_reference, ScoredToken, outranks, block_reduce, Plus, Larger, Top,
+//          bitonic_compare_exchange, block_sort_descending, sample_sort_workspace_bytes, sample, LogitEdit,
+//          logit_edits_of, logit_edits_reference, logit_edits, logprobs_reference, compute_logprobs
 //
-// What the sampler computes, per sequence b (one row of logits [V], fp32):
+// What the sampler computes, per sequence b (one row of logits [V], fp32), with z_i = logit_i / temperature:
 //   temperature == 0            greedy: the argmax (lowest index on ties)
-//   otherwise                   a draw from softmax(logits / temperature), optionally restricted:
-//     top_k in (0, V)           ... to the k largest logits                     (keep set S_k)
+//   otherwise                   a draw from softmax(z), optionally restricted:
+//     top_k in (0, V)           ... to the k largest z                          (keep set S_k)
 //     min_p in (0, 1]           ... and to the tokens at least min_p times as likely as the most likely
 //     top_p in (0, 1)           ... then to the smallest set of the most likely tokens of what is left whose
 //                                   probability (renormalised over it) sums to >= top_p   (S_p)
 //   vLLM's order: min_p and top-k (both keep the largest values, so in either order the kept set is the
-//   smaller of the two), then top-p on what is left.
+//   smaller of the two), then top-p on what is left. A token tied with the last one a cut keeps is kept too.
 //
 // The Gumbel-max trick. nano-vllm samples with
 //     probs = softmax(logits / T);  token = argmax(probs / Exponential(1) noise)
@@ -2080,9 +2082,9 @@ static void attention_decode(bf16* out, const bf16* qkv, const KVLayer& cache, c
 // E_i ~ Exp(1) is adding G_i = -log(E_i) = -log(-log U_i), a standard Gumbel variable, and the softmax
 // normalisation is a constant shift that cannot change an argmax:
 //     token = argmax_i ( logit_i / T + G_i )       P(token = i) = exp(logit_i/T) / sum_j exp(logit_j/T)
-// so sampling costs one read of the row, no exp, no sum and no max-subtraction. Restricting the draw
-// to a kept set S is the same argmax taken over S only (renormalising a distribution does not change
-// the ratios between the kept tokens).
+// so a draw costs one read of the row, no exp, no sum and no max-subtraction. Restricting the draw to a
+// kept set S is the same argmax taken over S only (renormalising a distribution does not change the ratios
+// between the kept tokens).
 //
 // Where the noise comes from: Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2,
 // 3", SC 2011), a counter-based generator: 10 rounds of multiply-and-xor scramble a 128-bit counter
@@ -2092,18 +2094,32 @@ static void attention_decode(bf16* out, const bf16* qkv, const KVLayer& cache, c
 // The engine sets seed per request and offset = that request's step index, so a request's draws do not
 // depend on which batch it ran in, on its row in the batch, or on the other requests' settings.
 //
-// Finding the kept set. Map each float z to a 32-bit key whose unsigned order is the float order (flip all
-// bits of negatives, set the sign bit of positives): the kept set is then "key >= threshold" for one
-// threshold key, which a bisection over the 2^32 keys finds in 32 passes over the row: top-k's threshold is
-// the largest t with at least k keys >= t (the k-th largest key; tokens tied with it are all kept), top-p's
-// the largest t whose keys >= t hold at least top_p of the kept mass. The mass is counted in fixed point:
-// w_i = exp(z_i - m) scaled by 2^32 and rounded to an integer (m = the row max, so each w_i <= 2^32), so
-// the sums are exact integers, the same in any order, and the threshold (hence the token) is the same run to
-// run. Terms below 2^-32 of the top token count as zero (a relative error below V * 2^-32 < 4e-5).
-// Value and index travel packed in one 64-bit word, (order_key(value) << 32) | ~index, so "max of the
-// packed words" is "largest value, then lowest index": one integer max per comparison.
-// NaN logits never win and are never kept (they are treated as -inf). A temperature <= 0 means greedy.
-// Section 20 computes the same tokens with fewer passes (a radix select) and more thread blocks per row.
+// The kept set, by sorting (what vLLM's apply_top_k_top_p does too). Every cut keeps the most likely tokens
+// and all the tokens tied with its last one, so the kept set is always "every token with z_i >= tau" for
+// one threshold tau, a value of the row. One thread block per row copies the row's z to a scratch row,
+// sorts it largest first, and reads tau off the sorted values s_0 >= s_1 >= ... >= s_{V-1}:
+//   top-k   tau = s_{k-1}, the k-th largest
+//   min-p   p_i >= min_p * p_max  is  z_i - m >= log(min_p), with m = s_0; the values it keeps are a prefix
+//   top-p   over the prefix s_0 .. s_{n-1} that top-k and min-p keep: with w_j the probability of s_j,
+//           tau = s_j for the first j at which w_0 + ... + w_j reaches top_p * (w_0 + ... + w_{n-1})
+// Then the draw: the argmax of z_i + G_i over the tokens with z_i >= tau.
+// The probabilities w_j are counted in integers: w = exp(z - m) scaled by 2^32 and rounded (m = the row max,
+// so w <= 2^32 and a row of them sums to well under 2^64). Integer sums are exact in any order, so the cut
+// does not depend on how the threads split a sum, and section 20's samplers, which add the same integers in
+// other orders, find the same tau and draw the same token. A term below 2^-32 of the top token counts as
+// zero (a relative error below V * 2^-32 < 4e-5).
+// NaN logits never win and are never kept (they count as -inf). A temperature <= 0 means greedy.
+//
+// The sort is Batcher's bitonic sort, in the form where every compare-exchange puts the larger value first.
+// With n2 = V rounded up to a power of two, for k = 2, 4, ..., n2 it merges sorted runs of k/2 into sorted
+// runs of k: each position i in the lower half of a run of k is compared with its mirror image i ^ (k-1)
+// in the upper half, then with i ^ j for j = k/4, ..., 2, 1. The pairs of one step are disjoint, so the
+// thread block's threads take them in parallel, with a barrier between steps. A position past the row's end
+// counts as -inf: it is always the second of its pair, and nothing larger moves to it.
+// What it costs: a row without a cut (greedy, or temperature alone) is read once. A row with a cut is also
+// sorted, in log2(n2) * (log2(n2) + 1) / 2 steps each touching the whole scratch row (171 for V = 151,936),
+// and needs that scratch row: V floats per sequence (sample_sort_workspace_bytes). Section 20 finds the same
+// tau without sorting, by counting passes over the row.
 
 struct SamplingSlot {                // one per sequence in the step (device array [B])
   float temperature;                 // 0 = greedy
@@ -2119,7 +2135,7 @@ struct SamplingSlot {                // one per sequence in the step (device arr
 };
 static_assert(sizeof(SamplingSlot) == 48, "SamplingSlot is copied to the GPU as-is");
 
-constexpr int SAMPLE_THREADS = 1024;  // threads of a sampler thread block (sections 9 and 20)
+constexpr int SAMPLE_THREADS = 1024;  // threads of a sampler thread block (sections 9, 9b and 20)
 
 // Philox4x32-10 (Random123's constants). __host__ so the tests reproduce every draw on the CPU.
 __host__ __device__ inline uint4 philox4x32_10(uint4 ctr, uint2 key) {
@@ -2161,140 +2177,28 @@ __host__ __device__ inline float gumbel_noise(unsigned long long seed, unsigned 
   return gumbel_from_bits(uint4_word(philox_group(seed, offset, i / 4), i % 4));
 }
 
-// Order-preserving float <-> uint32 map: a < b as floats  <=>  key(a) < key(b) as unsigned (for non-NaN).
-__host__ __device__ inline uint32_t float_order_key(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-__host__ __device__ inline float float_from_order_key(uint32_t k) {
-  uint32_t u = (k & 0x80000000u) ? (k & 0x7fffffffu) : ~k;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
 // The value every path compares: logit / T, computed as logit * (1/T) (one rounding, identical on the
-// CPU reference), with NaN -> -inf and -0 -> +0 (adding +0.0f), so that equal values have equal keys.
+// CPU reference), with NaN -> -inf and -0 -> +0 (adding +0.0f), so that equal values compare equal
+// whichever way a path compares them.
 __host__ __device__ inline float scaled_logit(float logit, float inv_temp) {
   float z = logit * inv_temp + 0.0f;
   return z != z ? -INFINITY : z;
 }
-// (value, index) -> one word whose unsigned max is "largest value, then lowest index". 0 means "nothing".
-__host__ __device__ inline unsigned long long pack_candidate(float value, uint32_t index) {
-  return ((unsigned long long)float_order_key(value) << 32) | (uint32_t)~index;
+// min-p keeps z when z - m >= log(min_p) (m = the row's largest z). The top value is always kept, also when
+// m is infinite and z - m is NaN.
+__host__ __device__ inline bool min_p_keeps(float z, float m, float log_min_p) {
+  return z == m || z - m >= log_min_p;
 }
-// min_p keeps token i when p_i >= min_p * p_max, that is when z_i - m >= log(min_p) (m = the row's largest
-// z): an upper set of keys like top-k's. Its threshold is the smallest key that passes, found by bisecting
-// the keys from the bottom (negative NaNs: fail) to key(m) (passes: 0 >= log(min_p)). Pure arithmetic on
-// m, no pass over the row; host and device compute the same float operations.
-__host__ __device__ inline uint32_t min_p_threshold(float m, float min_p) {
-  const float log_min_p = logf(min_p);
-  uint32_t lo = 0, hi = float_order_key(m);
-  while (lo < hi) {
-    const uint32_t mid = lo + (hi - lo) / 2;
-    if (float_from_order_key(mid) - m >= log_min_p) hi = mid;
-    else lo = mid + 1;
-  }
-  return hi;
-}
-// Probability mass of a token relative to the row max m, in units of 2^-32 (the fixed point above).
+// Probability of a token relative to the row max m, in units of 2^-32 (the integers above).
 __device__ inline unsigned long long fixed_mass(float z, float m) {
   return z == m ? (1ull << 32) : (unsigned long long)__float2ull_rn(expf(z - m) * 4294967296.0f);
 }
 
-// Sum (MAX = false) or max (MAX = true) of a 64-bit value over the thread block; every thread gets the
-// result. scratch: 32 words of shared memory (the leading barrier lets the caller reuse it at once).
-template <bool MAX>
-__device__ unsigned long long block_reduce_u64(unsigned long long v, unsigned long long* scratch) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const unsigned long long w = __shfl_xor_sync(0xffffffffu, v, o);
-    v = MAX ? max(v, w) : v + w;
-  }
-  __syncthreads();
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-  __syncthreads();
-  v = 0;
-  for (int w = 0; w < (int)blockDim.x / 32; w++) v = MAX ? max(v, scratch[w]) : v + scratch[w];
-  return v;
-}
-
-// sample_kernel — one token per sequence (nano-vllm: layers/sampler.py Sampler.forward, plus greedy, top-k
-// and top-p). Reads logits [B, V] fp32 and slots [B]; writes out_tokens [B].
-// One thread block per row; threads stride over the row, so every pass reads it once, coalesced.
-//   1. the kept set's threshold key (top-k, then top-p on what top-k kept), by bisection;
-//   2. the draw: argmax over the kept tokens of z + Gumbel noise (greedy: of z), packed with its index.
-__global__ void __launch_bounds__(SAMPLE_THREADS)
-    sample_kernel(int* out_tokens, const float* logits, const SamplingSlot* slots, int V) {
-  __shared__ unsigned long long scratch[32];
-  const float* row = logits + (int64_t)blockIdx.x * V;
-  const SamplingSlot slot = slots[blockIdx.x];
-  const bool greedy = !(slot.temperature > 0.f);
-  const float inv_temp = greedy ? 1.f : 1.f / slot.temperature;
-  auto key_of = [&](int i) { return float_order_key(scaled_logit(row[i], inv_temp)); };
-  // The largest t >= lo with measure(t) >= target, where measure (the count or the mass of the keys >= t)
-  // can only shrink as t grows and measure(lo) >= target. 32 halvings of [lo, 2^32).
-  auto bisect = [&](uint32_t lo, unsigned long long target, auto measure) {
-    unsigned long long hi = 1ull << 32;  // measure(hi) < target: no key reaches it
-    while (hi - lo > 1) {
-      const uint32_t mid = (uint32_t)(lo + (hi - lo) / 2);
-      if (measure(mid) >= target) lo = mid;
-      else hi = mid;
-    }
-    return lo;
-  };
-  uint32_t threshold = 0;  // the kept set is every token whose key >= threshold
-  if (!greedy && slot.top_k > 0 && slot.top_k < V) {
-    threshold = bisect(0u, (unsigned long long)slot.top_k, [&](uint32_t t) {
-      unsigned long long n = 0;
-      for (int i = threadIdx.x; i < V; i += blockDim.x) n += key_of(i) >= t;
-      return block_reduce_u64<false>(n, scratch);
-    });
-  }
-  float m = 0.f;  // the row's largest z: min_p's reference, and top-p's for the masses
-  if (!greedy && (slot.top_p < 1.f || slot.min_p > 0.f)) {
-    unsigned long long top = 0;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) top = max(top, (unsigned long long)key_of(i));
-    m = float_from_order_key((uint32_t)block_reduce_u64<true>(top, scratch));
-  }
-  if (!greedy && slot.min_p > 0.f) threshold = max(threshold, min_p_threshold(m, slot.min_p));
-  if (!greedy && slot.top_p < 1.f) {
-    auto mass_from = [&](uint32_t t) {  // the mass of the kept tokens with key >= t
-      unsigned long long w = 0;
-      for (int i = threadIdx.x; i < V; i += blockDim.x) {
-        const uint32_t k = key_of(i);
-        if (k >= t && k >= threshold) w += fixed_mass(float_from_order_key(k), m);
-      }
-      return block_reduce_u64<false>(w, scratch);
-    };
-    const unsigned long long total = mass_from(threshold);
-    unsigned long long target = (unsigned long long)ceil((double)slot.top_p * (double)total);
-    target = std::min(std::max(target, 1ull), total);
-    threshold = bisect(threshold, target, mass_from);
-  }
-  unsigned long long best = 0;
-  for (int i = threadIdx.x; i < V; i += blockDim.x) {
-    const float z = scaled_logit(row[i], inv_temp);
-    if (float_order_key(z) < threshold) continue;
-    const float value = greedy ? z : z + gumbel_noise(slot.seed, slot.offset, (uint32_t)i);
-    best = max(best, pack_candidate(value, (uint32_t)i));
-  }
-  best = block_reduce_u64<true>(best, scratch);
-  if (threadIdx.x == 0) out_tokens[blockIdx.x] = best ? (int)~(uint32_t)best : 0;
-}
-// logits [B, V] fp32, slots [B], out_tokens [B], all on the device.
-void sample(int* out_tokens, const float* logits, const SamplingSlot* slots, int B, int V, cudaStream_t stream) {
-  INTERNAL_CHECK(V > 0 && V < 2000000, "sample: V = %d outside 1 .. 2,000,000 (the mass sums' range)", V);
-  if (B == 0) return;
-  sample_kernel<<<B, SAMPLE_THREADS, 0, stream>>>(out_tokens, logits, slots, V);
-  CUDA_CHECK(cudaGetLastError());
-}
-
 // What the sampler computes, on the CPU, by the textbook definitions: the kept set (keep [V]) by sorting,
-// with top-p's target moved by top_p_slack (the GPU's masses are exp in 2^-32 fixed point, so a test
-// brackets them between slack -1e-5 and +1e-5); then the draw from the kept set (the Gumbel argmax with the
-// same Philox noise). *margin: the gap between the winner and the runner-up (a gap below float noise
-// makes a comparison meaningless).
+// with top-p's target moved by top_p_slack (the probabilities here are exp in double, the GPU's are expf in
+// 2^-32 fixed point, so a test brackets the GPU's kept set between slack -1e-5 and +1e-5); then the draw
+// from the kept set (the Gumbel argmax with the same Philox noise). *margin: the gap between the winner and
+// the runner-up (a gap below float noise makes a comparison with the GPU meaningless).
 static std::vector<char> sample_kept_reference(const float* logits, int V, const SamplingSlot& s,
                                                double top_p_slack) {
   std::vector<char> keep(V, 1);
@@ -2305,13 +2209,11 @@ static std::vector<char> sample_kept_reference(const float* logits, int V, const
   if (s.top_k > 0 && s.top_k < V) {  // the k largest (ties at the cut all kept)
     std::vector<float> sorted = z;
     std::nth_element(sorted.begin(), sorted.begin() + (s.top_k - 1), sorted.end(), std::greater<float>());
-    const uint32_t tau = float_order_key(sorted[s.top_k - 1]);
-    for (int i = 0; i < V; i++) keep[i] = float_order_key(z[i]) >= tau;
+    for (int i = 0; i < V; i++) keep[i] = z[i] >= sorted[s.top_k - 1];
   }
-  if (s.min_p > 0.f) {  // p_i >= min_p * p_max, as z_i - max(z) >= log(min_p) (min_p_threshold)
-    float m = -INFINITY;
-    for (int i = 0; i < V; i++) m = std::max(m, z[i]);
-    for (int i = 0; i < V; i++) keep[i] = keep[i] && z[i] - m >= logf(s.min_p);
+  if (s.min_p > 0.f) {  // p_i >= min_p * p_max, as z_i - max(z) >= log(min_p)
+    const float m = *std::max_element(z.begin(), z.end());
+    for (int i = 0; i < V; i++) keep[i] = keep[i] && min_p_keeps(z[i], m, logf(s.min_p));
   }
   if (s.top_p < 1.f) {  // then the most likely of those until their probability reaches top_p
     std::vector<int> idx;
@@ -2320,35 +2222,198 @@ static std::vector<char> sample_kept_reference(const float* logits, int V, const
     std::sort(idx.begin(), idx.end(), [&](int a, int b) { return z[a] > z[b]; });
     const double m = z[idx[0]];
     double total = 0, cum = 0;
-    for (int i : idx) total += exp((double)z[i] - m);
+    for (int i : idx) total += z[i] == m ? 1.0 : exp((double)z[i] - m);
     const double target = std::min(1.0, std::max(0.0, s.top_p + top_p_slack)) * total;
     float tau = z[idx.back()];
     for (int i : idx) {
-      cum += exp((double)z[i] - m);
+      cum += z[i] == m ? 1.0 : exp((double)z[i] - m);
       if (cum >= target) {
         tau = z[i];
         break;
       }
     }
-    for (int i = 0; i < V; i++) keep[i] = keep[i] && float_order_key(z[i]) >= float_order_key(tau);
+    for (int i = 0; i < V; i++) keep[i] = keep[i] && z[i] >= tau;
   }
   return keep;
 }
+
+// A token in the running for the draw, and the order the draw picks by: a larger value outranks a smaller
+// one, and of two equal values the lower index outranks (index -1 stands for no token: everything outranks it).
+struct ScoredToken {
+  float value;
+  int index;
+};
+__host__ __device__ inline bool outranks(const ScoredToken& a, const ScoredToken& b) {
+  return a.index >= 0 && (b.index < 0 || a.value > b.value || (a.value == b.value && a.index < b.index));
+}
+
 static int sample_reference(const float* logits, int V, const SamplingSlot& s, const std::vector<char>& keep,
                             double* margin) {
   const bool greedy = !(s.temperature > 0.f);
   const float inv = greedy ? 1.f : 1.f / s.temperature;
-  unsigned long long best = 0;
+  ScoredToken best{0.f, -1};
   float v1 = -INFINITY, v2 = -INFINITY;
   for (int i = 0; i < V; i++) {
     if (!keep[i]) continue;
     const float v = scaled_logit(logits[i], inv) + (greedy ? 0.f : gumbel_noise(s.seed, s.offset, (uint32_t)i));
-    best = std::max(best, pack_candidate(v, (uint32_t)i));
+    if (outranks({v, i}, best)) best = {v, i};
     if (v > v1) v2 = v1, v1 = v;
     else if (v > v2) v2 = v;
   }
   *margin = greedy ? INFINITY : (double)v1 - v2;
-  return best ? (int)~(uint32_t)best : 0;
+  return best.index >= 0 ? best.index : 0;
+}
+
+// op(v of every thread of the block), with op one of the three below; every thread gets the
+// result. A warp combines its 32 values by shuffles, then the warps' results meet in scratch (32 values of
+// shared memory; the leading barrier lets the caller reuse it at once). blockDim.x: a multiple of 32.
+__device__ inline float shfl_xor(float v, int lane_mask) { return __shfl_xor_sync(0xffffffffu, v, lane_mask); }
+__device__ inline unsigned long long shfl_xor(unsigned long long v, int lane_mask) {
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask);
+}
+__device__ inline ScoredToken shfl_xor(ScoredToken t, int lane_mask) {
+  return {shfl_xor(t.value, lane_mask), __shfl_xor_sync(0xffffffffu, t.index, lane_mask)};
+}
+template <class T, class Op>
+__device__ T block_reduce(T v, Op op, T* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = op(v, shfl_xor(v, o));
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = scratch[0];
+  for (int w = 1; w < (int)blockDim.x / 32; w++) v = op(v, scratch[w]);
+  return v;
+}
+// block_reduce's ops: the sum, the larger, and the token that outranks.
+struct Plus {
+  template <class T> __device__ T operator()(T a, T b) const { return a + b; }
+};
+struct Larger {
+  template <class T> __device__ T operator()(T a, T b) const { return a > b ? a : b; }
+};
+struct Top {
+  __device__ ScoredToken operator()(ScoredToken a, ScoredToken b) const { return outranks(b, a) ? b : a; }
+};
+
+// One compare-exchange of the bitonic sort (see the section comment): step (k, j) at position i of
+// keys[0 .. n). __host__ so a test can run the whole sort on the CPU.
+__host__ __device__ inline void bitonic_compare_exchange(float* keys, int n, int k, int j, int i) {
+  const int partner = j == k / 2 ? i ^ (k - 1) : i ^ j;
+  if (partner > i && partner < n && keys[partner] > keys[i]) {
+    const float t = keys[i];
+    keys[i] = keys[partner];
+    keys[partner] = t;
+  }
+}
+// keys[0 .. n), sorted largest first by the calling thread block (all of its threads call it).
+__device__ void block_sort_descending(float* keys, int n) {
+  int n2 = 1;
+  while (n2 < n) n2 *= 2;
+  for (int k = 2; k <= n2; k *= 2)
+    for (int j = k / 2; j >= 1; j /= 2) {
+      for (int i = threadIdx.x; i < n; i += blockDim.x) bitonic_compare_exchange(keys, n, k, j, i);
+      __syncthreads();
+    }
+}
+
+// top-p's cut over the sorted prefix [0, n): with total = w(0) + ... + w(n-1) and target = ceil(top_p * total)
+// (at least 1, at most total), the first j at which w(0) + ... + w(j) reaches target. Every thread gets j.
+// Each thread adds up a contiguous piece of [0, n); a running sum over the pieces (within a warp by
+// shuffles, then over the warps' totals) tells each thread the mass before its piece, and the one thread
+// whose piece holds the crossing walks it. scratch: 32 words of shared memory.
+template <class Mass>
+__device__ int block_top_p_cut(int n, float top_p, Mass w, unsigned long long* scratch) {
+  __shared__ int cut;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int per = (n + blockDim.x - 1) / blockDim.x;
+  const int begin = min(n, (int)threadIdx.x * per), end = min(n, begin + per);
+  unsigned long long mine = 0;
+  for (int j = begin; j < end; j++) mine += w(j);
+  unsigned long long upto = mine;  // this piece and the pieces before it in the warp
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned long long u = __shfl_up_sync(0xffffffffu, upto, o);
+    if (lane >= o) upto += u;
+  }
+  __syncthreads();
+  if (lane == 31) scratch[warp] = upto;
+  __syncthreads();
+  unsigned long long before = upto - mine, total = 0;
+  for (int v = 0; v < (int)blockDim.x / 32; v++) {
+    if (v < warp) before += scratch[v];
+    total += scratch[v];
+  }
+  unsigned long long target = (unsigned long long)ceil((double)top_p * (double)total);
+  target = min(max(target, 1ull), total);
+  if (before < target && target <= before + mine) {
+    unsigned long long sum = before + w(begin);
+    int j = begin;
+    while (sum < target) sum += w(++j);
+    cut = j;
+  }
+  __syncthreads();
+  return cut;
+}
+
+// sample_kernel — one token per sequence (nano-vllm: layers/sampler.py Sampler.forward, plus greedy and the
+// cuts). Reads logits [B, V] fp32 and slots [B]; writes out_tokens [B]; sorted [B, V] fp32 is scratch (row b
+// only where sequence b asks for a cut). One thread block per row; threads stride over the row, so every
+// pass over it is coalesced.
+//   1. tau, the smallest kept value (-inf: no cut): the row's z sorted, then read off as the section comment
+//      says;
+//   2. the draw: the top (z_i + G_i, i) over the tokens with z_i >= tau (greedy: the top (z_i, i)).
+__global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_kernel(int* out_tokens, const float* logits, const SamplingSlot* slots, float* sorted, int V) {
+  __shared__ unsigned long long sum_scratch[32];
+  __shared__ ScoredToken top_scratch[32];
+  const float* row = logits + (int64_t)blockIdx.x * V;
+  const SamplingSlot slot = slots[blockIdx.x];
+  const bool greedy = !(slot.temperature > 0.f);
+  const float inv_temp = greedy ? 1.f : 1.f / slot.temperature;
+  const bool use_top_k = !greedy && slot.top_k > 0 && slot.top_k < V;
+  const bool use_min_p = !greedy && slot.min_p > 0.f;
+  const bool use_top_p = !greedy && slot.top_p < 1.f;
+  float tau = -INFINITY;
+  if (use_top_k || use_min_p || use_top_p) {
+    float* s = sorted + (int64_t)blockIdx.x * V;  // this row's z, sorted in place
+    for (int i = threadIdx.x; i < V; i += blockDim.x) s[i] = scaled_logit(row[i], inv_temp);
+    __syncthreads();
+    block_sort_descending(s, V);
+    const float m = s[0], kth = use_top_k ? s[slot.top_k - 1] : -INFINITY;
+    const float log_min_p = use_min_p ? logf(slot.min_p) : 0.f;
+    unsigned long long n = 0;  // how many values top-k and min-p keep: a prefix of s
+    for (int j = threadIdx.x; j < V; j += blockDim.x)
+      n += s[j] >= kth && (!use_min_p || min_p_keeps(s[j], m, log_min_p));
+    n = block_reduce(n, Plus(), sum_scratch);
+    int last = (int)n - 1;  // where tau sits in s
+    auto mass = [&](int j) { return fixed_mass(s[j], m); };
+    if (use_top_p) last = block_top_p_cut((int)n, slot.top_p, mass, sum_scratch);
+    tau = s[last];
+  }
+  ScoredToken best{0.f, -1};
+  for (int i = threadIdx.x; i < V; i += blockDim.x) {
+    const float z = scaled_logit(row[i], inv_temp);
+    if (z < tau) continue;
+    const ScoredToken t{greedy ? z : z + gumbel_noise(slot.seed, slot.offset, (uint32_t)i), i};
+    if (outranks(t, best)) best = t;
+  }
+  best = block_reduce(best, Top(), top_scratch);
+  if (threadIdx.x == 0) out_tokens[blockIdx.x] = best.index >= 0 ? best.index : 0;
+}
+// The scratch sample sorts rows in: V floats per sequence.
+size_t sample_sort_workspace_bytes(int B, int V) { return (size_t)B * V * sizeof(float); }
+// logits [B, V] fp32, slots [B], out_tokens [B], all on the device. workspace: at least
+// sample_sort_workspace_bytes(B, V) bytes of device memory (scratch: no initialisation needed).
+void sample(int* out_tokens, const float* logits, const SamplingSlot* slots, int B, int V, void* workspace,
+            size_t workspace_bytes, cudaStream_t stream) {
+  INTERNAL_CHECK(V > 0 && V < 2000000, "sample: V = %d outside 1 .. 2,000,000", V);
+  INTERNAL_CHECK(workspace_bytes >= sample_sort_workspace_bytes(B, V),
+                 "sample: workspace of %zu bytes, need sample_sort_workspace_bytes(%d, %d) = %zu", workspace_bytes, B,
+                 V, sample_sort_workspace_bytes(B, V));
+  if (B == 0) return;
+  sample_kernel<<<B, SAMPLE_THREADS, 0, stream>>>(out_tokens, logits, slots, static_cast<float*>(workspace), V);
+  CUDA_CHECK(cudaGetLastError());
 }
 
 // ---- 9b. Penalties, banned tokens and log-probabilities ------------------------------------------------
@@ -2423,6 +2488,30 @@ static void logit_edits_of(const Sequence& seq, const std::vector<int>& eos, std
   for (int t : seq.params.stop_token_ids) ban(t);
 }
 
+// What the two kernels below compute, on the CPU: a row's edits in place, and a row's log-probabilities
+// (sums in double; the GPU's in float, so a test compares them with a tolerance).
+static void logit_edits_reference(float* row, const LogitEdit* edits, int num_edits, const SamplingSlot& s) {
+  for (int e = 0; e < num_edits; e++) row[edits[e].token] = edited_logit(row[edits[e].token], edits[e], s);
+}
+static TokenLogprobs logprobs_reference(const float* row, int V, int token, int N) {
+  std::vector<std::pair<float, int>> x(V);
+  double m = -INFINITY;
+  for (int i = 0; i < V; i++) x[i] = {scaled_logit(row[i], 1.f), i}, m = std::max(m, (double)x[i].first);
+  double sum = 0;
+  for (auto& [v, i] : x) sum += std::exp((double)v - m);
+  const double lse = m + std::log(sum);
+  TokenLogprobs o{};
+  o.logprob = (float)(x[token].first - lse);
+  o.rank = 1;
+  for (auto& [v, i] : x) o.rank += v > x[token].first;
+  o.num_top = N;
+  std::partial_sort(x.begin(), x.begin() + N, x.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;  // larger, then the lower id
+  });
+  for (int k = 0; k < N; k++) o.top_ids[k] = x[k].second, o.top_logprobs[k] = (float)(x[k].first - lse);
+  return o;
+}
+
 // apply_logit_edits_kernel — logits [B, V] fp32 edited in place; saved [E] receives each old value.
 // One thread block per row, its threads striding over the row's edits (distinct tokens: no two threads
 // write one logit). restore_logit_edits_kernel writes saved back: the same grid, the same entries.
@@ -2453,19 +2542,20 @@ static void logit_edits(bool restore, float* logits, int B, int V, const LogitEd
 
 // logprobs_kernel — for each row b with slots[b].logprobs = N >= 0: out[b] from logits [B, V] (the raw ones)
 // and tokens [B] (the drawn ones). One thread block of SAMPLE_THREADS per row: a pass for the max, one for the
-// sum of exponentials and the sampled token's rank, then N passes, each the largest (value, id) below the
-// previous one (the packed words of section 9 order them: larger value, then lower id).
+// sum of exponentials and the sampled token's rank, then N passes, each the top (value, id) of those the
+// previous pass's winner outranks (section 9's order: the larger value, then the lower id).
 __global__ void __launch_bounds__(SAMPLE_THREADS)
     logprobs_kernel(TokenLogprobs* out, const float* logits, const int* tokens, const SamplingSlot* slots, int V) {
-  __shared__ unsigned long long scratch[32];
-  __shared__ float fscratch[32];
+  __shared__ float float_scratch[32];
+  __shared__ unsigned long long count_scratch[32];
+  __shared__ ScoredToken top_scratch[32];
   const int N = slots[blockIdx.x].logprobs;
   if (N < 0) return;
   const float* row = logits + (int64_t)blockIdx.x * V;
   auto x_of = [&](int i) { return scaled_logit(row[i], 1.f); };  // NaN -> -inf
-  unsigned long long top = 0;
-  for (int i = threadIdx.x; i < V; i += blockDim.x) top = max(top, (unsigned long long)float_order_key(x_of(i)));
-  const float m = float_from_order_key((uint32_t)block_reduce_u64<true>(top, scratch));
+  float m = -INFINITY;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) m = fmaxf(m, x_of(i));
+  m = block_reduce(m, Larger(), float_scratch);
   const int token = tokens[blockIdx.x];
   const float x_token = x_of(token);
   float sum = 0.f;
@@ -2475,27 +2565,20 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
     sum += m == -INFINITY ? 1.f : expf(x - m);
     above += x > x_token;
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  if (threadIdx.x % 32 == 0) fscratch[threadIdx.x / 32] = sum;
-  above = block_reduce_u64<false>(above, scratch);  // (its barriers also publish fscratch)
-  sum = 0.f;
-  for (int w = 0; w < (int)blockDim.x / 32; w++) sum += fscratch[w];
+  sum = block_reduce(sum, Plus(), float_scratch);
+  above = block_reduce(above, Plus(), count_scratch);
   const float lse = m == -INFINITY ? -INFINITY : m + logf(sum);
   TokenLogprobs& o = out[blockIdx.x];
   if (threadIdx.x == 0) o.logprob = x_token - lse, o.rank = 1 + (int)above, o.num_top = N;
-  unsigned long long prev = ~0ull;
+  ScoredToken prev{0.f, -1};
   for (int k = 0; k < N; k++) {
-    unsigned long long best = 0;
+    ScoredToken best{0.f, -1};
     for (int i = threadIdx.x; i < V; i += blockDim.x) {
-      const unsigned long long c = pack_candidate(x_of(i), (uint32_t)i);
-      if (c < prev) best = max(best, c);
+      const ScoredToken t{x_of(i), i};
+      if ((k == 0 || outranks(prev, t)) && outranks(t, best)) best = t;
     }
-    prev = block_reduce_u64<true>(best, scratch);
-    if (threadIdx.x == 0) {
-      o.top_ids[k] = (int)~(uint32_t)prev;
-      o.top_logprobs[k] = float_from_order_key((uint32_t)(prev >> 32)) - lse;
-    }
+    prev = block_reduce(best, Top(), top_scratch);
+    if (threadIdx.x == 0) o.top_ids[k] = prev.index, o.top_logprobs[k] = prev.value - lse;
   }
 }
 // out [B], logits [B, V], tokens [B], slots [B] on the device; rows with slots[b].logprobs < 0 are skipped.
@@ -2504,30 +2587,6 @@ static void compute_logprobs(TokenLogprobs* out, const float* logits, const int*
   if (B == 0) return;
   logprobs_kernel<<<B, SAMPLE_THREADS, 0, stream>>>(out, logits, tokens, slots, V);
   CUDA_CHECK(cudaGetLastError());
-}
-
-// What the two kernels compute, on the CPU: a row's edits in place, and a row's log-probabilities (sums in
-// double; the GPU's in float, so a test compares them with a tolerance).
-static void logit_edits_reference(float* row, const LogitEdit* edits, int num_edits, const SamplingSlot& s) {
-  for (int e = 0; e < num_edits; e++) row[edits[e].token] = edited_logit(row[edits[e].token], edits[e], s);
-}
-static TokenLogprobs logprobs_reference(const float* row, int V, int token, int N) {
-  std::vector<std::pair<float, int>> x(V);
-  double m = -INFINITY;
-  for (int i = 0; i < V; i++) x[i] = {scaled_logit(row[i], 1.f), i}, m = std::max(m, (double)x[i].first);
-  double sum = 0;
-  for (auto& [v, i] : x) sum += std::exp((double)v - m);
-  const double lse = m + std::log(sum);
-  TokenLogprobs o{};
-  o.logprob = (float)(x[token].first - lse);
-  o.rank = 1;
-  for (auto& [v, i] : x) o.rank += v > x[token].first;
-  o.num_top = N;
-  std::partial_sort(x.begin(), x.begin() + N, x.end(), [](const auto& a, const auto& b) {
-    return a.first != b.first ? a.first > b.first : a.second < b.second;  // larger, then the lower id
-  });
-  for (int k = 0; k < N; k++) o.top_ids[k] = x[k].second, o.top_logprobs[k] = (float)(x[k].first - lse);
-  return o;
 }
 
 // ==== 10. Matrix products with cuBLASLt ====================================================================
@@ -2700,7 +2759,8 @@ struct Hooks {
   // Captures what prefill_step replays, after the decode graphs (capture_cudagraphs); `in` is the prefill
   // region's inputs, free to overwrite, Tmax the largest step. Empty: nothing.
   void (*capture_prefill)(Qwen3& model, const StepInputs& in, int Tmax, cudaStream_t s) = nullptr;
-  // The sampler, with a workspace of sample_workspace_bytes(Bmax, V). Empty: section 9's sample.
+  // The sampler, with a workspace of sample_workspace_bytes(Bmax, V). Empty: section 9's sample, with a
+  // workspace of sample_sort_workspace_bytes(Bmax, V).
   void (*sample)(int* out_tokens, const float* logits, const SamplingSlot* slots, int B, int V, void* workspace,
                  size_t workspace_bytes, cudaStream_t stream) = nullptr;
   size_t (*sample_workspace_bytes)(int B, int V) = nullptr;
@@ -2772,7 +2832,7 @@ struct ModelRunner : StepRunner {
   float* logits_gather = nullptr;  // [tp-1, Bmax, V/tp] rank 0: the other ranks' shards as received
   int* out_tokens_d = nullptr;  // [Bmax]
   int* out_tokens_h = nullptr;  // pinned
-  void* sample_ws = nullptr;
+  void* sample_ws = nullptr;       // the sampler's workspace (Hooks; rank 0)
   size_t sample_ws_bytes = 0;
   // Section 9b's work, for the steps that ask for it; allocated the first time one does.
   LogitEdit* edits_h = nullptr;    // [edit_cap] pinned: the step's logit edits, row by row
@@ -2848,7 +2908,9 @@ struct ModelRunner : StepRunner {
       alloc(&logits, (size_t)Bmax * mc.vocab_size);
       alloc(&logits_gather, (size_t)(tp - 1) * Bmax * V);
     }
-    sample_ws_bytes = g_hooks.sample_workspace_bytes ? g_hooks.sample_workspace_bytes(Bmax, mc.vocab_size) : 0;
+    if (g_hooks.sample)
+      sample_ws_bytes = g_hooks.sample_workspace_bytes ? g_hooks.sample_workspace_bytes(Bmax, mc.vocab_size) : 0;
+    else sample_ws_bytes = model.rank == 0 ? sample_sort_workspace_bytes(Bmax, mc.vocab_size) : 0;
     if (sample_ws_bytes) CUDA_CHECK(cudaMalloc(&sample_ws, sample_ws_bytes));
   }
 
@@ -3017,7 +3079,7 @@ struct ModelRunner : StepRunner {
   void draw_tokens(int B, const SamplingSlot* slots_d) {
     const int V = model.cfg.vocab_size;
     if (g_hooks.sample) g_hooks.sample(out_tokens_d, logits, slots_d, B, V, sample_ws, sample_ws_bytes, stream);
-    else sample(out_tokens_d, logits, slots_d, B, V, stream);
+    else sample(out_tokens_d, logits, slots_d, B, V, sample_ws, sample_ws_bytes, stream);
   }
 
   // A decode step of g rows (padded to a graph's batch size) whose longest context is max_context keys: a
@@ -3854,7 +3916,8 @@ struct Optimizations {
   bool cluster_merge = false;      // 18: decode's split-K merge inside a cluster, no merge kernel
   bool fused_rope = false;         // 18: decode attention does q/k-norm, RoPE and the KV store itself
   bool oneshot_allreduce = false;  // 19: small all-reduces over NVLink in one crossing, not NCCL's ring
-  bool fast_sampler = false;       // 20: radix-select top-k/top-p and split rows, not the plain sampler
+  bool bisect_sampler = false;     // 20a: the sampler's cut by bisection, not section 9's sort
+  bool fast_sampler = false;       // 20b: radix-select top-k/top-p and split rows, not the plain sampler
   bool prefill_graphs = false;     // 21: prefill and mixed steps replay CUDA graphs, attention between pieces
   bool persistent = false;         // 23: a small-batch decode step in one persistent kernel
 };
@@ -5827,36 +5890,154 @@ static const int kOneshotRegistered = register_optimization(
     {"oneshot_allreduce", "one-shot all-reduce over NVLink (section 19)", true, apply_oneshot, oneshot_note});
 
 // ==== 20. The fast sampler: radix select ===================================================================
-// defines: sample_fast, sample_workspace_bytes, compute_logprobs_fast, logprobs_workspace_bytes; switch
-//          fast_sampler
+// defines: float_order_key, float_from_order_key, pack_candidate, min_p_threshold, sample_bisect,
+//          sample_fast, sample_workspace_bytes, compute_logprobs_fast, logprobs_workspace_bytes;
+//          switches bisect_sampler, fast_sampler
 //
-// Replaces: section 9's sampler, with the same tokens (test/gpu/gpu_kernels.cu compares the two bit for
-// bit on every kind of row), and section 9b's log-probabilities kernel (at the end of this section).
-// Why it is faster: section 9 finds a threshold in 32 passes over the row and gives a whole row to one
-// thread block. Here a radix select finds the same threshold in two or three passes, mostly over a short
-// candidate list in shared memory, and a row without filters is split over several thread blocks so that a
-// small batch still uses every SM.
-// Switch: fast_sampler.
-// min_p (section 9) is a threshold computed from the row max alone: here it is a floor under the top-p
-// select (its mass counts only what min_p keeps) and a lower bound on the final threshold, as in section 9.
-//
-// Finding the kept set without sorting V = 151,936 logits: a radix select over the order keys of section
-// 9. The threshold key (the smallest kept key) is then found digit by digit, most significant
-// first (digits of 11, 11 and 10 bits): histogram the keys that still match the digits chosen so far,
-// walk the 2048 bins from the top accumulating counts (top-k: until k is reached) or probability mass
-// (top-p: until top_p of the mass is reached), and the bin where the walk stops is the next digit.
-// Three passes give the exact threshold; a pass stops early when its bin must be kept whole. The kept
-// set is "key >= threshold": tokens whose value equals the threshold are all kept, so a tie at the
-// cut-off can keep a few more than k tokens (or a little more mass than top_p).
-//
-// Probability mass is accumulated in fixed point: w_i = exp(z_i - m) scaled by 2^32 and rounded to an
-// integer (m = the row max, so each w_i <= 2^32). Integer atomics add in any order to the same sum, so
-// the chosen threshold, and hence the sampled token, is deterministic run to run; floating-point
-// atomics would not be. Terms below 2^-32 of the top token count as zero mass (a relative error below
-// V * 2^-32 < 4e-5). A histogram bin keeps w in three 32-bit counters of 11-bit pieces (w & 2047,
-// (w >> 11) & 2047, w >> 22), each of which cannot overflow for V < 2 million: 32-bit shared-memory
-// atomics, because 64-bit ones are much slower under a histogram's contention (most tokens land in a few
-// bins).
+// Replaces: section 9's sampler, which sorts a row with a cut to find its threshold tau and gives each row one
+// thread block, and section 9b's log-probabilities kernel. The same tokens: test/gpu/gpu_kernels.cu compares
+// the three samplers token for token. Why it is faster: tau can be found by counting instead of sorting.
+// 20a bisects over the floats' order keys: 32 read-only passes per cut, no scratch (switch bisect_sampler).
+// 20b selects tau digit by digit, in two or three passes mostly over a short list in shared memory, and
+// splits a row without a cut over several thread blocks; 20c splits the log-probabilities' rows the same way
+// (switch fast_sampler, for both; it wins over bisect_sampler when both are on). Measured: the README's
+// sampler table (build/gpu_kernels bench_sampler prints all three samplers).
+
+// ---- 20a. The kept set by bisection over order keys ----------------------------------------------------
+// The kept set is "z >= tau" (section 9), and both counts that decide tau shrink as tau grows: top-k's tau
+// is the largest t with at least k values >= t, top-p's the largest t whose values >= t hold top_p of the
+// mass top-k and min-p kept (in section 9's integers: the same sums, so the same tau). So tau can be
+// bisected. To bisect floats exactly, map each z to a 32-bit key whose unsigned order is the float order
+// (flip all bits of negatives, set the sign bit of positives): 32 halvings of the keys, each one pass over
+// the row that counts, or adds the masses of, the keys >= the middle one. min-p's key comes from the row
+// max alone. A (value, index) pair packs into one word, (key(value) << 32) | ~index, whose unsigned max is
+// the pair that outranks (section 9's order). A row with top-k reads its logits 33 times, with top-p 35,
+// with both 67; a row without a cut once. Switch: bisect_sampler.
+
+// Order-preserving float <-> uint32 map: a < b as floats  <=>  key(a) < key(b) as unsigned (for non-NaN).
+__host__ __device__ inline uint32_t float_order_key(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__host__ __device__ inline float float_from_order_key(uint32_t k) {
+  uint32_t u = (k & 0x80000000u) ? (k & 0x7fffffffu) : ~k;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+// (value, index) -> one word whose unsigned max is "largest value, then lowest index". 0 means "nothing".
+__host__ __device__ inline unsigned long long pack_candidate(float value, uint32_t index) {
+  return ((unsigned long long)float_order_key(value) << 32) | (uint32_t)~index;
+}
+// min_p keeps token i when z_i - m >= log(min_p) (m = the row's largest z): an upper set of keys like
+// top-k's. Its threshold is the smallest key that passes, found by bisecting the keys from the bottom
+// (negative NaNs: fail) to key(m) (passes: section 9's min_p_keeps keeps the top value). Pure arithmetic on
+// m, no pass over the row; host and device compute the same float operations.
+__host__ __device__ inline uint32_t min_p_threshold(float m, float min_p) {
+  const float log_min_p = logf(min_p);
+  uint32_t lo = 0, hi = float_order_key(m);
+  while (lo < hi) {
+    const uint32_t mid = lo + (hi - lo) / 2;
+    if (float_from_order_key(mid) - m >= log_min_p) hi = mid;
+    else lo = mid + 1;
+  }
+  return hi;
+}
+
+// sample_bisect_kernel — section 9's sample_kernel with tau found by bisection. Reads logits [B, V] fp32
+// and slots [B]; writes out_tokens [B]. One thread block per row; threads stride over the row, so every
+// pass reads it once, coalesced.
+//   1. the kept set's threshold key (top-k, then min-p, then top-p on what they kept), by bisection;
+//   2. the draw: argmax over the kept tokens of z + Gumbel noise (greedy: of z), packed with its index.
+__global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_bisect_kernel(int* out_tokens, const float* logits, const SamplingSlot* slots, int V) {
+  __shared__ unsigned long long scratch[32];
+  const float* row = logits + (int64_t)blockIdx.x * V;
+  const SamplingSlot slot = slots[blockIdx.x];
+  const bool greedy = !(slot.temperature > 0.f);
+  const float inv_temp = greedy ? 1.f : 1.f / slot.temperature;
+  auto key_of = [&](int i) { return float_order_key(scaled_logit(row[i], inv_temp)); };
+  // The largest t >= lo with measure(t) >= target, where measure (the count or the mass of the keys >= t)
+  // can only shrink as t grows and measure(lo) >= target. 32 halvings of [lo, 2^32).
+  auto bisect = [&](uint32_t lo, unsigned long long target, auto measure) {
+    unsigned long long hi = 1ull << 32;  // measure(hi) < target: no key reaches it
+    while (hi - lo > 1) {
+      const uint32_t mid = (uint32_t)(lo + (hi - lo) / 2);
+      if (measure(mid) >= target) lo = mid;
+      else hi = mid;
+    }
+    return lo;
+  };
+  uint32_t threshold = 0;  // the kept set is every token whose key >= threshold
+  if (!greedy && slot.top_k > 0 && slot.top_k < V) {
+    threshold = bisect(0u, (unsigned long long)slot.top_k, [&](uint32_t t) {
+      unsigned long long n = 0;
+      for (int i = threadIdx.x; i < V; i += blockDim.x) n += key_of(i) >= t;
+      return block_reduce(n, Plus(), scratch);
+    });
+  }
+  float m = 0.f;  // the row's largest z: min_p's reference, and top-p's for the masses
+  if (!greedy && (slot.top_p < 1.f || slot.min_p > 0.f)) {
+    unsigned long long top = 0;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) top = max(top, (unsigned long long)key_of(i));
+    m = float_from_order_key((uint32_t)block_reduce(top, Larger(), scratch));
+  }
+  if (!greedy && slot.min_p > 0.f) threshold = max(threshold, min_p_threshold(m, slot.min_p));
+  if (!greedy && slot.top_p < 1.f) {
+    auto mass_from = [&](uint32_t t) {  // the mass of the kept tokens with key >= t
+      unsigned long long w = 0;
+      for (int i = threadIdx.x; i < V; i += blockDim.x) {
+        const uint32_t k = key_of(i);
+        if (k >= t && k >= threshold) w += fixed_mass(float_from_order_key(k), m);
+      }
+      return block_reduce(w, Plus(), scratch);
+    };
+    const unsigned long long total = mass_from(threshold);
+    unsigned long long target = (unsigned long long)ceil((double)slot.top_p * (double)total);
+    target = std::min(std::max(target, 1ull), total);
+    threshold = bisect(threshold, target, mass_from);
+  }
+  unsigned long long best = 0;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) {
+    const float z = scaled_logit(row[i], inv_temp);
+    if (float_order_key(z) < threshold) continue;
+    const float value = greedy ? z : z + gumbel_noise(slot.seed, slot.offset, (uint32_t)i);
+    best = max(best, pack_candidate(value, (uint32_t)i));
+  }
+  best = block_reduce(best, Larger(), scratch);
+  if (threadIdx.x == 0) out_tokens[blockIdx.x] = best ? (int)~(uint32_t)best : 0;
+}
+// Section 9's sample, the same arguments (the hook's: this one needs no workspace). logits [B, V] fp32,
+// slots [B], out_tokens [B], all on the device.
+void sample_bisect(int* out_tokens, const float* logits, const SamplingSlot* slots, int B, int V, void* workspace,
+                   size_t workspace_bytes, cudaStream_t stream) {
+  (void)workspace, (void)workspace_bytes;
+  INTERNAL_CHECK(V > 0 && V < 2000000, "sample_bisect: V = %d outside 1 .. 2,000,000 (the mass sums' range)", V);
+  if (B == 0) return;
+  sample_bisect_kernel<<<B, SAMPLE_THREADS, 0, stream>>>(out_tokens, logits, slots, V);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// ---- The switch: bisect_sampler ----
+static void apply_bisect_sampler(bool on, Hooks& h) {
+  g_opt.bisect_sampler = on;
+  if (on) h.sample = sample_bisect;
+}
+static const int kBisectSamplerRegistered = register_optimization(
+    {"bisect_sampler", "top-k/min-p/top-p cut by bisection, no sort (section 20a)", true, apply_bisect_sampler});
+
+// ---- 20b. Radix select ---------------------------------------------------------------------------------
+// 20a halves the 2^32 order keys 32 times; a radix select takes the threshold key digit by digit instead,
+// most significant first (digits of 11, 11 and 10 bits): histogram the keys that still match the digits
+// chosen so far, walk the 2048 bins from the top accumulating counts (top-k: until k is reached) or mass
+// (top-p: until top_p of the mass is reached), and the bin where the walk stops is the next digit. Three
+// passes give the exact threshold (ties at it all kept); a pass stops early when its bin must be kept whole.
+// min_p (20a's min_p_threshold) is a floor under the top-p select and a lower bound on the final threshold.
+// The masses are section 9's integers, so atomics add them in any order to the same sum (floating-point
+// atomics would not). A histogram bin keeps w in three 32-bit counters of 11-bit pieces (w & 2047, (w >> 11)
+// & 2047, w >> 22), none of which overflows for V < 2 million: 32-bit shared-memory atomics, because 64-bit
+// ones are much slower under a histogram's contention (most tokens land in a few bins).
 //
 // Keeping it cheap: after the first histogram pass over the row, only tokens at or above the first
 // digit's bin can be kept. One more pass copies those candidates (key and index) into shared memory;
@@ -5909,17 +6090,6 @@ __device__ inline int warp_aggregated_inc(int* counter) {
   if (lane == leader) base = atomicAdd(counter, __popc(mask));
   base = __shfl_sync(mask, base, leader);
   return base + __popc(mask & ((1u << lane) - 1));
-}
-
-// Max over the block; every thread gets the result.
-__device__ unsigned long long block_max_u64(unsigned long long v, SampleSmem& s) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-  __syncthreads();  // s.red may still be read by an earlier reduction
-  if (threadIdx.x % 32 == 0) s.red[threadIdx.x / 32] = v;
-  __syncthreads();
-  for (int w = 0; w < SAMPLE_THREADS / 32; w++) v = max(v, s.red[w]);
-  return v;
 }
 
 // Walk hist(nbins-1), hist(nbins-2), ... accumulating; find the bin b where the running sum first
@@ -6098,7 +6268,7 @@ __global__ __launch_bounds__(SAMPLE_THREADS, 1) void sample_radix_kernel(unsigne
       }
     });
     if (best_index >= 0) best = pack_candidate(best_value, (uint32_t)best_index);
-    best = block_max_u64(best, s);
+    best = block_reduce(best, Larger(), s.red);
     if (threadIdx.x == 0) partial[(int64_t)b * splits + split] = best;
     return;
   }
@@ -6112,10 +6282,10 @@ __global__ __launch_bounds__(SAMPLE_THREADS, 1) void sample_radix_kernel(unsigne
   auto max_z = [&](const Candidates& c) {  // the largest z (always among the candidates)
     unsigned long long mk = 0;
     c.for_each([&](uint32_t key, int) { mk = max(mk, (unsigned long long)key); });
-    return float_from_order_key((uint32_t)block_max_u64(mk, s));
+    return float_from_order_key((uint32_t)block_reduce(mk, Larger(), s.red));
   };
   float m = 0.f;            // row max of z: the reference point of the probability masses and of min_p
-  uint32_t min_p_key = 0;   // min_p's threshold (section 9's min_p_threshold); 0 = off
+  uint32_t min_p_key = 0;   // min_p's threshold (20a's min_p_threshold); 0 = off
   uint32_t lo;              // every token that can be kept has key >= lo
   if (use_top_k) {
     k_sel.target = (unsigned long long)slot.top_k;
@@ -6159,7 +6329,7 @@ __global__ __launch_bounds__(SAMPLE_THREADS, 1) void sample_radix_kernel(unsigne
       best = max(best, pack_candidate(float_from_order_key(key) + gumbel_noise(slot.seed, slot.offset, i),
                                       (uint32_t)i));
   });
-  best = block_max_u64(best, s);
+  best = block_reduce(best, Larger(), s.red);
   if (threadIdx.x == 0) partial[(int64_t)b * splits] = best;
 }
 
@@ -6208,7 +6378,7 @@ void sample_fast(int* out_tokens, const float* logits, const SamplingSlot* slots
   CUDA_CHECK(cudaGetLastError());
 }
 
-// ---- Log-probabilities with the row split over thread blocks ----
+// ---- 20c. Log-probabilities with the row split over thread blocks --------------------------------------
 // Section 9b gives a row asking for logprobs one thread block, which reads the row N + 2 times: at batch 1
 // one SM does all of it while the rest idle. Here, like the draw above, a row is cut into `splits` pieces.
 // Each piece's thread block computes, over its piece, the largest logit m_j, s_j = sum exp(x - m_j), the
@@ -6242,9 +6412,9 @@ __global__ void __launch_bounds__(LOGPROB_THREADS)
     top = max(top, (unsigned long long)float_order_key(x_of(i)));
     above += x_of(i) > x_token;
   }
-  top = block_reduce_u64<true>(top, scratch);
+  top = block_reduce(top, Larger(), scratch);
   const float m = top ? float_from_order_key((uint32_t)top) : -INFINITY;  // (0: an empty piece)
-  above = block_reduce_u64<false>(above, scratch);
+  above = block_reduce(above, Plus(), scratch);
   float sum = 0.f;
   for (int i = begin + threadIdx.x; i < end; i += blockDim.x) sum += m == -INFINITY ? 0.f : expf(x_of(i) - m);
 #pragma unroll
@@ -6262,7 +6432,7 @@ __global__ void __launch_bounds__(LOGPROB_THREADS)
       const unsigned long long c = pack_candidate(x_of(i), (uint32_t)i);
       if (c < prev) best = max(best, c);
     }
-    prev = block_reduce_u64<true>(best, scratch);
+    prev = block_reduce(best, Larger(), scratch);
     if (threadIdx.x == 0) piece.top[k] = prev;
   }
 }
@@ -6341,7 +6511,7 @@ static void apply_fast_sampler(bool on, Hooks& h) {
   h.logprobs_workspace_bytes = logprobs_workspace_bytes;
 }
 static const int kFastSamplerRegistered = register_optimization(
-    {"fast_sampler", "radix-select sampler and split log-probabilities (section 20)", true, apply_fast_sampler});
+    {"fast_sampler", "radix-select sampler and split log-probabilities (section 20b)", true, apply_fast_sampler});
 
 // ==== 21. Prefill and mixed steps in CUDA graphs, in pieces ===============================================
 // defines: PREFILL_GRAPH_MAX_T, prefill_graph_sizes, PiecewiseCapture, piecewise_cut, pad_prefill_rows,

@@ -1,6 +1,6 @@
 // gpu_kernels.cu — sections 7 (elementwise and normalisation kernels), 9 (the sampler) and 20 (the fast
-// sampler) against the CPU references beside them in nanovllm.cu, section 20 against section 9, and section
-// 22's fp8 conversions and store. Every case poisons its outputs first (0xFF bytes: bf16 NaN), uses fresh
+// samplers: 20a's bisection, 20b's radix select) against the CPU references beside them in nanovllm.cu, the
+// three samplers against each other token for token, and section 22's fp8 conversions and store. Every case poisons its outputs first (0xFF bytes: bf16 NaN), uses fresh
 // random inputs and awkward sizes. Without a visible GPU every GPU case is SKIPPED (never reported as passed).
 //   build: make test (or nvcc -std=c++17 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a
 //          -o build/gpu_kernels test/gpu/gpu_kernels.cu -lcublasLt -lnccl libutf8proc.a)
@@ -448,12 +448,23 @@ static int cpu_sample(const float* logits, int V, const SamplingSlot& s, const s
   return sample_reference(logits, V, s, keep.empty() ? std::vector<char>(V, 1) : keep, margin);
 }
 
-// Which sampler gpu_sample and sample_histogram run: section 20's (the engine's default) or section 9's.
-static bool g_fast_sampler = true;
+// Which sampler gpu_sample and sample_histogram run: section 20b's (the engine's default), section 20a's or
+// section 9's, each with a workspace large enough for any of them.
+enum class Sampler { fast, bisect, plain };
+static const Sampler kAllSamplers[] = {Sampler::fast, Sampler::bisect, Sampler::plain};
+static Sampler g_sampler = Sampler::fast;
+static const char* sampler_name(Sampler s) {
+  return s == Sampler::fast ? "section 20b (radix select)" : s == Sampler::bisect ? "section 20a (bisection)"
+                                                                                   : "section 9 (sort)";
+}
+static size_t any_sampler_workspace_bytes(int B, int V) {
+  return std::max(sample_workspace_bytes(B, V), sample_sort_workspace_bytes(B, V));
+}
 static void run_sampler(int* out, const float* logits, const SamplingSlot* slots, int B, int V, void* ws,
                         size_t ws_bytes) {
-  if (g_fast_sampler) sample_fast(out, logits, slots, B, V, ws, ws_bytes, 0);
-  else sample(out, logits, slots, B, V, 0);
+  if (g_sampler == Sampler::fast) sample_fast(out, logits, slots, B, V, ws, ws_bytes, 0);
+  else if (g_sampler == Sampler::bisect) sample_bisect(out, logits, slots, B, V, ws, ws_bytes, 0);
+  else sample(out, logits, slots, B, V, ws, ws_bytes, 0);
 }
 
 // Runs the GPU sampler once on host data.
@@ -463,7 +474,7 @@ static std::vector<int> gpu_sample(const std::vector<float>& logits, const std::
   DevBuf<float> d_logits(logits);
   DevBuf<SamplingSlot> d_slots(slots);
   DevBuf<int> d_out(B);
-  size_t ws = sample_workspace_bytes(B, V);
+  size_t ws = any_sampler_workspace_bytes(B, V);
   DevBuf<unsigned char> d_ws(ws);
   d_out.poison();
   d_ws.poison();
@@ -473,8 +484,8 @@ static std::vector<int> gpu_sample(const std::vector<float>& logits, const std::
 
 TEST(sample_greedy_is_argmax_lowest_index_on_ties) {
   REQUIRE_GPU();
-  for (bool fast : {true, false}) {
-  g_fast_sampler = fast;
+  for (Sampler which : kAllSamplers) {
+  g_sampler = which;
   std::mt19937 rng(11);
   for (int V : {151936, 1001, 50})
     for (int B : {1, 37}) {
@@ -506,15 +517,15 @@ TEST(sample_greedy_is_argmax_lowest_index_on_ties) {
       }
     }
   }
-  g_fast_sampler = true;
+  g_sampler = Sampler::fast;
 }
 
 // Builds a batch mixing every kind of row and compares each GPU token with the CPU's reproduction.
 TEST(sample_reproduces_cpu_draws_exactly) {
   REQUIRE_GPU();
-  for (bool fast : {true, false}) {
-  g_fast_sampler = fast;
-  printf("    %s:\n", fast ? "section 20 (fast)" : "section 9 (plain)");
+  for (Sampler which : kAllSamplers) {
+  g_sampler = which;
+  printf("    %s:\n", sampler_name(which));
   std::mt19937_64 rng(12);
   std::mt19937 rng32(13);
   struct Cfg { float t; int k; float p; float stddev; };
@@ -558,7 +569,7 @@ TEST(sample_reproduces_cpu_draws_exactly) {
     CHECK_MSG(ambiguous <= B / 8, "V=%d: %d of %d rows ambiguous: the test lost its power", V, ambiguous, B);
   }
   }
-  g_fast_sampler = true;
+  g_sampler = Sampler::fast;
 }
 
 TEST(sample_is_deterministic_and_independent_of_batch) {
@@ -608,7 +619,7 @@ static std::vector<long> sample_histogram(const std::vector<float>& row, Samplin
   DevBuf<float> d_logits(logits);
   DevBuf<SamplingSlot> d_slots(n_rows);
   DevBuf<int> d_out(n_rows);
-  size_t ws = sample_workspace_bytes(n_rows, V);
+  size_t ws = any_sampler_workspace_bytes(n_rows, V);
   DevBuf<unsigned char> d_ws(ws);
   std::vector<long> counts(V, 0);
   for (int l = 0; l < launches; l++) {
@@ -747,8 +758,8 @@ TEST(sample_large_vocab_kept_sets) {
 // statistical cases above take hours.
 TEST(sample_every_path_once) {
   REQUIRE_GPU();
-  for (bool fast : {true, false}) {
-  g_fast_sampler = fast;
+  for (Sampler which : kAllSamplers) {
+  g_sampler = which;
   std::mt19937 rng(17);
   std::mt19937_64 rng64(18);
   struct Cfg { float t; int k; float p; float stddev; };
@@ -779,13 +790,13 @@ TEST(sample_every_path_once) {
     }
   }
   }
-  g_fast_sampler = true;
+  g_sampler = Sampler::fast;
 }
 
-// Section 20 computes the same kept set and the same draw as section 9 by another road: every token must be
-// equal, on every kind of row (greedy with planted ties and NaNs, temperature, top-k small and huge, top-p
-// with a short list and with the list overflow of a flat row, both cuts), at batch sizes that change how
-// section 20 splits rows, and at vocabulary sizes with V % 4 != 0.
+// Sections 20a and 20b compute the same kept set and the same draw as section 9 by other roads: every token
+// must be equal, on every kind of row (greedy with planted ties and NaNs, temperature, top-k small and huge,
+// top-p with a short list and with the list overflow of a flat row, both cuts), at batch sizes that change
+// how section 20b splits rows, and at vocabulary sizes with V % 4 != 0.
 TEST(sample_fast_matches_plain) {
   REQUIRE_GPU();
   std::mt19937 rng(19);
@@ -809,16 +820,104 @@ TEST(sample_fast_matches_plain) {
         logits.insert(logits.end(), row.begin(), row.end());
         slots.push_back(make_slot(c.t, c.k, c.p, rng64(), rng64()));
       }
-      g_fast_sampler = true;
-      auto fast = gpu_sample(logits, slots, V);
-      g_fast_sampler = false;
+      g_sampler = Sampler::plain;
       auto plain = gpu_sample(logits, slots, V);
-      g_fast_sampler = true;
+      g_sampler = Sampler::bisect;
+      auto bisect = gpu_sample(logits, slots, V);
+      g_sampler = Sampler::fast;
+      auto fast = gpu_sample(logits, slots, V);
       for (int b = 0; b < B; b++, compared++)
-        CHECK_MSG(fast[b] == plain[b], "V=%d B=%d row %d (T=%g k=%d p=%g): fast %d, plain %d", V, B, b,
-                  slots[b].temperature, slots[b].top_k, slots[b].top_p, fast[b], plain[b]);
+        CHECK_MSG(fast[b] == plain[b] && bisect[b] == plain[b],
+                  "V=%d B=%d row %d (T=%g k=%d p=%g): radix select %d, bisection %d, sort %d", V, B, b,
+                  slots[b].temperature, slots[b].top_k, slots[b].top_p, fast[b], bisect[b], plain[b]);
     }
-  printf("    %d rows: section 20 and section 9 drew the same token\n", compared);
+  printf("    %d rows: sections 9, 20a and 20b drew the same token\n", compared);
+}
+
+// The three samplers (section 9's sort, 20a's bisection, 20b's radix select) on rows built to sit on their
+// edges: ties everywhere and ties at the top, NaN, -inf, +inf, every value equal, nothing finite, a flat row;
+// under every kind of cut: greedy, temperature alone, top_k 1, 2 and V - 1, top_p tiny and just under 1,
+// min_p (1 included), all three at once; at vocabulary sizes that change the kernels' shapes (one split or
+// many, V % 4 != 0, a row shorter than a warp). The three tokens must be equal; each must be in the CPU
+// reference's kept set (sample_kept_reference) and equal to its draw (sample_reference) wherever the
+// reference is sharp (its kept set the same at top_p -1e-5 and +1e-5, its winner clear of float noise);
+// and where the answer is known without the reference, it is that (a row with nothing finite: token 0; top_k
+// 1 or a tiny top_p: a token of the row's largest value).
+TEST(samplers_agree_on_awkward_rows) {
+  REQUIRE_GPU();
+  std::mt19937 rng(21);
+  std::mt19937_64 rng64(22);
+  struct Cut { float t; int k; float p; float min_p; };  // k = -2: V - 1
+  const std::vector<Cut> cuts = {
+      {0.f, 0, 1.f, 0.f},   {0.f, 3, 0.5f, 0.2f},     {0.8f, 0, 1.f, 0.f},  {1.f, 1, 1.f, 0.f},
+      {1.f, 2, 1.f, 0.f},   {1.f, -2, 1.f, 0.f},      {0.7f, 0, 1e-7f, 0.f}, {1.f, 0, 0.999999f, 0.f},
+      {1.f, 0, 0.5f, 0.f},  {1.f, 0, 1.f, 0.05f},     {1.f, 0, 1.f, 1.f},   {0.9f, 40, 0.9f, 0.01f},
+      {5.f, 0, 0.9f, 0.f},  {1.2f, 5000, 0.95f, 0.001f}};
+  const int kinds = 9;
+  auto make_row = [&](int kind, int V) {
+    std::vector<float> row = random_logits(V, rng, kind == 8 ? 0.01f : 2.f);
+    for (int i = 0; i < V; i++) {
+      if (kind == 1) row[i] = (float)(rng() % 6) * 0.5f;                        // ties at every cut
+      if (kind == 3 && i % 7 == 3) row[i] = NAN;                                 // NaN: never kept
+      if (kind == 4) row[i] = i % 3 == 0 ? -INFINITY : (float)(rng() % 4);      // -inf and ties
+      if (kind == 5) row[i] = -1.5f;                                             // every value equal
+      if (kind == 6) row[i] = i % 2 ? NAN : -INFINITY;                           // nothing finite
+    }
+    if (kind == 2)  // four tokens tied at the top, far apart
+      for (int i : {V / 7, V / 3, V / 2, V - 1}) row[i] = 20.f;
+    if (kind == 7) row[V / 3] = row[V - 1] = INFINITY;
+    return row;
+  };
+  int rows = 0, exact = 0, sharp = 0;
+  for (int V : {151936, 1001, 48, 5}) {
+    std::vector<float> logits;
+    std::vector<SamplingSlot> slots;
+    for (int kind = 0; kind < kinds; kind++)
+      for (const Cut& c : cuts) {
+        auto row = make_row(kind, V);
+        logits.insert(logits.end(), row.begin(), row.end());
+        SamplingSlot s = make_slot(c.t, c.k == -2 ? V - 1 : c.k, c.p, rng64(), rng64());
+        s.min_p = c.min_p;
+        slots.push_back(s);
+      }
+    const int B = (int)slots.size();
+    g_sampler = Sampler::plain;
+    auto plain = gpu_sample(logits, slots, V);
+    g_sampler = Sampler::bisect;
+    auto bisect = gpu_sample(logits, slots, V);
+    g_sampler = Sampler::fast;
+    auto fast = gpu_sample(logits, slots, V);
+    for (int b = 0; b < B; b++, rows++) {
+      const float* row = &logits[(size_t)b * V];
+      const SamplingSlot& s = slots[b];
+      const int kind = b / (int)cuts.size(), got = plain[b];
+      char what[160];
+      snprintf(what, sizeof what, "V=%d row %d (kind %d; T=%g k=%d p=%g min_p=%g)", V, b, kind, s.temperature,
+               s.top_k, s.top_p, s.min_p);
+      if (!CHECK_MSG(got >= 0 && got < V, "%s: token %d out of range", what, got)) continue;
+      CHECK_MSG(bisect[b] == got && fast[b] == got, "%s: sort %d, bisection %d, radix select %d", what, got,
+                bisect[b], fast[b]);
+      const bool greedy = !(s.temperature > 0.f);
+      if (kind == 6) CHECK_MSG(got == 0, "%s: nothing finite, token %d, want 0", what, got);
+      if (!greedy && (s.top_k == 1 || s.top_p < 1e-6f)) {
+        float m = -INFINITY;
+        for (int i = 0; i < V; i++) m = std::max(m, scaled_logit(row[i], 1.f / s.temperature));
+        CHECK_MSG(scaled_logit(row[got], 1.f / s.temperature) == m, "%s: token %d is not of the largest value",
+                  what, got);
+      }
+      std::vector<char> all(V, 1);
+      const KeptSets k = greedy ? KeptSets{all, all, V, V} : cpu_kept_sets(row, V, s);
+      if (!CHECK_MSG(k.loose[got], "%s: token %d outside the CPU's kept set of %d", what, got, k.n_loose)) continue;
+      double margin;
+      const int want = cpu_sample(row, V, s, k.strict, &margin);
+      if (k.n_strict != k.n_loose || margin < 1e-4) continue;  // (a NaN margin: a tie at +-inf, decided by index)
+      sharp++;
+      exact += CHECK_MSG(got == want, "%s: token %d, the CPU's draw %d", what, got, want);
+    }
+  }
+  printf("    %d rows: the three samplers drew the same token; %d rows sharp enough for the CPU's exact draw, "
+         "%d equal to it\n", rows, sharp, exact);
+  CHECK_MSG(sharp > rows / 2, "only %d of %d rows sharp: the test lost its power", sharp, rows);
 }
 
 TEST(bench_sampler) {
@@ -829,7 +928,7 @@ TEST(bench_sampler) {
     auto logits = random_logits((size_t)B * V, rng, 2.f);
     DevBuf<float> d_logits(logits);
     DevBuf<int> d_out(B);
-    size_t ws = sample_workspace_bytes(B, V);
+    size_t ws = any_sampler_workspace_bytes(B, V);
     DevBuf<unsigned char> d_ws(ws);
     struct Cfg { const char* name; SamplingSlot slot; };
     std::vector<Cfg> cfgs = {{"greedy", make_slot(0.f, 0, 1.f, 1, 1)},
@@ -843,10 +942,11 @@ TEST(bench_sampler) {
       for (int b = 0; b < B; b++) slots[b].seed = b;
       DevBuf<SamplingSlot> d_slots(slots);
       double ms = time_ms([&] { sample_fast(d_out.p, d_logits.p, d_slots.p, B, V, d_ws.p, ws, 0); }, 20);
-      double plain = time_ms([&] { sample(d_out.p, d_logits.p, d_slots.p, B, V, 0); }, 5);
+      double bisect = time_ms([&] { sample_bisect(d_out.p, d_logits.p, d_slots.p, B, V, d_ws.p, ws, 0); }, 5);
+      double plain = time_ms([&] { sample(d_out.p, d_logits.p, d_slots.p, B, V, d_ws.p, ws, 0); }, 3);
       double gbs = (double)B * V * 4 / (ms * 1e-3) / 1e9;
-      printf("    BENCH sample B=%-3d V=%d %-32s %8.1f us  (%5.0f GB/s of logits); section 9: %8.1f us\n", B, V,
-             c.name, ms * 1e3, gbs, plain * 1e3);
+      printf("    BENCH sample B=%-3d V=%d %-32s %8.1f us  (%5.0f GB/s of logits); 20a: %8.1f us; section 9: "
+             "%8.1f us\n", B, V, c.name, ms * 1e3, gbs, bisect * 1e3, plain * 1e3);
       if (B == 256 && (c.slot.top_k == 0 && c.slot.top_p >= 1.f))
         CHECK_MSG(ms < 0.5, "%s at B=256: %.1f us, the budget is 500 us", c.name, ms * 1e3);
     }

@@ -1,11 +1,12 @@
-// gpu_requests.cu — section 9b's kernels and section 9's min_p on the GPU against their CPU references
+// gpu_requests.cu — section 9b's kernels and the samplers' min_p on the GPU against their CPU references
 // (nanovllm.cu: logit_edits_reference, logprobs_reference, sample_kept_reference / sample_reference):
 //   * the logit edits (penalties and bans) to the bit, and their restore to the bit, on rows built from real
 //     Sequences (repeated prompt tokens, counts, bans merged into penalty entries);
 //   * the log-probabilities, section 9b's and section 20's split ones, against a CPU log-softmax in double of
 //     the same logits (NaN, -inf, planted ties), at batch sizes where the split cuts rows;
-//   * both samplers with min_p, alone and with top-k / top-p: section 20's draws section 9's token, which is in
-//     the CPU's kept set, and is the CPU's exact draw wherever the draw's margin is clear of float noise.
+//   * the three samplers with min_p, alone and with top-k / top-p: sections 20a and 20b draw section 9's token,
+//     which is in the CPU's kept set, and is the CPU's exact draw wherever the draw's margin is clear of float
+//     noise.
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
 #include "../test.h"
@@ -172,15 +173,21 @@ TEST(sampler_min_p_matches_cpu) {
       SamplingSlot* d_slots = to_device(slots);
       int* d_out;
       CUDA_CHECK(cudaMalloc(&d_out, B * sizeof(int)));
-      DevBuf<unsigned char> ws(sample_workspace_bytes(B, V));
-      sample_fast(d_out, d_logits, d_slots, B, V, ws.p, ws.n, 0);  // section 20's, then section 9's
+      DevBuf<unsigned char> ws(std::max(sample_workspace_bytes(B, V), sample_sort_workspace_bytes(B, V)));
+      ws.poison();
+      CUDA_CHECK(cudaMemset(d_out, 0xFF, B * sizeof(int)));
+      sample_fast(d_out, d_logits, d_slots, B, V, ws.p, ws.n, 0);  // section 20b's, 20a's, then section 9's
       std::vector<int> fast = to_host(d_out, B);
       CUDA_CHECK(cudaMemset(d_out, 0xFF, B * sizeof(int)));
-      sample(d_out, d_logits, d_slots, B, V, 0);
+      sample_bisect(d_out, d_logits, d_slots, B, V, ws.p, ws.n, 0);
+      std::vector<int> bisect = to_host(d_out, B);
+      CUDA_CHECK(cudaMemset(d_out, 0xFF, B * sizeof(int)));
+      sample(d_out, d_logits, d_slots, B, V, ws.p, ws.n, 0);
       std::vector<int> got = to_host(d_out, B);
       for (int b = 0; b < B; b++)
-        CHECK_MSG(fast[b] == got[b], "V=%d row %d (T=%g k=%d p=%g min_p=%g): fast sampler %d, plain %d", V, b,
-                  slots[b].temperature, slots[b].top_k, slots[b].top_p, slots[b].min_p, fast[b], got[b]);
+        CHECK_MSG(fast[b] == got[b] && bisect[b] == got[b],
+                  "V=%d row %d (T=%g k=%d p=%g min_p=%g): radix select %d, bisection %d, sort %d", V, b,
+                  slots[b].temperature, slots[b].top_k, slots[b].top_p, slots[b].min_p, fast[b], bisect[b], got[b]);
       for (int b = 0; b < B; b++, rows++) {
         const float* row = &logits[(size_t)b * V];
         std::vector<char> loose = sample_kept_reference(row, V, slots[b], +1e-5);
@@ -199,8 +206,8 @@ TEST(sampler_min_p_matches_cpu) {
       cudaFree(d_logits), cudaFree(d_slots), cudaFree(d_out);
     }
   }
-  printf("    %d rows with min_p: sections 20 and 9 drew the same token; every token in the CPU's kept set, %d equal "
-         "to the CPU's exact draw\n", rows, exact);
+  printf("    %d rows with min_p: sections 20b, 20a and 9 drew the same token; every token in the CPU's kept set, %d "
+         "equal to the CPU's exact draw\n", rows, exact);
   CHECK(exact > rows / 2);
 }
 

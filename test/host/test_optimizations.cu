@@ -28,15 +28,15 @@ static OptimizationSet parsed(const char* spec) {
 }
 static int fields_on(const Optimizations& o) {
   return o.flash_attn + o.longest_first + o.pdl + o.gemv + o.cluster_merge + o.fused_rope + o.oneshot_allreduce +
-         o.fast_sampler + o.prefill_graphs + o.persistent;
+         o.bisect_sampler + o.fast_sampler + o.prefill_graphs + o.persistent;
 }
 
 // Every Part II section registered exactly one name, in file order, with a description naming its section,
 // and switching it on alone sets exactly one field of Optimizations (its own).
 TEST(every_optimization_is_registered_once) {
-  const char* expected[] = {"flash_attn",   "pdl",            "gemv",          "cluster_merge",
-                            "fused_rope",   "oneshot_allreduce", "fast_sampler", "prefill_graphs",
-                            "longest_first", "persistent"};
+  const char* expected[] = {"flash_attn",       "pdl",            "gemv",          "cluster_merge",
+                            "fused_rope",       "oneshot_allreduce", "bisect_sampler", "fast_sampler",
+                            "prefill_graphs",   "longest_first",  "persistent"};
   CHECK_EQ(reg().size(), sizeof expected / sizeof expected[0]);
   CHECK_EQ(sizeof(Optimizations), reg().size() * sizeof(bool));
   for (size_t i = 0; i < reg().size() && i < sizeof expected / sizeof expected[0]; i++) {
@@ -73,6 +73,13 @@ TEST(switches_fill_their_hooks) {
   CHECK(!g_hooks.forward && g_opt.pdl);  // pdl changes how Part II launches, not what runs
   install_optimizations(parsed("none,fast_sampler"));
   CHECK(!g_hooks.forward && g_hooks.sample == sample_fast && g_hooks.compute_logprobs == compute_logprobs_fast);
+  install_optimizations(parsed("none,bisect_sampler"));  // the draw only: section 9b's log-probabilities stay
+  CHECK(!g_hooks.forward && g_hooks.sample == sample_bisect && !g_hooks.sample_workspace_bytes &&
+        !g_hooks.compute_logprobs);
+  install_optimizations(parsed("none,bisect_sampler,fast_sampler"));  // both: section 20b's, the later step
+  CHECK(g_hooks.sample == sample_fast && g_hooks.sample_workspace_bytes == sample_workspace_bytes);
+  install_optimizations(parsed("-fast_sampler"));  // the default less 20b: 20a's bisection draws
+  CHECK(g_hooks.sample == sample_bisect && !g_hooks.compute_logprobs);
   install_optimizations(parsed("none,oneshot_allreduce"));
   CHECK(g_hooks.tp_ready == oneshot_setup && g_hooks.forward == forward_fast);
   install_optimizations(parsed("none,persistent"));

@@ -253,13 +253,186 @@ TEST(min_p_threshold_is_the_direct_rule) {
     const uint32_t t = min_p_threshold(m, min_p);
     const float z = m - uni() * 20.f;
     CHECK_MSG((float_order_key(z) >= t) == (z - m >= logf(min_p)), "m %g min_p %g z %g", m, min_p, z);
+    // section 9's rule and section 20a's threshold key keep the same tokens
+    CHECK_MSG((float_order_key(z) >= t) == min_p_keeps(z, m, logf(min_p)), "m %g min_p %g z %g", m, min_p, z);
   }
+  // ... also where z - m is NaN or infinite: a row max of +inf or -inf keeps exactly the tokens equal to it.
+  for (float m : {INFINITY, -INFINITY})
+    for (float z : {m, -INFINITY, -3.f, 0.f, 5.f, INFINITY}) {
+      if (z > m) continue;
+      const uint32_t t = min_p_threshold(m, 0.1f);
+      CHECK_MSG((float_order_key(z) >= t) == min_p_keeps(z, m, logf(0.1f)), "m %g z %g", m, z);
+      CHECK_MSG(min_p_keeps(z, m, logf(0.1f)) == (z == m), "m %g z %g", m, z);
+    }
   // The kept set of sample_kept_reference with min_p: tokens with p >= min_p * p_max.
   std::vector<float> logits = {2.f, 1.f, 0.f, -1.f, 2.f - logf(10.f) + 1e-4f, 2.f - logf(10.f) - 1e-4f};
   SamplingSlot s{};
   s.temperature = 1.f, s.top_p = 1.f, s.min_p = 0.1f;
   std::vector<char> keep = sample_kept_reference(logits.data(), 6, s, 0);
   CHECK(keep == (std::vector<char>{1, 1, 1, 0, 1, 0}));  // e^-2 > 0.1 > e^-3
+}
+
+// ---- section 9's sort, and its cut against section 20a's bisection, on the CPU -------------------------
+
+// block_sort_descending's loops run by one thread: within a step the pairs are disjoint, so running them one
+// after another is the same as running them all at once. *touched_twice: a position two pairs of one step
+// share (the parallel sort would race there).
+static void sort_descending_on_host(float* keys, int n, bool* touched_twice = nullptr) {
+  int n2 = 1;
+  while (n2 < n) n2 *= 2;
+  std::vector<int> touched(n);
+  for (int k = 2; k <= n2; k *= 2)
+    for (int j = k / 2; j >= 1; j /= 2) {
+      std::fill(touched.begin(), touched.end(), 0);
+      for (int i = 0; i < n; i++) {
+        const int partner = j == k / 2 ? i ^ (k - 1) : i ^ j;
+        if (partner > i && partner < n && ++touched[i] + ++touched[partner] > 2 && touched_twice)
+          *touched_twice = true;
+        bitonic_compare_exchange(keys, n, k, j, i);
+      }
+    }
+}
+
+TEST(sample_sort_is_a_sorting_network) {
+  std::mt19937 rng(41);
+  std::vector<int> sizes;
+  for (int n = 0; n <= 300; n++) sizes.push_back(n);
+  for (int n : {511, 512, 513, 1000, 1001, 4097, 151936}) sizes.push_back(n);
+  int sorted = 0;
+  for (int n : sizes) {
+    for (int kind = 0; kind < 3; kind++) {
+      // normal values; a few distinct values (ties everywhere); already sorted the wrong way round, with -inf
+      std::vector<float> v(n);
+      std::normal_distribution<float> d(0.f, 3.f);
+      for (int i = 0; i < n; i++)
+        v[i] = kind == 0 ? d(rng) : kind == 1 ? (float)(rng() % 5) : i % 9 == 0 ? -INFINITY : (float)i;
+      std::vector<float> want = v;
+      std::sort(want.begin(), want.end(), std::greater<float>());
+      bool twice = false;
+      sort_descending_on_host(v.data(), n, &twice);
+      CHECK_MSG(v == want, "n = %d, kind %d: not sorted largest first", n, kind);
+      CHECK_MSG(!twice, "n = %d: two pairs of one step share a position", n);
+      sorted++;
+    }
+  }
+  printf("    %d arrays of 0 .. 151,936 values sorted as std::sort sorts them, no position shared within a step\n",
+         sorted);
+}
+
+// Section 9's cut (sort, then read tau off the sorted values) and section 20a's (bisection over order keys),
+// each written out here on the CPU with one mass function standing in for the GPU's fixed_mass (the same
+// integers for both, as on the GPU): the two kept sets must be the same set, on rows made of ties, NaN, -inf,
+// +inf and flat stretches, for every kind of cut. And both lie between the CPU reference's bracketing sets.
+static unsigned long long host_mass(float z, float m) {
+  return z == m ? (1ull << 32) : (unsigned long long)llrintf(expf(z - m) * 4294967296.0f);
+}
+static std::vector<char> sorted_cut(const std::vector<float>& z, const SamplingSlot& s) {
+  const int V = (int)z.size();
+  std::vector<float> sorted = z;
+  sort_descending_on_host(sorted.data(), V);
+  const bool top_k = s.top_k > 0 && s.top_k < V, min_p = s.min_p > 0.f;
+  const float m = sorted[0], kth = top_k ? sorted[s.top_k - 1] : -INFINITY;
+  int n = 0;
+  for (float v : sorted) n += v >= kth && (!min_p || min_p_keeps(v, m, logf(s.min_p)));
+  int last = n - 1;
+  if (s.top_p < 1.f) {
+    unsigned long long total = 0, sum = 0;
+    for (int j = 0; j < n; j++) total += host_mass(sorted[j], m);
+    unsigned long long target = (unsigned long long)ceil((double)s.top_p * (double)total);
+    target = std::min(std::max(target, 1ull), total);
+    for (last = 0; (sum += host_mass(sorted[last], m)) < target;) last++;
+  }
+  std::vector<char> keep(V);
+  for (int i = 0; i < V; i++) keep[i] = z[i] >= sorted[last];
+  return keep;
+}
+static std::vector<char> bisected_cut(const std::vector<float>& z, const SamplingSlot& s) {
+  const int V = (int)z.size();
+  auto bisect = [](uint32_t lo, unsigned long long target, auto measure) {
+    unsigned long long hi = 1ull << 32;
+    while (hi - lo > 1) {
+      const uint32_t mid = (uint32_t)(lo + (hi - lo) / 2);
+      if (measure(mid) >= target) lo = mid;
+      else hi = mid;
+    }
+    return lo;
+  };
+  uint32_t threshold = 0, top = 0;
+  for (float v : z) top = std::max(top, float_order_key(v));
+  const float m = float_from_order_key(top);
+  if (s.top_k > 0 && s.top_k < V)
+    threshold = bisect(0u, s.top_k, [&](uint32_t t) {
+      unsigned long long c = 0;
+      for (float v : z) c += float_order_key(v) >= t;
+      return c;
+    });
+  if (s.min_p > 0.f) threshold = std::max(threshold, min_p_threshold(m, s.min_p));
+  if (s.top_p < 1.f) {
+    auto mass_from = [&](uint32_t t) {
+      unsigned long long w = 0;
+      for (float v : z)
+        if (float_order_key(v) >= t && float_order_key(v) >= threshold) w += host_mass(v, m);
+      return w;
+    };
+    const unsigned long long total = mass_from(threshold);
+    unsigned long long target = (unsigned long long)ceil((double)s.top_p * (double)total);
+    target = std::min(std::max(target, 1ull), total);
+    threshold = bisect(threshold, target, mass_from);
+  }
+  std::vector<char> keep(V);
+  for (int i = 0; i < V; i++) keep[i] = float_order_key(z[i]) >= threshold;
+  return keep;
+}
+TEST(sort_cut_is_the_bisection_cut) {
+  std::mt19937 rng(42);
+  std::normal_distribution<float> d(0.f, 1.f);
+  struct Cut { int k; float p, min_p; };
+  const Cut cuts[] = {{1, 1.f, 0.f},     {2, 1.f, 0.f},    {7, 1.f, 0.f},      {-1, 1e-7f, 0.f},  {-1, 0.5f, 0.f},
+                      {-1, 0.999999f, 0.f}, {-1, 1.f, 0.05f}, {-1, 1.f, 1.f},    {5, 0.7f, 0.f},    {3, 0.9f, 0.2f},
+                      {-1, 0.8f, 0.01f}, {40, 0.95f, 0.001f}};
+  int rows = 0, kept_total = 0, bracketed = 0;
+  for (int V : {1, 2, 5, 33, 200, 1001}) {
+    for (int kind = 0; kind < 8; kind++) {
+      std::vector<float> logits(V);
+      for (int i = 0; i < V; i++) {
+        switch (kind) {
+          case 0: logits[i] = 2.f * d(rng); break;                           // plain
+          case 1: logits[i] = (float)(rng() % 4) * 0.5f; break;                // ties at every cut
+          case 2: logits[i] = i % 3 == 0 ? NAN : 2.f * d(rng); break;         // NaN: never kept
+          case 3: logits[i] = i % 2 ? -INFINITY : (float)(rng() % 3); break;   // -inf and ties
+          case 4: logits[i] = 1.25f; break;                                     // all equal
+          case 5: logits[i] = i % 4 == 1 ? INFINITY : d(rng); break;           // +inf, tied
+          case 6: logits[i] = i % 2 ? NAN : -INFINITY; break;                  // nothing finite
+          case 7: logits[i] = 0.01f * d(rng) + (i == V / 2 ? 30.f : 0.f); break;  // flat, one peak
+        }
+      }
+      for (const Cut& c : cuts)
+        for (float T : {0.6f, 1.f, 3.f}) {
+          SamplingSlot s{};
+          s.temperature = T, s.top_k = c.k, s.top_p = c.p, s.min_p = c.min_p;
+          std::vector<float> z(V);
+          for (int i = 0; i < V; i++) z[i] = scaled_logit(logits[i], 1.f / T);
+          const std::vector<char> a = sorted_cut(z, s), b = bisected_cut(z, s);
+          rows++;
+          int n = 0;
+          for (int i = 0; i < V; i++) n += a[i];
+          kept_total += n;
+          if (!CHECK_MSG(a == b, "V=%d kind %d T=%g k=%d p=%g min_p=%g: the sort keeps %d, the bisection another set",
+                         V, kind, T, c.k, c.p, c.min_p, n))
+            continue;
+          CHECK_MSG(n >= 1, "V=%d kind %d: nothing kept", V, kind);
+          const std::vector<char> strict = sample_kept_reference(logits.data(), V, s, -1e-5);
+          const std::vector<char> loose = sample_kept_reference(logits.data(), V, s, +1e-5);
+          bool inside = true;
+          for (int i = 0; i < V; i++) inside = inside && (!strict[i] || a[i]) && (!a[i] || loose[i]);
+          CHECK_MSG(inside, "V=%d kind %d T=%g k=%d p=%g min_p=%g: the kept set is outside the CPU reference's "
+                    "bracket", V, kind, T, c.k, c.p, c.min_p);
+          bracketed += inside;
+        }
+    }
+  }
+  printf("    %d rows: the sort's cut and the bisection's the same set (%d tokens kept in all), %d inside the "
+         "reference's bracket\n", rows, kept_total, bracketed);
 }
 
 // ---- the defaults: generation_config.json, then the command line ----------------------------------------
