@@ -2689,8 +2689,8 @@ static void linear(Gemm& gemm, void* y, const bf16* x, const bf16* W, int M, int
 // 1, 2, 4, 8, 16, 32, ..., 512 (largest first) and replayed; a batch of 37 replays the 48 graph with 11
 // padding rows (slot -1: nothing stored, context 1: a harmless read, token discarded). No kernel's grid
 // depends on the contexts (section 8's on the batch size, section 15's on max_model_len), so one capture
-// serves every step. (A Part II decode path that takes some steps itself, Hooks::decode_step, runs outside
-// the graphs: replay_decode asks it first.)
+// serves every step. (A Part II decode path that pays only up to some context asks for a second graph of a
+// batch size, for the steps past it: Hooks::decode_step_context_limit, graph_for.)
 
 // A pinned host array and its device twin inside one of the two step regions.
 template <typename Tp>
@@ -2746,10 +2746,11 @@ struct Hooks {
   // The forward pass of a step. Empty: section 6c's Qwen3::forward.
   void (*forward)(Qwen3& model, const StepInputs& in, int T, int B, bool is_prefill, cudaStream_t s) = nullptr;
   // A decode step of B sequences whose longest context is max_context keys, run some other way; returns false
-  // for a step it does not take. It runs outside the CUDA graphs (whether it takes a step can depend on the
-  // step's contexts, which a graph cannot see), before the runner would replay one. Empty (or false):
-  // `forward`, from the step's graph.
+  // for a step it does not take. Empty (or false): `forward`.
   bool (*decode_step)(Qwen3& model, const StepInputs& in, int B, int max_context, cudaStream_t s) = nullptr;
+  // The longest context at which decode_step takes a step of B sequences (0: none). Where that is shorter than
+  // max_model_len, the runner captures a second CUDA graph of B for the longer steps. Empty: 0.
+  int (*decode_step_context_limit)(int B) = nullptr;
   // The order of a decode step's rows: the engine applies it to the batch before the runner lays it out (and
   // reads the tokens back in the same order). Empty: the scheduler's order.
   void (*order_decode_batch)(std::vector<Sequence*>& batch) = nullptr;
@@ -2849,8 +2850,8 @@ struct ModelRunner : StepRunner {
   uint64_t tp_engine = 0;          // rank 0 with tensor parallelism: the engine the workers built for this one
   std::vector<int> graph_bs;                 // captured batch sizes, ascending
   std::map<int, cudaGraphExec_t> graphs;
+  std::map<int, cudaGraphExec_t> graphs_long;  // where decode_step stops at a context limit: the steps past it
   double load_seconds = 0, load_gbps = 0, capture_seconds = 0;
-  bool capturing = false;  // capture_cudagraphs is recording the decode graphs (decode_step stays out of them)
   size_t free_at_start = 0;  // GPU memory free when this engine began: the rest is other processes' (and
                              // this process's CUDA context, or an earlier engine's)
 
@@ -3066,8 +3067,7 @@ struct ModelRunner : StepRunner {
   void forward_and_sample(const StepInputs& in, int T, int B, bool is_prefill, int max_context,
                           const SamplingSlot* slots_d, bool draw = true) {
     const bool done = is_prefill ? g_hooks.prefill_step && g_hooks.prefill_step(model, in, T, B, stream)
-                                 : !capturing && g_hooks.decode_step &&
-                                       g_hooks.decode_step(model, in, B, max_context, stream);
+                                 : g_hooks.decode_step && g_hooks.decode_step(model, in, B, max_context, stream);
     if (!done && g_hooks.forward) g_hooks.forward(model, in, T, B, is_prefill, stream);
     else if (!done) model.forward(in, T, B, is_prefill, stream);
     if (model.tp > 1)
@@ -3082,14 +3082,11 @@ struct ModelRunner : StepRunner {
     else sample(out_tokens_d, logits, slots_d, B, V, sample_ws, sample_ws_bytes, stream);
   }
 
-  // A decode step of g rows (padded to a graph's batch size) whose longest context is max_context keys: a
-  // Part II decode path that takes it (decode_step, launched here, then the sampler), else the graph of g.
-  void replay_decode(int g, int max_context) {
-    if (g_hooks.decode_step && g_hooks.decode_step(model, decode_inputs(), g, max_context, stream)) {
-      if (model.rank == 0) draw_tokens(g, decode_samp.dev);  // (as the graph would: it draws every row)
-      return;
-    }
-    CUDA_CHECK(cudaGraphLaunch(graphs.at(g), stream));
+  // The decode graph of batch g for a step whose longest context is max_context keys.
+  cudaGraphExec_t graph_for(int g, int max_context) const {
+    auto it = graphs_long.find(g);
+    if (it != graphs_long.end() && max_context > g_hooks.decode_step_context_limit(g)) return it->second;
+    return graphs.at(g);
   }
   int graph_size_for(int bs) const {
     for (int g : graph_bs)
@@ -3199,7 +3196,7 @@ struct ModelRunner : StepRunner {
       if (model.tp > 1)
         tp_send_step(tp_engine, {0, g ? g : B, g ? g : B, max_context, 0, g, decode_region.used},
                      decode_region.host);
-      if (g) replay_decode(g, max_context);
+      if (g) CUDA_CHECK(cudaGraphLaunch(graph_for(g, max_context), stream));
       else forward_and_sample(in, B, B, false, max_context, decode_samp.dev, !x.edits);
       if (x.edits || x.logprobs) process_and_sample(x, B, decode_samp.dev);
     }
@@ -3218,23 +3215,26 @@ struct ModelRunner : StepRunner {
     double t0 = now_seconds();
     graph_bs = graph_batch_sizes(Bmax);
     std::vector<Sequence*> none;
-    // One graph per batch size, of the forward pass and the sampler (decode_step stays out: replay_decode).
-    capturing = true;
-    auto capture = [&](int bs) {
+    // One graph per batch size, of the step as the hooks run it at short contexts (max_context 1), and where
+    // a Part II decode path stops at a context limit, a second one of the step past it.
+    auto capture = [&](int bs, int max_context) {
       StepInputs in = prepare_decode(none, bs);  // all padding rows: valid inputs that store nothing
-      forward_and_sample(in, bs, bs, false, 1, decode_samp.dev);  // warm-up: cuBLASLt chooses here
+      forward_and_sample(in, bs, bs, false, max_context, decode_samp.dev);  // warm-up: cuBLASLt chooses here
       CUDA_CHECK(cudaStreamSynchronize(stream));
       cudaGraph_t graph;
       CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      forward_and_sample(in, bs, bs, false, 1, decode_samp.dev);
+      forward_and_sample(in, bs, bs, false, max_context, decode_samp.dev);
       CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
       cudaGraphExec_t exec;
       CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
       CUDA_CHECK(cudaGraphDestroy(graph));
       return exec;
     };
-    for (auto it = graph_bs.rbegin(); it != graph_bs.rend(); ++it) graphs[*it] = capture(*it);
-    capturing = false;
+    for (auto it = graph_bs.rbegin(); it != graph_bs.rend(); ++it) {
+      graphs[*it] = capture(*it, 1);
+      const int limit = g_hooks.decode_step_context_limit ? g_hooks.decode_step_context_limit(*it) : 0;
+      if (limit > 0 && limit < config.max_model_len) graphs_long[*it] = capture(*it, config.max_model_len);
+    }
     if (g_hooks.capture_prefill) g_hooks.capture_prefill(model, prefill_inputs(0, 0), Tmax, stream);
     CUDA_CHECK(cudaStreamSynchronize(stream));
     capture_seconds = now_seconds() - t0;
@@ -3609,7 +3609,7 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
   } else if (st.graph_bs) {
     INTERNAL_CHECK(r.graphs.count(st.graph_bs), "rank 0 replays a graph of batch %d, this rank has none",
                    st.graph_bs);
-    r.replay_decode(st.graph_bs, st.max_seqlen_q);
+    CUDA_CHECK(cudaGraphLaunch(r.graph_for(st.graph_bs, st.max_seqlen_q), r.stream));
   } else {
     r.forward_and_sample(r.decode_inputs(), st.B, st.B, false, st.max_seqlen_q, r.decode_samp.dev);
   }
@@ -8275,8 +8275,7 @@ static void persistent_decode(Qwen3& model, const PersistPlan& plan, const StepI
 // and at batch sizes where the kernel does not win at the shorter context, section 14's path runs. The two
 // paths add their sums in different orders, so their logits differ in the last bits: the margin keeps a step
 // whose two times are close on section 14's path, rather than on whichever won this run's measurement. The
-// kernel runs outside the CUDA graphs (ModelRunner::replay_decode asks decode_step first), so one graph of
-// section 14's path per batch size serves the steps it does not take.
+// engine keeps a CUDA graph of each path for such a batch size (ModelRunner::graph_for picks one per step).
 // NANOVLLM_PERSISTENT=always skips the measurement and routes every step of a batch size with a plan to the
 // kernel, whatever its contexts (the tests that check it inside the engine); NANOVLLM_PERSISTENT=upto:N the
 // steps whose longest context is at most N keys (the tests of the switch between the two graphs).
@@ -8552,12 +8551,14 @@ static bool persist_decode_step(Qwen3& model, const StepInputs& in, int B, int m
   persistent_decode(model, *plan, in, s, 0, -1, nullptr);
   return true;
 }
+static int persist_step_context_limit(int B) { return g_persist ? g_persist->limit_for(B) : 0; }
 static void apply_persistent(bool on, Hooks& h) {
   g_opt.persistent = on;
   g_persist = nullptr;
   if (!on) return;
   h.model_ready.push_back(persist_model_ready);
   h.decode_step = persist_decode_step;
+  h.decode_step_context_limit = persist_step_context_limit;
 }
 static std::string persist_note(const Qwen3&) { return g_persist ? "decode: " + persist_describe(*g_persist) : ""; }
 static const int kPersistentRegistered = register_optimization(
