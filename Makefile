@@ -56,7 +56,6 @@ ifeq ($(SANITIZE),1)
 endif
 
 HEADERS  := nanovllm.cu safetensors.h tokenizer.h
-HOST_TESTS := $(patsubst test/host/%.cu,$(BUILD)/%,$(wildcard test/host/test_*.cu))
 GPU_TESTS  := $(patsubst test/gpu/%.cu,$(BUILD)/%,$(wildcard test/gpu/gpu_*.cu))
 
 # ---- fuzzing ------------------------------------------------------------------------------------------
@@ -72,7 +71,7 @@ FUZZ_SAN     := -fsanitize=address -fsanitize=undefined -fno-sanitize-recover=al
 LIBFUZZER_PROBE := echo 'extern "C" int LLVMFuzzerTestOneInput(const char*, long) { return 0; }' | \
                    $(CLANGXX) -x c++ -fsanitize=fuzzer - -o /dev/null 2>/dev/null
 
-.PHONY: all deps test test-build bench clean fuzz fuzz-build
+.PHONY: all deps test test-build bench clean fuzz fuzz-build FORCE
 all: deps nanovllm
 
 # Print what was found; install a missing Debian package when root, else print the command and stop.
@@ -85,6 +84,17 @@ nanovllm: $(HEADERS) | deps
 
 $(BUILD)/test_%: test/host/test_%.cu test/test.h test/engine_fixtures.h test/tokenizer_fixture.h $(HEADERS) | deps
 	@mkdir -p $(BUILD)
+	$(NVCC) $(NVFLAGS) $(HOST_GENCODE) $(HOSTSAN) -o $@ $< $(LDLIBS)
+
+# `make test` builds the host suites as one program (test/host_suites.sh writes it): nanovllm.cu is compiled
+# once, not once per suite, and run.sh still runs each suite in its own process. The source is rewritten
+# every time and replaced only when it changed.
+$(BUILD)/host_suites.cu: FORCE
+	@mkdir -p $(BUILD)
+	@bash test/host_suites.sh >$@.new && { cmp -s $@.new $@ && rm $@.new || mv $@.new $@; }
+
+$(BUILD)/host_suites: $(BUILD)/host_suites.cu test/test.h test/engine_fixtures.h test/tokenizer_fixture.h \
+                      test/fuzz/targets.cu $(HEADERS) | deps
 	$(NVCC) $(NVFLAGS) $(HOST_GENCODE) $(HOSTSAN) -o $@ $< $(LDLIBS)
 
 $(BUILD)/gpu_%: test/gpu/gpu_%.cu test/test.h test/gpu/gpu_fixtures.h $(HEADERS) | deps
@@ -122,10 +132,10 @@ $(BUILD)/nanovllm: $(HEADERS) | deps
 # where clang can link them; test/fuzz/fuzz.sh then gives each a short pass (FUZZ_SECONDS=10).
 ifeq ($(strip $(CUDA_ARCH)),)
 TEST_BIN := $(BUILD)/nanovllm
-test-build: $(TEST_BIN) $(HOST_TESTS) fuzz-build
+test-build: $(TEST_BIN) $(BUILD)/host_suites fuzz-build
 else
 TEST_BIN := nanovllm
-test-build: $(TEST_BIN) $(HOST_TESTS) $(GPU_TESTS) fuzz-build
+test-build: $(TEST_BIN) $(BUILD)/host_suites $(GPU_TESTS) fuzz-build
 endif
 
 # `make test` builds with one job per core (TEST_JOBS; a -j given to make wins), each target's output in one
@@ -134,7 +144,7 @@ TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 test:
 	@echo "make test: building with $(if $(findstring -j,$(MAKEFLAGS)),make's -j,-j$(TEST_JOBS))"
 	@$(MAKE) --no-print-directory $(if $(findstring -j,$(MAKEFLAGS)),,-j$(TEST_JOBS)) -Otarget test-build
-	@NANOVLLM_BIN=$(TEST_BIN) bash test/run.sh $(BUILD)
+	@NANOVLLM_BIN=$(TEST_BIN) HOST_SUITES=$(BUILD)/host_suites bash test/run.sh $(BUILD)
 
 bench: nanovllm
 	./bench.sh

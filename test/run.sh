@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run every test suite and sum their RESULT lines into one closing line "N passed, N failed, N skipped".
-#   host suites  build/test_*   always
+#   host suites  build/test_*   always; or, with HOST_SUITES=build/host_suites (make test), each suite of that
+#                               one program (test/host_suites.sh), each in its own process
 #   GPU suites   build/gpu_*    one per test/gpu/gpu_*.cu, run only where a GPU is visible; otherwise one
 #                               "SKIPPED (no GPU): name" line each
 #   shell suites test/cli/*.sh and test/fuzz/fuzz.sh that start with "# suite:" (CLI behaviour), run with
@@ -21,13 +22,21 @@ trap 'rm -rf "$held"' EXIT
 # failure here is theirs to report.
 bash tools/fetch_tokenizer.sh >/dev/null 2>&1
 
-# The suites in report order: names[N], how to run it, kinds[N] (binary, script, or skip: a SKIPPED line),
-# and paths[N].
+# The suites in report order: names[N], how to run it, kinds[N] (binary, script, suite: `paths[N] NAME`, or
+# skip: a SKIPPED line), and paths[N].
 names=() kinds=() paths=()
 add() { names+=("$1"); kinds+=("$2"); paths+=("$3"); }
-for t in "$BUILD"/test_*; do
-  [ -x "$t" ] && add "$(basename "$t")" binary "$t"
-done
+if [ -n "${HOST_SUITES:-}" ]; then
+  if list=$("$HOST_SUITES" --suites) && [ -n "$list" ]; then
+    for name in $list; do add "$name" suite "$HOST_SUITES"; done
+  else
+    add "$(basename "$HOST_SUITES")" binary "$HOST_SUITES"  # reported as a suite without a RESULT line
+  fi
+else
+  for t in "$BUILD"/test_*; do
+    [ -x "$t" ] && add "$(basename "$t")" binary "$t"
+  done
+fi
 gpu_first=${#names[@]}
 for src in test/gpu/gpu_*.cu; do
   [ -e "$src" ] || continue
@@ -77,7 +86,11 @@ start() {  # start N: run suite N in the background once fewer than JOBS suites 
   local i=$1
   {
     t0=$EPOCHREALTIME
-    if [ "${kinds[$i]}" = script ]; then bash "${paths[$i]}"; else "${paths[$i]}"; fi >"$held/$i.out" 2>&1
+    case ${kinds[$i]} in
+      script) bash "${paths[$i]}" ;;
+      suite) "${paths[$i]}" "${names[$i]}" ;;
+      *) "${paths[$i]}" ;;
+    esac >"$held/$i.out" 2>&1
     echo $? >"$held/$i.rc.part"
     awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f\n", b - a }' >"$held/$i.took"
     mv "$held/$i.rc.part" "$held/$i.rc"
