@@ -16,6 +16,12 @@ BUILD     := build
 SHELL     := /bin/bash
 
 # ---- GPU architecture ---------------------------------------------------------------------------------
+# Host suites, the fuzz targets and the CPU-only test binary never launch a kernel: their device code only
+# has to compile. PTX for one architecture, with the device optimiser off (cicc -O0) and no ptxas, costs
+# about a sixth of an sm_80 build; the host code keeps NVFLAGS's -O3.
+HOST_GENCODE    := -gencode=arch=compute_80,code=compute_80 -Xcicc -O0
+HOST_ONLY_GOALS := test test-build fuzz fuzz-build clean $(BUILD)/test_% $(BUILD)/host_suites% \
+                   $(BUILD)/nanovllm $(BUILD)/fuzz/%
 # The visible GPU's compute capability, else a fat binary for A100, RTX 30, RTX 40 and H100.
 ifeq ($(origin CUDA_ARCH), undefined)
   CUDA_ARCH := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d '. ')
@@ -29,18 +35,14 @@ ifeq ($(strip $(CUDA_ARCH)),)
                 -gencode=arch=compute_90,code=compute_90
   ARCH_NAME  := sm_80+sm_86+sm_89+sm_90a (no GPU visible: fat binary)
   ifneq ($(MAKECMDGOALS),)
-    ifeq ($(filter-out test test-build fuzz fuzz-build clean $(BUILD)/%,$(MAKECMDGOALS)),)
-      ARCH_NAME := none visible; these goals build host-only code (HOST_GENCODE below)
+    ifeq ($(filter-out $(HOST_ONLY_GOALS),$(MAKECMDGOALS)),)
+      ARCH_NAME := none visible; these goals build host-only device code ($(HOST_GENCODE))
     endif
   endif
 else
   GENCODE    := -gencode=arch=compute_$(CUDA_ARCH),code=sm_$(CUDA_ARCH)
   ARCH_NAME  := sm_$(CUDA_ARCH)
 endif
-# Host suites, the fuzz targets and the CPU-only test binary never launch a kernel: their device code only
-# has to compile. PTX for one architecture, with the device optimiser off (cicc -O0) and no ptxas, costs
-# about a sixth of an sm_80 build; the host code keeps NVFLAGS's -O3.
-HOST_GENCODE := -gencode=arch=compute_80,code=compute_80 -Xcicc -O0
 
 # ---- dependencies --------------------------------------------------------------------------------------
 EXTRA_INCLUDES ?=
@@ -112,8 +114,8 @@ $(BUILD)/fuzz/fuzz_%: test/fuzz/main.cpp $(BUILD)/fuzz/targets.o
 	$(NVCC) -ccbin $(CLANGXX) -Xcompiler=-fsanitize=fuzzer $(addprefix -Xcompiler=,$(FUZZ_SAN)) \
 	  -o $@ $@.o $(BUILD)/fuzz/targets.o $(LDLIBS)
 
-fuzz-build:
-	@if $(LIBFUZZER_PROBE); then $(MAKE) --no-print-directory $(FUZZ_BINS); \
+fuzz-build: | deps
+	@if $(LIBFUZZER_PROBE); then $(MAKE) --no-print-directory -o deps $(FUZZ_BINS); \
 	 else echo "fuzz: $(CLANGXX) cannot link libFuzzer binaries, fuzz targets not built" \
 	           "(apt-get install clang libclang-rt-dev)"; fi
 
