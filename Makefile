@@ -141,12 +141,12 @@ test-build: $(TEST_BIN) $(BUILD)/host_suites $(GPU_TESTS) fuzz-build
 endif
 
 # `make test` builds with one job per core (TEST_JOBS; a -j given to make wins), each target's output in one
-# piece (-Otarget), then runs test/run.sh.
+# piece (-Otarget), then runs test/run.sh, which runs TEST_JOBS suites at a time.
 TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 test:
 	@echo "make test: building with $(if $(findstring -j,$(MAKEFLAGS)),make's -j,-j$(TEST_JOBS))"
 	@$(MAKE) --no-print-directory $(if $(findstring -j,$(MAKEFLAGS)),,-j$(TEST_JOBS)) -Otarget test-build
-	@NANOVLLM_BIN=$(TEST_BIN) HOST_SUITES=$(BUILD)/host_suites bash test/run.sh $(BUILD)
+	@TEST_JOBS=$(TEST_JOBS) NANOVLLM_BIN=$(TEST_BIN) HOST_SUITES=$(BUILD)/host_suites bash test/run.sh $(BUILD)
 
 bench: nanovllm
 	./bench.sh
