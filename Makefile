@@ -1,7 +1,8 @@
 # nanovllm.cu — plain nvcc, no CMake.
 #
 #   make               build ./nanovllm for the visible GPU (or sm_80/86/89/90 when none is visible)
-#   make test          build and run every test (GPU suites are skipped, and say so, without a GPU)
+#   make test          build (one job per core) and run every test (GPU suites are skipped, and say so,
+#                      without a GPU; there the CLI suites run build/nanovllm, a host-only build)
 #   make bench         run ./bench.sh
 #   make fuzz          run each libFuzzer target (test/fuzz) for FUZZ_SECONDS (60); needs clang + libFuzzer
 #   make clean
@@ -15,6 +16,12 @@ BUILD     := build
 SHELL     := /bin/bash
 
 # ---- GPU architecture ---------------------------------------------------------------------------------
+# Host suites, the fuzz targets and the CPU-only test binary never launch a kernel: their device code only
+# has to compile. PTX for one architecture, with the device optimiser off (cicc -O0) and no ptxas, costs
+# about a sixth of an sm_80 build; the host code keeps NVFLAGS's -O3.
+HOST_GENCODE    := -gencode=arch=compute_80,code=compute_80 -Xcicc -O0
+HOST_ONLY_GOALS := test test-build fuzz fuzz-build clean $(BUILD)/test_% $(BUILD)/host_suites% \
+                   $(BUILD)/nanovllm $(BUILD)/fuzz/%
 # The visible GPU's compute capability, else a fat binary for A100, RTX 30, RTX 40 and H100.
 ifeq ($(origin CUDA_ARCH), undefined)
   CUDA_ARCH := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d '. ')
@@ -27,12 +34,14 @@ ifeq ($(strip $(CUDA_ARCH)),)
                 -gencode=arch=compute_89,code=sm_89 -gencode=arch=compute_90a,code=sm_90a \
                 -gencode=arch=compute_90,code=compute_90
   ARCH_NAME  := sm_80+sm_86+sm_89+sm_90a (no GPU visible: fat binary)
-  # Host tests never launch a kernel: one architecture keeps their build fast on CPU-only machines.
-  TEST_GENCODE := -gencode=arch=compute_80,code=sm_80
+  ifneq ($(MAKECMDGOALS),)
+    ifeq ($(filter-out $(HOST_ONLY_GOALS),$(MAKECMDGOALS)),)
+      ARCH_NAME := none visible; these goals build host-only device code ($(HOST_GENCODE))
+    endif
+  endif
 else
   GENCODE    := -gencode=arch=compute_$(CUDA_ARCH),code=sm_$(CUDA_ARCH)
   ARCH_NAME  := sm_$(CUDA_ARCH)
-  TEST_GENCODE := $(GENCODE)
 endif
 
 # ---- dependencies --------------------------------------------------------------------------------------
@@ -49,7 +58,6 @@ ifeq ($(SANITIZE),1)
 endif
 
 HEADERS  := nanovllm.cu safetensors.h tokenizer.h
-HOST_TESTS := $(patsubst test/host/%.cu,$(BUILD)/%,$(wildcard test/host/test_*.cu))
 GPU_TESTS  := $(patsubst test/gpu/%.cu,$(BUILD)/%,$(wildcard test/gpu/gpu_*.cu))
 
 # ---- fuzzing ------------------------------------------------------------------------------------------
@@ -65,7 +73,7 @@ FUZZ_SAN     := -fsanitize=address -fsanitize=undefined -fno-sanitize-recover=al
 LIBFUZZER_PROBE := echo 'extern "C" int LLVMFuzzerTestOneInput(const char*, long) { return 0; }' | \
                    $(CLANGXX) -x c++ -fsanitize=fuzzer - -o /dev/null 2>/dev/null
 
-.PHONY: all deps test test-build bench clean fuzz fuzz-build
+.PHONY: all deps test test-build bench clean fuzz fuzz-build FORCE
 all: deps nanovllm
 
 # Print what was found; install a missing Debian package when root, else print the command and stop.
@@ -78,7 +86,18 @@ nanovllm: $(HEADERS) | deps
 
 $(BUILD)/test_%: test/host/test_%.cu test/test.h test/engine_fixtures.h test/tokenizer_fixture.h $(HEADERS) | deps
 	@mkdir -p $(BUILD)
-	$(NVCC) $(NVFLAGS) $(TEST_GENCODE) $(HOSTSAN) -o $@ $< $(LDLIBS)
+	$(NVCC) $(NVFLAGS) $(HOST_GENCODE) $(HOSTSAN) -o $@ $< $(LDLIBS)
+
+# `make test` builds the host suites as one program (test/host_suites.sh writes it): nanovllm.cu is compiled
+# once, not once per suite, and run.sh still runs each suite in its own process. The source is rewritten
+# every time and replaced only when it changed.
+$(BUILD)/host_suites.cu: FORCE
+	@mkdir -p $(BUILD)
+	@bash test/host_suites.sh >$@.new && { cmp -s $@.new $@ && rm $@.new || mv $@.new $@; }
+
+$(BUILD)/host_suites: $(BUILD)/host_suites.cu test/test.h test/engine_fixtures.h test/tokenizer_fixture.h \
+                      test/fuzz/targets.cu $(HEADERS) | deps
+	$(NVCC) $(NVFLAGS) $(HOST_GENCODE) $(HOSTSAN) -o $@ $< $(LDLIBS)
 
 $(BUILD)/gpu_%: test/gpu/gpu_%.cu test/test.h test/gpu/gpu_fixtures.h $(HEADERS) | deps
 	@mkdir -p $(BUILD)
@@ -87,7 +106,7 @@ $(BUILD)/gpu_%: test/gpu/gpu_%.cu test/test.h test/gpu/gpu_fixtures.h $(HEADERS)
 $(BUILD)/fuzz/targets.o: test/fuzz/targets.cu $(HEADERS) | deps
 	@mkdir -p $(BUILD)/fuzz
 	$(NVCC) -ccbin $(CLANGXX) -std=c++17 -O1 -g --expt-relaxed-constexpr -diag-suppress 177,550 \
-	  $(EXTRA_INCLUDES) -gencode=arch=compute_80,code=compute_80 -Xcompiler=-fsanitize=fuzzer-no-link \
+	  $(EXTRA_INCLUDES) $(HOST_GENCODE) -Xcompiler=-fsanitize=fuzzer-no-link \
 	  $(addprefix -Xcompiler=,$(FUZZ_SAN)) -c -o $@ $<
 
 $(BUILD)/fuzz/fuzz_%: test/fuzz/main.cpp $(BUILD)/fuzz/targets.o
@@ -95,8 +114,8 @@ $(BUILD)/fuzz/fuzz_%: test/fuzz/main.cpp $(BUILD)/fuzz/targets.o
 	$(NVCC) -ccbin $(CLANGXX) -Xcompiler=-fsanitize=fuzzer $(addprefix -Xcompiler=,$(FUZZ_SAN)) \
 	  -o $@ $@.o $(BUILD)/fuzz/targets.o $(LDLIBS)
 
-fuzz-build:
-	@if $(LIBFUZZER_PROBE); then $(MAKE) --no-print-directory $(FUZZ_BINS); \
+fuzz-build: | deps
+	@if $(LIBFUZZER_PROBE); then $(MAKE) --no-print-directory -o deps $(FUZZ_BINS); \
 	 else echo "fuzz: $(CLANGXX) cannot link libFuzzer binaries, fuzz targets not built" \
 	           "(apt-get install clang libclang-rt-dev)"; fi
 
@@ -104,16 +123,30 @@ fuzz-build:
 fuzz: fuzz-build
 	@FUZZ_SECONDS=$(FUZZ_SECONDS) FUZZ_KEEP_CORPUS=1 bash test/fuzz/fuzz.sh $(BUILD)
 
+# The CLI suites' binary. Where a GPU is visible (or CUDA_ARCH is given) it is ./nanovllm. Elsewhere nothing
+# launches a kernel, so `make test` builds $(BUILD)/nanovllm with HOST_GENCODE instead of the fat binary and
+# leaves ./nanovllm to `make`.
+$(BUILD)/nanovllm: $(HEADERS) | deps
+	@mkdir -p $(BUILD)
+	$(NVCC) $(NVFLAGS) $(HOST_GENCODE) -o $@ nanovllm.cu $(LDLIBS)
+
 # GPU test binaries are only built where a GPU is visible (or CUDA_ARCH is given). The fuzz targets are built
 # where clang can link them; test/fuzz/fuzz.sh then gives each a short pass (FUZZ_SECONDS=10).
 ifeq ($(strip $(CUDA_ARCH)),)
-test-build: nanovllm $(HOST_TESTS) fuzz-build
+TEST_BIN := $(BUILD)/nanovllm
+test-build: $(TEST_BIN) $(BUILD)/host_suites fuzz-build
 else
-test-build: nanovllm $(HOST_TESTS) $(GPU_TESTS) fuzz-build
+TEST_BIN := nanovllm
+test-build: $(TEST_BIN) $(BUILD)/host_suites $(GPU_TESTS) fuzz-build
 endif
 
-test: test-build
-	@bash test/run.sh $(BUILD)
+# `make test` builds with one job per core (TEST_JOBS; a -j given to make wins), each target's output in one
+# piece (-Otarget), then runs test/run.sh, which runs TEST_JOBS suites at a time.
+TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+test:
+	@echo "make test: building with $(if $(findstring -j,$(MAKEFLAGS)),make's -j,-j$(TEST_JOBS))"
+	@$(MAKE) --no-print-directory $(if $(findstring -j,$(MAKEFLAGS)),,-j$(TEST_JOBS)) -Otarget test-build
+	@TEST_JOBS=$(TEST_JOBS) NANOVLLM_BIN=$(TEST_BIN) HOST_SUITES=$(BUILD)/host_suites bash test/run.sh $(BUILD)
 
 bench: nanovllm
 	./bench.sh

@@ -8,6 +8,8 @@
 //          TEST(block_hash_known_values) { CHECK_EQ(x, y); }
 //          int main(int argc, char** argv) { return test_main(argc, argv); }
 // Run some cases with `./build/test_x NAME_SUBSTRING`, one with `=NAME`; `--list` names them all.
+// `make test` builds every host suite into one program (test/host_suites.sh): there TEST_SUITE names the
+// suite a case belongs to and test_main runs only the cases of g_test_suite, the one asked for.
 #pragma once
 #include <cstdio>
 #include <cstring>
@@ -17,7 +19,11 @@
 #include <string>
 #include <vector>
 
+#ifndef TEST_SUITE
+#define TEST_SUITE ""  // a suite in its own binary
+#endif
 struct TestCase {
+  const char* suite;
   const char* name;
   std::function<void()> fn;
 };
@@ -26,15 +32,18 @@ static std::vector<TestCase>& test_registry() {
   return r;
 }
 struct TestRegistrar {
-  TestRegistrar(const char* name, std::function<void()> fn) { test_registry().push_back({name, fn}); }
+  TestRegistrar(const char* suite, const char* name, std::function<void()> fn) {
+    test_registry().push_back({suite, name, fn});
+  }
 };
+static const char* g_test_suite = "";  // test_main runs the cases whose suite this is
 static int g_test_failures = 0;   // failures recorded in the running case
 static bool g_test_skipped = false;
 static std::string g_skip_reason;
 
-#define TEST(name)                                                   \
-  static void test_##name();                                         \
-  static TestRegistrar test_registrar_##name(#name, test_##name);    \
+#define TEST(name)                                                             \
+  static void test_##name();                                                   \
+  static TestRegistrar test_registrar_##name(TEST_SUITE, #name, test_##name);  \
   static void test_##name()
 
 #define CHECK(cond)                                                                                \
@@ -108,12 +117,14 @@ static bool check_close(const char* what, const float* got, const float* want, s
 static int test_main(int argc, char** argv) {
   const char* filter = argc > 1 ? argv[1] : nullptr;
   if (filter && !strcmp(filter, "--list")) {
-    for (auto& t : test_registry()) printf("%s\n", t.name);
+    for (auto& t : test_registry())
+      if (!strcmp(t.suite, g_test_suite)) printf("%s\n", t.name);
     return 0;
   }
   const bool exact = filter && filter[0] == '=';
   int passed = 0, failed = 0, skipped = 0;
   for (auto& t : test_registry()) {
+    if (strcmp(t.suite, g_test_suite) != 0) continue;
     if (filter && (exact ? strcmp(t.name, filter + 1) != 0 : !strstr(t.name, filter))) continue;
     g_test_failures = 0;
     g_test_skipped = false;

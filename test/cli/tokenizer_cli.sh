@@ -4,7 +4,7 @@
 # and the errors a user sees (bad UTF-8 or JSON names the line, non-zero exit). Run from the repo root.
 set -u
 passed=0 failed=0 skipped=0
-BIN=./nanovllm
+BIN=${NANOVLLM_BIN:-./nanovllm}
 pass() { echo "PASS $1"; passed=$((passed + 1)); }
 fail() { echo "FAIL $1: $2"; failed=$((failed + 1)); }
 finish() { echo "RESULT passed=$passed failed=$failed skipped=$skipped"; exit $((failed > 0)); }

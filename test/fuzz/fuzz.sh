@@ -4,7 +4,7 @@
 # test/fuzz/corpus/NAME with the dictionary test/fuzz/NAME.dict. A crash, a sanitizer report, a hang (10 s
 # on one input) or a broken property fails the case and leaves the input in build/fuzz/crash-NAME-*:
 # replay it with `build/fuzz/fuzz_NAME FILE`, fix the bug, then commit the file to test/fuzz/regressions/NAME/
-# (build/test_fuzz_regressions replays that folder in every `make test`, with or without clang).
+# (the host suite test_fuzz_regressions replays that folder in every `make test`, with or without clang).
 # `make fuzz` runs this with FUZZ_SECONDS=60 and FUZZ_KEEP_CORPUS=1 (the corpus grows in build/fuzz/corpus-NAME).
 # Where clang cannot build the targets (no libclang-rt-dev), every case is SKIPPED and says why.
 set -u
