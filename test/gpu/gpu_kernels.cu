@@ -482,6 +482,21 @@ static std::vector<int> gpu_sample(const std::vector<float>& logits, const std::
   return d_out.download();
 }
 
+// The same rows through all three samplers (g_sampler is left at the engine's default, section 20b's).
+struct ThreeDraws {
+  std::vector<int> plain, bisect, fast;
+};
+static ThreeDraws gpu_sample_all(const std::vector<float>& logits, const std::vector<SamplingSlot>& slots, int V) {
+  ThreeDraws d;
+  g_sampler = Sampler::plain;
+  d.plain = gpu_sample(logits, slots, V);
+  g_sampler = Sampler::bisect;
+  d.bisect = gpu_sample(logits, slots, V);
+  g_sampler = Sampler::fast;
+  d.fast = gpu_sample(logits, slots, V);
+  return d;
+}
+
 TEST(sample_greedy_is_argmax_lowest_index_on_ties) {
   REQUIRE_GPU();
   for (Sampler which : kAllSamplers) {
@@ -820,12 +835,8 @@ TEST(sample_fast_matches_plain) {
         logits.insert(logits.end(), row.begin(), row.end());
         slots.push_back(make_slot(c.t, c.k, c.p, rng64(), rng64()));
       }
-      g_sampler = Sampler::plain;
-      auto plain = gpu_sample(logits, slots, V);
-      g_sampler = Sampler::bisect;
-      auto bisect = gpu_sample(logits, slots, V);
-      g_sampler = Sampler::fast;
-      auto fast = gpu_sample(logits, slots, V);
+      const ThreeDraws d = gpu_sample_all(logits, slots, V);
+      const std::vector<int>&plain = d.plain, &bisect = d.bisect, &fast = d.fast;
       for (int b = 0; b < B; b++, compared++)
         CHECK_MSG(fast[b] == plain[b] && bisect[b] == plain[b],
                   "V=%d B=%d row %d (T=%g k=%d p=%g): radix select %d, bisection %d, sort %d", V, B, b,
@@ -881,12 +892,8 @@ TEST(samplers_agree_on_awkward_rows) {
         slots.push_back(s);
       }
     const int B = (int)slots.size();
-    g_sampler = Sampler::plain;
-    auto plain = gpu_sample(logits, slots, V);
-    g_sampler = Sampler::bisect;
-    auto bisect = gpu_sample(logits, slots, V);
-    g_sampler = Sampler::fast;
-    auto fast = gpu_sample(logits, slots, V);
+    const ThreeDraws d = gpu_sample_all(logits, slots, V);
+    const std::vector<int>&plain = d.plain, &bisect = d.bisect, &fast = d.fast;
     for (int b = 0; b < B; b++, rows++) {
       const float* row = &logits[(size_t)b * V];
       const SamplingSlot& s = slots[b];
