@@ -486,7 +486,8 @@ static std::vector<int> gpu_sample(const std::vector<float>& logits, const std::
 struct ThreeDraws {
   std::vector<int> plain, bisect, fast;
 };
-static ThreeDraws gpu_sample_all(const std::vector<float>& logits, const std::vector<SamplingSlot>& slots, int V) {
+static ThreeDraws gpu_sample_all(const std::vector<float>& logits, const std::vector<SamplingSlot>& slots,
+                                 int V) {
   ThreeDraws d;
   g_sampler = Sampler::plain;
   d.plain = gpu_sample(logits, slots, V);
