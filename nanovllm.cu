@@ -20,13 +20,13 @@
 //   ModelRunner with CUDA graphs, tensor parallelism and the LLMEngine loop. It is complete and correct on
 //   its own, and names nothing defined after it: `--plain` runs it alone, and a build with Part II cut out
 //   (test/cli/part2_cut.sh) compiles and runs.
-//   Part II (sections 14-23) makes it fast. Section 14 cuts the forward pass into stages; each chapter after
+//   Part II (sections 14-28) makes it fast. Section 14 cuts the forward pass into stages; each chapter after
 //   it is one optimization that says what it replaces and why it is faster on the hardware, and installs
 //   itself through the hook table Part I declares (section 11) or section 14's stages; each registers its
-//   own switch (--opt NAME, section 2; section 22, the FP8 KV cache, registers a value of --kv-cache-dtype
+//   own switch (--opt NAME, section 2; section 24, the FP8 KV cache, registers a value of --kv-cache-dtype
 //   instead, since it trades accuracy). docs/performance.md has the measured gain of each. The Part I code
 //   each one replaces stays, as the reference the GPU tests compare it with.
-//   Part III (sections 24-29) is the program around the engine: reading config.json and the flags, prompts
+//   Part III (sections 29-34) is the program around the engine: reading config.json and the flags, prompts
 //   in and completions out, the trace, summary and report, signals and the worker processes, `simulate`
 //   (the engine without a GPU), the command line and main.
 //
@@ -78,12 +78,12 @@
 //   CUDA graph        a recorded sequence of kernel launches replayed with one call, without the per-launch
 //                     CPU cost
 //   PDL               programmatic dependent launch (Hopper): the next kernel starts while the previous one
-//                     finishes, and waits inside itself for its data (section 16)
+//                     finishes, and waits inside itself for its data (section 17)
 //   all-reduce        every rank ends with the sum of every rank's array (tensor parallelism)
 //   NCCL              NVIDIA's library of collectives (all-reduce, send/receive) between GPUs
 //   NVLink            the direct GPU-to-GPU link; GPUs on it can read and write each other's memory
 //   one-shot all-reduce  each rank writes its partial sums straight into every other rank's memory and adds
-//                     what arrives: one crossing of NVLink instead of NCCL's ring (section 19)
+//                     what arrives: one crossing of NVLink instead of NCCL's ring (section 20)
 //   roofline          the fastest a step can run given the bytes it must read and the memory bandwidth
 //
 // Contents (each section starts with a banner "// ==== N. Title": grep for it)
@@ -103,22 +103,27 @@
 //   13. LLMEngine: add_request, step, generate
 //   PART II — MAKING IT FAST
 //   14. The forward pass, in stages a chapter can replace
-//   15. Flash attention on tensor cores
-//   16. Programmatic dependent launch
-//   17. Small-batch gemv with its neighbours fused in
-//   18. Decode attention in one kernel: the split-K merge in a cluster, q/k-norm, RoPE, the KV store
-//   19. One-shot all-reduce over NVLink
-//   20. The fast sampler: radix select
-//   21. Prefill and mixed steps in CUDA graphs, in pieces
-//   22. An FP8 KV cache
-//   23. One persistent kernel for a small-batch decode step
+//   15. Flash attention on tensor cores: the tiles and the prefill kernel
+//   16. Flash decode: split-K over the context, then a merge
+//   17. Programmatic dependent launch
+//   18. Small-batch gemv with its neighbours fused in
+//   19. Decode attention in one kernel: the split-K merge in a cluster, q/k-norm, RoPE, the KV store
+//   20. One-shot all-reduce over NVLink
+//   21. The fast sampler, 1: the cut by bisection
+//   22. The fast sampler, 2: radix select, rows split over thread blocks
+//   23. Prefill and mixed steps in CUDA graphs, in pieces
+//   24. An FP8 KV cache
+//   25. One persistent kernel for a small-batch decode step, 1: the operation chain
+//   26. The persistent kernel, 2: attention inside it
+//   27. The persistent kernel, 3: the kernel, its plan and its launch
+//   28. The persistent kernel, 4: which steps take it, measured at start-up and remembered
 //   PART III — THE PROGRAM AROUND IT
-//   24. Reading the configuration: config.json, flags and sampling fields
-//   25. Prompts in, completions out
-//   26. Trace, run summary and the report
-//   27. Signals, worker processes and the mailbox
-//   28. simulate: the engine without a GPU
-//   29. Command line and main
+//   29. Reading the configuration: config.json, flags and sampling fields
+//   30. Prompts in, completions out
+//   31. Trace, run summary and the report
+//   32. Signals, worker processes and the mailbox
+//   33. simulate: the engine without a GPU
+//   34. Command line and main
 
 #include <algorithm>
 #include <cerrno>
@@ -183,7 +188,7 @@ typedef __nv_bfloat16 bf16;
 //     error", the condition, file and line; a failed CUDA, cuBLASLt or NCCL call: CUDA_CHECK, CUBLAS_CHECK,
 //     NCCL_CHECK print the call, file, line and the library's message. Both exit 1.
 
-// This process's tensor-parallel rank (sections 12, 26): 0 in the main process, 1..N-1 in the workers.
+// This process's tensor-parallel rank (sections 12, 31): 0 in the main process, 1..N-1 in the workers.
 static int g_tp_rank = 0;
 
 // A worker's message: named by its rank, and written with one write(2) so that two ranks failing at once
@@ -291,7 +296,7 @@ static uint64_t splitmix64(uint64_t x) {
 // (nano-vllm: sampling_params.py, grown to vLLM's: n, stop conditions, penalties, min_p, logprobs, a
 // seed). The optimization registry, before Config, is how Part II's speed work plugs in and is switched.
 // This section says what each setting means; reading and checking them (config.json, the flags, a request's
-// fields) is Part III's job (section 24).
+// fields) is Part III's job (section 29).
 
 constexpr int HEAD_DIM = 128;  // D: every Qwen3 dense model uses 128, and the attention kernels are built for it
 
@@ -309,7 +314,7 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   std::string dtype = "bfloat16";   // the checkpoint's dtype (weights are converted to bf16 at load)
   std::vector<int> eos_token_ids;   // generation_config.json eos_token_id (int or list), else config.json's
-  json generation_config;           // generation_config.json (null without one): sampling defaults (section 25)
+  json generation_config;           // generation_config.json (null without one): sampling defaults (section 30)
 };
 
 // The optimization switch. Part II makes the engine fast one optimization at a time. Part I knows none of
@@ -392,7 +397,7 @@ struct Config {
   std::string kv_cache_dtype = "bf16"; // --kv-cache-dtype: a KVCacheFormat's name (Part I: bf16)
 };
 
-// ---- Tensor-parallel sharding arithmetic (used by load_weights, section 24's validate_config, the tests) ----
+// ---- Tensor-parallel sharding arithmetic (used by load_weights, section 29's validate_config, the tests) ----
 // Which sizes N can split a model, and what rank r of N holds (nano-vllm: the tp_size divisions in
 // layers/linear.py and layers/embed_head.py). Heads are never split: a rank owns whole query heads and
 // whole KV heads, so attention needs no communication; the MLP is split by intermediate columns; the
@@ -433,7 +438,7 @@ static TPShard tp_shard(const ModelConfig& m, int rank, int n) {
 
 // One request's sampling settings (nano-vllm: SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=False),
 // grown to vLLM's SamplingParams: the same field names, meanings and ranges). The defaults below are the
-// built-in ones; the model's generation_config.json may replace some (section 25, --generation-config).
+// built-in ones; the model's generation_config.json may replace some (section 30, --generation-config).
 constexpr int MAX_LOGPROBS = 20;  // vLLM's default max_logprobs: alternatives a request may ask for per token
 
 struct SamplingParams {
@@ -943,7 +948,7 @@ struct Scheduler {
 // and prompt chunks together, and it is a prefill step to the model: Part I's prefill attention kernel
 // computes it (a decoding sequence is a query of length 1 over its cached keys). Because running sequences
 // come first, the decoding ones lead the step, which is what lets Part II send them through its decode
-// kernel instead (section 15) and replay the rest of the step from CUDA graphs (section 21, as vLLM does).
+// kernel instead (section 16) and replay the rest of the step from CUDA graphs (section 23, as vLLM does).
 // postprocess() above needs no change: a sequence whose scheduled tokens reach its end gets a token.
 
 // A sequence whose one remaining token is its last (it decodes, or its prompt's last token is left).
@@ -1364,7 +1369,7 @@ struct StepInputs {
   int max_seqlen_q;   // host value (prefill)
   int decode_rows = 0;  // host value (prefill): how many leading sequences compute one token, their last
                         // (decoding sequences in a --scheduler mixed step, 5b). Part I ignores it: such a row
-                        // is a query of length 1 to the prefill kernel. Section 15 runs them as decode rows.
+                        // is a query of length 1 to the prefill kernel. Section 16 runs them as decode rows.
 };
 
 // The launchers the forward pass calls (section 7: elementwise kernels; 8: attention; 10: cuBLASLt;
@@ -1560,7 +1565,7 @@ static void rmsnorm_reference(float* out, const float* x, const float* w, int H,
 constexpr int NORM_THREADS = 256;
 constexpr int NORM_MAX_CHUNKS = 4;
 
-// One row, by the whole thread block (rmsnorm_kernel's body; the fused gemv of section 17 calls it too, so the
+// One row, by the whole thread block (rmsnorm_kernel's body; the fused gemv of section 18 calls it too, so the
 // fused and the separate paths round identically). scratch: 32 floats of shared memory.
 template <bool ADD_RESIDUAL>
 __device__ __forceinline__ void rmsnorm_row(bf16* out, bf16* residual, const bf16* x, const bf16* w, int H,
@@ -1637,7 +1642,7 @@ void add_rmsnorm(bf16* out, bf16* residual, const bf16* x, const bf16* w, int T,
 //     q, k = rotary_emb(positions, q, k)                               # rotate-half (NeoX) RoPE, full D
 //     store_kvcache(k, v, k_cache, v_cache, slot_mapping)              # nano-vllm's Triton kernel
 // The store is fused in: the thread that writes a finished k head also writes it to its cache slot, and
-// the thread block copies the token's v heads, so K/V never take a second trip through memory. (Section 18
+// the thread block copies the token's v heads, so K/V never take a second trip through memory. (Section 19
 // moves all of this into decode attention, with the pieces below.)
 // Cache layout [NB, NKV, P, D]: head h of the token goes to [slot / P, h, slot % P, :]; slot -1 (padding)
 // stores nothing. Every head is 256 contiguous bytes.
@@ -1700,7 +1705,7 @@ static void qk_norm_rope_reference(float* qkv, const int* positions, const float
     }
 }
 
-// The pieces both users share (this kernel and the fused decode attention of section 18):
+// The pieces both users share (this kernel and the fused decode attention of section 19):
 // rope_angles: thread i < D/2 puts the cosine and sine of angle i of position pos into cos_s[i], sin_s[i].
 __device__ __forceinline__ void rope_angles(float* cos_s, float* sin_s, int pos, const RopeInvFreq& inv_freq) {
   if (threadIdx.x < HEAD_DIM / 2) {
@@ -1824,8 +1829,8 @@ void qk_norm_rope(bf16* qkv, const int* positions, const bf16* q_norm_w, const b
 // Reads gate_up [T, 2I] (gate in columns [0, I), up in [I, 2I)). Writes out [T, I].
 // One thread = one 16-byte chunk of out (8 outputs), a flat grid over T * I / 8 chunks.
 // Precondition: I % 8 == 0 (true for every Qwen3 size divided by any tensor-parallel degree up to 8).
-// One output, before its bf16 rounding (section 23's epilogue uses it alone), then 8 outputs from 8 gates
-// and 8 ups (the fused gemv of section 17 uses it too).
+// One output, before its bf16 rounding (section 25's epilogue uses it alone), then 8 outputs from 8 gates
+// and 8 ups (the fused gemv of section 18 uses it too).
 // What silu_and_mul_kernel computes, on the CPU: out [T, I] from gate_up [T, 2I] (bf16 as float).
 static void silu_and_mul_reference(float* out, const float* gate_up, int T, int I) {
   for (int t = 0; t < T; t++)
@@ -2105,8 +2110,8 @@ static void attention_decode(bf16* out, const bf16* qkv, const KVLayer& cache, c
 // Then the draw: the argmax of z_i + G_i over the tokens with z_i >= tau.
 // The probabilities w_j are counted in integers: w = exp(z - m) scaled by 2^32 and rounded (m = the row max,
 // so w <= 2^32 and a row of them sums to well under 2^64). Integer sums are exact in any order, so the cut
-// does not depend on how the threads split a sum, and section 20's samplers, which add the same integers in
-// other orders, find the same tau and draw the same token. A term below 2^-32 of the top token counts as
+// does not depend on how the threads split a sum, and the samplers of sections 21 and 22, which add the same
+// integers in other orders, find the same tau and draw the same token. A term below 2^-32 of the top token counts as
 // zero (a relative error below V * 2^-32 < 4e-5).
 // NaN logits never win and are never kept (they count as -inf). A temperature <= 0 means greedy.
 //
@@ -2118,7 +2123,7 @@ static void attention_decode(bf16* out, const bf16* qkv, const KVLayer& cache, c
 // counts as -inf: it is always the second of its pair, and nothing larger moves to it.
 // What it costs: a row without a cut (greedy, or temperature alone) is read once. A row with a cut is also
 // sorted, in log2(n2) * (log2(n2) + 1) / 2 steps each touching the whole scratch row (171 for V = 151,936),
-// and needs that scratch row: V floats per sequence (sample_sort_workspace_bytes). Section 20 finds the same
+// and needs that scratch row: V floats per sequence (sample_sort_workspace_bytes). Section 21 finds the same
 // tau without sorting, by counting passes over the row.
 
 struct SamplingSlot {                // one per sequence in the step (device array [B])
@@ -2135,7 +2140,7 @@ struct SamplingSlot {                // one per sequence in the step (device arr
 };
 static_assert(sizeof(SamplingSlot) == 48, "SamplingSlot is copied to the GPU as-is");
 
-constexpr int SAMPLE_THREADS = 1024;  // threads of a sampler thread block (sections 9, 9b and 20)
+constexpr int SAMPLE_THREADS = 1024;  // threads of a sampler thread block (sections 9, 9b and 21)
 
 // Philox4x32-10 (Random123's constants). __host__ so the tests reproduce every draw on the CPU.
 __host__ __device__ inline uint4 philox4x32_10(uint4 ctr, uint2 key) {
@@ -2684,11 +2689,11 @@ static void linear(Gemm& gemm, void* y, const bf16* x, const bf16* W, int M, int
 //   decode region:  input_ids [B] positions [B] slot_mapping [B] context_lens [B] block_tables [B, MB]
 //                   sampling slots [B]         (fixed addresses: the CUDA graphs read them)
 //
-// CUDA graphs (decode steps; section 21 adds prefill steps, in pieces): a decode step of Qwen3-0.6B is ~400
+// CUDA graphs (decode steps; section 23 adds prefill steps, in pieces): a decode step of Qwen3-0.6B is ~400
 // small kernel launches whose launch cost would rival their run time. They are captured once per batch size
 // 1, 2, 4, 8, 16, 32, ..., 512 (largest first) and replayed; a batch of 37 replays the 48 graph with 11
 // padding rows (slot -1: nothing stored, context 1: a harmless read, token discarded). No kernel's grid
-// depends on the contexts (section 8's on the batch size, section 15's on max_model_len), so one capture
+// depends on the contexts (section 8's on the batch size, section 16's on max_model_len), so one capture
 // serves every step. (A Part II decode path that pays only up to some context asks for a second graph of a
 // batch size, for the steps past it: Hooks::decode_step_context_limit, graph_for.)
 
@@ -2776,7 +2781,7 @@ struct Hooks {
   void (*tp_ready)(TPComm* comm) = nullptr;
   // Run in order once the model's weights, activations and KV cache exist (plans, tables). Empty: nothing.
   std::vector<void (*)(Qwen3& model, const Config& c)> model_ready;
-  // What `nanovllm simulate` (section 28) must know to price a prefill step the way it runs. Empty: Part I's
+  // What `nanovllm simulate` (section 33) must know to price a prefill step the way it runs. Empty: Part I's
   // way (every one-token row read once per query head, every prefill step launched kernel by kernel).
   bool decode_rows_as_decode = false;  // a step's leading one-token rows read their K/V once per GQA group
   int prefill_graph_tokens = 0;        // prefill steps of at most this many tokens replay CUDA graphs
@@ -2791,13 +2796,13 @@ static void install_optimizations(const OptimizationSet& set) {
 
 // What LLMEngine (section 13) needs from the side that computes a step: the sampled tokens, the batch a step
 // really runs (padded to a CUDA graph's size), and a clock. ModelRunner is the real one; `nanovllm simulate`
-// (section 28) plugs in a stand-in that needs no GPU and keeps a modelled clock.
+// (section 33) plugs in a stand-in that needs no GPU and keeps a modelled clock.
 struct StepRunner {
   double gpu_seconds = 0;  // time spent waiting for the GPU (the rest of a step is host work)
   virtual std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) = 0;
   virtual int padded_batch(int B, bool is_prefill) const = 0;
   // After run(): row i's log-probabilities for the sequences that asked for them (section 9b); nullptr when
-  // none did, or when the runner has no logits (section 28's stand-in model).
+  // none did, or when the runner has no logits (section 33's stand-in model).
   virtual const TokenLogprobs* step_logprobs() const { return nullptr; }
   virtual double now() { return now_seconds(); }
   virtual void wait_until(double t) {  // nothing to do before t (requests arrive later)
@@ -3257,8 +3262,8 @@ struct ModelRunner : StepRunner {
 //
 // This section has two halves: the data plane (the communicator, the all-reduce, the logits gather), and
 // the processes (12b): rank 0 is this process; ranks 1..N-1 are workers fork()ed before the first CUDA
-// call, and rank 0 sends them each step through a mailbox in shared memory. Section 19 gives the small
-// all-reduces of decode a faster road than NCCL's; section 27 handles the signals and shutdown.
+// call, and rank 0 sends them each step through a mailbox in shared memory. Section 20 gives the small
+// all-reduces of decode a faster road than NCCL's; section 32 handles the signals and shutdown.
 //
 // What crosses between the ranks in one batch-1 decode step of Qwen3-8B at N = 2:
 //   mailbox      ~57 KB of step inputs at --max-num-seqs 512 (ids, positions, slots, context lengths,
@@ -3367,7 +3372,7 @@ static TPComm* tp_comm_init(int rank, int size, const ncclUniqueId& id) {
 // followed by collectives that need every worker.
 //
 // What happens when a process fails or a signal arrives (reaping the workers, naming the rank that failed,
-// Ctrl-C) is section 27's: it passes its handlers to tp_fork_workers (TPSupervisor), and none of it changes
+// Ctrl-C) is section 32's: it passes its handlers to tp_fork_workers (TPSupervisor), and none of it changes
 // what the ranks compute.
 
 enum class TPOp : uint32_t { CONNECT, INIT, CAPTURE, STEP, EXIT };
@@ -3398,7 +3403,7 @@ struct TPGroup {
 };
 static TPGroup g_tp;
 
-// What section 27 adds around the processes: rank 0's reaper and signal handlers, installed between the
+// What section 32 adds around the processes: rank 0's reaper and signal handlers, installed between the
 // forks and the moment a worker's death can be noticed; a worker's own signals; and a per-step call (tests
 // make a worker fail on purpose there). Empty entries do nothing.
 struct TPSupervisor {
@@ -3684,7 +3689,7 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
 //
 // Watching the scheduler think: with --trace every step prints one line on stderr, every run ends with a
 // summary, and --report draws the whole run. All of them watch through StepObserver (below; Part III
-// implements it, section 26) and only read what the scheduler, the runner and the Sequences already keep.
+// implements it, section 31) and only read what the scheduler, the runner and the Sequences already keep.
 
 struct Request {
   std::vector<int> prompt_token_ids;
@@ -3692,14 +3697,14 @@ struct Request {
   std::string source;         // "prompts.txt:12", for messages
   double arrival_time = 0;    // seconds after generate() begins (a .jsonl field, or --request-rate)
   bool arrival_given = false; // the .jsonl line gave it (--request-rate leaves it alone)
-  std::string error;          // an OpenAI batch line we answer with an error instead of running (section 25)
-  json batch;                 // that batch line's custom_id, url and body (section 25); null otherwise
+  std::string error;          // an OpenAI batch line we answer with an error instead of running (section 30)
+  json batch;                 // that batch line's custom_id, url and body (section 30); null otherwise
 };
 
 // One completion: a request with n > 1 has n of them, consecutive, in index order.
 struct Completion {
   std::vector<int> token_ids;
-  const char* finish_reason;  // nullptr: unfinished (the run was interrupted by Ctrl-C, section 27)
+  const char* finish_reason;  // nullptr: unfinished (the run was interrupted by Ctrl-C, section 32)
   int prompt_tokens;
   double arrival_time = 0, first_token_time = -1, finish_time = -1;  // seconds since generate() began (-1: never)
   int64_t seq_id = 0;
@@ -3712,7 +3717,7 @@ struct Completion {
   double cumulative_logprob = 0;
 };
 
-// Ctrl-C (section 27's handler sets it; main arms it): generate() stops after the step in flight.
+// Ctrl-C (section 32's handler sets it; main arms it): generate() stops after the step in flight.
 static volatile sig_atomic_t g_stop_armed = 0;
 static volatile sig_atomic_t g_stop_requested = 0;
 
@@ -3848,7 +3853,7 @@ struct LLMEngine {
     t0 = runner.now();
     const size_t first = seqs.size();
     for (size_t r = 0; r < requests.size(); r++)
-      if (requests[r].error.empty()) add_request(requests[r], (int)r);  // else answered with its error (25)
+      if (requests[r].error.empty()) add_request(requests[r], (int)r);  // else answered with its error (30)
     while (!g_stop_requested) {
       admit_arrivals();
       if (scheduler.is_finished()) {  // idle until the next request arrives (a Ctrl-C ends the wait too)
@@ -3894,13 +3899,13 @@ struct LLMEngine {
 // Where the time goes, and so what there is to win: a decode step must read every weight and every active
 // sequence's K/V once, so its floor is those bytes over the memory bandwidth (the roofline). Section 14 first
 // cuts section 6c's forward pass into stages a chapter can replace. Part I's attention reads each key once
-// per query head and per query row; flash attention (15) shares each tile of keys among them on tensor
+// per query head and per query row; flash attention (15-16) shares each tile of keys among them on tensor
 // cores, and is what brings large batches near the roofline. Small batches are not near it: a batch-1 step of
-// Qwen3-0.6B is hundreds of small kernels, and what costs is the gaps between them (16), matrix products too
-// thin for cuBLASLt's tiles (17), and the kernels that exist only to merge partial results or to prepare q and
-// k (18). With tensor parallelism, NCCL's latency on small messages (19). A sampler that reads its row many
-// times (20). Prefill and mixed steps launched kernel by kernel (21). Then 22 halves the bytes of the cache,
-// and 23 runs a small decode step as one kernel.
+// Qwen3-0.6B is hundreds of small kernels, and what costs is the gaps between them (17), matrix products too
+// thin for cuBLASLt's tiles (18), and the kernels that exist only to merge partial results or to prepare q and
+// k (19). With tensor parallelism, NCCL's latency on small messages (20). A sampler that reads its row many
+// times (21-22). Prefill and mixed steps launched kernel by kernel (23). Then 24 halves the bytes of the
+// cache, and 25-28 run a small decode step as one kernel.
 
 // Defined only while this part is in the file: a test that also exercises Part II asks for it.
 #define NANOVLLM_PART_II 1
@@ -3909,17 +3914,17 @@ struct LLMEngine {
 // section 2, and fills its hook entries, section 11, when on). They live here, so that Part I and Part III
 // never name them.
 struct Optimizations {
-  bool flash_attn = false;         // 15: flash attention on tensor cores, not section 8's kernels
-  bool longest_first = false;      // 22b: an fp8 decode step's rows in order of context length, longest first
-  bool pdl = false;                // 16: the next kernel launches while the previous one finishes
-  bool gemv = false;               // 17: batch-1/2 matrix products in a gemv with its neighbours fused in
-  bool cluster_merge = false;      // 18: decode's split-K merge inside a cluster, no merge kernel
-  bool fused_rope = false;         // 18: decode attention does q/k-norm, RoPE and the KV store itself
-  bool oneshot_allreduce = false;  // 19: small all-reduces over NVLink in one crossing, not NCCL's ring
-  bool bisect_sampler = false;     // 20a: the sampler's cut by bisection, not section 9's sort
-  bool fast_sampler = false;       // 20b: radix-select top-k/top-p and split rows, not the plain sampler
-  bool prefill_graphs = false;     // 21: prefill and mixed steps replay CUDA graphs, attention between pieces
-  bool persistent = false;         // 23: a small-batch decode step in one persistent kernel
+  bool flash_attn = false;         // 15-16: flash attention on tensor cores, not section 8's kernels
+  bool pdl = false;                // 17: the next kernel launches while the previous one finishes
+  bool gemv = false;               // 18: batch-1/2 matrix products in a gemv with its neighbours fused in
+  bool cluster_merge = false;      // 19: decode's split-K merge inside a cluster, no merge kernel
+  bool fused_rope = false;         // 19: decode attention does q/k-norm, RoPE and the KV store itself
+  bool oneshot_allreduce = false;  // 20: small all-reduces over NVLink in one crossing, not NCCL's ring
+  bool bisect_sampler = false;     // 21: the sampler's cut by bisection, not section 9's sort
+  bool fast_sampler = false;       // 22: radix-select top-k/top-p and split rows, not the plain sampler
+  bool prefill_graphs = false;     // 23: prefill and mixed steps replay CUDA graphs, attention between pieces
+  bool longest_first = false;      // 24a: an fp8 decode step's rows in order of context length, longest first
+  bool persistent = false;         // 25-28: a small-batch decode step in one persistent kernel
 };
 static Optimizations g_opt;  // set by each section's apply (install_optimizations, section 11)
 
@@ -3935,13 +3940,13 @@ static Optimizations g_opt;  // set by each section's apply (install_optimizatio
 // (in its apply, section 2's switch), and so it changes the engine by itself, whatever comes after it.
 //
 //   per layer          Part I's stage                                   replaced by
-//   norm_matmul        y = RMSNorm(residual) @ W^T: rmsnorm + cuBLASLt   17 (gemv: the norm inside the gemv)
-//   store_qkv          q/k-norm, RoPE, this step's K/V into the cache    22 (the same into an fp8 cache)
-//   attention_prefill  section 8's prefill kernel                        15 (flash attention)
-//   attention_decode   store_qkv, then section 8's decode kernel         15, then 18 (all in one kernel)
-//   matmul_out         h = x @ W^T (after SiLU-and-mul for down), summed over the ranks   17
-//   all_reduce         NCCL's all-reduce (section 12)                    19 (one crossing of NVLink)
-// and one entry that only a chapter fills: cut (21: where a CUDA graph of a prefill step ends a piece).
+//   norm_matmul        y = RMSNorm(residual) @ W^T: rmsnorm + cuBLASLt   18 (gemv: the norm inside the gemv)
+//   store_qkv          q/k-norm, RoPE, this step's K/V into the cache    24 (the same into an fp8 cache)
+//   attention_prefill  section 8's prefill kernel                        15-16 (flash attention)
+//   attention_decode   store_qkv, then section 8's decode kernel         16, then 19 (all in one kernel)
+//   matmul_out         h = x @ W^T (after SiLU-and-mul for down), summed over the ranks   18
+//   all_reduce         NCCL's all-reduce (section 12)                    20 (one crossing of NVLink)
+// and one entry that only a chapter fills: cut (23: where a CUDA graph of a prefill step ends a piece).
 //
 // The residual stream. Part I adds a sub-layer's output h to the residual stream inside the next RMSNorm
 // (add_rmsnorm). A chapter may add it earlier, where that costs no kernel of its own: in the gemv's
@@ -4010,7 +4015,7 @@ struct ForwardStages {
   void (*attention_prefill)(Pass& p, int l) = attention_prefill_plain;
   // Layer l's attention of a decode step from the raw projection act.qkv (store_qkv included) into act.attn.
   void (*attention_decode)(Pass& p, int l) = attention_decode_plain;
-  // Filled by section 21 while it captures a prefill step in pieces: ends a piece (before a layer's attention
+  // Filled by section 23 while it captures a prefill step in pieces: ends a piece (before a layer's attention
   // and before the LM head) and says the pass must skip what follows it. Empty: the pass runs whole.
   bool (*cut)(cudaStream_t s) = nullptr;
 };
@@ -4090,9 +4095,9 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
   lm_head_logits(model, in, B, is_prefill, s);
 }
 
-// ==== 15. Flash attention on tensor cores =================================================================
-// defines: KVCacheDtype, KVScales, KVView, kv_view, flash_attention_prefill,
-//          flash_attention_decode, flash_decode_merge, flash_decode_workspace_bytes; switch flash_attn
+// ==== 15. Flash attention on tensor cores: the tiles and the prefill kernel ================================
+// defines: KVCacheDtype, KVScales, KVView, kv_view, flash_attention_prefill (section 16: decode, and the
+//          switch flash_attn)
 //
 // Replaces: section 8's attention kernels, which give each (query row, head) a warp of its own. There,
 // every query head of a GQA group reads the same keys again, every row of a prefill reads its keys again,
@@ -4124,24 +4129,24 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
 
 
 // ---- Reading and writing the cache, whatever it stores --------------------------------------------------
-// The kernels of Part II that touch the KV cache (the two below, the fused decode kernel of section 18, the
-// persistent kernel of section 23) are templates over the cache's element type KV: bf16 is Part I's cache;
-// fp8e4m3 is section 22's, whose pieces are declared here and defined there. A KVView is one layer's cache
+// The kernels of Part II that touch the KV cache (the two below, the fused decode kernel of section 19, the
+// persistent kernel of section 25) are templates over the cache's element type KV: bf16 is Part I's cache;
+// fp8e4m3 is section 24's, whose pieces are declared here and defined there. A KVView is one layer's cache
 // as these kernels take it; the launchers pick the instance from its dtype. Accumulation is fp32 either way;
 // fp8 values are widened (to fp16, exactly) before the tensor cores see them.
-typedef __nv_fp8_e4m3 fp8e4m3;  // one byte: sign, 4 exponent bits, 3 mantissa bits (section 22)
+typedef __nv_fp8_e4m3 fp8e4m3;  // one byte: sign, 4 exponent bits, 3 mantissa bits (section 24)
 enum class KVCacheDtype { BF16, FP8 };
 struct KVScales {
   float k = 1.f, v = 1.f;  // fp8 only: a stored key is k_true / k, a stored value v_true / v (powers of two)
 };
 struct KVView {
-  void* k;  // [NB, NKV/tp, P, D]: bf16, or one e4m3 byte per value (section 22)
+  void* k;  // [NB, NKV/tp, P, D]: bf16, or one e4m3 byte per value (section 24)
   void* v;
   KVCacheDtype dtype;
   KVScales scale;
 };
 static KVView bf16_kv_view(const KVLayer& l) { return {l.k, l.v, KVCacheDtype::BF16, {}}; }
-// The engine's cache format and per-layer scales (set when a ModelRunner allocates its pool: section 22).
+// The engine's cache format and per-layer scales (set when a ModelRunner allocates its pool: section 24).
 static KVCacheDtype g_kv_dtype = KVCacheDtype::BF16;
 static std::vector<KVScales> g_kv_scales;  // [L] (fp8)
 // Layer l of the engine's cache as Part II's kernels take it.
@@ -4160,7 +4165,7 @@ __device__ __forceinline__ void store_kv_chunk(KV* row, int chunk, uint4 v, floa
   if constexpr (std::is_same<KV, bf16>::value) reinterpret_cast<uint4*>(row)[chunk] = v;
   else store_kv_chunk_fp8(row, chunk, v, scale);
 }
-// The 8 values an attention tile holds after store_kv_chunk and the tile load (bf16: v itself; fp8: section 22's
+// The 8 values an attention tile holds after store_kv_chunk and the tile load (bf16: v itself; fp8: section 24's
 // tile values), and the store of such tile values (the same bytes store_kv_chunk writes).
 template <class KV>
 __device__ __forceinline__ uint4 kv_chunk_tile_values(uint4 v, float scale) {
@@ -4195,8 +4200,8 @@ constexpr int DECODE_ROWS = 16;        // MMA rows in decode: the query heads of
 static_assert(DECODE_WARPS * 32 == HEAD_DIM, "the decode epilogue gives each thread one output dim");
 static_assert(DECODE_WARPS * 16 == ATTN_KV_TILE, "decode warps split each tile 16 keys apiece");
 static_assert(DECODE_PARTITION % ATTN_KV_TILE == 0, "partitions are made of whole tiles");
-// fp8 caches (section 22): the staging slots of the prefill kernel's ring. Two fit in the second stage, so
-// shared memory stays what bf16 needs. (Decode over an fp8 cache runs a loop of its own: section 22.)
+// fp8 caches (section 24): the staging slots of the prefill kernel's ring. Two fit in the second stage, so
+// shared memory stays what bf16 needs. (Decode over an fp8 cache runs a loop of its own: section 24.)
 constexpr int PREFILL_FP8_RING = 2;
 
 // Keys per decode CTA for a batch of B sequences. With few sequences, 512-key partitions leave most of the
@@ -4204,7 +4209,7 @@ constexpr int PREFILL_FP8_RING = 2;
 // partitions and more CTAs; the merge kernel pays for it with a few more partials. Depends on B (and the
 // cache's dtype, fixed for a run) only, so a graph captured for a batch size keeps its grid. (On sm_90 and
 // later, batches of at most 4 take the cluster path below instead, whose partitions follow the context.)
-// An fp8 cache (section 22) takes partitions twice as long: the same bytes per thread block.
+// An fp8 cache (section 24) takes partitions twice as long: the same bytes per thread block.
 static int decode_partition(int B, KVCacheDtype dtype = KVCacheDtype::BF16) {
   const int keys = B <= 4 ? 64 : B <= 32 ? 128 : DECODE_PARTITION;
   return dtype == KVCacheDtype::FP8 ? 2 * keys : keys;
@@ -4258,7 +4263,7 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// The same with fp16 inputs, for the tiles of an fp8 cache (section 22): tile_t<KV> is the element type the
+// The same with fp16 inputs, for the tiles of an fp8 cache (section 24): tile_t<KV> is the element type the
 // tensor cores see, bf16 for a bf16 cache, fp16 for fp8 (fp16 holds every e4m3 value exactly).
 template <class KV>
 using tile_t = typename std::conditional<std::is_same<KV, bf16>::value, bf16, __half>::type;
@@ -4324,7 +4329,7 @@ __device__ __forceinline__ void load_kv_tile(bf16* sK, bf16* sV, const bf16* k_c
 // kv_tiles_ahead() tiles before it is needed, one committed cp.async group per tile; when its turn comes,
 // kv_tile_ready says where it lies as a [ATTN_KV_TILE][HEAD_DIM] tile (swizzled) of tile_t<KV>. For a bf16
 // cache the copies land straight in stage index % ATTN_STAGES of sK, sV, and there is nothing more to do. An
-// fp8 cache (section 22; only the prefill kernel takes this road, decode has a loop of its own there) lands
+// fp8 cache (section 24; only the prefill kernel takes this road, decode has a loop of its own there) lands
 // in a ring of PREFILL_FP8_RING staging slots and kv_tile_ready widens the tile to fp16 into stage 0; its
 // pieces are declared here and defined there. skip_key (bf16 only): a key the copies leave alone, for section
 // 18's fused decode kernel, which writes that key itself.
@@ -4378,7 +4383,7 @@ __device__ __forceinline__ void issue_first_kv_tiles(bf16* sK, bf16* sV, const K
   }
 }
 
-// The online-softmax step of one warp's slice of keys, for attend_kv_slice below (section 22's fp8 decode
+// The online-softmax step of one warp's slice of keys, for attend_kv_slice below (section 24's fp8 decode
 // loop, whose heads lie on the MMA's columns, does the same per column in fp8_attend_slice): scores s (the
 // S = Q K^T accumulators of NKEYS keys, key0 .., in 8-key column groups) of keys past a row's last_key set
 // to -inf (only when need_mask), then the update of the row max m and row sum l, the rescaling of O, and s
@@ -4483,7 +4488,7 @@ __device__ __forceinline__ void load_q_fragments(uint32_t (&q)[HEAD_DIM / 16][4]
   for (int kk = 0; kk < HEAD_DIM / 16; kk++)
     ldmatrix_x4(q[kk], sQ + attn_smem_index(row0 + (lane & 15), 2 * kk + (lane >> 4)));
 }
-// With an fp8 cache (section 22) the tiles hold e4m3 values (no scale) in fp16: the q fragments become fp16
+// With an fp8 cache (section 24) the tiles hold e4m3 values (no scale) in fp16: the q fragments become fp16
 // too, the scores take the key scale (score_scale), and the output the value scale (scale_output). For a
 // bf16 cache all three do nothing.
 template <class KV>
@@ -4635,7 +4640,7 @@ static void flash_attention_prefill(bf16* out, const bf16* qkv, const KVView& ca
   CUDA_CHECK(cudaGetLastError());
 }
 
-// ---- 15a. Decode: split-K over the context, then a merge ------------------------------------------------
+// ==== 16. Flash decode: split-K over the context, then a merge =============================================
 // defines: flash_decode_kernel, flash_decode_merge, flash_decode_workspace_bytes, flash_attention_decode,
 //          attention_prefill_step; the stages attention_prefill, attention_decode; switch flash_attn
 
@@ -4661,7 +4666,7 @@ static void flash_attention_prefill(bf16* out, const bf16* qkv, const KVView& ca
 // ATTN_STAGES - 1 ahead, wait for tile t, and let each warp attend to its 16 keys of it (attend_kv_slice).
 // The caller has issued the first tiles (issue_first_kv_tiles). after_landing(t, n_tiles, sK_t, sV_t,
 // first_key) runs when tile t has landed for this thread and before the barrier that publishes it to the
-// others: the fused kernel of section 18 writes this step's own key into the last tile there. skip_key: a
+// others: the fused kernel of section 19 writes this step's own key into the last tile there. skip_key: a
 // key the tile loads leave alone (-1: none).
 template <class AfterLanding>
 __device__ __forceinline__ void decode_attend_tiles(const uint32_t (&q)[HEAD_DIM / 16][4], bf16* sK, bf16* sV,
@@ -4694,17 +4699,17 @@ __device__ __forceinline__ void decode_attend_tiles(const uint32_t (&q)[HEAD_DIM
 }
 
 // A decode thread block's running sums: per warp, O and the online softmax's max m and sum l of each query
-// head it holds. bf16 uses section 15's layout (o[d][e], m[i], l[i]); an fp8 cache (section 22) puts keys
+// head it holds. bf16 uses section 15's layout (o[d][e], m[i], l[i]); an fp8 cache (section 24) puts keys
 // on the MMA rows instead, and the heads 8..15 of a group larger than 8 in m_hi, l_hi.
 struct DecodeAcc {
   float o[HEAD_DIM / 8][4] = {};
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   float m_hi[2] = {-INFINITY, -INFINITY}, l_hi[2] = {0.f, 0.f};
 };
-// What the decode kernels do differently for an fp8 cache (section 22 defines these): tiles of 128 keys
+// What the decode kernels do differently for an fp8 cache (section 24 defines these): tiles of 128 keys
 // read from shared memory straight into registers, no widening pass, Q fragments that follow a renaming of
 // the head dims, and the transposed products (keys and dims on the MMA rows, heads on its columns). The
-// kernels below and in section 18 pick per cache type.
+// kernels below and in section 19 pick per cache type.
 constexpr int FP8_TILE_KEYS = 2 * ATTN_KV_TILE;               // keys per fp8 decode tile: 128
 constexpr int FP8_STAGE_BYTES = 2 * FP8_TILE_KEYS * HEAD_DIM;  // its keys and values: 32 KiB, a bf16 tile's
 __device__ __forceinline__ void fp8_decode_issue_first(char* stages, const fp8e4m3* k_cache, const fp8e4m3* v_cache,
@@ -4719,7 +4724,7 @@ __device__ __forceinline__ void fp8_decode_attend(const uint32_t (&q)[HEAD_DIM /
 __device__ __forceinline__ void fp8_decode_store_partials(DecodeAcc& sums, float scale_log2, int group, float* sO,
                                                           float* sML);
 
-// The first loads of a decode thread block: its first tile (fp8: section 22's, whose stages start at sK).
+// The first loads of a decode thread block: its first tile (fp8: section 24's, whose stages start at sK).
 template <class KV>
 __device__ __forceinline__ void decode_issue_first(bf16* sK, bf16* sV, const KV* k_cache, const KV* v_cache,
                                                    const int* block_table, int kvh, int NKV, int log2P,
@@ -4865,7 +4870,7 @@ __global__ void __launch_bounds__(MERGE_HEADS * HEAD_DIM)
   out[(size_t)b * NH * HEAD_DIM + h * HEAD_DIM + d] = __float2bfloat16(acc / l_sum);
 }
 // Phase 2 for a batch of B sequences whose partials phase 1 left in ws_o, ws_ml (nothing to do when no
-// context spans more than one partition). Section 18's split-K kernel merges through it too.
+// context spans more than one partition). Section 19's split-K kernel merges through it too.
 static void flash_decode_merge(bf16* out, const int* context_lens, const float* ws_o, const float* ws_ml, int B,
                                int NH, int max_parts, int partition, cudaStream_t stream) {
   if (max_parts <= 1) return;
@@ -4922,7 +4927,7 @@ static void flash_attention_decode(bf16* out, const bf16* qkv, const KVView& cac
 
 // ---- The stages this section fills, and its switch: flash_attn ----
 // The decode kernel above, as the attention of a decode step's rows (each one query token whose q, k and v
-// are ready). Section 18 swaps in its cluster merge here (apply_cluster_merge), and both a decode step and a
+// are ready). Section 19 swaps in its cluster merge here (apply_cluster_merge), and both a decode step and a
 // mixed step's decode rows then take it.
 typedef void (*DecodeAttention)(bf16* out, const bf16* qkv, const KVView& cache, const int* context_lens,
                                 const int* block_tables, int B, int NH, int NKV, int P, int MB,
@@ -4966,8 +4971,8 @@ static void flash_attention_decode_stage(Pass& p, int l) {
 }
 
 // Part I's hooks this section fills: the forward pass (section 14's stages) and the decode workspace. It also
-// resets the cache format to bf16 (section 22 sets it again when the engine asks for fp8) and the decode
-// rows' kernel to this section's (section 18 may swap in its own).
+// resets the cache format to bf16 (section 24 sets it again when the engine asks for fp8) and the decode
+// rows' kernel to this section's (section 19 may swap in its own).
 static void apply_flash_attn(bool on, Hooks& h) {
   g_opt.flash_attn = on;
   g_kv_dtype = KVCacheDtype::BF16, g_kv_scales.clear();
@@ -4980,9 +4985,9 @@ static void apply_flash_attn(bool on, Hooks& h) {
   h.decode_rows_as_decode = true;  // attention_prefill_step
 }
 static const int kFlashAttnRegistered = register_optimization(
-    {"flash_attn", "flash attention on tensor cores, split-K decode (section 15)", true, apply_flash_attn});
+    {"flash_attn", "flash attention on tensor cores, split-K decode (section 15, decode 16)", true, apply_flash_attn});
 
-// ==== 16. Programmatic dependent launch ====================================================================
+// ==== 17. Programmatic dependent launch ====================================================================
 // defines: pdl_begin, pdl_trigger, gpu_cc_major, launch_pdl, launch_pdl_cluster; switch pdl
 //
 // Replaces: the ordinary launch, where the GPU lets a kernel finish completely before the next one in the
@@ -4997,7 +5002,7 @@ static const int kFlashAttnRegistered = register_optimization(
 //   * every kernel launched with PDL (the kernels of Part II, through launch_pdl) calls pdl_begin() before it
 //     reads anything the kernel before it wrote and before it writes anything; so it finishes only after the
 //     one before it, and waiting for the last kernel is waiting for them all. (The fused decode attention of
-//     section 18 reads the KV cache, block tables and context lengths before its wait: all of them were
+//     section 19 reads the KV cache, block tables and context lengths before its wait: all of them were
 //     written before the kernel ahead of it started, which is as good, since that kernel launched only
 //     after its own predecessor had finished. Its thread blocks past the context exit without waiting,
 //     after pdl_trigger(), writing nothing);
@@ -5033,7 +5038,7 @@ static int gpu_cc_major() {
 
 // The kernels of Part II are launched through here: kernel<<<grid, block, smem, stream>>>(args...), plus
 // the PDL attribute when switched on; launch_pdl_cluster also groups the thread blocks in clusters of
-// cluster_x along x (section 18).
+// cluster_x along x (section 19).
 template <typename... Params, typename... Args>
 static void launch_pdl_cluster(unsigned cluster_x, void (*kernel)(Params...), dim3 grid, dim3 block,
                                size_t smem, cudaStream_t stream, Args&&... args) {
@@ -5063,9 +5068,9 @@ static void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t 
 static void apply_pdl(bool on, Hooks&) { g_opt.pdl = on; }
 static std::string pdl_note(const Qwen3&) { return gpu_cc_major() < 9 ? "pdl needs sm_90, off here" : ""; }
 static const int kPdlRegistered =
-    register_optimization({"pdl", "programmatic dependent launch (section 16)", true, apply_pdl, pdl_note});
+    register_optimization({"pdl", "programmatic dependent launch (section 17)", true, apply_pdl, pdl_note});
 
-// ==== 17. Small-batch gemv with its neighbours fused in ====================================================
+// ==== 18. Small-batch gemv with its neighbours fused in ====================================================
 // defines: GemvIn, GemvOptions, GEMV_MAX_M, gemv, gemv_can_stage; switch gemv
 //
 // Replaces: at steps of at most GEMV_MAX_M tokens (batch-1 and -2 decode), cuBLASLt's matrix products and
@@ -5128,7 +5133,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     }
   };
   // No step writes the weights, so the first stretch is loaded before waiting for the kernel before
-  // (section 16, PDL): for R * K <= GEMV_UNROLL * 256 that is all of the warp's rows, in flight while that
+  // (section 17, PDL): for R * K <= GEMV_UNROLL * 256 that is all of the warp's rows, in flight while that
   // kernel finishes.
   if (n0 < N) load_stretch(0);
   pdl_begin();
@@ -5290,21 +5295,21 @@ static void apply_gemv(bool on, Hooks& h) {
   st.matmul_out = gemv_matmul_out;
 }
 static const int kGemvRegistered = register_optimization(
-    {"gemv", "small-batch gemv with RMSNorm, SiLU and the residual add fused in (section 17)", true, apply_gemv});
+    {"gemv", "small-batch gemv with RMSNorm, SiLU and the residual add fused in (section 18)", true, apply_gemv});
 
-// ==== 18. Decode attention in one kernel: the split-K merge in a cluster, q/k-norm, RoPE, the KV store
+// ==== 19. Decode attention in one kernel: the split-K merge in a cluster, q/k-norm, RoPE, the KV store
 // defines: DECODE_CLUSTER, DECODE_CLUSTER_MAX_B, cluster_partial, cluster_merge, DecodeRope,
 //          decode_fused_kernel, decode_clusters_supported, attention_decode_fast; switches cluster_merge,
 //          fused_rope
 //
-// A decode step's attention, as section 15 runs it, is three kernels per layer: qk_norm_rope (section 7), the
+// A decode step's attention, as section 16 runs it, is three kernels per layer: qk_norm_rope (section 7), the
 // split-K decode kernel, and the merge kernel that combines its partitions. This section makes it one, in
 // two steps that each have a switch: first the merge moves inside the decode kernel (cluster_merge), then
 // q/k-norm, RoPE and the KV store do (fused_rope). One kernel template, decode_fused_kernel<ROPE, CLUSTER>,
-// carries both; section 15's split-K decode is its <false, false> case in all but name.
+// carries both; section 16's split-K decode is its <false, false> case in all but name.
 //
 // ---- The split-K merge inside a cluster (switch cluster_merge) ----
-// Replaces: flash_decode_merge_kernel (section 15) and its workspace, for batches of at most
+// Replaces: flash_decode_merge_kernel (section 16) and its workspace, for batches of at most
 // DECODE_CLUSTER_MAX_B sequences on sm_90 and later.
 // Why it is faster: a small batch needs many partitions to fill the GPU, so at long contexts the merge
 // kernel has many partials per head to read back from memory, and it is one more kernel boundary per layer.
@@ -5314,7 +5319,7 @@ static const int kGemvRegistered = register_optimization(
 // (sequence, kv head), and the partition length follows the context: ceil(ctx / DECODE_CLUSTER) rounded up
 // to whole tiles. Each live thread block leaves its share of every head of the group in shared memory
 // (cluster_partial) and cluster_merge combines them: no workspace, no second kernel. The merge does the
-// merge kernel's arithmetic in the same order, so the result is the same as section 15's at the same
+// merge kernel's arithmetic in the same order, so the result is the same as section 16's at the same
 // partition length. GPUs before sm_90, and batches above DECODE_CLUSTER_MAX_B, use the merge kernel.
 constexpr int DECODE_CLUSTER = 16;        // thread blocks per cluster (16 is above the portable 8: opted into)
 constexpr int DECODE_CLUSTER_MAX_B = 4;   // larger batches: the workspace and the merge kernel
@@ -5364,7 +5369,7 @@ __device__ void cluster_merge(bf16* out, int b, int kvh, int group, int NH, int 
 
 // ---- q/k-norm, RoPE and the KV store inside the decode kernel (switch fused_rope) ----
 // Replaces: in decode steps, qk_norm_rope (section 7) and the kernel boundary between it and decode
-// attention (section 15).
+// attention (section 16).
 // Why it is faster: the decode kernel can do qk_norm_rope's work for its token itself. Every thread block
 // normalises and rotates its group's query heads straight into its Q tile (the few hundred bytes are read
 // from qkv by every thread block of the group, and the 64 sines and cosines computed by each: both cheaper
@@ -5374,9 +5379,9 @@ __device__ void cluster_merge(bf16* out, int b, int kvh, int group, int NH, int 
 // cache: the warp whose slice holds that key takes it into its registers instead). Because of that,
 // everything a thread block reads before its Q tile was written before the kernel ahead of this one started:
 // context lengths and block tables by the step's upload, the cached keys and values by earlier steps. So it
-// issues its first K/V tile loads before pdl_begin() (section 16), while the qkv projection before it still
+// issues its first K/V tile loads before pdl_begin() (section 17), while the qkv projection before it still
 // runs; at batch 1 that is all of the keys it reads. The result is bit for bit that of qk_norm_rope followed
-// by section 15's kernel, since the math is the same code (head_norm_rope, decode_attend_tiles or
+// by section 16's kernel, since the math is the same code (head_norm_rope, decode_attend_tiles or
 // fp8_decode_attend, decode_combine_warps); gpu_attention checks it.
 // The kernel's instances: <ROPE, CLUSTER> is <true, false>, <true, true>, or <false, true> (the cluster merge
 // alone, after store_qkv).
@@ -5547,7 +5552,7 @@ static bool decode_clusters_supported() {
   return ok;
 }
 
-// Section 15's decode attention with this section's two steps where switched on. Arguments as there, except:
+// Section 16's decode attention with this section's two steps where switched on. Arguments as there, except:
 // rope: null = q and this step's k/v are ready (qk_norm_rope ran); else the fused kernel (ROPE = true): qkv
 // is the raw projection, and this step's k and v go to the cache here (k_cache, v_cache are written).
 static void attention_decode_fast(bf16* out, const bf16* qkv, const KVView& cache, const int* context_lens,
@@ -5592,14 +5597,14 @@ static void attention_decode_fast(bf16* out, const bf16* qkv, const KVView& cach
                stream, out, qkv, k_cache, v_cache, cache.scale, context_lens, block_tables, NH, NKV,
                __builtin_ctz(P), MB, max_parts, partition, ws_o, ws_ml, scale_log2, r);
     CUDA_CHECK(cudaGetLastError());
-    // section 15's merge kernel, launched the ordinary way (it has no pdl_begin)
+    // section 16's merge kernel, launched the ordinary way (it has no pdl_begin)
     flash_decode_merge(out, context_lens, ws_o, ws_ml, B, NH, max_parts, partition, stream);
   });
 }
 
 // ---- The stages this section fills, and its switches: cluster_merge, fused_rope ----
-// Both change flash_attn's decode kernel (section 15), so they act only where flash_attn is on too.
-// cluster_merge: the decode rows' kernel (section 15's g_decode_attention) merges in a cluster where it can.
+// Both change flash_attn's decode kernel (section 16), so they act only where flash_attn is on too.
+// cluster_merge: the decode rows' kernel (section 16's g_decode_attention) merges in a cluster where it can.
 static void attention_decode_cluster(bf16* out, const bf16* qkv, const KVView& cache, const int* context_lens,
                                      const int* block_tables, int B, int NH, int NKV, int P, int MB,
                                      int max_context_len, float* workspace, float scale, cudaStream_t stream) {
@@ -5614,11 +5619,11 @@ static std::string cluster_merge_note(const Qwen3&) {
   return decode_clusters_supported() ? "" : "cluster_merge needs sm_90, off here";
 }
 static const int kClusterMergeRegistered = register_optimization(
-    {"cluster_merge", "decode's split-K merge inside a cluster (section 18)", true, apply_cluster_merge,
+    {"cluster_merge", "decode's split-K merge inside a cluster (section 19)", true, apply_cluster_merge,
      cluster_merge_note});
 
 // fused_rope: section 14's attention_decode stage as one kernel. With an fp8 cache, at batches above the
-// cluster kernel's, section 15's stage runs instead (docs/performance.md: the fused kernel is slower there).
+// cluster kernel's, section 16's stage runs instead (docs/performance.md: the fused kernel is slower there).
 static void fused_attention_decode_stage(Pass& p, int l) {
   Qwen3& m = p.m;
   const ModelConfig& c = m.cfg;
@@ -5636,10 +5641,10 @@ static void apply_fused_rope(bool on, Hooks& h) {
   if (on && g_opt.flash_attn) stages_for(h).attention_decode = fused_attention_decode_stage;
 }
 static const int kFusedRopeRegistered = register_optimization(
-    {"fused_rope", "q/k-norm, RoPE and the KV store inside decode attention (section 18)", true,
+    {"fused_rope", "q/k-norm, RoPE and the KV store inside decode attention (section 19)", true,
      apply_fused_rope});
 
-// ==== 19. One-shot all-reduce over NVLink ==================================================================
+// ==== 20. One-shot all-reduce over NVLink ==================================================================
 // defines: OneShot, all_reduce_p2p, all_reduce_fast, oneshot_setup; switch oneshot_allreduce
 //
 // Replaces: section 12's NCCL all-reduce for messages up to ar_max_bytes(N) (decode's), and the residual add
@@ -5695,7 +5700,7 @@ struct OneShot {
 //      adds, and writes AR_EMPTY back, ready for the next use of the slot.
 // Call k uses half h = k % 2. A rank writes half h again only at call k + 2, after call k + 1 got data from
 // every rank, and each rank sends that only after its own call k has finished, emptied slots included
-// (kernels run in stream order, each waiting for the one before, section 16). So two halves are enough.
+// (kernels run in stream order, each waiting for the one before, section 17). So two halves are enough.
 // The call number lives in device memory and the kernel bumps it itself, so the kernel works eagerly and
 // replayed from any CUDA graph, in any mix, as long as every rank makes the same calls in the same order.
 // Every block keeps its own copy (no block may read a counter another block of the same call updates):
@@ -5887,23 +5892,20 @@ static std::string oneshot_note(const Qwen3& model) {
                                            : "";
 }
 static const int kOneshotRegistered = register_optimization(
-    {"oneshot_allreduce", "one-shot all-reduce over NVLink (section 19)", true, apply_oneshot, oneshot_note});
+    {"oneshot_allreduce", "one-shot all-reduce over NVLink (section 20)", true, apply_oneshot, oneshot_note});
 
-// ==== 20. The fast sampler: radix select ===================================================================
-// defines: float_order_key, float_from_order_key, pack_candidate, min_p_threshold, sample_bisect,
-//          sample_fast, sample_workspace_bytes, compute_logprobs_fast, logprobs_workspace_bytes;
-//          switches bisect_sampler, fast_sampler
+// ==== 21. The fast sampler, 1: the cut by bisection ========================================================
+// defines: float_order_key, float_from_order_key, min_p_threshold, sample_bisect; switch bisect_sampler
 //
 // Replaces: section 9's sampler, which sorts a row with a cut to find its threshold tau and gives each row one
 // thread block, and section 9b's log-probabilities kernel. The same tokens: test/gpu/gpu_kernels.cu compares
 // the three samplers token for token. Why it is faster: tau can be found by counting instead of sorting.
-// 20a bisects over the floats' order keys: 32 read-only passes per cut, no scratch (switch bisect_sampler).
-// 20b selects tau digit by digit, in two or three passes mostly over a short list in shared memory, and
-// splits a row without a cut over several thread blocks; 20c splits the log-probabilities' rows the same way
-// (switch fast_sampler, for both; it wins over bisect_sampler when both are on). Measured: the README's
+// This section bisects over the floats' order keys: 32 read-only passes per cut, no scratch (switch
+// bisect_sampler). Section 22 selects tau digit by digit, in two or three passes mostly over a short list in
+// shared memory, and splits a row without a cut over several thread blocks; 22a splits the log-probabilities'
+// rows the same way (switch fast_sampler, for both; it wins over bisect_sampler when both are on). Measured: the README's
 // sampler table (build/gpu_kernels bench_sampler prints all three samplers).
 
-// ---- 20a. The kept set by bisection over order keys ----------------------------------------------------
 // The kept set is "z >= tau" (section 9), and both counts that decide tau shrink as tau grows: top-k's tau
 // is the largest t with at least k values >= t, top-p's the largest t whose values >= t hold top_p of the
 // mass top-k and min-p kept (in section 9's integers: the same sums, so the same tau). So tau can be
@@ -6025,15 +6027,18 @@ static void apply_bisect_sampler(bool on, Hooks& h) {
   if (on) h.sample = sample_bisect;
 }
 static const int kBisectSamplerRegistered = register_optimization(
-    {"bisect_sampler", "top-k/min-p/top-p cut by bisection, no sort (section 20a)", true, apply_bisect_sampler});
+    {"bisect_sampler", "top-k/min-p/top-p cut by bisection, no sort (section 21)", true, apply_bisect_sampler});
 
-// ---- 20b. Radix select ---------------------------------------------------------------------------------
-// 20a halves the 2^32 order keys 32 times; a radix select takes the threshold key digit by digit instead,
+// ==== 22. The fast sampler, 2: radix select, rows split over thread blocks =================================
+// defines: pack_candidate, sample_fast, sample_workspace_bytes, compute_logprobs_fast,
+//          logprobs_workspace_bytes; switch fast_sampler
+//
+// Section 21 halves the 2^32 order keys 32 times; a radix select takes the threshold key digit by digit instead,
 // most significant first (digits of 11, 11 and 10 bits): histogram the keys that still match the digits
 // chosen so far, walk the 2048 bins from the top accumulating counts (top-k: until k is reached) or mass
 // (top-p: until top_p of the mass is reached), and the bin where the walk stops is the next digit. Three
 // passes give the exact threshold (ties at it all kept); a pass stops early when its bin must be kept whole.
-// min_p (20a's min_p_threshold) is a floor under the top-p select and a lower bound on the final threshold.
+// min_p (21's min_p_threshold) is a floor under the top-p select and a lower bound on the final threshold.
 // The masses are section 9's integers, so atomics add them in any order to the same sum (floating-point
 // atomics would not). A histogram bin keeps w in three 32-bit counters of 11-bit pieces (w & 2047, (w >> 11)
 // & 2047, w >> 22), none of which overflows for V < 2 million: 32-bit shared-memory atomics, because 64-bit
@@ -6285,7 +6290,7 @@ __global__ __launch_bounds__(SAMPLE_THREADS, 1) void sample_radix_kernel(unsigne
     return float_from_order_key((uint32_t)block_reduce(mk, Larger(), s.red));
   };
   float m = 0.f;            // row max of z: the reference point of the probability masses and of min_p
-  uint32_t min_p_key = 0;   // min_p's threshold (20a's min_p_threshold); 0 = off
+  uint32_t min_p_key = 0;   // min_p's threshold (21's min_p_threshold); 0 = off
   uint32_t lo;              // every token that can be kept has key >= lo
   if (use_top_k) {
     k_sel.target = (unsigned long long)slot.top_k;
@@ -6378,7 +6383,7 @@ void sample_fast(int* out_tokens, const float* logits, const SamplingSlot* slots
   CUDA_CHECK(cudaGetLastError());
 }
 
-// ---- 20c. Log-probabilities with the row split over thread blocks --------------------------------------
+// ---- 22a. Log-probabilities with the row split over thread blocks -----------------------------------------
 // Section 9b gives a row asking for logprobs one thread block, which reads the row N + 2 times: at batch 1
 // one SM does all of it while the rest idle. Here, like the draw above, a row is cut into `splits` pieces.
 // Each piece's thread block computes, over its piece, the largest logit m_j, s_j = sum exp(x - m_j), the
@@ -6511,9 +6516,9 @@ static void apply_fast_sampler(bool on, Hooks& h) {
   h.logprobs_workspace_bytes = logprobs_workspace_bytes;
 }
 static const int kFastSamplerRegistered = register_optimization(
-    {"fast_sampler", "radix-select sampler and split log-probabilities (section 20b)", true, apply_fast_sampler});
+    {"fast_sampler", "radix-select sampler and split log-probabilities (section 22)", true, apply_fast_sampler});
 
-// ==== 21. Prefill and mixed steps in CUDA graphs, in pieces ===============================================
+// ==== 23. Prefill and mixed steps in CUDA graphs, in pieces ================================================
 // defines: PREFILL_GRAPH_MAX_T, prefill_graph_sizes, PiecewiseCapture, piecewise_cut, pad_prefill_rows,
 //          capture_prefill_graphs, prefill_step_graphs; switch prefill_graphs
 //
@@ -6527,7 +6532,7 @@ static const int kFastSamplerRegistered = register_optimization(
 // attention has shapes that follow the number of tokens T alone (the matrix products, norms, RoPE, the KV
 // store: one row per token), so it can be captured for a ladder of T and the step padded up to the next
 // rung. Attention's work follows the sequences (how many, how long each chunk, how many keys each reads, how
-// many decode rows, section 15's split), which a fixed grid could only cover by launching for the worst case
+// many decode rows, section 16's split), which a fixed grid could only cover by launching for the worst case
 // of all of them and letting most thread blocks exit. So, as vLLM does (piecewise CUDA graphs), attention
 // stays out: for each rung, L + 1 graphs, cut before each layer's attention and before the LM head.
 //   piece 0      embedding, layer 0 up to and including q/k-norm, RoPE and the KV store
@@ -6656,10 +6661,10 @@ static void apply_prefill_graphs(bool on, Hooks& h) {
   h.prefill_graph_tokens = PREFILL_GRAPH_MAX_T;
 }
 static const int kPrefillGraphsRegistered = register_optimization(
-    {"prefill_graphs", "prefill and mixed steps of up to 2048 tokens replay CUDA graphs, in pieces (section 21)",
+    {"prefill_graphs", "prefill and mixed steps of up to 2048 tokens replay CUDA graphs, in pieces (section 23)",
      true, apply_prefill_graphs});
 
-// ==== 22. An FP8 KV cache ==================================================================================
+// ==== 24. An FP8 KV cache ==================================================================================
 // defines: e4m3_from_float, e4m3_to_float, kv_scale_for, kv_scales_from_weights, KVStoreFp8,
 //          qk_norm_rope_view, g_kv_scales_from_weights; --kv-cache-dtype fp8
 //
@@ -6691,7 +6696,7 @@ static const int kPrefillGraphsRegistered = register_optimization(
 // Why powers of two: dividing by one is exact, so the stored byte is the rounding of the bf16 value itself,
 // whatever the scale, and the scale can be applied after the matrix products at no cost in accuracy.
 //
-// Writing (qk_norm_rope, section 18's kernel): a bf16 value / scale, rounded to nearest even, saturating at
+// Writing (qk_norm_rope, section 19's kernel): a bf16 value / scale, rounded to nearest even, saturating at
 // +-448 (cvt ... satfinite). Reading: every value is converted to fp16 (exact: every e4m3 value is an fp16
 // number; e4m3 -> fp16 is one instruction per pair, and there is none to bf16), the tensor cores multiply
 // fp16 (the q fragments are converted once per thread block, exact for |q| up to 65504), and the key scale
@@ -6999,7 +7004,7 @@ __device__ __forceinline__ void fp8_attend_slice(const uint32_t (&q)[HEAD_DIM / 
 
 // The decode loop of a thread block over keys [key_begin, key_end) of an fp8 cache: issue tile t + 1 into
 // the other stage, wait for tile t, and let each warp read its two slices of it into registers and attend.
-// new_key: this step's key, whose bytes come from new_kv (section 18's tile values, fp16: converted back to
+// new_key: this step's key, whose bytes come from new_kv (section 19's tile values, fp16: converted back to
 // the bytes the cache holds) instead of the cache; -1: none. The caller issued the first tile
 // (fp8_decode_issue_first). A partition need not be a whole number of these tiles (the cluster kernel's and
 // small batches' are multiples of 64 keys): rows past key_end are zero-filled, never read, and masked. The
@@ -7203,7 +7208,7 @@ static void use_fp8_cache(Qwen3& model) {
 static const int kFp8FormatRegistered = register_kv_cache_format(
     {"fp8", {"fp8_e4m3"}, 1, {{"fp8_e5m2", "nanovllm stores FP8 as e4m3 (write fp8 or fp8_e4m3)"}}, use_fp8_cache});
 
-// ---- 22b. An fp8 decode step's rows, longest context first (switch longest_first) ----------------------
+// ---- 24a. An fp8 decode step's rows, longest context first (switch longest_first) -------------------------
 // Replaces: the scheduler's order of a decode step's rows, which is the order flash_decode_kernel's thread
 // blocks start in (its grid runs partition fastest, then kv head, then row).
 // Why it is faster: a step's contexts differ (bench.py's run from 100 to 2,048 tokens), and a thread block
@@ -7218,7 +7223,7 @@ static const int kFp8FormatRegistered = register_kv_cache_format(
 // row on its own, and the engine reads a token back by its row, so every sequence gets the same tokens (the
 // run's tokens hash is the same with the switch on or off; the trace and the last step's logits hash follow
 // the new order). The order is a stable sort of the batch on the engine's side; prefill and mixed steps
-// keep the scheduler's order (a mixed step's decode rows must lead, section 15).
+// keep the scheduler's order (a mixed step's decode rows must lead, section 16).
 // Switch: longest_first.
 static void order_longest_first(std::vector<Sequence*>& batch) {
   if (g_kv_dtype != KVCacheDtype::FP8) return;  // (the cache's format is fixed for a run)
@@ -7230,11 +7235,12 @@ static void apply_longest_first(bool on, Hooks& h) {
   if (on) h.order_decode_batch = order_longest_first;
 }
 static const int kLongestFirstRegistered = register_optimization(
-    {"longest_first", "an fp8 decode step's rows in order of context length, longest first (section 22b)", true,
+    {"longest_first", "an fp8 decode step's rows in order of context length, longest first (section 24a)", true,
      apply_longest_first});
 
-// ==== 23. One persistent kernel for a small-batch decode step ============================================
-// defines: PERSIST_MAX_B (each of 23a-23d below has its own defines line); switch persistent
+// ==== 25. One persistent kernel for a small-batch decode step, 1: the operation chain ======================
+// defines: PERSIST_MAX_B, PersistOp, PersistArgs, PersistCursor, persist_issue, persist_wait, persist_signal,
+//          persist_stage_input, persist_gemv_chunk, persist_gemv_epilogue (sections 26-28: the rest)
 //
 // Replaces: at decode steps of 1, 2 or 4 sequences on one GPU, all of section 14's forward pass: about five
 // kernels per layer plus the head, 143 launches for Qwen3-0.6B.
@@ -7243,7 +7249,7 @@ static const int kLongestFirstRegistered = register_optimization(
 // GPU is not streaming: the last thread blocks of one kernel finish while most SMs idle, then the next
 // kernel's blocks start with nothing in flight and wait a full memory latency for their first bytes. Each
 // such "bubble" lasts microseconds, a step has 143 of them, and a sub-layer of 4-12 MB streams in 2-5
-// microseconds: the bubbles are as long as the work. PDL (section 16) lets the next kernel's first loads
+// microseconds: the bubbles are as long as the work. PDL (section 17) lets the next kernel's first loads
 // start early, but the drain at the end of each kernel remains. The cure published by Hazy Research (the
 // "megakernel") and by mirage (MPK) is one kernel for the whole step, one thread block per SM, that never
 // ends between operations:
@@ -7300,10 +7306,10 @@ static const int kLongestFirstRegistered = register_optimization(
 // Whether it beats section 14's path depends on the GPU, the model, the batch size and the contexts, so a decode
 // step of a batch size with a plan takes it only up to the context at which a measurement at start-up finds it
 // faster (persist_measure).
-// An fp8 cache (section 22) changes only what attention reads: a lane's 4 values of a row are 4 bytes instead
-// of 8, widened with section 22's conversion; the key scale joins the scores' scale and the value scale the
+// An fp8 cache (section 24) changes only what attention reads: a lane's 4 values of a row are 4 bytes instead
+// of 8, widened with section 24's conversion; the key scale joins the scores' scale and the value scale the
 // partition's output, and the step's own key and value are rounded to e4m3 before they are used (and stored),
-// as section 22's kernels use them. At batch 1 a step's cache bytes are a few percent of its weights', so the
+// as section 24's kernels use them. At batch 1 a step's cache bytes are a few percent of its weights', so the
 // kernel is what makes an fp8 engine's latency the same as a bf16 one's.
 // What it computes: section 14's arithmetic with the sums added in another order, so results match section
 // 14's within float rounding, not bit for bit (gpu_persistent.cu states the tolerance). Tensor parallelism
@@ -7313,9 +7319,6 @@ static const int kLongestFirstRegistered = register_optimization(
 // size whose shared memory does not fit, or TP > 1, uses section 14's path, and the start-up line says which
 // decode path runs at which batch sizes and contexts, with the times measured.
 
-// ---- 23a. The operation chain: operations, counters, the weight stream, the gemv --------------------------
-// defines: PersistOp, PersistArgs, PersistCursor, persist_issue, persist_wait, persist_signal,
-//          persist_stage_input, persist_gemv_chunk, persist_gemv_epilogue
 constexpr int PERSIST_THREADS = 512;
 constexpr int PERSIST_WARPS = PERSIST_THREADS / 32;
 constexpr int PERSIST_ROWS = 16;        // weight rows per group: one tensor-core tile (m16n8k16) tall
@@ -7344,7 +7347,7 @@ struct PersistOp {
   int N, K;            // outputs per sequence (GATE_UP: I), input length
   int groups;          // groups of 16 weight rows (GATE_UP: 8 gate rows and the 8 up rows they pair with)
   int tasks;           // how many adds to done[o] complete this operation
-  KVScales kv_scale;   // ATTN over an fp8 cache: the layer's key and value scales (section 22)
+  KVScales kv_scale;   // ATTN over an fp8 cache: the layer's key and value scales (section 24)
 };
 
 // Shared-memory bytes of a copy of the operation list (16-byte multiple).
@@ -7714,7 +7717,7 @@ __device__ __forceinline__ void persist_gemv_epilogue(const PersistArgs& a, cons
   }
 }
 
-// ---- 23b. Attention inside the kernel ------------------------------------------------------------------
+// ==== 26. The persistent kernel, 2: attention inside it ====================================================
 // defines: PersistTask, PersistAttnSplit, PersistKV, persist_attention
 // A decode step's attention as tasks of the chain: one per (sequence, KV head, context partition), each a
 // share of the 132 thread blocks, the partitions of a pair merged by whichever finishes last (a ticket).
@@ -7765,8 +7768,8 @@ __device__ __forceinline__ void persist_first_rows(const PersistArgs& a, int64_t
 }
 
 // A cache format as attention reads it here: a lane reads 4 values of a row (dims 4 lane .. 4 lane + 3) as one
-// Word, 8 bytes of bf16 or 4 bytes of e4m3 (section 22), and widens them to float; the e4m3 ones stay
-// unscaled (the key scale multiplies the scores' scale, the value scale the output, as in section 22).
+// Word, 8 bytes of bf16 or 4 bytes of e4m3 (section 24), and widens them to float; the e4m3 ones stay
+// unscaled (the key scale multiplies the scores' scale, the value scale the output, as in section 24).
 template <class KV>
 struct PersistKV;
 template <>
@@ -7784,7 +7787,7 @@ template <>
 struct PersistKV<fp8e4m3> {
   using Word = uint32_t;
   __device__ static void widen(uint32_t w, float (&f)[4]) {
-    const uint32_t h[2] = {fp8x2_to_half2(w), fp8x2_to_half2(w >> 16)};  // section 22's conversion
+    const uint32_t h[2] = {fp8x2_to_half2(w), fp8x2_to_half2(w >> 16)};  // section 24's conversion
     const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&h[0]));
     const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&h[1]));
     f[0] = lo.x, f[1] = lo.y, f[2] = hi.x, f[3] = hi.y;
@@ -7807,9 +7810,9 @@ struct PersistKV<fp8e4m3> {
 // every wph-th token of the partition; lane l holds dimensions [4l, 4l + 4) of each. angles: RoPE's cosines
 // and sines for each sequence [B, D], computed once at the kernel's start (the positions do not change during
 // a step). smem: see persist_smem_bytes.
-// KV: the cache's element, bf16 or fp8e4m3 (section 22). With fp8 the step's own key and value are stored as
+// KV: the cache's element, bf16 or fp8e4m3 (section 24). With fp8 the step's own key and value are stored as
 // e4m3 bytes and used as the cache will return them (rounded): this step computes with the numbers every later
-// step reads from that row, as section 22's kernels do.
+// step reads from that row, as section 24's kernels do.
 template <class KV, int HPW>
 __device__ __forceinline__ void persist_attention(const PersistArgs& a, const PersistOp* ops, const PersistOp& op,
                                                   int o, int task, const float* angles, const int64_t* first_rows,
@@ -8011,7 +8014,7 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
   persist_signal(a, o);
 }
 
-// ---- 23c. The kernel, its plan and its launch -------------------------------------------------------------
+// ==== 27. The persistent kernel, 3: the kernel, its plan and its launch ====================================
 // defines: persistent_decode_kernel, PersistPlan, PersistentDecode, persist_setup, persistent_decode
 
 // KV: the cache's element, bf16 or fp8e4m3 (one kernel per format: the other's attention would cost this one
@@ -8103,7 +8106,7 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
 // in the step's CUDA graph; the host does nothing per step beyond Part I's input upload.
 struct PersistPlan {
   int B = 0, grid = 0, parts = 0;  // parts: attention's partitions of each (sequence, KV head)
-  bool fp8 = false;                // the cache's format (section 22), fixed when the pool was allocated
+  bool fp8 = false;                // the cache's format (section 24), fixed when the pool was allocated
   size_t smem = 0;
   std::vector<PersistOp> ops;
   PersistOp* ops_d = nullptr;
@@ -8257,14 +8260,14 @@ static void persistent_decode(Qwen3& model, const PersistPlan& plan, const StepI
   CUDA_CHECK(cudaGetLastError());
 }
 
-// ---- 23d. Which steps take it: measured at start-up, remembered ------------------------------------------
+// ==== 28. The persistent kernel, 4: which steps take it, measured at start-up and remembered ===============
 // defines: persist_measure, persist_context_limit, persist_route, persist_cache_read, persist_cache_write,
 //          persist_describe; switch persistent
 
 // Which steps take the kernel: measured once at start-up, on this GPU and this model, because the answer
 // depends on both (how many layers, how wide, how many SMs), on the batch size and on the context. The kernel
 // wins where a step is mostly weights; its attention, a share of 132 thread blocks that wait for qkv, reads
-// the cache more slowly than section 15's kernels, which have the whole GPU to themselves, so the longer the
+// the cache more slowly than section 16's kernels, which have the whole GPU to themselves, so the longer the
 // contexts the less it wins, and past some length it loses (docs/performance.md). For each batch size
 // with a plan, a decode step of B sequences of the same context (the cache's first blocks; slot -1, so nothing
 // is stored) runs both ways, each captured in a CUDA graph as the engine runs it (5 replays to warm up, 20
@@ -8562,14 +8565,14 @@ static void apply_persistent(bool on, Hooks& h) {
 }
 static std::string persist_note(const Qwen3&) { return g_persist ? "decode: " + persist_describe(*g_persist) : ""; }
 static const int kPersistentRegistered = register_optimization(
-    {"persistent", "a small-batch decode step in one persistent kernel (section 23)", true, apply_persistent,
+    {"persistent", "a small-batch decode step in one persistent kernel (section 25)", true, apply_persistent,
      persist_note});
 
 // ##########################################################################################################
 // PART III — THE PROGRAM AROUND IT
 // ##########################################################################################################
 
-// ==== 24. Reading the configuration: config.json, flags and sampling fields ================================
+// ==== 29. Reading the configuration: config.json, flags and sampling fields ================================
 // defines: parse_model_config, load_model_config, parse_optimizations, optimizations_str,
 //          parse_kv_cache_dtype, validate_config, validate_sampling
 //
@@ -8828,7 +8831,7 @@ static void validate_sampling(const SamplingParams& p, const std::string& where,
     if (id < 0) die("%s: stop_token_ids must be token ids >= 0, found %d", w, id);
 }
 
-// ==== 25. Prompts in, completions out ======================================================================
+// ==== 30. Prompts in, completions out ======================================================================
 // defines: PromptOptions, sampling_from_json, sampling_defaults, parse_prompts, read_prompts,
 //          write_completions
 //
@@ -9417,7 +9420,7 @@ static json batch_output_line(const Request& r, const Completion* outs, int n, c
 }
 
 // The completions: a readable block per completion on stdout, and with --output one JSON object per
-// completion (then the run summary, section 26). An OpenAI batch is answered instead with one output line
+// completion (then the run summary, section 31). An OpenAI batch is answered instead with one output line
 // per input line, in input order, to --output or else to stdout. Returns true for a batch.
 static bool write_completions(const std::vector<Request>& reqs, const std::vector<Completion>& outs,
                               const Tokenizer& tok, FILE* jsonl, const std::string& model_name) {
@@ -9463,7 +9466,7 @@ static bool write_completions(const std::vector<Request>& reqs, const std::vecto
 }
 
 
-// ==== 26. Trace, run summary and the report ================================================================
+// ==== 31. Trace, run summary and the report ================================================================
 // defines: RunStats, StepTrace, trace_after_schedule, format_trace, RunWatcher, RunSummary, run_summary,
 //          write_summary, write_report
 //
@@ -10053,7 +10056,7 @@ static void write_report(const std::string& path, const std::string& title, cons
   fclose(f);
 }
 
-// ==== 27. Signals, worker processes and the mailbox ========================================================
+// ==== 32. Signals, worker processes and the mailbox ========================================================
 // defines: install_stop_handlers, g_stop_hook, tp_supervise, tp_launch, tp_shutdown
 //
 // The process plumbing: Ctrl-C and SIGTERM, and the tensor-parallel workers (section 12's ranks 1..N-1):
@@ -10263,7 +10266,7 @@ static bool tp_shutdown() {
   return ok;
 }
 
-// ==== 28. simulate: the engine without a GPU ===============================================================
+// ==== 33. simulate: the engine without a GPU ===============================================================
 // defines: SimGpu, qwen3_shape, simulated_kv_blocks, SimRunner
 //
 // `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` runs the real LLMEngine, Scheduler and BlockManager
@@ -10377,7 +10380,7 @@ struct SimRunner : StepRunner {
     const double params = (double)model_params(mc);
     double bytes = 2.0 * params, flops = 0;
     // A one-token row of a prefill (or mixed) step that goes through the prefill attention kernel reads its
-    // K/V once per query head rather than once per GQA group (section 15); Part II sends the leading ones (a
+    // K/V once per query head rather than once per GQA group (section 16); Part II sends the leading ones (a
     // mixed step's decode rows) through the decode kernel instead (Hooks::decode_rows_as_decode).
     const double group = (double)mc.num_attention_heads / mc.num_key_value_heads;
     bool leading = true;  // every row so far had one token
@@ -10403,7 +10406,7 @@ struct SimRunner : StepRunner {
   }
 };
 
-// ==== 29. Command line and main ============================================================================
+// ==== 34. Command line and main ============================================================================
 // defines: Cli, usage_text, parse_args, main
 
 struct Cli {
@@ -10415,12 +10418,12 @@ struct Cli {
   int64_t seed = 0;
   bool trace = false;
   double request_rate = 0;   // --request-rate: requests/s of a Poisson process (0: all arrive at once)
-  bool simulate = false;     // `nanovllm simulate` (section 28)
+  bool simulate = false;     // `nanovllm simulate` (section 33)
   double sim_gpu_bytes = 0;  // --simulate-gpu-memory
   std::string sim_model = "Qwen3-0.6B";  // --simulate-model: the shape when there is no config.json
   bool sim_model_given = false;
   double sim_eos_prob = 0;   // --simulate-eos-prob
-  json sampling_flags = json::object();  // the sampling flags given, by vLLM's field names (section 25)
+  json sampling_flags = json::object();  // the sampling flags given, by vLLM's field names (section 30)
   bool generation_config = true;         // --generation-config auto (true) or vllm
 };
 
@@ -10517,8 +10520,8 @@ static double parse_size(const std::string& flag, const std::string& v) {
 static Cli parse_args(int argc, char** argv, bool simulate = false) {
   Cli cli;
   cli.simulate = simulate;
-  // vLLM V1's scheduler by default: with the decode rows of its mixed steps at decode speed (section 15) and
-  // those steps in CUDA graphs (21) it matches nano-vllm's rule on bench.py and cuts the tail of the time per
+  // vLLM V1's scheduler by default: with the decode rows of its mixed steps at decode speed (section 16) and
+  // those steps in CUDA graphs (23) it matches nano-vllm's rule on bench.py and cuts the tail of the time per
   // output token (docs/experiments.md, "Two schedulers"). --scheduler nano runs nano-vllm's, the one Part I tells first.
   cli.config.mixed_scheduler = true;
   const char* home = getenv("HOME");
@@ -10758,7 +10761,7 @@ static std::string optimization_notes(ModelRunner& runner) {
   return notes.empty() ? "" : " (" + notes.substr(2) + ")";
 }
 
-// The sampling defaults of this run (section 25's sampling_defaults) into cli.prompts.defaults; returns the
+// The sampling defaults of this run (section 30's sampling_defaults) into cli.prompts.defaults; returns the
 // description the start-up line prints.
 static std::string sampling_defaults_for(Cli& cli, const ModelConfig& mc) {
   std::string described;
@@ -10805,7 +10808,7 @@ static int finish_run(const Cli& cli, LLMEngine& engine, const RunStats& st, con
   return g_stop_requested ? 128 + SIGINT : 0;
 }
 
-// `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` (section 28): the same checks and the same engine as
+// `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` (section 33): the same checks and the same engine as
 // a run, with SimRunner in place of the GPU.
 static int simulate_command(Cli& cli) {
   Config& config = cli.config;
@@ -10841,7 +10844,7 @@ static int simulate_command(Cli& cli) {
   const std::string shape = has_config ? src + "/config.json" : cli.sim_model;
   fprintf(stderr,
           "nanovllm: simulate | shape of %s (%.2f B parameters) | KV cache %s, %d blocks x %d tokens = %lld "
-          "tokens | scheduler %s | no GPU: a stand-in model and a modelled clock (section 28)\n",
+          "tokens | scheduler %s | no GPU: a stand-in model and a modelled clock (section 33)\n",
           shape.c_str(), model_params(mc) / 1e9, config.kv_cache_dtype.c_str(),
           config.num_kvcache_blocks, config.kvcache_block_size,
           (long long)config.num_kvcache_blocks * config.kvcache_block_size,
@@ -10890,7 +10893,7 @@ int main(int argc, char** argv) {
   if (!cli.output_path.empty()) check_output_path(cli.output_path);
   if (!cli.report_path.empty()) check_output_path(cli.report_path, "--report", "report.html");
   // 2. The GPU: weights, KV cache, CUDA graphs. Tensor-parallel workers are forked first: a child process
-  //    cannot use CUDA once its parent has (section 27).
+  //    cannot use CUDA once its parent has (section 32).
   tp_launch(config.tensor_parallel_size);
   check_gpus(config.tensor_parallel_size);
   ModelRunner runner(config, mc);

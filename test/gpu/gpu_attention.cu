@@ -4,9 +4,9 @@
 //   * section 15's flash kernels (flash_attention_prefill, flash_attention_decode) against the same
 //     reference, and against section 8 on the same inputs, within a bound of a few bf16 ulps
 //     (compare_flash_with_plain says why);
-//   * sections 18 and 18 (the cluster merge, the fused q/k-norm + RoPE + store decode kernel) against
+//   * sections 19 and 19 (the cluster merge, the fused q/k-norm + RoPE + store decode kernel) against
 //     section 15, bit for bit;
-//   * section 22's fp8 cache, read by section 15's kernels (section 8 reads bf16 only), against the
+//   * section 24's fp8 cache, read by section 15's kernels (section 8 reads bf16 only), against the
 //     reference over the values its bytes stand for;
 //   * CUDA-graph replay of both decode kernels as contexts grow, and timings (timing_*: figures only).
 //
@@ -128,7 +128,7 @@ static std::vector<bf16> to_bf16(const std::vector<float>& x) {
   return y;
 }
 
-// The batch with an fp8 cache (section 22): every owned key and value replaced by what its e4m3 byte at
+// The batch with an fp8 cache (section 24): every owned key and value replaced by what its e4m3 byte at
 // these scales stands for, so the fp64 reference sees exactly what the kernels read. NaN slots stay NaN.
 static PagedBatch with_fp8_values(PagedBatch pb, KVScales s) {
   for (auto* c : {&pb.k, &pb.v}) {
@@ -144,7 +144,7 @@ static std::vector<uint8_t> to_e4m3(const std::vector<float>& x, float scale) {
   return y;
 }
 
-// Bytes per stored key or value: bf16, or (section 22) one e4m3 byte.
+// Bytes per stored key or value: bf16, or (section 24) one e4m3 byte.
 static size_t kv_value_bytes(KVCacheDtype d) { return d == KVCacheDtype::FP8 ? 1 : 2; }
 
 // The batch on the device, its cache in bf16 or (fp8) in e4m3 bytes at `scale`. Decode uses context_lens =
@@ -264,7 +264,7 @@ static void compare_flash_with_plain(const char* what, const std::vector<float>&
             flash[worst], plain[worst], worst_share, bf16_ulps(flash[worst], plain[worst]));
 }
 
-// fp8 (section 22): the cache is stored in e4m3 at `scale` and the reference reads the values it stands for;
+// fp8 (section 24): the cache is stored in e4m3 at `scale` and the reference reads the values it stands for;
 // read_factor != 1 tells the kernel the wrong scales and expects the comparison to fail. Section 8 reads bf16
 // only, so fp8 cases run section 15 (and 17) alone.
 struct KVChoice {
@@ -272,7 +272,7 @@ struct KVChoice {
   KVScales scale;
   float read_factor = 1.f;
 };
-// The fp8 cache as the fp8 tests store it (section 22's tests, below): scales other than 1 on purpose.
+// The fp8 cache as the fp8 tests store it (section 24's tests, below): scales other than 1 on purpose.
 static const KVChoice kFp8{KVCacheDtype::FP8, {0.25f, 2.f}, 1.f};
 
 static const PagedBatch& reference_input(const PagedBatch& pb, const KVChoice& kv, PagedBatch& holder) {
@@ -301,7 +301,7 @@ static void check_prefill_step(const char* what, const PagedBatch& pb, const Dev
   const DecodeAttention saved_decode = g_decode_attention;
   for (bool cluster : {false, true}) {
     if (cluster && !(nd <= DECODE_CLUSTER_MAX_B && decode_clusters_supported())) continue;
-    g_opt.cluster_merge = cluster;  // as apply_cluster_merge (section 18) sets them
+    g_opt.cluster_merge = cluster;  // as apply_cluster_merge (section 19) sets them
     g_decode_attention = cluster ? attention_decode_cluster : flash_attention_decode;
     const std::string name = label(what, cluster ? "[prefill step, decode rows with cluster merge, 18]"
                                                  : "[prefill step, decode rows through section 15]");
@@ -354,7 +354,7 @@ static void check_prefill(const char* what, const PagedBatch& pb, const KVChoice
   if (nd) check_prefill_step(what, pb, db, kv, nd, max_q, want, flash);
 }
 
-// Section 8's decode kernel (bf16); section 15's split-K kernel with its merge kernel; and section 18's
+// Section 8's decode kernel (bf16); section 15's split-K kernel with its merge kernel; and section 19's
 // cluster merge where it applies (batches of at most DECODE_CLUSTER_MAX_B on sm_90 and later): each against
 // the fp64 reference, and the Part II ones against section 8.
 static void check_decode(const char* what, const PagedBatch& pb, int max_context_len, const KVChoice& kv = {}) {
@@ -709,7 +709,7 @@ static std::vector<int> shuffled_tables(const std::vector<int>& ctx, int P, int 
 
 // Decode at a fixed batch: KV bytes read = sum(ctx) * NKV * D * (2 bytes, fp8: 1) * (K and V). The cache
 // (hundreds of MB) is far larger than L2, so every run reads it from HBM. Rows: section 15's kernel (with
-// its merge kernel), the engine's default decode path (sections 18-18), and section 8's plain kernel (bf16
+// its merge kernel), the engine's default decode path (sections 19-19), and section 8's plain kernel (bf16
 // only; each query head of a GQA group reads the group's keys again, from L2 if they are still there: its
 // GB/s counts the bytes once, as the others do).
 static void time_decode(const char* what, const std::vector<int>& ctx, int NH, int NKV, int P, int max_ctx,
@@ -732,11 +732,11 @@ static void time_decode(const char* what, const std::vector<int>& ctx, int NH, i
   double us = median_us([&] {
     flash_attention_decode(out, qkv, view, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws, 1.f / sqrtf(128.f), 0);
   });
-  // The decode attention section 14's forward_fast runs (at batches of 1, 2 and 4 section 23's persistent
-  // kernel may take the whole step instead): section 18's kernel, with q/k-norm, RoPE and the store inside
+  // The decode attention section 14's forward_fast runs (at batches of 1, 2 and 4 section 25's persistent
+  // kernel may take the whole step instead): section 19's kernel, with q/k-norm, RoPE and the store inside
   // (padding slots here, so the cache is not written) where the engine fuses them (a bf16 cache, or small
   // batches; elsewhere the kernel after them, which is section 15's: their kernel is not timed here), and at
-  // small batches section 18's cluster merge.
+  // small batches section 19's cluster merge.
   const bool fuse = !fp8 || B <= DECODE_CLUSTER_MAX_B;
   std::vector<int> pos(B), no_slots(B, -1);
   for (int b = 0; b < B; b++) pos[b] = ctx[b] - 1;
@@ -764,7 +764,7 @@ static void time_decode(const char* what, const std::vector<int>& ctx, int NH, i
     snprintf(plain_row, sizeof plain_row, "%.1f us, %.0f GB/s", us_plain, bytes / us_plain / 1e3);
     CHECK_MSG(count_nonfinite(out, (size_t)B * NH * HEAD_DIM) == 0, "non-finite decode output (section 8)");
   }
-  printf("    TIMING %s: KV %.1f MB; section 15 %.1f us, %.0f GB/s; engine (sections 18-18%s) %.1f us, %.0f GB/s, "
+  printf("    TIMING %s: KV %.1f MB; section 15 %.1f us, %.0f GB/s; engine (section 19%s) %.1f us, %.0f GB/s, "
          "back to back %.1f us, %.0f GB/s; section 8 %s\n", what, bytes / 1e6, us, bytes / us / 1e3,
          fuse ? ", fused rope" : "", us_fused, bytes / us_fused / 1e3, us_fused_b2b, bytes / us_fused_b2b / 1e3,
          plain_row);
@@ -797,15 +797,15 @@ static void* device_copy_bytes(const void* src, size_t n) {
   return d;
 }
 
-// Section 18's fused kernel (q/k-norm, RoPE and the KV store inside decode attention) against the kernels
+// Section 19's fused kernel (q/k-norm, RoPE and the KV store inside decode attention) against the kernels
 // it replaces, qk_norm_rope then section 15's flash_attention_decode, on the same raw qkv and cache: the
 // outputs of the real rows and the whole cache afterwards must be equal bit for bit. Where the cluster merge
-// applies (section 18), the same again with it on both sides, and (contexts of at most 1024 keys, where its
+// applies (section 19), the same again with it on both sides, and (contexts of at most 1024 keys, where its
 // partition length equals section 15's 64 keys: a bf16 cache) the cluster path against section 15 too.
 // The last n_pad rows are padding (slot -1, as the engine pads a graph's batch): every path stores nothing
 // for them; their outputs are not compared (the fused kernel attends to the row's own k and v, the separate
 // path to what the cache held).
-// fp8 (section 22): the same over an e4m3 cache at these scales (qk_norm_rope_view stores e4m3); this step's
+// fp8 (section 24): the same over an e4m3 cache at these scales (qk_norm_rope_view stores e4m3); this step's
 // k and v are then the values their bytes stand for on both sides.
 static void check_fused_rope(const char* what, int NH, int NKV, int P, const std::vector<int>& ctx, int n_pad,
                              int max_ctx, uint64_t seed, KVCacheDtype dtype = KVCacheDtype::BF16,
@@ -904,7 +904,7 @@ TEST(decode_fused_rope_matches_separate_kernels) {
                    59);
 }
 
-// ---- section 22: the fp8 cache ------------------------------------------------------------------------------
+// ---- section 24: the fp8 cache ------------------------------------------------------------------------------
 // The kernels read e4m3 bytes and widen them exactly, so against the fp64 reference over the values the
 // bytes stand for they are held to the bf16 tolerance. Scales other than 1 on purpose (kFp8, above:
 // keys 1/4, values 2).
@@ -945,7 +945,7 @@ TEST(fp8_wrong_scale_is_caught) {
                make_batch(16, 8, 64, std::vector<int>(40, 1), random_lengths(40, 1, 900, 123), 124), 1024, wrong);
 }
 
-// Section 18 with an fp8 cache: the fused kernel keeps this step's key and value in shared memory as the values
+// Section 19 with an fp8 cache: the fused kernel keeps this step's key and value in shared memory as the values
 // their bytes stand for, so its outputs and the bytes it stores equal qk_norm_rope_view + section 15's, bit
 // for bit.
 TEST(fp8_decode_fused_rope_matches_separate_kernels) {

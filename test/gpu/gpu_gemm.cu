@@ -1,4 +1,4 @@
-// Sections 10 and 17 on the GPU: matrix products through cuBLASLt (Part I) and through the small-batch gemv
+// Sections 10 and 18 on the GPU: matrix products through cuBLASLt (Part I) and through the small-batch gemv
 // (Part II), each against the CPU reference (linear_reference, in double), the fused gemvs bit for bit
 // against the kernels they replace, and the two paths timed side by side at decode shapes.
 #define NANOVLLM_TESTING

@@ -1,6 +1,6 @@
 // gpu_kernels.cu — sections 7 (elementwise and normalisation kernels), 9 (the sampler) and 20 (the fast
-// samplers: 20a's bisection, 20b's radix select) against the CPU references beside them in nanovllm.cu, the
-// three samplers against each other token for token, and section 22's fp8 conversions and store. Every case poisons its outputs first (0xFF bytes: bf16 NaN), uses fresh
+// samplers: section 21's bisection, section 22's radix select) against the CPU references beside them in nanovllm.cu, the
+// three samplers against each other token for token, and section 24's fp8 conversions and store. Every case poisons its outputs first (0xFF bytes: bf16 NaN), uses fresh
 // random inputs and awkward sizes. Without a visible GPU every GPU case is SKIPPED (never reported as passed).
 //   build: make test (or nvcc -std=c++17 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a
 //          -o build/gpu_kernels test/gpu/gpu_kernels.cu -lcublasLt -lnccl libutf8proc.a)
@@ -227,7 +227,7 @@ TEST(store_kvcache_slots_and_padding) {
     }
 }
 
-// ---- section 22: the fp8 cache's conversions and store ---------------------------------------------------
+// ---- section 24: the fp8 cache's conversions and store ---------------------------------------------------
 
 __global__ void fp8_round_trip_kernel(const uint16_t* in, uint8_t* bytes, uint16_t* back, uint8_t* again, int n,
                                       float scale) {
@@ -241,7 +241,7 @@ __global__ void fp8_round_trip_kernel(const uint16_t* in, uint8_t* bytes, uint16
 }
 
 // Every bf16 value (all 65,536 bit patterns but NaN), at scales 1, 2^-3, 2^5 and 2^7: the byte the store
-// writes equals section 22's CPU rounding of value / scale (nearest, ties to even, saturating at 448); the
+// writes equals section 24's CPU rounding of value / scale (nearest, ties to even, saturating at 448); the
 // fp16 the attention tiles get is exactly that e4m3 value (subnormals included); and the fused kernel's
 // store of those tile values writes the same byte again.
 TEST(fp8_conversions_exact) {
@@ -279,7 +279,7 @@ TEST(fp8_conversions_exact) {
   }
 }
 
-// qk_norm_rope_view's store into an fp8 cache (section 22): every k head lands in its slot as e4m3(k / k_scale)
+// qk_norm_rope_view's store into an fp8 cache (section 24): every k head lands in its slot as e4m3(k / k_scale)
 // of the bf16 k it left in qkv, every v head as e4m3(v / v_scale); slot -1 stores nothing; nothing else is
 // touched.
 TEST(store_kvcache_fp8) {
@@ -397,7 +397,7 @@ TEST(bench_elementwise_bandwidth) {
   }
 }
 
-// ==== sections 9 and 20: the sampler =====================================================================
+// ==== sections 9 and 21: the sampler =====================================================================
 
 TEST(philox_known_answers) {  // Random123's kat_vectors for philox4x32-10; runs on the CPU
   struct Kat { uint4 ctr; uint2 key; uint4 want; };
@@ -448,13 +448,13 @@ static int cpu_sample(const float* logits, int V, const SamplingSlot& s, const s
   return sample_reference(logits, V, s, keep.empty() ? std::vector<char>(V, 1) : keep, margin);
 }
 
-// Which sampler gpu_sample and sample_histogram run: section 20b's (the engine's default), section 20a's or
+// Which sampler gpu_sample and sample_histogram run: section 22's (the engine's default), section 21's or
 // section 9's, each with a workspace large enough for any of them.
 enum class Sampler { fast, bisect, plain };
 static const Sampler kAllSamplers[] = {Sampler::fast, Sampler::bisect, Sampler::plain};
 static Sampler g_sampler = Sampler::fast;
 static const char* sampler_name(Sampler s) {
-  return s == Sampler::fast ? "section 20b (radix select)" : s == Sampler::bisect ? "section 20a (bisection)"
+  return s == Sampler::fast ? "section 22 (radix select)" : s == Sampler::bisect ? "section 21 (bisection)"
                                                                                    : "section 9 (sort)";
 }
 static size_t any_sampler_workspace_bytes(int B, int V) {
@@ -482,7 +482,7 @@ static std::vector<int> gpu_sample(const std::vector<float>& logits, const std::
   return d_out.download();
 }
 
-// The same rows through all three samplers (g_sampler is left at the engine's default, section 20b's).
+// The same rows through all three samplers (g_sampler is left at the engine's default, section 22's).
 struct ThreeDraws {
   std::vector<int> plain, bisect, fast;
 };
@@ -809,10 +809,10 @@ TEST(sample_every_path_once) {
   g_sampler = Sampler::fast;
 }
 
-// Sections 20a and 20b compute the same kept set and the same draw as section 9 by other roads: every token
+// Sections 21 and 22 compute the same kept set and the same draw as section 9 by other roads: every token
 // must be equal, on every kind of row (greedy with planted ties and NaNs, temperature, top-k small and huge,
 // top-p with a short list and with the list overflow of a flat row, both cuts), at batch sizes that change
-// how section 20b splits rows, and at vocabulary sizes with V % 4 != 0.
+// how section 22 splits rows, and at vocabulary sizes with V % 4 != 0.
 TEST(sample_fast_matches_plain) {
   REQUIRE_GPU();
   std::mt19937 rng(19);
@@ -843,10 +843,10 @@ TEST(sample_fast_matches_plain) {
                   "V=%d B=%d row %d (T=%g k=%d p=%g): radix select %d, bisection %d, sort %d", V, B, b,
                   slots[b].temperature, slots[b].top_k, slots[b].top_p, fast[b], bisect[b], plain[b]);
     }
-  printf("    %d rows: sections 9, 20a and 20b drew the same token\n", compared);
+  printf("    %d rows: sections 9, 21 and 22 drew the same token\n", compared);
 }
 
-// The three samplers (section 9's sort, 20a's bisection, 20b's radix select) on rows built to sit on their
+// The three samplers (section 9's sort, section 21's bisection, section 22's radix select) on rows built to sit on their
 // edges: ties everywhere and ties at the top, NaN, -inf, +inf, every value equal, nothing finite, a flat row;
 // under every kind of cut: greedy, temperature alone, top_k 1, 2 and V - 1, top_p tiny and just under 1,
 // min_p (1 included), all three at once; at vocabulary sizes that change the kernels' shapes (one split or

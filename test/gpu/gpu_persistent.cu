@@ -1,12 +1,12 @@
-// gpu_persistent.cu — section 23's persistent decode kernel against section 14's forward pass and Part I's
+// gpu_persistent.cu — section 25's persistent decode kernel against section 14's forward pass and Part I's
 // (Qwen3::forward), on random-weight models built in GPU memory (the Qwen3-0.6B shape with all 28 layers,
 // a 4-layer slice of the Qwen3-8B shape, and an odd small shape whose sizes leave partial row groups and
 // partial chunks everywhere, with one KV head and 16-token blocks), at every batch size the kernel has a plan
 // for (1, 2, 4) with contexts from 1 to 3000 tokens over shuffled paged blocks; with a bf16 cache and with
-// an fp8 one (section 22).
+// an fp8 one (section 24).
 //   * Accuracy. The kernel adds its sums in another order than section 14 (and cuBLASLt), so the results are
 //     not bit-identical: each bf16 rounding may land one ulp apart and the difference travels through the
-//     layers. The yardstick is how far section 14 (other legitimate orders: section 17's gemv at batch 1
+//     layers. The yardstick is how far section 14 (other legitimate orders: section 18's gemv at batch 1
 //     and 2, section 15's flash attention at every batch) lands from Part I (cuBLASLt, section 8's plain
 //     attention) on the same model at batch 1 and 2: the persistent logits' relative L2 distance to Part
 //     I's must be within 1.5x that plus 2e-3, likewise the keys and values the step stores, and the same token
@@ -88,7 +88,7 @@ __global__ void widen_e4m3(bf16* out, const fp8e4m3* in, size_t n, float scale) 
 }
 
 // A Qwen3 with random weights and a random cache, bf16 or (fp8 = true) fp8 with the scales the engine would
-// choose for these weights plus a bf16 copy of it for Part I, and section 23's plans, without a checkpoint.
+// choose for these weights plus a bf16 copy of it for Part I, and section 25's plans, without a checkpoint.
 struct TestModel {
   Qwen3 m;
   PersistentDecode pd;
@@ -308,7 +308,7 @@ static int argmax_agrees(const std::vector<float>& got, const std::vector<float>
   return same;
 }
 
-static bool fp8_cache_supported() {  // section 22's conversion instructions: compute capability 8.9
+static bool fp8_cache_supported() {  // section 24's conversion instructions: compute capability 8.9
   int major = 0, minor = 0;
   CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
   CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0));
@@ -333,7 +333,7 @@ static void accuracy_case(const std::string& shape, int P, bool fp8 = false) {
   CHECK_MSG(t.pd.plans.count(1), "no plan for batch 1 (%s)", t.pd.off_reason.c_str());
   const int V = t.m.cfg.vocab_size;
   // The yardstick: how far other legitimate summation orders land from Part I on this model. Section 14
-  // runs batch 1 and 2 through section 17's gemv, whose order differs from cuBLASLt's (larger batches go
+  // runs batch 1 and 2 through section 18's gemv, whose order differs from cuBLASLt's (larger batches go
   // through cuBLASLt like Part I), and attention at every batch through section 15's flash kernels, whose
   // order differs from section 8's; its largest distance at batch 1 and 2 is the shape's noise level. With an
   // fp8 cache section 14's distance at every batch size counts (its fp8 roundings of the step's keys and

@@ -2,9 +2,9 @@
 // (nanovllm.cu: logit_edits_reference, logprobs_reference, sample_kept_reference / sample_reference):
 //   * the logit edits (penalties and bans) to the bit, and their restore to the bit, on rows built from real
 //     Sequences (repeated prompt tokens, counts, bans merged into penalty entries);
-//   * the log-probabilities, section 9b's and section 20's split ones, against a CPU log-softmax in double of
+//   * the log-probabilities, section 9b's and section 21's split ones, against a CPU log-softmax in double of
 //     the same logits (NaN, -inf, planted ties), at batch sizes where the split cuts rows;
-//   * the three samplers with min_p, alone and with top-k / top-p: sections 20a and 20b draw section 9's token,
+//   * the three samplers with min_p, alone and with top-k / top-p: sections 21 and 22 draw section 9's token,
 //     which is in the CPU's kept set, and is the CPU's exact draw wherever the draw's margin is clear of float
 //     noise.
 #define NANOVLLM_TESTING
@@ -111,7 +111,7 @@ TEST(logprobs_match_cpu_log_softmax) {
     TokenLogprobs* d_out;
     CUDA_CHECK(cudaMalloc(&d_out, B * sizeof(TokenLogprobs)));
     DevBuf<unsigned char> ws(logprobs_workspace_bytes(B));
-    for (bool fast : {false, true}) {  // section 9b's kernel, then section 20's split one
+    for (bool fast : {false, true}) {  // section 9b's kernel, then section 22a's split one
     CUDA_CHECK(cudaMemset(d_out, 0xFF, B * sizeof(TokenLogprobs)));
     if (fast) compute_logprobs_fast(d_out, d_logits, d_tokens, d_slots, B, V, ws.p, ws.n, 0);
     else compute_logprobs(d_out, d_logits, d_tokens, d_slots, B, V, 0);
@@ -140,7 +140,7 @@ TEST(logprobs_match_cpu_log_softmax) {
                   got[b].top_logprobs[k], want.top_logprobs[k]);
       }
     }
-    printf("    V=%d, %s: %d rows, worst |logprob - CPU double| = %.2e\n", V, fast ? "split (section 20)" : "section 9b",
+    printf("    V=%d, %s: %d rows, worst |logprob - CPU double| = %.2e\n", V, fast ? "split (section 22a)" : "section 9b",
            B, worst);
     }
     cudaFree(d_logits), cudaFree(d_tokens), cudaFree(d_slots), cudaFree(d_out);
@@ -176,7 +176,7 @@ TEST(sampler_min_p_matches_cpu) {
       DevBuf<unsigned char> ws(std::max(sample_workspace_bytes(B, V), sample_sort_workspace_bytes(B, V)));
       ws.poison();
       CUDA_CHECK(cudaMemset(d_out, 0xFF, B * sizeof(int)));
-      sample_fast(d_out, d_logits, d_slots, B, V, ws.p, ws.n, 0);  // section 20b's, 20a's, then section 9's
+      sample_fast(d_out, d_logits, d_slots, B, V, ws.p, ws.n, 0);  // section 22's, section 21's, then section 9's
       std::vector<int> fast = to_host(d_out, B);
       CUDA_CHECK(cudaMemset(d_out, 0xFF, B * sizeof(int)));
       sample_bisect(d_out, d_logits, d_slots, B, V, ws.p, ws.n, 0);
@@ -206,7 +206,7 @@ TEST(sampler_min_p_matches_cpu) {
       cudaFree(d_logits), cudaFree(d_slots), cudaFree(d_out);
     }
   }
-  printf("    %d rows with min_p: sections 20b, 20a and 9 drew the same token; every token in the CPU's kept set, %d "
+  printf("    %d rows with min_p: sections 22, 21 and 9 drew the same token; every token in the CPU's kept set, %d "
          "equal to the CPU's exact draw\n", rows, exact);
   CHECK(exact > rows / 2);
 }

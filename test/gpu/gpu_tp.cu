@@ -1,4 +1,4 @@
-// The tensor-parallel data plane on two GPUs (nanovllm.cu sections 12 and 19): all_reduce_fast on both roads (the
+// The tensor-parallel data plane on two GPUs (nanovllm.cu sections 12 and 20): all_reduce_fast on both roads (the
 // one-shot NVLink kernel and NCCL), in place and into a residual, against an fp32 reference, eagerly and
 // replayed from CUDA graphs mixed with eager calls, and back to back with the ranks out of step;
 // gather_logits with an odd vocabulary; all_reduce_min; and the latency of one all-reduce at the message
@@ -75,7 +75,7 @@ TEST(all_reduce_matches_fp32_sum_on_both_roads) {
   cudaStream_t s;
   CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   const Optimizations saved = g_opt;
-  for (int m : {0, 1}) {  // 0: the one-shot road where it applies (section 19); 1: NCCL alone (section 12)
+  for (int m : {0, 1}) {  // 0: the one-shot road where it applies (section 20); 1: NCCL alone (section 12)
     g_opt.oneshot_allreduce = m == 0;
     for (size_t n : sizes)
       for (bf16* r : {(bf16*)nullptr, residual})
@@ -347,7 +347,7 @@ int main(int argc, char** argv) {
       while (!__atomic_load_n(&sh->ready, __ATOMIC_ACQUIRE)) usleep(1000);
     }
     g_comm = tp_comm_init(g_rank, 2, sh->id);
-    oneshot_setup(g_comm);  // section 19, as ModelRunner does it (the tp_ready hook)
+    oneshot_setup(g_comm);  // section 20, as ModelRunner does it (the tp_ready hook)
   }
   int rc = test_main(argc, argv);
   if (g_rank == 1) _exit(rc);

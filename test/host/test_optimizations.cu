@@ -76,9 +76,9 @@ TEST(switches_fill_their_hooks) {
   install_optimizations(parsed("none,bisect_sampler"));  // the draw only: section 9b's log-probabilities stay
   CHECK(!g_hooks.forward && g_hooks.sample == sample_bisect && !g_hooks.sample_workspace_bytes &&
         !g_hooks.compute_logprobs);
-  install_optimizations(parsed("none,bisect_sampler,fast_sampler"));  // both: section 20b's, the later step
+  install_optimizations(parsed("none,bisect_sampler,fast_sampler"));  // both: section 22's, the later step
   CHECK(g_hooks.sample == sample_fast && g_hooks.sample_workspace_bytes == sample_workspace_bytes);
-  install_optimizations(parsed("-fast_sampler"));  // the default less 20b: 20a's bisection draws
+  install_optimizations(parsed("-fast_sampler"));  // the default less section 22: section 21's bisection draws
   CHECK(g_hooks.sample == sample_bisect && !g_hooks.compute_logprobs);
   install_optimizations(parsed("none,oneshot_allreduce"));
   CHECK(g_hooks.tp_ready == oneshot_setup && g_hooks.forward == forward_fast);
@@ -118,7 +118,7 @@ TEST(chapters_fill_their_stages) {
         g_stages.attention_prefill == flash_attention_prefill_stage);
 }
 
-// Section 22b's order: with an fp8 cache, a decode batch sorted by context length, longest first, ties kept in
+// Section 24a's order: with an fp8 cache, a decode batch sorted by context length, longest first, ties kept in
 // the scheduler's order (stable), the same sequences; with a bf16 cache, the batch as it was.
 TEST(longest_first_orders_decode_rows) {
   std::vector<Sequence> seqs;
@@ -199,7 +199,7 @@ TEST(longest_first_reorders_decode_steps_only) {
   CHECK(decode_steps > 0 && reordered > 0);  // the workload did exercise the order
 }
 
-// Section 21's rungs: ascending, within the step budget and PREFILL_GRAPH_MAX_T, and every step size up to
+// Section 23's rungs: ascending, within the step budget and PREFILL_GRAPH_MAX_T, and every step size up to
 // the last rung finds one that holds it with fewer than 128 padding rows (below 128: a rung under 2T + 16).
 TEST(prefill_graph_rungs_bound_the_padding) {
   for (int Tmax : {8, 16, 100, 512, 2048, 2100, 16384}) {
@@ -218,7 +218,7 @@ TEST(prefill_graph_rungs_bound_the_padding) {
   }
 }
 
-// Every optimization is on by default (section 23's persistent kernel then takes only the batch sizes it
+// Every optimization is on by default (section 25's persistent kernel then takes only the batch sizes it
 // measures faster at start-up).
 TEST(defaults_are_all) {
   OptimizationSet o = default_optimizations();
@@ -231,7 +231,7 @@ TEST(defaults_are_all) {
   CHECK_EQ(optimizations_str(o), std::string("all"));
 }
 
-// Section 23's weight stream: the chunks a thread block's cursor visits (persist_seek, then the next column
+// Section 25's weight stream: the chunks a thread block's cursor visits (persist_seek, then the next column
 // chunk, as persist_issue steps it) come in the order the kernel's main loop uses them: operation by
 // operation, the block's groups (block, block + grid, ...), each group's column chunks in order; none of
 // operations that are not matrix products or in which the block has no group; and once past the last, none
@@ -282,7 +282,7 @@ TEST(persistent_weight_stream_order) {
   CHECK(visited > 100000);  // the lists are not all empty
 }
 
-// Section 23's routing by context: where the kernel's line meets section 14's less the margin, from two
+// Section 28's routing by context: where the kernel's line meets section 14's less the margin, from two
 // measurements; and the plan a step gets on either side of that limit. Pure host arithmetic.
 TEST(persistent_routing_by_context) {
   const double m = PERSIST_ROUTE_MARGIN;
@@ -322,7 +322,7 @@ TEST(persistent_routing_by_context) {
   g_opt = saved;
 }
 
-// Section 23's cache of the routing measurement: what it writes it reads back whole; anything else (another
+// Section 28's cache of the routing measurement: what it writes it reads back whole; anything else (another
 // key, a corrupted time, a missing or extra batch size, a context the run would not time, a time that is not
 // finite and positive, a file cut short or not JSON) is refused, so the run measures again.
 TEST(persistent_routing_cache_trusts_only_a_whole_entry) {
@@ -441,7 +441,7 @@ TEST(command_line_flags) {
   CHECK(help.find("(mixed)") != std::string::npos);
 }
 
-// The workers build their engine from Config as JSON (section 27): the switch must survive the trip.
+// The workers build their engine from Config as JSON (section 32): the switch must survive the trip.
 TEST(switch_travels_to_the_workers) {
   Config c;
   c.opt = parsed("none,gemv,oneshot_allreduce");

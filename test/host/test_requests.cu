@@ -1,4 +1,4 @@
-// test_requests.cu — the request fields of vLLM's SamplingParams (nanovllm.cu sections 2, 5, 9b, 13, 22)
+// test_requests.cu — the request fields of vLLM's SamplingParams (nanovllm.cu sections 2, 5, 9b, 13, 24)
 // without a GPU: stop strings matched on the growing text across token boundaries, stop token ids and
 // min_tokens in the scheduler, n completions sharing the prompt's blocks, the penalties' and bans' logit
 // edits and the log-probabilities against plain CPU formulas, min_p's threshold, the generation_config.json
@@ -253,7 +253,7 @@ TEST(min_p_threshold_is_the_direct_rule) {
     const uint32_t t = min_p_threshold(m, min_p);
     const float z = m - uni() * 20.f;
     CHECK_MSG((float_order_key(z) >= t) == (z - m >= logf(min_p)), "m %g min_p %g z %g", m, min_p, z);
-    // section 9's rule and section 20a's threshold key keep the same tokens
+    // section 9's rule and section 21's threshold key keep the same tokens
     CHECK_MSG((float_order_key(z) >= t) == min_p_keeps(z, m, logf(min_p)), "m %g min_p %g z %g", m, min_p, z);
   }
   // ... also where z - m is NaN or infinite: a row max of +inf or -inf keeps exactly the tokens equal to it.
@@ -272,7 +272,7 @@ TEST(min_p_threshold_is_the_direct_rule) {
   CHECK(keep == (std::vector<char>{1, 1, 1, 0, 1, 0}));  // e^-2 > 0.1 > e^-3
 }
 
-// ---- section 9's sort, and its cut against section 20a's bisection, on the CPU -------------------------
+// ---- section 9's sort, and its cut against section 21's bisection, on the CPU -------------------------
 
 // block_sort_descending's loops run by one thread: within a step the pairs are disjoint, so running them one
 // after another is the same as running them all at once. *touched_twice: a position two pairs of one step
@@ -319,7 +319,7 @@ TEST(sample_sort_is_a_sorting_network) {
          sorted);
 }
 
-// Section 9's cut (sort, then read tau off the sorted values) and section 20a's (bisection over order keys),
+// Section 9's cut (sort, then read tau off the sorted values) and section 21's (bisection over order keys),
 // each written out here on the CPU with one mass function standing in for the GPU's fixed_mass (the same
 // integers for both, as on the GPU): the two kept sets must be the same set, on rows made of ties, NaN, -inf,
 // +inf and flat stretches, for every kind of cut. And both lie between the CPU reference's bracketing sets.
