@@ -4953,7 +4953,8 @@ static void attention_prefill_step(bf16* out, const bf16* qkv, const KVView& cac
                             in.block_tables + (size_t)nd * MB, B - nd, in.max_seqlen_q, NH, NKV, P, MB, scale, s);
 }
 
-// Section 14's stages attention_prefill and attention_decode, on this section's kernels.
+// Section 14's stages attention_prefill and attention_decode: section 15's prefill kernel, this section's
+// decode kernel.
 static void flash_attention_prefill_stage(Pass& p, int l) {
   Qwen3& m = p.m;
   const ModelConfig& c = m.cfg;
