@@ -34,10 +34,8 @@
 // Tokens are byte strings internally: tokenizer.json spells bytes with GPT-2's printable alphabet
 // ("Ġ" is the space byte); load() translates every vocab entry back to raw bytes once.
 //
-// Speed, one core of the H200 host's Xeon (2026-11-21, test/ref/tokenizer_reference.py bench): on 10 MB of
-// Python source, encode 39.5 MB/s (0.25 s, after a 0.42 s load) against Hugging Face tokenizers 0.23.2 at
-// 1.24 MB/s (encode) and 1.34 MB/s (encode_batch by line); on 10 MB of the multilingual test corpus
-// 16.8 MB/s against 1.14 MB/s. Same ids as HF on both (9.4 million tokens).
+// Loading reads tokenizer.json's two large tables with a reader made for them (T6: read_tables_fast), the
+// rest with nlohmann::json. Speed against Hugging Face's tokenizers: docs/performance.md.
 #pragma once
 
 #include <algorithm>
@@ -544,7 +542,7 @@ struct ChatMessage {
 struct Tokenizer {
   // --- API -----------------------------------------------------------------------------------------------
   // `path` is a model folder (tokenizer.json, tokenizer_config.json if present) or a tokenizer.json.
-  static Tokenizer load(const std::string& path);
+  static Tokenizer load(const std::string& path, bool plain_reader = false);  // plain_reader: tests only
   std::vector<int> encode(const std::string& text) const;     // dies on invalid UTF-8; not thread-safe
   std::string decode(const std::vector<int>& ids) const;      // ids without a token are skipped, as in HF
   int vocab_size() const { return (int)id_to_bytes.size(); }  // 151,669 for Qwen3 (added tokens included)
@@ -579,6 +577,7 @@ struct Tokenizer {
   static constexpr int CACHE_SLOTS = 1 << 15;
   mutable std::vector<CacheSlot> cache;
 
+  bool build(const std::string& file, const std::string& dir, const struct TokenizerTables& tables, bool fast);
   void encode_piece(const char* p, size_t n, std::vector<int>& out) const;
   void encode_segment(const char* p, size_t n, std::vector<int>& out) const;
 };
@@ -599,40 +598,301 @@ static uint64_t fnv1a64(const std::string& s) {
   return h;
 }
 
-inline Tokenizer Tokenizer::load(const std::string& path_arg) {
-  using nlohmann::json;
-  auto read = [](const std::string& p, std::string* out) {
-    FILE* f = fopen(p.c_str(), "rb");
-    if (!f) return false;
-    char buf[1 << 16];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof buf, f)) > 0) out->append(buf, n);
-    fclose(f);
-    return true;
+// tokenizer.json's two large tables, model.vocab (151,643 spellings -> ids) and model.merges (151,387 pairs),
+// are almost all of its 11 MB. Read as one nlohmann::json document, they become some 450,000 small objects,
+// a sorted map among them, built and then freed: most of the load. So load() first tries a small reader
+// made for exactly these two tables (read_tables_fast): it walks the file's structure, reads the two tables
+// straight into vectors, and hands nlohmann::json the rest with the tables emptied (a few KB). It gives up
+// on anything it does not expect (a malformed or out-of-range entry, an empty or repeated table, a number
+// that is not a plain integer, invalid UTF-8); read_tables_plain then reads the whole file as one document
+// and says what is wrong. Both give the same tables for any file the fast one accepts (test_tokenizer
+// checks on the real tokenizer and on edge cases).
+struct TokenizerTables {
+  nlohmann::json doc;  // the file (read_tables_fast: with model.vocab and model.merges emptied)
+  std::vector<std::pair<std::string, int>> vocab;  // (spelling, id)
+  struct Merge {
+    std::string left, right;  // the two spellings
+    bool pair;                // written ["a", "b"] (else "a b")
   };
+  std::vector<Merge> merges;  // in rank order
+};
+
+// A cursor over JSON text that reads strings and plain integers, and skips any other value.
+struct JsonCursor {
+  const char* p;
+  const char* end;
+  void ws() {
+    while (p < end && (*p == ' ' || *p == '\n' || *p == '\r' || *p == '\t')) p++;
+  }
+  bool take(char c) {
+    ws();
+    if (p < end && *p == c) return p++, true;
+    return false;
+  }
+  bool hex4(uint32_t* v) {
+    if (end - p < 4) return false;
+    *v = 0;
+    for (int i = 0; i < 4; i++) {
+      char c = *p++;
+      int d = c >= '0' && c <= '9'   ? c - '0'
+              : c >= 'a' && c <= 'f' ? c - 'a' + 10
+              : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                     : -1;
+      if (d < 0) return false;
+      *v = *v << 4 | d;
+    }
+    return true;
+  }
+  // A string (RFC 8259: escapes, \uXXXX with surrogate pairs, no raw control characters), as UTF-8.
+  bool string(std::string* out) {
+    if (!take('"')) return false;
+    out->clear();
+    const char* run = p;  // bytes copied as they are, flushed at each escape
+    while (p < end) {
+      unsigned char c = *p;
+      if (c == '"') {
+        out->append(run, p++ - run);
+        return utf8_invalid_at(out->data(), out->size()) == out->size();
+      }
+      if (c < 0x20) return false;
+      if (c != '\\') {
+        p++;
+        continue;
+      }
+      out->append(run, p - run);
+      if (++p >= end) return false;
+      char e = *p++;
+      uint32_t cp;
+      switch (e) {
+        case '"': case '\\': case '/': *out += e; break;
+        case 'b': *out += '\b'; break;
+        case 'f': *out += '\f'; break;
+        case 'n': *out += '\n'; break;
+        case 'r': *out += '\r'; break;
+        case 't': *out += '\t'; break;
+        case 'u':
+          if (!hex4(&cp)) return false;
+          if (cp >= 0xDC00 && cp <= 0xDFFF) return false;  // a low surrogate alone
+          if (cp >= 0xD800 && cp <= 0xDBFF) {                // a high one: its low one must follow
+            uint32_t lo;
+            if (end - p < 2 || p[0] != '\\' || p[1] != 'u') return false;
+            p += 2;
+            if (!hex4(&lo) || lo < 0xDC00 || lo > 0xDFFF) return false;
+            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+          }
+          utf8_append(*out, cp);
+          break;
+        default: return false;
+      }
+      run = p;
+    }
+    return false;
+  }
+  // An integer in [0, 2^24) written plainly (no sign, fraction or exponent).
+  bool token_id(int* v) {
+    ws();
+    const char* b = p;
+    long long x = 0;
+    while (p < end && *p >= '0' && *p <= '9' && p - b < 9) x = x * 10 + (*p++ - '0');
+    if (p == b || (p - b > 1 && *b == '0') || x >= (1 << 24)) return false;
+    if (p < end && (*p == '.' || *p == 'e' || *p == 'E' || (*p >= '0' && *p <= '9'))) return false;
+    *v = (int)x;
+    return true;
+  }
+  // Any value, unread (its strings are still checked, so a string cannot hide a structural character).
+  bool skip(int depth = 0) {
+    ws();
+    if (p >= end || depth > 256) return false;
+    std::string scratch;
+    if (*p == '"') return string(&scratch);
+    if (*p == '{' || *p == '[') {
+      const char close = *p++ == '{' ? '}' : ']';
+      if (take(close)) return true;
+      do {
+        if (close == '}' && !(string(&scratch) && take(':'))) return false;
+        if (!skip(depth + 1)) return false;
+      } while (take(','));
+      return take(close);
+    }
+    const char* b = p;  // a number or true / false / null: nlohmann::json checks it later
+    while (p < end && (isalnum((unsigned char)*p) || *p == '-' || *p == '+' || *p == '.')) p++;
+    return p > b;
+  }
+};
+
+static bool read_tables_fast(const std::string& text, TokenizerTables* out) {
+  JsonCursor c{text.data(), text.data() + text.size()};
+  std::string key;
+  size_t vocab_at[2] = {0, 0}, merges_at[2] = {0, 0};  // byte ranges of the two tables' values
+  auto read_vocab = [&]() {
+    if (!c.take('{') || c.take('}')) return false;
+    std::pair<std::string, int> e;
+    do {
+      if (!c.string(&e.first) || !c.take(':') || !c.token_id(&e.second)) return false;
+      out->vocab.push_back(e);
+    } while (c.take(','));
+    return c.take('}');
+  };
+  auto read_merges = [&]() {
+    if (!c.take('[')) return false;
+    if (c.take(']')) return true;
+    TokenizerTables::Merge m;
+    std::string both;
+    do {
+      c.ws();
+      if (c.p < c.end && *c.p == '[') {
+        c.p++;
+        if (!c.string(&m.left) || !c.take(',') || !c.string(&m.right) || !c.take(']')) return false;
+        m.pair = true;
+      } else {
+        if (!c.string(&both)) return false;
+        const size_t sp = both.find(' ', 1);
+        if (sp == std::string::npos) return false;
+        m.left.assign(both, 0, sp);
+        m.right.assign(both, sp + 1, std::string::npos);
+        m.pair = false;
+      }
+      out->merges.push_back(m);
+    } while (c.take(','));
+    return c.take(']');
+  };
+  if (!c.take('{')) return false;
+  bool in_model = false, model_seen = false;
+  if (c.take('}')) return false;
+  do {
+    if (!c.string(&key) || !c.take(':')) return false;
+    if (key != "model") {
+      if (!c.skip()) return false;
+      continue;
+    }
+    if (model_seen || !c.take('{') || c.take('}')) return false;
+    model_seen = in_model = true;
+    do {
+      if (!c.string(&key) || !c.take(':')) return false;
+      c.ws();
+      const size_t begin = c.p - text.data();
+      if (key == "vocab" || key == "merges") {
+        size_t* at = key == "vocab" ? vocab_at : merges_at;
+        if (at[1] != 0) return false;  // the same table twice
+        if (!(key == "vocab" ? read_vocab() : read_merges())) return false;
+        at[0] = begin;
+        at[1] = c.p - text.data();
+      } else if (!c.skip()) {
+        return false;
+      }
+    } while (c.take(','));
+    if (!c.take('}')) return false;
+    in_model = false;
+  } while (c.take(','));
+  if (!c.take('}') || in_model || vocab_at[1] == 0 || merges_at[1] == 0) return false;
+  c.ws();
+  if (c.p != c.end) return false;
+  // The rest of the file, the tables emptied, for the checks that follow.
+  const bool vocab_first = vocab_at[0] < merges_at[0];
+  const size_t* a = vocab_first ? vocab_at : merges_at;
+  const size_t* b = vocab_first ? merges_at : vocab_at;
+  std::string rest;
+  rest.reserve(a[0] + (b[0] - a[1]) + (text.size() - b[1]) + 4);
+  rest.append(text, 0, a[0]).append(vocab_first ? "{}" : "[]");
+  rest.append(text, a[1], b[0] - a[1]).append(vocab_first ? "[]" : "{}");
+  rest.append(text, b[1], std::string::npos);
+  try {
+    out->doc = nlohmann::json::parse(rest);
+  } catch (const nlohmann::json::exception&) {
+    return false;
+  }
+  return true;
+}
+
+// The whole file as one document; every malformed entry of the tables is reported here.
+static void read_tables_plain(const std::string& text, const char* f, TokenizerTables* out) {
+  using nlohmann::json;
+  try {
+    out->doc = json::parse(text);
+  } catch (const json::exception& e) {
+    tok_die("%s is not valid JSON (%s); is the file complete?", f, e.what());
+  }
+  const json& j = out->doc;
+  // What is missing or is not a BPE model, build() says.
+  if (!j.is_object() || !j.contains("model") || !j["model"].is_object() || j["model"].value("type", "") != "BPE")
+    return;
+  const json& model = j["model"];
+  if (model.contains("vocab")) {
+    const json& vocab = model["vocab"];
+    if (!vocab.is_object() || vocab.empty()) tok_die("%s: model.vocab is not a non-empty object", f);
+    for (auto it = vocab.begin(); it != vocab.end(); ++it) {
+      const json& v = it.value();
+      if (!v.is_number_integer() || v.get<long long>() < 0 || v.get<long long>() >= (1 << 24))
+        tok_die("%s: model.vocab['%s'] is %s, not a token id in [0, 2^24)", f, it.key().c_str(),
+                v.dump().c_str());
+      out->vocab.push_back({it.key(), v.get<int>()});
+    }
+  }
+  if (model.contains("merges")) {
+    const json& merges = model["merges"];
+    if (!merges.is_array()) tok_die("%s: model.merges is not an array", f);
+    for (size_t r = 0; r < merges.size(); r++) {
+      const json& m = merges[r];
+      if (m.is_string()) {
+        const std::string& s = m.get_ref<const std::string&>();
+        size_t sp = s.find(' ', 1);
+        if (sp == std::string::npos) tok_die("%s: merges[%zu] = '%s' is not two tokens 'a b'", f, r, s.c_str());
+        out->merges.push_back({s.substr(0, sp), s.substr(sp + 1), false});
+      } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
+        out->merges.push_back({m[0].get<std::string>(), m[1].get<std::string>(), true});
+      } else {
+        tok_die("%s: merges[%zu] is %s; expected \"a b\" or [\"a\", \"b\"]", f, r, m.dump().c_str());
+      }
+    }
+  }
+}
+
+static bool read_file_to(const std::string& p, std::string* out) {
+  FILE* f = fopen(p.c_str(), "rb");
+  if (!f) return false;
+  struct stat st;
+  if (fstat(fileno(f), &st) == 0 && st.st_size > 0) out->reserve(st.st_size);
+  char buf[1 << 16];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, f)) > 0) out->append(buf, n);
+  fclose(f);
+  return true;
+}
+
+inline Tokenizer Tokenizer::load(const std::string& path_arg, bool plain_reader) {
   auto is_dir = [](const std::string& p) {
     struct stat st;
     return stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
   };
-  Tokenizer t;
   std::string dir = path_arg, file = path_arg;
   if (is_dir(path_arg))
     file = path_arg + "/tokenizer.json";
   else
     dir = path_arg.find('/') == std::string::npos ? "." : path_arg.substr(0, path_arg.rfind('/'));
-  t.path = file;
   std::string text;
-  if (!read(file, &text))
+  if (!read_file_to(file, &text))
     tok_die(
         "cannot read the tokenizer '%s': %s\n  expected a model folder with tokenizer.json, or the path of "
         "a tokenizer.json",
         file.c_str(), strerror(errno));
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    tok_die("%s is not valid JSON (%s); is the file complete?", file.c_str(), e.what());
-  }
+  Tokenizer t;
+  TokenizerTables tables;
+  if (!plain_reader && read_tables_fast(text, &tables) && t.build(file, dir, tables, true)) return t;
+  t = Tokenizer();
+  tables = TokenizerTables();
+  read_tables_plain(text, file.c_str(), &tables);
+  t.build(file, dir, tables, false);
+  return t;
+}
+
+// The tables and the rest of the file -> the tokenizer. `fast`: the tables came from read_tables_fast, and
+// a vocabulary that repeats a spelling or an id returns false (the plain reader's order decides those).
+inline bool Tokenizer::build(const std::string& file, const std::string& dir, const TokenizerTables& tables,
+                             bool fast) {
+  using nlohmann::json;
+  Tokenizer& t = *this;
+  t.path = file;
+  const json& j = tables.doc;
   const char* f = file.c_str();
   auto need = [&](const json& parent, const char* key, const char* where) -> const json& {
     if (!parent.is_object() || !parent.contains(key))
@@ -696,25 +956,24 @@ inline Tokenizer Tokenizer::load(const std::string& path_arg) {
     }
     return !out->empty();
   };
-  const json& vocab = need(model, "vocab", "model");
-  if (!vocab.is_object() || vocab.empty()) tok_die("%s: model.vocab is not a non-empty object", f);
+  need(model, "vocab", "model");
   const json& added_json = need(j, "added_tokens", "the top level");
-  t.id_to_bytes.reserve(vocab.size() + 64);
-  t.bytes_to_id.reserve(vocab.size() * 2);
+  need(model, "merges", "model");
+  t.id_to_bytes.reserve(tables.vocab.size() + 64);
+  t.bytes_to_id.reserve(tables.vocab.size() * 2);
   std::string bytes;
-  for (auto it = vocab.begin(); it != vocab.end(); ++it) {
-    const json& v = it.value();
-    if (!v.is_number_integer() || v.get<long long>() < 0 || v.get<long long>() >= (1 << 24))
-      tok_die("%s: model.vocab['%s'] is %s, not a token id in [0, 2^24)", f, it.key().c_str(),
-              v.dump().c_str());
-    if (!spelling_to_bytes(it.key().data(), it.key().size(), &bytes))
+  for (const auto& [spelling, id] : tables.vocab) {
+    if (!spelling_to_bytes(spelling.data(), spelling.size(), &bytes))
       tok_die(
           "%s: vocab entry '%s' is not spelled in the byte-level alphabet: not a byte-level BPE vocabulary",
-          f, it.key().c_str());
-    int id = v.get<int>();
+          f, spelling.c_str());
     if (id >= (int)t.id_to_bytes.size()) t.id_to_bytes.resize(id + 1);
+    if (fast && !t.id_to_bytes[id].empty()) return false;  // an id spelled twice
     t.id_to_bytes[id] = bytes;
-    t.bytes_to_id[bytes] = id;
+    if (!t.bytes_to_id.emplace(bytes, id).second) {
+      if (fast) return false;  // a spelling listed twice
+      t.bytes_to_id[bytes] = id;
+    }
   }
   for (int b = 0; b < 256; b++) {
     auto it = t.bytes_to_id.find(std::string(1, (char)b));
@@ -722,31 +981,20 @@ inline Tokenizer Tokenizer::load(const std::string& path_arg) {
     t.byte_id[b] = it->second;
   }
   // Merges: "a b" strings (older files) or ["a", "b"] pairs (newer files).
-  const json& merges = need(model, "merges", "model");
-  if (!merges.is_array()) tok_die("%s: model.merges is not an array", f);
-  t.merges.init(merges.size());
+  t.merges.init(tables.merges.size());
   std::string left, right, both;
-  for (size_t r = 0; r < merges.size(); r++) {
-    const json& m = merges[r];
-    bool ok;
-    if (m.is_string()) {
-      const std::string& s = m.get_ref<const std::string&>();
-      size_t sp = s.find(' ', 1);
-      if (sp == std::string::npos) tok_die("%s: merges[%zu] = '%s' is not two tokens 'a b'", f, r, s.c_str());
-      ok = spelling_to_bytes(s.data(), sp, &left) &&
-           spelling_to_bytes(s.data() + sp + 1, s.size() - sp - 1, &right);
-    } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
-      const std::string &a = m[0].get_ref<const std::string&>(), &b = m[1].get_ref<const std::string&>();
-      ok = spelling_to_bytes(a.data(), a.size(), &left) && spelling_to_bytes(b.data(), b.size(), &right);
-    } else {
-      tok_die("%s: merges[%zu] is %s; expected \"a b\" or [\"a\", \"b\"]", f, r, m.dump().c_str());
-    }
-    if (!ok)
-      tok_die("%s: merges[%zu] (%s) is not spelled in the byte-level alphabet", f, r, m.dump().c_str());
+  for (size_t r = 0; r < tables.merges.size(); r++) {
+    const TokenizerTables::Merge& m = tables.merges[r];
+    auto shown = [&] {
+      return (m.pair ? json::array({m.left, m.right}) : json(m.left + " " + m.right)).dump();
+    };
+    if (!spelling_to_bytes(m.left.data(), m.left.size(), &left) ||
+        !spelling_to_bytes(m.right.data(), m.right.size(), &right))
+      tok_die("%s: merges[%zu] (%s) is not spelled in the byte-level alphabet", f, r, shown().c_str());
     both.assign(left).append(right);
     auto ia = t.bytes_to_id.find(left), ib = t.bytes_to_id.find(right), ic = t.bytes_to_id.find(both);
     if (ia == t.bytes_to_id.end() || ib == t.bytes_to_id.end() || ic == t.bytes_to_id.end())
-      tok_die("%s: merges[%zu] (%s) names a token that is not in the vocabulary", f, r, m.dump().c_str());
+      tok_die("%s: merges[%zu] (%s) names a token that is not in the vocabulary", f, r, shown().c_str());
     t.merges.insert(ia->second, ib->second, (uint32_t)r, ic->second);
   }
   // Added tokens: matched in the raw text whether "special" or not.
@@ -774,7 +1022,7 @@ inline Tokenizer Tokenizer::load(const std::string& path_arg) {
 
   // tokenizer_config.json (optional): the end-of-sequence token, and whether the chat template is Qwen3's.
   std::string config_text;
-  if (read(dir + "/tokenizer_config.json", &config_text)) {
+  if (read_file_to(dir + "/tokenizer_config.json", &config_text)) {
     json c;
     try {
       c = json::parse(config_text);
@@ -793,7 +1041,7 @@ inline Tokenizer Tokenizer::load(const std::string& path_arg) {
   }
   t.cache.assign(CACHE_SLOTS, CacheSlot{});
   unicode_table();  // build it now rather than inside the first encode
-  return t;
+  return true;
 }
 
 inline int Tokenizer::token_to_id(const std::string& token) const {

@@ -534,6 +534,113 @@ TEST(errors_are_clear) {
              "tokenizer_config.json is not valid JSON");
 }
 
+// load() reads tokenizer.json's two big tables with a reader of its own (read_tables_fast) and falls back to
+// reading the whole file with nlohmann::json (read_tables_plain). Both must build the same tokenizer.
+static void check_same_tokenizer(const char* what, const Tokenizer& a, const Tokenizer& b) {
+  CHECK_MSG(a.id_to_bytes == b.id_to_bytes, "%s: id_to_bytes differ", what);
+  CHECK_MSG(a.bytes_to_id == b.bytes_to_id, "%s: bytes_to_id differ", what);
+  CHECK_MSG(memcmp(a.byte_id, b.byte_id, sizeof a.byte_id) == 0, "%s: byte ids differ", what);
+  bool same_merges = a.merges.slots.size() == b.merges.slots.size() && a.merges.mask == b.merges.mask;
+  for (size_t i = 0; same_merges && i < a.merges.slots.size(); i++)
+    same_merges = a.merges.slots[i].key == b.merges.slots[i].key && a.merges.slots[i].rank == b.merges.slots[i].rank &&
+                  a.merges.slots[i].merged == b.merges.slots[i].merged;
+  CHECK_MSG(same_merges, "%s: merge tables differ", what);
+  bool same_added = a.added.size() == b.added.size();
+  for (size_t i = 0; same_added && i < a.added.size(); i++)
+    same_added = a.added[i].content == b.added[i].content && a.added[i].id == b.added[i].id;
+  CHECK_MSG(same_added, "%s: added tokens differ", what);
+  CHECK_MSG(a.eos_token_id == b.eos_token_id && a.chat_template_is_qwen3 == b.chat_template_is_qwen3,
+            "%s: tokenizer_config.json read differently", what);
+}
+
+TEST(fast_reader_matches_plain_reader_qwen3) {
+  NEED_QWEN3();
+  Tokenizer fast = Tokenizer::load(g_tokenizer_dir), plain = Tokenizer::load(g_tokenizer_dir, true);
+  CHECK_EQ(fast.vocab_size(), 151669);
+  check_same_tokenizer("Qwen3", fast, plain);
+  TokenizerTables tables;
+  std::string text;
+  CHECK(read_file_to(g_tokenizer_dir + "/tokenizer.json", &text));
+  CHECK_MSG(read_tables_fast(text, &tables), "the fast reader gave up on the real tokenizer.json");
+  CHECK_EQ(tables.vocab.size(), (size_t)151643);
+  CHECK_EQ(tables.merges.size(), (size_t)151387);
+}
+
+// Files written other ways: escapes for every character, keys in another order, tables repeated or
+// malformed (the fast reader gives up, the plain one decides), numbers that are not plain integers.
+TEST(fast_reader_matches_plain_reader_edge_cases) {
+  std::string dir = temp_dir();
+  auto both = [&](const char* what, const std::string& body) {
+    write_file(dir + "/tokenizer.json", body);
+    // Whether the fast reader's tables were used (exit 0) or load() fell back to the plain reader (exit 3).
+    const bool fast_took_it = run_child([&] {
+                                TokenizerTables tables;
+                                Tokenizer t;
+                                exit(read_tables_fast(body, &tables) &&
+                                             t.build(dir + "/tokenizer.json", dir, tables, true)
+                                         ? 0
+                                         : 3);
+                              }).first == 0;
+    const int rc_fast = run_child([&] { Tokenizer::load(dir); }).first;
+    const int rc_plain = run_child([&] { Tokenizer::load(dir, true); }).first;
+    CHECK_MSG(rc_fast == rc_plain, "%s: fast reader exit %d, plain %d", what, rc_fast, rc_plain);
+    if (rc_fast == 0) check_same_tokenizer(what, Tokenizer::load(dir), Tokenizer::load(dir, true));
+    return fast_took_it;
+  };
+  for (bool pairs : {false, true}) {
+    json j = tiny_tokenizer_json(pairs);
+    CHECK(both("compact", j.dump()));
+    CHECK(both("indented", j.dump(2)));
+    // Every character of every string as \uXXXX (and "/" as \/): the same file to a JSON reader.
+    std::string esc;
+    bool in_string = false;
+    const std::string text = j.dump();
+    for (size_t i = 0; i < text.size(); i++) {
+      const char c = text[i];
+      if (c == '"') in_string = !in_string;
+      if (in_string && c == '\\') {  // keep the escape pair as it is
+        esc += c;
+        esc += text[++i];
+        continue;
+      }
+      if (in_string && c != '"' && (unsigned char)c < 0x80) {
+        char buf[8];
+        snprintf(buf, sizeof buf, c == '/' ? "\\/" : "\\u%04X", (unsigned char)c);
+        esc += buf;
+      } else {
+        esc += c;
+      }
+    }
+    CHECK(both("escaped", esc));
+  }
+  json j = tiny_tokenizer_json(true);
+  // model last, merges before vocab
+  std::string reordered = "{";
+  for (auto& [k, v] : j.items())
+    if (k != "model") reordered += json(k).dump() + ":" + v.dump() + ",";
+  reordered += "\"model\":{\"merges\":" + j["model"]["merges"].dump() + ",\"type\":\"BPE\",\"vocab\":" +
+               j["model"]["vocab"].dump() + "}}";
+  CHECK(both("reordered", reordered));
+  const std::string text = j.dump();
+  auto replaced = [&](const std::string& from, const std::string& to) {
+    std::string t = text;
+    size_t at = t.find(from);
+    CHECK_MSG(at != std::string::npos, "fixture lacks %s", from.c_str());
+    return at == std::string::npos ? t : t.replace(at, from.size(), to);
+  };
+  CHECK(!both("an id as 97.0", replaced("\"a\":97", "\"a\":97.0")));
+  CHECK(!both("an id as 9.7e1", replaced("\"a\":97", "\"a\":9.7e1")));
+  CHECK(!both("a negative id", replaced("\"a\":97", "\"a\":-97")));
+  CHECK(!both("an id given twice", replaced("\"a\":97", "\"a\":98")));
+  CHECK(!both("a spelling given twice", replaced("\"a\":97", "\"a\":97,\"a\":97")));
+  CHECK(!both("vocab twice", replaced("\"vocab\":", "\"vocab\":{\"a\":97},\"vocab\":")));
+  CHECK(!both("a lone surrogate", replaced("\"a\":97", "\"\\udc00\":97")));
+  CHECK(!both("trailing garbage", text + "x"));
+  CHECK(!both("truncated", text.substr(0, text.size() - 1)));
+  CHECK(!both("a merge without a space", replaced("[\"h\",\"e\"]", "\"he\"")));
+  CHECK(!both("no merges", replaced("\"merges\":", "\"merges_\":")));
+}
+
 // Throughput on a larger natural text (informative: the device benchmark is the one that is reported).
 TEST(encode_speed_natural_text) {
   NEED_QWEN3();
