@@ -63,10 +63,10 @@ GPU_TESTS  := $(patsubst test/gpu/%.cu,$(BUILD)/%,$(wildcard test/gpu/gpu_*.cu))
 # ---- fuzzing ------------------------------------------------------------------------------------------
 # The targets (test/fuzz/targets.cu) include nanovllm.cu like every test, so nvcc compiles them with clang as
 # its host compiler: that is what adds libFuzzer's coverage hooks and the sanitizers to the host code. Device
-# code is PTX for one architecture (never run). One object, four small entry points (test/fuzz/main.cpp).
+# code is PTX for one architecture (never run). One object, five small entry points (test/fuzz/main.cpp).
 CLANGXX      ?= clang++
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS := safetensors config tokenizer prompts
+FUZZ_TARGETS := safetensors config tokenizer tokenizer_json prompts
 FUZZ_BINS    := $(patsubst %,$(BUILD)/fuzz/fuzz_%,$(FUZZ_TARGETS))
 FUZZ_SAN     := -fsanitize=address -fsanitize=undefined -fno-sanitize-recover=all
 # Whether $(CLANGXX) can link a libFuzzer binary (Debian: apt-get install clang libclang-rt-dev).

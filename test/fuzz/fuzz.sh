@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # suite: fuzz (each libFuzzer target of test/fuzz for FUZZ_SECONDS, 10 by default)
-# Runs build/fuzz/fuzz_NAME for safetensors, config, tokenizer and prompts, starting from the seeds in
+# Runs build/fuzz/fuzz_NAME for safetensors, config, tokenizer, tokenizer_json and prompts, from the seeds in
 # test/fuzz/corpus/NAME with the dictionary test/fuzz/NAME.dict. A crash, a sanitizer report, a hang (10 s
 # on one input) or a broken property fails the case and leaves the input in build/fuzz/crash-NAME-*:
 # replay it with `build/fuzz/fuzz_NAME FILE`, fix the bug, then commit the file to test/fuzz/regressions/NAME/
@@ -20,7 +20,7 @@ if ! TOK=$(bash tools/fetch_tokenizer.sh | tail -n 1) || [ -z "$TOK" ]; then
 fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-for t in safetensors config tokenizer prompts; do
+for t in safetensors config tokenizer tokenizer_json prompts; do
   bin=$BUILD/fuzz/fuzz_$t
   if [ ! -x "$bin" ]; then
     echo "SKIPPED fuzz_$t: $bin not built (clang with libFuzzer: apt-get install clang libclang-rt-dev)"

@@ -1,6 +1,6 @@
-// targets.cu — the four fuzz targets of issue 8, on the engine's own parsers (the single translation unit,
-// as in every test): the safetensors header, config.json, the tokenizer (encode and decode of arbitrary
-// bytes) and the prompts file (text and JSONL).
+// targets.cu — the fuzz targets, on the engine's own parsers (the single translation unit, as in every
+// test): the safetensors header, config.json, the tokenizer (encode and decode of arbitrary bytes),
+// tokenizer.json's two tables (the fast reader against nlohmann::json) and the prompts file (text and JSONL).
 //
 // A target takes arbitrary bytes and must either accept them, with the properties checked below holding,
 // or refuse them the way the program does: die() (which throws TokDieError while tok_die_throws is set,
@@ -160,6 +160,44 @@ extern "C" int nanovllm_fuzz_tokenizer(const uint8_t* data, size_t size) {
     }
     streamed += sd.flush();
     if (streamed != text) fuzz_fail("streamed decode differs from decode");
+  }
+  return 0;
+}
+
+// ---- 3b. tokenizer.json's two tables ---------------------------------------------------------------------
+// Input: a tokenizer.json. read_tables_fast (tokenizer.h T6) must accept only what nlohmann::json accepts,
+// and read what the whole-document reader finds there: the same merges in order, and the same vocabulary
+// (compared as a map, where no spelling repeats).
+extern "C" int nanovllm_fuzz_tokenizer_json(const uint8_t* data, size_t size) {
+  using nlohmann::json;
+  const std::string text((const char*)data, size);
+  TokenizerTables fast;
+  if (!read_tables_fast(text, &fast)) return 0;
+  json doc;
+  try {
+    doc = json::parse(text);
+  } catch (const json::exception&) {
+    fuzz_fail("read_tables_fast accepted a file nlohmann::json refuses");
+    return 0;
+  }
+  const json& vocab = doc.at("model").at("vocab");
+  const json& merges = doc.at("model").at("merges");
+  if (!merges.is_array() || merges.size() != fast.merges.size())
+    return fuzz_fail("merges: %zu read fast, %zu in the document", fast.merges.size(), merges.size()), 0;
+  for (size_t r = 0; r < merges.size(); r++) {
+    const TokenizerTables::Merge& m = fast.merges[r];
+    const json want = m.pair ? json::array({m.left, m.right}) : json(m.left + " " + m.right);
+    if (merges[r] != want) return fuzz_fail("merges[%zu] read as %s", r, want.dump().c_str()), 0;
+  }
+  std::map<std::string, int> read;
+  for (const auto& e : fast.vocab)
+    if (!read.emplace(e.first, e.second).second) return 0;  // a repeated spelling: the document keeps one
+  if (!vocab.is_object() || vocab.size() != read.size())
+    return fuzz_fail("vocab: %zu read fast, %zu in the document", read.size(), vocab.size()), 0;
+  for (auto it = vocab.begin(); it != vocab.end(); ++it) {
+    auto f = read.find(it.key());
+    if (f == read.end() || !it.value().is_number_integer() || it.value().get<long long>() != f->second)
+      return fuzz_fail("vocab['%s'] is %s in the document", it.key().c_str(), it.value().dump().c_str()), 0;
   }
   return 0;
 }

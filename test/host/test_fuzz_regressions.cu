@@ -38,6 +38,7 @@ static int replay(const std::string& name, int (*target)(const uint8_t*, size_t)
 TEST(fuzz_inputs_safetensors) { CHECK(replay("safetensors", nanovllm_fuzz_safetensors) >= 5); }
 TEST(fuzz_inputs_config) { CHECK(replay("config", nanovllm_fuzz_config) >= 4); }
 TEST(fuzz_inputs_tokenizer) { CHECK(replay("tokenizer", nanovllm_fuzz_tokenizer) >= 5); }
+TEST(fuzz_inputs_tokenizer_json) { CHECK(replay("tokenizer_json", nanovllm_fuzz_tokenizer_json) >= 4); }
 TEST(fuzz_inputs_prompts) { CHECK(replay("prompts", nanovllm_fuzz_prompts) >= 4); }
 
 // The targets must be able to fail: a property they check, broken on purpose, is reported.
