@@ -555,7 +555,12 @@ static void check_same_tokenizer(const char* what, const Tokenizer& a, const Tok
 
 TEST(fast_reader_matches_plain_reader_qwen3) {
   NEED_QWEN3();
-  Tokenizer fast = Tokenizer::load(g_tokenizer_dir), plain = Tokenizer::load(g_tokenizer_dir, true);
+  const double t0 = now_seconds();
+  Tokenizer fast = Tokenizer::load(g_tokenizer_dir);
+  const double t1 = now_seconds();
+  Tokenizer plain = Tokenizer::load(g_tokenizer_dir, true);
+  printf("    load: %.3f s with the table reader, %.3f s reading the whole file with nlohmann::json\n", t1 - t0,
+         now_seconds() - t1);
   CHECK_EQ(fast.vocab_size(), 151669);
   check_same_tokenizer("Qwen3", fast, plain);
   TokenizerTables tables;
