@@ -4473,7 +4473,8 @@ static void flash_attention_prefill(bf16* out, const bf16* qkv, const typename F
 }
 
 // ==== 16. Flash decode: split-K over the context, then a merge =============================================
-// defines: flash_decode_kernel, flash_decode_merge, flash_decode_workspace_bytes, flash_attention_decode,
+// defines: DecodeAcc, DecodeLoop, decode_combine_warps, flash_decode_kernel, flash_decode_merge,
+//          flash_decode_workspace_bytes, flash_attention_decode, DecodeAttention, g_decode_attention,
 //          attention_prefill_step; the stages attention_prefill, attention_decode; switch flash_attn
 
 // flash_decode_kernel — one new token per sequence attends to its whole context (split-K, phase 1).
@@ -4725,7 +4726,8 @@ static size_t flash_decode_workspace_bytes(int B, int NH, int max_context_len) {
 
 // Shared memory of a decode thread block: the Q tile, then two K/V stages of 32 KiB (64 keys and their
 // values), 68 KiB.
-constexpr size_t DECODE_SMEM = DECODE_ROWS * HEAD_DIM * sizeof(bf16) + 2 * ATTN_STAGES * ATTN_KV_TILE * HEAD_DIM * sizeof(bf16);
+constexpr size_t DECODE_SMEM =
+    DECODE_ROWS * HEAD_DIM * sizeof(bf16) + 2 * ATTN_STAGES * ATTN_KV_TILE * HEAD_DIM * sizeof(bf16);
 
 // out: bf16 [B, NH*D]; qkv: bf16 [B, (NH+2NKV)*D]; cache: one layer's keys and values [NB, NKV, P, D] in
 // format F; context_lens: int [B] (device, keys including the current token); block_tables: int [B, MB]
@@ -7386,7 +7388,8 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
 }
 
 // ==== 26. The persistent kernel, 3: the kernel, its plan and its launch ====================================
-// defines: persistent_decode_kernel, PersistPlan, PersistentDecode, persist_setup, persistent_decode
+// defines: persistent_decode_kernel, PersistPlan, PersistentDecode, persist_launch, persist_fits, PersistFormat,
+//          kPersistBf16, g_persist_format, persist_setup, persistent_decode
 
 // F: the cache format (section 15; one kernel per format: another's attention would cost this one registers).
 template <int B, class F>
@@ -7985,9 +7988,10 @@ static const int kPersistentRegistered = register_optimization(
 // Why powers of two: dividing by one is exact, so the stored byte is the rounding of the bf16 value itself,
 // whatever the scale, and the scale can be applied after the matrix products at no cost in accuracy.
 //
-// Writing (section 19's eight-lane qk_norm_rope and its fused decode kernel, the persistent kernel): a bf16 value / scale, rounded to nearest even, saturating at
-// +-448 (cvt ... satfinite). Reading: every value is converted to fp16 (exact: every e4m3 value is an fp16
-// number; e4m3 -> fp16 is one instruction per pair, and there is none to bf16), the tensor cores multiply
+// Writing (section 19's eight-lane qk_norm_rope and fused decode kernel, the persistent kernel): a bf16
+// value / scale, rounded to nearest even, saturating at +-448 (cvt ... satfinite). Reading: every value is
+// converted to fp16 (exact: every e4m3 value is an fp16 number; e4m3 -> fp16 is one instruction per pair, and
+// there is none to bf16), the tensor cores multiply
 // fp16 (the q fragments are converted once per thread block, exact for |q| up to 65504), and the key scale
 // multiplies the scores' scale and the value scale the output, both once. Where the conversion happens
 // differs: the prefill kernel stages a tile's bytes (cp.async, 16 values a copy) and every thread widens the

@@ -908,7 +908,8 @@ static void check_fused_rope(const char* what, int NH, int NKV, int P, const std
   };
   compare_bits(1, 0, "fused vs section 15");
   if (cluster) compare_bits(3, 2, "fused vs separate, cluster");
-  if (cluster && *std::max_element(ctx.begin(), ctx.end()) <= 1024 && decode_partition(B, dtype) == ATTN_KV_TILE)
+  const int partition = fp8 ? DecodeLoop<KVFp8>::partition(B) : DecodeLoop<KVBf16>::partition(B);
+  if (cluster && *std::max_element(ctx.begin(), ctx.end()) <= 1024 && partition == ATTN_KV_TILE)
     compare_bits(2, 0, "cluster vs section 15");
   // the store happened: every real row's slot changed (random values repeat by chance only rarely)
   std::vector<uint8_t> k_before = download_bytes(k0, cache_bytes);

@@ -91,7 +91,7 @@ TEST(switches_fill_their_hooks) {
 }
 
 // Section 14's stage table: each chapter fills its own stages, a chapter that changes flash_attn's decode
-// kernel does nothing without flash_attn, and every install starts the table over from Part I's stages.
+// kernel leaves decode alone without flash_attn, and every install starts the table over from Part I's stages.
 TEST(chapters_fill_their_stages) {
   install_optimizations(parsed("none,gemv"));
   CHECK(g_hooks.forward == forward_fast && g_stages.norm_matmul == gemv_norm_matmul &&
@@ -100,13 +100,17 @@ TEST(chapters_fill_their_stages) {
   install_optimizations(parsed("none,flash_attn"));
   CHECK(g_stages.norm_matmul == norm_matmul_plain && g_stages.matmul_out == matmul_out_plain);  // started over
   CHECK(g_stages.attention_prefill == flash_attention_prefill_stage &&
-        g_stages.attention_decode == flash_attention_decode_stage && g_decode_attention == flash_attention_decode);
-  install_optimizations(parsed("none,fused_rope,cluster_merge"));  // without flash_attn: nothing changes
-  CHECK(!g_hooks.forward && g_decode_attention == flash_attention_decode);
+        g_stages.attention_decode == flash_attention_decode_stage &&
+        g_decode_attention == flash_attention_decode<KVBf16> && g_stages.store_qkv == store_qkv_plain);
+  install_optimizations(parsed("none,fused_rope,cluster_merge"));  // without flash_attn: only fused_rope's store
+  CHECK(g_hooks.forward == forward_fast && g_stages.store_qkv == store_qkv_fast &&
+        g_stages.attention_decode == attention_decode_plain && g_decode_attention == flash_attention_decode<KVBf16>);
   install_optimizations(parsed("none,flash_attn,cluster_merge"));
-  CHECK(g_stages.attention_decode == flash_attention_decode_stage && g_decode_attention == attention_decode_cluster);
+  CHECK(g_stages.attention_decode == flash_attention_decode_stage &&
+        g_decode_attention == attention_decode_cluster<KVBf16>);
   install_optimizations(parsed("none,flash_attn,fused_rope"));
-  CHECK(g_stages.attention_decode == fused_attention_decode_stage && g_decode_attention == flash_attention_decode);
+  CHECK(g_stages.attention_decode == fused_attention_decode_stage && g_stages.store_qkv == store_qkv_fast &&
+        g_decode_attention == flash_attention_decode<KVBf16>);
   install_optimizations(parsed("none,oneshot_allreduce"));
   CHECK(g_hooks.forward == forward_fast && g_stages.all_reduce == all_reduce_oneshot &&
         g_stages.attention_decode == attention_decode_plain);
@@ -114,6 +118,7 @@ TEST(chapters_fill_their_stages) {
   CHECK(g_stages.cut == piecewise_cut && g_stages.attention_prefill == attention_prefill_plain);
   install_optimizations(default_optimizations());
   CHECK(g_stages.norm_matmul == gemv_norm_matmul && g_stages.attention_decode == fused_attention_decode_stage &&
+        g_stages.store_qkv == store_qkv_fast &&
         g_stages.all_reduce == all_reduce_oneshot && g_stages.cut == piecewise_cut &&
         g_stages.attention_prefill == flash_attention_prefill_stage);
 }
