@@ -3847,13 +3847,13 @@ struct Optimizations {
   bool pdl = false;                // 17: the next kernel launches while the previous one finishes
   bool gemv = false;               // 18: batch-1/2 matrix products in a gemv with its neighbours fused in
   bool cluster_merge = false;      // 19: decode's split-K merge inside a cluster, no merge kernel
-  bool fused_rope = false;         // 19: decode attention does q/k-norm, RoPE and the KV store itself
+  bool fused_rope = false;         // 19: q/k-norm, RoPE and the KV store 8 lanes a head, in decode in attention
   bool oneshot_allreduce = false;  // 20: small all-reduces over NVLink in one crossing, not NCCL's ring
   bool bisect_sampler = false;     // 21: the sampler's cut by bisection, not section 9's sort
   bool fast_sampler = false;       // 22: radix-select top-k/top-p and split rows, not the plain sampler
   bool prefill_graphs = false;     // 23: prefill and mixed steps replay CUDA graphs, attention between pieces
-  bool longest_first = false;      // 24a: an fp8 decode step's rows in order of context length, longest first
-  bool persistent = false;         // 25-28: a small-batch decode step in one persistent kernel
+  bool longest_first = false;      // 29a: an fp8 decode step's rows in order of context length, longest first
+  bool persistent = false;         // 24-27: a small-batch decode step in one persistent kernel
 };
 static Optimizations g_opt;  // set by each section's apply (install_optimizations, section 11)
 
@@ -3870,9 +3870,9 @@ static Optimizations g_opt;  // set by each section's apply (install_optimizatio
 //
 //   per layer          Part I's stage                                   replaced by
 //   norm_matmul        y = RMSNorm(residual) @ W^T: rmsnorm + cuBLASLt   18 (gemv: the norm inside the gemv)
-//   store_qkv          q/k-norm, RoPE, this step's K/V into the cache    24 (the same into an fp8 cache)
-//   attention_prefill  section 8's prefill kernel                        15-16 (flash attention)
-//   attention_decode   store_qkv, then section 8's decode kernel         16, then 19 (all in one kernel)
+//   store_qkv          q/k-norm, RoPE, this step's K/V into the cache    19 (eight threads a head), 29 (fp8)
+//   attention_prefill  section 8's prefill kernel                        15-16 (flash attention), 29 (fp8)
+//   attention_decode   store_qkv, then section 8's decode kernel         16, then 19 (all in one kernel), 29
 //   matmul_out         h = x @ W^T (after SiLU-and-mul for down), summed over the ranks   18
 //   all_reduce         NCCL's all-reduce (section 12)                    20 (one crossing of NVLink)
 // and one entry that only a chapter fills: cut (23: where a CUDA graph of a prefill step ends a piece).

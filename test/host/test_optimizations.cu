@@ -36,7 +36,7 @@ static int fields_on(const Optimizations& o) {
 TEST(every_optimization_is_registered_once) {
   const char* expected[] = {"flash_attn",       "pdl",            "gemv",          "cluster_merge",
                             "fused_rope",       "oneshot_allreduce", "bisect_sampler", "fast_sampler",
-                            "prefill_graphs",   "longest_first",  "persistent"};
+                            "prefill_graphs",   "persistent",     "longest_first"};
   CHECK_EQ(reg().size(), sizeof expected / sizeof expected[0]);
   CHECK_EQ(sizeof(Optimizations), reg().size() * sizeof(bool));
   for (size_t i = 0; i < reg().size() && i < sizeof expected / sizeof expected[0]; i++) {
