@@ -20,13 +20,13 @@
 //   ModelRunner with CUDA graphs, tensor parallelism and the LLMEngine loop. It is complete and correct on
 //   its own, and names nothing defined after it: `--plain` runs it alone, and a build with Part II cut out
 //   (test/cli/part2_cut.sh) compiles and runs.
-//   Part II (sections 14-28) makes it fast. Section 14 cuts the forward pass into stages; each chapter after
+//   Part II (sections 14-29) makes it fast. Section 14 cuts the forward pass into stages; each chapter after
 //   it is one optimization that says what it replaces and why it is faster on the hardware, and installs
 //   itself through the hook table Part I declares (section 11) or section 14's stages; each registers its
-//   own switch (--opt NAME, section 2; section 24, the FP8 KV cache, registers a value of --kv-cache-dtype
+//   own switch (--opt NAME, section 2; sections 28-29, the FP8 KV cache, register a value of --kv-cache-dtype
 //   instead, since it trades accuracy). docs/performance.md has the measured gain of each. The Part I code
 //   each one replaces stays, as the reference the GPU tests compare it with.
-//   Part III (sections 29-34) is the program around the engine: reading config.json and the flags, prompts
+//   Part III (sections 30-35) is the program around the engine: reading config.json and the flags, prompts
 //   in and completions out, the trace, summary and report, signals and the worker processes, `simulate`
 //   (the engine without a GPU), the command line and main.
 //
@@ -112,18 +112,19 @@
 //   21. The fast sampler, 1: the cut by bisection
 //   22. The fast sampler, 2: radix select, rows split over thread blocks
 //   23. Prefill and mixed steps in CUDA graphs, in pieces
-//   24. An FP8 KV cache
-//   25. One persistent kernel for a small-batch decode step, 1: the operation chain
-//   26. The persistent kernel, 2: attention inside it
-//   27. The persistent kernel, 3: the kernel, its plan and its launch
-//   28. The persistent kernel, 4: which steps take it, measured at start-up and remembered
+//   24. One persistent kernel for a small-batch decode step, 1: the operation chain
+//   25. The persistent kernel, 2: attention inside it
+//   26. The persistent kernel, 3: the kernel, its plan and its launch
+//   27. The persistent kernel, 4: which steps take it, measured at start-up and remembered
+//   28. An FP8 KV cache, 1: the format, its scales, the store and prefill's tiles
+//   29. The FP8 KV cache, 2: decode attention over it, the persistent kernel, the stages
 //   PART III — THE PROGRAM AROUND IT
-//   29. Reading the configuration: config.json, flags and sampling fields
-//   30. Prompts in, completions out
-//   31. Trace, run summary and the report
-//   32. Signals, worker processes and the mailbox
-//   33. simulate: the engine without a GPU
-//   34. Command line and main
+//   30. Reading the configuration: config.json, flags and sampling fields
+//   31. Prompts in, completions out
+//   32. Trace, run summary and the report
+//   33. Signals, worker processes and the mailbox
+//   34. simulate: the engine without a GPU
+//   35. Command line and main
 
 #include <algorithm>
 #include <cerrno>
@@ -188,7 +189,7 @@ typedef __nv_bfloat16 bf16;
 //     error", the condition, file and line; a failed CUDA, cuBLASLt or NCCL call: CUDA_CHECK, CUBLAS_CHECK,
 //     NCCL_CHECK print the call, file, line and the library's message. Both exit 1.
 
-// This process's tensor-parallel rank (sections 12, 31): 0 in the main process, 1..N-1 in the workers.
+// This process's tensor-parallel rank (sections 12, 32): 0 in the main process, 1..N-1 in the workers.
 static int g_tp_rank = 0;
 
 // A worker's message: named by its rank, and written with one write(2) so that two ranks failing at once
@@ -296,7 +297,7 @@ static uint64_t splitmix64(uint64_t x) {
 // (nano-vllm: sampling_params.py, grown to vLLM's: n, stop conditions, penalties, min_p, logprobs, a
 // seed). The optimization registry, before Config, is how Part II's speed work plugs in and is switched.
 // This section says what each setting means; reading and checking them (config.json, the flags, a request's
-// fields) is Part III's job (section 29).
+// fields) is Part III's job (section 30).
 
 constexpr int HEAD_DIM = 128;  // D: every Qwen3 dense model uses 128, and the attention kernels are built for it
 
@@ -314,7 +315,7 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   std::string dtype = "bfloat16";   // the checkpoint's dtype (weights are converted to bf16 at load)
   std::vector<int> eos_token_ids;   // generation_config.json eos_token_id (int or list), else config.json's
-  json generation_config;           // generation_config.json (null without one): sampling defaults (section 30)
+  json generation_config;           // generation_config.json (null without one): sampling defaults (section 31)
 };
 
 // The optimization switch. Part II makes the engine fast one optimization at a time. Part I knows none of
@@ -397,7 +398,7 @@ struct Config {
   std::string kv_cache_dtype = "bf16"; // --kv-cache-dtype: a KVCacheFormat's name (Part I: bf16)
 };
 
-// ---- Tensor-parallel sharding arithmetic (used by load_weights, section 29's validate_config, the tests) ----
+// ---- Tensor-parallel sharding arithmetic (used by load_weights, section 30's validate_config, the tests) ----
 // Which sizes N can split a model, and what rank r of N holds (nano-vllm: the tp_size divisions in
 // layers/linear.py and layers/embed_head.py). Heads are never split: a rank owns whole query heads and
 // whole KV heads, so attention needs no communication; the MLP is split by intermediate columns; the
@@ -438,7 +439,7 @@ static TPShard tp_shard(const ModelConfig& m, int rank, int n) {
 
 // One request's sampling settings (nano-vllm: SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=False),
 // grown to vLLM's SamplingParams: the same field names, meanings and ranges). The defaults below are the
-// built-in ones; the model's generation_config.json may replace some (section 30, --generation-config).
+// built-in ones; the model's generation_config.json may replace some (section 31, --generation-config).
 constexpr int MAX_LOGPROBS = 20;  // vLLM's default max_logprobs: alternatives a request may ask for per token
 
 struct SamplingParams {
@@ -1449,12 +1450,13 @@ struct Qwen3 {
 };
 
 // ==== 7. Kernels: embedding, RMSNorm, q/k-norm + RoPE + KV store, SiLU =====================================
-// defines: embedding, rmsnorm, add_rmsnorm, qk_norm_rope, KVStoreBf16, silu_and_mul, gather_last_tokens, and
-//          their CPU references
+// defines: embedding, rmsnorm, add_rmsnorm, RopeInvFreq, rope_inv_freq, qk_norm_rope, silu_and_mul,
+//          gather_last_tokens, and their CPU references
 //
 // Shared conventions of this section:
-//   * Every load and store moves 16 bytes (8 bf16) per thread: the widest access a thread can issue, so a
-//     warp touches 512 contiguous bytes per instruction. Hence the preconditions "H % 8 == 0" and
+//   * Every load and store moves 16 bytes (8 bf16) per thread (qk_norm_rope, which works on RoPE's pairs of
+//     values, excepted): the widest access a thread can issue, so a warp touches 512 contiguous bytes per
+//     instruction. Hence the preconditions "H % 8 == 0" and
 //     "pointers 16-byte aligned" (cudaMalloc gives 256-byte alignment; every row length is a multiple of 8).
 //   * Math is fp32; a bf16 rounding happens exactly where Hugging Face's Qwen3 rounds (a bf16 tensor is
 //     stored), so our activations match the reference bit for bit in the common case.
@@ -1643,7 +1645,7 @@ void add_rmsnorm(bf16* out, bf16* residual, const bf16* x, const bf16* w, int T,
 //     store_kvcache(k, v, k_cache, v_cache, slot_mapping)              # nano-vllm's Triton kernel
 // The store is fused in: the thread that writes a finished k head also writes it to its cache slot, and
 // the thread block copies the token's v heads, so K/V never take a second trip through memory. (Section 19
-// moves all of this into decode attention, with the pieces below.)
+// has a faster kernel for the same work, and moves it into decode attention.)
 // Cache layout [NB, NKV, P, D]: head h of the token goes to [slot / P, h, slot % P, :]; slot -1 (padding)
 // stores nothing. Every head is 256 contiguous bytes.
 // RoPE, as nano-vllm computes it (fp32 math, one bf16 rounding at the end):
@@ -1653,15 +1655,11 @@ void add_rmsnorm(bf16* out, bf16* residual, const bf16* x, const bf16* w, int T,
 // (Hugging Face rounds cos/sin to bf16 first and rounds after each product; the difference is within
 //  bf16 noise and nano-vllm's fp32 path is the more accurate of the two.)
 // Reads and writes the q and k heads of qkv [T, (NH + 2*NKV) * D] in place; v heads are only read.
-// Thread block = one token: its 64 (cos, sin) pairs are computed once into shared memory and shared by all of
-// its NH + NKV heads. 8 threads own one head: thread j holds dims [8j, 8j+8) and their RoPE partners
-// [64+8j, 64+8j+8), two 16-byte loads; the sum of squares is reduced over the 8 threads with shuffles.
 // Why host-computed inv_freq: theta^(2i/D) in float must equal what PyTorch computes at model load; a
 // device powf may differ by an ulp, which at position 40000 moves the angle by ~0.003 rad. The table is
 // passed by value as a kernel argument (256 bytes), so CUDA graphs capture it too.
 // Why sincosf and not __sinf: the fast intrinsics lose all accuracy for angles in the thousands of
 // radians, and positions go to 40960. (Never build this file with --use_fast_math.)
-constexpr int ROPE_THREADS_PER_HEAD = 8;
 struct RopeInvFreq {
   float v[HEAD_DIM / 2];
 };
@@ -1705,121 +1703,52 @@ static void qk_norm_rope_reference(float* qkv, const int* positions, const float
     }
 }
 
-// The pieces both users share (this kernel and the fused decode attention of section 19):
-// rope_angles: thread i < D/2 puts the cosine and sine of angle i of position pos into cos_s[i], sin_s[i].
-__device__ __forceinline__ void rope_angles(float* cos_s, float* sin_s, int pos, const RopeInvFreq& inv_freq) {
-  if (threadIdx.x < HEAD_DIM / 2) {
-    float angle = (float)pos * inv_freq.v[threadIdx.x];
-    sincosf(angle, &sin_s[threadIdx.x], &cos_s[threadIdx.x]);
-  }
-}
-// head_sum_squares: the sum of squares of one head, over the 8 lanes that hold it (ua = dims 8j..8j+7,
-// ub = dims 64+8j..). Every lane of the warp must call it (a shuffle); lanes without a head pass zeros.
-__device__ __forceinline__ float head_sum_squares(const uint4& ua, const uint4& ub) {
-  float a[8], b[8], ss = 0.f;
-  bf16x8_to_float(ua, a);
-  bf16x8_to_float(ub, b);
-#pragma unroll
-  for (int i = 0; i < 8; i++) ss += a[i] * a[i] + b[i] * b[i];
-#pragma unroll
-  for (int o = 1; o < ROPE_THREADS_PER_HEAD; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  return ss;
-}
-// head_norm_rope: lane j's share of RMSNorm(head) * w, then RoPE, in place on ua, ub (ss from above).
-__device__ __forceinline__ void head_norm_rope(uint4& ua, uint4& ub, float ss, const bf16* w_head,
-                                               const float* cos_s, const float* sin_s, int j, float eps) {
-  float a[8], b[8], wa[8], wb[8], oa[8], ob[8];
-  bf16x8_to_float(ua, a);
-  bf16x8_to_float(ub, b);
-  float scale = rsqrtf(ss / (float)HEAD_DIM + eps);
-  const uint4* w = reinterpret_cast<const uint4*>(w_head);
-  bf16x8_to_float(w[j], wa);
-  bf16x8_to_float(w[j + 8], wb);
-#pragma unroll
-  for (int i = 0; i < 8; i++) {
-    float na = bf16_round(wa[i] * bf16_round(a[i] * scale));  // the normed head, as HF stores it
-    float nb = bf16_round(wb[i] * bf16_round(b[i] * scale));
-    float c = cos_s[8 * j + i], s = sin_s[8 * j + i];
-    oa[i] = na * c - nb * s;
-    ob[i] = nb * c + na * s;
-  }
-  ua = float_to_bf16x8(oa);
-  ub = float_to_bf16x8(ob);
-}
-
-// Where the kernel puts a finished k head and a token's v heads: a 16-byte chunk of 8 bf16 values (chunk c of
-// row `row` = (block * NKV + head) * P + offset). Part I's cache holds bf16, so the store is a plain copy; the
-// kernel is a template over this policy so that a cache format of Part II can store the same chunks its way.
-struct KVStoreBf16 {
-  bf16* k_cache;  // [NB, NKV, P, D]
-  bf16* v_cache;
-  __device__ void key(int64_t row, int chunk, uint4 v) const {
-    reinterpret_cast<uint4*>(k_cache + row * HEAD_DIM)[chunk] = v;
-  }
-  __device__ void value(int64_t row, int chunk, uint4 v) const {
-    reinterpret_cast<uint4*>(v_cache + row * HEAD_DIM)[chunk] = v;
-  }
-};
-
-template <class Store>
-__global__ void qk_norm_rope_kernel(bf16* qkv, const int* positions, const bf16* q_norm_w,
-                                    const bf16* k_norm_w, Store store, const int* slot_mapping, int NH, int NKV,
-                                    int P, float eps, RopeInvFreq inv_freq) {
-  __shared__ float cos_s[HEAD_DIM / 2], sin_s[HEAD_DIM / 2];
-  int t = blockIdx.x;
+// One thread block per token, D/2 = 64 threads: thread i owns the RoPE pair (i, i + D/2) of every head,
+// and the heads of the token are taken one after another, q heads first, then k heads:
+//     head h of token t:  x = qkv[t, h*D .. h*D + D)
+//     ss = sum over the block of x[i]^2 + x[i+D/2]^2;   n = bf16(w * bf16(x * rsqrt(ss/D + eps)))
+//     x[i], x[i+D/2] = rotate(n[i], n[i+D/2]) by angle i of position positions[t]
+// A k head also goes to its cache slot; then the threads copy the token's v heads to theirs.
+// Launch: grid T, block HEAD_DIM / 2. Preconditions: D = HEAD_DIM; qkv and the cache 2-byte aligned.
+__global__ void qk_norm_rope_kernel(bf16* qkv, const int* positions, const bf16* q_norm_w, const bf16* k_norm_w,
+                                    bf16* k_cache, bf16* v_cache, const int* slot_mapping, int NH, int NKV, int P,
+                                    float eps, RopeInvFreq inv_freq) {
+  __shared__ float scratch[32];
+  const int t = blockIdx.x, i = threadIdx.x, D = HEAD_DIM;
+  bf16* row = qkv + (int64_t)t * (NH + 2 * NKV) * D;   // token t's q heads, k heads, v heads
+  float sin_a, cos_a;
+  sincosf((float)positions[t] * inv_freq.v[i], &sin_a, &cos_a);
   const int slot = slot_mapping[t];
   const int64_t cache_block = slot / P, cache_offset = slot % P;  // used only when slot >= 0
-  rope_angles(cos_s, sin_s, positions[t], inv_freq);
-  __syncthreads();
-  int j = threadIdx.x % ROPE_THREADS_PER_HEAD;  // which 8-dim slice of the head this thread owns
-  int heads_per_pass = blockDim.x / ROPE_THREADS_PER_HEAD;
-  int nheads = NH + NKV;                         // q heads then k heads: they are contiguous in qkv
-  bf16* row = qkv + (int64_t)t * (NH + 2 * NKV) * HEAD_DIM;
-  // Every thread runs the same number of passes so the 8-lane shuffles never see a missing lane.
-  for (int base = 0; base < nheads; base += heads_per_pass) {
-    int h = base + threadIdx.x / ROPE_THREADS_PER_HEAD;
-    bool active = h < nheads;
-    uint4* head = reinterpret_cast<uint4*>(row + (int64_t)h * HEAD_DIM);
-    uint4 ua = {}, ub = {};
-    if (active) ua = head[j], ub = head[j + 8];
-    float ss = head_sum_squares(ua, ub);
-    if (!active) continue;
-    head_norm_rope(ua, ub, ss, h < NH ? q_norm_w : k_norm_w, cos_s, sin_s, j, eps);
-    head[j] = ua;
-    head[j + 8] = ub;
-    if (h >= NH && slot >= 0) {  // a k head: into its cache slot too
-      const int64_t cache_row = (cache_block * NKV + (h - NH)) * P + cache_offset;
-      store.key(cache_row, j, ua);
-      store.key(cache_row, j + 8, ub);
+  for (int h = 0; h < NH + NKV; h++) {
+    bf16* x = row + (int64_t)h * D;
+    const float a = __bfloat162float(x[i]), b = __bfloat162float(x[i + D / 2]);
+    const float scale = rsqrtf(block_sum(a * a + b * b, scratch) / (float)D + eps);
+    __syncthreads();  // every thread has read scratch before the next head's block_sum writes it
+    const bf16* w = h < NH ? q_norm_w : k_norm_w;
+    const float na = bf16_round(__bfloat162float(w[i]) * bf16_round(a * scale));  // the normed head, as HF
+    const float nb = bf16_round(__bfloat162float(w[i + D / 2]) * bf16_round(b * scale));
+    x[i] = __float2bfloat16(na * cos_a - nb * sin_a);
+    x[i + D / 2] = __float2bfloat16(nb * cos_a + na * sin_a);
+    if (h >= NH && slot >= 0) {  // a k head: into its cache slot [block, h - NH, offset, :] too
+      bf16* dst = k_cache + ((cache_block * NKV + (h - NH)) * P + cache_offset) * D;
+      dst[i] = x[i];
+      dst[i + D / 2] = x[i + D / 2];
     }
   }
   if (slot < 0) return;
-  constexpr int CHUNKS_PER_HEAD = HEAD_DIM / 8;  // the v heads go to the cache as they are
-  const uint4* v_src = reinterpret_cast<const uint4*>(row + (int64_t)(NH + NKV) * HEAD_DIM);
-  for (int c = threadIdx.x; c < NKV * CHUNKS_PER_HEAD; c += blockDim.x) {
-    int h = c / CHUNKS_PER_HEAD, chunk = c % CHUNKS_PER_HEAD;
-    store.value((cache_block * NKV + h) * P + cache_offset, chunk, v_src[c]);
-  }
-}
-// Threads of one qk_norm_rope thread block: 8 per head, at least D/2 (one per RoPE angle), at most 512.
-static int qk_norm_rope_threads(int NH, int NKV) {
-  return (int)std::min<int64_t>(512, std::max<int64_t>(HEAD_DIM / 2,
-                                    cdiv((int64_t)(NH + NKV) * ROPE_THREADS_PER_HEAD, 32) * 32));
+  for (int h = 0; h < NKV; h++)  // the v heads go to the cache as they are
+    for (int d = i; d < D; d += blockDim.x)
+      v_cache[((cache_block * NKV + h) * P + cache_offset) * D + d] = row[(int64_t)(NH + NKV + h) * D + d];
 }
 // cache: one layer's k and v [NB, NKV, P, D]; slot_mapping [T] (device; -1 = do not store).
 void qk_norm_rope(bf16* qkv, const int* positions, const bf16* q_norm_w, const bf16* k_norm_w,
                   const KVLayer& cache, const int* slot_mapping, int T, int NH, int NKV, int P, float rope_theta,
                   float eps, cudaStream_t stream) {
-  check_aligned16("qk_norm_rope", "qkv", qkv);
-  check_aligned16("qk_norm_rope", "q_norm_w", q_norm_w);
-  check_aligned16("qk_norm_rope", "k_norm_w", k_norm_w);
-  check_aligned16("qk_norm_rope", "k_cache", cache.k);
-  check_aligned16("qk_norm_rope", "v_cache", cache.v);
   INTERNAL_CHECK(P > 0, "qk_norm_rope: block size P = %d", P);
   if (T == 0) return;
-  qk_norm_rope_kernel<<<T, qk_norm_rope_threads(NH, NKV), 0, stream>>>(
-      qkv, positions, q_norm_w, k_norm_w, KVStoreBf16{cache.k, cache.v}, slot_mapping, NH, NKV, P, eps,
-      rope_inv_freq(rope_theta));
+  qk_norm_rope_kernel<<<T, HEAD_DIM / 2, 0, stream>>>(qkv, positions, q_norm_w, k_norm_w, cache.k, cache.v,
+                                                      slot_mapping, NH, NKV, P, eps, rope_inv_freq(rope_theta));
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -1829,7 +1758,7 @@ void qk_norm_rope(bf16* qkv, const int* positions, const bf16* q_norm_w, const b
 // Reads gate_up [T, 2I] (gate in columns [0, I), up in [I, 2I)). Writes out [T, I].
 // One thread = one 16-byte chunk of out (8 outputs), a flat grid over T * I / 8 chunks.
 // Precondition: I % 8 == 0 (true for every Qwen3 size divided by any tensor-parallel degree up to 8).
-// One output, before its bf16 rounding (section 25's epilogue uses it alone), then 8 outputs from 8 gates
+// One output, before its bf16 rounding (section 24's epilogue uses it alone), then 8 outputs from 8 gates
 // and 8 ups (the fused gemv of section 18 uses it too).
 // What silu_and_mul_kernel computes, on the CPU: out [T, I] from gate_up [T, 2I] (bf16 as float).
 static void silu_and_mul_reference(float* out, const float* gate_up, int T, int I) {
@@ -2781,7 +2710,7 @@ struct Hooks {
   void (*tp_ready)(TPComm* comm) = nullptr;
   // Run in order once the model's weights, activations and KV cache exist (plans, tables). Empty: nothing.
   std::vector<void (*)(Qwen3& model, const Config& c)> model_ready;
-  // What `nanovllm simulate` (section 33) must know to price a prefill step the way it runs. Empty: Part I's
+  // What `nanovllm simulate` (section 34) must know to price a prefill step the way it runs. Empty: Part I's
   // way (every one-token row read once per query head, every prefill step launched kernel by kernel).
   bool decode_rows_as_decode = false;  // a step's leading one-token rows read their K/V once per GQA group
   int prefill_graph_tokens = 0;        // prefill steps of at most this many tokens replay CUDA graphs
@@ -2796,13 +2725,13 @@ static void install_optimizations(const OptimizationSet& set) {
 
 // What LLMEngine (section 13) needs from the side that computes a step: the sampled tokens, the batch a step
 // really runs (padded to a CUDA graph's size), and a clock. ModelRunner is the real one; `nanovllm simulate`
-// (section 33) plugs in a stand-in that needs no GPU and keeps a modelled clock.
+// (section 34) plugs in a stand-in that needs no GPU and keeps a modelled clock.
 struct StepRunner {
   double gpu_seconds = 0;  // time spent waiting for the GPU (the rest of a step is host work)
   virtual std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) = 0;
   virtual int padded_batch(int B, bool is_prefill) const = 0;
   // After run(): row i's log-probabilities for the sequences that asked for them (section 9b); nullptr when
-  // none did, or when the runner has no logits (section 33's stand-in model).
+  // none did, or when the runner has no logits (section 34's stand-in model).
   virtual const TokenLogprobs* step_logprobs() const { return nullptr; }
   virtual double now() { return now_seconds(); }
   virtual void wait_until(double t) {  // nothing to do before t (requests arrive later)
@@ -3263,7 +3192,7 @@ struct ModelRunner : StepRunner {
 // This section has two halves: the data plane (the communicator, the all-reduce, the logits gather), and
 // the processes (12b): rank 0 is this process; ranks 1..N-1 are workers fork()ed before the first CUDA
 // call, and rank 0 sends them each step through a mailbox in shared memory. Section 20 gives the small
-// all-reduces of decode a faster road than NCCL's; section 32 handles the signals and shutdown.
+// all-reduces of decode a faster road than NCCL's; section 33 handles the signals and shutdown.
 //
 // What crosses between the ranks in one batch-1 decode step of Qwen3-8B at N = 2:
 //   mailbox      ~57 KB of step inputs at --max-num-seqs 512 (ids, positions, slots, context lengths,
@@ -3372,7 +3301,7 @@ static TPComm* tp_comm_init(int rank, int size, const ncclUniqueId& id) {
 // followed by collectives that need every worker.
 //
 // What happens when a process fails or a signal arrives (reaping the workers, naming the rank that failed,
-// Ctrl-C) is section 32's: it passes its handlers to tp_fork_workers (TPSupervisor), and none of it changes
+// Ctrl-C) is section 33's: it passes its handlers to tp_fork_workers (TPSupervisor), and none of it changes
 // what the ranks compute.
 
 enum class TPOp : uint32_t { CONNECT, INIT, CAPTURE, STEP, EXIT };
@@ -3403,7 +3332,7 @@ struct TPGroup {
 };
 static TPGroup g_tp;
 
-// What section 32 adds around the processes: rank 0's reaper and signal handlers, installed between the
+// What section 33 adds around the processes: rank 0's reaper and signal handlers, installed between the
 // forks and the moment a worker's death can be noticed; a worker's own signals; and a per-step call (tests
 // make a worker fail on purpose there). Empty entries do nothing.
 struct TPSupervisor {
@@ -3689,7 +3618,7 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
 //
 // Watching the scheduler think: with --trace every step prints one line on stderr, every run ends with a
 // summary, and --report draws the whole run. All of them watch through StepObserver (below; Part III
-// implements it, section 31) and only read what the scheduler, the runner and the Sequences already keep.
+// implements it, section 32) and only read what the scheduler, the runner and the Sequences already keep.
 
 struct Request {
   std::vector<int> prompt_token_ids;
@@ -3697,14 +3626,14 @@ struct Request {
   std::string source;         // "prompts.txt:12", for messages
   double arrival_time = 0;    // seconds after generate() begins (a .jsonl field, or --request-rate)
   bool arrival_given = false; // the .jsonl line gave it (--request-rate leaves it alone)
-  std::string error;          // an OpenAI batch line we answer with an error instead of running (section 30)
-  json batch;                 // that batch line's custom_id, url and body (section 30); null otherwise
+  std::string error;          // an OpenAI batch line we answer with an error instead of running (section 31)
+  json batch;                 // that batch line's custom_id, url and body (section 31); null otherwise
 };
 
 // One completion: a request with n > 1 has n of them, consecutive, in index order.
 struct Completion {
   std::vector<int> token_ids;
-  const char* finish_reason;  // nullptr: unfinished (the run was interrupted by Ctrl-C, section 32)
+  const char* finish_reason;  // nullptr: unfinished (the run was interrupted by Ctrl-C, section 33)
   int prompt_tokens;
   double arrival_time = 0, first_token_time = -1, finish_time = -1;  // seconds since generate() began (-1: never)
   int64_t seq_id = 0;
@@ -3717,7 +3646,7 @@ struct Completion {
   double cumulative_logprob = 0;
 };
 
-// Ctrl-C (section 32's handler sets it; main arms it): generate() stops after the step in flight.
+// Ctrl-C (section 33's handler sets it; main arms it): generate() stops after the step in flight.
 static volatile sig_atomic_t g_stop_armed = 0;
 static volatile sig_atomic_t g_stop_requested = 0;
 
@@ -3853,7 +3782,7 @@ struct LLMEngine {
     t0 = runner.now();
     const size_t first = seqs.size();
     for (size_t r = 0; r < requests.size(); r++)
-      if (requests[r].error.empty()) add_request(requests[r], (int)r);  // else answered with its error (30)
+      if (requests[r].error.empty()) add_request(requests[r], (int)r);  // else answered with its error (31)
     while (!g_stop_requested) {
       admit_arrivals();
       if (scheduler.is_finished()) {  // idle until the next request arrives (a Ctrl-C ends the wait too)
@@ -3918,13 +3847,13 @@ struct Optimizations {
   bool pdl = false;                // 17: the next kernel launches while the previous one finishes
   bool gemv = false;               // 18: batch-1/2 matrix products in a gemv with its neighbours fused in
   bool cluster_merge = false;      // 19: decode's split-K merge inside a cluster, no merge kernel
-  bool fused_rope = false;         // 19: decode attention does q/k-norm, RoPE and the KV store itself
+  bool fused_rope = false;         // 19: q/k-norm, RoPE and the KV store 8 lanes a head, in decode in attention
   bool oneshot_allreduce = false;  // 20: small all-reduces over NVLink in one crossing, not NCCL's ring
   bool bisect_sampler = false;     // 21: the sampler's cut by bisection, not section 9's sort
   bool fast_sampler = false;       // 22: radix-select top-k/top-p and split rows, not the plain sampler
   bool prefill_graphs = false;     // 23: prefill and mixed steps replay CUDA graphs, attention between pieces
-  bool longest_first = false;      // 24a: an fp8 decode step's rows in order of context length, longest first
-  bool persistent = false;         // 25-28: a small-batch decode step in one persistent kernel
+  bool longest_first = false;      // 29a: an fp8 decode step's rows in order of context length, longest first
+  bool persistent = false;         // 24-27: a small-batch decode step in one persistent kernel
 };
 static Optimizations g_opt;  // set by each section's apply (install_optimizations, section 11)
 
@@ -3941,9 +3870,9 @@ static Optimizations g_opt;  // set by each section's apply (install_optimizatio
 //
 //   per layer          Part I's stage                                   replaced by
 //   norm_matmul        y = RMSNorm(residual) @ W^T: rmsnorm + cuBLASLt   18 (gemv: the norm inside the gemv)
-//   store_qkv          q/k-norm, RoPE, this step's K/V into the cache    24 (the same into an fp8 cache)
-//   attention_prefill  section 8's prefill kernel                        15-16 (flash attention)
-//   attention_decode   store_qkv, then section 8's decode kernel         16, then 19 (all in one kernel)
+//   store_qkv          q/k-norm, RoPE, this step's K/V into the cache    19 (eight threads a head), 29 (fp8)
+//   attention_prefill  section 8's prefill kernel                        15-16 (flash attention), 29 (fp8)
+//   attention_decode   store_qkv, then section 8's decode kernel         16, then 19 (all in one kernel), 29
 //   matmul_out         h = x @ W^T (after SiLU-and-mul for down), summed over the ranks   18
 //   all_reduce         NCCL's all-reduce (section 12)                    20 (one crossing of NVLink)
 // and one entry that only a chapter fills: cut (23: where a CUDA graph of a prefill step ends a piece).
@@ -4096,8 +4025,8 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
 }
 
 // ==== 15. Flash attention on tensor cores: the tiles and the prefill kernel ================================
-// defines: KVCacheDtype, KVScales, KVView, kv_view, flash_attention_prefill (section 16: decode, and the
-//          switch flash_attn)
+// defines: KVBf16 (a cache format as a template parameter), attend_kv_slice, flash_attention_prefill
+//          (section 16: decode, and the switch flash_attn)
 //
 // Replaces: section 8's attention kernels, which give each (query row, head) a warp of its own. There,
 // every query head of a GQA group reads the same keys again, every row of a prefill reads its keys again,
@@ -4128,63 +4057,6 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
 //                  committed and later waited for, so the next tile loads while this one is computed.
 
 
-// ---- Reading and writing the cache, whatever it stores --------------------------------------------------
-// The kernels of Part II that touch the KV cache (the two below, the fused decode kernel of section 19, the
-// persistent kernel of section 25) are templates over the cache's element type KV: bf16 is Part I's cache;
-// fp8e4m3 is section 24's, whose pieces are declared here and defined there. A KVView is one layer's cache
-// as these kernels take it; the launchers pick the instance from its dtype. Accumulation is fp32 either way;
-// fp8 values are widened (to fp16, exactly) before the tensor cores see them.
-typedef __nv_fp8_e4m3 fp8e4m3;  // one byte: sign, 4 exponent bits, 3 mantissa bits (section 24)
-enum class KVCacheDtype { BF16, FP8 };
-struct KVScales {
-  float k = 1.f, v = 1.f;  // fp8 only: a stored key is k_true / k, a stored value v_true / v (powers of two)
-};
-struct KVView {
-  void* k;  // [NB, NKV/tp, P, D]: bf16, or one e4m3 byte per value (section 24)
-  void* v;
-  KVCacheDtype dtype;
-  KVScales scale;
-};
-static KVView bf16_kv_view(const KVLayer& l) { return {l.k, l.v, KVCacheDtype::BF16, {}}; }
-// The engine's cache format and per-layer scales (set when a ModelRunner allocates its pool: section 24).
-static KVCacheDtype g_kv_dtype = KVCacheDtype::BF16;
-static std::vector<KVScales> g_kv_scales;  // [L] (fp8)
-// Layer l of the engine's cache as Part II's kernels take it.
-static KVView kv_view(const KVCache& kv, int l) {
-  const KVLayer p = kv.layer(l);  // (the byte offsets already follow kv.value_bytes)
-  return {p.k, p.v, g_kv_dtype, g_kv_dtype == KVCacheDtype::FP8 ? g_kv_scales[l] : KVScales{}};
-}
-__device__ __forceinline__ void store_kv_chunk_fp8(fp8e4m3* row, int chunk, uint4 v, float scale);
-__device__ __forceinline__ uint4 kv_chunk_tile_values_fp8(uint4 v, float scale);
-__device__ __forceinline__ void store_kv_chunk_tile_fp8(fp8e4m3* row, int chunk, uint4 tile_values);
-
-// Write one 16-byte chunk of bf16 values v (8 values) to elements [8*chunk, 8*chunk + 8) of a cache row.
-// scale: the layer's scale for this tensor (fp8 only).
-template <class KV>
-__device__ __forceinline__ void store_kv_chunk(KV* row, int chunk, uint4 v, float scale) {
-  if constexpr (std::is_same<KV, bf16>::value) reinterpret_cast<uint4*>(row)[chunk] = v;
-  else store_kv_chunk_fp8(row, chunk, v, scale);
-}
-// The 8 values an attention tile holds after store_kv_chunk and the tile load (bf16: v itself; fp8: section 24's
-// tile values), and the store of such tile values (the same bytes store_kv_chunk writes).
-template <class KV>
-__device__ __forceinline__ uint4 kv_chunk_tile_values(uint4 v, float scale) {
-  if constexpr (std::is_same<KV, bf16>::value) return v;
-  else return kv_chunk_tile_values_fp8(v, scale);
-}
-template <class KV>
-__device__ __forceinline__ void store_kv_chunk_tile(KV* row, int chunk, uint4 tile_values) {
-  if constexpr (std::is_same<KV, bf16>::value) reinterpret_cast<uint4*>(row)[chunk] = tile_values;
-  else store_kv_chunk_tile_fp8(row, chunk, tile_values);
-}
-// Calls f(KV*) with a null pointer of the cache's element type: a launcher's way to pick its template.
-template <class F>
-static void with_kv_type(const KVView& cache, F f) {
-  if (cache.dtype == KVCacheDtype::FP8) f((fp8e4m3*)nullptr);
-  else f((bf16*)nullptr);
-}
-
-
 __device__ __forceinline__ int cdiv_dev(int a, int b) { return (a + b - 1) / b; }
 
 constexpr int ATTN_KV_TILE = 64;       // keys per shared-memory tile (K and V each: 64 x 128 bf16 = 16 KiB)
@@ -4200,20 +4072,13 @@ constexpr int DECODE_ROWS = 16;        // MMA rows in decode: the query heads of
 static_assert(DECODE_WARPS * 32 == HEAD_DIM, "the decode epilogue gives each thread one output dim");
 static_assert(DECODE_WARPS * 16 == ATTN_KV_TILE, "decode warps split each tile 16 keys apiece");
 static_assert(DECODE_PARTITION % ATTN_KV_TILE == 0, "partitions are made of whole tiles");
-// fp8 caches (section 24): the staging slots of the prefill kernel's ring. Two fit in the second stage, so
-// shared memory stays what bf16 needs. (Decode over an fp8 cache runs a loop of its own: section 24.)
-constexpr int PREFILL_FP8_RING = 2;
 
 // Keys per decode CTA for a batch of B sequences. With few sequences, 512-key partitions leave most of the
 // GPU idle (B = 1, NKV = 8, a 768-token context: 16 CTAs for 132 SMs), so small batches use shorter
 // partitions and more CTAs; the merge kernel pays for it with a few more partials. Depends on B (and the
-// cache's dtype, fixed for a run) only, so a graph captured for a batch size keeps its grid. (On sm_90 and
+// cache's format, fixed for a run) only, so a graph captured for a batch size keeps its grid. (On sm_90 and
 // later, batches of at most 4 take the cluster path below instead, whose partitions follow the context.)
-// An fp8 cache (section 24) takes partitions twice as long: the same bytes per thread block.
-static int decode_partition(int B, KVCacheDtype dtype = KVCacheDtype::BF16) {
-  const int keys = B <= 4 ? 64 : B <= 32 ? 128 : DECODE_PARTITION;
-  return dtype == KVCacheDtype::FP8 ? 2 * keys : keys;
-}
+static int decode_partition(int B) { return B <= 4 ? 64 : B <= 32 ? 128 : DECODE_PARTITION; }
 
 // A shared-memory tile row is HEAD_DIM bf16 = 256 bytes = 16 chunks of 16 bytes. ldmatrix reads one chunk
 // column of 8 consecutive rows at once; stored plainly those 8 chunks are 256 bytes apart, all in the same
@@ -4263,31 +4128,6 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// The same with fp16 inputs, for the tiles of an fp8 cache (section 24): tile_t<KV> is the element type the
-// tensor cores see, bf16 for a bf16 cache, fp16 for fp8 (fp16 holds every e4m3 value exactly).
-template <class KV>
-using tile_t = typename std::conditional<std::is_same<KV, bf16>::value, bf16, __half>::type;
-template <class T>
-__device__ __forceinline__ void mma_16816(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same<T, bf16>::value) {
-    mma_bf16_16816(acc, a, b0, b1);
-  } else {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-template <class T>
-__device__ __forceinline__ uint32_t pack_x2(float lo, float hi) {
-  if constexpr (std::is_same<T, bf16>::value) {
-    return pack_bf16x2(lo, hi);
-  } else {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-}
-
 // 2^x in one instruction (MUFU.EX2, relative error ~2^-22); 2^-inf = 0, which the masking relies on.
 // The softmax works in base 2: exp(s*scale - m*scale) = 2^(s*scale*log2(e) - m*scale*log2(e)).
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -4325,66 +4165,88 @@ __device__ __forceinline__ void load_kv_tile(bf16* sK, bf16* sV, const bf16* k_c
   }
 }
 
-// The tile pipeline both kernels run, whatever the cache stores. Tile `index` (keys key0 ..) is issued
-// kv_tiles_ahead() tiles before it is needed, one committed cp.async group per tile; when its turn comes,
-// kv_tile_ready says where it lies as a [ATTN_KV_TILE][HEAD_DIM] tile (swizzled) of tile_t<KV>. For a bf16
-// cache the copies land straight in stage index % ATTN_STAGES of sK, sV, and there is nothing more to do. An
-// fp8 cache (section 24; only the prefill kernel takes this road, decode has a loop of its own there) lands
-// in a ring of PREFILL_FP8_RING staging slots and kv_tile_ready widens the tile to fp16 into stage 0; its
-// pieces are declared here and defined there. skip_key (bf16 only): a key the copies leave alone, for section
-// 18's fused decode kernel, which writes that key itself.
-template <int NTHREADS>
-__device__ __forceinline__ void load_kv_tile_fp8(char* slot, const fp8e4m3* k_cache, const fp8e4m3* v_cache,
-                                                 const int* block_table, int kvh, int NKV, int log2P, int key0,
-                                                 int key_end);
-template <int NTHREADS>
-__device__ __forceinline__ void widen_kv_tile_fp8(const char* slot, bf16* sK, bf16* sV);
-__device__ __forceinline__ char* fp8_ring_slot(bf16* sK, bf16* sV, int i);
+// ---- The cache format, a template parameter --------------------------------------------------------------
+// The kernels of Part II that read or write the KV cache (the two below, section 19's fused decode kernel,
+// the persistent kernel of sections 24-26) are templates over a cache format F: a struct of types and
+// forceinline functions that say what a cached value is, how a tile of keys and values reaches shared memory
+// and the tensor cores, and how a key or value is stored. KVBf16, here, is Part I's cache (section 6b), and
+// the only format these chapters instantiate; a chapter that stores the cache another way defines its own
+// format and instantiates the same kernels with it (section 28). Every piece is inlined: a format costs
+// nothing at run time.
+// The tile pipeline both kernels run: tile `index` (keys key0 ..) is issued tiles_ahead tiles before it is
+// needed, one committed cp.async group per tile; when its turn comes, every thread calls tile_ready once the
+// tile has landed for it (cp_async_wait), before the barrier that publishes it, and learns where it lies as a
+// [ATTN_KV_TILE][HEAD_DIM] tile (swizzled) of F::Tile. For bf16 the copies land straight in stage
+// index % ATTN_STAGES of sK, sV, and there is nothing more to do. skip_key: a key the copies leave alone, for
+// section 19's fused decode kernel, which writes that key itself (-1: none).
+struct KVBf16 {
+  using Elem = bf16;       // one cached value
+  using Tile = bf16;       // what the tensor cores multiply: the element of a shared-memory tile
+  struct Scales {};        // what a layer's stored keys and values must be multiplied by: nothing
+  using Layer = KVLayer;   // one layer's cache as the launchers take it: keys, values [NB, NKV, P, D]
+  static bf16* keys(const KVLayer& c) { return c.k; }
+  static bf16* values(const KVLayer& c) { return c.v; }
+  static Scales scales(const KVLayer&) { return {}; }
 
-template <class KV>
-constexpr int kv_tiles_ahead() {
-  return std::is_same<KV, bf16>::value ? ATTN_STAGES - 1 : PREFILL_FP8_RING - 1;
-}
-template <int NTHREADS, class KV>
-__device__ __forceinline__ void issue_kv_tile(bf16* sK, bf16* sV, const KV* k_cache, const KV* v_cache,
-                                              const int* block_table, int kvh, int NKV, int log2P, int index,
-                                              int key0, int key_end, int skip_key = -1) {
-  constexpr int TILE = ATTN_KV_TILE * HEAD_DIM;
-  if constexpr (std::is_same<KV, bf16>::value)
+  static constexpr int tiles_ahead = ATTN_STAGES - 1;
+  template <int NTHREADS>
+  __device__ static __forceinline__ void issue_tile(bf16* sK, bf16* sV, const bf16* k_cache, const bf16* v_cache,
+                                                    const int* block_table, int kvh, int NKV, int log2P, int index,
+                                                    int key0, int key_end, int skip_key) {
+    constexpr int TILE = ATTN_KV_TILE * HEAD_DIM;
     load_kv_tile<NTHREADS>(sK + (index % ATTN_STAGES) * TILE, sV + (index % ATTN_STAGES) * TILE, k_cache, v_cache,
                            block_table, kvh, NKV, log2P, key0, key_end, skip_key);
-  else
-    load_kv_tile_fp8<NTHREADS>(fp8_ring_slot(sK, sV, index % PREFILL_FP8_RING), k_cache, v_cache, block_table, kvh,
-                               NKV, log2P, key0, key_end);
-}
-// Called by every thread once tile `index` has landed for it (cp_async_wait), before the barrier that
-// publishes the tile; sets sK_t, sV_t.
-template <int NTHREADS, class KV>
-__device__ __forceinline__ void kv_tile_ready(bf16* sK, bf16* sV, int index, bf16*& sK_t, bf16*& sV_t) {
-  constexpr int TILE = ATTN_KV_TILE * HEAD_DIM;
-  if constexpr (std::is_same<KV, bf16>::value) {
-    sK_t = sK + (index % ATTN_STAGES) * TILE, sV_t = sV + (index % ATTN_STAGES) * TILE;
-  } else {
-    widen_kv_tile_fp8<NTHREADS>(fp8_ring_slot(sK, sV, index % PREFILL_FP8_RING), sK, sV);
-    sK_t = sK, sV_t = sV;
   }
-}
-// The first kv_tiles_ahead() tiles of keys [key_begin, key_end), one committed group each (empty past the end).
-template <int NTHREADS, class KV>
-__device__ __forceinline__ void issue_first_kv_tiles(bf16* sK, bf16* sV, const KV* k_cache, const KV* v_cache,
-                                                     const int* block_table, int kvh, int NKV, int log2P,
-                                                     int key_begin, int key_end, int skip_key = -1) {
+  template <int NTHREADS>
+  __device__ static __forceinline__ void tile_ready(bf16* sK, bf16* sV, int index, bf16*& sK_t, bf16*& sV_t) {
+    constexpr int TILE = ATTN_KV_TILE * HEAD_DIM;
+    sK_t = sK + (index % ATTN_STAGES) * TILE, sV_t = sV + (index % ATTN_STAGES) * TILE;
+  }
+  // acc[16x8] += a[16x16] * (b0, b1)[16x8] on the tiles' element, and two floats packed as its input.
+  __device__ static __forceinline__ void mma(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    mma_bf16_16816(acc, a, b0, b1);
+  }
+  __device__ static __forceinline__ uint32_t pack(float lo, float hi) { return pack_bf16x2(lo, hi); }
+  // The Q fragments as the tiles' element (bf16: as they are), the scores' scale (scale * log2 e: unchanged)
+  // and the output's (unchanged).
+  __device__ static __forceinline__ void tile_q(uint32_t (&)[HEAD_DIM / 16][4]) {}
+  __device__ static __forceinline__ float score_scale(float scale_log2, Scales) { return scale_log2; }
+  __device__ static __forceinline__ void scale_output(float (&)[HEAD_DIM / 8][4], Scales) {}
+
+  // The store (section 19's fused kernel, the persistent kernel): a 16-byte chunk of 8 bf16 values v, a key
+  // or a value, to elements [8 chunk, 8 chunk + 8) of a cache row. The values an attention tile holds for it
+  // after the store and a tile load ("tile values": v itself), and the store of such tile values.
+  __device__ static __forceinline__ void store_key(bf16* row, int chunk, uint4 v, Scales) {
+    reinterpret_cast<uint4*>(row)[chunk] = v;
+  }
+  __device__ static __forceinline__ void store_value(bf16* row, int chunk, uint4 v, Scales) {
+    reinterpret_cast<uint4*>(row)[chunk] = v;
+  }
+  __device__ static __forceinline__ uint4 key_tile_values(uint4 v, Scales) { return v; }
+  __device__ static __forceinline__ uint4 value_tile_values(uint4 v, Scales) { return v; }
+  __device__ static __forceinline__ void store_tile_values(bf16* row, int chunk, uint4 tile_values) {
+    reinterpret_cast<uint4*>(row)[chunk] = tile_values;
+  }
+};
+
+// The first F::tiles_ahead tiles of keys [key_begin, key_end), one committed group each (empty past the end).
+template <int NTHREADS, class F>
+__device__ __forceinline__ void issue_first_kv_tiles(bf16* sK, bf16* sV, const typename F::Elem* k_cache,
+                                                     const typename F::Elem* v_cache, const int* block_table,
+                                                     int kvh, int NKV, int log2P, int key_begin, int key_end,
+                                                     int skip_key = -1) {
 #pragma unroll
-  for (int t = 0; t < kv_tiles_ahead<KV>(); t++) {
+  for (int t = 0; t < F::tiles_ahead; t++) {
     const int key0 = key_begin + t * ATTN_KV_TILE;
     if (key0 < key_end)
-      issue_kv_tile<NTHREADS>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, t, key0, key_end, skip_key);
+      F::template issue_tile<NTHREADS>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, t, key0, key_end,
+                                       skip_key);
     cp_async_commit();
   }
 }
 
-// The online-softmax step of one warp's slice of keys, for attend_kv_slice below (section 24's fp8 decode
-// loop, whose heads lie on the MMA's columns, does the same per column in fp8_attend_slice): scores s (the
+// The online-softmax step of one warp's slice of keys, for attend_kv_slice below (a decode loop whose heads
+// lie on the MMA's columns does the same per column: section 29): scores s (the
 // S = Q K^T accumulators of NKEYS keys, key0 .., in 8-key column groups) of keys past a row's last_key set
 // to -inf (only when need_mask), then the update of the row max m and row sum l, the rescaling of O, and s
 // turned into the probabilities P in place (unnormalised). Lane layout as in attend_kv_slice below.
@@ -4436,8 +4298,9 @@ __device__ __forceinline__ void online_softmax_update(float (&s)[NKEYS / 8][4], 
 // q: the warp's 16 query rows as A fragments, one per 16-dim slice. o: [16 row x 128 dim] accumulator as
 // 16 fragments of 8 dims. m, l, last_key: this lane's two rows (lane/4 and lane/4 + 8). m is kept in raw
 // score units; l is this lane's partial sum over its own columns (the quad adds them up at the very end,
-// which is valid because all four lanes of a row always rescale by the same factor).
-template <int NKEYS, class T = bf16>
+// which is valid because all four lanes of a row always rescale by the same factor). F: the cache format,
+// whose tiles' element the tensor cores multiply (F::mma, F::pack).
+template <int NKEYS, class F = KVBf16>
 __device__ __forceinline__ void attend_kv_slice(const uint32_t (&q)[HEAD_DIM / 16][4], const bf16* sK,
                                                 const bf16* sV, int row0, int key0, bool need_mask,
                                                 const int (&last_key)[2], float scale_log2,
@@ -4457,8 +4320,8 @@ __device__ __forceinline__ void attend_kv_slice(const uint32_t (&q)[HEAD_DIM / 1
       uint32_t b[4];
       const int row = row0 + j * 16 + (lane & 7) + ((lane >> 4) << 3);
       ldmatrix_x4(b, sK + attn_smem_index(row, 2 * kk + ((lane >> 3) & 1)));
-      mma_16816<T>(s[2 * j], q[kk], b[0], b[1]);
-      mma_16816<T>(s[2 * j + 1], q[kk], b[2], b[3]);
+      F::mma(s[2 * j], q[kk], b[0], b[1]);
+      F::mma(s[2 * j + 1], q[kk], b[2], b[3]);
     }
   }
 
@@ -4468,15 +4331,15 @@ __device__ __forceinline__ void attend_kv_slice(const uint32_t (&q)[HEAD_DIM / 1
   // one 16-key k-slice), so P goes from registers to the MMA without shared memory. V needs .trans.
 #pragma unroll
   for (int kt = 0; kt < NKEYS / 16; kt++) {
-    const uint32_t p[4] = {pack_x2<T>(s[2 * kt][0], s[2 * kt][1]), pack_x2<T>(s[2 * kt][2], s[2 * kt][3]),
-                           pack_x2<T>(s[2 * kt + 1][0], s[2 * kt + 1][1]),
-                           pack_x2<T>(s[2 * kt + 1][2], s[2 * kt + 1][3])};
+    const uint32_t p[4] = {F::pack(s[2 * kt][0], s[2 * kt][1]), F::pack(s[2 * kt][2], s[2 * kt][3]),
+                           F::pack(s[2 * kt + 1][0], s[2 * kt + 1][1]),
+                           F::pack(s[2 * kt + 1][2], s[2 * kt + 1][3])};
 #pragma unroll
     for (int dt = 0; dt < HEAD_DIM / 16; dt++) {
       uint32_t b[4];
       ldmatrix_x4_trans(b, sV + attn_smem_index(row0 + kt * 16 + (lane & 15), 2 * dt + (lane >> 4)));
-      mma_16816<T>(o[2 * dt], p, b[0], b[1]);
-      mma_16816<T>(o[2 * dt + 1], p, b[2], b[3]);
+      F::mma(o[2 * dt], p, b[0], b[1]);
+      F::mma(o[2 * dt + 1], p, b[2], b[3]);
     }
   }
 }
@@ -4488,36 +4351,6 @@ __device__ __forceinline__ void load_q_fragments(uint32_t (&q)[HEAD_DIM / 16][4]
   for (int kk = 0; kk < HEAD_DIM / 16; kk++)
     ldmatrix_x4(q[kk], sQ + attn_smem_index(row0 + (lane & 15), 2 * kk + (lane >> 4)));
 }
-// With an fp8 cache (section 24) the tiles hold e4m3 values (no scale) in fp16: the q fragments become fp16
-// too, the scores take the key scale (score_scale), and the output the value scale (scale_output). For a
-// bf16 cache all three do nothing.
-template <class KV>
-__device__ __forceinline__ void q_fragments_for_tiles(uint32_t (&q)[HEAD_DIM / 16][4]) {
-  if constexpr (!std::is_same<KV, bf16>::value) {
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; kk++)
-#pragma unroll
-      for (int i = 0; i < 4; i++) {
-        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&q[kk][i]));
-        const __half2 h = __floats2half2_rn(f.x, f.y);
-        q[kk][i] = *reinterpret_cast<const uint32_t*>(&h);
-      }
-  }
-}
-template <class KV>
-__device__ __forceinline__ float score_scale(float scale_log2, KVScales s) {
-  return std::is_same<KV, bf16>::value ? scale_log2 : scale_log2 * s.k;
-}
-template <class KV>
-__device__ __forceinline__ void scale_output(float (&o)[HEAD_DIM / 8][4], KVScales s) {
-  if constexpr (!std::is_same<KV, bf16>::value) {
-#pragma unroll
-    for (int d = 0; d < HEAD_DIM / 8; d++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) o[d][e] *= s.v;
-  }
-}
-
 // flash_prefill_kernel — causal attention of a variable-length batch over the paged cache.
 //   Replaces: flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ..., causal=True,
 //             block_table=block_tables) in nano-vllm's Attention.forward (prefill branch).
@@ -4533,10 +4366,12 @@ __device__ __forceinline__ void scale_output(float (&o)[HEAD_DIM / 8][4], KVScal
 //   under the causal mask the last tile of a sequence has the most keys, and starting the long CTAs first
 //   keeps the tail of the launch short. CTAs past their sequence's q_len exit at once.
 //   Preconditions: 1 <= q_len <= seqlens_k[b] for every sequence; NH % NKV == 0; P a power of two.
-template <class KV>
+//   F: the cache format (KVBf16 above); kv_scale: what its layer's values are multiplied by.
+template <class F>
 __global__ void __launch_bounds__(PREFILL_WARPS * 32)
     flash_prefill_kernel(bf16* __restrict__ out, const bf16* __restrict__ qkv,
-                             const KV* __restrict__ k_cache, const KV* __restrict__ v_cache, KVScales kv_scale,
+                         const typename F::Elem* __restrict__ k_cache, const typename F::Elem* __restrict__ v_cache,
+                         typename F::Scales kv_scale,
                              const int* __restrict__ cu_seqlens_q, const int* __restrict__ seqlens_k,
                              const int* __restrict__ block_tables, int NH, int NKV, int log2P, int MB,
                              float scale_log2) {
@@ -4565,14 +4400,14 @@ __global__ void __launch_bounds__(PREFILL_WARPS * 32)
     cp_async_16(sQ + attn_smem_index(r, c), valid ? src : qkv, valid);
   }
   cp_async_commit();
-  constexpr int AHEAD = kv_tiles_ahead<KV>();
-  issue_first_kv_tiles<PREFILL_WARPS * 32>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, 0, kv_len);
+  constexpr int AHEAD = F::tiles_ahead;
+  issue_first_kv_tiles<PREFILL_WARPS * 32, F>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, 0, kv_len);
   cp_async_wait<AHEAD>();  // the Q group is complete
   __syncthreads();
   uint32_t q[HEAD_DIM / 16][4];
   load_q_fragments(q, sQ, warp * 16);
-  q_fragments_for_tiles<KV>(q);
-  scale_log2 = score_scale<KV>(scale_log2, kv_scale);
+  F::tile_q(q);
+  scale_log2 = F::score_scale(scale_log2, kv_scale);
 
   float o[HEAD_DIM / 8][4] = {};
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
@@ -4585,21 +4420,21 @@ __global__ void __launch_bounds__(PREFILL_WARPS * 32)
     // __syncthreads that ended it). An empty commit at the end keeps the group count uniform.
     const int ahead = t + AHEAD;
     if (ahead < n_tiles)
-      issue_kv_tile<PREFILL_WARPS * 32>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, ahead,
-                                        ahead * ATTN_KV_TILE, kv_len);
+      F::template issue_tile<PREFILL_WARPS * 32>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, ahead,
+                                                 ahead * ATTN_KV_TILE, kv_len, -1);
     cp_async_commit();
     cp_async_wait<AHEAD>();  // tile t has landed (for this thread) ...
     bf16 *sK_t, *sV_t;
-    kv_tile_ready<PREFILL_WARPS * 32, KV>(sK, sV, t, sK_t, sV_t);
+    F::template tile_ready<PREFILL_WARPS * 32>(sK, sV, t, sK_t, sV_t);
     __syncthreads();         // ... and for every thread
     const int key0 = t * ATTN_KV_TILE;
     // Only tiles that cross the diagonal need the mask; a warp whose rows all precede the tile skips it.
     if (warp_has_rows && key0 <= warp_pos0 + 15)
-      attend_kv_slice<ATTN_KV_TILE, tile_t<KV>>(q, sK_t, sV_t, 0, key0, key0 + ATTN_KV_TILE - 1 > warp_pos0,
-                                                last_key, scale_log2, o, m, l);
+      attend_kv_slice<ATTN_KV_TILE, F>(q, sK_t, sV_t, 0, key0, key0 + ATTN_KV_TILE - 1 > warp_pos0, last_key,
+                                       scale_log2, o, m, l);
     __syncthreads();
   }
-  scale_output<KV>(o, kv_scale);
+  F::scale_output(o, kv_scale);
 
   // Finish the row sums across the quad, normalise, write bf16 (each lane: 2 dims of 2 rows per group).
 #pragma unroll
@@ -4617,10 +4452,11 @@ __global__ void __launch_bounds__(PREFILL_WARPS * 32)
   }
 }
 
-// out: bf16 [T, NH*D]; qkv: bf16 [T, (NH+2NKV)*D]; k_cache, v_cache: bf16 [NB, NKV, P, D];
-// cu_seqlens_q: int [B+1] (device); seqlens_k: int [B] (device, keys of sequence b including this step's);
-// block_tables: int [B, MB] (device); max_seqlen_q: the largest q_len (host). scale = 1/sqrt(D).
-static void flash_attention_prefill(bf16* out, const bf16* qkv, const KVView& cache,
+// out: bf16 [T, NH*D]; qkv: bf16 [T, (NH+2NKV)*D]; cache: one layer's keys and values [NB, NKV, P, D] in
+// format F; cu_seqlens_q: int [B+1] (device); seqlens_k: int [B] (device, keys of sequence b including this
+// step's); block_tables: int [B, MB] (device); max_seqlen_q: the largest q_len (host). scale = 1/sqrt(D).
+template <class F = KVBf16>
+static void flash_attention_prefill(bf16* out, const bf16* qkv, const typename F::Layer& cache,
                                     const int* cu_seqlens_q, const int* seqlens_k, const int* block_tables,
                                     int B, int max_seqlen_q, int NH, int NKV, int P, int MB, float scale,
                                     cudaStream_t stream) {
@@ -4628,20 +4464,17 @@ static void flash_attention_prefill(bf16* out, const bf16* qkv, const KVView& ca
   if (B == 0 || max_seqlen_q == 0) return;
   const size_t smem = (PREFILL_BLOCK_M + 2 * ATTN_STAGES * ATTN_KV_TILE) * HEAD_DIM * sizeof(bf16);  // 96 KiB
   dim3 grid(NH, cdiv(max_seqlen_q, PREFILL_BLOCK_M), B);
-  with_kv_type(cache, [&](auto* kv) {
-    using KV = std::remove_pointer_t<decltype(kv)>;
-    // More than the default 48 KiB of shared memory must be asked for; cheap, and legal during graph capture.
-    CUDA_CHECK(cudaFuncSetAttribute(flash_prefill_kernel<KV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)smem));
-    flash_prefill_kernel<KV><<<grid, PREFILL_WARPS * 32, smem, stream>>>(
-        out, qkv, (const KV*)cache.k, (const KV*)cache.v, cache.scale, cu_seqlens_q, seqlens_k, block_tables,
-        NH, NKV, __builtin_ctz(P), MB, scale * (float)M_LOG2E);
-  });
+  // More than the default 48 KiB of shared memory must be asked for; cheap, and legal during graph capture.
+  CUDA_CHECK(cudaFuncSetAttribute(flash_prefill_kernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  flash_prefill_kernel<F><<<grid, PREFILL_WARPS * 32, smem, stream>>>(
+      out, qkv, F::keys(cache), F::values(cache), F::scales(cache), cu_seqlens_q, seqlens_k, block_tables, NH, NKV,
+      __builtin_ctz(P), MB, scale * (float)M_LOG2E);
   CUDA_CHECK(cudaGetLastError());
 }
 
 // ==== 16. Flash decode: split-K over the context, then a merge =============================================
-// defines: flash_decode_kernel, flash_decode_merge, flash_decode_workspace_bytes, flash_attention_decode,
+// defines: DecodeAcc, DecodeLoop, decode_combine_warps, flash_decode_kernel, flash_decode_merge,
+//          flash_decode_workspace_bytes, flash_attention_decode, DecodeAttention, g_decode_attention,
 //          attention_prefill_step; the stages attention_prefill, attention_decode; switch flash_attn
 
 // flash_decode_kernel — one new token per sequence attends to its whole context (split-K, phase 1).
@@ -4699,65 +4532,55 @@ __device__ __forceinline__ void decode_attend_tiles(const uint32_t (&q)[HEAD_DIM
 }
 
 // A decode thread block's running sums: per warp, O and the online softmax's max m and sum l of each query
-// head it holds. bf16 uses section 15's layout (o[d][e], m[i], l[i]); an fp8 cache (section 24) puts keys
-// on the MMA rows instead, and the heads 8..15 of a group larger than 8 in m_hi, l_hi.
+// head it holds, in section 15's layout (o[d][e], m[i], l[i]).
 struct DecodeAcc {
   float o[HEAD_DIM / 8][4] = {};
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  float m_hi[2] = {-INFINITY, -INFINITY}, l_hi[2] = {0.f, 0.f};
 };
-// What the decode kernels do differently for an fp8 cache (section 24 defines these): tiles of 128 keys
-// read from shared memory straight into registers, no widening pass, Q fragments that follow a renaming of
-// the head dims, and the transposed products (keys and dims on the MMA rows, heads on its columns). The
-// kernels below and in section 19 pick per cache type.
-constexpr int FP8_TILE_KEYS = 2 * ATTN_KV_TILE;               // keys per fp8 decode tile: 128
-constexpr int FP8_STAGE_BYTES = 2 * FP8_TILE_KEYS * HEAD_DIM;  // its keys and values: 32 KiB, a bf16 tile's
-__device__ __forceinline__ void fp8_decode_issue_first(char* stages, const fp8e4m3* k_cache, const fp8e4m3* v_cache,
-                                                       const int* block_table, int kvh, int NKV, int log2P,
-                                                       int key_begin, int key_end, int skip_key);
-__device__ __forceinline__ void fp8_decode_q_fragments(uint32_t (&q)[HEAD_DIM / 16][4], const bf16* sQ);
-__device__ __forceinline__ void fp8_decode_attend(const uint32_t (&q)[HEAD_DIM / 16][4], char* stages,
-                                                  const fp8e4m3* k_cache, const fp8e4m3* v_cache, KVScales kv_scale,
-                                                  const int* block_table, int kvh, int NKV, int log2P, int key_begin,
-                                                  int key_end, int new_key, const uint4 (*new_kv)[HEAD_DIM / 8],
-                                                  int group, float scale_log2, DecodeAcc& sums);
-__device__ __forceinline__ void fp8_decode_store_partials(DecodeAcc& sums, float scale_log2, int group, float* sO,
-                                                          float* sML);
 
-// The first loads of a decode thread block: its first tile (fp8: section 24's, whose stages start at sK).
-template <class KV>
-__device__ __forceinline__ void decode_issue_first(bf16* sK, bf16* sV, const KV* k_cache, const KV* v_cache,
-                                                   const int* block_table, int kvh, int NKV, int log2P,
-                                                   int key_begin, int key_end, int skip_key) {
-  if constexpr (std::is_same<KV, bf16>::value)
-    issue_first_kv_tiles<DECODE_WARPS * 32>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin,
-                                            key_end, skip_key);
-  else
-    fp8_decode_issue_first(reinterpret_cast<char*>(sK), k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin,
-                           key_end, skip_key);
-}
-// The group's Q tile as every warp's A fragments (all warps hold the same 16 rows: the group's heads).
-template <class KV>
-__device__ __forceinline__ void decode_q_fragments(uint32_t (&q)[HEAD_DIM / 16][4], const bf16* sQ) {
-  if constexpr (std::is_same<KV, bf16>::value) load_q_fragments(q, sQ, 0);
-  else fp8_decode_q_fragments(q, sQ);
-}
-
-// Combines the four warps of a decode thread block. Their O, m, l go to shared memory (reusing the K/V
-// stages sK: every copy has landed and every warp is past the loop's last barrier), then thread d computes
-// output dim d of every head g of the group and calls write(g, acc, m_max, l_sum): acc = sum_w 2^(m_w -
-// m_max) O_w[d], l_sum the same sum of the l_w, m_max in log2 units (so out = acc / l_sum). KV: the cache's
-// type, for where each warp's sums lie in its registers (fp8: fp8_decode_store_partials).
-template <class KV, class Write>
-__device__ __forceinline__ void decode_combine_warps(DecodeAcc& sums, float scale_log2, bf16* sK, int group,
-                                                     Write write) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  float* sO = reinterpret_cast<float*>(sK);                 // [DECODE_WARPS][DECODE_ROWS][D]
-  float* sML = sO + DECODE_WARPS * DECODE_ROWS * HEAD_DIM;  // [DECODE_WARPS][DECODE_ROWS][2]
-  static_assert((DECODE_WARPS * DECODE_ROWS * (HEAD_DIM + 2)) * sizeof(float) <=
-                    2 * ATTN_STAGES * ATTN_KV_TILE * HEAD_DIM * sizeof(bf16),
-                "the combine buffers fit in the K/V stages");
-  if constexpr (std::is_same<KV, bf16>::value) {
+// How a decode thread block of format F (section 15) reads its partition: the pieces of the loop, a template
+// a format specialises. For bf16, the tile pipeline of section 15 and attend_kv_slice (decode_attend_tiles);
+// a format may read its tiles its own way (section 29), with sums of its own (Acc) that store_partials
+// leaves in decode_combine_warps' buffers in this layout.
+template <class F>
+struct DecodeLoop;
+template <>
+struct DecodeLoop<KVBf16> {
+  using Acc = DecodeAcc;
+  // Keys per thread block at a batch of B sequences (decode_partition, section 15).
+  static int partition(int B) { return decode_partition(B); }
+  // The first loads of the thread block: its first tile.
+  __device__ static __forceinline__ void issue_first(bf16* sK, bf16* sV, const bf16* k_cache, const bf16* v_cache,
+                                                     const int* block_table, int kvh, int NKV, int log2P,
+                                                     int key_begin, int key_end, int skip_key) {
+    issue_first_kv_tiles<DECODE_WARPS * 32, KVBf16>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P,
+                                                    key_begin, key_end, skip_key);
+  }
+  // The group's Q tile as every warp's A fragments (all warps hold the same 16 rows: the group's heads).
+  __device__ static __forceinline__ void q_fragments(uint32_t (&q)[HEAD_DIM / 16][4], const bf16* sQ) {
+    load_q_fragments(q, sQ, 0);
+  }
+  // The partition's keys [key_begin, key_end) into sums. new_key: this step's key, which the tile loads left
+  // out (skip_key) and whose tile values new_kv holds (keys, then values; section 19's fused kernel); -1: none.
+  __device__ static __forceinline__ void attend(const uint32_t (&q)[HEAD_DIM / 16][4], bf16* sK, bf16* sV,
+                                                const bf16* k_cache, const bf16* v_cache, KVBf16::Scales,
+                                                const int* block_table, int kvh, int NKV, int log2P, int key_begin,
+                                                int key_end, int new_key, const uint4 (*new_kv)[HEAD_DIM / 8],
+                                                int group, float scale_log2, Acc& sums) {
+    decode_attend_tiles(q, sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end, new_key,
+                        scale_log2, sums.o, sums.m, sums.l,
+                        [&](int t, int n_tiles, bf16* sK_t, bf16* sV_t, int key_tile) {
+                          if (new_key >= 0 && t == n_tiles - 1 && threadIdx.x < 2 * HEAD_DIM / 8) {  // its tile
+                            const int kv = threadIdx.x / 16, c = threadIdx.x % 16;
+                            bf16* dst = (kv ? sV_t : sK_t) + attn_smem_index(new_key - key_tile, c);
+                            *reinterpret_cast<uint4*>(dst) = new_kv[kv][c];
+                          }
+                        });
+  }
+  // A warp's sums into decode_combine_warps' buffers: sO[warp][head][dim], sML[warp][head] = (m in log2 units,
+  // l), l summed over the quad first.
+  __device__ static __forceinline__ void store_partials(Acc& sums, float scale_log2, int, float* sO, float* sML) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll
     for (int i = 0; i < 2; i++) {
       sums.l[i] += __shfl_xor_sync(0xffffffffu, sums.l[i], 1);
@@ -4769,9 +4592,23 @@ __device__ __forceinline__ void decode_combine_warps(DecodeAcc& sums, float scal
             make_float2(sums.o[d][2 * i], sums.o[d][2 * i + 1]);
       if ((lane & 3) == 0) sML[row * 2] = sums.m[i] * scale_log2, sML[row * 2 + 1] = sums.l[i];  // -inf stays -inf
     }
-  } else {
-    fp8_decode_store_partials(sums, scale_log2, group, sO, sML);
   }
+};
+
+// Combines the four warps of a decode thread block. Their O, m, l go to shared memory (reusing the K/V
+// stages sK: every copy has landed and every warp is past the loop's last barrier), then thread d computes
+// output dim d of every head g of the group and calls write(g, acc, m_max, l_sum): acc = sum_w 2^(m_w -
+// m_max) O_w[d], l_sum the same sum of the l_w, m_max in log2 units (so out = acc / l_sum). F: the cache
+// format, whose DecodeLoop knows where each warp's sums lie in its registers.
+template <class F, class Write>
+__device__ __forceinline__ void decode_combine_warps(typename DecodeLoop<F>::Acc& sums, float scale_log2, bf16* sK,
+                                                     int group, Write write) {
+  float* sO = reinterpret_cast<float*>(sK);                 // [DECODE_WARPS][DECODE_ROWS][D]
+  float* sML = sO + DECODE_WARPS * DECODE_ROWS * HEAD_DIM;  // [DECODE_WARPS][DECODE_ROWS][2]
+  static_assert((DECODE_WARPS * DECODE_ROWS * (HEAD_DIM + 2)) * sizeof(float) <=
+                    2 * ATTN_STAGES * ATTN_KV_TILE * HEAD_DIM * sizeof(bf16),
+                "the combine buffers fit in the K/V stages");
+  DecodeLoop<F>::store_partials(sums, scale_log2, group, sO, sML);
   __syncthreads();
   const int d = threadIdx.x;
   for (int g = 0; g < group; g++) {
@@ -4787,10 +4624,11 @@ __device__ __forceinline__ void decode_combine_warps(DecodeAcc& sums, float scal
   }
 }
 
-template <class KV>
+template <class F>
 __global__ void __launch_bounds__(DECODE_WARPS * 32)
     flash_decode_kernel(bf16* __restrict__ out, const bf16* __restrict__ qkv,
-                            const KV* __restrict__ k_cache, const KV* __restrict__ v_cache, KVScales kv_scale,
+                        const typename F::Elem* __restrict__ k_cache, const typename F::Elem* __restrict__ v_cache,
+                        typename F::Scales kv_scale,
                             const int* __restrict__ context_lens, const int* __restrict__ block_tables, int NH,
                             int NKV, int log2P, int MB, int max_parts, int partition, float* __restrict__ ws_o,
                             float* __restrict__ ws_ml, float scale_log2) {
@@ -4815,22 +4653,19 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
     cp_async_16(sQ + attn_smem_index(r, c), r < group ? q_src + r * HEAD_DIM + c * 8 : qkv, r < group);
   }
   cp_async_commit();
-  decode_issue_first<KV>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end, -1);
+  using Loop = DecodeLoop<F>;
+  Loop::issue_first(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end, -1);
   cp_async_wait<1>();  // the Q tile has landed (the first K/V tile is the group after it)
   __syncthreads();
   uint32_t q[HEAD_DIM / 16][4];
-  decode_q_fragments<KV>(q, sQ);
-  scale_log2 = score_scale<KV>(scale_log2, kv_scale);
+  Loop::q_fragments(q, sQ);
+  scale_log2 = F::score_scale(scale_log2, kv_scale);
 
-  DecodeAcc sums;
-  if constexpr (std::is_same<KV, bf16>::value)
-    decode_attend_tiles(q, sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end, -1,
-                        scale_log2, sums.o, sums.m, sums.l, [](int, int, bf16*, bf16*, int) {});
-  else
-    fp8_decode_attend(q, reinterpret_cast<char*>(sK), k_cache, v_cache, kv_scale, block_table, kvh, NKV, log2P,
-                      key_begin, key_end, -1, nullptr, group, scale_log2, sums);
+  typename Loop::Acc sums;
+  Loop::attend(q, sK, sV, k_cache, v_cache, kv_scale, block_table, kvh, NKV, log2P, key_begin, key_end, -1, nullptr,
+               group, scale_log2, sums);
   const bool single = key_begin == 0 && key_end == ctx;  // the only live partition: finish here
-  decode_combine_warps<KV>(sums, scale_log2, sK, group, [&](int g, float acc, float m_max, float l_sum) {
+  decode_combine_warps<F>(sums, scale_log2, sK, group, [&](int g, float acc, float m_max, float l_sum) {
     const int h = kvh * group + g, d = threadIdx.x;
     if (single) {
       out[(size_t)b * NH * HEAD_DIM + h * HEAD_DIM + d] = __float2bfloat16(acc / l_sum);
@@ -4881,7 +4716,7 @@ static void flash_decode_merge(bf16* out, const int* context_lens, const float* 
 
 // Bytes of float workspace flash_attention_decode needs: partial O and (m, l) for every (sequence, head,
 // partition), for any batch of at most B. B = 512, NH = 16, max_context_len = 4096 (nano-vllm defaults) ->
-// 8 partitions of 512, 34 MB. (An fp8 cache's partitions are longer: it needs less.)
+// 8 partitions of 512, 34 MB. (A cache format with longer partitions needs less.)
 static size_t flash_decode_workspace_bytes(int B, int NH, int max_context_len) {
   size_t parts = 0;
   for (int b : {std::min(B, 4), std::min(B, 32), B})
@@ -4889,38 +4724,36 @@ static size_t flash_decode_workspace_bytes(int B, int NH, int max_context_len) {
   return parts * NH * (HEAD_DIM + 2) * sizeof(float);
 }
 
-// Shared memory of a decode thread block: the Q tile, then two K/V stages of 32 KiB (bf16: 64 keys; fp8:
-// 128), 68 KiB either way.
-constexpr size_t DECODE_SMEM = DECODE_ROWS * HEAD_DIM * sizeof(bf16) + ATTN_STAGES * FP8_STAGE_BYTES;
-static_assert(FP8_STAGE_BYTES == 2 * ATTN_KV_TILE * HEAD_DIM * sizeof(bf16), "the same stages for both caches");
+// Shared memory of a decode thread block: the Q tile, then two K/V stages of 32 KiB (64 keys and their
+// values), 68 KiB.
+constexpr size_t DECODE_SMEM =
+    DECODE_ROWS * HEAD_DIM * sizeof(bf16) + 2 * ATTN_STAGES * ATTN_KV_TILE * HEAD_DIM * sizeof(bf16);
 
-// out: bf16 [B, NH*D]; qkv: bf16 [B, (NH+2NKV)*D]; k_cache, v_cache: bf16 [NB, NKV, P, D];
-// context_lens: int [B] (device, keys including the current token); block_tables: int [B, MB] (device);
-// max_context_len: host bound on every context_lens[b] (max_model_len): the grid depends only on it, so a
-// captured graph stays valid; workspace: flash_decode_workspace_bytes(B, NH, max_context_len) bytes.
-static void flash_attention_decode(bf16* out, const bf16* qkv, const KVView& cache, const int* context_lens,
+// out: bf16 [B, NH*D]; qkv: bf16 [B, (NH+2NKV)*D]; cache: one layer's keys and values [NB, NKV, P, D] in
+// format F; context_lens: int [B] (device, keys including the current token); block_tables: int [B, MB]
+// (device); max_context_len: host bound on every context_lens[b] (max_model_len): the grid depends only on
+// it, so a captured graph stays valid; workspace: flash_decode_workspace_bytes(B, NH, max_context_len) bytes.
+template <class F = KVBf16>
+static void flash_attention_decode(bf16* out, const bf16* qkv, const typename F::Layer& cache, const int* context_lens,
                              const int* block_tables, int B, int NH, int NKV, int P, int MB, int max_context_len,
                              float* workspace, float scale, cudaStream_t stream) {
   check_attention_shapes("flash_attention_decode", NH, NKV, P);
   INTERNAL_CHECK(NH / NKV <= DECODE_ROWS,
                  "flash_attention_decode: NH/NKV = %d query heads per kv head, at most %d", NH / NKV, DECODE_ROWS);
   if (B == 0) return;
-  const int partition = decode_partition(B, cache.dtype);
+  const int partition = DecodeLoop<F>::partition(B);
   const int max_parts = (int)cdiv(max_context_len, partition);
   float* ws_o = workspace;                                           // [B, NH, max_parts, D]
   float* ws_ml = workspace + (size_t)B * NH * max_parts * HEAD_DIM;  // [B, NH, max_parts, 2]
-  with_kv_type(cache, [&](auto* kv) {
-    using KV = std::remove_pointer_t<decltype(kv)>;
-    static bool opted_in = false;  // more than the default 48 KiB of shared memory must be asked for, once
-    if (!opted_in) {
-      CUDA_CHECK(cudaFuncSetAttribute(flash_decode_kernel<KV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      (int)DECODE_SMEM));
-      opted_in = true;
-    }
-    flash_decode_kernel<KV><<<dim3(max_parts, NKV, B), DECODE_WARPS * 32, DECODE_SMEM, stream>>>(
-        out, qkv, (const KV*)cache.k, (const KV*)cache.v, cache.scale, context_lens, block_tables, NH, NKV,
-        __builtin_ctz(P), MB, max_parts, partition, ws_o, ws_ml, scale * (float)M_LOG2E);
-  });
+  static bool opted_in = false;  // more than the default 48 KiB of shared memory must be asked for, once
+  if (!opted_in) {
+    CUDA_CHECK(cudaFuncSetAttribute(flash_decode_kernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)DECODE_SMEM));
+    opted_in = true;
+  }
+  flash_decode_kernel<F><<<dim3(max_parts, NKV, B), DECODE_WARPS * 32, DECODE_SMEM, stream>>>(
+      out, qkv, F::keys(cache), F::values(cache), F::scales(cache), context_lens, block_tables, NH, NKV,
+      __builtin_ctz(P), MB, max_parts, partition, ws_o, ws_ml, scale * (float)M_LOG2E);
   CUDA_CHECK(cudaGetLastError());
   flash_decode_merge(out, context_lens, ws_o, ws_ml, B, NH, max_parts, partition, stream);
 }
@@ -4928,11 +4761,12 @@ static void flash_attention_decode(bf16* out, const bf16* qkv, const KVView& cac
 // ---- The stages this section fills, and its switch: flash_attn ----
 // The decode kernel above, as the attention of a decode step's rows (each one query token whose q, k and v
 // are ready). Section 19 swaps in its cluster merge here (apply_cluster_merge), and both a decode step and a
-// mixed step's decode rows then take it.
-typedef void (*DecodeAttention)(bf16* out, const bf16* qkv, const KVView& cache, const int* context_lens,
-                                const int* block_tables, int B, int NH, int NKV, int P, int MB,
-                                int max_context_len, float* workspace, float scale, cudaStream_t stream);
-static DecodeAttention g_decode_attention = flash_attention_decode;
+// mixed step's decode rows then take it. DecodeAttention<F>: such a function for a cache of format F.
+template <class F>
+using DecodeAttention = void (*)(bf16* out, const bf16* qkv, const typename F::Layer& cache,
+                                 const int* context_lens, const int* block_tables, int B, int NH, int NKV, int P,
+                                 int MB, int max_context_len, float* workspace, float scale, cudaStream_t stream);
+static DecodeAttention<KVBf16> g_decode_attention = flash_attention_decode<KVBf16>;
 
 // The attention of a prefill step (q/k-norm, RoPE and the KV store done). Under --scheduler mixed (5b) a step
 // holds decode rows and prompt chunks; the scheduler serves the running sequences first, so the decoding
@@ -4940,16 +4774,17 @@ static DecodeAttention g_decode_attention = flash_attention_decode;
 // which reads each K/V tile once for the GQA group and uses all of its tiles' rows; the prefill kernel would
 // read it once per query head into tiles of 128 query rows holding one. The prompt chunks, from sequence nd
 // on, go through the prefill kernel as in any prefill step. Both kernels write their own rows of out, and
-// both read the keys store_qkv just stored.
-static void attention_prefill_step(bf16* out, const bf16* qkv, const KVView& cache, const StepInputs& in, int B,
-                                   int NH, int NKV, int P, int MB, int max_context_len, float* workspace,
-                                   float scale, cudaStream_t s) {
+// both read the keys store_qkv just stored. decode: the decode rows' kernel (g_decode_attention for bf16).
+template <class F>
+static void attention_prefill_step(bf16* out, const bf16* qkv, const typename F::Layer& cache,
+                                   const StepInputs& in, int B, int NH, int NKV, int P, int MB, int max_context_len,
+                                   float* workspace, float scale, cudaStream_t s, DecodeAttention<F> decode) {
   const int nd = in.decode_rows;
   if (nd > 0)
-    g_decode_attention(out, qkv, cache, in.seqlens_k, in.block_tables, nd, NH, NKV, P, MB, max_context_len,
-                       workspace, scale, s);
+    decode(out, qkv, cache, in.seqlens_k, in.block_tables, nd, NH, NKV, P, MB, max_context_len, workspace, scale,
+           s);
   if (nd < B)
-    flash_attention_prefill(out, qkv, cache, in.cu_seqlens_q + nd, in.seqlens_k + nd,
+    flash_attention_prefill<F>(out, qkv, cache, in.cu_seqlens_q + nd, in.seqlens_k + nd,
                             in.block_tables + (size_t)nd * MB, B - nd, in.max_seqlen_q, NH, NKV, P, MB, scale, s);
 }
 
@@ -4958,26 +4793,24 @@ static void attention_prefill_step(bf16* out, const bf16* qkv, const KVView& cac
 static void flash_attention_prefill_stage(Pass& p, int l) {
   Qwen3& m = p.m;
   const ModelConfig& c = m.cfg;
-  attention_prefill_step(m.act.attn, m.act.qkv, kv_view(m.kv, l), p.in, p.B, c.num_attention_heads / m.tp,
-                         c.num_key_value_heads / m.tp, m.P, m.MB, m.max_model_len, m.act.attn_workspace,
-                         1.0f / sqrtf((float)c.head_dim), p.s);
+  attention_prefill_step<KVBf16>(m.act.attn, m.act.qkv, m.kv.layer(l), p.in, p.B, c.num_attention_heads / m.tp,
+                                 c.num_key_value_heads / m.tp, m.P, m.MB, m.max_model_len, m.act.attn_workspace,
+                                 1.0f / sqrtf((float)c.head_dim), p.s, g_decode_attention);
 }
 static void flash_attention_decode_stage(Pass& p, int l) {
   Qwen3& m = p.m;
   const ModelConfig& c = m.cfg;
   g_stages.store_qkv(p, l);
-  g_decode_attention(m.act.attn, m.act.qkv, kv_view(m.kv, l), p.in.seqlens_k, p.in.block_tables, p.B,
+  g_decode_attention(m.act.attn, m.act.qkv, m.kv.layer(l), p.in.seqlens_k, p.in.block_tables, p.B,
                      c.num_attention_heads / m.tp, c.num_key_value_heads / m.tp, m.P, m.MB, m.max_model_len,
                      m.act.attn_workspace, 1.0f / sqrtf((float)c.head_dim), p.s);
 }
 
 // Part I's hooks this section fills: the forward pass (section 14's stages) and the decode workspace. It also
-// resets the cache format to bf16 (section 24 sets it again when the engine asks for fp8) and the decode
-// rows' kernel to this section's (section 19 may swap in its own).
+// resets the decode rows' kernel to this section's (section 19 may swap in its own).
 static void apply_flash_attn(bool on, Hooks& h) {
   g_opt.flash_attn = on;
-  g_kv_dtype = KVCacheDtype::BF16, g_kv_scales.clear();
-  g_decode_attention = flash_attention_decode;
+  g_decode_attention = flash_attention_decode<KVBf16>;
   if (!on) return;
   ForwardStages& st = stages_for(h);
   st.attention_prefill = flash_attention_prefill_stage;
@@ -5299,15 +5132,17 @@ static const int kGemvRegistered = register_optimization(
     {"gemv", "small-batch gemv with RMSNorm, SiLU and the residual add fused in (section 18)", true, apply_gemv});
 
 // ==== 19. Decode attention in one kernel: the split-K merge in a cluster, q/k-norm, RoPE, the KV store
-// defines: DECODE_CLUSTER, DECODE_CLUSTER_MAX_B, cluster_partial, cluster_merge, DecodeRope,
+// defines: DECODE_CLUSTER, DECODE_CLUSTER_MAX_B, cluster_partial, cluster_merge, rope_angles,
+//          head_sum_squares, head_norm_rope, KVStoreBf16, qk_norm_rope_fast, store_qkv_fast, DecodeRope,
 //          decode_fused_kernel, decode_clusters_supported, attention_decode_fast; switches cluster_merge,
 //          fused_rope
 //
 // A decode step's attention, as section 16 runs it, is three kernels per layer: qk_norm_rope (section 7), the
 // split-K decode kernel, and the merge kernel that combines its partitions. This section makes it one, in
 // two steps that each have a switch: first the merge moves inside the decode kernel (cluster_merge), then
-// q/k-norm, RoPE and the KV store do (fused_rope). One kernel template, decode_fused_kernel<ROPE, CLUSTER>,
-// carries both; section 16's split-K decode is its <false, false> case in all but name.
+// q/k-norm, RoPE and the KV store do (fused_rope), built from a faster qk_norm_rope with eight threads per
+// head, which every prefill step takes too. One kernel template, decode_fused_kernel<ROPE, CLUSTER>, carries
+// both; section 16's split-K decode is its <false, false> case in all but name.
 //
 // ---- The split-K merge inside a cluster (switch cluster_merge) ----
 // Replaces: flash_decode_merge_kernel (section 16) and its workspace, for batches of at most
@@ -5368,6 +5203,147 @@ __device__ void cluster_merge(bf16* out, int b, int kvh, int group, int NH, int 
 #endif
 }
 
+// ---- q/k-norm and RoPE, eight threads per head (switch fused_rope) ----
+// Replaces: qk_norm_rope_kernel (section 7), which gives a head the whole thread block in turn: one thread
+// per RoPE pair, a reduction over the thread block for every head and two 2-byte accesses per thread.
+// Why it is faster: here 8 threads own one head, so the thread block works on all NH + NKV heads of its
+// token at once, every access moves 16 bytes, and a head's sum of squares is three shuffles among its 8
+// threads: thread j holds dims [8j, 8j+8) and their RoPE partners [64+8j, 64+8j+8). The token's 64 (cos, sin)
+// pairs are computed once into shared memory. The arithmetic is section 7's, term for term (gpu_kernels
+// checks both against the CPU reference). Every prefill step takes it (section 14's store_qkv stage), and
+// the fused decode kernel below, the persistent kernel (section 25) and another cache format's store
+// (section 28) are built from its pieces.
+constexpr int ROPE_THREADS_PER_HEAD = 8;
+
+// rope_angles: thread i < D/2 puts the cosine and sine of angle i of position pos into cos_s[i], sin_s[i].
+__device__ __forceinline__ void rope_angles(float* cos_s, float* sin_s, int pos, const RopeInvFreq& inv_freq) {
+  if (threadIdx.x < HEAD_DIM / 2) {
+    float angle = (float)pos * inv_freq.v[threadIdx.x];
+    sincosf(angle, &sin_s[threadIdx.x], &cos_s[threadIdx.x]);
+  }
+}
+// head_sum_squares: the sum of squares of one head, over the 8 lanes that hold it (ua = dims 8j..8j+7,
+// ub = dims 64+8j..). Every lane of the warp must call it (a shuffle); lanes without a head pass zeros.
+__device__ __forceinline__ float head_sum_squares(const uint4& ua, const uint4& ub) {
+  float a[8], b[8], ss = 0.f;
+  bf16x8_to_float(ua, a);
+  bf16x8_to_float(ub, b);
+#pragma unroll
+  for (int i = 0; i < 8; i++) ss += a[i] * a[i] + b[i] * b[i];
+#pragma unroll
+  for (int o = 1; o < ROPE_THREADS_PER_HEAD; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  return ss;
+}
+// head_norm_rope: lane j's share of RMSNorm(head) * w, then RoPE, in place on ua, ub (ss from above).
+__device__ __forceinline__ void head_norm_rope(uint4& ua, uint4& ub, float ss, const bf16* w_head,
+                                               const float* cos_s, const float* sin_s, int j, float eps) {
+  float a[8], b[8], wa[8], wb[8], oa[8], ob[8];
+  bf16x8_to_float(ua, a);
+  bf16x8_to_float(ub, b);
+  float scale = rsqrtf(ss / (float)HEAD_DIM + eps);
+  const uint4* w = reinterpret_cast<const uint4*>(w_head);
+  bf16x8_to_float(w[j], wa);
+  bf16x8_to_float(w[j + 8], wb);
+#pragma unroll
+  for (int i = 0; i < 8; i++) {
+    float na = bf16_round(wa[i] * bf16_round(a[i] * scale));  // the normed head, as HF stores it
+    float nb = bf16_round(wb[i] * bf16_round(b[i] * scale));
+    float c = cos_s[8 * j + i], s = sin_s[8 * j + i];
+    oa[i] = na * c - nb * s;
+    ob[i] = nb * c + na * s;
+  }
+  ua = float_to_bf16x8(oa);
+  ub = float_to_bf16x8(ob);
+}
+
+// Where the kernel puts a finished k head and a token's v heads: a 16-byte chunk of 8 bf16 values (chunk c of
+// row `row` = (block * NKV + head) * P + offset). Part I's cache holds bf16, so the store is a plain copy; the
+// kernel is a template over this policy so that another cache format can store the same chunks its way.
+struct KVStoreBf16 {
+  bf16* k_cache;  // [NB, NKV, P, D]
+  bf16* v_cache;
+  __device__ void key(int64_t row, int chunk, uint4 v) const {
+    reinterpret_cast<uint4*>(k_cache + row * HEAD_DIM)[chunk] = v;
+  }
+  __device__ void value(int64_t row, int chunk, uint4 v) const {
+    reinterpret_cast<uint4*>(v_cache + row * HEAD_DIM)[chunk] = v;
+  }
+};
+
+// Reads and writes qkv [T, (NH + 2*NKV) * D] in place as qk_norm_rope_kernel does; slot_mapping [T].
+// Thread block = one token, 8 threads per head (qk_norm_rope_fast_threads).
+template <class Store>
+__global__ void qk_norm_rope_fast_kernel(bf16* qkv, const int* positions, const bf16* q_norm_w,
+                                    const bf16* k_norm_w, Store store, const int* slot_mapping, int NH, int NKV,
+                                    int P, float eps, RopeInvFreq inv_freq) {
+  __shared__ float cos_s[HEAD_DIM / 2], sin_s[HEAD_DIM / 2];
+  int t = blockIdx.x;
+  const int slot = slot_mapping[t];
+  const int64_t cache_block = slot / P, cache_offset = slot % P;  // used only when slot >= 0
+  rope_angles(cos_s, sin_s, positions[t], inv_freq);
+  __syncthreads();
+  int j = threadIdx.x % ROPE_THREADS_PER_HEAD;  // which 8-dim slice of the head this thread owns
+  int heads_per_pass = blockDim.x / ROPE_THREADS_PER_HEAD;
+  int nheads = NH + NKV;                         // q heads then k heads: they are contiguous in qkv
+  bf16* row = qkv + (int64_t)t * (NH + 2 * NKV) * HEAD_DIM;
+  // Every thread runs the same number of passes so the 8-lane shuffles never see a missing lane.
+  for (int base = 0; base < nheads; base += heads_per_pass) {
+    int h = base + threadIdx.x / ROPE_THREADS_PER_HEAD;
+    bool active = h < nheads;
+    uint4* head = reinterpret_cast<uint4*>(row + (int64_t)h * HEAD_DIM);
+    uint4 ua = {}, ub = {};
+    if (active) ua = head[j], ub = head[j + 8];
+    float ss = head_sum_squares(ua, ub);
+    if (!active) continue;
+    head_norm_rope(ua, ub, ss, h < NH ? q_norm_w : k_norm_w, cos_s, sin_s, j, eps);
+    head[j] = ua;
+    head[j + 8] = ub;
+    if (h >= NH && slot >= 0) {  // a k head: into its cache slot too
+      const int64_t cache_row = (cache_block * NKV + (h - NH)) * P + cache_offset;
+      store.key(cache_row, j, ua);
+      store.key(cache_row, j + 8, ub);
+    }
+  }
+  if (slot < 0) return;
+  constexpr int CHUNKS_PER_HEAD = HEAD_DIM / 8;  // the v heads go to the cache as they are
+  const uint4* v_src = reinterpret_cast<const uint4*>(row + (int64_t)(NH + NKV) * HEAD_DIM);
+  for (int c = threadIdx.x; c < NKV * CHUNKS_PER_HEAD; c += blockDim.x) {
+    int h = c / CHUNKS_PER_HEAD, chunk = c % CHUNKS_PER_HEAD;
+    store.value((cache_block * NKV + h) * P + cache_offset, chunk, v_src[c]);
+  }
+}
+// Threads of one thread block: 8 per head, at least D/2 (one per RoPE angle), at most 512.
+static int qk_norm_rope_fast_threads(int NH, int NKV) {
+  return (int)std::min<int64_t>(512, std::max<int64_t>(HEAD_DIM / 2,
+                                    cdiv((int64_t)(NH + NKV) * ROPE_THREADS_PER_HEAD, 32) * 32));
+}
+// Section 7's qk_norm_rope (the same arguments), eight threads per head.
+static void qk_norm_rope_fast(bf16* qkv, const int* positions, const bf16* q_norm_w, const bf16* k_norm_w,
+                              const KVLayer& cache, const int* slot_mapping, int T, int NH, int NKV, int P,
+                              float rope_theta, float eps, cudaStream_t stream) {
+  check_aligned16("qk_norm_rope_fast", "qkv", qkv);
+  check_aligned16("qk_norm_rope_fast", "q_norm_w", q_norm_w);
+  check_aligned16("qk_norm_rope_fast", "k_norm_w", k_norm_w);
+  check_aligned16("qk_norm_rope_fast", "k_cache", cache.k);
+  check_aligned16("qk_norm_rope_fast", "v_cache", cache.v);
+  INTERNAL_CHECK(P > 0, "qk_norm_rope_fast: block size P = %d", P);
+  if (T == 0) return;
+  qk_norm_rope_fast_kernel<<<T, qk_norm_rope_fast_threads(NH, NKV), 0, stream>>>(
+      qkv, positions, q_norm_w, k_norm_w, KVStoreBf16{cache.k, cache.v}, slot_mapping, NH, NKV, P, eps,
+      rope_inv_freq(rope_theta));
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// Section 14's store_qkv stage with this kernel.
+static void store_qkv_fast(Pass& p, int l) {
+  const Qwen3& m = p.m;
+  const ModelConfig& c = m.cfg;
+  const LayerWeights& lw = m.w.layers[l];
+  qk_norm_rope_fast(m.act.qkv, p.in.positions, lw.q_norm, lw.k_norm, m.kv.layer(l), p.in.slot_mapping, p.T,
+                    c.num_attention_heads / m.tp, c.num_key_value_heads / m.tp, m.P, c.rope_theta, c.rms_norm_eps,
+                    p.s);
+}
+
 // ---- q/k-norm, RoPE and the KV store inside the decode kernel (switch fused_rope) ----
 // Replaces: in decode steps, qk_norm_rope (section 7) and the kernel boundary between it and decode
 // attention (section 16).
@@ -5376,14 +5352,14 @@ __device__ void cluster_merge(bf16* out, int b, int kvh, int group, int NH, int 
 // from qkv by every thread block of the group, and the 64 sines and cosines computed by each: both cheaper
 // than a kernel boundary); the thread block whose partition ends at the context's end (the "owner": key
 // ctx-1 is this step's token) does the same for the k head, writes k and v to their cache slot (slot_mapping;
-// -1 stores nothing) and puts them in its last tile itself, the one key its tile loads leave out (an fp8
-// cache: the warp whose slice holds that key takes it into its registers instead). Because of that,
+// -1 stores nothing) and puts them in its last tile itself, the one key its tile loads leave out (a format
+// whose decode loop reads its tiles into registers takes it there: DecodeLoop<F>::attend). Because of that,
 // everything a thread block reads before its Q tile was written before the kernel ahead of this one started:
 // context lengths and block tables by the step's upload, the cached keys and values by earlier steps. So it
 // issues its first K/V tile loads before pdl_begin() (section 17), while the qkv projection before it still
 // runs; at batch 1 that is all of the keys it reads. The result is bit for bit that of qk_norm_rope followed
-// by section 16's kernel, since the math is the same code (head_norm_rope, decode_attend_tiles or
-// fp8_decode_attend, decode_combine_warps); gpu_attention checks it.
+// by section 16's kernel, since the math is the same code (head_norm_rope, DecodeLoop<F>::attend,
+// decode_combine_warps); gpu_attention checks it.
 // The kernel's instances: <ROPE, CLUSTER> is <true, false>, <true, true>, or <false, true> (the cluster merge
 // alone, after store_qkv).
 struct DecodeRope {         // the fused q/k-norm + RoPE + KV store (ROPE = true)
@@ -5395,10 +5371,11 @@ struct DecodeRope {         // the fused q/k-norm + RoPE + KV store (ROPE = true
   RopeInvFreq inv_freq;
 };
 
-template <bool ROPE, bool CLUSTER, class KV>
+template <bool ROPE, bool CLUSTER, class F>
 __global__ void __launch_bounds__(DECODE_WARPS * 32)
     attention_decode_fused_kernel(bf16* __restrict__ out, const bf16* __restrict__ qkv,
-                                  KV* __restrict__ k_cache, KV* __restrict__ v_cache, KVScales kv_scale,
+                                  typename F::Elem* __restrict__ k_cache, typename F::Elem* __restrict__ v_cache,
+                                  typename F::Scales kv_scale,
                                   const int* __restrict__ context_lens, const int* __restrict__ block_tables,
                                   int NH, int NKV, int log2P, int MB, int max_parts, int partition,
                                   float* __restrict__ ws_o, float* __restrict__ ws_ml, float scale_log2,
@@ -5441,12 +5418,13 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
     }
   }
   cp_async_commit();  // (empty with ROPE: the group count stays the same)
-  decode_issue_first<KV>(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end, new_key);
+  using Loop = DecodeLoop<F>;
+  Loop::issue_first(sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end, new_key);
   if (ROPE) {
     pdl_begin();  // qkv is the kernel before's output
     rope_angles(cos_s, sin_s, rope.positions[b], rope.inv_freq);
     __syncthreads();
-    // 8 threads per head as in qk_norm_rope_kernel: heads 0..group-1 are the queries, head `group` the key
+    // 8 threads per head as in qk_norm_rope_fast_kernel: heads 0..group-1 are the queries, head `group` the key
     // (owner only); Q rows past the group are zeros. Every thread runs the same passes (shuffles).
     const int j = threadIdx.x % ROPE_THREADS_PER_HEAD, nheads = group + (owner ? 1 : 0);
     for (int base = 0; base < max(DECODE_ROWS, group + 1); base += DECODE_WARPS * 32 / ROPE_THREADS_PER_HEAD) {
@@ -5460,8 +5438,7 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
       if (active)
         head_norm_rope(ua, ub, ss, r < group ? rope.q_norm_w : rope.k_norm_w, cos_s, sin_s, j, rope.eps);
       if (r == group && owner)
-        s_new_kv[0][j] = kv_chunk_tile_values<KV>(ua, kv_scale.k),
-        s_new_kv[0][j + 8] = kv_chunk_tile_values<KV>(ub, kv_scale.k);
+        s_new_kv[0][j] = F::key_tile_values(ua, kv_scale), s_new_kv[0][j + 8] = F::key_tile_values(ub, kv_scale);
       if (r < DECODE_ROWS) {
         *reinterpret_cast<uint4*>(sQ + attn_smem_index(r, j)) = r < group ? ua : uint4{};
         *reinterpret_cast<uint4*>(sQ + attn_smem_index(r, j + 8)) = r < group ? ub : uint4{};
@@ -5469,38 +5446,27 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
     }
     if (owner && threadIdx.x < HEAD_DIM / 8) {  // v as it is
       const uint4* v_src = reinterpret_cast<const uint4*>(qkv_row + (size_t)(NH + NKV + kvh) * HEAD_DIM);
-      s_new_kv[1][threadIdx.x] = kv_chunk_tile_values<KV>(v_src[threadIdx.x], kv_scale.v);
+      s_new_kv[1][threadIdx.x] = F::value_tile_values(v_src[threadIdx.x], kv_scale);
     }
     __syncthreads();
     const int slot = owner ? rope.slot_mapping[b] : -1;
     if (slot >= 0 && threadIdx.x < 2 * HEAD_DIM / 8) {  // into the cache: k by threads 0-15, v by 16-31
       const int kv = threadIdx.x / 16, c = threadIdx.x % 16;
       const size_t row = (((size_t)(slot >> log2P) * NKV + kvh) << log2P) + (slot & ((1 << log2P) - 1));
-      store_kv_chunk_tile((kv ? v_cache : k_cache) + row * HEAD_DIM, c, s_new_kv[kv][c]);
+      F::store_tile_values((kv ? v_cache : k_cache) + row * HEAD_DIM, c, s_new_kv[kv][c]);
     }
   }
   cp_async_wait<1>();  // the Q tile has landed (the first K/V tile is the group after it)
   __syncthreads();
   uint32_t q[HEAD_DIM / 16][4];
-  decode_q_fragments<KV>(q, sQ);
-  scale_log2 = score_scale<KV>(scale_log2, kv_scale);
+  Loop::q_fragments(q, sQ);
+  scale_log2 = F::score_scale(scale_log2, kv_scale);
 
-  DecodeAcc sums;
-  auto put_new_key = [&](int t, int n_tiles, bf16* sK_t, bf16* sV_t, int key_tile) {
-    if (owner && t == n_tiles - 1 && threadIdx.x < 2 * HEAD_DIM / 8) {  // the left-out key
-      const int kv = threadIdx.x / 16, c = threadIdx.x % 16;
-      bf16* dst = (kv ? sV_t : sK_t) + attn_smem_index(new_key - key_tile, c);
-      *reinterpret_cast<uint4*>(dst) = s_new_kv[kv][c];
-    }
-  };
-  if constexpr (std::is_same<KV, bf16>::value)
-    decode_attend_tiles(q, sK, sV, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end, new_key,
-                        scale_log2, sums.o, sums.m, sums.l, put_new_key);
-  else  // each warp takes this step's key from s_new_kv when its slice holds it
-    fp8_decode_attend(q, reinterpret_cast<char*>(sK), k_cache, v_cache, kv_scale, block_table, kvh, NKV, log2P,
-                      key_begin, key_end, new_key, s_new_kv, group, scale_log2, sums);
+  typename Loop::Acc sums;  // the left-out key (owner only) comes from s_new_kv
+  Loop::attend(q, sK, sV, k_cache, v_cache, kv_scale, block_table, kvh, NKV, log2P, key_begin, key_end, new_key,
+               s_new_kv, group, scale_log2, sums);
   const bool single = key_begin == 0 && key_end == ctx;  // the only live partition: finish here
-  decode_combine_warps<KV>(sums, scale_log2, sK, group, [&](int g, float acc, float m_max, float l_sum) {
+  decode_combine_warps<F>(sums, scale_log2, sK, group, [&](int g, float acc, float m_max, float l_sum) {
     const int h = kvh * group + g, d = threadIdx.x;
     if (CLUSTER) {  // this partition's share of head g, for cluster_merge (same offset in every block)
       cluster_partial(g)[d] = acc;
@@ -5517,10 +5483,10 @@ __global__ void __launch_bounds__(DECODE_WARPS * 32)
 }
 
 // The fused kernel of this kind, its opt-ins (the decode shared memory; clusters of 16) made once.
-template <bool ROPE, bool CLUSTER, class KV = bf16>
+template <bool ROPE, bool CLUSTER, class F = KVBf16>
 static auto decode_fused_kernel() {
   static bool ready = false;
-  auto kernel = attention_decode_fused_kernel<ROPE, CLUSTER, KV>;
+  auto kernel = attention_decode_fused_kernel<ROPE, CLUSTER, F>;
   if (!ready) {
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)DECODE_SMEM));
@@ -5531,8 +5497,8 @@ static auto decode_fused_kernel() {
 }
 
 // Whether this GPU can run the cluster kernel: sm_90 or later, and a cluster of DECODE_CLUSTER thread
-// blocks with the kernel's shared memory fits (asked once per cache type).
-template <class KV = bf16>
+// blocks with the kernel's shared memory fits (asked once per cache format).
+template <class F = KVBf16>
 static bool decode_clusters_supported() {
   static int ok = -1;
   if (ok < 0) {
@@ -5545,7 +5511,7 @@ static bool decode_clusters_supported() {
       cfg.gridDim = dim3(DECODE_CLUSTER, 1, 1), cfg.blockDim = DECODE_WARPS * 32;
       cfg.dynamicSmemBytes = DECODE_SMEM, cfg.attrs = &attr, cfg.numAttrs = 1;
       int clusters = 0;
-      ok = cudaOccupancyMaxActiveClusters(&clusters, decode_fused_kernel<true, true, KV>(), &cfg) == cudaSuccess &&
+      ok = cudaOccupancyMaxActiveClusters(&clusters, decode_fused_kernel<true, true, F>(), &cfg) == cudaSuccess &&
            clusters > 0;
       cudaGetLastError();  // a refusal is an answer, not an error
     }
@@ -5555,16 +5521,16 @@ static bool decode_clusters_supported() {
 
 // Section 16's decode attention with this section's two steps where switched on. Arguments as there, except:
 // rope: null = q and this step's k/v are ready (qk_norm_rope ran); else the fused kernel (ROPE = true): qkv
-// is the raw projection, and this step's k and v go to the cache here (k_cache, v_cache are written).
-static void attention_decode_fast(bf16* out, const bf16* qkv, const KVView& cache, const int* context_lens,
-                                  const int* block_tables, int B, int NH, int NKV, int P, int MB,
-                                  int max_context_len, float* workspace, float scale, cudaStream_t stream,
+// is the raw projection, and this step's k and v go to the cache here (the cache is written). F: the cache
+// format (section 15).
+template <class F = KVBf16>
+static void attention_decode_fast(bf16* out, const bf16* qkv, const typename F::Layer& cache,
+                                  const int* context_lens, const int* block_tables, int B, int NH, int NKV, int P,
+                                  int MB, int max_context_len, float* workspace, float scale, cudaStream_t stream,
                                   const DecodeRope* rope) {
-  const bool cluster = g_opt.cluster_merge && B <= DECODE_CLUSTER_MAX_B &&
-                       (cache.dtype == KVCacheDtype::FP8 ? decode_clusters_supported<fp8e4m3>()
-                                                         : decode_clusters_supported<bf16>());
+  const bool cluster = g_opt.cluster_merge && B <= DECODE_CLUSTER_MAX_B && decode_clusters_supported<F>();
   if (!rope && !cluster)
-    return flash_attention_decode(out, qkv, cache, context_lens, block_tables, B, NH, NKV, P, MB, max_context_len,
+    return flash_attention_decode<F>(out, qkv, cache, context_lens, block_tables, B, NH, NKV, P, MB, max_context_len,
                             workspace, scale, stream);
   check_attention_shapes("attention_decode_fast", NH, NKV, P);
   INTERNAL_CHECK(NH / NKV <= DECODE_ROWS, "attention_decode_fast: NH/NKV = %d query heads per kv head, at most %d",
@@ -5576,45 +5542,41 @@ static void attention_decode_fast(bf16* out, const bf16* qkv, const KVView& cach
   if (B == 0) return;
   const float scale_log2 = scale * (float)M_LOG2E;
   const DecodeRope r = rope ? *rope : DecodeRope{};
-  with_kv_type(cache, [&](auto* kv) {
-    using KV = std::remove_pointer_t<decltype(kv)>;
-    KV* k_cache = (KV*)cache.k;
-    KV* v_cache = (KV*)cache.v;
-    if (cluster) {  // merged inside the kernel
-      auto kernel = rope ? decode_fused_kernel<true, true, KV>() : decode_fused_kernel<false, true, KV>();
-      launch_pdl_cluster(DECODE_CLUSTER, kernel, dim3(DECODE_CLUSTER, NKV, B), DECODE_WARPS * 32,
-                         DECODE_SMEM,
-                         stream, out, qkv, k_cache, v_cache, cache.scale, context_lens, block_tables, NH, NKV,
-                         __builtin_ctz(P), MB, 0, 0, nullptr, nullptr, scale_log2, r);
-      CUDA_CHECK(cudaGetLastError());
-      return;
-    }
-    const int partition = decode_partition(B, cache.dtype);
-    const int max_parts = (int)cdiv(max_context_len, partition);
-    float* ws_o = workspace;                                           // [B, NH, max_parts, D]
-    float* ws_ml = workspace + (size_t)B * NH * max_parts * HEAD_DIM;  // [B, NH, max_parts, 2]
-    launch_pdl(decode_fused_kernel<true, false, KV>(), dim3(max_parts, NKV, B), DECODE_WARPS * 32,
-               DECODE_SMEM,
-               stream, out, qkv, k_cache, v_cache, cache.scale, context_lens, block_tables, NH, NKV,
-               __builtin_ctz(P), MB, max_parts, partition, ws_o, ws_ml, scale_log2, r);
+  typename F::Elem* k_cache = F::keys(cache);
+  typename F::Elem* v_cache = F::values(cache);
+  if (cluster) {  // merged inside the kernel
+    auto kernel = rope ? decode_fused_kernel<true, true, F>() : decode_fused_kernel<false, true, F>();
+    launch_pdl_cluster(DECODE_CLUSTER, kernel, dim3(DECODE_CLUSTER, NKV, B), DECODE_WARPS * 32, DECODE_SMEM,
+                       stream, out, qkv, k_cache, v_cache, F::scales(cache), context_lens, block_tables, NH, NKV,
+                       __builtin_ctz(P), MB, 0, 0, nullptr, nullptr, scale_log2, r);
     CUDA_CHECK(cudaGetLastError());
-    // section 16's merge kernel, launched the ordinary way (it has no pdl_begin)
-    flash_decode_merge(out, context_lens, ws_o, ws_ml, B, NH, max_parts, partition, stream);
-  });
+    return;
+  }
+  const int partition = DecodeLoop<F>::partition(B);
+  const int max_parts = (int)cdiv(max_context_len, partition);
+  float* ws_o = workspace;                                           // [B, NH, max_parts, D]
+  float* ws_ml = workspace + (size_t)B * NH * max_parts * HEAD_DIM;  // [B, NH, max_parts, 2]
+  launch_pdl(decode_fused_kernel<true, false, F>(), dim3(max_parts, NKV, B), DECODE_WARPS * 32, DECODE_SMEM,
+             stream, out, qkv, k_cache, v_cache, F::scales(cache), context_lens, block_tables, NH, NKV,
+             __builtin_ctz(P), MB, max_parts, partition, ws_o, ws_ml, scale_log2, r);
+  CUDA_CHECK(cudaGetLastError());
+  // section 16's merge kernel, launched the ordinary way (it has no pdl_begin)
+  flash_decode_merge(out, context_lens, ws_o, ws_ml, B, NH, max_parts, partition, stream);
 }
 
 // ---- The stages this section fills, and its switches: cluster_merge, fused_rope ----
 // Both change flash_attn's decode kernel (section 16), so they act only where flash_attn is on too.
 // cluster_merge: the decode rows' kernel (section 16's g_decode_attention) merges in a cluster where it can.
-static void attention_decode_cluster(bf16* out, const bf16* qkv, const KVView& cache, const int* context_lens,
-                                     const int* block_tables, int B, int NH, int NKV, int P, int MB,
-                                     int max_context_len, float* workspace, float scale, cudaStream_t stream) {
-  attention_decode_fast(out, qkv, cache, context_lens, block_tables, B, NH, NKV, P, MB, max_context_len,
+template <class F = KVBf16>
+static void attention_decode_cluster(bf16* out, const bf16* qkv, const typename F::Layer& cache,
+                                     const int* context_lens, const int* block_tables, int B, int NH, int NKV, int P,
+                                     int MB, int max_context_len, float* workspace, float scale, cudaStream_t stream) {
+  attention_decode_fast<F>(out, qkv, cache, context_lens, block_tables, B, NH, NKV, P, MB, max_context_len,
                         workspace, scale, stream, nullptr);
 }
 static void apply_cluster_merge(bool on, Hooks&) {
   g_opt.cluster_merge = on;
-  if (on && g_opt.flash_attn) g_decode_attention = attention_decode_cluster;
+  if (on && g_opt.flash_attn) g_decode_attention = attention_decode_cluster<KVBf16>;
 }
 static std::string cluster_merge_note(const Qwen3&) {
   return decode_clusters_supported() ? "" : "cluster_merge needs sm_90, off here";
@@ -5623,14 +5585,13 @@ static const int kClusterMergeRegistered = register_optimization(
     {"cluster_merge", "decode's split-K merge inside a cluster (section 19)", true, apply_cluster_merge,
      cluster_merge_note});
 
-// fused_rope: section 14's attention_decode stage as one kernel. With an fp8 cache, at batches above the
-// cluster kernel's, section 16's stage runs instead (docs/performance.md: the fused kernel is slower there).
+// fused_rope: section 14's attention_decode stage as one kernel, and its store_qkv stage as the eight-lane
+// kernel above (every prefill step takes it).
 static void fused_attention_decode_stage(Pass& p, int l) {
   Qwen3& m = p.m;
   const ModelConfig& c = m.cfg;
   const LayerWeights& lw = m.w.layers[l];
-  const KVView cache = kv_view(m.kv, l);
-  if (cache.dtype != KVCacheDtype::BF16 && p.B > DECODE_CLUSTER_MAX_B) return flash_attention_decode_stage(p, l);
+  const KVLayer cache = m.kv.layer(l);
   const DecodeRope rope{p.in.positions, p.in.slot_mapping, lw.q_norm, lw.k_norm, c.rms_norm_eps,
                         rope_inv_freq(c.rope_theta)};
   attention_decode_fast(m.act.attn, m.act.qkv, cache, p.in.seqlens_k, p.in.block_tables, p.B,
@@ -5639,7 +5600,10 @@ static void fused_attention_decode_stage(Pass& p, int l) {
 }
 static void apply_fused_rope(bool on, Hooks& h) {
   g_opt.fused_rope = on;
-  if (on && g_opt.flash_attn) stages_for(h).attention_decode = fused_attention_decode_stage;
+  if (!on) return;
+  ForwardStages& st = stages_for(h);
+  st.store_qkv = store_qkv_fast;
+  if (g_opt.flash_attn) st.attention_decode = fused_attention_decode_stage;
 }
 static const int kFusedRopeRegistered = register_optimization(
     {"fused_rope", "q/k-norm, RoPE and the KV store inside decode attention (section 19)", true,
@@ -6665,583 +6629,9 @@ static const int kPrefillGraphsRegistered = register_optimization(
     {"prefill_graphs", "prefill and mixed steps of up to 2048 tokens replay CUDA graphs, in pieces (section 23)",
      true, apply_prefill_graphs});
 
-// ==== 24. An FP8 KV cache ==================================================================================
-// defines: e4m3_from_float, e4m3_to_float, kv_scale_for, kv_scales_from_weights, KVStoreFp8,
-//          qk_norm_rope_view, g_kv_scales_from_weights; --kv-cache-dtype fp8
-//
-// Replaces: the bf16 KV cache of sections 6b-8, when --kv-cache-dtype fp8 asks (vLLM's flag; the default,
-// auto, is bf16). The layout, block tables, prefix caching, preemption, CUDA graphs and tensor parallelism
-// (each rank its own heads) are unchanged: only the element is one byte instead of two.
-// Why it is faster: at large batches a decode step mostly reads keys and values (nano-vllm's benchmark: about
-// 9 bytes of cache per byte of weights), so half the bytes per value is close to half the step; and the pool
-// holds twice the tokens in the same memory (bigger batches, fewer preemptions). The cost is precision.
-//
-// The format, e4m3 (OCP FP8, what vLLM's fp8 means): sign, 4 exponent bits (bias 7), 3 mantissa bits.
-// Normal values 2^-6 .. 448, subnormals down to 2^-9; no infinities; 0x7f/0xff are NaN. Rounding to nearest
-// keeps a relative error of at most 2^-4, the same at every magnitude: a float format, so it does
-// not care where the values sit as long as they stay inside 2^-6 .. 448.
-//
-// Scales. A stored byte means (e4m3 value) x scale, one scale for the keys and one for the values of each
-// layer (per tensor per layer, as vLLM's k_scale and v_scale). Because e4m3 is a float format, a scale only
-// slides the window 2^-6 .. 448 along the number line: it must keep the largest value under 448 (above it,
-// a value saturates, which silently distorts attention) and the bulk well above 2^-6 (below it precision
-// thins out). The scales are chosen once, from the weights, as bounds no input can exceed:
-//   keys:    k = RoPE(k_norm(x)): the RMSNorm'd head has sum of squares D, so every element of it, and every
-//            rotated pair, is at most max|k_norm.weight| * sqrt(D);
-//   values:  v_j = W_v[j] . (w_ln * u) with |u|^2 = H (u: the RMSNorm'd input before its weight w_ln), so
-//            |v_j| <= sqrt(H) * |W_v[j] * w_ln| (Cauchy-Schwarz), the largest over this rank's rows j;
-// each bound (raised by a hundredth for the bf16 roundings on the way) over 448, rounded up to a power of
-// two. A typical element then lands about sqrt(D) (keys) or sqrt(H) (values) below 448, far above 2^-6. The
-// docs/performance.md has the accuracy of this choice and of vLLM's default (scale 1.0);
-// g_kv_scales_from_weights = false (below; the tests' switch) runs the latter.
-// Why powers of two: dividing by one is exact, so the stored byte is the rounding of the bf16 value itself,
-// whatever the scale, and the scale can be applied after the matrix products at no cost in accuracy.
-//
-// Writing (qk_norm_rope, section 19's kernel): a bf16 value / scale, rounded to nearest even, saturating at
-// +-448 (cvt ... satfinite). Reading: every value is converted to fp16 (exact: every e4m3 value is an fp16
-// number; e4m3 -> fp16 is one instruction per pair, and there is none to bf16), the tensor cores multiply
-// fp16 (the q fragments are converted once per thread block, exact for |q| up to 65504), and the key scale
-// multiplies the scores' scale and the value scale the output, both once. Where the conversion happens
-// differs: the prefill kernel stages a tile's bytes (cp.async, 16 values a copy) and every thread widens the
-// chunks it copied itself into section 15's fp16 tile (no barrier: nobody else reads a thread's staged
-// chunks); decode, which only streams, converts in registers on the way into the MMAs (the decode loop below).
-// Needs: FP8 conversion instructions (compute capability 8.9 and later: Ada, Hopper); ModelRunner refuses
-// --kv-cache-dtype fp8 on older GPUs with a message.
-
-// e4m3 -> fp16, exactly: every e4m3 value (normal 2^-6 .. 448, subnormal down to 2^-9) is an fp16 normal
-// number, and one instruction converts a pair (cvt.rn.f16x2.e4m3x2). 8 values per call; the scale is left
-// out here and applied by the attention kernels (score_scale, scale_output).
-__device__ __forceinline__ uint4 fp8x8_to_half8(uint2 in) {
-  const uint32_t w[2] = {in.x, in.y};
-  uint4 out;
-  uint32_t* o = &out.x;
-#pragma unroll
-  for (int i = 0; i < 2; i++)
-#pragma unroll
-    for (int half = 0; half < 2; half++) {
-      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w[i] >> (16 * half)), __NV_E4M3);
-      o[2 * i + half] = (uint32_t)h.x | ((uint32_t)h.y << 16);
-    }
-  return out;
-}
-// fp16 values that are e4m3 values (tile values) -> their e4m3 bytes (exact: no rounding happens).
-__device__ __forceinline__ uint2 half8_to_fp8x8(uint4 v) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  uint32_t b[4];
-#pragma unroll
-  for (int i = 0; i < 4; i++) {
-    __half2_raw h;
-    h.x = (unsigned short)(w[i] & 0xffff), h.y = (unsigned short)(w[i] >> 16);
-    b[i] = __nv_cvt_halfraw2_to_fp8x2(h, __NV_SATFINITE, __NV_E4M3);
-  }
-  return make_uint2(b[0] | (b[1] << 16), b[2] | (b[3] << 16));
-}
-// 8 bf16 values / scale -> 8 e4m3 bytes, round to nearest even, saturating (the first value in the low byte).
-__device__ __forceinline__ uint2 bf16x8_to_fp8x8(uint4 v, float scale) {
-  float f[8];
-  bf16x8_to_float(v, f);
-  const float inv = 1.f / scale;  // a power of two: exact, and so is every product below
-  uint32_t w[2];
-#pragma unroll
-  for (int i = 0; i < 2; i++) {
-    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(f[4 * i] * inv, f[4 * i + 1] * inv), __NV_SATFINITE,
-                                                 __NV_E4M3);
-    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(f[4 * i + 2] * inv, f[4 * i + 3] * inv),
-                                                 __NV_SATFINITE, __NV_E4M3);
-    w[i] = lo | (hi << 16);
-  }
-  return make_uint2(w[0], w[1]);
-}
-__device__ __forceinline__ void store_kv_chunk_fp8(fp8e4m3* row, int chunk, uint4 v, float scale) {
-  reinterpret_cast<uint2*>(row)[chunk] = bf16x8_to_fp8x8(v, scale);
-}
-__device__ __forceinline__ uint4 kv_chunk_tile_values_fp8(uint4 v, float scale) {
-  return fp8x8_to_half8(bf16x8_to_fp8x8(v, scale));
-}
-__device__ __forceinline__ void store_kv_chunk_tile_fp8(fp8e4m3* row, int chunk, uint4 tile_values) {
-  reinterpret_cast<uint2*>(row)[chunk] = half8_to_fp8x8(tile_values);
-}
-
-// The ring of staging slots where the prefill kernel's fp8 tiles wait (section 15's tile pipeline). A slot is
-// one tile of keys then one of values, FP8_TILE_BYTES each, row r's 16-byte chunk c (values 16c .. 16c+15)
-// at chunk r * 8 + c: plain order, because only the thread that copied a chunk reads it back. Slots 0 and 1
-// are the second bf16 stage of sK and of sV (the widened tile always goes to stage 0, so the second one is
-// free): the ring of PREFILL_FP8_RING = 2 costs no shared memory.
-constexpr int FP8_ROW_CHUNKS = HEAD_DIM / 16;                // 16-byte chunks in one fp8 row: 8
-constexpr int FP8_TILE_BYTES = ATTN_KV_TILE * HEAD_DIM;      // 8 KiB
-static_assert(2 * FP8_TILE_BYTES == ATTN_KV_TILE * HEAD_DIM * sizeof(bf16), "slots 0, 1 fill a bf16 stage");
-static_assert(PREFILL_FP8_RING == 2, "the prefill ring is the second bf16 stage");
-__device__ __forceinline__ char* fp8_ring_slot(bf16* sK, bf16* sV, int i) {
-  constexpr int TILE = ATTN_KV_TILE * HEAD_DIM;
-  return reinterpret_cast<char*>((i == 0 ? sK : sV) + TILE);
-}
-__device__ __forceinline__ bf16* fp8_staged(char* slot, int kv, int r, int c) {
-  return reinterpret_cast<bf16*>(slot + kv * FP8_TILE_BYTES + (r * FP8_ROW_CHUNKS + c) * 16);
-}
-// load_kv_tile for an fp8 cache, into a ring slot: the same rows (zero-filled past key_end), 8 threads per
-// row.
-template <int NTHREADS>
-__device__ __forceinline__ void load_kv_tile_fp8(char* slot, const fp8e4m3* k_cache, const fp8e4m3* v_cache,
-                                                 const int* block_table, int kvh, int NKV, int log2P, int key0,
-                                                 int key_end) {
-  const int chunk = threadIdx.x % FP8_ROW_CHUNKS;
-#pragma unroll
-  for (int r = threadIdx.x / FP8_ROW_CHUNKS; r < ATTN_KV_TILE; r += NTHREADS / FP8_ROW_CHUNKS) {
-    const int key = key0 + r;
-    const bool valid = key < key_end;
-    const size_t offset = valid ? kv_cache_row(block_table, kvh, NKV, log2P, key) * HEAD_DIM + chunk * 16 : 0;
-    cp_async_16(fp8_staged(slot, 0, r, chunk), reinterpret_cast<const bf16*>(k_cache + offset), valid);
-    cp_async_16(fp8_staged(slot, 1, r, chunk), reinterpret_cast<const bf16*>(v_cache + offset), valid);
-  }
-}
-// Every thread widens the chunks it copied into the bf16 tiles sK, sV (stage 0). No barrier is needed
-// before: each thread reads only its own copies, and the barrier that ended the previous tile's attention
-// freed stage 0.
-template <int NTHREADS>
-__device__ __forceinline__ void widen_kv_tile_fp8(const char* slot, bf16* sK, bf16* sV) {
-  const int chunk = threadIdx.x % FP8_ROW_CHUNKS;
-#pragma unroll
-  for (int r = threadIdx.x / FP8_ROW_CHUNKS; r < ATTN_KV_TILE; r += NTHREADS / FP8_ROW_CHUNKS) {
-    const uint4 k = *reinterpret_cast<const uint4*>(fp8_staged(const_cast<char*>(slot), 0, r, chunk));
-    const uint4 v = *reinterpret_cast<const uint4*>(fp8_staged(const_cast<char*>(slot), 1, r, chunk));
-    *reinterpret_cast<uint4*>(sK + attn_smem_index(r, 2 * chunk)) = fp8x8_to_half8({k.x, k.y});
-    *reinterpret_cast<uint4*>(sK + attn_smem_index(r, 2 * chunk + 1)) = fp8x8_to_half8({k.z, k.w});
-    *reinterpret_cast<uint4*>(sV + attn_smem_index(r, 2 * chunk)) = fp8x8_to_half8({v.x, v.y});
-    *reinterpret_cast<uint4*>(sV + attn_smem_index(r, 2 * chunk + 1)) = fp8x8_to_half8({v.z, v.w});
-  }
-}
-
-// ---- Decode attention over an fp8 cache ----------------------------------------------------------------
-// The tile pipeline above is how the prefill kernel reads fp8: stage a 64-key tile, widen it to fp16 in
-// shared memory, a barrier, the tensor cores, a barrier. For decode, which only streams, that is slow: it
-// keeps one 16 KiB fp8 tile in flight per thread block (the staging slots live in the shadow of the bf16
-// tile, half of what bf16 keeps in flight at the same shared memory), and every byte makes an extra round
-// trip through shared memory to be widened (docs/performance.md has the measurement).
-//
-// The decode loop below reads fp8 the way the bf16 kernel reads bf16: tiles of FP8_TILE_KEYS = 128 keys
-// (16 KiB of keys and 16 of values: the bytes of a bf16 tile), two stages, the next tile in flight while
-// this one is computed, every copy instruction reading whole 128-byte rows. What it drops is the widening
-// pass: every lane reads the bytes it will feed to the tensor cores from the staged tile straight into
-// registers and converts them there (one cvt.rn.f16x2.e4m3x2 per pair of values) into MMA fragments. Warp
-// w takes two slices of 16 keys of each tile, rows 16w .. 16w+15 and 64+16w .. 64+16w+15 (fp8_attend_slice).
-//
-// Keys on the MMA's rows. Section 15 puts the GQA group's query heads on the 16 rows of mma.m16n8k16 and
-// keys on its 8 columns; with 2 heads per group (Qwen3-0.6B) 14 of the 16 rows are padding, and the online
-// softmax, which runs on every element a lane holds, does 8 times the work it needs. Half the bytes per key
-// make that matter: per byte of cache an fp8 tile holds twice the keys, so twice the MMAs and softmax steps
-// of a bf16 one, and the kernel ran out of instruction issue before it ran out of bandwidth. So the fp8 loop
-// computes the transposed products, with the keys (and, for P V, the head dims) on the 16 rows and the heads
-// on the 8 columns:
-//   S^T = K Q^T      16 keys x 8 heads per k-step of 16 dims: 8 MMAs a slice instead of 16;
-//   O^T += V^T P^T   16 dims x 8 heads per k-step of 16 keys: 8 MMAs a slice instead of 16.
-// A lane then holds 4 scores (keys g and g + 8, heads 2c and 2c + 1: g = lane/4, c = lane%4) instead of 8,
-// and the softmax's max and sum run over the 8 lanes of one c. P^T must reach the second product as a B
-// fragment (lane g: head g, keys 2c, 2c + 1), while the first product left it with lane g holding key g:
-// movmatrix, the warp's transpose of an 8 x 8 matrix of 16-bit values, moves it over, once per 8 keys.
-// A group of more than 8 heads takes two column tiles (NT = 2); Qwen3's groups have at most 8.
-//
-// What makes the register route possible is a choice of order. An A fragment of mma.m16n8k16 (section 15's
-// vocabulary) wants, in lane (g, c), two consecutive values along k at k = 2c and 2c + 8, of rows g and
-// g + 8. Fed from a row of the cache that would be 2-byte pieces scattered over the row. But a dot product
-// does not care in which order its terms are added, so the kernel renames:
-//   S^T         sums over the head dims: lane c reads, of key rows g and g + 8, the 16 bytes 16c .. 16c+15
-//               and the 16 bytes 64+16c .. 64+16c+15, and uses its 4-byte word kk as k-slice kk's values
-//               2c, 2c+1, 2c+8, 2c+9. The Q fragments are built with the same renaming
-//               (fp8_decode_q_fragments), so every product pairs q_d with k_d as before.
-//   O^T         sums over keys, and its rows are head dims: lane g reads bytes 16g .. 16g+15 of the value
-//               rows of keys 2c, 2c+1, 2c+8, 2c+9, and row-tile mt takes bytes 2mt (row g) and 2mt + 1
-//               (row g + 8). So accumulator o[mt][e] holds head 2c + e%2 at head dim 16g + 2mt + e/2, which
-//               fp8_decode_store_partials writes back in head-dim order.
-// An A fragment of V^T pairs one dim of two keys, so those bytes are paired first (one byte_perm per two
-// pairs). Every read is 16 bytes, and the tile is swizzled like section 15's, which spreads a read over the
-// banks (the key reads still meet 2-way conflicts).
-// Thread-block tiles as large as the bf16 kernel's are what streams at its rate: how the cache is fetched,
-// not the conversions, decides the speed (docs/performance.md: the variants measured).
-
-// Where lane's chunk i of a 16-key slice comes from: the key row (0..15 within the slice) and the byte
-//   i = 0, 1: key row g,     bytes 16c and 64 + 16c        i = 2, 3: key row g + 8, the same bytes
-//   i = 4..7: value rows 2c, 2c + 1, 2c + 8, 2c + 9, bytes 16g
-// (16 bytes each; i < 4 from the key tile, the rest from the value tile).
-constexpr int FP8_SLICE_KEYS = 16;
-constexpr int FP8_SLICE_CHUNKS = 8;
-static_assert(DECODE_WARPS * 2 * FP8_SLICE_KEYS == FP8_TILE_KEYS, "each warp takes two slices of every tile");
-__device__ __forceinline__ void fp8_slice_source(int i, int& row, int& byte) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  if (i < 4) row = g + 8 * (i >> 1), byte = 16 * c + 64 * (i & 1);
-  else row = 2 * c + (i & 1) + 8 * ((i - 4) >> 1), byte = 16 * g;
-}
-// The head dim of k-slice kk's value e (0..3: MMA k = 2c, 2c+1, 2c+8, 2c+9) in lane c (see above).
-__device__ __forceinline__ int fp8_key_dim(int c, int kk, int e) {
-  return (kk < 4 ? 16 * c + 4 * kk : 64 + 16 * c + 4 * (kk - 4)) + e;
-}
-
-// A staged tile: FP8_TILE_KEYS rows of keys (128 bytes each), then as many of values; 16-byte chunk c of row
-// r at r * 128 + 16 * (c ^ (r % 8)), the XOR swizzle of section 15 on 8 chunks a row.
-constexpr int FP8_TILE_HALF = FP8_TILE_KEYS * HEAD_DIM;  // bytes of keys (or of values) in a tile: 16 KiB
-static_assert(2 * FP8_TILE_HALF == FP8_STAGE_BYTES, "a stage is a tile of keys and one of values");
-__device__ __forceinline__ int fp8_tile_offset(int row, int chunk) {
-  return row * HEAD_DIM + ((chunk ^ (row & 7)) << 4);
-}
-
-// Issue (not wait for) the copies of keys key0 .. key0 + FP8_TILE_KEYS - 1 into `stage`, all DECODE_WARPS * 32
-// threads, 8 threads a row (so one copy instruction reads 4 whole rows). Keys at or past key_end, and
-// skip_key (this step's own key, which the fused kernel holds itself), are zero-filled instead of read;
-// slices of 16 keys that lie wholly past key_end are not written at all (nobody reads them).
-__device__ __forceinline__ void fp8_issue_tile(char* stage, const fp8e4m3* k_cache, const fp8e4m3* v_cache,
-                                               const int* block_table, int kvh, int NKV, int log2P, int key0,
-                                               int key_end, int skip_key) {
-  const int chunk = threadIdx.x & 7;
-#pragma unroll
-  for (int r = threadIdx.x >> 3; r < FP8_TILE_KEYS; r += DECODE_WARPS * 32 / 8) {
-    const int key = key0 + r;
-    if (key0 + (r & ~(FP8_SLICE_KEYS - 1)) >= key_end) break;  // a slice no warp reads (past the partition)
-    const bool valid = key < key_end && key != skip_key;
-    const size_t off = valid ? kv_cache_row(block_table, kvh, NKV, log2P, key) * HEAD_DIM + chunk * 16 : 0;
-    cp_async_16(reinterpret_cast<bf16*>(stage + fp8_tile_offset(r, chunk)),
-                reinterpret_cast<const bf16*>(k_cache + off), valid);
-    cp_async_16(reinterpret_cast<bf16*>(stage + FP8_TILE_HALF + fp8_tile_offset(r, chunk)),
-                reinterpret_cast<const bf16*>(v_cache + off), valid);
-  }
-}
-// The first tile of a decode thread block's partition into stage 0, as one committed group.
-__device__ __forceinline__ void fp8_decode_issue_first(char* stages, const fp8e4m3* k_cache, const fp8e4m3* v_cache,
-                                                       const int* block_table, int kvh, int NKV, int log2P,
-                                                       int key_begin, int key_end, int skip_key) {
-  fp8_issue_tile(stages, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end, skip_key);
-  cp_async_commit();
-}
-
-// The group's Q tile (bf16, swizzled, section 15's layout) as fp16 A fragments in the renamed dim order:
-// fragment kk, register e holds rows g (e even) or g + 8 (e odd) at the dims of values 2(e/2), 2(e/2) + 1.
-__device__ __forceinline__ void fp8_decode_q_fragments(uint32_t (&q)[HEAD_DIM / 16][4], const bf16* sQ) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-#pragma unroll
-  for (int kk = 0; kk < HEAD_DIM / 16; kk++)
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-      const int row = g + 8 * (e & 1), d = fp8_key_dim(c, kk, 2 * (e >> 1));
-      const float2 f = __bfloat1622float2(
-          *reinterpret_cast<const __nv_bfloat162*>(sQ + attn_smem_index(row, d >> 3) + (d & 7)));
-      const __half2 h = __floats2half2_rn(f.x, f.y);  // exact: a bf16 q below 65504 is an fp16 number
-      q[kk][e] = *reinterpret_cast<const uint32_t*>(&h);
-    }
-}
-
-// Two e4m3 bytes (the low one first) -> fp16x2, exactly.
-__device__ __forceinline__ uint32_t fp8x2_to_half2(uint32_t two_bytes) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two_bytes & 0xffff), __NV_E4M3);
-  return (uint32_t)h.x | ((uint32_t)h.y << 16);
-}
-__device__ __forceinline__ uint32_t word_of(const uint4& v, int w) {
-  return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
-}
-
-// The warp's transpose of an 8 x 8 matrix of 16-bit values: lane (g, c) gives its row g, columns 2c, 2c + 1
-// (an accumulator's layout) and gets back row g of the transpose, i.e. column g, rows 2c, 2c + 1.
-__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
-  uint32_t y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-  return y;
-}
-
-// One warp's slice of 16 keys from the registers x (its chunks, fp8_slice_source's order), for the group's
-// heads 0..8NT-1 (8NT >= the group): S^T = K Q^T, the online softmax per head, O^T += V^T P^T (see above).
-template <int NT>
-__device__ __forceinline__ void fp8_attend_slice(const uint32_t (&q)[HEAD_DIM / 16][4], const uint4 (&x)[8],
-                                                 int key0, int key_end, float scale_log2, DecodeAcc& sums) {
-  const int g = (threadIdx.x & 31) >> 2;
-  float s[NT][4] = {};  // [column tile][e]: key g + 8 (e / 2), head 2c + e % 2 (+ 8 per column tile)
-#pragma unroll
-  for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
-    const uint32_t w0 = word_of(x[kk / 4], kk % 4), w1 = word_of(x[2 + kk / 4], kk % 4);  // key rows g, g + 8
-    const uint32_t a[4] = {fp8x2_to_half2(w0), fp8x2_to_half2(w1), fp8x2_to_half2(w0 >> 16),
-                           fp8x2_to_half2(w1 >> 16)};
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) mma_16816<__half>(s[nt], a, q[kk][nt], q[kk][2 + nt]);
-  }
-  // The online softmax of section 15 (online_softmax_update), per head: a lane holds two keys of it, and
-  // the other seven pairs sit in the lanes of the same c (xor-shuffles over 4, 8, 16).
-  uint32_t p[NT][2];  // P^T as B fragments: keys 2c, 2c + 1 (then + 8) of head g
-#pragma unroll
-  for (int nt = 0; nt < NT; nt++) {
-    if (key0 + 16 > key_end)
-#pragma unroll
-      for (int e = 0; e < 4; e++)
-        if (key0 + g + 8 * (e >> 1) >= key_end) s[nt][e] = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-      float& m = nt ? sums.m_hi[i] : sums.m[i];
-      float& l = nt ? sums.l_hi[i] : sums.l[i];
-      float mx = fmaxf(m, fmaxf(s[nt][i], s[nt][2 + i]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-      const float m_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;  // as in online_softmax_update
-      const float alpha = fast_exp2(m * scale_log2 - m_scaled);
-      m = mx;
-      s[nt][i] = fast_exp2(fmaf(s[nt][i], scale_log2, -m_scaled));
-      s[nt][2 + i] = fast_exp2(fmaf(s[nt][2 + i], scale_log2, -m_scaled));
-      l = l * alpha + (s[nt][i] + s[nt][2 + i]);
-#pragma unroll
-      for (int mt = 0; mt < HEAD_DIM / 16; mt++) sums.o[8 * nt + mt][i] *= alpha, sums.o[8 * nt + mt][2 + i] *= alpha;
-    }
-    p[nt][0] = movmatrix_trans(pack_x2<__half>(s[nt][0], s[nt][1]));
-    p[nt][1] = movmatrix_trans(pack_x2<__half>(s[nt][2], s[nt][3]));
-  }
-#pragma unroll
-  for (int w = 0; w < 4; w++) {  // bytes 4w .. 4w+3 of the four value chunks: row tiles 2w and 2w + 1
-    const uint32_t a = word_of(x[4], w), b = word_of(x[5], w), c = word_of(x[6], w), d = word_of(x[7], w);
-    const uint32_t ab[2] = {__byte_perm(a, b, 0x5140), __byte_perm(a, b, 0x7362)};  // a0 b0 a1 b1, a2 b2 a3 b3
-    const uint32_t cd[2] = {__byte_perm(c, d, 0x5140), __byte_perm(c, d, 0x7362)};
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-      const uint32_t v[4] = {fp8x2_to_half2(ab[h]), fp8x2_to_half2(ab[h] >> 16), fp8x2_to_half2(cd[h]),
-                             fp8x2_to_half2(cd[h] >> 16)};
-#pragma unroll
-      for (int nt = 0; nt < NT; nt++) mma_16816<__half>(sums.o[8 * nt + 2 * w + h], v, p[nt][0], p[nt][1]);
-    }
-  }
-}
-
-// The decode loop of a thread block over keys [key_begin, key_end) of an fp8 cache: issue tile t + 1 into
-// the other stage, wait for tile t, and let each warp read its two slices of it into registers and attend.
-// new_key: this step's key, whose bytes come from new_kv (section 19's tile values, fp16: converted back to
-// the bytes the cache holds) instead of the cache; -1: none. The caller issued the first tile
-// (fp8_decode_issue_first). A partition need not be a whole number of these tiles (the cluster kernel's and
-// small batches' are multiples of 64 keys): rows past key_end are zero-filled, never read, and masked. The
-// loop's last barrier frees the stages for decode_combine_warps. group: the GQA group's query heads (one
-// column tile of the products up to 8, two up to 16).
-__device__ __forceinline__ void fp8_decode_attend(const uint32_t (&q)[HEAD_DIM / 16][4], char* stages,
-                                                  const fp8e4m3* k_cache, const fp8e4m3* v_cache, KVScales kv_scale,
-                                                  const int* block_table, int kvh, int NKV, int log2P, int key_begin,
-                                                  int key_end, int new_key, const uint4 (*new_kv)[HEAD_DIM / 8],
-                                                  int group, float scale_log2, DecodeAcc& sums) {
-  const int n_tiles = cdiv_dev(key_end - key_begin, FP8_TILE_KEYS), warp = threadIdx.x >> 5;
-  for (int t = 0; t < n_tiles; t++) {
-    if (t + 1 < n_tiles)
-      fp8_issue_tile(stages + ((t + 1) & 1) * FP8_STAGE_BYTES, k_cache, v_cache, block_table, kvh, NKV, log2P,
-                     key_begin + (t + 1) * FP8_TILE_KEYS, key_end, new_key);
-    cp_async_commit();
-    cp_async_wait<1>();  // tile t has landed (this thread's copies) ...
-    __syncthreads();     // ... and everyone's
-    const char* stage = stages + (t & 1) * FP8_STAGE_BYTES;
-#pragma unroll
-    for (int j = 0; j < 2; j++) {
-      // warp w: rows 16w .. 16w+15 and 64+16w .. (a partition of 64 keys still gives every warp a slice)
-      const int row0 = FP8_SLICE_KEYS * (warp + DECODE_WARPS * j), key0 = key_begin + t * FP8_TILE_KEYS + row0;
-      if (key0 >= key_end) continue;
-      uint4 x[FP8_SLICE_CHUNKS];
-#pragma unroll
-      for (int i = 0; i < FP8_SLICE_CHUNKS; i++) {
-        int row, byte;
-        fp8_slice_source(i, row, byte);
-        x[i] = *reinterpret_cast<const uint4*>(stage + (i < 4 ? 0 : FP8_TILE_HALF) +
-                                               fp8_tile_offset(row0 + row, byte / 16));
-      }
-      if (new_key >= key0 && new_key < key0 + FP8_SLICE_KEYS) {  // this step's key (zero-filled in the tile)
-#pragma unroll
-        for (int i = 0; i < FP8_SLICE_CHUNKS; i++) {
-          int row, byte;
-          fp8_slice_source(i, row, byte);
-          if (key0 + row != new_key) continue;
-          const uint4* tile = new_kv[i < 4 ? 0 : 1] + byte / 8;  // 8 values per fp16 chunk
-          const uint2 lo = half8_to_fp8x8(tile[0]), hi = half8_to_fp8x8(tile[1]);
-          x[i] = make_uint4(lo.x, lo.y, hi.x, hi.y);
-        }
-      }
-      if (group <= 8) fp8_attend_slice<1>(q, x, key0, key_end, scale_log2, sums);
-      else fp8_attend_slice<2>(q, x, key0, key_end, scale_log2, sums);
-    }
-    __syncthreads();  // every warp is done with stage t % 2 before tile t + 2 is issued into it
-  }
-  scale_output<fp8e4m3>(sums.o, kv_scale);
-}
-
-// A warp's sums of the fp8 loop into decode_combine_warps' buffers, in the bf16 layout: sO[warp][head][dim]
-// and sML[warp][head] = (m in log2 units, l). Accumulator o[8 nt + mt][e] holds head 2c + e % 2 + 8 nt at
-// dim 16g + 2mt + e / 2; each lane holds a partial l of its keys, summed here over the lanes of one c. Only
-// the column tiles the loop used (fp8_attend_slice<NT>) are written: heads past them are never read.
-__device__ __forceinline__ void fp8_decode_store_partials(DecodeAcc& sums, float scale_log2, int group, float* sO,
-                                                          float* sML) {
-  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
-#pragma unroll
-  for (int nt = 0; nt < 2; nt++) {
-    if (nt == 1 && group <= 8) break;  // one column tile (fp8_decode_attend's choice)
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-      const int head = warp * DECODE_ROWS + 8 * nt + 2 * c + i;
-      float& l = nt ? sums.l_hi[i] : sums.l[i];
-      l += __shfl_xor_sync(0xffffffffu, l, 4);
-      l += __shfl_xor_sync(0xffffffffu, l, 8);
-      l += __shfl_xor_sync(0xffffffffu, l, 16);
-#pragma unroll
-      for (int mt = 0; mt < HEAD_DIM / 16; mt++)
-        *reinterpret_cast<float2*>(sO + head * HEAD_DIM + 16 * g + 2 * mt) =
-            make_float2(sums.o[8 * nt + mt][i], sums.o[8 * nt + mt][2 + i]);
-      if (g == 0) sML[head * 2] = (nt ? sums.m_hi[i] : sums.m[i]) * scale_log2, sML[head * 2 + 1] = l;
-    }
-  }
-}
-
-// What the kernels compute, on the CPU: e4m3 rounding (to nearest, ties to even, saturating at +-448; NaN
-// stays NaN) and its inverse, written from the format's definition rather than from cuda_fp8.h.
-static uint8_t e4m3_from_float(float x) {
-  if (std::isnan(x)) return 0x7f;
-  const uint8_t sign = std::signbit(x) ? 0x80 : 0;
-  double a = std::fabs((double)x);
-  if (a >= 448.0) return sign | 0x7e;  // satfinite: the largest finite value, 1.75 x 2^8
-  // The spacing of representable values around a: 2^-9 below 2^-6 (subnormals), else 2^(e-3) in [2^e, 2^e+1).
-  int e = (int)std::floor(std::log2(a));
-  if (a > 0 && std::ldexp(1.0, e) > a) e--;  // log2's rounding, either way
-  if (a > 0 && std::ldexp(1.0, e + 1) <= a) e++;
-  const double step = a < 0x1p-6 ? 0x1p-9 : std::ldexp(1.0, e - 3);
-  const double q = std::nearbyint(a / step) * step;  // the default rounding mode: ties to even
-  if (q == 0) return sign;
-  if (q < 0x1p-6) return sign | (uint8_t)(q / 0x1p-9);  // subnormal: exponent field 0
-  int qe = (int)std::floor(std::log2(q));
-  if (std::ldexp(1.0, qe) > q) qe--;
-  const int mant = (int)(q / std::ldexp(1.0, qe) * 8) - 8;  // 0..7
-  return sign | (uint8_t)((qe + 7) << 3) | (uint8_t)mant;
-}
-static float e4m3_to_float(uint8_t b) {
-  const int e = (b >> 3) & 15, m = b & 7;
-  if (e == 15 && m == 7) return NAN;
-  const double mag = e == 0 ? m * 0x1p-9 : std::ldexp(1.0 + m / 8.0, e - 7);
-  return (float)(b & 0x80 ? -mag : mag);
-}
-
-// The scale for values bounded by `bound`: the smallest power of two s with bound / s <= 448, kept within
-// 2^-100 .. 2^7 (a bound above 448 x 2^7 = 57,344 would be beyond any bf16 model's K or V).
-static float kv_scale_for(double bound) {
-  int e = bound > 0 ? (int)std::ceil(std::log2(bound / 448.0)) : 0;
-  e = std::min(7, std::max(-100, e));
-  return std::ldexp(1.f, e);
-}
-
-// Per layer: the scales from the weight bounds above, for this rank's heads (its slice of W_v).
-static std::vector<KVScales> kv_scales_from_weights(const Weights& w, const ModelConfig& c, int tp) {
-  const int64_t H = c.hidden_size, D = c.head_dim, NH = c.num_attention_heads / tp;
-  const int64_t NKV = c.num_key_value_heads / tp;
-  std::vector<KVScales> scales;
-  std::vector<bf16> k_norm(D), ln(H), wv((size_t)NKV * D * H);
-  auto to_host = [](std::vector<bf16>& dst, const bf16* src) {
-    CUDA_CHECK(cudaMemcpy(dst.data(), src, dst.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
-  };
-  for (const LayerWeights& lw : w.layers) {
-    to_host(k_norm, lw.k_norm);
-    to_host(ln, lw.input_layernorm);
-    to_host(wv, lw.qkv_proj + (NH + NKV) * D * H);  // v rows of the fused qkv weight
-    double k_max = 0, v_row_max = 0;
-    for (bf16 x : k_norm) k_max = std::max(k_max, std::fabs((double)__bfloat162float(x)));
-    std::vector<double> lnf(H);
-    for (int64_t i = 0; i < H; i++) lnf[i] = __bfloat162float(ln[i]);
-    for (int64_t j = 0; j < NKV * D; j++) {
-      double ss = 0;
-      for (int64_t i = 0; i < H; i++) {
-        const double a = (double)__bfloat162float(wv[j * H + i]) * lnf[i];
-        ss += a * a;
-      }
-      v_row_max = std::max(v_row_max, std::sqrt(ss));
-    }
-    scales.push_back({kv_scale_for(1.01 * k_max * std::sqrt((double)D)),
-                      kv_scale_for(1.01 * v_row_max * std::sqrt((double)H))});
-  }
-  return scales;
-}
-
-// The KV store of qk_norm_rope (section 7's kernel) for an fp8 cache: the same chunks, each 8 bf16 values
-// divided by the layer's scale and rounded to e4m3 (8 bytes).
-struct KVStoreFp8 {
-  fp8e4m3* k_cache;  // [NB, NKV, P, D]
-  fp8e4m3* v_cache;
-  KVScales scale;
-  __device__ void key(int64_t row, int chunk, uint4 v) const { store_kv_chunk_fp8(k_cache + row * HEAD_DIM, chunk, v, scale.k); }
-  __device__ void value(int64_t row, int chunk, uint4 v) const {
-    store_kv_chunk_fp8(v_cache + row * HEAD_DIM, chunk, v, scale.v);
-  }
-};
-// Section 7's qk_norm_rope for a cache of either format (arguments as there).
-static void qk_norm_rope_view(bf16* qkv, const int* positions, const bf16* q_norm_w, const bf16* k_norm_w,
-                              const KVView& cache, const int* slot_mapping, int T, int NH, int NKV, int P,
-                              float rope_theta, float eps, cudaStream_t stream) {
-  if (cache.dtype == KVCacheDtype::BF16)
-    return qk_norm_rope(qkv, positions, q_norm_w, k_norm_w, {(bf16*)cache.k, (bf16*)cache.v}, slot_mapping, T,
-                        NH, NKV, P, rope_theta, eps, stream);
-  check_aligned16("qk_norm_rope_view", "qkv", qkv);
-  if (T == 0) return;
-  qk_norm_rope_kernel<<<T, qk_norm_rope_threads(NH, NKV), 0, stream>>>(
-      qkv, positions, q_norm_w, k_norm_w, KVStoreFp8{(fp8e4m3*)cache.k, (fp8e4m3*)cache.v, cache.scale},
-      slot_mapping, NH, NKV, P, eps, rope_inv_freq(rope_theta));
-  CUDA_CHECK(cudaGetLastError());
-}
-
-// Section 14's store_qkv stage for an fp8 cache.
-static void store_qkv_fp8(Pass& p, int l) {
-  const Qwen3& m = p.m;
-  const ModelConfig& c = m.cfg;
-  const LayerWeights& lw = m.w.layers[l];
-  qk_norm_rope_view(m.act.qkv, p.in.positions, lw.q_norm, lw.k_norm, kv_view(m.kv, l), p.in.slot_mapping, p.T,
-                    c.num_attention_heads / m.tp, c.num_key_value_heads / m.tp, m.P, c.rope_theta, c.rms_norm_eps,
-                    p.s);
-}
-
-// ---- The format: fp8 (--kv-cache-dtype) ----
-// Tests set this false to run vLLM's default scales (1.0) instead of the weight bounds above.
-static bool g_kv_scales_from_weights = true;
-// Before ModelRunner sizes the pool of an fp8 engine: check what it needs, then compute the scales.
-static void use_fp8_cache(Qwen3& model) {
-  int dev = 0, major = 0, minor = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  if (major * 10 + minor < 89)
-    die("--kv-cache-dtype fp8 needs a GPU with FP8 conversion instructions (compute capability 8.9 or "
-        "newer: Ada, Hopper, Blackwell); this one is %d.%d. Use --kv-cache-dtype bf16 (the default)", major,
-        minor);
-  if (!g_opt.flash_attn)
-    die("--kv-cache-dtype fp8 is read by the flash_attn kernels (section 15), which this run switched "
-        "off: drop --plain or -flash_attn, or use --kv-cache-dtype bf16");
-  g_kv_dtype = KVCacheDtype::FP8;
-  g_kv_scales = g_kv_scales_from_weights ? kv_scales_from_weights(model.w, model.cfg, model.tp)
-                                         : std::vector<KVScales>(model.cfg.num_hidden_layers);
-  g_stages.store_qkv = store_qkv_fp8;  // (flash_attn is on, so section 14's stages are the pass)
-}
-static const int kFp8FormatRegistered = register_kv_cache_format(
-    {"fp8", {"fp8_e4m3"}, 1, {{"fp8_e5m2", "nanovllm stores FP8 as e4m3 (write fp8 or fp8_e4m3)"}}, use_fp8_cache});
-
-// ---- 24a. An fp8 decode step's rows, longest context first (switch longest_first) -------------------------
-// Replaces: the scheduler's order of a decode step's rows, which is the order flash_decode_kernel's thread
-// blocks start in (its grid runs partition fastest, then kv head, then row).
-// Why it is faster: a step's contexts differ (bench.py's run from 100 to 2,048 tokens), and a thread block
-// takes as long as its partition has keys. The GPU starts blocks in grid order as slots free up, so a long
-// context whose blocks come late still runs while most SMs have nothing left to start. With the rows in
-// order of context length, longest first (the "longest processing time first" rule for jobs on parallel
-// machines), the blocks that start last are the shortest, and they fill that tail. That pays with an fp8
-// cache, whose partitions are twice as long (1,024 keys above 32 sequences), so its blocks
-// differ more; with bf16's 512-key partitions the order gains nothing, so a bf16 run keeps the
-// scheduler's order (docs/performance.md, the FP8 cache).
-// What it changes: only which row of the step a sequence sits in. Every kernel of a decode step computes each
-// row on its own, and the engine reads a token back by its row, so every sequence gets the same tokens (the
-// run's tokens hash is the same with the switch on or off; the trace and the last step's logits hash follow
-// the new order). The order is a stable sort of the batch on the engine's side; prefill and mixed steps
-// keep the scheduler's order (a mixed step's decode rows must lead, section 16).
-// Switch: longest_first.
-static void order_longest_first(std::vector<Sequence*>& batch) {
-  if (g_kv_dtype != KVCacheDtype::FP8) return;  // (the cache's format is fixed for a run)
-  std::stable_sort(batch.begin(), batch.end(),
-                   [](const Sequence* a, const Sequence* b) { return a->size() > b->size(); });
-}
-static void apply_longest_first(bool on, Hooks& h) {
-  g_opt.longest_first = on;
-  if (on) h.order_decode_batch = order_longest_first;
-}
-static const int kLongestFirstRegistered = register_optimization(
-    {"longest_first", "an fp8 decode step's rows in order of context length, longest first (section 24a)", true,
-     apply_longest_first});
-
-// ==== 25. One persistent kernel for a small-batch decode step, 1: the operation chain ======================
+// ==== 24. One persistent kernel for a small-batch decode step, 1: the operation chain ======================
 // defines: PERSIST_MAX_B, PersistOp, PersistArgs, PersistCursor, persist_issue, persist_wait, persist_signal,
-//          persist_stage_input, persist_gemv_chunk, persist_gemv_epilogue (sections 26-28: the rest)
+//          persist_stage_input, persist_gemv_chunk, persist_gemv_epilogue (sections 25-27: the rest)
 //
 // Replaces: at decode steps of 1, 2 or 4 sequences on one GPU, all of section 14's forward pass: about five
 // kernels per layer plus the head, 143 launches for Qwen3-0.6B.
@@ -7307,11 +6697,8 @@ static const int kLongestFirstRegistered = register_optimization(
 // Whether it beats section 14's path depends on the GPU, the model, the batch size and the contexts, so a decode
 // step of a batch size with a plan takes it only up to the context at which a measurement at start-up finds it
 // faster (persist_measure).
-// An fp8 cache (section 24) changes only what attention reads: a lane's 4 values of a row are 4 bytes instead
-// of 8, widened with section 24's conversion; the key scale joins the scores' scale and the value scale the
-// partition's output, and the step's own key and value are rounded to e4m3 before they are used (and stored),
-// as section 24's kernels use them. At batch 1 a step's cache bytes are a few percent of its weights', so the
-// kernel is what makes an fp8 engine's latency the same as a bf16 one's.
+// The kernel is a template over the cache format (section 15's F): what attention reads, and how the step's
+// own key and value are stored. This chapter instantiates it for bf16; section 29 for its format.
 // What it computes: section 14's arithmetic with the sums added in another order, so results match section
 // 14's within float rounding, not bit for bit (gpu_persistent.cu states the tolerance). Tensor parallelism
 // keeps section 14's path: an all-reduce inside the kernel would need every GPU's kernel resident at once and
@@ -7348,7 +6735,8 @@ struct PersistOp {
   int N, K;            // outputs per sequence (GATE_UP: I), input length
   int groups;          // groups of 16 weight rows (GATE_UP: 8 gate rows and the 8 up rows they pair with)
   int tasks;           // how many adds to done[o] complete this operation
-  KVScales kv_scale;   // ATTN over an fp8 cache: the layer's key and value scales (section 24)
+  float kv_scale[2] = {1.f, 1.f};  // ATTN: what the layer's stored keys, values are multiplied by (a cache
+                                   // format's, PersistFormat::layer_scales; bf16: 1)
 };
 
 // Shared-memory bytes of a copy of the operation list (16-byte multiple).
@@ -7718,7 +7106,7 @@ __device__ __forceinline__ void persist_gemv_epilogue(const PersistArgs& a, cons
   }
 }
 
-// ==== 26. The persistent kernel, 2: attention inside it ====================================================
+// ==== 25. The persistent kernel, 2: attention inside it ====================================================
 // defines: PersistTask, PersistAttnSplit, PersistKV, persist_attention
 // A decode step's attention as tasks of the chain: one per (sequence, KV head, context partition), each a
 // share of the 132 thread blocks, the partitions of a pair merged by whichever finishes last (a ticket).
@@ -7768,40 +7156,24 @@ __device__ __forceinline__ void persist_first_rows(const PersistArgs& a, int64_t
   }
 }
 
-// A cache format as attention reads it here: a lane reads 4 values of a row (dims 4 lane .. 4 lane + 3) as one
-// Word, 8 bytes of bf16 or 4 bytes of e4m3 (section 24), and widens them to float; the e4m3 ones stay
-// unscaled (the key scale multiplies the scores' scale, the value scale the output, as in section 24).
-template <class KV>
+// A cache format F (section 15) as attention reads it here: a lane reads 4 values of a row (dims 4 lane ..
+// 4 lane + 3) as one Word (8 bytes of bf16) and widens them to float; tile_floats: 8 tile values
+// (F::key_tile_values) as floats; the layer's scales from its operation, and the factors they put on the
+// scores' scale and on the output (bf16: none). A format of another chapter specialises it (section 29).
+template <class F>
 struct PersistKV;
 template <>
-struct PersistKV<bf16> {
+struct PersistKV<KVBf16> {
   using Word = uint2;
-  __device__ static void widen(uint2 w, float (&f)[4]) {
+  __device__ static __forceinline__ void widen(uint2 w, float (&f)[4]) {
     const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.x));
     const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.y));
     f[0] = lo.x, f[1] = lo.y, f[2] = hi.x, f[3] = hi.y;
   }
-  // 8 values of kv_chunk_tile_values (bf16) as floats
-  __device__ static void tile_floats(uint4 v, float* f) { bf16x8_to_float(v, f); }
-};
-template <>
-struct PersistKV<fp8e4m3> {
-  using Word = uint32_t;
-  __device__ static void widen(uint32_t w, float (&f)[4]) {
-    const uint32_t h[2] = {fp8x2_to_half2(w), fp8x2_to_half2(w >> 16)};  // section 24's conversion
-    const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&h[0]));
-    const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&h[1]));
-    f[0] = lo.x, f[1] = lo.y, f[2] = hi.x, f[3] = hi.y;
-  }
-  // 8 values of kv_chunk_tile_values (fp16: e4m3 values, unscaled) as floats
-  __device__ static void tile_floats(uint4 v, float* f) {
-    const __half2* h = reinterpret_cast<const __half2*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-      const float2 x = __half22float2(h[i]);
-      f[2 * i] = x.x, f[2 * i + 1] = x.y;
-    }
-  }
+  __device__ static __forceinline__ void tile_floats(uint4 v, float* f) { bf16x8_to_float(v, f); }
+  __device__ static __forceinline__ KVBf16::Scales scales(const PersistOp&) { return {}; }
+  __device__ static __forceinline__ float key_factor(KVBf16::Scales) { return 1.f; }
+  __device__ static __forceinline__ float value_factor(KVBf16::Scales) { return 1.f; }
 };
 
 // Attention for one (sequence b, KV head g, partition p) of layer op.layer: q/k-norm and RoPE of the group's
@@ -7811,15 +7183,15 @@ struct PersistKV<fp8e4m3> {
 // every wph-th token of the partition; lane l holds dimensions [4l, 4l + 4) of each. angles: RoPE's cosines
 // and sines for each sequence [B, D], computed once at the kernel's start (the positions do not change during
 // a step). smem: see persist_smem_bytes.
-// KV: the cache's element, bf16 or fp8e4m3 (section 24). With fp8 the step's own key and value are stored as
-// e4m3 bytes and used as the cache will return them (rounded): this step computes with the numbers every later
-// step reads from that row, as section 24's kernels do.
-template <class KV, int HPW>
+// F: the cache format (section 15). The step's own key and value are used as the cache will return them
+// (F::key_tile_values: for a format that rounds, rounded): this step computes with the numbers every later step
+// reads from that row, as section 19's fused kernel does.
+template <class F, int HPW>
 __device__ __forceinline__ void persist_attention(const PersistArgs& a, const PersistOp* ops, const PersistOp& op,
                                                   int o, int task, const float* angles, const int64_t* first_rows,
                                                   float* smem, const PersistCursor& load, int consumed) {
-  using Word = typename PersistKV<KV>::Word;
-  constexpr bool FP8 = std::is_same<KV, fp8e4m3>::value;
+  using Word = typename PersistKV<F>::Word;
+  using Elem = typename F::Elem;
   const int D = HEAD_DIM, GQA = a.NH / a.NKV, parts = a.parts;
   const PersistAttnSplit sp = persist_attn_split(GQA);
   const int wph = sp.wph;
@@ -7832,9 +7204,9 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
   float* kv_new = q_s + GQA * D;      // [2, D] this step's key (normed, rotated) and value as the cache holds them
   float* wpart = kv_new + 2 * D;      // [WARPS, HPW, D + 2] each warp's o, m, l for each of its heads
   int* flag = reinterpret_cast<int*>(wpart + PERSIST_WARPS * HPW * (D + 2));
-  KV* k_cache = static_cast<KV*>(a.kv) + op.layer * a.layer_stride;
-  KV* v_cache = k_cache + a.kv_stride;
-  const KVScales kv_scale = FP8 ? op.kv_scale : KVScales{};
+  Elem* k_cache = static_cast<Elem*>(a.kv) + op.layer * a.layer_stride;
+  Elem* v_cache = k_cache + a.kv_stride;
+  const typename F::Scales kv_scale = PersistKV<F>::scales(op);
   auto cache_row = [&](int t) { return persist_cache_row(a, b, g, t); };
   // Before the wait: this warp's first tokens' keys and values (written by earlier steps).
   const bool live = hg < sp.ng;
@@ -7866,7 +7238,7 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
   if (o != a.skip_wait) persist_wait(a, o - 1, ops[o - 1].tasks);
   persist_trace_ahead(a, o, load, consumed);
   persist_trace(a, o, 1);
-  // q/k-norm and RoPE: 8 threads per head (section 7's pieces), heads 0..GQA-1 = queries, GQA = the key.
+  // q/k-norm and RoPE: 8 threads per head (section 19's pieces), heads 0..GQA-1 = queries, GQA = the key.
   const bf16* row = a.qkv + (size_t)b * (a.NH + 2 * a.NKV) * D;
   const int hh = threadIdx.x / ROPE_THREADS_PER_HEAD, j = threadIdx.x % ROPE_THREADS_PER_HEAD;
   if (warp < (GQA + 1 + 3) / 4) {  // 4 heads per warp: every lane of these warps takes part in the shuffles
@@ -7882,29 +7254,29 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
         bf16x8_to_float(ua, q_s + hh * D + 8 * j);
         bf16x8_to_float(ub, q_s + hh * D + D / 2 + 8 * j);
       } else {  // the key, as the cache holds it
-        PersistKV<KV>::tile_floats(kv_chunk_tile_values<KV>(ua, kv_scale.k), kv_new + 8 * j);
-        PersistKV<KV>::tile_floats(kv_chunk_tile_values<KV>(ub, kv_scale.k), kv_new + D / 2 + 8 * j);
+        PersistKV<F>::tile_floats(F::key_tile_values(ua, kv_scale), kv_new + 8 * j);
+        PersistKV<F>::tile_floats(F::key_tile_values(ub, kv_scale), kv_new + D / 2 + 8 * j);
         const int slot = a.slots[b];
         if (slot >= 0 && t0 <= ctx - 1 && ctx - 1 < t1) {  // the partition that owns the new token stores it
-          KV* dst_k = k_cache + (((int64_t)(slot / a.P) * a.NKV + g) * a.P + slot % a.P) * D;
-          store_kv_chunk(dst_k, j, ua, kv_scale.k);
-          store_kv_chunk(dst_k, j + 8, ub, kv_scale.k);
+          Elem* dst_k = k_cache + (((int64_t)(slot / a.P) * a.NKV + g) * a.P + slot % a.P) * D;
+          F::store_key(dst_k, j, ua, kv_scale);
+          F::store_key(dst_k, j + 8, ub, kv_scale);
         }
       }
     }
   }
   if (threadIdx.x < D / 8) {
     const uint4 v = __ldcg(reinterpret_cast<const uint4*>(row + (size_t)(a.NH + a.NKV + g) * D) + threadIdx.x);
-    PersistKV<KV>::tile_floats(kv_chunk_tile_values<KV>(v, kv_scale.v), kv_new + D + 8 * threadIdx.x);
+    PersistKV<F>::tile_floats(F::value_tile_values(v, kv_scale), kv_new + D + 8 * threadIdx.x);
     const int slot = a.slots[b];
     if (slot >= 0 && t0 <= ctx - 1 && ctx - 1 < t1) {
-      KV* dst_v = v_cache + (((int64_t)(slot / a.P) * a.NKV + g) * a.P + slot % a.P) * D;
-      store_kv_chunk(dst_v, threadIdx.x, v, kv_scale.v);
+      Elem* dst_v = v_cache + (((int64_t)(slot / a.P) * a.NKV + g) * a.P + slot % a.P) * D;
+      F::store_value(dst_v, threadIdx.x, v, kv_scale);
     }
   }
   __syncthreads();
   // The partition's tokens, this warp's share, online softmax in base 2 (section 15's arithmetic).
-  const float scale_log2 = a.scale * kv_scale.k * 1.4426950408889634f;
+  const float scale_log2 = a.scale * PersistKV<F>::key_factor(kv_scale) * 1.4426950408889634f;
   // Each of the warp's HPW heads keeps its own running max m, sum l and output acc; a key's HPW dot products
   // are reduced across the warp together, so their shuffles overlap.
   float m[HPW], l[HPW], acc[HPW][4], q[HPW][4];
@@ -7920,8 +7292,8 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
       if (t == ctx - 1) {
         for (int i = 0; i < 4; i++) k[i] = kv_new[lane * 4 + i], v[i] = kv_new[D + lane * 4 + i];
       } else {
-        PersistKV<KV>::widen(kw, k);
-        PersistKV<KV>::widen(vw, v);
+        PersistKV<F>::widen(kw, k);
+        PersistKV<F>::widen(vw, v);
       }
       float s[HPW];
 #pragma unroll
@@ -7949,7 +7321,7 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
 #pragma unroll
     for (int j = 0; j < HPW; j++) {
       float* wp = wpart + (warp * HPW + j) * (D + 2);
-      for (int i = 0; i < 4; i++) wp[lane * 4 + i] = acc[j][i] * kv_scale.v;  // (a power of two: exact)
+      for (int i = 0; i < 4; i++) wp[lane * 4 + i] = acc[j][i] * PersistKV<F>::value_factor(kv_scale);
       if (lane == 0) wp[D] = m[j], wp[D + 1] = l[j];
     }
   }
@@ -8015,12 +7387,12 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
   persist_signal(a, o);
 }
 
-// ==== 27. The persistent kernel, 3: the kernel, its plan and its launch ====================================
-// defines: persistent_decode_kernel, PersistPlan, PersistentDecode, persist_setup, persistent_decode
+// ==== 26. The persistent kernel, 3: the kernel, its plan and its launch ====================================
+// defines: persistent_decode_kernel, PersistPlan, PersistentDecode, persist_launch, persist_fits, PersistFormat,
+//          kPersistBf16, g_persist_format, persist_setup, persistent_decode
 
-// KV: the cache's element, bf16 or fp8e4m3 (one kernel per format: the other's attention would cost this one
-// registers).
-template <int B, class KV>
+// F: the cache format (section 15; one kernel per format: another's attention would cost this one registers).
+template <int B, class F>
 __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(PersistArgs a) {
   extern __shared__ __align__(16) unsigned char persist_smem[];
   bf16* ring = reinterpret_cast<bf16*>(persist_smem);                      // [RING, SLOT_ELEMS]
@@ -8061,9 +7433,9 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
     if (op.kind == PERSIST_ATTN) {
       const int hpw = persist_attn_split(a.NH / a.NKV).hpw;
       for (int task = blockIdx.x; task < B * a.NKV * a.parts; task += gridDim.x) {
-        if (hpw == 4) persist_attention<KV, 4>(a, ops, op, o, task, angles, first_rows, work, load, consumed);
-        else if (hpw == 2) persist_attention<KV, 2>(a, ops, op, o, task, angles, first_rows, work, load, consumed);
-        else persist_attention<KV, 1>(a, ops, op, o, task, angles, first_rows, work, load, consumed);
+        if (hpw == 4) persist_attention<F, 4>(a, ops, op, o, task, angles, first_rows, work, load, consumed);
+        else if (hpw == 2) persist_attention<F, 2>(a, ops, op, o, task, angles, first_rows, work, load, consumed);
+        else persist_attention<F, 1>(a, ops, op, o, task, angles, first_rows, work, load, consumed);
       }
       persist_trace(a, o, 2);
       continue;
@@ -8105,9 +7477,10 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
 // The operation list, the split of every operation over the thread blocks, and the buffers the kernel
 // synchronises through. A decode step then costs one memset (the counters) and one launch, both captured
 // in the step's CUDA graph; the host does nothing per step beyond Part I's input upload.
+struct PersistFormat;
 struct PersistPlan {
   int B = 0, grid = 0, parts = 0;  // parts: attention's partitions of each (sequence, KV head)
-  bool fp8 = false;                // the cache's format (section 24), fixed when the pool was allocated
+  const PersistFormat* format = nullptr;  // the cache format it reads, fixed when the pool was allocated
   size_t smem = 0;
   std::vector<PersistOp> ops;
   PersistOp* ops_d = nullptr;
@@ -8151,14 +7524,19 @@ static size_t persist_smem_bytes(int B, int Kmax, int H, int gqa, int n_ops) {
          std::max((size_t)B * (Kmax + 8 + H) * sizeof(bf16), attn);
 }
 
-template <int B>
-static void persist_kernel_launch(const PersistPlan& plan, const PersistArgs& a, cudaStream_t s) {
-  if (plan.fp8) persistent_decode_kernel<B, fp8e4m3><<<plan.grid, PERSIST_THREADS, plan.smem, s>>>(a);
-  else persistent_decode_kernel<B, bf16><<<plan.grid, PERSIST_THREADS, plan.smem, s>>>(a);
+// The kernel of cache format F for the plan's batch size.
+template <class F>
+static void persist_launch(const PersistPlan& plan, const PersistArgs& a, cudaStream_t s) {
+  switch (plan.B) {
+    case 1: persistent_decode_kernel<1, F><<<plan.grid, PERSIST_THREADS, plan.smem, s>>>(a); break;
+    case 2: persistent_decode_kernel<2, F><<<plan.grid, PERSIST_THREADS, plan.smem, s>>>(a); break;
+    case 4: persistent_decode_kernel<4, F><<<plan.grid, PERSIST_THREADS, plan.smem, s>>>(a); break;
+    default: INTERNAL_CHECK(false, "no persistent decode kernel for batch %d", plan.B);
+  }
 }
-template <int B, class KV>
+template <int B, class F>
 static bool persist_kernel_fits(size_t smem) {
-  const auto kernel = persistent_decode_kernel<B, KV>;
+  const auto kernel = persistent_decode_kernel<B, F>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
     cudaGetLastError();
     return false;
@@ -8167,19 +7545,30 @@ static bool persist_kernel_fits(size_t smem) {
   CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, PERSIST_THREADS, smem));
   return blocks >= 1;
 }
-// Whether batch B's kernel for this cache format (fp8 or bf16) fits on this GPU with smem bytes of shared
-// memory (and sets its limit to that).
-static bool persist_fits(int B, bool fp8, size_t smem) {
-  switch (B * 2 + fp8) {
-    case 2: return persist_kernel_fits<1, bf16>(smem);
-    case 3: return persist_kernel_fits<1, fp8e4m3>(smem);
-    case 4: return persist_kernel_fits<2, bf16>(smem);
-    case 5: return persist_kernel_fits<2, fp8e4m3>(smem);
-    case 8: return persist_kernel_fits<4, bf16>(smem);
-    case 9: return persist_kernel_fits<4, fp8e4m3>(smem);
+// Whether batch B's kernel for cache format F fits on this GPU with smem bytes of shared memory (and sets its
+// limit to that).
+template <class F>
+static bool persist_fits(int B, size_t smem) {
+  switch (B) {
+    case 1: return persist_kernel_fits<1, F>(smem);
+    case 2: return persist_kernel_fits<2, F>(smem);
+    case 4: return persist_kernel_fits<4, F>(smem);
   }
   return false;
 }
+
+// The cache format the plans read: its kernels and, per layer, its scales. bf16 is Part I's; a chapter with a
+// format of its own replaces g_persist_format when the engine uses it (section 29), after the switches are
+// applied and before the plans are built (model_ready).
+struct PersistFormat {
+  const char* name;  // as the measurement's cache key spells it
+  int value_bytes;   // bytes per cached value (KVCache::value_bytes)
+  bool (*fits)(int B, size_t smem);
+  void (*launch)(const PersistPlan& plan, const PersistArgs& a, cudaStream_t s);
+  void (*layer_scales)(int layer, float (&kv_scale)[2]);  // PersistOp::kv_scale of layer's ATTN; null: 1, 1
+};
+static const PersistFormat kPersistBf16 = {"bf16", 2, persist_fits<KVBf16>, persist_launch<KVBf16>, nullptr};
+static const PersistFormat* g_persist_format = &kPersistBf16;
 
 // The plans for the decode graphs' batch sizes up to PERSIST_MAX_B (and max_num_seqs), or a reason for none.
 static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs) {
@@ -8200,8 +7589,8 @@ static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs) {
   for (int B = 1; B <= std::min(PERSIST_MAX_B, max_num_seqs); B *= 2) {
     PersistPlan p;
     p.B = B, p.grid = sms, p.smem = persist_smem_bytes(B, Kmax, H, gqa, 2 + 5 * L);
-    p.fp8 = g_kv_dtype == KVCacheDtype::FP8;
-    if (!persist_fits(B, p.fp8, p.smem)) continue;
+    p.format = g_persist_format;
+    if (!p.format->fits(B, p.smem)) continue;
     p.parts = std::max(1, std::min(64, sms / (B * NKV)));
     auto gemv_op = [&](int kind, int layer, const bf16* W, const bf16* norm_w, int N, int K) {
       PersistOp op = {kind, layer, W, norm_w, nullptr, N, K, 0, 0};
@@ -8214,8 +7603,9 @@ static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs) {
     for (int l = 0; l < L; l++) {
       const LayerWeights& lw = model.w.layers[l];
       gemv_op(PERSIST_QKV, l, lw.qkv_proj, lw.input_layernorm, (NH + 2 * NKV) * D, H);
-      p.ops.push_back({PERSIST_ATTN, l, nullptr, lw.q_norm, lw.k_norm, 0, 0, 0, B * NKV,
-                       p.fp8 ? g_kv_scales.at(l) : KVScales{}});
+      PersistOp attn = {PERSIST_ATTN, l, nullptr, lw.q_norm, lw.k_norm, 0, 0, 0, B * NKV};
+      if (p.format->layer_scales) p.format->layer_scales(l, attn.kv_scale);
+      p.ops.push_back(attn);
       gemv_op(PERSIST_O, l, lw.o_proj, nullptr, H, NH * D);
       gemv_op(PERSIST_GATE_UP, l, lw.gate_up_proj, lw.post_attention_layernorm, I, H);
       gemv_op(PERSIST_DOWN, l, lw.down_proj, nullptr, H, I);
@@ -8246,22 +7636,17 @@ static void persistent_decode(Qwen3& model, const PersistPlan& plan, const StepI
   a.ids = in.input_ids, a.positions = in.positions, a.slots = in.slot_mapping, a.context_lens = in.seqlens_k;
   a.block_tables = in.block_tables;
   a.kv = model.kv.base, a.layer_stride = model.kv.layer_stride, a.kv_stride = model.kv.kv_stride;
-  INTERNAL_CHECK(model.kv.value_bytes == (plan.fp8 ? 1 : 2), "the cache's format changed after the plan");
+  INTERNAL_CHECK(model.kv.value_bytes == plan.format->value_bytes, "the cache's format changed after the plan");
   a.B = plan.B, a.H = c.hidden_size, a.NH = c.num_attention_heads, a.NKV = c.num_key_value_heads;
   a.I = c.intermediate_size, a.V = c.vocab_size, a.P = model.P, a.MB = model.MB, a.parts = plan.parts;
   a.Kmax = std::max({c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size});
   a.eps = c.rms_norm_eps, a.scale = 1.0f / sqrtf((float)c.head_dim), a.inv_freq = rope_inv_freq(c.rope_theta);
   a.skew_ns = skew_ns, a.skip_wait = skip_wait, a.trace = trace;
-  switch (plan.B) {
-    case 1: persist_kernel_launch<1>(plan, a, s); break;
-    case 2: persist_kernel_launch<2>(plan, a, s); break;
-    case 4: persist_kernel_launch<4>(plan, a, s); break;
-    default: INTERNAL_CHECK(false, "no persistent decode kernel for batch %d", plan.B);
-  }
+  plan.format->launch(plan, a, s);
   CUDA_CHECK(cudaGetLastError());
 }
 
-// ==== 28. The persistent kernel, 4: which steps take it, measured at start-up and remembered ===============
+// ==== 27. The persistent kernel, 4: which steps take it, measured at start-up and remembered ===============
 // defines: persist_measure, persist_context_limit, persist_route, persist_cache_read, persist_cache_write,
 //          persist_describe; switch persistent
 
@@ -8391,7 +7776,7 @@ static std::string persist_cache_key(const Qwen3& model, const PersistentDecode&
            prop.name, prop.major, prop.minor, prop.multiProcessorCount, prop.totalGlobalMem, driver, runtime,
            (unsigned long long)persist_build_hash(), c.hidden_size, c.intermediate_size, c.num_hidden_layers,
            c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size, (int)c.tie_word_embeddings,
-           model.P, model.MB, model.max_model_len, g_kv_dtype == KVCacheDtype::FP8 ? "fp8" : "bf16",
+           model.P, model.MB, model.max_model_len, g_persist_format->name,
            g_opt.flash_attn, g_opt.pdl, g_opt.gemv, g_opt.cluster_merge, g_opt.fused_rope, g_opt.fast_sampler,
            g_opt.prefill_graphs);
   std::string key = buf;
@@ -8559,6 +7944,7 @@ static int persist_step_context_limit(int B) { return g_persist ? g_persist->lim
 static void apply_persistent(bool on, Hooks& h) {
   g_opt.persistent = on;
   g_persist = nullptr;
+  g_persist_format = &kPersistBf16;  // (an engine with another cache format sets its own: section 29)
   if (!on) return;
   h.model_ready.push_back(persist_model_ready);
   h.decode_step = persist_decode_step;
@@ -8566,14 +7952,822 @@ static void apply_persistent(bool on, Hooks& h) {
 }
 static std::string persist_note(const Qwen3&) { return g_persist ? "decode: " + persist_describe(*g_persist) : ""; }
 static const int kPersistentRegistered = register_optimization(
-    {"persistent", "a small-batch decode step in one persistent kernel (section 25)", true, apply_persistent,
+    {"persistent", "a small-batch decode step in one persistent kernel (section 24)", true, apply_persistent,
      persist_note});
+
+// ==== 28. An FP8 KV cache, 1: the format, its scales, the store and prefill's tiles ========================
+// defines: fp8e4m3, KVScales, KVLayerFp8, bf16x8_to_fp8x8, fp8x8_to_half8, half8_to_fp8x8, KVFp8,
+//          e4m3_from_float, e4m3_to_float, kv_scale_for, kv_scales_from_weights, KVStoreFp8, qk_norm_rope_fp8
+//          (section 29: decode, the stages, --kv-cache-dtype fp8)
+//
+// Replaces: the bf16 KV cache of sections 6b-8, when --kv-cache-dtype fp8 asks (vLLM's flag; the default,
+// auto, is bf16). The layout, block tables, prefix caching, preemption, CUDA graphs and tensor parallelism
+// (each rank its own heads) are unchanged: only the element is one byte instead of two.
+// Why it is faster: at large batches a decode step mostly reads keys and values (nano-vllm's benchmark: about
+// 9 bytes of cache per byte of weights), so half the bytes per value is close to half the step; and the pool
+// holds twice the tokens in the same memory (bigger batches, fewer preemptions). The cost is precision.
+//
+// The format, e4m3 (OCP FP8, what vLLM's fp8 means): sign, 4 exponent bits (bias 7), 3 mantissa bits.
+// Normal values 2^-6 .. 448, subnormals down to 2^-9; no infinities; 0x7f/0xff are NaN. Rounding to nearest
+// keeps a relative error of at most 2^-4, the same at every magnitude: a float format, so it does
+// not care where the values sit as long as they stay inside 2^-6 .. 448.
+//
+// Scales. A stored byte means (e4m3 value) x scale, one scale for the keys and one for the values of each
+// layer (per tensor per layer, as vLLM's k_scale and v_scale). Because e4m3 is a float format, a scale only
+// slides the window 2^-6 .. 448 along the number line: it must keep the largest value under 448 (above it,
+// a value saturates, which silently distorts attention) and the bulk well above 2^-6 (below it precision
+// thins out). The scales are chosen once, from the weights, as bounds no input can exceed:
+//   keys:    k = RoPE(k_norm(x)): the RMSNorm'd head has sum of squares D, so every element of it, and every
+//            rotated pair, is at most max|k_norm.weight| * sqrt(D);
+//   values:  v_j = W_v[j] . (w_ln * u) with |u|^2 = H (u: the RMSNorm'd input before its weight w_ln), so
+//            |v_j| <= sqrt(H) * |W_v[j] * w_ln| (Cauchy-Schwarz), the largest over this rank's rows j;
+// each bound (raised by a hundredth for the bf16 roundings on the way) over 448, rounded up to a power of
+// two. A typical element then lands about sqrt(D) (keys) or sqrt(H) (values) below 448, far above 2^-6. The
+// docs/performance.md has the accuracy of this choice and of vLLM's default (scale 1.0);
+// g_kv_scales_from_weights = false (section 29; the tests' switch) runs the latter.
+// Why powers of two: dividing by one is exact, so the stored byte is the rounding of the bf16 value itself,
+// whatever the scale, and the scale can be applied after the matrix products at no cost in accuracy.
+//
+// Writing (section 19's eight-lane qk_norm_rope and fused decode kernel, the persistent kernel): a bf16
+// value / scale, rounded to nearest even, saturating at +-448 (cvt ... satfinite). Reading: every value is
+// converted to fp16 (exact: every e4m3 value is an fp16 number; e4m3 -> fp16 is one instruction per pair, and
+// there is none to bf16), the tensor cores multiply
+// fp16 (the q fragments are converted once per thread block, exact for |q| up to 65504), and the key scale
+// multiplies the scores' scale and the value scale the output, both once. Where the conversion happens
+// differs: the prefill kernel stages a tile's bytes (cp.async, 16 values a copy) and every thread widens the
+// chunks it copied itself into section 15's fp16 tile (no barrier: nobody else reads a thread's staged
+// chunks); decode, which only streams, converts in registers on the way into the MMAs (section 29).
+// How: this is a cache format in section 15's sense, KVFp8 (its pieces here and in section 29), and the
+// chapter runs the kernels of sections 15, 16, 19 and 24-26 instantiated with it: its own stages of section
+// 14's forward pass and its own persistent kernel, installed when an engine asks for fp8 (section 29).
+// Needs: FP8 conversion instructions (compute capability 8.9 and later: Ada, Hopper); ModelRunner refuses
+// --kv-cache-dtype fp8 on older GPUs with a message.
+
+
+typedef __nv_fp8_e4m3 fp8e4m3;  // one byte: sign, 4 exponent bits, 3 mantissa bits
+// A layer's scales: a stored key is k_true / k, a stored value v_true / v (powers of two).
+struct KVScales {
+  float k = 1.f, v = 1.f;
+};
+// One layer's fp8 cache as the launchers take it (KVFp8::Layer).
+struct KVLayerFp8 {
+  fp8e4m3* k;  // [NB, NKV/tp, P, D], one e4m3 byte per value
+  fp8e4m3* v;
+  KVScales scale;
+};
+
+// e4m3 -> fp16, exactly: every e4m3 value (normal 2^-6 .. 448, subnormal down to 2^-9) is an fp16 normal
+// number, and one instruction converts a pair (cvt.rn.f16x2.e4m3x2). 8 values per call; the scale is left
+// out here and applied by the attention kernels (KVFp8::score_scale, scale_output).
+__device__ __forceinline__ uint4 fp8x8_to_half8(uint2 in) {
+  const uint32_t w[2] = {in.x, in.y};
+  uint4 out;
+  uint32_t* o = &out.x;
+#pragma unroll
+  for (int i = 0; i < 2; i++)
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w[i] >> (16 * half)), __NV_E4M3);
+      o[2 * i + half] = (uint32_t)h.x | ((uint32_t)h.y << 16);
+    }
+  return out;
+}
+// fp16 values that are e4m3 values (tile values) -> their e4m3 bytes (exact: no rounding happens).
+__device__ __forceinline__ uint2 half8_to_fp8x8(uint4 v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  uint32_t b[4];
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    __half2_raw h;
+    h.x = (unsigned short)(w[i] & 0xffff), h.y = (unsigned short)(w[i] >> 16);
+    b[i] = __nv_cvt_halfraw2_to_fp8x2(h, __NV_SATFINITE, __NV_E4M3);
+  }
+  return make_uint2(b[0] | (b[1] << 16), b[2] | (b[3] << 16));
+}
+// 8 bf16 values / scale -> 8 e4m3 bytes, round to nearest even, saturating (the first value in the low byte).
+__device__ __forceinline__ uint2 bf16x8_to_fp8x8(uint4 v, float scale) {
+  float f[8];
+  bf16x8_to_float(v, f);
+  const float inv = 1.f / scale;  // a power of two: exact, and so is every product below
+  uint32_t w[2];
+#pragma unroll
+  for (int i = 0; i < 2; i++) {
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(f[4 * i] * inv, f[4 * i + 1] * inv), __NV_SATFINITE,
+                                                 __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(f[4 * i + 2] * inv, f[4 * i + 3] * inv),
+                                                 __NV_SATFINITE, __NV_E4M3);
+    w[i] = lo | (hi << 16);
+  }
+  return make_uint2(w[0], w[1]);
+}
+// Two e4m3 bytes (the low one first) -> fp16x2, exactly.
+__device__ __forceinline__ uint32_t fp8x2_to_half2(uint32_t two_bytes) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two_bytes & 0xffff), __NV_E4M3);
+  return (uint32_t)h.x | ((uint32_t)h.y << 16);
+}
+
+// The tensor cores on fp16 tiles: section 15's mma_bf16_16816 and pack_bf16x2 with fp16 inputs.
+__device__ __forceinline__ void mma_f16_16816(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// ---- Prefill's tiles ----
+// The ring of staging slots where the prefill kernel's fp8 tiles wait (section 15's tile pipeline). A slot is
+// one tile of keys then one of values, FP8_TILE_BYTES each, row r's 16-byte chunk c (values 16c .. 16c+15)
+// at chunk r * 8 + c: plain order, because only the thread that copied a chunk reads it back. Slots 0 and 1
+// are the second bf16 stage of sK and of sV (the widened tile always goes to stage 0, so the second one is
+// free): the ring of PREFILL_FP8_RING = 2 costs no shared memory.
+constexpr int PREFILL_FP8_RING = 2;
+constexpr int FP8_ROW_CHUNKS = HEAD_DIM / 16;                // 16-byte chunks in one fp8 row: 8
+constexpr int FP8_TILE_BYTES = ATTN_KV_TILE * HEAD_DIM;      // 8 KiB
+static_assert(2 * FP8_TILE_BYTES == ATTN_KV_TILE * HEAD_DIM * sizeof(bf16), "slots 0, 1 fill a bf16 stage");
+__device__ __forceinline__ char* fp8_ring_slot(bf16* sK, bf16* sV, int i) {
+  constexpr int TILE = ATTN_KV_TILE * HEAD_DIM;
+  return reinterpret_cast<char*>((i == 0 ? sK : sV) + TILE);
+}
+__device__ __forceinline__ bf16* fp8_staged(char* slot, int kv, int r, int c) {
+  return reinterpret_cast<bf16*>(slot + kv * FP8_TILE_BYTES + (r * FP8_ROW_CHUNKS + c) * 16);
+}
+// load_kv_tile for an fp8 cache, into a ring slot: the same rows (zero-filled past key_end), 8 threads per
+// row.
+template <int NTHREADS>
+__device__ __forceinline__ void load_kv_tile_fp8(char* slot, const fp8e4m3* k_cache, const fp8e4m3* v_cache,
+                                                 const int* block_table, int kvh, int NKV, int log2P, int key0,
+                                                 int key_end) {
+  const int chunk = threadIdx.x % FP8_ROW_CHUNKS;
+#pragma unroll
+  for (int r = threadIdx.x / FP8_ROW_CHUNKS; r < ATTN_KV_TILE; r += NTHREADS / FP8_ROW_CHUNKS) {
+    const int key = key0 + r;
+    const bool valid = key < key_end;
+    const size_t offset = valid ? kv_cache_row(block_table, kvh, NKV, log2P, key) * HEAD_DIM + chunk * 16 : 0;
+    cp_async_16(fp8_staged(slot, 0, r, chunk), reinterpret_cast<const bf16*>(k_cache + offset), valid);
+    cp_async_16(fp8_staged(slot, 1, r, chunk), reinterpret_cast<const bf16*>(v_cache + offset), valid);
+  }
+}
+// Every thread widens the chunks it copied into the bf16 tiles sK, sV (stage 0). No barrier is needed
+// before: each thread reads only its own copies, and the barrier that ended the previous tile's attention
+// freed stage 0.
+template <int NTHREADS>
+__device__ __forceinline__ void widen_kv_tile_fp8(const char* slot, bf16* sK, bf16* sV) {
+  const int chunk = threadIdx.x % FP8_ROW_CHUNKS;
+#pragma unroll
+  for (int r = threadIdx.x / FP8_ROW_CHUNKS; r < ATTN_KV_TILE; r += NTHREADS / FP8_ROW_CHUNKS) {
+    const uint4 k = *reinterpret_cast<const uint4*>(fp8_staged(const_cast<char*>(slot), 0, r, chunk));
+    const uint4 v = *reinterpret_cast<const uint4*>(fp8_staged(const_cast<char*>(slot), 1, r, chunk));
+    *reinterpret_cast<uint4*>(sK + attn_smem_index(r, 2 * chunk)) = fp8x8_to_half8({k.x, k.y});
+    *reinterpret_cast<uint4*>(sK + attn_smem_index(r, 2 * chunk + 1)) = fp8x8_to_half8({k.z, k.w});
+    *reinterpret_cast<uint4*>(sV + attn_smem_index(r, 2 * chunk)) = fp8x8_to_half8({v.x, v.y});
+    *reinterpret_cast<uint4*>(sV + attn_smem_index(r, 2 * chunk + 1)) = fp8x8_to_half8({v.z, v.w});
+  }
+}
+
+
+// ---- The format as section 15's kernels take it ----
+// KVFp8: section 15's KVBf16 for this cache. Tiles of fp16 (every e4m3 value exactly); the prefill pipeline
+// stages a tile's bytes in the ring above and widens them into stage 0 (tile_ready); the q fragments become
+// fp16 (exact for |q| up to 65504), the scores take the key scale and the output the value scale; the store
+// divides by the layer's scale and rounds to e4m3, and the values an attention tile then holds (tile values)
+// are those bytes widened. Section 29 adds its decode loop and the persistent kernel's reads.
+struct KVFp8 {
+  using Elem = fp8e4m3;
+  using Tile = __half;
+  using Scales = KVScales;
+  using Layer = KVLayerFp8;
+  static fp8e4m3* keys(const KVLayerFp8& c) { return c.k; }
+  static fp8e4m3* values(const KVLayerFp8& c) { return c.v; }
+  static KVScales scales(const KVLayerFp8& c) { return c.scale; }
+
+  static constexpr int tiles_ahead = PREFILL_FP8_RING - 1;
+  template <int NTHREADS>
+  __device__ static __forceinline__ void issue_tile(bf16* sK, bf16* sV, const fp8e4m3* k_cache,
+                                                    const fp8e4m3* v_cache, const int* block_table, int kvh,
+                                                    int NKV, int log2P, int index, int key0, int key_end, int) {
+    load_kv_tile_fp8<NTHREADS>(fp8_ring_slot(sK, sV, index % PREFILL_FP8_RING), k_cache, v_cache, block_table, kvh,
+                               NKV, log2P, key0, key_end);
+  }
+  template <int NTHREADS>
+  __device__ static __forceinline__ void tile_ready(bf16* sK, bf16* sV, int index, bf16*& sK_t, bf16*& sV_t) {
+    widen_kv_tile_fp8<NTHREADS>(fp8_ring_slot(sK, sV, index % PREFILL_FP8_RING), sK, sV);
+    sK_t = sK, sV_t = sV;
+  }
+  __device__ static __forceinline__ void mma(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    mma_f16_16816(acc, a, b0, b1);
+  }
+  __device__ static __forceinline__ uint32_t pack(float lo, float hi) { return pack_half2(lo, hi); }
+  __device__ static __forceinline__ void tile_q(uint32_t (&q)[HEAD_DIM / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; kk++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&q[kk][i]));
+        const __half2 h = __floats2half2_rn(f.x, f.y);
+        q[kk][i] = *reinterpret_cast<const uint32_t*>(&h);
+      }
+  }
+  __device__ static __forceinline__ float score_scale(float scale_log2, KVScales s) { return scale_log2 * s.k; }
+  __device__ static __forceinline__ void scale_output(float (&o)[HEAD_DIM / 8][4], KVScales s) {
+#pragma unroll
+    for (int d = 0; d < HEAD_DIM / 8; d++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) o[d][e] *= s.v;
+  }
+
+  __device__ static __forceinline__ void store_key(fp8e4m3* row, int chunk, uint4 v, KVScales s) {
+    reinterpret_cast<uint2*>(row)[chunk] = bf16x8_to_fp8x8(v, s.k);
+  }
+  __device__ static __forceinline__ void store_value(fp8e4m3* row, int chunk, uint4 v, KVScales s) {
+    reinterpret_cast<uint2*>(row)[chunk] = bf16x8_to_fp8x8(v, s.v);
+  }
+  __device__ static __forceinline__ uint4 key_tile_values(uint4 v, KVScales s) {
+    return fp8x8_to_half8(bf16x8_to_fp8x8(v, s.k));
+  }
+  __device__ static __forceinline__ uint4 value_tile_values(uint4 v, KVScales s) {
+    return fp8x8_to_half8(bf16x8_to_fp8x8(v, s.v));
+  }
+  __device__ static __forceinline__ void store_tile_values(fp8e4m3* row, int chunk, uint4 tile_values) {
+    reinterpret_cast<uint2*>(row)[chunk] = half8_to_fp8x8(tile_values);
+  }
+};
+
+// What the kernels compute, on the CPU: e4m3 rounding (to nearest, ties to even, saturating at +-448; NaN
+// stays NaN) and its inverse, written from the format's definition rather than from cuda_fp8.h.
+static uint8_t e4m3_from_float(float x) {
+  if (std::isnan(x)) return 0x7f;
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+  double a = std::fabs((double)x);
+  if (a >= 448.0) return sign | 0x7e;  // satfinite: the largest finite value, 1.75 x 2^8
+  // The spacing of representable values around a: 2^-9 below 2^-6 (subnormals), else 2^(e-3) in [2^e, 2^e+1).
+  int e = (int)std::floor(std::log2(a));
+  if (a > 0 && std::ldexp(1.0, e) > a) e--;  // log2's rounding, either way
+  if (a > 0 && std::ldexp(1.0, e + 1) <= a) e++;
+  const double step = a < 0x1p-6 ? 0x1p-9 : std::ldexp(1.0, e - 3);
+  const double q = std::nearbyint(a / step) * step;  // the default rounding mode: ties to even
+  if (q == 0) return sign;
+  if (q < 0x1p-6) return sign | (uint8_t)(q / 0x1p-9);  // subnormal: exponent field 0
+  int qe = (int)std::floor(std::log2(q));
+  if (std::ldexp(1.0, qe) > q) qe--;
+  const int mant = (int)(q / std::ldexp(1.0, qe) * 8) - 8;  // 0..7
+  return sign | (uint8_t)((qe + 7) << 3) | (uint8_t)mant;
+}
+static float e4m3_to_float(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  if (e == 15 && m == 7) return NAN;
+  const double mag = e == 0 ? m * 0x1p-9 : std::ldexp(1.0 + m / 8.0, e - 7);
+  return (float)(b & 0x80 ? -mag : mag);
+}
+
+
+// The scale for values bounded by `bound`: the smallest power of two s with bound / s <= 448, kept within
+// 2^-100 .. 2^7 (a bound above 448 x 2^7 = 57,344 would be beyond any bf16 model's K or V).
+static float kv_scale_for(double bound) {
+  int e = bound > 0 ? (int)std::ceil(std::log2(bound / 448.0)) : 0;
+  e = std::min(7, std::max(-100, e));
+  return std::ldexp(1.f, e);
+}
+
+// Per layer: the scales from the weight bounds above, for this rank's heads (its slice of W_v).
+static std::vector<KVScales> kv_scales_from_weights(const Weights& w, const ModelConfig& c, int tp) {
+  const int64_t H = c.hidden_size, D = c.head_dim, NH = c.num_attention_heads / tp;
+  const int64_t NKV = c.num_key_value_heads / tp;
+  std::vector<KVScales> scales;
+  std::vector<bf16> k_norm(D), ln(H), wv((size_t)NKV * D * H);
+  auto to_host = [](std::vector<bf16>& dst, const bf16* src) {
+    CUDA_CHECK(cudaMemcpy(dst.data(), src, dst.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
+  };
+  for (const LayerWeights& lw : w.layers) {
+    to_host(k_norm, lw.k_norm);
+    to_host(ln, lw.input_layernorm);
+    to_host(wv, lw.qkv_proj + (NH + NKV) * D * H);  // v rows of the fused qkv weight
+    double k_max = 0, v_row_max = 0;
+    for (bf16 x : k_norm) k_max = std::max(k_max, std::fabs((double)__bfloat162float(x)));
+    std::vector<double> lnf(H);
+    for (int64_t i = 0; i < H; i++) lnf[i] = __bfloat162float(ln[i]);
+    for (int64_t j = 0; j < NKV * D; j++) {
+      double ss = 0;
+      for (int64_t i = 0; i < H; i++) {
+        const double a = (double)__bfloat162float(wv[j * H + i]) * lnf[i];
+        ss += a * a;
+      }
+      v_row_max = std::max(v_row_max, std::sqrt(ss));
+    }
+    scales.push_back({kv_scale_for(1.01 * k_max * std::sqrt((double)D)),
+                      kv_scale_for(1.01 * v_row_max * std::sqrt((double)H))});
+  }
+  return scales;
+}
+
+
+// ---- The store: section 19's eight-lane qk_norm_rope into an fp8 cache ----
+// Its store policy for this cache: the same chunks, each 8 bf16 values divided by the layer's scale and
+// rounded to e4m3 (8 bytes).
+struct KVStoreFp8 {
+  fp8e4m3* k_cache;  // [NB, NKV, P, D]
+  fp8e4m3* v_cache;
+  KVScales scale;
+  __device__ void key(int64_t row, int chunk, uint4 v) const {
+    KVFp8::store_key(k_cache + row * HEAD_DIM, chunk, v, scale);
+  }
+  __device__ void value(int64_t row, int chunk, uint4 v) const {
+    KVFp8::store_value(v_cache + row * HEAD_DIM, chunk, v, scale);
+  }
+};
+// Section 7's qk_norm_rope (the same arguments) for an fp8 cache.
+static void qk_norm_rope_fp8(bf16* qkv, const int* positions, const bf16* q_norm_w, const bf16* k_norm_w,
+                             const KVLayerFp8& cache, const int* slot_mapping, int T, int NH, int NKV, int P,
+                             float rope_theta, float eps, cudaStream_t stream) {
+  check_aligned16("qk_norm_rope_fp8", "qkv", qkv);
+  check_aligned16("qk_norm_rope_fp8", "q_norm_w", q_norm_w);
+  check_aligned16("qk_norm_rope_fp8", "k_norm_w", k_norm_w);
+  INTERNAL_CHECK(P > 0, "qk_norm_rope_fp8: block size P = %d", P);
+  if (T == 0) return;
+  qk_norm_rope_fast_kernel<<<T, qk_norm_rope_fast_threads(NH, NKV), 0, stream>>>(
+      qkv, positions, q_norm_w, k_norm_w, KVStoreFp8{cache.k, cache.v, cache.scale}, slot_mapping, NH, NKV, P, eps,
+      rope_inv_freq(rope_theta));
+  CUDA_CHECK(cudaGetLastError());
+}
+
+
+// ==== 29. The FP8 KV cache, 2: decode attention over it, the persistent kernel, the stages =================
+// defines: DecodeAccFp8, DecodeLoop<KVFp8>, fp8_decode_attend, PersistKV<KVFp8>, g_kv_fp8, g_kv_scales,
+//          store_qkv_fp8, attention_prefill_fp8, attention_decode_fp8, install_fp8_cache,
+//          g_kv_scales_from_weights; --kv-cache-dtype fp8; switch longest_first (29a)
+//
+// Section 28's format, continued: how decode reads it (its own loop: the tile pipeline is prefill's), how the
+// persistent kernel reads it, and the switch: the stages of section 14's forward pass and the persistent
+// kernel that an engine with an fp8 cache runs, installed when the engine allocates its pool.
+//
+// The tile pipeline of section 28 is how the prefill kernel reads fp8: stage a 64-key tile, widen it to fp16 in
+// shared memory, a barrier, the tensor cores, a barrier. For decode, which only streams, that is slow: it
+// keeps one 16 KiB fp8 tile in flight per thread block (the staging slots live in the shadow of the bf16
+// tile, half of what bf16 keeps in flight at the same shared memory), and every byte makes an extra round
+// trip through shared memory to be widened (docs/performance.md has the measurement).
+//
+// The decode loop below reads fp8 the way the bf16 kernel reads bf16: tiles of FP8_TILE_KEYS = 128 keys
+// (16 KiB of keys and 16 of values: the bytes of a bf16 tile), two stages, the next tile in flight while
+// this one is computed, every copy instruction reading whole 128-byte rows. What it drops is the widening
+// pass: every lane reads the bytes it will feed to the tensor cores from the staged tile straight into
+// registers and converts them there (one cvt.rn.f16x2.e4m3x2 per pair of values) into MMA fragments. Warp
+// w takes two slices of 16 keys of each tile, rows 16w .. 16w+15 and 64+16w .. 64+16w+15 (fp8_attend_slice).
+//
+// Keys on the MMA's rows. Section 15 puts the GQA group's query heads on the 16 rows of mma.m16n8k16 and
+// keys on its 8 columns; with 2 heads per group (Qwen3-0.6B) 14 of the 16 rows are padding, and the online
+// softmax, which runs on every element a lane holds, does 8 times the work it needs. Half the bytes per key
+// make that matter: per byte of cache an fp8 tile holds twice the keys, so twice the MMAs and softmax steps
+// of a bf16 one, and the kernel ran out of instruction issue before it ran out of bandwidth. So the fp8 loop
+// computes the transposed products, with the keys (and, for P V, the head dims) on the 16 rows and the heads
+// on the 8 columns:
+//   S^T = K Q^T      16 keys x 8 heads per k-step of 16 dims: 8 MMAs a slice instead of 16;
+//   O^T += V^T P^T   16 dims x 8 heads per k-step of 16 keys: 8 MMAs a slice instead of 16.
+// A lane then holds 4 scores (keys g and g + 8, heads 2c and 2c + 1: g = lane/4, c = lane%4) instead of 8,
+// and the softmax's max and sum run over the 8 lanes of one c. P^T must reach the second product as a B
+// fragment (lane g: head g, keys 2c, 2c + 1), while the first product left it with lane g holding key g:
+// movmatrix, the warp's transpose of an 8 x 8 matrix of 16-bit values, moves it over, once per 8 keys.
+// A group of more than 8 heads takes two column tiles (NT = 2); Qwen3's groups have at most 8.
+//
+// What makes the register route possible is a choice of order. An A fragment of mma.m16n8k16 (section 15's
+// vocabulary) wants, in lane (g, c), two consecutive values along k at k = 2c and 2c + 8, of rows g and
+// g + 8. Fed from a row of the cache that would be 2-byte pieces scattered over the row. But a dot product
+// does not care in which order its terms are added, so the kernel renames:
+//   S^T         sums over the head dims: lane c reads, of key rows g and g + 8, the 16 bytes 16c .. 16c+15
+//               and the 16 bytes 64+16c .. 64+16c+15, and uses its 4-byte word kk as k-slice kk's values
+//               2c, 2c+1, 2c+8, 2c+9. The Q fragments are built with the same renaming
+//               (fp8_decode_q_fragments), so every product pairs q_d with k_d as before.
+//   O^T         sums over keys, and its rows are head dims: lane g reads bytes 16g .. 16g+15 of the value
+//               rows of keys 2c, 2c+1, 2c+8, 2c+9, and row-tile mt takes bytes 2mt (row g) and 2mt + 1
+//               (row g + 8). So accumulator o[mt][e] holds head 2c + e%2 at head dim 16g + 2mt + e/2, which
+//               fp8_decode_store_partials writes back in head-dim order.
+// An A fragment of V^T pairs one dim of two keys, so those bytes are paired first (one byte_perm per two
+// pairs). Every read is 16 bytes, and the tile is swizzled like section 15's, which spreads a read over the
+// banks (the key reads still meet 2-way conflicts).
+// Thread-block tiles as large as the bf16 kernel's are what streams at its rate: how the cache is fetched,
+// not the conversions, decides the speed (docs/performance.md: the variants measured).
+constexpr int FP8_TILE_KEYS = 2 * ATTN_KV_TILE;               // keys per fp8 decode tile: 128
+constexpr int FP8_STAGE_BYTES = 2 * FP8_TILE_KEYS * HEAD_DIM;  // its keys and values: 32 KiB, a bf16 tile's
+static_assert(DECODE_ROWS * HEAD_DIM * sizeof(bf16) + ATTN_STAGES * FP8_STAGE_BYTES <= DECODE_SMEM,
+              "two fp8 stages fit in a decode thread block's shared memory");
+
+// The running sums of a decode thread block (section 16's DecodeAcc), with the heads 8..15 of a group larger
+// than 8 in m_hi, l_hi: the products below put keys on the MMA rows and heads on its columns.
+struct DecodeAccFp8 {
+  float o[HEAD_DIM / 8][4] = {};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float m_hi[2] = {-INFINITY, -INFINITY}, l_hi[2] = {0.f, 0.f};
+};
+
+// Where lane's chunk i of a 16-key slice comes from: the key row (0..15 within the slice) and the byte
+//   i = 0, 1: key row g,     bytes 16c and 64 + 16c        i = 2, 3: key row g + 8, the same bytes
+//   i = 4..7: value rows 2c, 2c + 1, 2c + 8, 2c + 9, bytes 16g
+// (16 bytes each; i < 4 from the key tile, the rest from the value tile).
+constexpr int FP8_SLICE_KEYS = 16;
+constexpr int FP8_SLICE_CHUNKS = 8;
+static_assert(DECODE_WARPS * 2 * FP8_SLICE_KEYS == FP8_TILE_KEYS, "each warp takes two slices of every tile");
+__device__ __forceinline__ void fp8_slice_source(int i, int& row, int& byte) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  if (i < 4) row = g + 8 * (i >> 1), byte = 16 * c + 64 * (i & 1);
+  else row = 2 * c + (i & 1) + 8 * ((i - 4) >> 1), byte = 16 * g;
+}
+// The head dim of k-slice kk's value e (0..3: MMA k = 2c, 2c+1, 2c+8, 2c+9) in lane c (see above).
+__device__ __forceinline__ int fp8_key_dim(int c, int kk, int e) {
+  return (kk < 4 ? 16 * c + 4 * kk : 64 + 16 * c + 4 * (kk - 4)) + e;
+}
+
+// A staged tile: FP8_TILE_KEYS rows of keys (128 bytes each), then as many of values; 16-byte chunk c of row
+// r at r * 128 + 16 * (c ^ (r % 8)), the XOR swizzle of section 15 on 8 chunks a row.
+constexpr int FP8_TILE_HALF = FP8_TILE_KEYS * HEAD_DIM;  // bytes of keys (or of values) in a tile: 16 KiB
+static_assert(2 * FP8_TILE_HALF == FP8_STAGE_BYTES, "a stage is a tile of keys and one of values");
+__device__ __forceinline__ int fp8_tile_offset(int row, int chunk) {
+  return row * HEAD_DIM + ((chunk ^ (row & 7)) << 4);
+}
+
+// Issue (not wait for) the copies of keys key0 .. key0 + FP8_TILE_KEYS - 1 into `stage`, all DECODE_WARPS * 32
+// threads, 8 threads a row (so one copy instruction reads 4 whole rows). Keys at or past key_end, and
+// skip_key (this step's own key, which the fused kernel holds itself), are zero-filled instead of read;
+// slices of 16 keys that lie wholly past key_end are not written at all (nobody reads them).
+__device__ __forceinline__ void fp8_issue_tile(char* stage, const fp8e4m3* k_cache, const fp8e4m3* v_cache,
+                                               const int* block_table, int kvh, int NKV, int log2P, int key0,
+                                               int key_end, int skip_key) {
+  const int chunk = threadIdx.x & 7;
+#pragma unroll
+  for (int r = threadIdx.x >> 3; r < FP8_TILE_KEYS; r += DECODE_WARPS * 32 / 8) {
+    const int key = key0 + r;
+    if (key0 + (r & ~(FP8_SLICE_KEYS - 1)) >= key_end) break;  // a slice no warp reads (past the partition)
+    const bool valid = key < key_end && key != skip_key;
+    const size_t off = valid ? kv_cache_row(block_table, kvh, NKV, log2P, key) * HEAD_DIM + chunk * 16 : 0;
+    cp_async_16(reinterpret_cast<bf16*>(stage + fp8_tile_offset(r, chunk)),
+                reinterpret_cast<const bf16*>(k_cache + off), valid);
+    cp_async_16(reinterpret_cast<bf16*>(stage + FP8_TILE_HALF + fp8_tile_offset(r, chunk)),
+                reinterpret_cast<const bf16*>(v_cache + off), valid);
+  }
+}
+// The first tile of a decode thread block's partition into stage 0, as one committed group.
+__device__ __forceinline__ void fp8_decode_issue_first(char* stages, const fp8e4m3* k_cache, const fp8e4m3* v_cache,
+                                                       const int* block_table, int kvh, int NKV, int log2P,
+                                                       int key_begin, int key_end, int skip_key) {
+  fp8_issue_tile(stages, k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin, key_end, skip_key);
+  cp_async_commit();
+}
+
+// The group's Q tile (bf16, swizzled, section 15's layout) as fp16 A fragments in the renamed dim order:
+// fragment kk, register e holds rows g (e even) or g + 8 (e odd) at the dims of values 2(e/2), 2(e/2) + 1.
+__device__ __forceinline__ void fp8_decode_q_fragments(uint32_t (&q)[HEAD_DIM / 16][4], const bf16* sQ) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int kk = 0; kk < HEAD_DIM / 16; kk++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int row = g + 8 * (e & 1), d = fp8_key_dim(c, kk, 2 * (e >> 1));
+      const float2 f = __bfloat1622float2(
+          *reinterpret_cast<const __nv_bfloat162*>(sQ + attn_smem_index(row, d >> 3) + (d & 7)));
+      const __half2 h = __floats2half2_rn(f.x, f.y);  // exact: a bf16 q below 65504 is an fp16 number
+      q[kk][e] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int w) {
+  return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
+}
+
+// The warp's transpose of an 8 x 8 matrix of 16-bit values: lane (g, c) gives its row g, columns 2c, 2c + 1
+// (an accumulator's layout) and gets back row g of the transpose, i.e. column g, rows 2c, 2c + 1.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// One warp's slice of 16 keys from the registers x (its chunks, fp8_slice_source's order), for the group's
+// heads 0..8NT-1 (8NT >= the group): S^T = K Q^T, the online softmax per head, O^T += V^T P^T (see above).
+template <int NT>
+__device__ __forceinline__ void fp8_attend_slice(const uint32_t (&q)[HEAD_DIM / 16][4], const uint4 (&x)[8],
+                                                 int key0, int key_end, float scale_log2, DecodeAccFp8& sums) {
+  const int g = (threadIdx.x & 31) >> 2;
+  float s[NT][4] = {};  // [column tile][e]: key g + 8 (e / 2), head 2c + e % 2 (+ 8 per column tile)
+#pragma unroll
+  for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
+    const uint32_t w0 = word_of(x[kk / 4], kk % 4), w1 = word_of(x[2 + kk / 4], kk % 4);  // key rows g, g + 8
+    const uint32_t a[4] = {fp8x2_to_half2(w0), fp8x2_to_half2(w1), fp8x2_to_half2(w0 >> 16),
+                           fp8x2_to_half2(w1 >> 16)};
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) mma_f16_16816(s[nt], a, q[kk][nt], q[kk][2 + nt]);
+  }
+  // The online softmax of section 15 (online_softmax_update), per head: a lane holds two keys of it, and
+  // the other seven pairs sit in the lanes of the same c (xor-shuffles over 4, 8, 16).
+  uint32_t p[NT][2];  // P^T as B fragments: keys 2c, 2c + 1 (then + 8) of head g
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++) {
+    if (key0 + 16 > key_end)
+#pragma unroll
+      for (int e = 0; e < 4; e++)
+        if (key0 + g + 8 * (e >> 1) >= key_end) s[nt][e] = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+      float& m = nt ? sums.m_hi[i] : sums.m[i];
+      float& l = nt ? sums.l_hi[i] : sums.l[i];
+      float mx = fmaxf(m, fmaxf(s[nt][i], s[nt][2 + i]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+      const float m_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;  // as in online_softmax_update
+      const float alpha = fast_exp2(m * scale_log2 - m_scaled);
+      m = mx;
+      s[nt][i] = fast_exp2(fmaf(s[nt][i], scale_log2, -m_scaled));
+      s[nt][2 + i] = fast_exp2(fmaf(s[nt][2 + i], scale_log2, -m_scaled));
+      l = l * alpha + (s[nt][i] + s[nt][2 + i]);
+#pragma unroll
+      for (int mt = 0; mt < HEAD_DIM / 16; mt++) sums.o[8 * nt + mt][i] *= alpha, sums.o[8 * nt + mt][2 + i] *= alpha;
+    }
+    p[nt][0] = movmatrix_trans(pack_half2(s[nt][0], s[nt][1]));
+    p[nt][1] = movmatrix_trans(pack_half2(s[nt][2], s[nt][3]));
+  }
+#pragma unroll
+  for (int w = 0; w < 4; w++) {  // bytes 4w .. 4w+3 of the four value chunks: row tiles 2w and 2w + 1
+    const uint32_t a = word_of(x[4], w), b = word_of(x[5], w), c = word_of(x[6], w), d = word_of(x[7], w);
+    const uint32_t ab[2] = {__byte_perm(a, b, 0x5140), __byte_perm(a, b, 0x7362)};  // a0 b0 a1 b1, a2 b2 a3 b3
+    const uint32_t cd[2] = {__byte_perm(c, d, 0x5140), __byte_perm(c, d, 0x7362)};
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      const uint32_t v[4] = {fp8x2_to_half2(ab[h]), fp8x2_to_half2(ab[h] >> 16), fp8x2_to_half2(cd[h]),
+                             fp8x2_to_half2(cd[h] >> 16)};
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++) mma_f16_16816(sums.o[8 * nt + 2 * w + h], v, p[nt][0], p[nt][1]);
+    }
+  }
+}
+
+// The decode loop of a thread block over keys [key_begin, key_end) of an fp8 cache: issue tile t + 1 into
+// the other stage, wait for tile t, and let each warp read its two slices of it into registers and attend.
+// new_key: this step's key, whose bytes come from new_kv (section 19's tile values, fp16: converted back to
+// the bytes the cache holds) instead of the cache; -1: none. The caller issued the first tile
+// (fp8_decode_issue_first). A partition need not be a whole number of these tiles (the cluster kernel's and
+// small batches' are multiples of 64 keys): rows past key_end are zero-filled, never read, and masked. The
+// loop's last barrier frees the stages for decode_combine_warps. group: the GQA group's query heads (one
+// column tile of the products up to 8, two up to 16).
+__device__ __forceinline__ void fp8_decode_attend(const uint32_t (&q)[HEAD_DIM / 16][4], char* stages,
+                                                  const fp8e4m3* k_cache, const fp8e4m3* v_cache, KVScales kv_scale,
+                                                  const int* block_table, int kvh, int NKV, int log2P, int key_begin,
+                                                  int key_end, int new_key, const uint4 (*new_kv)[HEAD_DIM / 8],
+                                                  int group, float scale_log2, DecodeAccFp8& sums) {
+  const int n_tiles = cdiv_dev(key_end - key_begin, FP8_TILE_KEYS), warp = threadIdx.x >> 5;
+  for (int t = 0; t < n_tiles; t++) {
+    if (t + 1 < n_tiles)
+      fp8_issue_tile(stages + ((t + 1) & 1) * FP8_STAGE_BYTES, k_cache, v_cache, block_table, kvh, NKV, log2P,
+                     key_begin + (t + 1) * FP8_TILE_KEYS, key_end, new_key);
+    cp_async_commit();
+    cp_async_wait<1>();  // tile t has landed (this thread's copies) ...
+    __syncthreads();     // ... and everyone's
+    const char* stage = stages + (t & 1) * FP8_STAGE_BYTES;
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+      // warp w: rows 16w .. 16w+15 and 64+16w .. (a partition of 64 keys still gives every warp a slice)
+      const int row0 = FP8_SLICE_KEYS * (warp + DECODE_WARPS * j), key0 = key_begin + t * FP8_TILE_KEYS + row0;
+      if (key0 >= key_end) continue;
+      uint4 x[FP8_SLICE_CHUNKS];
+#pragma unroll
+      for (int i = 0; i < FP8_SLICE_CHUNKS; i++) {
+        int row, byte;
+        fp8_slice_source(i, row, byte);
+        x[i] = *reinterpret_cast<const uint4*>(stage + (i < 4 ? 0 : FP8_TILE_HALF) +
+                                               fp8_tile_offset(row0 + row, byte / 16));
+      }
+      if (new_key >= key0 && new_key < key0 + FP8_SLICE_KEYS) {  // this step's key (zero-filled in the tile)
+#pragma unroll
+        for (int i = 0; i < FP8_SLICE_CHUNKS; i++) {
+          int row, byte;
+          fp8_slice_source(i, row, byte);
+          if (key0 + row != new_key) continue;
+          const uint4* tile = new_kv[i < 4 ? 0 : 1] + byte / 8;  // 8 values per fp16 chunk
+          const uint2 lo = half8_to_fp8x8(tile[0]), hi = half8_to_fp8x8(tile[1]);
+          x[i] = make_uint4(lo.x, lo.y, hi.x, hi.y);
+        }
+      }
+      if (group <= 8) fp8_attend_slice<1>(q, x, key0, key_end, scale_log2, sums);
+      else fp8_attend_slice<2>(q, x, key0, key_end, scale_log2, sums);
+    }
+    __syncthreads();  // every warp is done with stage t % 2 before tile t + 2 is issued into it
+  }
+  KVFp8::scale_output(sums.o, kv_scale);
+}
+
+// A warp's sums of the fp8 loop into decode_combine_warps' buffers, in the bf16 layout: sO[warp][head][dim]
+// and sML[warp][head] = (m in log2 units, l). Accumulator o[8 nt + mt][e] holds head 2c + e % 2 + 8 nt at
+// dim 16g + 2mt + e / 2; each lane holds a partial l of its keys, summed here over the lanes of one c. Only
+// the column tiles the loop used (fp8_attend_slice<NT>) are written: heads past them are never read.
+__device__ __forceinline__ void fp8_decode_store_partials(DecodeAccFp8& sums, float scale_log2, int group, float* sO,
+                                                          float* sML) {
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+#pragma unroll
+  for (int nt = 0; nt < 2; nt++) {
+    if (nt == 1 && group <= 8) break;  // one column tile (fp8_decode_attend's choice)
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+      const int head = warp * DECODE_ROWS + 8 * nt + 2 * c + i;
+      float& l = nt ? sums.l_hi[i] : sums.l[i];
+      l += __shfl_xor_sync(0xffffffffu, l, 4);
+      l += __shfl_xor_sync(0xffffffffu, l, 8);
+      l += __shfl_xor_sync(0xffffffffu, l, 16);
+#pragma unroll
+      for (int mt = 0; mt < HEAD_DIM / 16; mt++)
+        *reinterpret_cast<float2*>(sO + head * HEAD_DIM + 16 * g + 2 * mt) =
+            make_float2(sums.o[8 * nt + mt][i], sums.o[8 * nt + mt][2 + i]);
+      if (g == 0) sML[head * 2] = (nt ? sums.m_hi[i] : sums.m[i]) * scale_log2, sML[head * 2 + 1] = l;
+    }
+  }
+}
+
+
+// The loop as section 16's kernel and section 19's fused kernel take it (their DecodeLoop<F>).
+template <>
+struct DecodeLoop<KVFp8> {
+  using Acc = DecodeAccFp8;
+  // Partitions twice as long as bf16's (decode_partition): the same bytes per thread block.
+  static int partition(int B) { return 2 * decode_partition(B); }
+  __device__ static __forceinline__ void issue_first(bf16* sK, bf16*, const fp8e4m3* k_cache, const fp8e4m3* v_cache,
+                                                     const int* block_table, int kvh, int NKV, int log2P,
+                                                     int key_begin, int key_end, int skip_key) {
+    fp8_decode_issue_first(reinterpret_cast<char*>(sK), k_cache, v_cache, block_table, kvh, NKV, log2P, key_begin,
+                           key_end, skip_key);
+  }
+  __device__ static __forceinline__ void q_fragments(uint32_t (&q)[HEAD_DIM / 16][4], const bf16* sQ) {
+    fp8_decode_q_fragments(q, sQ);
+  }
+  // Each warp takes this step's key from new_kv when its slice holds it.
+  __device__ static __forceinline__ void attend(const uint32_t (&q)[HEAD_DIM / 16][4], bf16* sK, bf16*,
+                                                const fp8e4m3* k_cache, const fp8e4m3* v_cache, KVScales kv_scale,
+                                                const int* block_table, int kvh, int NKV, int log2P, int key_begin,
+                                                int key_end, int new_key, const uint4 (*new_kv)[HEAD_DIM / 8],
+                                                int group, float scale_log2, Acc& sums) {
+    fp8_decode_attend(q, reinterpret_cast<char*>(sK), k_cache, v_cache, kv_scale, block_table, kvh, NKV, log2P,
+                      key_begin, key_end, new_key, new_kv, group, scale_log2, sums);
+  }
+  __device__ static __forceinline__ void store_partials(Acc& sums, float scale_log2, int group, float* sO,
+                                                        float* sML) {
+    fp8_decode_store_partials(sums, scale_log2, group, sO, sML);
+  }
+};
+
+// ---- The persistent kernel over an fp8 cache (sections 24-26) ----
+// What changes is only what its attention reads: a lane's 4 values of a row are 4 bytes instead of 8, widened
+// with the conversion above; the key scale joins the scores' scale and the value scale the partition's output,
+// and the step's own key and value are rounded to e4m3 before they are used (and stored), as this chapter's
+// other kernels use them. At batch 1 a step's cache bytes are a few percent of its weights', so the kernel is
+// what makes an fp8 engine's latency the same as a bf16 one's.
+template <>
+struct PersistKV<KVFp8> {
+  using Word = uint32_t;
+  __device__ static void widen(uint32_t w, float (&f)[4]) {
+    const uint32_t h[2] = {fp8x2_to_half2(w), fp8x2_to_half2(w >> 16)};
+    const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&h[0]));
+    const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&h[1]));
+    f[0] = lo.x, f[1] = lo.y, f[2] = hi.x, f[3] = hi.y;
+  }
+  // 8 tile values (fp16: e4m3 values, unscaled) as floats
+  __device__ static void tile_floats(uint4 v, float* f) {
+    const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const float2 x = __half22float2(h[i]);
+      f[2 * i] = x.x, f[2 * i + 1] = x.y;
+    }
+  }
+  __device__ static __forceinline__ KVScales scales(const PersistOp& op) { return {op.kv_scale[0], op.kv_scale[1]}; }
+  __device__ static __forceinline__ float key_factor(KVScales s) { return s.k; }
+  __device__ static __forceinline__ float value_factor(KVScales s) { return s.v; }  // (a power of two: exact)
+};
+
+// The engine's cache format and per-layer scales (set when a ModelRunner allocates an fp8 pool: below).
+static bool g_kv_fp8 = false;
+static std::vector<KVScales> g_kv_scales;  // [L]
+static void fp8_layer_scales(int l, float (&kv_scale)[2]) {
+  kv_scale[0] = g_kv_scales.at(l).k, kv_scale[1] = g_kv_scales.at(l).v;
+}
+static const PersistFormat kPersistFp8 = {"fp8", 1, persist_fits<KVFp8>, persist_launch<KVFp8>, fp8_layer_scales};
+
+// ---- Section 14's stages for an fp8 cache ----
+// The kernels of the bf16 path, instantiated with KVFp8: store_qkv is section 19's eight-lane kernel;
+// attention_prefill section 16's step (section 15's prefill kernel, and the decode rows' kernel); the decode
+// rows' kernel and attention_decode follow the switches cluster_merge and fused_rope as bf16's do, except
+// that above the cluster kernel's batches the fused kernel is slower over fp8 (docs/performance.md), so
+// there attention_decode is the store, then section 16's decode kernel.
+static KVLayerFp8 fp8_layer(const KVCache& kv, int l) {
+  const KVLayer p = kv.layer(l);  // (the byte offsets already follow kv.value_bytes)
+  return {(fp8e4m3*)p.k, (fp8e4m3*)p.v, g_kv_scales.at(l)};
+}
+static void store_qkv_fp8(Pass& p, int l) {
+  const Qwen3& m = p.m;
+  const ModelConfig& c = m.cfg;
+  const LayerWeights& lw = m.w.layers[l];
+  qk_norm_rope_fp8(m.act.qkv, p.in.positions, lw.q_norm, lw.k_norm, fp8_layer(m.kv, l), p.in.slot_mapping, p.T,
+                   c.num_attention_heads / m.tp, c.num_key_value_heads / m.tp, m.P, c.rope_theta, c.rms_norm_eps,
+                   p.s);
+}
+static DecodeAttention<KVFp8> fp8_decode_attention() {
+  return g_opt.cluster_merge ? attention_decode_cluster<KVFp8> : flash_attention_decode<KVFp8>;
+}
+static void attention_prefill_fp8(Pass& p, int l) {
+  Qwen3& m = p.m;
+  const ModelConfig& c = m.cfg;
+  attention_prefill_step<KVFp8>(m.act.attn, m.act.qkv, fp8_layer(m.kv, l), p.in, p.B, c.num_attention_heads / m.tp,
+                                c.num_key_value_heads / m.tp, m.P, m.MB, m.max_model_len, m.act.attn_workspace,
+                                1.0f / sqrtf((float)c.head_dim), p.s, fp8_decode_attention());
+}
+static void attention_decode_fp8(Pass& p, int l) {
+  Qwen3& m = p.m;
+  const ModelConfig& c = m.cfg;
+  const LayerWeights& lw = m.w.layers[l];
+  const int NH = c.num_attention_heads / m.tp, NKV = c.num_key_value_heads / m.tp;
+  const float scale = 1.0f / sqrtf((float)c.head_dim);
+  if (g_opt.fused_rope && p.B <= DECODE_CLUSTER_MAX_B) {
+    const DecodeRope rope{p.in.positions, p.in.slot_mapping, lw.q_norm, lw.k_norm, c.rms_norm_eps,
+                          rope_inv_freq(c.rope_theta)};
+    return attention_decode_fast<KVFp8>(m.act.attn, m.act.qkv, fp8_layer(m.kv, l), p.in.seqlens_k,
+                                        p.in.block_tables, p.B, NH, NKV, m.P, m.MB, m.max_model_len,
+                                        m.act.attn_workspace, scale, p.s, &rope);
+  }
+  store_qkv_fp8(p, l);
+  fp8_decode_attention()(m.act.attn, m.act.qkv, fp8_layer(m.kv, l), p.in.seqlens_k, p.in.block_tables, p.B, NH,
+                         NKV, m.P, m.MB, m.max_model_len, m.act.attn_workspace, scale, p.s);
+}
+// Makes the engine's cache fp8 with these per-layer scales: this chapter's stages and persistent kernel. Runs
+// after the switches are applied (section 14's table is the pass: flash_attn is on) and before the persistent
+// kernel's plans are built.
+static void install_fp8_cache(const std::vector<KVScales>& scales) {
+  g_kv_fp8 = true;
+  g_kv_scales = scales;
+  g_stages.store_qkv = store_qkv_fp8;
+  g_stages.attention_prefill = attention_prefill_fp8;
+  g_stages.attention_decode = attention_decode_fp8;
+  g_persist_format = &kPersistFp8;
+}
+
+// ---- The format: fp8 (--kv-cache-dtype) ----
+// Tests set this false to run vLLM's default scales (1.0) instead of the weight bounds above.
+static bool g_kv_scales_from_weights = true;
+// Before ModelRunner sizes the pool of an fp8 engine: check what it needs, then compute the scales.
+static void use_fp8_cache(Qwen3& model) {
+  int dev = 0, major = 0, minor = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  if (major * 10 + minor < 89)
+    die("--kv-cache-dtype fp8 needs a GPU with FP8 conversion instructions (compute capability 8.9 or "
+        "newer: Ada, Hopper, Blackwell); this one is %d.%d. Use --kv-cache-dtype bf16 (the default)", major,
+        minor);
+  if (!g_opt.flash_attn)
+    die("--kv-cache-dtype fp8 is read by the flash_attn kernels (section 15), which this run switched "
+        "off: drop --plain or -flash_attn, or use --kv-cache-dtype bf16");
+  install_fp8_cache(g_kv_scales_from_weights ? kv_scales_from_weights(model.w, model.cfg, model.tp)
+                                            : std::vector<KVScales>(model.cfg.num_hidden_layers));
+}
+static const int kFp8FormatRegistered = register_kv_cache_format(
+    {"fp8", {"fp8_e4m3"}, 1, {{"fp8_e5m2", "nanovllm stores FP8 as e4m3 (write fp8 or fp8_e4m3)"}}, use_fp8_cache});
+
+
+// ---- 29a. An fp8 decode step's rows, longest context first (switch longest_first) -------------------------
+// Replaces: the scheduler's order of a decode step's rows, which is the order flash_decode_kernel's thread
+// blocks start in (its grid runs partition fastest, then kv head, then row).
+// Why it is faster: a step's contexts differ (bench.py's run from 100 to 2,048 tokens), and a thread block
+// takes as long as its partition has keys. The GPU starts blocks in grid order as slots free up, so a long
+// context whose blocks come late still runs while most SMs have nothing left to start. With the rows in
+// order of context length, longest first (the "longest processing time first" rule for jobs on parallel
+// machines), the blocks that start last are the shortest, and they fill that tail. That pays with an fp8
+// cache, whose partitions are twice as long (1,024 keys above 32 sequences), so its blocks
+// differ more; with bf16's 512-key partitions the order gains nothing, so a bf16 run keeps the
+// scheduler's order (docs/performance.md, the FP8 cache).
+// What it changes: only which row of the step a sequence sits in. Every kernel of a decode step computes each
+// row on its own, and the engine reads a token back by its row, so every sequence gets the same tokens (the
+// run's tokens hash is the same with the switch on or off; the trace and the last step's logits hash follow
+// the new order). The order is a stable sort of the batch on the engine's side; prefill and mixed steps
+// keep the scheduler's order (a mixed step's decode rows must lead, section 16).
+// Switch: longest_first.
+static void order_longest_first(std::vector<Sequence*>& batch) {
+  if (!g_kv_fp8) return;  // (the cache's format is fixed for a run)
+  std::stable_sort(batch.begin(), batch.end(),
+                   [](const Sequence* a, const Sequence* b) { return a->size() > b->size(); });
+}
+// Its apply, which runs for every engine, also clears the cache format the engine before may have left:
+// an engine's format is fp8 only once use_fp8_cache says so.
+static void apply_longest_first(bool on, Hooks& h) {
+  g_opt.longest_first = on;
+  g_kv_fp8 = false;
+  if (on) h.order_decode_batch = order_longest_first;
+}
+static const int kLongestFirstRegistered = register_optimization(
+    {"longest_first", "an fp8 decode step's rows in order of context length, longest first (section 29a)", true,
+     apply_longest_first});
+
 
 // ##########################################################################################################
 // PART III — THE PROGRAM AROUND IT
 // ##########################################################################################################
 
-// ==== 29. Reading the configuration: config.json, flags and sampling fields ================================
+// ==== 30. Reading the configuration: config.json, flags and sampling fields ================================
 // defines: parse_model_config, load_model_config, parse_optimizations, optimizations_str,
 //          parse_kv_cache_dtype, validate_config, validate_sampling
 //
@@ -8832,7 +9026,7 @@ static void validate_sampling(const SamplingParams& p, const std::string& where,
     if (id < 0) die("%s: stop_token_ids must be token ids >= 0, found %d", w, id);
 }
 
-// ==== 30. Prompts in, completions out ======================================================================
+// ==== 31. Prompts in, completions out ======================================================================
 // defines: PromptOptions, sampling_from_json, sampling_defaults, parse_prompts, read_prompts,
 //          write_completions
 //
@@ -9421,7 +9615,7 @@ static json batch_output_line(const Request& r, const Completion* outs, int n, c
 }
 
 // The completions: a readable block per completion on stdout, and with --output one JSON object per
-// completion (then the run summary, section 31). An OpenAI batch is answered instead with one output line
+// completion (then the run summary, section 32). An OpenAI batch is answered instead with one output line
 // per input line, in input order, to --output or else to stdout. Returns true for a batch.
 static bool write_completions(const std::vector<Request>& reqs, const std::vector<Completion>& outs,
                               const Tokenizer& tok, FILE* jsonl, const std::string& model_name) {
@@ -9467,7 +9661,7 @@ static bool write_completions(const std::vector<Request>& reqs, const std::vecto
 }
 
 
-// ==== 31. Trace, run summary and the report ================================================================
+// ==== 32. Trace, run summary and the report ================================================================
 // defines: RunStats, StepTrace, trace_after_schedule, format_trace, RunWatcher, RunSummary, run_summary,
 //          write_summary, write_report
 //
@@ -10057,7 +10251,7 @@ static void write_report(const std::string& path, const std::string& title, cons
   fclose(f);
 }
 
-// ==== 32. Signals, worker processes and the mailbox ========================================================
+// ==== 33. Signals, worker processes and the mailbox ========================================================
 // defines: install_stop_handlers, g_stop_hook, tp_supervise, tp_launch, tp_shutdown
 //
 // The process plumbing: Ctrl-C and SIGTERM, and the tensor-parallel workers (section 12's ranks 1..N-1):
@@ -10267,7 +10461,7 @@ static bool tp_shutdown() {
   return ok;
 }
 
-// ==== 33. simulate: the engine without a GPU ===============================================================
+// ==== 34. simulate: the engine without a GPU ===============================================================
 // defines: SimGpu, qwen3_shape, simulated_kv_blocks, SimRunner
 //
 // `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` runs the real LLMEngine, Scheduler and BlockManager
@@ -10407,7 +10601,7 @@ struct SimRunner : StepRunner {
   }
 };
 
-// ==== 34. Command line and main ============================================================================
+// ==== 35. Command line and main ============================================================================
 // defines: Cli, usage_text, parse_args, main
 
 struct Cli {
@@ -10419,12 +10613,12 @@ struct Cli {
   int64_t seed = 0;
   bool trace = false;
   double request_rate = 0;   // --request-rate: requests/s of a Poisson process (0: all arrive at once)
-  bool simulate = false;     // `nanovllm simulate` (section 33)
+  bool simulate = false;     // `nanovllm simulate` (section 34)
   double sim_gpu_bytes = 0;  // --simulate-gpu-memory
   std::string sim_model = "Qwen3-0.6B";  // --simulate-model: the shape when there is no config.json
   bool sim_model_given = false;
   double sim_eos_prob = 0;   // --simulate-eos-prob
-  json sampling_flags = json::object();  // the sampling flags given, by vLLM's field names (section 30)
+  json sampling_flags = json::object();  // the sampling flags given, by vLLM's field names (section 31)
   bool generation_config = true;         // --generation-config auto (true) or vllm
 };
 
@@ -10762,7 +10956,7 @@ static std::string optimization_notes(ModelRunner& runner) {
   return notes.empty() ? "" : " (" + notes.substr(2) + ")";
 }
 
-// The sampling defaults of this run (section 30's sampling_defaults) into cli.prompts.defaults; returns the
+// The sampling defaults of this run (section 31's sampling_defaults) into cli.prompts.defaults; returns the
 // description the start-up line prints.
 static std::string sampling_defaults_for(Cli& cli, const ModelConfig& mc) {
   std::string described;
@@ -10809,7 +11003,7 @@ static int finish_run(const Cli& cli, LLMEngine& engine, const RunStats& st, con
   return g_stop_requested ? 128 + SIGINT : 0;
 }
 
-// `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` (section 33): the same checks and the same engine as
+// `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` (section 34): the same checks and the same engine as
 // a run, with SimRunner in place of the GPU.
 static int simulate_command(Cli& cli) {
   Config& config = cli.config;
@@ -10845,7 +11039,7 @@ static int simulate_command(Cli& cli) {
   const std::string shape = has_config ? src + "/config.json" : cli.sim_model;
   fprintf(stderr,
           "nanovllm: simulate | shape of %s (%.2f B parameters) | KV cache %s, %d blocks x %d tokens = %lld "
-          "tokens | scheduler %s | no GPU: a stand-in model and a modelled clock (section 33)\n",
+          "tokens | scheduler %s | no GPU: a stand-in model and a modelled clock (section 34)\n",
           shape.c_str(), model_params(mc) / 1e9, config.kv_cache_dtype.c_str(),
           config.num_kvcache_blocks, config.kvcache_block_size,
           (long long)config.num_kvcache_blocks * config.kvcache_block_size,
@@ -10894,7 +11088,7 @@ int main(int argc, char** argv) {
   if (!cli.output_path.empty()) check_output_path(cli.output_path);
   if (!cli.report_path.empty()) check_output_path(cli.report_path, "--report", "report.html");
   // 2. The GPU: weights, KV cache, CUDA graphs. Tensor-parallel workers are forked first: a child process
-  //    cannot use CUDA once its parent has (section 32).
+  //    cannot use CUDA once its parent has (section 33).
   tp_launch(config.tensor_parallel_size);
   check_gpus(config.tensor_parallel_size);
   ModelRunner runner(config, mc);

@@ -6,7 +6,7 @@
 //     (compare_flash_with_plain says why);
 //   * sections 19 and 19 (the cluster merge, the fused q/k-norm + RoPE + store decode kernel) against
 //     section 15, bit for bit;
-//   * section 24's fp8 cache, read by section 15's kernels (section 8 reads bf16 only), against the
+//   * section 28's fp8 cache, read by section 15's kernels (section 8 reads bf16 only), against the
 //     reference over the values its bytes stand for;
 //   * CUDA-graph replay of both decode kernels as contexts grow, and timings (timing_*: figures only).
 //
@@ -128,7 +128,22 @@ static std::vector<bf16> to_bf16(const std::vector<float>& x) {
   return y;
 }
 
-// The batch with an fp8 cache (section 24): every owned key and value replaced by what its e4m3 byte at
+// A test's cache in either format. Part II's launchers are templates over the cache format (section 15's
+// F: KVBf16, or section 28's KVFp8); with_format picks the instance at run time, as an engine's stages do once
+// for a run, and calls fn(F{}, the layer as F's launchers take it).
+enum class KVCacheDtype { BF16, FP8 };
+struct KVView {
+  void *k, *v;  // [NB, NKV, P, D] bf16, or e4m3 bytes
+  KVCacheDtype dtype;
+  KVScales scale;  // fp8
+};
+template <class Fn>
+static void with_format(const KVView& c, Fn fn) {
+  if (c.dtype == KVCacheDtype::FP8) fn(KVFp8{}, KVLayerFp8{(fp8e4m3*)c.k, (fp8e4m3*)c.v, c.scale});
+  else fn(KVBf16{}, KVLayer{(bf16*)c.k, (bf16*)c.v});
+}
+
+// The batch with an fp8 cache (section 28): every owned key and value replaced by what its e4m3 byte at
 // these scales stands for, so the fp64 reference sees exactly what the kernels read. NaN slots stay NaN.
 static PagedBatch with_fp8_values(PagedBatch pb, KVScales s) {
   for (auto* c : {&pb.k, &pb.v}) {
@@ -144,7 +159,7 @@ static std::vector<uint8_t> to_e4m3(const std::vector<float>& x, float scale) {
   return y;
 }
 
-// Bytes per stored key or value: bf16, or (section 24) one e4m3 byte.
+// Bytes per stored key or value: bf16, or (section 28) one e4m3 byte.
 static size_t kv_value_bytes(KVCacheDtype d) { return d == KVCacheDtype::FP8 ? 1 : 2; }
 
 // The batch on the device, its cache in bf16 or (fp8) in e4m3 bytes at `scale`. Decode uses context_lens =
@@ -264,7 +279,7 @@ static void compare_flash_with_plain(const char* what, const std::vector<float>&
             flash[worst], plain[worst], worst_share, bf16_ulps(flash[worst], plain[worst]));
 }
 
-// fp8 (section 24): the cache is stored in e4m3 at `scale` and the reference reads the values it stands for;
+// fp8 (section 28): the cache is stored in e4m3 at `scale` and the reference reads the values it stands for;
 // read_factor != 1 tells the kernel the wrong scales and expects the comparison to fail. Section 8 reads bf16
 // only, so fp8 cases run section 15 (and 17) alone.
 struct KVChoice {
@@ -272,7 +287,7 @@ struct KVChoice {
   KVScales scale;
   float read_factor = 1.f;
 };
-// The fp8 cache as the fp8 tests store it (section 24's tests, below): scales other than 1 on purpose.
+// The fp8 cache as the fp8 tests store it (section 28's tests, below): scales other than 1 on purpose.
 static const KVChoice kFp8{KVCacheDtype::FP8, {0.25f, 2.f}, 1.f};
 
 static const PagedBatch& reference_input(const PagedBatch& pb, const KVChoice& kv, PagedBatch& holder) {
@@ -298,21 +313,24 @@ static void check_prefill_step(const char* what, const PagedBatch& pb, const Dev
   CUDA_CHECK(cudaMalloc(&ws, ws_bytes));
   StepInputs in{nullptr, nullptr, nullptr, db.cu_q, db.k_lens, db.block_tables, max_q, nd};
   const Optimizations saved = g_opt;
-  const DecodeAttention saved_decode = g_decode_attention;
   for (bool cluster : {false, true}) {
     if (cluster && !(nd <= DECODE_CLUSTER_MAX_B && decode_clusters_supported())) continue;
-    g_opt.cluster_merge = cluster;  // as apply_cluster_merge (section 19) sets them
-    g_decode_attention = cluster ? attention_decode_cluster : flash_attention_decode;
+    g_opt.cluster_merge = cluster;  // the decode rows' kernel as apply_cluster_merge (section 19) chooses it
     const std::string name = label(what, cluster ? "[prefill step, decode rows with cluster merge, 18]"
                                                  : "[prefill step, decode rows through section 15]");
     PoisonedOutput out(n), alone((size_t)nd * row);
     CUDA_CHECK(cudaMemset(ws, 0xFF, ws_bytes));
-    attention_prefill_step(out.d, db.qkv, db.view(kv.read_factor), in, pb.B, pb.NH, pb.NKV, pb.P, pb.MB, max_ctx,
-                           ws, scale, 0);
+    with_format(db.view(kv.read_factor), [&](auto f, const auto& layer) {
+      using F = decltype(f);
+      attention_prefill_step<F>(out.d, db.qkv, layer, in, pb.B, pb.NH, pb.NKV, pb.P, pb.MB, max_ctx, ws, scale, 0,
+                                cluster ? attention_decode_cluster<F> : flash_attention_decode<F>);
+    });
     const std::vector<float> got = out.read();
     compare(name.c_str(), got, want, kv.read_factor == 1.f);
-    attention_decode_fast(alone.d, db.qkv, db.view(kv.read_factor), db.k_lens, db.block_tables, nd, pb.NH, pb.NKV,
-                          pb.P, pb.MB, max_ctx, ws, scale, 0, nullptr);
+    with_format(db.view(kv.read_factor), [&](auto f, const auto& layer) {
+      attention_decode_fast<decltype(f)>(alone.d, db.qkv, layer, db.k_lens, db.block_tables, nd, pb.NH, pb.NKV,
+                                         pb.P, pb.MB, max_ctx, ws, scale, 0, nullptr);
+    });
     const std::vector<float> dec = alone.read();
     size_t differ_decode = 0, differ_prompt = 0;
     for (size_t i = 0; i < (size_t)nd * row; i++) differ_decode += got[i] != dec[i];
@@ -322,7 +340,6 @@ static void check_prefill_step(const char* what, const PagedBatch& pb, const Dev
               name.c_str(), differ_decode, differ_prompt);
   }
   g_opt = saved;
-  g_decode_attention = saved_decode;
   CUDA_CHECK(cudaFree(ws));
 }
 
@@ -344,8 +361,10 @@ static void check_prefill(const char* what, const PagedBatch& pb, const KVChoice
     compare(label(what, "[section 8]").c_str(), plain, want);
   }
   PoisonedOutput out(n);
-  flash_attention_prefill(out.d, db.qkv, db.view(kv.read_factor), db.cu_q, db.k_lens, db.block_tables, pb.B,
-                          max_q, pb.NH, pb.NKV, pb.P, pb.MB, scale, 0);
+  with_format(db.view(kv.read_factor), [&](auto f, const auto& layer) {
+    flash_attention_prefill<decltype(f)>(out.d, db.qkv, layer, db.cu_q, db.k_lens, db.block_tables, pb.B, max_q,
+                                         pb.NH, pb.NKV, pb.P, pb.MB, scale, 0);
+  });
   const std::vector<float> flash = out.read();
   compare(label(what, "[section 15]").c_str(), flash, want, kv.read_factor == 1.f);
   if (!plain.empty()) compare_flash_with_plain(label(what, "[section 15]").c_str(), flash, plain);
@@ -379,13 +398,17 @@ static void check_decode(const char* what, const PagedBatch& pb, int max_context
     PoisonedOutput out(n);
     CUDA_CHECK(cudaMemset(ws, 0xFF, ws_bytes));
     if (path == 0) {
-      flash_attention_decode(out.d, db.qkv, db.view(kv.read_factor), db.k_lens, db.block_tables, pb.B, pb.NH,
-                             pb.NKV, pb.P, pb.MB, max_context_len, ws, scale, 0);
+      with_format(db.view(kv.read_factor), [&](auto f, const auto& layer) {
+        flash_attention_decode<decltype(f)>(out.d, db.qkv, layer, db.k_lens, db.block_tables, pb.B, pb.NH, pb.NKV,
+                                            pb.P, pb.MB, max_context_len, ws, scale, 0);
+      });
     } else {
       const Optimizations saved = g_opt;
       g_opt.cluster_merge = true;
-      attention_decode_fast(out.d, db.qkv, db.view(kv.read_factor), db.k_lens, db.block_tables, pb.B, pb.NH,
-                            pb.NKV, pb.P, pb.MB, max_context_len, ws, scale, 0, nullptr);
+      with_format(db.view(kv.read_factor), [&](auto f, const auto& layer) {
+        attention_decode_fast<decltype(f)>(out.d, db.qkv, layer, db.k_lens, db.block_tables, pb.B, pb.NH, pb.NKV,
+                                           pb.P, pb.MB, max_context_len, ws, scale, 0, nullptr);
+      });
       g_opt = saved;
     }
     const std::string name = label(what, path ? "[cluster merge, 17]" : "[section 15]");
@@ -566,7 +589,7 @@ static void check_decode_graph_replay(bool plain) {
     if (plain)
       attention_decode(o, db.qkv, db.layer(), db.k_lens, db.block_tables, B, NH, NKV, P, MB, scale, st);
     else
-      flash_attention_decode(o, db.qkv, db.view(), db.k_lens, db.block_tables, B, NH, NKV, P, MB, max_ctx, ws,
+      flash_attention_decode(o, db.qkv, db.layer(), db.k_lens, db.block_tables, B, NH, NKV, P, MB, max_ctx, ws,
                              scale, st);
   };
   cudaStream_t stream;
@@ -730,9 +753,12 @@ static void time_decode(const char* what, const std::vector<int>& ctx, int NH, i
   CUDA_CHECK(cudaMalloc(&ws, flash_decode_workspace_bytes(B, NH, max_ctx)));
   const KVView view{k, v, dtype, {}};
   double us = median_us([&] {
-    flash_attention_decode(out, qkv, view, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws, 1.f / sqrtf(128.f), 0);
+    with_format(view, [&](auto f, const auto& layer) {
+      flash_attention_decode<decltype(f)>(out, qkv, layer, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws,
+                                          1.f / sqrtf(128.f), 0);
+    });
   });
-  // The decode attention section 14's forward_fast runs (at batches of 1, 2 and 4 section 25's persistent
+  // The decode attention section 14's forward_fast runs (at batches of 1, 2 and 4 section 24's persistent
   // kernel may take the whole step instead): section 19's kernel, with q/k-norm, RoPE and the store inside
   // (padding slots here, so the cache is not written) where the engine fuses them (a bf16 cache, or small
   // batches; elsewhere the kernel after them, which is section 15's: their kernel is not timed here), and at
@@ -746,8 +772,10 @@ static void time_decode(const char* what, const std::vector<int>& ctx, int NH, i
   const Optimizations saved = g_opt;
   g_opt.cluster_merge = true;  // the engine's default (where the GPU has clusters)
   auto engine = [&] {
-    attention_decode_fast(out, qkv, view, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws, 1.f / sqrtf(128.f), 0,
-                          fuse ? &rope : nullptr);
+    with_format(view, [&](auto f, const auto& layer) {
+      attention_decode_fast<decltype(f)>(out, qkv, layer, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws,
+                                         1.f / sqrtf(128.f), 0, fuse ? &rope : nullptr);
+    });
   };
   const double us_fused = median_us(engine), us_fused_b2b = median_us_back_to_back(engine);
   g_opt = saved;
@@ -805,7 +833,8 @@ static void* device_copy_bytes(const void* src, size_t n) {
 // The last n_pad rows are padding (slot -1, as the engine pads a graph's batch): every path stores nothing
 // for them; their outputs are not compared (the fused kernel attends to the row's own k and v, the separate
 // path to what the cache held).
-// fp8 (section 24): the same over an e4m3 cache at these scales (qk_norm_rope_view stores e4m3); this step's
+// The separate path's q/k-norm and RoPE is section 19's eight-lane kernel, whose pieces the fused kernel uses.
+// fp8 (section 28): the same over an e4m3 cache at these scales (qk_norm_rope_fp8 stores e4m3); this step's
 // k and v are then the values their bytes stand for on both sides.
 static void check_fused_rope(const char* what, int NH, int NKV, int P, const std::vector<int>& ctx, int n_pad,
                              int max_ctx, uint64_t seed, KVCacheDtype dtype = KVCacheDtype::BF16,
@@ -839,16 +868,22 @@ static void check_fused_rope(const char* what, int NH, int NKV, int P, const std
     g_opt.cluster_merge = variant & 2;
     bf16* qkv = device_copy(qkv0, (size_t)B * W);
     void *k = device_copy_bytes(k0, cache_bytes), *v = device_copy_bytes(v0, cache_bytes);
-    const KVView layer{k, v, dtype, kv_scale};
+    const KVView view{k, v, dtype, kv_scale};
     PoisonedOutput out((size_t)B * NH * HEAD_DIM);
     CUDA_CHECK(cudaMemset(ws, 0xFF, flash_decode_workspace_bytes(B, NH, max_ctx)));
-    if (fused) {
-      const DecodeRope rope{d_pos, d_slots, qw, kw, eps, rope_inv_freq(theta)};
-      attention_decode_fast(out.d, qkv, layer, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws, scale, 0, &rope);
-    } else {  // (without the cluster merge, attention_decode_fast is flash_attention_decode)
-      qk_norm_rope_view(qkv, d_pos, qw, kw, layer, d_slots, B, NH, NKV, P, theta, eps, 0);
-      attention_decode_fast(out.d, qkv, layer, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws, scale, 0, nullptr);
-    }
+    with_format(view, [&](auto f, const auto& layer) {
+      using F = decltype(f);
+      if (fused) {
+        const DecodeRope rope{d_pos, d_slots, qw, kw, eps, rope_inv_freq(theta)};
+        attention_decode_fast<F>(out.d, qkv, layer, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws, scale, 0, &rope);
+      } else {  // (without the cluster merge, attention_decode_fast is flash_attention_decode)
+        if constexpr (std::is_same<F, KVFp8>::value)
+          qk_norm_rope_fp8(qkv, d_pos, qw, kw, layer, d_slots, B, NH, NKV, P, theta, eps, 0);
+        else
+          qk_norm_rope_fast(qkv, d_pos, qw, kw, layer, d_slots, B, NH, NKV, P, theta, eps, 0);
+        attention_decode_fast<F>(out.d, qkv, layer, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws, scale, 0, nullptr);
+      }
+    });
     std::vector<float> o = out.read();  // also checks the guard zone
     out_bits[variant] = download_bits(out.d, (size_t)(B - n_pad) * NH * HEAD_DIM);
     k_bits[variant] = download_bytes(k, cache_bytes);
@@ -873,7 +908,8 @@ static void check_fused_rope(const char* what, int NH, int NKV, int P, const std
   };
   compare_bits(1, 0, "fused vs section 15");
   if (cluster) compare_bits(3, 2, "fused vs separate, cluster");
-  if (cluster && *std::max_element(ctx.begin(), ctx.end()) <= 1024 && decode_partition(B, dtype) == ATTN_KV_TILE)
+  const int partition = fp8 ? DecodeLoop<KVFp8>::partition(B) : DecodeLoop<KVBf16>::partition(B);
+  if (cluster && *std::max_element(ctx.begin(), ctx.end()) <= 1024 && partition == ATTN_KV_TILE)
     compare_bits(2, 0, "cluster vs section 15");
   // the store happened: every real row's slot changed (random values repeat by chance only rarely)
   std::vector<uint8_t> k_before = download_bytes(k0, cache_bytes);
@@ -904,7 +940,7 @@ TEST(decode_fused_rope_matches_separate_kernels) {
                    59);
 }
 
-// ---- section 24: the fp8 cache ------------------------------------------------------------------------------
+// ---- section 28: the fp8 cache ------------------------------------------------------------------------------
 // The kernels read e4m3 bytes and widen them exactly, so against the fp64 reference over the values the
 // bytes stand for they are held to the bf16 tolerance. Scales other than 1 on purpose (kFp8, above:
 // keys 1/4, values 2).
@@ -946,7 +982,7 @@ TEST(fp8_wrong_scale_is_caught) {
 }
 
 // Section 19 with an fp8 cache: the fused kernel keeps this step's key and value in shared memory as the values
-// their bytes stand for, so its outputs and the bytes it stores equal qk_norm_rope_view + section 15's, bit
+// their bytes stand for, so its outputs and the bytes it stores equal qk_norm_rope_fp8 + section 15's, bit
 // for bit.
 TEST(fp8_decode_fused_rope_matches_separate_kernels) {
   REQUIRE_GPU();
@@ -1013,8 +1049,7 @@ TEST(timing_prefill) {
           if (plain)
             attention_prefill(out, qkv, KVLayer{k, v}, d_cu, d_lens, d_bt, S, L, NH, NKV, P, MB, scale, 0);
           else
-            flash_attention_prefill(out, qkv, bf16_kv_view({k, v}), d_cu, d_lens, d_bt, S, L, NH, NKV, P, MB,
-                                    scale, 0);
+            flash_attention_prefill(out, qkv, KVLayer{k, v}, d_cu, d_lens, d_bt, S, L, NH, NKV, P, MB, scale, 0);
         },
         plain ? 3 : 7);
     printf("    TIMING prefill %d x %d NH=%d NKV=%d P=%d, section %d: %.0f us, %.1f TFLOP/s, %.0f tok/s "

@@ -71,5 +71,5 @@ run_e2e() {  # run_e2e LABEL ENV...
 }
 for opt in ${E2E_OPTS:-all none}; do run_e2e "opt-$opt" NANOVLLM_E2E_OPT="$opt"; done
 for sch in ${E2E_SCHEDULERS:-mixed}; do run_e2e "scheduler-$sch" NANOVLLM_E2E_SCHEDULER="$sch"; done
-for kv in ${E2E_KV-fp8}; do run_e2e "kv-$kv" NANOVLLM_E2E_KV="$kv"; done  # --kv-cache-dtype (section 24)
+for kv in ${E2E_KV-fp8}; do run_e2e "kv-$kv" NANOVLLM_E2E_KV="$kv"; done  # --kv-cache-dtype (section 28)
 echo; echo "== summary"; printf '%s\n' "${rows[@]}"

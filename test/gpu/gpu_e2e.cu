@@ -13,15 +13,15 @@
 //     holds one max_model_len sequence (preemption on most steps), and 16 requests behind one long prefix.
 // (b) and (c) are written to SHAPE/gen_results.json for the teacher-forcing check in Python.
 // NANOVLLM_E2E_TP=N runs every engine with --tensor-parallel-size N: main() forks the N-1 workers before
-// any CUDA call, and they serve the engines this process builds, one at a time (the newest; section 32).
+// any CUDA call, and they serve the engines this process builds, one at a time (the newest; section 33).
 // NANOVLLM_E2E_OPT=LIST runs every engine with --opt LIST (none: Part I alone, the plain path; default all:
 // every optimization), so the same comparison with Hugging Face checks the plain path and the fast ones.
-// Section 25's persistent decode kernel takes every batch size it has a plan for (NANOVLLM_PERSISTENT=always,
+// Section 24's persistent decode kernel takes every batch size it has a plan for (NANOVLLM_PERSISTENT=always,
 // set here unless the environment says otherwise), not only those it measured faster at start-up.
 // NANOVLLM_E2E_SCHEDULER=mixed runs every engine with --scheduler mixed (vLLM V1's, section 5b): steps then
 // hold decode tokens and prompt chunks together (with the default optimizations, their decode rows go through
 // the decode kernel, section 15, and steps of up to 2,048 tokens replay section 23's graphs).
-// NANOVLLM_E2E_KV=fp8 runs every engine with --kv-cache-dtype fp8 (section 24). Its bar for (a) is 5x the bf16
+// NANOVLLM_E2E_KV=fp8 runs every engine with --kv-cache-dtype fp8 (section 28). Its bar for (a) is 5x the bf16
 // one: e4m3 rounds each key and value to 3 mantissa bits (a relative error up to 2^-4, 16x bf16's), which on
 // these shapes costs 3-5x bf16's logit error (docs/performance.md, the FP8 KV cache), and a scale off by 2x costs far more
 // (gpu_attention's fp8_wrong_scale_is_caught); the argmax check and the teacher-forcing tolerance follow our
@@ -84,7 +84,7 @@ struct Engine {
   ModelConfig mc;
   std::unique_ptr<ModelRunner> runner;
   std::unique_ptr<LLMEngine> engine;
-  RunWatcher watcher;  // the step counts (section 31's observer), without its progress line
+  RunWatcher watcher;  // the step counts (section 32's observer), without its progress line
   Engine(const std::string& dir, int max_batched, int block_size, int num_blocks, int max_model_len) {
     config.model = dir;
     config.max_num_batched_tokens = max_batched;
@@ -143,7 +143,7 @@ static void run_shape(const std::string& dir) {
   const bool fp8 = e.config.kv_cache_dtype == "fp8";
 #ifdef NANOVLLM_PART_II  // (a build with Part II cut out stores bf16 only: parse_kv_cache_dtype refuses fp8)
   if (fp8) {
-    CHECK_MSG(g_kv_dtype == KVCacheDtype::FP8 && (int)g_kv_scales.size() == e.mc.num_hidden_layers,
+    CHECK_MSG(g_kv_fp8 && (int)g_kv_scales.size() == e.mc.num_hidden_layers,
               "--kv-cache-dtype fp8 asked for, but the engine's cache is not fp8 (%zu layers of scales)",
               g_kv_scales.size());
     printf("    fp8 KV cache, scales (k, v) per layer:");
@@ -516,7 +516,7 @@ TEST(e2e_against_transformers) {
 }
 
 int main(int argc, char** argv) {
-  setenv("NANOVLLM_PERSISTENT", "always", 0);  // read at each engine's start-up (section 28), on rank 0
+  setenv("NANOVLLM_PERSISTENT", "always", 0);  // read at each engine's start-up (section 27), on rank 0
   // Read when a ModelRunner allocates an fp8 pool, on every rank: set before the workers are forked, so
   // that they have it too.
 #ifdef NANOVLLM_PART_II

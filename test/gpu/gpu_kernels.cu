@@ -1,6 +1,6 @@
 // gpu_kernels.cu — sections 7 (elementwise and normalisation kernels), 9 (the sampler) and 20 (the fast
 // samplers: section 21's bisection, section 22's radix select) against the CPU references beside them in nanovllm.cu, the
-// three samplers against each other token for token, and section 24's fp8 conversions and store. Every case poisons its outputs first (0xFF bytes: bf16 NaN), uses fresh
+// three samplers against each other token for token, and section 28's fp8 conversions and store. Every case poisons its outputs first (0xFF bytes: bf16 NaN), uses fresh
 // random inputs and awkward sizes. Without a visible GPU every GPU case is SKIPPED (never reported as passed).
 //   build: make test (or nvcc -std=c++17 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a
 //          -o build/gpu_kernels test/gpu/gpu_kernels.cu -lcublasLt -lnccl libutf8proc.a)
@@ -147,11 +147,18 @@ static void cpu_qk_norm_rope(std::vector<float>& qkv, const std::vector<int>& po
   qk_norm_rope_reference(qkv.data(), pos.data(), qw, kw, T, NH, NKV, theta, eps);
 }
 
+// The two kernels of the same launcher shape: section 7's qk_norm_rope and section 19's eight-lane one.
+typedef void (*QkNormRope)(bf16*, const int*, const bf16*, const bf16*, const KVLayer&, const int*, int, int, int,
+                           int, float, float, cudaStream_t);
+static const struct { const char* name; QkNormRope f; } kQkNormRopes[] = {{"qk_norm_rope", qk_norm_rope},
+                                                                          {"qk_norm_rope_fast", qk_norm_rope_fast}};
+
 TEST(qk_norm_rope_matches_reference) {
   REQUIRE_GPU();
   std::mt19937 rng(3);
   const float eps = 1e-6f;
   struct Case { int T, NH, NKV; float theta; };
+  for (const auto& kernel : kQkNormRopes)
   for (Case c : {Case{1, 16, 8, 1e6f}, Case{37, 16, 8, 1e6f}, Case{37, 32, 8, 1e6f}, Case{37, 40, 8, 1e4f},
                  Case{3, 64, 8, 1e6f}}) {
     int W = (c.NH + 2 * c.NKV) * HEAD_DIM;
@@ -165,23 +172,25 @@ TEST(qk_norm_rope_matches_reference) {
     for (int i = 0; i < c.T && i < 5; i++) pos[i] = edge[i];
     DevBuf<bf16> d_qkv(qkv), d_qw(qw), d_kw(kw), d_cache((size_t)c.NKV * 16 * HEAD_DIM);
     DevBuf<int> d_pos(pos), d_slots(std::vector<int>(c.T, -1));  // no store here: see the next test
-    qk_norm_rope(d_qkv.p, d_pos.p, d_qw.p, d_kw.p, KVLayer{d_cache.p, d_cache.p}, d_slots.p, c.T, c.NH,
-                 c.NKV, 16, c.theta, eps, 0);
+    d_cache.poison();
+    kernel.f(d_qkv.p, d_pos.p, d_qw.p, d_kw.p, KVLayer{d_cache.p, d_cache.p}, d_slots.p, c.T, c.NH, c.NKV, 16,
+             c.theta, eps, 0);
     auto got = to_float(d_qkv.download());
     auto want = to_float(qkv);
     auto qwf = to_float(qw), kwf = to_float(kw);
     cpu_qk_norm_rope(want, pos, qwf.data(), kwf.data(), c.T, c.NH, c.NKV, c.theta, eps);
     char what[96];
-    snprintf(what, sizeof what, "qk_norm_rope T=%d NH=%d NKV=%d theta=%g", c.T, c.NH, c.NKV, c.theta);
+    snprintf(what, sizeof what, "%s T=%d NH=%d NKV=%d theta=%g", kernel.name, c.T, c.NH, c.NKV, c.theta);
     check_close(what, got.data(), want.data(), n, 1e-2f, 1e-2f);  // v heads: want == input, exact
   }
 }
 
-// The KV store fused into qk_norm_rope: every k head lands in its slot exactly as qk_norm_rope left it in
-// qkv, every v head as it came in; slot -1 stores nothing; nothing else in the cache is touched.
+// The KV store fused into qk_norm_rope (both kernels): every k head lands in its slot exactly as the kernel
+// left it in qkv, every v head as it came in; slot -1 stores nothing; nothing else in the cache is touched.
 TEST(store_kvcache_slots_and_padding) {
   REQUIRE_GPU();
   std::mt19937 rng(4);
+  for (const auto& kernel : kQkNormRopes)
   for (int P : {16, 256})
     for (int NH : {16, 32}) {
       const int T = 37, NKV = 8, NB = 6, D = HEAD_DIM;
@@ -201,8 +210,7 @@ TEST(store_kvcache_slots_and_padding) {
       DevBuf<int> d_slots(slots), d_pos(pos);
       d_k.poison();
       d_v.poison();
-      qk_norm_rope(d_qkv.p, d_pos.p, d_w.p, d_w.p, KVLayer{d_k.p, d_v.p}, d_slots.p, T, NH, NKV, P, 1e6f,
-                   1e-6f, 0);
+      kernel.f(d_qkv.p, d_pos.p, d_w.p, d_w.p, KVLayer{d_k.p, d_v.p}, d_slots.p, T, NH, NKV, P, 1e6f, 1e-6f, 0);
       auto k = d_k.download(), v = d_v.download();
       auto roped = d_qkv.download();  // k heads as qk_norm_rope wrote them
       std::vector<uint16_t> want_k(cache_n, 0xFFFF), want_v(cache_n, 0xFFFF);
@@ -220,14 +228,14 @@ TEST(store_kvcache_slots_and_padding) {
       for (size_t i = 0; i < cache_n; i++) {
         bool ok = bits_of(k[i]) == want_k[i] && bits_of(v[i]) == want_v[i];
         if (!ok && bad++ < 3)
-          fprintf(stderr, "    P=%d NH=%d element %zu: k %04x want %04x, v %04x want %04x\n", P, NH, i,
-                  bits_of(k[i]), want_k[i], bits_of(v[i]), want_v[i]);
+          fprintf(stderr, "    %s P=%d NH=%d element %zu: k %04x want %04x, v %04x want %04x\n", kernel.name, P,
+                  NH, i, bits_of(k[i]), want_k[i], bits_of(v[i]), want_v[i]);
       }
-      CHECK_MSG(bad == 0, "P=%d NH=%d: %zu cache elements wrong", P, NH, bad);
+      CHECK_MSG(bad == 0, "%s P=%d NH=%d: %zu cache elements wrong", kernel.name, P, NH, bad);
     }
 }
 
-// ---- section 24: the fp8 cache's conversions and store ---------------------------------------------------
+// ---- section 28: the fp8 cache's conversions and store ---------------------------------------------------
 
 __global__ void fp8_round_trip_kernel(const uint16_t* in, uint8_t* bytes, uint16_t* back, uint8_t* again, int n,
                                       float scale) {
@@ -241,7 +249,7 @@ __global__ void fp8_round_trip_kernel(const uint16_t* in, uint8_t* bytes, uint16
 }
 
 // Every bf16 value (all 65,536 bit patterns but NaN), at scales 1, 2^-3, 2^5 and 2^7: the byte the store
-// writes equals section 24's CPU rounding of value / scale (nearest, ties to even, saturating at 448); the
+// writes equals section 28's CPU rounding of value / scale (nearest, ties to even, saturating at 448); the
 // fp16 the attention tiles get is exactly that e4m3 value (subnormals included); and the fused kernel's
 // store of those tile values writes the same byte again.
 TEST(fp8_conversions_exact) {
@@ -279,7 +287,7 @@ TEST(fp8_conversions_exact) {
   }
 }
 
-// qk_norm_rope_view's store into an fp8 cache (section 24): every k head lands in its slot as e4m3(k / k_scale)
+// qk_norm_rope_fp8's store into an fp8 cache (section 28): every k head lands in its slot as e4m3(k / k_scale)
 // of the bf16 k it left in qkv, every v head as e4m3(v / v_scale); slot -1 stores nothing; nothing else is
 // touched.
 TEST(store_kvcache_fp8) {
@@ -304,8 +312,8 @@ TEST(store_kvcache_fp8) {
     CUDA_CHECK(cudaMemset(d_k.p, 0xA5, cache_n));
     CUDA_CHECK(cudaMemset(d_v.p, 0xA5, cache_n));
     const KVScales scale{0.25f, 2.f};
-    qk_norm_rope_view(d_qkv.p, d_pos.p, d_w.p, d_w.p, KVView{d_k.p, d_v.p, KVCacheDtype::FP8, scale}, d_slots.p, T,
-                      NH, NKV, P, 1e6f, 1e-6f, 0);
+    qk_norm_rope_fp8(d_qkv.p, d_pos.p, d_w.p, d_w.p, KVLayerFp8{(fp8e4m3*)d_k.p, (fp8e4m3*)d_v.p, scale}, d_slots.p,
+                     T, NH, NKV, P, 1e6f, 1e-6f, 0);
     auto k = d_k.download(), v = d_v.download();
     auto roped = d_qkv.download();
     std::vector<uint8_t> want_k(cache_n, 0xA5), want_v(cache_n, 0xA5);
@@ -385,6 +393,10 @@ TEST(bench_elementwise_bandwidth) {
       {"qk_norm_rope + KV store T=16384 NH=16 NKV=8", (2.0 * (NH + NKV) + 3.0 * NKV) * T * HEAD_DIM * 2,
        time_ms([&] {
          qk_norm_rope(out.p, d_pos.p, w.p, w.p, KVLayer{kc.p, vc.p}, d_slots.p, T, NH, NKV, P, 1e6f, 1e-6f, 0);
+       })},
+      {"qk_norm_rope_fast + KV store", (2.0 * (NH + NKV) + 3.0 * NKV) * T * HEAD_DIM * 2,
+       time_ms([&] {
+         qk_norm_rope_fast(out.p, d_pos.p, w.p, w.p, KVLayer{kc.p, vc.p}, d_slots.p, T, NH, NKV, P, 1e6f, 1e-6f, 0);
        })},
       {"silu_and_mul   T=16384 I=3072", 3.0 * T * I * 2,
        time_ms([&] { silu_and_mul(out.p, in.p, T, I, 0); })},

@@ -1,9 +1,9 @@
-// gpu_persistent.cu — section 25's persistent decode kernel against section 14's forward pass and Part I's
+// gpu_persistent.cu — section 24's persistent decode kernel against section 14's forward pass and Part I's
 // (Qwen3::forward), on random-weight models built in GPU memory (the Qwen3-0.6B shape with all 28 layers,
 // a 4-layer slice of the Qwen3-8B shape, and an odd small shape whose sizes leave partial row groups and
 // partial chunks everywhere, with one KV head and 16-token blocks), at every batch size the kernel has a plan
 // for (1, 2, 4) with contexts from 1 to 3000 tokens over shuffled paged blocks; with a bf16 cache and with
-// an fp8 one (section 24).
+// an fp8 one (section 28).
 //   * Accuracy. The kernel adds its sums in another order than section 14 (and cuBLASLt), so the results are
 //     not bit-identical: each bf16 rounding may land one ulp apart and the difference travels through the
 //     layers. The yardstick is how far section 14 (other legitimate orders: section 18's gemv at batch 1
@@ -88,7 +88,7 @@ __global__ void widen_e4m3(bf16* out, const fp8e4m3* in, size_t n, float scale) 
 }
 
 // A Qwen3 with random weights and a random cache, bf16 or (fp8 = true) fp8 with the scales the engine would
-// choose for these weights plus a bf16 copy of it for Part I, and section 25's plans, without a checkpoint.
+// choose for these weights plus a bf16 copy of it for Part I, and section 24's plans, without a checkpoint.
 struct TestModel {
   Qwen3 m;
   PersistentDecode pd;
@@ -97,10 +97,11 @@ struct TestModel {
   bool fp8 = false;
   std::vector<KVScales> scales;  // fp8: per layer
   char* bf16_copy = nullptr;     // fp8: the cache as bf16 values, [L, 2, NB, NKV, P, D]
-  // The engine's cache format for this model (g_kv_dtype, g_kv_scales are global: set before every use).
+  // The engine's cache format for this model, as ModelRunner sets it once the switches are applied (section
+  // 29's stages and persistent kernel for fp8; the format is global: set before every use).
   void use_format() const {
-    g_kv_dtype = fp8 ? KVCacheDtype::FP8 : KVCacheDtype::BF16;
-    g_kv_scales = scales;
+    if (fp8) install_fp8_cache(scales);
+    else g_persist_format = &kPersistBf16;
   }
   TestModel(const std::string& shape, int P, int max_model_len, int NB_, bool fp8_ = false) : NB(NB_), fp8(fp8_) {
     const ModelConfig c = test_shape(shape);
@@ -225,7 +226,7 @@ static StepResult run_step(TestModel& t, DecodeStep& st, Path path, int skew_ns 
   // Part I reads an fp8 model's bf16 copy of the cache: the engine's format is bf16 for this run.
   const bool on_copy = path == Path::PLAIN && t.fp8;
   char* const fp8_base = t.m.kv.base;
-  if (on_copy) t.m.kv.base = t.bf16_copy, t.m.kv.value_bytes = 2, g_kv_dtype = KVCacheDtype::BF16;
+  if (on_copy) t.m.kv.base = t.bf16_copy, t.m.kv.value_bytes = 2;
   else t.use_format();
   char* kv = t.m.kv.base;
   const int vb = t.m.kv.value_bytes;
@@ -241,7 +242,7 @@ static StepResult run_step(TestModel& t, DecodeStep& st, Path path, int skew_ns 
     CUDA_CHECK(cudaStreamSynchronize(t.s));
   } else if (path == Path::FAST) {
     ScopedOptimizations fast("all,-persistent");
-    t.use_format();  // (switching flash_attn resets the format to bf16)
+    t.use_format();  // (installing the switches resets section 14's stages to bf16's)
     CHECK_MSG(g_opt.flash_attn && g_opt.gemv, "section 14 with flash_attn and gemv expected");
     forward_fast(t.m, in, st.B, st.B, false, t.s);
     CUDA_CHECK(cudaStreamSynchronize(t.s));
@@ -308,7 +309,7 @@ static int argmax_agrees(const std::vector<float>& got, const std::vector<float>
   return same;
 }
 
-static bool fp8_cache_supported() {  // section 24's conversion instructions: compute capability 8.9
+static bool fp8_cache_supported() {  // section 28's conversion instructions: compute capability 8.9
   int major = 0, minor = 0;
   CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
   CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0));

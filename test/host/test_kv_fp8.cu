@@ -1,4 +1,4 @@
-// The FP8 KV cache's host side (nanovllm.cu section 24, and section 2's --kv-cache-dtype): the e4m3 CPU
+// The FP8 KV cache's host side (nanovllm.cu section 28, and section 2's --kv-cache-dtype): the e4m3 CPU
 // reference the GPU suites hold the kernels to, the per-layer scale rule, the flag, the block size and the
 // trip to the tensor-parallel workers. No GPU: the kernels are checked against these in test/gpu.
 #define NANOVLLM_TESTING
@@ -98,7 +98,7 @@ TEST(kv_cache_dtype_flag_and_block_size) {
     }
 }
 
-// The workers build their engine from Config as JSON (section 32): the cache's format too.
+// The workers build their engine from Config as JSON (section 33): the cache's format too.
 TEST(kv_cache_dtype_travels_to_the_workers) {
   for (const char* d : {"bf16", "fp8"}) {
     Config c;

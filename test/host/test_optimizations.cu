@@ -36,7 +36,7 @@ static int fields_on(const Optimizations& o) {
 TEST(every_optimization_is_registered_once) {
   const char* expected[] = {"flash_attn",       "pdl",            "gemv",          "cluster_merge",
                             "fused_rope",       "oneshot_allreduce", "bisect_sampler", "fast_sampler",
-                            "prefill_graphs",   "longest_first",  "persistent"};
+                            "prefill_graphs",   "persistent",     "longest_first"};
   CHECK_EQ(reg().size(), sizeof expected / sizeof expected[0]);
   CHECK_EQ(sizeof(Optimizations), reg().size() * sizeof(bool));
   for (size_t i = 0; i < reg().size() && i < sizeof expected / sizeof expected[0]; i++) {
@@ -91,7 +91,7 @@ TEST(switches_fill_their_hooks) {
 }
 
 // Section 14's stage table: each chapter fills its own stages, a chapter that changes flash_attn's decode
-// kernel does nothing without flash_attn, and every install starts the table over from Part I's stages.
+// kernel leaves decode alone without flash_attn, and every install starts the table over from Part I's stages.
 TEST(chapters_fill_their_stages) {
   install_optimizations(parsed("none,gemv"));
   CHECK(g_hooks.forward == forward_fast && g_stages.norm_matmul == gemv_norm_matmul &&
@@ -100,13 +100,17 @@ TEST(chapters_fill_their_stages) {
   install_optimizations(parsed("none,flash_attn"));
   CHECK(g_stages.norm_matmul == norm_matmul_plain && g_stages.matmul_out == matmul_out_plain);  // started over
   CHECK(g_stages.attention_prefill == flash_attention_prefill_stage &&
-        g_stages.attention_decode == flash_attention_decode_stage && g_decode_attention == flash_attention_decode);
-  install_optimizations(parsed("none,fused_rope,cluster_merge"));  // without flash_attn: nothing changes
-  CHECK(!g_hooks.forward && g_decode_attention == flash_attention_decode);
+        g_stages.attention_decode == flash_attention_decode_stage &&
+        g_decode_attention == flash_attention_decode<KVBf16> && g_stages.store_qkv == store_qkv_plain);
+  install_optimizations(parsed("none,fused_rope,cluster_merge"));  // without flash_attn: only fused_rope's store
+  CHECK(g_hooks.forward == forward_fast && g_stages.store_qkv == store_qkv_fast &&
+        g_stages.attention_decode == attention_decode_plain && g_decode_attention == flash_attention_decode<KVBf16>);
   install_optimizations(parsed("none,flash_attn,cluster_merge"));
-  CHECK(g_stages.attention_decode == flash_attention_decode_stage && g_decode_attention == attention_decode_cluster);
+  CHECK(g_stages.attention_decode == flash_attention_decode_stage &&
+        g_decode_attention == attention_decode_cluster<KVBf16>);
   install_optimizations(parsed("none,flash_attn,fused_rope"));
-  CHECK(g_stages.attention_decode == fused_attention_decode_stage && g_decode_attention == flash_attention_decode);
+  CHECK(g_stages.attention_decode == fused_attention_decode_stage && g_stages.store_qkv == store_qkv_fast &&
+        g_decode_attention == flash_attention_decode<KVBf16>);
   install_optimizations(parsed("none,oneshot_allreduce"));
   CHECK(g_hooks.forward == forward_fast && g_stages.all_reduce == all_reduce_oneshot &&
         g_stages.attention_decode == attention_decode_plain);
@@ -114,11 +118,12 @@ TEST(chapters_fill_their_stages) {
   CHECK(g_stages.cut == piecewise_cut && g_stages.attention_prefill == attention_prefill_plain);
   install_optimizations(default_optimizations());
   CHECK(g_stages.norm_matmul == gemv_norm_matmul && g_stages.attention_decode == fused_attention_decode_stage &&
+        g_stages.store_qkv == store_qkv_fast &&
         g_stages.all_reduce == all_reduce_oneshot && g_stages.cut == piecewise_cut &&
         g_stages.attention_prefill == flash_attention_prefill_stage);
 }
 
-// Section 24a's order: with an fp8 cache, a decode batch sorted by context length, longest first, ties kept in
+// Section 29a's order: with an fp8 cache, a decode batch sorted by context length, longest first, ties kept in
 // the scheduler's order (stable), the same sequences; with a bf16 cache, the batch as it was.
 TEST(longest_first_orders_decode_rows) {
   std::vector<Sequence> seqs;
@@ -128,12 +133,12 @@ TEST(longest_first_orders_decode_rows) {
   std::vector<Sequence*> batch;
   for (auto& s : seqs) batch.push_back(&s);
   std::vector<Sequence*> sorted = batch;
-  g_kv_dtype = KVCacheDtype::BF16;
+  g_kv_fp8 = false;
   order_longest_first(sorted);
   CHECK(sorted == batch);
-  g_kv_dtype = KVCacheDtype::FP8;
+  g_kv_fp8 = true;
   order_longest_first(sorted);
-  g_kv_dtype = KVCacheDtype::BF16;
+  g_kv_fp8 = false;
   const int want[] = {6, 1, 3, 7, 2, 5, 0, 4};  // by length, then by place in the batch
   for (int i = 0; i < 8; i++)
     CHECK_MSG(sorted[i] == batch[want[i]], "row %d holds sequence %d (length %d), expected %d", i,
@@ -172,7 +177,7 @@ TEST(longest_first_reorders_decode_steps_only) {
   RecordingRunner runners[2];
   for (int on = 0; on < 2; on++) {
     install_optimizations(parsed(on ? "none,longest_first" : "none"));
-    g_kv_dtype = KVCacheDtype::FP8;  // (the order applies to an fp8 cache; no GPU: only the format's tag)
+    g_kv_fp8 = true;  // (the order applies to an fp8 cache; no GPU: only the format's tag)
     Config c = small_config(200, 16, 64);  // a small token budget: prompts spread over several prefill steps
     LLMEngine e(c, runners[on]);
     for (const Completion& o : e.generate(reqs)) tokens[on].push_back(o.token_ids);
@@ -218,7 +223,7 @@ TEST(prefill_graph_rungs_bound_the_padding) {
   }
 }
 
-// Every optimization is on by default (section 25's persistent kernel then takes only the batch sizes it
+// Every optimization is on by default (section 24's persistent kernel then takes only the batch sizes it
 // measures faster at start-up).
 TEST(defaults_are_all) {
   OptimizationSet o = default_optimizations();
@@ -231,7 +236,7 @@ TEST(defaults_are_all) {
   CHECK_EQ(optimizations_str(o), std::string("all"));
 }
 
-// Section 25's weight stream: the chunks a thread block's cursor visits (persist_seek, then the next column
+// Section 24's weight stream: the chunks a thread block's cursor visits (persist_seek, then the next column
 // chunk, as persist_issue steps it) come in the order the kernel's main loop uses them: operation by
 // operation, the block's groups (block, block + grid, ...), each group's column chunks in order; none of
 // operations that are not matrix products or in which the block has no group; and once past the last, none
@@ -282,7 +287,7 @@ TEST(persistent_weight_stream_order) {
   CHECK(visited > 100000);  // the lists are not all empty
 }
 
-// Section 28's routing by context: where the kernel's line meets section 14's less the margin, from two
+// Section 27's routing by context: where the kernel's line meets section 14's less the margin, from two
 // measurements; and the plan a step gets on either side of that limit. Pure host arithmetic.
 TEST(persistent_routing_by_context) {
   const double m = PERSIST_ROUTE_MARGIN;
@@ -322,7 +327,7 @@ TEST(persistent_routing_by_context) {
   g_opt = saved;
 }
 
-// Section 28's cache of the routing measurement: what it writes it reads back whole; anything else (another
+// Section 27's cache of the routing measurement: what it writes it reads back whole; anything else (another
 // key, a corrupted time, a missing or extra batch size, a context the run would not time, a time that is not
 // finite and positive, a file cut short or not JSON) is refused, so the run measures again.
 TEST(persistent_routing_cache_trusts_only_a_whole_entry) {
@@ -441,7 +446,7 @@ TEST(command_line_flags) {
   CHECK(help.find("(mixed)") != std::string::npos);
 }
 
-// The workers build their engine from Config as JSON (section 32): the switch must survive the trip.
+// The workers build their engine from Config as JSON (section 33): the switch must survive the trip.
 TEST(switch_travels_to_the_workers) {
   Config c;
   c.opt = parsed("none,gemv,oneshot_allreduce");

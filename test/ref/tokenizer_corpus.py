@@ -582,7 +582,7 @@ def random_regex_cases(rng, n):
 
 
 def random_ascii_cases(rng, n):
-    alphabet = [chr(c) for c in range(32, 127)] + ["\n", "\t", "\r"] * 3 + [" "] * 10
+    alphabet = [chr(c) for c in range(33, 127)] + ["\n", "\t", "\r"] * 3 + [" "] * 10
     return [(f"ascii/{i}", "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60))))
             for i in range(n)]
 
