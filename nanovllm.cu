@@ -323,7 +323,9 @@ struct ModelConfig {
 // name, one line for --help, whether it is on by default, and `apply`, which turns it on or off and fills
 // the hook entries of section 11 it replaces). So a reader can run the plain engine (--plain, or --opt
 // none) and climb back one step at a time (--opt none,NAME), every optimization can be checked against the
-// code it replaces, and a build with Part II cut out has an empty registry and runs Part I alone.
+// code it replaces, and a build with Part II cut out has an empty registry and runs Part I alone. `step_costs`
+// is for a model of the engine that runs no GPU (section 34's simulate, which prices each step): what the
+// optimization changes in how a step runs, as named numbers; section 34 lists the names it reads.
 struct Hooks;  // section 11
 struct Qwen3;  // section 6c
 struct Optimization {
@@ -332,6 +334,7 @@ struct Optimization {
   bool on_by_default;
   void (*apply)(bool on, Hooks& h);   // switch it on or off; when on, fill the hooks it replaces
   std::string (*note)(const Qwen3& model) = nullptr;  // what the start-up line adds about it ("": nothing)
+  std::vector<std::pair<std::string, double>> step_costs = {};  // (name, value); none: Part I's steps
 };
 static std::vector<Optimization>& optimization_registry() {
   static std::vector<Optimization> registry;  // in the order the sections come in the file
@@ -2623,8 +2626,8 @@ static void linear(Gemm& gemm, void* y, const bf16* x, const bf16* W, int M, int
 // 1, 2, 4, 8, 16, 32, ..., 512 (largest first) and replayed; a batch of 37 replays the 48 graph with 11
 // padding rows (slot -1: nothing stored, context 1: a harmless read, token discarded). No kernel's grid
 // depends on the contexts (section 8's on the batch size, section 16's on max_model_len), so one capture
-// serves every step. (A Part II decode path that pays only up to some context asks for a second graph of a
-// batch size, for the steps past it: Hooks::decode_step_context_limit, graph_for.)
+// serves every step. (A Part II chapter that runs some decode steps its own way captures graphs of its own
+// the same way, capture_decode_graph, and replays them from Hooks::decode_step.)
 
 // A pinned host array and its device twin inside one of the two step regions.
 template <typename Tp>
@@ -2658,7 +2661,7 @@ struct StepRegion {
 struct TPStep {      // what rank 0 decided for one step; the step region's bytes follow it (section 12b)
   int is_prefill;
   int T, B;          // tokens and sequences (decode: B padded to the graph's batch size, T = B)
-  int max_seqlen_q;  // prefill; decode: the longest context (ModelRunner::graph_for)
+  int max_seqlen_q;  // prefill; decode: the longest context (Hooks::decode_step may choose by it)
   int decode_rows;   // prefill: StepInputs::decode_rows
   int graph_bs;      // decode: the CUDA graph to replay, 0 = run eagerly
   uint64_t bytes;    // used bytes of the step region
@@ -2672,28 +2675,25 @@ static void gather_logits(TPComm* comm, const float* shard, float* staging, floa
                           cudaStream_t stream);
 
 // ---- The hooks: where Part II plugs in -------------------------------------------------------------------
-// Everything Part II replaces, in one table. Each entry says what it replaces; an empty entry (the state a
-// run starts in, and all there is with Part II cut out) means Part I's code runs. install_optimizations
-// empties the table and lets every registered optimization (section 2) fill its entries, in file order;
-// ModelRunner calls it first thing, so each engine runs with its own Config's switches.
+// What Part II may replace, and the points in an engine's life where it may act, in one table. Each entry
+// says what runs when it is empty: the state a run starts in, and all there is with Part II cut out.
+// install_optimizations empties the table and lets every registered optimization (section 2) fill its
+// entries, in file order; ModelRunner calls it first thing, so each engine runs with its own Config's
+// switches.
+struct ModelRunner;
 struct Hooks {
+  // -- What a chapter may replace --
   // The forward pass of a step. Empty: section 6c's Qwen3::forward.
   void (*forward)(Qwen3& model, const StepInputs& in, int T, int B, bool is_prefill, cudaStream_t s) = nullptr;
-  // A decode step of B sequences whose longest context is max_context keys, run some other way; returns false
-  // for a step it does not take. Empty (or false): `forward`.
-  bool (*decode_step)(Qwen3& model, const StepInputs& in, int B, int max_context, cudaStream_t s) = nullptr;
-  // The longest context at which decode_step takes a step of B sequences (0: none). Where that is shorter than
-  // max_model_len, the runner captures a second CUDA graph of B for the longer steps. Empty: 0.
-  int (*decode_step_context_limit)(int B) = nullptr;
-  // The order of a decode step's rows: the engine applies it to the batch before the runner lays it out (and
-  // reads the tokens back in the same order). Empty: the scheduler's order.
-  void (*order_decode_batch)(std::vector<Sequence*>& batch) = nullptr;
-  // A prefill step of T tokens run some other way (CUDA graphs); returns false for a step it does not take.
-  // It may write the step's inputs past row T (padding). Empty (or false): `forward`.
+  // A decode step of B rows (a graph's batch size, padding included, where graphs are on) whose longest
+  // context is max_context keys, run some other way from its inputs to its drawn tokens; it may replay CUDA
+  // graphs of its own (ModelRunner::capture_decode_graph). draw: as in forward_and_sample (a graph draws
+  // anyway). Returns false for a step it does not take. Empty (or false): the runner's CUDA graph of the
+  // step, `forward` and the sampler (ModelRunner::run_decode; --enforce-eager: forward_and_sample).
+  bool (*decode_step)(ModelRunner& r, const StepInputs& in, int B, int max_context, bool draw) = nullptr;
+  // The model's part of a prefill step of T tokens, run some other way; returns false for a step it does
+  // not take. It may write the step's inputs past row T (padding). Empty (or false): `forward`.
   bool (*prefill_step)(Qwen3& model, const StepInputs& in, int T, int B, cudaStream_t s) = nullptr;
-  // Captures what prefill_step replays, after the decode graphs (capture_cudagraphs); `in` is the prefill
-  // region's inputs, free to overwrite, Tmax the largest step. Empty: nothing.
-  void (*capture_prefill)(Qwen3& model, const StepInputs& in, int Tmax, cudaStream_t s) = nullptr;
   // The sampler, with a workspace of sample_workspace_bytes(Bmax, V). Empty: section 9's sample, with a
   // workspace of sample_sort_workspace_bytes(Bmax, V).
   void (*sample)(int* out_tokens, const float* logits, const SamplingSlot* slots, int B, int V, void* workspace,
@@ -2703,17 +2703,21 @@ struct Hooks {
   void (*compute_logprobs)(TokenLogprobs* out, const float* logits, const int* tokens, const SamplingSlot* slots,
                            int B, int V, void* workspace, size_t workspace_bytes, cudaStream_t stream) = nullptr;
   size_t (*logprobs_workspace_bytes)(int B) = nullptr;
-  // Scratch for attention (Activations::attn_workspace) at B sequences of up to max_context_len keys.
-  // Empty: none (section 8's kernels need none).
+  // Scratch for `forward`'s attention (Activations::attn_workspace) at B sequences of up to max_context_len
+  // keys. Empty: none (section 8's kernels need none).
   size_t (*attention_workspace_bytes)(int B, int NH, int max_context_len) = nullptr;
-  // Runs on every rank, in the same order, once NCCL is up (section 12). Empty: nothing.
-  void (*tp_ready)(TPComm* comm) = nullptr;
-  // Run in order once the model's weights, activations and KV cache exist (plans, tables). Empty: nothing.
+
+  // -- Where a chapter may act: each a list, run in order; empty: nothing happens there --
+  // On every rank, in the same order, once NCCL is up (section 12).
+  std::vector<void (*)(TPComm* comm)> tp_ready;
+  // Once the model's weights, activations and KV cache exist (a chapter's plans, tables).
   std::vector<void (*)(Qwen3& model, const Config& c)> model_ready;
-  // What `nanovllm simulate` (section 34) must know to price a prefill step the way it runs. Empty: Part I's
-  // way (every one-token row read once per query head, every prefill step launched kernel by kernel).
-  bool decode_rows_as_decode = false;  // a step's leading one-token rows read their K/V once per GQA group
-  int prefill_graph_tokens = 0;        // prefill steps of at most this many tokens replay CUDA graphs
+  // Once the runner has captured its CUDA graphs (capture_cudagraphs; never with --enforce-eager): a chapter
+  // captures the graphs it replays.
+  std::vector<void (*)(ModelRunner& r)> graphs_captured;
+  // Once the scheduler has picked a decode step's rows, before the runner lays them out: a chapter may
+  // reorder them (the engine reads each sequence's token back by its row, so each keeps its own).
+  std::vector<void (*)(std::vector<Sequence*>& batch)> decode_scheduled;
 };
 static Hooks g_hooks;
 
@@ -2783,8 +2787,7 @@ struct ModelRunner : StepRunner {
   bool have_logprobs = false;      // the last step computed some (step_logprobs)
   uint64_t tp_engine = 0;          // rank 0 with tensor parallelism: the engine the workers built for this one
   std::vector<int> graph_bs;                 // captured batch sizes, ascending
-  std::map<int, cudaGraphExec_t> graphs;
-  std::map<int, cudaGraphExec_t> graphs_long;  // where decode_step stops at a context limit: the steps past it
+  std::map<int, cudaGraphExec_t> graphs;    // by batch size: a decode step, `forward` and the sampler
   double load_seconds = 0, load_gbps = 0, capture_seconds = 0;
   size_t free_at_start = 0;  // GPU memory free when this engine began: the rest is other processes' (and
                              // this process's CUDA context, or an earlier engine's)
@@ -2801,7 +2804,7 @@ struct ModelRunner : StepRunner {
     Bmax = c.max_num_seqs;
     if (model.tp > 1) {
       model.comm = tp_attach(c, mc, rank, &tp_engine);  // first, so the workers load weights alongside
-      if (g_hooks.tp_ready) g_hooks.tp_ready(model.comm);  // every rank, same order
+      for (auto ready : g_hooks.tp_ready) ready(model.comm);  // every rank, same order
     }
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     size_t total_b;
@@ -2996,14 +2999,22 @@ struct ModelRunner : StepRunner {
     return StepInputs{decode_ids.dev, decode_pos.dev, decode_slots.dev, nullptr, decode_ctx.dev, decode_bt.dev, 1};
   }
 
-  // The model, then (rank 0) the sampler: Part I's, or Part II's where a hook is filled. max_context: a decode
-  // step's longest context (keys), which a Part II decode path may depend on.
-  void forward_and_sample(const StepInputs& in, int T, int B, bool is_prefill, int max_context,
-                          const SamplingSlot* slots_d, bool draw = true) {
-    const bool done = is_prefill ? g_hooks.prefill_step && g_hooks.prefill_step(model, in, T, B, stream)
-                                 : g_hooks.decode_step && g_hooks.decode_step(model, in, B, max_context, stream);
-    if (!done && g_hooks.forward) g_hooks.forward(model, in, T, B, is_prefill, stream);
-    else if (!done) model.forward(in, T, B, is_prefill, stream);
+  // nano-vllm: run_model. The forward pass: Part II's where the hook is filled, else section 6c's.
+  void run_model(const StepInputs& in, int T, int B, bool is_prefill) {
+    if (g_hooks.forward) g_hooks.forward(model, in, T, B, is_prefill, stream);
+    else model.forward(in, T, B, is_prefill, stream);
+  }
+  // The model, then (rank 0) the sampler: Part I's, or Part II's where a hook is filled. draw = false: the
+  // draw comes later (process_and_sample, after section 9b's edits).
+  void forward_and_sample(const StepInputs& in, int T, int B, bool is_prefill, const SamplingSlot* slots_d,
+                          bool draw = true) {
+    if (!(is_prefill && g_hooks.prefill_step && g_hooks.prefill_step(model, in, T, B, stream)))
+      run_model(in, T, B, is_prefill);
+    gather_and_draw(B, slots_d, draw);
+  }
+  // What follows the model in every step: the logits gathered to rank 0 (section 12), and there one token
+  // drawn per row.
+  void gather_and_draw(int B, const SamplingSlot* slots_d, bool draw = true) {
     if (model.tp > 1)
       gather_logits(model.comm, model.act.logits, logits_gather, logits, B, model.cfg.vocab_size, stream);
     if (model.rank != 0 || !draw) return;
@@ -3016,11 +3027,14 @@ struct ModelRunner : StepRunner {
     else sample(out_tokens_d, logits, slots_d, B, V, sample_ws, sample_ws_bytes, stream);
   }
 
-  // The decode graph of batch g for a step whose longest context is max_context keys.
-  cudaGraphExec_t graph_for(int g, int max_context) const {
-    auto it = graphs_long.find(g);
-    if (it != graphs_long.end() && max_context > g_hooks.decode_step_context_limit(g)) return it->second;
-    return graphs.at(g);
+  // A decode step of B rows, already in the decode region (B: the graph's batch size where graphs are on,
+  // padding included) whose longest context is max_context keys: a chapter's way where it takes the step
+  // (Hooks::decode_step), else the runner's graph of B, else (--enforce-eager) forward_and_sample.
+  void run_decode(int B, bool graph, int max_context, bool draw) {
+    const StepInputs in = decode_inputs();
+    if (g_hooks.decode_step && g_hooks.decode_step(*this, in, B, max_context, draw)) return;
+    if (graph) CUDA_CHECK(cudaGraphLaunch(graphs.at(B), stream));
+    else forward_and_sample(in, B, B, false, decode_samp.dev, draw);
   }
   int graph_size_for(int bs) const {
     for (int g : graph_bs)
@@ -3120,18 +3134,17 @@ struct ModelRunner : StepRunner {
       if (model.tp > 1)
         tp_send_step(tp_engine, {1, T, B, in.max_seqlen_q, in.decode_rows, 0, prefill_region.used},
                      prefill_region.host);
-      forward_and_sample(in, T, B, true, 0, prefill_samp.dev, !x.edits);
+      forward_and_sample(in, T, B, true, prefill_samp.dev, !x.edits);
       if (x.edits || x.logprobs) process_and_sample(x, B, prefill_samp.dev);
     } else {
       int g = config.enforce_eager ? 0 : graph_size_for(B);
-      StepInputs in = prepare_decode(seqs, g ? g : B);
+      prepare_decode(seqs, g ? g : B);
       int max_context = 1;
       for (const Sequence* s : seqs) max_context = std::max(max_context, s->size());
       if (model.tp > 1)
         tp_send_step(tp_engine, {0, g ? g : B, g ? g : B, max_context, 0, g, decode_region.used},
                      decode_region.host);
-      if (g) CUDA_CHECK(cudaGraphLaunch(graph_for(g, max_context), stream));
-      else forward_and_sample(in, B, B, false, max_context, decode_samp.dev, !x.edits);
+      run_decode(g ? g : B, g != 0, max_context, !x.edits);
       if (x.edits || x.logprobs) process_and_sample(x, B, decode_samp.dev);
     }
     have_logprobs = x.logprobs;
@@ -3142,34 +3155,43 @@ struct ModelRunner : StepRunner {
     return std::vector<int>(out_tokens_h, out_tokens_h + B);
   }
 
-  // nano-vllm: capture_cudagraph. Batch sizes 1, 2, 4, 8, then every 16 up to max_num_seqs (capped at 512).
+  // A decode step of bs rows captured in a CUDA graph: model_part(in) (which leaves the logits in
+  // model.act.logits), then gather_and_draw, on all-padding rows (valid inputs that store nothing). It runs
+  // once outside the capture first: cuBLASLt chooses its algorithms there. The runner's graphs are this
+  // with `forward`; a chapter that replays graphs of its own from Hooks::decode_step captures them with
+  // its model part, so they hold the same work around it.
+  template <class ModelPart>
+  cudaGraphExec_t capture_decode_graph(int bs, ModelPart model_part) {
+    std::vector<Sequence*> none;
+    const StepInputs in = prepare_decode(none, bs);
+    auto step = [&] {
+      model_part(in);
+      gather_and_draw(bs, decode_samp.dev);
+    };
+    step();
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    cudaGraph_t graph;
+    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    step();
+    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    cudaGraphExec_t exec;
+    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    CUDA_CHECK(cudaGraphDestroy(graph));
+    return exec;
+  }
+
+  // nano-vllm: capture_cudagraph. Batch sizes 1, 2, 4, 8, then every 16 up to max_num_seqs (capped at 512),
+  // largest first; then the chapters capture theirs (Hooks::graphs_captured).
   void capture_cudagraphs() {
     if (config.enforce_eager) return;
     if (model.tp > 1 && model.rank == 0) tp_send_capture(tp_engine);  // every rank, the same graphs, in order
     double t0 = now_seconds();
     graph_bs = graph_batch_sizes(Bmax);
-    std::vector<Sequence*> none;
-    // One graph per batch size, of the step as the hooks run it at short contexts (max_context 1), and where
-    // a Part II decode path stops at a context limit, a second one of the step past it.
-    auto capture = [&](int bs, int max_context) {
-      StepInputs in = prepare_decode(none, bs);  // all padding rows: valid inputs that store nothing
-      forward_and_sample(in, bs, bs, false, max_context, decode_samp.dev);  // warm-up: cuBLASLt chooses here
-      CUDA_CHECK(cudaStreamSynchronize(stream));
-      cudaGraph_t graph;
-      CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      forward_and_sample(in, bs, bs, false, max_context, decode_samp.dev);
-      CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-      cudaGraphExec_t exec;
-      CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-      CUDA_CHECK(cudaGraphDestroy(graph));
-      return exec;
-    };
     for (auto it = graph_bs.rbegin(); it != graph_bs.rend(); ++it) {
-      graphs[*it] = capture(*it, 1);
-      const int limit = g_hooks.decode_step_context_limit ? g_hooks.decode_step_context_limit(*it) : 0;
-      if (limit > 0 && limit < config.max_model_len) graphs_long[*it] = capture(*it, config.max_model_len);
+      const int bs = *it;
+      graphs[bs] = capture_decode_graph(bs, [&](const StepInputs& in) { run_model(in, bs, bs, false); });
     }
-    if (g_hooks.capture_prefill) g_hooks.capture_prefill(model, prefill_inputs(0, 0), Tmax, stream);
+    for (auto captured : g_hooks.graphs_captured) captured(*this);
     CUDA_CHECK(cudaStreamSynchronize(stream));
     capture_seconds = now_seconds() - t0;
   }
@@ -3538,14 +3560,11 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
   StepRegion& region = st.is_prefill ? r.prefill_region : r.decode_region;
   CUDA_CHECK(cudaMemcpyAsync(region.dev, region.host, st.bytes, cudaMemcpyHostToDevice, r.stream));
   if (st.is_prefill) {
-    r.forward_and_sample(r.prefill_inputs(st.max_seqlen_q, st.decode_rows), st.T, st.B, true, 0,
-                          r.prefill_samp.dev);
-  } else if (st.graph_bs) {
-    INTERNAL_CHECK(r.graphs.count(st.graph_bs), "rank 0 replays a graph of batch %d, this rank has none",
-                   st.graph_bs);
-    CUDA_CHECK(cudaGraphLaunch(r.graph_for(st.graph_bs, st.max_seqlen_q), r.stream));
+    r.forward_and_sample(r.prefill_inputs(st.max_seqlen_q, st.decode_rows), st.T, st.B, true, r.prefill_samp.dev);
   } else {
-    r.forward_and_sample(r.decode_inputs(), st.B, st.B, false, st.max_seqlen_q, r.decode_samp.dev);
+    INTERNAL_CHECK(!st.graph_bs || r.graphs.count(st.graph_bs), "rank 0 replays a graph of batch %d, this rank "
+                   "has none", st.graph_bs);
+    r.run_decode(st.B, st.graph_bs != 0, st.max_seqlen_q, true);
   }
   CUDA_CHECK(cudaStreamSynchronize(r.stream));  // a failure surfaces here, in this step, named by rank
 }
@@ -3711,7 +3730,8 @@ struct LLMEngine {
     admit_arrivals();
     if (observer) observer->step_begins(*this);
     std::vector<Sequence*> batch = scheduler.schedule(is_prefill);
-    if (!is_prefill && g_hooks.order_decode_batch) g_hooks.order_decode_batch(batch);  // (section 11's hooks)
+    if (!is_prefill)
+      for (auto scheduled : g_hooks.decode_scheduled) scheduled(batch);  // (section 11's hooks)
     if (observer) observer->scheduled(*this, batch, is_prefill);
     std::vector<int> token_ids = runner.run(batch, is_prefill);
     if (observer) observer->ran(*this);
@@ -4816,10 +4836,10 @@ static void apply_flash_attn(bool on, Hooks& h) {
   st.attention_prefill = flash_attention_prefill_stage;
   st.attention_decode = flash_attention_decode_stage;
   h.attention_workspace_bytes = flash_decode_workspace_bytes;
-  h.decode_rows_as_decode = true;  // attention_prefill_step
 }
 static const int kFlashAttnRegistered = register_optimization(
-    {"flash_attn", "flash attention on tensor cores, split-K decode (section 15, decode 16)", true, apply_flash_attn});
+    {"flash_attn", "flash attention on tensor cores, split-K decode (section 15, decode 16)", true, apply_flash_attn,
+     nullptr, {{"decode_rows_per_kv_group", 1}}});  // (attention_prefill_step: a mixed step's decode rows)
 
 // ==== 17. Programmatic dependent launch ====================================================================
 // defines: pdl_begin, pdl_trigger, gpu_cc_major, launch_pdl, launch_pdl_cluster; switch pdl
@@ -5849,7 +5869,7 @@ static void apply_oneshot(bool on, Hooks& h) {
   g_opt.oneshot_allreduce = on;
   if (!on) return;
   stages_for(h).all_reduce = all_reduce_oneshot;
-  h.tp_ready = oneshot_setup;
+  h.tp_ready.push_back(oneshot_setup);
 }
 static std::string oneshot_note(const Qwen3& model) {
   return model.tp > 1 && !model.comm->fast ? "oneshot_allreduce: the GPUs cannot reach each other's memory, "
@@ -6565,10 +6585,14 @@ static void pad_prefill_rows(const StepInputs& in, int T, int Tg, cudaStream_t s
   CUDA_CHECK(cudaMemsetAsync(in.slot_mapping + T, 0xFF, n, s));  // every byte 0xFF: -1
 }
 
-// ModelRunner::capture_cudagraphs, after the decode graphs: every rung, each first run once outside a capture
-// (cuBLASLt chooses its algorithms for the shape then), then captured piece by piece. `in`: the step region's
-// inputs, whose first rows (up to the largest rung) this fills with padding.
-static void capture_prefill_graphs(Qwen3& model, const StepInputs& in, int Tmax, cudaStream_t s) {
+// Once the runner has captured its decode graphs (Hooks::graphs_captured): every rung, each first run once
+// outside a capture (cuBLASLt chooses its algorithms for the shape then), then captured piece by piece, on the
+// prefill region's inputs, whose first rows (up to the largest rung) this fills with padding.
+static void capture_prefill_graphs(ModelRunner& r) {
+  Qwen3& model = r.model;
+  const StepInputs in = r.prefill_inputs(0, 0);
+  const int Tmax = r.Tmax;
+  cudaStream_t s = r.stream;
   drop_prefill_graphs();
   if (model.tp > 1) return;
   for (int Tg : prefill_graph_sizes(Tmax)) {
@@ -6622,15 +6646,13 @@ static void apply_prefill_graphs(bool on, Hooks& h) {
   if (!on) return;
   stages_for(h).cut = piecewise_cut;  // the pieces are captured from forward_fast, so eager steps match them
   h.prefill_step = prefill_step_graphs;
-  h.capture_prefill = capture_prefill_graphs;
-  h.prefill_graph_tokens = PREFILL_GRAPH_MAX_T;
+  h.graphs_captured.push_back(capture_prefill_graphs);
 }
 static const int kPrefillGraphsRegistered = register_optimization(
     {"prefill_graphs", "prefill and mixed steps of up to 2048 tokens replay CUDA graphs, in pieces (section 23)",
-     true, apply_prefill_graphs});
+     true, apply_prefill_graphs, nullptr, {{"prefill_graph_tokens", PREFILL_GRAPH_MAX_T}}});
 
-// ==== 24. One persistent kernel for a small-batch decode step, 1: the operation chain ======================
-// defines: PERSIST_MAX_B, PersistOp, PersistArgs, PersistCursor, persist_issue, persist_wait, persist_signal,
+// ==== 24. One persistent kernel for a small-batch decode step, 1: the operation chain ===============// defines: PERSIST_MAX_B, PersistOp, PersistArgs, PersistCursor, persist_issue, persist_wait, persist_signal,
 //          persist_stage_input, persist_gemv_chunk, persist_gemv_epilogue (sections 25-27: the rest)
 //
 // Replaces: at decode steps of 1, 2 or 4 sequences on one GPU, all of section 14's forward pass: about five
@@ -7663,8 +7685,9 @@ static void persistent_decode(Qwen3& model, const PersistPlan& plan, const StepI
 // most where the kernel's line meets section 14's less PERSIST_ROUTE_MARGIN (persist_context_limit); past it,
 // and at batch sizes where the kernel does not win at the shorter context, section 14's path runs. The two
 // paths add their sums in different orders, so their logits differ in the last bits: the margin keeps a step
-// whose two times are close on section 14's path, rather than on whichever won this run's measurement. The
-// engine keeps a CUDA graph of each path for such a batch size (ModelRunner::graph_for picks one per step).
+// whose two times are close on section 14's path, rather than on whichever won this run's measurement. A
+// batch size the kernel takes has two CUDA graphs, the runner's of section 14's path and this section's of the
+// kernel (the switch, below), and each step replays the one its longest context picks.
 // NANOVLLM_PERSISTENT=always skips the measurement and routes every step of a batch size with a plan to the
 // kernel, whatever its contexts (the tests that check it inside the engine); NANOVLLM_PERSISTENT=upto:N the
 // steps whose longest context is at most N keys (the tests of the switch between the two graphs).
@@ -7925,8 +7948,14 @@ static std::string persist_describe(const PersistentDecode& pd) {
 }
 
 // ---- The switch: persistent ----
-// On by default; a decode step takes the path persist_measure found faster for its batch size and contexts.
+// On by default. At start-up (Hooks::model_ready) the plans and the measurement; once the runner has captured
+// its graphs (Hooks::graphs_captured), a CUDA graph of the kernel's step for each batch size the kernel takes,
+// with the same gather and draw after it as the runner's graphs (ModelRunner::capture_decode_graph). A decode
+// step (Hooks::decode_step) within its batch size's context limit replays it; every other step is left to the
+// runner's graph of section 14's path. Under --enforce-eager there are no graphs: the kernel and the draw are
+// launched directly.
 static PersistentDecode* g_persist = nullptr;  // the plans of the engine built last (ModelRunner)
+static std::map<int, cudaGraphExec_t> g_persist_graphs;  // by batch size: that engine's graphs of the kernel
 static void persist_model_ready(Qwen3& model, const Config& c) {
   g_persist = new PersistentDecode(persist_setup(model, c.max_num_seqs));  // lives as long as the weights
   cudaStream_t s;
@@ -7934,21 +7963,38 @@ static void persist_model_ready(Qwen3& model, const Config& c) {
   persist_measure(model, *g_persist, s);
   CUDA_CHECK(cudaStreamDestroy(s));
 }
-static bool persist_decode_step(Qwen3& model, const StepInputs& in, int B, int max_context, cudaStream_t s) {
+static void persist_capture_graphs(ModelRunner& r) {
+  for (auto it = r.graph_bs.rbegin(); it != r.graph_bs.rend(); ++it) {  // largest first, as the runner's
+    const int B = *it;
+    if (!g_persist || !g_persist->limit_for(B)) continue;
+    const PersistPlan& plan = g_persist->plans.at(B);
+    g_persist_graphs[B] = r.capture_decode_graph(B, [&](const StepInputs& in) {
+      persistent_decode(r.model, plan, in, r.stream, 0, -1, nullptr);
+    });
+  }
+}
+static bool persist_decode_step(ModelRunner& r, const StepInputs& in, int B, int max_context, bool draw) {
   const PersistPlan* plan = g_persist ? g_persist->plan_for(B, max_context) : nullptr;
   if (!plan) return false;
-  persistent_decode(model, *plan, in, s, 0, -1, nullptr);
+  auto graph = g_persist_graphs.find(B);
+  if (graph != g_persist_graphs.end()) {
+    CUDA_CHECK(cudaGraphLaunch(graph->second, r.stream));
+  } else {  // no graphs (--enforce-eager)
+    persistent_decode(r.model, *plan, in, r.stream, 0, -1, nullptr);
+    r.gather_and_draw(B, r.decode_samp.dev, draw);
+  }
   return true;
 }
-static int persist_step_context_limit(int B) { return g_persist ? g_persist->limit_for(B) : 0; }
 static void apply_persistent(bool on, Hooks& h) {
   g_opt.persistent = on;
   g_persist = nullptr;
   g_persist_format = &kPersistBf16;  // (an engine with another cache format sets its own: section 29)
+  for (auto& [B, exec] : g_persist_graphs) CUDA_CHECK(cudaGraphExecDestroy(exec));
+  g_persist_graphs.clear();
   if (!on) return;
   h.model_ready.push_back(persist_model_ready);
+  h.graphs_captured.push_back(persist_capture_graphs);
   h.decode_step = persist_decode_step;
-  h.decode_step_context_limit = persist_step_context_limit;
 }
 static std::string persist_note(const Qwen3&) { return g_persist ? "decode: " + persist_describe(*g_persist) : ""; }
 static const int kPersistentRegistered = register_optimization(
@@ -8756,7 +8802,7 @@ static void order_longest_first(std::vector<Sequence*>& batch) {
 static void apply_longest_first(bool on, Hooks& h) {
   g_opt.longest_first = on;
   g_kv_fp8 = false;
-  if (on) h.order_decode_batch = order_longest_first;
+  if (on) h.decode_scheduled.push_back(order_longest_first);
 }
 static const int kLongestFirstRegistered = register_optimization(
     {"longest_first", "an fp8 decode step's rows in order of context length, longest first (section 29a)", true,
@@ -10461,9 +10507,7 @@ static bool tp_shutdown() {
   return ok;
 }
 
-// ==== 34. simulate: the engine without a GPU ===============================================================
-// defines: SimGpu, qwen3_shape, simulated_kv_blocks, SimRunner
-//
+// ==== 34. simulate: the engine without a GPU ========================================================//
 // `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` runs the real LLMEngine, Scheduler and BlockManager
 // (sections 3-5, 13) with SimRunner below in place of ModelRunner: no GPU, no weights, the same flags,
 // --trace, summary and --report. Two things stand in for the GPU:
@@ -10533,6 +10577,20 @@ static int64_t simulated_kv_blocks(const ModelConfig& c, const Config& cfg, doub
   return left > 0 ? (int64_t)(left / block_bytes) : 0;
 }
 
+// What the optimizations a run switches on change in how a step runs, by the names they give it
+// (Optimization::step_costs, section 2; the largest value where several give one, else 0):
+//   prefill_graph_tokens      prefill steps of at most this many tokens replay CUDA graphs (one GPU only)
+//   decode_rows_per_kv_group  1: a prefill step's leading one-token rows (a mixed step's decode rows) read
+//                             their K/V once per GQA group, as a decode step's rows do; 0: once per query head
+static double step_cost(const OptimizationSet& set, const std::string& name) {
+  const std::vector<Optimization>& reg = optimization_registry();
+  double v = 0;
+  for (size_t i = 0; i < reg.size() && i < set.on.size(); i++)
+    for (const auto& [n, x] : reg[i].step_costs)
+      if (set.on[i] && n == name) v = std::max(v, x);
+  return v;
+}
+
 struct SimRunner : StepRunner {
   const ModelConfig& mc;
   const Config& config;
@@ -10541,9 +10599,11 @@ struct SimRunner : StepRunner {
   SimGpu gpu;
   double clock = 0;         // the modelled time, in seconds
   std::vector<int> graph_bs = graph_batch_sizes(config.max_num_seqs);
+  const int prefill_graph_tokens = (int)step_cost(config.opt, "prefill_graph_tokens");
+  const bool decode_rows_per_kv_group = step_cost(config.opt, "decode_rows_per_kv_group") > 0;
 
   SimRunner(const ModelConfig& m, const Config& c, uint64_t s, double p) : mc(m), config(c), seed(s), eos_prob(p) {
-    install_optimizations(c.opt);  // the switches a real run would have (the clock reads g_hooks)
+    install_optimizations(c.opt);  // the switches a real run would have (the engine reads g_hooks)
   }
 
   double now() override { return clock; }
@@ -10576,7 +10636,7 @@ struct SimRunner : StepRunner {
     double bytes = 2.0 * params, flops = 0;
     // A one-token row of a prefill (or mixed) step that goes through the prefill attention kernel reads its
     // K/V once per query head rather than once per GQA group (section 16); Part II sends the leading ones (a
-    // mixed step's decode rows) through the decode kernel instead (Hooks::decode_rows_as_decode).
+    // mixed step's decode rows) through the decode kernel instead (decode_rows_per_kv_group).
     const double group = (double)mc.num_attention_heads / mc.num_key_value_heads;
     bool leading = true;  // every row so far had one token
     int tokens = 0;
@@ -10584,14 +10644,14 @@ struct SimRunner : StepRunner {
       const double n = s->num_scheduled_tokens, first = s->num_cached_tokens;
       tokens += s->num_scheduled_tokens;
       leading = leading && n == 1;
-      const bool per_head = is_prefill && n == 1 && !(leading && g_hooks.decode_rows_as_decode);
+      const bool per_head = is_prefill && n == 1 && !(leading && decode_rows_per_kv_group);
       bytes += kv_token * (first + n) * (per_head ? group : 1.0);  // the context attended
       flops += 2 * params * n + 4.0 * mc.num_attention_heads * mc.head_dim * mc.num_hidden_layers * n * (first + n / 2);
     }
-    // A prefill step replays graphs where Part II captured them (Hooks::prefill_graph_tokens; one GPU only),
+    // A prefill step replays graphs where Part II captured them (prefill_graph_tokens; one GPU only),
     // charged like a decode graph (the launches of attention between the pieces, and the padding up to the
     // captured size, are left out of the model).
-    const bool graphs = tokens <= g_hooks.prefill_graph_tokens && config.tensor_parallel_size == 1;
+    const bool graphs = tokens <= prefill_graph_tokens && config.tensor_parallel_size == 1;
     const bool eager = config.enforce_eager || (is_prefill && !graphs);
     const double seconds = (eager ? gpu.eager_cost : gpu.step_cost) + std::max(bytes / gpu.bandwidth, flops / gpu.flops);
     clock += seconds;  // (gpu_seconds stays 0: the host's own time is real, the step's is modelled)

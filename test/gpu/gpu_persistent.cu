@@ -24,6 +24,12 @@
 //     arithmetic does not depend on timing, so any difference is a read that raced a write. And the control:
 //     leaving out one operation's wait (skip_wait) under the same skew must change the results, so this
 //     check can fail.
+//   * Each step on its own, as the file splits the kernel: section 24's operation chain without attention
+//     (the embedding, every gate_up and down, the LM head) against Part I's kernels, with its skew and
+//     left-out-wait controls; section 25's attention alone (the kernel given qkv) against section 7's
+//     qk_norm_rope and section 8's attention_decode on the same qkv; section 26's plans (the step's operations
+//     over the model's weights, their split and counts); section 27's routing cache (a stale or corrupt file
+//     is measured again and rewritten).
 //   * timing_*: one decode step captured in a CUDA graph, persistent vs section 14 (sampler not included), for
 //     the 0.6B and the full 8B shapes; and the breakdown of a step by operation (PersistArgs::trace): when
 //     each block got past its wait, how many chunks of weights its ring then held, how long its input, its
@@ -415,6 +421,355 @@ TEST(persistent_matches_section20_and_part1_fp8_06b) {
 TEST(persistent_matches_section20_and_part1_fp8_8b_short) {
   REQUIRE_FP8();
   accuracy_case("8b-short", 64, true);
+}
+
+// ---- Each step of the kernel on its own (sections 24-27) ----------------------------------------------------
+// The cases above check the whole kernel; these check each section a reader takes on its own: the operation
+// chain with its counters and gemvs without attention (section 24), attention inside the kernel from the same
+// inputs as section 8's (section 25), the plans (section 26), and the routing's cache (section 27).
+
+// A plan whose operation list is the part of `full`'s that `keep` keeps, in order (with the whole plan's split,
+// shared memory and partials, which a shorter list fits in): the kernel runs the list it is given, each
+// operation waiting for the one before it.
+struct SubPlan {
+  PersistPlan p;
+  SubPlan(const TestModel& t, const PersistPlan& full, const std::function<bool(const PersistOp&)>& keep)
+      : p(full) {
+    p.ops.clear();
+    for (const PersistOp& op : full.ops)
+      if (keep(op)) p.ops.push_back(op);
+    CUDA_CHECK(cudaMalloc(&p.ops_d, p.ops.size() * sizeof(PersistOp)));
+    CUDA_CHECK(cudaMemcpy(p.ops_d, p.ops.data(), p.ops.size() * sizeof(PersistOp), cudaMemcpyHostToDevice));
+    const ModelConfig& c = t.m.cfg;
+    p.sync_bytes = (p.ops.size() + (size_t)c.num_hidden_layers * full.B * c.num_key_value_heads) * sizeof(int);
+    CUDA_CHECK(cudaMalloc(&p.sync_d, p.sync_bytes));
+  }
+  ~SubPlan() { cudaFree(p.ops_d), cudaFree(p.sync_d); }
+  SubPlan(const SubPlan&) = delete;
+};
+
+static std::vector<float> download_bf16(const bf16* p, size_t n) {
+  std::vector<uint16_t> bits(n);
+  CUDA_CHECK(cudaMemcpy(bits.data(), p, n * 2, cudaMemcpyDeviceToHost));
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; i++) v[i] = bf16_bits_to_float(bits[i]);
+  return v;
+}
+static std::vector<float> download_f32(const float* p, size_t n) {
+  std::vector<float> v(n);
+  CUDA_CHECK(cudaMemcpy(v.data(), p, n * 4, cudaMemcpyDeviceToHost));
+  return v;
+}
+// Every activation the kernel reads or writes, NaN (0xFF bytes): a read before the write shows.
+static void poison_activations(TestModel& t, int B) {
+  const ModelConfig& c = t.m.cfg;
+  const size_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim, V = c.vocab_size;
+  const size_t NH = c.num_attention_heads, NKV = c.num_key_value_heads;
+  Activations& a = t.m.act;
+  CUDA_CHECK(cudaMemset(a.residual, 0xFF, B * H * 2));
+  CUDA_CHECK(cudaMemset(a.qkv, 0xFF, B * (NH + 2 * NKV) * D * 2));
+  CUDA_CHECK(cudaMemset(a.attn, 0xFF, B * NH * D * 2));
+  CUDA_CHECK(cudaMemset(a.act, 0xFF, B * I * 2));
+  CUDA_CHECK(cudaMemset(a.logits, 0xFF, B * V * 4));
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// Section 24 alone: the operation chain, its counters and its gemvs, without attention. The embedding, every
+// layer's gate_up and down (their RMSNorm, SiLU * up and the residual add) and the LM head, against Part I's
+// kernels doing the same (embedding, rmsnorm / add_rmsnorm, cuBLASLt, silu_and_mul): the logits and the
+// residual stream within 1e-2 relative L2 (the two add each dot product in another order; a wrong row, norm,
+// epilogue or hand-off is off by order 1). Every activation is NaN before each run. Then the same list with
+// thread blocks held back: the same bits; and without layer 0's down's wait (it reads gate_up's output):
+// caught.
+static void chain_case(const std::string& shape, int P) {
+  TestModel t(shape, P, 1024, 64);
+  const ModelConfig& c = t.m.cfg;
+  const int H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, L = c.num_hidden_layers;
+  const float eps = c.rms_norm_eps;
+  Activations& a = t.m.act;
+  for (int B : {1, 2, 4}) {
+    if (!t.pd.plans.count(B)) {
+      printf("    %s B=%d: no plan (%s)\n", shape.c_str(), B, t.pd.off_reason.c_str());
+      continue;
+    }
+    SubPlan chain(t, t.pd.plans.at(B), [](const PersistOp& op) {
+      return op.kind == PERSIST_EMBED || op.kind == PERSIST_GATE_UP || op.kind == PERSIST_DOWN ||
+             op.kind == PERSIST_LM_HEAD;
+    });
+    CHECK_EQ(chain.p.ops.size(), (size_t)(2 + 2 * L));
+    DecodeStep st(t, std::vector<int>(B, 1 + B), 40 + B);  // (no attention: the contexts are not read)
+    const StepInputs in = st.inputs();
+    poison_activations(t, B);
+    embedding(a.residual, in.input_ids, t.m.w.embed_tokens, B, H, 0, V, t.s);
+    for (int l = 0; l < L; l++) {
+      const LayerWeights& lw = t.m.w.layers[l];
+      if (l == 0) rmsnorm(a.x, a.residual, lw.post_attention_layernorm, B, H, eps, t.s);
+      else add_rmsnorm(a.x, a.residual, a.hidden, lw.post_attention_layernorm, B, H, eps, t.s);
+      linear(*t.m.gemm, a.gate_up, a.x, lw.gate_up_proj, B, 2 * I, H, t.s);
+      silu_and_mul(a.act, a.gate_up, B, I, t.s);
+      linear(*t.m.gemm, a.hidden, a.act, lw.down_proj, B, H, I, t.s);
+    }
+    add_rmsnorm(a.x, a.residual, a.hidden, t.m.w.norm, B, H, eps, t.s);
+    linear(*t.m.gemm, a.logits, a.x, t.m.w.lm_head, B, V, H, t.s, CUDA_R_32F);
+    CUDA_CHECK(cudaStreamSynchronize(t.s));
+    const std::vector<float> want_logits = download_f32(a.logits, (size_t)B * V);
+    const std::vector<float> want_res = download_bf16(a.residual, (size_t)B * H);
+    auto run = [&](int skew, int skip, std::vector<float>& logits, std::vector<float>& res) {
+      poison_activations(t, B);
+      persistent_decode(t.m, chain.p, in, t.s, skew, skip, nullptr);
+      CUDA_CHECK(cudaStreamSynchronize(t.s));
+      logits = download_f32(a.logits, (size_t)B * V), res = download_bf16(a.residual, (size_t)B * H);
+    };
+    std::vector<float> logits, res;
+    run(0, -1, logits, res);
+    const double e_logits = rel_l2(logits, want_logits), e_res = rel_l2(res, want_res);
+    printf("    %s B=%d, the chain without attention (%zu operations): logits %.2e, residual %.2e from Part I's "
+           "kernels\n", shape.c_str(), B, chain.p.ops.size(), e_logits, e_res);
+    CHECK_MSG(all_finite(logits) && all_finite(res), "%s B=%d: a NaN got through (a read before its write)",
+              shape.c_str(), B);
+    CHECK_MSG(e_logits <= 1e-2 && e_res <= 1e-2, "%s B=%d: logits %.3e, residual %.3e from Part I's kernels",
+              shape.c_str(), B, e_logits, e_res);
+    std::vector<float> skewed_logits, skewed_res;
+    run(4000, -1, skewed_logits, skewed_res);
+    CHECK_MSG(skewed_logits == logits && skewed_res == res, "%s B=%d: the chain's results changed under skew",
+              shape.c_str(), B);
+    run(4000, 2, skewed_logits, skewed_res);  // operation 2: layer 0's down
+    const bool caught = skewed_logits != logits || skewed_res != res;
+    printf("    %s B=%d, the chain without operation 2's wait: %s\n", shape.c_str(), B,
+           caught ? "results differ (caught)" : "SAME");
+    CHECK_MSG(caught, "%s B=%d: leaving out layer 0's down's wait went unnoticed", shape.c_str(), B);
+  }
+}
+TEST(persistent_chain_without_attention_matches_part1_kernels) {
+  REQUIRE_GPU();
+  chain_case("odd", 16);
+  chain_case("8b-short", 64);
+}
+
+// Section 25 alone: attention inside the kernel. The embedding and one layer's attention, with qkv written
+// before the launch (random, the same bits for both), against section 7's qk_norm_rope and section 8's
+// attention_decode on the same qkv: the step's stored key and value the same bits (the same code computes
+// them, head_norm_rope), the attention output within 4e-3 relative L2 (its partitions and their merge add in
+// another order than section 8's one warp per head; a wrong row, partition or merge is off by order 1).
+// Every batch size with a plan, contexts that cross KV blocks and partitions, and 4, 6 and 8 query heads per
+// KV head (persist_attn_split: 1, 2 or 4 heads a warp). The output and the step's cache rows are NaN before
+// each run; the kernel takes the step's own key and value from qkv, so a NaN in their row would show too.
+static void attention_case(const std::string& shape, int P) {
+  const int max_len = 3072;
+  TestModel t(shape, P, max_len, 8 * (int)cdiv(max_len, P) + 3);
+  const ModelConfig& c = t.m.cfg;
+  const int NH = c.num_attention_heads, NKV = c.num_key_value_heads, D = c.head_dim, L = c.num_hidden_layers;
+  const int l = L - 1;  // the last layer: its cache offsets are the largest
+  const LayerWeights& lw = t.m.w.layers[l];
+  Activations& a = t.m.act;
+  for (int B : {1, 2, 4}) {
+    if (!t.pd.plans.count(B)) {
+      printf("    %s B=%d: no plan (%s)\n", shape.c_str(), B, t.pd.off_reason.c_str());
+      continue;
+    }
+    SubPlan one(t, t.pd.plans.at(B), [&](const PersistOp& op) {
+      return op.kind == PERSIST_EMBED || (op.kind == PERSIST_ATTN && op.layer == l);
+    });
+    CHECK_EQ(one.p.ops.size(), (size_t)2);
+    DecodeStep st(t, contexts_for(B, max_len)[0], 77 + B);
+    const StepInputs in = st.inputs();
+    const size_t qkv_n = (size_t)B * (NH + 2 * NKV) * D, attn_n = (size_t)B * NH * D;
+    DevBuf<bf16> qkv0(qkv_n);
+    fill(qkv0.p, qkv_n, 500 + B, 0.f, 1.f);
+    auto rows = [&](auto f) {  // the step's cache rows of layer l: keys, then values
+      for (int which = 0; which < 2; which++)
+        for (int b = 0; b < B; b++)
+          for (int g = 0; g < NKV; g++) f(slot_offset(t, l, which, st.slots[b], g));
+    };
+    auto run = [&](bool persistent, std::vector<float>& attn, std::vector<uint16_t>& stored) {
+      poison_activations(t, B);
+      rows([&](int64_t off) { CUDA_CHECK(cudaMemset((bf16*)t.m.kv.base + off, 0xFF, HEAD_DIM * 2)); });
+      CUDA_CHECK(cudaMemcpy(a.qkv, qkv0.p, qkv_n * 2, cudaMemcpyDeviceToDevice));
+      if (persistent) {
+        persistent_decode(t.m, one.p, in, t.s, 0, -1, nullptr);
+      } else {
+        qk_norm_rope(a.qkv, in.positions, lw.q_norm, lw.k_norm, t.m.kv.layer(l), in.slot_mapping, B, NH, NKV, P,
+                     c.rope_theta, c.rms_norm_eps, t.s);
+        attention_decode(a.attn, a.qkv, t.m.kv.layer(l), in.seqlens_k, in.block_tables, B, NH, NKV, P, t.m.MB,
+                         1.0f / sqrtf((float)D), t.s);
+      }
+      CUDA_CHECK(cudaStreamSynchronize(t.s));
+      attn = download_bf16(a.attn, attn_n);
+      stored.clear();
+      rows([&](int64_t off) {
+        std::vector<uint16_t> r(HEAD_DIM);
+        CUDA_CHECK(cudaMemcpy(r.data(), (bf16*)t.m.kv.base + off, HEAD_DIM * 2, cudaMemcpyDeviceToHost));
+        stored.insert(stored.end(), r.begin(), r.end());
+      });
+    };
+    std::vector<float> want, got;
+    std::vector<uint16_t> want_kv, got_kv;
+    run(false, want, want_kv);
+    run(true, got, got_kv);
+    size_t kv_diff = 0;
+    for (size_t i = 0; i < got_kv.size(); i++) kv_diff += got_kv[i] != want_kv[i];
+    const double e = rel_l2(got, want);
+    printf("    %s B=%d, attention alone (layer %d, contexts up to %d): output %.2e from section 8's, %zu of %zu "
+           "stored values differ\n", shape.c_str(), B, l, *std::max_element(st.ctx.begin(), st.ctx.end()), e,
+           kv_diff, got_kv.size());
+    CHECK_MSG(all_finite(want) && all_finite(got), "%s B=%d: a NaN in the attention output", shape.c_str(), B);
+    CHECK_MSG(kv_diff == 0, "%s B=%d: %zu stored key/value elements differ from section 7's", shape.c_str(), B,
+              kv_diff);
+    CHECK_MSG(e <= 4e-3, "%s B=%d: attention %.3e from section 8's", shape.c_str(), B, e);
+  }
+}
+TEST(persistent_attention_matches_section8) {
+  REQUIRE_GPU();
+  attention_case("odd", 16);
+  attention_case("odd-gqa6", 16);
+  attention_case("odd-gqa8", 16);
+  attention_case("0.6b", 256);
+}
+
+// Section 26 alone: the plans. For each batch size: the operation list is the step in order (the embedding;
+// per layer qkv, attention, o, gate_up, down; the LM head) over this model's own weights and norms; a gemv's
+// groups cover its outputs exactly (16 rows, gate_up 8 pairs) and it counts done once per thread block that
+// has a group, which is what the next operation waits for; attention counts once per (sequence, KV head);
+// the synchronisation buffer holds the counters and the tickets; one thread block per SM, the shared memory
+// within the GPU's limit, 1 to 64 partitions. And under tensor parallelism no plans, with the reason.
+static void plan_case(const std::string& shape, int P) {
+  TestModel t(shape, P, 1024, 64);
+  const ModelConfig& c = t.m.cfg;
+  const int H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, L = c.num_hidden_layers;
+  const int NH = c.num_attention_heads, NKV = c.num_key_value_heads, D = c.head_dim;
+  int sms = 0, smem_max = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  CUDA_CHECK(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+  CHECK_MSG(t.pd.plans.count(1), "%s: no plan for batch 1 (%s)", shape.c_str(), t.pd.off_reason.c_str());
+  for (const auto& entry : t.pd.plans) {
+    const int B = entry.first;
+    const PersistPlan& p = entry.second;
+    CHECK_MSG(p.B == B && (B == 1 || B == 2 || B == 4), "%s: a plan for batch %d says %d", shape.c_str(), B, p.B);
+    CHECK_MSG(p.grid == sms && p.smem <= (size_t)smem_max && p.parts >= 1 && p.parts <= 64,
+              "%s B=%d: grid %d (SMs %d), shared memory %zu (limit %d), partitions %d", shape.c_str(), B, p.grid,
+              sms, p.smem, smem_max, p.parts);
+    CHECK_EQ(p.ops.size(), (size_t)(2 + 5 * L));
+    CHECK_EQ(p.sync_bytes, (p.ops.size() + (size_t)L * B * NKV) * sizeof(int));
+    if (p.ops.size() != (size_t)(2 + 5 * L)) continue;
+    struct Want { int kind, layer; const bf16 *W, *norm_w; int N, K; };
+    std::vector<Want> want = {{PERSIST_EMBED, 0, nullptr, nullptr, 0, 0}};
+    for (int l = 0; l < L; l++) {
+      const LayerWeights& lw = t.m.w.layers[l];
+      want.push_back({PERSIST_QKV, l, lw.qkv_proj, lw.input_layernorm, (NH + 2 * NKV) * D, H});
+      want.push_back({PERSIST_ATTN, l, nullptr, lw.q_norm, 0, 0});
+      want.push_back({PERSIST_O, l, lw.o_proj, nullptr, H, NH * D});
+      want.push_back({PERSIST_GATE_UP, l, lw.gate_up_proj, lw.post_attention_layernorm, I, H});
+      want.push_back({PERSIST_DOWN, l, lw.down_proj, nullptr, H, I});
+    }
+    want.push_back({PERSIST_LM_HEAD, L, t.m.w.lm_head, t.m.w.norm, V, H});
+    for (size_t o = 0; o < want.size(); o++) {
+      const PersistOp& op = p.ops[o];
+      const Want& w = want[o];
+      bool ok = op.kind == w.kind && op.layer == w.layer && op.W == w.W && op.norm_w == w.norm_w;
+      if (op.kind == PERSIST_EMBED) ok &= op.tasks == 1;
+      else if (op.kind == PERSIST_ATTN) ok &= op.k_norm == t.m.w.layers[w.layer].k_norm && op.tasks == B * NKV;
+      else {
+        const int rows = op.kind == PERSIST_GATE_UP ? PERSIST_ROWS / 2 : PERSIST_ROWS;
+        ok &= op.N == w.N && op.K == w.K && op.groups * rows >= op.N && (op.groups - 1) * rows < op.N &&
+              op.tasks == std::min(op.groups, p.grid);
+      }
+      CHECK_MSG(ok, "%s B=%d: operation %zu (kind %d, layer %d, N %d, K %d, groups %d, tasks %d) is not the "
+                "step's (kind %d, layer %d, N %d, K %d)", shape.c_str(), B, o, op.kind, op.layer, op.N, op.K,
+                op.groups, op.tasks, w.kind, w.layer, w.N, w.K);
+    }
+  }
+  t.m.tp = 2;
+  const PersistentDecode tp = persist_setup(t.m, t.Bmax);
+  t.m.tp = 1;
+  CHECK_MSG(tp.plans.empty() && tp.off_reason.find("tensor parallelism") != std::string::npos,
+            "%s at tp 2: %zu plans, reason '%s'", shape.c_str(), tp.plans.size(), tp.off_reason.c_str());
+}
+TEST(persistent_plans_are_the_step) {
+  REQUIRE_GPU();
+  plan_case("odd", 16);
+  plan_case("odd-gqa8", 16);
+  plan_case("0.6b", 256);
+}
+
+// Section 27 alone: the routing is measured once and remembered, and a remembered file that is stale or
+// corrupt is measured again and rewritten. In a fresh cache directory (NANOVLLM_CACHE_DIR): the first
+// start-up measures and writes the file; the second reads it and routes the same; a file with one time
+// changed (its checksum no longer matches), one written under another key (another build, GPU or model, at
+// the same name), and one that is not JSON are each measured again, and the file is whole again afterwards.
+// (test_optimizations checks the reader's refusals one by one, without a GPU.)
+TEST(persistent_routing_is_remembered_and_measured_again_when_stale) {
+  REQUIRE_GPU();
+  const char* pinned = getenv("NANOVLLM_PERSISTENT");
+  const std::string saved_pin = pinned ? pinned : "", saved_dir = getenv("NANOVLLM_CACHE_DIR") ?: "";
+  const bool had_dir = getenv("NANOVLLM_CACHE_DIR") != nullptr;
+  unsetenv("NANOVLLM_PERSISTENT");  // (it would skip the measurement)
+  char tmpl[] = "/tmp/nanovllm_gpu_cache_XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  setenv("NANOVLLM_CACHE_DIR", dir.c_str(), 1);
+  {
+    TestModel t("odd", 16, 1024, 200);
+    ScopedOptimizations opt("all");
+    t.use_format();
+    const int longest = t.m.max_model_len - 1;
+    auto start_up = [&] {
+      PersistentDecode pd = persist_setup(t.m, t.Bmax);
+      persist_measure(t.m, pd, t.s);
+      return pd;
+    };
+    auto same_times = [](const PersistentDecode& x, const PersistentDecode& y) {
+      if (x.timed.size() != y.timed.size()) return false;
+      for (const auto& [B, ts] : x.timed) {
+        if (!y.timed.count(B) || y.timed.at(B).size() != ts.size()) return false;
+        for (size_t i = 0; i < ts.size(); i++) {
+          const PersistTimes &a = ts[i], &b = y.timed.at(B)[i];
+          if (a.context != b.context || a.fused != b.fused || a.kernel != b.kernel) return false;
+        }
+      }
+      return true;
+    };
+    const PersistentDecode first = start_up();
+    const std::string key = persist_cache_key(t.m, first), path = persist_cache_path(dir, key);
+    CHECK_MSG(first.cache_file.empty() && first.timed.size() == first.plans.size() && !first.timed.empty(),
+              "the first start-up did not measure (%zu of %zu batch sizes; from '%s')", first.timed.size(),
+              first.plans.size(), first.cache_file.c_str());
+    auto file_is_whole = [&] {
+      PersistentDecode q;
+      for (const auto& [B, p] : first.plans) q.plans[B];
+      return persist_cache_read(path, key, q, longest);
+    };
+    CHECK_MSG(file_is_whole(), "no whole cache file at %s after the measurement", path.c_str());
+    const PersistentDecode second = start_up();
+    CHECK_MSG(second.cache_file == path && same_times(first, second) && second.route == first.route &&
+                  second.context_limit == first.context_limit,
+              "the second start-up did not take the remembered times (from '%s')", second.cache_file.c_str());
+    auto stale = [&](const char* what, const std::function<std::string(json)>& edit) {
+      std::ifstream f(path);
+      const std::string text = edit(json::parse(f));
+      f.close();
+      std::ofstream(path) << text;
+      const PersistentDecode again = start_up();
+      CHECK_MSG(again.cache_file.empty() && again.timed.size() == first.timed.size(),
+                "%s: the start-up took the file (from '%s') instead of measuring again", what,
+                again.cache_file.c_str());
+      CHECK_MSG(file_is_whole(), "%s: the file was not rewritten whole", what);
+    };
+    stale("a time changed", [](json j) {
+      json& row = j["times"].begin().value()[0];
+      row[1] = row[1].get<double>() * 1.5;
+      return j.dump();
+    });
+    stale("another key", [&](json j) {
+      j["key"] = key + " build=another";
+      j["checksum"] = std::to_string(persist_cache_checksum(j["key"].get<std::string>(), j["times"]));
+      return j.dump();
+    });
+    stale("not JSON", [](json j) { return j.dump().substr(0, 10); });
+    unlink(path.c_str());
+  }
+  rmdir(dir.c_str());
+  if (had_dir) setenv("NANOVLLM_CACHE_DIR", saved_dir.c_str(), 1);
+  else unsetenv("NANOVLLM_CACHE_DIR");
+  if (pinned) setenv("NANOVLLM_PERSISTENT", saved_pin.c_str(), 1);
 }
 
 // Same bits whatever the timing; and a left-out wait is caught under the same skew.

@@ -59,16 +59,17 @@ TEST(switches_fill_their_hooks) {
   install_optimizations(parsed("none"));
   CHECK(!g_hooks.forward && !g_hooks.decode_step && !g_hooks.sample && !g_hooks.sample_workspace_bytes &&
         !g_hooks.compute_logprobs && !g_hooks.logprobs_workspace_bytes && !g_hooks.attention_workspace_bytes &&
-        !g_hooks.tp_ready && g_hooks.model_ready.empty() && !g_hooks.prefill_step && !g_hooks.capture_prefill &&
-        !g_hooks.decode_rows_as_decode && g_hooks.prefill_graph_tokens == 0 && !g_hooks.order_decode_batch);
+        g_hooks.tp_ready.empty() && g_hooks.model_ready.empty() && !g_hooks.prefill_step &&
+        g_hooks.graphs_captured.empty() && g_hooks.decode_scheduled.empty());
   install_optimizations(parsed("none,flash_attn"));
   CHECK(g_hooks.forward == forward_fast && g_hooks.attention_workspace_bytes && !g_hooks.sample);
-  CHECK(g_hooks.decode_rows_as_decode && !g_hooks.prefill_step);
+  CHECK(!g_hooks.prefill_step && g_hooks.graphs_captured.empty());
   install_optimizations(parsed("none,prefill_graphs"));
   CHECK(g_hooks.forward == forward_fast && g_hooks.prefill_step == prefill_step_graphs &&
-        g_hooks.capture_prefill == capture_prefill_graphs && g_hooks.prefill_graph_tokens == PREFILL_GRAPH_MAX_T);
+        g_hooks.graphs_captured.size() == 1 && g_hooks.graphs_captured[0] == capture_prefill_graphs);
   install_optimizations(parsed("none,longest_first"));
-  CHECK(!g_hooks.forward && g_hooks.order_decode_batch == order_longest_first);
+  CHECK(!g_hooks.forward && g_hooks.decode_scheduled.size() == 1 &&
+        g_hooks.decode_scheduled[0] == order_longest_first);
   install_optimizations(parsed("none,pdl"));
   CHECK(!g_hooks.forward && g_opt.pdl);  // pdl changes how Part II launches, not what runs
   install_optimizations(parsed("none,fast_sampler"));
@@ -81,13 +82,32 @@ TEST(switches_fill_their_hooks) {
   install_optimizations(parsed("-fast_sampler"));  // the default less section 22: section 21's bisection draws
   CHECK(g_hooks.sample == sample_bisect && !g_hooks.compute_logprobs);
   install_optimizations(parsed("none,oneshot_allreduce"));
-  CHECK(g_hooks.tp_ready == oneshot_setup && g_hooks.forward == forward_fast);
-  install_optimizations(parsed("none,persistent"));
-  CHECK(g_hooks.decode_step && g_hooks.model_ready.size() == 1);
+  CHECK(g_hooks.tp_ready.size() == 1 && g_hooks.tp_ready[0] == oneshot_setup && g_hooks.forward == forward_fast);
+  install_optimizations(parsed("none,persistent"));  // it measures at start-up, then captures its own graphs
+  CHECK(g_hooks.decode_step == persist_decode_step && g_hooks.model_ready.size() == 1 &&
+        g_hooks.graphs_captured.size() == 1 && g_hooks.graphs_captured[0] == persist_capture_graphs);
   install_optimizations(parsed("all"));
-  CHECK(g_hooks.forward == forward_fast && g_hooks.decode_step && g_hooks.sample && g_hooks.tp_ready);
+  CHECK(g_hooks.forward == forward_fast && g_hooks.decode_step && g_hooks.sample && g_hooks.tp_ready.size() == 1);
+  CHECK(g_hooks.graphs_captured.size() == 2 && g_hooks.graphs_captured[0] == capture_prefill_graphs);  // file order
   install_optimizations(default_optimizations());
   CHECK(g_hooks.decode_step && g_hooks.model_ready.size() == 1);  // on; it measures which batch sizes it takes
+}
+
+// What section 34's simulate reads of the switches (Optimization::step_costs, by name): Part I's steps with
+// none on, section 23's graphs up to its largest rung, section 15's decode rows once per GQA group.
+TEST(simulate_reads_the_step_costs_of_the_switches_on) {
+  CHECK_EQ(step_cost(parsed("none"), "prefill_graph_tokens"), 0.0);
+  CHECK_EQ(step_cost(parsed("none"), "decode_rows_per_kv_group"), 0.0);
+  CHECK_EQ(step_cost(parsed("none,prefill_graphs"), "prefill_graph_tokens"), (double)PREFILL_GRAPH_MAX_T);
+  CHECK_EQ(step_cost(parsed("none,prefill_graphs"), "decode_rows_per_kv_group"), 0.0);
+  CHECK_EQ(step_cost(parsed("none,flash_attn"), "decode_rows_per_kv_group"), 1.0);
+  CHECK_EQ(step_cost(parsed("-prefill_graphs"), "prefill_graph_tokens"), 0.0);
+  CHECK_EQ(step_cost(default_optimizations(), "prefill_graph_tokens"), (double)PREFILL_GRAPH_MAX_T);
+  // Every name a switch gives is one section 34 reads (a misspelt name would change nothing, silently).
+  for (const Optimization& o : optimization_registry())
+    for (const auto& cost : o.step_costs)
+      CHECK_MSG(cost.first == "prefill_graph_tokens" || cost.first == "decode_rows_per_kv_group",
+                "%s gives step cost %s, which section 34 does not read", o.name, cost.first.c_str());
 }
 
 // Section 14's stage table: each chapter fills its own stages, a chapter that changes flash_attn's decode
