@@ -178,8 +178,8 @@ typedef __nv_bfloat16 bf16;
 // ##########################################################################################################
 
 // ==== 1. Errors and utilities ==============================================================================
-// defines: die, INTERNAL_CHECK, CUDA_CHECK, CUBLAS_CHECK, NCCL_CHECK, g_tp_rank, now_seconds, cdiv,
-//          read_file, is_dir, is_file, splitmix64
+// defines: die, INTERNAL_CHECK, CUDA_CHECK, CUBLAS_CHECK, NCCL_CHECK, g_tp_rank, g_process_label,
+//          now_seconds, cdiv, read_file, is_dir, is_file, splitmix64
 //
 // Two kinds of failure, treated differently:
 //   * a user mistake (bad flag, bad file, too-long prompt): die() with what was expected, what was found
@@ -190,12 +190,15 @@ typedef __nv_bfloat16 bf16;
 
 // This process's tensor-parallel rank (sections 12, 31): 0 in the main process, 1..N-1 in the workers.
 static int g_tp_rank = 0;
+// The name this process's messages carry: "" in the main process, "rank 1" in a tensor-parallel worker
+// (section 12), "replica 2" or "replica 2, rank 1" with data parallelism (section 32).
+static char g_process_label[48] = "";
 
-// A worker's message: named by its rank, and written with one write(2) so that two ranks failing at once
-// cannot interleave their lines.
+// A worker's message: named by its label, and written with one write(2) so that two processes failing at
+// once cannot interleave their lines.
 [[noreturn]] static void die_on_worker(const char* fmt, ...) {
   char msg[4096];
-  int n = snprintf(msg, sizeof msg, "[rank %d] nanovllm: error: ", g_tp_rank);
+  int n = snprintf(msg, sizeof msg, "[%s] nanovllm: error: ", g_process_label);
   va_list ap;
   va_start(ap, fmt);
   n += vsnprintf(msg + n, sizeof msg - n - 1, fmt, ap);
@@ -208,10 +211,10 @@ static int g_tp_rank = 0;
 }
 
 // die() is tokenizer.h's tok_die(): that header is included first and needed the same function, so the
-// engine forwards to it rather than keep a second copy. A tensor-parallel worker (section 12) names itself.
+// engine forwards to it rather than keep a second copy. A worker process (sections 12, 32) names itself.
 template <typename... Args>
 [[noreturn]] static void die(const char* fmt, Args... args) {
-  if (g_tp_rank > 0) die_on_worker(fmt, args...);
+  if (g_process_label[0]) die_on_worker(fmt, args...);
   tok_die(fmt, args...);
 }
 
@@ -460,7 +463,8 @@ struct SamplingParams {
   bool include_stop_str_in_output = false;  // keep the matched stop string (or stop token's text) in the text
   int logprobs = -1;         // -1 = none; N in 0..MAX_LOGPROBS: per output token, the sampled token's
                              // log-probability and the N most likely tokens' (section 9b)
-  int64_t seed = -1;         // -1 = derived from the engine's --seed and the sequence's id
+  int64_t seed = -1;         // -1 = derived from the engine's --seed and the request's place in the input
+                             // (Sequence::sampling_seed)
 
   bool penalized() const {
     return repetition_penalty != 1.0f || frequency_penalty != 0.0f || presence_penalty != 0.0f;
@@ -507,8 +511,9 @@ struct Sequence {
   const char* finish_reason = nullptr;  // "stop" (EOS, a stop token or a stop string) or "length" (max_tokens)
   int stop_token_id = -1;               // the stop_token_ids entry that finished it (vLLM's stop_reason)
   std::string stop_string;              // the stop string that finished it (vLLM's stop_reason)
-  // n > 1 (section 13): which of the request's completions this is, and the first one, whose prompt blocks
-  // the others wait for so that prefix caching shares them (Scheduler::waits_for_sibling).
+  // Its request's place in the whole input (section 13), and with n > 1, which of the request's completions
+  // this is, and the first one, whose prompt blocks the others wait for so that prefix caching shares them
+  // (Scheduler::waits_for_sibling).
   int request_index = 0, completion_index = 0;
   const Sequence* first_sibling = nullptr;
   // What the engine keeps of the output besides token ids (section 13): the text (decoded as it grows when
@@ -546,6 +551,14 @@ struct Sequence {
   int num_completion_tokens() const { return num_tokens - num_prompt_tokens; }
   int num_cached_blocks() const { return num_cached_tokens / block_size; }
   int num_blocks() const { return (int)cdiv(num_tokens, block_size); }
+  // The key of this sequence's draws (section 9): its request's seed (child k of a seeded request with
+  // n > 1 has seed + k, section 13), or for a request without one, a seed made from the engine's --seed and
+  // the request's place in the whole input, never from anything the engine counts. So a request draws the
+  // same tokens in any batch, and whichever data-parallel replica (section 32) or shard (section 30) runs it.
+  uint64_t sampling_seed(uint64_t engine_seed) const {
+    if (params.seed >= 0) return (uint64_t)params.seed;
+    return splitmix64(engine_seed ^ splitmix64((uint64_t)request_index)) + (uint64_t)completion_index;
+  }
   int last_block_num_tokens() const { return num_tokens - (num_blocks() - 1) * block_size; }
   // Tokens of logical block i (the last one may be partial).
   const int* block(int i) const { return token_ids.data() + (size_t)i * block_size; }
@@ -2993,7 +3006,7 @@ struct ModelRunner : StepRunner {
     s.top_k = seq.params.top_k;
     s.top_p = seq.params.top_p;
     s.min_p = seq.params.min_p;
-    s.seed = seq.params.seed >= 0 ? (uint64_t)seq.params.seed : splitmix64(engine_seed ^ splitmix64(seq.seq_id));
+    s.seed = seq.sampling_seed(engine_seed);
     s.offset = (uint64_t)seq.num_completion_tokens();  // the draw for the n-th token is fixed by (seed, n)
     s.repetition_penalty = seq.params.repetition_penalty;
     s.frequency_penalty = seq.params.frequency_penalty;
@@ -3623,6 +3636,8 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
 
 [[noreturn]] static void tp_worker_main(int rank) {
   g_tp_rank = rank;
+  const size_t at = strlen(g_process_label);  // a replica's worker: "replica 2, rank 1" (section 32)
+  snprintf(g_process_label + at, sizeof g_process_label - at, "%srank %d", at ? ", " : "", rank);
   if (g_tp_supervisor.worker_begins) g_tp_supervisor.worker_begins(rank);
   TPMailbox* mb = g_tp.mb;
   auto ack = [&] { __atomic_fetch_add(&mb->acks, 1, __ATOMIC_RELEASE); };
@@ -3699,6 +3714,8 @@ struct Request {
   bool arrival_given = false; // the .jsonl line gave it (--request-rate leaves it alone)
   std::string error;          // an OpenAI batch line we answer with an error instead of running (section 30)
   json batch;                 // that batch line's custom_id, url and body (section 30); null otherwise
+  int index = -1;             // its place in the whole input when a run holds only part of it (a shard,
+                              // section 30); -1: its place in generate()'s input
 };
 
 // One completion: a request with n > 1 has n of them, consecutive, in index order.
@@ -3708,7 +3725,7 @@ struct Completion {
   int prompt_tokens;
   double arrival_time = 0, first_token_time = -1, finish_time = -1;  // seconds since generate() began (-1: never)
   int64_t seq_id = 0;
-  int request = 0;            // the Request's position in generate()'s input
+  int request = 0;            // the Request's place in the input (Request::index, else in generate()'s)
   int index = 0;              // which of its n completions (vLLM: CompletionOutput.index)
   std::string text;           // decoded, cut at a stop string (empty when the engine has no tokenizer)
   int stop_token_id = -1;     // vLLM's stop_reason: the stop token id, or the stop string, or neither (-1, "")
@@ -3752,7 +3769,8 @@ struct LLMEngine {
 
   // nano-vllm: add_request. A request becomes n sequences (n completions, each with its own id and so its
   // own draws); they join the scheduler's waiting queue when the clock reaches the request's arrival_time.
-  // request_index: the request's position in generate()'s input, carried to its Completions.
+  // request_index: the request's place in the input, carried to its Completions (and the key of its draws
+  // when it has no seed, Sequence::sampling_seed).
   void add_request(const Request& req, int request_index = 0) {
     const Sequence* first_sibling = nullptr;
     for (int k = 0; k < req.params.n; k++) {
@@ -3852,8 +3870,8 @@ struct LLMEngine {
   std::vector<Completion> generate(const std::vector<Request>& requests) {
     t0 = runner.now();
     const size_t first = seqs.size();
-    for (size_t r = 0; r < requests.size(); r++)
-      if (requests[r].error.empty()) add_request(requests[r], (int)r);  // else answered with its error (30)
+    for (size_t r = 0; r < requests.size(); r++)  // (one with an error is answered with it instead, section 30)
+      if (requests[r].error.empty()) add_request(requests[r], requests[r].index >= 0 ? requests[r].index : (int)r);
     while (!g_stop_requested) {
       admit_arrivals();
       if (scheduler.is_finished()) {  // idle until the next request arrives (a Ctrl-C ends the wait too)
@@ -3866,19 +3884,22 @@ struct LLMEngine {
     }
     if (observer) observer->generate_ends(*this);
     std::vector<Completion> out;
-    for (size_t i = first; i < seqs.size(); i++) {
-      Sequence& s = *seqs[i];
-      if (tok && s.params.stop.empty() && s.is_finished()) {
-        const int n = s.num_completion_tokens() - last_token_has_no_text(s);
-        s.text = tok->decode(std::vector<int>(s.token_ids.begin() + s.num_prompt_tokens,
-                                              s.token_ids.begin() + s.num_prompt_tokens + n));
-      }
-      out.push_back({std::vector<int>(s.token_ids.begin() + s.num_prompt_tokens, s.token_ids.end()),
-                     s.finish_reason, s.num_prompt_tokens, s.arrival_time, s.first_token_time, s.finish_time,
-                     s.seq_id, s.request_index, s.completion_index, s.text, s.stop_token_id, s.stop_string,
-                     s.logprobs, s.cumulative_logprob});
-    }
+    for (size_t i = first; i < seqs.size(); i++) out.push_back(completion_of(*seqs[i]));
     return out;
+  }
+
+  // A sequence's completion as it stands (unfinished: finish_reason nullptr), its text decoded now unless
+  // stop strings had it decoded as it grew.
+  Completion completion_of(Sequence& s) const {
+    if (tok && s.params.stop.empty() && s.is_finished()) {
+      const int n = s.num_completion_tokens() - last_token_has_no_text(s);
+      s.text = tok->decode(std::vector<int>(s.token_ids.begin() + s.num_prompt_tokens,
+                                            s.token_ids.begin() + s.num_prompt_tokens + n));
+    }
+    return {std::vector<int>(s.token_ids.begin() + s.num_prompt_tokens, s.token_ids.end()),
+            s.finish_reason, s.num_prompt_tokens, s.arrival_time, s.first_token_time, s.finish_time,
+            s.seq_id, s.request_index, s.completion_index, s.text, s.stop_token_id, s.stop_string,
+            s.logprobs, s.cumulative_logprob};
   }
 };
 
@@ -10189,7 +10210,7 @@ static void tp_atexit() {
 
 static void tp_worker_on_sigterm(int) {
   if (g_tp.worker_busy)
-    sig_puts("[rank "), sig_putn(g_tp_rank), sig_puts("] nanovllm: stopping: rank 0 ended the run\n");
+    sig_puts("["), sig_puts(g_process_label), sig_puts("] nanovllm: stopping: rank 0 ended the run\n");
   _exit(1);
 }
 
@@ -10363,9 +10384,7 @@ struct SimRunner : StepRunner {
 
   // The stand-in for the model and the sampler: a function of the sequence's tokens (see above).
   int token_after(const Sequence& seq) const {
-    const uint64_t salt = seq.params.temperature > 0
-                              ? (seq.params.seed >= 0 ? (uint64_t)seq.params.seed : splitmix64(seed ^ splitmix64(seq.seq_id)))
-                              : 0;
+    const uint64_t salt = seq.params.temperature > 0 ? seq.sampling_seed(seed) : 0;
     const uint64_t h = XXH64(seq.token_ids.data(), seq.token_ids.size() * sizeof(int), salt);
     const bool eos = !seq.params.ignore_eos && !config.eos.empty() &&
                      (double)(splitmix64(h ^ seed) >> 11) * 0x1.0p-53 < eos_prob;
