@@ -10733,12 +10733,12 @@ static bool tp_shutdown() {
 // an offline batch's completions have lengths nobody knows in advance (a request stops at EOS), so a split
 // made beforehand, even one balanced by tokens, ends with one replica still decoding its long requests while
 // the others idle; pulling gives the last requests to whichever replica frees a place first, so the
-// replicas finish together. A replica pulls when everything it holds is admitted (its waiting queue is
-// empty), as many sequences as its next step has places for (max_num_seqs less those running) and never
-// more than 1/N of the requests left, so the replica ready first cannot take the whole batch. The queue is
-// one counter in shared memory that a replica advances atomically (each replica was forked after the
-// requests were read, so each holds them all); the replicas start pulling together, once each has built
-// its engine. The request's draws do not depend on which replica runs it (Sequence::sampling_seed).
+// replicas finish together. Before each step a replica tops its waiting queue up to the places that step
+// has for new sequences (Replica::room), so its scheduler sees what it would see holding the whole batch,
+// and it takes never more than 1/N of the requests left, so the replica ready first cannot take them all.
+// The queue is one counter in shared memory that a replica advances atomically (each replica was forked
+// after the requests were read, so each holds them all); the replicas start pulling together, once each
+// has built its engine. A request's draws do not depend on which replica runs it (Sequence::sampling_seed).
 //
 // What comes back. Each replica writes to its own pipe: READY with its start-up line, PROGRESS a few times
 // a second, REQUEST with a request's completions as soon as all are finished (a replica that fails later
@@ -10794,12 +10794,21 @@ struct Replica {
 
   Replica(LLMEngine& e, RequestQueue& q, const std::vector<Request>& r) : engine(e), queue(q), reqs(r) {}
 
-  // One turn: pull when everything held is admitted, then one step. False when there is nothing to run: the
-  // queue is empty and every request this replica took is finished.
+  // Places the next step has for new sequences: under vLLM V1's scheduler max_num_seqs caps the running
+  // sequences; under nano-vllm's it caps each step's, and any number may run (the KV pool decides), so
+  // there a replica soon holds all its pool can, and the queue balances the end of the run no better than
+  // a split made beforehand would.
+  int room() const {
+    const Scheduler& s = engine.scheduler;
+    return engine.config.max_num_seqs - (s.mixed ? (int)s.running.size() : 0);
+  }
+
+  // One turn: top the waiting queue up to the next step's places, then one step. False when there is
+  // nothing to run: the queue is empty and every request this replica took is finished.
   bool turn() {
     Scheduler& s = engine.scheduler;
-    if (s.waiting.empty() && engine.arriving.empty())
-      for (int r : queue.pull(engine.config.max_num_seqs - (int)s.running.size(), reqs)) {
+    if ((int)s.waiting.size() < room() && engine.arriving.empty())
+      for (int r : queue.pull(room() - (int)s.waiting.size(), reqs)) {
         held.push_back({r, engine.seqs.size()});
         engine.add_request(reqs[r], reqs[r].index >= 0 ? reqs[r].index : r);
         pulled++;

@@ -391,7 +391,8 @@ TEST(replicas_run_each_request_once_with_one_engines_tokens) {
   const std::vector<Completion> one = run_one_engine(reqs, c, 0.01);
   for (int n : {1, 2, 3, 5}) {
     StandInRun dp = run_replicas(reqs, n, c, 0.01);
-    if (!CHECK_EQ(dp.outs.size(), one.size())) continue;
+    if (!CHECK_MSG(dp.outs.size() == one.size(), "%zu completions, one engine %zu", dp.outs.size(), one.size()))
+      continue;
     for (size_t i = 0; i < one.size(); i++)
       CHECK_MSG(dp.outs[i].token_ids == one[i].token_ids && dp.outs[i].request == one[i].request &&
                     dp.outs[i].index == one[i].index && dp.outs[i].finish_reason == one[i].finish_reason,
@@ -434,33 +435,42 @@ TEST(a_pull_takes_at_most_a_share_and_the_room) {
   for (int k = 0; k < 4; k++) CHECK_MSG(run.first_pull[k] <= 50, "replica %d took %d first", k, run.first_pull[k]);
 }
 
-// Replicas that pull as they have room finish together: on bench.py's distribution the last one ends within
-// a few per cent of the first (what is left is the tail of one batch). A static split of the same requests
-// by count is printed beside it, for comparison (docs/data-parallel.md).
+// Replicas that pull as they have room finish together, against the same requests split by count before
+// the run (bench.py's distribution, modelled clocks; both printed, docs/data-parallel.md). One replica that
+// pulls takes exactly the steps of one engine given the whole batch at once: pulling costs nothing.
 TEST(replicas_finish_together) {
-  Config c = small_config(4000, 16, 16384, 64);
-  c.max_model_len = 4096;
   const std::vector<Request> reqs = bench_like(512, 8, 4);
-  for (int n : {2, 4}) {
-    StandInRun run = run_replicas(reqs, n, c);
-    const double first = *std::min_element(run.finish.begin(), run.finish.end());
-    const double last = *std::max_element(run.finish.begin(), run.finish.end());
-    // The same requests split before the run, in runs of consecutive requests by count.
-    std::vector<double> split_finish;
-    for (int k = 0; k < n; k++) {
-      std::vector<Request> part(reqs.begin() + reqs.size() * k / n, reqs.begin() + reqs.size() * (k + 1) / n);
-      const ModelConfig mc = shape_06b();
-      SimRunner sim(mc, c, 0, 0);
-      LLMEngine e(c, sim);
-      e.generate(part);
-      split_finish.push_back(sim.clock);
+  for (bool mixed : {false, true}) {
+    Config c = small_config(4000, 16, 16384, 64);
+    c.max_model_len = 4096, c.mixed_scheduler = mixed;
+    for (int n : {1, 2, 4}) {
+      StandInRun run = run_replicas(reqs, n, c);
+      const double first = *std::min_element(run.finish.begin(), run.finish.end());
+      const double last = *std::max_element(run.finish.begin(), run.finish.end());
+      std::vector<double> split_finish;  // the same requests split before the run, runs of consecutive ones
+      for (int k = 0; k < n; k++) {
+        std::vector<Request> part(reqs.begin() + reqs.size() * k / n, reqs.begin() + reqs.size() * (k + 1) / n);
+        const ModelConfig mc = shape_06b();
+        SimRunner sim(mc, c, 0, 0);
+        LLMEngine e(c, sim);
+        e.generate(part);
+        split_finish.push_back(sim.clock);
+      }
+      const double split_last = *std::max_element(split_finish.begin(), split_finish.end());
+      const double split_first = *std::min_element(split_finish.begin(), split_finish.end());
+      printf("    %s scheduler, %d replicas (modelled): pulled, the last ends %.1f%% after the first, at %.3f s; "
+             "split by count beforehand, %.1f%% after, at %.3f s\n", mixed ? "mixed" : "nano", n,
+             100 * (last - first) / first, last, 100 * (split_last - split_first) / split_first, split_last);
+      if (n == 1) CHECK_MSG(last == split_last, "one replica pulling: %.4f s, one engine: %.4f s", last, split_last);
+      // Under vLLM V1's scheduler (the default) a replica holds what it runs, so what is left goes to whoever
+      // frees a place: the run ends no later than the split's, and closer together. (nano-vllm's admits as
+      // much as the KV pool holds, so there the queue is handed out at once, like a split: printed only.)
+      if (mixed && n > 1) {
+        CHECK_MSG(last <= split_last, "%d replicas: pulled ends at %.3f s, split at %.3f s", n, last, split_last);
+        CHECK_MSG(last - first < split_last - split_first, "%d replicas: pulled ends %.3f s apart, split %.3f s",
+                  n, last - first, split_last - split_first);
+      }
     }
-    const double split_last = *std::max_element(split_finish.begin(), split_finish.end());
-    const double split_first = *std::min_element(split_finish.begin(), split_finish.end());
-    printf("    %d replicas (modelled): pulled, last ends %.1f%% after the first, at %.2f s; split by count "
-           "beforehand, %.1f%% after, at %.2f s\n", n, 100 * (last - first) / first, last,
-           100 * (split_last - split_first) / split_first, split_last);
-    CHECK_MSG(last <= 1.05 * first, "%d replicas: the first ends at %.3f s, the last at %.3f s", n, first, last);
   }
 }
 
