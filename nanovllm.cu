@@ -9396,7 +9396,8 @@ static json batch_output_line(const Request& r, const Completion* outs, int n, c
   json line = {{"id", batch_id("vllm-")}, {"custom_id", r.batch["custom_id"]}};
   std::string error = r.error;
   for (int k = 0; k < n && error.empty(); k++)
-    if (!outs[k].finish_reason) error = std::string("the run was stopped (") + stopped_by + ") before this request finished";
+    if (!outs[k].finish_reason)
+      error = std::string("the run was stopped (") + stopped_by + ") before this request finished";
   if (!error.empty()) {
     line["response"] = {{"status_code", 400}, {"request_id", batch_id("vllm-batch-")}, {"body", nullptr}};
     line["error"] = error;
@@ -9576,7 +9577,8 @@ static std::string parse_shard(const std::string& spec, ShardSpec& out, const En
     if (!idx)
       return "--shard " + spec + ": JOB_COMPLETION_INDEX is not set (is this a pod of a Kubernetes Job with "
              "completionMode: Indexed?)";
-    if (!integer(idx, k)) return std::string("--shard ") + spec + ": JOB_COMPLETION_INDEX must be an integer, found '" + idx + "'";
+    if (!integer(idx, k))
+      return std::string("--shard ") + spec + ": JOB_COMPLETION_INDEX must be an integer, found '" + idx + "'";
     from = std::string("JOB_COMPLETION_INDEX=") + idx + " of " + str(n) + " completions (--shard " + spec + ")";
   } else {
     const size_t slash = spec.find('/');
@@ -9587,7 +9589,8 @@ static std::string parse_shard(const std::string& spec, ShardSpec& out, const En
   }
   if (n < 1 || n > 1000000) return from + ": the number of shards must be from 1 to 1000000, found " + str(n);
   if (k < 0 || k >= n)
-    return from + ": shard " + str(k) + " of " + str(n) + " does not exist; shards are numbered 0 to " + str(n - 1);
+    return from + ": shard " + str(k) + " of " + str(n) + " does not exist; shards are numbered 0 to " +
+           str(n - 1);
   out.index = (int)k, out.count = (int)n, out.from = from;
   return "";
 }
@@ -9633,7 +9636,8 @@ static uint64_t requests_xxh64(const std::vector<Request>& reqs, uint64_t seed) 
                            (double)p.seed, (double)p.stop.size()};
     add(nums, sizeof nums);
     for (const std::string& s : p.stop) add_str(s);
-    add_str(std::string(reinterpret_cast<const char*>(p.stop_token_ids.data()), p.stop_token_ids.size() * sizeof(int)));
+    add_str(std::string(reinterpret_cast<const char*>(p.stop_token_ids.data()),
+                        p.stop_token_ids.size() * sizeof(int)));
     add_str(r.batch.is_null() ? std::string() : r.batch.dump());
     add_str(r.error);
   }
@@ -9641,7 +9645,8 @@ static uint64_t requests_xxh64(const std::vector<Request>& reqs, uint64_t seed) 
 }
 
 // This shard's requests (each keeping its place in `all` as Request::index) and their indices.
-static std::vector<Request> shard_requests(std::vector<Request>& all, const ShardSpec& sh, std::vector<int>& indices) {
+static std::vector<Request> shard_requests(std::vector<Request>& all, const ShardSpec& sh,
+                                           std::vector<int>& indices) {
   const std::vector<int> shard = shard_split(all, sh.count);
   std::vector<Request> mine;
   indices.clear();
@@ -9662,8 +9667,10 @@ static std::string shard_plan(const std::vector<Request>& all, int count, int ma
     const int s = shard[i];
     const Request& r = all[i];
     reqs[s]++, weight[s] += request_weight(r), total += request_weight(r);
-    if (r.error.empty())
-      prompt[s] += (int64_t)r.params.n * r.prompt_token_ids.size(), max_new[s] += (int64_t)r.params.n * r.params.max_tokens;
+    if (r.error.empty()) {
+      prompt[s] += (int64_t)r.params.n * r.prompt_token_ids.size();
+      max_new[s] += (int64_t)r.params.n * r.params.max_tokens;
+    }
     if (first[s] < 0) first[s] = (int)i;
     last[s] = (int)i;
   }
@@ -9742,12 +9749,15 @@ static std::string read_shard_file(const std::string& path, ShardFile& f) {
     else if (j.contains("index") && j["index"].is_number_integer() && j.contains("completion") &&
              j["completion"].is_number_integer())
       f.lines.push_back(std::move(j));
-    else return path + ": a line that is neither a completion, a batch output line nor a summary: " + j.dump().substr(0, 120);
+    else
+      return path + ": a line that is neither a completion, a batch output line nor a summary: " +
+             j.dump().substr(0, 120);
   }
   return "";
 }
 
 static std::string merge_shards(const std::vector<std::string>& paths, std::string& merged, std::string& said) {
+  auto S = [](int64_t v) { return std::to_string(v); };
   if (paths.empty()) return "merge: give the shards' --output files";
   std::vector<ShardFile> files(paths.size());
   for (size_t i = 0; i < paths.size(); i++) {
@@ -9763,27 +9773,28 @@ static std::string merge_shards(const std::vector<std::string>& paths, std::stri
     const json& r = f.record;
     if (r["count"] != count || r["requests"] != total || r["input_xxh64"] != hash)
       return f.path + " is a shard of another run than " + ref.path + ": " + r["count"].dump() + " shards of " +
-             r["requests"].dump() + " requests, input " + r["input_xxh64"].dump() + ", against " + std::to_string(count) +
-             " of " + std::to_string(total) + ", input " + hash.dump() + " (another input, other flags or another --seed)";
+             r["requests"].dump() + " requests, input " + r["input_xxh64"].dump() + ", against " + S(count) +
+             " of " + S(total) + ", input " + hash.dump() + " (another input, other flags or another --seed)";
     if (f.batch != ref.batch)
-      return f.path + (f.batch ? " is" : " is not") + " an OpenAI batch's output, but " + ref.path + (ref.batch ? " is" : " is not");
+      return f.path + (f.batch ? " is" : " is not") + " an OpenAI batch's output, but " + ref.path +
+             (ref.batch ? " is" : " is not");
     const int64_t k = r["index"];
-    if (k < 0 || k >= count) return f.path + ": shard " + std::to_string(k) + " of " + std::to_string(count) + " does not exist";
+    if (k < 0 || k >= count) return f.path + ": shard " + S(k) + " of " + S(count) + " does not exist";
     if (by_shard[k] >= 0)
-      return f.path + " and " + files[by_shard[k]].path + " are both shard " + std::to_string(k) + "/" + std::to_string(count);
+      return f.path + " and " + files[by_shard[k]].path + " are both shard " + S(k) + "/" + S(count);
     by_shard[k] = (int)i;
     if (r["unfinished"].get<int64_t>() > 0)
-      return f.path + ": shard " + std::to_string(k) + "/" + std::to_string(count) + " was stopped with " +
+      return f.path + ": shard " + S(k) + "/" + S(count) + " was stopped with " +
              r["unfinished"].dump() + " completions unfinished; run it again";
     if ((int64_t)f.lines.size() != r["completions"].get<int64_t>())
-      return f.path + ": " + std::to_string(f.lines.size()) + " output lines, but its shard record says " +
+      return f.path + ": " + S(f.lines.size()) + " output lines, but its shard record says " +
              r["completions"].dump() + " (a truncated or edited file?)";
   }
   std::string missing;
   for (int64_t k = 0; k < count; k++)
-    if (by_shard[k] < 0) missing += (missing.empty() ? "" : ", ") + std::to_string(k) + "/" + std::to_string(count);
+    if (by_shard[k] < 0) missing += (missing.empty() ? "" : ", ") + S(k) + "/" + S(count);
   if (!missing.empty()) return "shard " + missing + " missing: give every shard's --output file (" +
-                               std::to_string(files.size()) + " of " + std::to_string(count) + " given)";
+                               S(files.size()) + " of " + S(count) + " given)";
   // Every request in exactly one shard's share; its lines all there, once.
   std::vector<int> owner(total, -1);
   std::vector<std::vector<const json*>> out(total);  // request -> its lines, by completion
@@ -9791,33 +9802,35 @@ static std::string merge_shards(const std::vector<std::string>& paths, std::stri
     const json& idx = f.record["indices"];
     for (const json& v : idx) {
       if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= total)
-        return f.path + ": the shard record names request " + v.dump() + " of " + std::to_string(total);
+        return f.path + ": the shard record names request " + v.dump() + " of " + S(total);
       const int64_t i = v;
-      if (owner[i] >= 0) return "request " + std::to_string(i) + " is in the share of both " + files[owner[i]].path + " and " + f.path;
+      if (owner[i] >= 0)
+        return "request " + S(i) + " is in the share of both " + files[owner[i]].path + " and " + f.path;
       owner[i] = (int)(&f - files.data());
     }
     if (f.batch) {
       if (f.lines.size() != idx.size())
-        return f.path + ": " + std::to_string(f.lines.size()) + " batch lines for the " + std::to_string(idx.size()) + " requests of its share";
+        return f.path + ": " + S(f.lines.size()) + " batch lines for the " + S(idx.size()) +
+               " requests of its share";
       for (size_t j = 0; j < idx.size(); j++) out[idx[j].get<int64_t>()].push_back(&f.lines[j]);
       continue;
     }
     for (const json& line : f.lines) {
       const int64_t i = line["index"], c = line["completion"];
       if (i < 0 || i >= total || owner[i] != (int)(&f - files.data()))
-        return f.path + ": a completion of request " + std::to_string(i) + ", which is not in its share";
+        return f.path + ": a completion of request " + S(i) + ", which is not in its share";
       std::vector<const json*>& v = out[i];
-      if (c < 0 || c > 4096) return f.path + ": request " + std::to_string(i) + " has a completion numbered " + std::to_string(c);
+      if (c < 0 || c > 4096) return f.path + ": request " + S(i) + " has a completion numbered " + S(c);
       if ((int64_t)v.size() <= c) v.resize(c + 1, nullptr);
-      if (v[c]) return f.path + ": request " + std::to_string(i) + ", completion " + std::to_string(c) + " twice";
+      if (v[c]) return f.path + ": request " + S(i) + ", completion " + S(c) + " twice";
       v[c] = &line;
     }
   }
   for (int64_t i = 0; i < total; i++) {
-    if (owner[i] < 0) return "request " + std::to_string(i) + " is in no shard's share";
-    if (out[i].empty()) return files[owner[i]].path + ": no output line for request " + std::to_string(i);
+    if (owner[i] < 0) return "request " + S(i) + " is in no shard's share";
+    if (out[i].empty()) return files[owner[i]].path + ": no output line for request " + S(i);
     for (size_t c = 0; c < out[i].size(); c++)
-      if (!out[i][c]) return files[owner[i]].path + ": request " + std::to_string(i) + " lacks completion " + std::to_string(c);
+      if (!out[i][c]) return files[owner[i]].path + ": request " + S(i) + " lacks completion " + S(c);
   }
   // The merged file.
   merged.clear();
@@ -9841,7 +9854,7 @@ static std::string merge_shards(const std::vector<std::string>& paths, std::stri
                                 {"prompt_tokens", prompt_tokens}, {"generated_tokens", generated},
                                 {"tokens_xxh64", hex}, {"shards", shards}}}}.dump() + "\n";
   }
-  said = std::to_string(count) + " shards, " + std::to_string(total) + " prompts, " + std::to_string(lines) +
+  said = S(count) + " shards, " + S(total) + " prompts, " + S(lines) +
          (ref.batch ? " batch output lines" : " completions | tokens xxh64 " + std::string(hex) + " (all completions, in input order)");
   return "";
 }
@@ -10954,8 +10967,8 @@ static void replica_test_fail(int replica, long long step) {
 // A replica's run once its engine is built: READY, wait until every replica is, then turns (pull, step)
 // until the queue is empty and its requests are finished, or a stop; each request handed back as soon as
 // it is finished; FINISHED last. logits_hash(rows): its runner's fingerprint of the last step.
-static void replica_serve(ReplicaLink& link, LLMEngine& engine, RunWatcher& watcher, const std::vector<Request>& reqs,
-                          const std::string& ready_line, const std::string& notes, int kv_blocks,
+static void replica_serve(ReplicaLink& link, LLMEngine& engine, RunWatcher& watcher,
+                          const std::vector<Request>& reqs, const std::string& ready_line, const std::string& notes, int kv_blocks,
                           const std::function<uint64_t(int)>& logits_hash) {
   Wire ready;
   ready.put(ready_line), ready.put(notes), ready.put(kv_blocks);
@@ -11070,7 +11083,8 @@ static DPRun dp_run(int n, const std::vector<Request>& reqs, const std::vector<s
   g_dp.size = n;
   for (int k = 0; k < n; k++) {
     const pid_t pid = fork();
-    if (pid < 0) die("fork() for data-parallel replica %d failed: %s", k, strerror(errno));  // atexit ends the others
+    if (pid < 0)  // (the replicas forked so far follow this process out: PR_SET_PDEATHSIG)
+      die("fork() for data-parallel replica %d failed: %s", k, strerror(errno));
     if (pid == 0) {
       prctl(PR_SET_PDEATHSIG, SIGTERM);  // the coordinator gone, however it went: this replica goes too
       if (getppid() != parent) _exit(1);
@@ -11199,7 +11213,8 @@ static DPRun dp_run(int n, const std::vector<Request>& reqs, const std::vector<s
 }
 
 // The run's figures from the replicas' (RunSummary says how they combine), and each replica's line.
-static void dp_figures(DPRun& run, const std::vector<std::string>& gpus, RunStats& st, SchedulerStats& ss, int& kv_blocks) {
+static void dp_figures(DPRun& run, const std::vector<std::string>& gpus, RunStats& st, SchedulerStats& ss,
+                       int& kv_blocks) {
   const int n = (int)run.stats.size();
   st = RunStats{}, ss = SchedulerStats{}, kv_blocks = 0;
   for (int k = 0; k < n; k++) {
