@@ -11055,9 +11055,11 @@ struct DPRun {
 
 // Forks n replicas, each running body(link) (which builds its engine and calls replica_serve; its return
 // value is the replica's exit status), and gathers what they send until each has ended. gpus[k]: replica
-// k's CUDA_VISIBLE_DEVICES (none for a simulated run). progress: print the progress line.
+// k's CUDA_VISIBLE_DEVICES (none for a simulated run). progress: print the progress line. ready(run): once
+// every replica is ready, after their start-up lines (may be empty).
 static DPRun dp_run(int n, const std::vector<Request>& reqs, const std::vector<std::string>& gpus, bool progress,
-                    const std::function<int(ReplicaLink&)>& body) {
+                    const std::function<int(ReplicaLink&)>& body,
+                    const std::function<void(const DPRun&)>& ready_hook = nullptr) {
   if (n > DP_MAX_REPLICAS) die("--data-parallel-size %d: at most %d replicas", n, DP_MAX_REPLICAS);
   std::vector<int> order;
   int64_t total_completions = 0;
@@ -11189,6 +11191,7 @@ static DPRun dp_run(int n, const std::vector<Request>& reqs, const std::vector<s
     if (ready == n && !run.started) {
       for (const std::string& line : run.ready_lines)
         if (!line.empty()) fputs(line.c_str(), stderr);
+      if (ready_hook) ready_hook(run);
       run.started = true, run.go_at = now_seconds();
       g_stop_armed = 1;  // from here the first Ctrl-C stops after the step in flight
       __atomic_store_n(&shared->go, 1u, __ATOMIC_RELEASE);
@@ -12141,9 +12144,10 @@ int main(int argc, char** argv) {
                     optimization_notes(runner), config.num_kvcache_blocks,
                     [&](int rows) { return last_logits_xxh64(runner, rows); });
       return tp_shutdown() ? 0 : 1;
+    }, [&](const DPRun& ready) {
+      fprintf(stderr, "nanovllm: optimizations (Part II): %s%s\n", optimizations_str(config.opt).c_str(),
+              ready.notes.c_str());
     });
-    fprintf(stderr, "nanovllm: optimizations (Part II): %s%s\n", optimizations_str(config.opt).c_str(),
-            run.notes.c_str());
     return finish_dp(cli, requests, run, gpus, tok, t_start, sharded);
   }
   // 2. The GPU: weights, KV cache, CUDA graphs. Tensor-parallel workers are forked first: a child process
