@@ -10,7 +10,8 @@
 #          --tp N (tensor parallelism on N GPUs; the roofline is then N GPUs' bandwidth and GEMM rate),
 #          --opt LIST (passed to nanovllm: which optimizations of Part II run; --opt none is --plain),
 #          --kv-cache-dtype bf16|fp8 (passed to nanovllm; the roofline then counts 1 byte per K/V value),
-#          --scheduler nano|mixed (passed to nanovllm: nano-vllm's prefill-first rule or vLLM V1's).
+#          --scheduler nano|mixed (passed to nanovllm: nano-vllm's prefill-first rule or vLLM V1's),
+#          --dp N (data parallelism: with --only dataparallel, measure 7 on N replicas of --tp GPUs each).
 #          TOKENIZER_DIR: tokenizer for --random.
 #
 #   ./bench.sh --ladder [--random 0.6b | --model DIR] [--baseline PATH]
@@ -32,11 +33,14 @@
 #    the p99 time per output token (how long prefill steps stall the running requests).
 # 6. staggered: bench.py's 256 requests arriving as a Poisson process of 40 per second (--seed 0): time to
 #    first token and time per output token, median and p99.
+# 7. dataparallel (--only dataparallel --dp N): bench.py's distribution, 256 x N requests (drawn as bench.py
+#    draws 256, from random.seed(0)) on N replicas (-dp N), against measure 1 on one replica: the throughput
+#    and its ratio to N x one replica's.
 # Roofline: `nanovllm roofline` measures this GPU's copy bandwidth and bf16 GEMM rate in the same run.
 set -euo pipefail
 cd "$(dirname "$0")"
 MODEL= RANDOM_SHAPE= NANOVLLM=./nanovllm LOG_DIR=build/bench-logs ONLY= TP=1 OPT=all LADDER=0 BASELINE= KV=auto
-SCHED=
+SCHED= DP=1
 while [ $# -gt 0 ]; do
   case $1 in
     --model) MODEL=$2; shift 2 ;;
@@ -48,9 +52,10 @@ while [ $# -gt 0 ]; do
     --opt) OPT=$2; shift 2 ;;
     --kv-cache-dtype) KV=$2; shift 2 ;;
     --scheduler) SCHED=$2; shift 2 ;;
+    --dp) DP=$2; shift 2 ;;
     --ladder) LADDER=1; shift ;;
     --baseline) BASELINE=$2; shift 2 ;;
-    -h|--help) sed -n 2,35p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,39p "$0"; exit 0 ;;
     *) echo "bench.sh: unknown argument '$1' (see --help)" >&2; exit 1 ;;
   esac
 done
@@ -89,13 +94,19 @@ case $KV in auto|bf16) KV_BYTES=2 ;; fp8|fp8_e4m3) KV_BYTES=1 ;; *) echo "bench.
 [ -x "$NANOVLLM" ] || { echo "bench.sh: $NANOVLLM not found; run make first" >&2; exit 1; }
 
 # The workloads, as JSONL of prompt_token_ids (+ per-request max_tokens).
-python3 - "$LOG_DIR" <<'PY'
+python3 - "$LOG_DIR" "$DP" <<'PY'
 import json, random, sys
-d = sys.argv[1]
+d, dp = sys.argv[1], int(sys.argv[2])
 random.seed(0)  # nano-vllm bench.py, in its draw order
 prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
 max_tokens = [random.randint(100, 1024) for _ in range(256)]
 with open(f"{d}/throughput.jsonl", "w") as f:
+    for p, m in zip(prompts, max_tokens):
+        f.write(json.dumps({"prompt_token_ids": p, "max_tokens": m}) + "\n")
+random.seed(0)  # measure 7: the same draws for 256 x dp requests (dp = 1: the 256 above)
+prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256 * dp)]
+max_tokens = [random.randint(100, 1024) for _ in range(256 * dp)]
+with open(f"{d}/dataparallel.jsonl", "w") as f:
     for p, m in zip(prompts, max_tokens):
         f.write(json.dumps({"prompt_token_ids": p, "max_tokens": m}) + "\n")
 rng = random.Random(1)
@@ -162,14 +173,17 @@ fi
 [ "$ONLY" = short ] && run short --temperature 0.6 --max-num-seqs 512
 [ "$ONLY" = staggered ] && cp "$LOG_DIR/throughput.jsonl" "$LOG_DIR/staggered.jsonl" &&
   run staggered --temperature 0.6 --max-num-seqs 512 --request-rate 40 --seed 0
+[ "$ONLY" = dataparallel ] && run throughput --temperature 0.6 &&
+  run dataparallel --temperature 0.6 --data-parallel-size "$DP"
 
 # The table, with roofline fractions computed from the model's shape and the measured ceilings.
-python3 - "$LOG_DIR" "$MODEL" "$BW" "$TF" "$GPU" "$ONLY" "$TP" "${RUNGS:-}" "$KV_BYTES" <<'PY'
+python3 - "$LOG_DIR" "$MODEL" "$BW" "$TF" "$GPU" "$ONLY" "$TP" "${RUNGS:-}" "$KV_BYTES" "$DP" <<'PY'
 import json, os, re, sys
 d, model, bw, tf, gpu, only = sys.argv[1], sys.argv[2], float(sys.argv[3]) * 1e9, float(sys.argv[4]) * 1e12, sys.argv[5], sys.argv[6]
 tp = int(sys.argv[7])
 rungs = sys.argv[8].split()
 kv_bytes = int(sys.argv[9])  # bytes per cached K or V value: 2 (bf16), 1 (fp8)
+dp = int(sys.argv[10])  # replicas of measure 7
 bw, tf = bw * tp, tf * tp  # N GPUs each read 1/N of the weights and KV, and do 1/N of the FLOPs
 if tp > 1: gpu = f"{tp} x {gpu} (tensor parallel; ceilings below are the sums)"
 c = json.load(open(f"{model}/config.json"))
@@ -233,6 +247,12 @@ if only in ("", "prefill"):
     flops = 2 * L * layer + 4 * NH * D * 1024 * L  # per token: the layers' weights + causal attention (mean 1024 keys)
     ceil = tf / flops
     rows.append(("prefill (64 x 2048)", f"{s['prefill']:.0f} tok/s", f"{100 * s['prefill'] / ceil:.0f}% of the {ceil:.0f} tok/s GEMM ceiling"))
+if only == "dataparallel":  # the roofline of one replica (its --tp GPUs); N replicas: N times it at most
+    one, many = summary("throughput"), summary("dataparallel")
+    t1, tn = one["gen"] / one["seconds"], many["gen"] / many["seconds"]
+    rows.append(("bench.py, 1 replica", f"{t1:.0f} tok/s", f"{100 * t1 / t_roof:.0f}% of {t_roof:.0f} tok/s"))
+    rows.append((f"bench.py x {dp}, -dp {dp}", f"{tn:.0f} tok/s",
+                 f"{tn / (dp * t1):.3f} x ({dp} x one replica's); {100 * tn / (dp * t_roof):.0f}% of {dp} x {t_roof:.0f} tok/s"))
 for w in ("short", "staggered"):
     if only != w: continue
     s = summary(w)

@@ -138,15 +138,19 @@
 #include <cstring>
 #include <deque>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
 #include <csignal>
+#include <fcntl.h>
+#include <poll.h>
 #include <strings.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
@@ -179,8 +183,8 @@ typedef __nv_bfloat16 bf16;
 // ##########################################################################################################
 
 // ==== 1. Errors and utilities ==============================================================================
-// defines: die, INTERNAL_CHECK, CUDA_CHECK, CUBLAS_CHECK, NCCL_CHECK, g_tp_rank, now_seconds, cdiv,
-//          read_file, is_dir, is_file, splitmix64
+// defines: die, INTERNAL_CHECK, CUDA_CHECK, CUBLAS_CHECK, NCCL_CHECK, g_tp_rank, g_process_label,
+//          now_seconds, cdiv, read_file, is_dir, is_file, splitmix64
 //
 // Two kinds of failure, treated differently:
 //   * a user mistake (bad flag, bad file, too-long prompt): die() with what was expected, what was found
@@ -191,12 +195,15 @@ typedef __nv_bfloat16 bf16;
 
 // This process's tensor-parallel rank (sections 12, 32): 0 in the main process, 1..N-1 in the workers.
 static int g_tp_rank = 0;
+// The name this process's messages carry: "" in the main process, "rank 1" in a tensor-parallel worker
+// (section 12), "replica 2" or "replica 2, rank 1" with data parallelism (section 33).
+static char g_process_label[48] = "";
 
-// A worker's message: named by its rank, and written with one write(2) so that two ranks failing at once
-// cannot interleave their lines.
+// A worker's message: named by its label, and written with one write(2) so that two processes failing at
+// once cannot interleave their lines.
 [[noreturn]] static void die_on_worker(const char* fmt, ...) {
   char msg[4096];
-  int n = snprintf(msg, sizeof msg, "[rank %d] nanovllm: error: ", g_tp_rank);
+  int n = snprintf(msg, sizeof msg, "[%s] nanovllm: error: ", g_process_label);
   va_list ap;
   va_start(ap, fmt);
   n += vsnprintf(msg + n, sizeof msg - n - 1, fmt, ap);
@@ -209,10 +216,10 @@ static int g_tp_rank = 0;
 }
 
 // die() is tokenizer.h's tok_die(): that header is included first and needed the same function, so the
-// engine forwards to it rather than keep a second copy. A tensor-parallel worker (section 12) names itself.
+// engine forwards to it rather than keep a second copy. A worker process (sections 12, 33) names itself.
 template <typename... Args>
 [[noreturn]] static void die(const char* fmt, Args... args) {
-  if (g_tp_rank > 0) die_on_worker(fmt, args...);
+  if (g_process_label[0]) die_on_worker(fmt, args...);
   tok_die(fmt, args...);
 }
 
@@ -464,7 +471,8 @@ struct SamplingParams {
   bool include_stop_str_in_output = false;  // keep the matched stop string (or stop token's text) in the text
   int logprobs = -1;         // -1 = none; N in 0..MAX_LOGPROBS: per output token, the sampled token's
                              // log-probability and the N most likely tokens' (section 9b)
-  int64_t seed = -1;         // -1 = derived from the engine's --seed and the sequence's id
+  int64_t seed = -1;         // -1 = derived from the engine's --seed and the request's place in the input
+                             // (Sequence::sampling_seed)
 
   bool penalized() const {
     return repetition_penalty != 1.0f || frequency_penalty != 0.0f || presence_penalty != 0.0f;
@@ -511,8 +519,9 @@ struct Sequence {
   const char* finish_reason = nullptr;  // "stop" (EOS, a stop token or a stop string) or "length" (max_tokens)
   int stop_token_id = -1;               // the stop_token_ids entry that finished it (vLLM's stop_reason)
   std::string stop_string;              // the stop string that finished it (vLLM's stop_reason)
-  // n > 1 (section 13): which of the request's completions this is, and the first one, whose prompt blocks
-  // the others wait for so that prefix caching shares them (Scheduler::waits_for_sibling).
+  // Its request's place in the whole input (section 13), and with n > 1, which of the request's completions
+  // this is, and the first one, whose prompt blocks the others wait for so that prefix caching shares them
+  // (Scheduler::waits_for_sibling).
   int request_index = 0, completion_index = 0;
   const Sequence* first_sibling = nullptr;
   // What the engine keeps of the output besides token ids (section 13): the text (decoded as it grows when
@@ -550,6 +559,14 @@ struct Sequence {
   int num_completion_tokens() const { return num_tokens - num_prompt_tokens; }
   int num_cached_blocks() const { return num_cached_tokens / block_size; }
   int num_blocks() const { return (int)cdiv(num_tokens, block_size); }
+  // The key of this sequence's draws (section 9): its request's seed (child k of a seeded request with
+  // n > 1 has seed + k, section 13), or for a request without one, a seed made from the engine's --seed and
+  // the request's place in the whole input, never from anything the engine counts. So a request draws the
+  // same tokens in any batch, and whichever data-parallel replica (section 33) or shard (section 31) runs it.
+  uint64_t sampling_seed(uint64_t engine_seed) const {
+    if (params.seed >= 0) return (uint64_t)params.seed;
+    return splitmix64(engine_seed ^ splitmix64((uint64_t)request_index)) + (uint64_t)completion_index;
+  }
   int last_block_num_tokens() const { return num_tokens - (num_blocks() - 1) * block_size; }
   // Tokens of logical block i (the last one may be partial).
   const int* block(int i) const { return token_ids.data() + (size_t)i * block_size; }
@@ -2925,7 +2942,7 @@ struct ModelRunner : StepRunner {
     s.top_k = seq.params.top_k;
     s.top_p = seq.params.top_p;
     s.min_p = seq.params.min_p;
-    s.seed = seq.params.seed >= 0 ? (uint64_t)seq.params.seed : splitmix64(engine_seed ^ splitmix64(seq.seq_id));
+    s.seed = seq.sampling_seed(engine_seed);
     s.offset = (uint64_t)seq.num_completion_tokens();  // the draw for the n-th token is fixed by (seed, n)
     s.repetition_penalty = seq.params.repetition_penalty;
     s.frequency_penalty = seq.params.frequency_penalty;
@@ -3571,6 +3588,8 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
 
 [[noreturn]] static void tp_worker_main(int rank) {
   g_tp_rank = rank;
+  const size_t at = strlen(g_process_label);  // a replica's worker: "replica 2, rank 1" (section 33)
+  snprintf(g_process_label + at, sizeof g_process_label - at, "%srank %d", at ? ", " : "", rank);
   if (g_tp_supervisor.worker_begins) g_tp_supervisor.worker_begins(rank);
   TPMailbox* mb = g_tp.mb;
   auto ack = [&] { __atomic_fetch_add(&mb->acks, 1, __ATOMIC_RELEASE); };
@@ -3625,6 +3644,19 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
 }
 
 
+// ---- 12c. Data parallelism: the simplest way to use N GPUs ---------------------------------------------
+//
+// When the model fits on one GPU there is a simpler way to use N of them than splitting every matrix: run
+// N whole engines, each on its own GPU, and share the requests among them (vLLM's --data-parallel-size).
+// Nothing crosses between the engines while they run, so each reads its own weights and K/V at its own
+// GPU's full bandwidth, with no all-reduce and no gathered logits: on an offline batch their speeds add up.
+// Tensor parallelism is for what data parallelism cannot do:
+// a model too large for one GPU, and one request (or a small batch) that must go faster, since its decode
+// step reads 1/N of the weights per GPU. The two combine: N replicas of T GPUs each. The replicas are
+// processes forked like this section's ranks, each running this file's engine unchanged; the queue they
+// pull from, and how the run stops, are program plumbing (section 33). docs/data-parallel.md has the
+// measurements that say when each wins.
+
 // ==== 13. LLMEngine: add_request, step, generate ===========================================================
 // defines: Request, Completion, StepObserver, LLMEngine (add_request, step, generate)
 //
@@ -3647,6 +3679,8 @@ struct Request {
   bool arrival_given = false; // the .jsonl line gave it (--request-rate leaves it alone)
   std::string error;          // an OpenAI batch line we answer with an error instead of running (section 31)
   json batch;                 // that batch line's custom_id, url and body (section 31); null otherwise
+  int index = -1;             // its place in the whole input when a run holds only part of it (a shard,
+                              // section 31); -1: its place in generate()'s input
 };
 
 // One completion: a request with n > 1 has n of them, consecutive, in index order.
@@ -3656,7 +3690,7 @@ struct Completion {
   int prompt_tokens;
   double arrival_time = 0, first_token_time = -1, finish_time = -1;  // seconds since generate() began (-1: never)
   int64_t seq_id = 0;
-  int request = 0;            // the Request's position in generate()'s input
+  int request = 0;            // the Request's place in the input (Request::index, else in generate()'s)
   int index = 0;              // which of its n completions (vLLM: CompletionOutput.index)
   std::string text;           // decoded, cut at a stop string (empty when the engine has no tokenizer)
   int stop_token_id = -1;     // vLLM's stop_reason: the stop token id, or the stop string, or neither (-1, "")
@@ -3700,7 +3734,8 @@ struct LLMEngine {
 
   // nano-vllm: add_request. A request becomes n sequences (n completions, each with its own id and so its
   // own draws); they join the scheduler's waiting queue when the clock reaches the request's arrival_time.
-  // request_index: the request's position in generate()'s input, carried to its Completions.
+  // request_index: the request's place in the input, carried to its Completions (and the key of its draws
+  // when it has no seed, Sequence::sampling_seed).
   void add_request(const Request& req, int request_index = 0) {
     const Sequence* first_sibling = nullptr;
     for (int k = 0; k < req.params.n; k++) {
@@ -3801,8 +3836,8 @@ struct LLMEngine {
   std::vector<Completion> generate(const std::vector<Request>& requests) {
     t0 = runner.now();
     const size_t first = seqs.size();
-    for (size_t r = 0; r < requests.size(); r++)
-      if (requests[r].error.empty()) add_request(requests[r], (int)r);  // else answered with its error (31)
+    for (size_t r = 0; r < requests.size(); r++)  // (one with an error is answered with it instead, section 31)
+      if (requests[r].error.empty()) add_request(requests[r], requests[r].index >= 0 ? requests[r].index : (int)r);
     while (!g_stop_requested) {
       admit_arrivals();
       if (scheduler.is_finished()) {  // idle until the next request arrives (a Ctrl-C ends the wait too)
@@ -3815,19 +3850,22 @@ struct LLMEngine {
     }
     if (observer) observer->generate_ends(*this);
     std::vector<Completion> out;
-    for (size_t i = first; i < seqs.size(); i++) {
-      Sequence& s = *seqs[i];
-      if (tok && s.params.stop.empty() && s.is_finished()) {
-        const int n = s.num_completion_tokens() - last_token_has_no_text(s);
-        s.text = tok->decode(std::vector<int>(s.token_ids.begin() + s.num_prompt_tokens,
-                                              s.token_ids.begin() + s.num_prompt_tokens + n));
-      }
-      out.push_back({std::vector<int>(s.token_ids.begin() + s.num_prompt_tokens, s.token_ids.end()),
-                     s.finish_reason, s.num_prompt_tokens, s.arrival_time, s.first_token_time, s.finish_time,
-                     s.seq_id, s.request_index, s.completion_index, s.text, s.stop_token_id, s.stop_string,
-                     s.logprobs, s.cumulative_logprob});
-    }
+    for (size_t i = first; i < seqs.size(); i++) out.push_back(completion_of(*seqs[i]));
     return out;
+  }
+
+  // A sequence's completion as it stands (unfinished: finish_reason nullptr), its text decoded now unless
+  // stop strings had it decoded as it grew.
+  Completion completion_of(Sequence& s) const {
+    if (tok && s.params.stop.empty() && s.is_finished()) {
+      const int n = s.num_completion_tokens() - last_token_has_no_text(s);
+      s.text = tok->decode(std::vector<int>(s.token_ids.begin() + s.num_prompt_tokens,
+                                            s.token_ids.begin() + s.num_prompt_tokens + n));
+    }
+    return {std::vector<int>(s.token_ids.begin() + s.num_prompt_tokens, s.token_ids.end()),
+            s.finish_reason, s.num_prompt_tokens, s.arrival_time, s.first_token_time, s.finish_time,
+            s.seq_id, s.request_index, s.completion_index, s.text, s.stop_token_id, s.stop_string,
+            s.logprobs, s.cumulative_logprob};
   }
 };
 
@@ -9074,7 +9112,8 @@ static void validate_sampling(const SamplingParams& p, const std::string& where,
 
 // ==== 31. Prompts in, completions out ======================================================================
 // defines: PromptOptions, sampling_from_json, sampling_defaults, parse_prompts, read_prompts,
-//          write_completions
+//          write_completions, ShardSpec, parse_shard, shard_split, requests_xxh64, shard_requests, shard_plan,
+//          ShardOut, shard_record, merge_shards
 //
 // PROMPTS is either a text file, one prompt per line (the chat template is applied unless --raw), or a
 // .jsonl file whose lines are objects with one of
@@ -9593,11 +9632,12 @@ static std::string batch_id(const char* prefix) {
 // One output line of an OpenAI batch (vLLM's BatchRequestOutput): the request's n completions as the
 // choices of a chat.completion or text_completion object, with usage; or its error with status 400.
 static json batch_output_line(const Request& r, const Completion* outs, int n, const Tokenizer& tok,
-                              const std::string& model_name) {
+                              const std::string& model_name, const char* stopped_by = "Ctrl-C") {
   json line = {{"id", batch_id("vllm-")}, {"custom_id", r.batch["custom_id"]}};
   std::string error = r.error;
   for (int k = 0; k < n && error.empty(); k++)
-    if (!outs[k].finish_reason) error = "the run was stopped (Ctrl-C) before this request finished";
+    if (!outs[k].finish_reason)
+      error = std::string("the run was stopped (") + stopped_by + ") before this request finished";
   if (!error.empty()) {
     line["response"] = {{"status_code", 400}, {"request_id", batch_id("vllm-batch-")}, {"body", nullptr}};
     line["error"] = error;
@@ -9662,9 +9702,11 @@ static json batch_output_line(const Request& r, const Completion* outs, int n, c
 
 // The completions: a readable block per completion on stdout, and with --output one JSON object per
 // completion (then the run summary, section 32). An OpenAI batch is answered instead with one output line
-// per input line, in input order, to --output or else to stdout. Returns true for a batch.
+// per input line, in input order, to --output or else to stdout. Returns true for a batch. stopped_by: what
+// left requests unfinished, for a batch's error lines.
 static bool write_completions(const std::vector<Request>& reqs, const std::vector<Completion>& outs,
-                              const Tokenizer& tok, FILE* jsonl, const std::string& model_name) {
+                              const Tokenizer& tok, FILE* jsonl, const std::string& model_name,
+                              const char* stopped_by = "Ctrl-C") {
   const bool batch = !reqs.empty() && !reqs[0].batch.is_null();
   size_t next = 0;  // outs holds each request's n completions, consecutive, in request order
   for (size_t i = 0; i < reqs.size(); i++) {
@@ -9673,22 +9715,24 @@ static bool write_completions(const std::vector<Request>& reqs, const std::vecto
     next += n;
     if (batch) {
       const std::string line =
-          batch_output_line(reqs[i], mine, n, tok, model_name).dump(-1, ' ', false, json::error_handler_t::replace);
+          batch_output_line(reqs[i], mine, n, tok, model_name, stopped_by)
+              .dump(-1, ' ', false, json::error_handler_t::replace);
       fprintf(jsonl ? jsonl : stdout, "%s\n", line.c_str());
       if (jsonl) printf("==> %s | %s\n", reqs[i].batch["custom_id"].get<std::string>().c_str(),
                         reqs[i].error.empty() ? "done" : ("error: " + reqs[i].error).c_str());
       continue;
     }
+    const size_t index = reqs[i].index >= 0 ? (size_t)reqs[i].index : i;  // a shard's: its place in the input
     for (int k = 0; k < n; k++) {
       const Completion& o = mine[k];
       if (!o.finish_reason) continue;  // unfinished (Ctrl-C): counted in the summary, not written
       const std::string which = n > 1 ? " | completion " + std::to_string(k) + " of " + std::to_string(n) : "";
       const json reason = stop_reason_json(o);
-      printf("==> request %zu%s | %d prompt tokens | %zu tokens | finish: %s%s\n%s\n\n", i, which.c_str(),
+      printf("==> request %zu%s | %d prompt tokens | %zu tokens | finish: %s%s\n%s\n\n", index, which.c_str(),
              o.prompt_tokens, o.token_ids.size(), o.finish_reason,
              reason.is_null() ? "" : (" (" + reason.dump() + ")").c_str(), o.text.c_str());
       if (!jsonl) continue;
-      json line = {{"index", i},
+      json line = {{"index", index},
                    {"completion", k},
                    {"text", o.text},
                    {"token_ids", o.token_ids},
@@ -9706,6 +9750,354 @@ static bool write_completions(const std::vector<Request>& reqs, const std::vecto
   return batch;
 }
 
+// ---- Shards: a part of the input per machine, and the merge ----
+//
+// A batch that outgrows one machine runs as an array job of the cluster's own scheduler (a Slurm job array,
+// a Kubernetes Indexed Job): the same command on every machine, each with --shard K/N, reads the whole
+// input and runs only its share; `nanovllm merge` then joins the shards' --output files in input order.
+// The split is a function of the requests and N alone, so every machine computes the same one without
+// talking to the others: runs of consecutive requests (neighbours often share a prompt prefix, which the
+// prefix cache then finds on the same machine), cut where the running total of the requests' weights
+// crosses k/N of the whole. A request's weight is the tokens it may put through the model, n x (prompt
+// tokens + max_tokens); one answered with an error weighs nothing. Each share then differs from 1/N of the
+// weight by at most one request's. A shard's completions carry the request's place in the whole input
+// ("index"; an OpenAI batch line its custom_id), and its draws are keyed by that place
+// (Sequence::sampling_seed), so the merged output is the unsharded run's.
+//
+// A shard's --output ends with one line more than a run's, the shard record:
+//   {"shard": {"index": K, "count": N, "requests": TOTAL, "input_xxh64": H, "indices": [...],
+//              "completions": C, "unfinished": U}}
+// indices: the requests of its share; input_xxh64: a fingerprint of every request of the input (tokens and
+// sampling fields) and --seed; completions: the lines it wrote; unfinished: those it did not (Ctrl-C).
+
+struct ShardSpec {
+  int index = 0, count = 1;  // K and N: this run is shard K of N, 0 <= K < N
+  std::string from;          // how they were given, for messages ("" when there is no --shard)
+  bool on() const { return !from.empty(); }
+};
+
+// --shard SPEC: "K/N"; "slurm" (K and N from the job array's environment); "k8s:N" (K from Kubernetes'
+// JOB_COMPLETION_INDEX, N the Indexed Job's completions). `env` reads the environment (tests pass their
+// own). Returns "" and sets `out`, or says what is wrong.
+typedef std::function<const char*(const char*)> EnvLookup;
+static std::string parse_shard(const std::string& spec, ShardSpec& out, const EnvLookup& env = getenv) {
+  auto integer = [](const char* v, long long& x) {
+    if (!v) return false;
+    char* end;
+    errno = 0;
+    x = strtoll(v, &end, 10);
+    return *v && !*end && !errno;
+  };
+  auto str = [](long long v) { return std::to_string(v); };
+  long long k = -1, n = 0;
+  std::string from;
+  if (spec == "slurm") {
+    const char *id = env("SLURM_ARRAY_TASK_ID"), *cnt = env("SLURM_ARRAY_TASK_COUNT");
+    const char *min = env("SLURM_ARRAY_TASK_MIN"), *max = env("SLURM_ARRAY_TASK_MAX");
+    const char* step = env("SLURM_ARRAY_TASK_STEP");
+    if (!id || !cnt)
+      return "--shard slurm: SLURM_ARRAY_TASK_ID and SLURM_ARRAY_TASK_COUNT are not set (is this a task of a "
+             "job array, sbatch --array=0-7?)";
+    long long lo = 0, hi = 0, st = 1;
+    if (!integer(id, k) || !integer(cnt, n) || (min && !integer(min, lo)) || (max && !integer(max, hi)) ||
+        (step && !integer(step, st)))
+      return std::string("--shard slurm: the SLURM_ARRAY_TASK_* variables must be integers, found ID=") + id +
+             " COUNT=" + cnt + " MIN=" + (min ? min : "(unset)") + " MAX=" + (max ? max : "(unset)") +
+             " STEP=" + (step ? step : "(unset)");
+    if (st != 1 || (max && hi - lo + 1 != n))
+      return "--shard slurm: the job array must be one range of task ids without gaps (--array=" + str(lo) +
+             "-" + str(lo + n - 1) + "); this one has " + str(n) + " tasks from " + str(lo) + " to " +
+             (max ? str(hi) : std::string("?")) + " in steps of " + str(st) + ". Give --shard K/N instead";
+    k -= lo;
+    from = std::string("SLURM_ARRAY_TASK_ID=") + id + " (from " + str(lo) + ") of SLURM_ARRAY_TASK_COUNT=" + cnt;
+  } else if (spec.rfind("k8s:", 0) == 0) {
+    if (!integer(spec.c_str() + 4, n) || n < 1)
+      return "--shard k8s:N: N is the Indexed Job's .spec.completions, a positive integer; found '" + spec + "'";
+    const char* idx = env("JOB_COMPLETION_INDEX");
+    if (!idx)
+      return "--shard " + spec + ": JOB_COMPLETION_INDEX is not set (is this a pod of a Kubernetes Job with "
+             "completionMode: Indexed?)";
+    if (!integer(idx, k))
+      return std::string("--shard ") + spec + ": JOB_COMPLETION_INDEX must be an integer, found '" + idx + "'";
+    from = std::string("JOB_COMPLETION_INDEX=") + idx + " of " + str(n) + " completions (--shard " + spec + ")";
+  } else {
+    const size_t slash = spec.find('/');
+    if (slash == std::string::npos || !integer(spec.substr(0, slash).c_str(), k) ||
+        !integer(spec.substr(slash + 1).c_str(), n))
+      return "--shard takes K/N (shard K of N, counted from 0), slurm or k8s:N; found '" + spec + "'";
+    from = "--shard " + spec;
+  }
+  if (n < 1 || n > 1000000) return from + ": the number of shards must be from 1 to 1000000, found " + str(n);
+  if (k < 0 || k >= n)
+    return from + ": shard " + str(k) + " of " + str(n) + " does not exist; shards are numbered 0 to " +
+           str(n - 1);
+  out.index = (int)k, out.count = (int)n, out.from = from;
+  return "";
+}
+
+// The tokens a request may put through the model: what the split balances.
+static int64_t request_weight(const Request& r) {
+  return r.error.empty() ? (int64_t)r.params.n * ((int64_t)r.prompt_token_ids.size() + r.params.max_tokens) : 0;
+}
+
+// The shard of each request, 0..count-1, in input order and never decreasing: request i goes to shard
+// floor(count x (the weight before it + half its own) / the total weight), so a shard holds the requests
+// whose middle falls in its 1/count of the total. With no weight at all (every line an error): by position.
+static std::vector<int> shard_split(const std::vector<Request>& reqs, int count) {
+  int64_t total = 0, before = 0;
+  for (const Request& r : reqs) total += request_weight(r);
+  std::vector<int> shard(reqs.size());
+  for (size_t i = 0; i < reqs.size(); i++) {
+    const int64_t w = request_weight(reqs[i]);
+    const int64_t s = total > 0 ? (int64_t)((__int128)(2 * before + w) * count / (2 * total))
+                                : (int64_t)(i * (uint64_t)count / reqs.size());
+    shard[i] = (int)std::min<int64_t>(s, count - 1);
+    before += w;
+  }
+  return shard;
+}
+
+// A fingerprint of the input as the engine sees it (each request's tokens, sampling fields, custom_id or
+// error) and of --seed: shards of one run agree on it, shards of another input or other flags do not.
+static uint64_t requests_xxh64(const std::vector<Request>& reqs, uint64_t seed) {
+  std::string bytes;  // every field in turn, each string and list after its length
+  auto add = [&](const void* p, size_t n) { bytes.append(static_cast<const char*>(p), n); };
+  auto add_str = [&](const std::string& s) {
+    const uint64_t n = s.size();
+    add(&n, sizeof n), add(s.data(), n);
+  };
+  for (const Request& r : reqs) {
+    const SamplingParams& p = r.params;
+    const uint64_t len = r.prompt_token_ids.size();
+    add(&len, sizeof len), add(r.prompt_token_ids.data(), len * sizeof(int));
+    const double nums[] = {(double)p.n, p.temperature, (double)p.top_k, p.top_p, p.min_p, p.repetition_penalty,
+                           p.frequency_penalty, p.presence_penalty, (double)p.max_tokens, (double)p.min_tokens,
+                           (double)p.ignore_eos, (double)p.include_stop_str_in_output, (double)p.logprobs,
+                           (double)p.seed, (double)p.stop.size()};
+    add(nums, sizeof nums);
+    for (const std::string& s : p.stop) add_str(s);
+    add_str(std::string(reinterpret_cast<const char*>(p.stop_token_ids.data()),
+                        p.stop_token_ids.size() * sizeof(int)));
+    add_str(r.batch.is_null() ? std::string() : r.batch.dump());
+    add_str(r.error);
+  }
+  return XXH64(bytes.data(), bytes.size(), seed);
+}
+
+// This shard's requests (each keeping its place in `all` as Request::index) and their indices.
+static std::vector<Request> shard_requests(std::vector<Request>& all, const ShardSpec& sh,
+                                           std::vector<int>& indices) {
+  const std::vector<int> shard = shard_split(all, sh.count);
+  std::vector<Request> mine;
+  indices.clear();
+  for (size_t i = 0; i < all.size(); i++) {
+    all[i].index = (int)i;
+    if (shard[i] == sh.index) mine.push_back(all[i]), indices.push_back((int)i);
+  }
+  return mine;
+}
+
+// The plan of a sharded run (`nanovllm simulate ... --shard K/N`): per shard its requests and tokens.
+static std::string shard_plan(const std::vector<Request>& all, int count, int mark) {
+  const std::vector<int> shard = shard_split(all, count);
+  std::vector<int64_t> reqs(count), prompt(count), max_new(count), weight(count);
+  std::vector<int> first(count, -1), last(count, -1);
+  int64_t total = 0;
+  for (size_t i = 0; i < all.size(); i++) {
+    const int s = shard[i];
+    const Request& r = all[i];
+    reqs[s]++, weight[s] += request_weight(r), total += request_weight(r);
+    if (r.error.empty()) {
+      prompt[s] += (int64_t)r.params.n * r.prompt_token_ids.size();
+      max_new[s] += (int64_t)r.params.n * r.params.max_tokens;
+    }
+    if (first[s] < 0) first[s] = (int)i;
+    last[s] = (int)i;
+  }
+  char line[320];
+  snprintf(line, sizeof line, "nanovllm: shard plan | %zu prompts in %d shards, in input order, balanced by "
+           "n x (prompt tokens + max_tokens)\n", all.size(), count);
+  std::string plan = line;
+  for (int s = 0; s < count; s++) {
+    const std::string range = reqs[s] ? "#" + std::to_string(first[s]) + "-" + std::to_string(last[s]) : "none";
+    snprintf(line, sizeof line, "nanovllm: shard %d/%d | %lld prompts (%s) | %lld prompt tokens + %lld max_tokens "
+             "| %.1f%% of the weight%s\n", s, count, (long long)reqs[s], range.c_str(), (long long)prompt[s],
+             (long long)max_new[s], 100.0 * weight[s] / std::max<int64_t>(total, 1), s == mark ? " <- this run" : "");
+    plan += line;
+  }
+  return plan;
+}
+
+// A shard run's part of the input, for its record.
+struct ShardOut {
+  ShardSpec spec;
+  std::vector<int> indices;  // the requests of its share, by their place in the input
+  size_t total = 0;          // requests in the input
+  uint64_t input_xxh64 = 0;  // requests_xxh64 of the input
+};
+
+static json shard_record(const ShardOut& sh, int64_t completions, int64_t unfinished) {
+  char hex[17];
+  snprintf(hex, sizeof hex, "%016llx", (unsigned long long)sh.input_xxh64);
+  return json{{"shard", {{"index", sh.spec.index}, {"count", sh.spec.count}, {"requests", sh.total},
+                         {"input_xxh64", hex}, {"indices", sh.indices}, {"completions", completions},
+                         {"unfinished", unfinished}}}};
+}
+
+// `nanovllm merge OUT SHARD_FILE...`: the shards' --output files as one, in input order, checked complete.
+// Returns "" and the merged text, or the first problem found, naming the file. The merged file is what one
+// run would have written: the completion lines by (index, completion), then a summary of the whole
+// ({"summary": {"merged_shards", "requests", "completions", "prompt_tokens", "generated_tokens",
+// "tokens_xxh64", "shards": [each shard's summary]}}); an OpenAI batch's output lines by input order alone.
+struct ShardFile {
+  std::string path;
+  json record;              // the "shard" object
+  std::vector<json> lines;  // completion lines, or an OpenAI batch's output lines
+  json summary;             // a plain run's summary line (null for a batch)
+  bool batch = false;
+};
+
+static std::string read_shard_file(const std::string& path, ShardFile& f) {
+  f.path = path;
+  if (!is_file(path)) return path + ": no such file";
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return path + ": cannot read it: " + strerror(errno);
+  std::string line;
+  std::vector<json> all;
+  for (int no = 1; std::getline(in, line); no++) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    try {
+      all.push_back(json::parse(line));
+    } catch (const json::exception& e) {
+      return path + ":" + std::to_string(no) + ": not a JSON line (" + e.what() + ")";
+    }
+    if (!all.back().is_object()) return path + ":" + std::to_string(no) + ": not a JSON object";
+  }
+  if (all.empty() || !all.back().contains("shard") || !all.back()["shard"].is_object())
+    return path + ": not a shard's --output: its last line is not a shard record (write it with --shard and "
+                  "--output; a run that failed before it wrote its completions has none)";
+  f.record = all.back()["shard"];
+  all.pop_back();
+  for (const char* k : {"index", "count", "requests", "completions", "unfinished"})
+    if (!f.record.contains(k) || !f.record[k].is_number_integer())
+      return path + ": the shard record lacks \"" + k + "\" (an integer)";
+  if (!f.record.contains("indices") || !f.record["indices"].is_array() || !f.record.contains("input_xxh64"))
+    return path + ": the shard record lacks \"indices\" or \"input_xxh64\"";
+  for (json& j : all) {
+    if (j.contains("summary")) f.summary = j["summary"];
+    else if (j.contains("custom_id")) f.batch = true, f.lines.push_back(std::move(j));
+    else if (j.contains("index") && j["index"].is_number_integer() && j.contains("completion") &&
+             j["completion"].is_number_integer())
+      f.lines.push_back(std::move(j));
+    else
+      return path + ": a line that is neither a completion, a batch output line nor a summary: " +
+             j.dump().substr(0, 120);
+  }
+  return "";
+}
+
+static std::string merge_shards(const std::vector<std::string>& paths, std::string& merged, std::string& said) {
+  auto S = [](int64_t v) { return std::to_string(v); };
+  if (paths.empty()) return "merge: give the shards' --output files";
+  std::vector<ShardFile> files(paths.size());
+  for (size_t i = 0; i < paths.size(); i++) {
+    std::string problem = read_shard_file(paths[i], files[i]);
+    if (!problem.empty()) return problem;
+  }
+  const ShardFile& ref = files[0];
+  const int64_t count = ref.record["count"], total = ref.record["requests"];
+  const json hash = ref.record["input_xxh64"];
+  std::vector<int> by_shard(count, -1);  // shard -> its file
+  for (size_t i = 0; i < files.size(); i++) {
+    const ShardFile& f = files[i];
+    const json& r = f.record;
+    if (r["count"] != count || r["requests"] != total || r["input_xxh64"] != hash)
+      return f.path + " is a shard of another run than " + ref.path + ": " + r["count"].dump() + " shards of " +
+             r["requests"].dump() + " requests, input " + r["input_xxh64"].dump() + ", against " + S(count) +
+             " of " + S(total) + ", input " + hash.dump() + " (another input, other flags or another --seed)";
+    if (f.batch != ref.batch)
+      return f.path + (f.batch ? " is" : " is not") + " an OpenAI batch's output, but " + ref.path +
+             (ref.batch ? " is" : " is not");
+    const int64_t k = r["index"];
+    if (k < 0 || k >= count) return f.path + ": shard " + S(k) + " of " + S(count) + " does not exist";
+    if (by_shard[k] >= 0)
+      return f.path + " and " + files[by_shard[k]].path + " are both shard " + S(k) + "/" + S(count);
+    by_shard[k] = (int)i;
+    if (r["unfinished"].get<int64_t>() > 0)
+      return f.path + ": shard " + S(k) + "/" + S(count) + " was stopped with " +
+             r["unfinished"].dump() + " completions unfinished; run it again";
+    if ((int64_t)f.lines.size() != r["completions"].get<int64_t>())
+      return f.path + ": " + S(f.lines.size()) + " output lines, but its shard record says " +
+             r["completions"].dump() + " (a truncated or edited file?)";
+  }
+  std::string missing;
+  for (int64_t k = 0; k < count; k++)
+    if (by_shard[k] < 0) missing += (missing.empty() ? "" : ", ") + S(k) + "/" + S(count);
+  if (!missing.empty()) return "shard " + missing + " missing: give every shard's --output file (" +
+                               S(files.size()) + " of " + S(count) + " given)";
+  // Every request in exactly one shard's share; its lines all there, once.
+  std::vector<int> owner(total, -1);
+  std::vector<std::vector<const json*>> out(total);  // request -> its lines, by completion
+  for (const ShardFile& f : files) {
+    const json& idx = f.record["indices"];
+    for (const json& v : idx) {
+      if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= total)
+        return f.path + ": the shard record names request " + v.dump() + " of " + S(total);
+      const int64_t i = v;
+      if (owner[i] >= 0)
+        return "request " + S(i) + " is in the share of both " + files[owner[i]].path + " and " + f.path;
+      owner[i] = (int)(&f - files.data());
+    }
+    if (f.batch) {
+      if (f.lines.size() != idx.size())
+        return f.path + ": " + S(f.lines.size()) + " batch lines for the " + S(idx.size()) +
+               " requests of its share";
+      for (size_t j = 0; j < idx.size(); j++) out[idx[j].get<int64_t>()].push_back(&f.lines[j]);
+      continue;
+    }
+    for (const json& line : f.lines) {
+      const int64_t i = line["index"], c = line["completion"];
+      if (i < 0 || i >= total || owner[i] != (int)(&f - files.data()))
+        return f.path + ": a completion of request " + S(i) + ", which is not in its share";
+      std::vector<const json*>& v = out[i];
+      if (c < 0 || c > 4096) return f.path + ": request " + S(i) + " has a completion numbered " + S(c);
+      if ((int64_t)v.size() <= c) v.resize(c + 1, nullptr);
+      if (v[c]) return f.path + ": request " + S(i) + ", completion " + S(c) + " twice";
+      v[c] = &line;
+    }
+  }
+  for (int64_t i = 0; i < total; i++) {
+    if (owner[i] < 0) return "request " + S(i) + " is in no shard's share";
+    if (out[i].empty()) return files[owner[i]].path + ": no output line for request " + S(i);
+    for (size_t c = 0; c < out[i].size(); c++)
+      if (!out[i][c]) return files[owner[i]].path + ": request " + S(i) + " lacks completion " + S(c);
+  }
+  // The merged file.
+  merged.clear();
+  int64_t lines = 0, prompt_tokens = 0, generated = 0;
+  std::vector<int32_t> tokens;  // completions_xxh64's bytes (section 32), from the lines
+  for (int64_t i = 0; i < total; i++)
+    for (const json* l : out[i]) {
+      merged += l->dump(-1, ' ', false, json::error_handler_t::replace) + "\n", lines++;
+      if (ref.batch) continue;
+      const json& t = (*l)["token_ids"];
+      prompt_tokens += l->value("prompt_tokens", 0), generated += (int64_t)t.size();
+      tokens.push_back((int32_t)t.size());
+      for (const json& id : t) tokens.push_back(id.get<int32_t>());
+    }
+  char hex[17];
+  snprintf(hex, sizeof hex, "%016llx", (unsigned long long)XXH64(tokens.data(), tokens.size() * sizeof(int32_t), 0));
+  if (!ref.batch) {
+    json shards = json::array();
+    for (int64_t k = 0; k < count; k++) shards.push_back(files[by_shard[k]].summary);
+    merged += json{{"summary", {{"merged_shards", count}, {"requests", total}, {"completions", lines},
+                                {"prompt_tokens", prompt_tokens}, {"generated_tokens", generated},
+                                {"tokens_xxh64", hex}, {"shards", shards}}}}.dump() + "\n";
+  }
+  said = S(count) + " shards, " + S(total) + " prompts, " + S(lines) +
+         (ref.batch ? " batch output lines" : " completions | tokens xxh64 " + std::string(hex) + " (all completions, in input order)");
+  return "";
+}
 
 // ==== 32. Trace, run summary and the report ================================================================
 // defines: RunStats, StepTrace, trace_after_schedule, format_trace, RunWatcher, RunSummary, run_summary,
@@ -9802,6 +10194,28 @@ static std::string format_trace(const StepTrace& t) {
   return line;
 }
 
+// Each line of `text` with `label` in front (a data-parallel replica's trace, section 33).
+static std::string labelled(const std::string& label, const std::string& text) {
+  if (label.empty()) return text;
+  std::string out;
+  for (size_t at = 0; at < text.size();) {
+    const size_t nl = std::min(text.find('\n', at), text.size() - 1);
+    out += label + text.substr(at, nl + 1 - at), at = nl + 1;
+  }
+  return out;
+}
+
+// The progress line (one run's, or with data parallelism every replica's together): completions done of all,
+// the prefill and decode rates, and the KV blocks in use. On a terminal it rewrites itself in place.
+static std::string format_progress(int64_t done, int64_t total, double prefill_rate, double decode_rate,
+                                   int64_t kv_used, int64_t kv_blocks, bool tty) {
+  char b[256];
+  snprintf(b, sizeof b, "%s[progress] %lld/%lld done | prefill %.0f tok/s | decode %.0f tok/s | KV %lld/%lld blocks%s",
+           tty ? "\r" : "", (long long)done, (long long)total, prefill_rate, decode_rate, (long long)kv_used,
+           (long long)kv_blocks, tty ? "   " : "\n");
+  return b;
+}
+
 // The observer the program installs (StepObserver, section 13): it keeps RunStats, prints the progress line
 // and the --trace lines, and keeps every step's StepTrace for --report. Times: h* are host clock readings
 // (where a step's time goes), the rest the engine's clock (seconds since generate() began).
@@ -9810,6 +10224,7 @@ struct RunWatcher : StepObserver {
   bool progress = true;                      // a progress line on stderr (not with --trace: it says more)
   bool trace = false;                        // --trace: one line per step
   FILE* trace_out = stderr;                  // where the trace lines go
+  std::string label;                         // a data-parallel replica's "[replica K] " before each line
   std::vector<StepTrace>* record = nullptr;  // --report: every step's StepTrace is kept here
   StepTrace tr;                              // the step in flight
   int64_t num_tokens = 0, decode_tokens = 0; // of the step in flight (decode: the next token of a sequence
@@ -9863,7 +10278,7 @@ struct RunWatcher : StepObserver {
       tr.ms = (end - start) * 1e3;
       tr.end = end;
     }
-    if (trace) fputs(format_trace(tr).c_str(), trace_out);
+    if (trace) fputs(labelled(label, format_trace(tr)).c_str(), trace_out);
     if (record) record->push_back(std::move(tr));
     print_progress(e, false);
   }
@@ -9878,10 +10293,9 @@ struct RunWatcher : StepObserver {
     if (t - last_print <= (tty ? 0.25 : 5.0)) return;
     int done = 0;
     for (const auto& s : e.seqs) done += s->is_finished();
-    fprintf(stderr, "%s[progress] %d/%zu done | prefill %.0f tok/s | decode %.0f tok/s | KV %d/%lld blocks%s",
-            tty ? "\r" : "", done, e.seqs.size(), stats.prefill_tokens / std::max(stats.prefill_seconds, 1e-9),
-            stats.decode_tokens / std::max(stats.decode_seconds, 1e-9), e.scheduler.block_manager.num_used,
-            (long long)e.config.num_kvcache_blocks, tty ? "   " : "\n");
+    fputs(format_progress(done, (int64_t)e.seqs.size(), stats.prefill_tokens / std::max(stats.prefill_seconds, 1e-9),
+                          stats.decode_tokens / std::max(stats.decode_seconds, 1e-9),
+                          e.scheduler.block_manager.num_used, e.config.num_kvcache_blocks, tty).c_str(), stderr);
     last_print = t;
   }
   void generate_ends(const LLMEngine& e) override {
@@ -9960,7 +10374,20 @@ struct RunSummary {
   const char* scheduler = "nano";
   uint64_t tokens_xxh64 = 0, logits_xxh64 = 0;
   int logits_rows = 0;
-  int64_t unfinished_requests = 0;  // > 0 only when a Ctrl-C stopped the run
+  int64_t unfinished_requests = 0;  // > 0 only when a Ctrl-C (or a failed replica) stopped the run
+  // With data parallelism (section 33): one entry per replica. The figures above are then the run's: counts
+  // summed, the step times the mean of the replicas' (so a rate is theirs together), the run's seconds the
+  // longest replica's; the logits fingerprint is each replica's, here.
+  struct Replica {
+    int replica = 0;
+    std::string gpus;              // CUDA_VISIBLE_DEVICES of its process
+    int64_t requests = 0, completions = 0, generated_tokens = 0, preemptions = 0;
+    double seconds = 0;
+    int peak_kv_blocks = 0, kv_blocks = 0;
+    uint64_t logits_xxh64 = 0;
+    int logits_rows = 0;
+  };
+  std::vector<Replica> replicas;
   double host_s() const { return schedule_s + prepare_s + postprocess_s; }
 };
 
@@ -10008,7 +10435,7 @@ static std::string hex64(uint64_t h) {
 // The --output file's last record: {"summary": {...}}. --report draws its numbers from this same record.
 static json summary_json(const RunSummary& r) {
   auto pct = [](const Percentiles& p) { return json{{"median", p.median}, {"p99", p.p99}, {"mean", p.mean}, {"n", p.n}}; };
-  return json{{"summary",
+  json j = {{"summary",
                {{"prompt_tokens", r.prompt_tokens},
                 {"generated_tokens", r.generated_tokens},
                 {"scheduler", r.scheduler},
@@ -10038,6 +10465,19 @@ static json summary_json(const RunSummary& r) {
                 {"logits_xxh64", hex64(r.logits_xxh64)},
                 {"logits_rows", r.logits_rows},
                 {"unfinished_requests", r.unfinished_requests}}}};
+  if (!r.replicas.empty()) {
+    json reps = json::array();
+    for (const RunSummary::Replica& p : r.replicas)
+      reps.push_back({{"replica", p.replica}, {"gpus", p.gpus}, {"requests", p.requests},
+                      {"completions", p.completions}, {"generated_tokens", p.generated_tokens},
+                      {"seconds", p.seconds}, {"throughput_tok_s", p.seconds > 0 ? p.generated_tokens / p.seconds : 0.0},
+                      {"preemptions", p.preemptions}, {"peak_kv_blocks", p.peak_kv_blocks},
+                      {"kv_blocks", p.kv_blocks}, {"logits_xxh64", hex64(p.logits_xxh64)},
+                      {"logits_rows", p.logits_rows}});
+    j["summary"]["data_parallel_size"] = (int)r.replicas.size();
+    j["summary"]["replicas"] = reps;
+  }
+  return j;
 }
 
 // The summary's four stderr lines. None contains the word "requests": bench.sh parses the last line
@@ -10075,7 +10515,17 @@ static std::string format_summary(const RunSummary& r) {
            "nanovllm: check | tokens xxh64 %s (all completions, in input order) | logits xxh64 %s "
            "(last step, %d rows)\n",
            hex64(r.tokens_xxh64).c_str(), hex64(r.logits_xxh64).c_str(), r.logits_rows);
-  return std::string(buf[0]) + buf[1] + buf[2] + buf[3];
+  std::string text = std::string(buf[0]) + buf[1] + buf[2] + buf[3];
+  for (const RunSummary::Replica& p : r.replicas) {  // (a replica line names no "requests" either)
+    snprintf(buf[0], sizeof buf[0],
+             "nanovllm: replica %d | GPU %s | %lld prompts, %lld generated tokens in %.2f s (%.0f tok/s) | peak KV "
+             "%d of %d blocks | %lld preemptions | logits xxh64 %s (last step, %d rows)\n",
+             p.replica, p.gpus.c_str(), (long long)p.requests, (long long)p.generated_tokens, p.seconds,
+             p.generated_tokens / std::max(p.seconds, 1e-9), p.peak_kv_blocks, p.kv_blocks, (long long)p.preemptions,
+             hex64(p.logits_xxh64).c_str(), p.logits_rows);
+    text += buf[0];
+  }
+  return text;
 }
 
 // The --output file's last line: {"summary": {...}}.
@@ -10298,11 +10748,12 @@ static void write_report(const std::string& path, const std::string& title, cons
 }
 
 // ==== 33. Signals, worker processes and the mailbox ========================================================
-// defines: install_stop_handlers, g_stop_hook, tp_supervise, tp_launch, tp_shutdown
+// defines: install_stop_handlers, g_stop_hook, stop_processes, tp_supervise, tp_launch, tp_shutdown,
+//          RequestQueue, Replica, Wire, replica_serve, dp_run, dp_figures, dp_completions
 //
-// The process plumbing: Ctrl-C and SIGTERM, and the tensor-parallel workers (section 12's ranks 1..N-1):
-// how they are forked, told what to do, and stopped on every path. None of it changes what the engine
-// computes.
+// The process plumbing: Ctrl-C and SIGTERM, the tensor-parallel workers (section 12's ranks 1..N-1), and
+// the data-parallel replicas (whole engines that share one queue of requests): how they are forked, told
+// what to do, and stopped on every path. None of it changes what the engine computes.
 
 // Signal handlers may only use async-signal-safe calls: write(2) instead of fprintf.
 static void sig_puts(const char* s) {
@@ -10372,25 +10823,35 @@ static void sig_put_status(int st) {
 }
 
 // Rank 0: send `sig` to every live worker and reap them all (SIGKILL after 5 s). Async-signal-safe.
-static void tp_stop_workers(int sig) {
-  for (int r = 1; r < g_tp.size; r++)
-    if (g_tp.pids[r] > 0) kill(g_tp.pids[r], sig);
+// Send `sig` to each of n processes (pids[i] <= 0: already reaped) and reap them all, SIGKILL after 5 s;
+// each reaped one's pid becomes -1. Async-signal-safe: the signal handlers below call it.
+static void stop_processes(pid_t* pids, int n, int sig) {
+  for (int i = 0; i < n; i++)
+    if (pids[i] > 0) kill(pids[i], sig);
   for (int ms = 0;; ms += 10) {
     bool alive = false;
-    for (int r = 1; r < g_tp.size; r++) {
-      if (g_tp.pids[r] <= 0) continue;
+    for (int i = 0; i < n; i++) {
+      if (pids[i] <= 0) continue;
       int st;
-      pid_t p = waitpid(g_tp.pids[r], &st, WNOHANG);
-      if (p == g_tp.pids[r] || (p < 0 && errno == ECHILD)) g_tp.pids[r] = -1;
+      pid_t p = waitpid(pids[i], &st, WNOHANG);
+      if (p == pids[i] || (p < 0 && errno == ECHILD)) pids[i] = -1;
       else alive = true;
     }
     if (!alive) return;
     if (ms == 5000)
-      for (int r = 1; r < g_tp.size; r++)
-        if (g_tp.pids[r] > 0) kill(g_tp.pids[r], SIGKILL);
+      for (int i = 0; i < n; i++)
+        if (pids[i] > 0) kill(pids[i], SIGKILL);
     struct timespec ts = {0, 10 * 1000 * 1000};
     nanosleep(&ts, nullptr);
   }
+}
+
+// Rank 0: send `sig` to every live worker and reap them all. Async-signal-safe.
+static void tp_stop_workers(int sig) { stop_processes(g_tp.pids + 1, g_tp.size - 1, sig); }
+
+// "[replica 2] " in a data-parallel replica (section 33's g_process_label), nothing in the main process.
+static void sig_put_label() {
+  if (g_process_label[0]) sig_puts("["), sig_puts(g_process_label), sig_puts("] ");
 }
 
 static void tp_on_sigchld(int) {
@@ -10402,7 +10863,8 @@ static void tp_on_sigchld(int) {
     g_tp.status[r] = st;
     if (g_tp.stopping) continue;  // tp_shutdown() reads the statuses
     g_tp.stopping = 1;
-    sig_puts("nanovllm: error: tensor-parallel rank "), sig_putn(r), sig_puts(" "), sig_put_status(st);
+    sig_put_label(), sig_puts("nanovllm: error: tensor-parallel rank "), sig_putn(r), sig_puts(" ");
+    sig_put_status(st);
     sig_puts(" (its message, if any, is above); stopping all "), sig_putn(g_tp.size), sig_puts(" ranks\n");
     tp_stop_workers(SIGTERM);
     _exit(1);
@@ -10429,7 +10891,7 @@ static void tp_atexit() {
 
 static void tp_worker_on_sigterm(int) {
   if (g_tp.worker_busy)
-    sig_puts("[rank "), sig_putn(g_tp_rank), sig_puts("] nanovllm: stopping: rank 0 ended the run\n");
+    sig_puts("["), sig_puts(g_process_label), sig_puts("] nanovllm: stopping: rank 0 ended the run\n");
   _exit(1);
 }
 
@@ -10507,7 +10969,545 @@ static bool tp_shutdown() {
   return ok;
 }
 
-// ==== 34. simulate: the engine without a GPU ========================================================//
+// ---- Data parallelism: N replicas of the engine, one queue ----
+//
+// With --data-parallel-size N (vLLM's name; -dp N) a run is N whole engines, each in its own process on its
+// own GPU, or with --tensor-parallel-size T on its own T GPUs (N x T in all). Nothing crosses between the
+// replicas while they run: no all-reduce, no gathered logits (section 12c says when this beats tensor
+// parallelism; docs/data-parallel.md has the measurements).
+//
+// The processes. This process, the coordinator, reads and checks everything, then forks the N replicas
+// before any CUDA call (section 12b says why the order is forced) and never uses a GPU itself (main counts
+// them in a short-lived child). Replica k sees only its own GPUs: its CUDA_VISIBLE_DEVICES is the k-th
+// slice of T of the coordinator's, so inside it tensor-parallel rank r binds GPU r as in a run without
+// replicas, and section 12 runs in it unchanged, forking its own T-1 workers.
+//
+// The queue. Requests are handed out from one queue as each replica has room, not split before the run:
+// an offline batch's completions have lengths nobody knows in advance (a request stops at EOS), so a split
+// made beforehand, even one balanced by tokens, ends with one replica still decoding its long requests while
+// the others idle; pulling gives the last requests to whichever replica frees a place first, so the
+// replicas finish together. Before each step a replica tops its waiting queue up to the places that step
+// has for new sequences (Replica::room), so its scheduler sees what it would see holding the whole batch,
+// and it takes never more than 1/N of the requests left, so the replica ready first cannot take them all.
+// The queue is one counter in shared memory that a replica advances atomically (each replica was forked
+// after the requests were read, so each holds them all); the replicas start pulling together, once each
+// has built its engine. A request's draws do not depend on which replica runs it (Sequence::sampling_seed).
+//
+// What comes back. Each replica writes to its own pipe: READY with its start-up line, PROGRESS a few times
+// a second, REQUEST with a request's completions as soon as all are finished (a replica that fails later
+// loses nothing already done), FINISHED with its figures. The coordinator prints one progress line, puts
+// the completions in input order and writes them, --output and an OpenAI batch's output exactly as one
+// engine's run does, and one summary with a line per replica.
+//
+// Stopping works as with tensor parallelism (12b): replicas ignore SIGINT and the coordinator decides. The
+// first Ctrl-C once the replicas run sets `stop` in shared memory: each replica completes its step in
+// flight and hands back what it holds; the finished completions are written, exit status 130. A second
+// Ctrl-C, SIGTERM, or a Ctrl-C while the replicas load: SIGTERM to every replica (each ends its own
+// workers), exit at once. A replica that fails is named with its GPUs and wait status, the others are
+// stopped, the completions already handed back are written (if the replicas had started), exit status 1. A
+// coordinator killed outright takes the replicas with it (PR_SET_PDEATHSIG), and they take their workers.
+
+constexpr int DP_MAX_REPLICAS = 64;
+
+// The queue, as each replica sees it (the tests drive it with stand-in engines in one process).
+struct RequestQueue {
+  uint32_t* next = nullptr;                 // shared: the place in `order` of the next request to hand out
+  const std::vector<int>* order = nullptr;  // the requests to run (places in the run's list), in input order
+  int replicas = 1;
+
+  // Requests for up to `room` sequences (one of n counts n; the first is taken even when it needs more), at
+  // most ceil(left / replicas) of them. Empty once the queue is.
+  std::vector<int> pull(int room, const std::vector<Request>& reqs) {
+    std::vector<int> got;
+    const uint32_t size = (uint32_t)order->size();
+    const uint32_t at = std::min(__atomic_load_n(next, __ATOMIC_RELAXED), size);
+    const uint32_t share = (size - at + replicas - 1) / replicas;
+    while (room > 0 && got.size() < share) {
+      const uint32_t i = __atomic_fetch_add(next, 1u, __ATOMIC_RELAXED);
+      if (i >= size) break;
+      const int r = (*order)[i];
+      got.push_back(r);
+      room -= reqs[r].params.n;
+    }
+    return got;
+  }
+};
+
+// One replica's engine fed from the queue: LLMEngine::generate's loop with the requests pulled as it goes.
+struct Replica {
+  LLMEngine& engine;
+  RequestQueue& queue;
+  const std::vector<Request>& reqs;
+  struct Held {
+    int request;       // its place in reqs
+    size_t first_seq;  // its first sequence in engine.seqs (the others follow)
+  };
+  std::vector<Held> held;  // pulled and not handed back yet, in pull order
+  int64_t pulled = 0, steps = 0;
+
+  Replica(LLMEngine& e, RequestQueue& q, const std::vector<Request>& r) : engine(e), queue(q), reqs(r) {}
+
+  // Places the next step has for new sequences: under vLLM V1's scheduler max_num_seqs caps the running
+  // sequences; under nano-vllm's it caps each step's, and any number may run (the KV pool decides), so
+  // there a replica soon holds all its pool can, and the queue balances the end of the run no better than
+  // a split made beforehand would.
+  int room() const {
+    const Scheduler& s = engine.scheduler;
+    return engine.config.max_num_seqs - (s.mixed ? (int)s.running.size() : 0);
+  }
+
+  // One turn: top the waiting queue up to the next step's places, then one step. False when there is
+  // nothing to run: the queue is empty and every request this replica took is finished.
+  bool turn() {
+    Scheduler& s = engine.scheduler;
+    if ((int)s.waiting.size() < room() && engine.arriving.empty())
+      for (int r : queue.pull(room() - (int)s.waiting.size(), reqs)) {
+        held.push_back({r, engine.seqs.size()});
+        engine.add_request(reqs[r], reqs[r].index >= 0 ? reqs[r].index : r);
+        pulled++;
+      }
+    engine.admit_arrivals();
+    if (s.is_finished()) return false;
+    engine.step();
+    steps++;
+    return true;
+  }
+
+  // give(request, its completions) for each held request whose completions are all finished (every held
+  // one, as it stands, when `all`), which is then forgotten.
+  template <class Give> void hand_back(Give&& give, bool all = false) {
+    size_t kept = 0;
+    for (const Held& h : held) {
+      const int n = reqs[h.request].params.n;
+      bool done = true;
+      for (int k = 0; k < n && done; k++) done = engine.seqs[h.first_seq + k]->is_finished();
+      if (!done && !all) {
+        held[kept++] = h;
+        continue;
+      }
+      std::vector<Completion> outs;
+      for (int k = 0; k < n; k++) outs.push_back(engine.completion_of(*engine.seqs[h.first_seq + k]));
+      give(h.request, outs);
+    }
+    held.resize(kept);
+  }
+};
+
+// A message between two processes of this program: plain bytes, read back in the order they were written.
+struct Wire {
+  std::string bytes;
+  size_t at = 0;
+  template <class T> void put(const T& v) {
+    static_assert(std::is_trivially_copyable<T>::value, "plain bytes only");
+    bytes.append(reinterpret_cast<const char*>(&v), sizeof v);
+  }
+  void put(const std::string& s) {
+    put<uint64_t>(s.size());
+    bytes += s;
+  }
+  template <class T> void put(const std::vector<T>& v) {
+    static_assert(std::is_trivially_copyable<T>::value, "plain bytes only");
+    put<uint64_t>(v.size());
+    bytes.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+  }
+  void need(size_t n) {
+    INTERNAL_CHECK(at + n <= bytes.size(), "a message of %zu bytes read past its end (at %zu, %zu more)",
+                   bytes.size(), at, n);
+  }
+  template <class T> T get() {
+    T v;
+    need(sizeof v);
+    memcpy(&v, bytes.data() + at, sizeof v);
+    at += sizeof v;
+    return v;
+  }
+  std::string get_string() {
+    const uint64_t n = get<uint64_t>();
+    need(n);
+    at += n;
+    return bytes.substr(at - n, n);
+  }
+  template <class T> std::vector<T> get_vector() {
+    const uint64_t n = get<uint64_t>();
+    need(n * sizeof(T));
+    std::vector<T> v(n);
+    if (n) memcpy(v.data(), bytes.data() + at, n * sizeof(T));
+    at += n * sizeof(T);
+    return v;
+  }
+};
+
+static void put_completion(Wire& w, const Completion& c) {
+  w.put(c.token_ids);
+  w.put<uint8_t>(!c.finish_reason ? 0 : !strcmp(c.finish_reason, "stop") ? 1 : 2);
+  w.put(c.prompt_tokens), w.put(c.arrival_time), w.put(c.first_token_time), w.put(c.finish_time);
+  w.put(c.seq_id), w.put(c.request), w.put(c.index), w.put(c.text), w.put(c.stop_token_id);
+  w.put(c.stop_string), w.put(c.logprobs), w.put(c.cumulative_logprob);
+}
+static Completion get_completion(Wire& w) {
+  Completion c;
+  c.token_ids = w.get_vector<int>();
+  const uint8_t reason = w.get<uint8_t>();  // the scheduler's two reasons (section 5), as the same literals
+  c.finish_reason = reason == 0 ? nullptr : reason == 1 ? "stop" : "length";
+  c.prompt_tokens = w.get<int>();
+  c.arrival_time = w.get<double>(), c.first_token_time = w.get<double>(), c.finish_time = w.get<double>();
+  c.seq_id = w.get<int64_t>(), c.request = w.get<int>(), c.index = w.get<int>();
+  c.text = w.get_string();
+  c.stop_token_id = w.get<int>();
+  c.stop_string = w.get_string();
+  c.logprobs = w.get_vector<TokenLogprobs>();
+  c.cumulative_logprob = w.get<double>();
+  return c;
+}
+
+enum class DPMsg : uint8_t { READY, PROGRESS, REQUEST, FINISHED };
+
+struct DPShared {  // in a MAP_SHARED | MAP_ANONYMOUS mapping made before the forks
+  uint32_t next;   // the queue (RequestQueue::next)
+  uint32_t go;     // 1 once every replica is ready: start pulling
+  uint32_t stop;   // 1 after the first Ctrl-C: stop after the step in flight
+};
+
+// What a replica's body gets: who it is, its pipe to the coordinator, the queue.
+struct ReplicaLink {
+  int replica = 0, fd = -1;
+  DPShared* shared = nullptr;
+  RequestQueue queue;
+};
+
+// One framed message (4 bytes of length, 1 of kind, the bytes) on a replica's pipe. A coordinator that is
+// gone ends the replica here (SIGPIPE), if PR_SET_PDEATHSIG has not already.
+static void dp_send(int fd, DPMsg kind, const Wire& w) {
+  std::string frame(5, '\0');
+  const uint32_t n = (uint32_t)w.bytes.size();
+  memcpy(&frame[0], &n, 4);
+  frame[4] = (char)kind;
+  frame += w.bytes;
+  for (size_t off = 0; off < frame.size();) {
+    const ssize_t k = write(fd, frame.data() + off, frame.size() - off);
+    if (k < 0 && errno == EINTR) continue;
+    if (k < 0) die("cannot write to the coordinator: %s", strerror(errno));
+    off += (size_t)k;
+  }
+}
+
+// Test-only: NANOVLLM_TEST_REPLICA_FAIL=K:STEP makes replica K fail at its STEP-th step, for the test of the
+// paths above (test/cli/data_parallel.sh, test/gpu/gpu_dp.sh).
+static void replica_test_fail(int replica, long long step) {
+  const char* fail = getenv("NANOVLLM_TEST_REPLICA_FAIL");
+  if (!fail) return;
+  int fail_replica = -1;
+  long long fail_step = -1;
+  if (sscanf(fail, "%d:%lld", &fail_replica, &fail_step) != 2)
+    die("NANOVLLM_TEST_REPLICA_FAIL=%s: expected REPLICA:STEP", fail);
+  if (replica == fail_replica && step == fail_step)
+    die("NANOVLLM_TEST_REPLICA_FAIL=%s: replica %d fails at its step %lld, on purpose", fail, replica, step);
+}
+
+// A replica's run once its engine is built: READY, wait until every replica is, then turns (pull, step)
+// until the queue is empty and its requests are finished, or a stop; each request handed back as soon as
+// it is finished; FINISHED last. logits_hash(rows): its runner's fingerprint of the last step.
+static void replica_serve(ReplicaLink& link, LLMEngine& engine, RunWatcher& watcher,
+                          const std::vector<Request>& reqs, const std::string& ready_line, const std::string& notes, int kv_blocks,
+                          const std::function<uint64_t(int)>& logits_hash) {
+  Wire ready;
+  ready.put(ready_line), ready.put(notes), ready.put(kv_blocks);
+  dp_send(link.fd, DPMsg::READY, ready);
+  while (!__atomic_load_n(&link.shared->go, __ATOMIC_ACQUIRE)) usleep(1000);
+  Replica rep(engine, link.queue, reqs);
+  auto give = [&](int r, const std::vector<Completion>& outs) {
+    Wire w;
+    w.put(r), w.put<uint32_t>((uint32_t)outs.size());
+    for (const Completion& c : outs) put_completion(w, c);
+    dp_send(link.fd, DPMsg::REQUEST, w);
+  };
+  engine.t0 = engine.runner.now();
+  for (double last = now_seconds(); !__atomic_load_n(&link.shared->stop, __ATOMIC_ACQUIRE);) {
+    replica_test_fail(link.replica, rep.steps + 1);
+    if (!rep.turn()) break;
+    rep.hand_back(give);
+    if (now_seconds() - last > 0.2) {
+      int64_t done = 0;
+      for (const auto& s : engine.seqs) done += s->is_finished();
+      Wire p;
+      p.put(watcher.stats), p.put(engine.scheduler.block_manager.num_used), p.put(done);
+      dp_send(link.fd, DPMsg::PROGRESS, p);
+      last = now_seconds();
+    }
+  }
+  if (engine.observer) engine.observer->generate_ends(engine);
+  rep.hand_back(give, true);  // after a stop: the unfinished ones too, as they stand
+  Wire fin;
+  fin.put(watcher.stats), fin.put(engine.scheduler.stats), fin.put(rep.pulled);
+  fin.put(logits_hash(watcher.stats.last_batch));
+  dp_send(link.fd, DPMsg::FINISHED, fin);
+}
+
+// The coordinator's view of the replicas, for the signal handlers.
+struct DPGroup {
+  int size = 0;
+  pid_t pids[DP_MAX_REPLICAS] = {};  // -1 once reaped
+};
+static DPGroup g_dp;
+
+// The coordinator's part of an immediate stop (on_stop_signal): end the replicas before it exits.
+static void dp_on_stop() {
+  sig_puts("; stopping all "), sig_putn(g_dp.size), sig_puts(" replicas\n");
+  stop_processes(g_dp.pids, g_dp.size, SIGTERM);
+}
+// The coordinator leaving through exit() (die() included): no replica outlives it.
+static void dp_atexit() {
+  sigset_t all;
+  sigemptyset(&all);
+  sigaddset(&all, SIGINT), sigaddset(&all, SIGTERM);
+  sigprocmask(SIG_BLOCK, &all, nullptr);
+  stop_processes(g_dp.pids, g_dp.size, SIGTERM);
+}
+// A replica told to stop by the coordinator: its tensor-parallel workers first, then itself, quietly (the
+// coordinator has said why).
+static void replica_on_sigterm(int) {
+  if (g_tp.size > 1 && g_tp.mb) g_tp.stopping = 1, tp_stop_workers(SIGTERM);
+  _exit(128 + SIGTERM);
+}
+// A replica's signals: Ctrl-C is the coordinator's to decide. Called again after tp_launch, which installs
+// rank 0's own.
+static void replica_signals() {
+  signal(SIGINT, SIG_IGN);
+  struct sigaction sa = {};
+  sigemptyset(&sa.sa_mask);
+  sigaddset(&sa.sa_mask, SIGCHLD);
+  sa.sa_handler = replica_on_sigterm;
+  sigaction(SIGTERM, &sa, nullptr);
+}
+
+// What the replicas sent, gathered by dp_run.
+struct DPRun {
+  std::vector<std::vector<Completion>> outs;  // per request of the run: its completions as handed back
+  std::vector<RunStats> stats;                // per replica: its last PROGRESS, then its FINISHED figures
+  std::vector<SchedulerStats> sched;
+  std::vector<RunSummary::Replica> replicas;
+  std::vector<std::string> ready_lines;
+  std::string notes;        // replica 0's Optimization notes, for the start-up line
+  int failed = -1;          // the replica that failed
+  bool started = false;     // every replica was ready and the queue opened
+  double go_at = 0;         // now_seconds() then
+};
+
+// Forks n replicas, each running body(link) (which builds its engine and calls replica_serve; its return
+// value is the replica's exit status), and gathers what they send until each has ended. gpus[k]: replica
+// k's CUDA_VISIBLE_DEVICES (none for a simulated run). progress: print the progress line. ready(run): once
+// every replica is ready, after their start-up lines (may be empty).
+static DPRun dp_run(int n, const std::vector<Request>& reqs, const std::vector<std::string>& gpus, bool progress,
+                    const std::function<int(ReplicaLink&)>& body,
+                    const std::function<void(const DPRun&)>& ready_hook = nullptr) {
+  if (n > DP_MAX_REPLICAS) die("--data-parallel-size %d: at most %d replicas", n, DP_MAX_REPLICAS);
+  std::vector<int> order;
+  int64_t total_completions = 0;
+  for (size_t i = 0; i < reqs.size(); i++)
+    if (reqs[i].error.empty()) order.push_back((int)i), total_completions += reqs[i].params.n;
+  void* p = mmap(nullptr, sizeof(DPShared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) die("cannot map shared memory for the data-parallel queue: %s", strerror(errno));
+  DPShared* shared = static_cast<DPShared*>(p);
+  memset(shared, 0, sizeof *shared);
+  std::vector<int> fds(n);
+  std::vector<int> write_fds(n);
+  for (int k = 0; k < n; k++) {
+    int fd[2];
+    if (pipe(fd) != 0) die("cannot make a pipe for data-parallel replica %d: %s", k, strerror(errno));
+    fds[k] = fd[0], write_fds[k] = fd[1];
+  }
+  sigset_t stops, old;  // no Ctrl-C handled before every replica's pid is recorded
+  sigemptyset(&stops);
+  sigaddset(&stops, SIGINT), sigaddset(&stops, SIGTERM);
+  sigprocmask(SIG_BLOCK, &stops, &old);
+  fflush(stdout), fflush(stderr);
+  const pid_t parent = getpid();
+  g_dp.size = n;
+  for (int k = 0; k < n; k++) {
+    const pid_t pid = fork();
+    if (pid < 0)  // (the replicas forked so far follow this process out: PR_SET_PDEATHSIG)
+      die("fork() for data-parallel replica %d failed: %s", k, strerror(errno));
+    if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGTERM);  // the coordinator gone, however it went: this replica goes too
+      if (getppid() != parent) _exit(1);
+      g_dp.size = 0;  // (its atexit, inherited, must not touch its siblings)
+      replica_signals();
+      sigprocmask(SIG_SETMASK, &old, nullptr);
+      for (int j = 0; j < n; j++) {
+        close(fds[j]);
+        if (j != k) close(write_fds[j]);
+      }
+      snprintf(g_process_label, sizeof g_process_label, "replica %d", k);
+      if (!gpus.empty()) setenv("CUDA_VISIBLE_DEVICES", gpus[k].c_str(), 1);
+      ReplicaLink link;
+      link.replica = k, link.fd = write_fds[k], link.shared = shared;
+      link.queue.next = &shared->next, link.queue.order = &order, link.queue.replicas = n;
+      const int rc = body(link);
+      fflush(stderr);
+      exit(rc);
+    }
+    g_dp.pids[k] = pid;
+  }
+  for (int k = 0; k < n; k++) close(write_fds[k]), fcntl(fds[k], F_SETFL, O_NONBLOCK);
+  g_stop_hook = dp_on_stop;
+  install_stop_handlers();
+  atexit(dp_atexit);
+  sigprocmask(SIG_SETMASK, &old, nullptr);
+
+  DPRun run;
+  run.outs.resize(reqs.size());
+  run.stats.resize(n), run.sched.resize(n), run.replicas.resize(n), run.ready_lines.resize(n);
+  std::vector<std::string> inbox(n);
+  std::vector<int> kv_used(n), state(n);  // state: 0 loading, 1 ready, 2 finished (FINISHED received)
+  std::vector<int64_t> done(n);
+  int ready = 0;
+  auto name = [&](int k) {
+    return "replica " + std::to_string(k) + (gpus.empty() ? std::string() : " (GPU " + gpus[k] + ")");
+  };
+  auto receive = [&](int k) {  // read what is there, handle each whole message
+    char buf[65536];
+    for (ssize_t got; (got = read(fds[k], buf, sizeof buf)) > 0;) inbox[k].append(buf, (size_t)got);
+    for (;;) {
+      std::string& in = inbox[k];
+      if (in.size() < 5) return;
+      uint32_t len;
+      memcpy(&len, in.data(), 4);
+      if (in.size() < 5 + (size_t)len) return;
+      const DPMsg kind = (DPMsg)in[4];
+      Wire w;
+      w.bytes = in.substr(5, len);
+      in.erase(0, 5 + (size_t)len);
+      RunSummary::Replica& fig = run.replicas[k];
+      if (kind == DPMsg::READY) {
+        run.ready_lines[k] = w.get_string();
+        const std::string notes = w.get_string();
+        if (k == 0) run.notes = notes;
+        fig.kv_blocks = w.get<int>();
+        state[k] = 1, ready++;
+      } else if (kind == DPMsg::PROGRESS) {
+        run.stats[k] = w.get<RunStats>(), kv_used[k] = w.get<int>(), done[k] = w.get<int64_t>();
+      } else if (kind == DPMsg::REQUEST) {
+        const int r = w.get<int>();
+        const uint32_t m = w.get<uint32_t>();
+        INTERNAL_CHECK(r >= 0 && r < (int)reqs.size() && run.outs[r].empty(), "%s handed back request %d twice",
+                       name(k).c_str(), r);
+        for (uint32_t c = 0; c < m; c++) {
+          run.outs[r].push_back(get_completion(w));
+          fig.completions++, fig.generated_tokens += (int64_t)run.outs[r].back().token_ids.size();
+        }
+      } else {
+        INTERNAL_CHECK(kind == DPMsg::FINISHED, "message kind %d from %s", (int)kind, name(k).c_str());
+        run.stats[k] = w.get<RunStats>(), run.sched[k] = w.get<SchedulerStats>(), fig.requests = w.get<int64_t>();
+        fig.logits_xxh64 = w.get<uint64_t>();
+        state[k] = 2;
+      }
+    }
+  };
+  const bool tty = isatty(2);
+  double last_print = now_seconds();
+  for (int alive = n; alive > 0;) {
+    std::vector<struct pollfd> pfd(n);
+    for (int k = 0; k < n; k++) pfd[k] = {fds[k], POLLIN, 0};
+    poll(pfd.data(), n, 100);  // (EINTR after a signal: the loop looks again)
+    for (int k = 0; k < n; k++) receive(k);
+    for (int k = 0; k < n; k++) {
+      int st;
+      if (g_dp.pids[k] <= 0 || waitpid(g_dp.pids[k], &st, WNOHANG) != g_dp.pids[k]) continue;
+      g_dp.pids[k] = -1, alive--;
+      receive(k);  // what it wrote before it ended
+      if (WIFEXITED(st) && WEXITSTATUS(st) == 0 && state[k] == 2) continue;
+      std::string how = WIFSIGNALED(st) ? "was killed by signal " + std::to_string(WTERMSIG(st))
+                                        : "exited with status " + std::to_string(WEXITSTATUS(st));
+      fprintf(stderr, "%snanovllm: error: %s %s%s (its message, if any, is above); stopping all %d replicas\n",
+              tty && progress && run.started ? "\n" : "", name(k).c_str(), how.c_str(),
+              run.started ? "" : " before it was ready", n);
+      run.failed = k;
+      stop_processes(g_dp.pids, n, SIGTERM);
+      for (int j = 0; j < n; j++) receive(j);
+      alive = 0;
+      break;
+    }
+    if (run.failed >= 0) break;
+    if (ready == n && !run.started) {
+      for (const std::string& line : run.ready_lines)
+        if (!line.empty()) fputs(line.c_str(), stderr);
+      if (ready_hook) ready_hook(run);
+      run.started = true, run.go_at = now_seconds();
+      g_stop_armed = 1;  // from here the first Ctrl-C stops after the step in flight
+      __atomic_store_n(&shared->go, 1u, __ATOMIC_RELEASE);
+    }
+    if (g_stop_requested) __atomic_store_n(&shared->stop, 1u, __ATOMIC_RELEASE);
+    if (progress && run.started && now_seconds() - last_print > (tty ? 0.25 : 5.0)) {
+      int64_t all_done = 0, used = 0, blocks = 0;
+      double prefill = 0, decode = 0;
+      for (int k = 0; k < n; k++) {
+        const RunStats& s = run.stats[k];
+        all_done += done[k], used += kv_used[k], blocks += run.replicas[k].kv_blocks;
+        prefill += s.prefill_tokens / std::max(s.prefill_seconds, 1e-9);
+        decode += s.decode_tokens / std::max(s.decode_seconds, 1e-9);
+      }
+      fputs(format_progress(all_done, total_completions, prefill, decode, used, blocks, tty).c_str(), stderr);
+      last_print = now_seconds();
+    }
+  }
+  if (progress && tty && run.started && run.failed < 0) fputs("\n", stderr);
+  for (int k = 0; k < n; k++) close(fds[k]);
+  return run;  // (still armed: a Ctrl-C while the completions are written lets them finish, as in one engine's run)
+}
+
+// The run's figures from the replicas' (RunSummary says how they combine), and each replica's line.
+static void dp_figures(DPRun& run, const std::vector<std::string>& gpus, RunStats& st, SchedulerStats& ss,
+                       int& kv_blocks) {
+  const int n = (int)run.stats.size();
+  st = RunStats{}, ss = SchedulerStats{}, kv_blocks = 0;
+  for (int k = 0; k < n; k++) {
+    const RunStats& s = run.stats[k];
+    st.seconds = std::max(st.seconds, s.seconds);
+    st.prefill_tokens += s.prefill_tokens, st.decode_tokens += s.decode_tokens;
+    st.steps_prefill += s.steps_prefill, st.steps_decode += s.steps_decode, st.steps_mixed += s.steps_mixed;
+    st.mixed_decode_tokens += s.mixed_decode_tokens;
+    st.prefill_seconds += s.prefill_seconds / n, st.decode_seconds += s.decode_seconds / n;
+    st.schedule_seconds += s.schedule_seconds / n, st.prepare_seconds += s.prepare_seconds / n;
+    st.gpu_wait_seconds += s.gpu_wait_seconds / n, st.postprocess_seconds += s.postprocess_seconds / n;
+    if (s.first_token_at >= 0 && (st.first_token_at < 0 || s.first_token_at < st.first_token_at))
+      st.first_token_at = s.first_token_at;
+    st.peak_blocks_used += s.peak_blocks_used;
+    ss.num_preemptions += run.sched[k].num_preemptions;
+    ss.prefix_hit_tokens += run.sched[k].prefix_hit_tokens;
+    ss.prompt_tokens_admitted += run.sched[k].prompt_tokens_admitted;
+    RunSummary::Replica& fig = run.replicas[k];
+    fig.replica = k, fig.gpus = gpus.empty() ? "(simulated)" : gpus[k];
+    fig.seconds = s.seconds, fig.peak_kv_blocks = s.peak_blocks_used, fig.logits_rows = s.last_batch;
+    fig.preemptions = run.sched[k].num_preemptions;
+    kv_blocks += fig.kv_blocks;
+  }
+}
+
+// Every request's completions in input order, as one engine's generate() returns them: those handed back,
+// and for a request no replica finished (a stop, a failed replica) unfinished ones with no tokens.
+static std::vector<Completion> dp_completions(const DPRun& run, const std::vector<Request>& reqs) {
+  std::vector<Completion> outs;
+  for (size_t r = 0; r < reqs.size(); r++) {
+    if (!reqs[r].error.empty()) continue;
+    if (!run.outs[r].empty()) {
+      outs.insert(outs.end(), run.outs[r].begin(), run.outs[r].end());
+      continue;
+    }
+    for (int k = 0; k < reqs[r].params.n; k++) {
+      Completion c{};
+      c.finish_reason = nullptr;
+      c.prompt_tokens = (int)reqs[r].prompt_token_ids.size();
+      c.arrival_time = 0, c.first_token_time = -1, c.finish_time = -1;
+      c.request = reqs[r].index >= 0 ? reqs[r].index : (int)r, c.index = k;
+      outs.push_back(c);
+    }
+  }
+  return outs;
+}
+
+// ==== 34. simulate: the engine without a GPU ===============================================================
+// defines: SimGpu, qwen3_shape, simulated_kv_blocks, step_cost, SimRunner
+//
 // `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` runs the real LLMEngine, Scheduler and BlockManager
 // (sections 3-5, 13) with SimRunner below in place of ModelRunner: no GPU, no weights, the same flags,
 // --trace, summary and --report. Two things stand in for the GPU:
@@ -10617,9 +11617,7 @@ struct SimRunner : StepRunner {
 
   // The stand-in for the model and the sampler: a function of the sequence's tokens (see above).
   int token_after(const Sequence& seq) const {
-    const uint64_t salt = seq.params.temperature > 0
-                              ? (seq.params.seed >= 0 ? (uint64_t)seq.params.seed : splitmix64(seed ^ splitmix64(seq.seq_id)))
-                              : 0;
+    const uint64_t salt = seq.params.temperature > 0 ? seq.sampling_seed(seed) : 0;
     const uint64_t h = XXH64(seq.token_ids.data(), seq.token_ids.size() * sizeof(int), salt);
     const bool eos = !seq.params.ignore_eos && !config.eos.empty() &&
                      (double)(splitmix64(h ^ seed) >> 11) * 0x1.0p-53 < eos_prob;
@@ -10680,6 +11678,8 @@ struct Cli {
   double sim_eos_prob = 0;   // --simulate-eos-prob
   json sampling_flags = json::object();  // the sampling flags given, by vLLM's field names (section 31)
   bool generation_config = true;         // --generation-config auto (true) or vllm
+  int data_parallel_size = 1;            // --data-parallel-size: engine replicas (section 33)
+  ShardSpec shard;                       // --shard: this run's part of the input (section 31)
 };
 
 static const char* kUsage =
@@ -10688,6 +11688,7 @@ static const char* kUsage =
     "       nanovllm decode MODEL_DIR                                      (token ids -> text)\n"
     "       nanovllm roofline          (this GPU's copy bandwidth and bf16 GEMM rate)\n"
     "       nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]   (the scheduler without a GPU; see below)\n"
+    "       nanovllm merge OUT.jsonl SHARD.jsonl...   (the --shard runs' --output files as one, in input order)\n"
     "\n"
     "MODEL_DIR  a Hugging Face Qwen3 folder (default ~/huggingface/Qwen3-0.6B/)\n"
     "PROMPTS    a text file (one prompt per line) or a .jsonl file (see docs/requests.md); default: two example prompts\n"
@@ -10697,7 +11698,8 @@ static const char* kUsage =
     "  --max-num-seqs N             sequences in one step                     (512)\n"
     "  --max-model-len N            prompt + completion tokens, at most       (4096)\n"
     "  --gpu-memory-utilization F   share of GPU memory to use, in (0, 1]     (0.9)\n"
-    "  --tensor-parallel-size N     GPUs (alias --tp)                         (1)\n"
+    "  --tensor-parallel-size N     GPUs that run one engine (alias --tp)     (1)\n"
+    "  --data-parallel-size N       engines, each on its own --tp GPUs, sharing the requests (alias -dp)  (1)\n"
     "  --enforce-eager              no CUDA graphs\n"
     "  --kvcache-block-size N       tokens per KV block, power of two 16-256  (256)\n"
     "  --num-kvcache-blocks N       KV blocks (default: as many as fit)\n"
@@ -10731,6 +11733,8 @@ static const char* kUsage =
     "  --output FILE.jsonl          also write one JSON object per request, then a summary\n"
     "  --trace                      one line per scheduler step on stderr\n"
     "  --report FILE.html           a picture of the whole run: steps, KV pool, hits, preemptions, requests\n"
+    "  --shard K/N | slurm | k8s:N  run only shard K of N of the input (from 0; slurm: the job array's task;\n"
+    "                               k8s:N: JOB_COMPLETION_INDEX of N completions); needs --output; see merge\n"
     "scheduling:\n"
     "  --scheduler nano|mixed       nano-vllm's (prefill first) or vLLM V1's (one token budget)  (mixed)\n"
     "  --request-rate R             requests arrive at R per second (Poisson, seeded by --seed), not at once\n"
@@ -10834,6 +11838,14 @@ static Cli parse_args(int argc, char** argv, bool simulate = false) {
     else if (a == "--max-model-len") c.max_model_len = as_int32(value());
     else if (a == "--gpu-memory-utilization") c.gpu_memory_utilization = as_float(value());
     else if (a == "--tensor-parallel-size" || a == "--tp") c.tensor_parallel_size = as_int32(value());
+    else if (a == "--data-parallel-size" || a == "-dp") {
+      cli.data_parallel_size = as_int32(value());
+      if (cli.data_parallel_size < 1 || cli.data_parallel_size > DP_MAX_REPLICAS)
+        die("--data-parallel-size must be from 1 to %d, found %d", DP_MAX_REPLICAS, cli.data_parallel_size);
+    } else if (a == "--shard") {
+      const std::string problem = parse_shard(value(), cli.shard);
+      if (!problem.empty()) die("%s", problem.c_str());
+    }
     else if (a == "--enforce-eager") flag_only(), c.enforce_eager = true;
     else if (a == "--kvcache-block-size") c.kvcache_block_size = as_int32(value());
     else if (a == "--kv-cache-dtype") {
@@ -10905,6 +11917,15 @@ static Cli parse_args(int argc, char** argv, bool simulate = false) {
         "tokenizer.json, or the path of a tokenizer.json; then the prompts file)");
   if (!simulate && (cli.sim_gpu_bytes > 0 || cli.sim_model_given || cli.sim_eos_prob > 0))
     die("the --simulate-* flags belong to `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS`");
+  if (cli.shard.on() && cli.output_path.empty() && !simulate)
+    die("%s: a shard's completions are merged from its --output file (nanovllm merge); give --output FILE.jsonl",
+        cli.shard.from.c_str());
+  if (cli.data_parallel_size > 1 && cli.request_rate > 0)
+    die("--data-parallel-size %d runs an offline batch; requests that arrive over time (--request-rate) model one "
+        "engine serving traffic: run them with one replica", cli.data_parallel_size);
+  if (cli.data_parallel_size > 1 && !cli.report_path.empty())
+    die("--report draws one engine's steps, and --data-parallel-size %d runs %d engines: drop --report or run "
+        "one replica", cli.data_parallel_size, cli.data_parallel_size);
   const json& f = cli.sampling_flags;  // flag mistakes first, before the model is read
   sampling_from_json(f, cli.prompts.defaults, "command line", 0, f.contains("min_tokens") && f.contains("max_tokens"));
   return cli;
@@ -11025,25 +12046,46 @@ static std::string sampling_defaults_for(Cli& cli, const ModelConfig& mc) {
   return described;
 }
 
-// After generate(), for a real run and a simulated one alike: completions to stdout and --output, the
-// report, the closing line and the summary. Returns the exit status.
-static int finish_run(const Cli& cli, LLMEngine& engine, const RunStats& st, const std::vector<Request>& requests,
-                      const std::vector<Completion>& outs, const Tokenizer& tok, uint64_t logits_hash,
-                      const std::vector<StepTrace>& steps, const std::string& title, double first_token_after) {
+// What a run leaves for finish_run besides its completions: one engine's figures, or the replicas' together.
+struct RunOutcome {
+  RunStats stats;
+  SchedulerStats sched;
+  int kv_blocks = 0;
+  uint64_t logits_xxh64 = 0;
+  std::vector<StepTrace> steps;                // --report
+  std::vector<RunSummary::Replica> replicas;   // --data-parallel-size > 1
+  std::string title;                           // --report's
+  double first_token_after = 0;                // seconds from the process's start
+  const char* stopped_by = "Ctrl-C";           // what left completions unfinished, if any did
+  int status = 0;                              // the exit status unless Ctrl-C stopped the run
+};
+
+// After the run, for one engine, the replicas of data parallelism, a real run and a simulated one alike:
+// completions to stdout and --output (a shard's with its record last), the report, the closing line and
+// the summary. Returns the exit status.
+static int finish_run(const Cli& cli, const std::vector<Request>& requests, const std::vector<Completion>& outs,
+                      const Tokenizer& tok, const RunOutcome& run, const ShardOut* shard) {
   const Config& config = cli.config;
-  RunSummary summary = run_summary(st, engine.scheduler.stats, config.num_kvcache_blocks, outs,
-                                   logits_hash, config.mixed_scheduler);
+  const RunStats& st = run.stats;
+  RunSummary summary = run_summary(st, run.sched, run.kv_blocks, outs, run.logits_xxh64, config.mixed_scheduler);
   summary.kv_cache_dtype = config.kv_cache_dtype.c_str();
-  summary.kv_pool_tokens = (int64_t)config.num_kvcache_blocks * config.kvcache_block_size;
+  summary.kv_pool_tokens = (int64_t)run.kv_blocks * config.kvcache_block_size;
+  summary.replicas = run.replicas;
   FILE* jsonl = nullptr;
   if (!cli.output_path.empty() && !(jsonl = fopen(cli.output_path.c_str(), "w")))
     die("cannot write --output '%s': %s", cli.output_path.c_str(), strerror(errno));
   std::string model_name = config.model;
   while (model_name.size() > 1 && model_name.back() == '/') model_name.pop_back();
   model_name = model_name.substr(model_name.rfind('/') + 1);  // the folder's name, as a batch's "model"
-  if (!write_completions(requests, outs, tok, jsonl, model_name)) write_summary(summary, jsonl);
+  const bool batch = write_completions(requests, outs, tok, jsonl, model_name, run.stopped_by);
+  if (!batch) write_summary(summary, jsonl);
+  int64_t finished = 0;
+  for (auto& o : outs) finished += o.finish_reason != nullptr;
+  if (shard && jsonl)
+    fprintf(jsonl, "%s\n", shard_record(*shard, batch ? (int64_t)requests.size() : finished,
+                                        (int64_t)outs.size() - finished).dump().c_str());
   if (jsonl) fclose(jsonl);
-  if (!cli.report_path.empty()) write_report(cli.report_path, title, summary_json(summary), steps, outs);
+  if (!cli.report_path.empty()) write_report(cli.report_path, run.title, summary_json(summary), run.steps, outs);
   int64_t out_tokens = 0;
   for (auto& o : outs) out_tokens += (int64_t)o.token_ids.size();
   size_t ran = 0;  // requests that ran (an OpenAI batch's error lines do not); with n > 1, more completions
@@ -11055,17 +12097,66 @@ static int finish_run(const Cli& cli, LLMEngine& engine, const RunStats& st, con
           "prefill %.0f tok/s, decode %.0f tok/s | first token %.3f s after start\n",
           count.c_str(), (long long)st.prefill_tokens, (long long)out_tokens, st.seconds,
           out_tokens / std::max(st.seconds, 1e-9), st.prefill_tokens / std::max(st.prefill_seconds, 1e-9),
-          st.decode_tokens / std::max(st.decode_seconds, 1e-9), first_token_after);
+          st.decode_tokens / std::max(st.decode_seconds, 1e-9), run.first_token_after);
   fputs(format_summary(summary).c_str(), stderr);
   if (summary.unfinished_requests)
-    fprintf(stderr, "nanovllm: stopped by Ctrl-C: %lld of %zu completions unfinished, not written\n",
+    fprintf(stderr, "nanovllm: stopped by %s: %lld of %zu completions unfinished, not written\n", run.stopped_by,
             (long long)summary.unfinished_requests, outs.size());
+  if (run.status) return run.status;
   return g_stop_requested ? 128 + SIGINT : 0;
 }
 
+// --shard: this run's share of the input (each request keeping its place as Request::index), and its
+// record's facts. A shard with no request writes its record alone (no GPU needed) and the run ends.
+static std::vector<Request> take_shard(const Cli& cli, std::vector<Request>& all, ShardOut& out) {
+  out.spec = cli.shard, out.total = all.size();
+  out.input_xxh64 = requests_xxh64(all, (uint64_t)cli.seed);
+  std::vector<Request> mine = shard_requests(all, cli.shard, out.indices);
+  int64_t weight = 0, total = 0;
+  for (const Request& r : all) total += request_weight(r);
+  for (const Request& r : mine) weight += request_weight(r);
+  const std::string range = mine.empty() ? "none" : "#" + std::to_string(out.indices.front()) + "-" +
+                                                    std::to_string(out.indices.back());
+  fprintf(stderr, "nanovllm: shard %d/%d (%s) | %zu of %zu prompts (%s) | %.1f%% of the weight\n",
+          cli.shard.index, cli.shard.count, cli.shard.from.c_str(), mine.size(), all.size(), range.c_str(),
+          100.0 * weight / std::max<int64_t>(total, 1));
+  return mine;
+}
+static int finish_empty_shard(const Cli& cli, const ShardOut& sh) {
+  if (!cli.output_path.empty()) {
+    FILE* f = fopen(cli.output_path.c_str(), "w");
+    if (!f) die("cannot write --output '%s': %s", cli.output_path.c_str(), strerror(errno));
+    fprintf(f, "%s\n", shard_record(sh, 0, 0).dump().c_str());
+    fclose(f);
+  }
+  fprintf(stderr, "nanovllm: shard %d/%d has no prompts of its own; its --output holds its shard record alone\n",
+          sh.spec.index, sh.spec.count);
+  return 0;
+}
+
+// A data-parallel run's end (section 33): the replicas' completions in input order and their figures,
+// written as one run's. Exit status 1 when a replica failed (after writing what finished, once they ran).
+static int finish_dp(const Cli& cli, const std::vector<Request>& requests, DPRun& dp,
+                     const std::vector<std::string>& gpus, const Tokenizer& tok, double t_start,
+                     const ShardOut* shard) {
+  if (dp.failed >= 0 && !dp.started) return 1;
+  RunOutcome run;
+  dp_figures(dp, gpus, run.stats, run.sched, run.kv_blocks);
+  run.replicas = dp.replicas;
+  run.first_token_after = dp.go_at - t_start + std::max(run.stats.first_token_at, 0.0);
+  std::string failed;
+  if (dp.failed >= 0) {
+    failed = "replica " + std::to_string(dp.failed) + "'s failure";
+    run.stopped_by = failed.c_str(), run.status = 1;
+  }
+  return finish_run(cli, requests, dp_completions(dp, requests), tok, run, shard);
+}
+
 // `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` (section 34): the same checks and the same engine as
-// a run, with SimRunner in place of the GPU.
+// a run, with SimRunner in place of the GPU. With --shard it first prints the plan of every shard, then
+// runs its own share; with --data-parallel-size N, N replica processes as a real run forks (section 33).
 static int simulate_command(Cli& cli) {
+  const double t_start = now_seconds();
   Config& config = cli.config;
   const std::string& src = config.model;
   ModelConfig mc;
@@ -11076,7 +12167,8 @@ static int simulate_command(Cli& cli) {
   if (has_config) mc = load_model_config(src);
   else if (!qwen3_shape(cli.sim_model, mc)) die("--simulate-model %s: not a known shape", cli.sim_model.c_str());
   if (config.tensor_parallel_size != 1)
-    die("simulate models one GPU: --tensor-parallel-size must be 1, found %d", config.tensor_parallel_size);
+    die("simulate models one GPU per engine: --tensor-parallel-size must be 1, found %d",
+        config.tensor_parallel_size);
   validate_config(config, mc);
   const std::string sampling = sampling_defaults_for(cli, mc);
   Tokenizer tok = Tokenizer::load(src);
@@ -11095,23 +12187,49 @@ static int simulate_command(Cli& cli) {
         config.kvcache_block_size, config.max_model_len, need);
   if (!cli.output_path.empty()) check_output_path(cli.output_path);
   if (!cli.report_path.empty()) check_output_path(cli.report_path, "--report", "report.html");
-  SimRunner sim(mc, config, (uint64_t)cli.seed, cli.sim_eos_prob);
+  const int dp = cli.data_parallel_size;
+  for (const Request& r : requests)
+    if (dp > 1 && r.arrival_given)
+      die("%s: \"arrival_time\": --data-parallel-size %d runs an offline batch; requests that arrive over time "
+          "model one engine serving traffic: run them with one replica", r.source.c_str(), dp);
+  ShardOut shard;
+  if (cli.shard.on()) {
+    fputs(shard_plan(requests, cli.shard.count, cli.shard.index).c_str(), stderr);
+    requests = take_shard(cli, requests, shard);
+    if (requests.empty()) return finish_empty_shard(cli, shard);
+  }
   const std::string shape = has_config ? src + "/config.json" : cli.sim_model;
   fprintf(stderr,
           "nanovllm: simulate | shape of %s (%.2f B parameters) | KV cache %s, %d blocks x %d tokens = %lld "
-          "tokens | scheduler %s | no GPU: a stand-in model and a modelled clock (section 34)\n",
+          "tokens%s | scheduler %s | no GPU: a stand-in model and a modelled clock (section 34)\n",
           shape.c_str(), model_params(mc) / 1e9, config.kv_cache_dtype.c_str(),
           config.num_kvcache_blocks, config.kvcache_block_size,
           (long long)config.num_kvcache_blocks * config.kvcache_block_size,
+          dp > 1 ? (" per replica, " + std::to_string(dp) + " replicas").c_str() : "",
           config.mixed_scheduler ? "mixed" : "nano");
   fprintf(stderr, "nanovllm: sampling defaults: %s\n", sampling.c_str());
+  if (dp > 1) {
+    DPRun run = dp_run(dp, requests, {}, !cli.trace, [&](ReplicaLink& link) {
+      SimRunner sim(mc, config, (uint64_t)cli.seed, cli.sim_eos_prob);
+      LLMEngine engine(config, sim);
+      RunWatcher watcher;
+      watcher.progress = false, watcher.trace = cli.trace;
+      watcher.label = "[replica " + std::to_string(link.replica) + "] ";
+      engine.observer = &watcher;
+      engine.tok = &tok;
+      replica_serve(link, engine, watcher, requests, "", "", config.num_kvcache_blocks, [](int) { return 0ull; });
+      return 0;
+    });
+    return finish_dp(cli, requests, run, {}, tok, t_start, cli.shard.on() ? &shard : nullptr);
+  }
+  SimRunner sim(mc, config, (uint64_t)cli.seed, cli.sim_eos_prob);
   LLMEngine engine(config, sim);
   RunWatcher watcher;
   watcher.trace = cli.trace;
   engine.observer = &watcher;
   engine.tok = &tok;
-  std::vector<StepTrace> steps;
-  if (!cli.report_path.empty()) watcher.record = &steps;
+  RunOutcome run;
+  if (!cli.report_path.empty()) watcher.record = &run.steps;
   install_stop_handlers();
   g_stop_armed = 1;
   std::vector<Completion> outs = engine.generate(requests);
@@ -11120,7 +12238,100 @@ static int simulate_command(Cli& cli) {
            shape.c_str(), config.num_kvcache_blocks, config.kvcache_block_size,
            config.mixed_scheduler ? "mixed (vLLM V1)" : "nano (nano-vllm)", requests.size(),
            cli.request_rate > 0 ? (", arriving at " + fmt("%g", cli.request_rate) + " per second").c_str() : "");
-  return finish_run(cli, engine, watcher.stats, requests, outs, tok, 0, steps, title, watcher.stats.first_token_at);
+  run.stats = watcher.stats, run.sched = engine.scheduler.stats, run.kv_blocks = config.num_kvcache_blocks;
+  run.title = title, run.first_token_after = watcher.stats.first_token_at;
+  return finish_run(cli, requests, outs, tok, run, cli.shard.on() ? &shard : nullptr);
+}
+
+// How many GPUs CUDA sees, counted in a child process: the coordinator of a data-parallel run must not
+// initialise CUDA before it forks the replicas (section 12b). 0, with `why`, when CUDA finds none.
+static int count_gpus_in_child(std::string& why) {
+  int fd[2];
+  if (pipe(fd) != 0) die("cannot make a pipe: %s", strerror(errno));
+  fflush(stdout), fflush(stderr);
+  const pid_t pid = fork();
+  if (pid < 0) die("fork() failed: %s", strerror(errno));
+  if (pid == 0) {
+    close(fd[0]);
+    int n = 0;
+    const cudaError_t e = cudaGetDeviceCount(&n);
+    char msg[256];
+    const int len = snprintf(msg, sizeof msg, "%d %s", e == cudaSuccess ? n : 0,
+                             e == cudaSuccess ? "" : cudaGetErrorString(e));
+    ssize_t w = write(fd[1], msg, std::min<int>(len, sizeof msg - 1));
+    (void)w;
+    _exit(0);
+  }
+  close(fd[1]);
+  std::string got;
+  char buf[256];
+  for (ssize_t k; (k = read(fd[0], buf, sizeof buf)) > 0 || (k < 0 && errno == EINTR);)
+    if (k > 0) got.append(buf, (size_t)k);
+  close(fd[0]);
+  waitpid(pid, nullptr, 0);
+  const int n = atoi(got.c_str());
+  const size_t space = got.find(' ');
+  why = space == std::string::npos ? "" : got.substr(space + 1);
+  return n;
+}
+
+// Replica k's CUDA_VISIBLE_DEVICES: the k-th slice of tp of this process's devices (its CUDA_VISIBLE_DEVICES,
+// or 0..count-1 when it has none).
+static std::vector<std::string> replica_gpus(int dp, int tp, int count) {
+  std::vector<std::string> ids;
+  if (const char* v = getenv("CUDA_VISIBLE_DEVICES")) {
+    for (const char* p = v; *p;) {
+      const char* comma = strchr(p, ',');
+      const std::string id(p, comma ? comma - p : strlen(p));
+      if (!id.empty()) ids.push_back(id);
+      p = comma ? comma + 1 : p + strlen(p);
+    }
+    ids.resize(std::min<size_t>(ids.size(), count));  // CUDA stops at the first entry it cannot use
+  } else {
+    for (int i = 0; i < count; i++) ids.push_back(std::to_string(i));
+  }
+  std::vector<std::string> out(dp);
+  for (int k = 0; k < dp; k++)
+    for (int r = 0; r < tp; r++) out[k] += (r ? "," : "") + ids[k * tp + r];
+  return out;
+}
+
+// The start-up line of an engine on its GPUs.
+static std::string startup_line(ModelRunner& runner, const Config& config, double t_start) {
+  cudaDeviceProp prop;
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const int tp = config.tensor_parallel_size;
+  const std::string gpus = tp > 1 ? std::to_string(tp) + " x " + prop.name + " (tensor parallel)" : prop.name;
+  char line[640];
+  snprintf(line, sizeof line,
+           "nanovllm: %s%s | weights %.2f GB%s loaded in %.2f s (%.1f GB/s) | KV cache %s, %d blocks x %d "
+           "tokens = %lld tokens, %.2f GiB | %zu CUDA graphs in %.2f s | ready after %.2f s\n",
+           g_process_label[0] ? (std::string(g_process_label) + ": ").c_str() : "", gpus.c_str(),
+           runner.model.w.bytes / 1e9, tp > 1 ? " per GPU" : "", runner.load_seconds, runner.load_gbps,
+           config.kv_cache_dtype.c_str(), config.num_kvcache_blocks, config.kvcache_block_size,
+           (long long)config.num_kvcache_blocks * config.kvcache_block_size,
+           runner.model.kv.bytes / (double)(1 << 30), runner.graphs.size(), runner.capture_seconds,
+           now_seconds() - t_start);
+  return line;
+}
+
+// `nanovllm merge OUT SHARD_FILE...` (section 31's merge_shards).
+static int merge_command(int argc, char** argv) {
+  if (argc < 3 || !strcmp(argv[1], "--help"))
+    die("usage: nanovllm merge OUT.jsonl SHARD.jsonl... (the --output files of every --shard K/N run)");
+  const std::string out = argv[1];
+  std::vector<std::string> paths(argv + 2, argv + argc);
+  for (const std::string& p : paths)
+    if (p == out) die("merge: the output '%s' is also one of the shard files", out.c_str());
+  check_output_path(out, "merge's output", "merged.jsonl");
+  std::string merged, said;
+  const std::string problem = merge_shards(paths, merged, said);
+  if (!problem.empty()) die("merge: %s", problem.c_str());
+  FILE* f = fopen(out.c_str(), "w");
+  if (!f || fwrite(merged.data(), 1, merged.size(), f) != merged.size() || fclose(f) != 0)
+    die("cannot write merge's output '%s': %s", out.c_str(), strerror(errno));
+  fprintf(stderr, "nanovllm: merged %s -> %s\n", said.c_str(), out.c_str());
+  return 0;
 }
 
 #ifndef NANOVLLM_TESTING
@@ -11129,6 +12340,7 @@ int main(int argc, char** argv) {
   if (argc > 1 && (!strcmp(argv[1], "encode") || !strcmp(argv[1], "decode")))
     return tokenizer_command(argc - 1, argv + 1);
   if (argc > 1 && !strcmp(argv[1], "roofline")) return roofline_command();
+  if (argc > 1 && !strcmp(argv[1], "merge")) return merge_command(argc - 1, argv + 1);
   const bool simulate = argc > 1 && !strcmp(argv[1], "simulate");
   Cli cli = parse_args(argc - simulate, argv + simulate, simulate);
   if (simulate) return simulate_command(cli);
@@ -11145,27 +12357,63 @@ int main(int argc, char** argv) {
   std::vector<Request> requests = cli.prompts_path.empty() ? example_requests(tok, cli.prompts)
                                                            : read_prompts(cli.prompts_path, tok, cli.prompts, config, mc);
   if (cli.request_rate > 0) assign_arrivals(requests, cli.request_rate, (uint64_t)cli.seed);
+  const int dp = cli.data_parallel_size, tp = config.tensor_parallel_size;
+  for (const Request& r : requests)
+    if (dp > 1 && r.arrival_given)
+      die("%s: \"arrival_time\": --data-parallel-size %d runs an offline batch; requests that arrive over time "
+          "model one engine serving traffic: run them with one replica", r.source.c_str(), dp);
   if (!cli.output_path.empty()) check_output_path(cli.output_path);
   if (!cli.report_path.empty()) check_output_path(cli.report_path, "--report", "report.html");
+  ShardOut shard;
+  const ShardOut* sharded = cli.shard.on() ? &shard : nullptr;
+  if (sharded) {
+    requests = take_shard(cli, requests, shard);
+    if (requests.empty()) return finish_empty_shard(cli, shard);
+  }
+  // 2. With --data-parallel-size N: N replicas, each an engine on its own GPUs (section 33); this process only
+  //    hands out the requests and writes what comes back. It counts the GPUs in a child: it must not use
+  //    CUDA itself before it forks.
+  if (dp > 1) {
+    std::string why;
+    const int visible = count_gpus_in_child(why);
+    if (visible < dp * tp)
+      die("--data-parallel-size %d x --tensor-parallel-size %d needs %d GPUs, but %d %s visible%s%s", dp, tp, dp * tp,
+          visible, visible == 1 ? "is" : "are", why.empty() ? "" : ": ", why.c_str());
+    const std::vector<std::string> gpus = replica_gpus(dp, tp, visible);
+    fprintf(stderr, "nanovllm: data parallel | %d replicas of %d GPU%s each, GPUs %s\n", dp, tp, tp > 1 ? "s" : "",
+            [&] { std::string g; for (auto& s : gpus) g += (g.empty() ? "" : " | ") + s; return g; }().c_str());
+    fprintf(stderr, "nanovllm: sampling defaults: %s\n", sampling.c_str());
+    DPRun run = dp_run(dp, requests, gpus, !cli.trace, [&](ReplicaLink& link) {
+      tp_launch(tp);
+      replica_signals();  // (tp_launch installed rank 0's own)
+      check_gpus(tp);
+      ModelRunner runner(config, mc);
+      runner.engine_seed = (uint64_t)cli.seed;
+      runner.capture_cudagraphs();
+      LLMEngine engine(config, runner);
+      RunWatcher watcher;
+      watcher.progress = false, watcher.trace = cli.trace;
+      watcher.label = "[replica " + std::to_string(link.replica) + "] ";
+      engine.observer = &watcher;
+      engine.tok = &tok;
+      replica_serve(link, engine, watcher, requests, startup_line(runner, config, t_start),
+                    optimization_notes(runner), config.num_kvcache_blocks,
+                    [&](int rows) { return last_logits_xxh64(runner, rows); });
+      return tp_shutdown() ? 0 : 1;
+    }, [&](const DPRun& ready) {
+      fprintf(stderr, "nanovllm: optimizations (Part II): %s%s\n", optimizations_str(config.opt).c_str(),
+              ready.notes.c_str());
+    });
+    return finish_dp(cli, requests, run, gpus, tok, t_start, sharded);
+  }
   // 2. The GPU: weights, KV cache, CUDA graphs. Tensor-parallel workers are forked first: a child process
   //    cannot use CUDA once its parent has (section 33).
-  tp_launch(config.tensor_parallel_size);
-  check_gpus(config.tensor_parallel_size);
+  tp_launch(tp);
+  check_gpus(tp);
   ModelRunner runner(config, mc);
   runner.engine_seed = (uint64_t)cli.seed;
   runner.capture_cudagraphs();
-  cudaDeviceProp prop;
-  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  const int tp = config.tensor_parallel_size;
-  std::string gpus = tp > 1 ? std::to_string(tp) + " x " + prop.name + " (tensor parallel)" : prop.name;
-  fprintf(stderr,
-          "nanovllm: %s | weights %.2f GB%s loaded in %.2f s (%.1f GB/s) | KV cache %s, %d blocks x %d tokens = "
-          "%lld tokens, %.2f GiB | %zu CUDA graphs in %.2f s | ready after %.2f s\n",
-          gpus.c_str(), runner.model.w.bytes / 1e9, tp > 1 ? " per GPU" : "", runner.load_seconds,
-          runner.load_gbps, config.kv_cache_dtype.c_str(), config.num_kvcache_blocks,
-          config.kvcache_block_size, (long long)config.num_kvcache_blocks * config.kvcache_block_size,
-          runner.model.kv.bytes / (double)(1 << 30), runner.graphs.size(), runner.capture_seconds,
-          now_seconds() - t_start);
+  fputs(startup_line(runner, config, t_start).c_str(), stderr);
   fprintf(stderr, "nanovllm: optimizations (Part II): %s%s\n", optimizations_str(config.opt).c_str(),
           optimization_notes(runner).c_str());
   fprintf(stderr, "nanovllm: sampling defaults: %s\n", sampling.c_str());
@@ -11175,18 +12423,22 @@ int main(int argc, char** argv) {
   watcher.trace = cli.trace;
   engine.observer = &watcher;
   engine.tok = &tok;
-  std::vector<StepTrace> steps;
-  if (!cli.report_path.empty()) watcher.record = &steps;
+  RunOutcome run;
+  if (!cli.report_path.empty()) watcher.record = &run.steps;
   double t_gen = now_seconds();
   install_stop_handlers();
   g_stop_armed = 1;
   std::vector<Completion> outs = engine.generate(requests);
-  const std::string title = config.model + " on " + gpus + ", scheduler " +
-                            (config.mixed_scheduler ? "mixed (vLLM V1)" : "nano (nano-vllm)") + ", " +
-                            std::to_string(requests.size()) + " requests";
-  int rc = finish_run(cli, engine, watcher.stats, requests, outs, tok,
-                      last_logits_xxh64(runner, watcher.stats.last_batch), steps, title,
-                      t_gen - t_start + watcher.stats.first_token_at);
+  cudaDeviceProp prop;
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  run.title = config.model + " on " + (tp > 1 ? std::to_string(tp) + " x " + prop.name + " (tensor parallel)"
+                                               : std::string(prop.name)) +
+              ", scheduler " + (config.mixed_scheduler ? "mixed (vLLM V1)" : "nano (nano-vllm)") + ", " +
+              std::to_string(requests.size()) + " requests";
+  run.stats = watcher.stats, run.sched = engine.scheduler.stats, run.kv_blocks = config.num_kvcache_blocks;
+  run.logits_xxh64 = last_logits_xxh64(runner, watcher.stats.last_batch);
+  run.first_token_after = t_gen - t_start + watcher.stats.first_token_at;
+  int rc = finish_run(cli, requests, outs, tok, run, sharded);
   if (!tp_shutdown()) return 1;
   return rc;
 }

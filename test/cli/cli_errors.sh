@@ -377,4 +377,33 @@ printf '%s\n' "{\"custom_id\": \"a\", $chat}" \
   '{"custom_id": "b", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}}' >"$B"
 refuse valid_batch_with_an_unsupported_line_reaches_gpu_check "$NOGPU" "$G" "$B"
 
+
+# ---- data parallelism and shards (issue 46) -------------------------------------------------------------
+refuse flag_dp_zero "--data-parallel-size must be from 1 to 64, found 0" "$G" "$PT" -dp 0
+refuse flag_dp_not_a_number "flag -dp expects an integer, found 'two'" "$G" "$PT" -dp two
+refuse flag_dp_needs_gpus "--data-parallel-size 3 x --tensor-parallel-size 1 needs 3 GPUs, but 0 are visible" \
+  "$G" "$PT" -dp 3
+refuse flag_dp_with_request_rate "--data-parallel-size 2 runs an offline batch|--request-rate" "$G" "$PT" -dp 2 \
+  --request-rate 5
+refuse flag_dp_with_report "--report draws one engine's steps" "$G" "$PT" -dp 2 --report "$tmp/r.html"
+printf '%s\n' '{"prompt": "hi"}' '{"prompt": "ho", "arrival_time": 1.5}' >"$tmp/arrive.jsonl"
+refuse flag_dp_with_arrival_time "$tmp/arrive.jsonl:2: \"arrival_time\"|runs an offline batch" "$G" \
+  "$tmp/arrive.jsonl" -dp 2
+refuse simulate_dp_with_tp "simulate models one GPU per engine" simulate "$G" "$PT" -dp 2 --tp 2 \
+  --num-kvcache-blocks 100
+refuse flag_shard_spec "--shard takes K/N (shard K of N, counted from 0), slurm or k8s:N; found '3'" "$G" "$PT" \
+  --shard 3
+refuse flag_shard_out_of_range "--shard 4/4: shard 4 of 4 does not exist" "$G" "$PT" --shard 4/4
+expect_error flag_shard_slurm_outside_an_array "--shard slurm: SLURM_ARRAY_TASK_ID and SLURM_ARRAY_TASK_COUNT are not set" \
+  env -u SLURM_ARRAY_TASK_ID -u SLURM_ARRAY_TASK_COUNT "${RUN[@]}" "$G" "$PT" --output "$OUT" --shard slurm
+expect_error flag_shard_slurm_with_a_step "the job array must be one range of task ids without gaps" \
+  env SLURM_ARRAY_TASK_ID=2 SLURM_ARRAY_TASK_COUNT=3 SLURM_ARRAY_TASK_MIN=0 SLURM_ARRAY_TASK_MAX=4 \
+  SLURM_ARRAY_TASK_STEP=2 "${RUN[@]}" "$G" "$PT" --output "$OUT" --shard slurm
+expect_error flag_shard_k8s_outside_a_job "--shard k8s:4: JOB_COMPLETION_INDEX is not set" \
+  env -u JOB_COMPLETION_INDEX "${RUN[@]}" "$G" "$PT" --output "$OUT" --shard k8s:4
+expect_error flag_shard_needs_output "--shard 0/2: a shard's completions are merged from its --output file" \
+  "${RUN[@]}" "$G" "$PT" --shard 0/2
+refuse valid_shard_reaches_gpu_check "$NOGPU" "$G" "$PT" --shard 1/2
+expect_error merge_needs_files "usage: nanovllm merge OUT.jsonl SHARD.jsonl" "$BIN" merge "$OUT"
+
 finish

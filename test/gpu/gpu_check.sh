@@ -9,7 +9,8 @@
 # Env: TOKENIZER_DIR (a folder with Qwen3's tokenizer.json; default: tools/fetch_tokenizer.sh),
 #      LOG_DIR (default build/logs), WORK_DIR (checkpoints; default build/e2e), SHAPES (tiny 0.6b 8b-short),
 #      NANOVLLM_E2E_TP=N (tensor parallelism: the CLI run and the end-to-end comparison on N GPUs, plus the
-#      two-GPU data-plane suite and test/gpu/gpu_tp_shutdown.sh),
+#      two-GPU data-plane suite and test/gpu/gpu_tp_shutdown.sh), NANOVLLM_E2E_DP=N (data parallelism:
+#      test/gpu/gpu_dp.sh with N replicas, and N x TP GPUs for its --tp cases),
 #      KERNELS=0 (skip the kernel and data-plane suites), E2E_OPTS (optimization sets of the transformers
 #      comparison, default "all none": the default path and --plain), E2E_KV (KV cache dtypes the default
 #      path runs again with, default "fp8"; "" for none)
@@ -72,4 +73,11 @@ run_e2e() {  # run_e2e LABEL ENV...
 for opt in ${E2E_OPTS:-all none}; do run_e2e "opt-$opt" NANOVLLM_E2E_OPT="$opt"; done
 for sch in ${E2E_SCHEDULERS:-mixed}; do run_e2e "scheduler-$sch" NANOVLLM_E2E_SCHEDULER="$sch"; done
 for kv in ${E2E_KV-fp8}; do run_e2e "kv-$kv" NANOVLLM_E2E_KV="$kv"; done  # --kv-cache-dtype (section 28)
+# Data parallelism (section 33) on NANOVLLM_E2E_DP replicas (of TP GPUs each in its --tp case), after gpu_e2e
+# wrote the tolerance its teacher-forcing check reuses.
+DP=${NANOVLLM_E2E_DP:-1}
+if [ "$DP" -gt 1 ]; then
+  suite "data_parallel (dp $DP)" dp.txt bash test/gpu/gpu_dp.sh "$WORK_DIR/$SMOKE" "$NANOVLLM" "$DP" "$TP"
+  grep -E '^(PASS|  dp)' "$LOG_DIR/dp.txt"
+fi
 echo; echo "== summary"; printf '%s\n' "${rows[@]}"
