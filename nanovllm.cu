@@ -143,6 +143,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
@@ -6690,7 +6691,8 @@ static const int kPrefillGraphsRegistered = register_optimization(
     {"prefill_graphs", "prefill and mixed steps of up to 2048 tokens replay CUDA graphs, in pieces (section 23)",
      true, apply_prefill_graphs, nullptr, {{"prefill_graph_tokens", PREFILL_GRAPH_MAX_T}}});
 
-// ==== 24. One persistent kernel for a small-batch decode step, 1: the operation chain ===============// defines: PERSIST_MAX_B, PersistOp, PersistArgs, PersistCursor, persist_issue, persist_wait, persist_signal,
+// ==== 24. One persistent kernel for a small-batch decode step, 1: the operation chain ===============
+// defines: PERSIST_MAX_B, PersistOp, PersistArgs, PersistCursor, persist_issue, persist_wait, persist_signal,
 //          persist_stage_input, persist_gemv_chunk, persist_gemv_epilogue (sections 25-27: the rest)
 //
 // Replaces: at decode steps of 1, 2 or 4 sequences on one GPU, all of section 14's forward pass: about five
@@ -12334,6 +12336,39 @@ static int merge_command(int argc, char** argv) {
   return 0;
 }
 
+// Start-up in parallel. Creating the CUDA context and cuBLASLt's first algorithm choices (the first loads its
+// heuristics) need nothing the tokenizer, the prompts or the weights give, so a run on one GPU starts them
+// on a second thread while this one reads those; cuBLASLt keeps its choices for the whole process, so the
+// engine's own Gemm (section 10) then finds them made. The thread asks for every product a decode step of
+// each CUDA-graph batch size makes. Never when processes are still to be forked (--tp, -dp > 1): a process
+// must not fork once it has used CUDA. A mistake found meanwhile waits for the thread before it exits.
+static std::thread* g_gpu_warmup = nullptr;
+static void gpu_warmup_join() {
+  if (g_gpu_warmup && g_gpu_warmup->joinable() && g_gpu_warmup->get_id() != std::this_thread::get_id())
+    g_gpu_warmup->join();
+}
+static void gpu_warmup_start(const Config& config, const ModelConfig& mc) {
+  const int H = mc.hidden_size, D = mc.head_dim, I = mc.intermediate_size, V = mc.vocab_size;
+  const int NH = mc.num_attention_heads, NKV = mc.num_key_value_heads;
+  const std::vector<int> batch_sizes = graph_batch_sizes(config.max_num_seqs);
+  tok_die_before_exit = gpu_warmup_join;
+  g_gpu_warmup = new std::thread([=] {
+    if (cudaFree(nullptr) != cudaSuccess) {  // no usable GPU: check_gpus says so, on the main thread
+      cudaGetLastError();
+      return;
+    }
+    Gemm* gemm = new Gemm;  // a handle of its own, no workspace: plan() only chooses (kept: cheap)
+    if (cublasLtCreate(&gemm->handle) != CUBLAS_STATUS_SUCCESS) return;
+    for (int M : batch_sizes) {
+      gemm->plan(M, (NH + 2 * NKV) * D, H, CUDA_R_16BF);  // qkv
+      gemm->plan(M, H, NH * D, CUDA_R_16BF);              // o_proj
+      gemm->plan(M, 2 * I, H, CUDA_R_16BF);               // gate_up
+      gemm->plan(M, H, I, CUDA_R_16BF);                   // down
+      gemm->plan(M, V, H, CUDA_R_32F);                    // the LM head's fp32 logits
+    }
+  });
+}
+
 #ifndef NANOVLLM_TESTING
 int main(int argc, char** argv) {
   double t_start = now_seconds();
@@ -12350,6 +12385,7 @@ int main(int argc, char** argv) {
   validate_config(config, mc);
   validate_checkpoint(config.model, mc);
   const std::string sampling = sampling_defaults_for(cli, mc);
+  if (cli.data_parallel_size == 1 && config.tensor_parallel_size == 1) gpu_warmup_start(config, mc);
   Tokenizer tok = Tokenizer::load(config.model);
   if (tok.vocab_size() > mc.vocab_size)
     die("%s has %d tokens, but vocab_size in %s/config.json is %d: the tokenizer is not this model's",
@@ -12368,7 +12404,10 @@ int main(int argc, char** argv) {
   const ShardOut* sharded = cli.shard.on() ? &shard : nullptr;
   if (sharded) {
     requests = take_shard(cli, requests, shard);
-    if (requests.empty()) return finish_empty_shard(cli, shard);
+    if (requests.empty()) {
+      gpu_warmup_join();
+      return finish_empty_shard(cli, shard);
+    }
   }
   // 2. With --data-parallel-size N: N replicas, each an engine on its own GPUs (section 33); this process only
   //    hands out the requests and writes what comes back. It counts the GPUs in a child: it must not use
@@ -12412,6 +12451,7 @@ int main(int argc, char** argv) {
   check_gpus(tp);
   ModelRunner runner(config, mc);
   runner.engine_seed = (uint64_t)cli.seed;
+  gpu_warmup_join();  // (its choices are made by now; capture asks for them)
   runner.capture_cudagraphs();
   fputs(startup_line(runner, config, t_start).c_str(), stderr);
   fprintf(stderr, "nanovllm: optimizations (Part II): %s%s\n", optimizations_str(config.opt).c_str(),

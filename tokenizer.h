@@ -66,6 +66,9 @@ struct TokDieError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 static bool tok_die_throws = false;
+// Run before a refusal exits; empty: nothing. (The engine sets it while a thread of its own may be inside
+// CUDA's start-up: a process must not exit under that thread.)
+static void (*tok_die_before_exit)() = nullptr;
 
 [[noreturn]] static void tok_die(const char* fmt, ...) {
   va_list ap;
@@ -80,6 +83,7 @@ static bool tok_die_throws = false;
   vfprintf(stderr, fmt, ap);
   fprintf(stderr, "\n");
   va_end(ap);
+  if (tok_die_before_exit) tok_die_before_exit();
   exit(1);
 }
 
