@@ -91,7 +91,7 @@ for l in open(out):
 json.dump({"tolerance": json.load(open(ref))["tolerance"], "runs": {"dp": {"sequences": seqs, "prompt_lens": plens}}}, open(dst, "w"))
 PY
   python3 test/ref/hf_check_generation.py "$T/tf" >"$T/tf.txt" 2>&1
-  check "dp${DP}_greedy_passes_teacher_forcing" $? "$(grep -E 'FAIL|RESULT' "$T/tf.txt" | head -4)"
+  check "dp${DP}_greedy_passes_teacher_forcing" $? "$(grep -E 'FAIL|RESULT' "$T/tf.txt" | head -4; tail -n 5 "$T/tf.txt")"
 else
   echo "SKIPPED dp${DP}_greedy_passes_teacher_forcing: no $MODEL/gen_results.json (run gpu_e2e first) or no torch"
 fi
@@ -115,8 +115,13 @@ check "dp${DP}_failing_replica_ends_the_run" $? "rc=$rc, $(left) left; $(grep er
 for sig in TERM INT; do
   setsid "${RUN[@]}" "$T/long.jsonl" -dp "$DP" --output "$T/$sig.jsonl" >/dev/null 2>"$T/$sig.err" &
   pid=$!
-  for _ in $(seq 600); do grep -q '\[progress\]' "$T/$sig.err" && break; sleep 0.5; done
-  sleep 2
+  # Wait until the replicas run (the optimizations line comes when all are ready), or the run is over.
+  for _ in $(seq 600); do
+    grep -q 'optimizations (Part II)' "$T/$sig.err" && break
+    kill -0 $pid 2>/dev/null || break
+    sleep 0.2
+  done
+  sleep 0.5
   kill -$sig -- -$pid
   wait $pid
   rc=$?
