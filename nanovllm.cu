@@ -12369,6 +12369,46 @@ static void gpu_warmup_start(const Config& config, const ModelConfig& mc) {
   });
 }
 
+// --data-parallel-size N (-dp N): N replicas, each an engine on its own GPUs (section 33); this process only
+// hands out the requests and writes what comes back. It counts the GPUs in a child: it must not use CUDA
+// itself before it forks.
+static int run_data_parallel(Cli& cli, const ModelConfig& mc, const Tokenizer& tok, std::vector<Request>& requests,
+                             const std::string& sampling, double t_start, const ShardOut* sharded) {
+  Config& config = cli.config;
+  const int dp = cli.data_parallel_size, tp = config.tensor_parallel_size;
+  std::string why;
+  const int visible = count_gpus_in_child(why);
+  if (visible < dp * tp)
+    die("--data-parallel-size %d x --tensor-parallel-size %d needs %d GPUs, but %d %s visible%s%s", dp, tp, dp * tp,
+        visible, visible == 1 ? "is" : "are", why.empty() ? "" : ": ", why.c_str());
+  const std::vector<std::string> gpus = replica_gpus(dp, tp, visible);
+  fprintf(stderr, "nanovllm: data parallel | %d replicas of %d GPU%s each, GPUs %s\n", dp, tp, tp > 1 ? "s" : "",
+          [&] { std::string g; for (auto& s : gpus) g += (g.empty() ? "" : " | ") + s; return g; }().c_str());
+  fprintf(stderr, "nanovllm: sampling defaults: %s\n", sampling.c_str());
+  DPRun run = dp_run(dp, requests, gpus, !cli.trace, [&](ReplicaLink& link) {
+    tp_launch(tp);
+    replica_signals();  // (tp_launch installed rank 0's own)
+    check_gpus(tp);
+    ModelRunner runner(config, mc);
+    runner.engine_seed = (uint64_t)cli.seed;
+    runner.capture_cudagraphs();
+    LLMEngine engine(config, runner);
+    RunWatcher watcher;
+    watcher.progress = false, watcher.trace = cli.trace;
+    watcher.label = "[replica " + std::to_string(link.replica) + "] ";
+    engine.observer = &watcher;
+    engine.tok = &tok;
+    replica_serve(link, engine, watcher, requests, startup_line(runner, config, t_start),
+                  optimization_notes(runner), config.num_kvcache_blocks,
+                  [&](int rows) { return last_logits_xxh64(runner, rows); });
+    return tp_shutdown() ? 0 : 1;
+  }, [&](const DPRun& ready) {
+    fprintf(stderr, "nanovllm: optimizations (Part II): %s%s\n", optimizations_str(config.opt).c_str(),
+            ready.notes.c_str());
+  });
+  return finish_dp(cli, requests, run, gpus, tok, t_start, sharded);
+}
+
 #ifndef NANOVLLM_TESTING
 int main(int argc, char** argv) {
   double t_start = now_seconds();
@@ -12409,42 +12449,8 @@ int main(int argc, char** argv) {
       return finish_empty_shard(cli, shard);
     }
   }
-  // 2. With --data-parallel-size N: N replicas, each an engine on its own GPUs (section 33); this process only
-  //    hands out the requests and writes what comes back. It counts the GPUs in a child: it must not use
-  //    CUDA itself before it forks.
-  if (dp > 1) {
-    std::string why;
-    const int visible = count_gpus_in_child(why);
-    if (visible < dp * tp)
-      die("--data-parallel-size %d x --tensor-parallel-size %d needs %d GPUs, but %d %s visible%s%s", dp, tp, dp * tp,
-          visible, visible == 1 ? "is" : "are", why.empty() ? "" : ": ", why.c_str());
-    const std::vector<std::string> gpus = replica_gpus(dp, tp, visible);
-    fprintf(stderr, "nanovllm: data parallel | %d replicas of %d GPU%s each, GPUs %s\n", dp, tp, tp > 1 ? "s" : "",
-            [&] { std::string g; for (auto& s : gpus) g += (g.empty() ? "" : " | ") + s; return g; }().c_str());
-    fprintf(stderr, "nanovllm: sampling defaults: %s\n", sampling.c_str());
-    DPRun run = dp_run(dp, requests, gpus, !cli.trace, [&](ReplicaLink& link) {
-      tp_launch(tp);
-      replica_signals();  // (tp_launch installed rank 0's own)
-      check_gpus(tp);
-      ModelRunner runner(config, mc);
-      runner.engine_seed = (uint64_t)cli.seed;
-      runner.capture_cudagraphs();
-      LLMEngine engine(config, runner);
-      RunWatcher watcher;
-      watcher.progress = false, watcher.trace = cli.trace;
-      watcher.label = "[replica " + std::to_string(link.replica) + "] ";
-      engine.observer = &watcher;
-      engine.tok = &tok;
-      replica_serve(link, engine, watcher, requests, startup_line(runner, config, t_start),
-                    optimization_notes(runner), config.num_kvcache_blocks,
-                    [&](int rows) { return last_logits_xxh64(runner, rows); });
-      return tp_shutdown() ? 0 : 1;
-    }, [&](const DPRun& ready) {
-      fprintf(stderr, "nanovllm: optimizations (Part II): %s%s\n", optimizations_str(config.opt).c_str(),
-              ready.notes.c_str());
-    });
-    return finish_dp(cli, requests, run, gpus, tok, t_start, sharded);
-  }
+  // 2. With --data-parallel-size N: N replicas of what follows, each on its own GPUs.
+  if (dp > 1) return run_data_parallel(cli, mc, tok, requests, sampling, t_start, sharded);
   // 2. The GPU: weights, KV cache, CUDA graphs. Tensor-parallel workers are forked first: a child process
   //    cannot use CUDA once its parent has (section 33).
   tp_launch(tp);
