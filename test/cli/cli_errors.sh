@@ -236,7 +236,7 @@ refuse valid_fp8_f32_scales_sharded_reaches_gpu_check "$NOGPU" "$M" "$PT"
 M=$(model fp8keep --fp8 f32 --set 'quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128],
   "modules_to_not_convert": ["lm_head"]}')
 refuse valid_fp8_without_fmt_with_not_convert_reaches_gpu_check "$NOGPU" "$M" "$PT"
-refuse valid_fp8_tp2_split_reaches_gpu_check "needs 2 GPUs" \
+refuse valid_fp8_tp2_split_reaches_gpu_check "$NOGPU" \
   "$F" "$PT" --tp 2
 M=$(model gptq --set 'quantization_config={"quant_method": "gptq", "bits": 4}')
 refuse fp8_config_gptq "$M/config.json|quant_method \"gptq\" is not supported|\"fp8\"|BF16, F16, F32" "$M" "$PT"
