@@ -1184,8 +1184,8 @@ static std::vector<float> fp8_block_scales(const TensorView& s) {
 // The scales are indexed by the global row and column (r0 + i, c0 + j), so a slice that starts inside a
 // block (a tensor-parallel share whose edge is not a multiple of 128) takes the scales its weights were
 // quantized with: splitting before or after the dequantization gives the same bits.
-static void fp8_dequantize_reference(bf16* out, const uint8_t* w, const float* scale, int64_t scale_cols, int64_t r0,
-                               int64_t nr, int64_t c0, int64_t nc) {
+static void fp8_dequantize_reference(bf16* out, const uint8_t* w, const float* scale, int64_t scale_cols,
+                                     int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
   for (int64_t i = 0; i < nr; i++)
     for (int64_t j = 0; j < nc; j++) {
       const float s = scale[(r0 + i) / FP8_BLOCK * scale_cols + (c0 + j) / FP8_BLOCK];
@@ -9072,8 +9072,8 @@ static const int kLongestFirstRegistered = register_optimization(
 // ##########################################################################################################
 
 // ==== 30. Reading the configuration: config.json, flags and sampling fields ================================
-// defines: parse_quantization_config, parse_model_config, load_model_config, parse_optimizations, optimizations_str,
-//          parse_kv_cache_dtype, validate_config, validate_sampling
+// defines: parse_quantization_config, parse_model_config, load_model_config, parse_optimizations,
+//          optimizations_str, parse_kv_cache_dtype, validate_config, validate_sampling
 //
 // Section 2 says what each setting means; this section reads them from where a user writes them and
 // refuses what the engine cannot run, with a message that names the file, field or flag, what was expected
@@ -9125,7 +9125,8 @@ static void parse_quantization_config(const json& j, ModelConfig& c, const std::
   const char* p = path.c_str();
   if (!q.is_object()) die("%s: field \"quantization_config\" must be an object, found %s", p, q.dump().c_str());
   if (!q.contains("quant_method") || !q["quant_method"].is_string())
-    die("%s: quantization_config needs \"quant_method\" as a string; nanovllm reads \"fp8\" (Qwen/Qwen3-*-FP8)", p);
+    die("%s: quantization_config needs \"quant_method\" as a string; nanovllm reads \"fp8\" "
+        "(Qwen/Qwen3-*-FP8)", p);
   const std::string method = q["quant_method"];
   if (method != "fp8")
     die("%s: quantization_config.quant_method \"%s\" is not supported; nanovllm reads unquantized checkpoints "
@@ -9135,7 +9136,8 @@ static void parse_quantization_config(const json& j, ModelConfig& c, const std::
         q["fmt"].dump().c_str());
   if (q.contains("activation_scheme") && q["activation_scheme"] != "dynamic")
     die("%s: quantization_config.activation_scheme %s is not supported; nanovllm reads \"dynamic\" checkpoints "
-        "(a static one stores per-tensor activation scales, input_scale)", p, q["activation_scheme"].dump().c_str());
+        "(a static one stores per-tensor activation scales, input_scale)", p,
+        q["activation_scheme"].dump().c_str());
   if (!q.contains("weight_block_size"))
     die("%s: quantization_config has no \"weight_block_size\": a per-tensor FP8 checkpoint (one weight_scale per "
         "tensor) is not supported; nanovllm reads block-scaled ones with weight_block_size [128, 128]", p);
@@ -12574,7 +12576,8 @@ static std::string startup_line(ModelRunner& runner, const Config& config, doubl
            "tokens = %lld tokens, %.2f GiB | %zu CUDA graphs in %.2f s | ready after %.2f s\n",
            g_process_label[0] ? (std::string(g_process_label) + ": ").c_str() : "", gpus.c_str(),
            runner.model.w.bytes / 1e9, tp > 1 ? " per GPU" : "",
-           runner.model.cfg.fp8_weights ? " (bf16, dequantized from FP8)" : "", runner.load_seconds, runner.load_gbps,
+           runner.model.cfg.fp8_weights ? " (bf16, dequantized from FP8)" : "", runner.load_seconds,
+           runner.load_gbps,
            config.kv_cache_dtype.c_str(), config.num_kvcache_blocks, config.kvcache_block_size,
            (long long)config.num_kvcache_blocks * config.kvcache_block_size,
            runner.model.kv.bytes / (double)(1 << 30), runner.graphs.size(), runner.capture_seconds,
