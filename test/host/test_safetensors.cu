@@ -108,6 +108,44 @@ TEST(safetensors_sharded_index) {
   }
 }
 
+// An FP8 checkpoint's tensors (Qwen/Qwen3-*-FP8): F8_E4M3 weights take one byte per element, their block
+// scales BF16 or F32; odd shapes need no padding.
+TEST(safetensors_fp8_weights_and_scales) {
+  std::string h = R"({"w":{"dtype":"F8_E4M3","shape":[3,131],"data_offsets":[0,393]},)"
+                  R"("s16":{"dtype":"BF16","shape":[1,2],"data_offsets":[393,397]},)"
+                  R"("s32":{"dtype":"F32","shape":[1,2],"data_offsets":[397,405]},)"
+                  R"("e":{"dtype":"F8_E4M3","shape":[0,7],"data_offsets":[405,405]}})";
+  SafeTensors st = SafeTensors::open_file(write_st("fp8.safetensors", h, 405));
+  const TensorView* w = st.find("w");
+  CHECK(w && w->dtype == DType::F8_E4M3 && w->nbytes == 393 && w->numel() == 393);
+  CHECK(w && ((const uint8_t*)w->data)[392] == (uint8_t)(392 * 31 + 7));  // the last byte is its own
+  CHECK_EQ(dtype_size(DType::F8_E4M3), 1);
+  CHECK_EQ(std::string(dtype_name(DType::F8_E4M3)), std::string("F8_E4M3"));
+  CHECK(st.find("s16") && st.find("s16")->dtype == DType::BF16 && st.find("s16")->nbytes == 4);
+  CHECK(st.find("s32") && st.find("s32")->dtype == DType::F32 && st.find("s32")->nbytes == 8);
+  CHECK(st.find("e") && st.find("e")->nbytes == 0);
+  CHECK_EQ(st.total_bytes(), (size_t)405);
+}
+
+TEST(safetensors_fp8_broken_files) {
+  // Sized as if two bytes an element: the span check counts one.
+  expect_error(write_st("fp8span.safetensors", R"({"w":{"dtype":"F8_E4M3","shape":[3,131],"data_offsets":[0,786]}})",
+                        786),
+               {"'w'", "[3, 131] of F8_E4M3 needs 393 bytes", "span 786"});
+  // The download stopped inside the weight.
+  expect_error(write_st("fp8cut.safetensors", R"({"w":{"dtype":"F8_E4M3","shape":[3,131],"data_offsets":[0,393]}})",
+                        200),
+               {"'w'", "[0, 393] run past the data section of 200 bytes", "truncated"});
+  // A weight and its scales overlapping.
+  expect_error(write_st("fp8overlap.safetensors",
+                        R"({"w":{"dtype":"F8_E4M3","shape":[2,2],"data_offsets":[0,4]},)"
+                        R"("s":{"dtype":"F32","shape":[1,1],"data_offsets":[2,6]}})",
+                        6),
+               {"overlap", "'w'", "'s'"});
+  expect_error(write_st("fp8e3.safetensors", R"({"w":{"dtype":"F8_E3M4","shape":[1],"data_offsets":[0,1]}})", 1),
+               {"'w'", "unknown dtype \"F8_E3M4\""});
+}
+
 // A config.json for a valid tiny Qwen3, as transformers 5 writes it (rope_theta inside rope_parameters).
 static std::string qwen3_config(const std::string& extra = "") {
   return R"({"architectures":["Qwen3ForCausalLM"],"hidden_size":256,"intermediate_size":512,)"
