@@ -296,7 +296,7 @@ static uint64_t splitmix64(uint64_t x) {
 }
 
 // ==== 2. Config: the model, the engine's settings, sampling parameters, the optimization switch ============
-// defines: HEAD_DIM, FP8_BLOCK, ModelConfig, Optimization, register_optimization, OptimizationSet,
+// defines: HEAD_DIM, ModelConfig, Optimization, register_optimization, OptimizationSet,
 //          default_optimizations, KVCacheFormat, register_kv_cache_format, kv_cache_value_bytes, Config,
 //          TPShard, tp_shard, SamplingParams, MAX_LOGPROBS, TokenLogprobs
 //
@@ -308,7 +308,6 @@ static uint64_t splitmix64(uint64_t x) {
 // fields) is Part III's job (section 30).
 
 constexpr int HEAD_DIM = 128;  // D: every Qwen3 dense model uses 128, and the attention kernels are built for it
-constexpr int FP8_BLOCK = 128; // an FP8 checkpoint's weights share one scale per FP8_BLOCK x FP8_BLOCK block
 
 struct ModelConfig {
   int hidden_size = 0;              // H
@@ -323,10 +322,6 @@ struct ModelConfig {
   float rope_theta = 1e6f;
   bool tie_word_embeddings = false;
   std::string dtype = "bfloat16";   // the checkpoint's dtype (weights are converted to bf16 at load)
-  // An FP8 checkpoint (Qwen/Qwen3-*-FP8: config.json's quantization_config, quant_method "fp8"): the layers'
-  // linear projections are stored as e4m3 with one scale per 128 x 128 block (section 6a reads them).
-  bool fp8_weights = false;
-  std::vector<std::string> fp8_not_converted;  // modules_to_not_convert: linears the checkpoint keeps in bf16
   std::vector<int> eos_token_ids;   // generation_config.json eos_token_id (int or list), else config.json's
   json generation_config;           // generation_config.json (null without one): sampling defaults (section 31)
 };
@@ -1030,9 +1025,8 @@ std::vector<Sequence*> Scheduler::schedule_mixed(bool& is_prefill) {
 }
 
 // ==== 6. The Qwen3 model: weights, the KV cache, the forward pass ==========================================
-// defines: LayerWeights, Weights, bf16_round, e4m3_to_float, fp8_dequantize_reference, fp8_dequantize,
-//          fp8_block_scales, load_weights, validate_checkpoint, KVLayer, KVCache, kv_block_bytes,
-//          Activations, StepInputs, Qwen3 (forward)
+// defines: LayerWeights, Weights, bf16_round, load_weights, validate_checkpoint, KVLayer, KVCache,
+//          kv_block_bytes, Activations, StepInputs, Qwen3 (forward)
 //
 // Everything the GPU holds for one model, and the one function that runs it: 6a loads the weights, 6b lays
 // out the KV cache, 6c is the forward pass (nano-vllm: models/qwen3.py and layers/). The kernels it calls
@@ -1052,7 +1046,7 @@ std::vector<Sequence*> Scheduler::schedule_mixed(bool& is_prefill) {
 //   column-parallel (qkv, gate_up): each rank takes its rows: its q heads, its k/v heads, its I/tp slice;
 //   row-parallel (o_proj, down): each rank takes its columns; the partial products are summed by all-reduce;
 //   vocab-parallel (embed_tokens, lm_head): each rank takes V/tp rows.
-// fp16 and fp32 checkpoints are converted to bf16 on the way in, and FP8 ones are dequantized to bf16 (below).
+// fp16 and fp32 checkpoints are converted to bf16 on the way in.
 
 struct LayerWeights {
   bf16* input_layernorm;           // [H]
@@ -1105,135 +1099,20 @@ static float half_bits_to_float(uint16_t h) {
   return f;
 }
 
-// ---- FP8 checkpoints, read plainly ------------------------------------------------------------------------
-// Qwen publishes each dense Qwen3 also as Qwen/Qwen3-*-FP8. Its config.json says quantization_config =
-// {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-// (section 30 checks it), and each linear projection of a layer (q, k, v, o, gate, up, down) is stored as
-//   X.weight            F8_E4M3        [out, in]                            one byte per weight
-//   X.weight_scale_inv  BF16 or F32    [ceil(out/128), ceil(in/128)]        one multiplier per 128 x 128 block
-// with W[r][c] ~= e4m3(X.weight[r][c]) * X.weight_scale_inv[r / 128][c / 128]: the quantizer took each
-// block's largest |W|, divided the block by amax / 448 (448 is e4m3's largest value), rounded it to e4m3,
-// and stored amax / 448 as the block's multiplier. When out or in is not a multiple of 128 the last row or
-// column of blocks is partial. The embedding, the norms and lm_head stay bf16, as does any linear that
-// modules_to_not_convert names. (Relied on: the published config.json and safetensors headers, and
-// transformers' finegrained_fp8 integration, which reads the same names.)
-//
-// Part I reads such a checkpoint plainly: while loading, each weight becomes bf16,
-//   W = bf16(e4m3_value * scale)     the product in fp32, then rounded to bf16 (ties to even)
-// as transformers' Fp8Dequantize computes it. With a bf16 scale the fp32 product is exact (4 + 8 significant
-// bits), so the rounding to bf16 is the only one. After loading, the engine is the bf16 engine: the same
-// memory and speed as the bf16 checkpoint, on weights exactly as the FP8 file stores them.
-//
-// e4m3 (PyTorch's float8_e4m3fn): a sign bit, 4 exponent bits (bias 7) and 3 mantissa bits; no infinities.
-//   exponent field e = 1..15:  +-(1 + m/8) * 2^(e-7)      (e = 15 with m = 7 is NaN: bytes 0x7F and 0xFF)
-//   exponent field e = 0:      +-(m/8) * 2^-6              subnormals, and +-0
-// so the largest value is 1.75 * 2^8 = 448. A quantizer clamps to +-448, so a weight byte 0x7F or 0xFF means
-// a damaged file: the loader refuses it (e4m3_nan_at).
-
-// An e4m3 byte's value. Every e4m3 value is a float, so this is exact; the same function runs on the host
-// (CPU references) and in the kernel.
-__host__ __device__ inline float e4m3_to_float(uint8_t b) {
-  const uint32_t sign = (uint32_t)(b & 0x80) << 24, e = (b >> 3) & 15, m = b & 7;
-  if (e == 0) {  // subnormal or zero: m * 2^-9, exact
-    const float f = (float)m * 0.001953125f;
-    return sign ? -f : f;
-  }
-  // (1 + m/8) * 2^(e-7) as a float: the same mantissa bits at the top of the field, exponent e - 7 + 127.
-  const uint32_t u = e == 15 && m == 7 ? 0x7fc00000u | sign : sign | ((e + 120) << 23) | (m << 20);
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-// The index of the first e4m3 NaN byte (0x7F or 0xFF) among n, or -1 when there is none.
-static int64_t e4m3_nan_at(const uint8_t* p, int64_t n) {
-  bool any = false;
-  for (int64_t i = 0; i < n; i++) any |= (p[i] & 0x7f) == 0x7f;  // one pass the compiler vectorizes
-  if (any)
-    for (int64_t i = 0; i < n; i++)
-      if ((p[i] & 0x7f) == 0x7f) return i;
-  return -1;
-}
-
-// A weight_scale_inv tensor as fp32, row-major [ceil(out/128), ceil(in/128)]. A NaN or infinite scale would
-// make its whole block NaN: a damaged checkpoint, refused with the tensor's name and the block.
-static std::vector<float> fp8_block_scales(const TensorView& s) {
-  std::vector<float> out(s.numel());
-  const int64_t cols = s.shape.size() == 2 ? s.shape[1] : 1;
-  for (size_t i = 0; i < out.size(); i++) {
-    if (s.dtype == DType::BF16) {
-      uint16_t b;
-      memcpy(&b, (const uint8_t*)s.data + 2 * i, 2);
-      out[i] = bf16_bits_to_float(b);
-    } else {
-      memcpy(&out[i], (const uint8_t*)s.data + 4 * i, 4);
-    }
-    if (!std::isfinite(out[i]))
-      die("tensor '%s' in %s holds %g for block [%lld, %lld] (rows %lld.., columns %lld..); the block scales "
-          "of an FP8 weight must be finite numbers: the checkpoint is damaged", s.name.c_str(), s.file.c_str(),
-          out[i], (long long)(i / cols), (long long)(i % cols), (long long)(i / cols * FP8_BLOCK),
-          (long long)(i % cols * FP8_BLOCK));
-  }
-  return out;
-}
-
-// What fp8_dequantize_kernel computes, on the CPU: rows [r0, r0+nr) and columns [c0, c0+nc) of an FP8
-// weight [out, in], as bf16.
-//   out    [nr, nc]  bf16                        w  [nr, nc]  the slice's e4m3 bytes
-//   scale  [ceil(out/128), ceil(in/128)]  fp32   the whole tensor's block scales; scale_cols = ceil(in/128)
-// The scales are indexed by the global row and column (r0 + i, c0 + j), so a slice that starts inside a
-// block (a tensor-parallel share whose edge is not a multiple of 128) takes the scales its weights were
-// quantized with: splitting before or after the dequantization gives the same bits.
-static void fp8_dequantize_reference(bf16* out, const uint8_t* w, const float* scale, int64_t scale_cols,
-                                     int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
-  for (int64_t i = 0; i < nr; i++)
-    for (int64_t j = 0; j < nc; j++) {
-      const float s = scale[(r0 + i) / FP8_BLOCK * scale_cols + (c0 + j) / FP8_BLOCK];
-      out[i * nc + j] = __float2bfloat16(e4m3_to_float(w[i * nc + j]) * s);
-    }
-}
-
-// out[i][j] = bf16(e4m3(w[i][j]) * scale[(r0 + i) / 128][(c0 + j) / 128]), the CPU reference above.
-// One thread per element: thread t owns element t of the [nr, nc] slice (row t / nc, column t % nc). It runs
-// once per weight, at load time, so the simplest kernel does.
-__global__ void fp8_dequantize_kernel(bf16* out, const uint8_t* w, const float* scale, int64_t scale_cols,
-                                      int64_t r0, int64_t c0, int64_t nr, int64_t nc) {
-  const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (t >= nr * nc) return;
-  const int64_t i = t / nc, j = t % nc;
-  const float s = scale[(r0 + i) / FP8_BLOCK * scale_cols + (c0 + j) / FP8_BLOCK];
-  out[t] = __float2bfloat16(e4m3_to_float(w[t]) * s);
-}
-static void fp8_dequantize(bf16* out, const uint8_t* w, const float* scale, int64_t scale_cols, int64_t r0,
-                           int64_t nr, int64_t c0, int64_t nc, cudaStream_t stream) {
-  INTERNAL_CHECK(nr >= 0 && nc >= 0 && r0 >= 0 && c0 >= 0 && scale_cols >= cdiv(c0 + nc, FP8_BLOCK),
-                 "fp8_dequantize: rows %lld+%lld, columns %lld+%lld, %lld scale columns", (long long)r0,
-                 (long long)nr, (long long)c0, (long long)nc, (long long)scale_cols);
-  const int64_t n = nr * nc, threads = 256;
-  if (n == 0) return;
-  fp8_dequantize_kernel<<<(unsigned)cdiv(n, threads), threads, 0, stream>>>(out, w, scale, scale_cols, r0, c0,
-                                                                            nr, nc);
-  CUDA_CHECK(cudaGetLastError());
-}
-
 // Copies tensor slices into the GPU arena through two pinned staging buffers, so the CPU fills one while the
 // GPU copy engine drains the other. A slice is rows [r0, r0+nr) and columns [c0, c0+nc) of a 2-D tensor
-// (1-D tensors are one row). An FP8 weight's slice and its scales go to a scratch buffer on the GPU, and
-// fp8_dequantize writes the bf16 weights into the arena from there.
+// (1-D tensors are one row).
 struct WeightLoader {
   const SafeTensors& st;
   const ModelConfig& cfg;
   cudaStream_t stream;
   static constexpr size_t kStage = 64 << 20;
-  uint8_t* stage[2] = {nullptr, nullptr};
+  uint16_t* stage[2] = {nullptr, nullptr};
   cudaEvent_t done[2];
   int cur = 0;
-  size_t fill = 0;              // bytes in stage[cur]
-  uint8_t* fill_dst = nullptr;  // the GPU address stage[cur]'s contents go to (contiguous)
+  size_t fill = 0;       // bytes in stage[cur]
+  bf16* fill_dst = nullptr;  // where stage[cur]'s contents go (contiguous)
   size_t bytes_read = 0;
-  uint8_t* fp8_w = nullptr;     // [nr, nc] e4m3: the FP8 slice being dequantized (grown as needed)
-  float* fp8_scale = nullptr;   // [ceil(out/128), ceil(in/128)] its tensor's block scales
-  size_t fp8_w_cap = 0, fp8_scale_cap = 0;
 
   WeightLoader(const SafeTensors& s, const ModelConfig& c, cudaStream_t st_) : st(s), cfg(c), stream(st_) {
     for (int i = 0; i < 2; i++) {
@@ -1248,9 +1127,6 @@ struct WeightLoader {
       cudaFreeHost(stage[i]);
       cudaEventDestroy(done[i]);
     }
-    cudaStreamSynchronize(stream);
-    cudaFree(fp8_w);
-    cudaFree(fp8_scale);
   }
   void flush() {
     if (!fill) return;
@@ -1260,17 +1136,6 @@ struct WeightLoader {
     CUDA_CHECK(cudaEventSynchronize(done[cur]));  // the other buffer is free again
     fill = 0;
   }
-  // Room in the staging buffer for up to `want` bytes bound for GPU address `dst`, in whole units of `unit`
-  // bytes (the element size). What is staged goes first unless `dst` continues it. Returns where to write
-  // and sets *got (at least one unit).
-  uint8_t* stage_for(void* dst, size_t want, size_t unit, size_t* got) {
-    if (fill + unit > kStage || fill % unit || (fill && fill_dst + fill != (uint8_t*)dst)) flush();
-    if (!fill) fill_dst = (uint8_t*)dst;
-    *got = std::min(want, (kStage - fill) / unit * unit);
-    uint8_t* p = stage[cur] + fill;
-    fill += *got;
-    return p;
-  }
   // Append rows [r0, r0+nr) x cols [c0, c0+nc) of `t` (converted to bf16) at `dst`, contiguously.
   void load(bf16* dst, const TensorView& t, int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
     int64_t cols = t.shape.size() == 2 ? t.shape[1] : t.numel();
@@ -1279,85 +1144,31 @@ struct WeightLoader {
     for (int64_t r = r0; r < r0 + nr; r++) {
       int64_t c = c0;
       while (c < c0 + nc) {
-        size_t got;
-        uint16_t* out = (uint16_t*)stage_for(dst, (c0 + nc - c) * 2, 2, &got);
-        const int64_t n = got / 2;
+        if (fill == kStage || (fill && fill_dst + fill / 2 != dst)) flush();
+        if (!fill) fill_dst = dst;
+        int64_t n = std::min<int64_t>(c0 + nc - c, (kStage - fill) / 2);
         const uint8_t* src = base + (r * cols + c) * esize;
+        uint16_t* out = stage[cur] + fill / 2;
         if (t.dtype == DType::BF16) memcpy(out, src, n * 2);
         else if (t.dtype == DType::F16)
           for (int64_t i = 0; i < n; i++) out[i] = float_to_bf16_bits(half_bits_to_float(((const uint16_t*)src)[i]));
         else
           for (int64_t i = 0; i < n; i++) out[i] = float_to_bf16_bits(((const float*)src)[i]);
+        fill += n * 2;
         dst += n;
         c += n;
         bytes_read += n * esize;
       }
     }
   }
-  // The same slice of an FP8 weight `w` with its block scales `scale` (checkpoint_tensors' pair), dequantized
-  // to bf16 at `dst`: the slice's bytes and every scale of the tensor go to the scratch buffers, then
-  // fp8_dequantize runs on the stream after them.
-  void load_fp8(bf16* dst, const TensorView& w, const TensorView& scale, int64_t r0, int64_t nr, int64_t c0,
-                int64_t nc) {
-    const std::vector<float> s = fp8_block_scales(scale);  // refuses NaN and infinite scales
-    auto grow = [&](auto** buf, size_t* cap, size_t bytes) {
-      if (bytes <= *cap) return;
-      CUDA_CHECK(cudaStreamSynchronize(stream));  // an earlier dequantization may still read it
-      CUDA_CHECK(cudaFree(*buf));
-      CUDA_CHECK(cudaMalloc((void**)buf, bytes));
-      *cap = bytes;
-    };
-    grow(&fp8_w, &fp8_w_cap, nr * nc);
-    grow(&fp8_scale, &fp8_scale_cap, s.size() * sizeof(float));
-    for (size_t i = 0; i < s.size();) {
-      size_t got;
-      uint8_t* p = stage_for(fp8_scale + i, (s.size() - i) * 4, 4, &got);
-      memcpy(p, s.data() + i, got);
-      i += got / 4;
-    }
-    bytes_read += scale.nbytes;
-    const int64_t cols = w.shape[1];
-    for (int64_t r = r0; r < r0 + nr; r++) {
-      const uint8_t* row = (const uint8_t*)w.data + r * cols;
-      const int64_t bad = e4m3_nan_at(row + c0, nc);
-      if (bad >= 0)
-        die("tensor '%s' in %s holds the e4m3 NaN byte 0x%02x at [%lld, %lld]; an FP8 weight must be a number "
-            "(a quantizer clamps to +-448): the checkpoint is damaged", w.name.c_str(), w.file.c_str(),
-            row[c0 + bad], (long long)r, (long long)(c0 + bad));
-      for (int64_t c = c0; c < c0 + nc;) {
-        size_t got;
-        uint8_t* p = stage_for(fp8_w + (r - r0) * nc + (c - c0), c0 + nc - c, 1, &got);
-        memcpy(p, row + c, got);
-        c += got;
-      }
-      bytes_read += nc;
-    }
-    flush();  // the scratch buffers' bytes are queued on the stream before the kernel that reads them
-    fp8_dequantize(dst, fp8_w, fp8_scale, scale.shape[1], r0, nr, c0, nc, stream);
-  }
 };
 
 // Every tensor the config needs, with its full (unsliced) shape: the one list that both the check before
-// any GPU work (validate_checkpoint) and load_weights go by. In an FP8 checkpoint each quantized linear's
-// weight is followed by its block scales.
-enum class Stored { plain, fp8_weight, fp8_scales };  // BF16/F16/F32; F8_E4M3; BF16/F32 block scales
+// any GPU work (validate_checkpoint) and load_weights go by.
 struct TensorSpec {
   std::string name;
   std::vector<int64_t> shape;
-  Stored stored = Stored::plain;
 };
-
-// Whether modules_to_not_convert keeps `module` ("model.layers.3.mlp.down_proj") in bf16: an entry that
-// starts or ends its name ("model.layers.3.", "down_proj", the whole name), as transformers matches a plain
-// entry (section 30 refuses entries written as patterns).
-static bool fp8_kept_bf16(const ModelConfig& c, const std::string& module) {
-  for (const std::string& e : c.fp8_not_converted)
-    if (module.compare(0, e.size(), e) == 0 ||
-        (module.size() >= e.size() && module.compare(module.size() - e.size(), e.size(), e) == 0))
-      return true;
-  return false;
-}
-
 static std::vector<TensorSpec> checkpoint_tensors(const ModelConfig& c) {
   const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim, V = c.vocab_size;
   const int64_t NH = c.num_attention_heads, NKV = c.num_key_value_heads;
@@ -1375,14 +1186,8 @@ static std::vector<TensorSpec> checkpoint_tensors(const ModelConfig& c) {
                                                        {"self_attn.o_proj.weight", {H, NH * D}},
                                                        {"mlp.gate_proj.weight", {I, H}},
                                                        {"mlp.up_proj.weight", {I, H}},
-                                                       {"mlp.down_proj.weight", {H, I}}}) {
-      const std::string name = pre + t.name, module = name.substr(0, name.size() - 7);  // less ".weight"
-      const bool fp8 = c.fp8_weights && t.shape.size() == 2 && !fp8_kept_bf16(c, module);
-      specs.push_back({name, t.shape, fp8 ? Stored::fp8_weight : Stored::plain});
-      if (fp8)
-        specs.push_back({name + "_scale_inv", {cdiv(t.shape[0], FP8_BLOCK), cdiv(t.shape[1], FP8_BLOCK)},
-                         Stored::fp8_scales});
-    }
+                                                       {"mlp.down_proj.weight", {H, I}}})
+      specs.push_back({pre + t.name, t.shape});
   }
   return specs;
 }
@@ -1391,34 +1196,18 @@ static std::vector<TensorSpec> checkpoint_tensors(const ModelConfig& c) {
 static const TensorView& checked_tensor(const SafeTensors& st, const TensorSpec& spec,
                                         const std::string& dir) {
   const TensorView* t = st.find(spec.name);
-  if (!t && spec.stored == Stored::fp8_scales)
-    die("the checkpoint in %s has no tensor '%s': the F8_E4M3 weight '%s' needs its block scales (config.json's "
-        "quantization_config says fp8 with 128 x 128 blocks)", dir.c_str(), spec.name.c_str(),
-        spec.name.substr(0, spec.name.size() - 10).c_str());
   if (!t)
     die("the checkpoint in %s has no tensor '%s' (config.json needs it: is this a Qwen3 checkpoint?)",
         dir.c_str(), spec.name.c_str());
   if (t->shape != spec.shape) {
     TensorView want;
     want.shape = spec.shape;
-    die("tensor '%s' in %s has shape %s, but config.json implies %s%s", spec.name.c_str(), t->file.c_str(),
-        t->shape_str().c_str(), want.shape_str().c_str(),
-        spec.stored == Stored::fp8_scales ? " (one scale per 128 x 128 block of the weight, rounded up)" : "");
+    die("tensor '%s' in %s has shape %s, but config.json implies %s", spec.name.c_str(), t->file.c_str(),
+        t->shape_str().c_str(), want.shape_str().c_str());
   }
-  const DType d = t->dtype;
-  if (spec.stored == Stored::fp8_weight && d != DType::F8_E4M3)
-    die("tensor '%s' in %s has dtype %s; config.json's quantization_config (quant_method fp8) makes the layers' "
-        "linear weights F8_E4M3 unless modules_to_not_convert names them", spec.name.c_str(), t->file.c_str(),
-        dtype_name(d));
-  if (spec.stored == Stored::fp8_scales && d != DType::BF16 && d != DType::F32)
-    die("tensor '%s' in %s has dtype %s; block scales are BF16 or F32", spec.name.c_str(), t->file.c_str(),
-        dtype_name(d));
-  if (spec.stored == Stored::plain && d != DType::BF16 && d != DType::F16 && d != DType::F32)
-    die("tensor '%s' in %s has dtype %s; nanovllm loads BF16, F16 or F32 checkpoints%s", spec.name.c_str(),
-        t->file.c_str(), dtype_name(d),
-        d == DType::F8_E4M3 ? ", and F8_E4M3 only for the layers' linear weights of a checkpoint whose "
-                              "config.json has quantization_config with quant_method fp8"
-                            : "");
+  if (t->dtype != DType::BF16 && t->dtype != DType::F16 && t->dtype != DType::F32)
+    die("tensor '%s' in %s has dtype %s; nanovllm loads BF16, F16 or F32 checkpoints", spec.name.c_str(),
+        t->file.c_str(), dtype_name(t->dtype));
   return *t;
 }
 
@@ -1431,8 +1220,7 @@ static SafeTensors open_checkpoint(const std::string& dir) {
 }
 
 // Before any GPU work: open every shard (headers, sizes, offsets) and check every tensor the config needs,
-// so a broken download is reported in a second rather than after CUDA start-up. Reads no weight bytes (so
-// an FP8 checkpoint's NaN scales or weights are found while loading: fp8_block_scales, e4m3_nan_at).
+// so a broken download is reported in a second rather than after CUDA start-up. Reads no weight bytes.
 static void validate_checkpoint(const std::string& dir, const ModelConfig& c) {
   SafeTensors st = open_checkpoint(dir);
   // Before listing 11 tensors per layer: a config that claims millions of layers gets a message, not an OOM.
@@ -1473,14 +1261,6 @@ static Weights load_weights(const std::string& dir, const ModelConfig& c, int ra
   bf16* p = (bf16*)w.arena;
   auto take = [&](int64_t n) { bf16* r = p; p += n; return r; };
   WeightLoader ld(st, c, stream);
-  // A linear projection's slice: converted to bf16, or dequantized from FP8 with its block scales (indexed
-  // by the global row and column, so a tensor-parallel split need not fall on a 128 boundary).
-  auto load_linear = [&](bf16* dst, const std::string& name, int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
-    if (spec.at(name).stored == Stored::fp8_weight)
-      ld.load_fp8(dst, get(name), get(name + "_scale_inv"), r0, nr, c0, nc);
-    else
-      ld.load(dst, get(name), r0, nr, c0, nc);
-  };
   // Vocab-parallel rows; the last rank's slice may run past V (zero-filled, never selected).
   auto load_vocab = [&](bf16* dst, const TensorView& t) {
     if (shard.vocab_rows < V) CUDA_CHECK(cudaMemsetAsync(dst, 0, V * H * sizeof(bf16), stream));
@@ -1504,20 +1284,20 @@ static Weights load_weights(const std::string& dir, const ModelConfig& c, int ra
     ld.load(lw.post_attention_layernorm, get(pre + "post_attention_layernorm.weight"), 0, 1, 0, H);
     lw.qkv_proj = take(qkv_rows * H);
     const int64_t q0 = shard.q_head0 * D, kv0 = shard.kv_head0 * D;  // first row (or column) of this rank
-    load_linear(lw.qkv_proj, pre + "self_attn.q_proj.weight", q0, NH * D, 0, H);
-    load_linear(lw.qkv_proj + NH * D * H, pre + "self_attn.k_proj.weight", kv0, NKV * D, 0, H);
-    load_linear(lw.qkv_proj + (NH + NKV) * D * H, pre + "self_attn.v_proj.weight", kv0, NKV * D, 0, H);
+    ld.load(lw.qkv_proj, get(pre + "self_attn.q_proj.weight"), q0, NH * D, 0, H);
+    ld.load(lw.qkv_proj + NH * D * H, get(pre + "self_attn.k_proj.weight"), kv0, NKV * D, 0, H);
+    ld.load(lw.qkv_proj + (NH + NKV) * D * H, get(pre + "self_attn.v_proj.weight"), kv0, NKV * D, 0, H);
     lw.q_norm = take(D);
     ld.load(lw.q_norm, get(pre + "self_attn.q_norm.weight"), 0, 1, 0, D);
     lw.k_norm = take(D);
     ld.load(lw.k_norm, get(pre + "self_attn.k_norm.weight"), 0, 1, 0, D);
     lw.o_proj = take(H * NH * D);
-    load_linear(lw.o_proj, pre + "self_attn.o_proj.weight", 0, H, q0, NH * D);
+    ld.load(lw.o_proj, get(pre + "self_attn.o_proj.weight"), 0, H, q0, NH * D);
     lw.gate_up_proj = take(2 * I * H);
-    load_linear(lw.gate_up_proj, pre + "mlp.gate_proj.weight", shard.inter0, I, 0, H);
-    load_linear(lw.gate_up_proj + I * H, pre + "mlp.up_proj.weight", shard.inter0, I, 0, H);
+    ld.load(lw.gate_up_proj, get(pre + "mlp.gate_proj.weight"), shard.inter0, I, 0, H);
+    ld.load(lw.gate_up_proj + I * H, get(pre + "mlp.up_proj.weight"), shard.inter0, I, 0, H);
     lw.down_proj = take(H * I);
-    load_linear(lw.down_proj, pre + "mlp.down_proj.weight", 0, H, shard.inter0, I);
+    ld.load(lw.down_proj, get(pre + "mlp.down_proj.weight"), 0, H, shard.inter0, I);
     w.layers.push_back(lw);
   }
   ld.flush();
@@ -3710,8 +3490,6 @@ static std::string model_config_to_json(const ModelConfig& m) {
             {"rope_theta", m.rope_theta},
             {"tie_word_embeddings", m.tie_word_embeddings},
             {"dtype", m.dtype},
-            {"fp8_weights", m.fp8_weights},
-            {"fp8_not_converted", m.fp8_not_converted},
             {"eos_token_ids", m.eos_token_ids},
             {"generation_config", m.generation_config}};
   return j.dump();
@@ -3725,7 +3503,6 @@ static ModelConfig model_config_from_json(const std::string& text) {
   m.max_position_embeddings = j["max_position_embeddings"];
   m.rms_norm_eps = j["rms_norm_eps"], m.rope_theta = j["rope_theta"];
   m.tie_word_embeddings = j["tie_word_embeddings"], m.dtype = j["dtype"];
-  m.fp8_weights = j["fp8_weights"], m.fp8_not_converted = j["fp8_not_converted"].get<std::vector<std::string>>();
   m.eos_token_ids = j["eos_token_ids"].get<std::vector<int>>();
   m.generation_config = j["generation_config"];
   return m;
@@ -8266,7 +8043,7 @@ static const int kPersistentRegistered = register_optimization(
 
 // ==== 28. An FP8 KV cache, 1: the format, its scales, the store and prefill's tiles ========================
 // defines: fp8e4m3, KVScales, KVLayerFp8, bf16x8_to_fp8x8, fp8x8_to_half8, half8_to_fp8x8, KVFp8,
-//          e4m3_from_float, kv_scale_for, kv_scales_from_weights, KVStoreFp8, qk_norm_rope_fp8
+//          e4m3_from_float, e4m3_to_float, kv_scale_for, kv_scales_from_weights, KVStoreFp8, qk_norm_rope_fp8
 //          (section 29: decode, the stages, --kv-cache-dtype fp8)
 //
 // Replaces: the bf16 KV cache of sections 6b-8, when --kv-cache-dtype fp8 asks (vLLM's flag; the default,
@@ -8506,8 +8283,7 @@ struct KVFp8 {
 };
 
 // What the kernels compute, on the CPU: e4m3 rounding (to nearest, ties to even, saturating at +-448; NaN
-// stays NaN), written from the format's definition rather than from cuda_fp8.h. Its inverse is section 6a's
-// e4m3_to_float.
+// stays NaN) and its inverse, written from the format's definition rather than from cuda_fp8.h.
 static uint8_t e4m3_from_float(float x) {
   if (std::isnan(x)) return 0x7f;
   const uint8_t sign = std::signbit(x) ? 0x80 : 0;
@@ -8525,6 +8301,12 @@ static uint8_t e4m3_from_float(float x) {
   if (std::ldexp(1.0, qe) > q) qe--;
   const int mant = (int)(q / std::ldexp(1.0, qe) * 8) - 8;  // 0..7
   return sign | (uint8_t)((qe + 7) << 3) | (uint8_t)mant;
+}
+static float e4m3_to_float(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  if (e == 15 && m == 7) return NAN;
+  const double mag = e == 0 ? m * 0x1p-9 : std::ldexp(1.0 + m / 8.0, e - 7);
+  return (float)(b & 0x80 ? -mag : mag);
 }
 
 
@@ -9072,8 +8854,8 @@ static const int kLongestFirstRegistered = register_optimization(
 // ##########################################################################################################
 
 // ==== 30. Reading the configuration: config.json, flags and sampling fields ================================
-// defines: parse_quantization_config, parse_model_config, load_model_config, parse_optimizations,
-//          optimizations_str, parse_kv_cache_dtype, validate_config, validate_sampling
+// defines: parse_model_config, load_model_config, parse_optimizations, optimizations_str,
+//          parse_kv_cache_dtype, validate_config, validate_sampling
 //
 // Section 2 says what each setting means; this section reads them from where a user writes them and
 // refuses what the engine cannot run, with a message that names the file, field or flag, what was expected
@@ -9113,53 +8895,6 @@ static std::vector<int> eos_ids_from(const json& v) {
   if (v.is_array())
     for (auto& x : v) add(x);
   return ids;
-}
-
-// config.json's quantization_config, when there is one: only Qwen's FP8 format (section 6a) is read. The fields
-// as the published Qwen/Qwen3-*-FP8 configs write them; fmt and activation_scheme may be absent (transformers'
-// FineGrainedFP8Config writes no fmt, and its activation_scheme defaults to dynamic). Sets c.fp8_weights and
-// c.fp8_not_converted, or refuses with the field, what was found and what nanovllm reads.
-static void parse_quantization_config(const json& j, ModelConfig& c, const std::string& path) {
-  if (!j.contains("quantization_config") || j["quantization_config"].is_null()) return;
-  const json& q = j["quantization_config"];
-  const char* p = path.c_str();
-  if (!q.is_object()) die("%s: field \"quantization_config\" must be an object, found %s", p, q.dump().c_str());
-  if (!q.contains("quant_method") || !q["quant_method"].is_string())
-    die("%s: quantization_config needs \"quant_method\" as a string; nanovllm reads \"fp8\" "
-        "(Qwen/Qwen3-*-FP8)", p);
-  const std::string method = q["quant_method"];
-  if (method != "fp8")
-    die("%s: quantization_config.quant_method \"%s\" is not supported; nanovllm reads unquantized checkpoints "
-        "(BF16, F16, F32) and \"fp8\" ones with 128 x 128 block scales (Qwen/Qwen3-*-FP8)", p, method.c_str());
-  if (q.contains("fmt") && q["fmt"] != "e4m3")
-    die("%s: quantization_config.fmt %s is not supported; nanovllm reads \"e4m3\" weights", p,
-        q["fmt"].dump().c_str());
-  if (q.contains("activation_scheme") && q["activation_scheme"] != "dynamic")
-    die("%s: quantization_config.activation_scheme %s is not supported; nanovllm reads \"dynamic\" checkpoints "
-        "(a static one stores per-tensor activation scales, input_scale)", p,
-        q["activation_scheme"].dump().c_str());
-  if (!q.contains("weight_block_size"))
-    die("%s: quantization_config has no \"weight_block_size\": a per-tensor FP8 checkpoint (one weight_scale per "
-        "tensor) is not supported; nanovllm reads block-scaled ones with weight_block_size [128, 128]", p);
-  const json& b = q["weight_block_size"];
-  if (b != json::array({FP8_BLOCK, FP8_BLOCK}))
-    die("%s: quantization_config.weight_block_size must be [%d, %d], found %s", p, FP8_BLOCK, FP8_BLOCK,
-        b.dump().c_str());
-  c.fp8_weights = true;
-  c.fp8_not_converted.clear();
-  if (!q.contains("modules_to_not_convert") || q["modules_to_not_convert"].is_null()) return;
-  const json& keep = q["modules_to_not_convert"];
-  if (!keep.is_array())
-    die("%s: quantization_config.modules_to_not_convert must be a list of module names, found %s", p,
-        keep.dump().c_str());
-  for (const json& e : keep) {
-    if (!e.is_string() || e.get<std::string>().empty() ||
-        e.get<std::string>().find_first_of("*?[]()|^$+{}\\") != std::string::npos)
-      die("%s: quantization_config.modules_to_not_convert: %s is not a module name; nanovllm reads plain names "
-          "that start or end a module's name (\"lm_head\", \"model.layers.0.mlp\", \"down_proj\"), not patterns",
-          p, e.dump().c_str());
-    c.fp8_not_converted.push_back(e);
-  }
 }
 
 // Parse config.json text. Refuses anything that is not a dense Qwen3 (MoE, Llama, Qwen2 with qkv bias, rope
@@ -9211,7 +8946,6 @@ static ModelConfig parse_model_config(const std::string& text, const std::string
   if (j.contains("dtype") && j["dtype"].is_string()) c.dtype = j["dtype"];
   else if (j.contains("torch_dtype") && j["torch_dtype"].is_string()) c.dtype = j["torch_dtype"];
   if (j.contains("eos_token_id")) c.eos_token_ids = eos_ids_from(j["eos_token_id"]);
-  parse_quantization_config(j, c, path);
 
   auto positive = [&](int v, const char* name) {
     if (v <= 0) die("%s: \"%s\" must be positive, found %d", path.c_str(), name, v);
@@ -12572,12 +12306,10 @@ static std::string startup_line(ModelRunner& runner, const Config& config, doubl
   const std::string gpus = tp > 1 ? std::to_string(tp) + " x " + prop.name + " (tensor parallel)" : prop.name;
   char line[640];
   snprintf(line, sizeof line,
-           "nanovllm: %s%s | weights %.2f GB%s%s loaded in %.2f s (%.1f GB/s) | KV cache %s, %d blocks x %d "
+           "nanovllm: %s%s | weights %.2f GB%s loaded in %.2f s (%.1f GB/s) | KV cache %s, %d blocks x %d "
            "tokens = %lld tokens, %.2f GiB | %zu CUDA graphs in %.2f s | ready after %.2f s\n",
            g_process_label[0] ? (std::string(g_process_label) + ": ").c_str() : "", gpus.c_str(),
-           runner.model.w.bytes / 1e9, tp > 1 ? " per GPU" : "",
-           runner.model.cfg.fp8_weights ? " (bf16, dequantized from FP8)" : "", runner.load_seconds,
-           runner.load_gbps,
+           runner.model.w.bytes / 1e9, tp > 1 ? " per GPU" : "", runner.load_seconds, runner.load_gbps,
            config.kv_cache_dtype.c_str(), config.num_kvcache_blocks, config.kvcache_block_size,
            (long long)config.num_kvcache_blocks * config.kvcache_block_size,
            runner.model.kv.bytes / (double)(1 << 30), runner.graphs.size(), runner.capture_seconds,

@@ -228,44 +228,6 @@ refuse st_shorter_than_8_bytes "$M/$ST|too small" "$M" "$PT"
 M=$(model st_dir) && rm "$M/$ST" && mkdir "$M/$ST"
 refuse st_is_a_folder "$M/$ST|not a regular file" "$M" "$PT"
 
-# ---- FP8 checkpoints (issue 45): quantization_config and the F8_E4M3 tensors, checked before the GPU ------
-F=$(model fp8 --fp8 bf16)
-refuse valid_fp8_bf16_scales_reaches_gpu_check "$NOGPU" "$F" "$PT"
-M=$(model fp8f32 --fp8 f32 --shards)
-refuse valid_fp8_f32_scales_sharded_reaches_gpu_check "$NOGPU" "$M" "$PT"
-M=$(model fp8keep --fp8 f32 --set 'quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128],
-  "modules_to_not_convert": ["lm_head"]}')
-refuse valid_fp8_without_fmt_with_not_convert_reaches_gpu_check "$NOGPU" "$M" "$PT"
-refuse valid_fp8_tp2_split_reaches_gpu_check "$NOGPU" \
-  "$F" "$PT" --tp 2
-M=$(model gptq --set 'quantization_config={"quant_method": "gptq", "bits": 4}')
-refuse fp8_config_gptq "$M/config.json|quant_method \"gptq\" is not supported|\"fp8\"|BF16, F16, F32" "$M" "$PT"
-M=$(model awq --set 'quantization_config={"quant_method": "awq"}')
-refuse fp8_config_awq "$M/config.json|quant_method \"awq\" is not supported" "$M" "$PT"
-M=$(model fp8b64 --fp8 bf16 --set 'quantization_config={"quant_method": "fp8", "weight_block_size": [64, 64]}')
-refuse fp8_config_block_64 "$M/config.json|weight_block_size must be [128, 128], found [64,64]" "$M" "$PT"
-M=$(model fp8static --fp8 bf16 --set 'quantization_config={"quant_method": "fp8", "activation_scheme": "static",
-  "weight_block_size": [128, 128]}')
-refuse fp8_config_static "$M/config.json|activation_scheme \"static\" is not supported|\"dynamic\"" "$M" "$PT"
-M=$(model fp8e5 --fp8 bf16 --set 'quantization_config={"quant_method": "fp8", "fmt": "e5m2",
-  "weight_block_size": [128, 128]}')
-refuse fp8_config_fmt_e5m2 "$M/config.json|quantization_config.fmt \"e5m2\" is not supported|\"e4m3\"" "$M" "$PT"
-M=$(model fp8pt --fp8 bf16 --set 'quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"}')
-refuse fp8_config_per_tensor "$M/config.json|no \"weight_block_size\"|per-tensor" "$M" "$PT"
-M=$(model fp8noq --fp8 bf16 --del quantization_config)
-refuse fp8_weights_without_quantization_config "'model.layers.0.self_attn.q_proj.weight'|$M/$ST|dtype F8_E4M3|quant_method fp8" \
-  "$M" "$PT"
-M=$(model fp8nos --fp8 bf16 --break fp8_scale_missing)
-refuse fp8_scale_missing "checkpoint in $M has no tensor 'model.layers.1.mlp.down_proj.weight_scale_inv'|needs its block scales" \
-  "$M" "$PT"
-M=$(model fp8shape --fp8 f32 --break fp8_scale_shape)
-refuse fp8_scale_wrong_shape "'model.layers.1.mlp.down_proj.weight_scale_inv'|$M/$ST|[2, 2]|implies [2, 6]" \
-  "$M" "$PT"
-M=$(model fp8sdt --fp8 bf16 --break fp8_scale_dtype)
-refuse fp8_scale_f16 "'model.layers.0.self_attn.k_proj.weight_scale_inv'|dtype F16|BF16 or F32" "$M" "$PT"
-M=$(model fp8wdt --fp8 bf16 --break fp8_weight_dtype)
-refuse fp8_weight_e5m2 "'model.layers.0.self_attn.q_proj.weight'|dtype F8_E5M2|F8_E4M3" "$M" "$PT"
-
 # ---- tokenizer -----------------------------------------------------------------------------------------
 M=$(model notok) && rm "$M/tokenizer.json"
 refuse tokenizer_missing "cannot read the tokenizer '$M/tokenizer.json'" "$M" "$PT"
