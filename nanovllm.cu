@@ -3917,7 +3917,7 @@ struct Optimizations {
 static Optimizations g_opt;  // set by each section's apply (install_optimizations, section 11)
 
 // ==== 14. The forward pass, in stages a chapter can replace ===============================================
-// defines: Pass, ForwardStages, g_stages, stages_for, forward_fast, lm_head_logits
+// defines: Pass, store_qkv_using, ForwardStages, g_stages, stages_for, forward_fast, lm_head_logits
 //
 // Section 6c's forward pass is a list of named calls. The chapters of this part each replace a few of them
 // (flash attention replaces the attention calls, the gemv the matrix products of small steps, the one-shot
@@ -3971,14 +3971,17 @@ static bool all_reduce_plain(TPComm* comm, bf16* x, size_t n, cudaStream_t s, bf
   return false;  // summed in place; nothing added to the residual stream
 }
 static void matmul_out_plain(Pass& p, const bf16* x, const bf16* W, int K, bool gate_up);
-static void store_qkv_plain(Pass& p, int l) {
+// A store_qkv stage from a launcher with qk_norm_rope's arguments, given layer l's cache as that launcher
+// takes it (section 19's faster kernel and the FP8 chapter's store make their stages so too).
+template <typename Launch, typename Cache>
+static void store_qkv_using(Pass& p, int l, Launch launch, const Cache& cache) {
   const Qwen3& m = p.m;
   const ModelConfig& c = m.cfg;
   const LayerWeights& lw = m.w.layers[l];
-  qk_norm_rope(m.act.qkv, p.in.positions, lw.q_norm, lw.k_norm, m.kv.layer(l), p.in.slot_mapping, p.T,
-               c.num_attention_heads / m.tp, c.num_key_value_heads / m.tp, m.P, c.rope_theta, c.rms_norm_eps,
-               p.s);
+  launch(m.act.qkv, p.in.positions, lw.q_norm, lw.k_norm, cache, p.in.slot_mapping, p.T,
+         c.num_attention_heads / m.tp, c.num_key_value_heads / m.tp, m.P, c.rope_theta, c.rms_norm_eps, p.s);
 }
+static void store_qkv_plain(Pass& p, int l) { store_qkv_using(p, l, qk_norm_rope, p.m.kv.layer(l)); }
 static void attention_prefill_plain(Pass& p, int l) {
   const Qwen3& m = p.m;
   const ModelConfig& c = m.cfg;
@@ -5394,14 +5397,7 @@ static void qk_norm_rope_fast(bf16* qkv, const int* positions, const bf16* q_nor
 }
 
 // Section 14's store_qkv stage with this kernel.
-static void store_qkv_fast(Pass& p, int l) {
-  const Qwen3& m = p.m;
-  const ModelConfig& c = m.cfg;
-  const LayerWeights& lw = m.w.layers[l];
-  qk_norm_rope_fast(m.act.qkv, p.in.positions, lw.q_norm, lw.k_norm, m.kv.layer(l), p.in.slot_mapping, p.T,
-                    c.num_attention_heads / m.tp, c.num_key_value_heads / m.tp, m.P, c.rope_theta, c.rms_norm_eps,
-                    p.s);
-}
+static void store_qkv_fast(Pass& p, int l) { store_qkv_using(p, l, qk_norm_rope_fast, p.m.kv.layer(l)); }
 
 // ---- q/k-norm, RoPE and the KV store inside the decode kernel (switch fused_rope) ----
 // Replaces: in decode steps, qk_norm_rope (section 7) and the kernel boundary between it and decode
@@ -8745,14 +8741,7 @@ static KVLayerFp8 fp8_layer(const KVCache& kv, int l) {
   const KVLayer p = kv.layer(l);  // (the byte offsets already follow kv.value_bytes)
   return {(fp8e4m3*)p.k, (fp8e4m3*)p.v, g_kv_scales.at(l)};
 }
-static void store_qkv_fp8(Pass& p, int l) {
-  const Qwen3& m = p.m;
-  const ModelConfig& c = m.cfg;
-  const LayerWeights& lw = m.w.layers[l];
-  qk_norm_rope_fp8(m.act.qkv, p.in.positions, lw.q_norm, lw.k_norm, fp8_layer(m.kv, l), p.in.slot_mapping, p.T,
-                   c.num_attention_heads / m.tp, c.num_key_value_heads / m.tp, m.P, c.rope_theta, c.rms_norm_eps,
-                   p.s);
-}
+static void store_qkv_fp8(Pass& p, int l) { store_qkv_using(p, l, qk_norm_rope_fp8, fp8_layer(p.m.kv, l)); }
 static DecodeAttention<KVFp8> fp8_decode_attention() {
   return g_opt.cluster_merge ? attention_decode_cluster<KVFp8> : flash_attention_decode<KVFp8>;
 }
@@ -10919,17 +10908,20 @@ static void tp_worker_signals(int) {
   sigaction(SIGTERM, &sa, nullptr);
 }
 
-// Test-only (TPSupervisor::worker_step): NANOVLLM_TEST_WORKER_FAIL=RANK:STEP makes worker RANK fail at its
-// STEP-th step, for the test of the paths above (test/gpu/gpu_tp_shutdown.sh).
-static void tp_worker_test_fail(int rank, long long step) {
-  const char* fail = getenv("NANOVLLM_TEST_WORKER_FAIL");
+// Test-only: the environment variable `var` = K:STEP makes process K (`who`: a tensor-parallel rank, a
+// data-parallel replica) fail at its STEP-th step, for the tests of the shutdown paths.
+static void test_fail_at(const char* var, const char* who, const char* WHO, int k, long long step) {
+  const char* fail = getenv(var);
   if (!fail) return;
-  int fail_rank = -1;
+  int fail_k = -1;
   long long fail_step = -1;
-  if (sscanf(fail, "%d:%lld", &fail_rank, &fail_step) != 2)
-    die("NANOVLLM_TEST_WORKER_FAIL=%s: expected RANK:STEP", fail);
-  if (step == fail_step && rank == fail_rank)
-    die("NANOVLLM_TEST_WORKER_FAIL=%s: rank %d fails at its step %lld, on purpose", fail, rank, step);
+  if (sscanf(fail, "%d:%lld", &fail_k, &fail_step) != 2) die("%s=%s: expected %s:STEP", var, fail, WHO);
+  if (k == fail_k && step == fail_step)
+    die("%s=%s: %s %d fails at its step %lld, on purpose", var, fail, who, k, step);
+}
+// TPSupervisor::worker_step: NANOVLLM_TEST_WORKER_FAIL=RANK:STEP (test/gpu/gpu_tp_shutdown.sh).
+static void tp_worker_test_fail(int rank, long long step) {
+  test_fail_at("NANOVLLM_TEST_WORKER_FAIL", "rank", "RANK", rank, step);
 }
 
 // Fork ranks 1..n-1 with all of the above (section 12's tp_fork_workers). A no-op for n = 1.
@@ -11196,14 +11188,7 @@ static void dp_send(int fd, DPMsg kind, const Wire& w) {
 // Test-only: NANOVLLM_TEST_REPLICA_FAIL=K:STEP makes replica K fail at its STEP-th step, for the test of the
 // paths above (test/cli/data_parallel.sh, test/gpu/gpu_dp.sh).
 static void replica_test_fail(int replica, long long step) {
-  const char* fail = getenv("NANOVLLM_TEST_REPLICA_FAIL");
-  if (!fail) return;
-  int fail_replica = -1;
-  long long fail_step = -1;
-  if (sscanf(fail, "%d:%lld", &fail_replica, &fail_step) != 2)
-    die("NANOVLLM_TEST_REPLICA_FAIL=%s: expected REPLICA:STEP", fail);
-  if (replica == fail_replica && step == fail_step)
-    die("NANOVLLM_TEST_REPLICA_FAIL=%s: replica %d fails at its step %lld, on purpose", fail, replica, step);
+  test_fail_at("NANOVLLM_TEST_REPLICA_FAIL", "replica", "REPLICA", replica, step);
 }
 
 // A replica's run once its engine is built: READY, wait until every replica is, then turns (pull, step)
