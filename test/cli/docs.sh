@@ -9,8 +9,10 @@
 # Then the front matter's claims (issue 44): the README is a front door (at most 600 lines, the two commands
 # in its first 40, the reading guide before line 200) that links every docs/*.md, and the links of the
 # README, docs/ and test/README.md resolve (files and #headings); every name on a "// defines:" line exists;
-# every `--opt LIST` the README or docs/ shows names registered optimizations; and every CPU reference comes
-# before the kernels and launcher it checks. Each rule is spelled out above its check.
+# every `--opt LIST` the README or docs/ shows names registered optimizations; every CPU reference comes
+# before the kernels and launcher it checks; and every "section N's NAME" or "NAME (section N)" in the code,
+# the docs, test/ and bench.sh names something section N defines (with a self-check on a file it must fault).
+# Each rule is spelled out above its check.
 cd "$(dirname "$0")/../.."
 helper=$(mktemp)
 trap 'rm -f "$helper"' EXIT
@@ -419,7 +421,7 @@ if __name__ == "__main__":
         print("\n".join(check_claims(root, files)))
 PY
 BIN=${NANOVLLM_BIN:-./nanovllm}  # make test on a CPU-only machine: build/nanovllm
-passed=0 failed=0
+passed=0 failed=0 skipped=0
 check() {  # check NAME CONDITION_EXIT_CODE MESSAGE
   if [ "$2" -eq 0 ]; then echo "PASS $1"; passed=$((passed + 1)); else echo "FAIL $1: $3"; failed=$((failed + 1)); fi
 }
@@ -529,8 +531,8 @@ undefined_names=$(python3 "$helper" defines) || undefined_names="  the scanner (
 $undefined_names"
 
 # Each `--opt LIST` (or --opt=LIST) in README.md and docs/*.md names registered optimizations: every item,
-# its +/- sign dropped, is a register_optimization name, or all or none (what parse_optimizations, section
-# 24, accepts); upper-case placeholders (NAME, LIST) are skipped.
+# its +/- sign dropped, is a register_optimization name, or all or none (what Part III's parse_optimizations
+# accepts); upper-case placeholders (NAME, LIST) are skipped.
 bad_opts=$(python3 "$helper" opt) || bad_opts="  the scanner (python3) failed"
 [ -z "$bad_opts" ]; check docs_opt_names_registered $? "--opt names that are not registered:
 $bad_opts"
@@ -544,5 +546,46 @@ $bad_opts"
 late_refs=$(python3 "$helper" refs) || late_refs="  the scanner (python3) failed"
 [ -z "$late_refs" ]; check references_precede_their_kernels $? "CPU references after the GPU code they check:
 $late_refs"
-echo "RESULT passed=$passed failed=$failed skipped=0"
+# References say what they point to (STYLE.md). A claim is "section N's NAME", "NAME (section N", "NAME, section
+# N", "section N (NAME" or "section N, NAME" (N also "Na", "N-M", "N and M"; "Section" too), in the prose of
+# nanovllm.cu, tokenizer.h, safetensors.h, bench.sh, README.md, docs/*.md and test/** (comments in C++ files,
+# whole lines elsewhere; a reference may run onto the next line). NAME is checked when it looks like code (in
+# backticks, or with an underscore, "::" or an inner capital, or a struct/class/enum/alias name) and
+# nanovllm.cu declares it somewhere (not prose like "section 8's kernel", nor a name of nano-vllm's): one of
+# the sections cited (Na counts as its section N, a range as each section in it) must define it: its
+# "// defines:" lines, the switches it registers, or any name declared between its banner and the next
+# top-level banner (a function, type, variable, member, parameter or macro). "// defines:" lines themselves
+# are defines_names_exist's. Each violation prints file:line, the claim, and the sections that define NAME
+# ([Part III] where the cited or defining section is in Part III).
+#
+# Part III is being split and renumbered on another branch (sections 30-35 become 30-40 or so): until that
+# merges, the claims marked [Part III] are listed under a SKIPPED case instead of failing. TODO(lead): after
+# the merge, fix what it lists and set part3_claims=fail.
+part3_claims=skip
+bad_claims=$(python3 "$helper" claims) || bad_claims="  the scanner (python3) failed"
+bad_part3=$(echo "$bad_claims" | grep -F '[Part III]')
+[ "$part3_claims" = skip ] && bad_claims=$(echo "$bad_claims" | grep -vF '[Part III]')
+[ -z "$bad_claims" ]; check section_claims_name_what_the_section_defines $? "references to sections that do
+not define the name they cite:
+$bad_claims"
+if [ "$part3_claims" = skip ] && [ -n "$bad_part3" ]; then
+  echo "SKIPPED section_claims_into_part_iii: Part III is being renumbered; these claims are the lead's to fix
+after that merge:
+$bad_part3"
+  skipped=$((skipped + 1))
+fi
+# The same scanner on a file it must fault: two sections and four claims, two of them wrong.
+fake=$(mktemp -d)
+s=section  # (spelled apart so that this file holds no claim of its own)
+printf '// ==== 1. One ===\n// defines: alpha_fn\nstatic void alpha_fn() {}\n// ==== 2. Two ===\n// defines: %s\n%s\n' \
+  'BetaTable' 'struct BetaTable { int beta_rows; };' >"$fake/nanovllm.cu"
+printf 'Right: %s 1'"'"'s alpha_fn and `BetaTable` (%s 2).\nWrong: %s 2'"'"'s alpha_fn,\nand beta_rows (%s 1).\n' \
+  "$s" "$s" "$s" "$s" >"$fake/claims.md"
+got=$(python3 "$helper" claims "$fake" claims.md)
+rm -rf "$fake"
+[ "$(echo "$got" | grep -c .)" = 2 ] && echo "$got" | grep -q "claims.md:2: .*alpha_fn is not in $s 2; defined in $s 1" &&
+  echo "$got" | grep -q "claims.md:3: .*beta_rows is not in $s 1; defined in $s 2"
+check section_claims_checker_faults_a_bad_claim $? "on two wrong claims and two right ones it printed:
+${got:-  nothing}"
+echo "RESULT passed=$passed failed=$failed skipped=$skipped"
 [ "$failed" -eq 0 ]

@@ -282,7 +282,7 @@ static void compare_flash_with_plain(const char* what, const std::vector<float>&
 
 // fp8 (section 28): the cache is stored in e4m3 at `scale` and the reference reads the values it stands for;
 // read_factor != 1 tells the kernel the wrong scales and expects the comparison to fail. Section 8 reads bf16
-// only, so fp8 cases run section 15 (and 17) alone.
+// only, so fp8 cases run the flash kernels (and the cluster merge) alone.
 struct KVChoice {
   KVCacheDtype dtype = KVCacheDtype::BF16;
   KVScales scale;
@@ -299,7 +299,7 @@ static const PagedBatch& reference_input(const PagedBatch& pb, const KVChoice& k
 
 static std::string label(const char* what, const char* path) { return std::string(what) + " " + path; }
 
-// Section 15's attention_prefill_step on a batch whose first nd sequences have one query row (a mixed step's
+// Section 16's attention_prefill_step on a batch whose first nd sequences have one query row (a mixed step's
 // decode rows): those through the decode kernel (with and without the cluster merge), the rest through
 // section 15's prefill kernel. Against the fp64 reference; the prompt rows bit for bit what section 15's
 // prefill kernel gave for the whole batch (flash), the decode rows bit for bit what the decode path gives for
@@ -374,7 +374,7 @@ static void check_prefill(const char* what, const PagedBatch& pb, const KVChoice
   if (nd) check_prefill_step(what, pb, db, kv, nd, max_q, want, flash);
 }
 
-// Section 8's decode kernel (bf16); section 15's split-K kernel with its merge kernel; and section 19's
+// Section 8's decode kernel (bf16); section 16's split-K kernel with its merge kernel; and section 19's
 // cluster merge where it applies (batches of at most DECODE_CLUSTER_MAX_B on sm_90 and later): each against
 // the fp64 reference, and the Part II ones against section 8.
 static void check_decode(const char* what, const PagedBatch& pb, int max_context_len, const KVChoice& kv = {}) {
@@ -412,7 +412,7 @@ static void check_decode(const char* what, const PagedBatch& pb, int max_context
       });
       g_opt = saved;
     }
-    const std::string name = label(what, path ? "[cluster merge, 17]" : "[section 15]");
+    const std::string name = label(what, path ? "[cluster merge, 19]" : "[section 16]");
     const std::vector<float> got = out.read();
     compare(name.c_str(), got, want, kv.read_factor == 1.f);
     if (!plain.empty()) compare_flash_with_plain(name.c_str(), got, plain);
@@ -565,7 +565,7 @@ TEST(decode_batch_256) {
 // The engine captures decode once per batch size and replays it as contexts grow and blocks change: one
 // capture, three steps whose every context is longer than at the step before (new contents, new blocks),
 // each replay against the fp64 reference and bit for bit against the same kernel run eagerly on the same
-// inputs. plain: section 8's kernel (its grid depends on B alone); else section 15's (a grid sized by
+// inputs. plain: section 8's kernel (its grid depends on B alone); else section 16's (a grid sized by
 // max_context_len, the bound every step stays under).
 static void check_decode_graph_replay(bool plain) {
   const int B = 32, NH = 16, NKV = 8, P = 64, max_ctx = 2048, MB = max_ctx / P, NB = B * MB + 3;
@@ -601,7 +601,7 @@ static void check_decode_graph_replay(bool plain) {
   launch(out.d, stream);
   CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  const char* path = plain ? "section 8" : "section 15";
+  const char* path = plain ? "section 8" : "section 16";
   for (int step = 0; step < 3; step++) {
     const PagedBatch* pb = &steps[step];
     // New step: same buffers, new contents (what ModelRunner.prepare_decode does before a replay).
@@ -834,10 +834,10 @@ static void* device_copy_bytes(const void* src, size_t n) {
 }
 
 // Section 19's fused kernel (q/k-norm, RoPE and the KV store inside decode attention) against the kernels
-// it replaces, qk_norm_rope then section 15's flash_attention_decode, on the same raw qkv and cache: the
+// it replaces, qk_norm_rope then section 16's flash_attention_decode, on the same raw qkv and cache: the
 // outputs of the real rows and the whole cache afterwards must be equal bit for bit. Where the cluster merge
 // applies (section 19), the same again with it on both sides, and (contexts of at most 1024 keys, where its
-// partition length equals section 15's 64 keys: a bf16 cache) the cluster path against section 15 too.
+// partition length equals section 16's 64 keys: a bf16 cache) the cluster path against section 16 too.
 // The last n_pad rows are padding (slot -1, as the engine pads a graph's batch): every path stores nothing
 // for them; their outputs are not compared (the fused kernel attends to the row's own k and v, the separate
 // path to what the cache held).
@@ -914,11 +914,11 @@ static void check_fused_rope(const char* what, int NH, int NKV, int P, const std
     printf("    %-50s %-26s outputs differing %zu, k cache %zu, v cache %zu\n", what, label, out_diff, k_diff, v_diff);
     CHECK_MSG(out_diff == 0 && k_diff == 0 && v_diff == 0, "%s: %s differ", what, label);
   };
-  compare_bits(1, 0, "fused vs section 15");
+  compare_bits(1, 0, "fused vs section 16");
   if (cluster) compare_bits(3, 2, "fused vs separate, cluster");
   const int partition = fp8 ? DecodeLoop<KVFp8>::partition(B) : DecodeLoop<KVBf16>::partition(B);
   if (cluster && *std::max_element(ctx.begin(), ctx.end()) <= 1024 && partition == ATTN_KV_TILE)
-    compare_bits(2, 0, "cluster vs section 15");
+    compare_bits(2, 0, "cluster vs section 16");
   // the store happened: every real row's slot changed (random values repeat by chance only rarely)
   std::vector<uint8_t> k_before = download_bytes(k0, cache_bytes);
   size_t stored = 0;
@@ -990,7 +990,7 @@ TEST(fp8_wrong_scale_is_caught) {
 }
 
 // Section 19 with an fp8 cache: the fused kernel keeps this step's key and value in shared memory as the values
-// their bytes stand for, so its outputs and the bytes it stores equal qk_norm_rope_fp8 + section 15's, bit
+// their bytes stand for, so its outputs and the bytes it stores equal qk_norm_rope_fp8 + section 16's, bit
 // for bit.
 TEST(fp8_decode_fused_rope_matches_separate_kernels) {
   REQUIRE_GPU();

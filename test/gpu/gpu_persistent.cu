@@ -96,7 +96,7 @@ __global__ void widen_e4m3(bf16* out, const fp8e4m3* in, size_t n, float scale) 
 }
 
 // A Qwen3 with random weights and a random cache, bf16 or (fp8 = true) fp8 with the scales the engine would
-// choose for these weights plus a bf16 copy of it for Part I, and section 24's plans, without a checkpoint.
+// choose for these weights plus a bf16 copy of it for Part I, and section 26's plans, without a checkpoint.
 struct TestModel {
   Qwen3 m;
   PersistentDecode pd;
