@@ -24,8 +24,9 @@
 //   it is one optimization that says what it replaces and why it is faster on the hardware, and installs
 //   itself through the hook table Part I declares (section 11) or section 14's stages; each registers its
 //   own switch (--opt NAME, section 2; sections 28-29, the FP8 KV cache, register a value of --kv-cache-dtype
-//   instead, since it trades accuracy). docs/performance.md has the measured gain of each. The Part I code
-//   each one replaces stays, as the reference the GPU tests compare it with.
+//   instead, since it trades accuracy, and 29a, which orders an fp8 decode step's rows, the switch
+//   longest_first). docs/performance.md has the measured gain of each. The Part I code each one replaces
+//   stays, as the reference the GPU tests compare it with.
 //   Part III (sections 30-35) is the program around the engine: reading config.json and the flags, prompts
 //   in and completions out, the trace, summary and report, signals and the worker processes, `simulate`
 //   (the engine without a GPU), the command line and main.
@@ -404,8 +405,8 @@ struct Config {
   std::vector<int> eos;                // filled from the model config
   OptimizationSet opt = default_optimizations();  // which Part II optimizations run (--plain, --opt)
   bool mixed_scheduler = false;        // vLLM V1's scheduler (section 5b), not nano-vllm's: a step may mix
-                                       // decode rows and prompt chunks. The command line's default (section
-                                       // 29); a Config built in code gets nano-vllm's, as Part I tells it
+                                       // decode rows and prompt chunks. The command line's default (Part
+                                       // III); a Config built in code gets nano-vllm's, as Part I tells it
   std::string kv_cache_dtype = "bf16"; // --kv-cache-dtype: a KVCacheFormat's name (Part I: bf16)
 };
 
@@ -3892,8 +3893,8 @@ struct LLMEngine {
 // Qwen3-0.6B is hundreds of small kernels, and what costs is the gaps between them (17), matrix products too
 // thin for cuBLASLt's tiles (18), and the kernels that exist only to merge partial results or to prepare q and
 // k (19). With tensor parallelism, NCCL's latency on small messages (20). A sampler that reads its row many
-// times (21-22). Prefill and mixed steps launched kernel by kernel (23). Then 24 halves the bytes of the
-// cache, and 25-28 run a small decode step as one kernel.
+// times (21-22). Prefill and mixed steps launched kernel by kernel (23). Then 24-27 run a small decode step
+// as one kernel, and 28-29 halve the bytes of the cache.
 
 // Defined only while this part is in the file: a test that also exercises Part II asks for it.
 #define NANOVLLM_PART_II 1

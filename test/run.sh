@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Run every test suite and sum their RESULT lines into one closing line "N passed, N failed, N skipped".
+# Measurements (TIMING cases, test/test.h: "MEASURED name", measured=N) are no tests: they count on a line of
+# their own, "N measurements (figures, not tests)", printed just before the closing line when there are any.
 #   host suites  build/test_*   always; or, with HOST_SUITES=build/host_suites (make test), each suite of that
 #                               one program (test/host_suites.sh), each in its own process
 #   GPU suites   build/gpu_*    one per test/gpu/gpu_*.cu, run only where a GPU is visible; otherwise one
@@ -13,7 +15,7 @@
 set -u
 BUILD=${1:-build}
 JOBS=${TEST_JOBS:-$(nproc 2>/dev/null || echo 1)}
-passed=0 failed=0 skipped=0
+passed=0 failed=0 skipped=0 measured=0
 have_gpu=0
 if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q GPU; then have_gpu=1; fi
 held=$(mktemp -d)
@@ -53,7 +55,7 @@ done
 report() {  # report N: print suite N's output and add its RESULT line to the sums
   local i=$1 name=${names[$1]}
   if [ "${kinds[$i]}" = skip ]; then echo "SKIPPED (no GPU): $name"; skipped=$((skipped + 1)); return; fi
-  local rc out took line p f s
+  local rc out took line p f s m
   rc=$(cat "$held/$i.rc"); out=$(cat "$held/$i.out"); took=$(cat "$held/$i.took")
   echo "== $name"
   echo "$out" | grep -v '^RESULT '
@@ -67,7 +69,8 @@ report() {  # report N: print suite N's output and add its RESULT line to the su
   p=$(echo "$line" | sed -n 's/.*passed=\([0-9]*\).*/\1/p')
   f=$(echo "$line" | sed -n 's/.*failed=\([0-9]*\).*/\1/p')
   s=$(echo "$line" | sed -n 's/.*skipped=\([0-9]*\).*/\1/p')
-  passed=$((passed + p)); failed=$((failed + f)); skipped=$((skipped + s))
+  m=$(echo "$line" | sed -n 's/.*measured=\([0-9]*\).*/\1/p')
+  passed=$((passed + p)); failed=$((failed + f)); skipped=$((skipped + s)); measured=$((measured + ${m:-0}))
   if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
     echo "FAIL $name: exit status $rc"
     failed=$((failed + 1))
@@ -112,5 +115,6 @@ for ((i = gpu_end; i < ${#names[@]}; i++)); do
   case ${names[$i]} in part2_cut.sh | fuzz.sh) ;; *) start "$i" ;; esac
 done
 wait_all
+[ "$measured" -eq 0 ] || echo "$measured measurements (figures, not tests)"
 echo "$passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]

@@ -1,13 +1,20 @@
 // test.h — the whole test framework: TEST() registers a case, CHECK* record failures, test_main() runs
-// them. Every test binary ends with one line "RESULT passed=N failed=N skipped=N" that test/run.sh sums.
+// them. Every test binary ends with one line "RESULT passed=N failed=N skipped=N measured=N" that
+// test/run.sh sums.
 //
 // A case fails when any CHECK fails; it is skipped (never counted as passed) when it calls SKIP(why).
+// TIMING(name) registers a measurement instead: it prints figures and asserts nothing, so it is never
+// counted as passed (or failed): it reports "MEASURED name (N ms)" and counts in measured=. What a timing run
+// could check belongs in a TEST beside it. A CHECK that fails inside one still reports FAIL and counts as
+// failed, so no failure is hidden; a SKIP inside one prints "SKIPPED name: why (a measurement)" and counts
+// nowhere.
 // Usage:   #define NANOVLLM_TESTING
 //          #include "../../nanovllm.cu"   (from test/host/ or test/gpu/)
 //          #include "../test.h"
 //          TEST(block_hash_known_values) { CHECK_EQ(x, y); }
 //          int main(int argc, char** argv) { return test_main(argc, argv); }
-// Run some cases with `./build/test_x NAME_SUBSTRING`, one with `=NAME`; `--list` names them all.
+// Run some cases with `./build/test_x NAME_SUBSTRING`, one with `=NAME`; `--list` names them all,
+// `--list-tests` all but the measurements.
 // `make test` builds every host suite into one program (test/host_suites.sh): there TEST_SUITE names the
 // suite a case belongs to and test_main runs only the cases of g_test_suite, the one asked for.
 #pragma once
@@ -26,14 +33,15 @@ struct TestCase {
   const char* suite;
   const char* name;
   std::function<void()> fn;
+  bool measure;  // registered by TIMING: figures, not a test
 };
 static std::vector<TestCase>& test_registry() {
   static std::vector<TestCase> r;
   return r;
 }
 struct TestRegistrar {
-  TestRegistrar(const char* suite, const char* name, std::function<void()> fn) {
-    test_registry().push_back({suite, name, fn});
+  TestRegistrar(const char* suite, const char* name, std::function<void()> fn, bool measure = false) {
+    test_registry().push_back({suite, name, fn, measure});
   }
 };
 static const char* g_test_suite = "";  // test_main runs the cases whose suite this is
@@ -44,6 +52,11 @@ static std::string g_skip_reason;
 #define TEST(name)                                                             \
   static void test_##name();                                                   \
   static TestRegistrar test_registrar_##name(TEST_SUITE, #name, test_##name);  \
+  static void test_##name()
+
+#define TIMING(name)                                                                 \
+  static void test_##name();                                                         \
+  static TestRegistrar test_registrar_##name(TEST_SUITE, #name, test_##name, true);  \
   static void test_##name()
 
 #define CHECK(cond)                                                                                \
@@ -113,16 +126,18 @@ static bool check_close(const char* what, const float* got, const float* want, s
 }
 
 // argv[1]: run only the cases whose name contains it; "=NAME" runs the case named exactly NAME; --list prints
-// the names and runs nothing (test/gpu/gpu_sanitize.sh runs the cases one by one).
+// the names and runs nothing, --list-tests the names of the cases that are not measurements
+// (test/gpu/gpu_sanitize.sh runs those one by one).
 static int test_main(int argc, char** argv) {
   const char* filter = argc > 1 ? argv[1] : nullptr;
-  if (filter && !strcmp(filter, "--list")) {
+  if (filter && (!strcmp(filter, "--list") || !strcmp(filter, "--list-tests"))) {
+    const bool tests_only = !strcmp(filter, "--list-tests");
     for (auto& t : test_registry())
-      if (!strcmp(t.suite, g_test_suite)) printf("%s\n", t.name);
+      if (!strcmp(t.suite, g_test_suite) && !(tests_only && t.measure)) printf("%s\n", t.name);
     return 0;
   }
   const bool exact = filter && filter[0] == '=';
-  int passed = 0, failed = 0, skipped = 0;
+  int passed = 0, failed = 0, skipped = 0, measured = 0;
   for (auto& t : test_registry()) {
     if (strcmp(t.suite, g_test_suite) != 0) continue;
     if (filter && (exact ? strcmp(t.name, filter + 1) != 0 : !strstr(t.name, filter))) continue;
@@ -135,14 +150,17 @@ static int test_main(int argc, char** argv) {
       printf("FAIL %s (%d checks failed)\n", t.name, g_test_failures);
       failed++;
     } else if (g_test_skipped) {
-      printf("SKIPPED %s: %s\n", t.name, g_skip_reason.c_str());
-      skipped++;
+      printf("SKIPPED %s: %s%s\n", t.name, g_skip_reason.c_str(), t.measure ? " (a measurement)" : "");
+      skipped += !t.measure;
+    } else if (t.measure) {
+      printf("MEASURED %s (%.0f ms)\n", t.name, ms);
+      measured++;
     } else {
       printf("PASS %s (%.0f ms)\n", t.name, ms);
       passed++;
     }
     fflush(stdout);
   }
-  printf("RESULT passed=%d failed=%d skipped=%d\n", passed, failed, skipped);
+  printf("RESULT passed=%d failed=%d skipped=%d measured=%d\n", passed, failed, skipped, measured);
   return failed ? 1 : 0;
 }

@@ -1,14 +1,15 @@
 // gpu_attention.cu — paged attention, prefill and decode, the way the file climbs:
 //   * section 8's plain kernels (attention_prefill, attention_decode) against the CPU reference beside them
 //     (attention_reference, fp64 over the same bf16-rounded inputs);
-//   * section 15's flash kernels (flash_attention_prefill, flash_attention_decode) against the same
-//     reference, and against section 8 on the same inputs, within a bound of a few bf16 ulps
-//     (compare_flash_with_plain says why);
-//   * sections 19 and 19 (the cluster merge, the fused q/k-norm + RoPE + store decode kernel) against
-//     section 15, bit for bit;
-//   * section 28's fp8 cache, read by section 15's kernels (section 8 reads bf16 only), against the
-//     reference over the values its bytes stand for;
-//   * CUDA-graph replay of both decode kernels as contexts grow, and timings (timing_*: figures only).
+//   * the flash kernels, section 15's flash_attention_prefill and section 16's flash_attention_decode,
+//     against the same reference, and against section 8 on the same inputs, within a bound of a few bf16
+//     ulps (compare_flash_with_plain says why);
+//   * section 19 (the cluster merge, the fused q/k-norm + RoPE + store decode kernel) against section 16,
+//     bit for bit;
+//   * section 28's fp8 cache, read by the flash kernels (section 8 reads bf16 only), against the reference
+//     over the values its bytes stand for;
+//   * CUDA-graph replay of both decode kernels as contexts grow; and measurements (TIMING: timing_decode,
+//     timing_prefill, figures only), each beside a test that its paths give finite outputs at its shapes.
 //
 // Every case builds a paged KV cache the way the engine does: blocks handed out in a shuffled order, the
 // block-table tail set to -1, and every slot that no sequence owns (spare blocks, the tail of each last
@@ -281,7 +282,7 @@ static void compare_flash_with_plain(const char* what, const std::vector<float>&
 
 // fp8 (section 28): the cache is stored in e4m3 at `scale` and the reference reads the values it stands for;
 // read_factor != 1 tells the kernel the wrong scales and expects the comparison to fail. Section 8 reads bf16
-// only, so fp8 cases run section 15 (and 17) alone.
+// only, so fp8 cases run the flash kernels (and the cluster merge) alone.
 struct KVChoice {
   KVCacheDtype dtype = KVCacheDtype::BF16;
   KVScales scale;
@@ -298,7 +299,7 @@ static const PagedBatch& reference_input(const PagedBatch& pb, const KVChoice& k
 
 static std::string label(const char* what, const char* path) { return std::string(what) + " " + path; }
 
-// Section 15's attention_prefill_step on a batch whose first nd sequences have one query row (a mixed step's
+// Section 16's attention_prefill_step on a batch whose first nd sequences have one query row (a mixed step's
 // decode rows): those through the decode kernel (with and without the cluster merge), the rest through
 // section 15's prefill kernel. Against the fp64 reference; the prompt rows bit for bit what section 15's
 // prefill kernel gave for the whole batch (flash), the decode rows bit for bit what the decode path gives for
@@ -373,7 +374,7 @@ static void check_prefill(const char* what, const PagedBatch& pb, const KVChoice
   if (nd) check_prefill_step(what, pb, db, kv, nd, max_q, want, flash);
 }
 
-// Section 8's decode kernel (bf16); section 15's split-K kernel with its merge kernel; and section 19's
+// Section 8's decode kernel (bf16); section 16's split-K kernel with its merge kernel; and section 19's
 // cluster merge where it applies (batches of at most DECODE_CLUSTER_MAX_B on sm_90 and later): each against
 // the fp64 reference, and the Part II ones against section 8.
 static void check_decode(const char* what, const PagedBatch& pb, int max_context_len, const KVChoice& kv = {}) {
@@ -411,7 +412,7 @@ static void check_decode(const char* what, const PagedBatch& pb, int max_context
       });
       g_opt = saved;
     }
-    const std::string name = label(what, path ? "[cluster merge, 17]" : "[section 15]");
+    const std::string name = label(what, path ? "[cluster merge, 19]" : "[section 16]");
     const std::vector<float> got = out.read();
     compare(name.c_str(), got, want, kv.read_factor == 1.f);
     if (!plain.empty()) compare_flash_with_plain(name.c_str(), got, plain);
@@ -564,7 +565,7 @@ TEST(decode_batch_256) {
 // The engine captures decode once per batch size and replays it as contexts grow and blocks change: one
 // capture, three steps whose every context is longer than at the step before (new contents, new blocks),
 // each replay against the fp64 reference and bit for bit against the same kernel run eagerly on the same
-// inputs. plain: section 8's kernel (its grid depends on B alone); else section 15's (a grid sized by
+// inputs. plain: section 8's kernel (its grid depends on B alone); else section 16's (a grid sized by
 // max_context_len, the bound every step stays under).
 static void check_decode_graph_replay(bool plain) {
   const int B = 32, NH = 16, NKV = 8, P = 64, max_ctx = 2048, MB = max_ctx / P, NB = B * MB + 3;
@@ -600,7 +601,7 @@ static void check_decode_graph_replay(bool plain) {
   launch(out.d, stream);
   CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  const char* path = plain ? "section 8" : "section 15";
+  const char* path = plain ? "section 8" : "section 16";
   for (int step = 0; step < 3; step++) {
     const PagedBatch* pb = &steps[step];
     // New step: same buffers, new contents (what ModelRunner.prepare_decode does before a replay).
@@ -731,75 +732,82 @@ static std::vector<int> shuffled_tables(const std::vector<int>& ctx, int P, int 
 }
 
 // Decode at a fixed batch: KV bytes read = sum(ctx) * NKV * D * (2 bytes, fp8: 1) * (K and V). The cache
-// (hundreds of MB) is far larger than L2, so every run reads it from HBM. Rows: section 15's kernel (with
-// its merge kernel), the engine's default decode path (sections 19-19), and section 8's plain kernel (bf16
-// only; each query head of a GQA group reads the group's keys again, from L2 if they are still there: its
-// GB/s counts the bytes once, as the others do).
-static void time_decode(const char* what, const std::vector<int>& ctx, int NH, int NKV, int P, int max_ctx,
-                        KVCacheDtype dtype = KVCacheDtype::BF16) {
-  const int B = (int)ctx.size(), MB = (int)cdiv(max_ctx, P);
-  int NB = 0;
-  std::vector<int> bt = shuffled_tables(ctx, P, MB, NB, 31);
-  const size_t cache = (size_t)NB * NKV * P * HEAD_DIM;
-  const bool fp8 = dtype == KVCacheDtype::FP8;
-  void* k = fp8 ? device_random_e4m3(cache, 1) : (void*)device_random(cache, 1);
-  void* v = fp8 ? device_random_e4m3(cache, 2) : (void*)device_random(cache, 2);
-  bf16* qkv = device_random((size_t)B * (NH + 2 * NKV) * HEAD_DIM, 3);
-  int* d_ctx = to_device(ctx);
-  int* d_bt = to_device(bt);
-  bf16* out = nullptr;
-  CUDA_CHECK(cudaMalloc(&out, (size_t)B * NH * HEAD_DIM * sizeof(bf16)));
-  float* ws = nullptr;
-  CUDA_CHECK(cudaMalloc(&ws, flash_decode_workspace_bytes(B, NH, max_ctx)));
-  const KVView view{k, v, dtype, {}};
-  double us = median_us([&] {
-    with_format(view, [&](auto f, const auto& layer) {
+// (hundreds of MB) is far larger than L2, so every run reads it from HBM. Three paths over the same inputs:
+// section 16's kernel (with its merge kernel), the engine's default decode path (section 19), and section 8's
+// plain kernel (bf16 only; each query head of a GQA group reads the group's keys again, from L2 if they are
+// still there: its GB/s counts the bytes once, as the others do). decode_timing_shapes_give_finite_outputs runs each
+// once and checks its output; timing_decode times them.
+struct DecodeShape {
+  const char* what;
+  std::vector<int> ctx;
+  int NH, NKV, P, max_ctx;
+  KVCacheDtype dtype;
+};
+struct DecodeBench {
+  std::vector<int> ctx;
+  int B, NH, NKV, P, MB, max_ctx;
+  KVCacheDtype dtype;
+  bool fp8, fuse;
+  void *k, *v;
+  bf16 *qkv, *out, *w;
+  int *d_ctx, *d_bt, *d_pos, *d_slots;
+  float* ws;
+  explicit DecodeBench(const DecodeShape& sh)
+      : ctx(sh.ctx), B((int)sh.ctx.size()), NH(sh.NH), NKV(sh.NKV), P(sh.P), MB((int)cdiv(sh.max_ctx, sh.P)),
+        max_ctx(sh.max_ctx), dtype(sh.dtype), fp8(sh.dtype == KVCacheDtype::FP8) {
+    int NB = 0;
+    std::vector<int> bt = shuffled_tables(ctx, P, MB, NB, 31);
+    const size_t cache = (size_t)NB * NKV * P * HEAD_DIM;
+    k = fp8 ? device_random_e4m3(cache, 1) : (void*)device_random(cache, 1);
+    v = fp8 ? device_random_e4m3(cache, 2) : (void*)device_random(cache, 2);
+    qkv = device_random((size_t)B * (NH + 2 * NKV) * HEAD_DIM, 3);
+    d_ctx = to_device(ctx);
+    d_bt = to_device(bt);
+    CUDA_CHECK(cudaMalloc(&out, (size_t)B * NH * HEAD_DIM * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&ws, flash_decode_workspace_bytes(B, NH, max_ctx)));
+    // The engine's path fuses q/k-norm, RoPE and the store into the kernel (padding slots here, so the cache
+    // is not written) where the engine does: a bf16 cache, or small batches; elsewhere they run in the kernel
+    // before it, which is not timed here.
+    fuse = !fp8 || B <= DECODE_CLUSTER_MAX_B;
+    std::vector<int> pos(B), no_slots(B, -1);
+    for (int b = 0; b < B; b++) pos[b] = ctx[b] - 1;
+    d_pos = to_device(pos), d_slots = to_device(no_slots);
+    w = device_random(HEAD_DIM, 4);
+  }
+  ~DecodeBench() {
+    for (void* p : {(void*)d_pos, (void*)d_slots, (void*)w}) CUDA_CHECK(cudaFree(p));
+    for (void* p : {k, v, (void*)qkv, (void*)d_ctx, (void*)d_bt, (void*)out, (void*)ws}) CUDA_CHECK(cudaFree(p));
+  }
+  KVView view() const { return KVView{k, v, dtype, {}}; }
+  void flash() {
+    with_format(view(), [&](auto f, const auto& layer) {
       flash_attention_decode<decltype(f)>(out, qkv, layer, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws,
                                           1.f / sqrtf(128.f), 0);
     });
-  });
-  // The decode attention section 14's forward_fast runs (at batches of 1, 2 and 4 section 24's persistent
-  // kernel may take the whole step instead): section 19's kernel, with q/k-norm, RoPE and the store inside
-  // (padding slots here, so the cache is not written) where the engine fuses them (a bf16 cache, or small
-  // batches; elsewhere the kernel after them, which is section 15's: their kernel is not timed here), and at
-  // small batches section 19's cluster merge.
-  const bool fuse = !fp8 || B <= DECODE_CLUSTER_MAX_B;
-  std::vector<int> pos(B), no_slots(B, -1);
-  for (int b = 0; b < B; b++) pos[b] = ctx[b] - 1;
-  int *d_pos = to_device(pos), *d_slots = to_device(no_slots);
-  bf16* w = device_random(HEAD_DIM, 4);
-  const DecodeRope rope{d_pos, d_slots, w, w, 1e-6f, rope_inv_freq(1e6f)};
-  const Optimizations saved = g_opt;
-  g_opt.cluster_merge = true;  // the engine's default (where the GPU has clusters)
-  auto engine = [&] {
-    with_format(view, [&](auto f, const auto& layer) {
+  }
+  // The decode attention section 14's forward_fast runs (at batches of 1, 2 and 4 the persistent kernel may
+  // take the whole step instead): section 19's kernel, at small batches with its cluster merge.
+  void engine() {
+    const Optimizations saved = g_opt;
+    g_opt.cluster_merge = true;  // the engine's default (where the GPU has clusters)
+    const DecodeRope rope{d_pos, d_slots, w, w, 1e-6f, rope_inv_freq(1e6f)};
+    with_format(view(), [&](auto f, const auto& layer) {
       attention_decode_fast<decltype(f)>(out, qkv, layer, d_ctx, d_bt, B, NH, NKV, P, MB, max_ctx, ws,
                                          1.f / sqrtf(128.f), 0, fuse ? &rope : nullptr);
     });
-  };
-  const double us_fused = median_us(engine), us_fused_b2b = median_us_back_to_back(engine);
-  g_opt = saved;
-  CHECK_MSG(count_nonfinite(out, (size_t)B * NH * HEAD_DIM) == 0, "non-finite decode output (Part II)");
-  double tokens = 0;
-  for (int c : ctx) tokens += c;
-  const double bytes = tokens * NKV * HEAD_DIM * kv_value_bytes(dtype) * 2;
-  char plain_row[64] = "n/a (bf16 only)";
-  if (!fp8) {
-    const double us_plain = median_us([&] {
-      attention_decode(out, qkv, KVLayer{(bf16*)k, (bf16*)v}, d_ctx, d_bt, B, NH, NKV, P, MB, 1.f / sqrtf(128.f),
-                       0);
-    });
-    snprintf(plain_row, sizeof plain_row, "%.1f us, %.0f GB/s", us_plain, bytes / us_plain / 1e3);
-    CHECK_MSG(count_nonfinite(out, (size_t)B * NH * HEAD_DIM) == 0, "non-finite decode output (section 8)");
+    g_opt = saved;
   }
-  printf("    TIMING %s: KV %.1f MB; section 15 %.1f us, %.0f GB/s; engine (section 19%s) %.1f us, %.0f GB/s, "
-         "back to back %.1f us, %.0f GB/s; section 8 %s\n", what, bytes / 1e6, us, bytes / us / 1e3,
-         fuse ? ", fused rope" : "", us_fused, bytes / us_fused / 1e3, us_fused_b2b, bytes / us_fused_b2b / 1e3,
-         plain_row);
-  for (void* p : {(void*)d_pos, (void*)d_slots, (void*)w}) CUDA_CHECK(cudaFree(p));
-  for (void* p : {k, v, (void*)qkv, (void*)d_ctx, (void*)d_bt, (void*)out, (void*)ws}) CUDA_CHECK(cudaFree(p));
-}
-
+  void plain() {  // bf16 only
+    attention_decode(out, qkv, KVLayer{(bf16*)k, (bf16*)v}, d_ctx, d_bt, B, NH, NKV, P, MB, 1.f / sqrtf(128.f),
+                     0);
+  }
+  size_t nonfinite_out() const { return count_nonfinite(out, (size_t)B * NH * HEAD_DIM); }
+  double kv_bytes() const {
+    double tokens = 0;
+    for (int c : ctx) tokens += c;
+    return tokens * NKV * HEAD_DIM * kv_value_bytes(dtype) * 2;
+  }
+};
 // ---- the fused decode path -------------------------------------------------------------------------------
 
 static std::vector<uint16_t> download_bits(const bf16* d, size_t n) {
@@ -826,10 +834,10 @@ static void* device_copy_bytes(const void* src, size_t n) {
 }
 
 // Section 19's fused kernel (q/k-norm, RoPE and the KV store inside decode attention) against the kernels
-// it replaces, qk_norm_rope then section 15's flash_attention_decode, on the same raw qkv and cache: the
+// it replaces, qk_norm_rope then section 16's flash_attention_decode, on the same raw qkv and cache: the
 // outputs of the real rows and the whole cache afterwards must be equal bit for bit. Where the cluster merge
 // applies (section 19), the same again with it on both sides, and (contexts of at most 1024 keys, where its
-// partition length equals section 15's 64 keys: a bf16 cache) the cluster path against section 15 too.
+// partition length equals section 16's 64 keys: a bf16 cache) the cluster path against section 16 too.
 // The last n_pad rows are padding (slot -1, as the engine pads a graph's batch): every path stores nothing
 // for them; their outputs are not compared (the fused kernel attends to the row's own k and v, the separate
 // path to what the cache held).
@@ -906,11 +914,11 @@ static void check_fused_rope(const char* what, int NH, int NKV, int P, const std
     printf("    %-50s %-26s outputs differing %zu, k cache %zu, v cache %zu\n", what, label, out_diff, k_diff, v_diff);
     CHECK_MSG(out_diff == 0 && k_diff == 0 && v_diff == 0, "%s: %s differ", what, label);
   };
-  compare_bits(1, 0, "fused vs section 15");
+  compare_bits(1, 0, "fused vs section 16");
   if (cluster) compare_bits(3, 2, "fused vs separate, cluster");
   const int partition = fp8 ? DecodeLoop<KVFp8>::partition(B) : DecodeLoop<KVBf16>::partition(B);
   if (cluster && *std::max_element(ctx.begin(), ctx.end()) <= 1024 && partition == ATTN_KV_TILE)
-    compare_bits(2, 0, "cluster vs section 15");
+    compare_bits(2, 0, "cluster vs section 16");
   // the store happened: every real row's slot changed (random values repeat by chance only rarely)
   std::vector<uint8_t> k_before = download_bytes(k0, cache_bytes);
   size_t stored = 0;
@@ -982,7 +990,7 @@ TEST(fp8_wrong_scale_is_caught) {
 }
 
 // Section 19 with an fp8 cache: the fused kernel keeps this step's key and value in shared memory as the values
-// their bytes stand for, so its outputs and the bytes it stores equal qk_norm_rope_fp8 + section 15's, bit
+// their bytes stand for, so its outputs and the bytes it stores equal qk_norm_rope_fp8 + section 16's, bit
 // for bit.
 TEST(fp8_decode_fused_rope_matches_separate_kernels) {
   REQUIRE_GPU();
@@ -996,69 +1004,117 @@ TEST(fp8_decode_fused_rope_matches_separate_kernels) {
                    KVCacheDtype::FP8, s);
 }
 
-TEST(timing_decode) {
+// The decode shapes timed (DecodeBench allocates each in turn: several caches are hundreds of MB).
+static std::vector<DecodeShape> decode_timing_shapes() {
+  const std::vector<int> ctx1024(128, 1024), mixed = random_lengths(131, 100, 2000, 41);
+  const KVCacheDtype bf16 = KVCacheDtype::BF16, fp8 = KVCacheDtype::FP8;
+  return {
+      {"decode B=128 ctx=1024 NH=16 NKV=8 P=256 max_ctx=1024", ctx1024, 16, 8, 256, 1024, bf16},
+      {"decode B=128 ctx=1024 NH=16 NKV=8 P=256 max_ctx=4096", ctx1024, 16, 8, 256, 4096, bf16},
+      {"decode B=128 ctx=1024 NH=16 NKV=8 P=16  max_ctx=4096", ctx1024, 16, 8, 16, 4096, bf16},
+      {"decode B=131 ctx 100..2000 NH=16 NKV=8 P=256 max_ctx=4096", mixed, 16, 8, 256, 4096, bf16},
+      {"decode B=256 ctx=512 NH=32 NKV=8 P=256 max_ctx=4096", std::vector<int>(256, 512), 32, 8, 256, 4096, bf16},
+      {"decode B=1 ctx=4096 NH=16 NKV=8 P=256 max_ctx=4096", {4096}, 16, 8, 256, 4096, bf16},
+      // 268 MB, the KV bytes of the fp8 row at B = 128 below (bf16 at half the batch reads as many bytes).
+      {"decode B=64 ctx=1024 NH=16 NKV=8 P=256 max_ctx=4096", std::vector<int>(64, 1024), 16, 8, 256, 4096, bf16},
+      {"fp8 decode B=1 ctx=4096 NH=16 NKV=8 P=256 max_ctx=4096", {4096}, 16, 8, 256, 4096, fp8},
+      {"fp8 decode B=128 ctx=1024 NH=16 NKV=8 P=256 max_ctx=4096", ctx1024, 16, 8, 256, 4096, fp8},
+      // 537 MB, the KV bytes of the bf16 rows at B = 128 above.
+      {"fp8 decode B=256 ctx=1024 NH=16 NKV=8 P=256 max_ctx=4096", std::vector<int>(256, 1024), 16, 8, 256, 4096,
+       fp8},
+      {"fp8 decode B=131 ctx 100..2000 NH=16 NKV=8 P=256 max_ctx=4096", mixed, 16, 8, 256, 4096, fp8},
+      {"fp8 decode B=256 ctx=512 NH=32 NKV=8 P=256 max_ctx=4096", std::vector<int>(256, 512), 32, 8, 256, 4096, fp8},
+  };
+}
+
+// Each timed path once at each timed shape: its output is finite.
+TEST(decode_timing_shapes_give_finite_outputs) {
   REQUIRE_GPU();
-  const std::vector<int> ctx1024(128, 1024);
-  time_decode("decode B=128 ctx=1024 NH=16 NKV=8 P=256 max_ctx=1024", ctx1024, 16, 8, 256, 1024);
-  time_decode("decode B=128 ctx=1024 NH=16 NKV=8 P=256 max_ctx=4096", ctx1024, 16, 8, 256, 4096);
-  time_decode("decode B=128 ctx=1024 NH=16 NKV=8 P=16  max_ctx=4096", ctx1024, 16, 8, 16, 4096);
-  time_decode("decode B=131 ctx 100..2000 NH=16 NKV=8 P=256 max_ctx=4096", random_lengths(131, 100, 2000, 41),
-              16, 8, 256, 4096);
-  time_decode("decode B=256 ctx=512 NH=32 NKV=8 P=256 max_ctx=4096", std::vector<int>(256, 512), 32, 8, 256,
-              4096);
-  time_decode("decode B=1 ctx=4096 NH=16 NKV=8 P=256 max_ctx=4096", {4096}, 16, 8, 256, 4096);
-  // 268 MB, the KV bytes of the fp8 row at B = 128 below (bf16 at half the batch reads as many bytes).
-  time_decode("decode B=64 ctx=1024 NH=16 NKV=8 P=256 max_ctx=4096", std::vector<int>(64, 1024), 16, 8, 256, 4096);
-  const KVCacheDtype fp8 = KVCacheDtype::FP8;
-  time_decode("fp8 decode B=1 ctx=4096 NH=16 NKV=8 P=256 max_ctx=4096", {4096}, 16, 8, 256, 4096, fp8);
-  time_decode("fp8 decode B=128 ctx=1024 NH=16 NKV=8 P=256 max_ctx=4096", ctx1024, 16, 8, 256, 4096, fp8);
-  // 537 MB, the KV bytes of the bf16 rows at B = 128 above.
-  time_decode("fp8 decode B=256 ctx=1024 NH=16 NKV=8 P=256 max_ctx=4096", std::vector<int>(256, 1024), 16, 8, 256,
-              4096, fp8);
-  time_decode("fp8 decode B=131 ctx 100..2000 NH=16 NKV=8 P=256 max_ctx=4096", random_lengths(131, 100, 2000, 41),
-              16, 8, 256, 4096, fp8);
-  time_decode("fp8 decode B=256 ctx=512 NH=32 NKV=8 P=256 max_ctx=4096", std::vector<int>(256, 512), 32, 8, 256,
-              4096, fp8);
+  for (const DecodeShape& sh : decode_timing_shapes()) {
+    DecodeBench d(sh);
+    d.flash();
+    CHECK_MSG(d.nonfinite_out() == 0, "%s: non-finite output (section 16)", sh.what);
+    d.engine();
+    CHECK_MSG(d.nonfinite_out() == 0, "%s: non-finite output (the engine's path)", sh.what);
+    if (d.fp8) continue;
+    d.plain();
+    CHECK_MSG(d.nonfinite_out() == 0, "%s: non-finite output (section 8)", sh.what);
+  }
+}
+
+TIMING(timing_decode) {
+  REQUIRE_GPU();
+  for (const DecodeShape& sh : decode_timing_shapes()) {
+    DecodeBench d(sh);
+    const double bytes = d.kv_bytes(), us = median_us([&] { d.flash(); });
+    const double us_fused = median_us([&] { d.engine(); });
+    const double us_fused_b2b = median_us_back_to_back([&] { d.engine(); });
+    char plain_row[64] = "n/a (bf16 only)";
+    if (!d.fp8) {
+      const double us_plain = median_us([&] { d.plain(); });
+      snprintf(plain_row, sizeof plain_row, "%.1f us, %.0f GB/s", us_plain, bytes / us_plain / 1e3);
+    }
+    printf("    TIMING %s: KV %.1f MB; section 16 %.1f us, %.0f GB/s; engine (section 19%s) %.1f us, %.0f GB/s, "
+           "back to back %.1f us, %.0f GB/s; section 8 %s\n", sh.what, bytes / 1e6, us, bytes / us / 1e3,
+           d.fuse ? ", fused rope" : "", us_fused, bytes / us_fused / 1e3, us_fused_b2b, bytes / us_fused_b2b / 1e3,
+           plain_row);
+  }
 }
 
 // Prefill of S sequences of L tokens (no cached prefix). Causal FLOPs: 4 * D * NH * sum over queries of
-// (keys seen) — QK^T and PV, 2 FLOPs per multiply-add each. Rows: section 15's kernel (tensor cores) and
+// (keys seen) — QK^T and PV, 2 FLOPs per multiply-add each. Two paths: section 15's kernel (tensor cores) and
 // section 8's (a warp per query row and head, on the CUDA cores).
-TEST(timing_prefill) {
+struct PrefillBench {
+  static const int S = 64, L = 2048, NH = 16, NKV = 8, P = 256, T = S * L, MB = L / P;
+  bf16 *k, *v, *qkv, *out;
+  int *d_cu, *d_lens, *d_bt;
+  PrefillBench() {
+    std::vector<int> lens(S, L), cu(S + 1);
+    for (int b = 0; b <= S; b++) cu[b] = b * L;
+    int NB = 0;
+    std::vector<int> bt = shuffled_tables(lens, P, MB, NB, 32);
+    const size_t cache = (size_t)NB * NKV * P * HEAD_DIM;
+    k = device_random(cache, 4);
+    v = device_random(cache, 5);
+    qkv = device_random((size_t)T * (NH + 2 * NKV) * HEAD_DIM, 6);
+    d_cu = to_device(cu);
+    d_lens = to_device(lens);
+    d_bt = to_device(bt);
+    CUDA_CHECK(cudaMalloc(&out, out_elems() * sizeof(bf16)));
+  }
+  ~PrefillBench() {
+    for (void* p : {(void*)k, (void*)v, (void*)qkv, (void*)d_cu, (void*)d_lens, (void*)d_bt, (void*)out})
+      CUDA_CHECK(cudaFree(p));
+  }
+  static size_t out_elems() { return (size_t)T * NH * HEAD_DIM; }
+  void run(bool plain) {
+    const float scale = 1.f / sqrtf(128.f);
+    if (plain) attention_prefill(out, qkv, KVLayer{k, v}, d_cu, d_lens, d_bt, S, L, NH, NKV, P, MB, scale, 0);
+    else flash_attention_prefill(out, qkv, KVLayer{k, v}, d_cu, d_lens, d_bt, S, L, NH, NKV, P, MB, scale, 0);
+  }
+};
+
+TEST(prefill_timing_shape_gives_finite_outputs) {
   REQUIRE_GPU();
-  const int S = 64, L = 2048, NH = 16, NKV = 8, P = 256, T = S * L, MB = L / P;
-  std::vector<int> lens(S, L), cu(S + 1);
-  for (int b = 0; b <= S; b++) cu[b] = b * L;
-  int NB = 0;
-  std::vector<int> bt = shuffled_tables(lens, P, MB, NB, 32);
-  const size_t cache = (size_t)NB * NKV * P * HEAD_DIM;
-  bf16* k = device_random(cache, 4);
-  bf16* v = device_random(cache, 5);
-  bf16* qkv = device_random((size_t)T * (NH + 2 * NKV) * HEAD_DIM, 6);
-  int* d_cu = to_device(cu);
-  int* d_lens = to_device(lens);
-  int* d_bt = to_device(bt);
-  bf16* out = nullptr;
-  CUDA_CHECK(cudaMalloc(&out, (size_t)T * NH * HEAD_DIM * sizeof(bf16)));
-  const float scale = 1.f / sqrtf(128.f);
+  PrefillBench p;
+  for (int plain = 0; plain < 2; plain++) {
+    CUDA_CHECK(cudaMemset(p.out, 0xFF, p.out_elems() * sizeof(bf16)));  // NaN
+    p.run(plain);
+    CHECK_MSG(count_nonfinite(p.out, p.out_elems()) == 0, "non-finite prefill output (section %d)",
+              plain ? 8 : 15);
+  }
+}
+
+TIMING(timing_prefill) {
+  REQUIRE_GPU();
+  PrefillBench p;
+  const int S = p.S, L = p.L, NH = p.NH, T = p.T;
   const double flops = 4.0 * HEAD_DIM * NH * S * ((double)L * (L + 1) / 2);
   for (int plain = 0; plain < 2; plain++) {
-    CUDA_CHECK(cudaMemset(out, 0xFF, (size_t)T * NH * HEAD_DIM * sizeof(bf16)));
-    const double us = median_us(
-        [&] {
-          if (plain)
-            attention_prefill(out, qkv, KVLayer{k, v}, d_cu, d_lens, d_bt, S, L, NH, NKV, P, MB, scale, 0);
-          else
-            flash_attention_prefill(out, qkv, KVLayer{k, v}, d_cu, d_lens, d_bt, S, L, NH, NKV, P, MB, scale, 0);
-        },
-        plain ? 3 : 7);
+    const double us = median_us([&] { p.run(plain); }, plain ? 3 : 7);
     printf("    TIMING prefill %d x %d NH=%d NKV=%d P=%d, section %d: %.0f us, %.1f TFLOP/s, %.0f tok/s "
-           "(1 layer)\n", S, L, NH, NKV, P, plain ? 8 : 14, us, flops / us / 1e6, T / us * 1e6);
-    CHECK_MSG(count_nonfinite(out, (size_t)T * NH * HEAD_DIM) == 0, "non-finite prefill output (section %d)",
-              plain ? 8 : 14);
+           "(1 layer)\n", S, L, NH, p.NKV, p.P, plain ? 8 : 15, us, flops / us / 1e6, T / us * 1e6);
   }
-  for (void* p : {(void*)k, (void*)v, (void*)qkv, (void*)d_cu, (void*)d_lens, (void*)d_bt, (void*)out})
-    CUDA_CHECK(cudaFree(p));
 }
 
 int main(int argc, char** argv) {

@@ -39,7 +39,7 @@ if [ "${KERNELS:-1}" != 0 ]; then
   suite gpu_attention gpu_attention.txt "$TB/gpu_attention"
   suite gpu_gemm gpu_gemm.txt "$TB/gpu_gemm"
   suite gpu_persistent gpu_persistent.txt "$TB/gpu_persistent"
-  grep -E 'TIMING' "$LOG_DIR/gpu_persistent.txt"
+  grep -E 'TIMING|^MEASURED' "$LOG_DIR/gpu_persistent.txt"
   [ "$TP" -gt 1 ] && { suite gpu_tp gpu_tp.txt "$TB/gpu_tp"; grep -E '^ ' "$LOG_DIR/gpu_tp.txt"; }
 fi
 python3 test/ref/hf_reference.py "$WORK_DIR" "$TOKENIZER_DIR" $SHAPES 2>&1 | tee "$LOG_DIR/hf_reference.txt" | grep -v Warning

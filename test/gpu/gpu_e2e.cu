@@ -20,7 +20,7 @@
 // set here unless the environment says otherwise), not only those it measured faster at start-up.
 // NANOVLLM_E2E_SCHEDULER=mixed runs every engine with --scheduler mixed (vLLM V1's, section 5b): steps then
 // hold decode tokens and prompt chunks together (with the default optimizations, their decode rows go through
-// the decode kernel, section 15, and steps of up to 2,048 tokens replay section 23's graphs).
+// the decode kernel, section 16, and steps of up to 2,048 tokens replay section 23's graphs).
 // NANOVLLM_E2E_KV=fp8 runs every engine with --kv-cache-dtype fp8 (section 28). Its bar for (a) is 5x the bf16
 // one: e4m3 rounds each key and value to 3 mantissa bits (a relative error up to 2^-4, 16x bf16's), which on
 // these shapes costs 3-5x bf16's logit error (docs/performance.md, the FP8 KV cache), and a scale off by 2x costs far more

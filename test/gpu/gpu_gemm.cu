@@ -60,7 +60,7 @@ TEST(gemm_small_batch_matches_cpu) {
 
 // Time both paths on Qwen3-0.6B's and -8B's layer shapes; weights rotate over several copies so each run
 // reads from memory, as a decode step does.
-TEST(gemm_small_batch_speed) {
+TIMING(gemm_small_batch_speed) {
   if (!have_gpu()) SKIP("no GPU");
   cudaDeviceProp prop;
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -178,7 +178,7 @@ TEST(fused_gemv_matches_separate_kernels) {
 
 // Batch-1 decode's four products of a Qwen3-0.6B layer, each fused gemv against the kernels it replaces,
 // launched back to back on one stream as a decode step launches them.
-TEST(fused_gemv_speed) {
+TIMING(fused_gemv_speed) {
   if (!have_gpu()) SKIP("no GPU");
   const int H = 1024, I = 3072, QKV = 4096, O_K = 2048, reps = 200;
   Dev wqkv(random_bf16((size_t)QKV * H, 1, 0.05f)), wo(random_bf16((size_t)H * O_K, 2, 0.05f));

@@ -30,8 +30,10 @@
 //     qk_norm_rope and section 8's attention_decode on the same qkv; section 26's plans (the step's operations
 //     over the model's weights, their split and counts); section 27's routing cache (a stale or corrupt file
 //     is measured again and rewritten).
-//   * timing_*: one decode step captured in a CUDA graph, persistent vs section 14 (sampler not included), for
-//     the 0.6B and the full 8B shapes; and the breakdown of a step by operation (PersistArgs::trace): when
+//   * Routing (routing_by_context_picks_the_faster_path): at the context limit start-up measures, each side
+//     of it must be faster on the path it routes to.
+//   * Measurements (TIMING, figures only): one decode step captured in a CUDA graph, persistent vs section
+//     14's stages (sampler not included), for the 0.6B and the full 8B shapes; and the breakdown of a step by operation (PersistArgs::trace): when
 //     each block got past its wait, how many chunks of weights its ring then held, how long its input, its
 //     rows and its end took, beside the time its share of the weights takes at its share of the bandwidth.
 #define NANOVLLM_TESTING
@@ -94,7 +96,7 @@ __global__ void widen_e4m3(bf16* out, const fp8e4m3* in, size_t n, float scale) 
 }
 
 // A Qwen3 with random weights and a random cache, bf16 or (fp8 = true) fp8 with the scales the engine would
-// choose for these weights plus a bf16 copy of it for Part I, and section 24's plans, without a checkpoint.
+// choose for these weights plus a bf16 copy of it for Part I, and section 26's plans, without a checkpoint.
 struct TestModel {
   Qwen3 m;
   PersistentDecode pd;
@@ -388,20 +390,20 @@ static void accuracy_case(const std::string& shape, int P, bool fp8 = false) {
   }
 }
 
-TEST(persistent_matches_section20_and_part1_odd_shape) {
+TEST(persistent_matches_stages_and_part1_odd_shape) {
   REQUIRE_GPU();
   accuracy_case("odd", 16);
 }
-TEST(persistent_matches_section20_and_part1_wide_groups) {
+TEST(persistent_matches_stages_and_part1_wide_groups) {
   REQUIRE_GPU();
   accuracy_case("odd-gqa6", 16);
   accuracy_case("odd-gqa8", 16);
 }
-TEST(persistent_matches_section20_and_part1_06b) {
+TEST(persistent_matches_stages_and_part1_06b) {
   REQUIRE_GPU();
   accuracy_case("0.6b", 256);
 }
-TEST(persistent_matches_section20_and_part1_8b_short) {
+TEST(persistent_matches_stages_and_part1_8b_short) {
   REQUIRE_GPU();
   accuracy_case("8b-short", 64);
 }
@@ -410,15 +412,15 @@ TEST(persistent_matches_section20_and_part1_8b_short) {
     REQUIRE_GPU();                                                                         \
     if (!fp8_cache_supported()) SKIP("an fp8 cache needs compute capability 8.9 or newer"); \
   } while (0)
-TEST(persistent_matches_section20_and_part1_fp8_odd_shape) {
+TEST(persistent_matches_stages_and_part1_fp8_odd_shape) {
   REQUIRE_FP8();
   accuracy_case("odd", 16, true);
 }
-TEST(persistent_matches_section20_and_part1_fp8_06b) {
+TEST(persistent_matches_stages_and_part1_fp8_06b) {
   REQUIRE_FP8();
   accuracy_case("0.6b", 256, true);
 }
-TEST(persistent_matches_section20_and_part1_fp8_8b_short) {
+TEST(persistent_matches_stages_and_part1_fp8_8b_short) {
   REQUIRE_FP8();
   accuracy_case("8b-short", 64, true);
 }
@@ -801,7 +803,7 @@ TEST(persistent_results_do_not_depend_on_timing) {
 }
 
 // One decode step in a CUDA graph: section 14's kernels vs the persistent kernel (no sampler).
-TEST(timing_persistent_vs_section20) {
+TIMING(timing_persistent_vs_stages) {
   REQUIRE_GPU();
   for (const char* shape : {"0.6b", "8b"})
   for (bool fp8 : {false, true}) {
@@ -835,7 +837,7 @@ TEST(timing_persistent_vs_section20) {
 // right on both sides. Each path timed again in a graph at half the limit (the kernel must be faster) and at
 // twice it (section 14's path must be); with no limit, the kernel must be faster at the longest context
 // measured, and where it takes no step, section 14's path at the shortest.
-TEST(timing_routing_by_context) {
+TEST(routing_by_context_picks_the_faster_path) {
   REQUIRE_GPU();
   const int max_len = 16384;
   TestModel t("0.6b", 256, max_len, 4 * max_len / 256);
@@ -875,7 +877,7 @@ TEST(timing_routing_by_context) {
 // last block past it, to its completion; then per block, from past its wait to its end, beside the time
 // its share of the weights takes at its share (1 / grid) of the copy bandwidth, and how many of its chunks
 // were in its ring (in flight or landed) at that moment.
-TEST(timing_persistent_breakdown) {
+TIMING(timing_persistent_breakdown) {
   REQUIRE_GPU();
   TestModel t("0.6b", 256, 4096, 64);
   double copy_gbps = 0;  // device-to-device copy of 512 MiB: bytes read and written per ns, the best of 5

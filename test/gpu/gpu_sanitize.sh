@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # compute-sanitizer over the GPU suites, one case at a time, on a GPU machine:
-#   memcheck and initcheck  every case of gpu_kernels, gpu_requests, gpu_attention and gpu_gemm but the timing ones
-#                           (bench_*, timing_*, *_speed)
+#   memcheck and initcheck  every case of gpu_kernels, gpu_requests, gpu_attention and gpu_gemm but the
+#                           measurements (TIMING cases: left out of --list-tests)
 #   racecheck               the same, except the sampler's statistical cases (millions of draws: hours under
 #                           racecheck); sample_every_path_once takes every sampler path instead
 #   memcheck on ./nanovllm  a short generation with CUDA graphs and one eager (when MODEL_DIR is given);
@@ -48,11 +48,14 @@ sanitize() {  # sanitize TOOL NAME CMD...: clean = exit 0 and "ERROR SUMMARY: 0 
 }
 for suite in ${SUITES:-gpu_gemm gpu_kernels gpu_requests gpu_attention}; do
   CS_FLAGS=; [ "$suite" = gpu_tp ] && CS_FLAGS="--report-api-errors no"
-  # --list prints case names, one per line (a suite may print a GPU line first)
-  for c in $("$BIN/$suite" --list | grep -E '^[a-z][a-z0-9_]*$' | grep -v -E '^(bench|timing)_|_speed$' |
+  # --list-tests prints the names of the cases that are tests, one per line (a suite may print a GPU line first)
+  for c in $("$BIN/$suite" --list-tests | grep -E '^[a-z][a-z0-9_]*$' |
     grep -E "${CASES:-.}"); do
     for tool in ${TOOLS:-memcheck initcheck racecheck}; do
       case "$tool:$c" in
+        # Tests of a time (a bandwidth floor, a budget, the faster path): the tools slow every kernel.
+        *:elementwise_kernels_above_100_GBps | *:sample_fast_within_budget_at_b256 | \
+          *:routing_by_context_picks_the_faster_path) continue ;;
         racecheck:sample_reproduces_cpu_draws_exactly | racecheck:sample_is_deterministic_and_independent_of_batch | \
           racecheck:sample_distribution_matches_softmax | racecheck:sample_large_vocab_kept_sets) continue ;;
       esac

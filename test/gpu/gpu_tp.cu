@@ -282,7 +282,7 @@ static double graph_us_per_call(cudaStream_t s, const std::function<void()>& cal
 
 // Microseconds per all-reduce at the sizes of one decode step of a Qwen3-8B-wide model: B rows of H = 4096
 // bf16, on both roads.
-TEST(bench_all_reduce_latency) {
+TIMING(bench_all_reduce_latency) {
   NEED_TWO_GPUS();
   cudaStream_t s;
   CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));

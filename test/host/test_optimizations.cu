@@ -94,7 +94,7 @@ TEST(switches_fill_their_hooks) {
 }
 
 // What section 34's simulate reads of the switches (Optimization::step_costs, by name): Part I's steps with
-// none on, section 23's graphs up to its largest rung, section 15's decode rows once per GQA group.
+// none on, section 23's graphs up to its largest rung, section 16's decode rows once per GQA group.
 TEST(simulate_reads_the_step_costs_of_the_switches_on) {
   CHECK_EQ(step_cost(parsed("none"), "prefill_graph_tokens"), 0.0);
   CHECK_EQ(step_cost(parsed("none"), "decode_rows_per_kv_group"), 0.0);

@@ -15,7 +15,7 @@
 //   - every shared block holds the same tokens in each table that holds it, and a hashed block's stored
 //     tokens are the tokens of each sequence holding it at that position;
 //   - the step stays within max_num_seqs and max_num_batched_tokens, and is never empty while work remains;
-//   - under the mixed scheduler, the sequences that were decoding lead the step (section 15's decode rows).
+//   - under the mixed scheduler, the sequences that were decoding lead the step (section 16's decode rows).
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
 #include "../test.h"
@@ -135,7 +135,7 @@ static bool stress_run(const Scenario& sc, uint64_t seed, int64_t steps_target, 
     int64_t tokens = 0;
     for (auto* q : batch) tokens += q->num_scheduled_tokens;
     if ((pf || sc.mixed) && tokens > sc.budget) return fail("a step over max_num_batched_tokens", -1);
-    // Section 15 runs a step's leading one-token rows as decode rows: every running sequence with one token
+    // Section 16 runs a step's leading one-token rows as decode rows: every running sequence with one token
     // left must be among them (the mixed scheduler serves the running ones first, and a running one mid-prompt,
     // or recomputing after a preemption, is the newest that got tokens: the budget ran out on it).
     size_t lead = 0;

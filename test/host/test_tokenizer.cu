@@ -646,22 +646,33 @@ TEST(fast_reader_matches_plain_reader_edge_cases) {
   CHECK(!both("no merges", replaced("\"merges\":", "\"merges_\":")));
 }
 
-// Throughput on a larger natural text (informative: the device benchmark is the one that is reported).
-TEST(encode_speed_natural_text) {
-  NEED_QWEN3();
+// A larger natural text: the languages and code of the reference cases, doubled to 4 MB.
+static std::string natural_text_4mb() {
   std::string text;
   for (const json& c : reference("encode"))
     if (c["name"].get<std::string>().rfind("lang/", 0) == 0 ||
         c["name"].get<std::string>().rfind("code/", 0) == 0)
       text += c["text"].get<std::string>() + "\n";
   while (text.size() < (4u << 20)) text += text;
+  return text;
+}
+// It encodes whole through a cold cache, at more than one id per 8 bytes.
+TEST(encode_large_natural_text) {
+  NEED_QWEN3();
+  const std::string text = natural_text_4mb();
+  tok->cache.assign(Tokenizer::CACHE_SLOTS, Tokenizer::CacheSlot{});
+  CHECK(tok->encode(text).size() > text.size() / 8);
+}
+// Throughput (informative: the device benchmark is the one that is reported).
+TIMING(encode_speed_natural_text) {
+  NEED_QWEN3();
+  const std::string text = natural_text_4mb();
   tok->cache.assign(Tokenizer::CACHE_SLOTS, Tokenizer::CacheSlot{});
   double t0 = now_seconds();
   std::vector<int> ids = tok->encode(text);
   double dt = now_seconds() - t0;
   printf("    %.1f MB of languages and code -> %zu ids in %.3f s: %.1f MB/s\n", text.size() / 1e6, ids.size(),
          dt, text.size() / dt / 1e6);
-  CHECK(ids.size() > text.size() / 8);
 }
 
 int main(int argc, char** argv) { return test_main(argc, argv); }
