@@ -10549,94 +10549,108 @@ static std::string fmt(const char* f, double v) {
   return b;
 }
 
-static void write_report(const std::string& path, const std::string& title, const json& summary_record,
-                         const std::vector<StepTrace>& steps, const std::vector<Completion>& outs) {
-  const json& S = summary_record["summary"];
-  const int n = std::max<int>(1, (int)steps.size());
+// One picture of the report: an SVG whose x axis is the run's steps (picture 4's is time), and the page
+// geometry every picture shares. Each picture's function draws into `svg` and returns it.
+struct ReportChart {
+  const int n;                                            // steps on the x axis (at least 1)
   const double W = 1100, L = 70, R = 20, PW = W - L - R;  // page width, plot left and right margins
-  auto sx = [&](double i) { return L + PW * i / n; };     // step index -> x
-  const double bw = std::max(PW / n, 0.4);
-  std::string h;
-  auto chart_open = [&](double height, const std::string& ylabel, const std::string& xlabel) {
-    h += "<svg width=\"" + fmt("%.0f", W) + "\" height=\"" + fmt("%.0f", height + 40) + "\">";
-    h += svg_text(14, 10 + height / 2, ylabel, "middle",
-                  (" transform=\"rotate(-90 14 " + fmt("%.1f", 10 + height / 2) + ")\"").c_str());
-    h += svg_text(L + PW / 2, height + 38, xlabel, "middle");
-    h += "<line x1=\"" + fmt("%.0f", L) + "\" y1=\"10\" x2=\"" + fmt("%.0f", L) + "\" y2=\"" +
-         fmt("%.0f", height + 10) + "\" class=\"axis\"/><line x1=\"" + fmt("%.0f", L) + "\" y1=\"" +
-         fmt("%.0f", height + 10) + "\" x2=\"" + fmt("%.0f", L + PW) + "\" y2=\"" + fmt("%.0f", height + 10) +
-         "\" class=\"axis\"/>";
-  };
-  auto step_ticks = [&](double y) {  // x ticks at round step numbers
+  const double bw;                                        // a step's bar width
+  std::string svg;
+  explicit ReportChart(size_t steps) : n(std::max<int>(1, (int)steps)), bw(std::max(PW / n, 0.4)) {}
+  double sx(double i) const { return L + PW * i / n; }    // step index -> x
+  // The picture's frame: its size, the two axes and their labels.
+  void open(double height, const std::string& ylabel, const std::string& xlabel) {
+    svg += "<svg width=\"" + fmt("%.0f", W) + "\" height=\"" + fmt("%.0f", height + 40) + "\">";
+    svg += svg_text(14, 10 + height / 2, ylabel, "middle",
+                    (" transform=\"rotate(-90 14 " + fmt("%.1f", 10 + height / 2) + ")\"").c_str());
+    svg += svg_text(L + PW / 2, height + 38, xlabel, "middle");
+    svg += "<line x1=\"" + fmt("%.0f", L) + "\" y1=\"10\" x2=\"" + fmt("%.0f", L) + "\" y2=\"" +
+           fmt("%.0f", height + 10) + "\" class=\"axis\"/><line x1=\"" + fmt("%.0f", L) + "\" y1=\"" +
+           fmt("%.0f", height + 10) + "\" x2=\"" + fmt("%.0f", L + PW) + "\" y2=\"" +
+           fmt("%.0f", height + 10) + "\" class=\"axis\"/>";
+  }
+  void step_ticks(double y) {  // x ticks at round step numbers
     int every = 1;
     while (n / every > 10) every *= every % 3 == 1 ? 5 : 2;  // 1, 2, 10, 20, 100, ...
-    for (int i = 0; i <= n; i += every) h += svg_text(sx(i), y, std::to_string(i + (i < n ? 1 : 0)), "middle");
-  };
-  auto legend = [&](double x, double y, std::vector<std::pair<const char*, const char*>> items) {
+    for (int i = 0; i <= n; i += every)
+      svg += svg_text(sx(i), y, std::to_string(i + (i < n ? 1 : 0)), "middle");
+  }
+  void legend(double x, double y, std::vector<std::pair<const char*, const char*>> items) {
     for (auto& [color, name] : items) {
-      h += svg_rect(x, y - 9, 10, 10, color) + svg_text(x + 14, y, name);
+      svg += svg_rect(x, y - 9, 10, 10, color) + svg_text(x + 14, y, name);
       x += 20 + 7.0 * strlen(name);
     }
-  };
-  // Chart 1: the tokens of each step, on a log scale so that decode steps stay visible beside prefill.
+  }
+};
+
+// Picture 1: the tokens of each step, on a log scale so that decode steps stay visible beside prefill.
+static std::string chart_step_tokens(const std::vector<StepTrace>& steps) {
+  ReportChart c(steps.size());
+  std::string& h = c.svg;
   int64_t max_tokens = 1;
   for (auto& t : steps) max_tokens = std::max<int64_t>(max_tokens, t.tokens + (t.padded_batch - t.batch));
   const double H1 = 220, top1 = log10(1.0 + max_tokens);
   auto y1 = [&](double v) { return 10 + H1 - H1 * log10(1.0 + v) / top1; };
-  chart_open(H1, "tokens (log scale)", "step");
+  c.open(H1, "tokens (log scale)", "step");
   for (double v = 1; v <= max_tokens; v *= 10) {
-    h += svg_text(L - 6, y1(v) + 4, fmt("%.0f", v), "end");
-    h += "<line x1=\"" + fmt("%.0f", L) + "\" x2=\"" + fmt("%.0f", L + PW) + "\" y1=\"" + fmt("%.1f", y1(v)) +
-         "\" y2=\"" + fmt("%.1f", y1(v)) + "\" class=\"grid\"/>";
+    h += svg_text(c.L - 6, y1(v) + 4, fmt("%.0f", v), "end");
+    h += "<line x1=\"" + fmt("%.0f", c.L) + "\" x2=\"" + fmt("%.0f", c.L + c.PW) + "\" y1=\"" +
+         fmt("%.1f", y1(v)) + "\" y2=\"" + fmt("%.1f", y1(v)) + "\" class=\"grid\"/>";
   }
   for (int i = 0; i < (int)steps.size(); i++) {
     const StepTrace& t = steps[i];
     const double pre = (double)(t.tokens - t.decode_tokens), dec = (double)t.decode_tokens;
     const double pad = (double)(t.padded_batch - t.batch);
     h += "<g class=\"step\" data-step=\"" + std::to_string(t.step) + "\">";
-    h += svg_rect(sx(i), y1(pre), bw, y1(0) - y1(pre), "#4e79a7");
-    h += svg_rect(sx(i), y1(pre + dec), bw, y1(pre) - y1(pre + dec), "#59a14f");
-    h += svg_rect(sx(i), y1(pre + dec + pad), bw, y1(pre + dec) - y1(pre + dec + pad), "#bab0ac");
+    h += svg_rect(c.sx(i), y1(pre), c.bw, y1(0) - y1(pre), "#4e79a7");
+    h += svg_rect(c.sx(i), y1(pre + dec), c.bw, y1(pre) - y1(pre + dec), "#59a14f");
+    h += svg_rect(c.sx(i), y1(pre + dec + pad), c.bw, y1(pre + dec) - y1(pre + dec + pad), "#bab0ac");
     h += "<title>step " + std::to_string(t.step) + ": " + fmt("%.0f", pre) + " prompt tokens, " +
          fmt("%.0f", dec) + " decode tokens, " + fmt("%.0f", pad) + " padding rows</title></g>";
   }
-  step_ticks(H1 + 24);
-  legend(L + 10, 24, {{"#4e79a7", "prompt tokens (prefill)"}, {"#59a14f", "decode tokens"},
-                      {"#bab0ac", "padding to the CUDA graph's batch"}});
-  h += "</svg>\n";
-  std::string chart1 = h;
-  h.clear();
-  // Chart 2: the KV pool after each step's scheduling.
+  c.step_ticks(H1 + 24);
+  c.legend(c.L + 10, 24, {{"#4e79a7", "prompt tokens (prefill)"}, {"#59a14f", "decode tokens"},
+                          {"#bab0ac", "padding to the CUDA graph's batch"}});
+  return h + "</svg>\n";
+}
+
+// Picture 2: the KV pool of NB blocks after each step's scheduling.
+static std::string chart_kv_pool(const std::vector<StepTrace>& steps, int NB) {
+  ReportChart c(steps.size());
+  std::string& h = c.svg;
   const double H2 = 180;
-  const int NB = steps.empty() ? 1 : std::max(1, steps[0].num_blocks);
   auto y2 = [&](double v) { return 10 + H2 - H2 * v / NB; };
-  chart_open(H2, "KV blocks", "step");
-  for (int k = 0; k <= 4; k++) h += svg_text(L - 6, y2(NB * k / 4.0) + 4, fmt("%.0f", NB * k / 4.0), "end");
+  c.open(H2, "KV blocks", "step");
+  for (int k = 0; k <= 4; k++) h += svg_text(c.L - 6, y2(NB * k / 4.0) + 4, fmt("%.0f", NB * k / 4.0), "end");
   for (int i = 0; i < (int)steps.size(); i++) {
     const StepTrace& t = steps[i];
     const double used = t.num_blocks - t.free_blocks, cached = t.cached_free_blocks;
-    h += svg_rect(sx(i), y2(used), bw, y2(0) - y2(used), "#f28e2b");
-    h += svg_rect(sx(i), y2(used + cached), bw, y2(used) - y2(used + cached), "#76b7b2");
-    h += svg_rect(sx(i), y2(NB), bw, y2(used + cached) - y2(NB), "#eeeeee");
+    h += svg_rect(c.sx(i), y2(used), c.bw, y2(0) - y2(used), "#f28e2b");
+    h += svg_rect(c.sx(i), y2(used + cached), c.bw, y2(used) - y2(used + cached), "#76b7b2");
+    h += svg_rect(c.sx(i), y2(NB), c.bw, y2(used + cached) - y2(NB), "#eeeeee");
   }
-  step_ticks(H2 + 24);
-  legend(L + 10, 24, {{"#f28e2b", "held by sequences"}, {"#76b7b2", "free but still a cached prefix"},
-                      {"#eeeeee", "free"}});
-  h += "</svg>\n";
-  std::string chart2 = h;
-  h.clear();
-  // Chart 3: prefix-cache hits at admission (bars) and preemptions (red marks, one per victim).
+  c.step_ticks(H2 + 24);
+  c.legend(c.L + 10, 24, {{"#f28e2b", "held by sequences"}, {"#76b7b2", "free but still a cached prefix"},
+                          {"#eeeeee", "free"}});
+  return h + "</svg>\n";
+}
+
+// Picture 3: prefix-cache hits at admission (bars) and preemptions (red marks, one per victim).
+static std::string chart_hits_and_preemptions(const std::vector<StepTrace>& steps) {
+  ReportChart c(steps.size());
+  std::string& h = c.svg;
   int max_hit = 1;
   for (auto& t : steps) max_hit = std::max(max_hit, t.prefix_hit);
   const double H3 = 120;
   auto y3 = [&](double v) { return 10 + H3 - (H3 - 20) * v / max_hit; };
-  chart_open(H3, "hit tokens", "step");
-  h += svg_text(L - 6, y3(max_hit) + 4, std::to_string(max_hit), "end") + svg_text(L - 6, y3(0) + 4, "0", "end");
+  c.open(H3, "hit tokens", "step");
+  h += svg_text(c.L - 6, y3(max_hit) + 4, std::to_string(max_hit), "end");
+  h += svg_text(c.L - 6, y3(0) + 4, "0", "end");
   for (int i = 0; i < (int)steps.size(); i++) {
     const StepTrace& t = steps[i];
-    if (t.prefix_hit) h += svg_rect(sx(i), y3(t.prefix_hit), bw, y3(0) - y3(t.prefix_hit), "#b07aa1");
+    if (t.prefix_hit) h += svg_rect(c.sx(i), y3(t.prefix_hit), c.bw, y3(0) - y3(t.prefix_hit), "#b07aa1");
     for (size_t k = 0; k < t.preempted.size(); k++) {
-      const double x = sx(i) + bw / 2, y = 14 + 7 * k;
+      const double x = c.sx(i) + c.bw / 2, y = 14 + 7 * k;
       h += "<path class=\"preempt\" d=\"M" + fmt("%.1f", x - 4) + " " + fmt("%.1f", y) + " L" +
            fmt("%.1f", x + 4) + " " + fmt("%.1f", y) + " L" + fmt("%.1f", x) + " " + fmt("%.1f", y + 7) +
            " Z\" fill=\"#e15759\"><title>step " + std::to_string(t.step) + ": preempted seq " +
@@ -10644,15 +10658,17 @@ static void write_report(const std::string& path, const std::string& title, cons
            "</title></path>";
     }
   }
-  step_ticks(H3 + 24);
-  legend(L + 10 + PW / 2, 24, {{"#b07aa1", "prompt tokens found in the prefix cache"}, {"#e15759", "preemption"}});
-  h += "</svg>\n";
-  std::string chart3 = h;
-  h.clear();
-  // Chart 4: each request from arrival to its last token, on the time axis (up to 150 rows, evenly chosen).
-  std::vector<int> rows;
-  const int shown = std::min<int>((int)outs.size(), 150);
-  for (int k = 0; k < shown; k++) rows.push_back((int)((int64_t)k * outs.size() / shown));
+  c.step_ticks(H3 + 24);
+  c.legend(c.L + 10 + c.PW / 2, 24,
+           {{"#b07aa1", "prompt tokens found in the prefix cache"}, {"#e15759", "preemption"}});
+  return h + "</svg>\n";
+}
+
+// Picture 4: each request from arrival to its last token, on the time axis; rows: the completions shown.
+static std::string chart_requests(const std::vector<StepTrace>& steps, const std::vector<Completion>& outs,
+                                  const std::vector<int>& rows) {
+  ReportChart c(steps.size());
+  std::string& h = c.svg;
   std::map<int64_t, int> row_of;  // seq_id -> row
   for (int k = 0; k < (int)rows.size(); k++) row_of[outs[rows[k]].seq_id] = k;
   double t_end = 1e-9;
@@ -10660,8 +10676,8 @@ static void write_report(const std::string& path, const std::string& title, cons
   for (auto& o : outs) t_end = std::max(t_end, o.finish_time);
   const double rh = std::max(2.0, std::min(10.0, 600.0 / std::max<size_t>(1, rows.size())));
   const double H4 = rh * rows.size() + 10;
-  auto tx = [&](double t) { return L + PW * t / t_end; };
-  chart_open(H4, "requests", "seconds since the run began");
+  auto tx = [&](double t) { return c.L + c.PW * t / t_end; };
+  c.open(H4, "requests", "seconds since the run began");
   for (int k = 0; k <= 4; k++) h += svg_text(tx(t_end * k / 4), H4 + 24, fmt("%.3g", t_end * k / 4), "middle");
   for (int k = 0; k < (int)rows.size(); k++) {
     const Completion& o = outs[rows[k]];
@@ -10688,9 +10704,12 @@ static void write_report(const std::string& path, const std::string& title, cons
         h += svg_rect(tx(t.start) - 1, 10 + it->second * rh, 2, rh * 0.8, "#e15759");
     }
   }
-  h += "</svg>\n";
-  std::string chart4 = h;
-  // The page.
+  return h + "</svg>\n";
+}
+
+// The page's head: its title, the style, and a table of the summary's main figures (S: the record's
+// "summary" object).
+static std::string report_head(const std::string& title, const json& S, const std::vector<Completion>& outs) {
   auto num = [&](const json& v, const char* f) { return fmt(f, v.get<double>()); };
   std::string page =
       "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>nanovllm report: " + title +
@@ -10710,6 +10729,16 @@ static void write_report(const std::string& path, const std::string& title, cons
           fmt("%.2f", 1e3 * S["tpot_s"]["p99"].get<double>()) + " ms</td><td>" +
           num(S["throughput_tok_s"], "%.0f") + " tok/s</td><td>" + std::to_string(S["preemptions"].get<int64_t>()) +
           "</td><td>" + fmt("%.1f", 100 * S["prefix_hit_rate"].get<double>()) + "% of admitted tokens</td></tr></table>\n";
+  return page;
+}
+
+static void write_report(const std::string& path, const std::string& title, const json& summary_record,
+                         const std::vector<StepTrace>& steps, const std::vector<Completion>& outs) {
+  const int NB = steps.empty() ? 1 : std::max(1, steps[0].num_blocks);
+  std::vector<int> rows;  // the requests picture 4 shows: up to 150, evenly chosen
+  const int shown = std::min<int>((int)outs.size(), 150);
+  for (int k = 0; k < shown; k++) rows.push_back((int)((int64_t)k * outs.size() / shown));
+  std::string page = report_head(title, summary_record["summary"], outs);
   page += "<h2>What to look for</h2><p>Under nano-vllm's scheduler (<code>--scheduler nano</code>) a step is all "
           "prefill or all decode and prefill goes first: a blue spike in picture 1 is a step in which every "
           "running request waited, which shows as a pause in its green bar in picture 4 and in the time per "
@@ -10721,15 +10750,16 @@ static void write_report(const std::string& path, const std::string& title, cons
           "pool runs out a running sequence is preempted (red): its blocks are freed and it is recomputed later, "
           "mostly from those cached blocks. In picture 4 each row is a request: grey while it waits or its "
           "prompt is computed (blue chunks), green while it decodes, red where it was preempted.</p>\n";
-  page += "<h2>1. What each step computed</h2>\n" + chart1;
-  page += "<h2>2. The KV pool (" + std::to_string(NB) + " blocks)</h2>\n" + chart2;
-  page += "<h2>3. Prefix-cache hits and preemptions</h2>\n" + chart3;
+  page += "<h2>1. What each step computed</h2>\n" + chart_step_tokens(steps);
+  page += "<h2>2. The KV pool (" + std::to_string(NB) + " blocks)</h2>\n" + chart_kv_pool(steps, NB);
+  page += "<h2>3. Prefix-cache hits and preemptions</h2>\n" + chart_hits_and_preemptions(steps);
   page += "<h2>4. Requests over time" +
           (rows.size() < outs.size() ? " (" + std::to_string(rows.size()) + " of " + std::to_string(outs.size()) +
                                            ", evenly chosen)" : std::string("")) +
           "</h2><p><span class=\"key\" style=\"background:#d9d9d9\"></span>waiting<span class=\"key\" "
           "style=\"background:#4e79a7\"></span>prompt chunk<span class=\"key\" style=\"background:#59a14f\">"
-          "</span>decoding<span class=\"key\" style=\"background:#e15759\"></span>preempted</p>\n" + chart4;
+          "</span>decoding<span class=\"key\" style=\"background:#e15759\"></span>preempted</p>\n" +
+          chart_requests(steps, outs, rows);
   page += "<h2>The summary record (as <code>--output</code> writes it)</h2><pre>" + summary_record.dump(1) +
           "</pre>\n</body></html>\n";
   FILE* f = fopen(path.c_str(), "w");
@@ -11280,22 +11310,12 @@ struct DPRun {
   double go_at = 0;         // now_seconds() then
 };
 
-// Forks n replicas, each running body(link) (which builds its engine and calls replica_serve; its return
-// value is the replica's exit status), and gathers what they send until each has ended. gpus[k]: replica
-// k's CUDA_VISIBLE_DEVICES (none for a simulated run). progress: print the progress line. ready(run): once
-// every replica is ready, after their start-up lines (may be empty).
-static DPRun dp_run(int n, const std::vector<Request>& reqs, const std::vector<std::string>& gpus, bool progress,
-                    const std::function<int(ReplicaLink&)>& body,
-                    const std::function<void(const DPRun&)>& ready_hook = nullptr) {
-  if (n > DP_MAX_REPLICAS) die("--data-parallel-size %d: at most %d replicas", n, DP_MAX_REPLICAS);
-  std::vector<int> order;
-  int64_t total_completions = 0;
-  for (size_t i = 0; i < reqs.size(); i++)
-    if (reqs[i].error.empty()) order.push_back((int)i), total_completions += reqs[i].params.n;
-  void* p = mmap(nullptr, sizeof(DPShared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) die("cannot map shared memory for the data-parallel queue: %s", strerror(errno));
-  DPShared* shared = static_cast<DPShared*>(p);
-  memset(shared, 0, sizeof *shared);
+// Forks the n replicas, each running body(link) and exiting with its return value, and installs the
+// coordinator's signal handlers. Returns the read end of each replica's pipe (non-blocking). order: the
+// requests to run, the queue's list, which each replica reads from its own copy of this process.
+static std::vector<int> dp_fork_replicas(int n, const std::vector<int>& order, DPShared* shared,
+                                         const std::vector<std::string>& gpus,
+                                         const std::function<int(ReplicaLink&)>& body) {
   std::vector<int> fds(n);
   std::vector<int> write_fds(n);
   for (int k = 0; k < n; k++) {
@@ -11340,82 +11360,139 @@ static DPRun dp_run(int n, const std::vector<Request>& reqs, const std::vector<s
   install_stop_handlers();
   atexit(dp_atexit);
   sigprocmask(SIG_SETMASK, &old, nullptr);
+  return fds;
+}
 
+// What the coordinator keeps while the replicas run, besides what it gathers into `run`.
+struct DPCoordinator {
+  const std::vector<Request>& reqs;
+  const std::vector<std::string>& gpus;  // replica k's CUDA_VISIBLE_DEVICES (none when simulated)
+  DPRun& run;
+  std::vector<int> fds;                  // the read end of each replica's pipe
+  std::vector<std::string> inbox;        // per replica: bytes read that are not yet a whole message
+  std::vector<int> kv_used, state;       // state: 0 loading, 1 ready, 2 finished (FINISHED received)
+  std::vector<int64_t> done;             // per replica: completions finished, by its last PROGRESS
+  int ready = 0;                         // replicas that sent READY
+  std::string name(int k) const {        // for messages: "replica 2 (GPU 2,3)"
+    return "replica " + std::to_string(k) + (gpus.empty() ? std::string() : " (GPU " + gpus[k] + ")");
+  }
+};
+
+// One message from replica k, into the coordinator's record.
+static void dp_handle(DPCoordinator& c, int k, DPMsg kind, Wire& w) {
+  DPRun& run = c.run;
+  RunSummary::Replica& fig = run.replicas[k];
+  if (kind == DPMsg::READY) {
+    run.ready_lines[k] = w.get_string();
+    const std::string notes = w.get_string();
+    if (k == 0) run.notes = notes;
+    fig.kv_blocks = w.get<int>();
+    c.state[k] = 1, c.ready++;
+  } else if (kind == DPMsg::PROGRESS) {
+    run.stats[k] = w.get<RunStats>(), c.kv_used[k] = w.get<int>(), c.done[k] = w.get<int64_t>();
+  } else if (kind == DPMsg::REQUEST) {
+    const int r = w.get<int>();
+    const uint32_t m = w.get<uint32_t>();
+    INTERNAL_CHECK(r >= 0 && r < (int)c.reqs.size() && run.outs[r].empty(), "%s handed back request %d twice",
+                   c.name(k).c_str(), r);
+    for (uint32_t i = 0; i < m; i++) {
+      run.outs[r].push_back(get_completion(w));
+      fig.completions++, fig.generated_tokens += (int64_t)run.outs[r].back().token_ids.size();
+    }
+  } else {
+    INTERNAL_CHECK(kind == DPMsg::FINISHED, "message kind %d from %s", (int)kind, c.name(k).c_str());
+    run.stats[k] = w.get<RunStats>(), run.sched[k] = w.get<SchedulerStats>(), fig.requests = w.get<int64_t>();
+    fig.logits_xxh64 = w.get<uint64_t>();
+    c.state[k] = 2;
+  }
+}
+
+// Reads what replica k's pipe holds and handles each whole message (dp_send's frames).
+static void dp_receive(DPCoordinator& c, int k) {
+  char buf[65536];
+  for (ssize_t got; (got = read(c.fds[k], buf, sizeof buf)) > 0;) c.inbox[k].append(buf, (size_t)got);
+  for (;;) {
+    std::string& in = c.inbox[k];
+    if (in.size() < 5) return;
+    uint32_t len;
+    memcpy(&len, in.data(), 4);
+    if (in.size() < 5 + (size_t)len) return;
+    const DPMsg kind = (DPMsg)in[4];
+    Wire w;
+    w.bytes = in.substr(5, len);
+    in.erase(0, 5 + (size_t)len);
+    dp_handle(c, k, kind, w);
+  }
+}
+
+// Reaps the replicas that have ended. One that ended before its FINISHED, or with a status other than 0,
+// is named, the others are stopped, and run.failed says which; `alive` counts those still running.
+// progress_line: the progress line is on a terminal (the message starts a line of its own).
+static void dp_reap(DPCoordinator& c, bool progress_line, int& alive) {
+  const int n = (int)c.fds.size();
+  for (int k = 0; k < n; k++) {
+    int st;
+    if (g_dp.pids[k] <= 0 || waitpid(g_dp.pids[k], &st, WNOHANG) != g_dp.pids[k]) continue;
+    g_dp.pids[k] = -1, alive--;
+    dp_receive(c, k);  // what it wrote before it ended
+    if (WIFEXITED(st) && WEXITSTATUS(st) == 0 && c.state[k] == 2) continue;
+    std::string how = WIFSIGNALED(st) ? "was killed by signal " + std::to_string(WTERMSIG(st))
+                                      : "exited with status " + std::to_string(WEXITSTATUS(st));
+    fprintf(stderr, "%snanovllm: error: %s %s%s (its message, if any, is above); stopping all %d replicas\n",
+            progress_line && c.run.started ? "\n" : "", c.name(k).c_str(), how.c_str(),
+            c.run.started ? "" : " before it was ready", n);
+    c.run.failed = k;
+    stop_processes(g_dp.pids, n, SIGTERM);
+    for (int j = 0; j < n; j++) dp_receive(c, j);
+    alive = 0;
+    return;
+  }
+}
+
+// The one progress line of all replicas together, from their last PROGRESS messages.
+static void dp_print_progress(const DPCoordinator& c, int64_t total_completions, bool tty) {
+  int64_t all_done = 0, used = 0, blocks = 0;
+  double prefill = 0, decode = 0;
+  for (size_t k = 0; k < c.fds.size(); k++) {
+    const RunStats& s = c.run.stats[k];
+    all_done += c.done[k], used += c.kv_used[k], blocks += c.run.replicas[k].kv_blocks;
+    prefill += s.prefill_tokens / std::max(s.prefill_seconds, 1e-9);
+    decode += s.decode_tokens / std::max(s.decode_seconds, 1e-9);
+  }
+  fputs(format_progress(all_done, total_completions, prefill, decode, used, blocks, tty).c_str(), stderr);
+}
+
+// Forks n replicas, each running body(link) (which builds its engine and calls replica_serve; its return
+// value is the replica's exit status), and gathers what they send until each has ended. gpus[k]: replica
+// k's CUDA_VISIBLE_DEVICES (none for a simulated run). progress: print the progress line. ready_hook(run):
+// once every replica is ready, after their start-up lines (may be empty).
+static DPRun dp_run(int n, const std::vector<Request>& reqs, const std::vector<std::string>& gpus,
+                    bool progress, const std::function<int(ReplicaLink&)>& body,
+                    const std::function<void(const DPRun&)>& ready_hook = nullptr) {
+  if (n > DP_MAX_REPLICAS) die("--data-parallel-size %d: at most %d replicas", n, DP_MAX_REPLICAS);
+  std::vector<int> order;
+  int64_t total_completions = 0;
+  for (size_t i = 0; i < reqs.size(); i++)
+    if (reqs[i].error.empty()) order.push_back((int)i), total_completions += reqs[i].params.n;
+  void* p = mmap(nullptr, sizeof(DPShared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) die("cannot map shared memory for the data-parallel queue: %s", strerror(errno));
+  DPShared* shared = static_cast<DPShared*>(p);
+  memset(shared, 0, sizeof *shared);
   DPRun run;
+  DPCoordinator c{reqs, gpus, run, dp_fork_replicas(n, order, shared, gpus, body)};
   run.outs.resize(reqs.size());
   run.stats.resize(n), run.sched.resize(n), run.replicas.resize(n), run.ready_lines.resize(n);
-  std::vector<std::string> inbox(n);
-  std::vector<int> kv_used(n), state(n);  // state: 0 loading, 1 ready, 2 finished (FINISHED received)
-  std::vector<int64_t> done(n);
-  int ready = 0;
-  auto name = [&](int k) {
-    return "replica " + std::to_string(k) + (gpus.empty() ? std::string() : " (GPU " + gpus[k] + ")");
-  };
-  auto receive = [&](int k) {  // read what is there, handle each whole message
-    char buf[65536];
-    for (ssize_t got; (got = read(fds[k], buf, sizeof buf)) > 0;) inbox[k].append(buf, (size_t)got);
-    for (;;) {
-      std::string& in = inbox[k];
-      if (in.size() < 5) return;
-      uint32_t len;
-      memcpy(&len, in.data(), 4);
-      if (in.size() < 5 + (size_t)len) return;
-      const DPMsg kind = (DPMsg)in[4];
-      Wire w;
-      w.bytes = in.substr(5, len);
-      in.erase(0, 5 + (size_t)len);
-      RunSummary::Replica& fig = run.replicas[k];
-      if (kind == DPMsg::READY) {
-        run.ready_lines[k] = w.get_string();
-        const std::string notes = w.get_string();
-        if (k == 0) run.notes = notes;
-        fig.kv_blocks = w.get<int>();
-        state[k] = 1, ready++;
-      } else if (kind == DPMsg::PROGRESS) {
-        run.stats[k] = w.get<RunStats>(), kv_used[k] = w.get<int>(), done[k] = w.get<int64_t>();
-      } else if (kind == DPMsg::REQUEST) {
-        const int r = w.get<int>();
-        const uint32_t m = w.get<uint32_t>();
-        INTERNAL_CHECK(r >= 0 && r < (int)reqs.size() && run.outs[r].empty(), "%s handed back request %d twice",
-                       name(k).c_str(), r);
-        for (uint32_t c = 0; c < m; c++) {
-          run.outs[r].push_back(get_completion(w));
-          fig.completions++, fig.generated_tokens += (int64_t)run.outs[r].back().token_ids.size();
-        }
-      } else {
-        INTERNAL_CHECK(kind == DPMsg::FINISHED, "message kind %d from %s", (int)kind, name(k).c_str());
-        run.stats[k] = w.get<RunStats>(), run.sched[k] = w.get<SchedulerStats>(), fig.requests = w.get<int64_t>();
-        fig.logits_xxh64 = w.get<uint64_t>();
-        state[k] = 2;
-      }
-    }
-  };
+  c.inbox.resize(n), c.kv_used.resize(n), c.state.resize(n), c.done.resize(n);
   const bool tty = isatty(2);
   double last_print = now_seconds();
   for (int alive = n; alive > 0;) {
     std::vector<struct pollfd> pfd(n);
-    for (int k = 0; k < n; k++) pfd[k] = {fds[k], POLLIN, 0};
+    for (int k = 0; k < n; k++) pfd[k] = {c.fds[k], POLLIN, 0};
     poll(pfd.data(), n, 100);  // (EINTR after a signal: the loop looks again)
-    for (int k = 0; k < n; k++) receive(k);
-    for (int k = 0; k < n; k++) {
-      int st;
-      if (g_dp.pids[k] <= 0 || waitpid(g_dp.pids[k], &st, WNOHANG) != g_dp.pids[k]) continue;
-      g_dp.pids[k] = -1, alive--;
-      receive(k);  // what it wrote before it ended
-      if (WIFEXITED(st) && WEXITSTATUS(st) == 0 && state[k] == 2) continue;
-      std::string how = WIFSIGNALED(st) ? "was killed by signal " + std::to_string(WTERMSIG(st))
-                                        : "exited with status " + std::to_string(WEXITSTATUS(st));
-      fprintf(stderr, "%snanovllm: error: %s %s%s (its message, if any, is above); stopping all %d replicas\n",
-              tty && progress && run.started ? "\n" : "", name(k).c_str(), how.c_str(),
-              run.started ? "" : " before it was ready", n);
-      run.failed = k;
-      stop_processes(g_dp.pids, n, SIGTERM);
-      for (int j = 0; j < n; j++) receive(j);
-      alive = 0;
-      break;
-    }
+    for (int k = 0; k < n; k++) dp_receive(c, k);
+    dp_reap(c, progress && tty, alive);
     if (run.failed >= 0) break;
-    if (ready == n && !run.started) {
+    if (c.ready == n && !run.started) {
       for (const std::string& line : run.ready_lines)
         if (!line.empty()) fputs(line.c_str(), stderr);
       if (ready_hook) ready_hook(run);
@@ -11425,20 +11502,12 @@ static DPRun dp_run(int n, const std::vector<Request>& reqs, const std::vector<s
     }
     if (g_stop_requested) __atomic_store_n(&shared->stop, 1u, __ATOMIC_RELEASE);
     if (progress && run.started && now_seconds() - last_print > (tty ? 0.25 : 5.0)) {
-      int64_t all_done = 0, used = 0, blocks = 0;
-      double prefill = 0, decode = 0;
-      for (int k = 0; k < n; k++) {
-        const RunStats& s = run.stats[k];
-        all_done += done[k], used += kv_used[k], blocks += run.replicas[k].kv_blocks;
-        prefill += s.prefill_tokens / std::max(s.prefill_seconds, 1e-9);
-        decode += s.decode_tokens / std::max(s.decode_seconds, 1e-9);
-      }
-      fputs(format_progress(all_done, total_completions, prefill, decode, used, blocks, tty).c_str(), stderr);
+      dp_print_progress(c, total_completions, tty);
       last_print = now_seconds();
     }
   }
   if (progress && tty && run.started && run.failed < 0) fputs("\n", stderr);
-  for (int k = 0; k < n; k++) close(fds[k]);
+  for (int k = 0; k < n; k++) close(c.fds[k]);
   return run;  // (still armed: a Ctrl-C while the completions are written lets them finish, as in one engine's run)
 }
 
@@ -11763,6 +11832,175 @@ static double parse_size(const std::string& flag, const std::string& v) {
   return x * mult;
 }
 
+// The flag being read: its name (`a`), and its value from "--flag=value" or the next argument, read as the
+// flag expects with a message that names the flag.
+struct FlagReader {
+  int argc;
+  char** argv;
+  int& i;             // argv[i] is the flag; value() moves it on to the value
+  std::string a, val; // the flag, and the value after its '=' if it has one
+  bool has_eq = false;
+  FlagReader(int argc_, char** argv_, int& i_) : argc(argc_), argv(argv_), i(i_), a(argv_[i_]) {
+    if (a.rfind("--", 0) == 0 && a.find('=') != std::string::npos) {
+      val = a.substr(a.find('=') + 1);
+      a = a.substr(0, a.find('='));
+      has_eq = true;
+    }
+  }
+  std::string value() {
+    if (has_eq) return val;
+    if (i + 1 >= argc) die("flag %s needs a value (see --help)", a.c_str());
+    return argv[++i];
+  }
+  int64_t as_int(const std::string& v) const {
+    char* end;
+    errno = 0;
+    long long x = strtoll(v.c_str(), &end, 10);
+    if (v.empty() || *end || errno) die("flag %s expects an integer, found '%s'", a.c_str(), v.c_str());
+    return x;
+  }
+  float as_float(const std::string& v) const {
+    char* end;
+    float x = strtof(v.c_str(), &end);
+    if (v.empty() || *end) die("flag %s expects a number, found '%s'", a.c_str(), v.c_str());
+    return x;
+  }
+  double as_double(const std::string& v) const {
+    char* end;
+    double x = strtod(v.c_str(), &end);
+    if (v.empty() || *end) die("flag %s expects a number, found '%s'", a.c_str(), v.c_str());
+    return x;
+  }
+  int as_int32(const std::string& v) const {
+    int64_t x = as_int(v);
+    if (x < INT32_MIN || x > INT32_MAX) die("flag %s: %s is out of range", a.c_str(), v.c_str());
+    return (int)x;
+  }
+  void flag_only() const {
+    if (has_eq) die("flag %s takes no value", a.c_str());
+  }
+};
+
+// The engine's settings (section 2's Config) and the run's shape (-dp, --shard). False: not one of these.
+static bool engine_flag(FlagReader& f, Cli& cli) {
+  const std::string& a = f.a;
+  Config& c = cli.config;
+  if (a == "--max-num-batched-tokens") c.max_num_batched_tokens = f.as_int32(f.value());
+  else if (a == "--max-num-seqs") c.max_num_seqs = f.as_int32(f.value());
+  else if (a == "--max-model-len") c.max_model_len = f.as_int32(f.value());
+  else if (a == "--gpu-memory-utilization") c.gpu_memory_utilization = f.as_float(f.value());
+  else if (a == "--tensor-parallel-size" || a == "--tp") c.tensor_parallel_size = f.as_int32(f.value());
+  else if (a == "--data-parallel-size" || a == "-dp") {
+    cli.data_parallel_size = f.as_int32(f.value());
+    if (cli.data_parallel_size < 1 || cli.data_parallel_size > DP_MAX_REPLICAS)
+      die("--data-parallel-size must be from 1 to %d, found %d", DP_MAX_REPLICAS, cli.data_parallel_size);
+  } else if (a == "--shard") {
+    const std::string problem = parse_shard(f.value(), cli.shard);
+    if (!problem.empty()) die("%s", problem.c_str());
+  }
+  else if (a == "--enforce-eager") f.flag_only(), c.enforce_eager = true;
+  else if (a == "--kvcache-block-size") c.kvcache_block_size = f.as_int32(f.value());
+  else if (a == "--kv-cache-dtype") {
+    const std::string problem = parse_kv_cache_dtype(f.value(), c.kv_cache_dtype);
+    if (!problem.empty()) die("%s", problem.c_str());
+  }
+  else if (a == "--num-kvcache-blocks") c.num_kvcache_blocks = f.as_int32(f.value());
+  else if (a == "--plain") f.flag_only(), parse_optimizations("none", c.opt);
+  else if (a == "--scheduler") {
+    std::string v = f.value();
+    if (v != "nano" && v != "mixed") die("--scheduler must be nano or mixed, found '%s'", v.c_str());
+    c.mixed_scheduler = v == "mixed";
+  }
+  else if (a == "--opt") {
+    std::string problem = parse_optimizations(f.value(), c.opt);
+    if (!problem.empty()) die("%s", problem.c_str());
+  }
+  else return false;
+  return true;
+}
+
+// The sampling flags, gathered under vLLM's field names (`--top-k` is "top_k") for sampling_defaults,
+// and --generation-config. False: not one of these.
+static bool sampling_flag(FlagReader& f, Cli& cli) {
+  const std::string& a = f.a;
+  json& sp = cli.sampling_flags;
+  std::string field = a.size() > 2 ? a.substr(2) : "";
+  std::replace(field.begin(), field.end(), '-', '_');
+  if (a == "--temperature" || a == "--top-p" || a == "--min-p" || a == "--presence-penalty" ||
+      a == "--frequency-penalty" || a == "--repetition-penalty")
+    sp[field] = f.as_double(f.value());
+  else if (a == "--top-k" || a == "--max-tokens" || a == "--min-tokens" || a == "--n" || a == "--logprobs")
+    sp[field] = f.as_int32(f.value());
+  else if (a == "--ignore-eos" || a == "--include-stop-str-in-output") f.flag_only(), sp[field] = true;
+  else if (a == "--stop") {
+    if (!sp.contains("stop")) sp["stop"] = json::array();
+    sp["stop"].push_back(f.value());
+  } else if (a == "--stop-token-ids") {
+    sp["stop_token_ids"] = json::array();
+    std::string v = f.value();
+    for (size_t at = 0; at <= v.size();) {
+      size_t comma = std::min(v.find(',', at), v.size());
+      sp["stop_token_ids"].push_back(f.as_int(v.substr(at, comma - at)));
+      at = comma + 1;
+    }
+  } else if (a == "--generation-config") {
+    std::string v = f.value();
+    if (v != "auto" && v != "vllm") die("--generation-config must be auto or vllm, found '%s'", v.c_str());
+    cli.generation_config = v == "auto";
+  }
+  else return false;
+  return true;
+}
+
+// What goes in and comes out (prompts, --output, --trace, --report, arrivals) and the --simulate-* flags.
+// False: not one of these.
+static bool run_flag(FlagReader& f, Cli& cli) {
+  const std::string& a = f.a;
+  if (a == "--seed") cli.seed = f.as_int(f.value());
+  else if (a == "--raw") f.flag_only(), cli.prompts.raw = true;
+  else if (a == "--no-thinking") f.flag_only(), cli.prompts.enable_thinking = false;
+  else if (a == "--output") cli.output_path = f.value();
+  else if (a == "--trace") f.flag_only(), cli.trace = true;
+  else if (a == "--report") cli.report_path = f.value();
+  else if (a == "--request-rate") {
+    cli.request_rate = f.as_float(f.value());
+    if (!(cli.request_rate > 0) || !std::isfinite(cli.request_rate))
+      die("--request-rate must be a positive number of requests per second, found %g", cli.request_rate);
+  } else if (a == "--simulate-gpu-memory") cli.sim_gpu_bytes = parse_size(a, f.value());
+  else if (a == "--simulate-model") {
+    cli.sim_model = f.value(), cli.sim_model_given = true;
+    ModelConfig probe;
+    if (!qwen3_shape(cli.sim_model, probe))
+      die("--simulate-model %s: not a known shape; give Qwen3-0.6B, -1.7B, -4B, -8B, -14B or -32B",
+          cli.sim_model.c_str());
+  } else if (a == "--simulate-eos-prob") {
+    cli.sim_eos_prob = f.as_float(f.value());
+    if (!(cli.sim_eos_prob >= 0 && cli.sim_eos_prob <= 1))
+      die("--simulate-eos-prob must be in [0, 1], found %g", cli.sim_eos_prob);
+  }
+  else return false;
+  return true;
+}
+
+// The flags that cannot go together, and the sampling flags' values (flag mistakes first, before the
+// model is read).
+static void check_flag_combinations(Cli& cli, bool simulate) {
+  if (!simulate && (cli.sim_gpu_bytes > 0 || cli.sim_model_given || cli.sim_eos_prob > 0))
+    die("the --simulate-* flags belong to `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS`");
+  if (cli.shard.on() && cli.output_path.empty() && !simulate)
+    die("%s: a shard's completions are merged from its --output file (nanovllm merge); "
+        "give --output FILE.jsonl", cli.shard.from.c_str());
+  if (cli.data_parallel_size > 1 && cli.request_rate > 0)
+    die("--data-parallel-size %d runs an offline batch; requests that arrive over time (--request-rate) "
+        "model one engine serving traffic: run them with one replica", cli.data_parallel_size);
+  if (cli.data_parallel_size > 1 && !cli.report_path.empty())
+    die("--report draws one engine's steps, and --data-parallel-size %d runs %d engines: drop --report or "
+        "run one replica", cli.data_parallel_size, cli.data_parallel_size);
+  const json& f = cli.sampling_flags;
+  sampling_from_json(f, cli.prompts.defaults, "command line", 0,
+                     f.contains("min_tokens") && f.contains("max_tokens"));
+}
+
 static Cli parse_args(int argc, char** argv, bool simulate = false) {
   Cli cli;
   cli.simulate = simulate;
@@ -11774,127 +12012,15 @@ static Cli parse_args(int argc, char** argv, bool simulate = false) {
   cli.config.model = std::string(home ? home : ".") + "/huggingface/Qwen3-0.6B/";
   std::vector<std::string> positional;
   for (int i = 1; i < argc; i++) {
-    std::string a = argv[i], val;
-    bool has_eq = false;
-    if (a.rfind("--", 0) == 0 && a.find('=') != std::string::npos) {
-      val = a.substr(a.find('=') + 1);
-      a = a.substr(0, a.find('='));
-      has_eq = true;
-    }
-    auto value = [&]() -> std::string {
-      if (has_eq) return val;
-      if (i + 1 >= argc) die("flag %s needs a value (see --help)", a.c_str());
-      return argv[++i];
-    };
-    auto as_int = [&](const std::string& v) -> int64_t {
-      char* end;
-      errno = 0;
-      long long x = strtoll(v.c_str(), &end, 10);
-      if (v.empty() || *end || errno) die("flag %s expects an integer, found '%s'", a.c_str(), v.c_str());
-      return x;
-    };
-    auto as_float = [&](const std::string& v) -> float {
-      char* end;
-      float x = strtof(v.c_str(), &end);
-      if (v.empty() || *end) die("flag %s expects a number, found '%s'", a.c_str(), v.c_str());
-      return x;
-    };
-    auto as_double = [&](const std::string& v) -> double {
-      char* end;
-      double x = strtod(v.c_str(), &end);
-      if (v.empty() || *end) die("flag %s expects a number, found '%s'", a.c_str(), v.c_str());
-      return x;
-    };
-    auto as_int32 = [&](const std::string& v) -> int {
-      int64_t x = as_int(v);
-      if (x < INT32_MIN || x > INT32_MAX) die("flag %s: %s is out of range", a.c_str(), v.c_str());
-      return (int)x;
-    };
-    auto flag_only = [&]() {
-      if (has_eq) die("flag %s takes no value", a.c_str());
-    };
-    Config& c = cli.config;
-    json& sp = cli.sampling_flags;  // vLLM's field names: `--top-k` is "top_k"
-    std::string field = a.size() > 2 ? a.substr(2) : "";
-    std::replace(field.begin(), field.end(), '-', '_');
+    FlagReader f(argc, argv, i);
+    const std::string& a = f.a;
     if (a == "--help" || a == "-h") {
       fputs(usage_text().c_str(), stdout);
       exit(0);
-    } else if (a == "--max-num-batched-tokens") c.max_num_batched_tokens = as_int32(value());
-    else if (a == "--max-num-seqs") c.max_num_seqs = as_int32(value());
-    else if (a == "--max-model-len") c.max_model_len = as_int32(value());
-    else if (a == "--gpu-memory-utilization") c.gpu_memory_utilization = as_float(value());
-    else if (a == "--tensor-parallel-size" || a == "--tp") c.tensor_parallel_size = as_int32(value());
-    else if (a == "--data-parallel-size" || a == "-dp") {
-      cli.data_parallel_size = as_int32(value());
-      if (cli.data_parallel_size < 1 || cli.data_parallel_size > DP_MAX_REPLICAS)
-        die("--data-parallel-size must be from 1 to %d, found %d", DP_MAX_REPLICAS, cli.data_parallel_size);
-    } else if (a == "--shard") {
-      const std::string problem = parse_shard(value(), cli.shard);
-      if (!problem.empty()) die("%s", problem.c_str());
     }
-    else if (a == "--enforce-eager") flag_only(), c.enforce_eager = true;
-    else if (a == "--kvcache-block-size") c.kvcache_block_size = as_int32(value());
-    else if (a == "--kv-cache-dtype") {
-      const std::string problem = parse_kv_cache_dtype(value(), c.kv_cache_dtype);
-      if (!problem.empty()) die("%s", problem.c_str());
-    }
-    else if (a == "--num-kvcache-blocks") c.num_kvcache_blocks = as_int32(value());
-    else if (a == "--temperature" || a == "--top-p" || a == "--min-p" || a == "--presence-penalty" ||
-             a == "--frequency-penalty" || a == "--repetition-penalty")
-      sp[field] = as_double(value());
-    else if (a == "--top-k" || a == "--max-tokens" || a == "--min-tokens" || a == "--n" || a == "--logprobs")
-      sp[field] = as_int32(value());
-    else if (a == "--ignore-eos" || a == "--include-stop-str-in-output") flag_only(), sp[field] = true;
-    else if (a == "--stop") {
-      if (!sp.contains("stop")) sp["stop"] = json::array();
-      sp["stop"].push_back(value());
-    } else if (a == "--stop-token-ids") {
-      sp["stop_token_ids"] = json::array();
-      std::string v = value();
-      for (size_t at = 0; at <= v.size();) {
-        size_t comma = std::min(v.find(',', at), v.size());
-        sp["stop_token_ids"].push_back(as_int(v.substr(at, comma - at)));
-        at = comma + 1;
-      }
-    } else if (a == "--generation-config") {
-      std::string v = value();
-      if (v != "auto" && v != "vllm") die("--generation-config must be auto or vllm, found '%s'", v.c_str());
-      cli.generation_config = v == "auto";
-    }
-    else if (a == "--seed") cli.seed = as_int(value());
-    else if (a == "--raw") flag_only(), cli.prompts.raw = true;
-    else if (a == "--no-thinking") flag_only(), cli.prompts.enable_thinking = false;
-    else if (a == "--output") cli.output_path = value();
-    else if (a == "--trace") flag_only(), cli.trace = true;
-    else if (a == "--plain") flag_only(), parse_optimizations("none", c.opt);
-    else if (a == "--report") cli.report_path = value();
-    else if (a == "--scheduler") {
-      std::string v = value();
-      if (v != "nano" && v != "mixed") die("--scheduler must be nano or mixed, found '%s'", v.c_str());
-      c.mixed_scheduler = v == "mixed";
-    } else if (a == "--request-rate") {
-      cli.request_rate = as_float(value());
-      if (!(cli.request_rate > 0) || !std::isfinite(cli.request_rate))
-        die("--request-rate must be a positive number of requests per second, found %g", cli.request_rate);
-    } else if (a == "--simulate-gpu-memory") cli.sim_gpu_bytes = parse_size(a, value());
-    else if (a == "--simulate-model") {
-      cli.sim_model = value(), cli.sim_model_given = true;
-      ModelConfig probe;
-      if (!qwen3_shape(cli.sim_model, probe))
-        die("--simulate-model %s: not a known shape; give Qwen3-0.6B, -1.7B, -4B, -8B, -14B or -32B",
-            cli.sim_model.c_str());
-    } else if (a == "--simulate-eos-prob") {
-      cli.sim_eos_prob = as_float(value());
-      if (!(cli.sim_eos_prob >= 0 && cli.sim_eos_prob <= 1))
-        die("--simulate-eos-prob must be in [0, 1], found %g", cli.sim_eos_prob);
-    }
-    else if (a == "--opt") {
-      std::string problem = parse_optimizations(value(), c.opt);
-      if (!problem.empty()) die("%s", problem.c_str());
-    }
-    else if (a.rfind("-", 0) == 0 && a.size() > 1) die("unknown flag '%s' (see --help)", a.c_str());
-    else positional.push_back(a);
+    if (engine_flag(f, cli) || sampling_flag(f, cli) || run_flag(f, cli)) continue;
+    if (a.rfind("-", 0) == 0 && a.size() > 1) die("unknown flag '%s' (see --help)", a.c_str());
+    positional.push_back(a);
   }
   if (positional.size() > 2) die("too many arguments: '%s' (expected MODEL_DIR [PROMPTS])", positional[2].c_str());
   if (positional.size() >= 1) cli.config.model = positional[0];
@@ -11902,19 +12028,7 @@ static Cli parse_args(int argc, char** argv, bool simulate = false) {
   if (simulate && positional.size() != 2)
     die("usage: nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags] (a model folder, a folder with a "
         "tokenizer.json, or the path of a tokenizer.json; then the prompts file)");
-  if (!simulate && (cli.sim_gpu_bytes > 0 || cli.sim_model_given || cli.sim_eos_prob > 0))
-    die("the --simulate-* flags belong to `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS`");
-  if (cli.shard.on() && cli.output_path.empty() && !simulate)
-    die("%s: a shard's completions are merged from its --output file (nanovllm merge); give --output FILE.jsonl",
-        cli.shard.from.c_str());
-  if (cli.data_parallel_size > 1 && cli.request_rate > 0)
-    die("--data-parallel-size %d runs an offline batch; requests that arrive over time (--request-rate) model one "
-        "engine serving traffic: run them with one replica", cli.data_parallel_size);
-  if (cli.data_parallel_size > 1 && !cli.report_path.empty())
-    die("--report draws one engine's steps, and --data-parallel-size %d runs %d engines: drop --report or run "
-        "one replica", cli.data_parallel_size, cli.data_parallel_size);
-  const json& f = cli.sampling_flags;  // flag mistakes first, before the model is read
-  sampling_from_json(f, cli.prompts.defaults, "command line", 0, f.contains("min_tokens") && f.contains("max_tokens"));
+  check_flag_combinations(cli, simulate);
   return cli;
 }
 
