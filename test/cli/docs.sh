@@ -399,7 +399,7 @@ $undefined_names"
 
 # Each `--opt LIST` (or --opt=LIST) in README.md and docs/*.md names registered optimizations: every item,
 # its +/- sign dropped, is a register_optimization name, or all or none (what parse_optimizations, section
-# 24, accepts); upper-case placeholders (NAME, LIST) are skipped.
+# 30, accepts); upper-case placeholders (NAME, LIST) are skipped.
 bad_opts=$(python3 "$helper" opt) || bad_opts="  the scanner (python3) failed"
 [ -z "$bad_opts" ]; check docs_opt_names_registered $? "--opt names that are not registered:
 $bad_opts"
