@@ -27,9 +27,9 @@
 //   instead, since it trades accuracy, and 29a, which orders an fp8 decode step's rows, the switch
 //   longest_first). docs/performance.md has the measured gain of each. The Part I code each one replaces
 //   stays, as the reference the GPU tests compare it with.
-//   Part III (sections 30-35) is the program around the engine: reading config.json and the flags, prompts
-//   in and completions out, the trace, summary and report, signals and the worker processes, `simulate`
-//   (the engine without a GPU), the command line and main.
+//   Part III (sections 30-44) is the program around the engine: reading config.json and the flags, prompts
+//   in and completions out, shards, the trace, summary and report, signals, the worker processes and the
+//   data-parallel replicas, `simulate` (the engine without a GPU), the command line and main.
 //
 // Dimension names used in every shape comment
 //   T  tokens in this step (all sequences, flattened)      B  sequences in this step
@@ -121,11 +121,20 @@
 //   29. The FP8 KV cache, 2: decode attention over it, the persistent kernel, the stages
 //   PART III — THE PROGRAM AROUND IT
 //   30. Reading the configuration: config.json, flags and sampling fields
-//   31. Prompts in, completions out
-//   32. Trace, run summary and the report
-//   33. Signals, worker processes and the mailbox
-//   34. simulate: the engine without a GPU
-//   35. Command line and main
+//   31. Prompts in: the formats and the sampling fields
+//   32. Reading the prompts file: text, .jsonl and OpenAI batch lines
+//   33. Completions out: stdout, the --output lines, a batch's answers
+//   34. Shards: a part of the input per machine, and the merge
+//   35. Watching the run: the progress line and the trace
+//   36. The run summary: its figures, two fingerprints and the summary record
+//   37. The report: the whole run in one HTML page
+//   38. Signals and the tensor-parallel workers
+//   39. Data parallelism, 1: N replicas of the engine, one queue
+//   40. Data parallelism, 2: the coordinator
+//   41. simulate: the engine without a GPU
+//   42. The command line: flags and --help
+//   43. A run's start and end: the GPUs, the start-up line, the closing lines
+//   44. The commands and main
 
 #include <algorithm>
 #include <cerrno>
@@ -195,10 +204,10 @@ typedef __nv_bfloat16 bf16;
 //     error", the condition, file and line; a failed CUDA, cuBLASLt or NCCL call: CUDA_CHECK, CUBLAS_CHECK,
 //     NCCL_CHECK print the call, file, line and the library's message. Both exit 1.
 
-// This process's tensor-parallel rank (sections 12, 32): 0 in the main process, 1..N-1 in the workers.
+// This process's tensor-parallel rank (section 12): 0 in the main process, 1..N-1 in the workers.
 static int g_tp_rank = 0;
 // The name this process's messages carry: "" in the main process, "rank 1" in a tensor-parallel worker
-// (section 12), "replica 2" or "replica 2, rank 1" with data parallelism (section 33).
+// (section 12), "replica 2" or "replica 2, rank 1" with data parallelism (section 39).
 static char g_process_label[48] = "";
 
 // A worker's message: named by its label, and written with one write(2) so that two processes failing at
@@ -218,7 +227,7 @@ static char g_process_label[48] = "";
 }
 
 // die() is tokenizer.h's tok_die(): that header is included first and needed the same function, so the
-// engine forwards to it rather than keep a second copy. A worker process (sections 12, 33) names itself.
+// engine forwards to it rather than keep a second copy. A worker process (sections 12, 40) names itself.
 template <typename... Args>
 [[noreturn]] static void die(const char* fmt, Args... args) {
   if (g_process_label[0]) die_on_worker(fmt, args...);
@@ -333,8 +342,8 @@ struct ModelConfig {
 // the hook entries of section 11 it replaces). So a reader can run the plain engine (--plain, or --opt
 // none) and climb back one step at a time (--opt none,NAME), every optimization can be checked against the
 // code it replaces, and a build with Part II cut out has an empty registry and runs Part I alone. `step_costs`
-// is for a model of the engine that runs no GPU (section 34's simulate, which prices each step): what the
-// optimization changes in how a step runs, as named numbers; section 34 lists the names it reads.
+// is for a model of the engine that runs no GPU (section 41's simulate, which prices each step): what the
+// optimization changes in how a step runs, as named numbers; section 41 lists the names it reads.
 struct Hooks;  // section 11
 struct Qwen3;  // section 6c
 struct Optimization {
@@ -564,7 +573,7 @@ struct Sequence {
   // The key of this sequence's draws (section 9): its request's seed (child k of a seeded request with
   // n > 1 has seed + k, section 13), or for a request without one, a seed made from the engine's --seed and
   // the request's place in the whole input, never from anything the engine counts. So a request draws the
-  // same tokens in any batch, and whichever data-parallel replica (section 33) or shard (section 31) runs it.
+  // same tokens in any batch, and whichever data-parallel replica (section 39) or shard (section 34) runs it.
   uint64_t sampling_seed(uint64_t engine_seed) const {
     if (params.seed >= 0) return (uint64_t)params.seed;
     return splitmix64(engine_seed ^ splitmix64((uint64_t)request_index)) + (uint64_t)completion_index;
@@ -2748,13 +2757,13 @@ static void install_optimizations(const OptimizationSet& set) {
 
 // What LLMEngine (section 13) needs from the side that computes a step: the sampled tokens, the batch a step
 // really runs (padded to a CUDA graph's size), and a clock. ModelRunner is the real one; `nanovllm simulate`
-// (section 34) plugs in a stand-in that needs no GPU and keeps a modelled clock.
+// (section 41) plugs in a stand-in that needs no GPU and keeps a modelled clock.
 struct StepRunner {
   double gpu_seconds = 0;  // time spent waiting for the GPU (the rest of a step is host work)
   virtual std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) = 0;
   virtual int padded_batch(int B, bool is_prefill) const = 0;
   // After run(): row i's log-probabilities for the sequences that asked for them (section 9b); nullptr when
-  // none did, or when the runner has no logits (section 34's stand-in model).
+  // none did, or when the runner has no logits (section 41's stand-in model).
   virtual const TokenLogprobs* step_logprobs() const { return nullptr; }
   virtual double now() { return now_seconds(); }
   virtual void wait_until(double t) {  // nothing to do before t (requests arrive later)
@@ -3233,7 +3242,7 @@ struct ModelRunner : StepRunner {
 // This section has two halves: the data plane (the communicator, the all-reduce, the logits gather), and
 // the processes (12b): rank 0 is this process; ranks 1..N-1 are workers fork()ed before the first CUDA
 // call, and rank 0 sends them each step through a mailbox in shared memory. Section 20 gives the small
-// all-reduces of decode a faster road than NCCL's; section 33 handles the signals and shutdown.
+// all-reduces of decode a faster road than NCCL's; section 38 handles the signals and shutdown.
 //
 // What crosses between the ranks in one batch-1 decode step of Qwen3-8B at N = 2:
 //   mailbox      ~57 KB of step inputs at --max-num-seqs 512 (ids, positions, slots, context lengths,
@@ -3342,7 +3351,7 @@ static TPComm* tp_comm_init(int rank, int size, const ncclUniqueId& id) {
 // followed by collectives that need every worker.
 //
 // What happens when a process fails or a signal arrives (reaping the workers, naming the rank that failed,
-// Ctrl-C) is section 33's: it passes its handlers to tp_fork_workers (TPSupervisor), and none of it changes
+// Ctrl-C) is section 38's: it passes its handlers to tp_fork_workers (TPSupervisor), and none of it changes
 // what the ranks compute.
 
 enum class TPOp : uint32_t { CONNECT, INIT, CAPTURE, STEP, EXIT };
@@ -3373,7 +3382,7 @@ struct TPGroup {
 };
 static TPGroup g_tp;
 
-// What section 33 adds around the processes: rank 0's reaper and signal handlers, installed between the
+// What section 38 adds around the processes: rank 0's reaper and signal handlers, installed between the
 // forks and the moment a worker's death can be noticed; a worker's own signals; and a per-step call (tests
 // make a worker fail on purpose there). Empty entries do nothing.
 struct TPSupervisor {
@@ -3590,7 +3599,7 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
 
 [[noreturn]] static void tp_worker_main(int rank) {
   g_tp_rank = rank;
-  const size_t at = strlen(g_process_label);  // a replica's worker: "replica 2, rank 1" (section 33)
+  const size_t at = strlen(g_process_label);  // a replica's worker: "replica 2, rank 1" (section 40)
   snprintf(g_process_label + at, sizeof g_process_label - at, "%srank %d", at ? ", " : "", rank);
   if (g_tp_supervisor.worker_begins) g_tp_supervisor.worker_begins(rank);
   TPMailbox* mb = g_tp.mb;
@@ -3656,7 +3665,7 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
 // a model too large for one GPU, and one request (or a small batch) that must go faster, since its decode
 // step reads 1/N of the weights per GPU. The two combine: N replicas of T GPUs each. The replicas are
 // processes forked like this section's ranks, each running this file's engine unchanged; the queue they
-// pull from, and how the run stops, are program plumbing (section 33). docs/data-parallel.md has the
+// pull from, and how the run stops, are program plumbing (sections 39-40). docs/data-parallel.md has the
 // measurements that say when each wins.
 
 // ==== 13. LLMEngine: add_request, step, generate ===========================================================
@@ -3671,7 +3680,7 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
 //
 // Watching the scheduler think: with --trace every step prints one line on stderr, every run ends with a
 // summary, and --report draws the whole run. All of them watch through StepObserver (below; Part III
-// implements it, section 32) and only read what the scheduler, the runner and the Sequences already keep.
+// implements it, section 35) and only read what the scheduler, the runner and the Sequences already keep.
 
 struct Request {
   std::vector<int> prompt_token_ids;
@@ -3679,16 +3688,16 @@ struct Request {
   std::string source;         // "prompts.txt:12", for messages
   double arrival_time = 0;    // seconds after generate() begins (a .jsonl field, or --request-rate)
   bool arrival_given = false; // the .jsonl line gave it (--request-rate leaves it alone)
-  std::string error;          // an OpenAI batch line we answer with an error instead of running (section 31)
-  json batch;                 // that batch line's custom_id, url and body (section 31); null otherwise
+  std::string error;          // an OpenAI batch line we answer with an error instead of running (section 32)
+  json batch;                 // that batch line's custom_id, url and body (section 32); null otherwise
   int index = -1;             // its place in the whole input when a run holds only part of it (a shard,
-                              // section 31); -1: its place in generate()'s input
+                              // section 34); -1: its place in generate()'s input
 };
 
 // One completion: a request with n > 1 has n of them, consecutive, in index order.
 struct Completion {
   std::vector<int> token_ids;
-  const char* finish_reason;  // nullptr: unfinished (the run was interrupted by Ctrl-C, section 33)
+  const char* finish_reason;  // nullptr: unfinished (the run was interrupted by Ctrl-C, section 38)
   int prompt_tokens;
   double arrival_time = 0, first_token_time = -1, finish_time = -1;  // seconds since generate() began (-1: never)
   int64_t seq_id = 0;
@@ -3701,7 +3710,7 @@ struct Completion {
   double cumulative_logprob = 0;
 };
 
-// Ctrl-C (section 33's handler sets it; main arms it): generate() stops after the step in flight.
+// Ctrl-C (section 38's handler sets it; main arms it): generate() stops after the step in flight.
 static volatile sig_atomic_t g_stop_armed = 0;
 static volatile sig_atomic_t g_stop_requested = 0;
 
@@ -3838,7 +3847,7 @@ struct LLMEngine {
   std::vector<Completion> generate(const std::vector<Request>& requests) {
     t0 = runner.now();
     const size_t first = seqs.size();
-    for (size_t r = 0; r < requests.size(); r++)  // (one with an error is answered with it instead, section 31)
+    for (size_t r = 0; r < requests.size(); r++)  // (one with an error is answered with it instead, section 33)
       if (requests[r].error.empty()) add_request(requests[r], requests[r].index >= 0 ? requests[r].index : (int)r);
     while (!g_stop_requested) {
       admit_arrivals();
@@ -9102,10 +9111,9 @@ static void validate_sampling(const SamplingParams& p, const std::string& where,
     if (id < 0) die("%s: stop_token_ids must be token ids >= 0, found %d", w, id);
 }
 
-// ==== 31. Prompts in, completions out ======================================================================
-// defines: PromptOptions, sampling_from_json, sampling_defaults, parse_prompts, read_prompts,
-//          write_completions, ShardSpec, parse_shard, shard_split, requests_xxh64, shard_requests, shard_plan,
-//          ShardOut, shard_record, merge_shards
+// ==== 31. Prompts in: the formats and the sampling fields ==================================================
+// defines: valid_utf8, PromptOptions, sampling_from_json, kSamplingFields, check_jsonl_fields,
+//          sampling_defaults
 //
 // PROMPTS is either a text file, one prompt per line (the chat template is applied unless --raw), or a
 // .jsonl file whose lines are objects with one of
@@ -9113,7 +9121,7 @@ static void validate_sampling(const SamplingParams& p, const std::string& where,
 // and optional per-request sampling fields under vLLM's SamplingParams names (kSamplingFields below: n,
 // temperature, top_k, top_p, min_p, the penalties, max_tokens, min_tokens, ignore_eos, stop, stop_token_ids,
 // include_stop_str_in_output, logprobs, seed), and "arrival_time" (seconds after the start: the request
-// joins the queue then; --request-rate fills it in). Or the .jsonl file is an OpenAI batch (below).
+// joins the queue then; --request-rate fills it in). Or the .jsonl file is an OpenAI batch (section 32).
 // Everything is checked before the GPU is touched: a bad line is reported by number in a second, not after
 // a model load. A prompt that cannot fit (prompt tokens + max_tokens > max_model_len) refuses the whole run,
 // naming the line: silently dropping or truncating a request would hand back garbage.
@@ -9297,13 +9305,18 @@ static SamplingParams sampling_defaults(const json& generation_config, const std
   return sp;
 }
 
-// ---- OpenAI batch files (what `vllm run-batch` reads and writes) ----
-// A .jsonl file whose lines are {"custom_id", "method": "POST", "url", "body"} is a batch: url is
-// /v1/chat/completions (body.messages) or /v1/completions (body.prompt), and body holds OpenAI's request
-// fields plus vLLM's extra sampling fields. A line that is malformed (no custom_id, an unknown url, a field
-// of the wrong type or out of range) refuses the run, as any bad line does; a well-formed line that asks
-// for something the engine does not do (tools, images, streaming, logit_bias, a prompt too long for
-// --max-model-len) is answered with an error for that line (status 400), and the others run.
+// ==== 32. Reading the prompts file: text, .jsonl and OpenAI batch lines ====================================
+// defines: is_batch_line, batch_request, parse_batch_line, parse_prompts, read_prompts, assign_arrivals
+//
+// parse_prompts turns a prompts file into Requests, line by line, in the formats section 31 lists, and
+// assign_arrivals gives them their arrival times (--request-rate). An OpenAI batch's lines are read first, by
+// their own functions: a .jsonl file whose lines are {"custom_id", "method": "POST", "url", "body"} is a
+// batch (what `vllm run-batch` reads and writes): url is /v1/chat/completions (body.messages) or
+// /v1/completions (body.prompt), and body holds OpenAI's request fields plus vLLM's extra sampling fields. A
+// line that is malformed (no custom_id, an unknown url, a field of the wrong type or out of range) refuses
+// the run, as any bad line does; a well-formed line that asks for something the engine does not do (tools,
+// images, streaming, logit_bias, a prompt too long for --max-model-len) is answered with an error for that
+// line (status 400), and the others run.
 
 static bool is_batch_line(const json& j) {
   return j.is_object() && (j.contains("custom_id") || (j.contains("url") && j.contains("body")));
@@ -9556,23 +9569,6 @@ static std::vector<Request> read_prompts(const std::string& path, const Tokenize
   return parse_prompts(read_file(path, "prompts file"), path, tok, opt, cfg, mc);
 }
 
-// --output is checked here, before the run, but opened only when the completions are written, so a refused
-// or failed run leaves an existing file as it was.
-static void check_output_path(const std::string& path, const char* flag = "--output",
-                              const char* example = "out.jsonl") {
-  if (is_dir(path)) die("%s '%s' is a folder; give a file name such as %s", flag, path.c_str(), example);
-  if (access(path.c_str(), F_OK) == 0) {
-    if (access(path.c_str(), W_OK) != 0) die("cannot write %s '%s': %s", flag, path.c_str(), strerror(errno));
-    return;
-  }
-  size_t slash = path.rfind('/');
-  std::string parent = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
-  if (!is_dir(parent))
-    die("cannot write %s '%s': the folder '%s' does not exist", flag, path.c_str(), parent.c_str());
-  if (access(parent.c_str(), W_OK | X_OK) != 0)
-    die("cannot write %s '%s': folder '%s': %s", flag, path.c_str(), parent.c_str(), strerror(errno));
-}
-
 // --request-rate R: the requests without an arrival_time of their own arrive as a Poisson process of rate R
 // in input order (exponential gaps drawn with --seed), the first at time 0.
 static void assign_arrivals(std::vector<Request>& reqs, double rate, uint64_t seed) {
@@ -9588,6 +9584,29 @@ static void assign_arrivals(std::vector<Request>& reqs, double rate, uint64_t se
     }
     r.arrival_time = t, first = false;
   }
+}
+
+// ==== 33. Completions out: stdout, the --output lines, a batch's answers ===================================
+// defines: check_output_path, logprobs_json, batch_output_line, write_completions
+//
+// A readable block per completion on stdout, and with --output one JSON object per completion; an OpenAI
+// batch is answered instead with one output line per input line (vLLM's BatchRequestOutput).
+
+// --output is checked here, before the run, but opened only when the completions are written, so a refused
+// or failed run leaves an existing file as it was.
+static void check_output_path(const std::string& path, const char* flag = "--output",
+                              const char* example = "out.jsonl") {
+  if (is_dir(path)) die("%s '%s' is a folder; give a file name such as %s", flag, path.c_str(), example);
+  if (access(path.c_str(), F_OK) == 0) {
+    if (access(path.c_str(), W_OK) != 0) die("cannot write %s '%s': %s", flag, path.c_str(), strerror(errno));
+    return;
+  }
+  size_t slash = path.rfind('/');
+  std::string parent = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  if (!is_dir(parent))
+    die("cannot write %s '%s': the folder '%s' does not exist", flag, path.c_str(), parent.c_str());
+  if (access(parent.c_str(), W_OK | X_OK) != 0)
+    die("cannot write %s '%s': folder '%s': %s", flag, path.c_str(), parent.c_str(), strerror(errno));
 }
 
 // A log-probability for JSON: -inf (a token the model rules out) is written as -9999, as vLLM's OpenAI server does.
@@ -9693,7 +9712,7 @@ static json batch_output_line(const Request& r, const Completion* outs, int n, c
 }
 
 // The completions: a readable block per completion on stdout, and with --output one JSON object per
-// completion (then the run summary, section 32). An OpenAI batch is answered instead with one output line
+// completion (then the run summary, section 36). An OpenAI batch is answered instead with one output line
 // per input line, in input order, to --output or else to stdout. Returns true for a batch. stopped_by: what
 // left requests unfinished, for a batch's error lines.
 static bool write_completions(const std::vector<Request>& reqs, const std::vector<Completion>& outs,
@@ -9742,7 +9761,9 @@ static bool write_completions(const std::vector<Request>& reqs, const std::vecto
   return batch;
 }
 
-// ---- Shards: a part of the input per machine, and the merge ----
+// ==== 34. Shards: a part of the input per machine, and the merge ===========================================
+// defines: ShardSpec, parse_shard, request_weight, shard_split, requests_xxh64, shard_requests, shard_plan,
+//          ShardOut, shard_record, ShardFile, read_shard_file, merge_shards
 //
 // A batch that outgrows one machine runs as an array job of the cluster's own scheduler (a Slurm job array,
 // a Kubernetes Indexed Job): the same command on every machine, each with --shard K/N, reads the whole
@@ -10067,7 +10088,7 @@ static std::string merge_shards(const std::vector<std::string>& paths, std::stri
   // The merged file.
   merged.clear();
   int64_t lines = 0, prompt_tokens = 0, generated = 0;
-  std::vector<int32_t> tokens;  // completions_xxh64's bytes (section 32), from the lines
+  std::vector<int32_t> tokens;  // completions_xxh64's bytes (section 36), from the lines
   for (int64_t i = 0; i < total; i++)
     for (const json* l : out[i]) {
       merged += l->dump(-1, ' ', false, json::error_handler_t::replace) + "\n", lines++;
@@ -10091,13 +10112,14 @@ static std::string merge_shards(const std::vector<std::string>& paths, std::stri
   return "";
 }
 
-// ==== 32. Trace, run summary and the report ================================================================
-// defines: RunStats, StepTrace, trace_after_schedule, format_trace, RunWatcher, RunSummary, run_summary,
-//          write_summary, write_report
+// ==== 35. Watching the run: the progress line and the trace ================================================
+// defines: RunStats, StepTrace, trace_after_schedule, format_trace, labelled, format_progress, RunWatcher
 //
-// The text and pictures a run shows about itself (section 13 keeps the numbers): one --trace line per step,
-// the summary at the end (with the time to first token, the time per output token, and two fingerprints
-// that make runs comparable bit for bit), and --report's one-file HTML picture of the whole run.
+// The text and pictures a run shows about itself (section 13 keeps the numbers), in three steps: this
+// section watches each step (RunWatcher, section 13's StepObserver) and prints the progress line or one
+// --trace line per step; section 36 sums the run up at its end (with the time to first token, the time per
+// output token, and two fingerprints that make runs comparable bit for bit); section 37 draws --report's
+// one-file HTML picture of the whole run.
 
 struct RunStats {
   double seconds = 0;
@@ -10186,7 +10208,7 @@ static std::string format_trace(const StepTrace& t) {
   return line;
 }
 
-// Each line of `text` with `label` in front (a data-parallel replica's trace, section 33).
+// Each line of `text` with `label` in front (a data-parallel replica's trace, section 39).
 static std::string labelled(const std::string& label, const std::string& text) {
   if (label.empty()) return text;
   std::string out;
@@ -10302,6 +10324,14 @@ struct RunWatcher : StepObserver {
 };
 
 
+// ==== 36. The run summary: its figures, two fingerprints and the summary record ============================
+// defines: completions_xxh64, last_logits_xxh64, Percentiles, percentiles, RunSummary, run_summary,
+//          summary_json, format_summary, write_summary
+//
+// What a run prints when it ends and writes as the last line of --output: counts, rates, where the time
+// went, request latencies, and fingerprints of the results, built from RunWatcher's figures (section 35)
+// and the scheduler's.
+
 // xxHash64 (seed 0) of every completion in input order, each as its length then its token ids, all
 // little-endian int32: the same bytes as, in Python over the --output records,
 //   xxhash.xxh64(b"".join(struct.pack(f"<i{len(t)}i", len(t), *t) for t in token_id_lists)).hexdigest()
@@ -10367,7 +10397,7 @@ struct RunSummary {
   uint64_t tokens_xxh64 = 0, logits_xxh64 = 0;
   int logits_rows = 0;
   int64_t unfinished_requests = 0;  // > 0 only when a Ctrl-C (or a failed replica) stopped the run
-  // With data parallelism (section 33): one entry per replica. The figures above are then the run's: counts
+  // With data parallelism (section 39): one entry per replica. The figures above are then the run's: counts
   // summed, the step times the mean of the replicas' (so a rate is theirs together), the run's seconds the
   // longest replica's; the logits fingerprint is each replica's, here.
   struct Replica {
@@ -10525,11 +10555,16 @@ static void write_summary(const RunSummary& summary, FILE* jsonl) {
   if (jsonl) fprintf(jsonl, "%s\n", summary_json(summary).dump().c_str());
 }
 
+// ==== 37. The report: the whole run in one HTML page =======================================================
+// defines: svg_text, svg_rect, fmt, ReportChart, chart_step_tokens, chart_kv_pool,
+//          chart_hits_and_preemptions, chart_requests, report_head, write_report
+//
 // --report FILE.html: the whole run in one self-contained page (inline SVG and CSS, no script, nothing
 // fetched from the network), drawn from the StepTraces the engine recorded, the completions' times and the
 // summary record. Four pictures over the same steps: what each step computed, the KV pool, prefix-cache hits
 // and preemptions, and each request's life from arrival to its last token. Every step is one
-// <g class="step"> in the first picture (test/cli/report.sh counts them in a headless browser).
+// <g class="step"> in the first picture (test/cli/simulate.sh counts them in a headless browser).
+
 static std::string svg_text(double x, double y, const std::string& s, const char* anchor = "start",
                             const char* extra = "") {
   char b[96];
@@ -10550,94 +10585,108 @@ static std::string fmt(const char* f, double v) {
   return b;
 }
 
-static void write_report(const std::string& path, const std::string& title, const json& summary_record,
-                         const std::vector<StepTrace>& steps, const std::vector<Completion>& outs) {
-  const json& S = summary_record["summary"];
-  const int n = std::max<int>(1, (int)steps.size());
+// One picture of the report: an SVG whose x axis is the run's steps (picture 4's is time), and the page
+// geometry every picture shares. Each picture's function draws into `svg` and returns it.
+struct ReportChart {
+  const int n;                                            // steps on the x axis (at least 1)
   const double W = 1100, L = 70, R = 20, PW = W - L - R;  // page width, plot left and right margins
-  auto sx = [&](double i) { return L + PW * i / n; };     // step index -> x
-  const double bw = std::max(PW / n, 0.4);
-  std::string h;
-  auto chart_open = [&](double height, const std::string& ylabel, const std::string& xlabel) {
-    h += "<svg width=\"" + fmt("%.0f", W) + "\" height=\"" + fmt("%.0f", height + 40) + "\">";
-    h += svg_text(14, 10 + height / 2, ylabel, "middle",
-                  (" transform=\"rotate(-90 14 " + fmt("%.1f", 10 + height / 2) + ")\"").c_str());
-    h += svg_text(L + PW / 2, height + 38, xlabel, "middle");
-    h += "<line x1=\"" + fmt("%.0f", L) + "\" y1=\"10\" x2=\"" + fmt("%.0f", L) + "\" y2=\"" +
-         fmt("%.0f", height + 10) + "\" class=\"axis\"/><line x1=\"" + fmt("%.0f", L) + "\" y1=\"" +
-         fmt("%.0f", height + 10) + "\" x2=\"" + fmt("%.0f", L + PW) + "\" y2=\"" + fmt("%.0f", height + 10) +
-         "\" class=\"axis\"/>";
-  };
-  auto step_ticks = [&](double y) {  // x ticks at round step numbers
+  const double bw;                                        // a step's bar width
+  std::string svg;
+  explicit ReportChart(size_t steps) : n(std::max<int>(1, (int)steps)), bw(std::max(PW / n, 0.4)) {}
+  double sx(double i) const { return L + PW * i / n; }    // step index -> x
+  // The picture's frame: its size, the two axes and their labels.
+  void open(double height, const std::string& ylabel, const std::string& xlabel) {
+    svg += "<svg width=\"" + fmt("%.0f", W) + "\" height=\"" + fmt("%.0f", height + 40) + "\">";
+    svg += svg_text(14, 10 + height / 2, ylabel, "middle",
+                    (" transform=\"rotate(-90 14 " + fmt("%.1f", 10 + height / 2) + ")\"").c_str());
+    svg += svg_text(L + PW / 2, height + 38, xlabel, "middle");
+    svg += "<line x1=\"" + fmt("%.0f", L) + "\" y1=\"10\" x2=\"" + fmt("%.0f", L) + "\" y2=\"" +
+           fmt("%.0f", height + 10) + "\" class=\"axis\"/><line x1=\"" + fmt("%.0f", L) + "\" y1=\"" +
+           fmt("%.0f", height + 10) + "\" x2=\"" + fmt("%.0f", L + PW) + "\" y2=\"" +
+           fmt("%.0f", height + 10) + "\" class=\"axis\"/>";
+  }
+  void step_ticks(double y) {  // x ticks at round step numbers
     int every = 1;
     while (n / every > 10) every *= every % 3 == 1 ? 5 : 2;  // 1, 2, 10, 20, 100, ...
-    for (int i = 0; i <= n; i += every) h += svg_text(sx(i), y, std::to_string(i + (i < n ? 1 : 0)), "middle");
-  };
-  auto legend = [&](double x, double y, std::vector<std::pair<const char*, const char*>> items) {
+    for (int i = 0; i <= n; i += every)
+      svg += svg_text(sx(i), y, std::to_string(i + (i < n ? 1 : 0)), "middle");
+  }
+  void legend(double x, double y, std::vector<std::pair<const char*, const char*>> items) {
     for (auto& [color, name] : items) {
-      h += svg_rect(x, y - 9, 10, 10, color) + svg_text(x + 14, y, name);
+      svg += svg_rect(x, y - 9, 10, 10, color) + svg_text(x + 14, y, name);
       x += 20 + 7.0 * strlen(name);
     }
-  };
-  // Chart 1: the tokens of each step, on a log scale so that decode steps stay visible beside prefill.
+  }
+};
+
+// Picture 1: the tokens of each step, on a log scale so that decode steps stay visible beside prefill.
+static std::string chart_step_tokens(const std::vector<StepTrace>& steps) {
+  ReportChart c(steps.size());
+  std::string& h = c.svg;
   int64_t max_tokens = 1;
   for (auto& t : steps) max_tokens = std::max<int64_t>(max_tokens, t.tokens + (t.padded_batch - t.batch));
   const double H1 = 220, top1 = log10(1.0 + max_tokens);
   auto y1 = [&](double v) { return 10 + H1 - H1 * log10(1.0 + v) / top1; };
-  chart_open(H1, "tokens (log scale)", "step");
+  c.open(H1, "tokens (log scale)", "step");
   for (double v = 1; v <= max_tokens; v *= 10) {
-    h += svg_text(L - 6, y1(v) + 4, fmt("%.0f", v), "end");
-    h += "<line x1=\"" + fmt("%.0f", L) + "\" x2=\"" + fmt("%.0f", L + PW) + "\" y1=\"" + fmt("%.1f", y1(v)) +
-         "\" y2=\"" + fmt("%.1f", y1(v)) + "\" class=\"grid\"/>";
+    h += svg_text(c.L - 6, y1(v) + 4, fmt("%.0f", v), "end");
+    h += "<line x1=\"" + fmt("%.0f", c.L) + "\" x2=\"" + fmt("%.0f", c.L + c.PW) + "\" y1=\"" +
+         fmt("%.1f", y1(v)) + "\" y2=\"" + fmt("%.1f", y1(v)) + "\" class=\"grid\"/>";
   }
   for (int i = 0; i < (int)steps.size(); i++) {
     const StepTrace& t = steps[i];
     const double pre = (double)(t.tokens - t.decode_tokens), dec = (double)t.decode_tokens;
     const double pad = (double)(t.padded_batch - t.batch);
     h += "<g class=\"step\" data-step=\"" + std::to_string(t.step) + "\">";
-    h += svg_rect(sx(i), y1(pre), bw, y1(0) - y1(pre), "#4e79a7");
-    h += svg_rect(sx(i), y1(pre + dec), bw, y1(pre) - y1(pre + dec), "#59a14f");
-    h += svg_rect(sx(i), y1(pre + dec + pad), bw, y1(pre + dec) - y1(pre + dec + pad), "#bab0ac");
+    h += svg_rect(c.sx(i), y1(pre), c.bw, y1(0) - y1(pre), "#4e79a7");
+    h += svg_rect(c.sx(i), y1(pre + dec), c.bw, y1(pre) - y1(pre + dec), "#59a14f");
+    h += svg_rect(c.sx(i), y1(pre + dec + pad), c.bw, y1(pre + dec) - y1(pre + dec + pad), "#bab0ac");
     h += "<title>step " + std::to_string(t.step) + ": " + fmt("%.0f", pre) + " prompt tokens, " +
          fmt("%.0f", dec) + " decode tokens, " + fmt("%.0f", pad) + " padding rows</title></g>";
   }
-  step_ticks(H1 + 24);
-  legend(L + 10, 24, {{"#4e79a7", "prompt tokens (prefill)"}, {"#59a14f", "decode tokens"},
-                      {"#bab0ac", "padding to the CUDA graph's batch"}});
-  h += "</svg>\n";
-  std::string chart1 = h;
-  h.clear();
-  // Chart 2: the KV pool after each step's scheduling.
+  c.step_ticks(H1 + 24);
+  c.legend(c.L + 10, 24, {{"#4e79a7", "prompt tokens (prefill)"}, {"#59a14f", "decode tokens"},
+                          {"#bab0ac", "padding to the CUDA graph's batch"}});
+  return h + "</svg>\n";
+}
+
+// Picture 2: the KV pool of NB blocks after each step's scheduling.
+static std::string chart_kv_pool(const std::vector<StepTrace>& steps, int NB) {
+  ReportChart c(steps.size());
+  std::string& h = c.svg;
   const double H2 = 180;
-  const int NB = steps.empty() ? 1 : std::max(1, steps[0].num_blocks);
   auto y2 = [&](double v) { return 10 + H2 - H2 * v / NB; };
-  chart_open(H2, "KV blocks", "step");
-  for (int k = 0; k <= 4; k++) h += svg_text(L - 6, y2(NB * k / 4.0) + 4, fmt("%.0f", NB * k / 4.0), "end");
+  c.open(H2, "KV blocks", "step");
+  for (int k = 0; k <= 4; k++) h += svg_text(c.L - 6, y2(NB * k / 4.0) + 4, fmt("%.0f", NB * k / 4.0), "end");
   for (int i = 0; i < (int)steps.size(); i++) {
     const StepTrace& t = steps[i];
     const double used = t.num_blocks - t.free_blocks, cached = t.cached_free_blocks;
-    h += svg_rect(sx(i), y2(used), bw, y2(0) - y2(used), "#f28e2b");
-    h += svg_rect(sx(i), y2(used + cached), bw, y2(used) - y2(used + cached), "#76b7b2");
-    h += svg_rect(sx(i), y2(NB), bw, y2(used + cached) - y2(NB), "#eeeeee");
+    h += svg_rect(c.sx(i), y2(used), c.bw, y2(0) - y2(used), "#f28e2b");
+    h += svg_rect(c.sx(i), y2(used + cached), c.bw, y2(used) - y2(used + cached), "#76b7b2");
+    h += svg_rect(c.sx(i), y2(NB), c.bw, y2(used + cached) - y2(NB), "#eeeeee");
   }
-  step_ticks(H2 + 24);
-  legend(L + 10, 24, {{"#f28e2b", "held by sequences"}, {"#76b7b2", "free but still a cached prefix"},
-                      {"#eeeeee", "free"}});
-  h += "</svg>\n";
-  std::string chart2 = h;
-  h.clear();
-  // Chart 3: prefix-cache hits at admission (bars) and preemptions (red marks, one per victim).
+  c.step_ticks(H2 + 24);
+  c.legend(c.L + 10, 24, {{"#f28e2b", "held by sequences"}, {"#76b7b2", "free but still a cached prefix"},
+                          {"#eeeeee", "free"}});
+  return h + "</svg>\n";
+}
+
+// Picture 3: prefix-cache hits at admission (bars) and preemptions (red marks, one per victim).
+static std::string chart_hits_and_preemptions(const std::vector<StepTrace>& steps) {
+  ReportChart c(steps.size());
+  std::string& h = c.svg;
   int max_hit = 1;
   for (auto& t : steps) max_hit = std::max(max_hit, t.prefix_hit);
   const double H3 = 120;
   auto y3 = [&](double v) { return 10 + H3 - (H3 - 20) * v / max_hit; };
-  chart_open(H3, "hit tokens", "step");
-  h += svg_text(L - 6, y3(max_hit) + 4, std::to_string(max_hit), "end") + svg_text(L - 6, y3(0) + 4, "0", "end");
+  c.open(H3, "hit tokens", "step");
+  h += svg_text(c.L - 6, y3(max_hit) + 4, std::to_string(max_hit), "end");
+  h += svg_text(c.L - 6, y3(0) + 4, "0", "end");
   for (int i = 0; i < (int)steps.size(); i++) {
     const StepTrace& t = steps[i];
-    if (t.prefix_hit) h += svg_rect(sx(i), y3(t.prefix_hit), bw, y3(0) - y3(t.prefix_hit), "#b07aa1");
+    if (t.prefix_hit) h += svg_rect(c.sx(i), y3(t.prefix_hit), c.bw, y3(0) - y3(t.prefix_hit), "#b07aa1");
     for (size_t k = 0; k < t.preempted.size(); k++) {
-      const double x = sx(i) + bw / 2, y = 14 + 7 * k;
+      const double x = c.sx(i) + c.bw / 2, y = 14 + 7 * k;
       h += "<path class=\"preempt\" d=\"M" + fmt("%.1f", x - 4) + " " + fmt("%.1f", y) + " L" +
            fmt("%.1f", x + 4) + " " + fmt("%.1f", y) + " L" + fmt("%.1f", x) + " " + fmt("%.1f", y + 7) +
            " Z\" fill=\"#e15759\"><title>step " + std::to_string(t.step) + ": preempted seq " +
@@ -10645,15 +10694,17 @@ static void write_report(const std::string& path, const std::string& title, cons
            "</title></path>";
     }
   }
-  step_ticks(H3 + 24);
-  legend(L + 10 + PW / 2, 24, {{"#b07aa1", "prompt tokens found in the prefix cache"}, {"#e15759", "preemption"}});
-  h += "</svg>\n";
-  std::string chart3 = h;
-  h.clear();
-  // Chart 4: each request from arrival to its last token, on the time axis (up to 150 rows, evenly chosen).
-  std::vector<int> rows;
-  const int shown = std::min<int>((int)outs.size(), 150);
-  for (int k = 0; k < shown; k++) rows.push_back((int)((int64_t)k * outs.size() / shown));
+  c.step_ticks(H3 + 24);
+  c.legend(c.L + 10 + c.PW / 2, 24,
+           {{"#b07aa1", "prompt tokens found in the prefix cache"}, {"#e15759", "preemption"}});
+  return h + "</svg>\n";
+}
+
+// Picture 4: each request from arrival to its last token, on the time axis; rows: the completions shown.
+static std::string chart_requests(const std::vector<StepTrace>& steps, const std::vector<Completion>& outs,
+                                  const std::vector<int>& rows) {
+  ReportChart c(steps.size());
+  std::string& h = c.svg;
   std::map<int64_t, int> row_of;  // seq_id -> row
   for (int k = 0; k < (int)rows.size(); k++) row_of[outs[rows[k]].seq_id] = k;
   double t_end = 1e-9;
@@ -10661,8 +10712,8 @@ static void write_report(const std::string& path, const std::string& title, cons
   for (auto& o : outs) t_end = std::max(t_end, o.finish_time);
   const double rh = std::max(2.0, std::min(10.0, 600.0 / std::max<size_t>(1, rows.size())));
   const double H4 = rh * rows.size() + 10;
-  auto tx = [&](double t) { return L + PW * t / t_end; };
-  chart_open(H4, "requests", "seconds since the run began");
+  auto tx = [&](double t) { return c.L + c.PW * t / t_end; };
+  c.open(H4, "requests", "seconds since the run began");
   for (int k = 0; k <= 4; k++) h += svg_text(tx(t_end * k / 4), H4 + 24, fmt("%.3g", t_end * k / 4), "middle");
   for (int k = 0; k < (int)rows.size(); k++) {
     const Completion& o = outs[rows[k]];
@@ -10689,9 +10740,12 @@ static void write_report(const std::string& path, const std::string& title, cons
         h += svg_rect(tx(t.start) - 1, 10 + it->second * rh, 2, rh * 0.8, "#e15759");
     }
   }
-  h += "</svg>\n";
-  std::string chart4 = h;
-  // The page.
+  return h + "</svg>\n";
+}
+
+// The page's head: its title, the style, and a table of the summary's main figures (S: the record's
+// "summary" object).
+static std::string report_head(const std::string& title, const json& S, const std::vector<Completion>& outs) {
   auto num = [&](const json& v, const char* f) { return fmt(f, v.get<double>()); };
   std::string page =
       "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>nanovllm report: " + title +
@@ -10711,6 +10765,16 @@ static void write_report(const std::string& path, const std::string& title, cons
           fmt("%.2f", 1e3 * S["tpot_s"]["p99"].get<double>()) + " ms</td><td>" +
           num(S["throughput_tok_s"], "%.0f") + " tok/s</td><td>" + std::to_string(S["preemptions"].get<int64_t>()) +
           "</td><td>" + fmt("%.1f", 100 * S["prefix_hit_rate"].get<double>()) + "% of admitted tokens</td></tr></table>\n";
+  return page;
+}
+
+static void write_report(const std::string& path, const std::string& title, const json& summary_record,
+                         const std::vector<StepTrace>& steps, const std::vector<Completion>& outs) {
+  const int NB = steps.empty() ? 1 : std::max(1, steps[0].num_blocks);
+  std::vector<int> rows;  // the requests picture 4 shows: up to 150, evenly chosen
+  const int shown = std::min<int>((int)outs.size(), 150);
+  for (int k = 0; k < shown; k++) rows.push_back((int)((int64_t)k * outs.size() / shown));
+  std::string page = report_head(title, summary_record["summary"], outs);
   page += "<h2>What to look for</h2><p>Under nano-vllm's scheduler (<code>--scheduler nano</code>) a step is all "
           "prefill or all decode and prefill goes first: a blue spike in picture 1 is a step in which every "
           "running request waited, which shows as a pause in its green bar in picture 4 and in the time per "
@@ -10722,15 +10786,16 @@ static void write_report(const std::string& path, const std::string& title, cons
           "pool runs out a running sequence is preempted (red): its blocks are freed and it is recomputed later, "
           "mostly from those cached blocks. In picture 4 each row is a request: grey while it waits or its "
           "prompt is computed (blue chunks), green while it decodes, red where it was preempted.</p>\n";
-  page += "<h2>1. What each step computed</h2>\n" + chart1;
-  page += "<h2>2. The KV pool (" + std::to_string(NB) + " blocks)</h2>\n" + chart2;
-  page += "<h2>3. Prefix-cache hits and preemptions</h2>\n" + chart3;
+  page += "<h2>1. What each step computed</h2>\n" + chart_step_tokens(steps);
+  page += "<h2>2. The KV pool (" + std::to_string(NB) + " blocks)</h2>\n" + chart_kv_pool(steps, NB);
+  page += "<h2>3. Prefix-cache hits and preemptions</h2>\n" + chart_hits_and_preemptions(steps);
   page += "<h2>4. Requests over time" +
           (rows.size() < outs.size() ? " (" + std::to_string(rows.size()) + " of " + std::to_string(outs.size()) +
                                            ", evenly chosen)" : std::string("")) +
           "</h2><p><span class=\"key\" style=\"background:#d9d9d9\"></span>waiting<span class=\"key\" "
           "style=\"background:#4e79a7\"></span>prompt chunk<span class=\"key\" style=\"background:#59a14f\">"
-          "</span>decoding<span class=\"key\" style=\"background:#e15759\"></span>preempted</p>\n" + chart4;
+          "</span>decoding<span class=\"key\" style=\"background:#e15759\"></span>preempted</p>\n" +
+          chart_requests(steps, outs, rows);
   page += "<h2>The summary record (as <code>--output</code> writes it)</h2><pre>" + summary_record.dump(1) +
           "</pre>\n</body></html>\n";
   FILE* f = fopen(path.c_str(), "w");
@@ -10739,13 +10804,14 @@ static void write_report(const std::string& path, const std::string& title, cons
   fclose(f);
 }
 
-// ==== 33. Signals, worker processes and the mailbox ========================================================
-// defines: install_stop_handlers, g_stop_hook, stop_processes, tp_supervise, tp_launch, tp_shutdown,
-//          RequestQueue, Replica, Wire, replica_serve, dp_run, dp_figures, dp_completions
+// ==== 38. Signals and the tensor-parallel workers ==========================================================
+// defines: install_stop_handlers, g_stop_hook, stop_processes, tp_supervise, test_fail_at, tp_launch,
+//          tp_shutdown
 //
-// The process plumbing: Ctrl-C and SIGTERM, the tensor-parallel workers (section 12's ranks 1..N-1), and
-// the data-parallel replicas (whole engines that share one queue of requests): how they are forked, told
-// what to do, and stopped on every path. None of it changes what the engine computes.
+// The process plumbing, in three steps: here Ctrl-C and SIGTERM and the tensor-parallel workers (section
+// 12's ranks 1..N-1); then the data-parallel replicas (whole engines that share one queue of requests),
+// each one's side (section 39) and the coordinator's (section 40): how they are forked, told what to do,
+// and stopped on every path. None of it changes what the engine computes.
 
 // Signal handlers may only use async-signal-safe calls: write(2) instead of fprintf.
 static void sig_puts(const char* s) {
@@ -10841,7 +10907,7 @@ static void stop_processes(pid_t* pids, int n, int sig) {
 // Rank 0: send `sig` to every live worker and reap them all. Async-signal-safe.
 static void tp_stop_workers(int sig) { stop_processes(g_tp.pids + 1, g_tp.size - 1, sig); }
 
-// "[replica 2] " in a data-parallel replica (section 33's g_process_label), nothing in the main process.
+// "[replica 2] " in a data-parallel replica (section 1's g_process_label), nothing in the main process.
 static void sig_put_label() {
   if (g_process_label[0]) sig_puts("["), sig_puts(g_process_label), sig_puts("] ");
 }
@@ -10964,7 +11030,9 @@ static bool tp_shutdown() {
   return ok;
 }
 
-// ---- Data parallelism: N replicas of the engine, one queue ----
+// ==== 39. Data parallelism, 1: N replicas of the engine, one queue =========================================
+// defines: DP_MAX_REPLICAS, RequestQueue, Replica, Wire, put_completion, get_completion, DPMsg, DPShared,
+//          ReplicaLink, dp_send, replica_serve
 //
 // With --data-parallel-size N (vLLM's name; -dp N) a run is N whole engines, each in its own process on its
 // own GPU, or with --tensor-parallel-size T on its own T GPUs (N x T in all). Nothing crosses between the
@@ -11231,6 +11299,14 @@ static void replica_serve(ReplicaLink& link, LLMEngine& engine, RunWatcher& watc
   dp_send(link.fd, DPMsg::FINISHED, fin);
 }
 
+// ==== 40. Data parallelism, 2: the coordinator =============================================================
+// defines: DPGroup, g_dp, replica_signals, DPRun, dp_fork_replicas, DPCoordinator, dp_handle, dp_receive,
+//          dp_reap, dp_print_progress, dp_run, dp_figures, dp_completions
+//
+// The coordinator forks the replicas (section 39 says how the run is shared out among them), reads what
+// each sends on its pipe, stops them all when one fails or a signal says so, and turns what they handed
+// back into one run's completions and figures.
+
 // The coordinator's view of the replicas, for the signal handlers.
 struct DPGroup {
   int size = 0;
@@ -11281,22 +11357,12 @@ struct DPRun {
   double go_at = 0;         // now_seconds() then
 };
 
-// Forks n replicas, each running body(link) (which builds its engine and calls replica_serve; its return
-// value is the replica's exit status), and gathers what they send until each has ended. gpus[k]: replica
-// k's CUDA_VISIBLE_DEVICES (none for a simulated run). progress: print the progress line. ready(run): once
-// every replica is ready, after their start-up lines (may be empty).
-static DPRun dp_run(int n, const std::vector<Request>& reqs, const std::vector<std::string>& gpus, bool progress,
-                    const std::function<int(ReplicaLink&)>& body,
-                    const std::function<void(const DPRun&)>& ready_hook = nullptr) {
-  if (n > DP_MAX_REPLICAS) die("--data-parallel-size %d: at most %d replicas", n, DP_MAX_REPLICAS);
-  std::vector<int> order;
-  int64_t total_completions = 0;
-  for (size_t i = 0; i < reqs.size(); i++)
-    if (reqs[i].error.empty()) order.push_back((int)i), total_completions += reqs[i].params.n;
-  void* p = mmap(nullptr, sizeof(DPShared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) die("cannot map shared memory for the data-parallel queue: %s", strerror(errno));
-  DPShared* shared = static_cast<DPShared*>(p);
-  memset(shared, 0, sizeof *shared);
+// Forks the n replicas, each running body(link) and exiting with its return value, and installs the
+// coordinator's signal handlers. Returns the read end of each replica's pipe (non-blocking). order: the
+// requests to run, the queue's list, which each replica reads from its own copy of this process.
+static std::vector<int> dp_fork_replicas(int n, const std::vector<int>& order, DPShared* shared,
+                                         const std::vector<std::string>& gpus,
+                                         const std::function<int(ReplicaLink&)>& body) {
   std::vector<int> fds(n);
   std::vector<int> write_fds(n);
   for (int k = 0; k < n; k++) {
@@ -11341,82 +11407,139 @@ static DPRun dp_run(int n, const std::vector<Request>& reqs, const std::vector<s
   install_stop_handlers();
   atexit(dp_atexit);
   sigprocmask(SIG_SETMASK, &old, nullptr);
+  return fds;
+}
 
+// What the coordinator keeps while the replicas run, besides what it gathers into `run`.
+struct DPCoordinator {
+  const std::vector<Request>& reqs;
+  const std::vector<std::string>& gpus;  // replica k's CUDA_VISIBLE_DEVICES (none when simulated)
+  DPRun& run;
+  std::vector<int> fds;                  // the read end of each replica's pipe
+  std::vector<std::string> inbox;        // per replica: bytes read that are not yet a whole message
+  std::vector<int> kv_used, state;       // state: 0 loading, 1 ready, 2 finished (FINISHED received)
+  std::vector<int64_t> done;             // per replica: completions finished, by its last PROGRESS
+  int ready = 0;                         // replicas that sent READY
+  std::string name(int k) const {        // for messages: "replica 2 (GPU 2,3)"
+    return "replica " + std::to_string(k) + (gpus.empty() ? std::string() : " (GPU " + gpus[k] + ")");
+  }
+};
+
+// One message from replica k, into the coordinator's record.
+static void dp_handle(DPCoordinator& c, int k, DPMsg kind, Wire& w) {
+  DPRun& run = c.run;
+  RunSummary::Replica& fig = run.replicas[k];
+  if (kind == DPMsg::READY) {
+    run.ready_lines[k] = w.get_string();
+    const std::string notes = w.get_string();
+    if (k == 0) run.notes = notes;
+    fig.kv_blocks = w.get<int>();
+    c.state[k] = 1, c.ready++;
+  } else if (kind == DPMsg::PROGRESS) {
+    run.stats[k] = w.get<RunStats>(), c.kv_used[k] = w.get<int>(), c.done[k] = w.get<int64_t>();
+  } else if (kind == DPMsg::REQUEST) {
+    const int r = w.get<int>();
+    const uint32_t m = w.get<uint32_t>();
+    INTERNAL_CHECK(r >= 0 && r < (int)c.reqs.size() && run.outs[r].empty(), "%s handed back request %d twice",
+                   c.name(k).c_str(), r);
+    for (uint32_t i = 0; i < m; i++) {
+      run.outs[r].push_back(get_completion(w));
+      fig.completions++, fig.generated_tokens += (int64_t)run.outs[r].back().token_ids.size();
+    }
+  } else {
+    INTERNAL_CHECK(kind == DPMsg::FINISHED, "message kind %d from %s", (int)kind, c.name(k).c_str());
+    run.stats[k] = w.get<RunStats>(), run.sched[k] = w.get<SchedulerStats>(), fig.requests = w.get<int64_t>();
+    fig.logits_xxh64 = w.get<uint64_t>();
+    c.state[k] = 2;
+  }
+}
+
+// Reads what replica k's pipe holds and handles each whole message (dp_send's frames).
+static void dp_receive(DPCoordinator& c, int k) {
+  char buf[65536];
+  for (ssize_t got; (got = read(c.fds[k], buf, sizeof buf)) > 0;) c.inbox[k].append(buf, (size_t)got);
+  for (;;) {
+    std::string& in = c.inbox[k];
+    if (in.size() < 5) return;
+    uint32_t len;
+    memcpy(&len, in.data(), 4);
+    if (in.size() < 5 + (size_t)len) return;
+    const DPMsg kind = (DPMsg)in[4];
+    Wire w;
+    w.bytes = in.substr(5, len);
+    in.erase(0, 5 + (size_t)len);
+    dp_handle(c, k, kind, w);
+  }
+}
+
+// Reaps the replicas that have ended. One that ended before its FINISHED, or with a status other than 0,
+// is named, the others are stopped, and run.failed says which; `alive` counts those still running.
+// progress_line: the progress line is on a terminal (the message starts a line of its own).
+static void dp_reap(DPCoordinator& c, bool progress_line, int& alive) {
+  const int n = (int)c.fds.size();
+  for (int k = 0; k < n; k++) {
+    int st;
+    if (g_dp.pids[k] <= 0 || waitpid(g_dp.pids[k], &st, WNOHANG) != g_dp.pids[k]) continue;
+    g_dp.pids[k] = -1, alive--;
+    dp_receive(c, k);  // what it wrote before it ended
+    if (WIFEXITED(st) && WEXITSTATUS(st) == 0 && c.state[k] == 2) continue;
+    std::string how = WIFSIGNALED(st) ? "was killed by signal " + std::to_string(WTERMSIG(st))
+                                      : "exited with status " + std::to_string(WEXITSTATUS(st));
+    fprintf(stderr, "%snanovllm: error: %s %s%s (its message, if any, is above); stopping all %d replicas\n",
+            progress_line && c.run.started ? "\n" : "", c.name(k).c_str(), how.c_str(),
+            c.run.started ? "" : " before it was ready", n);
+    c.run.failed = k;
+    stop_processes(g_dp.pids, n, SIGTERM);
+    for (int j = 0; j < n; j++) dp_receive(c, j);
+    alive = 0;
+    return;
+  }
+}
+
+// The one progress line of all replicas together, from their last PROGRESS messages.
+static void dp_print_progress(const DPCoordinator& c, int64_t total_completions, bool tty) {
+  int64_t all_done = 0, used = 0, blocks = 0;
+  double prefill = 0, decode = 0;
+  for (size_t k = 0; k < c.fds.size(); k++) {
+    const RunStats& s = c.run.stats[k];
+    all_done += c.done[k], used += c.kv_used[k], blocks += c.run.replicas[k].kv_blocks;
+    prefill += s.prefill_tokens / std::max(s.prefill_seconds, 1e-9);
+    decode += s.decode_tokens / std::max(s.decode_seconds, 1e-9);
+  }
+  fputs(format_progress(all_done, total_completions, prefill, decode, used, blocks, tty).c_str(), stderr);
+}
+
+// Forks n replicas, each running body(link) (which builds its engine and calls replica_serve; its return
+// value is the replica's exit status), and gathers what they send until each has ended. gpus[k]: replica
+// k's CUDA_VISIBLE_DEVICES (none for a simulated run). progress: print the progress line. ready_hook(run):
+// once every replica is ready, after their start-up lines (may be empty).
+static DPRun dp_run(int n, const std::vector<Request>& reqs, const std::vector<std::string>& gpus,
+                    bool progress, const std::function<int(ReplicaLink&)>& body,
+                    const std::function<void(const DPRun&)>& ready_hook = nullptr) {
+  if (n > DP_MAX_REPLICAS) die("--data-parallel-size %d: at most %d replicas", n, DP_MAX_REPLICAS);
+  std::vector<int> order;
+  int64_t total_completions = 0;
+  for (size_t i = 0; i < reqs.size(); i++)
+    if (reqs[i].error.empty()) order.push_back((int)i), total_completions += reqs[i].params.n;
+  void* p = mmap(nullptr, sizeof(DPShared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) die("cannot map shared memory for the data-parallel queue: %s", strerror(errno));
+  DPShared* shared = static_cast<DPShared*>(p);
+  memset(shared, 0, sizeof *shared);
   DPRun run;
+  DPCoordinator c{reqs, gpus, run, dp_fork_replicas(n, order, shared, gpus, body)};
   run.outs.resize(reqs.size());
   run.stats.resize(n), run.sched.resize(n), run.replicas.resize(n), run.ready_lines.resize(n);
-  std::vector<std::string> inbox(n);
-  std::vector<int> kv_used(n), state(n);  // state: 0 loading, 1 ready, 2 finished (FINISHED received)
-  std::vector<int64_t> done(n);
-  int ready = 0;
-  auto name = [&](int k) {
-    return "replica " + std::to_string(k) + (gpus.empty() ? std::string() : " (GPU " + gpus[k] + ")");
-  };
-  auto receive = [&](int k) {  // read what is there, handle each whole message
-    char buf[65536];
-    for (ssize_t got; (got = read(fds[k], buf, sizeof buf)) > 0;) inbox[k].append(buf, (size_t)got);
-    for (;;) {
-      std::string& in = inbox[k];
-      if (in.size() < 5) return;
-      uint32_t len;
-      memcpy(&len, in.data(), 4);
-      if (in.size() < 5 + (size_t)len) return;
-      const DPMsg kind = (DPMsg)in[4];
-      Wire w;
-      w.bytes = in.substr(5, len);
-      in.erase(0, 5 + (size_t)len);
-      RunSummary::Replica& fig = run.replicas[k];
-      if (kind == DPMsg::READY) {
-        run.ready_lines[k] = w.get_string();
-        const std::string notes = w.get_string();
-        if (k == 0) run.notes = notes;
-        fig.kv_blocks = w.get<int>();
-        state[k] = 1, ready++;
-      } else if (kind == DPMsg::PROGRESS) {
-        run.stats[k] = w.get<RunStats>(), kv_used[k] = w.get<int>(), done[k] = w.get<int64_t>();
-      } else if (kind == DPMsg::REQUEST) {
-        const int r = w.get<int>();
-        const uint32_t m = w.get<uint32_t>();
-        INTERNAL_CHECK(r >= 0 && r < (int)reqs.size() && run.outs[r].empty(), "%s handed back request %d twice",
-                       name(k).c_str(), r);
-        for (uint32_t c = 0; c < m; c++) {
-          run.outs[r].push_back(get_completion(w));
-          fig.completions++, fig.generated_tokens += (int64_t)run.outs[r].back().token_ids.size();
-        }
-      } else {
-        INTERNAL_CHECK(kind == DPMsg::FINISHED, "message kind %d from %s", (int)kind, name(k).c_str());
-        run.stats[k] = w.get<RunStats>(), run.sched[k] = w.get<SchedulerStats>(), fig.requests = w.get<int64_t>();
-        fig.logits_xxh64 = w.get<uint64_t>();
-        state[k] = 2;
-      }
-    }
-  };
+  c.inbox.resize(n), c.kv_used.resize(n), c.state.resize(n), c.done.resize(n);
   const bool tty = isatty(2);
   double last_print = now_seconds();
   for (int alive = n; alive > 0;) {
     std::vector<struct pollfd> pfd(n);
-    for (int k = 0; k < n; k++) pfd[k] = {fds[k], POLLIN, 0};
+    for (int k = 0; k < n; k++) pfd[k] = {c.fds[k], POLLIN, 0};
     poll(pfd.data(), n, 100);  // (EINTR after a signal: the loop looks again)
-    for (int k = 0; k < n; k++) receive(k);
-    for (int k = 0; k < n; k++) {
-      int st;
-      if (g_dp.pids[k] <= 0 || waitpid(g_dp.pids[k], &st, WNOHANG) != g_dp.pids[k]) continue;
-      g_dp.pids[k] = -1, alive--;
-      receive(k);  // what it wrote before it ended
-      if (WIFEXITED(st) && WEXITSTATUS(st) == 0 && state[k] == 2) continue;
-      std::string how = WIFSIGNALED(st) ? "was killed by signal " + std::to_string(WTERMSIG(st))
-                                        : "exited with status " + std::to_string(WEXITSTATUS(st));
-      fprintf(stderr, "%snanovllm: error: %s %s%s (its message, if any, is above); stopping all %d replicas\n",
-              tty && progress && run.started ? "\n" : "", name(k).c_str(), how.c_str(),
-              run.started ? "" : " before it was ready", n);
-      run.failed = k;
-      stop_processes(g_dp.pids, n, SIGTERM);
-      for (int j = 0; j < n; j++) receive(j);
-      alive = 0;
-      break;
-    }
+    for (int k = 0; k < n; k++) dp_receive(c, k);
+    dp_reap(c, progress && tty, alive);
     if (run.failed >= 0) break;
-    if (ready == n && !run.started) {
+    if (c.ready == n && !run.started) {
       for (const std::string& line : run.ready_lines)
         if (!line.empty()) fputs(line.c_str(), stderr);
       if (ready_hook) ready_hook(run);
@@ -11426,20 +11549,12 @@ static DPRun dp_run(int n, const std::vector<Request>& reqs, const std::vector<s
     }
     if (g_stop_requested) __atomic_store_n(&shared->stop, 1u, __ATOMIC_RELEASE);
     if (progress && run.started && now_seconds() - last_print > (tty ? 0.25 : 5.0)) {
-      int64_t all_done = 0, used = 0, blocks = 0;
-      double prefill = 0, decode = 0;
-      for (int k = 0; k < n; k++) {
-        const RunStats& s = run.stats[k];
-        all_done += done[k], used += kv_used[k], blocks += run.replicas[k].kv_blocks;
-        prefill += s.prefill_tokens / std::max(s.prefill_seconds, 1e-9);
-        decode += s.decode_tokens / std::max(s.decode_seconds, 1e-9);
-      }
-      fputs(format_progress(all_done, total_completions, prefill, decode, used, blocks, tty).c_str(), stderr);
+      dp_print_progress(c, total_completions, tty);
       last_print = now_seconds();
     }
   }
   if (progress && tty && run.started && run.failed < 0) fputs("\n", stderr);
-  for (int k = 0; k < n; k++) close(fds[k]);
+  for (int k = 0; k < n; k++) close(c.fds[k]);
   return run;  // (still armed: a Ctrl-C while the completions are written lets them finish, as in one engine's run)
 }
 
@@ -11493,7 +11608,7 @@ static std::vector<Completion> dp_completions(const DPRun& run, const std::vecto
   return outs;
 }
 
-// ==== 34. simulate: the engine without a GPU ===============================================================
+// ==== 41. simulate: the engine without a GPU ===============================================================
 // defines: SimGpu, qwen3_shape, simulated_kv_blocks, step_cost, SimRunner
 //
 // `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` runs the real LLMEngine, Scheduler and BlockManager
@@ -11647,8 +11762,12 @@ struct SimRunner : StepRunner {
   }
 };
 
-// ==== 35. Command line and main ============================================================================
-// defines: Cli, usage_text, parse_args, main
+// ==== 42. The command line: flags and --help ===============================================================
+// defines: Cli, kUsage, usage_text, parse_size, FlagReader, engine_flag, sampling_flag, run_flag,
+//          check_flag_combinations, parse_args
+//
+// Every flag lands in a Cli: the engine's Config, the sampling flags under vLLM's names, and what the run
+// reads and writes. A flag's mistake is reported before anything is read.
 
 struct Cli {
   Config config;
@@ -11659,15 +11778,15 @@ struct Cli {
   int64_t seed = 0;
   bool trace = false;
   double request_rate = 0;   // --request-rate: requests/s of a Poisson process (0: all arrive at once)
-  bool simulate = false;     // `nanovllm simulate` (section 34)
+  bool simulate = false;     // `nanovllm simulate` (section 41)
   double sim_gpu_bytes = 0;  // --simulate-gpu-memory
   std::string sim_model = "Qwen3-0.6B";  // --simulate-model: the shape when there is no config.json
   bool sim_model_given = false;
   double sim_eos_prob = 0;   // --simulate-eos-prob
   json sampling_flags = json::object();  // the sampling flags given, by vLLM's field names (section 31)
   bool generation_config = true;         // --generation-config auto (true) or vllm
-  int data_parallel_size = 1;            // --data-parallel-size: engine replicas (section 33)
-  ShardSpec shard;                       // --shard: this run's part of the input (section 31)
+  int data_parallel_size = 1;            // --data-parallel-size: engine replicas (section 39)
+  ShardSpec shard;                       // --shard: this run's part of the input (section 34)
 };
 
 static const char* kUsage =
@@ -11764,6 +11883,175 @@ static double parse_size(const std::string& flag, const std::string& v) {
   return x * mult;
 }
 
+// The flag being read: its name (`a`), and its value from "--flag=value" or the next argument, read as the
+// flag expects with a message that names the flag.
+struct FlagReader {
+  int argc;
+  char** argv;
+  int& i;             // argv[i] is the flag; value() moves it on to the value
+  std::string a, val; // the flag, and the value after its '=' if it has one
+  bool has_eq = false;
+  FlagReader(int argc_, char** argv_, int& i_) : argc(argc_), argv(argv_), i(i_), a(argv_[i_]) {
+    if (a.rfind("--", 0) == 0 && a.find('=') != std::string::npos) {
+      val = a.substr(a.find('=') + 1);
+      a = a.substr(0, a.find('='));
+      has_eq = true;
+    }
+  }
+  std::string value() {
+    if (has_eq) return val;
+    if (i + 1 >= argc) die("flag %s needs a value (see --help)", a.c_str());
+    return argv[++i];
+  }
+  int64_t as_int(const std::string& v) const {
+    char* end;
+    errno = 0;
+    long long x = strtoll(v.c_str(), &end, 10);
+    if (v.empty() || *end || errno) die("flag %s expects an integer, found '%s'", a.c_str(), v.c_str());
+    return x;
+  }
+  float as_float(const std::string& v) const {
+    char* end;
+    float x = strtof(v.c_str(), &end);
+    if (v.empty() || *end) die("flag %s expects a number, found '%s'", a.c_str(), v.c_str());
+    return x;
+  }
+  double as_double(const std::string& v) const {
+    char* end;
+    double x = strtod(v.c_str(), &end);
+    if (v.empty() || *end) die("flag %s expects a number, found '%s'", a.c_str(), v.c_str());
+    return x;
+  }
+  int as_int32(const std::string& v) const {
+    int64_t x = as_int(v);
+    if (x < INT32_MIN || x > INT32_MAX) die("flag %s: %s is out of range", a.c_str(), v.c_str());
+    return (int)x;
+  }
+  void flag_only() const {
+    if (has_eq) die("flag %s takes no value", a.c_str());
+  }
+};
+
+// The engine's settings (section 2's Config) and the run's shape (-dp, --shard). False: not one of these.
+static bool engine_flag(FlagReader& f, Cli& cli) {
+  const std::string& a = f.a;
+  Config& c = cli.config;
+  if (a == "--max-num-batched-tokens") c.max_num_batched_tokens = f.as_int32(f.value());
+  else if (a == "--max-num-seqs") c.max_num_seqs = f.as_int32(f.value());
+  else if (a == "--max-model-len") c.max_model_len = f.as_int32(f.value());
+  else if (a == "--gpu-memory-utilization") c.gpu_memory_utilization = f.as_float(f.value());
+  else if (a == "--tensor-parallel-size" || a == "--tp") c.tensor_parallel_size = f.as_int32(f.value());
+  else if (a == "--data-parallel-size" || a == "-dp") {
+    cli.data_parallel_size = f.as_int32(f.value());
+    if (cli.data_parallel_size < 1 || cli.data_parallel_size > DP_MAX_REPLICAS)
+      die("--data-parallel-size must be from 1 to %d, found %d", DP_MAX_REPLICAS, cli.data_parallel_size);
+  } else if (a == "--shard") {
+    const std::string problem = parse_shard(f.value(), cli.shard);
+    if (!problem.empty()) die("%s", problem.c_str());
+  }
+  else if (a == "--enforce-eager") f.flag_only(), c.enforce_eager = true;
+  else if (a == "--kvcache-block-size") c.kvcache_block_size = f.as_int32(f.value());
+  else if (a == "--kv-cache-dtype") {
+    const std::string problem = parse_kv_cache_dtype(f.value(), c.kv_cache_dtype);
+    if (!problem.empty()) die("%s", problem.c_str());
+  }
+  else if (a == "--num-kvcache-blocks") c.num_kvcache_blocks = f.as_int32(f.value());
+  else if (a == "--plain") f.flag_only(), parse_optimizations("none", c.opt);
+  else if (a == "--scheduler") {
+    std::string v = f.value();
+    if (v != "nano" && v != "mixed") die("--scheduler must be nano or mixed, found '%s'", v.c_str());
+    c.mixed_scheduler = v == "mixed";
+  }
+  else if (a == "--opt") {
+    std::string problem = parse_optimizations(f.value(), c.opt);
+    if (!problem.empty()) die("%s", problem.c_str());
+  }
+  else return false;
+  return true;
+}
+
+// The sampling flags, gathered under vLLM's field names (`--top-k` is "top_k") for sampling_defaults,
+// and --generation-config. False: not one of these.
+static bool sampling_flag(FlagReader& f, Cli& cli) {
+  const std::string& a = f.a;
+  json& sp = cli.sampling_flags;
+  std::string field = a.size() > 2 ? a.substr(2) : "";
+  std::replace(field.begin(), field.end(), '-', '_');
+  if (a == "--temperature" || a == "--top-p" || a == "--min-p" || a == "--presence-penalty" ||
+      a == "--frequency-penalty" || a == "--repetition-penalty")
+    sp[field] = f.as_double(f.value());
+  else if (a == "--top-k" || a == "--max-tokens" || a == "--min-tokens" || a == "--n" || a == "--logprobs")
+    sp[field] = f.as_int32(f.value());
+  else if (a == "--ignore-eos" || a == "--include-stop-str-in-output") f.flag_only(), sp[field] = true;
+  else if (a == "--stop") {
+    if (!sp.contains("stop")) sp["stop"] = json::array();
+    sp["stop"].push_back(f.value());
+  } else if (a == "--stop-token-ids") {
+    sp["stop_token_ids"] = json::array();
+    std::string v = f.value();
+    for (size_t at = 0; at <= v.size();) {
+      size_t comma = std::min(v.find(',', at), v.size());
+      sp["stop_token_ids"].push_back(f.as_int(v.substr(at, comma - at)));
+      at = comma + 1;
+    }
+  } else if (a == "--generation-config") {
+    std::string v = f.value();
+    if (v != "auto" && v != "vllm") die("--generation-config must be auto or vllm, found '%s'", v.c_str());
+    cli.generation_config = v == "auto";
+  }
+  else return false;
+  return true;
+}
+
+// What goes in and comes out (prompts, --output, --trace, --report, arrivals) and the --simulate-* flags.
+// False: not one of these.
+static bool run_flag(FlagReader& f, Cli& cli) {
+  const std::string& a = f.a;
+  if (a == "--seed") cli.seed = f.as_int(f.value());
+  else if (a == "--raw") f.flag_only(), cli.prompts.raw = true;
+  else if (a == "--no-thinking") f.flag_only(), cli.prompts.enable_thinking = false;
+  else if (a == "--output") cli.output_path = f.value();
+  else if (a == "--trace") f.flag_only(), cli.trace = true;
+  else if (a == "--report") cli.report_path = f.value();
+  else if (a == "--request-rate") {
+    cli.request_rate = f.as_float(f.value());
+    if (!(cli.request_rate > 0) || !std::isfinite(cli.request_rate))
+      die("--request-rate must be a positive number of requests per second, found %g", cli.request_rate);
+  } else if (a == "--simulate-gpu-memory") cli.sim_gpu_bytes = parse_size(a, f.value());
+  else if (a == "--simulate-model") {
+    cli.sim_model = f.value(), cli.sim_model_given = true;
+    ModelConfig probe;
+    if (!qwen3_shape(cli.sim_model, probe))
+      die("--simulate-model %s: not a known shape; give Qwen3-0.6B, -1.7B, -4B, -8B, -14B or -32B",
+          cli.sim_model.c_str());
+  } else if (a == "--simulate-eos-prob") {
+    cli.sim_eos_prob = f.as_float(f.value());
+    if (!(cli.sim_eos_prob >= 0 && cli.sim_eos_prob <= 1))
+      die("--simulate-eos-prob must be in [0, 1], found %g", cli.sim_eos_prob);
+  }
+  else return false;
+  return true;
+}
+
+// The flags that cannot go together, and the sampling flags' values (flag mistakes first, before the
+// model is read).
+static void check_flag_combinations(Cli& cli, bool simulate) {
+  if (!simulate && (cli.sim_gpu_bytes > 0 || cli.sim_model_given || cli.sim_eos_prob > 0))
+    die("the --simulate-* flags belong to `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS`");
+  if (cli.shard.on() && cli.output_path.empty() && !simulate)
+    die("%s: a shard's completions are merged from its --output file (nanovllm merge); "
+        "give --output FILE.jsonl", cli.shard.from.c_str());
+  if (cli.data_parallel_size > 1 && cli.request_rate > 0)
+    die("--data-parallel-size %d runs an offline batch; requests that arrive over time (--request-rate) "
+        "model one engine serving traffic: run them with one replica", cli.data_parallel_size);
+  if (cli.data_parallel_size > 1 && !cli.report_path.empty())
+    die("--report draws one engine's steps, and --data-parallel-size %d runs %d engines: drop --report or "
+        "run one replica", cli.data_parallel_size, cli.data_parallel_size);
+  const json& f = cli.sampling_flags;
+  sampling_from_json(f, cli.prompts.defaults, "command line", 0,
+                     f.contains("min_tokens") && f.contains("max_tokens"));
+}
+
 static Cli parse_args(int argc, char** argv, bool simulate = false) {
   Cli cli;
   cli.simulate = simulate;
@@ -11775,127 +12063,15 @@ static Cli parse_args(int argc, char** argv, bool simulate = false) {
   cli.config.model = std::string(home ? home : ".") + "/huggingface/Qwen3-0.6B/";
   std::vector<std::string> positional;
   for (int i = 1; i < argc; i++) {
-    std::string a = argv[i], val;
-    bool has_eq = false;
-    if (a.rfind("--", 0) == 0 && a.find('=') != std::string::npos) {
-      val = a.substr(a.find('=') + 1);
-      a = a.substr(0, a.find('='));
-      has_eq = true;
-    }
-    auto value = [&]() -> std::string {
-      if (has_eq) return val;
-      if (i + 1 >= argc) die("flag %s needs a value (see --help)", a.c_str());
-      return argv[++i];
-    };
-    auto as_int = [&](const std::string& v) -> int64_t {
-      char* end;
-      errno = 0;
-      long long x = strtoll(v.c_str(), &end, 10);
-      if (v.empty() || *end || errno) die("flag %s expects an integer, found '%s'", a.c_str(), v.c_str());
-      return x;
-    };
-    auto as_float = [&](const std::string& v) -> float {
-      char* end;
-      float x = strtof(v.c_str(), &end);
-      if (v.empty() || *end) die("flag %s expects a number, found '%s'", a.c_str(), v.c_str());
-      return x;
-    };
-    auto as_double = [&](const std::string& v) -> double {
-      char* end;
-      double x = strtod(v.c_str(), &end);
-      if (v.empty() || *end) die("flag %s expects a number, found '%s'", a.c_str(), v.c_str());
-      return x;
-    };
-    auto as_int32 = [&](const std::string& v) -> int {
-      int64_t x = as_int(v);
-      if (x < INT32_MIN || x > INT32_MAX) die("flag %s: %s is out of range", a.c_str(), v.c_str());
-      return (int)x;
-    };
-    auto flag_only = [&]() {
-      if (has_eq) die("flag %s takes no value", a.c_str());
-    };
-    Config& c = cli.config;
-    json& sp = cli.sampling_flags;  // vLLM's field names: `--top-k` is "top_k"
-    std::string field = a.size() > 2 ? a.substr(2) : "";
-    std::replace(field.begin(), field.end(), '-', '_');
+    FlagReader f(argc, argv, i);
+    const std::string& a = f.a;
     if (a == "--help" || a == "-h") {
       fputs(usage_text().c_str(), stdout);
       exit(0);
-    } else if (a == "--max-num-batched-tokens") c.max_num_batched_tokens = as_int32(value());
-    else if (a == "--max-num-seqs") c.max_num_seqs = as_int32(value());
-    else if (a == "--max-model-len") c.max_model_len = as_int32(value());
-    else if (a == "--gpu-memory-utilization") c.gpu_memory_utilization = as_float(value());
-    else if (a == "--tensor-parallel-size" || a == "--tp") c.tensor_parallel_size = as_int32(value());
-    else if (a == "--data-parallel-size" || a == "-dp") {
-      cli.data_parallel_size = as_int32(value());
-      if (cli.data_parallel_size < 1 || cli.data_parallel_size > DP_MAX_REPLICAS)
-        die("--data-parallel-size must be from 1 to %d, found %d", DP_MAX_REPLICAS, cli.data_parallel_size);
-    } else if (a == "--shard") {
-      const std::string problem = parse_shard(value(), cli.shard);
-      if (!problem.empty()) die("%s", problem.c_str());
     }
-    else if (a == "--enforce-eager") flag_only(), c.enforce_eager = true;
-    else if (a == "--kvcache-block-size") c.kvcache_block_size = as_int32(value());
-    else if (a == "--kv-cache-dtype") {
-      const std::string problem = parse_kv_cache_dtype(value(), c.kv_cache_dtype);
-      if (!problem.empty()) die("%s", problem.c_str());
-    }
-    else if (a == "--num-kvcache-blocks") c.num_kvcache_blocks = as_int32(value());
-    else if (a == "--temperature" || a == "--top-p" || a == "--min-p" || a == "--presence-penalty" ||
-             a == "--frequency-penalty" || a == "--repetition-penalty")
-      sp[field] = as_double(value());
-    else if (a == "--top-k" || a == "--max-tokens" || a == "--min-tokens" || a == "--n" || a == "--logprobs")
-      sp[field] = as_int32(value());
-    else if (a == "--ignore-eos" || a == "--include-stop-str-in-output") flag_only(), sp[field] = true;
-    else if (a == "--stop") {
-      if (!sp.contains("stop")) sp["stop"] = json::array();
-      sp["stop"].push_back(value());
-    } else if (a == "--stop-token-ids") {
-      sp["stop_token_ids"] = json::array();
-      std::string v = value();
-      for (size_t at = 0; at <= v.size();) {
-        size_t comma = std::min(v.find(',', at), v.size());
-        sp["stop_token_ids"].push_back(as_int(v.substr(at, comma - at)));
-        at = comma + 1;
-      }
-    } else if (a == "--generation-config") {
-      std::string v = value();
-      if (v != "auto" && v != "vllm") die("--generation-config must be auto or vllm, found '%s'", v.c_str());
-      cli.generation_config = v == "auto";
-    }
-    else if (a == "--seed") cli.seed = as_int(value());
-    else if (a == "--raw") flag_only(), cli.prompts.raw = true;
-    else if (a == "--no-thinking") flag_only(), cli.prompts.enable_thinking = false;
-    else if (a == "--output") cli.output_path = value();
-    else if (a == "--trace") flag_only(), cli.trace = true;
-    else if (a == "--plain") flag_only(), parse_optimizations("none", c.opt);
-    else if (a == "--report") cli.report_path = value();
-    else if (a == "--scheduler") {
-      std::string v = value();
-      if (v != "nano" && v != "mixed") die("--scheduler must be nano or mixed, found '%s'", v.c_str());
-      c.mixed_scheduler = v == "mixed";
-    } else if (a == "--request-rate") {
-      cli.request_rate = as_float(value());
-      if (!(cli.request_rate > 0) || !std::isfinite(cli.request_rate))
-        die("--request-rate must be a positive number of requests per second, found %g", cli.request_rate);
-    } else if (a == "--simulate-gpu-memory") cli.sim_gpu_bytes = parse_size(a, value());
-    else if (a == "--simulate-model") {
-      cli.sim_model = value(), cli.sim_model_given = true;
-      ModelConfig probe;
-      if (!qwen3_shape(cli.sim_model, probe))
-        die("--simulate-model %s: not a known shape; give Qwen3-0.6B, -1.7B, -4B, -8B, -14B or -32B",
-            cli.sim_model.c_str());
-    } else if (a == "--simulate-eos-prob") {
-      cli.sim_eos_prob = as_float(value());
-      if (!(cli.sim_eos_prob >= 0 && cli.sim_eos_prob <= 1))
-        die("--simulate-eos-prob must be in [0, 1], found %g", cli.sim_eos_prob);
-    }
-    else if (a == "--opt") {
-      std::string problem = parse_optimizations(value(), c.opt);
-      if (!problem.empty()) die("%s", problem.c_str());
-    }
-    else if (a.rfind("-", 0) == 0 && a.size() > 1) die("unknown flag '%s' (see --help)", a.c_str());
-    else positional.push_back(a);
+    if (engine_flag(f, cli) || sampling_flag(f, cli) || run_flag(f, cli)) continue;
+    if (a.rfind("-", 0) == 0 && a.size() > 1) die("unknown flag '%s' (see --help)", a.c_str());
+    positional.push_back(a);
   }
   if (positional.size() > 2) die("too many arguments: '%s' (expected MODEL_DIR [PROMPTS])", positional[2].c_str());
   if (positional.size() >= 1) cli.config.model = positional[0];
@@ -11903,21 +12079,17 @@ static Cli parse_args(int argc, char** argv, bool simulate = false) {
   if (simulate && positional.size() != 2)
     die("usage: nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags] (a model folder, a folder with a "
         "tokenizer.json, or the path of a tokenizer.json; then the prompts file)");
-  if (!simulate && (cli.sim_gpu_bytes > 0 || cli.sim_model_given || cli.sim_eos_prob > 0))
-    die("the --simulate-* flags belong to `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS`");
-  if (cli.shard.on() && cli.output_path.empty() && !simulate)
-    die("%s: a shard's completions are merged from its --output file (nanovllm merge); give --output FILE.jsonl",
-        cli.shard.from.c_str());
-  if (cli.data_parallel_size > 1 && cli.request_rate > 0)
-    die("--data-parallel-size %d runs an offline batch; requests that arrive over time (--request-rate) model one "
-        "engine serving traffic: run them with one replica", cli.data_parallel_size);
-  if (cli.data_parallel_size > 1 && !cli.report_path.empty())
-    die("--report draws one engine's steps, and --data-parallel-size %d runs %d engines: drop --report or run "
-        "one replica", cli.data_parallel_size, cli.data_parallel_size);
-  const json& f = cli.sampling_flags;  // flag mistakes first, before the model is read
-  sampling_from_json(f, cli.prompts.defaults, "command line", 0, f.contains("min_tokens") && f.contains("max_tokens"));
+  check_flag_combinations(cli, simulate);
   return cli;
 }
+
+// ==== 43. A run's start and end: the GPUs, the start-up line, the closing lines ============================
+// defines: example_requests, sampling_defaults_for, check_gpus, count_gpus_in_child, replica_gpus,
+//          gpu_warmup_start, startup_line, optimization_notes, take_shard, RunOutcome, finish_run, finish_dp
+//
+// The pieces every kind of run shares (one engine, data-parallel replicas, a simulated run): the requests
+// and sampling defaults, the GPUs it may use, what it prints once it is ready, its share of the input under
+// --shard, and finish_run, which writes the completions, the report and the summary after it.
 
 // The requests when no PROMPTS file is given: nano-vllm example.py's two chat prompts.
 static std::vector<Request> example_requests(const Tokenizer& tok, const PromptOptions& opt) {
@@ -11933,6 +12105,17 @@ static std::vector<Request> example_requests(const Tokenizer& tok, const PromptO
   return reqs;
 }
 
+// The sampling defaults of this run (section 31's sampling_defaults) into cli.prompts.defaults; returns the
+// description the start-up line prints.
+static std::string sampling_defaults_for(Cli& cli, const ModelConfig& mc) {
+  std::string described;
+  cli.prompts.defaults = sampling_defaults(mc.generation_config, cli.config.model + "/generation_config.json",
+                                           cli.generation_config, cli.sampling_flags, mc.vocab_size, &described);
+  return described;
+}
+
+// The GPUs a run needs: at least `needed` visible, of compute capability 8.0 or newer, with this binary's
+// kernels built for them. Returns how many CUDA sees.
 static int check_gpus(int needed) {
   int n = 0;
   cudaError_t e = cudaGetDeviceCount(&n);
@@ -11958,60 +12141,111 @@ static int check_gpus(int needed) {
   return n;
 }
 
-// `nanovllm roofline`: the two ceilings every speed figure is measured against, on this GPU: device-to-device
-// copy bandwidth (bytes read + written) and a large bf16 cuBLASLt matrix product. bench.sh uses both.
-static int roofline_command() {
-  check_gpus(1);
-  cudaStream_t s;
-  CUDA_CHECK(cudaStreamCreate(&s));
-  cudaEvent_t e0, e1;
-  CUDA_CHECK(cudaEventCreate(&e0));
-  CUDA_CHECK(cudaEventCreate(&e1));
-  auto median_ms = [&](auto&& fn, int reps) {
-    std::vector<float> t;
-    for (int i = 0; i < reps + 3; i++) {
-      CUDA_CHECK(cudaEventRecord(e0, s));
-      fn();
-      CUDA_CHECK(cudaEventRecord(e1, s));
-      CUDA_CHECK(cudaEventSynchronize(e1));
-      float ms;
-      CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-      if (i >= 3) t.push_back(ms);  // the first runs are warm-up
-    }
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-  };
-  size_t n = (size_t)2 << 30;  // 2 GiB each way: far beyond L2
-  void *a, *b;
-  CUDA_CHECK(cudaMalloc(&a, n));
-  CUDA_CHECK(cudaMalloc(&b, n));
-  CUDA_CHECK(cudaMemsetAsync(a, 0x5a, n, s));
-  float ms = median_ms([&] { CUDA_CHECK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice, s)); }, 20);
-  double gbps = 2.0 * n / (ms * 1e-3) / 1e9;
-  CUDA_CHECK(cudaFree(a));
-  CUDA_CHECK(cudaFree(b));
-  const int M = 8192;
-  bf16 *x, *w, *y;
-  CUDA_CHECK(cudaMalloc(&x, (size_t)M * M * 2));
-  CUDA_CHECK(cudaMalloc(&w, (size_t)M * M * 2));
-  CUDA_CHECK(cudaMalloc(&y, (size_t)M * M * 2));
-  std::vector<uint16_t> h((size_t)M * M);
-  uint64_t r = 1;
-  for (auto& v : h) r = splitmix64(r), v = float_to_bf16_bits((float)((int64_t)(r % 2001) - 1000) / 1000.0f);
-  CUDA_CHECK(cudaMemcpy(x, h.data(), h.size() * 2, cudaMemcpyHostToDevice));  // random data, not zeros
-  CUDA_CHECK(cudaMemcpy(w, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
-  Gemm g;
-  g.init();
-  ms = median_ms([&] { g.run(y, x, w, M, M, M, s); }, 10);
-  double tflops = 2.0 * M * M * M / (ms * 1e-3) / 1e12;
-  cudaDeviceProp prop;
-  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  printf("gpu: %s\ncopy bandwidth: %.0f GB/s (read + write)\nbf16 GEMM 8192^3: %.0f TFLOP/s\n", prop.name, gbps,
-         tflops);
-  return 0;
+// How many GPUs CUDA sees, counted in a child process: the coordinator of a data-parallel run must not
+// initialise CUDA before it forks the replicas (section 12b). 0, with `why`, when CUDA finds none.
+static int count_gpus_in_child(std::string& why) {
+  int fd[2];
+  if (pipe(fd) != 0) die("cannot make a pipe: %s", strerror(errno));
+  fflush(stdout), fflush(stderr);
+  const pid_t pid = fork();
+  if (pid < 0) die("fork() failed: %s", strerror(errno));
+  if (pid == 0) {
+    close(fd[0]);
+    int n = 0;
+    const cudaError_t e = cudaGetDeviceCount(&n);
+    char msg[256];
+    const int len = snprintf(msg, sizeof msg, "%d %s", e == cudaSuccess ? n : 0,
+                             e == cudaSuccess ? "" : cudaGetErrorString(e));
+    ssize_t w = write(fd[1], msg, std::min<int>(len, sizeof msg - 1));
+    (void)w;
+    _exit(0);
+  }
+  close(fd[1]);
+  std::string got;
+  char buf[256];
+  for (ssize_t k; (k = read(fd[0], buf, sizeof buf)) > 0 || (k < 0 && errno == EINTR);)
+    if (k > 0) got.append(buf, (size_t)k);
+  close(fd[0]);
+  waitpid(pid, nullptr, 0);
+  const int n = atoi(got.c_str());
+  const size_t space = got.find(' ');
+  why = space == std::string::npos ? "" : got.substr(space + 1);
+  return n;
 }
 
-// What of the optimizations in force this machine cannot run, for the start-up line ("" when nothing).
+// Replica k's CUDA_VISIBLE_DEVICES: the k-th slice of tp of this process's devices (its CUDA_VISIBLE_DEVICES,
+// or 0..count-1 when it has none).
+static std::vector<std::string> replica_gpus(int dp, int tp, int count) {
+  std::vector<std::string> ids;
+  if (const char* v = getenv("CUDA_VISIBLE_DEVICES")) {
+    for (const char* p = v; *p;) {
+      const char* comma = strchr(p, ',');
+      const std::string id(p, comma ? comma - p : strlen(p));
+      if (!id.empty()) ids.push_back(id);
+      p = comma ? comma + 1 : p + strlen(p);
+    }
+    ids.resize(std::min<size_t>(ids.size(), count));  // CUDA stops at the first entry it cannot use
+  } else {
+    for (int i = 0; i < count; i++) ids.push_back(std::to_string(i));
+  }
+  std::vector<std::string> out(dp);
+  for (int k = 0; k < dp; k++)
+    for (int r = 0; r < tp; r++) out[k] += (r ? "," : "") + ids[k * tp + r];
+  return out;
+}
+
+// Start-up in parallel. Creating the CUDA context and cuBLASLt's first algorithm choices (the first loads its
+// heuristics) need nothing the tokenizer, the prompts or the weights give, so a run on one GPU starts them
+// on a second thread while this one reads those; cuBLASLt keeps its choices for the whole process, so the
+// engine's own Gemm (section 10) then finds them made. The thread asks for every product a decode step of
+// each CUDA-graph batch size makes. Never when processes are still to be forked (--tp, -dp > 1): a process
+// must not fork once it has used CUDA. A mistake found meanwhile waits for the thread before it exits.
+static std::thread* g_gpu_warmup = nullptr;
+static void gpu_warmup_join() {
+  if (g_gpu_warmup && g_gpu_warmup->joinable() && g_gpu_warmup->get_id() != std::this_thread::get_id())
+    g_gpu_warmup->join();
+}
+static void gpu_warmup_start(const Config& config, const ModelConfig& mc) {
+  const int H = mc.hidden_size, D = mc.head_dim, I = mc.intermediate_size, V = mc.vocab_size;
+  const int NH = mc.num_attention_heads, NKV = mc.num_key_value_heads;
+  const std::vector<int> batch_sizes = graph_batch_sizes(config.max_num_seqs);
+  tok_die_before_exit = gpu_warmup_join;
+  g_gpu_warmup = new std::thread([=] {
+    if (cudaFree(nullptr) != cudaSuccess) {  // no usable GPU: check_gpus says so, on the main thread
+      cudaGetLastError();
+      return;
+    }
+    Gemm* gemm = new Gemm;  // a handle of its own, no workspace: plan() only chooses (kept: cheap)
+    if (cublasLtCreate(&gemm->handle) != CUBLAS_STATUS_SUCCESS) return;
+    for (int M : batch_sizes) {
+      gemm->plan(M, (NH + 2 * NKV) * D, H, CUDA_R_16BF);  // qkv
+      gemm->plan(M, H, NH * D, CUDA_R_16BF);              // o_proj
+      gemm->plan(M, 2 * I, H, CUDA_R_16BF);               // gate_up
+      gemm->plan(M, H, I, CUDA_R_16BF);                   // down
+      gemm->plan(M, V, H, CUDA_R_32F);                    // the LM head's fp32 logits
+    }
+  });
+}
+
+// The start-up line of an engine on its GPUs.
+static std::string startup_line(ModelRunner& runner, const Config& config, double t_start) {
+  cudaDeviceProp prop;
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const int tp = config.tensor_parallel_size;
+  const std::string gpus = tp > 1 ? std::to_string(tp) + " x " + prop.name + " (tensor parallel)" : prop.name;
+  char line[640];
+  snprintf(line, sizeof line,
+           "nanovllm: %s%s | weights %.2f GB%s loaded in %.2f s (%.1f GB/s) | KV cache %s, %d blocks x %d "
+           "tokens = %lld tokens, %.2f GiB | %zu CUDA graphs in %.2f s | ready after %.2f s\n",
+           g_process_label[0] ? (std::string(g_process_label) + ": ").c_str() : "", gpus.c_str(),
+           runner.model.w.bytes / 1e9, tp > 1 ? " per GPU" : "", runner.load_seconds, runner.load_gbps,
+           config.kv_cache_dtype.c_str(), config.num_kvcache_blocks, config.kvcache_block_size,
+           (long long)config.num_kvcache_blocks * config.kvcache_block_size,
+           runner.model.kv.bytes / (double)(1 << 30), runner.graphs.size(), runner.capture_seconds,
+           now_seconds() - t_start);
+  return line;
+}
+
 // What the switched-on optimizations say about this machine (Optimization::note), for the start-up line.
 static std::string optimization_notes(ModelRunner& runner) {
   std::string notes;
@@ -12025,13 +12259,32 @@ static std::string optimization_notes(ModelRunner& runner) {
   return notes.empty() ? "" : " (" + notes.substr(2) + ")";
 }
 
-// The sampling defaults of this run (section 31's sampling_defaults) into cli.prompts.defaults; returns the
-// description the start-up line prints.
-static std::string sampling_defaults_for(Cli& cli, const ModelConfig& mc) {
-  std::string described;
-  cli.prompts.defaults = sampling_defaults(mc.generation_config, cli.config.model + "/generation_config.json",
-                                           cli.generation_config, cli.sampling_flags, mc.vocab_size, &described);
-  return described;
+// --shard: this run's share of the input (each request keeping its place as Request::index), and its
+// record's facts. A shard with no request writes its record alone (no GPU needed) and the run ends.
+static std::vector<Request> take_shard(const Cli& cli, std::vector<Request>& all, ShardOut& out) {
+  out.spec = cli.shard, out.total = all.size();
+  out.input_xxh64 = requests_xxh64(all, (uint64_t)cli.seed);
+  std::vector<Request> mine = shard_requests(all, cli.shard, out.indices);
+  int64_t weight = 0, total = 0;
+  for (const Request& r : all) total += request_weight(r);
+  for (const Request& r : mine) weight += request_weight(r);
+  const std::string range = mine.empty() ? "none" : "#" + std::to_string(out.indices.front()) + "-" +
+                                                    std::to_string(out.indices.back());
+  fprintf(stderr, "nanovllm: shard %d/%d (%s) | %zu of %zu prompts (%s) | %.1f%% of the weight\n",
+          cli.shard.index, cli.shard.count, cli.shard.from.c_str(), mine.size(), all.size(), range.c_str(),
+          100.0 * weight / std::max<int64_t>(total, 1));
+  return mine;
+}
+static int finish_empty_shard(const Cli& cli, const ShardOut& sh) {
+  if (!cli.output_path.empty()) {
+    FILE* f = fopen(cli.output_path.c_str(), "w");
+    if (!f) die("cannot write --output '%s': %s", cli.output_path.c_str(), strerror(errno));
+    fprintf(f, "%s\n", shard_record(sh, 0, 0).dump().c_str());
+    fclose(f);
+  }
+  fprintf(stderr, "nanovllm: shard %d/%d has no prompts of its own; its --output holds its shard record alone\n",
+          sh.spec.index, sh.spec.count);
+  return 0;
 }
 
 // What a run leaves for finish_run besides its completions: one engine's figures, or the replicas' together.
@@ -12094,35 +12347,7 @@ static int finish_run(const Cli& cli, const std::vector<Request>& requests, cons
   return g_stop_requested ? 128 + SIGINT : 0;
 }
 
-// --shard: this run's share of the input (each request keeping its place as Request::index), and its
-// record's facts. A shard with no request writes its record alone (no GPU needed) and the run ends.
-static std::vector<Request> take_shard(const Cli& cli, std::vector<Request>& all, ShardOut& out) {
-  out.spec = cli.shard, out.total = all.size();
-  out.input_xxh64 = requests_xxh64(all, (uint64_t)cli.seed);
-  std::vector<Request> mine = shard_requests(all, cli.shard, out.indices);
-  int64_t weight = 0, total = 0;
-  for (const Request& r : all) total += request_weight(r);
-  for (const Request& r : mine) weight += request_weight(r);
-  const std::string range = mine.empty() ? "none" : "#" + std::to_string(out.indices.front()) + "-" +
-                                                    std::to_string(out.indices.back());
-  fprintf(stderr, "nanovllm: shard %d/%d (%s) | %zu of %zu prompts (%s) | %.1f%% of the weight\n",
-          cli.shard.index, cli.shard.count, cli.shard.from.c_str(), mine.size(), all.size(), range.c_str(),
-          100.0 * weight / std::max<int64_t>(total, 1));
-  return mine;
-}
-static int finish_empty_shard(const Cli& cli, const ShardOut& sh) {
-  if (!cli.output_path.empty()) {
-    FILE* f = fopen(cli.output_path.c_str(), "w");
-    if (!f) die("cannot write --output '%s': %s", cli.output_path.c_str(), strerror(errno));
-    fprintf(f, "%s\n", shard_record(sh, 0, 0).dump().c_str());
-    fclose(f);
-  }
-  fprintf(stderr, "nanovllm: shard %d/%d has no prompts of its own; its --output holds its shard record alone\n",
-          sh.spec.index, sh.spec.count);
-  return 0;
-}
-
-// A data-parallel run's end (section 33): the replicas' completions in input order and their figures,
+// A data-parallel run's end (section 40): the replicas' completions in input order and their figures,
 // written as one run's. Exit status 1 when a replica failed (after writing what finished, once they ran).
 static int finish_dp(const Cli& cli, const std::vector<Request>& requests, DPRun& dp,
                      const std::vector<std::string>& gpus, const Tokenizer& tok, double t_start,
@@ -12140,9 +12365,87 @@ static int finish_dp(const Cli& cli, const std::vector<Request>& requests, DPRun
   return finish_run(cli, requests, dp_completions(dp, requests), tok, run, shard);
 }
 
-// `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` (section 34): the same checks and the same engine as
+// ==== 44. The commands and main ============================================================================
+// defines: roofline_command, merge_command, simulate_command, run_data_parallel, main
+//
+// What `nanovllm` can be asked to do besides a run (roofline, merge, simulate; encode and decode are the
+// tokenizer's), the data-parallel run, and main, which reads everything it can check without a GPU first.
+
+// `nanovllm roofline`: the two ceilings every speed figure is measured against, on this GPU: device-to-device
+// copy bandwidth (bytes read + written) and a large bf16 cuBLASLt matrix product. bench.sh uses both.
+static int roofline_command() {
+  check_gpus(1);
+  cudaStream_t s;
+  CUDA_CHECK(cudaStreamCreate(&s));
+  cudaEvent_t e0, e1;
+  CUDA_CHECK(cudaEventCreate(&e0));
+  CUDA_CHECK(cudaEventCreate(&e1));
+  auto median_ms = [&](auto&& fn, int reps) {
+    std::vector<float> t;
+    for (int i = 0; i < reps + 3; i++) {
+      CUDA_CHECK(cudaEventRecord(e0, s));
+      fn();
+      CUDA_CHECK(cudaEventRecord(e1, s));
+      CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms;
+      CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      if (i >= 3) t.push_back(ms);  // the first runs are warm-up
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  };
+  size_t n = (size_t)2 << 30;  // 2 GiB each way: far beyond L2
+  void *a, *b;
+  CUDA_CHECK(cudaMalloc(&a, n));
+  CUDA_CHECK(cudaMalloc(&b, n));
+  CUDA_CHECK(cudaMemsetAsync(a, 0x5a, n, s));
+  float ms = median_ms([&] { CUDA_CHECK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice, s)); }, 20);
+  double gbps = 2.0 * n / (ms * 1e-3) / 1e9;
+  CUDA_CHECK(cudaFree(a));
+  CUDA_CHECK(cudaFree(b));
+  const int M = 8192;
+  bf16 *x, *w, *y;
+  CUDA_CHECK(cudaMalloc(&x, (size_t)M * M * 2));
+  CUDA_CHECK(cudaMalloc(&w, (size_t)M * M * 2));
+  CUDA_CHECK(cudaMalloc(&y, (size_t)M * M * 2));
+  std::vector<uint16_t> h((size_t)M * M);
+  uint64_t r = 1;
+  for (auto& v : h) r = splitmix64(r), v = float_to_bf16_bits((float)((int64_t)(r % 2001) - 1000) / 1000.0f);
+  CUDA_CHECK(cudaMemcpy(x, h.data(), h.size() * 2, cudaMemcpyHostToDevice));  // random data, not zeros
+  CUDA_CHECK(cudaMemcpy(w, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+  Gemm g;
+  g.init();
+  ms = median_ms([&] { g.run(y, x, w, M, M, M, s); }, 10);
+  double tflops = 2.0 * M * M * M / (ms * 1e-3) / 1e12;
+  cudaDeviceProp prop;
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  printf("gpu: %s\ncopy bandwidth: %.0f GB/s (read + write)\nbf16 GEMM 8192^3: %.0f TFLOP/s\n", prop.name, gbps,
+         tflops);
+  return 0;
+}
+
+// `nanovllm merge OUT SHARD_FILE...` (section 34's merge_shards).
+static int merge_command(int argc, char** argv) {
+  if (argc < 3 || !strcmp(argv[1], "--help"))
+    die("usage: nanovllm merge OUT.jsonl SHARD.jsonl... (the --output files of every --shard K/N run)");
+  const std::string out = argv[1];
+  std::vector<std::string> paths(argv + 2, argv + argc);
+  for (const std::string& p : paths)
+    if (p == out) die("merge: the output '%s' is also one of the shard files", out.c_str());
+  check_output_path(out, "merge's output", "merged.jsonl");
+  std::string merged, said;
+  const std::string problem = merge_shards(paths, merged, said);
+  if (!problem.empty()) die("merge: %s", problem.c_str());
+  FILE* f = fopen(out.c_str(), "w");
+  if (!f || fwrite(merged.data(), 1, merged.size(), f) != merged.size() || fclose(f) != 0)
+    die("cannot write merge's output '%s': %s", out.c_str(), strerror(errno));
+  fprintf(stderr, "nanovllm: merged %s -> %s\n", said.c_str(), out.c_str());
+  return 0;
+}
+
+// `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` (section 41): the same checks and the same engine as
 // a run, with SimRunner in place of the GPU. With --shard it first prints the plan of every shard, then
-// runs its own share; with --data-parallel-size N, N replica processes as a real run forks (section 33).
+// runs its own share; with --data-parallel-size N, N replica processes as a real run forks (section 39).
 static int simulate_command(Cli& cli) {
   const double t_start = now_seconds();
   Config& config = cli.config;
@@ -12189,7 +12492,7 @@ static int simulate_command(Cli& cli) {
   const std::string shape = has_config ? src + "/config.json" : cli.sim_model;
   fprintf(stderr,
           "nanovllm: simulate | shape of %s (%.2f B parameters) | KV cache %s, %d blocks x %d tokens = %lld "
-          "tokens%s | scheduler %s | no GPU: a stand-in model and a modelled clock (section 34)\n",
+          "tokens%s | scheduler %s | no GPU: a stand-in model and a modelled clock (section 41)\n",
           shape.c_str(), model_params(mc) / 1e9, config.kv_cache_dtype.c_str(),
           config.num_kvcache_blocks, config.kvcache_block_size,
           (long long)config.num_kvcache_blocks * config.kvcache_block_size,
@@ -12231,131 +12534,7 @@ static int simulate_command(Cli& cli) {
   return finish_run(cli, requests, outs, tok, run, cli.shard.on() ? &shard : nullptr);
 }
 
-// How many GPUs CUDA sees, counted in a child process: the coordinator of a data-parallel run must not
-// initialise CUDA before it forks the replicas (section 12b). 0, with `why`, when CUDA finds none.
-static int count_gpus_in_child(std::string& why) {
-  int fd[2];
-  if (pipe(fd) != 0) die("cannot make a pipe: %s", strerror(errno));
-  fflush(stdout), fflush(stderr);
-  const pid_t pid = fork();
-  if (pid < 0) die("fork() failed: %s", strerror(errno));
-  if (pid == 0) {
-    close(fd[0]);
-    int n = 0;
-    const cudaError_t e = cudaGetDeviceCount(&n);
-    char msg[256];
-    const int len = snprintf(msg, sizeof msg, "%d %s", e == cudaSuccess ? n : 0,
-                             e == cudaSuccess ? "" : cudaGetErrorString(e));
-    ssize_t w = write(fd[1], msg, std::min<int>(len, sizeof msg - 1));
-    (void)w;
-    _exit(0);
-  }
-  close(fd[1]);
-  std::string got;
-  char buf[256];
-  for (ssize_t k; (k = read(fd[0], buf, sizeof buf)) > 0 || (k < 0 && errno == EINTR);)
-    if (k > 0) got.append(buf, (size_t)k);
-  close(fd[0]);
-  waitpid(pid, nullptr, 0);
-  const int n = atoi(got.c_str());
-  const size_t space = got.find(' ');
-  why = space == std::string::npos ? "" : got.substr(space + 1);
-  return n;
-}
-
-// Replica k's CUDA_VISIBLE_DEVICES: the k-th slice of tp of this process's devices (its CUDA_VISIBLE_DEVICES,
-// or 0..count-1 when it has none).
-static std::vector<std::string> replica_gpus(int dp, int tp, int count) {
-  std::vector<std::string> ids;
-  if (const char* v = getenv("CUDA_VISIBLE_DEVICES")) {
-    for (const char* p = v; *p;) {
-      const char* comma = strchr(p, ',');
-      const std::string id(p, comma ? comma - p : strlen(p));
-      if (!id.empty()) ids.push_back(id);
-      p = comma ? comma + 1 : p + strlen(p);
-    }
-    ids.resize(std::min<size_t>(ids.size(), count));  // CUDA stops at the first entry it cannot use
-  } else {
-    for (int i = 0; i < count; i++) ids.push_back(std::to_string(i));
-  }
-  std::vector<std::string> out(dp);
-  for (int k = 0; k < dp; k++)
-    for (int r = 0; r < tp; r++) out[k] += (r ? "," : "") + ids[k * tp + r];
-  return out;
-}
-
-// The start-up line of an engine on its GPUs.
-static std::string startup_line(ModelRunner& runner, const Config& config, double t_start) {
-  cudaDeviceProp prop;
-  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  const int tp = config.tensor_parallel_size;
-  const std::string gpus = tp > 1 ? std::to_string(tp) + " x " + prop.name + " (tensor parallel)" : prop.name;
-  char line[640];
-  snprintf(line, sizeof line,
-           "nanovllm: %s%s | weights %.2f GB%s loaded in %.2f s (%.1f GB/s) | KV cache %s, %d blocks x %d "
-           "tokens = %lld tokens, %.2f GiB | %zu CUDA graphs in %.2f s | ready after %.2f s\n",
-           g_process_label[0] ? (std::string(g_process_label) + ": ").c_str() : "", gpus.c_str(),
-           runner.model.w.bytes / 1e9, tp > 1 ? " per GPU" : "", runner.load_seconds, runner.load_gbps,
-           config.kv_cache_dtype.c_str(), config.num_kvcache_blocks, config.kvcache_block_size,
-           (long long)config.num_kvcache_blocks * config.kvcache_block_size,
-           runner.model.kv.bytes / (double)(1 << 30), runner.graphs.size(), runner.capture_seconds,
-           now_seconds() - t_start);
-  return line;
-}
-
-// `nanovllm merge OUT SHARD_FILE...` (section 31's merge_shards).
-static int merge_command(int argc, char** argv) {
-  if (argc < 3 || !strcmp(argv[1], "--help"))
-    die("usage: nanovllm merge OUT.jsonl SHARD.jsonl... (the --output files of every --shard K/N run)");
-  const std::string out = argv[1];
-  std::vector<std::string> paths(argv + 2, argv + argc);
-  for (const std::string& p : paths)
-    if (p == out) die("merge: the output '%s' is also one of the shard files", out.c_str());
-  check_output_path(out, "merge's output", "merged.jsonl");
-  std::string merged, said;
-  const std::string problem = merge_shards(paths, merged, said);
-  if (!problem.empty()) die("merge: %s", problem.c_str());
-  FILE* f = fopen(out.c_str(), "w");
-  if (!f || fwrite(merged.data(), 1, merged.size(), f) != merged.size() || fclose(f) != 0)
-    die("cannot write merge's output '%s': %s", out.c_str(), strerror(errno));
-  fprintf(stderr, "nanovllm: merged %s -> %s\n", said.c_str(), out.c_str());
-  return 0;
-}
-
-// Start-up in parallel. Creating the CUDA context and cuBLASLt's first algorithm choices (the first loads its
-// heuristics) need nothing the tokenizer, the prompts or the weights give, so a run on one GPU starts them
-// on a second thread while this one reads those; cuBLASLt keeps its choices for the whole process, so the
-// engine's own Gemm (section 10) then finds them made. The thread asks for every product a decode step of
-// each CUDA-graph batch size makes. Never when processes are still to be forked (--tp, -dp > 1): a process
-// must not fork once it has used CUDA. A mistake found meanwhile waits for the thread before it exits.
-static std::thread* g_gpu_warmup = nullptr;
-static void gpu_warmup_join() {
-  if (g_gpu_warmup && g_gpu_warmup->joinable() && g_gpu_warmup->get_id() != std::this_thread::get_id())
-    g_gpu_warmup->join();
-}
-static void gpu_warmup_start(const Config& config, const ModelConfig& mc) {
-  const int H = mc.hidden_size, D = mc.head_dim, I = mc.intermediate_size, V = mc.vocab_size;
-  const int NH = mc.num_attention_heads, NKV = mc.num_key_value_heads;
-  const std::vector<int> batch_sizes = graph_batch_sizes(config.max_num_seqs);
-  tok_die_before_exit = gpu_warmup_join;
-  g_gpu_warmup = new std::thread([=] {
-    if (cudaFree(nullptr) != cudaSuccess) {  // no usable GPU: check_gpus says so, on the main thread
-      cudaGetLastError();
-      return;
-    }
-    Gemm* gemm = new Gemm;  // a handle of its own, no workspace: plan() only chooses (kept: cheap)
-    if (cublasLtCreate(&gemm->handle) != CUBLAS_STATUS_SUCCESS) return;
-    for (int M : batch_sizes) {
-      gemm->plan(M, (NH + 2 * NKV) * D, H, CUDA_R_16BF);  // qkv
-      gemm->plan(M, H, NH * D, CUDA_R_16BF);              // o_proj
-      gemm->plan(M, 2 * I, H, CUDA_R_16BF);               // gate_up
-      gemm->plan(M, H, I, CUDA_R_16BF);                   // down
-      gemm->plan(M, V, H, CUDA_R_32F);                    // the LM head's fp32 logits
-    }
-  });
-}
-
-// --data-parallel-size N (-dp N): N replicas, each an engine on its own GPUs (section 33); this process only
+// --data-parallel-size N (-dp N): N replicas, each an engine on its own GPUs (section 39); this process only
 // hands out the requests and writes what comes back. It counts the GPUs in a child: it must not use CUDA
 // itself before it forks.
 static int run_data_parallel(Cli& cli, const ModelConfig& mc, const Tokenizer& tok, std::vector<Request>& requests,
@@ -12438,7 +12617,7 @@ int main(int argc, char** argv) {
   // 2. With --data-parallel-size N: N replicas of what follows, each on its own GPUs.
   if (dp > 1) return run_data_parallel(cli, mc, tok, requests, sampling, t_start, sharded);
   // 2. The GPU: weights, KV cache, CUDA graphs. Tensor-parallel workers are forked first: a child process
-  //    cannot use CUDA once its parent has (section 33).
+  //    cannot use CUDA once its parent has (section 38).
   tp_launch(tp);
   check_gpus(tp);
   ModelRunner runner(config, mc);

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # suite: data parallelism and shards on a CPU machine (issue 46)
-# `nanovllm simulate --data-parallel-size N` forks the replica processes a GPU run forks (nanovllm.cu section
-# 32) with the stand-in model of section 34, so the process plumbing runs here without a GPU: the completions
-# of N replicas equal one engine's (plain and OpenAI batch output, greedy, sampled and seeded requests, n > 1);
-# one progress line and one summary with a line per replica; a replica that fails is named, the finished
-# completions are written, the exit status is 1 and no process is left; SIGTERM and Ctrl-C end every
-# replica. Then shards: --shard K/N runs plan and write their share with its record, and `nanovllm merge`
-# gives back the unsharded run's completions; the merge refuses a missing, duplicated or foreign shard
-# naming the file. Run from the repo root; NANOVLLM_BIN overrides ./nanovllm.
+# `nanovllm simulate --data-parallel-size N` forks the replica processes a GPU run forks (nanovllm.cu
+# sections 39-40) with the stand-in model of section 41, so the process plumbing runs here without a GPU:
+# the completions of N replicas equal one engine's (plain and OpenAI batch output, greedy, sampled and
+# seeded requests, n > 1); one progress line and one summary with a line per replica; a replica that fails
+# is named, the finished completions are written, the exit status is 1 and no process is left; SIGTERM and
+# Ctrl-C end every replica. Then shards: --shard K/N runs plan and write their share with its record, and
+# `nanovllm merge` gives back the unsharded run's completions; the merge refuses a missing, duplicated or
+# foreign shard naming the file. Run from the repo root; NANOVLLM_BIN overrides ./nanovllm.
 source "$(dirname "$0")/lib.sh"
 if ! TOK=$(bash tools/fetch_tokenizer.sh | tail -n 1) || [ -z "$TOK" ]; then
   fail fetch_tokenizer "tools/fetch_tokenizer.sh could not provide the Qwen3 tokenizer"; finish

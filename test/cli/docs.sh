@@ -557,23 +557,10 @@ $late_refs"
 # top-level banner (a function, type, variable, member, parameter or macro). "// defines:" lines themselves
 # are defines_names_exist's. Each violation prints file:line, the claim, and the sections that define NAME
 # ([Part III] where the cited or defining section is in Part III).
-#
-# Part III is being split and renumbered on another branch (sections 30-35 become 30-40 or so): until that
-# merges, the claims marked [Part III] are listed under a SKIPPED case instead of failing. TODO(lead): after
-# the merge, fix what it lists and set part3_claims=fail.
-part3_claims=skip
 bad_claims=$(python3 "$helper" claims) || bad_claims="  the scanner (python3) failed"
-bad_part3=$(echo "$bad_claims" | grep -F '[Part III]')
-[ "$part3_claims" = skip ] && bad_claims=$(echo "$bad_claims" | grep -vF '[Part III]')
 [ -z "$bad_claims" ]; check section_claims_name_what_the_section_defines $? "references to sections that do
 not define the name they cite:
 $bad_claims"
-if [ "$part3_claims" = skip ] && [ -n "$bad_part3" ]; then
-  echo "SKIPPED section_claims_into_part_iii: Part III is being renumbered; these claims are the lead's to fix
-after that merge:
-$bad_part3"
-  skipped=$((skipped + 1))
-fi
 # The same scanner on a file it must fault: two sections and four claims, two of them wrong.
 fake=$(mktemp -d)
 s=section  # (spelled apart so that this file holds no claim of its own)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Data parallelism and shards on GPUs (nanovllm.cu section 33; needs DP x TP GPUs, and DP for the first
-# cases). test/gpu/gpu_check.sh runs it when NANOVLLM_E2E_DP > 1. Each case checks the exit status, the
-# message, and that no process of the run is left afterwards:
+# Data parallelism and shards on GPUs (nanovllm.cu sections 34 and 39-40; needs DP x TP GPUs, and DP for
+# the first cases). test/gpu/gpu_check.sh runs it when NANOVLLM_E2E_DP > 1. Each case checks the exit
+# status, the message, and that no process of the run is left afterwards:
 #   1. -dp DP (then -dp DP --tp TP against --tp TP): every request alone (--max-num-seqs 1, so no batch can
 #      change a bit), greedy, sampled with and without a seed, n = 2: the completions equal one engine's
 #      token for token; the summary has one line per replica; one closing line.

@@ -13,7 +13,7 @@
 //     holds one max_model_len sequence (preemption on most steps), and 16 requests behind one long prefix.
 // (b) and (c) are written to SHAPE/gen_results.json for the teacher-forcing check in Python.
 // NANOVLLM_E2E_TP=N runs every engine with --tensor-parallel-size N: main() forks the N-1 workers before
-// any CUDA call, and they serve the engines this process builds, one at a time (the newest; section 33).
+// any CUDA call, and they serve the engines this process builds, one at a time (the newest; section 12b).
 // NANOVLLM_E2E_OPT=LIST runs every engine with --opt LIST (none: Part I alone, the plain path; default all:
 // every optimization), so the same comparison with Hugging Face checks the plain path and the fast ones.
 // Section 24's persistent decode kernel takes every batch size it has a plan for (NANOVLLM_PERSISTENT=always,
@@ -84,7 +84,7 @@ struct Engine {
   ModelConfig mc;
   std::unique_ptr<ModelRunner> runner;
   std::unique_ptr<LLMEngine> engine;
-  RunWatcher watcher;  // the step counts (section 32's observer), without its progress line
+  RunWatcher watcher;  // the step counts (section 35's observer), without its progress line
   Engine(const std::string& dir, int max_batched, int block_size, int num_blocks, int max_model_len) {
     config.model = dir;
     config.max_num_batched_tokens = max_batched;

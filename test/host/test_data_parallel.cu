@@ -1,6 +1,6 @@
-// Data parallelism and shards without a GPU (nanovllm.cu sections 31 and 33): the --shard arithmetic and its
-// balance, the merge's checks (missing, duplicated, foreign, truncated, unfinished shard files), the queue
-// that replicas pull from (driven here with stand-in engines, SimRunner, in one process), the wire a
+// Data parallelism and shards without a GPU (nanovllm.cu sections 34 and 39-40): the --shard arithmetic and
+// its balance, the merge's checks (missing, duplicated, foreign, truncated, unfinished shard files), the
+// queue that replicas pull from (driven here with stand-in engines, SimRunner, in one process), the wire a
 // replica's completions cross, and that a request draws the same tokens whichever replica or shard runs
 // it. The processes themselves (fork, Ctrl-C, a failing replica) are test/cli/data_parallel.sh's, through
 // `nanovllm simulate --data-parallel-size N`.

@@ -98,7 +98,7 @@ TEST(kv_cache_dtype_flag_and_block_size) {
     }
 }
 
-// The workers build their engine from Config as JSON (section 33): the cache's format too.
+// The workers build their engine from Config as JSON (section 12b): the cache's format too.
 TEST(kv_cache_dtype_travels_to_the_workers) {
   for (const char* d : {"bf16", "fp8"}) {
     Config c;

@@ -93,7 +93,7 @@ TEST(switches_fill_their_hooks) {
   CHECK(g_hooks.decode_step && g_hooks.model_ready.size() == 1);  // on; it measures which batch sizes it takes
 }
 
-// What section 34's simulate reads of the switches (Optimization::step_costs, by name): Part I's steps with
+// What section 41's simulate reads of the switches (Optimization::step_costs, by name): Part I's steps with
 // none on, section 23's graphs up to its largest rung, section 16's decode rows once per GQA group.
 TEST(simulate_reads_the_step_costs_of_the_switches_on) {
   CHECK_EQ(step_cost(parsed("none"), "prefill_graph_tokens"), 0.0);
@@ -103,11 +103,11 @@ TEST(simulate_reads_the_step_costs_of_the_switches_on) {
   CHECK_EQ(step_cost(parsed("none,flash_attn"), "decode_rows_per_kv_group"), 1.0);
   CHECK_EQ(step_cost(parsed("-prefill_graphs"), "prefill_graph_tokens"), 0.0);
   CHECK_EQ(step_cost(default_optimizations(), "prefill_graph_tokens"), (double)PREFILL_GRAPH_MAX_T);
-  // Every name a switch gives is one section 34 reads (a misspelt name would change nothing, silently).
+  // Every name a switch gives is one section 41 reads (a misspelt name would change nothing, silently).
   for (const Optimization& o : optimization_registry())
     for (const auto& cost : o.step_costs)
       CHECK_MSG(cost.first == "prefill_graph_tokens" || cost.first == "decode_rows_per_kv_group",
-                "%s gives step cost %s, which section 34 does not read", o.name, cost.first.c_str());
+                "%s gives step cost %s, which section 41 does not read", o.name, cost.first.c_str());
 }
 
 // Section 14's stage table: each chapter fills its own stages, a chapter that changes flash_attn's decode
@@ -466,7 +466,7 @@ TEST(command_line_flags) {
   CHECK(help.find("(mixed)") != std::string::npos);
 }
 
-// The workers build their engine from Config as JSON (section 33): the switch must survive the trip.
+// The workers build their engine from Config as JSON (section 12b): the switch must survive the trip.
 TEST(switch_travels_to_the_workers) {
   Config c;
   c.opt = parsed("none,gemv,oneshot_allreduce");
