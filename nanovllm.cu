@@ -105,8 +105,8 @@
 //   14. The forward pass, in stages a chapter can replace
 //   15. Flash attention on tensor cores: the tiles and the prefill kernel
 //   16. Flash decode: split-K over the context, then a merge
-//   17. Programmatic dependent launch
-//   18. Small-batch gemv with its neighbours fused in
+//   17. Small-batch gemv, 1: programmatic dependent launch
+//   18. Small-batch gemv, 2: the gemv with its neighbours fused in
 //   19. Decode attention in one kernel: the split-K merge in a cluster, q/k-norm, RoPE, the KV store
 //   20. One-shot all-reduce over NVLink
 //   21. The fast sampler, 1: the cut by bisection
@@ -3889,11 +3889,12 @@ struct LLMEngine {
 // cuts section 6c's forward pass into stages a chapter can replace. Part I's attention reads each key once
 // per query head and per query row; flash attention (15-16) shares each tile of keys among them on tensor
 // cores, and is what brings large batches near the roofline. Small batches are not near it: a batch-1 step of
-// Qwen3-0.6B is hundreds of small kernels, and what costs is the gaps between them (17), matrix products too
-// thin for cuBLASLt's tiles (18), and the kernels that exist only to merge partial results or to prepare q and
-// k (19). With tensor parallelism, NCCL's latency on small messages (20). A sampler that reads its row many
-// times (21-22). Prefill and mixed steps launched kernel by kernel (23). Then 24 halves the bytes of the
-// cache, and 25-28 run a small decode step as one kernel.
+// Qwen3-0.6B is hundreds of small kernels, and what costs is matrix products too thin for cuBLASLt's tiles
+// and the gaps between the kernels (the gemv chapter, 17-18: how its kernels launch, then the gemv), and the
+// kernels that exist only to merge partial results or to prepare q and k (19). With tensor parallelism,
+// NCCL's latency on small messages (20). A sampler that reads its row many times (21-22). Prefill and mixed
+// steps launched kernel by kernel (23). Then 24-27 run a small decode step as one kernel, and 28-29 halve the
+// bytes of the cache.
 
 // Defined only while this part is in the file: a test that also exercises Part II asks for it.
 #define NANOVLLM_PART_II 1
@@ -3903,7 +3904,7 @@ struct LLMEngine {
 // never name them.
 struct Optimizations {
   bool flash_attn = false;         // 15-16: flash attention on tensor cores, not section 8's kernels
-  bool pdl = false;                // 17: the next kernel launches while the previous one finishes
+  bool pdl = false;                // 17-18: the next kernel launches while the previous one finishes
   bool gemv = false;               // 18: batch-1/2 matrix products in a gemv with its neighbours fused in
   bool cluster_merge = false;      // 19: decode's split-K merge inside a cluster, no merge kernel
   bool fused_rope = false;         // 19: q/k-norm, RoPE and the KV store 8 lanes a head, in decode in attention
@@ -4883,8 +4884,16 @@ static const int kFlashAttnRegistered = register_optimization(
     {"flash_attn", "flash attention on tensor cores, split-K decode (section 15, decode 16)", true, apply_flash_attn,
      nullptr, {{"decode_rows_per_kv_group", 1}}});  // (attention_prefill_step: a mixed step's decode rows)
 
-// ==== 17. Programmatic dependent launch ====================================================================
-// defines: pdl_begin, pdl_trigger, gpu_cc_major, launch_pdl, launch_pdl_cluster; switch pdl
+// ==== 17. Small-batch gemv, 1: programmatic dependent launch ===============================================
+// defines: pdl_begin, pdl_trigger, gpu_cc_major, launch_pdl, launch_pdl_cluster
+//
+// The gemv chapter (sections 17-18) makes a batch-1 or -2 step's kernels small and quick; this first step is
+// how they are launched, section 18 the gemv itself. PDL is a step of this chapter, not a chapter of its own,
+// because it changes how a kernel is launched, not what runs, and acts only on kernels written for it (each
+// calls pdl_begin, below). Part I's kernels and flash attention's (15-16) are not, so beside them alone it
+// would change nothing; the first kernel written for it is the gemv's. So its switch, pdl, is registered with
+// the gemv's (section 18), and its gain is measured on top of the gemv: bench.sh --ladder's rung +gemv+pdl
+// against +gemv. The kernels of sections 19, 20 and 22 are written for it too, and launch through it.
 //
 // Replaces: the ordinary launch, where the GPU lets a kernel finish completely before the next one in the
 // stream starts. At every boundary the SMs drain (the last thread blocks of the kernel run while the rest of
@@ -4905,7 +4914,7 @@ static const int kFlashAttnRegistered = register_optimization(
 //   * Part I's kernels, cuBLASLt's and copies are launched the ordinary way, so they wait for everything
 //     before them whatever that was.
 // pdl_begin() then allows the next kernel to launch: at most two kernels share the GPU at a time.
-// Switch: pdl. GPUs before sm_90 always launch the ordinary way.
+// Switch: pdl (section 18 registers it). GPUs before sm_90 always launch the ordinary way.
 __device__ __forceinline__ void pdl_begin() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the kernel before has finished; its writes are seen
@@ -4959,15 +4968,8 @@ static void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t 
   launch_pdl_cluster(1, kernel, grid, block, smem, stream, std::forward<Args>(args)...);
 }
 
-// ---- The switch: pdl ----
-// Fills no hook: the kernels of Part II launch through launch_pdl, which reads g_opt.pdl.
-static void apply_pdl(bool on, Hooks&) { g_opt.pdl = on; }
-static std::string pdl_note(const Qwen3&) { return gpu_cc_major() < 9 ? "pdl needs sm_90, off here" : ""; }
-static const int kPdlRegistered =
-    register_optimization({"pdl", "programmatic dependent launch (section 17)", true, apply_pdl, pdl_note});
-
-// ==== 18. Small-batch gemv with its neighbours fused in ====================================================
-// defines: GemvIn, GemvOptions, GEMV_MAX_M, gemv, gemv_can_stage; switch gemv
+// ==== 18. Small-batch gemv, 2: the gemv with its neighbours fused in =======================================
+// defines: GemvIn, GemvOptions, GEMV_MAX_M, gemv, gemv_can_stage; switches pdl, gemv
 //
 // Replaces: at steps of at most GEMV_MAX_M tokens (batch-1 and -2 decode), cuBLASLt's matrix products and
 // the small kernels around them (the RMSNorm before qkv and gate_up, SiLU-and-mul before down, the residual
@@ -4978,7 +4980,8 @@ static const int kPdlRegistered =
 // split-K plus a reduction kernel for down_proj, fewer thread blocks than SMs for others;
 // test/gpu/gpu_gemm.cu times both). And a tiny kernel such as the RMSNorm of one row costs mostly the cost of
 // being a kernel at all: the gemv takes its work over where that needs no extra pass over memory.
-// Switch: gemv (it fills section 14's stages norm_matmul and matmul_out; below).
+// Switches: gemv (it fills section 14's stages norm_matmul and matmul_out; below), and pdl, section 17's
+// launch, whose first kernel is this one.
 //
 // gemv_kernel — y [M, N] = x [M, K] @ W [N, K]^T, M <= 2.
 //   One warp per output column n streams row n of W once with 16-byte loads (all of a row's loads issued
@@ -5190,6 +5193,15 @@ static void apply_gemv(bool on, Hooks& h) {
   st.norm_matmul = gemv_norm_matmul;
   st.matmul_out = gemv_matmul_out;
 }
+
+// ---- The switches: pdl, gemv ----
+// pdl fills no hook: the gemv above and the kernels of the chapters after it launch through launch_pdl
+// (section 17), which reads g_opt.pdl. It is registered before gemv, so `--opt` lists it first.
+static void apply_pdl(bool on, Hooks&) { g_opt.pdl = on; }
+static std::string pdl_note(const Qwen3&) { return gpu_cc_major() < 9 ? "pdl needs sm_90, off here" : ""; }
+static const int kPdlRegistered = register_optimization(
+    {"pdl", "programmatic dependent launch of the gemv and the kernels after it (section 17)", true, apply_pdl,
+     pdl_note});
 static const int kGemvRegistered = register_optimization(
     {"gemv", "small-batch gemv with RMSNorm, SiLU and the residual add fused in (section 18)", true, apply_gemv});
 
