@@ -7195,7 +7195,8 @@ __device__ __forceinline__ void persist_gemv_epilogue(const PersistArgs& a, cons
 }
 
 // ==== 25. The persistent kernel, 2: attention inside it ====================================================
-// defines: PersistTask, PersistAttnSplit, PersistKV, persist_attention
+// defines: PersistTask, PersistAttnSplit, PersistKV, persist_attn_new_token, persist_attn_combine_warps,
+//          persist_attn_merge, persist_attention
 // A decode step's attention as tasks of the chain: one per (sequence, KV head, context partition), each a
 // share of the 132 thread blocks, the partitions of a pair merged by whichever finishes last (a ticket).
 
@@ -7264,6 +7265,125 @@ struct PersistKV<KVBf16> {
   __device__ static __forceinline__ float value_factor(KVBf16::Scales) { return 1.f; }
 };
 
+// persist_attention's step 1: q/k-norm and RoPE, 8 threads per head (section 19's pieces), heads 0..GQA-1
+// the group's queries, head GQA its key: the queries to q_s [GQA, D] as bf16 values (as section 15 takes
+// them), the key and the value to kv_new [2, D] as the cache will return them, and both into the cache by the
+// partition that owns the new token. cos_s, sin_s: this sequence's RoPE angles. No barrier: the caller's
+// publishes q_s and kv_new.
+template <class F>
+__device__ __forceinline__ void persist_attn_new_token(const PersistArgs& a, const PersistOp& op, const PersistTask& k,
+                                                      const float* cos_s, const float* sin_s, float* q_s,
+                                                      float* kv_new, typename F::Elem* k_cache,
+                                                      typename F::Elem* v_cache, typename F::Scales kv_scale) {
+  using Elem = typename F::Elem;
+  const int D = HEAD_DIM, GQA = a.NH / a.NKV;
+  const int g = k.g, b = k.b, ctx = k.ctx, t0 = k.t0, t1 = k.t1;
+  const int warp = threadIdx.x / 32;
+  const bf16* row = a.qkv + (size_t)b * (a.NH + 2 * a.NKV) * D;
+  const int hh = threadIdx.x / ROPE_THREADS_PER_HEAD, j = threadIdx.x % ROPE_THREADS_PER_HEAD;
+  if (warp < (GQA + 1 + 3) / 4) {  // 4 heads per warp: every lane of these warps takes part in the shuffles
+    const bool mine = hh <= GQA;
+    const bf16* src = row + (size_t)(hh < GQA ? g * GQA + hh : a.NH + g) * D;
+    uint4 ua = {}, ub = {};
+    const uint4* head = reinterpret_cast<const uint4*>(src);
+    if (mine) ua = __ldcg(head + j), ub = __ldcg(head + j + 8);
+    const float ss = head_sum_squares(ua, ub);
+    if (mine) {
+      head_norm_rope(ua, ub, ss, hh < GQA ? op.norm_w : op.k_norm, cos_s, sin_s, j, a.eps);
+      if (hh < GQA) {  // a query: bf16 values, as section 15 takes them
+        bf16x8_to_float(ua, q_s + hh * D + 8 * j);
+        bf16x8_to_float(ub, q_s + hh * D + D / 2 + 8 * j);
+      } else {  // the key, as the cache holds it
+        PersistKV<F>::tile_floats(F::key_tile_values(ua, kv_scale), kv_new + 8 * j);
+        PersistKV<F>::tile_floats(F::key_tile_values(ub, kv_scale), kv_new + D / 2 + 8 * j);
+        const int slot = a.slots[b];
+        if (slot >= 0 && t0 <= ctx - 1 && ctx - 1 < t1) {  // the partition that owns the new token stores it
+          Elem* dst_k = k_cache + (((int64_t)(slot / a.P) * a.NKV + g) * a.P + slot % a.P) * D;
+          F::store_key(dst_k, j, ua, kv_scale);
+          F::store_key(dst_k, j + 8, ub, kv_scale);
+        }
+      }
+    }
+  }
+  if (threadIdx.x < D / 8) {
+    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(row + (size_t)(a.NH + a.NKV + g) * D) + threadIdx.x);
+    PersistKV<F>::tile_floats(F::value_tile_values(v, kv_scale), kv_new + D + 8 * threadIdx.x);
+    const int slot = a.slots[b];
+    if (slot >= 0 && t0 <= ctx - 1 && ctx - 1 < t1) {
+      Elem* dst_v = v_cache + (((int64_t)(slot / a.P) * a.NKV + g) * a.P + slot % a.P) * D;
+      F::store_value(dst_v, threadIdx.x, v, kv_scale);
+    }
+  }
+}
+
+// persist_attention's step 2: the warps of each head combined (in warp order) into this partition's partial
+// result in a.partials: wpart [WARPS, HPW, D + 2] holds each warp's o, m, l for each of its heads.
+template <int HPW>
+__device__ __forceinline__ void persist_attn_combine_warps(const PersistArgs& a, const PersistTask& k,
+                                                          const float* wpart) {
+  const int D = HEAD_DIM, GQA = a.NH / a.NKV, parts = a.parts;
+  const int wph = persist_attn_split(GQA).wph;
+  const int p = k.p, g = k.g, b = k.b;
+  float* part = a.partials + ((((size_t)b * a.NKV + g) * parts + p) * GQA) * (D + 2);
+  for (int e = threadIdx.x; e < GQA * D; e += PERSIST_THREADS) {
+    const int hq = e / D, d = e % D, w0 = hq / HPW * wph, j = hq % HPW;  // head hq: warps w0.., slot j
+    float mm = -INFINITY;
+    for (int w = w0; w < w0 + wph; w++) mm = fmaxf(mm, wpart[(w * HPW + j) * (D + 2) + D]);
+    float ll = 0.f, oo = 0.f;
+    if (mm != -INFINITY)
+      for (int w = w0; w < w0 + wph; w++) {
+        const float* wp = wpart + (w * HPW + j) * (D + 2);
+        if (wp[D] == -INFINITY) continue;
+        const float f = fast_exp2(wp[D] - mm);
+        ll += wp[D + 1] * f;
+        oo += wp[d] * f;
+      }
+    part[hq * (D + 2) + d] = oo;
+    if (d == 0) part[hq * (D + 2) + D] = mm, part[hq * (D + 2) + D + 1] = ll;
+  }
+}
+
+// persist_attention's step 3, in the partition that finished last: the partial results of every partition
+// of (b, g) merged into attn.
+// Each thread merges one (query head, dimension) over the partitions, 16 at a time in partition order:
+// their outputs, maxima and sums are all loaded before any is used (one trip to L2 for up to 16
+// partitions), and a batch's larger maximum rescales what the batches before it added up.
+__device__ __forceinline__ void persist_attn_merge(const PersistArgs& a, const PersistTask& k) {
+  const int D = HEAD_DIM, GQA = a.NH / a.NKV, parts = a.parts;
+  const int g = k.g, b = k.b;
+  const float* all = a.partials + (((size_t)b * a.NKV + g) * parts) * GQA * (D + 2);
+  for (int e = threadIdx.x; e < GQA * D; e += PERSIST_THREADS) {
+    const int hq = e / D, d = e % D;
+    float mm = -INFINITY, ll = 0.f, oo = 0.f;
+    for (int q0 = 0; q0 < parts; q0 += 16) {
+      float ov[16], mv[16], lv[16];
+#pragma unroll
+      for (int j = 0; j < 16; j++) {
+        const float* pj = all + ((size_t)(q0 + j) * GQA + hq) * (D + 2);
+        const bool in = q0 + j < parts;
+        ov[j] = in ? __ldcg(pj + d) : 0.f;
+        mv[j] = in ? __ldcg(pj + D) : -INFINITY;
+        lv[j] = in ? __ldcg(pj + D + 1) : 0.f;
+      }
+      float bm = mm;
+#pragma unroll
+      for (int j = 0; j < 16; j++) bm = fmaxf(bm, mv[j]);
+      if (bm == -INFINITY) continue;  // no keys in these partitions (nor before)
+      const float r = fast_exp2(mm - bm);  // 0 while nothing came before
+      ll *= r, oo *= r;
+#pragma unroll
+      for (int j = 0; j < 16; j++) {
+        if (mv[j] == -INFINITY) continue;
+        const float f = fast_exp2(mv[j] - bm);
+        ll += lv[j] * f;
+        oo += ov[j] * f;
+      }
+      mm = bm;
+    }
+    a.attn[(size_t)b * a.NH * D + (g * GQA + hq) * D + d] = __float2bfloat16(oo / ll);
+  }
+}
+
 // Attention for one (sequence b, KV head g, partition p) of layer op.layer: q/k-norm and RoPE of the group's
 // heads (each partition does it for itself, from qkv), the partition's share of the context with an online
 // softmax, its partial result to a.partials; the last partition to finish merges them all into attn and
@@ -7284,7 +7404,7 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
   const PersistAttnSplit sp = persist_attn_split(GQA);
   const int wph = sp.wph;
   const PersistTask k = persist_task(a, task);
-  const int p = k.p, g = k.g, b = k.b, ctx = k.ctx, t0 = k.t0, t1 = k.t1;
+  const int g = k.g, b = k.b, ctx = k.ctx, t0 = k.t0, t1 = k.t1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, hg = warp / wph;  // heads hg*HPW .. + HPW-1
   const float* cos_s = angles + b * D;  // [64]
   const float* sin_s = cos_s + D / 2;   // [64]
@@ -7326,42 +7446,7 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
   if (o != a.skip_wait) persist_wait(a, o - 1, ops[o - 1].tasks);
   persist_trace_ahead(a, o, load, consumed);
   persist_trace(a, o, 1);
-  // q/k-norm and RoPE: 8 threads per head (section 19's pieces), heads 0..GQA-1 = queries, GQA = the key.
-  const bf16* row = a.qkv + (size_t)b * (a.NH + 2 * a.NKV) * D;
-  const int hh = threadIdx.x / ROPE_THREADS_PER_HEAD, j = threadIdx.x % ROPE_THREADS_PER_HEAD;
-  if (warp < (GQA + 1 + 3) / 4) {  // 4 heads per warp: every lane of these warps takes part in the shuffles
-    const bool mine = hh <= GQA;
-    const bf16* src = row + (size_t)(hh < GQA ? g * GQA + hh : a.NH + g) * D;
-    uint4 ua = {}, ub = {};
-    const uint4* head = reinterpret_cast<const uint4*>(src);
-    if (mine) ua = __ldcg(head + j), ub = __ldcg(head + j + 8);
-    const float ss = head_sum_squares(ua, ub);
-    if (mine) {
-      head_norm_rope(ua, ub, ss, hh < GQA ? op.norm_w : op.k_norm, cos_s, sin_s, j, a.eps);
-      if (hh < GQA) {  // a query: bf16 values, as section 15 takes them
-        bf16x8_to_float(ua, q_s + hh * D + 8 * j);
-        bf16x8_to_float(ub, q_s + hh * D + D / 2 + 8 * j);
-      } else {  // the key, as the cache holds it
-        PersistKV<F>::tile_floats(F::key_tile_values(ua, kv_scale), kv_new + 8 * j);
-        PersistKV<F>::tile_floats(F::key_tile_values(ub, kv_scale), kv_new + D / 2 + 8 * j);
-        const int slot = a.slots[b];
-        if (slot >= 0 && t0 <= ctx - 1 && ctx - 1 < t1) {  // the partition that owns the new token stores it
-          Elem* dst_k = k_cache + (((int64_t)(slot / a.P) * a.NKV + g) * a.P + slot % a.P) * D;
-          F::store_key(dst_k, j, ua, kv_scale);
-          F::store_key(dst_k, j + 8, ub, kv_scale);
-        }
-      }
-    }
-  }
-  if (threadIdx.x < D / 8) {
-    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(row + (size_t)(a.NH + a.NKV + g) * D) + threadIdx.x);
-    PersistKV<F>::tile_floats(F::value_tile_values(v, kv_scale), kv_new + D + 8 * threadIdx.x);
-    const int slot = a.slots[b];
-    if (slot >= 0 && t0 <= ctx - 1 && ctx - 1 < t1) {
-      Elem* dst_v = v_cache + (((int64_t)(slot / a.P) * a.NKV + g) * a.P + slot % a.P) * D;
-      F::store_value(dst_v, threadIdx.x, v, kv_scale);
-    }
-  }
+  persist_attn_new_token<F>(a, op, k, cos_s, sin_s, q_s, kv_new, k_cache, v_cache, kv_scale);  // step 1
   __syncthreads();
   // The partition's tokens, this warp's share, online softmax in base 2 (section 15's arithmetic).
   const float scale_log2 = a.scale * PersistKV<F>::key_factor(kv_scale) * 1.4426950408889634f;
@@ -7414,64 +7499,14 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
     }
   }
   __syncthreads();
-  // The warps of each head combined (in warp order) into this partition's partial result.
-  float* part = a.partials + ((((size_t)b * a.NKV + g) * parts + p) * GQA) * (D + 2);
-  for (int e = threadIdx.x; e < GQA * D; e += PERSIST_THREADS) {
-    const int hq = e / D, d = e % D, w0 = hq / HPW * wph, j = hq % HPW;  // head hq: warps w0.., slot j
-    float mm = -INFINITY;
-    for (int w = w0; w < w0 + wph; w++) mm = fmaxf(mm, wpart[(w * HPW + j) * (D + 2) + D]);
-    float ll = 0.f, oo = 0.f;
-    if (mm != -INFINITY)
-      for (int w = w0; w < w0 + wph; w++) {
-        const float* wp = wpart + (w * HPW + j) * (D + 2);
-        if (wp[D] == -INFINITY) continue;
-        const float f = fast_exp2(wp[D] - mm);
-        ll += wp[D + 1] * f;
-        oo += wp[d] * f;
-      }
-    part[hq * (D + 2) + d] = oo;
-    if (d == 0) part[hq * (D + 2) + D] = mm, part[hq * (D + 2) + D + 1] = ll;
-  }
-  // The last partition of (b, g) to get here merges them all.
+  persist_attn_combine_warps<HPW>(a, k, wpart);  // step 2
+  // The last partition of (b, g) to get here merges them all (step 3).
   __syncthreads();
   if (threadIdx.x == PERSIST_SYNC_THREAD)  // release: our partial is out; acquire: so are the others'
     *flag = atom_acq_rel_add(a.tickets + ((size_t)op.layer * a.B + b) * a.NKV + g, 1) == parts - 1;
   __syncthreads();
   if (!*flag) return;
-  // Each thread merges one (query head, dimension) over the partitions, 16 at a time in partition order:
-  // their outputs, maxima and sums are all loaded before any is used (one trip to L2 for up to 16
-  // partitions), and a batch's larger maximum rescales what the batches before it added up.
-  const float* all = a.partials + (((size_t)b * a.NKV + g) * parts) * GQA * (D + 2);
-  for (int e = threadIdx.x; e < GQA * D; e += PERSIST_THREADS) {
-    const int hq = e / D, d = e % D;
-    float mm = -INFINITY, ll = 0.f, oo = 0.f;
-    for (int q0 = 0; q0 < parts; q0 += 16) {
-      float ov[16], mv[16], lv[16];
-#pragma unroll
-      for (int j = 0; j < 16; j++) {
-        const float* pj = all + ((size_t)(q0 + j) * GQA + hq) * (D + 2);
-        const bool in = q0 + j < parts;
-        ov[j] = in ? __ldcg(pj + d) : 0.f;
-        mv[j] = in ? __ldcg(pj + D) : -INFINITY;
-        lv[j] = in ? __ldcg(pj + D + 1) : 0.f;
-      }
-      float bm = mm;
-#pragma unroll
-      for (int j = 0; j < 16; j++) bm = fmaxf(bm, mv[j]);
-      if (bm == -INFINITY) continue;  // no keys in these partitions (nor before)
-      const float r = fast_exp2(mm - bm);  // 0 while nothing came before
-      ll *= r, oo *= r;
-#pragma unroll
-      for (int j = 0; j < 16; j++) {
-        if (mv[j] == -INFINITY) continue;
-        const float f = fast_exp2(mv[j] - bm);
-        ll += lv[j] * f;
-        oo += ov[j] * f;
-      }
-      mm = bm;
-    }
-    a.attn[(size_t)b * a.NH * D + (g * GQA + hq) * D + d] = __float2bfloat16(oo / ll);
-  }
+  persist_attn_merge(a, k);
   persist_signal(a, o);
 }
 
