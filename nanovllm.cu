@@ -7271,9 +7271,9 @@ struct PersistKV<KVBf16> {
 // partition that owns the new token. cos_s, sin_s: this sequence's RoPE angles. No barrier: the caller's
 // publishes q_s and kv_new.
 template <class F>
-__device__ __forceinline__ void persist_attn_new_token(const PersistArgs& a, const PersistOp& op, const PersistTask& k,
-                                                      const float* cos_s, const float* sin_s, float* q_s,
-                                                      float* kv_new, typename F::Elem* k_cache,
+__device__ __forceinline__ void persist_attn_new_token(const PersistArgs& a, const PersistOp& op,
+                                                      const PersistTask& k, const float* cos_s, const float* sin_s,
+                                                      float* q_s, float* kv_new, typename F::Elem* k_cache,
                                                       typename F::Elem* v_cache, typename F::Scales kv_scale) {
   using Elem = typename F::Elem;
   const int D = HEAD_DIM, GQA = a.NH / a.NKV;
