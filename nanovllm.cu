@@ -7269,16 +7269,15 @@ struct PersistKV<KVBf16> {
 // the group's queries, head GQA its key: the queries to q_s [GQA, D] as bf16 values (as section 15 takes
 // them), the key and the value to kv_new [2, D] as the cache will return them, and both into the cache by the
 // partition that owns the new token. cos_s, sin_s: this sequence's RoPE angles. No barrier: the caller's
-// publishes q_s and kv_new.
+// publishes q_s and kv_new. The task (b, g, ctx, t0, t1) and GQA, warp come from the caller, which has them.
 template <class F>
 __device__ __forceinline__ void persist_attn_new_token(const PersistArgs& a, const PersistOp& op,
-                                                      const PersistTask& k, const float* cos_s, const float* sin_s,
-                                                      float* q_s, float* kv_new, typename F::Elem* k_cache,
+                                                      int GQA, int warp, int b, int g, int ctx, int t0, int t1,
+                                                      const float* cos_s, const float* sin_s, float* q_s,
+                                                      float* kv_new, typename F::Elem* k_cache,
                                                       typename F::Elem* v_cache, typename F::Scales kv_scale) {
   using Elem = typename F::Elem;
-  const int D = HEAD_DIM, GQA = a.NH / a.NKV;
-  const int g = k.g, b = k.b, ctx = k.ctx, t0 = k.t0, t1 = k.t1;
-  const int warp = threadIdx.x / 32;
+  const int D = HEAD_DIM;
   const bf16* row = a.qkv + (size_t)b * (a.NH + 2 * a.NKV) * D;
   const int hh = threadIdx.x / ROPE_THREADS_PER_HEAD, j = threadIdx.x % ROPE_THREADS_PER_HEAD;
   if (warp < (GQA + 1 + 3) / 4) {  // 4 heads per warp: every lane of these warps takes part in the shuffles
@@ -7319,11 +7318,9 @@ __device__ __forceinline__ void persist_attn_new_token(const PersistArgs& a, con
 // persist_attention's step 2: the warps of each head combined (in warp order) into this partition's partial
 // result in a.partials: wpart [WARPS, HPW, D + 2] holds each warp's o, m, l for each of its heads.
 template <int HPW>
-__device__ __forceinline__ void persist_attn_combine_warps(const PersistArgs& a, const PersistTask& k,
-                                                          const float* wpart) {
-  const int D = HEAD_DIM, GQA = a.NH / a.NKV, parts = a.parts;
-  const int wph = persist_attn_split(GQA).wph;
-  const int p = k.p, g = k.g, b = k.b;
+__device__ __forceinline__ void persist_attn_combine_warps(const PersistArgs& a, int GQA, int wph, int parts, int b,
+                                                          int g, int p, const float* wpart) {
+  const int D = HEAD_DIM;
   float* part = a.partials + ((((size_t)b * a.NKV + g) * parts + p) * GQA) * (D + 2);
   for (int e = threadIdx.x; e < GQA * D; e += PERSIST_THREADS) {
     const int hq = e / D, d = e % D, w0 = hq / HPW * wph, j = hq % HPW;  // head hq: warps w0.., slot j
@@ -7348,9 +7345,8 @@ __device__ __forceinline__ void persist_attn_combine_warps(const PersistArgs& a,
 // Each thread merges one (query head, dimension) over the partitions, 16 at a time in partition order:
 // their outputs, maxima and sums are all loaded before any is used (one trip to L2 for up to 16
 // partitions), and a batch's larger maximum rescales what the batches before it added up.
-__device__ __forceinline__ void persist_attn_merge(const PersistArgs& a, const PersistTask& k) {
-  const int D = HEAD_DIM, GQA = a.NH / a.NKV, parts = a.parts;
-  const int g = k.g, b = k.b;
+__device__ __forceinline__ void persist_attn_merge(const PersistArgs& a, int GQA, int parts, int b, int g) {
+  const int D = HEAD_DIM;
   const float* all = a.partials + (((size_t)b * a.NKV + g) * parts) * GQA * (D + 2);
   for (int e = threadIdx.x; e < GQA * D; e += PERSIST_THREADS) {
     const int hq = e / D, d = e % D;
@@ -7446,7 +7442,8 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
   if (o != a.skip_wait) persist_wait(a, o - 1, ops[o - 1].tasks);
   persist_trace_ahead(a, o, load, consumed);
   persist_trace(a, o, 1);
-  persist_attn_new_token<F>(a, op, k, cos_s, sin_s, q_s, kv_new, k_cache, v_cache, kv_scale);  // step 1
+  persist_attn_new_token<F>(a, op, GQA, warp, b, g, ctx, t0, t1, cos_s, sin_s, q_s, kv_new, k_cache, v_cache,
+                            kv_scale);  // step 1
   __syncthreads();
   // The partition's tokens, this warp's share, online softmax in base 2 (section 15's arithmetic).
   const float scale_log2 = a.scale * PersistKV<F>::key_factor(kv_scale) * 1.4426950408889634f;
@@ -7499,14 +7496,14 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
     }
   }
   __syncthreads();
-  persist_attn_combine_warps<HPW>(a, k, wpart);  // step 2
+  persist_attn_combine_warps<HPW>(a, GQA, wph, parts, b, g, k.p, wpart);  // step 2
   // The last partition of (b, g) to get here merges them all (step 3).
   __syncthreads();
   if (threadIdx.x == PERSIST_SYNC_THREAD)  // release: our partial is out; acquire: so are the others'
     *flag = atom_acq_rel_add(a.tickets + ((size_t)op.layer * a.B + b) * a.NKV + g, 1) == parts - 1;
   __syncthreads();
   if (!*flag) return;
-  persist_attn_merge(a, k);
+  persist_attn_merge(a, GQA, parts, b, g);
   persist_signal(a, o);
 }
 
@@ -8860,8 +8857,8 @@ static void attention_decode_fp8(Pass& p, int l) {
 // Its apply (section 2's KVCacheFormat::apply), run for every engine after the switches': resets this
 // chapter's state, and for an fp8 engine installs its stages in section 14's table and its persistent kernel's
 // format (section 26's g_persistent, which the plans built at model_ready read). Its stages read the scales,
-// which use_fp8_cache computes before the pool exists, so before any step. Without flash_attn there is
-// nothing to install: use_fp8_cache refuses such an engine.
+// which use_fp8_cache computes before the pool exists, so before any step. Without flash_attn there are no
+// stages to install: use_fp8_cache refuses such an engine.
 static void apply_fp8_cache(bool on, Hooks& h) {
   g_fp8_cache.on = on;
   g_fp8_cache.scales.clear();
@@ -8872,7 +8869,6 @@ static void apply_fp8_cache(bool on, Hooks& h) {
   st.store_qkv = store_qkv_fp8;
   st.attention_prefill = attention_prefill_fp8;
   st.attention_decode = attention_decode_fp8;
-  g_persistent.format = &kPersistFp8;
 }
 // Before ModelRunner sizes the pool of an fp8 engine: check what it needs, then compute the scales.
 static void use_fp8_cache(Qwen3& model) {
