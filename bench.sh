@@ -18,7 +18,8 @@
 #                                     the climb from Part I to the default path, on this GPU in one run:
 #                                     batch-1 latency and bench.py throughput for --plain, then Part I plus
 #                                     flash_attn (section 15), then flash_attn plus each other optimization of
-#                                     Part II, then the default (every optimization), and
+#                                     Part II (pdl on top of gemv, the first kernel it acts on: +gemv+pdl),
+#                                     then the default (every optimization), and
 #                                     with --baseline another nanovllm binary's default path (an older build
 #                                     to compare with). One table, each row with its roofline fraction.
 #
@@ -154,14 +155,21 @@ if [ "$LADDER" = 1 ]; then
   rung plain "$NANOVLLM" --plain
   # Section 15's flash attention is the second rung; the others build on it (cluster_merge and fused_rope
   # change its decode kernel), so each of them is measured with it: "+NAME" runs --opt none,flash_attn,NAME.
+  # pdl changes only how the kernels written for it launch, the first of them the gemv's (section 17), so
+  # it is measured on top of the gemv: "+gemv+pdl" runs --opt none,flash_attn,gemv,pdl, right after "+gemv".
   # An older binary without flash_attn runs each alone.
   names=$("$NANOVLLM" --help | sed -n 's/^ *NAME: //p')
   base=none; case " $names " in *" flash_attn "*) base=none,flash_attn ;; esac
+  has() { case " $names " in *" $1 "*) return 0 ;; esac; return 1; }
   for o in $names; do
     [ "$TP" = 1 ] && [ "$o" = oneshot_allreduce ] && continue  # nothing to do on one GPU
+    [ "$o" = pdl ] && has gemv && continue                     # measured with gemv, below
     if [ "$o" = flash_attn ]; then rung "+$o" "$NANOVLLM" --opt none,flash_attn
     else rung "+$o" "$NANOVLLM" --opt "$base,$o"; fi
     RUNGS="$RUNGS +$o"
+    if [ "$o" = gemv ] && has pdl; then
+      rung "+gemv+pdl" "$NANOVLLM" --opt "$base,gemv,pdl"; RUNGS="$RUNGS +gemv+pdl"
+    fi
   done
   rung default "$NANOVLLM"; RUNGS="$RUNGS default"
   if [ -n "$BASELINE" ]; then rung baseline "$BASELINE"; RUNGS="$RUNGS baseline"; fi

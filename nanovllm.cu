@@ -106,8 +106,8 @@
 //   14. The forward pass, in stages a chapter can replace
 //   15. Flash attention on tensor cores: the tiles and the prefill kernel
 //   16. Flash decode: split-K over the context, then a merge
-//   17. Programmatic dependent launch
-//   18. Small-batch gemv with its neighbours fused in
+//   17. Small-batch gemv, 1: programmatic dependent launch
+//   18. Small-batch gemv, 2: the gemv with its neighbours fused in
 //   19. Decode attention in one kernel: the split-K merge in a cluster, q/k-norm, RoPE, the KV store
 //   20. One-shot all-reduce over NVLink
 //   21. The fast sampler, 1: the cut by bisection
@@ -377,13 +377,16 @@ static OptimizationSet default_optimizations() {
 // What the KV cache stores (--kv-cache-dtype, vLLM's flag). Part I's cache holds bf16, as the model computes
 // keys and values. A Part II section may register another format with fewer bytes per value (more tokens
 // in the pool, fewer bytes for attention to read); `refused` names spellings it knows and does not take,
-// with the reason.
+// with the reason. Like an optimization, a format has an `apply`, run for every engine (after the
+// optimizations' apply: install_optimizations, section 11): on for the engine's format, off for the others;
+// it resets what the format keeps per engine and, when on, fills the hook entries it replaces.
 struct KVCacheFormat {
   const char* name;                  // the canonical name, as the summary prints it
   std::vector<std::string> aliases;  // other spellings the flag accepts
   int value_bytes;                   // bytes per stored key or value element
   std::vector<std::pair<std::string, std::string>> refused;  // (spelling, why not)
   void (*use)(Qwen3& model) = nullptr;  // before the pool is sized: check the GPU, prepare (scales); may die()
+  void (*apply)(bool on, Hooks& h) = nullptr;  // on or off for an engine; when on, fill the hooks it replaces
 };
 static std::vector<KVCacheFormat>& kv_cache_formats() {
   static std::vector<KVCacheFormat> formats = {{"bf16", {"auto", "bfloat16"}, 2, {}}};  // Part I's
@@ -2706,8 +2709,8 @@ static void gather_logits(TPComm* comm, const float* shard, float* staging, floa
 // What Part II may replace, and the points in an engine's life where it may act, in one table. Each entry
 // says what runs when it is empty: the state a run starts in, and all there is with Part II cut out.
 // install_optimizations empties the table and lets every registered optimization (section 2) fill its
-// entries, in file order; ModelRunner calls it first thing, so each engine runs with its own Config's
-// switches.
+// entries, in file order, then every registered KV cache format (on for the engine's); ModelRunner calls it
+// first thing, so each engine runs with its own Config's switches and cache format.
 struct ModelRunner;
 struct Hooks {
   // -- What a chapter may replace --
@@ -2749,10 +2752,12 @@ struct Hooks {
 };
 static Hooks g_hooks;
 
-static void install_optimizations(const OptimizationSet& set) {
+static void install_optimizations(const OptimizationSet& set, const std::string& kv_cache_dtype = "bf16") {
   g_hooks = Hooks{};
   const std::vector<Optimization>& reg = optimization_registry();
   for (size_t i = 0; i < reg.size(); i++) reg[i].apply(i < set.on.size() && set.on[i], g_hooks);
+  for (const KVCacheFormat& f : kv_cache_formats())
+    if (f.apply) f.apply(kv_cache_dtype == f.name, g_hooks);
 }
 
 // What LLMEngine (section 13) needs from the side that computes a step: the sampled tokens, the batch a step
@@ -2821,7 +2826,7 @@ struct ModelRunner : StepRunner {
                              // this process's CUDA context, or an earlier engine's)
 
   ModelRunner(Config& c, const ModelConfig& mc, int rank = 0) : config(c) {
-    install_optimizations(c.opt);
+    install_optimizations(c.opt, c.kv_cache_dtype);
     model.cfg = mc;
     model.rank = rank;
     model.tp = c.tensor_parallel_size;
@@ -3899,11 +3904,12 @@ struct LLMEngine {
 // cuts section 6c's forward pass into stages a chapter can replace. Part I's attention reads each key once
 // per query head and per query row; flash attention (15-16) shares each tile of keys among them on tensor
 // cores, and is what brings large batches near the roofline. Small batches are not near it: a batch-1 step of
-// Qwen3-0.6B is hundreds of small kernels, and what costs is the gaps between them (17), matrix products too
-// thin for cuBLASLt's tiles (18), and the kernels that exist only to merge partial results or to prepare q and
-// k (19). With tensor parallelism, NCCL's latency on small messages (20). A sampler that reads its row many
-// times (21-22). Prefill and mixed steps launched kernel by kernel (23). Then 24-27 run a small decode step
-// as one kernel, and 28-29 halve the bytes of the cache.
+// Qwen3-0.6B is hundreds of small kernels, and what costs is matrix products too thin for cuBLASLt's tiles
+// and the gaps between the kernels (the gemv chapter, 17-18: how its kernels launch, then the gemv), and the
+// kernels that exist only to merge partial results or to prepare q and k (19). With tensor parallelism,
+// NCCL's latency on small messages (20). A sampler that reads its row many times (21-22). Prefill and mixed
+// steps launched kernel by kernel (23). Then 24-27 run a small decode step as one kernel, and 28-29 halve the
+// bytes of the cache.
 
 // Defined only while this part is in the file: a test that also exercises Part II asks for it.
 #define NANOVLLM_PART_II 1
@@ -3913,7 +3919,7 @@ struct LLMEngine {
 // never name them.
 struct Optimizations {
   bool flash_attn = false;         // 15-16: flash attention on tensor cores, not section 8's kernels
-  bool pdl = false;                // 17: the next kernel launches while the previous one finishes
+  bool pdl = false;                // 17-18: the next kernel launches while the previous one finishes
   bool gemv = false;               // 18: batch-1/2 matrix products in a gemv with its neighbours fused in
   bool cluster_merge = false;      // 19: decode's split-K merge inside a cluster, no merge kernel
   bool fused_rope = false;         // 19: q/k-norm, RoPE and the KV store 8 lanes a head, in decode in attention
@@ -3952,9 +3958,14 @@ static Optimizations g_opt;  // set by each section's apply (install_optimizatio
 // h waits in act.hidden for the next norm_matmul (or the final norm) to add it. A stage that adds h itself
 // clears it; norm_matmul always clears it.
 //
-// A chapter's apply calls stages_for(h) to get the table: the first call after install_optimizations has
-// emptied Part I's hook table (section 11) starts the table over from Part I's stages and makes forward_fast
-// the forward hook, so each engine's table holds exactly the chapters its Config switches on.
+// A chapter's apply (a switch's, or a KV cache format's: section 2) calls stages_for(h) to get the table: the
+// first call after install_optimizations has emptied Part I's hook table (section 11) starts the table over
+// from Part I's stages and makes forward_fast the forward hook, so each engine's table holds exactly the
+// chapters its Config switches on. No chapter writes g_stages itself.
+//
+// Each chapter keeps what it holds for an engine (its plans, its graphs, its cache's scales) in one state of
+// its own, which its apply resets: install_optimizations runs every chapter's apply, on or off, for every
+// engine. The switches themselves are g_opt's fields (above), each set by its chapter's apply.
 
 // One step's forward pass, as its stages share it.
 struct Pass {
@@ -4097,7 +4108,7 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
 }
 
 // ==== 15. Flash attention on tensor cores: the tiles and the prefill kernel ================================
-// defines: KVBf16 (a cache format as a template parameter), attend_kv_slice, flash_attention_prefill
+// defines: KVBf16 (15a: the cache format, a template parameter), attend_kv_slice, flash_attention_prefill
 //          (section 16: decode, and the switch flash_attn)
 //
 // Replaces: section 8's attention kernels, which give each (query row, head) a warp of its own. There,
@@ -4107,6 +4118,8 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
 // matrix products on tensor cores; decode splits long contexts over several thread blocks (split-K) so
 // that a small batch still fills the GPU. The equations are section 8's; what changes is who computes what.
 // Switch: flash_attn. Tested against section 8's kernels and the CPU reference (gpu_attention).
+// The kernels are templates over a cache format F, how they read K and V from the cache (15a, below): read
+// F as KVBf16, Part I's bf16 cache, until section 28.
 //
 // Both kernels are flash-attention-2: a warp holds 16 query rows, streams K and V tiles of 64 keys
 // through shared memory, computes S = Q K^T with tensor cores, keeps a running row max m and row sum l
@@ -4237,14 +4250,18 @@ __device__ __forceinline__ void load_kv_tile(bf16* sK, bf16* sV, const bf16* k_c
   }
 }
 
-// ---- The cache format, a template parameter --------------------------------------------------------------
-// The kernels of Part II that read or write the KV cache (the two below, section 19's fused decode kernel,
-// the persistent kernel of sections 24-26) are templates over a cache format F: a struct of types and
-// forceinline functions that say what a cached value is, how a tile of keys and values reaches shared memory
-// and the tensor cores, and how a key or value is stored. KVBf16, here, is Part I's cache (section 6b), and
-// the only format these chapters instantiate; a chapter that stores the cache another way defines its own
-// format and instantiates the same kernels with it (section 28). Every piece is inlined: a format costs
-// nothing at run time.
+// ---- 15a. The cache format: how the kernels read K and V ----------------------------------------------------
+// Every kernel of Part II that reads or writes the KV cache (the two of this chapter, section 19's fused
+// decode kernel, the persistent kernel of sections 24-26) is a template over a cache format F: a struct of
+// types and forceinline functions that say how the kernel reads keys and values from the cache and stores
+// them: what one cached value is, how a tile of keys and values reaches shared memory and the tensor cores,
+// what the scores and the output are multiplied by, and how this step's key or value is stored. Part I's
+// cache (section 6b) holds bf16, as the model computes keys and values, and its format, KVBf16 below, moves
+// them as they are. Why a parameter at all: with --kv-cache-dtype fp8 the cache holds one byte per value, with
+// a scale per layer for the keys and one for the values, and the FP8 chapter (sections 28-29) runs these same
+// kernels with a format of its own rather than a second copy of each. Until then KVBf16 is the only format:
+// read F as KVBf16 until section 28. Every piece is inlined, so KVBf16's kernels are the plain bf16 ones and a
+// format costs nothing at run time.
 // The tile pipeline both kernels run: tile `index` (keys key0 ..) is issued tiles_ahead tiles before it is
 // needed, one committed cp.async group per tile; when its turn comes, every thread calls tile_ready once the
 // tile has landed for it (cp_async_wait), before the barrier that publishes it, and learns where it lies as a
@@ -4317,9 +4334,8 @@ __device__ __forceinline__ void issue_first_kv_tiles(bf16* sK, bf16* sV, const t
   }
 }
 
-// The online-softmax step of one warp's slice of keys, for attend_kv_slice below (a decode loop whose heads
-// lie on the MMA's columns does the same per column: section 29): scores s (the
-// S = Q K^T accumulators of NKEYS keys, key0 .., in 8-key column groups) of keys past a row's last_key set
+// The online-softmax step of one warp's slice of keys, for attend_kv_slice below: scores s (the S = Q K^T
+// accumulators of NKEYS keys, key0 .., in 8-key column groups) of keys past a row's last_key set
 // to -inf (only when need_mask), then the update of the row max m and row sum l, the rescaling of O, and s
 // turned into the probabilities P in place (unnormalised). Lane layout as in attend_kv_slice below.
 template <int NKEYS>
@@ -4610,10 +4626,10 @@ struct DecodeAcc {
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 };
 
-// How a decode thread block of format F (section 15) reads its partition: the pieces of the loop, a template
+// How a decode thread block of format F (section 15a) reads its partition: the pieces of the loop, a template
 // a format specialises. For bf16, the tile pipeline of section 15 and attend_kv_slice (decode_attend_tiles);
-// a format may read its tiles its own way (section 29), with sums of its own (Acc) that store_partials
-// leaves in decode_combine_warps' buffers in this layout.
+// a format may read its tiles its own way, with sums of its own (Acc) that store_partials leaves in
+// decode_combine_warps' buffers in this layout.
 template <class F>
 struct DecodeLoop;
 template <>
@@ -4893,8 +4909,16 @@ static const int kFlashAttnRegistered = register_optimization(
     {"flash_attn", "flash attention on tensor cores, split-K decode (section 15, decode 16)", true, apply_flash_attn,
      nullptr, {{"decode_rows_per_kv_group", 1}}});  // (attention_prefill_step: a mixed step's decode rows)
 
-// ==== 17. Programmatic dependent launch ====================================================================
-// defines: pdl_begin, pdl_trigger, gpu_cc_major, launch_pdl, launch_pdl_cluster; switch pdl
+// ==== 17. Small-batch gemv, 1: programmatic dependent launch ===============================================
+// defines: pdl_begin, pdl_trigger, gpu_cc_major, launch_pdl, launch_pdl_cluster
+//
+// The gemv chapter (sections 17-18) makes a batch-1 or -2 step's kernels small and quick; this first step is
+// how they are launched, section 18 the gemv itself. PDL is a step of this chapter, not a chapter of its own,
+// because it changes how a kernel is launched, not what runs, and acts only on kernels written for it (each
+// calls pdl_begin, below). Part I's kernels and flash attention's (15-16) are not, so beside them alone it
+// would change nothing; the first kernel written for it is the gemv's. So its switch, pdl, is registered with
+// the gemv's (section 18), and its gain is measured on top of the gemv: bench.sh --ladder's rung +gemv+pdl
+// against +gemv. The kernels of sections 19, 20 and 22 are written for it too, and launch through it.
 //
 // Replaces: the ordinary launch, where the GPU lets a kernel finish completely before the next one in the
 // stream starts. At every boundary the SMs drain (the last thread blocks of the kernel run while the rest of
@@ -4915,7 +4939,7 @@ static const int kFlashAttnRegistered = register_optimization(
 //   * Part I's kernels, cuBLASLt's and copies are launched the ordinary way, so they wait for everything
 //     before them whatever that was.
 // pdl_begin() then allows the next kernel to launch: at most two kernels share the GPU at a time.
-// Switch: pdl. GPUs before sm_90 always launch the ordinary way.
+// Switch: pdl (section 18 registers it). GPUs before sm_90 always launch the ordinary way.
 __device__ __forceinline__ void pdl_begin() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the kernel before has finished; its writes are seen
@@ -4969,15 +4993,8 @@ static void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t 
   launch_pdl_cluster(1, kernel, grid, block, smem, stream, std::forward<Args>(args)...);
 }
 
-// ---- The switch: pdl ----
-// Fills no hook: the kernels of Part II launch through launch_pdl, which reads g_opt.pdl.
-static void apply_pdl(bool on, Hooks&) { g_opt.pdl = on; }
-static std::string pdl_note(const Qwen3&) { return gpu_cc_major() < 9 ? "pdl needs sm_90, off here" : ""; }
-static const int kPdlRegistered =
-    register_optimization({"pdl", "programmatic dependent launch (section 17)", true, apply_pdl, pdl_note});
-
-// ==== 18. Small-batch gemv with its neighbours fused in ====================================================
-// defines: GemvIn, GemvOptions, GEMV_MAX_M, gemv, gemv_can_stage; switch gemv
+// ==== 18. Small-batch gemv, 2: the gemv with its neighbours fused in =======================================
+// defines: GemvIn, GemvOptions, GEMV_MAX_M, gemv, gemv_can_stage; switches pdl, gemv
 //
 // Replaces: at steps of at most GEMV_MAX_M tokens (batch-1 and -2 decode), cuBLASLt's matrix products and
 // the small kernels around them (the RMSNorm before qkv and gate_up, SiLU-and-mul before down, the residual
@@ -4988,7 +5005,8 @@ static const int kPdlRegistered =
 // split-K plus a reduction kernel for down_proj, fewer thread blocks than SMs for others;
 // test/gpu/gpu_gemm.cu times both). And a tiny kernel such as the RMSNorm of one row costs mostly the cost of
 // being a kernel at all: the gemv takes its work over where that needs no extra pass over memory.
-// Switch: gemv (it fills section 14's stages norm_matmul and matmul_out; below).
+// Switches: gemv (it fills section 14's stages norm_matmul and matmul_out; below), and pdl, section 17's
+// launch, whose first kernel is this one.
 //
 // gemv_kernel — y [M, N] = x [M, K] @ W [N, K]^T, M <= 2.
 //   One warp per output column n streams row n of W once with 16-byte loads (all of a row's loads issued
@@ -5200,6 +5218,15 @@ static void apply_gemv(bool on, Hooks& h) {
   st.norm_matmul = gemv_norm_matmul;
   st.matmul_out = gemv_matmul_out;
 }
+
+// ---- The switches: pdl, gemv ----
+// pdl fills no hook: the gemv above and the kernels of the chapters after it launch through launch_pdl
+// (section 17), which reads g_opt.pdl. It is registered before gemv, so `--opt` lists it first.
+static void apply_pdl(bool on, Hooks&) { g_opt.pdl = on; }
+static std::string pdl_note(const Qwen3&) { return gpu_cc_major() < 9 ? "pdl needs sm_90, off here" : ""; }
+static const int kPdlRegistered = register_optimization(
+    {"pdl", "programmatic dependent launch of the gemv and the kernels after it (section 17)", true, apply_pdl,
+     pdl_note});
 static const int kGemvRegistered = register_optimization(
     {"gemv", "small-batch gemv with RMSNorm, SiLU and the residual add fused in (section 18)", true, apply_gemv});
 
@@ -5283,8 +5310,7 @@ __device__ void cluster_merge(bf16* out, int b, int kvh, int group, int NH, int 
 // threads: thread j holds dims [8j, 8j+8) and their RoPE partners [64+8j, 64+8j+8). The token's 64 (cos, sin)
 // pairs are computed once into shared memory. The arithmetic is section 7's, term for term (gpu_kernels
 // checks both against the CPU reference). Every prefill step takes it (section 14's store_qkv stage), and
-// the fused decode kernel below, the persistent kernel (section 25) and another cache format's store
-// (section 28) are built from its pieces.
+// the fused decode kernel below and the persistent kernel (section 25) are built from its pieces.
 constexpr int ROPE_THREADS_PER_HEAD = 8;
 
 // rope_angles: thread i < D/2 puts the cosine and sine of angle i of position pos into cos_s[i], sin_s[i].
@@ -5330,7 +5356,7 @@ __device__ __forceinline__ void head_norm_rope(uint4& ua, uint4& ub, float ss, c
 
 // Where the kernel puts a finished k head and a token's v heads: a 16-byte chunk of 8 bf16 values (chunk c of
 // row `row` = (block * NKV + head) * P + offset). Part I's cache holds bf16, so the store is a plain copy; the
-// kernel is a template over this policy so that another cache format can store the same chunks its way.
+// kernel is a template over this policy so that a cache format (15a) can store the same chunks its way.
 struct KVStoreBf16 {
   bf16* k_cache;  // [NB, NKV, P, D]
   bf16* v_cache;
@@ -6550,7 +6576,7 @@ static const int kFastSamplerRegistered = register_optimization(
 
 // ==== 23. Prefill and mixed steps in CUDA graphs, in pieces ================================================
 // defines: PREFILL_GRAPH_MAX_T, prefill_graph_sizes, PiecewiseCapture, piecewise_cut, pad_prefill_rows,
-//          capture_prefill_graphs, prefill_step_graphs; switch prefill_graphs
+//          PrefillGraphs, g_prefill_graphs, capture_prefill_graphs, prefill_step_graphs; switch prefill_graphs
 //
 // Replaces: running every prefill step kernel by kernel (section 11 captures decode steps only).
 // Why it is faster: a step of Qwen3-0.6B is about 400 launches, which cost the host more than a millisecond;
@@ -6609,17 +6635,20 @@ struct PiecewiseCapture {
     return true;
   }
 };
-static PiecewiseCapture g_pieces;
-static bool piecewise_cut(cudaStream_t s) { return g_pieces.cut(s); }
-
-// Each rung's pieces (the current engine's: emptied whenever an engine installs its optimizations).
-static std::map<int, std::vector<cudaGraphExec_t>> g_prefill_graphs;
-
-static void drop_prefill_graphs() {
-  for (auto& rung : g_prefill_graphs)
-    for (cudaGraphExec_t e : rung.second) CUDA_CHECK(cudaGraphExecDestroy(e));
-  g_prefill_graphs.clear();
-}
+// This chapter's state, for the engine built last: each rung's pieces, and the capture under way. Its apply
+// resets it whenever an engine installs its optimizations.
+struct PrefillGraphs {
+  std::map<int, std::vector<cudaGraphExec_t>> rungs;  // by the rung's tokens: its pieces, in order
+  PiecewiseCapture capture;                           // what the cut stage does (capture_prefill_graphs)
+  void reset() {
+    for (auto& rung : rungs)
+      for (cudaGraphExec_t e : rung.second) CUDA_CHECK(cudaGraphExecDestroy(e));
+    rungs.clear();
+    capture = PiecewiseCapture{};
+  }
+};
+static PrefillGraphs g_prefill_graphs;
+static bool piecewise_cut(cudaStream_t s) { return g_prefill_graphs.capture.cut(s); }
 
 // Rows T .. Tg - 1 of the step's inputs: token 0 at position 0, stored nowhere (slot -1).
 static void pad_prefill_rows(const StepInputs& in, int T, int Tg, cudaStream_t s) {
@@ -6638,32 +6667,33 @@ static void capture_prefill_graphs(ModelRunner& r) {
   const StepInputs in = r.prefill_inputs(0, 0);
   const int Tmax = r.Tmax;
   cudaStream_t s = r.stream;
-  drop_prefill_graphs();
+  PiecewiseCapture& pieces = g_prefill_graphs.capture;
+  g_prefill_graphs.reset();
   if (model.tp > 1) return;
   for (int Tg : prefill_graph_sizes(Tmax)) {
     pad_prefill_rows(in, 0, Tg, s);
-    g_pieces.mode = PiecewiseCapture::WARMUP;
+    pieces.mode = PiecewiseCapture::WARMUP;
     forward_fast(model, in, Tg, 0, true, s);
     CUDA_CHECK(cudaStreamSynchronize(s));
-    g_pieces.mode = PiecewiseCapture::CAPTURE;
-    g_pieces.pieces.clear();
+    pieces.mode = PiecewiseCapture::CAPTURE;
+    pieces.pieces.clear();
     CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
     forward_fast(model, in, Tg, 0, true, s);
     cudaGraph_t after_last_cut;  // empty: forward_fast returned at its last cut
     CUDA_CHECK(cudaStreamEndCapture(s, &after_last_cut));
     CUDA_CHECK(cudaGraphDestroy(after_last_cut));
-    g_pieces.mode = PiecewiseCapture::OFF;
-    INTERNAL_CHECK((int)g_pieces.pieces.size() == model.cfg.num_hidden_layers + 1,
-                   "capture_prefill_graphs: %zu pieces for %d layers", g_pieces.pieces.size(),
+    pieces.mode = PiecewiseCapture::OFF;
+    INTERNAL_CHECK((int)pieces.pieces.size() == model.cfg.num_hidden_layers + 1,
+                   "capture_prefill_graphs: %zu pieces for %d layers", pieces.pieces.size(),
                    model.cfg.num_hidden_layers);
-    std::vector<cudaGraphExec_t>& execs = g_prefill_graphs[Tg];
-    for (cudaGraph_t g : g_pieces.pieces) {
+    std::vector<cudaGraphExec_t>& execs = g_prefill_graphs.rungs[Tg];
+    for (cudaGraph_t g : pieces.pieces) {
       cudaGraphExec_t e;
       CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
       CUDA_CHECK(cudaGraphDestroy(g));
       execs.push_back(e);
     }
-    g_pieces.pieces.clear();
+    pieces.pieces.clear();
   }
   CUDA_CHECK(cudaStreamSynchronize(s));
 }
@@ -6671,8 +6701,8 @@ static void capture_prefill_graphs(ModelRunner& r) {
 // A prefill step of T tokens and B sequences from the pieces of the smallest rung that holds it (false: none
 // does, the step runs eagerly). The logits land where forward_fast puts them.
 static bool prefill_step_graphs(Qwen3& model, const StepInputs& in, int T, int B, cudaStream_t s) {
-  auto rung = g_prefill_graphs.lower_bound(T);
-  if (rung == g_prefill_graphs.end()) return false;
+  auto rung = g_prefill_graphs.rungs.lower_bound(T);
+  if (rung == g_prefill_graphs.rungs.end()) return false;
   pad_prefill_rows(in, T, rung->first, s);
   const std::vector<cudaGraphExec_t>& pieces = rung->second;
   Pass p{model, in, T, B, true, s};
@@ -6687,7 +6717,7 @@ static bool prefill_step_graphs(Qwen3& model, const StepInputs& in, int T, int B
 
 static void apply_prefill_graphs(bool on, Hooks& h) {
   g_opt.prefill_graphs = on;
-  drop_prefill_graphs();
+  g_prefill_graphs.reset();
   if (!on) return;
   stages_for(h).cut = piecewise_cut;  // the pieces are captured from forward_fast, so eager steps match them
   h.prefill_step = prefill_step_graphs;
@@ -6765,8 +6795,8 @@ static const int kPrefillGraphsRegistered = register_optimization(
 // Whether it beats section 14's path depends on the GPU, the model, the batch size and the contexts, so a decode
 // step of a batch size with a plan takes it only up to the context at which a measurement at start-up finds it
 // faster (persist_measure).
-// The kernel is a template over the cache format (section 15's F): what attention reads, and how the step's
-// own key and value are stored. This chapter instantiates it for bf16; section 29 for its format.
+// The kernel is a template over the cache format (section 15a's F): what attention reads, and how the step's
+// own key and value are stored. This chapter instantiates it for bf16 (KVBf16).
 // What it computes: section 14's arithmetic with the sums added in another order, so results match section
 // 14's within float rounding, not bit for bit (gpu_persistent.cu states the tolerance). Tensor parallelism
 // keeps section 14's path: an all-reduce inside the kernel would need every GPU's kernel resident at once and
@@ -7175,7 +7205,8 @@ __device__ __forceinline__ void persist_gemv_epilogue(const PersistArgs& a, cons
 }
 
 // ==== 25. The persistent kernel, 2: attention inside it ====================================================
-// defines: PersistTask, PersistAttnSplit, PersistKV, persist_attention
+// defines: PersistTask, PersistAttnSplit, PersistKV, persist_attn_new_token, persist_attn_combine_warps,
+//          persist_attn_merge, persist_attention
 // A decode step's attention as tasks of the chain: one per (sequence, KV head, context partition), each a
 // share of the 132 thread blocks, the partitions of a pair merged by whichever finishes last (a ticket).
 
@@ -7224,10 +7255,10 @@ __device__ __forceinline__ void persist_first_rows(const PersistArgs& a, int64_t
   }
 }
 
-// A cache format F (section 15) as attention reads it here: a lane reads 4 values of a row (dims 4 lane ..
-// 4 lane + 3) as one Word (8 bytes of bf16) and widens them to float; tile_floats: 8 tile values
-// (F::key_tile_values) as floats; the layer's scales from its operation, and the factors they put on the
-// scores' scale and on the output (bf16: none). A format of another chapter specialises it (section 29).
+// A cache format F (section 15a) as attention reads it here, a template each format specialises: a lane reads
+// 4 values of a row (dims 4 lane .. 4 lane + 3) as one Word (8 bytes of bf16) and widens them to float;
+// tile_floats: 8 tile values (F::key_tile_values) as floats; the layer's scales from its operation, and the
+// factors they put on the scores' scale and on the output (bf16: none).
 template <class F>
 struct PersistKV;
 template <>
@@ -7244,6 +7275,121 @@ struct PersistKV<KVBf16> {
   __device__ static __forceinline__ float value_factor(KVBf16::Scales) { return 1.f; }
 };
 
+// persist_attention's step 1: q/k-norm and RoPE, 8 threads per head (section 19's pieces), heads 0..GQA-1
+// the group's queries, head GQA its key: the queries to q_s [GQA, D] as bf16 values (as section 15 takes
+// them), the key and the value to kv_new [2, D] as the cache will return them, and both into the cache by the
+// partition that owns the new token. cos_s, sin_s: this sequence's RoPE angles. No barrier: the caller's
+// publishes q_s and kv_new. The task (b, g, ctx, t0, t1) and GQA, warp come from the caller, which has them.
+template <class F>
+__device__ __forceinline__ void persist_attn_new_token(const PersistArgs& a, const PersistOp& op,
+                                                      int GQA, int warp, int b, int g, int ctx, int t0, int t1,
+                                                      const float* cos_s, const float* sin_s, float* q_s,
+                                                      float* kv_new, typename F::Elem* k_cache,
+                                                      typename F::Elem* v_cache, typename F::Scales kv_scale) {
+  using Elem = typename F::Elem;
+  const int D = HEAD_DIM;
+  const bf16* row = a.qkv + (size_t)b * (a.NH + 2 * a.NKV) * D;
+  const int hh = threadIdx.x / ROPE_THREADS_PER_HEAD, j = threadIdx.x % ROPE_THREADS_PER_HEAD;
+  if (warp < (GQA + 1 + 3) / 4) {  // 4 heads per warp: every lane of these warps takes part in the shuffles
+    const bool mine = hh <= GQA;
+    const bf16* src = row + (size_t)(hh < GQA ? g * GQA + hh : a.NH + g) * D;
+    uint4 ua = {}, ub = {};
+    const uint4* head = reinterpret_cast<const uint4*>(src);
+    if (mine) ua = __ldcg(head + j), ub = __ldcg(head + j + 8);
+    const float ss = head_sum_squares(ua, ub);
+    if (mine) {
+      head_norm_rope(ua, ub, ss, hh < GQA ? op.norm_w : op.k_norm, cos_s, sin_s, j, a.eps);
+      if (hh < GQA) {  // a query: bf16 values, as section 15 takes them
+        bf16x8_to_float(ua, q_s + hh * D + 8 * j);
+        bf16x8_to_float(ub, q_s + hh * D + D / 2 + 8 * j);
+      } else {  // the key, as the cache holds it
+        PersistKV<F>::tile_floats(F::key_tile_values(ua, kv_scale), kv_new + 8 * j);
+        PersistKV<F>::tile_floats(F::key_tile_values(ub, kv_scale), kv_new + D / 2 + 8 * j);
+        const int slot = a.slots[b];
+        if (slot >= 0 && t0 <= ctx - 1 && ctx - 1 < t1) {  // the partition that owns the new token stores it
+          Elem* dst_k = k_cache + (((int64_t)(slot / a.P) * a.NKV + g) * a.P + slot % a.P) * D;
+          F::store_key(dst_k, j, ua, kv_scale);
+          F::store_key(dst_k, j + 8, ub, kv_scale);
+        }
+      }
+    }
+  }
+  if (threadIdx.x < D / 8) {
+    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(row + (size_t)(a.NH + a.NKV + g) * D) + threadIdx.x);
+    PersistKV<F>::tile_floats(F::value_tile_values(v, kv_scale), kv_new + D + 8 * threadIdx.x);
+    const int slot = a.slots[b];
+    if (slot >= 0 && t0 <= ctx - 1 && ctx - 1 < t1) {
+      Elem* dst_v = v_cache + (((int64_t)(slot / a.P) * a.NKV + g) * a.P + slot % a.P) * D;
+      F::store_value(dst_v, threadIdx.x, v, kv_scale);
+    }
+  }
+}
+
+// persist_attention's step 2: the warps of each head combined (in warp order) into this partition's partial
+// result in a.partials: wpart [WARPS, HPW, D + 2] holds each warp's o, m, l for each of its heads.
+template <int HPW>
+__device__ __forceinline__ void persist_attn_combine_warps(const PersistArgs& a, int GQA, int wph, int parts, int b,
+                                                          int g, int p, const float* wpart) {
+  const int D = HEAD_DIM;
+  float* part = a.partials + ((((size_t)b * a.NKV + g) * parts + p) * GQA) * (D + 2);
+  for (int e = threadIdx.x; e < GQA * D; e += PERSIST_THREADS) {
+    const int hq = e / D, d = e % D, w0 = hq / HPW * wph, j = hq % HPW;  // head hq: warps w0.., slot j
+    float mm = -INFINITY;
+    for (int w = w0; w < w0 + wph; w++) mm = fmaxf(mm, wpart[(w * HPW + j) * (D + 2) + D]);
+    float ll = 0.f, oo = 0.f;
+    if (mm != -INFINITY)
+      for (int w = w0; w < w0 + wph; w++) {
+        const float* wp = wpart + (w * HPW + j) * (D + 2);
+        if (wp[D] == -INFINITY) continue;
+        const float f = fast_exp2(wp[D] - mm);
+        ll += wp[D + 1] * f;
+        oo += wp[d] * f;
+      }
+    part[hq * (D + 2) + d] = oo;
+    if (d == 0) part[hq * (D + 2) + D] = mm, part[hq * (D + 2) + D + 1] = ll;
+  }
+}
+
+// persist_attention's step 3, in the partition that finished last: the partial results of every partition
+// of (b, g) merged into attn.
+// Each thread merges one (query head, dimension) over the partitions, 16 at a time in partition order:
+// their outputs, maxima and sums are all loaded before any is used (one trip to L2 for up to 16
+// partitions), and a batch's larger maximum rescales what the batches before it added up.
+__device__ __forceinline__ void persist_attn_merge(const PersistArgs& a, int GQA, int parts, int b, int g) {
+  const int D = HEAD_DIM;
+  const float* all = a.partials + (((size_t)b * a.NKV + g) * parts) * GQA * (D + 2);
+  for (int e = threadIdx.x; e < GQA * D; e += PERSIST_THREADS) {
+    const int hq = e / D, d = e % D;
+    float mm = -INFINITY, ll = 0.f, oo = 0.f;
+    for (int q0 = 0; q0 < parts; q0 += 16) {
+      float ov[16], mv[16], lv[16];
+#pragma unroll
+      for (int j = 0; j < 16; j++) {
+        const float* pj = all + ((size_t)(q0 + j) * GQA + hq) * (D + 2);
+        const bool in = q0 + j < parts;
+        ov[j] = in ? __ldcg(pj + d) : 0.f;
+        mv[j] = in ? __ldcg(pj + D) : -INFINITY;
+        lv[j] = in ? __ldcg(pj + D + 1) : 0.f;
+      }
+      float bm = mm;
+#pragma unroll
+      for (int j = 0; j < 16; j++) bm = fmaxf(bm, mv[j]);
+      if (bm == -INFINITY) continue;  // no keys in these partitions (nor before)
+      const float r = fast_exp2(mm - bm);  // 0 while nothing came before
+      ll *= r, oo *= r;
+#pragma unroll
+      for (int j = 0; j < 16; j++) {
+        if (mv[j] == -INFINITY) continue;
+        const float f = fast_exp2(mv[j] - bm);
+        ll += lv[j] * f;
+        oo += ov[j] * f;
+      }
+      mm = bm;
+    }
+    a.attn[(size_t)b * a.NH * D + (g * GQA + hq) * D + d] = __float2bfloat16(oo / ll);
+  }
+}
+
 // Attention for one (sequence b, KV head g, partition p) of layer op.layer: q/k-norm and RoPE of the group's
 // heads (each partition does it for itself, from qkv), the partition's share of the context with an online
 // softmax, its partial result to a.partials; the last partition to finish merges them all into attn and
@@ -7251,7 +7397,7 @@ struct PersistKV<KVBf16> {
 // every wph-th token of the partition; lane l holds dimensions [4l, 4l + 4) of each. angles: RoPE's cosines
 // and sines for each sequence [B, D], computed once at the kernel's start (the positions do not change during
 // a step). smem: see persist_smem_bytes.
-// F: the cache format (section 15). The step's own key and value are used as the cache will return them
+// F: the cache format (section 15a). The step's own key and value are used as the cache will return them
 // (F::key_tile_values: for a format that rounds, rounded): this step computes with the numbers every later step
 // reads from that row, as section 19's fused kernel does.
 template <class F, int HPW>
@@ -7264,7 +7410,7 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
   const PersistAttnSplit sp = persist_attn_split(GQA);
   const int wph = sp.wph;
   const PersistTask k = persist_task(a, task);
-  const int p = k.p, g = k.g, b = k.b, ctx = k.ctx, t0 = k.t0, t1 = k.t1;
+  const int g = k.g, b = k.b, ctx = k.ctx, t0 = k.t0, t1 = k.t1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, hg = warp / wph;  // heads hg*HPW .. + HPW-1
   const float* cos_s = angles + b * D;  // [64]
   const float* sin_s = cos_s + D / 2;   // [64]
@@ -7306,42 +7452,8 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
   if (o != a.skip_wait) persist_wait(a, o - 1, ops[o - 1].tasks);
   persist_trace_ahead(a, o, load, consumed);
   persist_trace(a, o, 1);
-  // q/k-norm and RoPE: 8 threads per head (section 19's pieces), heads 0..GQA-1 = queries, GQA = the key.
-  const bf16* row = a.qkv + (size_t)b * (a.NH + 2 * a.NKV) * D;
-  const int hh = threadIdx.x / ROPE_THREADS_PER_HEAD, j = threadIdx.x % ROPE_THREADS_PER_HEAD;
-  if (warp < (GQA + 1 + 3) / 4) {  // 4 heads per warp: every lane of these warps takes part in the shuffles
-    const bool mine = hh <= GQA;
-    const bf16* src = row + (size_t)(hh < GQA ? g * GQA + hh : a.NH + g) * D;
-    uint4 ua = {}, ub = {};
-    const uint4* head = reinterpret_cast<const uint4*>(src);
-    if (mine) ua = __ldcg(head + j), ub = __ldcg(head + j + 8);
-    const float ss = head_sum_squares(ua, ub);
-    if (mine) {
-      head_norm_rope(ua, ub, ss, hh < GQA ? op.norm_w : op.k_norm, cos_s, sin_s, j, a.eps);
-      if (hh < GQA) {  // a query: bf16 values, as section 15 takes them
-        bf16x8_to_float(ua, q_s + hh * D + 8 * j);
-        bf16x8_to_float(ub, q_s + hh * D + D / 2 + 8 * j);
-      } else {  // the key, as the cache holds it
-        PersistKV<F>::tile_floats(F::key_tile_values(ua, kv_scale), kv_new + 8 * j);
-        PersistKV<F>::tile_floats(F::key_tile_values(ub, kv_scale), kv_new + D / 2 + 8 * j);
-        const int slot = a.slots[b];
-        if (slot >= 0 && t0 <= ctx - 1 && ctx - 1 < t1) {  // the partition that owns the new token stores it
-          Elem* dst_k = k_cache + (((int64_t)(slot / a.P) * a.NKV + g) * a.P + slot % a.P) * D;
-          F::store_key(dst_k, j, ua, kv_scale);
-          F::store_key(dst_k, j + 8, ub, kv_scale);
-        }
-      }
-    }
-  }
-  if (threadIdx.x < D / 8) {
-    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(row + (size_t)(a.NH + a.NKV + g) * D) + threadIdx.x);
-    PersistKV<F>::tile_floats(F::value_tile_values(v, kv_scale), kv_new + D + 8 * threadIdx.x);
-    const int slot = a.slots[b];
-    if (slot >= 0 && t0 <= ctx - 1 && ctx - 1 < t1) {
-      Elem* dst_v = v_cache + (((int64_t)(slot / a.P) * a.NKV + g) * a.P + slot % a.P) * D;
-      F::store_value(dst_v, threadIdx.x, v, kv_scale);
-    }
-  }
+  persist_attn_new_token<F>(a, op, GQA, warp, b, g, ctx, t0, t1, cos_s, sin_s, q_s, kv_new, k_cache, v_cache,
+                            kv_scale);  // step 1
   __syncthreads();
   // The partition's tokens, this warp's share, online softmax in base 2 (section 15's arithmetic).
   const float scale_log2 = a.scale * PersistKV<F>::key_factor(kv_scale) * 1.4426950408889634f;
@@ -7394,72 +7506,22 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
     }
   }
   __syncthreads();
-  // The warps of each head combined (in warp order) into this partition's partial result.
-  float* part = a.partials + ((((size_t)b * a.NKV + g) * parts + p) * GQA) * (D + 2);
-  for (int e = threadIdx.x; e < GQA * D; e += PERSIST_THREADS) {
-    const int hq = e / D, d = e % D, w0 = hq / HPW * wph, j = hq % HPW;  // head hq: warps w0.., slot j
-    float mm = -INFINITY;
-    for (int w = w0; w < w0 + wph; w++) mm = fmaxf(mm, wpart[(w * HPW + j) * (D + 2) + D]);
-    float ll = 0.f, oo = 0.f;
-    if (mm != -INFINITY)
-      for (int w = w0; w < w0 + wph; w++) {
-        const float* wp = wpart + (w * HPW + j) * (D + 2);
-        if (wp[D] == -INFINITY) continue;
-        const float f = fast_exp2(wp[D] - mm);
-        ll += wp[D + 1] * f;
-        oo += wp[d] * f;
-      }
-    part[hq * (D + 2) + d] = oo;
-    if (d == 0) part[hq * (D + 2) + D] = mm, part[hq * (D + 2) + D + 1] = ll;
-  }
-  // The last partition of (b, g) to get here merges them all.
+  persist_attn_combine_warps<HPW>(a, GQA, wph, parts, b, g, k.p, wpart);  // step 2
+  // The last partition of (b, g) to get here merges them all (step 3).
   __syncthreads();
   if (threadIdx.x == PERSIST_SYNC_THREAD)  // release: our partial is out; acquire: so are the others'
     *flag = atom_acq_rel_add(a.tickets + ((size_t)op.layer * a.B + b) * a.NKV + g, 1) == parts - 1;
   __syncthreads();
   if (!*flag) return;
-  // Each thread merges one (query head, dimension) over the partitions, 16 at a time in partition order:
-  // their outputs, maxima and sums are all loaded before any is used (one trip to L2 for up to 16
-  // partitions), and a batch's larger maximum rescales what the batches before it added up.
-  const float* all = a.partials + (((size_t)b * a.NKV + g) * parts) * GQA * (D + 2);
-  for (int e = threadIdx.x; e < GQA * D; e += PERSIST_THREADS) {
-    const int hq = e / D, d = e % D;
-    float mm = -INFINITY, ll = 0.f, oo = 0.f;
-    for (int q0 = 0; q0 < parts; q0 += 16) {
-      float ov[16], mv[16], lv[16];
-#pragma unroll
-      for (int j = 0; j < 16; j++) {
-        const float* pj = all + ((size_t)(q0 + j) * GQA + hq) * (D + 2);
-        const bool in = q0 + j < parts;
-        ov[j] = in ? __ldcg(pj + d) : 0.f;
-        mv[j] = in ? __ldcg(pj + D) : -INFINITY;
-        lv[j] = in ? __ldcg(pj + D + 1) : 0.f;
-      }
-      float bm = mm;
-#pragma unroll
-      for (int j = 0; j < 16; j++) bm = fmaxf(bm, mv[j]);
-      if (bm == -INFINITY) continue;  // no keys in these partitions (nor before)
-      const float r = fast_exp2(mm - bm);  // 0 while nothing came before
-      ll *= r, oo *= r;
-#pragma unroll
-      for (int j = 0; j < 16; j++) {
-        if (mv[j] == -INFINITY) continue;
-        const float f = fast_exp2(mv[j] - bm);
-        ll += lv[j] * f;
-        oo += ov[j] * f;
-      }
-      mm = bm;
-    }
-    a.attn[(size_t)b * a.NH * D + (g * GQA + hq) * D + d] = __float2bfloat16(oo / ll);
-  }
+  persist_attn_merge(a, GQA, parts, b, g);
   persist_signal(a, o);
 }
 
 // ==== 26. The persistent kernel, 3: the kernel, its plan and its launch ====================================
 // defines: persistent_decode_kernel, PersistPlan, PersistentDecode, persist_launch, persist_fits, PersistFormat,
-//          kPersistBf16, g_persist_format, persist_setup, persistent_decode
+//          kPersistBf16, PersistentState, g_persistent, persist_setup, persistent_decode
 
-// F: the cache format (section 15; one kernel per format: another's attention would cost this one registers).
+// F: the cache format (section 15a; one kernel per format: another's attention would cost this one registers).
 template <int B, class F>
 __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(PersistArgs a) {
   extern __shared__ __align__(16) unsigned char persist_smem[];
@@ -7548,7 +7610,7 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
 struct PersistFormat;
 struct PersistPlan {
   int B = 0, grid = 0, parts = 0;  // parts: attention's partitions of each (sequence, KV head)
-  const PersistFormat* format = nullptr;  // the cache format it reads, fixed when the pool was allocated
+  const PersistFormat* format = nullptr;  // the cache format it reads, the engine's (fixed for a run)
   size_t smem = 0;
   std::vector<PersistOp> ops;
   PersistOp* ops_d = nullptr;
@@ -7625,9 +7687,8 @@ static bool persist_fits(int B, size_t smem) {
   return false;
 }
 
-// The cache format the plans read: its kernels and, per layer, its scales. bf16 is Part I's; a chapter with a
-// format of its own replaces g_persist_format when the engine uses it (section 29), after the switches are
-// applied and before the plans are built (model_ready).
+// The cache format the plans read: its kernels and, per layer, its scales. bf16 is Part I's, and the plans
+// read it unless the engine's cache format names another in g_persistent (below).
 struct PersistFormat {
   const char* name;  // as the measurement's cache key spells it
   int value_bytes;   // bytes per cached value (KVCache::value_bytes)
@@ -7636,7 +7697,23 @@ struct PersistFormat {
   void (*layer_scales)(int layer, float (&kv_scale)[2]);  // PersistOp::kv_scale of layer's ATTN; null: 1, 1
 };
 static const PersistFormat kPersistBf16 = {"bf16", 2, persist_fits<KVBf16>, persist_launch<KVBf16>, nullptr};
-static const PersistFormat* g_persist_format = &kPersistBf16;
+
+// This chapter's state, for the engine built last; its apply (section 27) resets it for every engine. The
+// format its plans read is bf16 unless the engine's KV cache format names its own (a format's apply, section
+// 2, runs after the switches' and before the plans are built, at model_ready). The plans' device buffers are
+// not freed on reset: an engine frees none of its GPU memory (section 11).
+struct PersistentState {
+  const PersistFormat* format = &kPersistBf16;
+  std::unique_ptr<PersistentDecode> decode;  // the plans (persist_model_ready); null: none built
+  std::map<int, cudaGraphExec_t> graphs;     // by batch size: the engine's CUDA graphs of the kernel's step
+  void reset() {
+    for (auto& [B, exec] : graphs) CUDA_CHECK(cudaGraphExecDestroy(exec));
+    graphs.clear();
+    decode.reset();
+    format = &kPersistBf16;
+  }
+};
+static PersistentState g_persistent;
 
 // The plans for the decode graphs' batch sizes up to PERSIST_MAX_B (and max_num_seqs), or a reason for none.
 static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs) {
@@ -7657,7 +7734,7 @@ static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs) {
   for (int B = 1; B <= std::min(PERSIST_MAX_B, max_num_seqs); B *= 2) {
     PersistPlan p;
     p.B = B, p.grid = sms, p.smem = persist_smem_bytes(B, Kmax, H, gqa, 2 + 5 * L);
-    p.format = g_persist_format;
+    p.format = g_persistent.format;
     if (!p.format->fits(B, p.smem)) continue;
     p.parts = std::max(1, std::min(64, sms / (B * NKV)));
     auto gemv_op = [&](int kind, int layer, const bf16* W, const bf16* norm_w, int N, int K) {
@@ -7845,7 +7922,7 @@ static std::string persist_cache_key(const Qwen3& model, const PersistentDecode&
            prop.name, prop.major, prop.minor, prop.multiProcessorCount, prop.totalGlobalMem, driver, runtime,
            (unsigned long long)persist_build_hash(), c.hidden_size, c.intermediate_size, c.num_hidden_layers,
            c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size, (int)c.tie_word_embeddings,
-           model.P, model.MB, model.max_model_len, g_persist_format->name,
+           model.P, model.MB, model.max_model_len, g_persistent.format->name,
            g_opt.flash_attn, g_opt.pdl, g_opt.gemv, g_opt.cluster_merge, g_opt.fused_rope, g_opt.fast_sampler,
            g_opt.prefill_graphs);
   std::string key = buf;
@@ -8000,30 +8077,30 @@ static std::string persist_describe(const PersistentDecode& pd) {
 // step (Hooks::decode_step) within its batch size's context limit replays it; every other step is left to the
 // runner's graph of section 14's path. Under --enforce-eager there are no graphs: the kernel and the draw are
 // launched directly.
-static PersistentDecode* g_persist = nullptr;  // the plans of the engine built last (ModelRunner)
-static std::map<int, cudaGraphExec_t> g_persist_graphs;  // by batch size: that engine's graphs of the kernel
+// Its state is g_persistent (section 26).
 static void persist_model_ready(Qwen3& model, const Config& c) {
-  g_persist = new PersistentDecode(persist_setup(model, c.max_num_seqs));  // lives as long as the weights
+  g_persistent.decode = std::make_unique<PersistentDecode>(persist_setup(model, c.max_num_seqs));
   cudaStream_t s;
   CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  persist_measure(model, *g_persist, s);
+  persist_measure(model, *g_persistent.decode, s);
   CUDA_CHECK(cudaStreamDestroy(s));
 }
 static void persist_capture_graphs(ModelRunner& r) {
   for (auto it = r.graph_bs.rbegin(); it != r.graph_bs.rend(); ++it) {  // largest first, as the runner's
     const int B = *it;
-    if (!g_persist || !g_persist->limit_for(B)) continue;
-    const PersistPlan& plan = g_persist->plans.at(B);
-    g_persist_graphs[B] = r.capture_decode_graph(B, [&](const StepInputs& in) {
+    const PersistentDecode* pd = g_persistent.decode.get();
+    if (!pd || !pd->limit_for(B)) continue;
+    const PersistPlan& plan = pd->plans.at(B);
+    g_persistent.graphs[B] = r.capture_decode_graph(B, [&](const StepInputs& in) {
       persistent_decode(r.model, plan, in, r.stream, 0, -1, nullptr);
     });
   }
 }
 static bool persist_decode_step(ModelRunner& r, const StepInputs& in, int B, int max_context, bool draw) {
-  const PersistPlan* plan = g_persist ? g_persist->plan_for(B, max_context) : nullptr;
+  const PersistPlan* plan = g_persistent.decode ? g_persistent.decode->plan_for(B, max_context) : nullptr;
   if (!plan) return false;
-  auto graph = g_persist_graphs.find(B);
-  if (graph != g_persist_graphs.end()) {
+  auto graph = g_persistent.graphs.find(B);
+  if (graph != g_persistent.graphs.end()) {
     CUDA_CHECK(cudaGraphLaunch(graph->second, r.stream));
   } else {  // no graphs (--enforce-eager)
     persistent_decode(r.model, *plan, in, r.stream, 0, -1, nullptr);
@@ -8033,16 +8110,15 @@ static bool persist_decode_step(ModelRunner& r, const StepInputs& in, int B, int
 }
 static void apply_persistent(bool on, Hooks& h) {
   g_opt.persistent = on;
-  g_persist = nullptr;
-  g_persist_format = &kPersistBf16;  // (an engine with another cache format sets its own: section 29)
-  for (auto& [B, exec] : g_persist_graphs) CUDA_CHECK(cudaGraphExecDestroy(exec));
-  g_persist_graphs.clear();
+  g_persistent.reset();
   if (!on) return;
   h.model_ready.push_back(persist_model_ready);
   h.graphs_captured.push_back(persist_capture_graphs);
   h.decode_step = persist_decode_step;
 }
-static std::string persist_note(const Qwen3&) { return g_persist ? "decode: " + persist_describe(*g_persist) : ""; }
+static std::string persist_note(const Qwen3&) {
+  return g_persistent.decode ? "decode: " + persist_describe(*g_persistent.decode) : "";
+}
 static const int kPersistentRegistered = register_optimization(
     {"persistent", "a small-batch decode step in one persistent kernel (section 24)", true, apply_persistent,
      persist_note});
@@ -8076,7 +8152,7 @@ static const int kPersistentRegistered = register_optimization(
 // each bound (raised by a hundredth for the bf16 roundings on the way) over 448, rounded up to a power of
 // two. A typical element then lands about sqrt(D) (keys) or sqrt(H) (values) below 448, far above 2^-6. The
 // docs/performance.md has the accuracy of this choice and of vLLM's default (scale 1.0);
-// g_kv_scales_from_weights = false (section 29; the tests' switch) runs the latter.
+// g_fp8_cache.scales_from_weights = false (section 29; the tests' switch) runs the latter.
 // Why powers of two: dividing by one is exact, so the stored byte is the rounding of the bf16 value itself,
 // whatever the scale, and the scale can be applied after the matrix products at no cost in accuracy.
 //
@@ -8387,13 +8463,14 @@ static void qk_norm_rope_fp8(bf16* qkv, const int* positions, const bf16* q_norm
 
 
 // ==== 29. The FP8 KV cache, 2: decode attention over it, the persistent kernel, the stages =================
-// defines: DecodeAccFp8, DecodeLoop<KVFp8>, fp8_decode_attend, PersistKV<KVFp8>, g_kv_fp8, g_kv_scales,
-//          store_qkv_fp8, attention_prefill_fp8, attention_decode_fp8, install_fp8_cache,
-//          g_kv_scales_from_weights; --kv-cache-dtype fp8; switch longest_first (29a)
+// defines: DecodeAccFp8, DecodeLoop<KVFp8>, fp8_decode_attend, PersistKV<KVFp8>, Fp8Cache, g_fp8_cache,
+//          store_qkv_fp8, attention_prefill_fp8, attention_decode_fp8, apply_fp8_cache, use_fp8_cache;
+//          --kv-cache-dtype fp8; switch longest_first (29a)
 //
 // Section 28's format, continued: how decode reads it (its own loop: the tile pipeline is prefill's), how the
-// persistent kernel reads it, and the switch: the stages of section 14's forward pass and the persistent
-// kernel that an engine with an fp8 cache runs, installed when the engine allocates its pool.
+// persistent kernel reads it, and the format's apply: the stages of section 14's forward pass and the
+// persistent kernel that an engine with an fp8 cache runs, installed as every chapter installs its change
+// (section 14's stages_for), when the engine installs its optimizations and cache format (section 11).
 //
 // The tile pipeline of section 28 is how the prefill kernel reads fp8: stage a 64-key tile, widen it to fp16 in
 // shared memory, a barrier, the tensor cores, a barrier. For decode, which only streams, that is slow: it
@@ -8733,11 +8810,17 @@ struct PersistKV<KVFp8> {
   __device__ static __forceinline__ float value_factor(KVScales s) { return s.v; }  // (a power of two: exact)
 };
 
-// The engine's cache format and per-layer scales (set when a ModelRunner allocates an fp8 pool: below).
-static bool g_kv_fp8 = false;
-static std::vector<KVScales> g_kv_scales;  // [L]
+// This chapter's state, for the engine built last: reset by the format's apply (apply_fp8_cache, below),
+// which install_optimizations runs for every engine, fp8 or not.
+struct Fp8Cache {
+  bool on = false;                  // the engine's cache is fp8 (apply_fp8_cache)
+  std::vector<KVScales> scales;     // [L] per layer (use_fp8_cache, before the pool is sized)
+  bool scales_from_weights = true;  // a setting, kept across engines: tests set it false to run vLLM's
+                                    // default scales (1.0) instead of the weight bounds of section 28
+};
+static Fp8Cache g_fp8_cache;
 static void fp8_layer_scales(int l, float (&kv_scale)[2]) {
-  kv_scale[0] = g_kv_scales.at(l).k, kv_scale[1] = g_kv_scales.at(l).v;
+  kv_scale[0] = g_fp8_cache.scales.at(l).k, kv_scale[1] = g_fp8_cache.scales.at(l).v;
 }
 static const PersistFormat kPersistFp8 = {"fp8", 1, persist_fits<KVFp8>, persist_launch<KVFp8>, fp8_layer_scales};
 
@@ -8749,7 +8832,7 @@ static const PersistFormat kPersistFp8 = {"fp8", 1, persist_fits<KVFp8>, persist
 // there attention_decode is the store, then section 16's decode kernel.
 static KVLayerFp8 fp8_layer(const KVCache& kv, int l) {
   const KVLayer p = kv.layer(l);  // (the byte offsets already follow kv.value_bytes)
-  return {(fp8e4m3*)p.k, (fp8e4m3*)p.v, g_kv_scales.at(l)};
+  return {(fp8e4m3*)p.k, (fp8e4m3*)p.v, g_fp8_cache.scales.at(l)};
 }
 static void store_qkv_fp8(Pass& p, int l) { store_qkv_using(p, l, qk_norm_rope_fp8, fp8_layer(p.m.kv, l)); }
 static DecodeAttention<KVFp8> fp8_decode_attention() {
@@ -8779,21 +8862,24 @@ static void attention_decode_fp8(Pass& p, int l) {
   fp8_decode_attention()(m.act.attn, m.act.qkv, fp8_layer(m.kv, l), p.in.seqlens_k, p.in.block_tables, p.B, NH,
                          NKV, m.P, m.MB, m.max_model_len, m.act.attn_workspace, scale, p.s);
 }
-// Makes the engine's cache fp8 with these per-layer scales: this chapter's stages and persistent kernel. Runs
-// after the switches are applied (section 14's table is the pass: flash_attn is on) and before the persistent
-// kernel's plans are built.
-static void install_fp8_cache(const std::vector<KVScales>& scales) {
-  g_kv_fp8 = true;
-  g_kv_scales = scales;
-  g_stages.store_qkv = store_qkv_fp8;
-  g_stages.attention_prefill = attention_prefill_fp8;
-  g_stages.attention_decode = attention_decode_fp8;
-  g_persist_format = &kPersistFp8;
-}
 
 // ---- The format: fp8 (--kv-cache-dtype) ----
-// Tests set this false to run vLLM's default scales (1.0) instead of the weight bounds above.
-static bool g_kv_scales_from_weights = true;
+// Its apply (section 2's KVCacheFormat::apply), run for every engine after the switches': resets this
+// chapter's state, and for an fp8 engine installs its stages in section 14's table and its persistent kernel's
+// format (section 26's g_persistent, which the plans built at model_ready read). Its stages read the scales,
+// which use_fp8_cache computes before the pool exists, so before any step. Without flash_attn there are no
+// stages to install: use_fp8_cache refuses such an engine.
+static void apply_fp8_cache(bool on, Hooks& h) {
+  g_fp8_cache.on = on;
+  g_fp8_cache.scales.clear();
+  if (!on) return;
+  g_persistent.format = &kPersistFp8;
+  if (!g_opt.flash_attn) return;
+  ForwardStages& st = stages_for(h);
+  st.store_qkv = store_qkv_fp8;
+  st.attention_prefill = attention_prefill_fp8;
+  st.attention_decode = attention_decode_fp8;
+}
 // Before ModelRunner sizes the pool of an fp8 engine: check what it needs, then compute the scales.
 static void use_fp8_cache(Qwen3& model) {
   int dev = 0, major = 0, minor = 0;
@@ -8807,11 +8893,12 @@ static void use_fp8_cache(Qwen3& model) {
   if (!g_opt.flash_attn)
     die("--kv-cache-dtype fp8 is read by the flash_attn kernels (section 15), which this run switched "
         "off: drop --plain or -flash_attn, or use --kv-cache-dtype bf16");
-  install_fp8_cache(g_kv_scales_from_weights ? kv_scales_from_weights(model.w, model.cfg, model.tp)
-                                            : std::vector<KVScales>(model.cfg.num_hidden_layers));
+  g_fp8_cache.scales = g_fp8_cache.scales_from_weights ? kv_scales_from_weights(model.w, model.cfg, model.tp)
+                                                        : std::vector<KVScales>(model.cfg.num_hidden_layers);
 }
 static const int kFp8FormatRegistered = register_kv_cache_format(
-    {"fp8", {"fp8_e4m3"}, 1, {{"fp8_e5m2", "nanovllm stores FP8 as e4m3 (write fp8 or fp8_e4m3)"}}, use_fp8_cache});
+    {"fp8", {"fp8_e4m3"}, 1, {{"fp8_e5m2", "nanovllm stores FP8 as e4m3 (write fp8 or fp8_e4m3)"}}, use_fp8_cache,
+     apply_fp8_cache});
 
 
 // ---- 29a. An fp8 decode step's rows, longest context first (switch longest_first) -------------------------
@@ -8832,15 +8919,12 @@ static const int kFp8FormatRegistered = register_kv_cache_format(
 // keep the scheduler's order (a mixed step's decode rows must lead, section 16).
 // Switch: longest_first.
 static void order_longest_first(std::vector<Sequence*>& batch) {
-  if (!g_kv_fp8) return;  // (the cache's format is fixed for a run)
+  if (!g_fp8_cache.on) return;  // (the cache's format is fixed for a run)
   std::stable_sort(batch.begin(), batch.end(),
                    [](const Sequence* a, const Sequence* b) { return a->size() > b->size(); });
 }
-// Its apply, which runs for every engine, also clears the cache format the engine before may have left:
-// an engine's format is fp8 only once use_fp8_cache says so.
 static void apply_longest_first(bool on, Hooks& h) {
   g_opt.longest_first = on;
-  g_kv_fp8 = false;
   if (on) h.decode_scheduled.push_back(order_longest_first);
 }
 static const int kLongestFirstRegistered = register_optimization(

@@ -95,7 +95,7 @@ struct Engine {
     config.gpu_memory_utilization = 0.95f;
     config.tensor_parallel_size = e2e_tp();
     config.opt = e2e_opt();
-    config.kv_cache_dtype = e2e_kv();  // (the scales: g_kv_scales_from_weights, set in main)
+    config.kv_cache_dtype = e2e_kv();  // (the scales: g_fp8_cache.scales_from_weights, set in main)
     const char* sched = getenv("NANOVLLM_E2E_SCHEDULER");
     if (sched && strcmp(sched, "nano") && strcmp(sched, "mixed"))
       die("NANOVLLM_E2E_SCHEDULER=%s: expected nano or mixed", sched);
@@ -143,11 +143,11 @@ static void run_shape(const std::string& dir) {
   const bool fp8 = e.config.kv_cache_dtype == "fp8";
 #ifdef NANOVLLM_PART_II  // (a build with Part II cut out stores bf16 only: parse_kv_cache_dtype refuses fp8)
   if (fp8) {
-    CHECK_MSG(g_kv_fp8 && (int)g_kv_scales.size() == e.mc.num_hidden_layers,
+    CHECK_MSG(g_fp8_cache.on && (int)g_fp8_cache.scales.size() == e.mc.num_hidden_layers,
               "--kv-cache-dtype fp8 asked for, but the engine's cache is not fp8 (%zu layers of scales)",
-              g_kv_scales.size());
+              g_fp8_cache.scales.size());
     printf("    fp8 KV cache, scales (k, v) per layer:");
-    for (const KVScales& sc : g_kv_scales) printf(" (%g, %g)", sc.k, sc.v);
+    for (const KVScales& sc : g_fp8_cache.scales) printf(" (%g, %g)", sc.k, sc.v);
     printf("\n");
   }
 #endif
@@ -409,8 +409,8 @@ static void check_prefill_graphs(const std::string& dir) {
   int T = 0;
   StepInputs in = r.prepare_prefill(step, T);
   CHECK_EQ(in.decode_rows, 3);
-  auto rung = g_prefill_graphs.lower_bound(T);
-  CHECK(rung != g_prefill_graphs.end());
+  auto rung = g_prefill_graphs.rungs.lower_bound(T);
+  CHECK(rung != g_prefill_graphs.rungs.end());
   const int Tg = rung->first;
   CHECK(g_hooks.prefill_step(r.model, in, T, B, r.stream));  // the replay
   const std::vector<float> replay = logits_of(r, B);
@@ -520,7 +520,7 @@ int main(int argc, char** argv) {
   // Read when a ModelRunner allocates an fp8 pool, on every rank: set before the workers are forked, so
   // that they have it too.
 #ifdef NANOVLLM_PART_II
-  g_kv_scales_from_weights = e2e_scales_from_weights();
+  g_fp8_cache.scales_from_weights = e2e_scales_from_weights();
 #endif
   tp_launch(e2e_tp());  // before any CUDA call; a no-op for 1
   int rc = test_main(argc, argv);

@@ -56,15 +56,14 @@ static void install_default_optimizations() { install_optimizations(default_opti
 #ifdef NANOVLLM_PART_II  // (a build with Part II cut out has none of these names)
 // Part II's switches as `--opt spec` sets them (section 2's registry), installed the way ModelRunner does
 // (install_optimizations, section 11: g_opt and the hook table g_hooks), for the life of this object; what
-// was installed before (and the cache format, which installing resets to bf16: section 29's g_kv_fp8,
-// g_kv_scales and the persistent kernel's g_persist_format) is put back at its end.
+// was installed before (and the cache format, which installing resets to bf16: section 29's g_fp8_cache and
+// the persistent kernel's g_persistent.format) is put back at its end.
 // A case that only picks one kernel path may still set a g_opt field directly.
 struct ScopedOptimizations {
   const Optimizations saved_opt = g_opt;
   const Hooks saved_hooks = g_hooks;
-  const bool saved_kv_fp8 = g_kv_fp8;
-  const std::vector<KVScales> saved_kv_scales = g_kv_scales;
-  const PersistFormat* const saved_persist_format = g_persist_format;
+  const Fp8Cache saved_fp8_cache = g_fp8_cache;
+  const PersistFormat* const saved_persist_format = g_persistent.format;
   explicit ScopedOptimizations(const char* spec) {
     OptimizationSet set = default_optimizations();
     const std::string problem = parse_optimizations(spec, set);
@@ -72,8 +71,8 @@ struct ScopedOptimizations {
     install_optimizations(set);
   }
   ~ScopedOptimizations() {
-    g_opt = saved_opt, g_hooks = saved_hooks, g_kv_fp8 = saved_kv_fp8, g_kv_scales = saved_kv_scales;
-    g_persist_format = saved_persist_format;
+    g_opt = saved_opt, g_hooks = saved_hooks, g_fp8_cache = saved_fp8_cache;
+    g_persistent.format = saved_persist_format;
   }
   ScopedOptimizations(const ScopedOptimizations&) = delete;
 };

@@ -105,11 +105,13 @@ struct TestModel {
   bool fp8 = false;
   std::vector<KVScales> scales;  // fp8: per layer
   char* bf16_copy = nullptr;     // fp8: the cache as bf16 values, [L, 2, NB, NKV, P, D]
-  // The engine's cache format for this model, as ModelRunner sets it once the switches are applied (section
-  // 29's stages and persistent kernel for fp8; the format is global: set before every use).
+  // The engine's cache format for this model, as install_optimizations applies it after the switches (section
+  // 29's apply_fp8_cache: its stages and persistent kernel for fp8), with this model's scales (use_fp8_cache
+  // would compute them; the format is global: set before every use).
   void use_format() const {
-    if (fp8) install_fp8_cache(scales);
-    else g_persist_format = &kPersistBf16;
+    apply_fp8_cache(fp8, g_hooks);
+    if (fp8) g_fp8_cache.scales = scales;
+    else g_persistent.format = &kPersistBf16;
   }
   TestModel(const std::string& shape, int P, int max_model_len, int NB_, bool fp8_ = false) : NB(NB_), fp8(fp8_) {
     const ModelConfig c = test_shape(shape);

@@ -143,6 +143,24 @@ TEST(chapters_fill_their_stages) {
         g_stages.attention_prefill == flash_attention_prefill_stage);
 }
 
+// The FP8 cache (sections 28-29) installs the way every chapter does: its format's apply, run by
+// install_optimizations after the switches, fills section 14's stages through stages_for and names the
+// persistent kernel's format; an engine of another format (or another install) resets all of it.
+TEST(fp8_cache_installs_through_the_stages) {
+  install_optimizations(default_optimizations(), "fp8");
+  CHECK(g_fp8_cache.on && g_fp8_cache.scales.empty() && g_persistent.format == &kPersistFp8);
+  CHECK(g_hooks.forward == forward_fast && g_stages.store_qkv == store_qkv_fp8 &&
+        g_stages.attention_prefill == attention_prefill_fp8 && g_stages.attention_decode == attention_decode_fp8 &&
+        g_stages.norm_matmul == gemv_norm_matmul);
+  g_fp8_cache.scales.resize(3);  // (use_fp8_cache's part, which needs a GPU)
+  install_optimizations(default_optimizations());
+  CHECK(!g_fp8_cache.on && g_fp8_cache.scales.empty() && g_persistent.format == &kPersistBf16);
+  CHECK(g_stages.store_qkv == store_qkv_fast && g_stages.attention_decode == fused_attention_decode_stage);
+  install_optimizations(parsed("none"), "fp8");  // without flash_attn: no stages (use_fp8_cache refuses it)
+  CHECK(g_fp8_cache.on && !g_hooks.forward);
+  install_optimizations(default_optimizations());
+}
+
 // Section 29a's order: with an fp8 cache, a decode batch sorted by context length, longest first, ties kept in
 // the scheduler's order (stable), the same sequences; with a bf16 cache, the batch as it was.
 TEST(longest_first_orders_decode_rows) {
@@ -153,12 +171,12 @@ TEST(longest_first_orders_decode_rows) {
   std::vector<Sequence*> batch;
   for (auto& s : seqs) batch.push_back(&s);
   std::vector<Sequence*> sorted = batch;
-  g_kv_fp8 = false;
+  g_fp8_cache.on = false;
   order_longest_first(sorted);
   CHECK(sorted == batch);
-  g_kv_fp8 = true;
+  g_fp8_cache.on = true;
   order_longest_first(sorted);
-  g_kv_fp8 = false;
+  g_fp8_cache.on = false;
   const int want[] = {6, 1, 3, 7, 2, 5, 0, 4};  // by length, then by place in the batch
   for (int i = 0; i < 8; i++)
     CHECK_MSG(sorted[i] == batch[want[i]], "row %d holds sequence %d (length %d), expected %d", i,
@@ -196,8 +214,8 @@ TEST(longest_first_reorders_decode_steps_only) {
   std::vector<std::vector<int>> tokens[2];
   RecordingRunner runners[2];
   for (int on = 0; on < 2; on++) {
-    install_optimizations(parsed(on ? "none,longest_first" : "none"));
-    g_kv_fp8 = true;  // (the order applies to an fp8 cache; no GPU: only the format's tag)
+    // (the order applies to an fp8 cache; no GPU: the format's apply, not its use, which needs one)
+    install_optimizations(parsed(on ? "none,longest_first" : "none"), "fp8");
     Config c = small_config(200, 16, 64);  // a small token budget: prompts spread over several prefill steps
     LLMEngine e(c, runners[on]);
     for (const Completion& o : e.generate(reqs)) tokens[on].push_back(o.token_ids);
