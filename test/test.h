@@ -49,15 +49,13 @@ static int g_test_failures = 0;   // failures recorded in the running case
 static bool g_test_skipped = false;
 static std::string g_skip_reason;
 
-#define TEST(name)                                                             \
-  static void test_##name();                                                   \
-  static TestRegistrar test_registrar_##name(TEST_SUITE, #name, test_##name);  \
+// TEST(name) { ... } registers a test, TIMING(name) { ... } a measurement: the same case with its kind.
+#define TEST_CASE_OF_KIND(name, measure)                                                   \
+  static void test_##name();                                                               \
+  static TestRegistrar test_registrar_##name(TEST_SUITE, #name, test_##name, measure);     \
   static void test_##name()
-
-#define TIMING(name)                                                                 \
-  static void test_##name();                                                         \
-  static TestRegistrar test_registrar_##name(TEST_SUITE, #name, test_##name, true);  \
-  static void test_##name()
+#define TEST(name) TEST_CASE_OF_KIND(name, false)
+#define TIMING(name) TEST_CASE_OF_KIND(name, true)
 
 #define CHECK(cond)                                                                                \
   do {                                                                                             \

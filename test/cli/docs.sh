@@ -84,8 +84,11 @@ def split_top(s, seps):
     return [x.strip() for x in out]
 
 def defines_entries(path):
-    """(line, text) of each '// defines:' line with its continuation lines ('//' then at least 4 spaces)."""
-    lines = open(path, encoding="utf-8").read().split("\n")
+    """(line, text, include match) of each '// defines:' line with its continuation lines ('//' then at least
+    4 spaces)."""
+    return defines_entries_of(open(path, encoding="utf-8").read().split("\n"))
+
+def defines_entries_of(lines):
     out = []
     for i, l in enumerate(lines):
         m = re.search(r"//\s*defines:\s*(.*)$", l)
@@ -95,8 +98,7 @@ def defines_entries(path):
         if l.lstrip().startswith("//"):
             while j < len(lines) and re.match(r"//\s{4,}\S", lines[j]):
                 text += " " + lines[j][2:].strip(); j += 1
-        inc = re.match(r'\s*#\s*include\s*([<"])([^>"]+)[>"]', l)
-        out.append((i + 1, text, inc))
+        out.append((i + 1, text, re.match(r'\s*#\s*include\s*([<"])([^>"]+)[>"]', l)))
     return out
 
 def check_defines(root):
@@ -315,19 +317,6 @@ def section_names(root):
         listed[n] = lst
         declared[n] = declared_names("\n".join(code_lines[a - 1:b])) | lst
     return listed, declared, {n for n, (a, _) in spans.items() if a > part3_at}
-
-def defines_entries_of(lines):
-    out = []
-    for i, l in enumerate(lines):
-        m = re.search(r"//\s*defines:\s*(.*)$", l)
-        if not m:
-            continue
-        text, j = m.group(1), i + 1
-        if l.lstrip().startswith("//"):
-            while j < len(lines) and re.match(r"//\s{4,}\S", lines[j]):
-                text += " " + lines[j][2:].strip(); j += 1
-        out.append((i + 1, text, re.match(r'\s*#\s*include', l)))
-    return out
 
 def expand(refs):
     """'24-27' -> 24..27, '6c' -> 6, '15 and 16' -> 15, 16: the top-level sections a reference spans."""
