@@ -20,14 +20,14 @@
 //   ModelRunner with CUDA graphs, tensor parallelism and the LLMEngine loop. It is complete and correct on
 //   its own, and names nothing defined after it: `--plain` runs it alone, and a build with Part II cut out
 //   (test/cli/part2_cut.sh) compiles and runs.
-//   Part II (sections 14-29) makes it fast. Section 14 cuts the forward pass into stages; each chapter after
+//   Part II (sections 14-31) makes it fast. Section 14 cuts the forward pass into stages; each chapter after
 //   it is one optimization that says what it replaces and why it is faster on the hardware, and installs
 //   itself through the hook table Part I declares (section 11) or section 14's stages; each registers its
-//   own switch (--opt NAME, section 2; sections 28-29, the FP8 KV cache, register a value of --kv-cache-dtype
-//   instead, since it trades accuracy, and 29a, which orders an fp8 decode step's rows, the switch
+//   own switch (--opt NAME, section 2; sections 30-31, the FP8 KV cache, register a value of --kv-cache-dtype
+//   instead, since it trades accuracy, and 31a, which orders an fp8 decode step's rows, the switch
 //   longest_first). docs/performance.md has the measured gain of each. The Part I code each one replaces
 //   stays, as the reference the GPU tests compare it with.
-//   Part III (sections 30-44) is the program around the engine: reading config.json and the flags, prompts
+//   Part III (sections 32-46) is the program around the engine: reading config.json and the flags, prompts
 //   in and completions out, shards, the trace, summary and report, signals, the worker processes and the
 //   data-parallel replicas, `simulate` (the engine without a GPU), the command line and main.
 //
@@ -117,24 +117,26 @@
 //   25. The persistent kernel, 2: attention inside it
 //   26. The persistent kernel, 3: the kernel, its plan and its launch
 //   27. The persistent kernel, 4: which steps take it, measured at start-up and remembered
-//   28. An FP8 KV cache, 1: the format, its scales, the store and prefill's tiles
-//   29. The FP8 KV cache, 2: decode attention over it, the persistent kernel, the stages
+//   28. FP8 weights, 1: the format on the GPU, loading it, quantizing a bf16 checkpoint
+//   29. FP8 weights, 2: the activations' quantizer, cuBLASLt's block-scaled products, the stages
+//   30. An FP8 KV cache, 1: the format, its scales, the store and prefill's tiles
+//   31. The FP8 KV cache, 2: decode attention over it, the persistent kernel, the stages
 //   PART III — THE PROGRAM AROUND IT
-//   30. Reading the configuration: config.json, flags and sampling fields
-//   31. Prompts in: the formats and the sampling fields
-//   32. Reading the prompts file: text, .jsonl and OpenAI batch lines
-//   33. Completions out: stdout, the --output lines, a batch's answers
-//   34. Shards: a part of the input per machine, and the merge
-//   35. Watching the run: the progress line and the trace
-//   36. The run summary: its figures, two fingerprints and the summary record
-//   37. The report: the whole run in one HTML page
-//   38. Signals and the tensor-parallel workers
-//   39. Data parallelism, 1: N replicas of the engine, one queue
-//   40. Data parallelism, 2: the coordinator
-//   41. simulate: the engine without a GPU
-//   42. The command line: flags and --help
-//   43. A run's start and end: the GPUs, the start-up line, the closing lines
-//   44. The commands and main
+//   32. Reading the configuration: config.json, flags and sampling fields
+//   33. Prompts in: the formats and the sampling fields
+//   34. Reading the prompts file: text, .jsonl and OpenAI batch lines
+//   35. Completions out: stdout, the --output lines, a batch's answers
+//   36. Shards: a part of the input per machine, and the merge
+//   37. Watching the run: the progress line and the trace
+//   38. The run summary: its figures, two fingerprints and the summary record
+//   39. The report: the whole run in one HTML page
+//   40. Signals and the tensor-parallel workers
+//   41. Data parallelism, 1: N replicas of the engine, one queue
+//   42. Data parallelism, 2: the coordinator
+//   43. simulate: the engine without a GPU
+//   44. The command line: flags and --help
+//   45. A run's start and end: the GPUs, the start-up line, the closing lines
+//   46. The commands and main
 
 #include <algorithm>
 #include <cerrno>
@@ -207,7 +209,7 @@ typedef __nv_bfloat16 bf16;
 // This process's tensor-parallel rank (section 12): 0 in the main process, 1..N-1 in the workers.
 static int g_tp_rank = 0;
 // The name this process's messages carry: "" in the main process, "rank 1" in a tensor-parallel worker
-// (section 12), "replica 2" or "replica 2, rank 1" with data parallelism (section 39).
+// (section 12), "replica 2" or "replica 2, rank 1" with data parallelism (section 41).
 static char g_process_label[48] = "";
 
 // A worker's message: named by its label, and written with one write(2) so that two processes failing at
@@ -227,7 +229,7 @@ static char g_process_label[48] = "";
 }
 
 // die() is tokenizer.h's tok_die(): that header is included first and needed the same function, so the
-// engine forwards to it rather than keep a second copy. A worker process (sections 12, 40) names itself.
+// engine forwards to it rather than keep a second copy. A worker process (sections 12, 42) names itself.
 template <typename... Args>
 [[noreturn]] static void die(const char* fmt, Args... args) {
   if (g_process_label[0]) die_on_worker(fmt, args...);
@@ -315,7 +317,7 @@ static uint64_t splitmix64(uint64_t x) {
 // (nano-vllm: sampling_params.py, grown to vLLM's: n, stop conditions, penalties, min_p, logprobs, a
 // seed). The optimization registry, before Config, is how Part II's speed work plugs in and is switched.
 // This section says what each setting means; reading and checking them (config.json, the flags, a request's
-// fields) is Part III's job (section 30).
+// fields) is Part III's job (section 32).
 
 constexpr int HEAD_DIM = 128;  // D: every Qwen3 dense model uses 128, and the attention kernels are built for it
 
@@ -332,8 +334,12 @@ struct ModelConfig {
   float rope_theta = 1e6f;
   bool tie_word_embeddings = false;
   std::string dtype = "bfloat16";   // the checkpoint's dtype (weights are converted to bf16 at load)
+  // A checkpoint whose layers' linear weights are stored as 8-bit floats with one scale per 128 x 128 block
+  // (config.json's quantization_config, which section 32 reads; section 6a says how Part I loads one):
+  bool block_quantized = false;
+  std::vector<std::string> not_quantized;  // its modules_to_not_convert: names of linears it keeps in bf16
   std::vector<int> eos_token_ids;   // generation_config.json eos_token_id (int or list), else config.json's
-  json generation_config;           // generation_config.json (null without one): sampling defaults (section 31)
+  json generation_config;           // generation_config.json (null without one): sampling defaults (section 33)
 };
 
 // The optimization switch. Part II makes the engine fast one optimization at a time. Part I knows none of
@@ -342,8 +348,8 @@ struct ModelConfig {
 // the hook entries of section 11 it replaces). So a reader can run the plain engine (--plain, or --opt
 // none) and climb back one step at a time (--opt none,NAME), every optimization can be checked against the
 // code it replaces, and a build with Part II cut out has an empty registry and runs Part I alone. `step_costs`
-// is for a model of the engine that runs no GPU (section 41's simulate, which prices each step): what the
-// optimization changes in how a step runs, as named numbers; section 41 lists the names it reads.
+// is for a model of the engine that runs no GPU (section 43's simulate, which prices each step): what the
+// optimization changes in how a step runs, as named numbers; section 43 lists the names it reads.
 struct Hooks;  // section 11
 struct Qwen3;  // section 6c
 struct Optimization {
@@ -353,6 +359,9 @@ struct Optimization {
   void (*apply)(bool on, Hooks& h);   // switch it on or off; when on, fill the hooks it replaces
   std::string (*note)(const Qwen3& model) = nullptr;  // what the start-up line adds about it ("": nothing)
   std::vector<std::pair<std::string, double>> step_costs = {};  // (name, value); none: Part I's steps
+  // The --quantization method it provides (vLLM's flag: a bf16 checkpoint's linear weights quantized at
+  // load), or nullptr. Part I has none: the flag names a chapter, and needs it switched on.
+  const char* quantization = nullptr;
 };
 static std::vector<Optimization>& optimization_registry() {
   static std::vector<Optimization> registry;  // in the order the sections come in the file
@@ -420,9 +429,11 @@ struct Config {
                                        // decode rows and prompt chunks. The command line's default (Part
                                        // III); a Config built in code gets nano-vllm's, as Part I tells it
   std::string kv_cache_dtype = "bf16"; // --kv-cache-dtype: a KVCacheFormat's name (Part I: bf16)
+  std::string quantization;            // --quantization: "" (the checkpoint's own format), or the method of
+                                       // an Optimization that provides one (its `quantization`)
 };
 
-// ---- Tensor-parallel sharding arithmetic (used by load_weights, section 30's validate_config, the tests) ----
+// ---- Tensor-parallel sharding arithmetic (used by load_weights, section 32's validate_config, the tests) ----
 // Which sizes N can split a model, and what rank r of N holds (nano-vllm: the tp_size divisions in
 // layers/linear.py and layers/embed_head.py). Heads are never split: a rank owns whole query heads and
 // whole KV heads, so attention needs no communication; the MLP is split by intermediate columns; the
@@ -463,7 +474,7 @@ static TPShard tp_shard(const ModelConfig& m, int rank, int n) {
 
 // One request's sampling settings (nano-vllm: SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=False),
 // grown to vLLM's SamplingParams: the same field names, meanings and ranges). The defaults below are the
-// built-in ones; the model's generation_config.json may replace some (section 31, --generation-config).
+// built-in ones; the model's generation_config.json may replace some (section 33, --generation-config).
 constexpr int MAX_LOGPROBS = 20;  // vLLM's default max_logprobs: alternatives a request may ask for per token
 
 struct SamplingParams {
@@ -576,7 +587,7 @@ struct Sequence {
   // The key of this sequence's draws (section 9): its request's seed (child k of a seeded request with
   // n > 1 has seed + k, section 13), or for a request without one, a seed made from the engine's --seed and
   // the request's place in the whole input, never from anything the engine counts. So a request draws the
-  // same tokens in any batch, and whichever data-parallel replica (section 39) or shard (section 34) runs it.
+  // same tokens in any batch, and whichever data-parallel replica (section 41) or shard (section 36) runs it.
   uint64_t sampling_seed(uint64_t engine_seed) const {
     if (params.seed >= 0) return (uint64_t)params.seed;
     return splitmix64(engine_seed ^ splitmix64((uint64_t)request_index)) + (uint64_t)completion_index;
@@ -1038,8 +1049,9 @@ std::vector<Sequence*> Scheduler::schedule_mixed(bool& is_prefill) {
 }
 
 // ==== 6. The Qwen3 model: weights, the KV cache, the forward pass ==========================================
-// defines: LayerWeights, Weights, bf16_round, load_weights, validate_checkpoint, KVLayer, KVCache,
-//          kv_block_bytes, Activations, StepInputs, Qwen3 (forward)
+// defines: LayerWeights, Weights, bf16_round, WeightLoader, Stored, TensorSpec, checkpoint_tensors,
+//          load_weights, validate_checkpoint, KVLayer, KVCache, kv_block_bytes, Activations, StepInputs,
+//          Qwen3 (forward)
 //
 // Everything the GPU holds for one model, and the one function that runs it: 6a loads the weights, 6b lays
 // out the KV cache, 6c is the forward pass (nano-vllm: models/qwen3.py and layers/). The kernels it calls
@@ -1059,7 +1071,7 @@ std::vector<Sequence*> Scheduler::schedule_mixed(bool& is_prefill) {
 //   column-parallel (qkv, gate_up): each rank takes its rows: its q heads, its k/v heads, its I/tp slice;
 //   row-parallel (o_proj, down): each rank takes its columns; the partial products are summed by all-reduce;
 //   vocab-parallel (embed_tokens, lm_head): each rank takes V/tp rows.
-// fp16 and fp32 checkpoints are converted to bf16 on the way in.
+// fp16 and fp32 checkpoints are converted to bf16 on the way in, and 8-bit float ones dequantized (below).
 
 struct LayerWeights {
   bf16* input_layernorm;           // [H]
@@ -1079,6 +1091,7 @@ struct Weights {
   std::vector<LayerWeights> layers;
   void* arena = nullptr;
   size_t bytes = 0;
+  std::string held = "bf16";  // how the linear weights are held, for the start-up line
 };
 
 static float bf16_bits_to_float(uint16_t b) {
@@ -1112,6 +1125,109 @@ static float half_bits_to_float(uint16_t h) {
   return f;
 }
 
+// ---- Checkpoints with 8-bit float weights (a storage format, read on the host) ---------------------------
+// defines: e4m3_to_float, e4m3_table, block_scales, dequantize_row, quantized_dtype_problem
+//
+// Qwen publishes each dense Qwen3 also as an FP8 checkpoint (Qwen/Qwen3-8B-FP8 and its siblings): half the
+// bytes. Its config.json says
+//   "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+//                           "weight_block_size": [128, 128]}
+// (section 32 checks it), and each linear projection X of a layer (q, k, v, o, gate, up, down) is stored as
+//   X.weight            F8_E4M3        [out, in]                         one byte per weight
+//   X.weight_scale_inv  BF16 or F32    [ceil(out/128), ceil(in/128)]     one multiplier per 128 x 128 block
+// meaning W[r][c] = e4m3(X.weight[r][c]) * X.weight_scale_inv[r / 128][c / 128]. The quantizer took each
+// block's largest |W|, amax, divided the block by amax / 448 (448 is e4m3's largest value), rounded to e4m3,
+// and stored amax / 448. Where out or in is not a multiple of 128 the last row or column of blocks is
+// partial. The embedding, the norms and lm_head stay bf16, and so does any linear that
+// modules_to_not_convert names.
+//
+// e4m3 (PyTorch's float8_e4m3fn): a sign bit, 4 exponent bits (bias 7), 3 mantissa bits, no infinities:
+//   exponent field e = 1..15:  +-(1 + m/8) * 2^(e-7)      (e = 15 with m = 7 is NaN: bytes 0x7F and 0xFF)
+//   exponent field e = 0:      +-(m/8) * 2^-6              subnormals, and +-0
+// A quantizer clamps to +-448, so a NaN byte means a damaged file, and the loader refuses it.
+//
+// Part I computes in bf16, so it reads such a checkpoint by dequantizing it while loading:
+//   W = bf16(e4m3_value * scale)     the product in fp32, rounded once to bf16 (ties to even)
+// as transformers' FineGrainedFP8Config(dequantize=True) computes it. The work is done by the CPU, in the
+// loader, with a table of the 256 e4m3 values: every weight passes through the CPU on its way to the
+// staging buffers anyway, a lookup and a multiply per byte keep up with reading the file, and Part I keeps
+// no FP8 kernel. After loading, the engine is the bf16 engine, with bf16's memory and speed. A Part II
+// chapter (switch fp8_weights) keeps the weights in FP8 on the GPU and computes with them instead.
+
+// An e4m3 byte's value, from the definition above (exact: every e4m3 value is a float).
+static float e4m3_to_float(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  if (e == 15 && m == 7) return NAN;
+  const float mag = e == 0 ? m * 0x1p-9f : std::ldexp(1.0f + m / 8.0f, e - 7);
+  return b & 0x80 ? -mag : mag;
+}
+// The 256 values, once.
+static const float* e4m3_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int b = 0; b < 256; b++) t[b] = e4m3_to_float((uint8_t)b);
+    return t;
+  }();
+  return table.data();
+}
+
+// A weight_scale_inv tensor's values as fp32, row-major [ceil(out/128), ceil(in/128)]. A NaN or infinite
+// scale (which would make its whole block NaN) or a negative one is a damaged checkpoint: refused with the
+// tensor's name and the block. validate_checkpoint calls this for every scale tensor before any GPU work.
+static std::vector<float> block_scales(const TensorView& s) {
+  std::vector<float> out(s.numel());
+  const int64_t cols = s.shape.size() == 2 ? s.shape[1] : 1;
+  for (size_t i = 0; i < out.size(); i++) {
+    if (s.dtype == DType::BF16) {
+      uint16_t b;
+      memcpy(&b, (const uint8_t*)s.data + 2 * i, 2);
+      out[i] = bf16_bits_to_float(b);
+    } else {
+      memcpy(&out[i], (const uint8_t*)s.data + 4 * i, 4);
+    }
+    if (!std::isfinite(out[i]) || out[i] < 0)
+      die("tensor '%s' in %s holds %g for block [%lld, %lld] (rows %lld.., columns %lld..); the block scales "
+          "of an FP8 weight are finite numbers >= 0: the checkpoint is damaged", s.name.c_str(), s.file.c_str(),
+          out[i], (long long)(i / cols), (long long)(i % cols), (long long)(i / cols * 128),
+          (long long)(i % cols * 128));
+  }
+  return out;
+}
+
+// n weights of row r of an FP8 weight, from column c on, dequantized to bf16 bits: out[j] =
+// bf16(e4m3(w[j]) * scale[r / 128][(c + j) / 128]). scale is the whole tensor's [ceil(out/128), scale_cols]:
+// indexed by the global row and column, so a tensor-parallel slice that starts inside a block gets the
+// scales its weights were quantized with. A NaN byte is refused, naming `t` (the weight) and where.
+static void dequantize_row(uint16_t* out, const uint8_t* w, int64_t n, const float* scale, int64_t scale_cols,
+                           int64_t r, int64_t c, const TensorView& t) {
+  const float* table = e4m3_table();
+  const float* srow = scale + r / 128 * scale_cols;
+  bool nan = false;
+  for (int64_t j = 0; j < n; j++) {
+    nan |= (w[j] & 0x7f) == 0x7f;
+    out[j] = float_to_bf16_bits(table[w[j]] * srow[(c + j) / 128]);
+  }
+  for (int64_t j = 0; nan && j < n; j++)
+    if ((w[j] & 0x7f) == 0x7f)
+      die("tensor '%s' in %s holds a NaN byte (0x%02x) at [%lld, %lld]; an FP8 checkpoint's quantizer never "
+          "writes one: the checkpoint is damaged", t.name.c_str(), t.file.c_str(), w[j], (long long)r,
+          (long long)(c + j));
+}
+// What the loader checks of an FP8 checkpoint's tensor (its kind in TensorSpec, below): "" when `t` is what
+// it must be, else what is wrong.
+static std::string quantized_dtype_problem(bool is_scale, DType d) {
+  if (is_scale) return d == DType::BF16 || d == DType::F32 ? "" : "block scales are BF16 or F32";
+  return d == DType::F8_E4M3 ? ""
+                             : "config.json's quantization_config (quant_method fp8) makes the layers' linear "
+                               "weights F8_E4M3 unless modules_to_not_convert names them";
+}
+static const char* unquantized_dtype_hint(DType d) {
+  return d == DType::F8_E4M3 ? ", and F8_E4M3 only for the layers' linear weights of a checkpoint whose "
+                               "config.json has quantization_config with quant_method fp8"
+                             : "";
+}
+
+// ---- The loader: staging buffers, the list of tensors, the checks ----------------------------------------
 // Copies tensor slices into the GPU arena through two pinned staging buffers, so the CPU fills one while the
 // GPU copy engine drains the other. A slice is rows [r0, r0+nr) and columns [c0, c0+nc) of a 2-D tensor
 // (1-D tensors are one row).
@@ -1120,11 +1236,11 @@ struct WeightLoader {
   const ModelConfig& cfg;
   cudaStream_t stream;
   static constexpr size_t kStage = 64 << 20;
-  uint16_t* stage[2] = {nullptr, nullptr};
+  uint8_t* stage[2] = {nullptr, nullptr};
   cudaEvent_t done[2];
   int cur = 0;
-  size_t fill = 0;       // bytes in stage[cur]
-  bf16* fill_dst = nullptr;  // where stage[cur]'s contents go (contiguous)
+  size_t fill = 0;              // bytes in stage[cur]
+  uint8_t* fill_dst = nullptr;  // the GPU address stage[cur]'s contents go to (contiguous)
   size_t bytes_read = 0;
 
   WeightLoader(const SafeTensors& s, const ModelConfig& c, cudaStream_t st_) : st(s), cfg(c), stream(st_) {
@@ -1149,25 +1265,40 @@ struct WeightLoader {
     CUDA_CHECK(cudaEventSynchronize(done[cur]));  // the other buffer is free again
     fill = 0;
   }
-  // Append rows [r0, r0+nr) x cols [c0, c0+nc) of `t` (converted to bf16) at `dst`, contiguously.
-  void load(bf16* dst, const TensorView& t, int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
-    int64_t cols = t.shape.size() == 2 ? t.shape[1] : t.numel();
-    int esize = dtype_size(t.dtype);
+  // Room in the staging buffer for up to `want` bytes bound for GPU address `dst`, in whole units of `unit`
+  // bytes (the element size). What is staged goes first unless `dst` continues it. Returns where to write
+  // and sets *got (at least one unit).
+  uint8_t* stage_for(void* dst, size_t want, size_t unit, size_t* got) {
+    if (fill + unit > kStage || fill % unit || (fill && fill_dst + fill != (uint8_t*)dst)) flush();
+    if (!fill) fill_dst = (uint8_t*)dst;
+    *got = std::min(want, (kStage - fill) / unit * unit);
+    uint8_t* p = stage[cur] + fill;
+    fill += *got;
+    return p;
+  }
+  // Append rows [r0, r0+nr) x cols [c0, c0+nc) of `t` (converted to bf16) at `dst`, contiguously. A weight
+  // stored in 8-bit floats comes with `scales` (block_scales, above) and is dequantized on the way.
+  void load(bf16* dst, const TensorView& t, int64_t r0, int64_t nr, int64_t c0, int64_t nc,
+            const std::vector<float>* scales = nullptr) {
+    const int64_t cols = t.shape.size() == 2 ? t.shape[1] : t.numel();
+    const int esize = dtype_size(t.dtype);
     const uint8_t* base = (const uint8_t*)t.data;
     for (int64_t r = r0; r < r0 + nr; r++) {
       int64_t c = c0;
       while (c < c0 + nc) {
-        if (fill == kStage || (fill && fill_dst + fill / 2 != dst)) flush();
-        if (!fill) fill_dst = dst;
-        int64_t n = std::min<int64_t>(c0 + nc - c, (kStage - fill) / 2);
+        size_t got;
+        uint16_t* out = (uint16_t*)stage_for(dst, (c0 + nc - c) * 2, 2, &got);
+        const int64_t n = got / 2;
         const uint8_t* src = base + (r * cols + c) * esize;
-        uint16_t* out = stage[cur] + fill / 2;
-        if (t.dtype == DType::BF16) memcpy(out, src, n * 2);
-        else if (t.dtype == DType::F16)
+        if (scales) {
+          dequantize_row(out, src, n, scales->data(), cdiv(cols, 128), r, c, t);
+        } else if (t.dtype == DType::BF16) {
+          memcpy(out, src, n * 2);
+        } else if (t.dtype == DType::F16) {
           for (int64_t i = 0; i < n; i++) out[i] = float_to_bf16_bits(half_bits_to_float(((const uint16_t*)src)[i]));
-        else
+        } else {
           for (int64_t i = 0; i < n; i++) out[i] = float_to_bf16_bits(((const float*)src)[i]);
-        fill += n * 2;
+        }
         dst += n;
         c += n;
         bytes_read += n * esize;
@@ -1177,11 +1308,21 @@ struct WeightLoader {
 };
 
 // Every tensor the config needs, with its full (unsliced) shape: the one list that both the check before
-// any GPU work (validate_checkpoint) and load_weights go by.
+// any GPU work (validate_checkpoint) and load_weights go by. A block-quantized checkpoint's linear weights
+// are `quantized`, each followed by its `scales` (NAME_scale_inv, one value per 128 x 128 block).
+enum class Stored { plain, quantized, scales };
 struct TensorSpec {
   std::string name;
   std::vector<int64_t> shape;
+  Stored stored = Stored::plain;
 };
+// Whether a block-quantized checkpoint keeps linear `name` in bf16: modules_to_not_convert names it or a
+// module around it, matched as transformers matches it (the entry is part of the tensor's name).
+static bool kept_unquantized(const ModelConfig& c, const std::string& name) {
+  for (const std::string& m : c.not_quantized)
+    if (name.find(m) != std::string::npos) return true;
+  return false;
+}
 static std::vector<TensorSpec> checkpoint_tensors(const ModelConfig& c) {
   const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim, V = c.vocab_size;
   const int64_t NH = c.num_attention_heads, NKV = c.num_key_value_heads;
@@ -1199,8 +1340,15 @@ static std::vector<TensorSpec> checkpoint_tensors(const ModelConfig& c) {
                                                        {"self_attn.o_proj.weight", {H, NH * D}},
                                                        {"mlp.gate_proj.weight", {I, H}},
                                                        {"mlp.up_proj.weight", {I, H}},
-                                                       {"mlp.down_proj.weight", {H, I}}})
-      specs.push_back({pre + t.name, t.shape});
+                                                       {"mlp.down_proj.weight", {H, I}}}) {
+      const std::string name = pre + t.name;
+      if (!c.block_quantized || t.shape.size() != 2 || kept_unquantized(c, name)) {
+        specs.push_back({name, t.shape});
+        continue;
+      }
+      specs.push_back({name, t.shape, Stored::quantized});
+      specs.push_back({name + "_scale_inv", {cdiv(t.shape[0], 128), cdiv(t.shape[1], 128)}, Stored::scales});
+    }
   }
   return specs;
 }
@@ -1209,18 +1357,29 @@ static std::vector<TensorSpec> checkpoint_tensors(const ModelConfig& c) {
 static const TensorView& checked_tensor(const SafeTensors& st, const TensorSpec& spec,
                                         const std::string& dir) {
   const TensorView* t = st.find(spec.name);
+  if (!t && spec.stored == Stored::scales)
+    die("the checkpoint in %s has no tensor '%s': the 8-bit weight '%s' needs its block scales (config.json's "
+        "quantization_config says 128 x 128 blocks)", dir.c_str(), spec.name.c_str(),
+        spec.name.substr(0, spec.name.size() - 10).c_str());
   if (!t)
     die("the checkpoint in %s has no tensor '%s' (config.json needs it: is this a Qwen3 checkpoint?)",
         dir.c_str(), spec.name.c_str());
   if (t->shape != spec.shape) {
     TensorView want;
     want.shape = spec.shape;
-    die("tensor '%s' in %s has shape %s, but config.json implies %s", spec.name.c_str(), t->file.c_str(),
-        t->shape_str().c_str(), want.shape_str().c_str());
+    die("tensor '%s' in %s has shape %s, but config.json implies %s%s", spec.name.c_str(), t->file.c_str(),
+        t->shape_str().c_str(), want.shape_str().c_str(),
+        spec.stored == Stored::scales ? " (one scale per 128 x 128 block of the weight, rounded up)" : "");
   }
-  if (t->dtype != DType::BF16 && t->dtype != DType::F16 && t->dtype != DType::F32)
-    die("tensor '%s' in %s has dtype %s; nanovllm loads BF16, F16 or F32 checkpoints", spec.name.c_str(),
-        t->file.c_str(), dtype_name(t->dtype));
+  const DType d = t->dtype;
+  if (spec.stored != Stored::plain) {
+    const std::string problem = quantized_dtype_problem(spec.stored == Stored::scales, d);
+    if (!problem.empty())
+      die("tensor '%s' in %s has dtype %s; %s", spec.name.c_str(), t->file.c_str(), dtype_name(d), problem.c_str());
+  } else if (d != DType::BF16 && d != DType::F16 && d != DType::F32) {
+    die("tensor '%s' in %s has dtype %s; nanovllm loads BF16, F16 or F32 checkpoints%s", spec.name.c_str(),
+        t->file.c_str(), dtype_name(d), unquantized_dtype_hint(d));
+  }
   return *t;
 }
 
@@ -1233,7 +1392,9 @@ static SafeTensors open_checkpoint(const std::string& dir) {
 }
 
 // Before any GPU work: open every shard (headers, sizes, offsets) and check every tensor the config needs,
-// so a broken download is reported in a second rather than after CUDA start-up. Reads no weight bytes.
+// so a broken download is reported in a second rather than after CUDA start-up. Reads no weight bytes but
+// the block scales of a block-quantized checkpoint (a few thousandths of it); a NaN weight byte is found
+// while loading.
 static void validate_checkpoint(const std::string& dir, const ModelConfig& c) {
   SafeTensors st = open_checkpoint(dir);
   // Before listing 11 tensors per layer: a config that claims millions of layers gets a message, not an OOM.
@@ -1241,21 +1402,27 @@ static void validate_checkpoint(const std::string& dir, const ModelConfig& c) {
     die("config.json has num_hidden_layers %d (11 tensors each), but the checkpoint in %s holds only %zu "
         "tensors: config.json does not describe this checkpoint", c.num_hidden_layers, dir.c_str(),
         st.names().size());
-  for (const TensorSpec& spec : checkpoint_tensors(c)) checked_tensor(st, spec, dir);
+  for (const TensorSpec& spec : checkpoint_tensors(c)) {
+    const TensorView& t = checked_tensor(st, spec, dir);
+    if (spec.stored == Stored::scales) block_scales(t);  // refuses NaN, infinite or negative scales
+  }
 }
 
 // Elements of one rank's weight arena: per layer two norms, qkv, q/k norms, o_proj, gate/up and down; then
 // the embedding, the LM head unless it is tied to it, and the final norm.
-static int64_t weight_elements(const ModelConfig& c, const TPShard& s) {
+// With linears false: all but the four matrices.
+static int64_t weight_elements(const ModelConfig& c, const TPShard& s, bool linears = true) {
   const int64_t H = c.hidden_size, D = c.head_dim;
-  int64_t per_layer =
-      2 * H + (s.q_heads + 2 * s.kv_heads) * D * H + 2 * D + H * s.q_heads * D + 3 * s.inter * H;
+  int64_t per_layer = 2 * H + 2 * D;
+  if (linears) per_layer += (s.q_heads + 2 * s.kv_heads) * D * H + H * s.q_heads * D + 3 * s.inter * H;
   return s.vocab * H * (c.tie_word_embeddings ? 1 : 2) + c.num_hidden_layers * per_layer + H;
 }
 
 // Load (this rank's share of) every weight. Returns the arena; prints nothing (the caller reports timing).
+// With linears false the layers' four matrices are left out (their pointers null): a chapter that holds
+// them in another format loads them itself (Hooks::load_weights).
 static Weights load_weights(const std::string& dir, const ModelConfig& c, int rank, int tp, cudaStream_t stream,
-                            size_t* bytes_read) {
+                            size_t* bytes_read, bool linears = true) {
   SafeTensors st = open_checkpoint(dir);
   std::map<std::string, TensorSpec> spec;
   for (TensorSpec& t : checkpoint_tensors(c)) spec[t.name] = t;
@@ -1267,13 +1434,22 @@ static Weights load_weights(const std::string& dir, const ModelConfig& c, int ra
   const int64_t NH = shard.q_heads, NKV = shard.kv_heads;
   const int64_t V = shard.vocab, L = c.num_hidden_layers;
   const int64_t qkv_rows = (NH + 2 * NKV) * D;
-  const int64_t total = weight_elements(c, shard);  // the arena is sized once
+  const int64_t total = weight_elements(c, shard, linears);  // the arena is sized once
   Weights w;
   w.bytes = total * sizeof(bf16);
   CUDA_CHECK(cudaMalloc(&w.arena, w.bytes));
   bf16* p = (bf16*)w.arena;
   auto take = [&](int64_t n) { bf16* r = p; p += n; return r; };
   WeightLoader ld(st, c, stream);
+  // A linear projection's slice, dequantized on the way when the checkpoint stores it in 8 bits.
+  auto load_linear = [&](bf16* dst, const std::string& name, int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
+    if (!dst) return;
+    if (spec.at(name).stored != Stored::quantized) return ld.load(dst, get(name), r0, nr, c0, nc);
+    const std::vector<float> scales = block_scales(get(name + "_scale_inv"));
+    ld.load(dst, get(name), r0, nr, c0, nc, &scales);
+  };
+  if (c.block_quantized) w.held = "bf16, dequantized at load from the checkpoint's 8-bit weights";
+  auto take_linear = [&](int64_t n) { return linears ? take(n) : nullptr; };
   // Vocab-parallel rows; the last rank's slice may run past V (zero-filled, never selected).
   auto load_vocab = [&](bf16* dst, const TensorView& t) {
     if (shard.vocab_rows < V) CUDA_CHECK(cudaMemsetAsync(dst, 0, V * H * sizeof(bf16), stream));
@@ -1295,22 +1471,22 @@ static Weights load_weights(const std::string& dir, const ModelConfig& c, int ra
     ld.load(lw.input_layernorm, get(pre + "input_layernorm.weight"), 0, 1, 0, H);
     lw.post_attention_layernorm = take(H);
     ld.load(lw.post_attention_layernorm, get(pre + "post_attention_layernorm.weight"), 0, 1, 0, H);
-    lw.qkv_proj = take(qkv_rows * H);
+    lw.qkv_proj = take_linear(qkv_rows * H);
     const int64_t q0 = shard.q_head0 * D, kv0 = shard.kv_head0 * D;  // first row (or column) of this rank
-    ld.load(lw.qkv_proj, get(pre + "self_attn.q_proj.weight"), q0, NH * D, 0, H);
-    ld.load(lw.qkv_proj + NH * D * H, get(pre + "self_attn.k_proj.weight"), kv0, NKV * D, 0, H);
-    ld.load(lw.qkv_proj + (NH + NKV) * D * H, get(pre + "self_attn.v_proj.weight"), kv0, NKV * D, 0, H);
+    load_linear(lw.qkv_proj, pre + "self_attn.q_proj.weight", q0, NH * D, 0, H);
+    load_linear(lw.qkv_proj + NH * D * H, pre + "self_attn.k_proj.weight", kv0, NKV * D, 0, H);
+    load_linear(lw.qkv_proj + (NH + NKV) * D * H, pre + "self_attn.v_proj.weight", kv0, NKV * D, 0, H);
     lw.q_norm = take(D);
     ld.load(lw.q_norm, get(pre + "self_attn.q_norm.weight"), 0, 1, 0, D);
     lw.k_norm = take(D);
     ld.load(lw.k_norm, get(pre + "self_attn.k_norm.weight"), 0, 1, 0, D);
-    lw.o_proj = take(H * NH * D);
-    ld.load(lw.o_proj, get(pre + "self_attn.o_proj.weight"), 0, H, q0, NH * D);
-    lw.gate_up_proj = take(2 * I * H);
-    ld.load(lw.gate_up_proj, get(pre + "mlp.gate_proj.weight"), shard.inter0, I, 0, H);
-    ld.load(lw.gate_up_proj + I * H, get(pre + "mlp.up_proj.weight"), shard.inter0, I, 0, H);
-    lw.down_proj = take(H * I);
-    ld.load(lw.down_proj, get(pre + "mlp.down_proj.weight"), 0, H, shard.inter0, I);
+    lw.o_proj = take_linear(H * NH * D);
+    load_linear(lw.o_proj, pre + "self_attn.o_proj.weight", 0, H, q0, NH * D);
+    lw.gate_up_proj = take_linear(2 * I * H);
+    load_linear(lw.gate_up_proj, pre + "mlp.gate_proj.weight", shard.inter0, I, 0, H);
+    load_linear(lw.gate_up_proj + I * H, pre + "mlp.up_proj.weight", shard.inter0, I, 0, H);
+    lw.down_proj = take_linear(H * I);
+    load_linear(lw.down_proj, pre + "mlp.down_proj.weight", 0, H, shard.inter0, I);
     w.layers.push_back(lw);
   }
   ld.flush();
@@ -2714,6 +2890,11 @@ static void gather_logits(TPComm* comm, const float* shard, float* staging, floa
 struct ModelRunner;
 struct Hooks {
   // -- What a chapter may replace --
+  // Loading the weights, for a chapter that holds the layers' linear matrices in a format of its own (it
+  // calls section 6a's load_weights with linears false for the rest). Returns false for a model it does
+  // not take. Empty (or false): section 6a's load_weights.
+  bool (*load_weights)(Weights& w, const Config& c, const ModelConfig& mc, int rank, int tp, cudaStream_t s,
+                       size_t* bytes_read) = nullptr;
   // The forward pass of a step. Empty: section 6c's Qwen3::forward.
   void (*forward)(Qwen3& model, const StepInputs& in, int T, int B, bool is_prefill, cudaStream_t s) = nullptr;
   // A decode step of B rows (a graph's batch size, padding included, where graphs are on) whose longest
@@ -2762,13 +2943,13 @@ static void install_optimizations(const OptimizationSet& set, const std::string&
 
 // What LLMEngine (section 13) needs from the side that computes a step: the sampled tokens, the batch a step
 // really runs (padded to a CUDA graph's size), and a clock. ModelRunner is the real one; `nanovllm simulate`
-// (section 41) plugs in a stand-in that needs no GPU and keeps a modelled clock.
+// (section 43) plugs in a stand-in that needs no GPU and keeps a modelled clock.
 struct StepRunner {
   double gpu_seconds = 0;  // time spent waiting for the GPU (the rest of a step is host work)
   virtual std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) = 0;
   virtual int padded_batch(int B, bool is_prefill) const = 0;
   // After run(): row i's log-probabilities for the sequences that asked for them (section 9b); nullptr when
-  // none did, or when the runner has no logits (section 41's stand-in model).
+  // none did, or when the runner has no logits (section 43's stand-in model).
   virtual const TokenLogprobs* step_logprobs() const { return nullptr; }
   virtual double now() { return now_seconds(); }
   virtual void wait_until(double t) {  // nothing to do before t (requests arrive later)
@@ -2844,7 +3025,8 @@ struct ModelRunner : StepRunner {
     CUDA_CHECK(cudaMemGetInfo(&free_at_start, &total_b));  // before this engine's first allocation
     double t0 = now_seconds();
     size_t bytes_read = 0;
-    model.w = load_weights(c.model, mc, rank, model.tp, stream, &bytes_read);
+    if (!(g_hooks.load_weights && g_hooks.load_weights(model.w, c, mc, rank, model.tp, stream, &bytes_read)))
+      model.w = load_weights(c.model, mc, rank, model.tp, stream, &bytes_read);
     load_seconds = now_seconds() - t0;
     load_gbps = bytes_read / load_seconds / 1e9;
     model.gemm = new Gemm;  // lives as long as the process: an engine frees none of its GPU memory
@@ -2862,13 +3044,14 @@ struct ModelRunner : StepRunner {
     const int V = (int)cdiv(mc.vocab_size, tp);
     Activations& a = model.act;
     auto alloc = [&](auto** p, size_t n) { CUDA_CHECK(cudaMalloc((void**)p, n * sizeof(**p))); };
-    alloc(&a.residual, (size_t)Tmax * H);
-    alloc(&a.hidden, (size_t)Tmax * H);
-    alloc(&a.x, (size_t)Tmax * H);
-    alloc(&a.qkv, (size_t)Tmax * (NH + 2 * NKV) * D);
-    alloc(&a.attn, (size_t)Tmax * NH * D);
-    alloc(&a.gate_up, (size_t)Tmax * 2 * I);
-    alloc(&a.act, (size_t)Tmax * I);
+    const size_t rows = cdiv(Tmax, 4) * 4;  // Tmax rounded up: a Part II product may work in rows of four
+    alloc(&a.residual, rows * H);
+    alloc(&a.hidden, rows * H);
+    alloc(&a.x, rows * H);
+    alloc(&a.qkv, rows * (NH + 2 * NKV) * D);
+    alloc(&a.attn, rows * NH * D);
+    alloc(&a.gate_up, rows * 2 * I);
+    alloc(&a.act, rows * I);
     alloc(&a.last, (size_t)Bmax * H);
     alloc(&a.logits, (size_t)Bmax * V);
     a.attn_workspace = nullptr;
@@ -3247,7 +3430,7 @@ struct ModelRunner : StepRunner {
 // This section has two halves: the data plane (the communicator, the all-reduce, the logits gather), and
 // the processes (12b): rank 0 is this process; ranks 1..N-1 are workers fork()ed before the first CUDA
 // call, and rank 0 sends them each step through a mailbox in shared memory. Section 20 gives the small
-// all-reduces of decode a faster road than NCCL's; section 38 handles the signals and shutdown.
+// all-reduces of decode a faster road than NCCL's; section 40 handles the signals and shutdown.
 //
 // What crosses between the ranks in one batch-1 decode step of Qwen3-8B at N = 2:
 //   mailbox      ~57 KB of step inputs at --max-num-seqs 512 (ids, positions, slots, context lengths,
@@ -3356,7 +3539,7 @@ static TPComm* tp_comm_init(int rank, int size, const ncclUniqueId& id) {
 // followed by collectives that need every worker.
 //
 // What happens when a process fails or a signal arrives (reaping the workers, naming the rank that failed,
-// Ctrl-C) is section 38's: it passes its handlers to tp_fork_workers (TPSupervisor), and none of it changes
+// Ctrl-C) is section 40's: it passes its handlers to tp_fork_workers (TPSupervisor), and none of it changes
 // what the ranks compute.
 
 enum class TPOp : uint32_t { CONNECT, INIT, CAPTURE, STEP, EXIT };
@@ -3387,7 +3570,7 @@ struct TPGroup {
 };
 static TPGroup g_tp;
 
-// What section 38 adds around the processes: rank 0's reaper and signal handlers, installed between the
+// What section 40 adds around the processes: rank 0's reaper and signal handlers, installed between the
 // forks and the moment a worker's death can be noticed; a worker's own signals; and a per-step call (tests
 // make a worker fail on purpose there). Empty entries do nothing.
 struct TPSupervisor {
@@ -3486,7 +3669,8 @@ static std::string config_to_json(const Config& c) {
             {"kvcache_block_size", c.kvcache_block_size},
             {"num_kvcache_blocks", c.num_kvcache_blocks},
             {"eos", c.eos},
-            {"kv_cache_dtype", c.kv_cache_dtype}};
+            {"kv_cache_dtype", c.kv_cache_dtype},
+            {"quantization", c.quantization}};
   j["opt"] = json::object();
   for (size_t i = 0; i < optimization_registry().size(); i++)
     j["opt"][optimization_registry()[i].name] = i < c.opt.on.size() && c.opt.on[i];
@@ -3505,6 +3689,8 @@ static std::string model_config_to_json(const ModelConfig& m) {
             {"rope_theta", m.rope_theta},
             {"tie_word_embeddings", m.tie_word_embeddings},
             {"dtype", m.dtype},
+            {"block_quantized", m.block_quantized},
+            {"not_quantized", m.not_quantized},
             {"eos_token_ids", m.eos_token_ids},
             {"generation_config", m.generation_config}};
   return j.dump();
@@ -3518,6 +3704,7 @@ static ModelConfig model_config_from_json(const std::string& text) {
   m.max_position_embeddings = j["max_position_embeddings"];
   m.rms_norm_eps = j["rms_norm_eps"], m.rope_theta = j["rope_theta"];
   m.tie_word_embeddings = j["tie_word_embeddings"], m.dtype = j["dtype"];
+  m.block_quantized = j["block_quantized"], m.not_quantized = j["not_quantized"].get<std::vector<std::string>>();
   m.eos_token_ids = j["eos_token_ids"].get<std::vector<int>>();
   m.generation_config = j["generation_config"];
   return m;
@@ -3536,6 +3723,7 @@ static Config config_from_json(const std::string& text) {
   c.num_kvcache_blocks = j["num_kvcache_blocks"];
   c.eos = j["eos"].get<std::vector<int>>();
   c.kv_cache_dtype = j["kv_cache_dtype"].get<std::string>();
+  c.quantization = j["quantization"].get<std::string>();
   for (size_t i = 0; i < optimization_registry().size(); i++)
     c.opt.on[i] = j["opt"][optimization_registry()[i].name].get<bool>();
   return c;
@@ -3604,7 +3792,7 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
 
 [[noreturn]] static void tp_worker_main(int rank) {
   g_tp_rank = rank;
-  const size_t at = strlen(g_process_label);  // a replica's worker: "replica 2, rank 1" (section 40)
+  const size_t at = strlen(g_process_label);  // a replica's worker: "replica 2, rank 1" (section 42)
   snprintf(g_process_label + at, sizeof g_process_label - at, "%srank %d", at ? ", " : "", rank);
   if (g_tp_supervisor.worker_begins) g_tp_supervisor.worker_begins(rank);
   TPMailbox* mb = g_tp.mb;
@@ -3670,7 +3858,7 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
 // a model too large for one GPU, and one request (or a small batch) that must go faster, since its decode
 // step reads 1/N of the weights per GPU. The two combine: N replicas of T GPUs each. The replicas are
 // processes forked like this section's ranks, each running this file's engine unchanged; the queue they
-// pull from, and how the run stops, are program plumbing (sections 39-40). docs/data-parallel.md has the
+// pull from, and how the run stops, are program plumbing (sections 41-42). docs/data-parallel.md has the
 // measurements that say when each wins.
 
 // ==== 13. LLMEngine: add_request, step, generate ===========================================================
@@ -3685,7 +3873,7 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
 //
 // Watching the scheduler think: with --trace every step prints one line on stderr, every run ends with a
 // summary, and --report draws the whole run. All of them watch through StepObserver (below; Part III
-// implements it, section 35) and only read what the scheduler, the runner and the Sequences already keep.
+// implements it, section 37) and only read what the scheduler, the runner and the Sequences already keep.
 
 struct Request {
   std::vector<int> prompt_token_ids;
@@ -3693,16 +3881,16 @@ struct Request {
   std::string source;         // "prompts.txt:12", for messages
   double arrival_time = 0;    // seconds after generate() begins (a .jsonl field, or --request-rate)
   bool arrival_given = false; // the .jsonl line gave it (--request-rate leaves it alone)
-  std::string error;          // an OpenAI batch line we answer with an error instead of running (section 32)
-  json batch;                 // that batch line's custom_id, url and body (section 32); null otherwise
+  std::string error;          // an OpenAI batch line we answer with an error instead of running (section 34)
+  json batch;                 // that batch line's custom_id, url and body (section 34); null otherwise
   int index = -1;             // its place in the whole input when a run holds only part of it (a shard,
-                              // section 34); -1: its place in generate()'s input
+                              // section 36); -1: its place in generate()'s input
 };
 
 // One completion: a request with n > 1 has n of them, consecutive, in index order.
 struct Completion {
   std::vector<int> token_ids;
-  const char* finish_reason;  // nullptr: unfinished (the run was interrupted by Ctrl-C, section 38)
+  const char* finish_reason;  // nullptr: unfinished (the run was interrupted by Ctrl-C, section 40)
   int prompt_tokens;
   double arrival_time = 0, first_token_time = -1, finish_time = -1;  // seconds since generate() began (-1: never)
   int64_t seq_id = 0;
@@ -3715,7 +3903,7 @@ struct Completion {
   double cumulative_logprob = 0;
 };
 
-// Ctrl-C (section 38's handler sets it; main arms it): generate() stops after the step in flight.
+// Ctrl-C (section 40's handler sets it; main arms it): generate() stops after the step in flight.
 static volatile sig_atomic_t g_stop_armed = 0;
 static volatile sig_atomic_t g_stop_requested = 0;
 
@@ -3852,7 +4040,7 @@ struct LLMEngine {
   std::vector<Completion> generate(const std::vector<Request>& requests) {
     t0 = runner.now();
     const size_t first = seqs.size();
-    for (size_t r = 0; r < requests.size(); r++)  // (one with an error is answered with it instead, section 33)
+    for (size_t r = 0; r < requests.size(); r++)  // (one with an error is answered with it instead, section 35)
       if (requests[r].error.empty()) add_request(requests[r], requests[r].index >= 0 ? requests[r].index : (int)r);
     while (!g_stop_requested) {
       admit_arrivals();
@@ -3927,8 +4115,9 @@ struct Optimizations {
   bool bisect_sampler = false;     // 21: the sampler's cut by bisection, not section 9's sort
   bool fast_sampler = false;       // 22: radix-select top-k/top-p and split rows, not the plain sampler
   bool prefill_graphs = false;     // 23: prefill and mixed steps replay CUDA graphs, attention between pieces
-  bool longest_first = false;      // 29a: an fp8 decode step's rows in order of context length, longest first
+  bool longest_first = false;      // 31a: an fp8 decode step's rows in order of context length, longest first
   bool persistent = false;         // 24-27: a small-batch decode step in one persistent kernel
+  bool fp8_weights = false;        // 28-29: an FP8 checkpoint's linear weights kept in FP8 (--quantization fp8)
 };
 static Optimizations g_opt;  // set by each section's apply (install_optimizations, section 11)
 
@@ -3944,11 +4133,12 @@ static Optimizations g_opt;  // set by each section's apply (install_optimizatio
 // (in its apply, section 2's switch), and so it changes the engine by itself, whatever comes after it.
 //
 //   per layer          Part I's stage                                   replaced by
-//   norm_matmul        y = RMSNorm(residual) @ W^T: rmsnorm + cuBLASLt   18 (gemv: the norm inside the gemv)
-//   store_qkv          q/k-norm, RoPE, this step's K/V into the cache    19 (eight threads a head), 29 (fp8)
-//   attention_prefill  section 8's prefill kernel                        15-16 (flash attention), 29 (fp8)
-//   attention_decode   store_qkv, then section 8's decode kernel         16, then 19 (all in one kernel), 29
-//   matmul_out         h = x @ W^T (after SiLU-and-mul for down), summed over the ranks   18
+//   norm_matmul        y = RMSNorm(residual) @ W^T: rmsnorm + cuBLASLt   18 (gemv: the norm inside the gemv),
+//                                                                        29 (FP8 weights)
+//   store_qkv          q/k-norm, RoPE, this step's K/V into the cache    19 (eight threads a head), 31 (fp8)
+//   attention_prefill  section 8's prefill kernel                        15-16 (flash attention), 31 (fp8)
+//   attention_decode   store_qkv, then section 8's decode kernel         16, then 19 (all in one kernel), 31
+//   matmul_out         h = x @ W^T (after SiLU-and-mul for down), summed over the ranks   18, 29
 //   all_reduce         NCCL's all-reduce (section 12)                    20 (one crossing of NVLink)
 // and one entry that only a chapter fills: cut (23: where a CUDA graph of a prefill step ends a piece).
 //
@@ -3975,6 +4165,7 @@ struct Pass {
   bool is_prefill;
   cudaStream_t s;
   bool pending = false;    // act.hidden holds a sub-layer's output not yet added to act.residual
+  int l = 0;               // the layer the pass is in
 };
 
 // Part I's stages: the calls of section 6c, one stage each.
@@ -4014,7 +4205,8 @@ static void attention_decode_plain(Pass& p, int l);
 
 // The table. Each entry's comment says what it must compute; the default is Part I's code.
 struct ForwardStages {
-  // y [T, N] = RMSNorm(residual) @ W^T, after residual += hidden where p.pending; clears p.pending.
+  // y [T, N] = RMSNorm(residual) @ W^T, after residual += hidden where p.pending; clears p.pending. (W, and
+  // matmul_out's, is null where a chapter holds layer p.l's matrices in a format of its own, section 28.)
   void (*norm_matmul)(Pass& p, bf16* y, const bf16* norm_w, const bf16* W, int N) = norm_matmul_plain;
   // A sub-layer's output h [T, H] = x @ W^T (x [T, K]; with gate_up, x is gate_up [T, 2K] and the product is
   // of SiLU(gate) * up), summed over the ranks, then either left in act.hidden (p.pending) or added.
@@ -4090,6 +4282,7 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
   if (model.tp > 1) st.all_reduce(model.comm, act.residual, (size_t)T * H, s, nullptr);  // ids of each rank
   for (int l = 0; l < cfg.num_hidden_layers; l++) {
     const LayerWeights& lw = w.layers[l];
+    p.l = l;
     st.norm_matmul(p, act.qkv, lw.input_layernorm, lw.qkv_proj, (NH + 2 * NKV) * D);
     if (is_prefill) {
       st.store_qkv(p, l);
@@ -4119,7 +4312,7 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
 // that a small batch still fills the GPU. The equations are section 8's; what changes is who computes what.
 // Switch: flash_attn. Tested against section 8's kernels and the CPU reference (gpu_attention).
 // The kernels are templates over a cache format F, how they read K and V from the cache (15a, below): read
-// F as KVBf16, Part I's bf16 cache, until section 28.
+// F as KVBf16, Part I's bf16 cache, until section 30.
 //
 // Both kernels are flash-attention-2: a warp holds 16 query rows, streams K and V tiles of 64 keys
 // through shared memory, computes S = Q K^T with tensor cores, keeps a running row max m and row sum l
@@ -4258,9 +4451,9 @@ __device__ __forceinline__ void load_kv_tile(bf16* sK, bf16* sV, const bf16* k_c
 // what the scores and the output are multiplied by, and how this step's key or value is stored. Part I's
 // cache (section 6b) holds bf16, as the model computes keys and values, and its format, KVBf16 below, moves
 // them as they are. Why a parameter at all: with --kv-cache-dtype fp8 the cache holds one byte per value, with
-// a scale per layer for the keys and one for the values, and the FP8 chapter (sections 28-29) runs these same
+// a scale per layer for the keys and one for the values, and the FP8 chapter (sections 30-31) runs these same
 // kernels with a format of its own rather than a second copy of each. Until then KVBf16 is the only format:
-// read F as KVBf16 until section 28. Every piece is inlined, so KVBf16's kernels are the plain bf16 ones and a
+// read F as KVBf16 until section 30. Every piece is inlined, so KVBf16's kernels are the plain bf16 ones and a
 // format costs nothing at run time.
 // The tile pipeline both kernels run: tile `index` (keys key0 ..) is issued tiles_ahead tiles before it is
 // needed, one committed cp.async group per tile; when its turn comes, every thread calls tile_ready once the
@@ -8123,10 +8316,560 @@ static const int kPersistentRegistered = register_optimization(
     {"persistent", "a small-batch decode step in one persistent kernel (section 24)", true, apply_persistent,
      persist_note});
 
-// ==== 28. An FP8 KV cache, 1: the format, its scales, the store and prefill's tiles ========================
+// ==== 28. FP8 weights, 1: the format on the GPU, loading it, quantizing a bf16 checkpoint =================
+// defines: e4m3_from_float, Fp8Matrix, Fp8Layer, Fp8Weights, g_fp8_weights, fp8_weights_problem,
+//          quantize_weight_reference, quantize_weight_kernel, quantize_weight, fp8_matrix_rows,
+//          fp8_load_weights (section 29: the products, the stages, the switch fp8_weights, --quantization fp8)
+//
+// Replaces: section 6a's reading of an FP8 checkpoint (Qwen/Qwen3-*-FP8), which dequantizes every weight to
+// bf16 on the way in, and then the bf16 matrix products of sections 10 and 18, which read two bytes per
+// weight.
+// Why it is faster: a small decode step reads every weight once, and that reading is most of its time
+// (section 18). Kept as the checkpoint stores them, the layers' linear weights cost one byte each: half the
+// bytes per step, and half the memory, which the KV pool gets. A large step is bound by arithmetic instead,
+// and Hopper's tensor cores multiply e4m3 at twice the rate of bf16. With --quantization fp8 (vLLM's flag)
+// a bf16 checkpoint is quantized the same way while loading, so a bf16 user gets the same speed.
+// Switch: fp8_weights (section 29). Its measurements: docs/performance.md, FP8 weights.
+//
+// The format on the GPU. Section 6a's fused matrices (q|k|v and gate|up), each as
+//   w      [N, K]        e4m3, row-major: the checkpoint's bytes, PyTorch's [out, in]
+//   scale  [N/128, ld]   fp32: scale[i][j] multiplies block (rows 128i.., columns 128j..) of w;
+//                        ld = K/128 rounded up to a multiple of 4, the stride cuBLASLt reads the scales with
+// so W[r][c] = e4m3(w[r][c]) * scale[r/128][c/128], exactly as section 6a defines the checkpoint's weights.
+// Fusing needs every part to start on a 128-row boundary, and a tensor-parallel slice to start on a block
+// too: the q and k/v parts are whole heads of 128 rows, gate and up are I/tp rows each, and o_proj's and
+// down's slices start at a multiple of NH/tp * 128 and I/tp columns. So the chapter takes a model where
+// hidden_size and I/tp are multiples of 128 (every published Qwen3 at the --tp sizes its heads allow,
+// except a few at --tp 8) on a Hopper GPU (cuBLASLt's 128-wide block scales are sm_90's), and stands aside
+// otherwise: section 6a then dequantizes the checkpoint, and the start-up line says why. A checkpoint that
+// keeps some layer linears in bf16 (modules_to_not_convert) is left to section 6a too.
+//
+// Where rounding happens, the whole arithmetic of an FP8 layer (section 29 computes it):
+//   1. the weights: once, in the checkpoint (Qwen's quantizer) or at load (quantize_weight): per 128 x 128
+//      block, s_w = amax / 448 in fp32 (1 for a block of zeros) and w = e4m3(W / s_w), rounded to nearest,
+//      ties to even, saturating at +-448. (A checkpoint's bf16 scales are exact in fp32.)
+//   2. the activations: per token and group of 128 columns, s_x = amax / 448, x_q = e4m3(x / s_x);
+//   3. the product: y[t][n] = sum over column blocks b of  s_x[t][b] * s_w[n/128][b] * (sum over the 128
+//      columns k of block b of x_q[t][k] * w[n][k]), accumulated in fp32, rounded once to bf16.
+// So an FP8 layer differs from the bf16 one by the weights' rounding (which the checkpoint fixed) and the
+// activations' (about 2^-4 relative per value, averaging out over K): test/ref/hf_reference.py emulates
+// 1-3 in PyTorch and the end-to-end test compares the engine with that.
+
+// e4m3 rounding on the CPU (to nearest, ties to even, saturating at +-448; NaN stays NaN), written from the
+// format's definition (section 6a) rather than from cuda_fp8.h: what __nv_cvt_float_to_fp8(x, __NV_SATFINITE,
+// __NV_E4M3) computes, which the kernels here and of the FP8 KV cache (section 30) use. Its inverse is
+// section 6a's e4m3_to_float.
+static uint8_t e4m3_from_float(float x) {
+  if (std::isnan(x)) return 0x7f;
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+  double a = std::fabs((double)x);
+  if (a >= 448.0) return sign | 0x7e;  // satfinite: the largest finite value, 1.75 x 2^8
+  // The spacing of representable values around a: 2^-9 below 2^-6 (subnormals), else 2^(e-3) in [2^e, 2^e+1).
+  int e = (int)std::floor(std::log2(a));
+  if (a > 0 && std::ldexp(1.0, e) > a) e--;  // log2's rounding, either way
+  if (a > 0 && std::ldexp(1.0, e + 1) <= a) e++;
+  const double step = a < 0x1p-6 ? 0x1p-9 : std::ldexp(1.0, e - 3);
+  const double q = std::nearbyint(a / step) * step;  // the default rounding mode: ties to even
+  if (q == 0) return sign;
+  if (q < 0x1p-6) return sign | (uint8_t)(q / 0x1p-9);  // subnormal: exponent field 0
+  int qe = (int)std::floor(std::log2(q));
+  if (std::ldexp(1.0, qe) > q) qe--;
+  const int mant = (int)(q / std::ldexp(1.0, qe) * 8) - 8;  // 0..7
+  return sign | (uint8_t)((qe + 7) << 3) | (uint8_t)mant;
+}
+
+struct Fp8Matrix {
+  uint8_t* w = nullptr;    // [N, K] e4m3
+  float* scale = nullptr;  // [N/128, ld] fp32 block scales
+  int N = 0, K = 0, ld = 0;
+};
+struct Fp8Layer {
+  Fp8Matrix qkv, o, gate_up, down;  // the fused matrices of section 6a's LayerWeights, in its order
+};
+
+// The chapter's state for one engine (reset by its apply, section 29).
+struct Fp8Weights {
+  bool held = false;               // this engine's linear weights are FP8 (else the stages pass through)
+  bool quantized_at_load = false;  // by --quantization fp8
+  std::string reason;              // why the chapter stands aside for an FP8 checkpoint ("" when it does not)
+  std::vector<Fp8Layer> layers;
+  void* arena = nullptr;           // every Fp8Matrix's bytes and scales
+  uint8_t* xq = nullptr;           // [rows, Kmax] e4m3: a step's activations, quantized (section 29)
+  float* xs = nullptr;             // [Kmax/128, rows] fp32: their scales
+  int rows = 0, kmax = 0;          // Tmax rounded up to 4, and the widest K of the four matrices
+  // The stages this chapter's replace, for an engine whose weights are bf16 (section 29).
+  void (*norm_matmul_bf16)(Pass& p, bf16* y, const bf16* norm_w, const bf16* W, int N) = nullptr;
+  void (*matmul_out_bf16)(Pass& p, const bf16* x, const bf16* W, int K, bool gate_up) = nullptr;
+  void reset() {  // what an engine held is never freed (no engine frees its GPU memory), only forgotten
+    *this = Fp8Weights{};
+  }
+};
+static Fp8Weights g_fp8_weights;
+
+// Why this chapter cannot hold model `mc`'s linear weights on this GPU with `tp` ranks, or "" when it can.
+static std::string fp8_weights_problem(const ModelConfig& mc, int tp) {
+  char buf[256];
+  const int major = gpu_cc_major();
+  if (major != 9) {
+    snprintf(buf, sizeof buf, "cuBLASLt's block-scaled FP8 products need a Hopper GPU (sm_90), this one is sm_%d0",
+             major);
+    return buf;
+  }
+#if CUBLAS_VERSION < 120900
+  return "cuBLASLt before 12.9 has no block-scaled FP8 products";
+#endif
+  const int I = mc.intermediate_size / tp;
+  if (mc.hidden_size % 128 || I % 128) {
+    snprintf(buf, sizeof buf, "hidden_size %d and intermediate_size / tp = %d must be multiples of 128 for "
+             "128 x 128 blocks to fuse and split", mc.hidden_size, I);
+    return buf;
+  }
+  for (const std::string& m : mc.not_quantized)
+    if (m.find("layers") != std::string::npos || m.find("proj") != std::string::npos)
+      return "modules_to_not_convert keeps layer linears in bf16 (\"" + m + "\")";
+  return "";
+}
+
+// What quantize_weight_kernel computes, on the CPU: block (bi, bj) of a bf16 weight w [N, K] (N, K multiples
+// of 128) quantized into q (the same layout, e4m3 bytes); returns the block's scale.
+static float quantize_weight_reference(uint8_t* q, const bf16* w, int K, int bi, int bj) {
+  float amax = 0.f;
+  for (int r = bi * 128; r < bi * 128 + 128; r++)
+    for (int c = bj * 128; c < bj * 128 + 128; c++) amax = std::max(amax, std::fabs(__bfloat162float(w[(size_t)r * K + c])));
+  const float s = amax > 0.f ? amax / 448.f : 1.f;
+  for (int r = bi * 128; r < bi * 128 + 128; r++)
+    for (int c = bj * 128; c < bj * 128 + 128; c++)
+      q[(size_t)r * K + c] = e4m3_from_float(__bfloat162float(w[(size_t)r * K + c]) / s);
+  return s;
+}
+
+// quantize_weight_kernel — q = e4m3(w / s_w), s_w = amax / 448 per 128 x 128 block (step 1 above).
+//   w bf16 [N, K] row-major; q e4m3 [N, K]; scale fp32 [N/128, ld]. N, K multiples of 128.
+//   One thread block of 256 threads per 128 x 128 block (grid K/128 x N/128): thread t owns row t/2 of the
+//   block, columns 64 * (t % 2) .. +64, as eight 16-byte loads kept in registers across both passes: the
+//   block's amax (a warp reduction, then one across the eight warps), then the division and the rounding.
+//   It runs once per weight, at load.
+__global__ void __launch_bounds__(256) quantize_weight_kernel(uint8_t* __restrict__ q, float* __restrict__ scale,
+                                                              const bf16* __restrict__ w, int K, int ld) {
+  __shared__ float warp_max[8];
+  const int bi = blockIdx.y, bj = blockIdx.x, t = threadIdx.x;
+  const size_t at = (size_t)(bi * 128 + t / 2) * K + bj * 128 + 64 * (t % 2);
+  uint4 v[8];
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; i++) {
+    v[i] = reinterpret_cast<const uint4*>(w + at)[i];
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[i]);
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      const float2 f = __bfloat1622float2(h[j]);
+      amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  if (t % 32 == 0) warp_max[t / 32] = amax;
+  __syncthreads();
+  amax = warp_max[0];
+#pragma unroll
+  for (int i = 1; i < 8; i++) amax = fmaxf(amax, warp_max[i]);
+  const float s = amax > 0.f ? amax / 448.f : 1.f;
+  if (t == 0) scale[(size_t)bi * ld + bj] = s;
+  uint32_t out[16];
+#pragma unroll
+  for (int i = 0; i < 8; i++) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[i]);
+    uint32_t packed[2];
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+      const float2 a = __bfloat1622float2(h[2 * j]), b = __bfloat1622float2(h[2 * j + 1]);
+      const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a.x / s, a.y / s), __NV_SATFINITE, __NV_E4M3);
+      const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(b.x / s, b.y / s), __NV_SATFINITE, __NV_E4M3);
+      packed[j] = lo | hi << 16;
+    }
+    out[2 * i] = packed[0], out[2 * i + 1] = packed[1];
+  }
+#pragma unroll
+  for (int i = 0; i < 4; i++)
+    reinterpret_cast<uint4*>(q + at)[i] = make_uint4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
+}
+static void quantize_weight(const Fp8Matrix& m, const bf16* w, cudaStream_t stream) {
+  INTERNAL_CHECK(m.N % 128 == 0 && m.K % 128 == 0 && m.ld >= m.K / 128, "quantize_weight: %d x %d, ld %d", m.N,
+                 m.K, m.ld);
+  check_aligned16("quantize_weight", "w", w);
+  if (m.N == 0) return;
+  quantize_weight_kernel<<<dim3(m.K / 128, m.N / 128), 256, 0, stream>>>(m.w, m.scale, w, m.K, m.ld);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// Rows [r0, r0+nr) of an FP8 matrix as fp32 values on the host (e4m3 * scale): for code that reads weight
+// values at start-up (the FP8 KV cache's scale bounds, section 30).
+static std::vector<float> fp8_matrix_rows(const Fp8Matrix& m, int64_t r0, int64_t nr) {
+  std::vector<uint8_t> q((size_t)nr * m.K);
+  std::vector<float> s((size_t)m.N / 128 * m.ld), out((size_t)nr * m.K);
+  CUDA_CHECK(cudaMemcpy(q.data(), m.w + r0 * m.K, q.size(), cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(s.data(), m.scale, s.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  for (int64_t i = 0; i < nr; i++)
+    for (int64_t c = 0; c < m.K; c++)
+      out[i * m.K + c] = e4m3_to_float(q[i * m.K + c]) * s[(r0 + i) / 128 * m.ld + c / 128];
+  return out;
+}
+
+// ---- Loading ----
+// Section 6a's load_weights loads everything but the four matrices (linears false); then each fused matrix
+// is filled part by part, as section 6a fuses them: an FP8 checkpoint's bytes copied as they are, with its
+// scales gathered into the fused table on the host; or, under --quantization fp8, the bf16 parts loaded
+// into a scratch buffer on the GPU and quantized there (quantize_weight).
+
+// One part of a fused matrix: rows [r0, r0+nr) and columns [c0, c0+nc) of checkpoint tensor `name`.
+struct Fp8Part {
+  std::string name;
+  int64_t r0, nr, c0, nc;
+};
+
+// Fills m (its w, scale, N, K, ld set) from parts stacked by rows. `scratch` holds a bf16 [N, K] matrix
+// (quantizing only).
+static void fp8_fill_matrix(WeightLoader& ld, const SafeTensors& st, const std::map<std::string, TensorSpec>& spec,
+                            const std::string& dir, const Fp8Matrix& m, const std::vector<Fp8Part>& parts,
+                            bool quantize, bf16* scratch, cudaStream_t stream) {
+  std::vector<float> table((size_t)m.N / 128 * m.ld, 0.f);  // the fused scales, zero in ld's padding
+  int64_t row = 0;
+  for (const Fp8Part& part : parts) {
+    const TensorView& t = checked_tensor(st, spec.at(part.name), dir);
+    if (quantize) {
+      ld.load(scratch + row * m.K, t, part.r0, part.nr, part.c0, part.nc);
+      row += part.nr;
+      continue;
+    }
+    const std::vector<float> s = block_scales(checked_tensor(st, spec.at(part.name + "_scale_inv"), dir));
+    const int64_t cols = t.shape[1], scols = cdiv(cols, 128);
+    for (int64_t r = 0; r < part.nr; r++) {
+      const uint8_t* src = (const uint8_t*)t.data + (part.r0 + r) * cols + part.c0;
+      for (int64_t c = 0; c < part.nc;) {
+        size_t got;
+        uint8_t* out = ld.stage_for(m.w + (row + r) * m.K + c, part.nc - c, 1, &got);
+        memcpy(out, src + c, got);
+        for (size_t j = 0; j < got; j++)
+          if ((out[j] & 0x7f) == 0x7f)
+            die("tensor '%s' in %s holds a NaN byte (0x%02x) at [%lld, %lld]; an FP8 checkpoint's quantizer "
+                "never writes one: the checkpoint is damaged", t.name.c_str(), t.file.c_str(), out[j],
+                (long long)(part.r0 + r), (long long)(part.c0 + c + j));
+        c += got;
+        ld.bytes_read += got;
+      }
+    }
+    for (int64_t bi = 0; bi < part.nr / 128; bi++)  // the part's blocks, by the tensor's own block indices
+      for (int64_t bj = 0; bj < part.nc / 128; bj++)
+        table[(row / 128 + bi) * m.ld + bj] = s[(part.r0 / 128 + bi) * scols + part.c0 / 128 + bj];
+    row += part.nr;
+  }
+  INTERNAL_CHECK(row == m.N, "fp8_fill_matrix: %lld of %d rows", (long long)row, m.N);
+  if (quantize) {
+    ld.flush();  // the copies into scratch are queued on `stream` before the kernel that reads them
+    quantize_weight(m, scratch, stream);
+    return;
+  }
+  for (size_t i = 0; i < table.size();) {
+    size_t got;
+    float* out = (float*)ld.stage_for(m.scale + i, (table.size() - i) * sizeof(float), sizeof(float), &got);
+    memcpy(out, table.data() + i, got);
+    i += got / sizeof(float);
+  }
+}
+
+// Hooks::load_weights, which section 29 installs: the model's weights with its four matrices per layer in FP8,
+// or false where section 6a's load_weights is to run (a bf16 checkpoint without --quantization fp8, or a
+// model this chapter stands aside for, g_fp8_weights.reason saying why).
+static bool fp8_load_weights(Weights& w, const Config& c, const ModelConfig& mc, int rank, int tp,
+                             cudaStream_t stream, size_t* bytes_read) {
+  Fp8Weights& f = g_fp8_weights;
+  const bool quantize = c.quantization == "fp8" && !mc.block_quantized;
+  if (!mc.block_quantized && !quantize) return false;
+  const std::string problem = fp8_weights_problem(mc, tp);
+  if (!problem.empty()) {
+    if (quantize) die("--quantization fp8: %s", problem.c_str());
+    f.reason = problem;
+    return false;
+  }
+  w = load_weights(c.model, mc, rank, tp, stream, bytes_read, false);
+  const TPShard sh = tp_shard(mc, rank, tp);
+  const int H = mc.hidden_size, D = mc.head_dim, I = (int)sh.inter, NH = (int)sh.q_heads, NKV = (int)sh.kv_heads;
+  const int L = mc.num_hidden_layers;
+  auto shape = [](int N, int K) {
+    Fp8Matrix m;
+    m.N = N, m.K = K, m.ld = (int)cdiv(K / 128, 4) * 4;
+    return m;
+  };
+  const Fp8Layer like{shape((NH + 2 * NKV) * D, H), shape(H, NH * D), shape(2 * I, H), shape(H, I)};
+  size_t per_layer = 0, scratch_elems = 0;
+  for (const Fp8Matrix* m : {&like.qkv, &like.o, &like.gate_up, &like.down}) {
+    per_layer += (size_t)m->N * m->K + (size_t)m->N / 128 * m->ld * sizeof(float);
+    scratch_elems = std::max(scratch_elems, (size_t)m->N * m->K);
+  }
+  CUDA_CHECK(cudaMalloc(&f.arena, per_layer * L));
+  uint8_t* p = (uint8_t*)f.arena;
+  auto place = [&](Fp8Matrix m) {  // sizes are multiples of 16 bytes, so every part stays 16-byte aligned
+    m.w = p, p += (size_t)m.N * m.K;
+    m.scale = (float*)p, p += (size_t)m.N / 128 * m.ld * sizeof(float);
+    return m;
+  };
+  bf16* scratch = nullptr;
+  if (quantize) CUDA_CHECK(cudaMalloc(&scratch, scratch_elems * sizeof(bf16)));
+  SafeTensors st = open_checkpoint(c.model);
+  std::map<std::string, TensorSpec> spec;
+  for (TensorSpec& t : checkpoint_tensors(mc)) spec[t.name] = t;
+  WeightLoader ld(st, mc, stream);
+  const int64_t q0 = sh.q_head0 * D, kv0 = sh.kv_head0 * D;  // this rank's first row (or column), as 6a's
+  for (int l = 0; l < L; l++) {
+    const std::string pre = "model.layers." + std::to_string(l) + ".";
+    Fp8Layer fl{place(like.qkv), place(like.o), place(like.gate_up), place(like.down)};
+    auto fill = [&](const Fp8Matrix& m, const std::vector<Fp8Part>& parts) {
+      fp8_fill_matrix(ld, st, spec, c.model, m, parts, quantize, scratch, stream);
+    };
+    fill(fl.qkv, {{pre + "self_attn.q_proj.weight", q0, NH * D, 0, H},
+                  {pre + "self_attn.k_proj.weight", kv0, NKV * D, 0, H},
+                  {pre + "self_attn.v_proj.weight", kv0, NKV * D, 0, H}});
+    fill(fl.o, {{pre + "self_attn.o_proj.weight", 0, H, q0, NH * D}});
+    fill(fl.gate_up, {{pre + "mlp.gate_proj.weight", sh.inter0, I, 0, H}, {pre + "mlp.up_proj.weight", sh.inter0, I, 0, H}});
+    fill(fl.down, {{pre + "mlp.down_proj.weight", 0, H, sh.inter0, I}});
+    f.layers.push_back(fl);
+  }
+  ld.flush();
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (scratch) CUDA_CHECK(cudaFree(scratch));
+  *bytes_read += ld.bytes_read;
+  w.bytes += per_layer * L;
+  // The buffers of section 29's activation quantizer: ModelRunner's Tmax tokens rounded up to 4 rows, at
+  // the widest K of the four matrices.
+  f.rows = (int)cdiv(std::max(c.max_num_batched_tokens, c.max_num_seqs), 4) * 4;
+  f.kmax = std::max({H, NH * D, I});
+  CUDA_CHECK(cudaMalloc(&f.xq, (size_t)f.rows * f.kmax));
+  CUDA_CHECK(cudaMalloc(&f.xs, (size_t)f.rows * (f.kmax / 128) * sizeof(float)));
+  f.held = true, f.quantized_at_load = quantize;
+  w.held = quantize ? "linears fp8 e4m3 with 128 x 128 block scales, quantized at load"
+                    : "linears fp8 e4m3 with 128 x 128 block scales, as the checkpoint stores them";
+  return true;
+}
+
+// ==== 29. FP8 weights, 2: the activations' quantizer, cuBLASLt's block-scaled products, the stages ========
+// defines: quantize_rows_reference, quantize_rows_kernel, quantize_rows, fp8_linear_reference, Fp8GemmPlan,
+//          fp8_gemm_plan, fp8_linear, fp8_norm_matmul, fp8_matmul_out, apply_fp8_weights; switch fp8_weights,
+//          --quantization fp8
+//
+// Section 28's format, computed with: the arithmetic of its steps 2 and 3, as two launches per matrix
+// product. quantize_rows rounds a step's activations to e4m3, one scale per token and 128 columns; then one
+// cuBLASLt call multiplies them by the e4m3 weights on the tensor cores, applying both sets of scales as
+// it accumulates (cuBLASLt's "128-element 1D and 128x128 2D block scaling", CUDA 12.9 on: the activations'
+// scales in mode VEC128_32F, the weights' in BLK128x128_32F; the two 2-D modes together are not offered).
+// Steps of every size take this path: cuBLASLt wants the token count a multiple of 4, so a step is padded
+// to one (rows of zeros with scale 1, whose products land in the activation buffers' spare rows, section 11).
+// The norm before qkv and gate_up, SiLU-and-mul before down and the residual add after o_proj and down stay
+// Part I's kernels (section 18's fusions are for bf16 weights).
+
+// What quantize_rows_kernel computes, on the CPU: x [T, K] (bf16 values as float) -> xq [T4, K] e4m3 and
+// xs [K/128, T4] fp32, T4 = T rounded up to 4, rows past T zero with scale 1.
+static void quantize_rows_reference(uint8_t* xq, float* xs, const float* x, int T, int K) {
+  const int T4 = (int)cdiv(T, 4) * 4;
+  for (int t = 0; t < T4; t++)
+    for (int b = 0; b < K / 128; b++) {
+      float amax = 0.f;
+      for (int k = b * 128; k < b * 128 + 128 && t < T; k++) amax = std::max(amax, std::fabs(x[(size_t)t * K + k]));
+      const float s = amax > 0.f ? amax / 448.f : 1.f;
+      xs[(size_t)b * T4 + t] = s;
+      for (int k = b * 128; k < b * 128 + 128; k++)
+        xq[(size_t)t * K + k] = t < T ? e4m3_from_float(x[(size_t)t * K + k] / s) : 0;
+    }
+}
+
+// quantize_rows_kernel — step 2 of section 28: x_q = e4m3(x / s_x), s_x = amax / 448 per token and 128 columns.
+//   x bf16 [T, K] row-major; xq e4m3 [T4, K]; xs fp32 [K/128, T4], tokens contiguous (the layout cuBLASLt
+//   reads VEC128_32F scales of its second operand in). K a multiple of 128.
+//   One warp per (token, group of 128 columns), 8 warps per thread block: lane i holds columns 4i..4i+3 of
+//   the group (one 8-byte load), the warp's amax comes from five shuffles, and each lane writes its 4 bytes.
+//   Rows t >= T (the padding up to T4) write zeros and scale 1. Launched with PDL (section 17).
+__global__ void __launch_bounds__(256) quantize_rows_kernel(uint8_t* __restrict__ xq, float* __restrict__ xs,
+                                                            const bf16* __restrict__ x, int T, int T4, int K) {
+  const int groups = K / 128, warp = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x & 31;
+  pdl_begin();
+  if (warp >= T4 * groups) return;
+  const int t = warp / groups, b = warp % groups;
+  float v[4] = {0.f, 0.f, 0.f, 0.f};
+  if (t < T) {
+    const uint2 raw = reinterpret_cast<const uint2*>(x + (size_t)t * K + b * 128)[lane];
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+    v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+  }
+  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  const float s = amax > 0.f ? amax / 448.f : 1.f;
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0] / s, v[1] / s), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2] / s, v[3] / s), __NV_SATFINITE, __NV_E4M3);
+  reinterpret_cast<uint32_t*>(xq + (size_t)t * K + b * 128)[lane] = lo | hi << 16;
+  if (lane == 0) xs[(size_t)b * T4 + t] = s;
+}
+static void quantize_rows(uint8_t* xq, float* xs, const bf16* x, int T, int K, cudaStream_t stream) {
+  INTERNAL_CHECK(K % 128 == 0 && T >= 0, "quantize_rows: T = %d, K = %d (a multiple of 128)", T, K);
+  check_aligned16("quantize_rows", "x", x);
+  const int T4 = (int)cdiv(T, 4) * 4;
+  if (T4 == 0) return;
+  launch_pdl(quantize_rows_kernel, (unsigned)cdiv((int64_t)T4 * (K / 128), 8), 256, 0, stream, xq, xs, x, T, T4, K);
+}
+
+// What one FP8 layer product computes (section 28's steps 2 and 3), on the CPU: y [T, N] = x [T, K] (bf16
+// values as float) times W [N, K] given as e4m3 bytes w and block scales [N/128, ld]; sums in double, one
+// bf16 rounding.
+static void fp8_linear_reference(float* y, const float* x, const uint8_t* w, const float* scale, int ld, int T,
+                                 int N, int K) {
+  const int T4 = (int)cdiv(T, 4) * 4;
+  std::vector<uint8_t> xq((size_t)T4 * K);
+  std::vector<float> xs((size_t)K / 128 * T4);
+  quantize_rows_reference(xq.data(), xs.data(), x, T, K);
+  for (int t = 0; t < T; t++)
+    for (int n = 0; n < N; n++) {
+      double acc = 0;
+      for (int b = 0; b < K / 128; b++) {
+        double block = 0;
+        for (int k = b * 128; k < b * 128 + 128; k++)
+          block += (double)e4m3_to_float(xq[(size_t)t * K + k]) * e4m3_to_float(w[(size_t)n * K + k]);
+        acc += block * xs[(size_t)b * T4 + t] * scale[(size_t)(n / 128) * ld + b];
+      }
+      y[(size_t)t * N + n] = bf16_round((float)acc);
+    }
+}
+
+// One cuBLASLt product per shape (T4, N, K), chosen once like section 10's: y^T [N, T4] = W [N, K] (read
+// transposed: "TN", the only layout cuBLASLt's FP8 products take) times x_q^T. The scale pointers differ per
+// call (each matrix has its own), so they are set on the descriptor just before each call; under graph
+// capture the captured call keeps them.
+struct Fp8GemmPlan {
+  cublasLtMatmulDesc_t desc;
+  cublasLtMatrixLayout_t a, b, c;
+  cublasLtMatmulAlgo_t algo;
+  bool found = false;
+};
+static Fp8GemmPlan& fp8_gemm_plan(Gemm& g, int T4, int N, int K) {
+  static std::map<std::tuple<cublasLtHandle_t, int, int, int>, Fp8GemmPlan> plans;
+  auto key = std::make_tuple(g.handle, T4, N, K);
+  auto it = plans.find(key);
+  if (it != plans.end()) return it->second;
+  Fp8GemmPlan p;
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+#if CUBLAS_VERSION >= 120900
+  const cublasLtMatmulMatrixScale_t wmode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
+                                    xmode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &wmode, sizeof wmode));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &xmode, sizeof xmode));
+#endif
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_8F_E4M3, K, N, K));  // W, read transposed
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_8F_E4M3, K, T4, K));  // x_q
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_16BF, N, T4, N));     // y
+  cublasLtMatmulPreference_t pref;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                    &g.workspace_bytes, sizeof g.workspace_bytes));
+  cublasLtMatmulHeuristicResult_t res;
+  int found = 0;
+  const cublasStatus_t st =
+      cublasLtMatmulAlgoGetHeuristic(g.handle, p.desc, p.a, p.b, p.c, p.c, pref, 1, &res, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (st != CUBLAS_STATUS_SUCCESS || !found)
+    die("cuBLASLt found no block-scaled FP8 algorithm for a %d x %d x %d product (%s); run with --opt "
+        "-fp8_weights to dequantize the weights to bf16 instead", T4, N, K, cublasLtGetStatusString(st));
+  p.algo = res.algo;
+  p.found = true;
+  return plans[key] = p;
+}
+
+// y [T, N] = FP8 product of x [T, K] (bf16) and m: quantize_rows into the chapter's buffers, then cuBLASLt.
+// y needs T rounded up to 4 rows (section 11 allocates the activations so).
+static void fp8_linear(Gemm& g, bf16* y, const bf16* x, const Fp8Matrix& m, int T, cudaStream_t stream) {
+  Fp8Weights& f = g_fp8_weights;
+  const int T4 = (int)cdiv(T, 4) * 4;
+  if (T4 == 0) return;
+  INTERNAL_CHECK(T4 <= f.rows && m.K <= f.kmax, "fp8_linear: %d rows of %d columns, buffers for %d of %d", T4, m.K,
+                 f.rows, f.kmax);
+  quantize_rows(f.xq, f.xs, x, T, m.K, stream);
+  Fp8GemmPlan& p = fp8_gemm_plan(g, T4, m.N, m.K);
+#if CUBLAS_VERSION >= 120900
+  const void* ws = m.scale;
+  const void* xs = f.xs;
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ws, sizeof ws));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &xs, sizeof xs));
+#endif
+  const float alpha = 1.0f, beta = 0.0f;
+  CUBLAS_CHECK(cublasLtMatmul(g.handle, p.desc, &alpha, m.w, p.a, f.xq, p.b, &beta, y, p.c, y, p.c, &p.algo,
+                              g.workspace, g.workspace_bytes, stream));
+}
+
+// ---- The stages, and the switch: fp8_weights ----
+// Section 14's norm_matmul and matmul_out for an engine whose weights this chapter holds (the layer's
+// matrices found by p.l; the LayerWeights pointers are null); for any other engine, the stages they replaced.
+static void fp8_norm_matmul(Pass& p, bf16* y, const bf16* norm_w, const bf16* W, int N) {
+  Fp8Weights& f = g_fp8_weights;
+  if (!f.held) return f.norm_matmul_bf16(p, y, norm_w, W, N);
+  Activations& a = p.m.act;
+  const int H = p.m.cfg.hidden_size;
+  const float eps = p.m.cfg.rms_norm_eps;
+  if (p.pending) add_rmsnorm(a.x, a.residual, a.hidden, norm_w, p.T, H, eps, p.s);
+  else rmsnorm(a.x, a.residual, norm_w, p.T, H, eps, p.s);
+  p.pending = false;
+  const Fp8Layer& fl = f.layers[p.l];
+  const Fp8Matrix& m = norm_w == p.m.w.layers[p.l].input_layernorm ? fl.qkv : fl.gate_up;
+  INTERNAL_CHECK(m.N == N, "fp8_norm_matmul: layer %d's matrix has %d rows, the stage asks for %d", p.l, m.N, N);
+  fp8_linear(*p.m.gemm, y, a.x, m, p.T, p.s);
+}
+static void fp8_matmul_out(Pass& p, const bf16* x, const bf16* W, int K, bool gate_up) {
+  Fp8Weights& f = g_fp8_weights;
+  if (!f.held) return f.matmul_out_bf16(p, x, W, K, gate_up);
+  Activations& a = p.m.act;
+  const int H = p.m.cfg.hidden_size;
+  if (gate_up) {
+    silu_and_mul(a.act, x, p.T, K, p.s);
+    x = a.act;
+  }
+  const Fp8Layer& fl = f.layers[p.l];
+  fp8_linear(*p.m.gemm, a.hidden, x, gate_up ? fl.down : fl.o, p.T, p.s);
+  p.pending = true;
+  if (p.m.tp > 1 && g_stages.all_reduce(p.m.comm, a.hidden, (size_t)p.T * H, p.s, a.residual)) p.pending = false;
+}
+
+// The persistent kernel (sections 24-27) reads bf16 weights: with FP8 ones it plans nothing, so it takes no
+// step, and section 14's path with these stages runs every decode step.
+static void fp8_persistent_model_ready(Qwen3& model, const Config& c) {
+  if (!g_fp8_weights.held) persist_model_ready(model, c);
+}
+static void apply_fp8_weights(bool on, Hooks& h) {
+  g_opt.fp8_weights = on;
+  g_fp8_weights.reset();
+  if (!on) return;
+  ForwardStages& st = stages_for(h);
+  g_fp8_weights.norm_matmul_bf16 = st.norm_matmul;
+  g_fp8_weights.matmul_out_bf16 = st.matmul_out;
+  st.norm_matmul = fp8_norm_matmul;
+  st.matmul_out = fp8_matmul_out;
+  h.load_weights = fp8_load_weights;
+  for (auto& ready : h.model_ready)
+    if (ready == persist_model_ready) ready = fp8_persistent_model_ready;
+}
+static std::string fp8_weights_note(const Qwen3&) {
+  const Fp8Weights& f = g_fp8_weights;
+  if (f.held) return "FP8 weights: cuBLASLt block-scaled products at every step size";
+  if (!f.reason.empty()) return "fp8_weights stands aside (" + f.reason + "): the checkpoint is dequantized to bf16";
+  return "";
+}
+static const int kFp8WeightsRegistered = register_optimization(
+    {"fp8_weights", "an FP8 checkpoint's linear weights kept in FP8, products on FP8 tensor cores (section 28)",
+     true, apply_fp8_weights, fp8_weights_note, {}, "fp8"});
+
+// ==== 30. An FP8 KV cache, 1: the format, its scales, the store and prefill's tiles ========================
 // defines: fp8e4m3, KVScales, KVLayerFp8, bf16x8_to_fp8x8, fp8x8_to_half8, half8_to_fp8x8, KVFp8,
-//          e4m3_from_float, e4m3_to_float, kv_scale_for, kv_scales_from_weights, KVStoreFp8, qk_norm_rope_fp8
-//          (section 29: decode, the stages, --kv-cache-dtype fp8)
+//          kv_scale_for, kv_scales_from_weights, KVStoreFp8, qk_norm_rope_fp8
+//          (section 31: decode, the stages, --kv-cache-dtype fp8)
 //
 // Replaces: the bf16 KV cache of sections 6b-8, when --kv-cache-dtype fp8 asks (vLLM's flag; the default,
 // auto, is bf16). The layout, block tables, prefix caching, preemption, CUDA graphs and tensor parallelism
@@ -8152,7 +8895,7 @@ static const int kPersistentRegistered = register_optimization(
 // each bound (raised by a hundredth for the bf16 roundings on the way) over 448, rounded up to a power of
 // two. A typical element then lands about sqrt(D) (keys) or sqrt(H) (values) below 448, far above 2^-6. The
 // docs/performance.md has the accuracy of this choice and of vLLM's default (scale 1.0);
-// g_fp8_cache.scales_from_weights = false (section 29; the tests' switch) runs the latter.
+// g_fp8_cache.scales_from_weights = false (section 31; the tests' switch) runs the latter.
 // Why powers of two: dividing by one is exact, so the stored byte is the rounding of the bf16 value itself,
 // whatever the scale, and the scale can be applied after the matrix products at no cost in accuracy.
 //
@@ -8164,10 +8907,10 @@ static const int kPersistentRegistered = register_optimization(
 // multiplies the scores' scale and the value scale the output, both once. Where the conversion happens
 // differs: the prefill kernel stages a tile's bytes (cp.async, 16 values a copy) and every thread widens the
 // chunks it copied itself into section 15's fp16 tile (no barrier: nobody else reads a thread's staged
-// chunks); decode, which only streams, converts in registers on the way into the MMAs (section 29).
-// How: this is a cache format in section 15's sense, KVFp8 (its pieces here and in section 29), and the
+// chunks); decode, which only streams, converts in registers on the way into the MMAs (section 31).
+// How: this is a cache format in section 15's sense, KVFp8 (its pieces here and in section 31), and the
 // chapter runs the kernels of sections 15, 16, 19 and 24-26 instantiated with it: its own stages of section
-// 14's forward pass and its own persistent kernel, installed when an engine asks for fp8 (section 29).
+// 14's forward pass and its own persistent kernel, installed when an engine asks for fp8 (section 31).
 // Needs: FP8 conversion instructions (compute capability 8.9 and later: Ada, Hopper); ModelRunner refuses
 // --kv-cache-dtype fp8 on older GPUs with a message.
 
@@ -8302,7 +9045,7 @@ __device__ __forceinline__ void widen_kv_tile_fp8(const char* slot, bf16* sK, bf
 // stages a tile's bytes in the ring above and widens them into stage 0 (tile_ready); the q fragments become
 // fp16 (exact for |q| up to 65504), the scores take the key scale and the output the value scale; the store
 // divides by the layer's scale and rounds to e4m3, and the values an attention tile then holds (tile values)
-// are those bytes widened. Section 29 adds its decode loop and the persistent kernel's reads.
+// are those bytes widened. Section 31 adds its decode loop and the persistent kernel's reads.
 struct KVFp8 {
   using Elem = fp8e4m3;
   using Tile = __half;
@@ -8364,33 +9107,8 @@ struct KVFp8 {
   }
 };
 
-// What the kernels compute, on the CPU: e4m3 rounding (to nearest, ties to even, saturating at +-448; NaN
-// stays NaN) and its inverse, written from the format's definition rather than from cuda_fp8.h.
-static uint8_t e4m3_from_float(float x) {
-  if (std::isnan(x)) return 0x7f;
-  const uint8_t sign = std::signbit(x) ? 0x80 : 0;
-  double a = std::fabs((double)x);
-  if (a >= 448.0) return sign | 0x7e;  // satfinite: the largest finite value, 1.75 x 2^8
-  // The spacing of representable values around a: 2^-9 below 2^-6 (subnormals), else 2^(e-3) in [2^e, 2^e+1).
-  int e = (int)std::floor(std::log2(a));
-  if (a > 0 && std::ldexp(1.0, e) > a) e--;  // log2's rounding, either way
-  if (a > 0 && std::ldexp(1.0, e + 1) <= a) e++;
-  const double step = a < 0x1p-6 ? 0x1p-9 : std::ldexp(1.0, e - 3);
-  const double q = std::nearbyint(a / step) * step;  // the default rounding mode: ties to even
-  if (q == 0) return sign;
-  if (q < 0x1p-6) return sign | (uint8_t)(q / 0x1p-9);  // subnormal: exponent field 0
-  int qe = (int)std::floor(std::log2(q));
-  if (std::ldexp(1.0, qe) > q) qe--;
-  const int mant = (int)(q / std::ldexp(1.0, qe) * 8) - 8;  // 0..7
-  return sign | (uint8_t)((qe + 7) << 3) | (uint8_t)mant;
-}
-static float e4m3_to_float(uint8_t b) {
-  const int e = (b >> 3) & 15, m = b & 7;
-  if (e == 15 && m == 7) return NAN;
-  const double mag = e == 0 ? m * 0x1p-9 : std::ldexp(1.0 + m / 8.0, e - 7);
-  return (float)(b & 0x80 ? -mag : mag);
-}
-
+// What the kernels compute, on the CPU: e4m3 rounding is section 28's e4m3_from_float, its inverse section
+// 6a's e4m3_to_float.
 
 // The scale for values bounded by `bound`: the smallest power of two s with bound / s <= 448, kept within
 // 2^-100 .. 2^7 (a bound above 448 x 2^7 = 57,344 would be beyond any bf16 model's K or V).
@@ -8409,10 +9127,17 @@ static std::vector<KVScales> kv_scales_from_weights(const Weights& w, const Mode
   auto to_host = [](std::vector<bf16>& dst, const bf16* src) {
     CUDA_CHECK(cudaMemcpy(dst.data(), src, dst.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
   };
-  for (const LayerWeights& lw : w.layers) {
+  for (size_t l = 0; l < w.layers.size(); l++) {
+    const LayerWeights& lw = w.layers[l];
     to_host(k_norm, lw.k_norm);
     to_host(ln, lw.input_layernorm);
-    to_host(wv, lw.qkv_proj + (NH + NKV) * D * H);  // v rows of the fused qkv weight
+    std::vector<float> wvf;  // the v rows of the fused qkv weight, as float
+    if (lw.qkv_proj) {
+      to_host(wv, lw.qkv_proj + (NH + NKV) * D * H);
+      for (bf16 x : wv) wvf.push_back(__bfloat162float(x));
+    } else {  // held in FP8 (section 28)
+      wvf = fp8_matrix_rows(g_fp8_weights.layers[l].qkv, (NH + NKV) * D, NKV * D);
+    }
     double k_max = 0, v_row_max = 0;
     for (bf16 x : k_norm) k_max = std::max(k_max, std::fabs((double)__bfloat162float(x)));
     std::vector<double> lnf(H);
@@ -8420,7 +9145,7 @@ static std::vector<KVScales> kv_scales_from_weights(const Weights& w, const Mode
     for (int64_t j = 0; j < NKV * D; j++) {
       double ss = 0;
       for (int64_t i = 0; i < H; i++) {
-        const double a = (double)__bfloat162float(wv[j * H + i]) * lnf[i];
+        const double a = (double)wvf[j * H + i] * lnf[i];
         ss += a * a;
       }
       v_row_max = std::max(v_row_max, std::sqrt(ss));
@@ -8462,17 +9187,17 @@ static void qk_norm_rope_fp8(bf16* qkv, const int* positions, const bf16* q_norm
 }
 
 
-// ==== 29. The FP8 KV cache, 2: decode attention over it, the persistent kernel, the stages =================
+// ==== 31. The FP8 KV cache, 2: decode attention over it, the persistent kernel, the stages =================
 // defines: DecodeAccFp8, DecodeLoop<KVFp8>, fp8_decode_attend, PersistKV<KVFp8>, Fp8Cache, g_fp8_cache,
 //          store_qkv_fp8, attention_prefill_fp8, attention_decode_fp8, apply_fp8_cache, use_fp8_cache;
-//          --kv-cache-dtype fp8; switch longest_first (29a)
+//          --kv-cache-dtype fp8; switch longest_first (31a)
 //
-// Section 28's format, continued: how decode reads it (its own loop: the tile pipeline is prefill's), how the
+// Section 30's format, continued: how decode reads it (its own loop: the tile pipeline is prefill's), how the
 // persistent kernel reads it, and the format's apply: the stages of section 14's forward pass and the
 // persistent kernel that an engine with an fp8 cache runs, installed as every chapter installs its change
 // (section 14's stages_for), when the engine installs its optimizations and cache format (section 11).
 //
-// The tile pipeline of section 28 is how the prefill kernel reads fp8: stage a 64-key tile, widen it to fp16 in
+// The tile pipeline of section 30 is how the prefill kernel reads fp8: stage a 64-key tile, widen it to fp16 in
 // shared memory, a barrier, the tensor cores, a barrier. For decode, which only streams, that is slow: it
 // keeps one 16 KiB fp8 tile in flight per thread block (the staging slots live in the shadow of the bf16
 // tile, half of what bf16 keeps in flight at the same shared memory), and every byte makes an extra round
@@ -8816,7 +9541,7 @@ struct Fp8Cache {
   bool on = false;                  // the engine's cache is fp8 (apply_fp8_cache)
   std::vector<KVScales> scales;     // [L] per layer (use_fp8_cache, before the pool is sized)
   bool scales_from_weights = true;  // a setting, kept across engines: tests set it false to run vLLM's
-                                    // default scales (1.0) instead of the weight bounds of section 28
+                                    // default scales (1.0) instead of the weight bounds of section 30
 };
 static Fp8Cache g_fp8_cache;
 static void fp8_layer_scales(int l, float (&kv_scale)[2]) {
@@ -8901,7 +9626,7 @@ static const int kFp8FormatRegistered = register_kv_cache_format(
      apply_fp8_cache});
 
 
-// ---- 29a. An fp8 decode step's rows, longest context first (switch longest_first) -------------------------
+// ---- 31a. An fp8 decode step's rows, longest context first (switch longest_first) -------------------------
 // Replaces: the scheduler's order of a decode step's rows, which is the order flash_decode_kernel's thread
 // blocks start in (its grid runs partition fastest, then kv head, then row).
 // Why it is faster: a step's contexts differ (bench.py's run from 100 to 2,048 tokens), and a thread block
@@ -8928,7 +9653,7 @@ static void apply_longest_first(bool on, Hooks& h) {
   if (on) h.decode_scheduled.push_back(order_longest_first);
 }
 static const int kLongestFirstRegistered = register_optimization(
-    {"longest_first", "an fp8 decode step's rows in order of context length, longest first (section 29a)", true,
+    {"longest_first", "an fp8 decode step's rows in order of context length, longest first (section 31a)", true,
      apply_longest_first});
 
 
@@ -8936,9 +9661,10 @@ static const int kLongestFirstRegistered = register_optimization(
 // PART III — THE PROGRAM AROUND IT
 // ##########################################################################################################
 
-// ==== 30. Reading the configuration: config.json, flags and sampling fields ================================
+// ==== 32. Reading the configuration: config.json, flags and sampling fields ================================
 // defines: parse_model_config, load_model_config, parse_optimizations, optimizations_str,
-//          parse_kv_cache_dtype, validate_config, validate_sampling
+//          parse_kv_cache_dtype, parse_quantization_config, parse_quantization, validate_config,
+//          validate_sampling
 //
 // Section 2 says what each setting means; this section reads them from where a user writes them and
 // refuses what the engine cannot run, with a message that names the file, field or flag, what was expected
@@ -8978,6 +9704,49 @@ static std::vector<int> eos_ids_from(const json& v) {
   if (v.is_array())
     for (auto& x : v) add(x);
   return ids;
+}
+
+// config.json's quantization_config, when there is one: only Qwen's FP8 format (section 6a says what it
+// stores) is read, with the fields as the published Qwen/Qwen3-*-FP8 configs write them; fmt and
+// activation_scheme may be absent (transformers' FineGrainedFP8Config writes no fmt; its activation_scheme
+// defaults to dynamic). Sets c.block_quantized and c.not_quantized, or refuses with the field, what was found
+// and what nanovllm reads.
+static void parse_quantization_config(const json& j, ModelConfig& c, const std::string& path) {
+  if (!j.contains("quantization_config") || j["quantization_config"].is_null()) return;
+  const json& q = j["quantization_config"];
+  const char* p = path.c_str();
+  if (!q.is_object()) die("%s: field \"quantization_config\" must be an object, found %s", p, q.dump().c_str());
+  if (!q.contains("quant_method") || !q["quant_method"].is_string())
+    die("%s: quantization_config needs \"quant_method\" as a string; nanovllm reads \"fp8\" (Qwen/Qwen3-*-FP8)", p);
+  const std::string method = q["quant_method"];
+  if (method != "fp8")
+    die("%s: quantization_config.quant_method \"%s\" is not supported; nanovllm reads unquantized checkpoints "
+        "(BF16, F16, F32) and \"fp8\" ones with 128 x 128 block scales (Qwen/Qwen3-*-FP8), not gptq, awq, "
+        "compressed-tensors, bitsandbytes or gguf", p, method.c_str());
+  if (q.contains("fmt") && q["fmt"] != "e4m3")
+    die("%s: quantization_config.fmt %s is not supported; nanovllm reads \"e4m3\" weights", p,
+        q["fmt"].dump().c_str());
+  if (q.contains("activation_scheme") && q["activation_scheme"] != "dynamic")
+    die("%s: quantization_config.activation_scheme %s is not supported; nanovllm reads \"dynamic\" checkpoints "
+        "(a static one stores per-tensor activation scales, input_scale)", p, q["activation_scheme"].dump().c_str());
+  if (!q.contains("weight_block_size") || q["weight_block_size"].is_null())
+    die("%s: quantization_config has no \"weight_block_size\": a per-tensor FP8 checkpoint (one weight_scale per "
+        "tensor) is not supported; nanovllm reads block-scaled ones with weight_block_size [128, 128]", p);
+  if (q["weight_block_size"] != json::array({128, 128}))
+    die("%s: quantization_config.weight_block_size must be [128, 128], found %s", p,
+        q["weight_block_size"].dump().c_str());
+  c.block_quantized = true;
+  c.not_quantized.clear();
+  if (!q.contains("modules_to_not_convert") || q["modules_to_not_convert"].is_null()) return;
+  const json& keep = q["modules_to_not_convert"];
+  if (!keep.is_array())
+    die("%s: quantization_config.modules_to_not_convert must be a list of module names, found %s", p,
+        keep.dump().c_str());
+  for (const json& e : keep) {
+    if (!e.is_string() || e.get<std::string>().empty())
+      die("%s: quantization_config.modules_to_not_convert: %s is not a module name", p, e.dump().c_str());
+    c.not_quantized.push_back(e);
+  }
 }
 
 // Parse config.json text. Refuses anything that is not a dense Qwen3 (MoE, Llama, Qwen2 with qkv bias, rope
@@ -9029,6 +9798,7 @@ static ModelConfig parse_model_config(const std::string& text, const std::string
   if (j.contains("dtype") && j["dtype"].is_string()) c.dtype = j["dtype"];
   else if (j.contains("torch_dtype") && j["torch_dtype"].is_string()) c.dtype = j["torch_dtype"];
   if (j.contains("eos_token_id")) c.eos_token_ids = eos_ids_from(j["eos_token_id"]);
+  parse_quantization_config(j, c, path);
 
   auto positive = [&](int v, const char* name) {
     if (v <= 0) die("%s: \"%s\" must be positive, found %d", path.c_str(), name, v);
@@ -9148,6 +9918,24 @@ static std::string parse_kv_cache_dtype(const std::string& s, std::string& name)
   }
   return "--kv-cache-dtype must be one of " + kv_cache_spellings() + "; found '" + s + "'";
 }
+// --quantization (vLLM's flag): the methods this build's optimizations provide (Optimization::quantization).
+// Returns "" and sets `method`, or says what is wrong.
+static std::string parse_quantization(const std::string& s, std::string& method) {
+  std::string known;
+  for (const Optimization& o : optimization_registry())
+    if (o.quantization) {
+      if (s == o.quantization) {
+        method = s;
+        return "";
+      }
+      known += std::string(known.empty() ? "" : ", ") + o.quantization;
+    }
+  if (known.empty())
+    return "--quantization " + s + ": this build quantizes nothing (Part II, which holds the FP8 weight chapter, "
+           "is cut out); it still runs an FP8 checkpoint, dequantized to bf16 at load";
+  return "--quantization must be " + known + " (a bf16 checkpoint's linear weights quantized at load), found '" +
+         s + "'; gptq, awq, compressed-tensors, bitsandbytes and gguf are not supported";
+}
 static bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
 
 // Check the engine settings; every message names the flag to change.
@@ -9164,6 +9952,12 @@ static void validate_config(Config& c, const ModelConfig& m) {
   c.max_model_len = std::min(c.max_model_len, m.max_position_embeddings);
   std::string tp_problem = tp_shard_problem(m, c.tensor_parallel_size);
   if (!tp_problem.empty()) die("%s", tp_problem.c_str());
+  const std::vector<Optimization>& reg = optimization_registry();
+  for (size_t i = 0; i < reg.size() && !c.quantization.empty(); i++)
+    if (reg[i].quantization && c.quantization == reg[i].quantization && !(i < c.opt.on.size() && c.opt.on[i]))
+      die("--quantization %s is computed by the optimization %s, which this run switches off (--plain or --opt); "
+          "switch it on, or drop --quantization to run the checkpoint as it is", c.quantization.c_str(),
+          reg[i].name);
   c.eos = m.eos_token_ids;
 }
 
@@ -9195,7 +9989,7 @@ static void validate_sampling(const SamplingParams& p, const std::string& where,
     if (id < 0) die("%s: stop_token_ids must be token ids >= 0, found %d", w, id);
 }
 
-// ==== 31. Prompts in: the formats and the sampling fields ==================================================
+// ==== 33. Prompts in: the formats and the sampling fields ==================================================
 // defines: valid_utf8, PromptOptions, sampling_from_json, kSamplingFields, check_jsonl_fields,
 //          sampling_defaults
 //
@@ -9205,7 +9999,7 @@ static void validate_sampling(const SamplingParams& p, const std::string& where,
 // and optional per-request sampling fields under vLLM's SamplingParams names (kSamplingFields below: n,
 // temperature, top_k, top_p, min_p, the penalties, max_tokens, min_tokens, ignore_eos, stop, stop_token_ids,
 // include_stop_str_in_output, logprobs, seed), and "arrival_time" (seconds after the start: the request
-// joins the queue then; --request-rate fills it in). Or the .jsonl file is an OpenAI batch (section 32).
+// joins the queue then; --request-rate fills it in). Or the .jsonl file is an OpenAI batch (section 34).
 // Everything is checked before the GPU is touched: a bad line is reported by number in a second, not after
 // a model load. A prompt that cannot fit (prompt tokens + max_tokens > max_model_len) refuses the whole run,
 // naming the line: silently dropping or truncating a request would hand back garbage.
@@ -9389,10 +10183,10 @@ static SamplingParams sampling_defaults(const json& generation_config, const std
   return sp;
 }
 
-// ==== 32. Reading the prompts file: text, .jsonl and OpenAI batch lines ====================================
+// ==== 34. Reading the prompts file: text, .jsonl and OpenAI batch lines ====================================
 // defines: is_batch_line, batch_request, parse_batch_line, parse_prompts, read_prompts, assign_arrivals
 //
-// parse_prompts turns a prompts file into Requests, line by line, in the formats section 31 lists, and
+// parse_prompts turns a prompts file into Requests, line by line, in the formats section 33 lists, and
 // assign_arrivals gives them their arrival times (--request-rate). An OpenAI batch's lines are read first, by
 // their own functions: a .jsonl file whose lines are {"custom_id", "method": "POST", "url", "body"} is a
 // batch (what `vllm run-batch` reads and writes): url is /v1/chat/completions (body.messages) or
@@ -9670,7 +10464,7 @@ static void assign_arrivals(std::vector<Request>& reqs, double rate, uint64_t se
   }
 }
 
-// ==== 33. Completions out: stdout, the --output lines, a batch's answers ===================================
+// ==== 35. Completions out: stdout, the --output lines, a batch's answers ===================================
 // defines: check_output_path, logprobs_json, batch_output_line, write_completions
 //
 // A readable block per completion on stdout, and with --output one JSON object per completion; an OpenAI
@@ -9796,7 +10590,7 @@ static json batch_output_line(const Request& r, const Completion* outs, int n, c
 }
 
 // The completions: a readable block per completion on stdout, and with --output one JSON object per
-// completion (then the run summary, section 36). An OpenAI batch is answered instead with one output line
+// completion (then the run summary, section 38). An OpenAI batch is answered instead with one output line
 // per input line, in input order, to --output or else to stdout. Returns true for a batch. stopped_by: what
 // left requests unfinished, for a batch's error lines.
 static bool write_completions(const std::vector<Request>& reqs, const std::vector<Completion>& outs,
@@ -9845,7 +10639,7 @@ static bool write_completions(const std::vector<Request>& reqs, const std::vecto
   return batch;
 }
 
-// ==== 34. Shards: a part of the input per machine, and the merge ===========================================
+// ==== 36. Shards: a part of the input per machine, and the merge ===========================================
 // defines: ShardSpec, parse_shard, request_weight, shard_split, requests_xxh64, shard_requests, shard_plan,
 //          ShardOut, shard_record, ShardFile, read_shard_file, merge_shards
 //
@@ -10172,7 +10966,7 @@ static std::string merge_shards(const std::vector<std::string>& paths, std::stri
   // The merged file.
   merged.clear();
   int64_t lines = 0, prompt_tokens = 0, generated = 0;
-  std::vector<int32_t> tokens;  // completions_xxh64's bytes (section 36), from the lines
+  std::vector<int32_t> tokens;  // completions_xxh64's bytes (section 38), from the lines
   for (int64_t i = 0; i < total; i++)
     for (const json* l : out[i]) {
       merged += l->dump(-1, ' ', false, json::error_handler_t::replace) + "\n", lines++;
@@ -10196,13 +10990,13 @@ static std::string merge_shards(const std::vector<std::string>& paths, std::stri
   return "";
 }
 
-// ==== 35. Watching the run: the progress line and the trace ================================================
+// ==== 37. Watching the run: the progress line and the trace ================================================
 // defines: RunStats, StepTrace, trace_after_schedule, format_trace, labelled, format_progress, RunWatcher
 //
 // The text and pictures a run shows about itself (section 13 keeps the numbers), in three steps: this
 // section watches each step (RunWatcher, section 13's StepObserver) and prints the progress line or one
-// --trace line per step; section 36 sums the run up at its end (with the time to first token, the time per
-// output token, and two fingerprints that make runs comparable bit for bit); section 37 draws --report's
+// --trace line per step; section 38 sums the run up at its end (with the time to first token, the time per
+// output token, and two fingerprints that make runs comparable bit for bit); section 39 draws --report's
 // one-file HTML picture of the whole run.
 
 struct RunStats {
@@ -10292,7 +11086,7 @@ static std::string format_trace(const StepTrace& t) {
   return line;
 }
 
-// Each line of `text` with `label` in front (a data-parallel replica's trace, section 39).
+// Each line of `text` with `label` in front (a data-parallel replica's trace, section 41).
 static std::string labelled(const std::string& label, const std::string& text) {
   if (label.empty()) return text;
   std::string out;
@@ -10408,12 +11202,12 @@ struct RunWatcher : StepObserver {
 };
 
 
-// ==== 36. The run summary: its figures, two fingerprints and the summary record ============================
+// ==== 38. The run summary: its figures, two fingerprints and the summary record ============================
 // defines: completions_xxh64, last_logits_xxh64, Percentiles, percentiles, RunSummary, run_summary,
 //          summary_json, format_summary, write_summary
 //
 // What a run prints when it ends and writes as the last line of --output: counts, rates, where the time
-// went, request latencies, and fingerprints of the results, built from RunWatcher's figures (section 35)
+// went, request latencies, and fingerprints of the results, built from RunWatcher's figures (section 37)
 // and the scheduler's.
 
 // xxHash64 (seed 0) of every completion in input order, each as its length then its token ids, all
@@ -10481,7 +11275,7 @@ struct RunSummary {
   uint64_t tokens_xxh64 = 0, logits_xxh64 = 0;
   int logits_rows = 0;
   int64_t unfinished_requests = 0;  // > 0 only when a Ctrl-C (or a failed replica) stopped the run
-  // With data parallelism (section 39): one entry per replica. The figures above are then the run's: counts
+  // With data parallelism (section 41): one entry per replica. The figures above are then the run's: counts
   // summed, the step times the mean of the replicas' (so a rate is theirs together), the run's seconds the
   // longest replica's; the logits fingerprint is each replica's, here.
   struct Replica {
@@ -10639,7 +11433,7 @@ static void write_summary(const RunSummary& summary, FILE* jsonl) {
   if (jsonl) fprintf(jsonl, "%s\n", summary_json(summary).dump().c_str());
 }
 
-// ==== 37. The report: the whole run in one HTML page =======================================================
+// ==== 39. The report: the whole run in one HTML page =======================================================
 // defines: svg_text, svg_rect, fmt, ReportChart, chart_step_tokens, chart_kv_pool,
 //          chart_hits_and_preemptions, chart_requests, report_head, write_report
 //
@@ -10888,13 +11682,13 @@ static void write_report(const std::string& path, const std::string& title, cons
   fclose(f);
 }
 
-// ==== 38. Signals and the tensor-parallel workers ==========================================================
+// ==== 40. Signals and the tensor-parallel workers ==========================================================
 // defines: install_stop_handlers, g_stop_hook, stop_processes, tp_supervise, test_fail_at, tp_launch,
 //          tp_shutdown
 //
 // The process plumbing, in three steps: here Ctrl-C and SIGTERM and the tensor-parallel workers (section
 // 12's ranks 1..N-1); then the data-parallel replicas (whole engines that share one queue of requests),
-// each one's side (section 39) and the coordinator's (section 40): how they are forked, told what to do,
+// each one's side (section 41) and the coordinator's (section 42): how they are forked, told what to do,
 // and stopped on every path. None of it changes what the engine computes.
 
 // Signal handlers may only use async-signal-safe calls: write(2) instead of fprintf.
@@ -11114,7 +11908,7 @@ static bool tp_shutdown() {
   return ok;
 }
 
-// ==== 39. Data parallelism, 1: N replicas of the engine, one queue =========================================
+// ==== 41. Data parallelism, 1: N replicas of the engine, one queue =========================================
 // defines: DP_MAX_REPLICAS, RequestQueue, Replica, Wire, put_completion, get_completion, DPMsg, DPShared,
 //          ReplicaLink, dp_send, replica_serve
 //
@@ -11383,11 +12177,11 @@ static void replica_serve(ReplicaLink& link, LLMEngine& engine, RunWatcher& watc
   dp_send(link.fd, DPMsg::FINISHED, fin);
 }
 
-// ==== 40. Data parallelism, 2: the coordinator =============================================================
+// ==== 42. Data parallelism, 2: the coordinator =============================================================
 // defines: DPGroup, g_dp, replica_signals, DPRun, dp_fork_replicas, DPCoordinator, dp_handle, dp_receive,
 //          dp_reap, dp_print_progress, dp_run, dp_figures, dp_completions
 //
-// The coordinator forks the replicas (section 39 says how the run is shared out among them), reads what
+// The coordinator forks the replicas (section 41 says how the run is shared out among them), reads what
 // each sends on its pipe, stops them all when one fails or a signal says so, and turns what they handed
 // back into one run's completions and figures.
 
@@ -11692,7 +12486,7 @@ static std::vector<Completion> dp_completions(const DPRun& run, const std::vecto
   return outs;
 }
 
-// ==== 41. simulate: the engine without a GPU ===============================================================
+// ==== 43. simulate: the engine without a GPU ===============================================================
 // defines: SimGpu, qwen3_shape, simulated_kv_blocks, step_cost, SimRunner
 //
 // `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` runs the real LLMEngine, Scheduler and BlockManager
@@ -11846,7 +12640,7 @@ struct SimRunner : StepRunner {
   }
 };
 
-// ==== 42. The command line: flags and --help ===============================================================
+// ==== 44. The command line: flags and --help ===============================================================
 // defines: Cli, kUsage, usage_text, parse_size, FlagReader, engine_flag, sampling_flag, run_flag,
 //          check_flag_combinations, parse_args
 //
@@ -11862,15 +12656,15 @@ struct Cli {
   int64_t seed = 0;
   bool trace = false;
   double request_rate = 0;   // --request-rate: requests/s of a Poisson process (0: all arrive at once)
-  bool simulate = false;     // `nanovllm simulate` (section 41)
+  bool simulate = false;     // `nanovllm simulate` (section 43)
   double sim_gpu_bytes = 0;  // --simulate-gpu-memory
   std::string sim_model = "Qwen3-0.6B";  // --simulate-model: the shape when there is no config.json
   bool sim_model_given = false;
   double sim_eos_prob = 0;   // --simulate-eos-prob
-  json sampling_flags = json::object();  // the sampling flags given, by vLLM's field names (section 31)
+  json sampling_flags = json::object();  // the sampling flags given, by vLLM's field names (section 33)
   bool generation_config = true;         // --generation-config auto (true) or vllm
-  int data_parallel_size = 1;            // --data-parallel-size: engine replicas (section 39)
-  ShardSpec shard;                       // --shard: this run's part of the input (section 34)
+  int data_parallel_size = 1;            // --data-parallel-size: engine replicas (section 41)
+  ShardSpec shard;                       // --shard: this run's part of the input (section 36)
 };
 
 static const char* kUsage =
@@ -11895,6 +12689,7 @@ static const char* kUsage =
     "  --kvcache-block-size N       tokens per KV block, power of two 16-256  (256)\n"
     "  --num-kvcache-blocks N       KV blocks (default: as many as fit)\n"
     "  --kv-cache-dtype T           what the KV cache stores: @KV_FORMATS@  (auto = bf16)\n"
+    "  --quantization M             quantize a bf16 checkpoint's linear weights at load: @QUANTIZATIONS@\n"
     "speed (Part II of nanovllm.cu; on by default: @OPT_DEFAULTS@):\n"
     "  --plain                      Part I alone: no optimization of Part II (same as --opt none)\n"
     "  --opt LIST                   comma-separated: all, none, NAME (on) or -NAME (off), left to right;\n"
@@ -11949,6 +12744,10 @@ static std::string usage_text() {
     if (at != std::string::npos) text.replace(at, key.size(), value);
   };
   put("@KV_FORMATS@", kv_cache_spellings());
+  std::string methods;
+  for (const Optimization& o : optimization_registry())
+    if (o.quantization) methods += std::string(methods.empty() ? "" : ", ") + o.quantization;
+  put("@QUANTIZATIONS@", methods.empty() ? "none in this build" : methods);
   put("@OPT_DEFAULTS@", defaults.empty() ? "none in this build" : defaults);
   put("@OPT_NAMES@\n", (names.empty() ? std::string("(none in this build)") : names) + "\n" + lines);
   return text;
@@ -12037,6 +12836,10 @@ static bool engine_flag(FlagReader& f, Cli& cli) {
   else if (a == "--kvcache-block-size") c.kvcache_block_size = f.as_int32(f.value());
   else if (a == "--kv-cache-dtype") {
     const std::string problem = parse_kv_cache_dtype(f.value(), c.kv_cache_dtype);
+    if (!problem.empty()) die("%s", problem.c_str());
+  }
+  else if (a == "--quantization") {
+    const std::string problem = parse_quantization(f.value(), c.quantization);
     if (!problem.empty()) die("%s", problem.c_str());
   }
   else if (a == "--num-kvcache-blocks") c.num_kvcache_blocks = f.as_int32(f.value());
@@ -12167,7 +12970,7 @@ static Cli parse_args(int argc, char** argv, bool simulate = false) {
   return cli;
 }
 
-// ==== 43. A run's start and end: the GPUs, the start-up line, the closing lines ============================
+// ==== 45. A run's start and end: the GPUs, the start-up line, the closing lines ============================
 // defines: example_requests, sampling_defaults_for, check_gpus, count_gpus_in_child, replica_gpus,
 //          gpu_warmup_start, startup_line, optimization_notes, take_shard, RunOutcome, finish_run, finish_dp
 //
@@ -12189,7 +12992,7 @@ static std::vector<Request> example_requests(const Tokenizer& tok, const PromptO
   return reqs;
 }
 
-// The sampling defaults of this run (section 31's sampling_defaults) into cli.prompts.defaults; returns the
+// The sampling defaults of this run (section 33's sampling_defaults) into cli.prompts.defaults; returns the
 // description the start-up line prints.
 static std::string sampling_defaults_for(Cli& cli, const ModelConfig& mc) {
   std::string described;
@@ -12319,10 +13122,12 @@ static std::string startup_line(ModelRunner& runner, const Config& config, doubl
   const std::string gpus = tp > 1 ? std::to_string(tp) + " x " + prop.name + " (tensor parallel)" : prop.name;
   char line[640];
   snprintf(line, sizeof line,
-           "nanovllm: %s%s | weights %.2f GB%s loaded in %.2f s (%.1f GB/s) | KV cache %s, %d blocks x %d "
+           "nanovllm: %s%s | weights %.2f GB%s%s loaded in %.2f s (%.1f GB/s) | KV cache %s, %d blocks x %d "
            "tokens = %lld tokens, %.2f GiB | %zu CUDA graphs in %.2f s | ready after %.2f s\n",
            g_process_label[0] ? (std::string(g_process_label) + ": ").c_str() : "", gpus.c_str(),
-           runner.model.w.bytes / 1e9, tp > 1 ? " per GPU" : "", runner.load_seconds, runner.load_gbps,
+           runner.model.w.bytes / 1e9, tp > 1 ? " per GPU" : "",
+           runner.model.w.held == "bf16" ? "" : (" (" + runner.model.w.held + ")").c_str(), runner.load_seconds,
+           runner.load_gbps,
            config.kv_cache_dtype.c_str(), config.num_kvcache_blocks, config.kvcache_block_size,
            (long long)config.num_kvcache_blocks * config.kvcache_block_size,
            runner.model.kv.bytes / (double)(1 << 30), runner.graphs.size(), runner.capture_seconds,
@@ -12431,7 +13236,7 @@ static int finish_run(const Cli& cli, const std::vector<Request>& requests, cons
   return g_stop_requested ? 128 + SIGINT : 0;
 }
 
-// A data-parallel run's end (section 40): the replicas' completions in input order and their figures,
+// A data-parallel run's end (section 42): the replicas' completions in input order and their figures,
 // written as one run's. Exit status 1 when a replica failed (after writing what finished, once they ran).
 static int finish_dp(const Cli& cli, const std::vector<Request>& requests, DPRun& dp,
                      const std::vector<std::string>& gpus, const Tokenizer& tok, double t_start,
@@ -12449,7 +13254,7 @@ static int finish_dp(const Cli& cli, const std::vector<Request>& requests, DPRun
   return finish_run(cli, requests, dp_completions(dp, requests), tok, run, shard);
 }
 
-// ==== 44. The commands and main ============================================================================
+// ==== 46. The commands and main ============================================================================
 // defines: roofline_command, merge_command, simulate_command, run_data_parallel, main
 //
 // What `nanovllm` can be asked to do besides a run (roofline, merge, simulate; encode and decode are the
@@ -12508,7 +13313,7 @@ static int roofline_command() {
   return 0;
 }
 
-// `nanovllm merge OUT SHARD_FILE...` (section 34's merge_shards).
+// `nanovllm merge OUT SHARD_FILE...` (section 36's merge_shards).
 static int merge_command(int argc, char** argv) {
   if (argc < 3 || !strcmp(argv[1], "--help"))
     die("usage: nanovllm merge OUT.jsonl SHARD.jsonl... (the --output files of every --shard K/N run)");
@@ -12527,9 +13332,9 @@ static int merge_command(int argc, char** argv) {
   return 0;
 }
 
-// `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` (section 41): the same checks and the same engine as
+// `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` (section 43): the same checks and the same engine as
 // a run, with SimRunner in place of the GPU. With --shard it first prints the plan of every shard, then
-// runs its own share; with --data-parallel-size N, N replica processes as a real run forks (section 39).
+// runs its own share; with --data-parallel-size N, N replica processes as a real run forks (section 41).
 static int simulate_command(Cli& cli) {
   const double t_start = now_seconds();
   Config& config = cli.config;
@@ -12576,7 +13381,7 @@ static int simulate_command(Cli& cli) {
   const std::string shape = has_config ? src + "/config.json" : cli.sim_model;
   fprintf(stderr,
           "nanovllm: simulate | shape of %s (%.2f B parameters) | KV cache %s, %d blocks x %d tokens = %lld "
-          "tokens%s | scheduler %s | no GPU: a stand-in model and a modelled clock (section 41)\n",
+          "tokens%s | scheduler %s | no GPU: a stand-in model and a modelled clock (section 43)\n",
           shape.c_str(), model_params(mc) / 1e9, config.kv_cache_dtype.c_str(),
           config.num_kvcache_blocks, config.kvcache_block_size,
           (long long)config.num_kvcache_blocks * config.kvcache_block_size,
@@ -12618,7 +13423,7 @@ static int simulate_command(Cli& cli) {
   return finish_run(cli, requests, outs, tok, run, cli.shard.on() ? &shard : nullptr);
 }
 
-// --data-parallel-size N (-dp N): N replicas, each an engine on its own GPUs (section 39); this process only
+// --data-parallel-size N (-dp N): N replicas, each an engine on its own GPUs (section 41); this process only
 // hands out the requests and writes what comes back. It counts the GPUs in a child: it must not use CUDA
 // itself before it forks.
 static int run_data_parallel(Cli& cli, const ModelConfig& mc, const Tokenizer& tok, std::vector<Request>& requests,
@@ -12701,7 +13506,7 @@ int main(int argc, char** argv) {
   // 2. With --data-parallel-size N: N replicas of what follows, each on its own GPUs.
   if (dp > 1) return run_data_parallel(cli, mc, tok, requests, sampling, t_start, sharded);
   // 2. The GPU: weights, KV cache, CUDA graphs. Tensor-parallel workers are forked first: a child process
-  //    cannot use CUDA once its parent has (section 38).
+  //    cannot use CUDA once its parent has (section 40).
   tp_launch(tp);
   check_gpus(tp);
   ModelRunner runner(config, mc);

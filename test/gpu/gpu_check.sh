@@ -72,8 +72,8 @@ run_e2e() {  # run_e2e LABEL ENV...
 }
 for opt in ${E2E_OPTS:-all none}; do run_e2e "opt-$opt" NANOVLLM_E2E_OPT="$opt"; done
 for sch in ${E2E_SCHEDULERS:-mixed}; do run_e2e "scheduler-$sch" NANOVLLM_E2E_SCHEDULER="$sch"; done
-for kv in ${E2E_KV-fp8}; do run_e2e "kv-$kv" NANOVLLM_E2E_KV="$kv"; done  # --kv-cache-dtype (section 28)
-# Data parallelism (sections 39-40) on NANOVLLM_E2E_DP replicas (of TP GPUs each in its --tp case), after
+for kv in ${E2E_KV-fp8}; do run_e2e "kv-$kv" NANOVLLM_E2E_KV="$kv"; done  # --kv-cache-dtype (section 30)
+# Data parallelism (sections 41-42) on NANOVLLM_E2E_DP replicas (of TP GPUs each in its --tp case), after
 # gpu_e2e wrote the tolerance its teacher-forcing check reuses.
 DP=${NANOVLLM_E2E_DP:-1}
 if [ "$DP" -gt 1 ]; then

@@ -1,6 +1,8 @@
-// Sections 10 and 18 on the GPU: matrix products through cuBLASLt (Part I) and through the small-batch gemv
-// (Part II), each against the CPU reference (linear_reference, in double), the fused gemvs bit for bit
-// against the kernels they replace, and the two paths timed side by side at decode shapes.
+// Sections 10, 18 and 28-29 on the GPU: matrix products through cuBLASLt (Part I) and through the small-batch
+// gemv (Part II), each against the CPU reference (linear_reference, in double), the fused gemvs bit for bit
+// against the kernels they replace, and the two paths timed side by side at decode shapes; the FP8 weight
+// chapter's kernels (the weight quantizer and the activations' quantizer, bit for bit) and its cuBLASLt
+// block-scaled product against fp8_linear_reference and against the dequantized bf16 product.
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
 #include "../test.h"
@@ -218,6 +220,135 @@ TIMING(fused_gemv_speed) {
   }
   printf("    Qwen3-0.6B layer products at M=1 (weights in L2 after the first pass): separate kernels %.1f us, "
          "fused %.1f us\n", t[0], t[1]);
+}
+
+
+// ---- FP8 weights (sections 28-29) ----
+// A random bf16 [N, K] matrix with a block of zeros and a block of large values, so the quantizer meets a
+// zero amax and values far from 1.
+static std::vector<uint16_t> fp8_test_weight(int N, int K, uint64_t seed) {
+  auto w = random_bf16((size_t)N * K, seed, 0.05f);
+  for (int r = 0; r < 128 && r < N; r++)
+    for (int c = 0; c < 128 && c < K; c++) w[(size_t)r * K + c] = 0;
+  if (N >= 256)
+    for (int r = 128; r < 256; r++)
+      for (int c = 0; c < 128 && c < K; c++) w[(size_t)r * K + c] = float_to_bf16_bits(300.f * bf16_bits_to_float(w[(size_t)r * K + c]));
+  return w;
+}
+
+// quantize_weight against quantize_weight_reference: the same bytes and scales, exactly.
+TEST(fp8_quantize_weight_matches_reference) {
+  if (!have_gpu()) SKIP("no GPU");
+  for (auto nk : std::vector<std::pair<int, int>>{{128, 128}, {256, 384}, {384, 1024}}) {
+    const int N = nk.first, K = nk.second;
+    auto w = fp8_test_weight(N, K, N * 7 + K);
+    Fp8Matrix m;
+    m.N = N, m.K = K, m.ld = (int)cdiv(K / 128, 4) * 4;
+    DevBuf<uint16_t> dw(w);
+    DevBuf<uint8_t> q((size_t)N * K);
+    DevBuf<float> sc((size_t)N / 128 * m.ld);
+    q.poison(), sc.poison();
+    m.w = q.p, m.scale = sc.p;
+    quantize_weight(m, (const bf16*)dw.p, 0);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<uint8_t> gq = q.download(), wq((size_t)N * K);
+    std::vector<float> gs = sc.download();
+    int bad_q = 0, bad_s = 0;
+    for (int bi = 0; bi < N / 128; bi++)
+      for (int bj = 0; bj < K / 128; bj++) {
+        const float s = quantize_weight_reference(wq.data(), (const bf16*)w.data(), K, bi, bj);
+        bad_s += gs[(size_t)bi * m.ld + bj] != s;
+      }
+    for (size_t i = 0; i < wq.size(); i++) bad_q += gq[i] != wq[i];
+    CHECK_MSG(bad_q == 0 && bad_s == 0, "N=%d K=%d: %d bytes and %d scales differ from the CPU reference", N, K,
+              bad_q, bad_s);
+  }
+}
+
+// quantize_rows against quantize_rows_reference, bit for bit, at token counts that need padding to 4.
+TEST(fp8_quantize_rows_matches_reference) {
+  if (!have_gpu()) SKIP("no GPU");
+  for (int T : {1, 3, 4, 5, 17})
+    for (int K : {128, 384, 1024}) {
+      const int T4 = (int)cdiv(T, 4) * 4;
+      auto x = random_bf16((size_t)T * K, T * 131 + K, 2.0f);
+      for (int k = 0; k < 128; k++) x[k] = 0;  // a group of zeros: scale 1
+      DevBuf<uint16_t> dx(x);
+      DevBuf<uint8_t> q((size_t)T4 * K);
+      DevBuf<float> sc((size_t)T4 * K / 128);
+      q.poison(), sc.poison();
+      quantize_rows(q.p, sc.p, (const bf16*)dx.p, T, K, 0);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      std::vector<float> xf(x.size());
+      for (size_t i = 0; i < x.size(); i++) xf[i] = bf16_bits_to_float(x[i]);
+      std::vector<uint8_t> wq((size_t)T4 * K);
+      std::vector<float> ws((size_t)T4 * K / 128);
+      quantize_rows_reference(wq.data(), ws.data(), xf.data(), T, K);
+      std::vector<uint8_t> gq = q.download();
+      std::vector<float> gs = sc.download();
+      int bad = 0;
+      for (size_t i = 0; i < wq.size(); i++) bad += gq[i] != wq[i];
+      for (size_t i = 0; i < ws.size(); i++) bad += gs[i] != ws[i];
+      CHECK_MSG(bad == 0, "T=%d K=%d: %d bytes or scales differ from the CPU reference", T, K, bad);
+    }
+}
+
+// The cuBLASLt block-scaled product (fp8_linear) against fp8_linear_reference (the same arithmetic in double)
+// at token counts that are and are not multiples of 4 and K whose scale rows need padding (384: 3 blocks, ld 4),
+// and, more loosely, against the bf16 product of the dequantized weights (what the activations' rounding costs).
+TEST(fp8_linear_matches_reference) {
+  if (!have_gpu()) SKIP("no GPU");
+  Gemm g;
+  g.init();
+  ModelConfig shape;
+  shape.hidden_size = shape.intermediate_size = 1024;
+  const std::string problem = fp8_weights_problem(shape, 1);
+  if (!problem.empty()) SKIP("no block-scaled FP8 products here: %s", problem.c_str());
+  for (auto nk : std::vector<std::pair<int, int>>{{256, 384}, {384, 1024}, {1024, 3072}})
+    for (int T : {1, 3, 4, 6, 33, 130}) {
+      const int N = nk.first, K = nk.second, T4 = (int)cdiv(T, 4) * 4;
+      auto w = fp8_test_weight(N, K, N * 3 + K);
+      Fp8Matrix m;
+      m.N = N, m.K = K, m.ld = (int)cdiv(K / 128, 4) * 4;
+      DevBuf<uint16_t> dw(w);
+      DevBuf<uint8_t> q((size_t)N * K);
+      DevBuf<float> sc((size_t)N / 128 * m.ld);
+      sc.poison();
+      m.w = q.p, m.scale = sc.p;
+      quantize_weight(m, (const bf16*)dw.p, 0);
+      Fp8Weights& f = g_fp8_weights;
+      f.rows = T4, f.kmax = K;
+      DevBuf<uint8_t> xq((size_t)T4 * K);
+      DevBuf<float> xs((size_t)T4 * K / 128);
+      f.xq = xq.p, f.xs = xs.p;
+      auto x = random_bf16((size_t)T * K, T * 17 + K, 1.0f);
+      DevBuf<uint16_t> dx(x);
+      DevBuf<uint16_t> y((size_t)T4 * N);
+      y.poison();
+      fp8_linear(g, (bf16*)y.p, (const bf16*)dx.p, m, T, 0);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      std::vector<uint16_t> yb = y.download();
+      std::vector<float> got((size_t)T * N), xf(x.size()), want((size_t)T * N);
+      for (size_t i = 0; i < got.size(); i++) got[i] = bf16_bits_to_float(yb[i]);
+      for (size_t i = 0; i < x.size(); i++) xf[i] = bf16_bits_to_float(x[i]);
+      std::vector<uint8_t> wq = q.download();
+      std::vector<float> ws = sc.download();
+      fp8_linear_reference(want.data(), xf.data(), wq.data(), ws.data(), m.ld, T, N, K);
+      char what[96];
+      snprintf(what, sizeof what, "fp8_linear T=%d N=%d K=%d", T, N, K);
+      check_close(what, got.data(), want.data(), got.size(), 1e-2f, 1e-2f);
+      // the dequantized weights' bf16 product: within the activations' e4m3 rounding (2^-4 relative per value)
+      std::vector<float> wd((size_t)N * K), yd((size_t)T * N);
+      for (int r = 0; r < N; r++)
+        for (int c = 0; c < K; c++)
+          wd[(size_t)r * K + c] = e4m3_to_float(wq[(size_t)r * K + c]) * ws[(size_t)(r / 128) * m.ld + c / 128];
+      linear_reference(yd.data(), xf.data(), wd.data(), T, N, K);
+      double num = 0, den = 0;
+      for (size_t i = 0; i < yd.size(); i++) num += (got[i] - yd[i]) * (got[i] - yd[i]), den += yd[i] * yd[i];
+      CHECK_MSG(sqrt(num / den) < 0.05, "%s: relative L2 distance %.3f from the dequantized bf16 product", what,
+                sqrt(num / den));
+      f = Fp8Weights{};
+    }
 }
 
 int main(int argc, char** argv) {

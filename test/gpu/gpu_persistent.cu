@@ -3,7 +3,7 @@
 // a 4-layer slice of the Qwen3-8B shape, and an odd small shape whose sizes leave partial row groups and
 // partial chunks everywhere, with one KV head and 16-token blocks), at every batch size the kernel has a plan
 // for (1, 2, 4) with contexts from 1 to 3000 tokens over shuffled paged blocks; with a bf16 cache and with
-// an fp8 one (section 28).
+// an fp8 one (section 30).
 //   * Accuracy. The kernel adds its sums in another order than section 14 (and cuBLASLt), so the results are
 //     not bit-identical: each bf16 rounding may land one ulp apart and the difference travels through the
 //     layers. The yardstick is how far section 14 (other legitimate orders: section 18's gemv at batch 1
@@ -106,7 +106,7 @@ struct TestModel {
   std::vector<KVScales> scales;  // fp8: per layer
   char* bf16_copy = nullptr;     // fp8: the cache as bf16 values, [L, 2, NB, NKV, P, D]
   // The engine's cache format for this model, as install_optimizations applies it after the switches (section
-  // 29's apply_fp8_cache: its stages and persistent kernel for fp8), with this model's scales (use_fp8_cache
+  // 31's apply_fp8_cache: its stages and persistent kernel for fp8), with this model's scales (use_fp8_cache
   // would compute them; the format is global: set before every use).
   void use_format() const {
     apply_fp8_cache(fp8, g_hooks);
@@ -319,7 +319,7 @@ static int argmax_agrees(const std::vector<float>& got, const std::vector<float>
   return same;
 }
 
-static bool fp8_cache_supported() {  // section 28's conversion instructions: compute capability 8.9
+static bool fp8_cache_supported() {  // section 30's conversion instructions: compute capability 8.9
   int major = 0, minor = 0;
   CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
   CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0));

@@ -93,7 +93,7 @@ TEST(switches_fill_their_hooks) {
   CHECK(g_hooks.decode_step && g_hooks.model_ready.size() == 1);  // on; it measures which batch sizes it takes
 }
 
-// What section 41's simulate reads of the switches (Optimization::step_costs, by name): Part I's steps with
+// What section 43's simulate reads of the switches (Optimization::step_costs, by name): Part I's steps with
 // none on, section 23's graphs up to its largest rung, section 16's decode rows once per GQA group.
 TEST(simulate_reads_the_step_costs_of_the_switches_on) {
   CHECK_EQ(step_cost(parsed("none"), "prefill_graph_tokens"), 0.0);
@@ -103,11 +103,11 @@ TEST(simulate_reads_the_step_costs_of_the_switches_on) {
   CHECK_EQ(step_cost(parsed("none,flash_attn"), "decode_rows_per_kv_group"), 1.0);
   CHECK_EQ(step_cost(parsed("-prefill_graphs"), "prefill_graph_tokens"), 0.0);
   CHECK_EQ(step_cost(default_optimizations(), "prefill_graph_tokens"), (double)PREFILL_GRAPH_MAX_T);
-  // Every name a switch gives is one section 41 reads (a misspelt name would change nothing, silently).
+  // Every name a switch gives is one section 43 reads (a misspelt name would change nothing, silently).
   for (const Optimization& o : optimization_registry())
     for (const auto& cost : o.step_costs)
       CHECK_MSG(cost.first == "prefill_graph_tokens" || cost.first == "decode_rows_per_kv_group",
-                "%s gives step cost %s, which section 41 does not read", o.name, cost.first.c_str());
+                "%s gives step cost %s, which section 43 does not read", o.name, cost.first.c_str());
 }
 
 // Section 14's stage table: each chapter fills its own stages, a chapter that changes flash_attn's decode
@@ -143,7 +143,7 @@ TEST(chapters_fill_their_stages) {
         g_stages.attention_prefill == flash_attention_prefill_stage);
 }
 
-// The FP8 cache (sections 28-29) installs the way every chapter does: its format's apply, run by
+// The FP8 cache (sections 30-31) installs the way every chapter does: its format's apply, run by
 // install_optimizations after the switches, fills section 14's stages through stages_for and names the
 // persistent kernel's format; an engine of another format (or another install) resets all of it.
 TEST(fp8_cache_installs_through_the_stages) {
@@ -161,7 +161,7 @@ TEST(fp8_cache_installs_through_the_stages) {
   install_optimizations(default_optimizations());
 }
 
-// Section 29a's order: with an fp8 cache, a decode batch sorted by context length, longest first, ties kept in
+// Section 31a's order: with an fp8 cache, a decode batch sorted by context length, longest first, ties kept in
 // the scheduler's order (stable), the same sequences; with a bf16 cache, the batch as it was.
 TEST(longest_first_orders_decode_rows) {
   std::vector<Sequence> seqs;
