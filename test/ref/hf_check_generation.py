@@ -2,24 +2,42 @@
 """Score nanovllm's greedy generations under teacher forcing with the fp32 Hugging Face model.
 
 Usage:  python3 test/ref/hf_check_generation.py MODEL_DIR
-Reads MODEL_DIR/gen_results.json written by build/gpu_e2e: {"tolerance": t, "runs": {name: [[ids]...]}}
-where each entry is one request's prompt + generated ids (and "prompt_lens"). For every generated token,
+Reads MODEL_DIR/gen_results.json written by build/gpu_e2e: {"tolerance": t, "kv_cache_dtype": "bf16"|"fp8",
+"weights": "fp8" (optional, below), "runs": {name: {"sequences": [[ids]...], "prompt_lens": [...], and optionally
+"logprobs" and "penalties"}}}, each sequence one request's prompt + generated ids. For every generated token,
 the fp32 reference logits at that position (given OUR prefix) must score our token within `tolerance` of the
 reference's best; our token must be the reference's argmax wherever the reference's top-2 margin is clear of
 our error (margin > 2/3 x tolerance = 2 x the worst logit error of (a)); and with a bf16 KV cache at least 90%
 of our tokens must be the exact argmax (an fp8 cache's larger error flips more near-ties: the margin rule
 alone holds it, as (a) does).
+An FP8 folder of hf_reference.py (MODEL_DIR/bf16-dequantized exists; transformers here cannot run the FP8 one):
+the reference model is read from MODEL_DIR/bf16-dequantized, the weights the engine's dequantizing path loads.
+When gen_results.json also says "weights": "fp8" (the engine computed with FP8 weights and FP8 activations),
+the reference is instead hf_reference.py's W8A8 emulation of MODEL_DIR: each layer's linears with weights
+e4m3 * scale in fp32 from MODEL_DIR's safetensors and inputs fake-quantized to e4m3 per token per group of 128
+columns (s = amax / 448), the products in fp32 (w8a8_emulation, the one definition both scripts use).
 Prints PASS/FAIL lines and a RESULT line like the C++ suites.
 """
-import json, sys
+import json, os, sys
 import torch
 from transformers import Qwen3ForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # hf_reference.py sits beside this script
+from hf_reference import w8a8_emulation
 
 d = sys.argv[1]
 res = json.load(open(f"{d}/gen_results.json"))
 tol = res["tolerance"]
 fp8 = res.get("kv_cache_dtype") == "fp8"
-model = Qwen3ForCausalLM.from_pretrained(d, torch_dtype=torch.float32).to("cuda").eval()
+w8a8 = res.get("weights") == "fp8"
+src = f"{d}/bf16-dequantized" if os.path.isdir(f"{d}/bf16-dequantized") else d  # an FP8 folder: its bf16 twin
+if w8a8 and src == d:
+    sys.exit(f"{d}: \"weights\": \"fp8\" needs an FP8 folder of hf_reference.py (no {d}/bf16-dequantized)")
+model = Qwen3ForCausalLM.from_pretrained(src, torch_dtype=torch.float32).to("cuda").eval()
+if w8a8:  # score against what FP8 weights and activations compute, not against the dequantized bf16 weights
+    model = w8a8_emulation(model, d)
+print(f"reference: fp32 transformers model from {src}"
+      + (f", its linears W8A8-emulated from {d}'s FP8 weights" if w8a8 else ""), flush=True)
 passed = failed = 0
 for name, run in res["runs"].items():
     worst, n_tok, n_exact, worst_lp, n_clear, n_clear_wrong = 0.0, 0, 0, 0.0, 0, 0

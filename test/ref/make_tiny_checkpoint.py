@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """Write a tiny Qwen3 model folder nanovllm accepts, or one broken in a named way. Python stdlib only.
 
-Usage:  python3 test/ref/make_tiny_checkpoint.py OUT_DIR [--random] [--shards] [--break KIND]
-                                              [--set KEY=JSON ...] [--del KEY ...]
+Usage:  python3 test/ref/make_tiny_checkpoint.py OUT_DIR [--random] [--shards] [--fp8 bf16|f32]
+                                              [--break KIND] [--set KEY=JSON ...] [--del KEY ...]
 Writes OUT_DIR/config.json, generation_config.json and model.safetensors (or two shards and
 model.safetensors.index.json with --shards). The tokenizer files are not written: copy them in.
 --set/--del change config.json (the tensors follow the changed shape where they can).
+--fp8 SCALES writes an FP8 checkpoint as Qwen/Qwen3-*-FP8 are: config.json's quantization_config, each
+linear projection of a layer as F8_E4M3 with X.weight_scale_inv [ceil(out/128), ceil(in/128)] in BF16 or F32
+(--set/--del then apply to that config too).
 Shape: the "tiny" of test/ref/hf_reference.py (H 256, I 768, 2 layers, 4 query heads, 2 KV heads, D 128,
 V 151936, tied embeddings). Weights are zeros stored sparsely (the file costs no disk), or with --random
 small random bf16 values (a model the GPU can run; not a model that says anything).
@@ -33,11 +36,28 @@ BREAKS = {
     "shape": "model.layers.1.self_attn.k_norm.weight is [2, 64] instead of [128]",
     "shard_missing": "(with --shards) the index names a shard file that does not exist",
     "index_json": "(with --shards) model.safetensors.index.json is not JSON",
+    "fp8_scale_missing": "(with --fp8) model.layers.1.mlp.down_proj.weight_scale_inv is absent",
+    "fp8_scale_shape": "(with --fp8) model.layers.1.mlp.down_proj.weight_scale_inv is [2, 2] instead of [2, 6]",
+    "fp8_scale_dtype": "(with --fp8 bf16) model.layers.0.self_attn.k_proj.weight_scale_inv is F16",
+    "fp8_weight_dtype": "(with --fp8) model.layers.0.self_attn.q_proj.weight is F8_E5M2",
 }
+FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 __doc__ += "".join(f"  {k:18s} {v}\n" for k, v in BREAKS.items())
 
 
-def tensors(c):
+def tensors(c, fp8=None):
+    """[(name, shape, dtype)]: BF16, or with fp8 = "BF16"/"F32" the layers' linears in F8_E4M3 + their scales."""
+    out = []
+    for name, shape in bf16_tensors(c):
+        if fp8 and len(shape) == 2 and ".layers." in name:
+            out.append((name, shape, "F8_E4M3"))
+            out.append((name + "_scale_inv", [-(-shape[0] // 128), -(-shape[1] // 128)], fp8))
+        else:
+            out.append((name, shape, "BF16"))
+    return out
+
+
+def bf16_tensors(c):
     H, I, D, V = c["hidden_size"], c["intermediate_size"], c["head_dim"], c["vocab_size"]
     NH, NKV = c["num_attention_heads"], c["num_key_value_heads"]
     out = [("model.embed_tokens.weight", [V, H]), ("model.norm.weight", [H])]
@@ -63,17 +83,25 @@ def bf16_block(n_values, rng, norm):
     return struct.pack(f"<{n_values}H", *vals)
 
 
+SIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
+
+
+def fp8_block(n_values, rng):
+    """n_values e4m3 bytes, any but the two NaNs (0x7F, 0xFF)."""
+    return bytes(b if b & 0x7F != 0x7F else b - 1 for b in (rng.randrange(256) for _ in range(n_values)))
+
+
 def write_safetensors(path, entries, random_values, brk):
-    """entries: [(name, shape)] all BF16. Returns nothing; applies the header-level breaks."""
+    """entries: [(name, shape, dtype)]. Returns nothing; applies the header-level breaks."""
     header, off = {}, 0
-    for name, shape in entries:
-        n = 2
+    for name, shape, dtype in entries:
+        n = SIZE[dtype]
         for d in shape:
             n *= d
-        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [off, off + n]}
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + n]}
         off += n
     data_size = off
-    names = [n for n, _ in entries]
+    names = [n for n, _, _ in entries]
     if brk == "dtype_unknown":
         header[names[-1]]["dtype"] = "Q4"
     if brk == "dtype_unsupported":
@@ -90,6 +118,16 @@ def write_safetensors(path, entries, random_values, brk):
         for n in names:
             if n.endswith("layers.1.self_attn.k_norm.weight"):
                 header[n]["shape"] = [2, 64]
+    for n in names:
+        if brk == "fp8_scale_shape" and n.endswith("layers.1.mlp.down_proj.weight_scale_inv"):
+            header[n]["shape"] = [2, 2]
+            b, e = header[n]["data_offsets"]
+            header[n]["data_offsets"] = [b, b + (e - b) // 3]  # 12 of 4 bytes (f32) or 8 of 2 (bf16) : a span
+            # that fits the new shape, so the shape check (not the span check) is what refuses it
+        if brk == "fp8_scale_dtype" and n.endswith("layers.0.self_attn.k_proj.weight_scale_inv"):
+            header[n]["dtype"] = "F16"
+        if brk == "fp8_weight_dtype" and n.endswith("layers.0.self_attn.q_proj.weight"):
+            header[n]["dtype"] = "F8_E5M2"
     header["__metadata__"] = {"format": "pt"}
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
@@ -102,13 +140,16 @@ def write_safetensors(path, entries, random_values, brk):
         start = f.tell()
         if random_values:
             rng = random.Random(0)
-            block = {True: bf16_block(4096, rng, True), False: bf16_block(4096, rng, False)}
-            for name, shape in entries:
-                nbytes = 2
+            block = {True: bf16_block(4096, rng, True), False: bf16_block(4096, rng, False),
+                     "F8_E4M3": fp8_block(4096, rng), "BF16_scale": struct.pack("<H", 0x39A0) * 2048,
+                     "F32_scale": struct.pack("<f", 3e-4) * 1024}  # scale ~ amax / 448 of N(0, 0.05) weights
+            for name, shape, dtype in entries:
+                nbytes = SIZE[dtype]
                 for d in shape:
                     nbytes *= d
-                norm = name.endswith("norm.weight")
-                rep = block[norm] * (nbytes // len(block[norm]) + 1)
+                key = (dtype + "_scale" if name.endswith("_scale_inv") else dtype if dtype == "F8_E4M3"
+                       else name.endswith("norm.weight"))
+                rep = block[key] * (nbytes // len(block[key]) + 1)
                 f.write(rep[:nbytes])
         f.truncate(start + data_size)  # zeros, stored sparsely
     if brk == "truncated":
@@ -125,7 +166,13 @@ def main():
     brk = args[args.index("--break") + 1] if "--break" in args else None
     if brk is not None and brk not in BREAKS:
         sys.exit(f"unknown --break {brk}; one of {', '.join(BREAKS)}")
+    fp8 = args[args.index("--fp8") + 1] if "--fp8" in args else None
+    if fp8 is not None and fp8 not in ("bf16", "f32"):
+        sys.exit(f"--fp8 takes bf16 or f32 (the scales' dtype), found {fp8}")
+    fp8 = {"bf16": "BF16", "f32": "F32"}.get(fp8)
     config = dict(CONFIG)
+    if fp8:
+        config["quantization_config"] = dict(FP8_CONFIG)
     for i, a in enumerate(args):
         if a == "--set":
             key, value = args[i + 1].split("=", 1)
@@ -137,13 +184,15 @@ def main():
         json.dump({"eos_token_id": [151645, 151643], "bos_token_id": 151643}, f)
     shape = dict(CONFIG)
     shape.update({k: v for k, v in config.items() if type(v) is bool or (type(v) is int and v > 0)})
-    entries = tensors(shape)
+    entries = tensors(shape, fp8)
     if brk == "no_lm_head":
         config["tie_word_embeddings"] = False
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     if brk == "missing":
         entries = [e for e in entries if e[0] != "model.norm.weight"]
+    if brk == "fp8_scale_missing":
+        entries = [e for e in entries if e[0] != "model.layers.1.mlp.down_proj.weight_scale_inv"]
     if not shards:
         write_safetensors(os.path.join(out, "model.safetensors"), entries, random_values, brk)
         return
@@ -152,7 +201,7 @@ def main():
     weight_map = {}
     for i, part in enumerate([entries[:half], entries[half:]]):
         write_safetensors(os.path.join(out, files[i]), part, random_values, brk if i == 1 else None)
-        weight_map.update({n: files[i] for n, _ in part})
+        weight_map.update({n: files[i] for n, _, _ in part})
     if brk == "shard_missing":
         weight_map[entries[-1][0]] = "model-00003-of-00002.safetensors"
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
