@@ -10,6 +10,9 @@
 #          --tp N (tensor parallelism on N GPUs; the roofline is then N GPUs' bandwidth and GEMM rate),
 #          --opt LIST (passed to nanovllm: which optimizations of Part II run; --opt none is --plain),
 #          --kv-cache-dtype bf16|fp8 (passed to nanovllm; the roofline then counts 1 byte per K/V value),
+#          --quantization fp8 (passed to nanovllm: the layers' linear weights quantized to FP8 at load, as an
+#          FP8 checkpoint holds them; the roofline then counts 1 byte per such weight; also read from the
+#          model's config.json when it is an FP8 checkpoint),
 #          --scheduler nano|mixed (passed to nanovllm: nano-vllm's prefill-first rule or vLLM V1's),
 #          --dp N (data parallelism: with --only dataparallel, measure 7 on N replicas of --tp GPUs each).
 #          TOKENIZER_DIR: tokenizer for --random.
@@ -41,7 +44,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 MODEL= RANDOM_SHAPE= NANOVLLM=./nanovllm LOG_DIR=build/bench-logs ONLY= TP=1 OPT=all LADDER=0 BASELINE= KV=auto
-SCHED= DP=1
+SCHED= DP=1 QUANT=
 while [ $# -gt 0 ]; do
   case $1 in
     --model) MODEL=$2; shift 2 ;;
@@ -52,6 +55,7 @@ while [ $# -gt 0 ]; do
     --tp) TP=$2; shift 2 ;;
     --opt) OPT=$2; shift 2 ;;
     --kv-cache-dtype) KV=$2; shift 2 ;;
+    --quantization) QUANT=$2; shift 2 ;;
     --scheduler) SCHED=$2; shift 2 ;;
     --dp) DP=$2; shift 2 ;;
     --ladder) LADDER=1; shift ;;
@@ -90,6 +94,7 @@ fi
 OPT_FLAGS=(); [ "$OPT" = all ] || OPT_FLAGS=(--opt "$OPT")  # only then: an older binary knows no --opt
 [ "$KV" = auto ] || OPT_FLAGS+=(--kv-cache-dtype "$KV")
 [ -z "$SCHED" ] || OPT_FLAGS+=(--scheduler "$SCHED")
+[ -z "$QUANT" ] || OPT_FLAGS+=(--quantization "$QUANT")
 case $KV in auto|bf16) KV_BYTES=2 ;; fp8|fp8_e4m3) KV_BYTES=1 ;; *) echo "bench.sh: --kv-cache-dtype takes bf16 or fp8" >&2; exit 1 ;; esac
 [ -n "$MODEL" ] || { echo "bench.sh: give --model DIR or --random 0.6b|8b" >&2; exit 1; }
 [ -x "$NANOVLLM" ] || { echo "bench.sh: $NANOVLLM not found; run make first" >&2; exit 1; }
@@ -185,13 +190,14 @@ fi
   run dataparallel --temperature 0.6 --data-parallel-size "$DP"
 
 # The table, with roofline fractions computed from the model's shape and the measured ceilings.
-python3 - "$LOG_DIR" "$MODEL" "$BW" "$TF" "$GPU" "$ONLY" "$TP" "${RUNGS:-}" "$KV_BYTES" "$DP" <<'PY'
+python3 - "$LOG_DIR" "$MODEL" "$BW" "$TF" "$GPU" "$ONLY" "$TP" "${RUNGS:-}" "$KV_BYTES" "$DP" "$QUANT" <<'PY'
 import json, os, re, sys
 d, model, bw, tf, gpu, only = sys.argv[1], sys.argv[2], float(sys.argv[3]) * 1e9, float(sys.argv[4]) * 1e12, sys.argv[5], sys.argv[6]
 tp = int(sys.argv[7])
 rungs = sys.argv[8].split()
 kv_bytes = int(sys.argv[9])  # bytes per cached K or V value: 2 (bf16), 1 (fp8)
 dp = int(sys.argv[10])  # replicas of measure 7
+quant = sys.argv[11]  # --quantization, "" for none
 bw, tf = bw * tp, tf * tp  # N GPUs each read 1/N of the weights and KV, and do 1/N of the FLOPs
 if tp > 1: gpu = f"{tp} x {gpu} (tensor parallel; ceilings below are the sums)"
 c = json.load(open(f"{model}/config.json"))
@@ -200,7 +206,10 @@ NH, NKV, D = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
 tied = c.get("tie_word_embeddings", False)
 layer = H * (NH + 2 * NKV) * D + NH * D * H + 3 * H * I + 2 * H + 2 * D
 params = L * layer + V * H * (1 if tied else 2) + H
-wbytes = 2 * (params - (0 if tied else V * H))  # decode reads every weight once per step (not the embedding table)
+linears = L * (H * (NH + 2 * NKV) * D + NH * D * H + 3 * H * I)
+fp8w = quant == "fp8" or c.get("quantization_config", {}).get("quant_method") == "fp8"
+# decode reads every weight once per step (not the embedding table); FP8 linears 1 byte each (+ their scales)
+wbytes = 2 * (params - (0 if tied else V * H)) - (linears - 4 * linears / 128**2 if fp8w else 0)
 kv_tok = 2 * L * NKV * D * kv_bytes  # K and V bytes per token
 def summary(name, log=None):
     lines = open(log or f"{d}/{name}.log").readlines()
@@ -216,7 +225,7 @@ def summary(name, log=None):
     return r
 rows = []
 print(f"\nGPU: {gpu} | copy bandwidth {bw/1e9:.0f} GB/s | bf16 GEMM {tf/1e12:.0f} TFLOP/s | model {model}: {params/1e9:.3f} B params"
-      f" | KV cache {'fp8' if kv_bytes == 1 else 'bf16'}")
+      f" | KV cache {'fp8' if kv_bytes == 1 else 'bf16'} | linear weights {'fp8' if fp8w else 'bf16'}")
 reqs = [json.loads(l) for l in open(f"{d}/throughput.jsonl")]
 steps = max(r["max_tokens"] for r in reqs) - 1
 kv = sum(sum(len(r["prompt_token_ids"]) + k for k in range(1, r["max_tokens"])) for r in reqs) * kv_tok
@@ -254,7 +263,11 @@ if only in ("", "prefill"):
     s = summary("prefill")
     flops = 2 * L * layer + 4 * NH * D * 1024 * L  # per token: the layers' weights + causal attention (mean 1024 keys)
     ceil = tf / flops
-    rows.append(("prefill (64 x 2048)", f"{s['prefill']:.0f} tok/s", f"{100 * s['prefill'] / ceil:.0f}% of the {ceil:.0f} tok/s GEMM ceiling"))
+    what = "GEMM ceiling"
+    if fp8w:  # the layers' products run on FP8 tensor cores: twice the bf16 rate on Hopper, not measured here
+        ceil = tf / (flops - 2 * L * (H * (NH + 2 * NKV) * D + NH * D * H + 3 * H * I) / 2)
+        what = "GEMM ceiling (FP8 products at 2x the measured bf16 rate)"
+    rows.append(("prefill (64 x 2048)", f"{s['prefill']:.0f} tok/s", f"{100 * s['prefill'] / ceil:.0f}% of the {ceil:.0f} tok/s {what}"))
 if only == "dataparallel":  # the roofline of one replica (its --tp GPUs); N replicas: N times it at most
     one, many = summary("throughput"), summary("dataparallel")
     t1, tn = one["gen"] / one["seconds"], many["gen"] / many["seconds"]

@@ -1443,7 +1443,7 @@ static Weights load_weights(const std::string& dir, const ModelConfig& c, int ra
   WeightLoader ld(st, c, stream);
   // A linear projection's slice, dequantized on the way when the checkpoint stores it in 8 bits.
   auto load_linear = [&](bf16* dst, const std::string& name, int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
-    if (!dst) return;
+    if (!linears) return;
     if (spec.at(name).stored != Stored::quantized) return ld.load(dst, get(name), r0, nr, c0, nc);
     const std::vector<float> scales = block_scales(get(name + "_scale_inv"));
     ld.load(dst, get(name), r0, nr, c0, nc, &scales);
@@ -8498,6 +8498,7 @@ static void quantize_weight(const Fp8Matrix& m, const bf16* w, cudaStream_t stre
                  m.K, m.ld);
   check_aligned16("quantize_weight", "w", w);
   if (m.N == 0) return;
+  CUDA_CHECK(cudaMemsetAsync(m.scale, 0, (size_t)m.N / 128 * m.ld * sizeof(float), stream));  // ld's padding
   quantize_weight_kernel<<<dim3(m.K / 128, m.N / 128), 256, 0, stream>>>(m.w, m.scale, w, m.K, m.ld);
   CUDA_CHECK(cudaGetLastError());
 }
@@ -8749,7 +8750,7 @@ struct Fp8GemmPlan {
   cublasLtMatmulAlgo_t algo;
   bool found = false;
 };
-static Fp8GemmPlan& fp8_gemm_plan(Gemm& g, int T4, int N, int K) {
+static Fp8GemmPlan& fp8_gemm_plan(Gemm& g, int T4, int N, int K, const void* wscale, const void* xscale) {
   static std::map<std::tuple<cublasLtHandle_t, int, int, int>, Fp8GemmPlan> plans;
   auto key = std::make_tuple(g.handle, T4, N, K);
   auto it = plans.find(key);
@@ -8764,6 +8765,9 @@ static Fp8GemmPlan& fp8_gemm_plan(Gemm& g, int T4, int N, int K) {
                                     xmode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &wmode, sizeof wmode));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &xmode, sizeof xmode));
+  // The heuristic refuses block-scaled modes without scale pointers: the first call's, replaced at each call.
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &wscale, sizeof wscale));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &xscale, sizeof xscale));
 #endif
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_8F_E4M3, K, N, K));  // W, read transposed
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_8F_E4M3, K, T4, K));  // x_q
@@ -8794,7 +8798,7 @@ static void fp8_linear(Gemm& g, bf16* y, const bf16* x, const Fp8Matrix& m, int 
   INTERNAL_CHECK(T4 <= f.rows && m.K <= f.kmax, "fp8_linear: %d rows of %d columns, buffers for %d of %d", T4, m.K,
                  f.rows, f.kmax);
   quantize_rows(f.xq, f.xs, x, T, m.K, stream);
-  Fp8GemmPlan& p = fp8_gemm_plan(g, T4, m.N, m.K);
+  Fp8GemmPlan& p = fp8_gemm_plan(g, T4, m.N, m.K, m.scale, f.xs);
 #if CUBLAS_VERSION >= 120900
   const void* ws = m.scale;
   const void* xs = f.xs;
