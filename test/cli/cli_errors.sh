@@ -185,6 +185,54 @@ M=$(model badgen) && echo '{"eos_token_id": [1,' >"$M/generation_config.json"
 refuse generation_config_not_json "$M/generation_config.json is not valid JSON" \
   "$M" "$PT"
 
+# ---- FP8: config.json's quantization_config and --quantization ----------------------------------------
+# Set into the bf16 tiny model's config.json; the checkpoint-tensor cases (F8_E4M3 weights and their block
+# scales, each way to get them wrong) are test/host/test_fp8_checkpoint.cu's, on files it writes.
+qc() { model "$1" --set "quantization_config=$2"; }
+M=$(qc q_gptq '{"quant_method": "gptq", "bits": 4, "group_size": 128}')
+refuse fp8_config_gptq "$M/config.json|quant_method \"gptq\" is not supported|\"fp8\"|BF16, F16, F32" "$M" "$PT"
+M=$(qc q_awq '{"quant_method": "awq", "bits": 4}')
+refuse fp8_config_awq "$M/config.json|quant_method \"awq\" is not supported|128 x 128 block scales" "$M" "$PT"
+M=$(qc q_str '"fp8"')
+refuse fp8_config_not_an_object "$M/config.json|field \"quantization_config\" must be an object, found \"fp8\"" \
+  "$M" "$PT"
+M=$(qc q_nomethod '{"weight_block_size": [128, 128]}')
+refuse fp8_config_no_quant_method "$M/config.json|needs \"quant_method\" as a string" "$M" "$PT"
+M=$(qc q_e5m2 '{"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}')
+refuse fp8_config_fmt_e5m2 "$M/config.json|quantization_config.fmt \"e5m2\" is not supported|\"e4m3\"" "$M" "$PT"
+M=$(qc q_static '{"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}')
+refuse fp8_config_static "$M/config.json|activation_scheme \"static\" is not supported|\"dynamic\"|input_scale" \
+  "$M" "$PT"
+M=$(qc q_pertensor '{"quant_method": "fp8", "activation_scheme": "dynamic"}')
+refuse fp8_config_per_tensor "$M/config.json|no \"weight_block_size\"|per-tensor FP8|[128, 128]" "$M" "$PT"
+M=$(qc q_b64 '{"quant_method": "fp8", "weight_block_size": [64, 64]}')
+refuse fp8_config_block_64 "$M/config.json|weight_block_size must be [128, 128], found [64,64]" "$M" "$PT"
+M=$(qc q_keepstr '{"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": "lm_head"}')
+refuse fp8_config_not_convert_not_a_list "$M/config.json|modules_to_not_convert must be a list|\"lm_head\"" \
+  "$M" "$PT"
+M=$(qc q_keepempty '{"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": [""]}')
+refuse fp8_config_not_convert_empty_name "$M/config.json|modules_to_not_convert: \"\" is not a module name" \
+  "$M" "$PT"
+# The published FP8 config on a bf16 checkpoint: the first layer linear is not F8_E4M3.
+M=$(qc q_onbf16 '{"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+  "weight_block_size": [128, 128]}')
+refuse fp8_config_on_bf16_checkpoint "'model.layers.0.self_attn.q_proj.weight'|$M/model.safetensors|dtype BF16|\
+F8_E4M3 unless modules_to_not_convert names them" "$M" "$PT"
+# ... and with every layer linear named in modules_to_not_convert the same files are valid.
+M=$(qc q_allkept '{"quant_method": "fp8", "weight_block_size": [128, 128],
+  "modules_to_not_convert": ["model.layers"]}')
+refuse valid_fp8_config_every_linear_kept_reaches_gpu_check "$NOGPU" "$M" "$PT"
+M=$(qc q_null null)
+refuse valid_quantization_config_null_reaches_gpu_check "$NOGPU" "$M" "$PT"
+refuse flag_quantization_gptq "--quantization must be fp8|found 'gptq'|\
+gptq, awq, compressed-tensors, bitsandbytes and gguf are not supported" "$G" "$PT" --quantization gptq
+refuse flag_quantization_fp8_with_plain "--quantization fp8 is computed by the optimization fp8_weights|--plain or --opt" \
+  "$G" "$PT" --quantization fp8 --plain
+refuse flag_quantization_fp8_opt_off "--quantization fp8 is computed by the optimization fp8_weights" \
+  "$G" "$PT" --opt=-fp8_weights --quantization=fp8
+refuse flag_quantization_missing_value "flag --quantization needs a value" "$G" "$PT" --quantization
+refuse valid_quantization_fp8_reaches_gpu_check "$NOGPU" "$G" "$PT" --quantization fp8
+
 # ---- the checkpoint ------------------------------------------------------------------------------------
 ST=model.safetensors
 M=$(model truncated --break truncated)
