@@ -8424,9 +8424,10 @@ static std::string fp8_weights_problem(const ModelConfig& mc, int tp) {
              "128 x 128 blocks to fuse and split", mc.hidden_size, I);
     return buf;
   }
-  for (const std::string& m : mc.not_quantized)
-    if (m.find("layers") != std::string::npos || m.find("proj") != std::string::npos)
-      return "modules_to_not_convert keeps layer linears in bf16 (\"" + m + "\")";
+  if (mc.block_quantized)  // a checkpoint that keeps a layer linear in bf16 (modules_to_not_convert)
+    for (const TensorSpec& t : checkpoint_tensors(mc))
+      if (t.shape.size() == 2 && t.stored == Stored::plain && t.name.rfind("model.layers.", 0) == 0)
+        return "modules_to_not_convert keeps " + t.name + " in bf16";
   return "";
 }
 
@@ -9721,16 +9722,18 @@ static void parse_quantization_config(const json& j, ModelConfig& c, const std::
   const char* p = path.c_str();
   if (!q.is_object()) die("%s: field \"quantization_config\" must be an object, found %s", p, q.dump().c_str());
   if (!q.contains("quant_method") || !q["quant_method"].is_string())
-    die("%s: quantization_config needs \"quant_method\" as a string; nanovllm reads \"fp8\" (Qwen/Qwen3-*-FP8)", p);
+    die("%s: quantization_config needs \"quant_method\" as a string, found %s; nanovllm reads \"fp8\" "
+        "(Qwen/Qwen3-*-FP8)", p, q.contains("quant_method") ? q["quant_method"].dump().c_str() : "none");
   const std::string method = q["quant_method"];
   if (method != "fp8")
     die("%s: quantization_config.quant_method \"%s\" is not supported; nanovllm reads unquantized checkpoints "
         "(BF16, F16, F32) and \"fp8\" ones with 128 x 128 block scales (Qwen/Qwen3-*-FP8), not gptq, awq, "
         "compressed-tensors, bitsandbytes or gguf", p, method.c_str());
-  if (q.contains("fmt") && q["fmt"] != "e4m3")
+  auto given = [&](const char* key) { return q.contains(key) && !q[key].is_null(); };  // null: absent
+  if (given("fmt") && q["fmt"] != "e4m3")
     die("%s: quantization_config.fmt %s is not supported; nanovllm reads \"e4m3\" weights", p,
         q["fmt"].dump().c_str());
-  if (q.contains("activation_scheme") && q["activation_scheme"] != "dynamic")
+  if (given("activation_scheme") && q["activation_scheme"] != "dynamic")
     die("%s: quantization_config.activation_scheme %s is not supported; nanovllm reads \"dynamic\" checkpoints "
         "(a static one stores per-tensor activation scales, input_scale)", p, q["activation_scheme"].dump().c_str());
   if (!q.contains("weight_block_size") || q["weight_block_size"].is_null())

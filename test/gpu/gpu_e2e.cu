@@ -166,19 +166,24 @@ static void run_shape(const std::string& dir) {
     printf("\n");
   }
 #endif
-  // FP8 weights (sections 28-29): computed in FP8, an FP8 checkpoint is compared with hf_reference.py's
-  // emulation of that arithmetic (ref_w8a8_logits_N), under the bf16 bar x FP8W_BAR; a bf16 checkpoint
-  // quantized at load (NANOVLLM_E2E_QUANT=fp8) has no emulation and is compared with the bf16 model, under
-  // 5x that (the weights' own rounding). Dequantized by section 6a (--plain, or the chapter standing aside),
-  // an FP8 checkpoint is the bf16 model of its dequantized weights: ref_logits_N, the plain bar.
+  // FP8 weights (sections 28-29). Computed in FP8, an FP8 checkpoint is compared with hf_reference.py's
+  // emulation of that arithmetic (ref_w8a8_logits_N), and a bf16 checkpoint quantized at load
+  // (NANOVLLM_E2E_QUANT=fp8) with the same emulation of the weights quantized as section 28 quantizes them
+  // (ref_q8_logits_N). The bar there is the bf16 one or 1.5x the emulation's own distance from the fp32 model
+  // (w8a8_vs_fp32_rel_err, q8_vs_fp32_rel_err), whichever is larger: each activation's e4m3 rounding is a
+  // step function of its value, so the engine's bf16 activations, a hair from the emulation's fp32 ones, round
+  // a few values the other way, and through the layers the two roundings part about as far as either is from
+  // the fp32 model (measured on the H200: 0.8-1.4x on tiny-fp8, 0.6b-fp8 and 8b-short-fp8). A wrong scale
+  // or layout is tens of times that. Dequantized by section 6a (--plain, or the chapter standing aside), an
+  // FP8 checkpoint is the bf16 model of its dequantized weights: ref_logits_N, the plain bar.
   bool fp8w = false;
 #ifdef NANOVLLM_PART_II
   fp8w = g_fp8_weights.held;
   printf("    weights: %s\n", e.runner->model.w.held.c_str());
   if (!g_fp8_weights.reason.empty()) printf("    fp8_weights stands aside: %s\n", g_fp8_weights.reason.c_str());
 #endif
-  const bool w8a8_ref = fp8w && e.mc.block_quantized;
-  constexpr double FP8W_BAR = 2;
+  const bool w8a8_ref = fp8w && e.mc.block_quantized, q8_ref = fp8w && !e.mc.block_quantized;
+  const std::string ref_name = w8a8_ref ? "ref_w8a8" : q8_ref ? "ref_q8" : "ref";
   // (a) logits
   double worst_abs = 0;
   for (size_t i = 0; i < cases.size(); i++) {
@@ -191,8 +196,7 @@ static void run_shape(const std::string& dir) {
     e.engine->step();
     std::vector<float> got(V);
     CUDA_CHECK(cudaMemcpy(got.data(), e.runner->logits, V * sizeof(float), cudaMemcpyDeviceToHost));
-    std::vector<float> ref =
-        read_f32(dir + (w8a8_ref ? "/ref_w8a8_logits_" : "/ref_logits_") + std::to_string(i) + ".f32", V);
+    std::vector<float> ref = read_f32(dir + "/" + ref_name + "_logits_" + std::to_string(i) + ".f32", V);
     double num = 0, den = 0, max_abs = 0;
     int arg_got = 0;
     for (int v = 0; v < V; v++) {
@@ -202,10 +206,11 @@ static void run_shape(const std::string& dir) {
       if (got[v] > got[arg_got]) arg_got = v;
     }
     double rel = sqrt(num / den), hf = cases[i]["hf_bf16_rel_err"].get<double>();
-    const double wbar = w8a8_ref ? FP8W_BAR : fp8w ? 5 : 1;
-    double bound = std::max(1e-2, 1.5 * hf) * (fp8 ? 5 : 1) * wbar;
-    double margin = cases[i][w8a8_ref ? "ref_w8a8_top2_margin" : "ref_top2_margin"].get<double>();
-    int arg_ref = cases[i][w8a8_ref ? "ref_w8a8_argmax" : "ref_argmax"].get<int>();
+    double bound = std::max(1e-2, 1.5 * hf) * (fp8 ? 5 : 1);
+    if (fp8w) bound = std::max(bound, 1.5 * cases[i][w8a8_ref ? "w8a8_vs_fp32_rel_err" : "q8_vs_fp32_rel_err"]
+                                                .get<double>());
+    double margin = cases[i][ref_name + "_top2_margin"].get<double>();
+    int arg_ref = cases[i][ref_name + "_argmax"].get<int>();
     bool margin_clear = margin > 2 * max_abs;
     printf("    (a) %5zu tokens: rel L2 err %.2e (bound %.2e; transformers bf16 %.2e), max abs %.3f, argmax %d vs "
            "ref %d (margin %.3f%s)\n",
@@ -375,7 +380,7 @@ static void run_shape(const std::string& dir) {
     record("n_greedy", trio, {plens[6], plens[6], plens[6]});
   }
   json out = {{"tolerance", tol}, {"runs", runs}, {"kv_cache_dtype", e.config.kv_cache_dtype},
-              {"weights", w8a8_ref ? "fp8" : "bf16"}};
+              {"weights", w8a8_ref ? "fp8" : q8_ref ? "fp8-quantized" : "bf16"}};
   std::ofstream(dir + "/gen_results.json") << out.dump();
 }
 

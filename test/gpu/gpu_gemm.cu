@@ -336,7 +336,30 @@ TEST(fp8_linear_matches_reference) {
       fp8_linear_reference(want.data(), xf.data(), wq.data(), ws.data(), m.ld, T, N, K);
       char what[96];
       snprintf(what, sizeof what, "fp8_linear T=%d N=%d K=%d", T, N, K);
-      check_close(what, got.data(), want.data(), got.size(), 1e-2f, 1e-2f);
+      // The tensor cores sum a block's e4m3 products with about 14 significant bits (DeepSeek-V3's report, and
+      // what this test measured), so an element's error scales with the sum of its terms' magnitudes, not with
+      // the result: where large terms cancel (the block of large weights), 1% of the result is too tight.
+      // Bound: 1e-2 + 1e-2 |want| + 2^-12 x sum |x_q w| over the row (the terms in their scaled values).
+      std::vector<uint8_t> xq_ref((size_t)T4 * K);
+      std::vector<float> xs_ref((size_t)T4 * K / 128);
+      quantize_rows_reference(xq_ref.data(), xs_ref.data(), xf.data(), T, K);
+      const float* e4m3 = e4m3_table();
+      int bad = 0;
+      size_t worst = 0;
+      double worst_excess = -1;
+      for (int t = 0; t < T; t++)
+        for (int n = 0; n < N; n++) {
+          double mag = 0;
+          for (int k = 0; k < K; k++)
+            mag += fabs(e4m3[xq_ref[(size_t)t * K + k]] * xs_ref[(size_t)(k / 128) * T4 + t] *
+                        e4m3[wq[(size_t)n * K + k]] * ws[(size_t)(n / 128) * m.ld + k / 128]);
+          const size_t i = (size_t)t * N + n;
+          const double err = fabs(got[i] - want[i]), bound = 1e-2 + 1e-2 * fabs(want[i]) + mag / 4096;
+          if (!(err <= bound)) bad++;
+          if (err - bound > worst_excess) worst_excess = err - bound, worst = i;
+        }
+      CHECK_MSG(bad == 0, "%s: %d of %zu elements out of bounds; worst at [%zu]: got %g want %g", what, bad,
+                got.size(), worst, got[worst], want[worst]);
       // the dequantized weights' bf16 product: within the activations' e4m3 rounding (2^-4 relative per value)
       std::vector<float> wd((size_t)N * K), yd((size_t)T * N);
       for (int r = 0; r < N; r++)

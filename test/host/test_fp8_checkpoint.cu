@@ -90,6 +90,11 @@ TEST(quantization_config_as_published) {
                                      R"("modules_to_not_convert":null})"),
                          "config.json");
   CHECK(c.block_quantized && c.not_quantized.empty());
+  // fmt and activation_scheme null: absent, as for the other fields.
+  c = parse_model_config(tiny_config(R"({"quant_method":"fp8","fmt":null,"activation_scheme":null,)"
+                                     R"("weight_block_size":[128,128]})"),
+                         "config.json");
+  CHECK(c.block_quantized);
   // No quantization_config, or null: an unquantized checkpoint.
   for (const char* q : {"", "null"}) {
     c = parse_model_config(tiny_config(q), "config.json");
@@ -113,7 +118,7 @@ TEST(quantization_config_refusals) {
     std::vector<std::string> needles;
   };
   const std::string obj = "field \"quantization_config\" must be an object, found ";
-  const std::string need = "quantization_config needs \"quant_method\" as a string; nanovllm reads \"fp8\"";
+  const std::string need = "quantization_config needs \"quant_method\" as a string, found ";
   const std::string unsupported_tail = "is not supported; nanovllm reads unquantized checkpoints (BF16, F16, F32) "
                                        "and \"fp8\" ones with 128 x 128 block scales";
   const std::string per_tensor = "quantization_config has no \"weight_block_size\": a per-tensor FP8 checkpoint";
@@ -124,11 +129,11 @@ TEST(quantization_config_refusals) {
       {R"(["fp8"])", {obj + "[\"fp8\"]"}},
       {"3", {obj + "3"}},
       {"true", {obj + "true"}},
-      {"{}", {need}},
-      {R"({"weight_block_size":[128,128]})", {need}},
-      {R"({"quant_method":8,)" + tail, {need}},
-      {R"({"quant_method":null,)" + tail, {need}},
-      {R"({"quant_method":["fp8"],)" + tail, {need}},
+      {"{}", {need + "none; nanovllm reads \"fp8\""}},
+      {R"({"weight_block_size":[128,128]})", {need + "none"}},
+      {R"({"quant_method":8,)" + tail, {need + "8;"}},
+      {R"({"quant_method":null,)" + tail, {need + "null;"}},
+      {R"({"quant_method":["fp8"],)" + tail, {need + "[\"fp8\"];"}},
       {R"({"quant_method":"gptq","bits":4})", {"quant_method \"gptq\" " + unsupported_tail, "not gptq, awq"}},
       {R"({"quant_method":"awq","bits":4})", {"quant_method \"awq\" " + unsupported_tail}},
       {R"({"quant_method":"compressed-tensors"})", {"quant_method \"compressed-tensors\" " + unsupported_tail}},
@@ -996,9 +1001,9 @@ TEST(fp8_weights_problem_messages) {
   CHECK(fp8_weights_problem(shape_config(1000, 3072), 1).find("hidden_size 1000") != std::string::npos);
   CHECK_EQ(fp8_weights_problem(shape_config(1024, 3072, {"lm_head"}), 1), std::string(""));
   CHECK_EQ(fp8_weights_problem(shape_config(1024, 3072, {"model.layers.3.mlp.down_proj"}), 1),
-           std::string("modules_to_not_convert keeps layer linears in bf16 (\"model.layers.3.mlp.down_proj\")"));
-  CHECK(fp8_weights_problem(shape_config(1024, 3072, {"lm_head", "o_proj"}), 1).find("(\"o_proj\")") !=
-        std::string::npos);
+           std::string("modules_to_not_convert keeps model.layers.3.mlp.down_proj.weight in bf16"));
+  CHECK_EQ(fp8_weights_problem(shape_config(1024, 3072, {"lm_head", "o_proj"}), 1),
+           std::string("modules_to_not_convert keeps model.layers.0.self_attn.o_proj.weight in bf16"));
 }
 
 // The chapter fuses and loads every layer linear as e4m3 with its scales; a linear that the checkpoint keeps
