@@ -9,6 +9,15 @@ Needs torch and transformers (Qwen3ForCausalLM). For each shape it writes OUT_DI
   ref_logits_N.f32   fp32 reference logits [V] at the last position of case N
   gen_prompts.json   8 prompts of mixed length for the generation checks
 Shapes: tiny (2 layers), 0.6b (the exact Qwen3-0.6B shape), 8b-short (Qwen3-8B's width, untied, 2 layers).
+The folder of each of these bf16 shapes (not of the FP8 ones below) also holds:
+  ref_q8_logits_N.f32  fp32 logits [V], same cases and positions, of the reference for the engine's
+                       --quantization fp8 (the seven layer linears of this bf16 checkpoint quantized at load, then
+                       the FP8 compute path): the W8A8 emulation described below (q8_emulation, through the same
+                       w8a8_linears) with weights e4m3 * scale in fp32 from quantize_fp8(the bf16 weight,
+                       torch.float32): per 128 x 128 block, scale = amax / 448 in fp32 (1 for an all-zero block),
+                       e4m3(W / scale) rounded to nearest even, saturating. cases.json then has per case
+                       "ref_q8_argmax", "ref_q8_top2_margin" and "q8_vs_fp32_rel_err" (the relative L2
+                       difference from ref_logits_N, also printed).
 FP8 shapes (only when named; an FP8 checkpoint made the way Qwen's are, REFERENCE.md section 12): tiny-fp8
 (BF16 scales), tiny-fp8-f32 (F32 scales), odd-fp8 (H 264, I 776: partial 128 x 128 blocks on both edges,
 untied, F32 scales), 0.6b-fp8 and 8b-short-fp8 (BF16 scales). Per 128 x 128 block of each layer's linear
@@ -22,16 +31,19 @@ FP8 shape also holds:
                            compute path (W8A8, w8a8_emulation below): each layer's linears with weights
                            e4m3 * scale in fp32 (not rounded to bf16) and inputs fake-quantized to e4m3 per token
                            per group of 128 columns (s = amax / 448, 1 for an all-zero group), the products in
-                           fp32; everything else as the fp32 reference. cases.json then has "ref_w8a8_argmax" and
-                           "ref_w8a8_top2_margin" per case; the relative L2 difference from ref_logits_N is
-                           printed (a figure for the log, not a check).
+                           fp32; everything else as the fp32 reference. cases.json then has per case
+                           "ref_w8a8_argmax", "ref_w8a8_top2_margin" and "w8a8_vs_fp32_rel_err" (the relative
+                           L2 difference from ref_logits_N, also printed). On deep shapes the engine's FP8 path
+                           is about as far from this emulation as the emulation is from ref_logits_N (activation
+                           rounding decisions decorrelate through the layers), so a bar on the engine's distance
+                           scales with *_vs_fp32_rel_err.
   fp8_emulation.json       what the W8A8 logits mean, in words (FP8_EMULATION)
 Where every dimension is a multiple of 128 the script also loads the FP8 folder with transformers'
 FineGrainedFP8Config(dequantize=True) and requires the same weights, bit for bit (it exits non-zero otherwise;
 "hf_dequantize" in cases.json says what was found).
 The embedding (and untied LM head) are drawn with std 0.1 instead of 0.02 so logits are not flat: greedy
 choices then have margins that bf16 rounding cannot flip, and the argmax checks mean something.
-hf_check_generation.py imports w8a8_emulation from here, so both scripts emulate FP8 one way.
+hf_check_generation.py imports w8a8_emulation and q8_emulation from here, so both scripts emulate FP8 one way.
 """
 import json, os, shutil, sys
 import torch
@@ -94,34 +106,57 @@ def fake_quantize_fp8(x):
     return (q.float() * s).flatten(-2)[..., :k]
 
 
-def fp8_weights(d):
-    """{"model.layers.L.X.weight": fp32 [out, in]} for every F8_E4M3 tensor of FP8 folder d (any number of
-    safetensors files): e4m3 * its weight_scale_inv per 128 x 128 block, the product in fp32."""
+def fp8_tensors(d):
+    """{"model.layers.L.X.weight": (e4m3 [out, in], weight_scale_inv [ceil(out/128), ceil(in/128)])} for every
+    F8_E4M3 tensor of FP8 folder d (any number of safetensors files), as stored (the scales in their dtype)."""
     from safetensors import safe_open
     t = {}
     for f in sorted(os.listdir(d)):
         if f.endswith(".safetensors"):
             with safe_open(os.path.join(d, f), framework="pt") as s:  # the layers only: not the embedding
                 t.update({k: s.get_tensor(k) for k in s.keys() if ".layers." in k})
-    return {k: q.float() * expand_blocks(t[k + "_scale_inv"], *q.shape)
-            for k, q in t.items() if q.dtype == torch.float8_e4m3fn}
+    return {k: (q, t[k + "_scale_inv"]) for k, q in t.items() if q.dtype == torch.float8_e4m3fn}
 
 
-def w8a8_emulation(model, d):
-    """Make the fp32 `model` (on any device) the W8A8 reference of FP8 folder d, in place, and return it: each
-    layer's linears (LINEARS) get their weights from d as e4m3 * scale in fp32 (fp8_weights; not the bf16
-    rounding of them) and a forward pre-hook that passes their input through fake_quantize_fp8, so each computes
-    y = x_hat @ W^T in fp32. Embedding, norms, attention, lm_head: unchanged."""
-    w = fp8_weights(d)
+def w8a8_linears(model, qs):
+    """Make the fp32 `model` (on any device) a W8A8 reference in place and return it: qs holds (e4m3 [out, in],
+    scale [ceil(out/128), ceil(in/128)]) for every "model.layers.L.X.weight" of LINEARS, and nothing else. Each
+    such linear gets the weight e4m3 * scale per 128 x 128 block, the product in fp32 (not rounded to bf16), and
+    a forward pre-hook that passes its input through fake_quantize_fp8, so it computes y = x_hat @ W^T in fp32.
+    Embedding, norms, attention, lm_head: unchanged. The one definition of the W8A8 linears, for FP8 folders
+    (w8a8_emulation) and for bf16 checkpoints quantized at load (q8_emulation)."""
+    qs = dict(qs)
     with torch.no_grad():
         for l, layer in enumerate(model.model.layers):
             for lin in LINEARS:
                 mod = layer.get_submodule(lin)
                 assert mod.weight.dtype == torch.float32, "the W8A8 reference is an fp32 model"
-                mod.weight.copy_(w.pop(f"model.layers.{l}.{lin}.weight"))
+                q, scale = qs.pop(f"model.layers.{l}.{lin}.weight")
+                mod.weight.copy_(q.float() * expand_blocks(scale, *q.shape))
                 mod.register_forward_pre_hook(lambda m, args: (fake_quantize_fp8(args[0]),) + args[1:])
-    assert not w, f"FP8 tensors that are no layer's linear: {list(w)[:3]}"
+    assert not qs, f"FP8 tensors that are no layer's linear: {list(qs)[:3]}"
     return model
+
+
+def w8a8_emulation(model, d):
+    """Make the fp32 `model` the W8A8 reference of FP8 folder d, in place, and return it: w8a8_linears with
+    d's own e4m3 weights and scales (fp8_tensors), the reference for an FP8 checkpoint computed in FP8."""
+    return w8a8_linears(model, fp8_tensors(d))
+
+
+def q8_emulation(model):
+    """Make the fp32 `model`, whose weights are a bf16 checkpoint's widened exactly, the W8A8 reference of the
+    engine's --quantization fp8 in place, and return it: w8a8_linears with each layer linear's (q, scale) =
+    quantize_fp8(its own weight, torch.float32), as the engine quantizes at load (per 128 x 128 block, scale =
+    amax / 448 in fp32, 1 for an all-zero block; e4m3 round to nearest even, saturating)."""
+    with torch.no_grad():
+        qs = {}
+        for l, layer in enumerate(model.model.layers):
+            for lin in LINEARS:
+                w = layer.get_submodule(lin).weight
+                assert torch.equal(w, w.to(torch.bfloat16).float()), "q8_emulation quantizes bf16 weights"
+                qs[f"model.layers.{l}.{lin}.weight"] = quantize_fp8(w, torch.float32)[:2]
+    return w8a8_linears(model, qs)
 
 
 def fp32_copy(m16, cfg, dev):
@@ -131,15 +166,19 @@ def fp32_copy(m16, cfg, dev):
     return m32.float()
 
 
-def w8a8_case(m8, x, ref, path):
-    """Logits case x under the W8A8 reference m8: writes its last-position logits to path; returns its
-    cases.json entries and the relative L2 difference from the plain fp32 reference logits ref."""
+def w8a8_case(m8, x, ref, d, tag, i):
+    """Logits case i (ids x) under the W8A8 reference m8: writes its last-position logits to
+    d/ref_{tag}_logits_{i}.f32; returns its cases.json entries, "ref_{tag}_argmax", "ref_{tag}_top2_margin" and
+    "{tag}_vs_fp32_rel_err" (the relative L2 difference from the plain fp32 reference logits ref), and that
+    difference. tag: "w8a8" (an FP8 folder's weights) or "q8" (a bf16 checkpoint's, quantized as at load)."""
     with torch.no_grad():
         w8 = m8(x).logits[0, -1].float()
-    w8.cpu().numpy().astype("float32").tofile(path)
+    w8.cpu().numpy().astype("float32").tofile(os.path.join(d, f"ref_{tag}_logits_{i}.f32"))
     top2 = torch.topk(w8, 2).values
-    entries = {"ref_w8a8_argmax": int(w8.argmax()), "ref_w8a8_top2_margin": (top2[0] - top2[1]).item()}
-    return entries, ((w8 - ref).norm() / ref.norm()).item()
+    rel = ((w8 - ref).norm() / ref.norm()).item()
+    entries = {f"ref_{tag}_argmax": int(w8.argmax()), f"ref_{tag}_top2_margin": (top2[0] - top2[1]).item(),
+               f"{tag}_vs_fp32_rel_err": rel}
+    return entries, rel
 
 
 def make(out, tok_dir, name):
@@ -171,7 +210,11 @@ def make(out, tok_dir, name):
     dev = "cuda"
     m16 = model.to(dev).eval()  # for an FP8 shape: the dequantized weights (save_fp8 put them in)
     m32 = fp32_copy(m16, cfg, dev)
-    m8 = w8a8_emulation(fp32_copy(m16, cfg, dev), d) if scale_dtype else None  # weights re-read from d's bytes
+    # The W8A8 reference: an FP8 shape's weights re-read from d's bytes ("w8a8"); a bf16 shape's own weights
+    # quantized as the engine's --quantization fp8 does at load ("q8").
+    m8 = w8a8_emulation(fp32_copy(m16, cfg, dev), d) if scale_dtype else q8_emulation(fp32_copy(m16, cfg, dev))
+    tag, what = (("w8a8", "W8A8 emulation") if scale_dtype else
+                 ("q8", "W8A8 emulation of the weights quantized at load"))
     g = torch.Generator().manual_seed(1)
     cases = []
     for i, n in enumerate(LOGIT_LENS):
@@ -187,11 +230,9 @@ def make(out, tok_dir, name):
                       "hf_dequantize": hf_dequantize, "ref_argmax": int(ref.argmax()),
                       "ref_top2_margin": (top2[0] - top2[1]).item()})
         print(f"{name}: logits case {n:5d} tokens: transformers bf16 vs fp32 rel err {err:.2e}", flush=True)
-        if m8 is not None:  # the FP8 compute path's reference, beside the dequantized one
-            entries, rel = w8a8_case(m8, x, ref, os.path.join(d, f"ref_w8a8_logits_{i}.f32"))
-            cases[-1].update(entries)
-            print(f"{name}: logits case {n:5d} tokens: W8A8 emulation vs fp32 reference rel diff {rel:.2e}",
-                  flush=True)
+        entries, rel = w8a8_case(m8, x, ref, d, tag, i)  # the FP8 compute path's reference, beside the fp32 one
+        cases[-1].update(entries)
+        print(f"{name}: logits case {n:5d} tokens: {what} vs fp32 reference rel diff {rel:.2e}", flush=True)
     with open(os.path.join(d, "cases.json"), "w") as f:
         json.dump(cases, f)
     prompts = [torch.randint(0, 151643, (n,), generator=g).tolist() for n in GEN_LENS]
