@@ -4118,6 +4118,7 @@ struct Optimizations {
   bool longest_first = false;      // 31a: an fp8 decode step's rows in order of context length, longest first
   bool persistent = false;         // 24-27: a small-batch decode step in one persistent kernel
   bool fp8_weights = false;        // 28-29: an FP8 checkpoint's linear weights kept in FP8 (--quantization fp8)
+  bool fp8_gemv = false;           // 29: with FP8 weights, batch-1/2 products in a gemv reading e4m3
 };
 static Optimizations g_opt;  // set by each section's apply (install_optimizations, section 11)
 
@@ -8655,18 +8656,20 @@ static bool fp8_load_weights(Weights& w, const Config& c, const ModelConfig& mc,
 
 // ==== 29. FP8 weights, 2: the activations' quantizer, cuBLASLt's block-scaled products, the stages ========
 // defines: quantize_rows_reference, quantize_rows_kernel, quantize_rows, fp8_linear_reference, Fp8GemmPlan,
-//          fp8_gemm_plan, fp8_linear, fp8_norm_matmul, fp8_matmul_out, apply_fp8_weights; switch fp8_weights,
-//          --quantization fp8
+//          fp8_gemm_plan, fp8_linear, gemv_fp8_kernel, gemv_fp8_reference, gemv_fp8, fp8_norm_matmul,
+//          fp8_matmul_out, apply_fp8_weights; switches fp8_weights, fp8_gemv; --quantization fp8
 //
 // Section 28's format, computed with: the arithmetic of its steps 2 and 3, as two launches per matrix
 // product. quantize_rows rounds a step's activations to e4m3, one scale per token and 128 columns; then one
 // cuBLASLt call multiplies them by the e4m3 weights on the tensor cores, applying both sets of scales as
 // it accumulates (cuBLASLt's "128-element 1D and 128x128 2D block scaling", CUDA 12.9 on: the activations'
 // scales in mode VEC128_32F, the weights' in BLK128x128_32F; the two 2-D modes together are not offered).
-// Steps of every size take this path: cuBLASLt wants the token count a multiple of 4, so a step is padded
-// to one (rows of zeros with scale 1, whose products land in the activation buffers' spare rows, section 11).
+// Steps of every size can take this path: cuBLASLt wants the token count a multiple of 4, so a step is
+// padded to one (rows of zeros with scale 1, whose products land in the activation buffers' spare rows,
+// section 11).
 // The norm before qkv and gate_up, SiLU-and-mul before down and the residual add after o_proj and down stay
-// Part I's kernels (section 18's fusions are for bf16 weights).
+// Part I's kernels here; at steps of one or two tokens a gemv reading e4m3 takes them in, as section 18's
+// does for bf16 (switch fp8_gemv, below).
 
 // What quantize_rows_kernel computes, on the CPU: x [T, K] (bf16 values as float) -> xq [T4, K] e4m3 and
 // xs [K/128, T4] fp32, T4 = T rounded up to 4, rows past T zero with scale 1.
@@ -8811,7 +8814,183 @@ static void fp8_linear(Gemm& g, bf16* y, const bf16* x, const Fp8Matrix& m, int 
                               g.workspace, g.workspace_bytes, stream));
 }
 
-// ---- The stages, and the switch: fp8_weights ----
+// ---- Small steps: a gemv that reads e4m3 (switch fp8_gemv) ---------------------------------------------
+// Replaces: at steps of at most GEMV_MAX_M tokens, the activations' quantizer and cuBLASLt's product above,
+// and Part I's norm, SiLU-and-mul and residual add around them.
+// Why it is faster: as in section 18, a step of one or two tokens is a pass over the weights, and a gemv
+// streams them at the copy bandwidth with its neighbours' work fused in, where cuBLASLt, padded to 4 tokens,
+// leaves bandwidth unused and the step runs four launches a product. Here a weight is one byte, so the pass
+// is half section 18's.
+// Its arithmetic: each 16-byte load holds 16 weights of one row, all in one 128-column block; they are
+// converted to float in registers and dotted with the bf16 activations as they are, and the block's scale
+// multiplies the partial sum:
+//   y[m][n] = sum over loads of  s_w[n/128][k/128] * (sum of 16 products x[m][k+j] * e4m3(w[n][k+j]))
+// in fp32, rounded once to bf16. So a small step computes with the FP8 weights but does not round its
+// activations to e4m3 (section 28's step 2): it needs no tensor core, and skipping that rounding costs
+// nothing. The fusions are section 18's: GemvIn::RMSNORM stages rmsnorm(x) * norm_w with rmsnorm_row,
+// SILU_MUL stages silu(gate) * up with silu_mul8, ADD adds into the residual stream as add_rmsnorm rounds.
+//
+// gemv_fp8_kernel — y [M, N] = x [M, K] @ dequantized W^T, M <= GEMV_MAX_M.
+//   x bf16 [M, K] (RMSNORM: the residual stream; SILU_MUL: gate_up [M, 2K]); W e4m3 [N, K]; scale fp32
+//   [N/128, ld]; y bf16 [M, N]. One warp per output column (two adjacent ones when K <= 2048: R = 2), lanes
+//   16 columns apart per load, GEMV_UNROLL / R loads per row in flight; K a multiple of 128 (section 28).
+template <int M, GemvIn IN, bool ADD, int R>
+__global__ void __launch_bounds__(GEMV_WARPS * 32)
+    gemv_fp8_kernel(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ W,
+                    const float* __restrict__ scale, int ld, int N, int K, const bf16* __restrict__ norm_w,
+                    float eps) {
+  extern __shared__ uint4 staged[];  // IN != PLAIN: the input the dot products use, bf16 [M, K]
+  constexpr int U = GEMV_UNROLL / R;
+  const int n0 = (blockIdx.x * GEMV_WARPS + threadIdx.x / 32) * R, lane = threadIdx.x & 31;
+  uint4 wv[R][U];
+  auto load_stretch = [&](int k0) {
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+#pragma unroll
+      for (int u = 0; u < U; u++) {
+        const int k = k0 + u * 512 + lane * 16;
+        if (n0 + r < N && k < K) wv[r][u] = __ldcs(reinterpret_cast<const uint4*>(W + (size_t)(n0 + r) * K + k));
+      }
+    }
+  };
+  if (n0 < N) load_stretch(0);  // the weights: no step writes them (section 17)
+  pdl_begin();
+  if constexpr (IN == GemvIn::RMSNORM) {
+    __shared__ float scratch[32];
+    for (int m = 0; m < M; m++) {
+      rmsnorm_row<false>(reinterpret_cast<bf16*>(staged) + (size_t)m * K, nullptr, x + (size_t)m * K, norm_w, K,
+                         eps, scratch);
+      __syncthreads();
+    }
+  } else if constexpr (IN == GemvIn::SILU_MUL) {
+    const uint4* gu = reinterpret_cast<const uint4*>(x);
+    for (int c = threadIdx.x; c < M * K / 8; c += blockDim.x) {
+      const int m = c / (K / 8), j = c % (K / 8);
+      staged[c] = silu_mul8(gu[(size_t)m * K / 4 + j], gu[(size_t)m * K / 4 + K / 8 + j]);
+    }
+    __syncthreads();
+  }
+  if (n0 >= N) return;
+  float acc[R][M];
+#pragma unroll
+  for (int r = 0; r < R; r++)
+#pragma unroll
+    for (int m = 0; m < M; m++) acc[r][m] = 0.f;
+  for (int k0 = 0; k0 < K; k0 += U * 512) {
+    if (k0 > 0) load_stretch(k0);
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int k = k0 + u * 512 + lane * 16;
+      if (k >= K) break;
+      float wf[R][16], s[R];
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        const uint32_t* b = reinterpret_cast<const uint32_t*>(&wv[r][u]);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {  // two e4m3 bytes -> two halves -> two floats, exactly
+          const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(b[i / 2] >> (16 * (i % 2))),
+                                                           __NV_E4M3);
+          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+          wf[r][2 * i] = f.x, wf[r][2 * i + 1] = f.y;
+        }
+        s[r] = __ldg(scale + (size_t)((n0 + r) / 128) * ld + k / 128);
+      }
+#pragma unroll
+      for (int m = 0; m < M; m++) {
+        float xf[16];
+        const size_t at = ((size_t)m * K + k) / 8;
+        const uint4* src = IN == GemvIn::PLAIN ? reinterpret_cast<const uint4*>(x) : staged;
+        bf16x8_to_float(IN == GemvIn::PLAIN ? __ldg(src + at) : src[at], xf);
+        bf16x8_to_float(IN == GemvIn::PLAIN ? __ldg(src + at + 1) : src[at + 1], xf + 8);
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+          float dot = 0.f;
+#pragma unroll
+          for (int j = 0; j < 16; j++) dot = fmaf(wf[r][j], xf[j], dot);
+          acc[r][m] = fmaf(s[r], dot, acc[r][m]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; r++)
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) acc[r][m] += __shfl_xor_sync(0xffffffffu, acc[r][m], off);
+    }
+#pragma unroll
+  for (int r = 0; r < R; r++)
+#pragma unroll
+    for (int m = 0; m < M; m++)
+      if (lane == r * M + m && n0 + r < N) {
+        bf16& out = y[(size_t)m * N + n0 + r];
+        out = ADD ? __float2bfloat16(bf16_round(acc[r][m]) + __bfloat162float(out)) : __float2bfloat16(acc[r][m]);
+      }
+}
+
+// What gemv_fp8_kernel computes with a PLAIN input, on the CPU: y [M, N] from x [M, K] (bf16 values as float),
+// w [N, K] e4m3 and scale [N/128, ld]; sums in double, one bf16 rounding.
+static void gemv_fp8_reference(float* y, const float* x, const uint8_t* w, const float* scale, int ld, int M,
+                               int N, int K) {
+  for (int m = 0; m < M; m++)
+    for (int n = 0; n < N; n++) {
+      double acc = 0;
+      for (int k = 0; k < K; k++)
+        acc += (double)x[(size_t)m * K + k] * e4m3_to_float(w[(size_t)n * K + k]) *
+               scale[(size_t)(n / 128) * ld + k / 128];
+      y[(size_t)m * N + n] = bf16_round((float)acc);
+    }
+}
+
+// The launch: the kernel for (M, IN, ADD, R), R as section 18 chooses it (two rows a warp when both rows'
+// loads fit in one stretch: here K <= 2048, a byte a weight).
+template <int M, GemvIn IN, bool ADD>
+static void gemv_fp8_launch(const Fp8Matrix& m, bf16* y, const bf16* x, size_t smem, const bf16* norm_w, float eps,
+                            cudaStream_t stream) {
+  if (2 * m.K <= GEMV_UNROLL * 512)
+    launch_pdl(gemv_fp8_kernel<M, IN, ADD, 2>, (unsigned)cdiv(m.N, 2 * GEMV_WARPS), GEMV_WARPS * 32, smem, stream,
+               y, x, (const uint8_t*)m.w, (const float*)m.scale, m.ld, m.N, m.K, norm_w, eps);
+  else
+    launch_pdl(gemv_fp8_kernel<M, IN, ADD, 1>, (unsigned)cdiv(m.N, GEMV_WARPS), GEMV_WARPS * 32, smem, stream, y,
+               x, (const uint8_t*)m.w, (const float*)m.scale, m.ld, m.N, m.K, norm_w, eps);
+}
+template <int M>
+static void gemv_fp8_launch(const Fp8Matrix& m, bf16* y, const bf16* x, const GemvOptions& o, size_t smem,
+                            cudaStream_t stream) {
+  switch (o.in) {
+    case GemvIn::PLAIN:
+      if (o.add) gemv_fp8_launch<M, GemvIn::PLAIN, true>(m, y, x, smem, nullptr, 0, stream);
+      else gemv_fp8_launch<M, GemvIn::PLAIN, false>(m, y, x, smem, nullptr, 0, stream);
+      break;
+    case GemvIn::RMSNORM:
+      if (o.add) gemv_fp8_launch<M, GemvIn::RMSNORM, true>(m, y, x, smem, o.norm_w, o.eps, stream);
+      else gemv_fp8_launch<M, GemvIn::RMSNORM, false>(m, y, x, smem, o.norm_w, o.eps, stream);
+      break;
+    case GemvIn::SILU_MUL:
+      if (o.add) gemv_fp8_launch<M, GemvIn::SILU_MUL, true>(m, y, x, smem, nullptr, 0, stream);
+      else gemv_fp8_launch<M, GemvIn::SILU_MUL, false>(m, y, x, smem, nullptr, 0, stream);
+      break;
+  }
+}
+// y [M, N] = x [M, K] @ W^T for an FP8 matrix, M <= GEMV_MAX_M, with section 18's fused variants (o).
+static void gemv_fp8(bf16* y, const bf16* x, const Fp8Matrix& m, int M, cudaStream_t stream,
+                     const GemvOptions& o = {}) {
+  INTERNAL_CHECK(m.K % 128 == 0 && M >= 1 && M <= GEMV_MAX_M, "gemv_fp8: M = %d, K = %d", M, m.K);
+  check_aligned16("gemv_fp8", "x", x);
+  size_t smem = 0;
+  if (o.in != GemvIn::PLAIN) {
+    INTERNAL_CHECK(gemv_can_stage(M, m.K), "gemv_fp8: a fused input of %d x %d does not fit in shared memory", M,
+                   m.K);
+    smem = (size_t)M * m.K * sizeof(bf16);
+  }
+  if (o.in == GemvIn::RMSNORM) rmsnorm_checks("gemv_fp8 (RMSNORM)", x, x, o.norm_w, m.K);
+  if (M == 1) gemv_fp8_launch<1>(m, y, x, o, smem, stream);
+  else gemv_fp8_launch<2>(m, y, x, o, smem, stream);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// ---- The stages, and the switches: fp8_weights, fp8_gemv ----
 // Section 14's norm_matmul and matmul_out for an engine whose weights this chapter holds (the layer's
 // matrices found by p.l; the LayerWeights pointers are null); for any other engine, the stages they replaced.
 static void fp8_norm_matmul(Pass& p, bf16* y, const bf16* norm_w, const bf16* W, int N) {
@@ -8820,25 +8999,45 @@ static void fp8_norm_matmul(Pass& p, bf16* y, const bf16* norm_w, const bf16* W,
   Activations& a = p.m.act;
   const int H = p.m.cfg.hidden_size;
   const float eps = p.m.cfg.rms_norm_eps;
-  if (p.pending) add_rmsnorm(a.x, a.residual, a.hidden, norm_w, p.T, H, eps, p.s);
-  else rmsnorm(a.x, a.residual, norm_w, p.T, H, eps, p.s);
-  p.pending = false;
   const Fp8Layer& fl = f.layers[p.l];
   const Fp8Matrix& m = norm_w == p.m.w.layers[p.l].input_layernorm ? fl.qkv : fl.gate_up;
   INTERNAL_CHECK(m.N == N, "fp8_norm_matmul: layer %d's matrix has %d rows, the stage asks for %d", p.l, m.N, N);
-  fp8_linear(*p.m.gemm, y, a.x, m, p.T, p.s);
+  const bool small = g_opt.fp8_gemv && p.T <= GEMV_MAX_M;
+  if (small && !p.pending) return gemv_fp8(y, a.residual, m, p.T, p.s, {GemvIn::RMSNORM, norm_w, eps});
+  if (p.pending) add_rmsnorm(a.x, a.residual, a.hidden, norm_w, p.T, H, eps, p.s);
+  else rmsnorm(a.x, a.residual, norm_w, p.T, H, eps, p.s);
+  p.pending = false;
+  if (small) gemv_fp8(y, a.x, m, p.T, p.s);
+  else fp8_linear(*p.m.gemm, y, a.x, m, p.T, p.s);
 }
 static void fp8_matmul_out(Pass& p, const bf16* x, const bf16* W, int K, bool gate_up) {
   Fp8Weights& f = g_fp8_weights;
   if (!f.held) return f.matmul_out_bf16(p, x, W, K, gate_up);
   Activations& a = p.m.act;
   const int H = p.m.cfg.hidden_size;
+  const Fp8Matrix& m = gate_up ? f.layers[p.l].down : f.layers[p.l].o;
+  if (g_opt.fp8_gemv && p.T <= GEMV_MAX_M) {  // section 18's stage, reading e4m3
+    GemvIn how = GemvIn::PLAIN;
+    if (gate_up && gemv_can_stage(p.T, K)) {
+      how = GemvIn::SILU_MUL;
+    } else if (gate_up) {
+      silu_and_mul(a.act, x, p.T, K, p.s);
+      x = a.act;
+    }
+    if (p.m.tp == 1) {
+      gemv_fp8(a.residual, x, m, p.T, p.s, {how, nullptr, 0.f, true});
+      p.pending = false;
+      return;
+    }
+    gemv_fp8(a.hidden, x, m, p.T, p.s, {how});
+    p.pending = !g_stages.all_reduce(p.m.comm, a.hidden, (size_t)p.T * H, p.s, a.residual);
+    return;
+  }
   if (gate_up) {
     silu_and_mul(a.act, x, p.T, K, p.s);
     x = a.act;
   }
-  const Fp8Layer& fl = f.layers[p.l];
-  fp8_linear(*p.m.gemm, a.hidden, x, gate_up ? fl.down : fl.o, p.T, p.s);
+  fp8_linear(*p.m.gemm, a.hidden, x, m, p.T, p.s);
   p.pending = true;
   if (p.m.tp > 1 && g_stages.all_reduce(p.m.comm, a.hidden, (size_t)p.T * H, p.s, a.residual)) p.pending = false;
 }
@@ -8870,6 +9069,12 @@ static std::string fp8_weights_note(const Qwen3&) {
 static const int kFp8WeightsRegistered = register_optimization(
     {"fp8_weights", "an FP8 checkpoint's linear weights kept in FP8, products on FP8 tensor cores (section 28)",
      true, apply_fp8_weights, fp8_weights_note, {}, "fp8"});
+// fp8_gemv fills no hook: fp8_weights' stages read g_opt.fp8_gemv. Off by default until it is measured
+// against cuBLASLt's path on the GPU (docs/performance.md, FP8 weights).
+static void apply_fp8_gemv(bool on, Hooks&) { g_opt.fp8_gemv = on; }
+static const int kFp8GemvRegistered = register_optimization(
+    {"fp8_gemv", "batch-1/2 products of FP8 weights in a gemv with RMSNorm, SiLU and the add fused in (section 29)",
+     false, apply_fp8_gemv});
 
 // ==== 30. An FP8 KV cache, 1: the format, its scales, the store and prefill's tiles ========================
 // defines: fp8e4m3, KVScales, KVLayerFp8, bf16x8_to_fp8x8, fp8x8_to_half8, half8_to_fp8x8, KVFp8,

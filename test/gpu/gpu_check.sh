@@ -13,7 +13,9 @@
 #      test/gpu/gpu_dp.sh with N replicas, and N x TP GPUs for its --tp cases),
 #      KERNELS=0 (skip the kernel and data-plane suites), E2E_OPTS (optimization sets of the transformers
 #      comparison, default "all none": the default path and --plain), E2E_KV (KV cache dtypes the default
-#      path runs again with, default "fp8"; "" for none)
+#      path runs again with, default "fp8"; "" for none), FP8_SHAPES (FP8 checkpoints compared in FP8 and
+#      dequantized, default "tiny-fp8 odd-fp8"; "" for none), E2E_QUANT (the default path again with
+#      --quantization fp8 on SHAPES' first shape, default 1)
 set -uo pipefail
 BIN=${1:-}
 NANOVLLM=${BIN:+$BIN/}nanovllm; [ -n "$BIN" ] || NANOVLLM=./nanovllm
@@ -42,7 +44,9 @@ if [ "${KERNELS:-1}" != 0 ]; then
   grep -E 'TIMING|^MEASURED' "$LOG_DIR/gpu_persistent.txt"
   [ "$TP" -gt 1 ] && { suite gpu_tp gpu_tp.txt "$TB/gpu_tp"; grep -E '^ ' "$LOG_DIR/gpu_tp.txt"; }
 fi
-python3 test/ref/hf_reference.py "$WORK_DIR" "$TOKENIZER_DIR" $SHAPES 2>&1 | tee "$LOG_DIR/hf_reference.txt" | grep -v Warning
+FP8_SHAPES=${FP8_SHAPES-tiny-fp8 odd-fp8}
+python3 test/ref/hf_reference.py "$WORK_DIR" "$TOKENIZER_DIR" $SHAPES $FP8_SHAPES 2>&1 |
+  tee "$LOG_DIR/hf_reference.txt" | grep -v Warning
 printf 'introduce yourself\nlist all prime numbers within 100\n' >"$WORK_DIR/prompts.txt"
 SMOKE=${SHAPES%% *}
 "$NANOVLLM" "$WORK_DIR/$SMOKE" "$WORK_DIR/prompts.txt" --max-tokens 16 --temperature 0 --tp "$TP" \
@@ -58,13 +62,13 @@ fi
 # The comparison with transformers for each optimization set in E2E_OPTS: all (the default path) and none
 # (--plain: Part I alone). Teacher forcing reads what gpu_e2e just wrote, so each set runs both in turn.
 # E2E_SCHEDULERS (default "mixed") runs the default path again with each of these schedulers.
-run_e2e() {  # run_e2e LABEL ENV...
+run_e2e() {  # run_e2e LABEL ENV... (SHAPES may be set for one call: SHAPES="..." run_e2e ...)
   local label=$1; shift
   env "$@" NANOVLLM_E2E_DIR="$WORK_DIR" NANOVLLM_E2E_SHAPES="$SHAPES" "$TB/gpu_e2e" \
     >"$LOG_DIR/gpu_e2e_$label.txt" 2>&1
   local rc=$? res; res=$(grep '^RESULT' "$LOG_DIR/gpu_e2e_$label.txt" | tail -n1)
   row "gpu_e2e ($label)" "rc=$rc ${res:-no RESULT line}"
-  grep -E '^\s+\(|model|tolerance|tensor-parallel' "$LOG_DIR/gpu_e2e_$label.txt"
+  grep -E '^\s+\(|model|weights|tolerance|tensor-parallel' "$LOG_DIR/gpu_e2e_$label.txt"
   for s in $SHAPES; do
     suite "teacher_forcing_$s ($label)" "tf_${s}_$label.txt" python3 test/ref/hf_check_generation.py "$WORK_DIR/$s"
     grep -E '^(PASS|FAIL)' "$LOG_DIR/tf_${s}_$label.txt"
@@ -73,6 +77,12 @@ run_e2e() {  # run_e2e LABEL ENV...
 for opt in ${E2E_OPTS:-all none}; do run_e2e "opt-$opt" NANOVLLM_E2E_OPT="$opt"; done
 for sch in ${E2E_SCHEDULERS:-mixed}; do run_e2e "scheduler-$sch" NANOVLLM_E2E_SCHEDULER="$sch"; done
 for kv in ${E2E_KV-fp8}; do run_e2e "kv-$kv" NANOVLLM_E2E_KV="$kv"; done  # --kv-cache-dtype (section 30)
+# FP8 weights (sections 28-29): FP8 checkpoints computed in FP8 and dequantized (--plain), and a bf16 one
+# quantized at load.
+if [ -n "$FP8_SHAPES" ]; then
+  for opt in all none; do SHAPES=$FP8_SHAPES run_e2e "fp8-weights-$opt" NANOVLLM_E2E_OPT="$opt"; done
+fi
+[ "${E2E_QUANT:-1}" = 0 ] || SHAPES=${SHAPES%% *} run_e2e quantization-fp8 NANOVLLM_E2E_QUANT=fp8
 # Data parallelism (sections 41-42) on NANOVLLM_E2E_DP replicas (of TP GPUs each in its --tp case), after
 # gpu_e2e wrote the tolerance its teacher-forcing check reuses.
 DP=${NANOVLLM_E2E_DP:-1}

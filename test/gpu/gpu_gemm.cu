@@ -374,6 +374,71 @@ TEST(fp8_linear_matches_reference) {
     }
 }
 
+
+// Section 29's gemv reading e4m3: the PLAIN kernel against gemv_fp8_reference at M = 1, 2 on shapes with one
+// and two rows a warp, and its fused variants bit for bit against the kernels they replace (rmsnorm, then the
+// PLAIN gemv; silu_and_mul, then it; the ADD epilogue against the PLAIN result added to the residual on the
+// host, rounded as add_rmsnorm rounds).
+TEST(fp8_gemv_matches_reference) {
+  if (!have_gpu()) SKIP("no GPU");
+  for (auto nk : std::vector<std::pair<int, int>>{{256, 384}, {384, 1024}, {1024, 3072}, {128, 4096}})
+    for (int M : {1, 2}) {
+      const int N = nk.first, K = nk.second;
+      auto w = fp8_test_weight(N, K, N * 5 + K + M);
+      Fp8Matrix m;
+      m.N = N, m.K = K, m.ld = (int)cdiv(K / 128, 4) * 4;
+      DevBuf<uint16_t> dw(w);
+      DevBuf<uint8_t> q((size_t)N * K);
+      DevBuf<float> sc((size_t)N / 128 * m.ld);
+      m.w = q.p, m.scale = sc.p;
+      quantize_weight(m, (const bf16*)dw.p, 0);
+      std::vector<uint8_t> wq = q.download();
+      std::vector<float> ws = sc.download();
+      auto x = random_bf16((size_t)M * K, M * 101 + K, 1.0f);
+      DevBuf<uint16_t> dx(x), y((size_t)M * N), y2((size_t)M * N);
+      y.poison();
+      gemv_fp8((bf16*)y.p, (const bf16*)dx.p, m, M, 0);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      std::vector<float> xf(x.size()), want((size_t)M * N), got((size_t)M * N);
+      for (size_t i = 0; i < x.size(); i++) xf[i] = bf16_bits_to_float(x[i]);
+      gemv_fp8_reference(want.data(), xf.data(), wq.data(), ws.data(), m.ld, M, N, K);
+      std::vector<uint16_t> yb = y.download();
+      for (size_t i = 0; i < yb.size(); i++) got[i] = bf16_bits_to_float(yb[i]);
+      char what[96];
+      snprintf(what, sizeof what, "gemv_fp8 M=%d N=%d K=%d", M, N, K);
+      check_close(what, got.data(), want.data(), got.size(), 1e-2f, 1e-2f);
+      // RMSNORM: the fused norm against rmsnorm then the PLAIN gemv
+      auto nw = random_bf16(K, K + 7, 1.0f);
+      DevBuf<uint16_t> dnw(nw), xn((size_t)M * K);
+      rmsnorm((bf16*)xn.p, (const bf16*)dx.p, (const bf16*)dnw.p, M, K, 1e-6f, 0);
+      gemv_fp8((bf16*)y.p, (const bf16*)xn.p, m, M, 0);
+      gemv_fp8((bf16*)y2.p, (const bf16*)dx.p, m, M, 0, {GemvIn::RMSNORM, (const bf16*)dnw.p, 1e-6f});
+      CUDA_CHECK(cudaDeviceSynchronize());
+      CHECK_MSG(y.download() == y2.download(), "%s: RMSNORM differs from rmsnorm + gemv_fp8", what);
+      // SILU_MUL, where [M, K] fits in shared memory
+      if (gemv_can_stage(M, K)) {
+        auto gu = random_bf16((size_t)M * 2 * K, M * 3 + K, 2.0f);
+        DevBuf<uint16_t> dgu(gu), act((size_t)M * K);
+        silu_and_mul((bf16*)act.p, (const bf16*)dgu.p, M, K, 0);
+        gemv_fp8((bf16*)y.p, (const bf16*)act.p, m, M, 0);
+        gemv_fp8((bf16*)y2.p, (const bf16*)dgu.p, m, M, 0, {GemvIn::SILU_MUL});
+        CUDA_CHECK(cudaDeviceSynchronize());
+        CHECK_MSG(y.download() == y2.download(), "%s: SILU_MUL differs from silu_and_mul + gemv_fp8", what);
+      }
+      // ADD: y2 starts as a residual and gets y added, rounded as add_rmsnorm rounds
+      auto res = random_bf16((size_t)M * N, M + N, 1.0f);
+      y2.upload(res);
+      gemv_fp8((bf16*)y.p, (const bf16*)dx.p, m, M, 0);
+      gemv_fp8((bf16*)y2.p, (const bf16*)dx.p, m, M, 0, {GemvIn::PLAIN, nullptr, 0.f, true});
+      CUDA_CHECK(cudaDeviceSynchronize());
+      std::vector<uint16_t> h = y.download(), sum = y2.download();
+      int bad = 0;
+      for (size_t i = 0; i < h.size(); i++)
+        bad += sum[i] != float_to_bf16_bits(bf16_bits_to_float(h[i]) + bf16_bits_to_float(res[i]));
+      CHECK_MSG(bad == 0, "%s: ADD differs from the product added to the residual in %d places", what, bad);
+    }
+}
+
 int main(int argc, char** argv) {
   install_default_optimizations();
   return test_main(argc, argv);

@@ -28,7 +28,7 @@ static OptimizationSet parsed(const char* spec) {
 }
 static int fields_on(const Optimizations& o) {
   return o.flash_attn + o.longest_first + o.pdl + o.gemv + o.cluster_merge + o.fused_rope + o.oneshot_allreduce +
-         o.bisect_sampler + o.fast_sampler + o.prefill_graphs + o.persistent;
+         o.bisect_sampler + o.fast_sampler + o.prefill_graphs + o.persistent + o.fp8_weights + o.fp8_gemv;
 }
 
 // Every Part II section registered exactly one name, in file order, with a description naming its section,
@@ -36,7 +36,8 @@ static int fields_on(const Optimizations& o) {
 TEST(every_optimization_is_registered_once) {
   const char* expected[] = {"flash_attn",       "pdl",            "gemv",          "cluster_merge",
                             "fused_rope",       "oneshot_allreduce", "bisect_sampler", "fast_sampler",
-                            "prefill_graphs",   "persistent",     "longest_first"};
+                            "prefill_graphs",   "persistent",     "fp8_weights",   "fp8_gemv",
+                            "longest_first"};
   CHECK_EQ(reg().size(), sizeof expected / sizeof expected[0]);
   CHECK_EQ(sizeof(Optimizations), reg().size() * sizeof(bool));
   for (size_t i = 0; i < reg().size() && i < sizeof expected / sizeof expected[0]; i++) {
@@ -136,8 +137,10 @@ TEST(chapters_fill_their_stages) {
         g_stages.attention_decode == attention_decode_plain);
   install_optimizations(parsed("none,prefill_graphs"));
   CHECK(g_stages.cut == piecewise_cut && g_stages.attention_prefill == attention_prefill_plain);
-  install_optimizations(default_optimizations());
-  CHECK(g_stages.norm_matmul == gemv_norm_matmul && g_stages.attention_decode == fused_attention_decode_stage &&
+  install_optimizations(default_optimizations());  // fp8_weights' stages in front, the gemv's behind them
+  CHECK(g_stages.norm_matmul == fp8_norm_matmul && g_fp8_weights.norm_matmul_bf16 == gemv_norm_matmul &&
+        g_stages.matmul_out == fp8_matmul_out && g_fp8_weights.matmul_out_bf16 == gemv_matmul_out &&
+        g_stages.attention_decode == fused_attention_decode_stage &&
         g_stages.store_qkv == store_qkv_fast &&
         g_stages.all_reduce == all_reduce_oneshot && g_stages.cut == piecewise_cut &&
         g_stages.attention_prefill == flash_attention_prefill_stage);
@@ -151,7 +154,7 @@ TEST(fp8_cache_installs_through_the_stages) {
   CHECK(g_fp8_cache.on && g_fp8_cache.scales.empty() && g_persistent.format == &kPersistFp8);
   CHECK(g_hooks.forward == forward_fast && g_stages.store_qkv == store_qkv_fp8 &&
         g_stages.attention_prefill == attention_prefill_fp8 && g_stages.attention_decode == attention_decode_fp8 &&
-        g_stages.norm_matmul == gemv_norm_matmul);
+        g_stages.norm_matmul == fp8_norm_matmul && g_fp8_weights.norm_matmul_bf16 == gemv_norm_matmul);
   g_fp8_cache.scales.resize(3);  // (use_fp8_cache's part, which needs a GPU)
   install_optimizations(default_optimizations());
   CHECK(!g_fp8_cache.on && g_fp8_cache.scales.empty() && g_persistent.format == &kPersistBf16);
@@ -163,6 +166,30 @@ TEST(fp8_cache_installs_through_the_stages) {
 
 // Section 31a's order: with an fp8 cache, a decode batch sorted by context length, longest first, ties kept in
 // the scheduler's order (stable), the same sequences; with a bf16 cache, the batch as it was.
+// FP8 weights (sections 28-29) install the way every chapter does: the load hook, section 14's two product
+// stages (with the ones they replace kept for bf16 engines), and the persistent kernel's start-up wrapped so
+// that an engine holding FP8 weights plans no persistent step; off (or --plain), none of it, and a bf16
+// engine's stages are the ones behind.
+TEST(fp8_weights_install_through_the_stages) {
+  install_optimizations(default_optimizations());
+  CHECK(g_opt.fp8_weights && !g_opt.fp8_gemv && g_hooks.load_weights == fp8_load_weights);
+  CHECK(!g_fp8_weights.held && g_fp8_weights.layers.empty());
+  bool persist_plain = false, persist_wrapped = false;
+  for (auto ready : g_hooks.model_ready) {
+    persist_plain |= ready == persist_model_ready;
+    persist_wrapped |= ready == fp8_persistent_model_ready;
+  }
+  CHECK(persist_wrapped && !persist_plain);
+  install_optimizations(parsed("none,fp8_weights"));
+  CHECK(g_hooks.forward == forward_fast && g_stages.norm_matmul == fp8_norm_matmul &&
+        g_fp8_weights.norm_matmul_bf16 == norm_matmul_plain && g_fp8_weights.matmul_out_bf16 == matmul_out_plain);
+  install_optimizations(parsed("all,-fp8_weights"));
+  CHECK(!g_opt.fp8_weights && !g_hooks.load_weights && g_stages.norm_matmul == gemv_norm_matmul);
+  install_optimizations(parsed("none"));
+  CHECK(!g_hooks.load_weights && !g_opt.fp8_weights);
+  install_optimizations(default_optimizations());
+}
+
 TEST(longest_first_orders_decode_rows) {
   std::vector<Sequence> seqs;
   seqs.reserve(8);
