@@ -8830,6 +8830,20 @@ static void fp8_linear(Gemm& g, bf16* y, const bf16* x, const Fp8Matrix& m, int 
 // nothing. The fusions are section 18's: GemvIn::RMSNORM stages rmsnorm(x) * norm_w with rmsnorm_row,
 // SILU_MUL stages silu(gate) * up with silu_mul8, ADD adds into the residual stream as add_rmsnorm rounds.
 //
+// What gemv_fp8_kernel computes with a PLAIN input, on the CPU: y [M, N] from x [M, K] (bf16 values as float),
+// w [N, K] e4m3 and scale [N/128, ld]; sums in double, one bf16 rounding.
+static void gemv_fp8_reference(float* y, const float* x, const uint8_t* w, const float* scale, int ld, int M,
+                               int N, int K) {
+  for (int m = 0; m < M; m++)
+    for (int n = 0; n < N; n++) {
+      double acc = 0;
+      for (int k = 0; k < K; k++)
+        acc += (double)x[(size_t)m * K + k] * e4m3_to_float(w[(size_t)n * K + k]) *
+               scale[(size_t)(n / 128) * ld + k / 128];
+      y[(size_t)m * N + n] = bf16_round((float)acc);
+    }
+}
+
 // gemv_fp8_kernel — y [M, N] = x [M, K] @ dequantized W^T, M <= GEMV_MAX_M.
 //   x bf16 [M, K] (RMSNORM: the residual stream; SILU_MUL: gate_up [M, 2K]); W e4m3 [N, K]; scale fp32
 //   [N/128, ld]; y bf16 [M, N]. One warp per output column (two adjacent ones when K <= 2048: R = 2), lanes
@@ -8927,20 +8941,6 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
         bf16& out = y[(size_t)m * N + n0 + r];
         out = ADD ? __float2bfloat16(bf16_round(acc[r][m]) + __bfloat162float(out)) : __float2bfloat16(acc[r][m]);
       }
-}
-
-// What gemv_fp8_kernel computes with a PLAIN input, on the CPU: y [M, N] from x [M, K] (bf16 values as float),
-// w [N, K] e4m3 and scale [N/128, ld]; sums in double, one bf16 rounding.
-static void gemv_fp8_reference(float* y, const float* x, const uint8_t* w, const float* scale, int ld, int M,
-                               int N, int K) {
-  for (int m = 0; m < M; m++)
-    for (int n = 0; n < N; n++) {
-      double acc = 0;
-      for (int k = 0; k < K; k++)
-        acc += (double)x[(size_t)m * K + k] * e4m3_to_float(w[(size_t)n * K + k]) *
-               scale[(size_t)(n / 128) * ld + k / 128];
-      y[(size_t)m * N + n] = bf16_round((float)acc);
-    }
 }
 
 // The launch: the kernel for (M, IN, ADD, R), R as section 18 chooses it (two rows a warp when both rows'
