@@ -9068,7 +9068,7 @@ static std::string fp8_weights_note(const Qwen3&) {
 }
 static const int kFp8WeightsRegistered = register_optimization(
     {"fp8_weights", "an FP8 checkpoint's linear weights kept in FP8, products on FP8 tensor cores (section 28)",
-     true, apply_fp8_weights, fp8_weights_note, {}, "fp8"});
+     true, apply_fp8_weights, fp8_weights_note, {{"linear_weight_bytes_saved", 1}}, "fp8"});
 // fp8_gemv fills no hook: fp8_weights' stages read g_opt.fp8_gemv. Off by default until it is measured
 // against cuBLASLt's path on the GPU (docs/performance.md, FP8 weights).
 static void apply_fp8_gemv(bool on, Hooks&) { g_opt.fp8_gemv = on; }
@@ -12748,6 +12748,17 @@ static int64_t model_params(const ModelConfig& c) {
                         (int64_t)c.num_attention_heads * D * H + 3 * H * I + 2 * H + 2 * D;
   return c.num_hidden_layers * layer + V * H * (c.tie_word_embeddings ? 1 : 2) + H;
 }
+// Bytes of the weights a run holds: 2 per parameter, less what a chapter saves on the layers' linear
+// weights when it holds them in fewer bytes (step cost linear_weight_bytes_saved, below) for a block-
+// quantized checkpoint or a --quantization run.
+static double step_cost(const OptimizationSet& set, const std::string& name);
+static double model_weight_bytes(const ModelConfig& c, const Config& cfg) {
+  const double H = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
+  const double linears = c.num_hidden_layers * (H * (c.num_attention_heads + 2 * c.num_key_value_heads) * D +
+                                                c.num_attention_heads * D * H + 3 * H * I);
+  const bool quantized = c.block_quantized || !cfg.quantization.empty();
+  return 2.0 * model_params(c) - (quantized ? step_cost(cfg.opt, "linear_weight_bytes_saved") * linears : 0.0);
+}
 
 // The KV blocks --simulate-gpu-memory leaves (one GPU): what ModelRunner::allocate_kv_cache would find free,
 // estimated from the same allocations (weights, activations for the largest step, workspaces) plus a fixed
@@ -12756,8 +12767,8 @@ static int64_t simulated_kv_blocks(const ModelConfig& c, const Config& cfg, doub
   const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim, V = c.vocab_size;
   const int64_t NH = c.num_attention_heads, NKV = c.num_key_value_heads;
   const int64_t Tmax = std::max(cfg.max_num_batched_tokens, cfg.max_num_seqs), Bmax = cfg.max_num_seqs;
-  const double weights = 2.0 * model_params(c);
-  install_optimizations(cfg.opt);  // the hooks a real run would have: their workspaces take memory too
+  const double weights = model_weight_bytes(c, cfg);
+  install_optimizations(cfg.opt, cfg.kv_cache_dtype);  // the hooks a real run would have: their workspaces too
   const double attention_ws = g_hooks.attention_workspace_bytes
                                   ? (double)g_hooks.attention_workspace_bytes((int)Bmax, (int)NH, cfg.max_model_len)
                                   : 0.0;
@@ -12775,6 +12786,8 @@ static int64_t simulated_kv_blocks(const ModelConfig& c, const Config& cfg, doub
 //   prefill_graph_tokens      prefill steps of at most this many tokens replay CUDA graphs (one GPU only)
 //   decode_rows_per_kv_group  1: a prefill step's leading one-token rows (a mixed step's decode rows) read
 //                             their K/V once per GQA group, as a decode step's rows do; 0: once per query head
+//   linear_weight_bytes_saved bytes saved per layer linear weight of a block-quantized checkpoint or a
+//                             --quantization run (model_weight_bytes): held and read at 2 minus this
 static double step_cost(const OptimizationSet& set, const std::string& name) {
   const std::vector<Optimization>& reg = optimization_registry();
   double v = 0;
@@ -12796,7 +12809,7 @@ struct SimRunner : StepRunner {
   const bool decode_rows_per_kv_group = step_cost(config.opt, "decode_rows_per_kv_group") > 0;
 
   SimRunner(const ModelConfig& m, const Config& c, uint64_t s, double p) : mc(m), config(c), seed(s), eos_prob(p) {
-    install_optimizations(c.opt);  // the switches a real run would have (the engine reads g_hooks)
+    install_optimizations(c.opt, c.kv_cache_dtype);  // the hooks a real run would have (the engine reads them)
   }
 
   double now() override { return clock; }
@@ -12824,7 +12837,7 @@ struct SimRunner : StepRunner {
     // one token's K and V
     const double kv_token = (double)kv_block_bytes(mc, 1, 1, kv_cache_value_bytes(config.kv_cache_dtype));
     const double params = (double)model_params(mc);
-    double bytes = 2.0 * params, flops = 0;
+    double bytes = model_weight_bytes(mc, config), flops = 0;
     // A one-token row of a prefill (or mixed) step that goes through the prefill attention kernel reads its
     // K/V once per query head rather than once per GQA group (section 16); Part II sends the leading ones (a
     // mixed step's decode rows) through the decode kernel instead (decode_rows_per_kv_group).

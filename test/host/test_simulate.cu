@@ -202,6 +202,27 @@ TEST(pool_from_gpu_memory) {
   // What a real run of the 0.6B shape found on an H100 80GB (79.6 GiB as the driver reports it): 2,512 blocks
   // of 256 tokens (docs/observability.md). The estimate for "80GB" lands within 5% of it.
   CHECK_MSG(b80 > 2390 && b80 < 2640, "%lld blocks", (long long)b80);
+  // An FP8 checkpoint (or --quantization fp8) holds the layers' linear weights at one byte each while
+  // fp8_weights is on: the pool gains those bytes; with the switch off (the checkpoint dequantized to bf16),
+  // it is the bf16 pool.
+  ModelConfig big8 = big;
+  big8.block_quantized = true;
+  const double linears = 36.0 * (4096.0 * (32 + 2 * 8) * 128 + 32 * 128 * 4096.0 + 3 * 4096.0 * 12288);
+  const double block = (double)kv_block_bytes(big, 256, 1, 2);
+  const int64_t fp8_80 = simulated_kv_blocks(big8, c, gb("80GB"));
+  Config quant = c, plain = c;
+  quant.quantization = "fp8";
+  parse_optimizations("none", plain.opt);
+  printf("    Qwen3-8B on 80 GB: %lld blocks in bf16, %lld with FP8 weights\n", (long long)big80, (long long)fp8_80);
+#ifdef NANOVLLM_PART_II
+  const double gain = linears / block;
+#else
+  const double gain = 0;  // Part II cut out: no chapter holds FP8 weights, the checkpoint is dequantized
+#endif
+  CHECK_MSG(std::fabs(fp8_80 - big80 - gain) <= 1.5, "%lld blocks with FP8 weights, %lld + %.1f expected",
+            (long long)fp8_80, (long long)big80, gain);
+  CHECK_EQ(simulated_kv_blocks(big, quant, gb("80GB")), fp8_80);
+  CHECK(simulated_kv_blocks(big8, plain, gb("80GB")) == simulated_kv_blocks(big, plain, gb("80GB")));
 }
 
 int main(int argc, char** argv) { return test_main(argc, argv); }
