@@ -8421,8 +8421,13 @@ static std::string fp8_weights_problem(const ModelConfig& mc, int tp) {
 #endif
   const int I = mc.intermediate_size / tp;
   if (mc.hidden_size % 128 || I % 128) {
+    std::string works;  // the --tp sizes this model can split in whole blocks
+    for (int n = 1; n <= 8 && mc.hidden_size % 128 == 0; n++)
+      if (tp_shard_problem(mc, n).empty() && (mc.intermediate_size / n) % 128 == 0)
+        works += (works.empty() ? "" : ", ") + std::to_string(n);
     snprintf(buf, sizeof buf, "hidden_size %d and intermediate_size / tp = %d must be multiples of 128 for "
-             "128 x 128 blocks to fuse and split", mc.hidden_size, I);
+             "128 x 128 blocks to fuse and split%s%s", mc.hidden_size, I,
+             works.empty() ? "" : "; it splits so at --tensor-parallel-size ", works.c_str());
     return buf;
   }
   if (mc.block_quantized)  // a checkpoint that keeps a layer linear in bf16 (modules_to_not_convert)

@@ -995,7 +995,7 @@ TEST(fp8_weights_problem_messages) {
   CHECK_EQ(fp8_weights_problem(shape_config(2560, 9728), 4), std::string(""));
   CHECK_EQ(fp8_weights_problem(shape_config(2560, 9728), 8),  // Qwen3-4B at --tp 8: 1216 columns a rank
            std::string("hidden_size 2560 and intermediate_size / tp = 1216 must be multiples of 128 for 128 x 128 "
-                       "blocks to fuse and split"));
+                       "blocks to fuse and split; it splits so at --tensor-parallel-size 1, 2"));  // (tiny's heads)
   CHECK(fp8_weights_problem(shape_config(200, 264), 1).find("hidden_size 200 and intermediate_size / tp = 264 "
                                                             "must be multiples of 128") != std::string::npos);
   CHECK(fp8_weights_problem(shape_config(1000, 3072), 1).find("hidden_size 1000") != std::string::npos);

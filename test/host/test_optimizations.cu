@@ -44,7 +44,8 @@ TEST(every_optimization_is_registered_once) {
     CHECK_MSG(!strcmp(reg()[i].name, expected[i]), "registry[%zu] is %s, expected %s", i, reg()[i].name,
               expected[i]);
     CHECK_MSG(std::string(reg()[i].what).find("(section 1") != std::string::npos ||
-                  std::string(reg()[i].what).find("(section 2") != std::string::npos,
+                  std::string(reg()[i].what).find("(section 2") != std::string::npos ||
+                  std::string(reg()[i].what).find("(section 3") != std::string::npos,
               "%s: its description names no Part II section", reg()[i].name);
     OptimizationSet one = parsed("none");
     one.on[i] = true;
@@ -289,12 +290,12 @@ TEST(prefill_graph_rungs_bound_the_padding) {
 }
 
 // Every optimization is on by default (section 24's persistent kernel then takes only the batch sizes it
-// measures faster at start-up).
+// measures faster at start-up) but fp8_gemv, which waits for its first run on a GPU (docs/performance.md).
 TEST(defaults_are_all) {
   OptimizationSet o = default_optimizations();
-  CHECK_EQ(count_on(o), (int)reg().size());
-  CHECK(is_on(o, "persistent"));
-  CHECK_EQ(optimizations_str(o), std::string("all"));
+  CHECK_EQ(count_on(o), (int)reg().size() - 1);
+  CHECK(is_on(o, "persistent") && !is_on(o, "fp8_gemv"));
+  CHECK_EQ(optimizations_str(o), std::string("all except fp8_gemv"));
   Config c;
   CHECK(c.opt == o);
   CHECK_EQ(parse_optimizations("all", o), std::string(""));
@@ -491,7 +492,7 @@ TEST(command_line_flags) {
     args.insert(args.begin(), "nanovllm");
     return parse_args((int)args.size(), const_cast<char**>(args.data()));
   };
-  CHECK_EQ(count_on(parse({"model", "p.txt"}).config.opt), (int)reg().size());  // all
+  CHECK_EQ(count_on(parse({"model", "p.txt"}).config.opt), (int)reg().size() - 1);  // all but fp8_gemv
   CHECK_EQ(count_on(parse({"--plain", "model"}).config.opt), 0);
   Cli c = parse({"--opt", "-pdl", "--opt=-gemv"});
   CHECK(!is_on(c.config.opt, "pdl") && !is_on(c.config.opt, "gemv") && is_on(c.config.opt, "fused_rope"));
