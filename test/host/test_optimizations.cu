@@ -105,10 +105,13 @@ TEST(simulate_reads_the_step_costs_of_the_switches_on) {
   CHECK_EQ(step_cost(parsed("none,flash_attn"), "decode_rows_per_kv_group"), 1.0);
   CHECK_EQ(step_cost(parsed("-prefill_graphs"), "prefill_graph_tokens"), 0.0);
   CHECK_EQ(step_cost(default_optimizations(), "prefill_graph_tokens"), (double)PREFILL_GRAPH_MAX_T);
+  CHECK_EQ(step_cost(default_optimizations(), "linear_weight_bytes_saved"), 1.0);
+  CHECK_EQ(step_cost(parsed("-fp8_weights"), "linear_weight_bytes_saved"), 0.0);
   // Every name a switch gives is one section 43 reads (a misspelt name would change nothing, silently).
   for (const Optimization& o : optimization_registry())
     for (const auto& cost : o.step_costs)
-      CHECK_MSG(cost.first == "prefill_graph_tokens" || cost.first == "decode_rows_per_kv_group",
+      CHECK_MSG(cost.first == "prefill_graph_tokens" || cost.first == "decode_rows_per_kv_group" ||
+                    cost.first == "linear_weight_bytes_saved",
                 "%s gives step cost %s, which section 43 does not read", o.name, cost.first.c_str());
 }
 
