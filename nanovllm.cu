@@ -8320,7 +8320,8 @@ static const int kPersistentRegistered = register_optimization(
 // ==== 28. FP8 weights, 1: the format on the GPU, loading it, quantizing a bf16 checkpoint =================
 // defines: e4m3_from_float, Fp8Matrix, Fp8Layer, Fp8Weights, g_fp8_weights, fp8_weights_problem,
 //          quantize_weight_reference, quantize_weight_kernel, quantize_weight, fp8_matrix_rows,
-//          fp8_load_weights (section 29: the products, the stages, the switch fp8_weights, --quantization fp8)
+//          fp8_load_weights (section 29: the products, the stages, the switches fp8_weights and fp8_gemv,
+//          --quantization fp8)
 //
 // Replaces: section 6a's reading of an FP8 checkpoint (Qwen/Qwen3-*-FP8), which dequantizes every weight to
 // bf16 on the way in, and then the bf16 matrix products of sections 10 and 18, which read two bytes per
@@ -8354,7 +8355,8 @@ static const int kPersistentRegistered = register_optimization(
 //      columns k of block b of x_q[t][k] * w[n][k]), accumulated in fp32, rounded once to bf16.
 // So an FP8 layer differs from the bf16 one by the weights' rounding (which the checkpoint fixed) and the
 // activations' (about 2^-4 relative per value, averaging out over K): test/ref/hf_reference.py emulates
-// 1-3 in PyTorch and the end-to-end test compares the engine with that.
+// 1-3 in PyTorch and the end-to-end test compares the engine with that. (Section 29's gemv for steps of one
+// or two tokens, switch fp8_gemv, skips step 2: it multiplies the bf16 activations as they are.)
 
 // e4m3 rounding on the CPU (to nearest, ties to even, saturating at +-448; NaN stays NaN), written from the
 // format's definition (section 6a) rather than from cuda_fp8.h: what __nv_cvt_float_to_fp8(x, __NV_SATFINITE,
