@@ -1027,4 +1027,102 @@ TEST(fp8_weights_stands_aside_when_a_layer_linear_is_kept) {
   CHECK_EQ(fp8_weights_problem(shape_config(1024, 3072, {"lm_head", "visual"}), 1), std::string(""));
 }
 
+// Section 28's loader on the GPU (skipped without a Hopper GPU): a written FP8 checkpoint (H 256, I 512, two
+// query and two KV heads, random bytes and scales that differ block by block) loaded by fp8_load_weights at
+// --tp 1 and as rank 1 of --tp 2 (loading needs no NCCL). Every fused matrix read back (fp8_matrix_rows:
+// e4m3 x its scale-table entry) must equal, exactly, the checkpoint's byte times the checkpoint's scale for
+// that row and column of the rank's slice; and bf16 of it must equal what Part I's dequantizing loader puts
+// in the arena for the same slice. A misplaced part, slice or scale-table entry changes the values by a
+// block's scale ratio, which the end-to-end comparison could mistake for rounding.
+TEST(fp8_load_weights_places_bytes_and_scales) {
+  const std::string why = fp8_weights_unreachable();
+  if (!why.empty()) SKIP("%s", why.c_str());
+  const int64_t H = 256, I = 512, D = 128, NH = 2, NKV = 2, V = 40;
+  std::vector<FileTensor> ts = {{"model.embed_tokens.weight", "BF16", {V, H}, {}},
+                                {"model.norm.weight", "BF16", {H}, {}}};
+  const std::vector<std::pair<std::string, std::vector<int64_t>>> linears = {
+      {"self_attn.q_proj", {NH * D, H}}, {"self_attn.k_proj", {NKV * D, H}}, {"self_attn.v_proj", {NKV * D, H}},
+      {"self_attn.o_proj", {H, NH * D}}, {"mlp.gate_proj", {I, H}},        {"mlp.up_proj", {I, H}},
+      {"mlp.down_proj", {H, I}}};
+  for (int l = 0; l < 2; l++) {
+    const std::string pre = "model.layers." + std::to_string(l) + ".";
+    for (const char* norm : {"input_layernorm", "post_attention_layernorm"})
+      ts.push_back({pre + norm + ".weight", "BF16", {H}, {}});
+    for (const char* norm : {"self_attn.q_norm", "self_attn.k_norm"})
+      ts.push_back({pre + norm + ".weight", "BF16", {D}, {}});
+    for (const auto& [name, shape] : linears) {
+      ts.push_back({pre + name + ".weight", "F8_E4M3", shape, {}});
+      ts.push_back({pre + name + ".weight_scale_inv", "F32", {cdiv(shape[0], 128), cdiv(shape[1], 128)}, {}});
+    }
+  }
+  const std::string dir = tmpdir() + "/load";
+  write_checkpoint(dir, ts);
+  ModelConfig mc = published_config();
+  mc.hidden_size = (int)H, mc.intermediate_size = (int)I, mc.num_attention_heads = (int)NH;
+  mc.num_key_value_heads = (int)NKV, mc.vocab_size = (int)V;
+  Config c;
+  c.model = dir, c.max_num_batched_tokens = 64, c.max_num_seqs = 4;
+  SafeTensors st = SafeTensors::open_dir(dir);
+  // The value the checkpoint stores at (r, col) of tensor `name`, in fp32.
+  auto stored = [&](const std::string& name, int64_t r, int64_t col) {
+    const TensorView& t = *st.find(name);
+    const std::vector<float> s = block_scales(*st.find(name + "_scale_inv"));
+    return e4m3_to_float(((const uint8_t*)t.data)[r * t.shape[1] + col]) * s[r / 128 * cdiv(t.shape[1], 128) + col / 128];
+  };
+  for (int tp : {1, 2}) {
+    const int rank = tp - 1;
+    const TPShard sh = tp_shard(mc, rank, tp);
+    install_optimizations(default_optimizations());
+    Weights w8, w16;
+    size_t bytes = 0;
+    CHECK(fp8_load_weights(w8, c, mc, rank, tp, 0, &bytes));
+    w16 = load_weights(dir, mc, rank, tp, 0, &bytes);
+    const int64_t q0 = sh.q_head0 * D, kv0 = sh.kv_head0 * D, nq = sh.q_heads * D, nkv = sh.kv_heads * D;
+    const int64_t i0 = sh.inter0, ni = sh.inter;
+    for (int l = 0; l < 2; l++) {
+      const std::string pre = "model.layers." + std::to_string(l) + ".";
+      const Fp8Layer& fl = g_fp8_weights.layers[l];
+      const LayerWeights& lw = w16.layers[l];
+      // (matrix, its bf16 twin, and where fused row / column (r, col) comes from in the checkpoint)
+      struct Check {
+        const Fp8Matrix& m;
+        const bf16* twin;
+        std::function<std::pair<std::string, std::pair<int64_t, int64_t>>(int64_t, int64_t)> from;
+      };
+      const std::vector<Check> checks = {
+          {fl.qkv, lw.qkv_proj, [&](int64_t r, int64_t col) {
+             if (r < nq) return std::make_pair(pre + "self_attn.q_proj.weight", std::make_pair(q0 + r, col));
+             if (r < nq + nkv) return std::make_pair(pre + "self_attn.k_proj.weight", std::make_pair(kv0 + r - nq, col));
+             return std::make_pair(pre + "self_attn.v_proj.weight", std::make_pair(kv0 + r - nq - nkv, col));
+           }},
+          {fl.o, lw.o_proj, [&](int64_t r, int64_t col) {
+             return std::make_pair(pre + "self_attn.o_proj.weight", std::make_pair(r, q0 + col));
+           }},
+          {fl.gate_up, lw.gate_up_proj, [&](int64_t r, int64_t col) {
+             if (r < ni) return std::make_pair(pre + "mlp.gate_proj.weight", std::make_pair(i0 + r, col));
+             return std::make_pair(pre + "mlp.up_proj.weight", std::make_pair(i0 + r - ni, col));
+           }},
+          {fl.down, lw.down_proj, [&](int64_t r, int64_t col) {
+             return std::make_pair(pre + "mlp.down_proj.weight", std::make_pair(r, i0 + col));
+           }}};
+      for (const Check& k : checks) {
+        const std::vector<float> got = fp8_matrix_rows(k.m, 0, k.m.N);
+        std::vector<uint16_t> twin((size_t)k.m.N * k.m.K);
+        CUDA_CHECK(cudaMemcpy(twin.data(), k.twin, twin.size() * 2, cudaMemcpyDeviceToHost));
+        int bad = 0, bad_twin = 0;
+        for (int64_t r = 0; r < k.m.N; r++)
+          for (int64_t col = 0; col < k.m.K; col++) {
+            const auto [name, at] = k.from(r, col);
+            const float want = stored(name, at.first, at.second), g = got[r * k.m.K + col];
+            bad += g != want;
+            bad_twin += twin[r * k.m.K + col] != float_to_bf16_bits(g);
+          }
+        CHECK_MSG(bad == 0 && bad_twin == 0, "tp %d rank %d layer %d, a %d x %d matrix: %d values differ from the "
+                  "checkpoint's, %d from section 6a's dequantized twin", tp, rank, l, k.m.N, k.m.K, bad, bad_twin);
+      }
+    }
+  }
+  install_optimizations(default_optimizations());
+}
+
 int main(int argc, char** argv) { return test_main(argc, argv); }
