@@ -27,14 +27,16 @@ the reference model is read from MODEL_DIR/bf16-dequantized, the weights the eng
                     weights, torch.float32), e4m3 * scale in fp32 (q8_emulation), as hf_reference.py's
                     ref_q8_logits_N.
 Both emulations go through hf_reference.py's w8a8_linears, the one definition both scripts use.
+A MoE folder (config.json's architectures names Qwen3MoeForCausalLM: hf_reference.py's MoE shapes, or a real
+Qwen3-MoE) is read as Qwen3MoeForCausalLM in fp32 with the experts' "eager" forward, as hf_reference.py's reference
+(its model_class and eager_experts); the "fp8" and "fp8-quantized" weights modes are dense only and refused there.
 Prints PASS/FAIL lines and a RESULT line like the C++ suites.
 """
 import json, os, sys
 import torch
-from transformers import Qwen3ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # hf_reference.py sits beside this script
-from hf_reference import q8_emulation, w8a8_emulation
+from hf_reference import eager_experts, model_class, q8_emulation, w8a8_emulation
 
 d = sys.argv[1]
 res = json.load(open(f"{d}/gen_results.json"))
@@ -50,12 +52,15 @@ if w8a8 and src == d:
     sys.exit(f"{d}: \"weights\": \"fp8\" needs an FP8 folder of hf_reference.py (no {d}/bf16-dequantized)")
 if q8 and src != d:
     sys.exit(f"{d}: \"weights\": \"fp8-quantized\" needs a bf16 checkpoint, not an FP8 folder of hf_reference.py")
-model = Qwen3ForCausalLM.from_pretrained(src, torch_dtype=torch.float32).to("cuda").eval()
+cls = model_class(src)  # Qwen3ForCausalLM, or Qwen3MoeForCausalLM by config.json's architectures
+if cls.__name__ == "Qwen3MoeForCausalLM" and (w8a8 or q8):
+    sys.exit(f"{d}: \"weights\": {weights!r} is not defined for a MoE folder (the FP8 emulations are dense only)")
+model = eager_experts(cls.from_pretrained(src, torch_dtype=torch.float32)).to("cuda").eval()
 if w8a8:  # score against what FP8 weights and activations compute, not against the dequantized bf16 weights
     model = w8a8_emulation(model, d)
 elif q8:  # the bf16 weights as the engine quantizes them at load, then the same FP8 compute
     model = q8_emulation(model)
-print(f"reference: fp32 transformers model from {src}"
+print(f"reference: fp32 transformers {cls.__name__} from {src}"
       + (f", its linears W8A8-emulated from {d}'s FP8 weights" if w8a8 else "")
       + (", its linears W8A8-emulated with its bf16 weights quantized as at load" if q8 else ""), flush=True)
 passed = failed = 0

@@ -2,7 +2,8 @@
 """Make random-weight Qwen3 checkpoints and Hugging Face reference data for the end-to-end GPU test.
 
 Usage:  python3 test/ref/hf_reference.py OUT_DIR TOKENIZER_DIR [SHAPE ...]
-Needs torch and transformers (Qwen3ForCausalLM). For each shape it writes OUT_DIR/SHAPE/:
+Needs torch and transformers (Qwen3ForCausalLM; Qwen3MoeForCausalLM for the MoE shapes). For each shape it writes
+OUT_DIR/SHAPE/:
   model.safetensors, config.json, generation_config.json, tokenizer files  (a model folder nanovllm loads)
   cases.json         the logits cases: prompt ids, and per case the error of transformers' own bf16 model
                      against the fp32 reference (the yardstick our error is held to)
@@ -43,11 +44,53 @@ FineGrainedFP8Config(dequantize=True) and requires the same weights, bit for bit
 "hf_dequantize" in cases.json says what was found).
 The embedding (and untied LM head) are drawn with std 0.1 instead of 0.02 so logits are not flat: greedy
 choices then have margins that bf16 rounding cannot flip, and the argmax checks mean something.
-hf_check_generation.py imports w8a8_emulation and q8_emulation from here, so both scripts emulate FP8 one way.
+MoE shapes (only when named; Qwen3MoeForCausalLM, REFERENCE.md section 14): tiny-moe (H 256, 2 layers, 4/2 heads,
+D 128, 8 experts top-2, moe_intermediate_size 128, norm_topk_prob true, mlp_only_layers [1] so layer 1 is a dense
+MLP of I 768, tied: make_tiny_checkpoint.py --moe's shape), tiny-moe-nonorm (the same with norm_topk_prob false and
+mlp_only_layers []: both layers MoE), 30b-a3b-short (Qwen3-30B-A3B's widths: H 2048, 32/4 heads, 128 experts top-8,
+moe_intermediate_size 768, I 6144, norm_topk_prob true, untied, 2 layers). The router and the experts are drawn
+from N(0, 0.02) here, whatever transformers' own init does (a router of zeros would make every routing a tie).
+Each writes SHAPE/ as a bf16 shape does (model files, generation_config.json, tokenizer files, cases.json with the
+same keys, ref_logits_N.f32, gen_prompts.json; not ref_q8_*: the FP8 paths are dense only), the reference being
+transformers' Qwen3MoeForCausalLM in fp32 with experts_implementation "eager" (eager_experts: each chosen expert's
+down(silu(gate(x)) * up(x)) by F.linear in fp32, times its fp32 routing weight, index_add_ into the token's row),
+and also:
+  moe.json           which transformers behaviour the reference follows (MOE_FACTS: the router, fp32 routing
+                     weights in the multiply, the layouts) and what this run found: transformers' and torch's
+                     versions, the experts implementation used, the dtype of the routing weights in transformers'
+                     own bf16 model (the yardstick's), the MoE and dense layers, how the tensors were written,
+                     and which keys config.json was completed with (head_dim and the MoE keys as Qwen's files
+                     spell them, where save_pretrained's config.json lacked them or aliased num_experts)
+  router_case.json   for a kernel test: the first MoE layer on logits case ROUTER_CASE (the 7-token prompt), per
+                     token the router's logits, its fp32 probabilities over all experts, the top-k expert ids (in
+                     torch.topk's order, descending) and weights (after norm_topk_prob), and the gap between the
+                     k-th and (k+1)-th probability, as transformers' gate computes them (a forward hook on mlp.gate:
+                     recomputed from the hooked input and compared with what the gate returned, "gate_output_check")
+  router_input.f32   that gate's input, fp32 [7, H] row-major (the fp32 model's post_attention_layernorm output)
+cases.json of a MoE shape adds per case "router_min_gap" (the smallest k-th minus (k+1)-th fp32 probability over
+every MoE layer and token: how near routing came to a tie), "routing_pairs" (tokens x MoE layers) and
+"hf_bf16_routing_flips" (the pairs where transformers' bf16 model chose another expert set than the fp32 reference:
+each such flip moves that token's MoE output by a whole expert's share, so a bar on the engine's error has to allow
+for flips as transformers' own bf16 error does; bf16 rounding flips near-ties whatever the router's scale).
+On disk the experts are per expert, as Qwen's released checkpoints hold them: model.layers.N.mlp.experts.E.
+{gate,up}_proj.weight [moe_intermediate_size, H], down_proj.weight [H, moe_intermediate_size], and the router
+model.layers.N.mlp.gate.weight [num_experts, H]. transformers 5.x keeps them packed in memory
+(mlp.experts.gate_up_proj [E, 2I, H], gate rows first, and mlp.experts.down_proj [E, H, I]): its
+conversion_mapping.py gives qwen3_moe
+(qwen2_moe's copy) WeightConverters that stack "mlp.experts.*.gate_proj.weight" and "*.up_proj.weight"
+(MergeModulelist(dim=0), Concatenate(dim=1)) and "*.down_proj.weight" (MergeModulelist(dim=0)) at load, and
+save_pretrained (save_original_format=True, its default) calls core_model_loading.revert_weight_conversion, which
+for a model not made by from_pretrained reverses that same mapping (Chunk, SplitModulelist): the files come out
+per expert. Early 5.0 development snapshots reversed only renames and would write the packed tensors, so save_moe
+does not trust it: it reads back the names written and, unless they are exactly the per-expert ones with the same
+values, rewrites model.safetensors per expert from the state dict itself (moe.json "tensors_written" says which);
+then from_pretrained of the folder must give back the saved weights bit for bit (it exits non-zero otherwise).
+hf_check_generation.py imports w8a8_emulation and q8_emulation from here, so both scripts emulate FP8 one way,
+and model_class and eager_experts, so both load a MoE folder one way.
 """
-import json, os, shutil, sys
+import contextlib, json, os, shutil, sys
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 SHAPES = {
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
@@ -65,7 +108,34 @@ ODD = dict(hidden_size=264, intermediate_size=776, num_hidden_layers=2, num_atte
            num_key_value_heads=2, tie_word_embeddings=False)
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
+MOE_SHAPES = {
+    "tiny-moe": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, tie_word_embeddings=True, num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=128, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]),
+    "30b-a3b-short": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=2, num_attention_heads=32,
+                          num_key_value_heads=4, tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[]),
+}
+MOE_SHAPES["tiny-moe-nonorm"] = dict(MOE_SHAPES["tiny-moe"], norm_topk_prob=False, mlp_only_layers=[])
+MOE_FACTS = {
+    "reference": "transformers' Qwen3MoeForCausalLM in fp32 on the bf16 checkpoint's weights widened exactly, "
+                 "experts_implementation eager",
+    "router": "logits = F.linear(x, mlp.gate.weight), no bias; softmax over all experts in fp32; torch.topk; "
+              "divided by the top-k sum when norm_topk_prob",
+    "routing_weights_in_multiply": "fp32: each chosen expert's down(silu(gate(x)) * up(x)) times its fp32 routing "
+                                   "weight, index_add_ into the token's row, experts in ascending id order",
+    "disk_layout": "per expert: model.layers.N.mlp.experts.E.{gate,up}_proj.weight [I, H], "
+                   "model.layers.N.mlp.experts.E.down_proj.weight [H, I]; "
+                   "router model.layers.N.mlp.gate.weight [E, H]; a dense layer (mlp_only_layers) "
+                   "model.layers.N.mlp.{gate,up,down}_proj.weight",
+    "transformers_5_memory_layout": "mlp.experts.gate_up_proj [E, 2I, H] (gate rows first), mlp.experts.down_proj "
+                                    "[E, H, I], packed at load by the qwen3_moe conversion mapping",
+}
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+            "mlp_only_layers")  # config.json's MoE keys, spelled as in Qwen's files
 LOGIT_LENS = [1, 7, 255, 256, 257, 1000, 3000]
+ROUTER_CASE = LOGIT_LENS.index(7)  # router_case.json's prompt: a few tokens, each with its own routing
 GEN_LENS = [5, 17, 100, 255, 256, 300, 600, 1000]
 FP8_EMULATION = {"activation_group": 128, "scale": "amax/448, 1 for a zero group", "weights": "e4m3*scale in fp32"}
 
@@ -160,8 +230,9 @@ def q8_emulation(model):
 
 
 def fp32_copy(m16, cfg, dev):
-    """An fp32 Qwen3ForCausalLM on dev with m16's weights (widened exactly)."""
-    m32 = Qwen3ForCausalLM(cfg).to(dev).eval()
+    """An fp32 model of m16's class (Qwen3ForCausalLM or Qwen3MoeForCausalLM) on dev with m16's weights (widened
+    exactly)."""
+    m32 = type(m16)(cfg).to(dev).eval()
     m32.load_state_dict({k: v.float() for k, v in m16.state_dict().items()})
     return m32.float()
 
@@ -297,7 +368,278 @@ def save_fp8(model, d, scale_dtype, name):
     return "equal"
 
 
+# Qwen3-MoE (REFERENCE.md section 14): the MoE shapes, and what hf_check_generation.py needs to load their folders.
+
+def model_class(d):
+    """Qwen3MoeForCausalLM for a folder whose config.json names it in "architectures", else Qwen3ForCausalLM."""
+    with open(os.path.join(d, "config.json")) as f:
+        arch = json.load(f).get("architectures") or []
+    return Qwen3MoeForCausalLM if "Qwen3MoeForCausalLM" in arch else Qwen3ForCausalLM
+
+
+def eager_experts(model):
+    """Pin a MoE model's experts to transformers' "eager" forward and return the model: the loop over the chosen
+    experts with F.linear per expert, not grouped_mm / batched_mm, which transformers 5.x may pick by default (other
+    summation orders, and torch._grouped_mm's fp32 support is not something to lean on). transformers 4.x has only
+    the loop; dense models pass."""
+    if getattr(model.config, "num_experts", 0) and hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
+    return model
+
+
+def moe_layers(cfg):
+    """The MoE layers, as Qwen3MoeDecoderLayer decides: l not in mlp_only_layers and (l + 1) % decoder_sparse_step
+    == 0."""
+    return [l for l in range(cfg.num_hidden_layers) if cfg.num_experts > 0 and l not in cfg.mlp_only_layers
+            and (l + 1) % cfg.decoder_sparse_step == 0]
+
+
+def disk_tensors(model, cfg):
+    """{name: bf16 tensor} of `model` as Qwen's checkpoints lay it out on disk: transformers 5.x's packed
+    mlp.experts.gate_up_proj [E, 2I, H] split into experts.E.gate_proj.weight (rows :I) and up_proj.weight (rows
+    I:), mlp.experts.down_proj [E, H, I] into experts.E.down_proj.weight; 4.x's per-expert modules as they are; the
+    tied lm_head left out. Checks that exactly the MoE layers have a router."""
+    E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    out = {}
+    for k, v in model.state_dict().items():
+        if k == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if k.endswith(".mlp.experts.gate_up_proj"):
+            assert tuple(v.shape) == (E, 2 * I, H), f"{k}: {tuple(v.shape)}, expected [E, 2I, H] (not transposed)"
+            for e in range(E):
+                out[f"{k[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = v[e, :I].contiguous()
+                out[f"{k[:-len('gate_up_proj')]}{e}.up_proj.weight"] = v[e, I:].contiguous()
+        elif k.endswith(".mlp.experts.down_proj"):
+            assert tuple(v.shape) == (E, H, I), f"{k}: {tuple(v.shape)}, expected [E, H, I] (not transposed)"
+            for e in range(E):
+                out[f"{k[:-len('down_proj')]}{e}.down_proj.weight"] = v[e].contiguous()
+        else:
+            out[k] = v.contiguous()
+    routed = [l for l in range(cfg.num_hidden_layers) if f"model.layers.{l}.mlp.gate.weight" in out]
+    assert routed == moe_layers(cfg), f"routers in layers {routed}, MoE layers {moe_layers(cfg)}"
+    return out
+
+
+def check_moe_config(model, cfg, name):
+    """Exit unless the model took head_dim 128 and rope_theta 1e6: some transformers 5.x Qwen3MoeConfig declare
+    neither (head_dim then rides as an extra attribute, rope_theta goes into rope_parameters), and attention falls
+    back to hidden_size / num_attention_heads (64 here) without head_dim."""
+    attn = model.model.layers[0].self_attn
+    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", None))
+    if attn.head_dim != 128 or attn.q_proj.out_features != cfg.num_attention_heads * 128 or theta != 1e6:
+        sys.exit(f"{name}: the model has head_dim {attn.head_dim}, q_proj {attn.q_proj.out_features} rows and "
+                 f"rope_theta {theta}; expected 128, {cfg.num_attention_heads * 128} and 1e6")
+
+
+def save_moe(model, cfg, d, name):
+    """Write the bf16 `model` to d (config.json, safetensors) with its experts per expert, as Qwen's checkpoints are
+    (see the docstring at the top for why save_pretrained alone is not trusted); then require from_pretrained of d
+    to give back model's weights bit for bit. Returns what moe.json says of it: "tensors_written" (how) and
+    "config_json_completed" (the keys of Qwen's config.json that save_pretrained's lacked or spelled otherwise, e.g.
+    num_experts written as num_local_experts where the config class aliases it, added with their values).
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    model.save_pretrained(d, safe_serialization=True)
+    with open(os.path.join(d, "config.json")) as f:
+        c = json.load(f)
+    fixed = {k: v for k, v in dict(head_dim=128, **{k: getattr(cfg, k) for k in MOE_KEYS}).items() if c.get(k) != v}
+    if fixed:  # the engine reads these names, as Qwen's files have them
+        print(f"{name}: config.json completed with {fixed}", flush=True)
+        c.update(fixed)
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(c, f, indent=2)
+    want = disk_tensors(model, cfg)
+    files = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
+    got = {}
+    for f in files:
+        with safe_open(os.path.join(d, f), framework="pt") as s:
+            got.update({k: s.get_tensor(k) for k in s.keys()})
+    if set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want):
+        how = "save_pretrained's own files: per-expert names, values equal to the packed tensors' slices"
+    else:
+        extra, lacking = sorted(set(got) - set(want))[:3], sorted(set(want) - set(got))[:3]
+        how = (f"rewritten per expert by hf_reference.py into one model.safetensors: save_pretrained's files had "
+               f"{extra or 'no other names'} beyond the per-expert ones and lacked {lacking or 'none'}"
+               + ("" if extra or lacking else ", but other values"))
+        for f in files + ["model.safetensors.index.json"]:
+            if os.path.exists(os.path.join(d, f)):
+                os.remove(os.path.join(d, f))
+        save_file(want, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    del got
+    print(f"{name}: tensors on disk: {how}", flush=True)
+    back = Qwen3MoeForCausalLM.from_pretrained(d, dtype=torch.bfloat16).state_dict()
+    ours = model.state_dict()
+    bad = sorted(set(ours) ^ set(back)) or [k for k in ours  # (a module kept in fp32 at load is compared in bf16)
+                                             if not torch.equal(ours[k].cpu(), back[k].cpu().to(ours[k].dtype))]
+    if bad:
+        sys.exit(f"{name}: from_pretrained of {d} does not give back the saved weights: {bad[:3]}")
+    print(f"{name}: from_pretrained of the folder gives back all {len(ours)} tensors bit for bit", flush=True)
+    return {"tensors_written": how, "config_json_completed": sorted(fixed)}
+
+
+@contextlib.contextmanager
+def gate_calls(model, layers):
+    """While inside: {layer: (input, output)} of each listed MoE layer's last gate (mlp.gate) call."""
+    calls = {}
+    hooks = [model.model.layers[l].mlp.gate.register_forward_hook(
+        lambda mod, args, kwargs, out, l=l: calls.__setitem__(l, (args[0] if args else next(iter(kwargs.values())),
+                                                                  out)), with_kwargs=True) for l in layers]
+    try:
+        yield calls
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def routing(gate, x, cfg):
+    """(logits, probs, weights, ids) of gate on x [..., H] as Qwen3-MoE routes: logits = F.linear(x, gate.weight) in
+    x's dtype, fp32 softmax over all experts, torch.topk, divided by the top-k sum when norm_topk_prob (weights stay
+    fp32). The same calls as transformers' router (5.x) or sparse block (4.x), so the same bits."""
+    logits = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), gate.weight)
+    probs = torch.nn.functional.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return logits, probs, weights, ids
+
+
+def check_gate(out, logits, weights, ids):
+    """Compare routing()'s result with what the gate returned: transformers 5.x's router returns (logits or probs,
+    weights [T, k] or dense scores [T, E], ids [T, k]), 4.x's gate (a Linear) the logits. Returns (a phrase for the
+    JSON, the dtype of the routing weights the gate returned or None)."""
+    if torch.is_tensor(out):
+        same = torch.equal(out.reshape(logits.shape), logits)
+        return ("equal: the gate returns the logits; the block routes from them" if same else "logits differ"), None
+    ints = [t for t in out if torch.is_tensor(t) and not t.is_floating_point()]
+    if len(ints) != 1 or not torch.equal(ints[0].reshape(ids.shape), ids):
+        return f"expert ids differ or not found in {[tuple(t.shape) for t in out if torch.is_tensor(t)]}", None
+    floats = [t.reshape(-1, t.shape[-1]) for t in out if torch.is_tensor(t) and t.is_floating_point()]
+    for t in sorted(floats, key=lambda t: t.shape != weights.shape):  # [T, k] weights before [T, E] scores
+        mine = t if t.shape == weights.shape else t.gather(1, ids) if t.shape == logits.shape else None
+        if mine is not None and torch.equal(mine, weights.to(t.dtype)):
+            return f"equal: expert ids, and weights in {t.dtype}", str(t.dtype).replace("torch.", "")
+    return "expert ids equal, weights differ", None
+
+
+def kth_gap(probs, k):
+    """Per token, the k-th minus the (k+1)-th largest probability (None where k is every expert)."""
+    if k >= probs.shape[-1]:
+        return None
+    top = torch.topk(probs, k + 1, dim=-1).values
+    return top[:, k - 1] - top[:, k]
+
+
+def routing_stats(m32, m16, c32, c16, cfg):
+    """(router_min_gap, hf_bf16_routing_flips) of one forward of each model, from their gate_calls: the smallest
+    kth_gap of the fp32 reference over every MoE layer and token (None if top-k is every expert), and the (layer,
+    token) pairs where the bf16 model's expert set differs from the fp32 reference's."""
+    gaps, flips = [], 0
+    for l, (x, _) in c32.items():
+        _, probs, _, ids = routing(m32.model.layers[l].mlp.gate, x, cfg)
+        ids16 = routing(m16.model.layers[l].mlp.gate, c16[l][0], cfg)[3]
+        flips += int((ids.sort(dim=-1).values != ids16.sort(dim=-1).values).any(dim=-1).sum())
+        gap = kth_gap(probs, cfg.num_experts_per_tok)
+        if gap is not None:
+            gaps.append(gap.min().item())
+    return (min(gaps) if gaps else None), flips
+
+
+def write_router_case(d, m32, calls, cfg, layer, i, ids):
+    """router_case.json and router_input.f32 (see the docstring at the top) for layer `layer` on case i (ids)."""
+    x, out = calls[layer]
+    logits, probs, weights, experts = routing(m32.model.layers[layer].mlp.gate, x, cfg)
+    check, _ = check_gate(out, logits, weights, experts)
+    if not check.startswith("equal"):
+        print(f"WARNING {d}: the gate's own output and the recomputed routing: {check}", flush=True)
+    gap = kth_gap(probs, cfg.num_experts_per_tok)
+    x.reshape(-1, x.shape[-1]).float().cpu().numpy().astype("float32").tofile(os.path.join(d, "router_input.f32"))
+    tokens = [{"token": ids[t], "expert_ids": experts[t].tolist(), "weights": weights[t].tolist(),
+               "kth_gap": None if gap is None else gap[t].item(), "probs": probs[t].tolist(),
+               "logits": logits[t].float().tolist()} for t in range(len(ids))]
+    with open(os.path.join(d, "router_case.json"), "w") as f:
+        json.dump({"layer": layer, "case": i, "ids": ids, "num_experts": cfg.num_experts,
+                   "num_experts_per_tok": cfg.num_experts_per_tok, "norm_topk_prob": cfg.norm_topk_prob,
+                   "input": f"router_input.f32: fp32 [{len(ids)}, {cfg.hidden_size}] row-major, the gate's input",
+                   "order": "expert_ids and weights in torch.topk's order (descending probability)",
+                   "gate_output_check": check, "tokens": tokens}, f, indent=1)
+
+
+def make_moe(out, tok_dir, name):
+    """One MoE shape (MOE_SHAPES): the folder, the fp32 reference logits and cases.json as make() writes them for a
+    bf16 shape, and moe.json, router_case.json, router_input.f32 (the docstring at the top)."""
+    d = os.path.join(out, name)
+    os.makedirs(d, exist_ok=True)
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=151936, head_dim=128, max_position_embeddings=40960, rope_theta=1e6,
+                         rms_norm_eps=1e-6, eos_token_id=[151645, 151643], bos_token_id=151643, **MOE_SHAPES[name])
+    model = eager_experts(Qwen3MoeForCausalLM(cfg))
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0, 0.1)
+        if not cfg.tie_word_embeddings:
+            model.lm_head.weight.normal_(0, 0.1)
+        for k, p in model.named_parameters():  # the router and experts drawn here, whatever the init did
+            if ".mlp.experts." in k or k.endswith(".mlp.gate.weight"):
+                p.normal_(0, 0.02)
+    model = model.to(torch.bfloat16)
+    check_moe_config(model, cfg, name)
+    layers = moe_layers(cfg)
+    written = save_moe(model, cfg, d, name)
+    with open(os.path.join(d, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [151645, 151643], "bos_token_id": 151643}, f)
+    for fn in ("tokenizer.json", "tokenizer_config.json"):
+        if os.path.exists(os.path.join(tok_dir, fn)):
+            shutil.copy(os.path.join(tok_dir, fn), d)
+    dev = "cuda"
+    m16 = model.to(dev).eval()
+    m32 = eager_experts(fp32_copy(m16, cfg, dev))
+    g = torch.Generator().manual_seed(1)  # the same prompts as the dense shapes'
+    cases, bf16_weights = [], None
+    for i, n in enumerate(LOGIT_LENS):
+        ids = torch.randint(0, 151643, (n,), generator=g).tolist()
+        x = torch.tensor([ids], device=dev)
+        with torch.no_grad(), gate_calls(m32, layers) as c32, gate_calls(m16, layers) as c16:
+            ref = m32(x).logits[0, -1].float()
+            got = m16(x).logits[0, -1].float()
+            min_gap, flips = routing_stats(m32, m16, c32, c16, cfg)
+            if i == ROUTER_CASE:
+                write_router_case(d, m32, c32, cfg, layers[0], i, ids)
+                x16, out16 = c16[layers[0]]  # which dtype transformers' bf16 model multiplies by
+                lg16, _, w16, e16 = routing(m16.model.layers[layers[0]].mlp.gate, x16, cfg)
+                bf16_check, bf16_dtype = check_gate(out16, lg16, w16, e16)
+                bf16_weights = bf16_dtype or f"not returned by the gate ({bf16_check})"
+        err = ((got - ref).norm() / ref.norm()).item()
+        top2 = torch.topk(ref, 2).values
+        ref.cpu().numpy().astype("float32").tofile(os.path.join(d, f"ref_logits_{i}.f32"))
+        cases.append({"ids": ids, "hf_bf16_rel_err": err, "hf_bf16_max_abs_err": (got - ref).abs().max().item(),
+                      "hf_dequantize": None, "ref_argmax": int(ref.argmax()),
+                      "ref_top2_margin": (top2[0] - top2[1]).item(), "router_min_gap": min_gap,
+                      "routing_pairs": n * len(layers), "hf_bf16_routing_flips": flips})
+        print(f"{name}: logits case {n:5d} tokens: transformers bf16 vs fp32 rel err {err:.2e}; routing: smallest "
+              f"k-th gap {min_gap}, bf16 flips {flips} of {n * len(layers)}", flush=True)
+    with open(os.path.join(d, "cases.json"), "w") as f:
+        json.dump(cases, f)
+    prompts = [torch.randint(0, 151643, (n,), generator=g).tolist() for n in GEN_LENS]
+    with open(os.path.join(d, "gen_prompts.json"), "w") as f:
+        json.dump(prompts, f)
+    write_moe_json(d, cfg, layers, m32, bf16_weights, written)
+    del m16, m32
+    torch.cuda.empty_cache()
+
+
+def write_moe_json(d, cfg, layers, m32, bf16_weights, written):
+    """moe.json: MOE_FACTS and what this run found (see the docstring at the top); written: save_moe's answer."""
+    import transformers
+    facts = dict(MOE_FACTS, transformers_version=transformers.__version__, torch_version=torch.__version__,
+                 experts_implementation=getattr(m32.config, "_experts_implementation", None) or "eager (4.x)",
+                 hf_bf16_routing_weights_dtype=bf16_weights,
+                 moe_layers=layers, dense_layers=[l for l in range(cfg.num_hidden_layers) if l not in layers],
+                 intermediate_size=cfg.intermediate_size, **{k: getattr(cfg, k) for k in MOE_KEYS}, **written)
+    with open(os.path.join(d, "moe.json"), "w") as f:
+        json.dump(facts, f, indent=2)
+
+
 if __name__ == "__main__":
     out, tok = sys.argv[1], sys.argv[2]
     for name in (sys.argv[3:] or SHAPES):
-        make(out, tok, name)
+        (make_moe if name in MOE_SHAPES else make)(out, tok, name)

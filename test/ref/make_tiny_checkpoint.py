@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write a tiny Qwen3 model folder nanovllm accepts, or one broken in a named way. Python stdlib only.
 
-Usage:  python3 test/ref/make_tiny_checkpoint.py OUT_DIR [--random] [--shards] [--fp8 bf16|f32]
+Usage:  python3 test/ref/make_tiny_checkpoint.py OUT_DIR [--random] [--shards] [--fp8 bf16|f32] [--moe]
                                               [--break KIND] [--set KEY=JSON ...] [--del KEY ...]
 Writes OUT_DIR/config.json, generation_config.json and model.safetensors (or two shards and
 model.safetensors.index.json with --shards). The tokenizer files are not written: copy them in.
@@ -12,6 +12,15 @@ linear projection of a layer as F8_E4M3 with X.weight_scale_inv [ceil(out/128), 
 Shape: the "tiny" of test/ref/hf_reference.py (H 256, I 768, 2 layers, 4 query heads, 2 KV heads, D 128,
 V 151936, tied embeddings). Weights are zeros stored sparsely (the file costs no disk), or with --random
 small random bf16 values (a model the GPU can run; not a model that says anything).
+--moe writes a Qwen3MoeForCausalLM folder instead (REFERENCE.md section 14), the "tiny-moe" of hf_reference.py:
+the same attention, and config.json's architectures ["Qwen3MoeForCausalLM"], model_type "qwen3_moe", num_experts
+8, num_experts_per_tok 2, moe_intermediate_size 128, norm_topk_prob true, decoder_sparse_step 1, mlp_only_layers
+[1]: layer 0 is MoE, layer 1 a dense MLP of intermediate_size. A MoE layer's tensors are as on disk in Qwen's
+checkpoints: the router model.layers.N.mlp.gate.weight [num_experts, H] and, per expert E,
+model.layers.N.mlp.experts.E.{gate,up}_proj.weight [moe_intermediate_size, H] and down_proj.weight
+[H, moe_intermediate_size] (transformers 5.x packs these at load; the files hold them one by one). --set of
+num_experts, moe_intermediate_size, decoder_sparse_step or mlp_only_layers reshapes the tensors too. The moe_
+breaks below are for the engine's MoE validation to come; cli_errors.sh does not check them yet.
 --break KIND corrupts the checkpoint in one way; test/cli/cli_errors.sh checks the error each one gives:
 """
 import json, os, random, struct, sys
@@ -40,8 +49,15 @@ BREAKS = {
     "fp8_scale_shape": "(with --fp8) model.layers.1.mlp.down_proj.weight_scale_inv is [2, 2] instead of [2, 6]",
     "fp8_scale_dtype": "(with --fp8 bf16) model.layers.0.self_attn.k_proj.weight_scale_inv is F16",
     "fp8_weight_dtype": "(with --fp8) model.layers.0.self_attn.q_proj.weight is F8_E5M2",
+    "moe_expert_missing": "(with --moe) model.layers.0.mlp.experts.7.up_proj.weight is absent",
+    "moe_router_shape": "(with --moe) model.layers.0.mlp.gate.weight is [256, 8] instead of [8, 256]",
+    "moe_topk": "(with --moe) config.json says num_experts_per_tok 9 with num_experts 8",
 }
 FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+MOE_CONFIG = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=8,
+                  num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True, decoder_sparse_step=1,
+                  mlp_only_layers=[1], router_aux_loss_coef=0.001,
+                  output_router_logits=False)  # the last two: training only, in Qwen's config.json too
 __doc__ += "".join(f"  {k:18s} {v}\n" for k, v in BREAKS.items())
 
 
@@ -57,8 +73,32 @@ def tensors(c, fp8=None):
     return out
 
 
+def is_moe_layer(c, l):
+    """Layer l is a MoE layer (transformers' Qwen3MoeDecoderLayer): experts configured, l not in mlp_only_layers,
+    and (l + 1) % decoder_sparse_step == 0. A dense config (no moe_intermediate_size) has none, whatever
+    --set num_experts says: the dense files stay as they were."""
+    return ("moe_intermediate_size" in c and c.get("num_experts", 0) > 0 and l not in c.get("mlp_only_layers", [])
+            and (l + 1) % c.get("decoder_sparse_step", 1) == 0)
+
+
+def mlp_tensors(c, p):
+    """[(name, shape)] of layer prefix p's MLP: dense gate/up/down, or for a MoE layer the router and each
+    expert's three projections, named as Qwen's checkpoints name them on disk."""
+    H, I = c["hidden_size"], c["intermediate_size"]
+    if not is_moe_layer(c, int(p.split(".")[2])):
+        return [(p + "mlp.gate_proj.weight", [I, H]), (p + "mlp.up_proj.weight", [I, H]),
+                (p + "mlp.down_proj.weight", [H, I])]
+    E, MI = c["num_experts"], c["moe_intermediate_size"]
+    out = [(p + "mlp.gate.weight", [E, H])]
+    for e in range(E):
+        q = f"{p}mlp.experts.{e}."
+        out += [(q + "gate_proj.weight", [MI, H]), (q + "up_proj.weight", [MI, H]),
+                (q + "down_proj.weight", [H, MI])]
+    return out
+
+
 def bf16_tensors(c):
-    H, I, D, V = c["hidden_size"], c["intermediate_size"], c["head_dim"], c["vocab_size"]
+    H, D, V = c["hidden_size"], c["head_dim"], c["vocab_size"]
     NH, NKV = c["num_attention_heads"], c["num_key_value_heads"]
     out = [("model.embed_tokens.weight", [V, H]), ("model.norm.weight", [H])]
     if not c["tie_word_embeddings"]:
@@ -68,9 +108,8 @@ def bf16_tensors(c):
         out += [(p + "input_layernorm.weight", [H]), (p + "post_attention_layernorm.weight", [H]),
                 (p + "self_attn.q_proj.weight", [NH * D, H]), (p + "self_attn.k_proj.weight", [NKV * D, H]),
                 (p + "self_attn.v_proj.weight", [NKV * D, H]), (p + "self_attn.q_norm.weight", [D]),
-                (p + "self_attn.k_norm.weight", [D]), (p + "self_attn.o_proj.weight", [H, NH * D]),
-                (p + "mlp.gate_proj.weight", [I, H]), (p + "mlp.up_proj.weight", [I, H]),
-                (p + "mlp.down_proj.weight", [H, I])]
+                (p + "self_attn.k_norm.weight", [D]), (p + "self_attn.o_proj.weight", [H, NH * D])]
+        out += mlp_tensors(c, p)
     return out
 
 
@@ -118,6 +157,10 @@ def write_safetensors(path, entries, random_values, brk):
         for n in names:
             if n.endswith("layers.1.self_attn.k_norm.weight"):
                 header[n]["shape"] = [2, 64]
+    if brk == "moe_router_shape":  # transposed: the same element count and span, so only a shape check refuses it
+        for n in names:
+            if n == "model.layers.0.mlp.gate.weight":
+                header[n]["shape"] = header[n]["shape"][::-1]
     for n in names:
         if brk == "fp8_scale_shape" and n.endswith("layers.1.mlp.down_proj.weight_scale_inv"):
             header[n]["shape"] = [2, 2]
@@ -170,7 +213,13 @@ def main():
     if fp8 is not None and fp8 not in ("bf16", "f32"):
         sys.exit(f"--fp8 takes bf16 or f32 (the scales' dtype), found {fp8}")
     fp8 = {"bf16": "BF16", "f32": "F32"}.get(fp8)
-    config = dict(CONFIG)
+    moe = "--moe" in args
+    if brk is not None and brk.startswith("moe_") and not moe:
+        sys.exit(f"--break {brk} needs --moe")
+    if moe and fp8:
+        sys.exit("--moe with --fp8 is not written yet (which tensors Qwen's FP8 MoE checkpoints keep in bf16)")
+    base = dict(CONFIG, **MOE_CONFIG) if moe else dict(CONFIG)
+    config = dict(base)
     if fp8:
         config["quantization_config"] = dict(FP8_CONFIG)
     for i, a in enumerate(args):
@@ -182,17 +231,23 @@ def main():
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": [151645, 151643], "bos_token_id": 151643}, f)
-    shape = dict(CONFIG)
+    shape = dict(base)
     shape.update({k: v for k, v in config.items() if type(v) is bool or (type(v) is int and v > 0)})
+    if type(config.get("mlp_only_layers")) is list and all(type(x) is int for x in config["mlp_only_layers"]):
+        shape["mlp_only_layers"] = config["mlp_only_layers"]  # a list: the line above keeps only numbers and flags
     entries = tensors(shape, fp8)
     if brk == "no_lm_head":
         config["tie_word_embeddings"] = False
+    if brk == "moe_topk":
+        config["num_experts_per_tok"] = config["num_experts"] + 1
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     if brk == "missing":
         entries = [e for e in entries if e[0] != "model.norm.weight"]
     if brk == "fp8_scale_missing":
         entries = [e for e in entries if e[0] != "model.layers.1.mlp.down_proj.weight_scale_inv"]
+    if brk == "moe_expert_missing":
+        entries = [e for e in entries if e[0] != "model.layers.0.mlp.experts.7.up_proj.weight"]
     if not shards:
         write_safetensors(os.path.join(out, "model.safetensors"), entries, random_values, brk)
         return
