@@ -1126,7 +1126,8 @@ static float half_bits_to_float(uint16_t h) {
 }
 
 // ---- Checkpoints with 8-bit float weights (a storage format, read on the host) ---------------------------
-// defines: e4m3_to_float, e4m3_table, block_scales, dequantize_row, quantized_dtype_problem
+// defines: block_scales, dequantize_row, quantized_dtype_problem, unquantized_dtype_hint (the bytes' values:
+//          safetensors.h's e4m3_to_float and block_quantized_values)
 //
 // Qwen publishes each dense Qwen3 also as an FP8 checkpoint (Qwen/Qwen3-8B-FP8 and its siblings): half the
 // bytes. Its config.json says
@@ -1141,35 +1142,18 @@ static float half_bits_to_float(uint16_t h) {
 // partial. The embedding, the norms and lm_head stay bf16, and so does any linear that
 // modules_to_not_convert names.
 //
-// e4m3 (PyTorch's float8_e4m3fn): a sign bit, 4 exponent bits (bias 7), 3 mantissa bits, no infinities:
-//   exponent field e = 1..15:  +-(1 + m/8) * 2^(e-7)      (e = 15 with m = 7 is NaN: bytes 0x7F and 0xFF)
-//   exponent field e = 0:      +-(m/8) * 2^-6              subnormals, and +-0
-// A quantizer clamps to +-448, so a NaN byte means a damaged file, and the loader refuses it.
+// e4m3 (PyTorch's float8_e4m3fn, defined in safetensors.h beside its decoder) has a sign bit, 4 exponent
+// bits and 3 mantissa bits; its largest value is 448 and it has no infinities. A quantizer clamps to +-448,
+// so a NaN byte (0x7F, 0xFF) means a damaged file, and the loader refuses it.
 //
 // Part I computes in bf16, so it reads such a checkpoint by dequantizing it while loading:
 //   W = bf16(e4m3_value * scale)     the product in fp32, rounded once to bf16 (ties to even)
 // as transformers' FineGrainedFP8Config(dequantize=True) computes it. The work is done by the CPU, in the
-// loader, with a table of the 256 e4m3 values: every weight passes through the CPU on its way to the
+// loader, with a table of the 256 e4m3 values (safetensors.h decodes the dtype, as it reads every other one:
+// e4m3_to_float, block_quantized_values): every weight passes through the CPU on its way to the
 // staging buffers anyway, a lookup and a multiply per byte keep up with reading the file, and Part I keeps
 // no FP8 kernel. After loading, the engine is the bf16 engine, with bf16's memory and speed. A Part II
 // chapter (switch fp8_weights) keeps the weights in FP8 on the GPU and computes with them instead.
-
-// An e4m3 byte's value, from the definition above (exact: every e4m3 value is a float).
-static float e4m3_to_float(uint8_t b) {
-  const int e = (b >> 3) & 15, m = b & 7;
-  if (e == 15 && m == 7) return NAN;
-  const float mag = e == 0 ? m * 0x1p-9f : std::ldexp(1.0f + m / 8.0f, e - 7);
-  return b & 0x80 ? -mag : mag;
-}
-// The 256 values, once.
-static const float* e4m3_table() {
-  static const std::vector<float> table = [] {
-    std::vector<float> t(256);
-    for (int b = 0; b < 256; b++) t[b] = e4m3_to_float((uint8_t)b);
-    return t;
-  }();
-  return table.data();
-}
 
 // A weight_scale_inv tensor's values as fp32, row-major [ceil(out/128), ceil(in/128)]. A NaN or infinite
 // scale (which would make its whole block NaN) or a negative one is a damaged checkpoint: refused with the
@@ -1187,7 +1171,7 @@ static std::vector<float> block_scales(const TensorView& s) {
     }
     if (!std::isfinite(out[i]) || out[i] < 0)
       die("tensor '%s' in %s holds %g for block [%lld, %lld] (rows %lld.., columns %lld..); the block scales "
-          "of an FP8 weight are finite numbers >= 0: the checkpoint is damaged", s.name.c_str(), s.file.c_str(),
+          "of an 8-bit weight are finite numbers >= 0: the checkpoint is damaged", s.name.c_str(), s.file.c_str(),
           out[i], (long long)(i / cols), (long long)(i % cols), (long long)(i / cols * 128),
           (long long)(i % cols * 128));
   }
@@ -1200,7 +1184,7 @@ static std::vector<float> block_scales(const TensorView& s) {
 // scales its weights were quantized with. A NaN byte is refused, naming `t` (the weight) and where.
 static void dequantize_row(uint16_t* out, const uint8_t* w, int64_t n, const float* scale, int64_t scale_cols,
                            int64_t r, int64_t c, const TensorView& t) {
-  const float* table = e4m3_table();
+  const float* table = block_quantized_values();
   const float* srow = scale + r / 128 * scale_cols;
   bool nan = false;
   for (int64_t j = 0; j < n; j++) {
@@ -1209,22 +1193,23 @@ static void dequantize_row(uint16_t* out, const uint8_t* w, int64_t n, const flo
   }
   for (int64_t j = 0; nan && j < n; j++)
     if ((w[j] & 0x7f) == 0x7f)
-      die("tensor '%s' in %s holds a NaN byte (0x%02x) at [%lld, %lld]; an FP8 checkpoint's quantizer never "
-          "writes one: the checkpoint is damaged", t.name.c_str(), t.file.c_str(), w[j], (long long)r,
+      die("tensor '%s' in %s holds a NaN byte (0x%02x) at [%lld, %lld]; a quantizer never writes one: the "
+          "checkpoint is damaged", t.name.c_str(), t.file.c_str(), w[j], (long long)r,
           (long long)(c + j));
 }
 // What the loader checks of an FP8 checkpoint's tensor (its kind in TensorSpec, below): "" when `t` is what
 // it must be, else what is wrong.
 static std::string quantized_dtype_problem(bool is_scale, DType d) {
   if (is_scale) return d == DType::BF16 || d == DType::F32 ? "" : "block scales are BF16 or F32";
-  return d == DType::F8_E4M3 ? ""
-                             : "config.json's quantization_config (quant_method fp8) makes the layers' linear "
-                               "weights F8_E4M3 unless modules_to_not_convert names them";
+  if (d == kBlockQuantizedDType) return "";
+  return std::string("config.json's quantization_config (quant_method ") + kBlockQuantizedMethod +
+         ") makes the layers' linear weights " + dtype_name(kBlockQuantizedDType) +
+         " unless modules_to_not_convert names them";
 }
-static const char* unquantized_dtype_hint(DType d) {
-  return d == DType::F8_E4M3 ? ", and F8_E4M3 only for the layers' linear weights of a checkpoint whose "
-                               "config.json has quantization_config with quant_method fp8"
-                             : "";
+static std::string unquantized_dtype_hint(DType d) {
+  if (d != kBlockQuantizedDType) return "";
+  return std::string(", and ") + dtype_name(d) + " only for the layers' linear weights of a checkpoint whose "
+         "config.json has quantization_config with quant_method " + kBlockQuantizedMethod;
 }
 
 // ---- The loader: staging buffers, the list of tensors, the checks ----------------------------------------
@@ -1378,7 +1363,7 @@ static const TensorView& checked_tensor(const SafeTensors& st, const TensorSpec&
       die("tensor '%s' in %s has dtype %s; %s", spec.name.c_str(), t->file.c_str(), dtype_name(d), problem.c_str());
   } else if (d != DType::BF16 && d != DType::F16 && d != DType::F32) {
     die("tensor '%s' in %s has dtype %s; nanovllm loads BF16, F16 or F32 checkpoints%s", spec.name.c_str(),
-        t->file.c_str(), dtype_name(d), unquantized_dtype_hint(d));
+        t->file.c_str(), dtype_name(d), unquantized_dtype_hint(d).c_str());
   }
   return *t;
 }
@@ -5188,7 +5173,8 @@ static void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t 
 }
 
 // ==== 18. Small-batch gemv, 2: the gemv with its neighbours fused in =======================================
-// defines: GemvIn, GemvOptions, GEMV_MAX_M, gemv, gemv_can_stage; switches pdl, gemv
+// defines: GemvIn, GemvOptions, GEMV_MAX_M, gemv_stage_input, gemv_store, gemv, gemv_can_stage; switches
+//          pdl, gemv
 //
 // Replaces: at steps of at most GEMV_MAX_M tokens (batch-1 and -2 decode), cuBLASLt's matrix products and
 // the small kernels around them (the RMSNorm before qkv and gate_up, SiLU-and-mul before down, the residual
@@ -5232,6 +5218,49 @@ constexpr int GEMV_WARPS = 8;
 constexpr int GEMV_UNROLL = 8;
 constexpr size_t GEMV_MAX_SMEM = 48 << 10;  // the staged input [M, K]: what a launch gets without opting in
 
+// The input side of the fused variants, for the M rows: RMSNORM stages rmsnorm(x) * norm_w into shared memory
+// (rmsnorm_row, section 7's code, so the rounding is the same), SILU_MUL stages silu(gate) * up (silu_mul8),
+// PLAIN stages nothing. Every thread of the thread block takes part.
+template <int M, GemvIn IN>
+__device__ __forceinline__ void gemv_stage_input(uint4* staged, const bf16* __restrict__ x,
+                                                 const bf16* __restrict__ norm_w, int K, float eps) {
+  if constexpr (IN == GemvIn::RMSNORM) {
+    __shared__ float scratch[32];
+    for (int m = 0; m < M; m++) {
+      rmsnorm_row<false>(reinterpret_cast<bf16*>(staged) + (size_t)m * K, nullptr, x + (size_t)m * K, norm_w, K,
+                         eps, scratch);
+      __syncthreads();  // the row is complete, and scratch may be used again
+    }
+  } else if constexpr (IN == GemvIn::SILU_MUL) {
+    const uint4* gu = reinterpret_cast<const uint4*>(x);
+    for (int c = threadIdx.x; c < M * K / 8; c += blockDim.x) {
+      const int m = c / (K / 8), j = c % (K / 8);
+      staged[c] = silu_mul8(gu[(size_t)m * K / 4 + j], gu[(size_t)m * K / 4 + K / 8 + j]);
+    }
+    __syncthreads();
+  }
+}
+// The output side: a warp's per-lane sums for its R rows and M inputs reduced across the warp, then lane
+// r*M + m writes y[m, n0 + r] (registers are indexed with constants only); ADD adds into y as add_rmsnorm rounds.
+template <int M, int R, bool ADD>
+__device__ __forceinline__ void gemv_store(bf16* __restrict__ y, float (&acc)[R][M], int n0, int N, int lane) {
+#pragma unroll
+  for (int r = 0; r < R; r++)
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) acc[r][m] += __shfl_xor_sync(0xffffffffu, acc[r][m], off);
+    }
+#pragma unroll
+  for (int r = 0; r < R; r++)
+#pragma unroll
+    for (int m = 0; m < M; m++)
+      if (lane == r * M + m && n0 + r < N) {
+        bf16& out = y[(size_t)m * N + n0 + r];
+        out = ADD ? __float2bfloat16(bf16_round(acc[r][m]) + __bfloat162float(out)) : __float2bfloat16(acc[r][m]);
+      }
+}
+
 template <int M, GemvIn IN, bool ADD, int R>
 __global__ void __launch_bounds__(GEMV_WARPS * 32)
     gemv_kernel(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ W, int N, int K,
@@ -5255,21 +5284,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
   // kernel finishes.
   if (n0 < N) load_stretch(0);
   pdl_begin();
-  if constexpr (IN == GemvIn::RMSNORM) {
-    __shared__ float scratch[32];
-    for (int m = 0; m < M; m++) {
-      rmsnorm_row<false>(reinterpret_cast<bf16*>(staged) + (size_t)m * K, nullptr, x + (size_t)m * K, norm_w, K,
-                         eps, scratch);
-      __syncthreads();  // the row is complete, and scratch may be used again
-    }
-  } else if constexpr (IN == GemvIn::SILU_MUL) {
-    const uint4* gu = reinterpret_cast<const uint4*>(x);
-    for (int c = threadIdx.x; c < M * K / 8; c += blockDim.x) {
-      const int m = c / (K / 8), j = c % (K / 8);
-      staged[c] = silu_mul8(gu[(size_t)m * K / 4 + j], gu[(size_t)m * K / 4 + K / 8 + j]);
-    }
-    __syncthreads();
-  }
+  gemv_stage_input<M, IN>(staged, x, norm_w, K, eps);
   if (n0 >= N) return;
   float acc[R][M];
 #pragma unroll
@@ -5297,22 +5312,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
       }
     }
   }
-#pragma unroll
-  for (int r = 0; r < R; r++)
-#pragma unroll
-    for (int m = 0; m < M; m++) {
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) acc[r][m] += __shfl_xor_sync(0xffffffffu, acc[r][m], off);
-    }
-  // lane r*M + m writes y[m, n0 + r] (registers are indexed with constants only)
-#pragma unroll
-  for (int r = 0; r < R; r++)
-#pragma unroll
-    for (int m = 0; m < M; m++)
-      if (lane == r * M + m && n0 + r < N) {
-        bf16& out = y[(size_t)m * N + n0 + r];
-        out = ADD ? __float2bfloat16(bf16_round(acc[r][m]) + __bfloat162float(out)) : __float2bfloat16(acc[r][m]);
-      }
+  gemv_store<M, R, ADD>(y, acc, n0, N, lane);
 }
 
 // Rows per warp: 2 when both rows' loads fit in one stretch (K <= 1024: Qwen3-0.6B's qkv and gate_up), so the
@@ -8361,7 +8361,7 @@ static const int kPersistentRegistered = register_optimization(
 // e4m3 rounding on the CPU (to nearest, ties to even, saturating at +-448; NaN stays NaN), written from the
 // format's definition (section 6a) rather than from cuda_fp8.h: what __nv_cvt_float_to_fp8(x, __NV_SATFINITE,
 // __NV_E4M3) computes, which the kernels here and of the FP8 KV cache (section 30) use. Its inverse is
-// section 6a's e4m3_to_float.
+// e4m3_to_float (safetensors.h).
 static uint8_t e4m3_from_float(float x) {
   if (std::isnan(x)) return 0x7f;
   const uint8_t sign = std::signbit(x) ? 0x80 : 0;
@@ -8876,21 +8876,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
   };
   if (n0 < N) load_stretch(0);  // the weights: no step writes them (section 17)
   pdl_begin();
-  if constexpr (IN == GemvIn::RMSNORM) {
-    __shared__ float scratch[32];
-    for (int m = 0; m < M; m++) {
-      rmsnorm_row<false>(reinterpret_cast<bf16*>(staged) + (size_t)m * K, nullptr, x + (size_t)m * K, norm_w, K,
-                         eps, scratch);
-      __syncthreads();
-    }
-  } else if constexpr (IN == GemvIn::SILU_MUL) {
-    const uint4* gu = reinterpret_cast<const uint4*>(x);
-    for (int c = threadIdx.x; c < M * K / 8; c += blockDim.x) {
-      const int m = c / (K / 8), j = c % (K / 8);
-      staged[c] = silu_mul8(gu[(size_t)m * K / 4 + j], gu[(size_t)m * K / 4 + K / 8 + j]);
-    }
-    __syncthreads();
-  }
+  gemv_stage_input<M, IN>(staged, x, norm_w, K, eps);  // section 18's
   if (n0 >= N) return;
   float acc[R][M];
 #pragma unroll
@@ -8933,21 +8919,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
       }
     }
   }
-#pragma unroll
-  for (int r = 0; r < R; r++)
-#pragma unroll
-    for (int m = 0; m < M; m++) {
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) acc[r][m] += __shfl_xor_sync(0xffffffffu, acc[r][m], off);
-    }
-#pragma unroll
-  for (int r = 0; r < R; r++)
-#pragma unroll
-    for (int m = 0; m < M; m++)
-      if (lane == r * M + m && n0 + r < N) {
-        bf16& out = y[(size_t)m * N + n0 + r];
-        out = ADD ? __float2bfloat16(bf16_round(acc[r][m]) + __bfloat162float(out)) : __float2bfloat16(acc[r][m]);
-      }
+  gemv_store<M, R, ADD>(y, acc, n0, N, lane);  // section 18's
 }
 
 // The launch: the kernel for (M, IN, ADD, R), R as section 18 chooses it (two rows a warp when both rows'
@@ -9069,7 +9041,10 @@ static void apply_fp8_weights(bool on, Hooks& h) {
 }
 static std::string fp8_weights_note(const Qwen3&) {
   const Fp8Weights& f = g_fp8_weights;
-  if (f.held) return "FP8 weights: cuBLASLt block-scaled products at every step size";
+  if (f.held)
+    return g_opt.fp8_gemv ? "FP8 weights: a gemv reading e4m3 at steps of 1-2 tokens, cuBLASLt's block-scaled "
+                            "products at the others"
+                          : "FP8 weights: cuBLASLt block-scaled products at every step size";
   if (!f.reason.empty()) return "fp8_weights stands aside (" + f.reason + "): the checkpoint is dequantized to bf16";
   return "";
 }
@@ -9324,8 +9299,8 @@ struct KVFp8 {
   }
 };
 
-// What the kernels compute, on the CPU: e4m3 rounding is section 28's e4m3_from_float, its inverse section
-// 6a's e4m3_to_float.
+// What the kernels compute, on the CPU: e4m3 rounding is section 28's e4m3_from_float, its inverse
+// e4m3_to_float (safetensors.h).
 
 // The scale for values bounded by `bound`: the smallest power of two s with bound / s <= 448, kept within
 // 2^-100 .. 2^7 (a bound above 448 x 2^7 = 57,344 would be beyond any bf16 model's K or V).

@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -60,6 +61,31 @@ static inline int dtype_size(DType d) {
   for (auto& t : kDTypes)
     if (t.dtype == d) return t.itemsize;
   return 0;
+}
+
+// Block-quantized weights, as Qwen's FP8 checkpoints store them: F8_E4M3 bytes with one scale per 128 x 128
+// block in a NAME_scale_inv tensor (config.json's quantization_config, quant_method "fp8"; nanovllm.cu
+// section 6a reads them). An e4m3 byte (PyTorch's float8_e4m3fn): a sign bit, 4 exponent bits (bias 7) and
+// 3 mantissa bits, no infinities:
+//   exponent field e = 1..15:  +-(1 + m/8) * 2^(e-7)      (e = 15 with m = 7 is NaN: bytes 0x7F and 0xFF)
+//   exponent field e = 0:      +-(m/8) * 2^-6              subnormals, and +-0
+constexpr DType kBlockQuantizedDType = DType::F8_E4M3;
+constexpr const char* kBlockQuantizedMethod = "fp8";
+// An e4m3 byte's value, from the definition above (exact: every e4m3 value is a float).
+static inline float e4m3_to_float(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  if (e == 15 && m == 7) return NAN;
+  const float mag = e == 0 ? m * 0x1p-9f : std::ldexp(1.0f + m / 8.0f, e - 7);
+  return b & 0x80 ? -mag : mag;
+}
+// The 256 values of kBlockQuantizedDType's bytes, built once.
+static inline const float* block_quantized_values() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int b = 0; b < 256; b++) t[b] = e4m3_to_float((uint8_t)b);
+    return t;
+  }();
+  return table.data();
 }
 
 struct TensorView {

@@ -236,20 +236,32 @@ static std::vector<uint16_t> fp8_test_weight(int N, int K, uint64_t seed) {
   return w;
 }
 
+// A test weight [N, K] (fp8_test_weight) quantized on the GPU by quantize_weight into buffers it owns,
+// poisoned first; m points at them.
+struct QuantizedTestWeight {
+  std::vector<uint16_t> w;  // the bf16 weight
+  DevBuf<uint16_t> dw;
+  DevBuf<uint8_t> q;
+  DevBuf<float> sc;
+  Fp8Matrix m;
+  QuantizedTestWeight(int N, int K, uint64_t seed)
+      : w(fp8_test_weight(N, K, seed)), dw(w), q((size_t)N * K), sc((size_t)N / 128 * (cdiv(K / 128, 4) * 4)) {
+    q.poison(), sc.poison();
+    m.N = N, m.K = K, m.ld = (int)cdiv(K / 128, 4) * 4, m.w = q.p, m.scale = sc.p;
+    quantize_weight(m, (const bf16*)dw.p, 0);
+  }
+};
+
 // quantize_weight against quantize_weight_reference: the same bytes and scales, exactly.
 TEST(fp8_quantize_weight_matches_reference) {
   if (!have_gpu()) SKIP("no GPU");
   for (auto nk : std::vector<std::pair<int, int>>{{128, 128}, {256, 384}, {384, 1024}}) {
     const int N = nk.first, K = nk.second;
-    auto w = fp8_test_weight(N, K, N * 7 + K);
-    Fp8Matrix m;
-    m.N = N, m.K = K, m.ld = (int)cdiv(K / 128, 4) * 4;
-    DevBuf<uint16_t> dw(w);
-    DevBuf<uint8_t> q((size_t)N * K);
-    DevBuf<float> sc((size_t)N / 128 * m.ld);
-    q.poison(), sc.poison();
-    m.w = q.p, m.scale = sc.p;
-    quantize_weight(m, (const bf16*)dw.p, 0);
+    QuantizedTestWeight t(N, K, N * 7 + K);
+    const std::vector<uint16_t>& w = t.w;
+    const Fp8Matrix& m = t.m;
+    DevBuf<uint8_t>& q = t.q;
+    DevBuf<float>& sc = t.sc;
     CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<uint8_t> gq = q.download(), wq((size_t)N * K);
     std::vector<float> gs = sc.download();
@@ -307,15 +319,10 @@ TEST(fp8_linear_matches_reference) {
   for (auto nk : std::vector<std::pair<int, int>>{{256, 384}, {384, 1024}, {1024, 3072}})
     for (int T : {1, 3, 4, 6, 33, 130}) {
       const int N = nk.first, K = nk.second, T4 = (int)cdiv(T, 4) * 4;
-      auto w = fp8_test_weight(N, K, N * 3 + K);
-      Fp8Matrix m;
-      m.N = N, m.K = K, m.ld = (int)cdiv(K / 128, 4) * 4;
-      DevBuf<uint16_t> dw(w);
-      DevBuf<uint8_t> q((size_t)N * K);
-      DevBuf<float> sc((size_t)N / 128 * m.ld);
-      sc.poison();
-      m.w = q.p, m.scale = sc.p;
-      quantize_weight(m, (const bf16*)dw.p, 0);
+      QuantizedTestWeight t(N, K, N * 3 + K);
+      const Fp8Matrix& m = t.m;
+      DevBuf<uint8_t>& q = t.q;
+      DevBuf<float>& sc = t.sc;
       Fp8Weights& f = g_fp8_weights;
       f.rows = T4, f.kmax = K;
       DevBuf<uint8_t> xq((size_t)T4 * K);
@@ -343,7 +350,7 @@ TEST(fp8_linear_matches_reference) {
       std::vector<uint8_t> xq_ref((size_t)T4 * K);
       std::vector<float> xs_ref((size_t)T4 * K / 128);
       quantize_rows_reference(xq_ref.data(), xs_ref.data(), xf.data(), T, K);
-      const float* e4m3 = e4m3_table();
+      const float* e4m3 = block_quantized_values();
       int bad = 0;
       size_t worst = 0;
       double worst_excess = -1;
@@ -384,14 +391,10 @@ TEST(fp8_gemv_matches_reference) {
   for (auto nk : std::vector<std::pair<int, int>>{{256, 384}, {384, 1024}, {1024, 3072}, {128, 4096}})
     for (int M : {1, 2}) {
       const int N = nk.first, K = nk.second;
-      auto w = fp8_test_weight(N, K, N * 5 + K + M);
-      Fp8Matrix m;
-      m.N = N, m.K = K, m.ld = (int)cdiv(K / 128, 4) * 4;
-      DevBuf<uint16_t> dw(w);
-      DevBuf<uint8_t> q((size_t)N * K);
-      DevBuf<float> sc((size_t)N / 128 * m.ld);
-      m.w = q.p, m.scale = sc.p;
-      quantize_weight(m, (const bf16*)dw.p, 0);
+      QuantizedTestWeight t(N, K, N * 5 + K + M);
+      const Fp8Matrix& m = t.m;
+      DevBuf<uint8_t>& q = t.q;
+      DevBuf<float>& sc = t.sc;
       std::vector<uint8_t> wq = q.download();
       std::vector<float> ws = sc.download();
       auto x = random_bf16((size_t)M * K, M * 101 + K, 1.0f);

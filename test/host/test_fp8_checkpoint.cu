@@ -2,7 +2,7 @@
 //   section 32: config.json's quantization_config (the published form and every refusal), --quantization,
 //     validate_config's rule that --quantization fp8 needs the switch fp8_weights, and the trip of all three
 //     to the tensor-parallel workers;
-//   section 6a ("Checkpoints with 8-bit float weights"): e4m3_to_float and e4m3_table against the format's
+//   section 6a ("Checkpoints with 8-bit float weights"): e4m3_to_float and block_quantized_values (safetensors.h) against the format's
 //     definition and cuda_fp8.h for all 256 bytes, block_scales, dequantize_row (scales by the global row
 //     and column), checkpoint_tensors and kept_unquantized, and validate_checkpoint on safetensors files
 //     written here (each way an FP8 checkpoint can be wrong);
@@ -269,10 +269,10 @@ TEST(quantization_reaches_the_workers) {
 // ==== section 6a: e4m3 bytes, block scales, the dequantizing loader ====================================
 
 // Every byte against the definition (written with ldexp in double) and against cuda_fp8.h (e4m3 -> fp16 is
-// exact: every e4m3 value is an fp16 value); e4m3_table holds the same 256 values.
+// exact: every e4m3 value is an fp16 value); block_quantized_values holds the same 256 values.
 TEST(e4m3_to_float_all_256_bytes) {
-  const float* table = e4m3_table();
-  CHECK(table == e4m3_table());  // built once
+  const float* table = block_quantized_values();
+  CHECK(table == block_quantized_values());  // built once
   int nans = 0;
   for (int b = 0; b < 256; b++) {
     const float got = e4m3_to_float((uint8_t)b), cuda = cuda_e4m3_to_float((uint8_t)b);
@@ -611,9 +611,12 @@ static void write_checkpoint(const std::string& dir, const std::vector<FileTenso
 
 // The tiny config's tensors as an FP8 checkpoint stores them, scales in `scale_dtype`; `keep` names the
 // linears stored in BF16 instead (without scales).
+struct TinyDims {
+  int64_t H = 200, I = 264, NH = 2, NKV = 1;  // the tiny config's: neither H nor I a multiple of 128
+};
 static std::vector<FileTensor> fp8_tensors(const std::string& scale_dtype,
-                                           const std::vector<std::string>& keep = {}) {
-  const int64_t H = 200, I = 264, D = 128, NH = 2, NKV = 1, V = 40;
+                                           const std::vector<std::string>& keep = {}, TinyDims dims = {}) {
+  const int64_t H = dims.H, I = dims.I, D = 128, NH = dims.NH, NKV = dims.NKV, V = 40;
   std::vector<FileTensor> ts = {{"model.embed_tokens.weight", "BF16", {V, H}, {}},
                                 {"model.norm.weight", "BF16", {H}, {}}};
   const std::vector<std::pair<std::string, std::vector<int64_t>>> linears = {
@@ -1038,23 +1041,7 @@ TEST(fp8_load_weights_places_bytes_and_scales) {
   const std::string why = fp8_weights_unreachable();
   if (!why.empty()) SKIP("%s", why.c_str());
   const int64_t H = 256, I = 512, D = 128, NH = 2, NKV = 2, V = 40;
-  std::vector<FileTensor> ts = {{"model.embed_tokens.weight", "BF16", {V, H}, {}},
-                                {"model.norm.weight", "BF16", {H}, {}}};
-  const std::vector<std::pair<std::string, std::vector<int64_t>>> linears = {
-      {"self_attn.q_proj", {NH * D, H}}, {"self_attn.k_proj", {NKV * D, H}}, {"self_attn.v_proj", {NKV * D, H}},
-      {"self_attn.o_proj", {H, NH * D}}, {"mlp.gate_proj", {I, H}},        {"mlp.up_proj", {I, H}},
-      {"mlp.down_proj", {H, I}}};
-  for (int l = 0; l < 2; l++) {
-    const std::string pre = "model.layers." + std::to_string(l) + ".";
-    for (const char* norm : {"input_layernorm", "post_attention_layernorm"})
-      ts.push_back({pre + norm + ".weight", "BF16", {H}, {}});
-    for (const char* norm : {"self_attn.q_norm", "self_attn.k_norm"})
-      ts.push_back({pre + norm + ".weight", "BF16", {D}, {}});
-    for (const auto& [name, shape] : linears) {
-      ts.push_back({pre + name + ".weight", "F8_E4M3", shape, {}});
-      ts.push_back({pre + name + ".weight_scale_inv", "F32", {cdiv(shape[0], 128), cdiv(shape[1], 128)}, {}});
-    }
-  }
+  const std::vector<FileTensor> ts = fp8_tensors("F32", {}, {H, I, NH, NKV});
   const std::string dir = tmpdir() + "/load";
   write_checkpoint(dir, ts);
   ModelConfig mc = published_config();

@@ -252,6 +252,16 @@ def w8a8_case(m8, x, ref, d, tag, i):
     return entries, rel
 
 
+def write_folder_files(d, tok_dir):
+    """What a model folder holds besides the weights and config.json: generation_config.json (Qwen3's EOS
+    ids) and the tokenizer's files."""
+    with open(os.path.join(d, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [151645, 151643], "bos_token_id": 151643}, f)
+    for fn in ("tokenizer.json", "tokenizer_config.json"):
+        if os.path.exists(os.path.join(tok_dir, fn)):
+            shutil.copy(os.path.join(tok_dir, fn), d)
+
+
 def make(out, tok_dir, name):
     d = os.path.join(out, name)
     os.makedirs(d, exist_ok=True)
@@ -273,11 +283,7 @@ def make(out, tok_dir, name):
             json.dump(FP8_EMULATION, f, indent=2)
     else:
         model.save_pretrained(d, safe_serialization=True)
-    with open(os.path.join(d, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": [151645, 151643], "bos_token_id": 151643}, f)
-    for fn in ("tokenizer.json", "tokenizer_config.json"):
-        if os.path.exists(os.path.join(tok_dir, fn)):
-            shutil.copy(os.path.join(tok_dir, fn), d)
+    write_folder_files(d, tok_dir)
     dev = "cuda"
     m16 = model.to(dev).eval()  # for an FP8 shape: the dequantized weights (save_fp8 put them in)
     m32 = fp32_copy(m16, cfg, dev)
@@ -585,11 +591,7 @@ def make_moe(out, tok_dir, name):
     check_moe_config(model, cfg, name)
     layers = moe_layers(cfg)
     written = save_moe(model, cfg, d, name)
-    with open(os.path.join(d, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": [151645, 151643], "bos_token_id": 151643}, f)
-    for fn in ("tokenizer.json", "tokenizer_config.json"):
-        if os.path.exists(os.path.join(tok_dir, fn)):
-            shutil.copy(os.path.join(tok_dir, fn), d)
+    write_folder_files(d, tok_dir)
     dev = "cuda"
     m16 = model.to(dev).eval()
     m32 = eager_experts(fp32_copy(m16, cfg, dev))
