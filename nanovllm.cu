@@ -8662,9 +8662,11 @@ static bool fp8_load_weights(Weights& w, const Config& c, const ModelConfig& mc,
 }
 
 // ==== 29. FP8 weights, 2: the activations' quantizer, cuBLASLt's block-scaled products, the stages ========
-// defines: quantize_rows_reference, quantize_rows_kernel, quantize_rows, fp8_linear_reference, Fp8GemmPlan,
-//          fp8_gemm_plan, fp8_linear, gemv_fp8_kernel, gemv_fp8_reference, gemv_fp8, fp8_norm_matmul,
-//          fp8_matmul_out, apply_fp8_weights; switches fp8_weights, fp8_gemv; --quantization fp8
+// defines: quantize_rows_reference, e4m3_quantize_group, quantize_rows_kernel, quantize_rows,
+//          fp8_linear_reference, Fp8GemmPlan, fp8_gemm_plan, fp8_product, fp8_linear, rmsnorm_quantize,
+//          silu_quantize, mma_e4m3_16832, FP8_GEMV_STEP, gemv_fp8_kernel, gemv_fp8, fp8_multiply,
+//          fp8_norm_matmul, fp8_matmul_out, apply_fp8_weights; switches
+//          fp8_weights, fp8_gemv; --quantization fp8
 //
 // Section 28's format, computed with: the arithmetic of its steps 2 and 3, as two launches per matrix
 // product. quantize_rows rounds a step's activations to e4m3, one scale per token and 128 columns; then one
@@ -8674,9 +8676,10 @@ static bool fp8_load_weights(Weights& w, const Config& c, const ModelConfig& mc,
 // Steps of every size can take this path: cuBLASLt wants the token count a multiple of 4, so a step is
 // padded to one (rows of zeros with scale 1, whose products land in the activation buffers' spare rows,
 // section 11).
-// The norm before qkv and gate_up, SiLU-and-mul before down and the residual add after o_proj and down stay
-// Part I's kernels here; at steps of one or two tokens a gemv reading e4m3 takes them in, as section 18's
-// does for bf16 (switch fp8_gemv, below).
+// The norm before qkv and gate_up and SiLU-and-mul before down write the quantized rows themselves (two
+// kernels below: Part I's row code, then the quantizer); the residual add after o_proj and down stays Part
+// I's. At steps of one or two tokens a gemv on the FP8 tensor cores replaces cuBLASLt and takes the residual
+// add in (switch fp8_gemv, below).
 
 // What quantize_rows_kernel computes, on the CPU: x [T, K] (bf16 values as float) -> xq [T4, K] e4m3 and
 // xs [K/128, T4] fp32, T4 = T rounded up to 4, rows past T zero with scale 1.
@@ -8693,12 +8696,35 @@ static void quantize_rows_reference(uint8_t* xq, float* xs, const float* x, int 
     }
 }
 
+// Step 2 of section 28 for one group of 128 values spread over a warp, lane i holding values 4i..4i+3 (bf16
+// values, as floats): the group's scale s = amax / 448 (1 for a group of zeros) into *scale (lane 0), and
+// the lane's four bytes e4m3(v / s), the first value in the low byte, into q128 (the group's 128 bytes).
+// quantize_rows_kernel and rmsnorm_quantize_kernel (below) both quantize with it, so they write the same bytes.
+__device__ __forceinline__ void e4m3_quantize_group(const float (&v)[4], uint8_t* q128, float* scale, int lane) {
+  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  const float s = amax > 0.f ? amax / 448.f : 1.f;
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0] / s, v[1] / s), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2] / s, v[3] / s), __NV_SATFINITE, __NV_E4M3);
+  reinterpret_cast<uint32_t*>(q128)[lane] = lo | hi << 16;
+  if (lane == 0) *scale = s;
+}
+__device__ __forceinline__ void bf16x4_to_float(const uint2& u, float (&f)[4]) {
+  const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+  const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+  f[0] = lo.x, f[1] = lo.y, f[2] = hi.x, f[3] = hi.y;
+}
+
 // quantize_rows_kernel — step 2 of section 28: x_q = e4m3(x / s_x), s_x = amax / 448 per token and 128 columns.
 //   x bf16 [T, K] row-major; xq e4m3 [T4, K]; xs fp32 [K/128, T4], tokens contiguous (the layout cuBLASLt
 //   reads VEC128_32F scales of its second operand in). K a multiple of 128.
 //   One warp per (token, group of 128 columns), 8 warps per thread block: lane i holds columns 4i..4i+3 of
-//   the group (one 8-byte load), the warp's amax comes from five shuffles, and each lane writes its 4 bytes.
+//   the group (one 8-byte load), e4m3_quantize_group gives the scale (five shuffles) and the lane's 4 bytes.
 //   Rows t >= T (the padding up to T4) write zeros and scale 1. Launched with PDL (section 17).
+//   SILU: x is gate_up [T, 2K] and the values quantized are silu(gate) * up, each computed and rounded to
+//   bf16 as section 7's silu_and_mul_kernel does (SiLU-and-mul with the quantizer fused in, below).
+template <bool SILU>
 __global__ void __launch_bounds__(256) quantize_rows_kernel(uint8_t* __restrict__ xq, float* __restrict__ xs,
                                                             const bf16* __restrict__ x, int T, int T4, int K) {
   const int groups = K / 128, warp = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x & 31;
@@ -8706,27 +8732,29 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(uint8_t* __restrict_
   if (warp >= T4 * groups) return;
   const int t = warp / groups, b = warp % groups;
   float v[4] = {0.f, 0.f, 0.f, 0.f};
-  if (t < T) {
-    const uint2 raw = reinterpret_cast<const uint2*>(x + (size_t)t * K + b * 128)[lane];
-    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-    v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
-  }
-  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+  if (t < T && !SILU) bf16x4_to_float(reinterpret_cast<const uint2*>(x + (size_t)t * K + b * 128)[lane], v);
+  if (t < T && SILU) {
+    const bf16* gate = x + (size_t)t * 2 * K + b * 128;
+    float g[4], u[4];
+    bf16x4_to_float(reinterpret_cast<const uint2*>(gate)[lane], g);
+    bf16x4_to_float(reinterpret_cast<const uint2*>(gate + K)[lane], u);
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-  const float s = amax > 0.f ? amax / 448.f : 1.f;
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0] / s, v[1] / s), __NV_SATFINITE, __NV_E4M3);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2] / s, v[3] / s), __NV_SATFINITE, __NV_E4M3);
-  reinterpret_cast<uint32_t*>(xq + (size_t)t * K + b * 128)[lane] = lo | hi << 16;
-  if (lane == 0) xs[(size_t)b * T4 + t] = s;
+    for (int i = 0; i < 4; i++) v[i] = bf16_round(silu_mul(g[i], u[i]));
+  }
+  e4m3_quantize_group(v, xq + (size_t)t * K + b * 128, xs + (size_t)b * T4 + t, lane);
 }
-static void quantize_rows(uint8_t* xq, float* xs, const bf16* x, int T, int K, cudaStream_t stream) {
-  INTERNAL_CHECK(K % 128 == 0 && T >= 0, "quantize_rows: T = %d, K = %d (a multiple of 128)", T, K);
-  check_aligned16("quantize_rows", "x", x);
+template <bool SILU>
+static void quantize_rows_launch(const char* name, uint8_t* xq, float* xs, const bf16* x, int T, int K,
+                                 cudaStream_t stream) {
+  INTERNAL_CHECK(K % 128 == 0 && T >= 0, "%s: T = %d, K = %d (a multiple of 128)", name, T, K);
+  check_aligned16(name, "x", x);
   const int T4 = (int)cdiv(T, 4) * 4;
   if (T4 == 0) return;
-  launch_pdl(quantize_rows_kernel, (unsigned)cdiv((int64_t)T4 * (K / 128), 8), 256, 0, stream, xq, xs, x, T, T4, K);
+  launch_pdl(quantize_rows_kernel<SILU>, (unsigned)cdiv((int64_t)T4 * (K / 128), 8), 256, 0, stream, xq, xs, x, T,
+             T4, K);
+}
+static void quantize_rows(uint8_t* xq, float* xs, const bf16* x, int T, int K, cudaStream_t stream) {
+  quantize_rows_launch<false>("quantize_rows", xq, xs, x, T, K, stream);
 }
 
 // What one FP8 layer product computes (section 28's steps 2 and 3), on the CPU: y [T, N] = x [T, K] (bf16
@@ -8800,15 +8828,14 @@ static Fp8GemmPlan& fp8_gemm_plan(Gemm& g, int T4, int N, int K, const void* wsc
   return plans[key] = p;
 }
 
-// y [T, N] = FP8 product of x [T, K] (bf16) and m: quantize_rows into the chapter's buffers, then cuBLASLt.
-// y needs T rounded up to 4 rows (section 11 allocates the activations so).
-static void fp8_linear(Gemm& g, bf16* y, const bf16* x, const Fp8Matrix& m, int T, cudaStream_t stream) {
+// y [T, N] = the product of the chapter's quantized activations (f.xq, f.xs: T rows of m.K columns, padded to
+// T4) and m, through cuBLASLt. y needs T rounded up to 4 rows (section 11 allocates the activations so).
+static void fp8_product(Gemm& g, bf16* y, const Fp8Matrix& m, int T, cudaStream_t stream) {
   Fp8Weights& f = g_fp8_weights;
   const int T4 = (int)cdiv(T, 4) * 4;
   if (T4 == 0) return;
-  INTERNAL_CHECK(T4 <= f.rows && m.K <= f.kmax, "fp8_linear: %d rows of %d columns, buffers for %d of %d", T4, m.K,
-                 f.rows, f.kmax);
-  quantize_rows(f.xq, f.xs, x, T, m.K, stream);
+  INTERNAL_CHECK(T4 <= f.rows && m.K <= f.kmax, "fp8_product: %d rows of %d columns, buffers for %d of %d", T4,
+                 m.K, f.rows, f.kmax);
   Fp8GemmPlan& p = fp8_gemm_plan(g, T4, m.N, m.K, m.scale, f.xs);
 #if CUBLAS_VERSION >= 120900
   const void* ws = m.scale;
@@ -8820,158 +8847,273 @@ static void fp8_linear(Gemm& g, bf16* y, const bf16* x, const Fp8Matrix& m, int 
   CUBLAS_CHECK(cublasLtMatmul(g.handle, p.desc, &alpha, m.w, p.a, f.xq, p.b, &beta, y, p.c, y, p.c, &p.algo,
                               g.workspace, g.workspace_bytes, stream));
 }
-
-// ---- Small steps: a gemv that reads e4m3 (switch fp8_gemv) ---------------------------------------------
-// Replaces: at steps of at most GEMV_MAX_M tokens, the activations' quantizer and cuBLASLt's product above,
-// and Part I's norm, SiLU-and-mul and residual add around them.
-// Why it is faster: as in section 18, a step of one or two tokens is a pass over the weights, and a gemv
-// streams them at the copy bandwidth with its neighbours' work fused in, where cuBLASLt, padded to 4 tokens,
-// leaves bandwidth unused and the step runs four launches a product. Here a weight is one byte, so the pass
-// is half section 18's.
-// Its arithmetic: each 16-byte load holds 16 weights of one row, all in one 128-column block; they are
-// converted to float in registers and dotted with the bf16 activations as they are, and the block's scale
-// multiplies the partial sum:
-//   y[m][n] = sum over loads of  s_w[n/128][k/128] * (sum of 16 products x[m][k+j] * e4m3(w[n][k+j]))
-// in fp32, rounded once to bf16. So a small step computes with the FP8 weights but does not round its
-// activations to e4m3 (section 28's step 2): it needs no tensor core, and skipping that rounding costs
-// nothing. The fusions are section 18's: GemvIn::RMSNORM stages rmsnorm(x) * norm_w with rmsnorm_row,
-// SILU_MUL stages silu(gate) * up with silu_mul8, ADD adds into the residual stream as add_rmsnorm rounds.
-//
-// What gemv_fp8_kernel computes with a PLAIN input, on the CPU: y [M, N] from x [M, K] (bf16 values as float),
-// w [N, K] e4m3 and scale [N/128, ld]; sums in double, one bf16 rounding.
-static void gemv_fp8_reference(float* y, const float* x, const uint8_t* w, const float* scale, int ld, int M,
-                               int N, int K) {
-  for (int m = 0; m < M; m++)
-    for (int n = 0; n < N; n++) {
-      double acc = 0;
-      for (int k = 0; k < K; k++)
-        acc += (double)x[(size_t)m * K + k] * e4m3_to_float(w[(size_t)n * K + k]) *
-               scale[(size_t)(n / 128) * ld + k / 128];
-      y[(size_t)m * N + n] = bf16_round((float)acc);
-    }
+// y [T, N] = FP8 product of x [T, K] (bf16) and m: quantize_rows into the chapter's buffers, then cuBLASLt.
+static void fp8_linear(Gemm& g, bf16* y, const bf16* x, const Fp8Matrix& m, int T, cudaStream_t stream) {
+  Fp8Weights& f = g_fp8_weights;
+  INTERNAL_CHECK(cdiv(T, 4) * 4 <= f.rows && m.K <= f.kmax, "fp8_linear: %d rows of %d columns, buffers for %d of %d",
+                 T, m.K, f.rows, f.kmax);
+  quantize_rows(f.xq, f.xs, x, T, m.K, stream);
+  fp8_product(g, y, m, T, stream);
 }
 
-// gemv_fp8_kernel — y [M, N] = x [M, K] @ dequantized W^T, M <= GEMV_MAX_M.
-//   x bf16 [M, K] (RMSNORM: the residual stream; SILU_MUL: gate_up [M, 2K]); W e4m3 [N, K]; scale fp32
-//   [N/128, ld]; y bf16 [M, N]. One warp per output column (two adjacent ones when K <= 2048: R = 2), lanes
-//   16 columns apart per load, GEMV_UNROLL / R loads per row in flight; K a multiple of 128 (section 28).
-template <int M, GemvIn IN, bool ADD, int R>
-__global__ void __launch_bounds__(GEMV_WARPS * 32)
-    gemv_fp8_kernel(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ W,
-                    const float* __restrict__ scale, int ld, int N, int K, const bf16* __restrict__ norm_w,
-                    float eps) {
-  extern __shared__ uint4 staged[];  // IN != PLAIN: the input the dot products use, bf16 [M, K]
-  constexpr int U = GEMV_UNROLL / R;
-  const int n0 = (blockIdx.x * GEMV_WARPS + threadIdx.x / 32) * R, lane = threadIdx.x & 31;
-  uint4 wv[R][U];
-  auto load_stretch = [&](int k0) {
+// ---- The quantizer fused into the kernels before it ------------------------------------------------------
+// At a large step the activations' quantizer reads what Part I's RMSNorm or SiLU-and-mul has just written: a
+// bf16 [T, K] written, read back, and a kernel launched, for each of qkv, gate_up and down. rmsnorm_quantize
+// (below) and silu_quantize (quantize_rows_kernel<true>, above) write the e4m3 rows and their scales directly
+// instead (o_proj's input, attention's output, keeps quantize_rows): the bytes are the same as the two
+// kernels' (section 7's row code, then e4m3_quantize_group), and for a prefill step of 16,384 tokens of the 8B
+// shape they leave out about 1.3 GB of traffic a layer.
+//
+// rmsnorm_quantize_kernel — xq [T4, H], xs [H/128, T4] = quantize_rows(rmsnorm(x) * w): one thread block per
+//   row (rows past T: zeros, scale 1), as many threads as section 7's rmsnorm_kernel takes; rmsnorm_row
+//   stages the normalized row in shared memory, then each warp quantizes groups of 128 columns of it.
+__global__ void __launch_bounds__(NORM_THREADS) rmsnorm_quantize_kernel(uint8_t* __restrict__ xq,
+                                                                        float* __restrict__ xs,
+                                                                        const bf16* __restrict__ x,
+                                                                        const bf16* __restrict__ w, int T, int T4,
+                                                                        int H, float eps) {
+  extern __shared__ uint4 row[];  // bf16 [H]
+  __shared__ float scratch[32];
+  const int t = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  pdl_begin();
+  if (t < T) {
+    rmsnorm_row<false>(reinterpret_cast<bf16*>(row), nullptr, x + (size_t)t * H, w, H, eps, scratch);
+    __syncthreads();
+  }
+  for (int b = warp; b < H / 128; b += blockDim.x / 32) {
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (t < T) bf16x4_to_float(reinterpret_cast<const uint2*>(reinterpret_cast<const bf16*>(row) + b * 128)[lane], v);
+    e4m3_quantize_group(v, xq + (size_t)t * H + b * 128, xs + (size_t)b * T4 + t, lane);
+  }
+}
+static void rmsnorm_quantize(uint8_t* xq, float* xs, const bf16* x, const bf16* w, int T, int H, float eps,
+                             cudaStream_t stream) {
+  rmsnorm_checks("rmsnorm_quantize", x, x, w, H);
+  INTERNAL_CHECK(H % 128 == 0, "rmsnorm_quantize: H = %d (a multiple of 128)", H);
+  const int T4 = (int)cdiv(T, 4) * 4;
+  if (T4 == 0) return;
+  launch_pdl(rmsnorm_quantize_kernel, (unsigned)T4, (unsigned)row_threads(H / 8, NORM_THREADS), H * sizeof(bf16),
+             stream, xq, xs, x, w, T, T4, H, eps);
+}
+
+// silu_quantize — xq [T4, I], xs [I/128, T4] = quantize_rows(silu(gate) * up) for gate_up [T, 2I]: the
+// quantizer's kernel reading gate and up (SILU, above), each lane's four values computed as section 7's
+// silu_and_mul_kernel computes them.
+static void silu_quantize(uint8_t* xq, float* xs, const bf16* gate_up, int T, int I, cudaStream_t stream) {
+  quantize_rows_launch<true>("silu_quantize", xq, xs, gate_up, T, I, stream);
+}
+
+// ---- Small steps: a gemv on the FP8 tensor cores (switch fp8_gemv) -------------------------------------
+// Replaces: at steps of at most FP8_GEMV_STEP tokens, cuBLASLt's product above, and the residual add after it.
+// Why it is faster: as in section 18, a step of a few tokens is a pass over the weights, and a kernel that
+// streams them at the copy bandwidth beats cuBLASLt, whose tiles are made for many tokens (padded to 4 here).
+// A weight is one byte here, so the pass is half section 18's, and the instructions per byte matter twice as
+// much: a gemv that converted each e4m3 weight to a float in registers (a conversion, a multiply-add and more
+// per weight) was measured no faster than cuBLASLt on the 8B shape, and one that quantized its input in
+// every thread block lost as much again at two tokens (docs/performance.md, FP8 weights). So the input comes
+// quantized, by the same kernels as the large steps' (rmsnorm_quantize, silu_quantize, quantize_rows: one
+// launch before the gemv, whose weight loads start while it runs), and the products run on the tensor cores,
+// whose FP8 instruction (mma.m16n8k32, e4m3 x e4m3 into fp32, sm_89 and later) takes the weights' bytes as
+// they come from memory: 512 weights an instruction, nothing converted.
+// Its arithmetic is section 28's steps 2 and 3, the large steps' (fp8_linear_reference says what both
+// compute), so a token's result does not depend on the size of the step it came in, up to the order of the
+// additions (the tensor cores' own, and across blocks).
+// The work: a thread block of GEMV_WARPS warps takes 16 x TILES weight rows (TILES = 1, 2 or 4, as many as
+// keep at least two thread blocks per SM) and all of K, in slabs of 128 columns (one scale block): warp w
+// takes slabs w, w + 8, w + 16, ..., so the 8 warps split K and the block's rows are read once. In a slab,
+// lane (g, t) (g = lane / 4, t = lane % 4) loads 32 bytes of rows g and g + 8 of each 16-row tile, columns
+// 32 t .. 32 t + 31 (the four lanes of a row read its 128 bytes together), straight into the registers the
+// tensor cores read: the m16n8k32 instruction takes, from lane (g, t), row g's and row g + 8's bytes at 8 "k
+// positions" 4t..4t+3 and 16+4t..16+4t+3, and the input's bytes at the same positions for token g. A dot
+// product does not depend on the order of its terms, so which column a k position holds is ours to choose,
+// as long as weights and inputs agree: instruction j takes bytes 8j..8j+7 of the lane's 32, for weights and
+// inputs alike. Four instructions make a slab; its 16 x 8 sums (rows x tokens; tokens past M are zeros) are
+// scaled by s_w s_x and added to the warp's accumulators; at the end the 8 warps' accumulators meet in shared
+// memory and are added in warp order (fixed, so results do not depend on timing). The quantized input, M x K
+// bytes, is copied into shared memory first (rows K + 16 bytes apart, so the eight tokens' reads fall in
+// different banks).
+
+// acc[16x8] += a[16x32] * b[32x8], e4m3 inputs, fp32 accumulation. a0, a2: row g's bytes at k positions
+// 4t..4t+3 and 16+4t..16+4t+3; a1, a3: row g + 8's; b0, b1: column g's at the same positions. acc as
+// mma_bf16_16816's. Needs sm_89 or later (the FP8 chapter runs on sm_90 only).
+__device__ __forceinline__ void mma_e4m3_16832(float (&acc)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  __trap();  // never launched: fp8_weights_problem keeps the chapter off before sm_90
+#endif
+}
+
+constexpr int FP8_GEMV_MAX_M = 8;  // tokens the kernel can take: the instruction's 8 columns
+constexpr int FP8_GEMV_STEP = 2;   // the steps that take it (docs/performance.md, FP8 weights)
+constexpr int FP8_GEMV_SLABS = 4;  // 128-column slabs of each tile in flight per warp (TILES = 1)
+constexpr size_t FP8_GEMV_MAX_SMEM = 112 << 10;  // the staged input: two thread blocks an SM
+
+// Shared-memory bytes: the input, e4m3 [M, K + 16] and its scales [M, K / 128], or the epilogue's
+// [GEMV_WARPS][16 TILES][8] sums, whichever is more.
+static size_t gemv_fp8_smem(int M, int K, int tiles) {
+  const size_t in = (size_t)M * (K + 16) + (size_t)M * (K / 128) * sizeof(float);
+  return std::max(in, (size_t)GEMV_WARPS * 16 * tiles * 8 * sizeof(float));
+}
+
+// gemv_fp8_kernel — y [M, N] = the FP8 product of a quantized input and W (section 28's step 3), M <= 8.
+//   xq e4m3 [M, K] and xs fp32 [K/128, T4] as quantize_rows writes them (T4: xs's row length); W e4m3 [N, K];
+//   scale fp32 [N/128, ld]; y bf16 [M, N] (ADD: y += the product, rounded as add_rmsnorm rounds). N a
+//   multiple of 16 x TILES, K of 128. Grid N / (16 TILES), GEMV_WARPS warps.
+template <bool ADD, int TILES>
+__global__ void __launch_bounds__(GEMV_WARPS * 32, 2)
+    gemv_fp8_kernel(bf16* __restrict__ y, const uint8_t* __restrict__ xq_in, const float* __restrict__ xs_in,
+                    int T4, const uint8_t* __restrict__ W, const float* __restrict__ scale, int ld, int M, int N,
+                    int K) {
+  constexpr int U = FP8_GEMV_SLABS / TILES;  // slabs in flight: 16 registers of weights per slab and tile
+  extern __shared__ uint4 smem[];
+  uint8_t* xq = reinterpret_cast<uint8_t*>(smem);                   // [M][K + 16]
+  float* xs = reinterpret_cast<float*>(xq + (size_t)M * (K + 16));  // [M][K / 128]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int slabs = K / 128, n0 = blockIdx.x * 16 * TILES;
+  const uint8_t* w0 = W + (size_t)(n0 + g) * K + 32 * t;  // tile i's row g is 16 i rows on, row g + 8 is 8 on
+  uint4 wv[U][TILES][4];  // slab u, tile i: row g's 32 bytes, then row g + 8's
+  auto load_stretch = [&](int s0) {
 #pragma unroll
-    for (int r = 0; r < R; r++) {
+    for (int u = 0; u < U; u++) {
+      const int s = s0 + u * GEMV_WARPS;
+      if (s >= slabs) break;
 #pragma unroll
-      for (int u = 0; u < U; u++) {
-        const int k = k0 + u * 512 + lane * 16;
-        if (n0 + r < N && k < K) wv[r][u] = __ldcs(reinterpret_cast<const uint4*>(W + (size_t)(n0 + r) * K + k));
+      for (int i = 0; i < TILES; i++) {
+        const uint8_t* p = w0 + (size_t)16 * i * K + (size_t)s * 128;
+        wv[u][i][0] = __ldcs(reinterpret_cast<const uint4*>(p));
+        wv[u][i][1] = __ldcs(reinterpret_cast<const uint4*>(p + 16));
+        wv[u][i][2] = __ldcs(reinterpret_cast<const uint4*>(p + (size_t)8 * K));
+        wv[u][i][3] = __ldcs(reinterpret_cast<const uint4*>(p + (size_t)8 * K + 16));
       }
     }
   };
-  if (n0 < N) load_stretch(0);  // the weights: no step writes them (section 17)
+  load_stretch(warp);  // the weights: no step writes them (section 17)
   pdl_begin();
-  gemv_stage_input<M, IN>(staged, x, norm_w, K, eps);  // section 18's
-  if (n0 >= N) return;
-  float acc[R][M];
-#pragma unroll
-  for (int r = 0; r < R; r++)
-#pragma unroll
-    for (int m = 0; m < M; m++) acc[r][m] = 0.f;
-  for (int k0 = 0; k0 < K; k0 += U * 512) {
-    if (k0 > 0) load_stretch(k0);
+  for (int c = threadIdx.x; c < M * K / 16; c += GEMV_WARPS * 32) {  // the input, written by the kernel before
+    const int m = c / (K / 16), j = c % (K / 16);
+    reinterpret_cast<uint4*>(xq + (size_t)m * (K + 16))[j] =
+        __ldcg(reinterpret_cast<const uint4*>(xq_in + (size_t)m * K) + j);
+  }
+  for (int c = threadIdx.x; c < M * slabs; c += GEMV_WARPS * 32)  // xs [m][b] from xs_in [b][m]
+    xs[c] = __ldcg(xs_in + (size_t)(c % slabs) * T4 + c / slabs);
+  __syncthreads();
+  float acc[TILES][4] = {};
+  const float* srow = scale + (size_t)(n0 / 128) * ld;  // the tiles' rows lie in one 128-row block
+  for (int s0 = warp; s0 < slabs; s0 += U * GEMV_WARPS) {
+    if (s0 != warp) load_stretch(s0);
 #pragma unroll
     for (int u = 0; u < U; u++) {
-      const int k = k0 + u * 512 + lane * 16;
-      if (k >= K) break;
-      float wf[R][16], s[R];
-#pragma unroll
-      for (int r = 0; r < R; r++) {
-        const uint32_t* b = reinterpret_cast<const uint32_t*>(&wv[r][u]);
-#pragma unroll
-        for (int i = 0; i < 8; i++) {  // two e4m3 bytes -> two halves -> two floats, exactly
-          const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(b[i / 2] >> (16 * (i % 2))),
-                                                           __NV_E4M3);
-          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
-          wf[r][2 * i] = f.x, wf[r][2 * i + 1] = f.y;
-        }
-        s[r] = __ldg(scale + (size_t)((n0 + r) / 128) * ld + k / 128);
+      const int s = s0 + u * GEMV_WARPS;
+      if (s >= slabs) break;
+      uint4 xa = {0, 0, 0, 0}, xb = {0, 0, 0, 0};  // token g's 32 bytes at the lane's columns
+      if (g < M) {
+        const uint4* xp = reinterpret_cast<const uint4*>(xq + (size_t)g * (K + 16) + s * 128 + 32 * t);
+        xa = xp[0], xb = xp[1];
       }
+      const float sw = __ldg(srow + s);
+      const float sx0 = 2 * t < M ? xs[2 * t * slabs + s] * sw : 0.f;  // the lane's two tokens: 2t, 2t + 1
+      const float sx1 = 2 * t + 1 < M ? xs[(2 * t + 1) * slabs + s] * sw : 0.f;
 #pragma unroll
-      for (int m = 0; m < M; m++) {
-        float xf[16];
-        const size_t at = ((size_t)m * K + k) / 8;
-        const uint4* src = IN == GemvIn::PLAIN ? reinterpret_cast<const uint4*>(x) : staged;
-        bf16x8_to_float(IN == GemvIn::PLAIN ? __ldg(src + at) : src[at], xf);
-        bf16x8_to_float(IN == GemvIn::PLAIN ? __ldg(src + at + 1) : src[at + 1], xf + 8);
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-          float dot = 0.f;
-#pragma unroll
-          for (int j = 0; j < 16; j++) dot = fmaf(wf[r][j], xf[j], dot);
-          acc[r][m] = fmaf(s[r], dot, acc[r][m]);
-        }
+      for (int i = 0; i < TILES; i++) {
+        const uint4 *r0 = wv[u][i], *r8 = wv[u][i] + 2;  // rows g and g + 8: 2 x 16 bytes each
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+        mma_e4m3_16832(d, r0[0].x, r8[0].x, r0[0].y, r8[0].y, xa.x, xa.y);  // bytes 0-7
+        mma_e4m3_16832(d, r0[0].z, r8[0].z, r0[0].w, r8[0].w, xa.z, xa.w);  // bytes 8-15
+        mma_e4m3_16832(d, r0[1].x, r8[1].x, r0[1].y, r8[1].y, xb.x, xb.y);  // bytes 16-23
+        mma_e4m3_16832(d, r0[1].z, r8[1].z, r0[1].w, r8[1].w, xb.z, xb.w);  // bytes 24-31
+        acc[i][0] = fmaf(d[0], sx0, acc[i][0]), acc[i][1] = fmaf(d[1], sx1, acc[i][1]);
+        acc[i][2] = fmaf(d[2], sx0, acc[i][2]), acc[i][3] = fmaf(d[3], sx1, acc[i][3]);
       }
     }
   }
-  gemv_store<M, R, ADD>(y, acc, n0, N, lane);  // section 18's
+  // The 8 warps' sums meet in shared memory (the staged input is no longer read), then one thread per output
+  // adds them in warp order. acc[i]: rows 16 i + g (0, 1) and 16 i + g + 8 (2, 3), tokens 2t and 2t + 1.
+  __syncthreads();
+  float* red = reinterpret_cast<float*>(smem);  // [GEMV_WARPS][16 TILES][8]
+#pragma unroll
+  for (int i = 0; i < TILES; i++) {
+    float* mine = red + ((size_t)warp * 16 * TILES + 16 * i) * 8;
+    mine[g * 8 + 2 * t] = acc[i][0], mine[g * 8 + 2 * t + 1] = acc[i][1];
+    mine[(g + 8) * 8 + 2 * t] = acc[i][2], mine[(g + 8) * 8 + 2 * t + 1] = acc[i][3];
+  }
+  __syncthreads();
+  for (int o = threadIdx.x; o < 16 * TILES * M; o += GEMV_WARPS * 32) {
+    const int r = o / M, m = o % M;
+    float sum = 0.f;
+    for (int w = 0; w < GEMV_WARPS; w++) sum += red[((size_t)w * 16 * TILES + r) * 8 + m];
+    bf16& out = y[(size_t)m * N + n0 + r];
+    out = ADD ? __float2bfloat16(bf16_round(sum) + __bfloat162float(out)) : __float2bfloat16(sum);
+  }
 }
 
-// The launch: the kernel for (M, IN, ADD, R), R as section 18 chooses it (two rows a warp when both rows'
-// loads fit in one stretch: here K <= 2048, a byte a weight).
-template <int M, GemvIn IN, bool ADD>
-static void gemv_fp8_launch(const Fp8Matrix& m, bf16* y, const bf16* x, size_t smem, const bf16* norm_w, float eps,
-                            cudaStream_t stream) {
-  if (2 * m.K <= GEMV_UNROLL * 512)
-    launch_pdl(gemv_fp8_kernel<M, IN, ADD, 2>, (unsigned)cdiv(m.N, 2 * GEMV_WARPS), GEMV_WARPS * 32, smem, stream,
-               y, x, (const uint8_t*)m.w, (const float*)m.scale, m.ld, m.N, m.K, norm_w, eps);
-  else
-    launch_pdl(gemv_fp8_kernel<M, IN, ADD, 1>, (unsigned)cdiv(m.N, GEMV_WARPS), GEMV_WARPS * 32, smem, stream, y,
-               x, (const uint8_t*)m.w, (const float*)m.scale, m.ld, m.N, m.K, norm_w, eps);
-}
-template <int M>
-static void gemv_fp8_launch(const Fp8Matrix& m, bf16* y, const bf16* x, const GemvOptions& o, size_t smem,
-                            cudaStream_t stream) {
-  switch (o.in) {
-    case GemvIn::PLAIN:
-      if (o.add) gemv_fp8_launch<M, GemvIn::PLAIN, true>(m, y, x, smem, nullptr, 0, stream);
-      else gemv_fp8_launch<M, GemvIn::PLAIN, false>(m, y, x, smem, nullptr, 0, stream);
-      break;
-    case GemvIn::RMSNORM:
-      if (o.add) gemv_fp8_launch<M, GemvIn::RMSNORM, true>(m, y, x, smem, o.norm_w, o.eps, stream);
-      else gemv_fp8_launch<M, GemvIn::RMSNORM, false>(m, y, x, smem, o.norm_w, o.eps, stream);
-      break;
-    case GemvIn::SILU_MUL:
-      if (o.add) gemv_fp8_launch<M, GemvIn::SILU_MUL, true>(m, y, x, smem, nullptr, 0, stream);
-      else gemv_fp8_launch<M, GemvIn::SILU_MUL, false>(m, y, x, smem, nullptr, 0, stream);
-      break;
+// Tiles per thread block: the most of 4, 2, 1 that leave at least two thread blocks per SM.
+static int gemv_fp8_tiles(int N) {
+  static int sms = 0;
+  if (!sms) {
+    int dev = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   }
+  for (int tiles : {4, 2})
+    if (N % (16 * tiles) == 0 && N / (16 * tiles) >= 2 * sms) return tiles;
+  return 1;
 }
-// y [M, N] = x [M, K] @ W^T for an FP8 matrix, M <= GEMV_MAX_M, with section 18's fused variants (o).
-static void gemv_fp8(bf16* y, const bf16* x, const Fp8Matrix& m, int M, cudaStream_t stream,
-                     const GemvOptions& o = {}) {
-  INTERNAL_CHECK(m.K % 128 == 0 && M >= 1 && M <= GEMV_MAX_M, "gemv_fp8: M = %d, K = %d", M, m.K);
-  check_aligned16("gemv_fp8", "x", x);
-  size_t smem = 0;
-  if (o.in != GemvIn::PLAIN) {
-    INTERNAL_CHECK(gemv_can_stage(M, m.K), "gemv_fp8: a fused input of %d x %d does not fit in shared memory", M,
-                   m.K);
-    smem = (size_t)M * m.K * sizeof(bf16);
+template <bool ADD, int TILES>
+static void gemv_fp8_launch(bf16* y, const uint8_t* xq, const float* xs, int T4, const Fp8Matrix& m, int M,
+                            cudaStream_t stream) {
+  static bool opted_in = false;  // shared memory past 48 KiB, once per kernel
+  if (!opted_in) {
+    CUDA_CHECK(cudaFuncSetAttribute(gemv_fp8_kernel<ADD, TILES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)FP8_GEMV_MAX_SMEM));
+    opted_in = true;
   }
-  if (o.in == GemvIn::RMSNORM) rmsnorm_checks("gemv_fp8 (RMSNORM)", x, x, o.norm_w, m.K);
-  if (M == 1) gemv_fp8_launch<1>(m, y, x, o, smem, stream);
-  else gemv_fp8_launch<2>(m, y, x, o, smem, stream);
+  launch_pdl(gemv_fp8_kernel<ADD, TILES>, (unsigned)(m.N / (16 * TILES)), GEMV_WARPS * 32,
+             gemv_fp8_smem(M, m.K, TILES), stream, y, xq, xs, T4, (const uint8_t*)m.w, (const float*)m.scale, m.ld,
+             M, m.N, m.K);
+}
+// Whether gemv_fp8 can take an input of M x K.
+static bool gemv_fp8_fits(int M, int K) {
+  return M <= FP8_GEMV_MAX_M && gemv_fp8_smem(M, K, 4) <= FP8_GEMV_MAX_SMEM;
+}
+// y [M, N] = the FP8 product of the quantized input (xq [M, K], xs [K/128, T4], as quantize_rows and the
+// kernels beside it write them) and m; add: y += it. M <= FP8_GEMV_MAX_M.
+static void gemv_fp8(bf16* y, const uint8_t* xq, const float* xs, int T4, const Fp8Matrix& m, int M,
+                     cudaStream_t stream, bool add = false) {
+  INTERNAL_CHECK(m.K % 128 == 0 && m.N % 16 == 0 && M >= 1 && M <= T4 && gemv_fp8_fits(M, m.K),
+                 "gemv_fp8: M = %d (T4 %d), N = %d, K = %d", M, T4, m.N, m.K);
+  check_aligned16("gemv_fp8", "xq", xq);
+  const int tiles = gemv_fp8_tiles(m.N);
+  if (add) {
+    if (tiles == 4) gemv_fp8_launch<true, 4>(y, xq, xs, T4, m, M, stream);
+    else if (tiles == 2) gemv_fp8_launch<true, 2>(y, xq, xs, T4, m, M, stream);
+    else gemv_fp8_launch<true, 1>(y, xq, xs, T4, m, M, stream);
+  } else {
+    if (tiles == 4) gemv_fp8_launch<false, 4>(y, xq, xs, T4, m, M, stream);
+    else if (tiles == 2) gemv_fp8_launch<false, 2>(y, xq, xs, T4, m, M, stream);
+    else gemv_fp8_launch<false, 1>(y, xq, xs, T4, m, M, stream);
+  }
   CUDA_CHECK(cudaGetLastError());
 }
 
 // ---- The stages, and the switches: fp8_weights, fp8_gemv ----
 // Section 14's norm_matmul and matmul_out for an engine whose weights this chapter holds (the layer's
 // matrices found by p.l; the LayerWeights pointers are null); for any other engine, the stages they replaced.
+// Whether this step's products with m take the gemv (switch fp8_gemv), else cuBLASLt's.
+static bool fp8_gemv_takes(const Pass& p, const Fp8Matrix& m) {
+  return g_opt.fp8_gemv && p.T <= FP8_GEMV_STEP && gemv_fp8_fits(p.T, m.K);
+}
+// y = the product of the step's quantized input (f.xq, f.xs) and m; add (the gemv only): y += it.
+static void fp8_multiply(Pass& p, bf16* y, const Fp8Matrix& m, bool add) {
+  Fp8Weights& f = g_fp8_weights;
+  if (fp8_gemv_takes(p, m)) return gemv_fp8(y, f.xq, f.xs, (int)cdiv(p.T, 4) * 4, m, p.T, p.s, add);
+  INTERNAL_CHECK(!add, "fp8_multiply: cuBLASLt's product does not add into y");
+  fp8_product(*p.m.gemm, y, m, p.T, p.s);
+}
 static void fp8_norm_matmul(Pass& p, bf16* y, const bf16* norm_w, const bf16* W, int N) {
   Fp8Weights& f = g_fp8_weights;
   if (!f.held) return f.norm_matmul_bf16(p, y, norm_w, W, N);
@@ -8981,13 +9123,14 @@ static void fp8_norm_matmul(Pass& p, bf16* y, const bf16* norm_w, const bf16* W,
   const Fp8Layer& fl = f.layers[p.l];
   const Fp8Matrix& m = norm_w == p.m.w.layers[p.l].input_layernorm ? fl.qkv : fl.gate_up;
   INTERNAL_CHECK(m.N == N, "fp8_norm_matmul: layer %d's matrix has %d rows, the stage asks for %d", p.l, m.N, N);
-  const bool small = g_opt.fp8_gemv && p.T <= GEMV_MAX_M;
-  if (small && !p.pending) return gemv_fp8(y, a.residual, m, p.T, p.s, {GemvIn::RMSNORM, norm_w, eps});
-  if (p.pending) add_rmsnorm(a.x, a.residual, a.hidden, norm_w, p.T, H, eps, p.s);
-  else rmsnorm(a.x, a.residual, norm_w, p.T, H, eps, p.s);
-  p.pending = false;
-  if (small) gemv_fp8(y, a.x, m, p.T, p.s);
-  else fp8_linear(*p.m.gemm, y, a.x, m, p.T, p.s);
+  if (p.pending) {  // several GPUs whose all-reduce left the add to the norm: Part I's, then the quantizer
+    add_rmsnorm(a.x, a.residual, a.hidden, norm_w, p.T, H, eps, p.s);
+    quantize_rows(f.xq, f.xs, a.x, p.T, H, p.s);
+    p.pending = false;
+  } else {  // the norm writes the quantized rows
+    rmsnorm_quantize(f.xq, f.xs, a.residual, norm_w, p.T, H, eps, p.s);
+  }
+  fp8_multiply(p, y, m, false);
 }
 static void fp8_matmul_out(Pass& p, const bf16* x, const bf16* W, int K, bool gate_up) {
   Fp8Weights& f = g_fp8_weights;
@@ -8995,28 +9138,14 @@ static void fp8_matmul_out(Pass& p, const bf16* x, const bf16* W, int K, bool ga
   Activations& a = p.m.act;
   const int H = p.m.cfg.hidden_size;
   const Fp8Matrix& m = gate_up ? f.layers[p.l].down : f.layers[p.l].o;
-  if (g_opt.fp8_gemv && p.T <= GEMV_MAX_M) {  // section 18's stage, reading e4m3
-    GemvIn how = GemvIn::PLAIN;
-    if (gate_up && gemv_can_stage(p.T, K)) {
-      how = GemvIn::SILU_MUL;
-    } else if (gate_up) {
-      silu_and_mul(a.act, x, p.T, K, p.s);
-      x = a.act;
-    }
-    if (p.m.tp == 1) {
-      gemv_fp8(a.residual, x, m, p.T, p.s, {how, nullptr, 0.f, true});
-      p.pending = false;
-      return;
-    }
-    gemv_fp8(a.hidden, x, m, p.T, p.s, {how});
-    p.pending = !g_stages.all_reduce(p.m.comm, a.hidden, (size_t)p.T * H, p.s, a.residual);
+  if (gate_up) silu_quantize(f.xq, f.xs, x, p.T, K, p.s);  // SiLU-and-mul writes the quantized rows
+  else quantize_rows(f.xq, f.xs, x, p.T, K, p.s);
+  if (p.m.tp == 1 && fp8_gemv_takes(p, m)) {  // the residual add in the gemv's epilogue
+    fp8_multiply(p, a.residual, m, true);
+    p.pending = false;
     return;
   }
-  if (gate_up) {
-    silu_and_mul(a.act, x, p.T, K, p.s);
-    x = a.act;
-  }
-  fp8_linear(*p.m.gemm, a.hidden, x, m, p.T, p.s);
+  fp8_multiply(p, a.hidden, m, false);
   p.pending = true;
   if (p.m.tp > 1 && g_stages.all_reduce(p.m.comm, a.hidden, (size_t)p.T * H, p.s, a.residual)) p.pending = false;
 }
@@ -9042,8 +9171,8 @@ static void apply_fp8_weights(bool on, Hooks& h) {
 static std::string fp8_weights_note(const Qwen3&) {
   const Fp8Weights& f = g_fp8_weights;
   if (f.held)
-    return g_opt.fp8_gemv ? "FP8 weights: a gemv reading e4m3 at steps of 1-2 tokens, cuBLASLt's block-scaled "
-                            "products at the others"
+    return g_opt.fp8_gemv ? "FP8 weights: a gemv on the FP8 tensor cores at steps of 1-2 tokens, cuBLASLt's "
+                            "block-scaled products at the others"
                           : "FP8 weights: cuBLASLt block-scaled products at every step size";
   if (!f.reason.empty()) return "fp8_weights stands aside (" + f.reason + "): the checkpoint is dequantized to bf16";
   return "";
@@ -9051,12 +9180,11 @@ static std::string fp8_weights_note(const Qwen3&) {
 static const int kFp8WeightsRegistered = register_optimization(
     {"fp8_weights", "an FP8 checkpoint's linear weights kept in FP8, products on FP8 tensor cores (section 28)",
      true, apply_fp8_weights, fp8_weights_note, {{"linear_weight_bytes_saved", 1}}, "fp8"});
-// fp8_gemv fills no hook: fp8_weights' stages read g_opt.fp8_gemv. Off by default until it is measured
-// against cuBLASLt's path on the GPU (docs/performance.md, FP8 weights).
+// fp8_gemv fills no hook: fp8_weights' stages read g_opt.fp8_gemv.
 static void apply_fp8_gemv(bool on, Hooks&) { g_opt.fp8_gemv = on; }
 static const int kFp8GemvRegistered = register_optimization(
-    {"fp8_gemv", "batch-1/2 products of FP8 weights in a gemv with RMSNorm, SiLU and the add fused in (section 29)",
-     false, apply_fp8_gemv});
+    {"fp8_gemv", "batch-1/2 products of FP8 weights in a tensor-core gemv with RMSNorm, SiLU and the add fused in "
+     "(section 29)", true, apply_fp8_gemv});
 
 // ==== 30. An FP8 KV cache, 1: the format, its scales, the store and prefill's tiles ========================
 // defines: fp8e4m3, KVScales, KVLayerFp8, bf16x8_to_fp8x8, fp8x8_to_half8, half8_to_fp8x8, KVFp8,

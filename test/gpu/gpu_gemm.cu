@@ -60,6 +60,24 @@ TEST(gemm_small_batch_matches_cpu) {
   for (int M : {1, 2, 9, 40}) check_shape(g, M, 300, 1032, false);
 }
 
+// Microseconds per call of run(i), i the copy of the weights it reads: one call on every copy first, then 50
+// calls rotating over them, so each reads its weights from memory, as a decode step does.
+static float time_rotating(int copies, const std::function<void(int)>& run) {
+  cudaEvent_t e0, e1;
+  CUDA_CHECK(cudaEventCreate(&e0));
+  CUDA_CHECK(cudaEventCreate(&e1));
+  for (int i = 0; i < copies; i++) run(i);
+  const int reps = 50;
+  CUDA_CHECK(cudaEventRecord(e0));
+  for (int i = 0; i < reps; i++) run(i % copies);
+  CUDA_CHECK(cudaEventRecord(e1));
+  CUDA_CHECK(cudaEventSynchronize(e1));
+  float ms = 0;
+  CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  cudaEventDestroy(e0), cudaEventDestroy(e1);
+  return ms * 1000 / reps;
+}
+
 // Time both paths on Qwen3-0.6B's and -8B's layer shapes; weights rotate over several copies so each run
 // reads from memory, as a decode step does.
 TIMING(gemm_small_batch_speed) {
@@ -69,9 +87,6 @@ TIMING(gemm_small_batch_speed) {
   printf("    GPU: %s\n", prop.name);
   Gemm g;
   g.init();
-  cudaEvent_t e0, e1;
-  CUDA_CHECK(cudaEventCreate(&e0));
-  CUDA_CHECK(cudaEventCreate(&e1));
   struct Shape { const char* name; int N, K; };
   std::vector<Shape> shapes = {{"0.6B qkv", 4096, 1024}, {"0.6B o", 1024, 2048}, {"0.6B gate_up", 6144, 1024},
                                {"0.6B down", 1024, 3072}, {"8B qkv", 6144, 4096}, {"8B gate_up", 24576, 4096},
@@ -86,20 +101,12 @@ TIMING(gemm_small_batch_speed) {
     CUDA_CHECK(cudaMalloc(&y, (size_t)8 * sh.N * 2));
     for (int M : {1, 2}) {
       float t[2];
-      for (int path = 0; path < 2; path++) {
-        auto run = [&](const bf16* W) {
+      for (int path = 0; path < 2; path++)
+        t[path] = time_rotating(copies, [&](int i) {
+          const bf16* W = w + (size_t)i * sh.N * sh.K;
           if (path == 1) gemv(y, x, W, M, sh.N, sh.K, 0);
           else g.run(y, x, W, M, sh.N, sh.K, 0);
-        };
-        for (int i = 0; i < copies; i++) run(w + (size_t)i * sh.N * sh.K);
-        const int reps = 50;
-        CUDA_CHECK(cudaEventRecord(e0));
-        for (int i = 0; i < reps; i++) run(w + (size_t)(i % copies) * sh.N * sh.K);
-        CUDA_CHECK(cudaEventRecord(e1));
-        CUDA_CHECK(cudaEventSynchronize(e1));
-        CUDA_CHECK(cudaEventElapsedTime(&t[path], e0, e1));
-        t[path] = t[path] * 1000 / reps;
-      }
+        });
       double bytes = (double)sh.N * sh.K * 2;
       printf("    %-12s M=%d: cuBLASLt %6.1f us (%4.0f GB/s)  gemv %6.1f us (%4.0f GB/s)\n", sh.name, M, t[0],
              bytes / t[0] / 1e3, t[1], bytes / t[1] / 1e3);
@@ -305,6 +312,115 @@ TEST(fp8_quantize_rows_matches_reference) {
     }
 }
 
+// The quantizer fused into the kernels before it (section 29): rmsnorm_quantize against rmsnorm then
+// quantize_rows, silu_quantize against silu_and_mul then quantize_rows, bit for bit (bytes and scales, the
+// padding rows included), at token counts that need padding to 4 and widths of 1 to 40 groups.
+TEST(fp8_fused_quantizers_match_separate_kernels) {
+  if (!have_gpu()) SKIP("no GPU");
+  for (int T : {1, 3, 4, 6, 37})
+    for (int K : {128, 1024, 2560, 5120}) {
+      const int T4 = (int)cdiv(T, 4) * 4;
+      char what[96];
+      DevBuf<uint8_t> q1((size_t)T4 * K), q2((size_t)T4 * K);
+      DevBuf<float> s1((size_t)T4 * K / 128), s2((size_t)T4 * K / 128);
+      auto same = [&](const char* name) {
+        CUDA_CHECK(cudaDeviceSynchronize());
+        snprintf(what, sizeof what, "%s T=%d K=%d", name, T, K);
+        const std::vector<uint8_t> a = q1.download(), b = q2.download();
+        const std::vector<float> sa = s1.download(), sb = s2.download();
+        int bad = 0;
+        for (size_t i = 0; i < a.size(); i++) bad += a[i] != b[i];
+        for (size_t i = 0; i < sa.size(); i++) bad += sa[i] != sb[i];
+        CHECK_MSG(bad == 0, "%s: %d bytes or scales differ from the separate kernels", what, bad);
+      };
+      DevBuf<uint16_t> x(random_bf16((size_t)T * K, T * 7 + K, 3.0f)), nw(random_bf16(K, K + 1, 1.5f));
+      DevBuf<uint16_t> xn((size_t)T * K);
+      q1.poison(), q2.poison(), s1.poison(), s2.poison();
+      rmsnorm((bf16*)xn.p, (const bf16*)x.p, (const bf16*)nw.p, T, K, 1e-6f, 0);
+      quantize_rows(q1.p, s1.p, (const bf16*)xn.p, T, K, 0);
+      rmsnorm_quantize(q2.p, s2.p, (const bf16*)x.p, (const bf16*)nw.p, T, K, 1e-6f, 0);
+      same("rmsnorm_quantize");
+      DevBuf<uint16_t> gu(random_bf16((size_t)T * 2 * K, T + 3 * K, 4.0f)), act((size_t)T * K);
+      q1.poison(), q2.poison(), s1.poison(), s2.poison();
+      silu_and_mul((bf16*)act.p, (const bf16*)gu.p, T, K, 0);
+      quantize_rows(q1.p, s1.p, (const bf16*)act.p, T, K, 0);
+      silu_quantize(q2.p, s2.p, (const bf16*)gu.p, T, K, 0);
+      same("silu_quantize");
+    }
+}
+
+// A large step's quantizing at prefill sizes (8B widths): Part I's RMSNorm or SiLU-and-mul then quantize_rows,
+// against the fused kernel.
+TIMING(fp8_fused_quantizer_speed) {
+  if (!have_gpu()) SKIP("no GPU");
+  const int H = 4096, I = 12288, reps = 20;
+  cudaEvent_t e0, e1;
+  CUDA_CHECK(cudaEventCreate(&e0));
+  CUDA_CHECK(cudaEventCreate(&e1));
+  for (int T : {256, 4096, 16384}) {
+    DevBuf<uint16_t> x((size_t)T * H), nw(H), xn((size_t)T * H), gu((size_t)T * 2 * I), act((size_t)T * I);
+    CUDA_CHECK(cudaMemset(x.p, 0x3c, x.n * 2));
+    CUDA_CHECK(cudaMemset(nw.p, 0x3c, nw.n * 2));
+    CUDA_CHECK(cudaMemset(gu.p, 0x3c, gu.n * 2));
+    DevBuf<uint8_t> q((size_t)T * I);
+    DevBuf<float> sc((size_t)T * I / 128);
+    float ms[4];
+    for (int v = 0; v < 4; v++) {
+      auto run = [&] {
+        if (v == 0) rmsnorm((bf16*)xn.p, (const bf16*)x.p, (const bf16*)nw.p, T, H, 1e-6f, 0),
+                    quantize_rows(q.p, sc.p, (const bf16*)xn.p, T, H, 0);
+        if (v == 1) rmsnorm_quantize(q.p, sc.p, (const bf16*)x.p, (const bf16*)nw.p, T, H, 1e-6f, 0);
+        if (v == 2) silu_and_mul((bf16*)act.p, (const bf16*)gu.p, T, I, 0),
+                    quantize_rows(q.p, sc.p, (const bf16*)act.p, T, I, 0);
+        if (v == 3) silu_quantize(q.p, sc.p, (const bf16*)gu.p, T, I, 0);
+      };
+      run();
+      CUDA_CHECK(cudaEventRecord(e0));
+      for (int i = 0; i < reps; i++) run();
+      CUDA_CHECK(cudaEventRecord(e1));
+      CUDA_CHECK(cudaEventSynchronize(e1));
+      CUDA_CHECK(cudaEventElapsedTime(&ms[v], e0, e1));
+    }
+    printf("    T=%5d: rmsnorm + quantize_rows %7.1f us, rmsnorm_quantize %7.1f us; silu_and_mul + quantize_rows "
+           "%7.1f us, silu_quantize %7.1f us\n", T, ms[0] * 1000 / reps, ms[1] * 1000 / reps, ms[2] * 1000 / reps,
+           ms[3] * 1000 / reps);
+  }
+}
+
+// got [T, N] (the GPU's product of x [T, K] and the e4m3 weight wq with block scales ws [N/128, ld]) against
+// fp8_linear_reference, the same arithmetic in double. The tensor cores sum a block's e4m3 products with about
+// 14 significant bits (DeepSeek-V3's report, and what this test measured), so an element's error scales with
+// the sum of its terms' magnitudes, not with the result: where large terms cancel (the block of large
+// weights), 1% of the result is too tight. Bound: 1e-2 + 1e-2 |want| + 2^-12 x sum |x_q w| over the row (the
+// terms in their scaled values).
+static void check_fp8_product(const char* what, const std::vector<float>& got, const std::vector<float>& xf,
+                              const std::vector<uint8_t>& wq, const std::vector<float>& ws, int ld, int T, int N,
+                              int K) {
+  const int T4 = (int)cdiv(T, 4) * 4;
+  std::vector<float> want((size_t)T * N);
+  fp8_linear_reference(want.data(), xf.data(), wq.data(), ws.data(), ld, T, N, K);
+  std::vector<uint8_t> xq_ref((size_t)T4 * K);
+  std::vector<float> xs_ref((size_t)T4 * K / 128);
+  quantize_rows_reference(xq_ref.data(), xs_ref.data(), xf.data(), T, K);
+  const float* e4m3 = block_quantized_values();
+  int bad = 0;
+  size_t worst = 0;
+  double worst_excess = -1;
+  for (int t = 0; t < T; t++)
+    for (int n = 0; n < N; n++) {
+      double mag = 0;
+      for (int k = 0; k < K; k++)
+        mag += fabs(e4m3[xq_ref[(size_t)t * K + k]] * xs_ref[(size_t)(k / 128) * T4 + t] *
+                    e4m3[wq[(size_t)n * K + k]] * ws[(size_t)(n / 128) * ld + k / 128]);
+      const size_t i = (size_t)t * N + n;
+      const double err = fabs(got[i] - want[i]), bound = 1e-2 + 1e-2 * fabs(want[i]) + mag / 4096;
+      if (!(err <= bound)) bad++;
+      if (err - bound > worst_excess) worst_excess = err - bound, worst = i;
+    }
+  CHECK_MSG(bad == 0, "%s: %d of %zu elements out of bounds; worst at [%zu]: got %g want %g", what, bad,
+            got.size(), worst, got[worst], want[worst]);
+}
+
 // The cuBLASLt block-scaled product (fp8_linear) against fp8_linear_reference (the same arithmetic in double)
 // at token counts that are and are not multiples of 4 and K whose scale rows need padding (384: 3 blocks, ld 4),
 // and, more loosely, against the bf16 product of the dequantized weights (what the activations' rounding costs).
@@ -335,38 +451,14 @@ TEST(fp8_linear_matches_reference) {
       fp8_linear(g, (bf16*)y.p, (const bf16*)dx.p, m, T, 0);
       CUDA_CHECK(cudaDeviceSynchronize());
       std::vector<uint16_t> yb = y.download();
-      std::vector<float> got((size_t)T * N), xf(x.size()), want((size_t)T * N);
+      std::vector<float> got((size_t)T * N), xf(x.size());
       for (size_t i = 0; i < got.size(); i++) got[i] = bf16_bits_to_float(yb[i]);
       for (size_t i = 0; i < x.size(); i++) xf[i] = bf16_bits_to_float(x[i]);
       std::vector<uint8_t> wq = q.download();
       std::vector<float> ws = sc.download();
-      fp8_linear_reference(want.data(), xf.data(), wq.data(), ws.data(), m.ld, T, N, K);
       char what[96];
       snprintf(what, sizeof what, "fp8_linear T=%d N=%d K=%d", T, N, K);
-      // The tensor cores sum a block's e4m3 products with about 14 significant bits (DeepSeek-V3's report, and
-      // what this test measured), so an element's error scales with the sum of its terms' magnitudes, not with
-      // the result: where large terms cancel (the block of large weights), 1% of the result is too tight.
-      // Bound: 1e-2 + 1e-2 |want| + 2^-12 x sum |x_q w| over the row (the terms in their scaled values).
-      std::vector<uint8_t> xq_ref((size_t)T4 * K);
-      std::vector<float> xs_ref((size_t)T4 * K / 128);
-      quantize_rows_reference(xq_ref.data(), xs_ref.data(), xf.data(), T, K);
-      const float* e4m3 = block_quantized_values();
-      int bad = 0;
-      size_t worst = 0;
-      double worst_excess = -1;
-      for (int t = 0; t < T; t++)
-        for (int n = 0; n < N; n++) {
-          double mag = 0;
-          for (int k = 0; k < K; k++)
-            mag += fabs(e4m3[xq_ref[(size_t)t * K + k]] * xs_ref[(size_t)(k / 128) * T4 + t] *
-                        e4m3[wq[(size_t)n * K + k]] * ws[(size_t)(n / 128) * m.ld + k / 128]);
-          const size_t i = (size_t)t * N + n;
-          const double err = fabs(got[i] - want[i]), bound = 1e-2 + 1e-2 * fabs(want[i]) + mag / 4096;
-          if (!(err <= bound)) bad++;
-          if (err - bound > worst_excess) worst_excess = err - bound, worst = i;
-        }
-      CHECK_MSG(bad == 0, "%s: %d of %zu elements out of bounds; worst at [%zu]: got %g want %g", what, bad,
-                got.size(), worst, got[worst], want[worst]);
+      check_fp8_product(what, got, xf, wq, ws, m.ld, T, N, K);
       // the dequantized weights' bf16 product: within the activations' e4m3 rounding (2^-4 relative per value)
       std::vector<float> wd((size_t)N * K), yd((size_t)T * N);
       for (int r = 0; r < N; r++)
@@ -382,57 +474,47 @@ TEST(fp8_linear_matches_reference) {
 }
 
 
-// Section 29's gemv reading e4m3: the PLAIN kernel against gemv_fp8_reference at M = 1, 2 on shapes with one
-// and two rows a warp, and its fused variants bit for bit against the kernels they replace (rmsnorm, then the
-// PLAIN gemv; silu_and_mul, then it; the ADD epilogue against the PLAIN result added to the residual on the
-// host, rounded as add_rmsnorm rounds).
+// Section 29's gemv on the FP8 tensor cores, its input quantized by quantize_rows: against fp8_linear_reference
+// (the large steps' arithmetic, which it shares) at every M it takes, on shapes with one, two and four 16-row
+// tiles a thread block (the last two need N / 32 and N / 64 to reach two thread blocks per SM: 8448 and 24576
+// rows on 132 SMs) and K of 1 to 96 slabs (fewer slabs than warps, and several stretches a warp); the ADD
+// epilogue bit for bit against the PLAIN result added to the residual on the host, rounded as add_rmsnorm
+// rounds.
 TEST(fp8_gemv_matches_reference) {
   if (!have_gpu()) SKIP("no GPU");
-  for (auto nk : std::vector<std::pair<int, int>>{{256, 384}, {384, 1024}, {1024, 3072}, {128, 4096}})
-    for (int M : {1, 2}) {
-      const int N = nk.first, K = nk.second;
+  ModelConfig shape;
+  shape.hidden_size = shape.intermediate_size = 1024;
+  const std::string problem = fp8_weights_problem(shape, 1);
+  if (!problem.empty()) SKIP("no FP8 weight chapter here: %s", problem.c_str());
+  struct Case { int N, K; std::vector<int> Ms; };
+  for (const Case& c : std::vector<Case>{{256, 384, {1, 2, 3, 8}}, {384, 1024, {1, 2, 5}}, {1024, 3072, {1, 2, 8}},
+                                        {128, 128, {1, 4}}, {128, 12288, {1, 2, 8}}, {8448, 384, {1, 2}},
+                                        {24576, 256, {1, 7}}})
+    for (int M : c.Ms) {
+      const int N = c.N, K = c.K, T4 = (int)cdiv(M, 4) * 4;
+      char what[96];
+      snprintf(what, sizeof what, "gemv_fp8 M=%d N=%d K=%d (%d tiles a block)", M, N, K, gemv_fp8_tiles(N));
       QuantizedTestWeight t(N, K, N * 5 + K + M);
       const Fp8Matrix& m = t.m;
-      DevBuf<uint8_t>& q = t.q;
-      DevBuf<float>& sc = t.sc;
-      std::vector<uint8_t> wq = q.download();
-      std::vector<float> ws = sc.download();
+      std::vector<uint8_t> wq = t.q.download();
+      std::vector<float> ws = t.sc.download();
       auto x = random_bf16((size_t)M * K, M * 101 + K, 1.0f);
       DevBuf<uint16_t> dx(x), y((size_t)M * N), y2((size_t)M * N);
+      DevBuf<uint8_t> xq((size_t)T4 * K);
+      DevBuf<float> xs((size_t)T4 * K / 128);
+      quantize_rows(xq.p, xs.p, (const bf16*)dx.p, M, K, 0);
       y.poison();
-      gemv_fp8((bf16*)y.p, (const bf16*)dx.p, m, M, 0);
+      gemv_fp8((bf16*)y.p, xq.p, xs.p, T4, m, M, 0);
       CUDA_CHECK(cudaDeviceSynchronize());
-      std::vector<float> xf(x.size()), want((size_t)M * N), got((size_t)M * N);
+      std::vector<float> xf(x.size()), got((size_t)M * N);
       for (size_t i = 0; i < x.size(); i++) xf[i] = bf16_bits_to_float(x[i]);
-      gemv_fp8_reference(want.data(), xf.data(), wq.data(), ws.data(), m.ld, M, N, K);
       std::vector<uint16_t> yb = y.download();
       for (size_t i = 0; i < yb.size(); i++) got[i] = bf16_bits_to_float(yb[i]);
-      char what[96];
-      snprintf(what, sizeof what, "gemv_fp8 M=%d N=%d K=%d", M, N, K);
-      check_close(what, got.data(), want.data(), got.size(), 1e-2f, 1e-2f);
-      // RMSNORM: the fused norm against rmsnorm then the PLAIN gemv
-      auto nw = random_bf16(K, K + 7, 1.0f);
-      DevBuf<uint16_t> dnw(nw), xn((size_t)M * K);
-      rmsnorm((bf16*)xn.p, (const bf16*)dx.p, (const bf16*)dnw.p, M, K, 1e-6f, 0);
-      gemv_fp8((bf16*)y.p, (const bf16*)xn.p, m, M, 0);
-      gemv_fp8((bf16*)y2.p, (const bf16*)dx.p, m, M, 0, {GemvIn::RMSNORM, (const bf16*)dnw.p, 1e-6f});
-      CUDA_CHECK(cudaDeviceSynchronize());
-      CHECK_MSG(y.download() == y2.download(), "%s: RMSNORM differs from rmsnorm + gemv_fp8", what);
-      // SILU_MUL, where [M, K] fits in shared memory
-      if (gemv_can_stage(M, K)) {
-        auto gu = random_bf16((size_t)M * 2 * K, M * 3 + K, 2.0f);
-        DevBuf<uint16_t> dgu(gu), act((size_t)M * K);
-        silu_and_mul((bf16*)act.p, (const bf16*)dgu.p, M, K, 0);
-        gemv_fp8((bf16*)y.p, (const bf16*)act.p, m, M, 0);
-        gemv_fp8((bf16*)y2.p, (const bf16*)dgu.p, m, M, 0, {GemvIn::SILU_MUL});
-        CUDA_CHECK(cudaDeviceSynchronize());
-        CHECK_MSG(y.download() == y2.download(), "%s: SILU_MUL differs from silu_and_mul + gemv_fp8", what);
-      }
+      check_fp8_product(what, got, xf, wq, ws, m.ld, M, N, K);
       // ADD: y2 starts as a residual and gets y added, rounded as add_rmsnorm rounds
       auto res = random_bf16((size_t)M * N, M + N, 1.0f);
       y2.upload(res);
-      gemv_fp8((bf16*)y.p, (const bf16*)dx.p, m, M, 0);
-      gemv_fp8((bf16*)y2.p, (const bf16*)dx.p, m, M, 0, {GemvIn::PLAIN, nullptr, 0.f, true});
+      gemv_fp8((bf16*)y2.p, xq.p, xs.p, T4, m, M, 0, true);
       CUDA_CHECK(cudaDeviceSynchronize());
       std::vector<uint16_t> h = y.download(), sum = y2.download();
       int bad = 0;
@@ -440,6 +522,58 @@ TEST(fp8_gemv_matches_reference) {
         bad += sum[i] != float_to_bf16_bits(bf16_bits_to_float(h[i]) + bf16_bits_to_float(res[i]));
       CHECK_MSG(bad == 0, "%s: ADD differs from the product added to the residual in %d places", what, bad);
     }
+}
+
+// FP8 weights at small steps: cuBLASLt's path (fp8_linear: the activations' quantizer, then the block-scaled
+// product) against section 29's gemv (the same quantizer, then the gemv), at M = 1, 2, 4, 8 on Qwen3-0.6B's and
+// -8B's layer shapes, each timed over rotating copies of the weights as gemm_small_batch_speed does. GB/s
+// counts the weight bytes (one a weight). What FP8_GEMV_STEP is set from.
+TIMING(fp8_small_batch_speed) {
+  if (!have_gpu()) SKIP("no GPU");
+  ModelConfig shape;
+  shape.hidden_size = shape.intermediate_size = 1024;
+  const std::string problem = fp8_weights_problem(shape, 1);
+  if (!problem.empty()) SKIP("no FP8 weight chapter here: %s", problem.c_str());
+  Gemm g;
+  g.init();
+  struct Shape { const char* name; int N, K; };
+  std::vector<Shape> shapes = {{"0.6B qkv", 4096, 1024}, {"0.6B o", 1024, 2048}, {"0.6B gate_up", 6144, 1024},
+                               {"0.6B down", 1024, 3072}, {"8B qkv", 6144, 4096}, {"8B o", 4096, 4096},
+                               {"8B gate_up", 24576, 4096}, {"8B down", 4096, 12288}};
+  for (auto& sh : shapes) {
+    const int copies = std::max(2, (int)(512e6 / ((double)sh.N * sh.K)));
+    const int ld = (int)cdiv(sh.K / 128, 4) * 4;
+    DevBuf<uint8_t> w((size_t)copies * sh.N * sh.K);
+    DevBuf<float> sc((size_t)copies * sh.N / 128 * ld);
+    CUDA_CHECK(cudaMemset(w.p, 0x30, w.n));
+    CUDA_CHECK(cudaMemset(sc.p, 0, sc.n * sizeof(float)));
+    DevBuf<uint16_t> x((size_t)8 * sh.K), y((size_t)8 * sh.N);
+    CUDA_CHECK(cudaMemset(x.p, 0x3c, x.n * 2));
+    Fp8Weights& f = g_fp8_weights;
+    DevBuf<uint8_t> xq((size_t)8 * sh.K);
+    DevBuf<float> xs((size_t)8 * sh.K / 128);
+    f.rows = 8, f.kmax = sh.K, f.xq = xq.p, f.xs = xs.p;
+    auto matrix = [&](int i) {
+      Fp8Matrix m;
+      m.N = sh.N, m.K = sh.K, m.ld = ld;
+      m.w = w.p + (size_t)i * sh.N * sh.K, m.scale = sc.p + (size_t)i * sh.N / 128 * ld;
+      return m;
+    };
+    for (int M : {1, 2, 4, 8}) {
+      float t[2];
+      for (int path = 0; path < 2; path++)
+        t[path] = time_rotating(copies, [&](int i) {
+          const Fp8Matrix m = matrix(i);
+          if (path == 0) return fp8_linear(g, (bf16*)y.p, (const bf16*)x.p, m, M, 0);
+          quantize_rows(xq.p, xs.p, (const bf16*)x.p, M, sh.K, 0);
+          gemv_fp8((bf16*)y.p, xq.p, xs.p, (int)cdiv(M, 4) * 4, m, M, 0);
+        });
+      const double bytes = (double)sh.N * sh.K;
+      printf("    %-12s M=%d: cuBLASLt %6.1f us (%4.0f GB/s)  gemv_fp8 %6.1f us (%4.0f GB/s)\n", sh.name, M, t[0],
+             bytes / t[0] / 1e3, t[1], bytes / t[1] / 1e3);
+    }
+    f = Fp8Weights{};
+  }
 }
 
 int main(int argc, char** argv) {

@@ -971,6 +971,8 @@ static bool gpu_visible() {
 static ModelConfig shape_config(int H, int I, std::vector<std::string> not_quantized = {}) {
   ModelConfig m = parse_model_config(tiny_config(kPublished), "config.json");
   m.hidden_size = H, m.intermediate_size = I, m.not_quantized = not_quantized;
+  // Four layers (layer 3 exists), and Qwen3-4B's 32 query and 8 KV heads, which any --tp up to 8 divides.
+  m.num_hidden_layers = 4, m.num_attention_heads = 32, m.num_key_value_heads = 8;
   return m;
 }
 // Why fp8_weights_problem's shape rules cannot be reached here ("" on a Hopper GPU with cuBLASLt 12.9 or
@@ -998,7 +1000,7 @@ TEST(fp8_weights_problem_messages) {
   CHECK_EQ(fp8_weights_problem(shape_config(2560, 9728), 4), std::string(""));
   CHECK_EQ(fp8_weights_problem(shape_config(2560, 9728), 8),  // Qwen3-4B at --tp 8: 1216 columns a rank
            std::string("hidden_size 2560 and intermediate_size / tp = 1216 must be multiples of 128 for 128 x 128 "
-                       "blocks to fuse and split; it splits so at --tensor-parallel-size 1, 2"));  // (tiny's heads)
+                       "blocks to fuse and split; it splits so at --tensor-parallel-size 1, 2, 4"));
   CHECK(fp8_weights_problem(shape_config(200, 264), 1).find("hidden_size 200 and intermediate_size / tp = 264 "
                                                             "must be multiples of 128") != std::string::npos);
   CHECK(fp8_weights_problem(shape_config(1000, 3072), 1).find("hidden_size 1000") != std::string::npos);

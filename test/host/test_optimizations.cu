@@ -176,7 +176,7 @@ TEST(fp8_cache_installs_through_the_stages) {
 // engine's stages are the ones behind.
 TEST(fp8_weights_install_through_the_stages) {
   install_optimizations(default_optimizations());
-  CHECK(g_opt.fp8_weights && !g_opt.fp8_gemv && g_hooks.load_weights == fp8_load_weights);
+  CHECK(g_opt.fp8_weights && g_opt.fp8_gemv && g_hooks.load_weights == fp8_load_weights);
   CHECK(!g_fp8_weights.held && g_fp8_weights.layers.empty());
   bool persist_plain = false, persist_wrapped = false;
   for (auto ready : g_hooks.model_ready) {
@@ -293,12 +293,15 @@ TEST(prefill_graph_rungs_bound_the_padding) {
 }
 
 // Every optimization is on by default (section 24's persistent kernel then takes only the batch sizes it
-// measures faster at start-up) but fp8_gemv, which waits for its first run on a GPU (docs/performance.md).
+// measures faster at start-up).
 TEST(defaults_are_all) {
   OptimizationSet o = default_optimizations();
-  CHECK_EQ(count_on(o), (int)reg().size() - 1);
-  CHECK(is_on(o, "persistent") && !is_on(o, "fp8_gemv"));
-  CHECK_EQ(optimizations_str(o), std::string("all except fp8_gemv"));
+  CHECK_EQ(count_on(o), (int)reg().size());
+  CHECK(is_on(o, "persistent") && is_on(o, "fp8_gemv"));
+  CHECK_EQ(optimizations_str(o), std::string("all"));
+  OptimizationSet one_off = o;
+  CHECK_EQ(parse_optimizations("-fp8_gemv", one_off), std::string(""));
+  CHECK_EQ(optimizations_str(one_off), std::string("all except fp8_gemv"));
   Config c;
   CHECK(c.opt == o);
   CHECK_EQ(parse_optimizations("all", o), std::string(""));
@@ -495,7 +498,7 @@ TEST(command_line_flags) {
     args.insert(args.begin(), "nanovllm");
     return parse_args((int)args.size(), const_cast<char**>(args.data()));
   };
-  CHECK_EQ(count_on(parse({"model", "p.txt"}).config.opt), (int)reg().size() - 1);  // all but fp8_gemv
+  CHECK_EQ(count_on(parse({"model", "p.txt"}).config.opt), (int)reg().size());  // all
   CHECK_EQ(count_on(parse({"--plain", "model"}).config.opt), 0);
   Cli c = parse({"--opt", "-pdl", "--opt=-gemv"});
   CHECK(!is_on(c.config.opt, "pdl") && !is_on(c.config.opt, "gemv") && is_on(c.config.opt, "fused_rope"));
