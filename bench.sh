@@ -2,9 +2,12 @@
 # bench.sh — nano-vllm's benchmark and three latency/throughput probes, with roofline fractions.
 #
 #   ./bench.sh --model DIR            a Qwen3 checkpoint folder (with tokenizer.json)
-#   ./bench.sh --random 0.6b|8b       first make a random-weight checkpoint of that exact shape (needs python3
+#   ./bench.sh --random 0.6b|8b|32b   first make a random-weight checkpoint of that exact shape (needs python3
 #                                     with torch and transformers; speed does not depend on the weights'
-#                                     values when ignore_eos is set) in build/bench-SHAPE
+#                                     values when ignore_eos is set) in build/bench-SHAPE; SHAPE-fp8 (0.6b-fp8,
+#                                     8b-fp8, 32b-fp8) writes it as Qwen's FP8 releases are written (e4m3 layer
+#                                     linears, one fp32 scale per 128 x 128 block), never holding it in bf16 on
+#                                     disk: the 32B shape is 65 GB in bf16, 34 GB so
 # Options: --nanovllm PATH (default ./nanovllm), --log-dir DIR (default build/bench-logs),
 #          --only throughput|latency|prefill (one measure; --only model just makes the --random checkpoint),
 #          --tp N (tensor parallelism on N GPUs; the roofline is then N GPUs' bandwidth and GEMM rate),
@@ -66,24 +69,66 @@ while [ $# -gt 0 ]; do
 done
 mkdir -p "$LOG_DIR"
 if [ -n "$RANDOM_SHAPE" ]; then
-  case $RANDOM_SHAPE in 0.6b|8b) ;; *) echo "bench.sh: --random takes 0.6b or 8b" >&2; exit 1 ;; esac
+  case $RANDOM_SHAPE in 0.6b|8b|32b|0.6b-fp8|8b-fp8|32b-fp8) ;;
+    *) echo "bench.sh: --random takes 0.6b, 8b or 32b, or one of them with -fp8 (an FP8 checkpoint)" >&2; exit 1 ;;
+  esac
   MODEL=build/bench-$RANDOM_SHAPE
   if [ ! -f "$MODEL/config.json" ]; then
     TOK=${TOKENIZER_DIR:-$(bash tools/fetch_tokenizer.sh | tail -n1)}
     python3 - "$MODEL" "$RANDOM_SHAPE" "$TOK" <<'PY'
-import json, os, shutil, sys, torch
+import json, os, re, shutil, sys, torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 out, shape, tok = sys.argv[1:]
+fp8 = shape.endswith("-fp8")
 dims = {"0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                      num_key_value_heads=8, tie_word_embeddings=True),
         "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                   num_key_value_heads=8, tie_word_embeddings=False)}[shape]
+                   num_key_value_heads=8, tie_word_embeddings=False),
+        "32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                    num_key_value_heads=8, tie_word_embeddings=False)}[shape.removesuffix("-fp8")]
 torch.manual_seed(0)
 cfg = Qwen3Config(vocab_size=151936, head_dim=128, max_position_embeddings=40960, rope_theta=1e6,
                   rms_norm_eps=1e-6, eos_token_id=[151645, 151643], torch_dtype="bfloat16", **dims)
 with torch.device("cuda"):
     model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
-model.save_pretrained(out, safe_serialization=True)
+if not fp8:
+    model.save_pretrained(out, safe_serialization=True)
+else:  # Qwen's FP8 format (every dimension here a multiple of 128): per 128 x 128 block, scale = amax / 448
+    from safetensors.torch import save_file
+    os.makedirs(out, exist_ok=True)
+    linear = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+    shards, shard, size, index = [], {}, 0, {}
+    with torch.no_grad():
+        for name, w in model.state_dict().items():
+            if linear.fullmatch(name):
+                n, k = w.shape
+                b = w.float().reshape(n // 128, 128, k // 128, 128)
+                amax = b.abs().amax(dim=(1, 3))
+                s = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+                q = (b / s[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).reshape(n, k)
+                parts = {name: q.cpu(), name + "_scale_inv": s.cpu()}
+            else:
+                parts = {name: w.cpu()}
+            for key, t in parts.items():
+                shard[key] = t.contiguous()
+                size += t.numel() * t.element_size()
+            if size > 4e9:
+                shards.append(shard)
+                shard, size = {}, 0
+    shards.append(shard)
+    total = 0
+    for i, sh in enumerate(shards):
+        f = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(sh, os.path.join(out, f), metadata={"format": "pt"})
+        for key, t in sh.items():
+            index[key] = f
+            total += t.numel() * t.element_size()
+    json.dump({"metadata": {"total_size": total}, "weight_map": index},
+              open(os.path.join(out, "model.safetensors.index.json"), "w"), indent=2)
+    c = model.config.to_dict()
+    c["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                "weight_block_size": [128, 128]}
+    json.dump(c, open(os.path.join(out, "config.json"), "w"), indent=2)
 json.dump({"eos_token_id": [151645, 151643]}, open(os.path.join(out, "generation_config.json"), "w"))
 for f in ("tokenizer.json", "tokenizer_config.json"):
     if os.path.exists(os.path.join(tok, f)): shutil.copy(os.path.join(tok, f), out)
@@ -96,7 +141,7 @@ OPT_FLAGS=(); [ "$OPT" = all ] || OPT_FLAGS=(--opt "$OPT")  # only then: an olde
 [ -z "$SCHED" ] || OPT_FLAGS+=(--scheduler "$SCHED")
 [ -z "$QUANT" ] || OPT_FLAGS+=(--quantization "$QUANT")
 case $KV in auto|bf16) KV_BYTES=2 ;; fp8|fp8_e4m3) KV_BYTES=1 ;; *) echo "bench.sh: --kv-cache-dtype takes bf16 or fp8" >&2; exit 1 ;; esac
-[ -n "$MODEL" ] || { echo "bench.sh: give --model DIR or --random 0.6b|8b" >&2; exit 1; }
+[ -n "$MODEL" ] || { echo "bench.sh: give --model DIR or --random SHAPE" >&2; exit 1; }
 [ -x "$NANOVLLM" ] || { echo "bench.sh: $NANOVLLM not found; run make first" >&2; exit 1; }
 
 # The workloads, as JSONL of prompt_token_ids (+ per-request max_tokens).
