@@ -1403,8 +1403,8 @@ static const TensorView& checked_tensor(const SafeTensors& st, const TensorSpec&
     die("the checkpoint in %s has no tensor '%s' (shape %s; config.json needs it: %s)", dir.c_str(),
         spec.name.c_str(), want.shape_str().c_str(),
         spec.name.find(".mlp.experts.") != std::string::npos || spec.name.find(".mlp.gate.") != std::string::npos
-            ? "its num_experts, mlp_only_layers and decoder_sparse_step make this layer a MoE layer with "
-              "these experts"
+            ? "num_experts, mlp_only_layers and decoder_sparse_step make its layer a MoE layer, with experts 0 "
+              "to num_experts - 1"
             : "is this a Qwen3 checkpoint?");
   if (t->shape != spec.shape) {
     die("tensor '%s' in %s has shape %s, but config.json implies %s%s", spec.name.c_str(), t->file.c_str(),
