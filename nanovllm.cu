@@ -1356,29 +1356,23 @@ static std::vector<TensorSpec> checkpoint_tensors(const ModelConfig& c) {
   if (!c.tie_word_embeddings) specs.push_back({"lm_head.weight", {V, H}});
   for (int l = 0; l < c.num_hidden_layers; l++) {
     std::string pre = "model.layers." + std::to_string(l) + ".";
-    std::vector<TensorSpec> layer = {{"input_layernorm.weight", {H}},
-                                     {"post_attention_layernorm.weight", {H}},
-                                     {"self_attn.q_proj.weight", {NH * D, H}},
-                                     {"self_attn.k_proj.weight", {NKV * D, H}},
-                                     {"self_attn.v_proj.weight", {NKV * D, H}},
-                                     {"self_attn.q_norm.weight", {D}},
-                                     {"self_attn.k_norm.weight", {D}},
-                                     {"self_attn.o_proj.weight", {H, NH * D}}};
-    if (!c.is_moe_layer(l)) {
+    std::vector<TensorSpec> layer = {
+        {"input_layernorm.weight", {H}},           {"post_attention_layernorm.weight", {H}},
+        {"self_attn.q_proj.weight", {NH * D, H}},  {"self_attn.k_proj.weight", {NKV * D, H}},
+        {"self_attn.v_proj.weight", {NKV * D, H}}, {"self_attn.q_norm.weight", {D}},
+        {"self_attn.k_norm.weight", {D}},          {"self_attn.o_proj.weight", {H, NH * D}}};
+    if (!c.is_moe_layer(l))
       layer.insert(layer.end(), {{"mlp.gate_proj.weight", {I, H}}, {"mlp.up_proj.weight", {I, H}},
                                  {"mlp.down_proj.weight", {H, I}}});
-    } else {
-      layer.push_back({"mlp.gate.weight", {c.num_experts, H}});
-      for (int e = 0; e < c.num_experts; e++) {
-        const std::string ex = "mlp.experts." + std::to_string(e) + ".";
-        layer.insert(layer.end(), {{ex + "gate_proj.weight", {IE, H}}, {ex + "up_proj.weight", {IE, H}},
-                                   {ex + "down_proj.weight", {H, IE}}});
-      }
+    else layer.push_back({"mlp.gate.weight", {c.num_experts, H}});
+    for (int e = 0; c.is_moe_layer(l) && e < c.num_experts; e++) {
+      const std::string ex = "mlp.experts." + std::to_string(e) + ".";
+      layer.insert(layer.end(), {{ex + "gate_proj.weight", {IE, H}}, {ex + "up_proj.weight", {IE, H}},
+                                 {ex + "down_proj.weight", {H, IE}}});
     }
     for (const TensorSpec& t : layer) {
       const std::string name = pre + t.name;
-      const bool router = t.name == "mlp.gate.weight";
-      if (!c.block_quantized || t.shape.size() != 2 || kept_unquantized(c, name) || router) {
+      if (!c.block_quantized || t.shape.size() != 2 || kept_unquantized(c, name) || t.name == "mlp.gate.weight") {
         specs.push_back({name, t.shape});
         continue;
       }
@@ -1400,12 +1394,8 @@ static const TensorView& checked_tensor(const SafeTensors& st, const TensorSpec&
   TensorView want;
   want.shape = spec.shape;
   if (!t)
-    die("the checkpoint in %s has no tensor '%s' (shape %s; config.json needs it: %s)", dir.c_str(),
-        spec.name.c_str(), want.shape_str().c_str(),
-        spec.name.find(".mlp.experts.") != std::string::npos || spec.name.find(".mlp.gate.") != std::string::npos
-            ? "num_experts, mlp_only_layers and decoder_sparse_step make its layer a MoE layer, with experts 0 "
-              "to num_experts - 1"
-            : "is this a Qwen3 checkpoint?");
+    die("the checkpoint in %s has no tensor '%s' (shape %s; config.json needs it: is this a Qwen3 checkpoint, "
+        "and a MoE one where config.json says so?)", dir.c_str(), spec.name.c_str(), want.shape_str().c_str());
   if (t->shape != spec.shape) {
     die("tensor '%s' in %s has shape %s, but config.json implies %s%s", spec.name.c_str(), t->file.c_str(),
         t->shape_str().c_str(), want.shape_str().c_str(),
@@ -1533,12 +1523,10 @@ static Weights load_weights(const std::string& dir, const ModelConfig& c, int ra
       load_linear(lw.gate_up_proj + I * H, pre + "mlp.up_proj.weight", shard.inter0, I, 0, H);
       lw.down_proj = take_linear(H * I);
       load_linear(lw.down_proj, pre + "mlp.down_proj.weight", 0, H, shard.inter0, I);
-    } else {  // (a chapter that loads the four matrices itself leaves the experts to this loader)
+    } else {  // the router whole, every expert sliced (loaded here even when a chapter loads the four matrices)
       const int64_t E = c.num_experts, IE = shard.moe_inter, ie0 = shard.moe_inter0;
-      lw.router = take(E * H);
+      lw.router = take(E * H), lw.experts_gate_up = take(E * 2 * IE * H), lw.experts_down = take(E * H * IE);
       ld.load(lw.router, get(pre + "mlp.gate.weight"), 0, E, 0, H);
-      lw.experts_gate_up = take(E * 2 * IE * H);
-      lw.experts_down = take(E * H * IE);
       for (int64_t e = 0; e < E; e++) {
         const std::string ex = pre + "mlp.experts." + std::to_string(e) + ".";
         bf16* gate_up = lw.experts_gate_up + e * 2 * IE * H;
@@ -2813,7 +2801,7 @@ static void compute_logprobs(TokenLogprobs* out, const float* logits, const int*
 // ==== 10. Matrix products with cuBLASLt ====================================================================
 // defines: Gemm, linear, linear_reference, MOE_TILE, MOE_MAX_EXPERTS, MOE_MAX_TOPK, moe_rows_max,
 //          moe_ranks_before, moe_route_reference, moe_route, moe_align_reference, moe_align, moe_matmul,
-//          moe_experts_reference, moe_combine, moe_experts, moe_mlp
+//          moe_experts_reference, moe_combine, moe_allocate, moe_experts, moe_mlp
 //
 // Every linear layer is y = x @ W^T with x [M, K] (M tokens) and W [N, K] in PyTorch's row-major [out, in]
 // layout. cuBLASLt thinks in column-major, where a row-major [M, N] matrix is the column-major [N, M] one,
@@ -3265,6 +3253,26 @@ static void moe_combine(bf16* out, const bf16* y, const int* ids, const float* w
 }
 
 // ---- The layer ---------------------------------------------------------------------------------------
+// Activations' moe_* buffers for steps of up to T tokens of model c at tp ranks (ModelRunner, section 11), or
+// null ones for a dense model.
+static void moe_allocate(Activations& a, const ModelConfig& c, int tp, int T) {
+  a.router_logits = nullptr, a.topk_ids = nullptr, a.topk_weights = nullptr, a.moe_rows = nullptr;
+  a.moe_pair_row = nullptr, a.moe_tile_expert = nullptr, a.moe_gate_up = a.moe_act = a.moe_out = nullptr;
+  if (c.num_experts == 0) return;
+  const int E = c.num_experts, k = c.num_experts_per_tok, IE = c.moe_intermediate_size / tp, H = c.hidden_size;
+  const size_t RM = moe_rows_max(T, k, E);
+  auto alloc = [&](auto** p, size_t n) { CUDA_CHECK(cudaMalloc((void**)p, n * sizeof(**p))); };
+  alloc(&a.router_logits, (size_t)T * E);
+  alloc(&a.topk_ids, (size_t)T * k);
+  alloc(&a.topk_weights, (size_t)T * k);
+  alloc(&a.moe_rows, RM);
+  alloc(&a.moe_pair_row, (size_t)T * k);
+  alloc(&a.moe_tile_expert, RM / MOE_TILE);
+  alloc(&a.moe_gate_up, RM * 2 * IE);
+  alloc(&a.moe_act, RM * IE);
+  alloc(&a.moe_out, RM * H);
+}
+
 // The experts' part of a MoE layer, steps 2-4: out [T, H] from x [T, H] and the routing ids, weights [T, k];
 // gate_up [E, 2*IE, H] and down [E, H, IE] (IE: this rank's slice); the scratch is a's moe_* buffers, long
 // enough for moe_rows_max(T, k, E) rows. out may not alias x.
@@ -3530,22 +3538,7 @@ struct ModelRunner : StepRunner {
     alloc(&a.act, rows * I);
     alloc(&a.last, (size_t)Bmax * H);
     alloc(&a.logits, (size_t)Bmax * V);
-    a.router_logits = nullptr, a.topk_ids = nullptr, a.topk_weights = nullptr, a.moe_rows = nullptr;
-    a.moe_pair_row = nullptr, a.moe_tile_expert = nullptr;
-    a.moe_gate_up = a.moe_act = a.moe_out = nullptr;
-    if (mc.num_experts > 0) {  // a MoE layer's lists and products (section 10b), for the largest step
-      const int E = mc.num_experts, k = mc.num_experts_per_tok, IE = mc.moe_intermediate_size / tp;
-      const size_t RM = moe_rows_max((int64_t)rows, k, E);
-      alloc(&a.router_logits, rows * E);
-      alloc(&a.topk_ids, rows * k);
-      alloc(&a.topk_weights, rows * k);
-      alloc(&a.moe_rows, RM);
-      alloc(&a.moe_pair_row, rows * k);
-      alloc(&a.moe_tile_expert, RM / MOE_TILE);
-      alloc(&a.moe_gate_up, RM * 2 * IE);
-      alloc(&a.moe_act, RM * IE);
-      alloc(&a.moe_out, RM * H);
-    }
+    moe_allocate(a, mc, tp, (int)rows);  // a MoE layer's lists and products (section 10b); none for a dense model
     a.attn_workspace = nullptr;
     if (g_hooks.attention_workspace_bytes)
       CUDA_CHECK(cudaMalloc(&a.attn_workspace, g_hooks.attention_workspace_bytes(Bmax, NH, config.max_model_len)));
