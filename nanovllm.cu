@@ -2919,7 +2919,7 @@ static void linear(Gemm& gemm, void* y, const bf16* x, const bf16* W, int M, int
 // rows ride along. A decode step reads each chosen expert's weights once, as it must. Part II is where a
 // faster way belongs.
 //
-// Where the rounding happens (as transformers 5.x's bf16 model rounds, so the bf16 results match it):
+// Where the rounding happens: where transformers 5.x's bf16 model rounds, but for one step (SiLU-and-mul):
 //   * the router's logits are bf16 (F.linear in bf16); the softmax, the top-k and the renormalisation are
 //     fp32, and the weights w stay fp32 into the multiply. (transformers 4.x cast them to bf16 first,
 //     routing_weights.to(hidden_states.dtype): this file follows 5.x);
@@ -2937,7 +2937,7 @@ static void linear(Gemm& gemm, void* y, const bf16* x, const bf16* W, int M, int
 // routes its identical rows identically; each rank's h is a partial sum, and the all-reduce after the
 // layer adds them up as it does the dense MLP's.
 
-constexpr int MOE_TILE = 16;          // rows (and columns) of one tile of moe_matmul; an expert's run is padded to it
+constexpr int MOE_TILE = 16;          // rows (and columns) of a tile of moe_matmul; an expert's run is padded to it
 constexpr int MOE_MAX_EXPERTS = 512;  // E: moe_route holds E / 32 probabilities per lane in registers
 constexpr int MOE_MAX_TOPK = 32;      // k: moe_route's picks are one per lane
 constexpr int MOE_ALIGN_THREADS = 256;
