@@ -4667,15 +4667,19 @@ struct Pass {
   int l = 0;               // the layer the pass is in
 };
 
-// Part I's stages: the calls of section 6c, one stage each.
-static void norm_matmul_plain(Pass& p, bf16* y, const bf16* norm_w, const bf16* W, int N) {
+// Part I's stages: the calls of section 6c, one stage each. A sub-layer begins with act.x = RMSNorm(residual),
+// after residual += hidden where p.pending (norm_residual).
+static void norm_residual(Pass& p, const bf16* norm_w) {
   Activations& a = p.m.act;
   const int H = p.m.cfg.hidden_size;
   const float eps = p.m.cfg.rms_norm_eps;
   if (p.pending) add_rmsnorm(a.x, a.residual, a.hidden, norm_w, p.T, H, eps, p.s);
   else rmsnorm(a.x, a.residual, norm_w, p.T, H, eps, p.s);
   p.pending = false;
-  linear(*p.m.gemm, y, a.x, W, p.T, N, H, p.s);
+}
+static void norm_matmul_plain(Pass& p, bf16* y, const bf16* norm_w, const bf16* W, int N) {
+  norm_residual(p, norm_w);
+  linear(*p.m.gemm, y, p.m.act.x, W, p.T, N, p.m.cfg.hidden_size, p.s);
 }
 static bool all_reduce_plain(TPComm* comm, bf16* x, size_t n, cudaStream_t s, bf16*) {
   all_reduce_sum(comm, x, n, s);
@@ -4751,9 +4755,7 @@ static void matmul_out_plain(Pass& p, const bf16* x, const bf16* W, int K, bool 
 static void moe_plain(Pass& p, const LayerWeights& lw) {
   Activations& a = p.m.act;
   const int H = p.m.cfg.hidden_size;
-  const float eps = p.m.cfg.rms_norm_eps;
-  if (p.pending) add_rmsnorm(a.x, a.residual, a.hidden, lw.post_attention_layernorm, p.T, H, eps, p.s);
-  else rmsnorm(a.x, a.residual, lw.post_attention_layernorm, p.T, H, eps, p.s);
+  norm_residual(p, lw.post_attention_layernorm);
   moe_mlp(a.hidden, a.x, lw, p.m.cfg, p.m.tp, p.T, *p.m.gemm, a, p.s);
   p.pending = true;
   if (p.m.tp > 1 && g_stages.all_reduce(p.m.comm, a.hidden, (size_t)p.T * H, p.s, a.residual)) p.pending = false;

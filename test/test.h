@@ -123,6 +123,34 @@ static bool check_close(const char* what, const float* got, const float* want, s
   return true;
 }
 
+// Refusals. The engine's die() (a user's mistake: nanovllm.cu section 1) throws TokDieError while tok_die_throws
+// is set (tokenizer.h): expect_die runs fn and expects a refusal whose message holds every one of `needles`;
+// expect_no_die expects none.
+template <class F>
+static void expect_die(const std::string& what, F fn, const std::vector<std::string>& needles) {
+  tok_die_throws = true;
+  try {
+    fn();
+    CHECK_MSG(false, "%s: expected a refusal, got none", what.c_str());
+  } catch (const TokDieError& e) {
+    const std::string msg = e.what();
+    for (const std::string& n : needles)
+      CHECK_MSG(msg.find(n) != std::string::npos, "%s: message '%s' lacks '%s'", what.c_str(), msg.c_str(),
+                n.c_str());
+  }
+  tok_die_throws = false;
+}
+template <class F>
+static void expect_no_die(const std::string& what, F fn) {
+  tok_die_throws = true;
+  try {
+    fn();
+  } catch (const TokDieError& e) {
+    CHECK_MSG(false, "%s: refused: %s", what.c_str(), e.what());
+  }
+  tok_die_throws = false;
+}
+
 // argv[1]: run only the cases whose name contains it; "=NAME" runs the case named exactly NAME; --list prints
 // the names and runs nothing, --list-tests the names of the cases that are not measurements
 // (test/gpu/gpu_sanitize.sh runs those one by one).

@@ -352,37 +352,44 @@ struct MoEEngine {
     runner->capture_cudagraphs();
     engine.reset(new LLMEngine(config, *runner));
   }
-  // Greedy tokens of each prompt, generated together, and the logits of the last step's first row.
+  static Request greedy(const std::vector<int>& prompt, int max_tokens) {
+    Request r;
+    r.prompt_token_ids = prompt;
+    r.params.temperature = 0, r.params.max_tokens = max_tokens, r.params.ignore_eos = true;
+    return r;
+  }
+  // Greedy tokens of each prompt, generated together.
   std::vector<std::vector<int>> generate(const std::vector<std::vector<int>>& prompts, int n) {
     std::vector<Request> reqs;
-    for (const auto& p : prompts) {
-      Request r;
-      r.prompt_token_ids = p;
-      r.params.temperature = 0, r.params.max_tokens = n, r.params.ignore_eos = true;
-      reqs.push_back(r);
-    }
+    for (const auto& p : prompts) reqs.push_back(greedy(p, n));
     std::vector<std::vector<int>> out;
     for (const Completion& c : engine->generate(reqs)) out.push_back(c.token_ids);
     return out;
   }
-  // The logits of one prefill step of `prompt` (its last position).
-  std::vector<float> prefill_logits(const std::vector<int>& prompt) {
-    Request r;
-    r.prompt_token_ids = prompt;
-    r.params.temperature = 0, r.params.max_tokens = 1;
-    engine->add_request(r);
-    engine->step();  // its one token: the request is done
-    std::vector<float> v(mc.vocab_size);
+  // The logits [rows, V] the last step left (a decode step: one row per sequence).
+  std::vector<float> logits(int rows) const {
+    std::vector<float> v((size_t)rows * mc.vocab_size);
     CUDA_CHECK(cudaMemcpy(v.data(), runner->logits, v.size() * 4, cudaMemcpyDeviceToHost));
-    CHECK(engine->scheduler.is_finished());
     return v;
+  }
+  // The logits of one prefill step of `prompt` (its last position), and in *routing the experts its tokens
+  // took in the model's last MoE layer (act.topk_ids, [len, k]).
+  std::vector<float> prefill_logits(const std::vector<int>& prompt, std::vector<int>* routing = nullptr) {
+    engine->add_request(greedy(prompt, 1));
+    engine->step();  // its one token: the request is done
+    CHECK(engine->scheduler.is_finished());
+    if (routing) {
+      routing->resize(prompt.size() * mc.num_experts_per_tok);
+      CUDA_CHECK(cudaMemcpy(routing->data(), runner->model.act.topk_ids, routing->size() * 4, cudaMemcpyDeviceToHost));
+    }
+    return logits(1);
   }
 };
 
 static std::vector<std::vector<int>> moe_prompts() {
   std::mt19937 rng(9);
   std::vector<std::vector<int>> prompts;
-  for (int n : {1, 5, 17, 40, 100, 300}) {
+  for (int n : {1, 5, 17, 40, 100, 300, 64, 9}) {  // 8: a CUDA graph's batch size, so eager steps run as many
     std::vector<int> p(n);
     for (int& t : p) t = (int)(rng() % 151643);
     prompts.push_back(p);
@@ -390,45 +397,56 @@ static std::vector<std::vector<int>> moe_prompts() {
   return prompts;
 }
 
-// The plain path (Part I alone) decodes from CUDA graphs with MoE layers in them: the same tokens as the
-// same engine stepping eagerly, and the same prefill logits bit for bit (the same kernels, in the same order).
+// The plain path (Part I alone) decodes from CUDA graphs with MoE layers in them: 8 sequences (a graph's own
+// batch size, so the eager steps have the same shapes) give the same tokens as the same engine stepping
+// eagerly, the last decode step's logits bit for bit (the same kernels in the same order), and so do the
+// logits of a prefill step after them.
 TEST(moe_plain_graphs_match_eager) {
   REQUIRE_GPU();
   const std::string dir = tiny_moe("plain");
   if (dir.empty()) SKIP("python3 or test/ref/make_tiny_checkpoint.py is missing (run from the repository root)");
   const auto prompts = moe_prompts();
+  const int B = (int)prompts.size();
   std::vector<std::vector<int>> graphs, eager;
-  std::vector<float> lg, le;
+  std::vector<float> dg, de, lg, le;
   {
     MoEEngine e(dir, "none", false);
-    CHECK(!e.runner->graphs.empty());
+    CHECK(e.runner->graphs.count(B));
     graphs = e.generate(prompts, 24);
+    dg = e.logits(B);
     lg = e.prefill_logits(prompts[4]);
   }
   {
     MoEEngine e(dir, "none", true);
+    CHECK(e.runner->graphs.empty());
     eager = e.generate(prompts, 24);
+    de = e.logits(B);
     le = e.prefill_logits(prompts[4]);
   }
   CHECK_MSG(graphs == eager, "greedy tokens differ between CUDA-graph and eager decode steps");
+  CHECK_MSG(dg == de, "the last decode step's logits differ between CUDA-graph and eager steps");
   CHECK_MSG(memcmp(lg.data(), le.data(), lg.size() * 4) == 0, "prefill logits differ between the two engines");
-  bool varied = false;
-  for (const auto& g : graphs) varied |= std::set<int>(g.begin(), g.end()).size() > 1;
-  CHECK_MSG(varied, "every completion is one token repeated: a test that could not tell");
+  size_t distinct = 0;
+  for (size_t i = 1; i < dg.size(); i++) distinct += dg[i] != dg[0];
+  CHECK_MSG(distinct > dg.size() / 2, "the logits are nearly constant: a comparison that could not tell");
 }
 
 // The default switches on a MoE model: the persistent kernel plans nothing and fp8_weights holds nothing (they
 // stand aside), and the logits are the plain path's within attention's chapters' distance (flash attention's
-// bf16 probabilities): relative L2 under 1e-2, the same argmax wherever the margin is clear.
+// bf16 probabilities): relative L2 under 1e-2, the same argmax wherever the margin is clear. A prompt whose
+// tokens the two paths route differently in the MoE layer (attention's rounding moved a near-tie of the
+// router: that token's output then differs by a whole expert's share) is printed and not held to the bar;
+// most prompts must route the same and pass.
 TEST(moe_default_switches_match_plain) {
   REQUIRE_GPU();
   const std::string dir = tiny_moe("fast");
   if (dir.empty()) SKIP("python3 or test/ref/make_tiny_checkpoint.py is missing (run from the repository root)");
   const auto prompts = moe_prompts();
   std::vector<std::vector<float>> plain, fast;
+  std::vector<std::vector<int>> route_plain(prompts.size()), route_fast(prompts.size());
   {
     MoEEngine e(dir, "none", false);
-    for (const auto& p : prompts) plain.push_back(e.prefill_logits(p));
+    for (size_t i = 0; i < prompts.size(); i++) plain.push_back(e.prefill_logits(prompts[i], &route_plain[i]));
   }
   {
     MoEEngine e(dir, "all", false);
@@ -437,11 +455,14 @@ TEST(moe_default_switches_match_plain) {
     CHECK(!g_fp8_weights.held);
     CHECK(g_stages.moe == moe_plain);
 #endif
-    for (const auto& p : prompts) fast.push_back(e.prefill_logits(p));
+    for (size_t i = 0; i < prompts.size(); i++) fast.push_back(e.prefill_logits(prompts[i], &route_fast[i]));
     const auto tokens = e.generate(prompts, 16);  // decode steps through the default path's graphs
     CHECK_EQ(tokens.size(), prompts.size());
   }
+  size_t held = 0;
   for (size_t i = 0; i < prompts.size(); i++) {
+    size_t flips = 0;
+    for (size_t j = 0; j < route_plain[i].size(); j++) flips += route_plain[i][j] != route_fast[i][j];
     double num = 0, den = 0, worst = 0;
     int ap = 0, af = 0;
     const std::vector<float>& x = plain[i];
@@ -456,11 +477,14 @@ TEST(moe_default_switches_match_plain) {
     for (size_t v = 0; v < x.size(); v++)
       if ((int)v != ap) second = std::max(second, x[v]);
     const double rel = sqrt(num / den);
-    printf("    prompt of %zu tokens: rel L2 %.2e, argmax %d vs %d (margin %.3f)\n", prompts[i].size(), rel, af, ap,
-           x[ap] - second);
+    printf("    prompt of %zu tokens: rel L2 %.2e, argmax %d vs %d (margin %.3f), %zu of %zu routing choices "
+           "differ\n", prompts[i].size(), rel, af, ap, x[ap] - second, flips, route_plain[i].size());
+    if (flips) continue;
+    held++;
     CHECK_MSG(rel < 1e-2, "prompt %zu: relative L2 %.3e between the default path and the plain one", i, rel);
     if (x[ap] - second > 2 * worst) CHECK_EQ(af, ap);
   }
+  CHECK_MSG(held * 2 > prompts.size(), "only %zu of %zu prompts routed the same both ways", held, prompts.size());
 }
 
 int main(int argc, char** argv) {

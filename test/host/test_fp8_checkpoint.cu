@@ -16,34 +16,6 @@
 #include <filesystem>
 #include "../test.h"
 
-// die() throws TokDieError while tok_die_throws is set: run fn and expect a refusal whose message holds
-// every one of `needles`.
-template <class F>
-static void expect_die(const std::string& what, F fn, const std::vector<std::string>& needles) {
-  tok_die_throws = true;
-  try {
-    fn();
-    CHECK_MSG(false, "%s: expected a refusal, got none", what.c_str());
-  } catch (const TokDieError& e) {
-    const std::string msg = e.what();
-    for (const std::string& n : needles)
-      CHECK_MSG(msg.find(n) != std::string::npos, "%s: message '%s' lacks '%s'", what.c_str(), msg.c_str(),
-                n.c_str());
-  }
-  tok_die_throws = false;
-}
-// fn must not refuse.
-template <class F>
-static void expect_no_die(const std::string& what, F fn) {
-  tok_die_throws = true;
-  try {
-    fn();
-  } catch (const TokDieError& e) {
-    CHECK_MSG(false, "%s: refused: %s", what.c_str(), e.what());
-  }
-  tok_die_throws = false;
-}
-
 // Independent of nanovllm.cu: cuda_fp8.h's and cuda_bf16.h's host conversions.
 static float cuda_e4m3_to_float(uint8_t b) {
   return __half2float(__half(__nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)b, __NV_E4M3)));

@@ -18,33 +18,6 @@
 #include <filesystem>
 #include "../test.h"
 
-// die() throws TokDieError while tok_die_throws is set: run fn and expect a refusal whose message holds every
-// one of `needles`.
-template <class F>
-static void expect_die(const std::string& what, F fn, const std::vector<std::string>& needles) {
-  tok_die_throws = true;
-  try {
-    fn();
-    CHECK_MSG(false, "%s: expected a refusal, got none", what.c_str());
-  } catch (const TokDieError& e) {
-    const std::string msg = e.what();
-    for (const std::string& n : needles)
-      CHECK_MSG(msg.find(n) != std::string::npos, "%s: message '%s' lacks '%s'", what.c_str(), msg.c_str(),
-                n.c_str());
-  }
-  tok_die_throws = false;
-}
-template <class F>
-static void expect_no_die(const std::string& what, F fn) {
-  tok_die_throws = true;
-  try {
-    fn();
-  } catch (const TokDieError& e) {
-    CHECK_MSG(false, "%s: refused: %s", what.c_str(), e.what());
-  }
-  tok_die_throws = false;
-}
-
 // ==== section 32 and 2: config.json =====================================================================
 
 // Qwen3-30B-A3B's config.json as published (the fields nanovllm reads, and two it ignores), with `extra`
@@ -511,17 +484,30 @@ static std::vector<float> bf16_values(size_t n, std::mt19937& rng, float stddev)
   return v;
 }
 
+// A MoE layer's inputs on the CPU: rows x [T, H], the experts' weights, and a routing of random logits.
+struct ExpertsInputs {
+  int T, H, IE, E, k;
+  std::vector<float> x, gate_up, down, w;
+  std::vector<int> ids;
+  ExpertsInputs(int T_, int H_, int IE_, int E_, int k_, bool norm, std::mt19937& rng)
+      : T(T_), H(H_), IE(IE_), E(E_), k(k_), x(bf16_values((size_t)T * H, rng, 1.f)),
+        gate_up(bf16_values((size_t)E * 2 * IE * H, rng, 0.3f)), down(bf16_values((size_t)E * H * IE, rng, 0.3f)),
+        w((size_t)T * k), ids((size_t)T * k) {
+    const std::vector<float> logits = bf16_values((size_t)T * E, rng, 1.f);
+    moe_route_reference(ids.data(), w.data(), logits.data(), T, E, k, norm);
+  }
+};
+
 TEST(moe_experts_reference_matches_transformers_loop) {
   std::mt19937 rng(7);
   struct Shape { int T, H, IE, E, k; };
-  for (const Shape s : {Shape{1, 8, 8, 1, 1}, Shape{7, 24, 16, 5, 3}, Shape{19, 40, 24, 8, 2}, Shape{33, 16, 8, 12, 8}}) {
-    const auto x = bf16_values((size_t)s.T * s.H, rng, 1.f);
-    const auto gate_up = bf16_values((size_t)s.E * 2 * s.IE * s.H, rng, 0.3f);
-    const auto down = bf16_values((size_t)s.E * s.H * s.IE, rng, 0.3f);
-    std::vector<float> logits = bf16_values((size_t)s.T * s.E, rng, 1.f);
-    std::vector<int> ids((size_t)s.T * s.k);
-    std::vector<float> w((size_t)s.T * s.k);
-    moe_route_reference(ids.data(), w.data(), logits.data(), s.T, s.E, s.k, true);
+  for (const Shape sh : {Shape{1, 8, 8, 1, 1}, Shape{7, 24, 16, 5, 3}, Shape{19, 40, 24, 8, 2}, Shape{33, 16, 8, 12, 8}}) {
+    const ExpertsInputs s(sh.T, sh.H, sh.IE, sh.E, sh.k, true, rng);
+    const auto& x = s.x;
+    const auto& gate_up = s.gate_up;
+    const auto& down = s.down;
+    const auto& ids = s.ids;
+    const auto& w = s.w;
     std::vector<float> got((size_t)s.T * s.H), want;
     moe_experts_reference(got.data(), x.data(), ids.data(), w.data(), gate_up.data(), down.data(), s.T, s.H, s.IE,
                           s.k);
@@ -533,14 +519,12 @@ TEST(moe_experts_reference_matches_transformers_loop) {
   }
   // The order of the sum matters: adding the same results in the top-k's order (most probable first) instead
   // of by expert id rounds differently somewhere on these rows, so the comparison above can tell.
-  const Shape s{64, 32, 16, 8, 4};
-  const auto x = bf16_values((size_t)s.T * s.H, rng, 1.f);
-  const auto gate_up = bf16_values((size_t)s.E * 2 * s.IE * s.H, rng, 0.3f);
-  const auto down = bf16_values((size_t)s.E * s.H * s.IE, rng, 0.3f);
-  std::vector<float> logits = bf16_values((size_t)s.T * s.E, rng, 1.f);
-  std::vector<int> ids((size_t)s.T * s.k);
-  std::vector<float> w((size_t)s.T * s.k);
-  moe_route_reference(ids.data(), w.data(), logits.data(), s.T, s.E, s.k, false);
+  const ExpertsInputs s(64, 32, 16, 8, 4, false, rng);
+  const auto& x = s.x;
+  const auto& gate_up = s.gate_up;
+  const auto& down = s.down;
+  const auto& ids = s.ids;
+  const auto& w = s.w;
   std::vector<float> by_id((size_t)s.T * s.H), by_rank((size_t)s.T * s.H, 0.f);
   moe_experts_reference(by_id.data(), x.data(), ids.data(), w.data(), gate_up.data(), down.data(), s.T, s.H, s.IE, s.k);
   for (int t = 0; t < s.T; t++)
