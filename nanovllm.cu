@@ -17,10 +17,10 @@
 // How to read it
 //   Part I (sections 1-13) is the whole engine, plainly: the host bookkeeping first (config, Sequence,
 //   BlockManager, Scheduler: what a reader came for, and none of it needs the GPU), then the model, its
-//   kernels (the simplest correct ones, each after the CPU code it must agree with), cuBLASLt, the
-//   ModelRunner with CUDA graphs, tensor parallelism and the LLMEngine loop. It is complete and correct on
-//   its own, and names nothing defined after it: `--plain` runs it alone, and a build with Part II cut out
-//   (test/cli/part2_cut.sh) compiles and runs.
+//   kernels (the simplest correct ones, each after the CPU code it must agree with), cuBLASLt (and, in 10b,
+//   the mixture-of-experts layer of Qwen3-MoE), the ModelRunner with CUDA graphs, tensor parallelism and the
+//   LLMEngine loop. It is complete and correct on its own, and names nothing defined after it: `--plain` runs
+//   it alone, and a build with Part II cut out (test/cli/part2_cut.sh) compiles and runs.
 //   Part II (sections 14-31) makes it fast. Section 14 cuts the forward pass into stages; each chapter after
 //   it is one optimization that says what it replaces and why it is faster on the hardware, and installs
 //   itself through the hook table Part I declares (section 11) or section 14's stages; each registers its
@@ -13728,8 +13728,8 @@ static bool run_flag(FlagReader& f, Cli& cli) {
     cli.sim_model = f.value(), cli.sim_model_given = true;
     ModelConfig probe;
     if (!qwen3_shape(cli.sim_model, probe))
-      die("--simulate-model %s: not a known shape; give Qwen3-0.6B, -1.7B, -4B, -8B, -14B or -32B",
-          cli.sim_model.c_str());
+      die("--simulate-model %s: not a known shape; give Qwen3-0.6B, -1.7B, -4B, -8B, -14B, -32B, -30B-A3B or "
+          "-235B-A22B", cli.sim_model.c_str());
   } else if (a == "--simulate-eos-prob") {
     cli.sim_eos_prob = f.as_float(f.value());
     if (!(cli.sim_eos_prob >= 0 && cli.sim_eos_prob <= 1))
