@@ -19,7 +19,9 @@
 // suite a case belongs to and test_main runs only the cases of g_test_suite, the one asked for.
 #pragma once
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <random>
 #include <sstream>
@@ -121,6 +123,21 @@ static bool check_close(const char* what, const float* got, const float* want, s
     return false;
   }
   return true;
+}
+
+// A folder under /tmp for the files this process's cases write (checkpoints, folders), removed at exit.
+static std::string test_tmpdir() {
+  static struct Dir {
+    std::string path;
+    Dir() {
+      char tmpl[] = "/tmp/nanovllm_test_XXXXXX";
+      path = mkdtemp(tmpl) ? tmpl : "";
+    }
+    ~Dir() {
+      if (!path.empty()) std::filesystem::remove_all(path);
+    }
+  } dir;
+  return dir.path;
 }
 
 // Refusals. The engine's die() (a user's mistake: nanovllm.cu section 1) throws TokDieError while tok_die_throws

@@ -11,7 +11,6 @@
 //          test/ref/make_tiny_checkpoint.py with python3)
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
-#include <filesystem>
 #include "../test.h"
 
 #include "gpu_fixtures.h"
@@ -268,23 +267,9 @@ TEST(moe_mlp_matches_reference) {
 
 // ---- the loader, and a tiny MoE checkpoint end to end -------------------------------------------------
 
-// A folder under /tmp for this run's checkpoints, removed at exit.
-static std::string tmpdir() {
-  static struct Dir {
-    std::string path;
-    Dir() {
-      char tmpl[] = "/tmp/nanovllm_gpu_moe_XXXXXX";
-      path = mkdtemp(tmpl) ? tmpl : "";
-    }
-    ~Dir() {
-      if (!path.empty()) std::filesystem::remove_all(path);
-    }
-  } dir;
-  return dir.path;
-}
 // test/ref/make_tiny_checkpoint.py OUT --moe --random ARGS: the folder, or "" without python3 or the script.
 static std::string tiny_moe(const std::string& name, const std::string& args = "") {
-  const std::string script = "test/ref/make_tiny_checkpoint.py", out = tmpdir() + "/" + name;
+  const std::string script = "test/ref/make_tiny_checkpoint.py", out = test_tmpdir() + "/" + name;
   if (!is_file(script) || system("python3 -c pass >/dev/null 2>&1") != 0) return "";
   const std::string cmd = "python3 " + script + " '" + out + "' --moe --random " + args + " >/dev/null 2>&1";
   CHECK_MSG(system(cmd.c_str()) == 0, "%s failed", cmd.c_str());

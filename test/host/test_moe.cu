@@ -15,7 +15,6 @@
 // The kernels against these references: test/gpu/gpu_moe.cu.
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
-#include <filesystem>
 #include "../test.h"
 
 // ==== section 32 and 2: config.json =====================================================================
@@ -201,25 +200,10 @@ TEST(moe_checkpoint_tensors) {
   }
 }
 
-// A folder under /tmp for this run's checkpoints, removed at exit.
-static std::string tmpdir() {
-  static struct Dir {
-    std::string path;
-    Dir() {
-      char tmpl[] = "/tmp/nanovllm_moe_XXXXXX";
-      path = mkdtemp(tmpl) ? tmpl : "";
-    }
-    ~Dir() {
-      if (!path.empty()) std::filesystem::remove_all(path);
-    }
-  } dir;
-  return dir.path;
-}
-
 // make_tiny_checkpoint.py OUT --moe ARGS (the repository's own fixture writer, run from the repository root
 // as the test runner does): the folder, or "" when python3 or the script is not there.
 static std::string tiny_moe_folder(const std::string& name, const std::string& args = "") {
-  const std::string script = "test/ref/make_tiny_checkpoint.py", out = tmpdir() + "/" + name;
+  const std::string script = "test/ref/make_tiny_checkpoint.py", out = test_tmpdir() + "/" + name;
   if (!is_file(script) || system("python3 -c pass >/dev/null 2>&1") != 0) return "";
   const std::string cmd = "python3 " + script + " '" + out + "' --moe " + args + " >/dev/null 2>&1";
   CHECK_MSG(system(cmd.c_str()) == 0, "%s failed", cmd.c_str());
@@ -298,7 +282,7 @@ static void write_zeros_checkpoint(const std::string& dir, const std::vector<Ten
 
 TEST(moe_checkpoint_refusals_on_written_files) {
   const ModelConfig c = parse(tiny_moe_config({{"vocab_size", 64}}));
-  const std::string dir = tmpdir() + "/down_t";
+  const std::string dir = test_tmpdir() + "/down_t";
   const std::string down = "model.layers.0.mlp.experts.3.down_proj.weight";
   write_zeros_checkpoint(dir, checkpoint_tensors(c), {{down, {128, 256}}});
   expect_die("an expert's down_proj transposed", [&] { validate_checkpoint(dir, c); },
@@ -307,13 +291,13 @@ TEST(moe_checkpoint_refusals_on_written_files) {
   const ModelConfig q = parse(tiny_moe_config({{"vocab_size", 64},
                                                {"quantization_config", {{"quant_method", "fp8"},
                                                                         {"weight_block_size", {128, 128}}}}}));
-  const std::string qdir = tmpdir() + "/quantized";
+  const std::string qdir = test_tmpdir() + "/quantized";
   write_zeros_checkpoint(qdir, checkpoint_tensors(q));
   expect_no_die("a block-quantized MoE checkpoint", [&] { validate_checkpoint(qdir, q); });
   std::vector<TensorSpec> lacking;
   for (const TensorSpec& t : checkpoint_tensors(q))
     if (t.name != "model.layers.0.mlp.experts.6.up_proj.weight_scale_inv") lacking.push_back(t);
-  const std::string ldir = tmpdir() + "/no_scale";
+  const std::string ldir = test_tmpdir() + "/no_scale";
   write_zeros_checkpoint(ldir, lacking);
   expect_die("an expert without its block scales", [&] { validate_checkpoint(ldir, q); },
              {"has no tensor 'model.layers.0.mlp.experts.6.up_proj.weight_scale_inv': the 8-bit weight"});
