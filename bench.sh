@@ -249,12 +249,19 @@ c = json.load(open(f"{model}/config.json"))
 H, I, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
 NH, NKV, D = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
 tied = c.get("tie_word_embeddings", False)
-layer = H * (NH + 2 * NKV) * D + NH * D * H + 3 * H * I + 2 * H + 2 * D
-params = L * layer + V * H * (1 if tied else 2) + H
+# A Qwen3-MoE model (nanovllm.cu section 10b): its MoE layers hold a router and E experts of IE, a token
+# computes with k of them; large batches read nearly every expert each step, a batch-1 step k per layer.
+E, k, IE = c.get("num_experts", 0), c.get("num_experts_per_tok", 0), c.get("moe_intermediate_size", 0)
+moe = [l for l in range(L) if E and l not in c.get("mlp_only_layers", []) and (l + 1) % c.get("decoder_sparse_step", 1) == 0]
+layer = H * (NH + 2 * NKV) * D + NH * D * H + 3 * H * I + 2 * H + 2 * D  # a dense layer
+moe_gap = 3 * H * I - E * H - E * 3 * H * IE  # a dense layer less a MoE one
+params = L * layer - len(moe) * moe_gap + V * H * (1 if tied else 2) + H
+active = params - len(moe) * (E - k) * 3 * H * IE  # what one token computes with
 linears = L * (H * (NH + 2 * NKV) * D + NH * D * H + 3 * H * I)
-fp8w = quant == "fp8" or c.get("quantization_config", {}).get("quant_method") == "fp8"
+fp8w = (quant == "fp8" or c.get("quantization_config", {}).get("quant_method") == "fp8") and not E  # (MoE: bf16)
 # decode reads every weight once per step (not the embedding table); FP8 linears 1 byte each (+ their scales)
 wbytes = 2 * (params - (0 if tied else V * H)) - (linears - 4 * linears / 128**2 if fp8w else 0)
+wbytes1 = wbytes - 2 * (params - active)  # a batch-1 step: of a MoE layer k experts
 kv_tok = 2 * L * NKV * D * kv_bytes  # K and V bytes per token
 def summary(name, log=None):
     lines = open(log or f"{d}/{name}.log").readlines()
@@ -275,7 +282,7 @@ reqs = [json.loads(l) for l in open(f"{d}/throughput.jsonl")]
 steps = max(r["max_tokens"] for r in reqs) - 1
 kv = sum(sum(len(r["prompt_token_ids"]) + k for k in range(1, r["max_tokens"])) for r in reqs) * kv_tok
 t_roof = sum(r["max_tokens"] for r in reqs) / ((steps * wbytes + kv) / bw)  # tok/s at the bandwidth floor
-floor_ms = (wbytes + (512 + 256) * kv_tok) / bw * 1000  # batch-1: mean context of the 512 decode steps
+floor_ms = (wbytes1 + (512 + 256) * kv_tok) / bw * 1000  # batch-1: mean context of the 512 decode steps
 if only == "ladder":
     print(f"\n{'rung':<22} {'batch-1 ms/token':<28} {'bench.py throughput':<30}")
     for r in rungs:
@@ -301,12 +308,13 @@ if only in ("", "throughput"):
 if only in ("", "latency"):
     s = summary("latency")
     ms = 1000 / s["decode"]
-    floor_ms = (wbytes + (512 + 256) * kv_tok) / bw * 1000  # mean context of the 512 decode steps
+    floor_ms = (wbytes1 + (512 + 256) * kv_tok) / bw * 1000  # mean context of the 512 decode steps
     rows.append(("batch-1 decode", f"{ms:.3f} ms/token", f"{100 * floor_ms / ms:.0f}% of the {floor_ms:.3f} ms floor"))
     rows.append(("cold start", f"{s['first']:.2f} s to first token", "process start, load and graphs included"))
 if only in ("", "prefill"):
     s = summary("prefill")
-    flops = 2 * L * layer + 4 * NH * D * 1024 * L  # per token: the layers' weights + causal attention (mean 1024 keys)
+    flops = 2 * (active - V * H * (1 if tied else 2)) + 4 * NH * D * 1024 * L  # per token: the layers' weights +
+    # causal attention (mean 1024 keys)
     ceil = tf / flops
     what = "GEMM ceiling"
     if fp8w:  # the layers' products run on FP8 tensor cores: twice the bf16 rate on Hopper, not measured here

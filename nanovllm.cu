@@ -1,11 +1,12 @@
-// nanovllm.cu — a vLLM-style inference engine for the Qwen3 dense family, in one CUDA C++ file.
+// nanovllm.cu — a vLLM-style inference engine for the Qwen3 family, in one CUDA C++ file.
 //
 // What this is
 //   An offline batch inference engine: give it a Hugging Face Qwen3 checkpoint folder and a file of prompts,
 //   it generates completions with continuous batching, a paged KV cache with prefix caching, chunked
-//   prefill, recompute preemption, CUDA-graph decode and tensor parallelism. It mirrors nano-vllm
-//   (github.com/GeeeekExplorer/nano-vllm, commit bb823b3) name for name, so the two can be read side by side,
-//   and replaces its PyTorch, flash-attn and Triton with hand-written kernels and cuBLASLt.
+//   prefill, recompute preemption, CUDA-graph decode and tensor parallelism. It runs the dense Qwen3 models
+//   and the mixture-of-experts ones (Qwen3-30B-A3B), whose experts run on Part I's plain kernels so far. It
+//   mirrors nano-vllm (github.com/GeeeekExplorer/nano-vllm, commit bb823b3) name for name, so the two can be
+//   read side by side, and replaces its PyTorch, flash-attn and Triton with hand-written kernels and cuBLASLt.
 //
 // Build, run, test
 //   make                                   builds ./nanovllm (prints what it found and what is missing)
@@ -16,10 +17,10 @@
 // How to read it
 //   Part I (sections 1-13) is the whole engine, plainly: the host bookkeeping first (config, Sequence,
 //   BlockManager, Scheduler: what a reader came for, and none of it needs the GPU), then the model, its
-//   kernels (the simplest correct ones, each after the CPU code it must agree with), cuBLASLt, the
-//   ModelRunner with CUDA graphs, tensor parallelism and the LLMEngine loop. It is complete and correct on
-//   its own, and names nothing defined after it: `--plain` runs it alone, and a build with Part II cut out
-//   (test/cli/part2_cut.sh) compiles and runs.
+//   kernels (the simplest correct ones, each after the CPU code it must agree with), cuBLASLt (and, in 10b,
+//   the mixture-of-experts layer of Qwen3-MoE), the ModelRunner with CUDA graphs, tensor parallelism and the
+//   LLMEngine loop. It is complete and correct on its own, and names nothing defined after it: `--plain` runs
+//   it alone, and a build with Part II cut out (test/cli/part2_cut.sh) compiles and runs.
 //   Part II (sections 14-31) makes it fast. Section 14 cuts the forward pass into stages; each chapter after
 //   it is one optimization that says what it replaces and why it is faster on the hardware, and installs
 //   itself through the hook table Part I declares (section 11) or section 14's stages; each registers its
@@ -38,6 +39,8 @@
 //   V  vocabulary size  L  layers                          P  KV block size in tokens (kvcache_block_size)
 //   NB number of KV blocks in the pool                     MB max blocks per sequence (block table width)
 //   tp tensor-parallel ranks: a rank holds NH/tp query heads, NKV/tp KV heads, I/tp columns, V/tp rows
+//   A mixture-of-experts layer (Qwen3-MoE, section 10b): E experts, k of them per token, IE an expert's
+//   intermediate size (a rank holds IE/tp of every expert's columns)
 //
 // Invariants a reader must hold
 //   * The host owns all bookkeeping (Sequence, BlockManager, Scheduler); the GPU only sees flat int arrays
@@ -61,6 +64,8 @@
 //   chunked prefill   a long prompt's prefill split over several steps to stay within the token budget
 //   preemption        taking a running sequence's blocks away when the pool is full; it is recomputed later
 //   GQA               grouped-query attention: NH/NKV query heads share one K/V head (a "group")
+//   MoE, expert, router  a mixture of experts: a layer whose MLP is one of E small MLPs ("experts") per
+//                     token, k of them, chosen by a router (a small matrix product and a softmax; section 10b)
 //   RoPE              rotary position embedding: q and k rotated by angles that grow with the position
 //   SM                streaming multiprocessor, one of the GPU's cores (132 on an H100); it runs thread blocks
 //   warp              32 threads that execute together; shuffles exchange registers within a warp
@@ -340,6 +345,25 @@ struct ModelConfig {
   std::vector<std::string> not_quantized;  // its modules_to_not_convert: names of linears it keeps in bf16
   std::vector<int> eos_token_ids;   // generation_config.json eos_token_id (int or list), else config.json's
   json generation_config;           // generation_config.json (null without one): sampling defaults (section 33)
+  // A mixture-of-experts model (Qwen3MoeForCausalLM; section 10b says how a MoE layer computes). 0 experts:
+  // a dense Qwen3, every layer's MLP of intermediate_size.
+  int num_experts = 0;              // E: the experts of a MoE layer
+  int num_experts_per_tok = 0;      // k: how many of them each token is routed to
+  int moe_intermediate_size = 0;    // IE: one expert's intermediate size
+  bool norm_topk_prob = false;      // the k routing weights divided by their sum (the released models: true)
+  int decoder_sparse_step = 1;      // every this many layers is a MoE layer ...
+  std::vector<int> mlp_only_layers; // ... except these, which keep a dense MLP
+  // transformers' rule (Qwen3MoeDecoderLayer): layer l's MLP is a mixture of experts when l is not in
+  // mlp_only_layers and (l + 1) % decoder_sparse_step == 0; otherwise a dense MLP of intermediate_size.
+  bool is_moe_layer(int l) const {
+    return num_experts > 0 && (l + 1) % decoder_sparse_step == 0 &&
+           std::find(mlp_only_layers.begin(), mlp_only_layers.end(), l) == mlp_only_layers.end();
+  }
+  int num_moe_layers() const {
+    int n = 0;
+    for (int l = 0; l < num_hidden_layers; l++) n += is_moe_layer(l);
+    return n;
+  }
 };
 
 // The optimization switch. Part II makes the engine fast one optimization at a time. Part I knows none of
@@ -436,12 +460,14 @@ struct Config {
 // ---- Tensor-parallel sharding arithmetic (used by load_weights, section 32's validate_config, the tests) ----
 // Which sizes N can split a model, and what rank r of N holds (nano-vllm: the tp_size divisions in
 // layers/linear.py and layers/embed_head.py). Heads are never split: a rank owns whole query heads and
-// whole KV heads, so attention needs no communication; the MLP is split by intermediate columns; the
-// vocabulary by rows, rounded up so every rank's slice has the same shape (the last one is zero-padded).
+// whole KV heads, so attention needs no communication; the MLP is split by intermediate columns, and so is
+// every expert of a MoE layer (as vLLM's FusedMoE splits them; the router is replicated); the vocabulary by
+// rows, rounded up so every rank's slice has the same shape (the last one is zero-padded).
 struct TPShard {
   int64_t q_heads, q_head0;     // NH/N query heads, starting at head q_head0
   int64_t kv_heads, kv_head0;   // NKV/N KV heads (this rank's share of the KV cache too)
   int64_t inter, inter0;        // I/N columns of gate/up (rows of down's input), starting at inter0
+  int64_t moe_inter, moe_inter0;  // IE/N columns of every expert's gate/up (the router is whole on each rank)
   int64_t vocab, vocab0;        // V_local = ceil(V/N) rows of embed_tokens / lm_head, vocab ids vocab0..
   int64_t vocab_rows;           // of which real rows (the rest are zeros): min(V_local, V - vocab0), >= 0
 };
@@ -455,9 +481,12 @@ static std::string tp_shard_problem(const ModelConfig& m, int n) {
     snprintf(buf, sizeof buf,
              "--tensor-parallel-size %d must divide the number of query heads (%d) and of KV heads (%d)", n,
              m.num_attention_heads, m.num_key_value_heads);
-  else if (m.intermediate_size % n || (m.intermediate_size / n) % 8)
+  else if (m.num_moe_layers() < m.num_hidden_layers && (m.intermediate_size % n || (m.intermediate_size / n) % 8))
     snprintf(buf, sizeof buf, "--tensor-parallel-size %d must divide intermediate_size (%d) into slices that "
              "are multiples of 8", n, m.intermediate_size);
+  else if (m.num_experts > 0 && (m.moe_intermediate_size % n || (m.moe_intermediate_size / n) % 8))
+    snprintf(buf, sizeof buf, "--tensor-parallel-size %d must divide moe_intermediate_size (%d) into slices "
+             "that are multiples of 8", n, m.moe_intermediate_size);
   else return "";
   return buf;
 }
@@ -467,6 +496,7 @@ static TPShard tp_shard(const ModelConfig& m, int rank, int n) {
   s.q_heads = m.num_attention_heads / n, s.q_head0 = rank * s.q_heads;
   s.kv_heads = m.num_key_value_heads / n, s.kv_head0 = rank * s.kv_heads;
   s.inter = m.intermediate_size / n, s.inter0 = rank * s.inter;
+  s.moe_inter = m.moe_intermediate_size / n, s.moe_inter0 = rank * s.moe_inter;
   s.vocab = cdiv(m.vocab_size, n), s.vocab0 = rank * s.vocab;
   s.vocab_rows = std::max<int64_t>(0, std::min<int64_t>(s.vocab, m.vocab_size - s.vocab0));
   return s;
@@ -1065,11 +1095,14 @@ std::vector<Sequence*> Scheduler::schedule_mixed(bool& is_prefill) {
 //   q_proj [NH*D, H] ; k_proj [NKV*D, H] ; v_proj [NKV*D, H]  ->  qkv_proj [(NH+2*NKV)*D, H]   one GEMM
 //   gate_proj [I, H] ; up_proj [I, H]                          ->  gate_up  [2*I, H]            one GEMM
 // so a layer runs 4 matrix products instead of 7. Every matrix stays in PyTorch's [out, in] row-major layout;
-// section 10 explains how cuBLASLt reads it.
+// section 10 explains how cuBLASLt reads it. Each expert of a MoE layer (section 10b) is fused the same way,
+// and the experts of a layer lie one after another: gate_up [E, 2*IE, H], down [E, H, IE].
 //
 // Tensor parallelism slices while loading, so each rank reads only its share (section 12):
-//   column-parallel (qkv, gate_up): each rank takes its rows: its q heads, its k/v heads, its I/tp slice;
+//   column-parallel (qkv, gate_up): each rank takes its rows: its q heads, its k/v heads, its I/tp slice
+//   (and of every expert its IE/tp slice);
 //   row-parallel (o_proj, down): each rank takes its columns; the partial products are summed by all-reduce;
+//   replicated (the norms, a MoE layer's router): every rank holds the whole tensor;
 //   vocab-parallel (embed_tokens, lm_head): each rank takes V/tp rows.
 // fp16 and fp32 checkpoints are converted to bf16 on the way in, and 8-bit float ones dequantized (below).
 
@@ -1080,8 +1113,13 @@ struct LayerWeights {
   bf16* q_norm;                    // [D]
   bf16* k_norm;                    // [D]
   bf16* o_proj;                    // [H, NH/tp * D]
-  bf16* gate_up_proj;              // [2 * I/tp, H]   gate rows first, then up rows
+  bf16* gate_up_proj;              // [2 * I/tp, H]   gate rows first, then up rows   (null in a MoE layer)
   bf16* down_proj;                 // [H, I/tp]
+  // A MoE layer's MLP instead (section 10b; null in a dense layer): the router and every expert, fused and
+  // sliced as the dense MLP is.
+  bf16* router;                    // [E, H]            the same on every rank
+  bf16* experts_gate_up;           // [E, 2 * IE/tp, H] per expert its gate rows, then its up rows
+  bf16* experts_down;              // [E, H, IE/tp]
 };
 
 struct Weights {
@@ -1308,26 +1346,33 @@ static bool kept_unquantized(const ModelConfig& c, const std::string& name) {
     if (name.find(m) != std::string::npos) return true;
   return false;
 }
+// A MoE layer (section 10b) has, instead of mlp.{gate,up,down}_proj, the router mlp.gate.weight [E, H] and
+// per expert e mlp.experts.e.{gate,up}_proj.weight [IE, H] and mlp.experts.e.down_proj.weight [H, IE], as
+// Qwen's checkpoints store them. The router is never block-quantized (vLLM reads it unquantized too).
 static std::vector<TensorSpec> checkpoint_tensors(const ModelConfig& c) {
   const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim, V = c.vocab_size;
-  const int64_t NH = c.num_attention_heads, NKV = c.num_key_value_heads;
+  const int64_t NH = c.num_attention_heads, NKV = c.num_key_value_heads, IE = c.moe_intermediate_size;
   std::vector<TensorSpec> specs = {{"model.embed_tokens.weight", {V, H}}, {"model.norm.weight", {H}}};
   if (!c.tie_word_embeddings) specs.push_back({"lm_head.weight", {V, H}});
   for (int l = 0; l < c.num_hidden_layers; l++) {
     std::string pre = "model.layers." + std::to_string(l) + ".";
-    for (const TensorSpec& t : std::vector<TensorSpec>{{"input_layernorm.weight", {H}},
-                                                       {"post_attention_layernorm.weight", {H}},
-                                                       {"self_attn.q_proj.weight", {NH * D, H}},
-                                                       {"self_attn.k_proj.weight", {NKV * D, H}},
-                                                       {"self_attn.v_proj.weight", {NKV * D, H}},
-                                                       {"self_attn.q_norm.weight", {D}},
-                                                       {"self_attn.k_norm.weight", {D}},
-                                                       {"self_attn.o_proj.weight", {H, NH * D}},
-                                                       {"mlp.gate_proj.weight", {I, H}},
-                                                       {"mlp.up_proj.weight", {I, H}},
-                                                       {"mlp.down_proj.weight", {H, I}}}) {
+    std::vector<TensorSpec> layer = {
+        {"input_layernorm.weight", {H}},           {"post_attention_layernorm.weight", {H}},
+        {"self_attn.q_proj.weight", {NH * D, H}},  {"self_attn.k_proj.weight", {NKV * D, H}},
+        {"self_attn.v_proj.weight", {NKV * D, H}}, {"self_attn.q_norm.weight", {D}},
+        {"self_attn.k_norm.weight", {D}},          {"self_attn.o_proj.weight", {H, NH * D}}};
+    if (!c.is_moe_layer(l))
+      layer.insert(layer.end(), {{"mlp.gate_proj.weight", {I, H}}, {"mlp.up_proj.weight", {I, H}},
+                                 {"mlp.down_proj.weight", {H, I}}});
+    else layer.push_back({"mlp.gate.weight", {c.num_experts, H}});
+    for (int e = 0; c.is_moe_layer(l) && e < c.num_experts; e++) {
+      const std::string ex = "mlp.experts." + std::to_string(e) + ".";
+      layer.insert(layer.end(), {{ex + "gate_proj.weight", {IE, H}}, {ex + "up_proj.weight", {IE, H}},
+                                 {ex + "down_proj.weight", {H, IE}}});
+    }
+    for (const TensorSpec& t : layer) {
       const std::string name = pre + t.name;
-      if (!c.block_quantized || t.shape.size() != 2 || kept_unquantized(c, name)) {
+      if (!c.block_quantized || t.shape.size() != 2 || kept_unquantized(c, name) || t.name == "mlp.gate.weight") {
         specs.push_back({name, t.shape});
         continue;
       }
@@ -1346,12 +1391,12 @@ static const TensorView& checked_tensor(const SafeTensors& st, const TensorSpec&
     die("the checkpoint in %s has no tensor '%s': the 8-bit weight '%s' needs its block scales (config.json's "
         "quantization_config says 128 x 128 blocks)", dir.c_str(), spec.name.c_str(),
         spec.name.substr(0, spec.name.size() - 10).c_str());
+  TensorView want;
+  want.shape = spec.shape;
   if (!t)
-    die("the checkpoint in %s has no tensor '%s' (config.json needs it: is this a Qwen3 checkpoint?)",
-        dir.c_str(), spec.name.c_str());
+    die("the checkpoint in %s has no tensor '%s' (shape %s; config.json needs it: is this a Qwen3 checkpoint, "
+        "and a MoE one where config.json says so?)", dir.c_str(), spec.name.c_str(), want.shape_str().c_str());
   if (t->shape != spec.shape) {
-    TensorView want;
-    want.shape = spec.shape;
     die("tensor '%s' in %s has shape %s, but config.json implies %s%s", spec.name.c_str(), t->file.c_str(),
         t->shape_str().c_str(), want.shape_str().c_str(),
         spec.stored == Stored::scales ? " (one scale per 128 x 128 block of the weight, rounded up)" : "");
@@ -1393,14 +1438,15 @@ static void validate_checkpoint(const std::string& dir, const ModelConfig& c) {
   }
 }
 
-// Elements of one rank's weight arena: per layer two norms, qkv, q/k norms, o_proj, gate/up and down; then
-// the embedding, the LM head unless it is tied to it, and the final norm.
-// With linears false: all but the four matrices.
+// Elements of one rank's weight arena: per layer two norms, qkv, q/k norms, o_proj, gate/up and down (a MoE
+// layer: the router and every expert's gate/up and down); then the embedding, the LM head unless it is tied
+// to it, and the final norm. With linears false: all but the four matrices (a MoE layer's MLP stays).
 static int64_t weight_elements(const ModelConfig& c, const TPShard& s, bool linears = true) {
-  const int64_t H = c.hidden_size, D = c.head_dim;
+  const int64_t H = c.hidden_size, D = c.head_dim, L = c.num_hidden_layers, L_moe = c.num_moe_layers();
   int64_t per_layer = 2 * H + 2 * D;
-  if (linears) per_layer += (s.q_heads + 2 * s.kv_heads) * D * H + H * s.q_heads * D + 3 * s.inter * H;
-  return s.vocab * H * (c.tie_word_embeddings ? 1 : 2) + c.num_hidden_layers * per_layer + H;
+  if (linears) per_layer += (s.q_heads + 2 * s.kv_heads) * D * H + H * s.q_heads * D;
+  const int64_t dense = linears ? 3 * s.inter * H : 0, moe = c.num_experts * H * (1 + 3 * s.moe_inter);
+  return s.vocab * H * (c.tie_word_embeddings ? 1 : 2) + L * per_layer + (L - L_moe) * dense + L_moe * moe + H;
 }
 
 // Load (this rank's share of) every weight. Returns the arena; prints nothing (the caller reports timing).
@@ -1426,12 +1472,15 @@ static Weights load_weights(const std::string& dir, const ModelConfig& c, int ra
   bf16* p = (bf16*)w.arena;
   auto take = [&](int64_t n) { bf16* r = p; p += n; return r; };
   WeightLoader ld(st, c, stream);
-  // A linear projection's slice, dequantized on the way when the checkpoint stores it in 8 bits.
-  auto load_linear = [&](bf16* dst, const std::string& name, int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
-    if (!linears) return;
+  // A matrix's slice, dequantized on the way when the checkpoint stores it in 8 bits; a layer's four linear
+  // projections only when `linears`.
+  auto load_matrix = [&](bf16* dst, const std::string& name, int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
     if (spec.at(name).stored != Stored::quantized) return ld.load(dst, get(name), r0, nr, c0, nc);
     const std::vector<float> scales = block_scales(get(name + "_scale_inv"));
     ld.load(dst, get(name), r0, nr, c0, nc, &scales);
+  };
+  auto load_linear = [&](bf16* dst, const std::string& name, int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
+    if (linears) load_matrix(dst, name, r0, nr, c0, nc);
   };
   if (c.block_quantized) w.held = "bf16, dequantized at load from the checkpoint's 8-bit weights";
   auto take_linear = [&](int64_t n) { return linears ? take(n) : nullptr; };
@@ -1467,11 +1516,25 @@ static Weights load_weights(const std::string& dir, const ModelConfig& c, int ra
     ld.load(lw.k_norm, get(pre + "self_attn.k_norm.weight"), 0, 1, 0, D);
     lw.o_proj = take_linear(H * NH * D);
     load_linear(lw.o_proj, pre + "self_attn.o_proj.weight", 0, H, q0, NH * D);
-    lw.gate_up_proj = take_linear(2 * I * H);
-    load_linear(lw.gate_up_proj, pre + "mlp.gate_proj.weight", shard.inter0, I, 0, H);
-    load_linear(lw.gate_up_proj + I * H, pre + "mlp.up_proj.weight", shard.inter0, I, 0, H);
-    lw.down_proj = take_linear(H * I);
-    load_linear(lw.down_proj, pre + "mlp.down_proj.weight", 0, H, shard.inter0, I);
+    lw.gate_up_proj = lw.down_proj = lw.router = lw.experts_gate_up = lw.experts_down = nullptr;
+    if (!c.is_moe_layer(l)) {
+      lw.gate_up_proj = take_linear(2 * I * H);
+      load_linear(lw.gate_up_proj, pre + "mlp.gate_proj.weight", shard.inter0, I, 0, H);
+      load_linear(lw.gate_up_proj + I * H, pre + "mlp.up_proj.weight", shard.inter0, I, 0, H);
+      lw.down_proj = take_linear(H * I);
+      load_linear(lw.down_proj, pre + "mlp.down_proj.weight", 0, H, shard.inter0, I);
+    } else {  // the router whole, every expert sliced (loaded here even when a chapter loads the four matrices)
+      const int64_t E = c.num_experts, IE = shard.moe_inter, ie0 = shard.moe_inter0;
+      lw.router = take(E * H), lw.experts_gate_up = take(E * 2 * IE * H), lw.experts_down = take(E * H * IE);
+      ld.load(lw.router, get(pre + "mlp.gate.weight"), 0, E, 0, H);
+      for (int64_t e = 0; e < E; e++) {
+        const std::string ex = pre + "mlp.experts." + std::to_string(e) + ".";
+        bf16* gate_up = lw.experts_gate_up + e * 2 * IE * H;
+        load_matrix(gate_up, ex + "gate_proj.weight", ie0, IE, 0, H);
+        load_matrix(gate_up + IE * H, ex + "up_proj.weight", ie0, IE, 0, H);
+        load_matrix(lw.experts_down + e * H * IE, ex + "down_proj.weight", 0, H, ie0, IE);
+      }
+    }
     w.layers.push_back(lw);
   }
   ld.flush();
@@ -1534,6 +1597,7 @@ static size_t kv_block_bytes(const ModelConfig& c, int P, int tp, int value_byte
 //   h = a @ Wo^T                 (+ all-reduce)        [T, H]
 //   x = RMSNorm(residual += h)
 //   h = (SiLU(x @ Wg^T) * (x @ Wu^T)) @ Wd^T   (+ all-reduce)
+//       or in a MoE layer: h = moe_mlp(x), k of E experts per token, weighted (section 10b)
 // then x = RMSNorm(residual += h), keep each sequence's last row, logits = x @ lm_head^T (fp32).
 // "residual += h" rides inside the next RMSNorm (add_rmsnorm), as nano-vllm's RMSNorm(x, residual) does.
 //
@@ -1552,6 +1616,16 @@ struct Activations {
   bf16* last;      // [Bmax, H]  final normed row of each sequence
   float* logits;   // [Bmax, V/tp]
   float* attn_workspace;  // scratch a Part II attention kernel asks for (Hooks, section 11); Part I's need none
+  // A MoE layer's work (section 10b), for a model with experts (else null). RM = moe_rows_max(Tmax, k, E).
+  bf16* router_logits;   // [Tmax, E]
+  int* topk_ids;         // [Tmax, k]  the experts of each token
+  float* topk_weights;   // [Tmax, k]
+  int* moe_rows;         // [RM]       the (token, expert) pair of each row of the experts' list, -1: padding
+  int* moe_pair_row;     // [Tmax * k] the row of each pair
+  int* moe_tile_expert;  // [RM / MOE_TILE] the expert of each tile of the list, -1: unused
+  bf16* moe_gate_up;     // [RM, 2 * IE/tp]
+  bf16* moe_act;         // [RM, IE/tp]
+  bf16* moe_out;         // [RM, H]
 };
 
 // Device pointers to one step's inputs (built on the host by ModelRunner::prepare_*).
@@ -1568,8 +1642,8 @@ struct StepInputs {
                         // is a query of length 1 to the prefill kernel. Section 16 runs them as decode rows.
 };
 
-// The launchers the forward pass calls (section 7: elementwise kernels; 8: attention; 10: cuBLASLt;
-// 12: the all-reduce). Shapes are in each definition's comment.
+// The launchers the forward pass calls (section 7: elementwise kernels; 8: attention; 10: cuBLASLt; 10b: a
+// MoE layer's MLP; 12: the all-reduce). Shapes are in each definition's comment.
 void embedding(bf16* out, const int* ids, const bf16* table, int T, int H, int vocab_start, int V_local,
                cudaStream_t stream);
 void rmsnorm(bf16* out, const bf16* x, const bf16* w, int T, int H, float eps, cudaStream_t stream);
@@ -1589,6 +1663,8 @@ void gather_last_tokens(bf16* out, const bf16* x, const int* cu_seqlens_q, int B
 struct Gemm;
 static void linear(Gemm& gemm, void* y, const bf16* x, const bf16* W, int M, int N, int K, cudaStream_t stream,
                    cudaDataType out_type = CUDA_R_16BF);
+static void moe_mlp(bf16* out, const bf16* x, const LayerWeights& lw, const ModelConfig& c, int tp, int T,
+                    Gemm& gemm, const Activations& a, cudaStream_t stream);
 struct TPComm;  // section 12; null without tensor parallelism
 static void all_reduce_sum(TPComm* comm, bf16* x, size_t n, cudaStream_t stream);
 
@@ -1627,11 +1703,15 @@ struct Qwen3 {
                          scale, s);
       linear(*gemm, act.hidden, act.attn, lw.o_proj, T, H, NH * D, s);
       if (tp > 1) all_reduce_sum(comm, act.hidden, (size_t)T * H, s);
-      // MLP
+      // MLP: dense, or a mixture of experts
       add_rmsnorm(act.x, act.residual, act.hidden, lw.post_attention_layernorm, T, H, eps, s);
-      linear(*gemm, act.gate_up, act.x, lw.gate_up_proj, T, 2 * I, H, s);
-      silu_and_mul(act.act, act.gate_up, T, I, s);
-      linear(*gemm, act.hidden, act.act, lw.down_proj, T, H, I, s);
+      if (cfg.is_moe_layer(l)) {
+        moe_mlp(act.hidden, act.x, lw, cfg, tp, T, *gemm, act, s);
+      } else {
+        linear(*gemm, act.gate_up, act.x, lw.gate_up_proj, T, 2 * I, H, s);
+        silu_and_mul(act.act, act.gate_up, T, I, s);
+        linear(*gemm, act.hidden, act.act, lw.down_proj, T, H, I, s);
+      }
       if (tp > 1) all_reduce_sum(comm, act.hidden, (size_t)T * H, s);
     }
     add_rmsnorm(act.x, act.residual, act.hidden, w.norm, T, H, eps, s);
@@ -2719,7 +2799,9 @@ static void compute_logprobs(TokenLogprobs* out, const float* logits, const int*
 }
 
 // ==== 10. Matrix products with cuBLASLt ====================================================================
-// defines: Gemm, linear, linear_reference
+// defines: Gemm, linear, linear_reference, MOE_TILE, MOE_MAX_EXPERTS, MOE_MAX_TOPK, moe_rows_max,
+//          moe_ranks_before, moe_route_reference, moe_route, moe_align_reference, moe_align, moe_matmul,
+//          moe_experts_reference, moe_combine, moe_allocate, moe_experts, moe_mlp
 //
 // Every linear layer is y = x @ W^T with x [M, K] (M tokens) and W [N, K] in PyTorch's row-major [out, in]
 // layout. cuBLASLt thinks in column-major, where a row-major [M, N] matrix is the column-major [N, M] one,
@@ -2797,6 +2879,423 @@ struct Gemm {
 static void linear(Gemm& gemm, void* y, const bf16* x, const bf16* W, int M, int N, int K, cudaStream_t stream,
                    cudaDataType out_type) {
   gemm.run(y, x, W, M, N, K, stream, out_type);
+}
+
+
+// ---- 10b. A mixture of experts (Qwen3-MoE): the router, each expert's rows, their products ---------------
+//
+// Qwen3-30B-A3B and Qwen3-235B-A22B (Qwen3MoeForCausalLM; nano-vllm has no MoE model, vLLM's is
+// qwen3_moe.py with FusedMoE) replace the MLP of their layers with a mixture of experts: E small MLPs
+// ("experts", each of intermediate size IE) and a router that sends each token to k of them. As transformers
+// computes it (modeling_qwen3_moe.py, Qwen3MoeTopKRouter and Qwen3MoeExperts), for the normed rows x [T, H]:
+//
+//   logits = x @ Wr^T                      [T, E]  the router: mlp.gate.weight [E, H], no bias
+//   p      = softmax(logits), in fp32       over all E experts
+//   ids, w = the k largest p               [T, k]  and their indices (torch.topk)
+//   w      = w / sum(w)                     only when norm_topk_prob (the released models set it)
+//   h[t]   = sum over j of w[t,j] * down_e(SiLU(gate_e(x[t])) * up_e(x[t])),   e = ids[t,j]
+//
+// Which layers: ModelConfig::is_moe_layer (section 2); the others keep a dense MLP. In Qwen3-30B-A3B every
+// one of its 48 layers has 128 experts of IE = 768, k = 8: a token computes 3.3B of the 30.5B parameters.
+//
+// The plain way, in four steps. The catch is that how many rows each expert gets is known only on the GPU,
+// after the router ran, and cuBLASLt takes a product's sizes from the host. Reading them back would end the
+// CUDA graph of a decode step (section 11) at every layer, so every step below is a fixed amount of work
+// for a step of T tokens (a host value), and a step with MoE layers is captured and replayed like any other:
+//   1. route     the router's product (section 10's linear, bf16 logits), then moe_route: the softmax, the
+//                top-k and the weights, one warp per token;
+//   2. align     moe_align lists the step's R = T*k (token, expert) pairs expert by expert, each expert's run
+//                padded with empty rows to a multiple of MOE_TILE, and writes which expert each tile of
+//                MOE_TILE rows belongs to (-1: a tile past the list's end). The list has at most
+//                moe_rows_max(T, k, E) = R + min(E, R) * (MOE_TILE - 1) rows, rounded up to a tile: the
+//                buffers are that long;
+//   3. products  moe_matmul with every expert's gate_up, silu_and_mul (section 7), moe_matmul with every
+//                expert's down: the dense MLP's three steps, on the list's rows, over the whole buffer; each
+//                thread block of moe_matmul reads its tile's expert on the GPU, an unused tile writes zeros;
+//   4. combine   moe_combine: per token, its k results times their weights, added in ascending expert id.
+// What that costs: moe_matmul is the textbook tiled product on the GPU's ordinary cores (a thread block per
+// 16 x 16 tile of the result), not cuBLASLt, so a prefill step of many tokens computes its experts many
+// times slower than a dense model's products of the same size; and up to min(E, R) * (MOE_TILE - 1) padding
+// rows ride along. A decode step reads each chosen expert's weights once, as it must. Part II is where a
+// faster way belongs.
+//
+// Where the rounding happens: where transformers 5.x's bf16 model rounds, but for one step (SiLU-and-mul):
+//   * the router's logits are bf16 (F.linear in bf16); the softmax, the top-k and the renormalisation are
+//     fp32, and the weights w stay fp32 into the multiply. (transformers 4.x cast them to bf16 first,
+//     routing_weights.to(hidden_states.dtype): this file follows 5.x);
+//   * each expert's products are rounded to bf16 like the dense MLP's (section 10), SiLU-and-mul once
+//     (silu_and_mul, as the dense MLP here: transformers rounds SiLU's output first, a bf16 step apart);
+//   * each weighted result is rounded to bf16, then added into the token's bf16 row one expert at a time in
+//     ascending expert id, rounding after each addition: transformers' index_add_ into a bf16 zero tensor,
+//     in its loop over the experts that were hit (ascending). So h = bf16(bf16(y_e1 * w_e1) + bf16(y_e2 * w_e2))
+//     and so on, e1 < e2 < ..., and the result does not depend on the order the top-k lists them in.
+// Ties in the top-k: torch.topk promises no order among equal values (on CUDA it has returned the higher
+// index first: pytorch issue 127196); here the lower expert id wins, as a stable sort orders them
+// (torch.sort(stable=True)). Only an exact tie at the k-th place changes which experts run, and exact ties
+// of fp32 probabilities come from exactly equal logits.
+// Tensor parallelism: each rank holds IE/tp of every expert (section 6a) and the whole router, so every rank
+// routes its identical rows identically; each rank's h is a partial sum, and the all-reduce after the
+// layer adds them up as it does the dense MLP's.
+
+constexpr int MOE_TILE = 16;          // rows (and columns) of a tile of moe_matmul; an expert's run is padded to it
+constexpr int MOE_MAX_EXPERTS = 512;  // E: moe_route holds E / 32 probabilities per lane in registers
+constexpr int MOE_MAX_TOPK = 32;      // k: moe_route's picks are one per lane
+constexpr int MOE_ALIGN_THREADS = 256;
+
+// Rows of the experts' list for T tokens: every pair, plus at most MOE_TILE - 1 padding rows per expert that
+// has any, rounded up to whole tiles.
+static int64_t moe_rows_max(int64_t T, int k, int E) {
+  const int64_t R = T * k;
+  return cdiv(R + std::min<int64_t>(E, R) * (MOE_TILE - 1), MOE_TILE) * MOE_TILE;
+}
+
+// Whether expert e with probability p comes before (bp, be) in the top-k order: the larger probability, and
+// on a tie the lower expert id; NaN counts as -inf (a total order, so every lane of a warp agrees); be < 0 is
+// "none yet".
+__host__ __device__ inline bool moe_ranks_before(float p, int e, float bp, int be) {
+  if (be < 0) return e >= 0;
+  const float a = p != p ? -INFINITY : p, b = bp != bp ? -INFINITY : bp;
+  return a > b || (a == b && e < be);
+}
+
+// ---- moe_route -----------------------------------------------------------------------------------------
+// What moe_route_kernel computes, on the CPU: for each token the softmax of its logits [E] (bf16 values as
+// float; in double here), the k most probable experts in order (ties: lower id), their probabilities,
+// divided by their sum when norm.
+static void moe_route_reference(int* ids, float* weights, const float* logits, int T, int E, int k, bool norm) {
+  std::vector<double> p(E);
+  for (int t = 0; t < T; t++) {
+    const float* l = logits + (size_t)t * E;
+    const double m = *std::max_element(l, l + E);
+    double sum = 0;
+    for (int e = 0; e < E; e++) sum += p[e] = exp((double)l[e] - m);
+    std::vector<bool> taken(E, false);
+    double picked = 0;
+    for (int j = 0; j < k; j++) {
+      int best = -1;
+      for (int e = 0; e < E; e++)
+        if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;  // the first of equals: the lower id
+      taken[best] = true;
+      ids[(size_t)t * k + j] = best;
+      weights[(size_t)t * k + j] = (float)(p[best] / sum);
+      picked += p[best] / sum;
+    }
+    for (int j = 0; norm && j < k; j++) weights[(size_t)t * k + j] = (float)(weights[(size_t)t * k + j] / picked);
+  }
+}
+
+// Replaces: Qwen3MoeTopKRouter.forward after its F.linear: softmax(logits, dtype=float32), torch.topk,
+// and the division by the top-k sum.
+// Reads logits [T, E] (bf16). Writes ids [T, k] (int) and weights [T, k] (fp32), most probable first.
+// One warp per token; lane i holds experts i, i + 32, i + 64, ... in registers (E <= MOE_MAX_EXPERTS):
+//   m = max of the logits (warp shuffles), p_e = exp(l_e - m) / sum_e' exp(l_e' - m)   (fp32)
+//   k times: each lane its best expert not yet taken, then a warp argmax under moe_ranks_before; the lane
+//   that holds the winner marks it taken, and lane j keeps the j-th pick
+//   norm: the k picks' probabilities summed over the warp, each divided by the sum.
+// Launch: 4 warps per thread block, grid ceil(T / 4). Preconditions: 1 <= k <= min(E, MOE_MAX_TOPK).
+constexpr int MOE_ROUTE_SLOTS = MOE_MAX_EXPERTS / 32;
+__device__ __forceinline__ float warp_max_f(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float warp_sum_f(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__global__ void moe_route_kernel(int* ids, float* weights, const bf16* logits, int T, int E, int k, bool norm) {
+  const int lane = threadIdx.x % 32, t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (t >= T) return;  // a whole warp
+  const bf16* row = logits + (int64_t)t * E;
+  float p[MOE_ROUTE_SLOTS];
+  float m = -INFINITY;
+#pragma unroll
+  for (int s = 0; s < MOE_ROUTE_SLOTS; s++) {
+    const int e = lane + 32 * s;
+    p[s] = e < E ? __bfloat162float(row[e]) : -INFINITY;
+    m = fmaxf(m, p[s]);
+  }
+  m = warp_max_f(m);
+  float sum = 0.f;
+#pragma unroll
+  for (int s = 0; s < MOE_ROUTE_SLOTS; s++) {
+    p[s] = lane + 32 * s < E ? expf(p[s] - m) : 0.f;
+    sum += p[s];
+  }
+  sum = warp_sum_f(sum);
+#pragma unroll
+  for (int s = 0; s < MOE_ROUTE_SLOTS; s++) p[s] /= sum;
+  unsigned taken = 0;  // bit s: this lane's expert lane + 32 s is picked
+  int my_id = -1;      // lane j: the j-th pick
+  float my_p = 0.f;
+  for (int j = 0; j < k; j++) {
+    float bp = 0.f;
+    int be = -1;
+#pragma unroll
+    for (int s = 0; s < MOE_ROUTE_SLOTS; s++) {
+      const int e = lane + 32 * s;
+      if (e < E && !(taken >> s & 1) && moe_ranks_before(p[s], e, bp, be)) bp = p[s], be = e;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      const float op = __shfl_xor_sync(0xffffffffu, bp, o);
+      const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+      if (moe_ranks_before(op, oe, bp, be)) bp = op, be = oe;
+    }
+    if (be % 32 == lane) taken |= 1u << (be / 32);
+    if (lane == j) my_id = be, my_p = bp;
+  }
+  const float picked = warp_sum_f(lane < k ? my_p : 0.f);
+  if (lane < k) {
+    ids[(int64_t)t * k + lane] = my_id;
+    weights[(int64_t)t * k + lane] = norm ? my_p / picked : my_p;
+  }
+}
+static void moe_route(int* ids, float* weights, const bf16* logits, int T, int E, int k, bool norm,
+                      cudaStream_t stream) {
+  INTERNAL_CHECK(E >= 1 && E <= MOE_MAX_EXPERTS && k >= 1 && k <= std::min(E, MOE_MAX_TOPK),
+                 "moe_route: E = %d, k = %d (at most %d experts, 1 <= k <= min(E, %d))", E, k, MOE_MAX_EXPERTS,
+                 MOE_MAX_TOPK);
+  if (T == 0) return;
+  moe_route_kernel<<<(unsigned)cdiv(T, 4), 128, 0, stream>>>(ids, weights, logits, T, E, k, norm);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// ---- moe_align -----------------------------------------------------------------------------------------
+// What moe_align_kernel computes, on the CPU: the experts' list for the pairs p = t*k + j of ids [T, k].
+// Expert e's run starts at the sum of the earlier runs, holds e's pairs in ascending p (token order), then -1
+// up to a multiple of MOE_TILE. rows [RM]: the pair of each row (-1: padding; past the last run: -1 here,
+// unwritten by the kernel); pair_row [T*k]: each pair's row; tile_expert [RM / MOE_TILE]: each tile's expert,
+// -1 past the last run.
+static void moe_align_reference(std::vector<int>& rows, std::vector<int>& pair_row, std::vector<int>& tile_expert,
+                                const int* ids, int T, int k, int E) {
+  const int R = T * k, RM = (int)moe_rows_max(T, k, E);
+  rows.assign(RM, -1), pair_row.assign(R, -1), tile_expert.assign(RM / MOE_TILE, -1);
+  int at = 0;
+  for (int e = 0; e < E; e++) {
+    const int start = at;
+    for (int p = 0; p < R; p++)
+      if (ids[p] == e) rows[at] = p, pair_row[p] = at++;
+    at = (int)cdiv(at, MOE_TILE) * MOE_TILE;
+    for (int i = start / MOE_TILE; i < at / MOE_TILE; i++) tile_expert[i] = e;
+  }
+}
+
+// Replaces: the bookkeeping of Qwen3MoeExperts.forward (one_hot, then torch.where per expert that was hit).
+// Reads ids [T, k]. Writes rows, pair_row and tile_expert as moe_align_reference says.
+// One thread block per expert e, each reading all R = T*k ids:
+//   1. count[e'] of every expert (shared-memory atomics: integer, so the same whatever the order);
+//   2. e's run starts at start = sum over e' < e of ceil(count[e'] / MOE_TILE) * MOE_TILE;
+//   3. e's pairs in order: the ids MOE_ALIGN_THREADS at a time, a thread's place among its chunk's matches
+//      from its warp's ballot and the warps before it, after the matches of earlier chunks;
+//   4. its padding rows and its tiles' entries; block 0 also marks the tiles past the last run.
+// Launch: grid E, MOE_ALIGN_THREADS threads. Preconditions: 0 <= ids < E <= MOE_MAX_EXPERTS.
+__global__ __launch_bounds__(MOE_ALIGN_THREADS) void moe_align_kernel(int* rows, int* pair_row, int* tile_expert,
+                                                                      const int* ids, int R, int E, int tiles) {
+  __shared__ int count[MOE_MAX_EXPERTS];
+  __shared__ int warp_matches[MOE_ALIGN_THREADS / 32];
+  const int e = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  for (int i = tid; i < E; i += blockDim.x) count[i] = 0;
+  __syncthreads();
+  for (int p = tid; p < R; p += blockDim.x) atomicAdd(&count[ids[p]], 1);
+  __syncthreads();
+  int start = 0, end = 0;
+  for (int i = 0; i < E; i++) {
+    const int run = (count[i] + MOE_TILE - 1) / MOE_TILE * MOE_TILE;
+    start += i < e ? run : 0;
+    end += run;
+  }
+  const int n = count[e], run = (n + MOE_TILE - 1) / MOE_TILE * MOE_TILE;
+  int placed = 0;  // e's pairs in the chunks before this one
+  for (int base = 0; base < R; base += blockDim.x) {
+    const int p = base + tid;
+    const bool match = p < R && ids[p] == e;
+    const unsigned ballot = __ballot_sync(0xffffffffu, match);
+    if (lane == 0) warp_matches[warp] = __popc(ballot);
+    __syncthreads();
+    int before = placed + __popc(ballot & ((1u << lane) - 1)), chunk = 0;
+    for (int w = 0; w < (int)blockDim.x / 32; w++) {
+      before += w < warp ? warp_matches[w] : 0;
+      chunk += warp_matches[w];
+    }
+    if (match) rows[start + before] = p, pair_row[p] = start + before;
+    placed += chunk;
+    __syncthreads();  // warp_matches is read before the next chunk writes it
+  }
+  for (int i = n + tid; i < run; i += blockDim.x) rows[start + i] = -1;
+  for (int i = tid; i < run / MOE_TILE; i += blockDim.x) tile_expert[start / MOE_TILE + i] = e;
+  if (e == 0)
+    for (int i = end / MOE_TILE + tid; i < tiles; i += blockDim.x) tile_expert[i] = -1;
+}
+// rows [moe_rows_max(T, k, E)], pair_row [T*k], tile_expert [moe_rows_max(T, k, E) / MOE_TILE] (device).
+static void moe_align(int* rows, int* pair_row, int* tile_expert, const int* ids, int T, int k, int E,
+                      cudaStream_t stream) {
+  INTERNAL_CHECK(E >= 1 && E <= MOE_MAX_EXPERTS, "moe_align: E = %d (1 to %d)", E, MOE_MAX_EXPERTS);
+  if (T == 0) return;
+  const int tiles = (int)(moe_rows_max(T, k, E) / MOE_TILE);
+  moe_align_kernel<<<E, MOE_ALIGN_THREADS, 0, stream>>>(rows, pair_row, tile_expert, ids, T * k, E, tiles);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// ---- moe_matmul ----------------------------------------------------------------------------------------
+// Replaces: Qwen3MoeExperts.forward's F.linear(current_state, gate_up_proj[e]) and F.linear(..., down_proj[e])
+// for every expert e that was hit, on the rows torch.where gathered for it.
+// Computes, for every row r of the experts' list whose tile's expert e = tile_expert[r / MOE_TILE] >= 0:
+//   y[r, :] = a_r @ W_e^T        W [E, N, K]: W_e = W + e * N * K, [N, K] like a linear's weight
+// where a_r is, with gather_k > 0 (the gate_up product), row rows[r] / gather_k of a [T, K] (the token of
+// pair rows[r]); with gather_k = 0 (the down product), row r of a [RM, K]; a padding row (rows[r] = -1) is
+// zeros. A row of an unused tile (e = -1) is written as zeros: silu_and_mul reads the whole buffer.
+// Thread block = one MOE_TILE x MOE_TILE tile of y [RM, N] (blockIdx.x: the tile of rows, blockIdx.y: of
+// columns); thread (ty, tx) computes y[r0 + ty, n0 + tx]. Per step of MOE_TILE values along K the threads
+// load the tile's rows of a and of W_e into shared memory, one value each, then each adds MOE_TILE products:
+// every value loaded is used MOE_TILE times. fp32 accumulation along K in order, one bf16 rounding (the
+// products' own order differs from cuBLASLt's, inside fp32). Preconditions: RM a multiple of MOE_TILE.
+// (Its CPU reference is section 10's linear_reference on each expert's rows: moe_experts_reference, below.)
+__global__ void moe_matmul_kernel(bf16* y, const bf16* a, const int* rows, const int* tile_expert, const bf16* W,
+                                  int N, int K, int gather_k) {
+  __shared__ float as[MOE_TILE][MOE_TILE + 1], ws[MOE_TILE][MOE_TILE + 1];  // + 1: no bank conflicts
+  const int ty = threadIdx.y, tx = threadIdx.x;
+  const int64_t r = (int64_t)blockIdx.x * MOE_TILE + ty;
+  const int n = blockIdx.y * MOE_TILE + tx;         // this thread's column of y
+  const int n_load = blockIdx.y * MOE_TILE + ty;    // the row of W_e it loads
+  const int e = tile_expert[blockIdx.x];
+  if (e < 0) {
+    if (n < N) y[r * N + n] = __float2bfloat16(0.f);
+    return;  // (the whole thread block: e is the tile's)
+  }
+  const int pair = rows[r];
+  const int64_t a_row = pair < 0 ? -1 : gather_k > 0 ? pair / gather_k : r;
+  const bf16* We = W + (int64_t)e * N * K;
+  float acc = 0.f;
+  for (int k0 = 0; k0 < K; k0 += MOE_TILE) {
+    const int kk = k0 + tx;
+    as[ty][tx] = a_row >= 0 && kk < K ? __bfloat162float(a[a_row * K + kk]) : 0.f;
+    ws[ty][tx] = n_load < N && kk < K ? __bfloat162float(We[(int64_t)n_load * K + kk]) : 0.f;
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < MOE_TILE; i++) acc += as[ty][i] * ws[tx][i];
+    __syncthreads();
+  }
+  if (n < N) y[r * N + n] = __float2bfloat16(acc);
+}
+// y [RM, N], a [T or RM, K], W [E, N, K]; rows and tile_expert from moe_align for these RM rows.
+static void moe_matmul(bf16* y, const bf16* a, const int* rows, const int* tile_expert, const bf16* W, int64_t RM,
+                       int N, int K, int gather_k, cudaStream_t stream) {
+  INTERNAL_CHECK(RM % MOE_TILE == 0 && N > 0 && K > 0, "moe_matmul: RM = %lld, N = %d, K = %d", (long long)RM, N, K);
+  if (RM == 0) return;
+  const dim3 grid((unsigned)(RM / MOE_TILE), (unsigned)cdiv(N, MOE_TILE)), block(MOE_TILE, MOE_TILE);
+  moe_matmul_kernel<<<grid, block, 0, stream>>>(y, a, rows, tile_expert, W, N, K, gather_k);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// ---- moe_combine, and the experts' part of a layer on the CPU ----------------------------------------------
+// What moe_experts computes (the layer less its router), on the CPU, with the roundings listed above: out
+// [T, H] from x [T, H], ids and weights [T, k], gate_up [E, 2*IE, H] and down [E, H, IE] (bf16 values as
+// float). Per token, its experts in ascending id, each through section 7's and 10's references.
+static void moe_experts_reference(float* out, const float* x, const int* ids, const float* weights,
+                                  const float* gate_up, const float* down, int T, int H, int IE, int k) {
+  std::vector<float> gu(2 * IE), act(IE), y(H), acc(H);
+  std::vector<int> order(k);
+  for (int t = 0; t < T; t++) {
+    const int* id = ids + (size_t)t * k;
+    for (int j = 0; j < k; j++) order[j] = j;
+    std::sort(order.begin(), order.end(), [&](int a, int b) { return id[a] < id[b]; });
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int j : order) {
+      linear_reference(gu.data(), x + (size_t)t * H, gate_up + (size_t)id[j] * 2 * IE * H, 1, 2 * IE, H);
+      silu_and_mul_reference(act.data(), gu.data(), 1, IE);
+      linear_reference(y.data(), act.data(), down + (size_t)id[j] * H * IE, 1, H, IE);
+      for (int h = 0; h < H; h++) acc[h] = bf16_round(acc[h] + bf16_round(y[h] * weights[(size_t)t * k + j]));
+    }
+    std::copy(acc.begin(), acc.end(), out + (size_t)t * H);
+  }
+}
+
+// Replaces: Qwen3MoeExperts.forward's  current_hidden_states * top_k_weights[...]  and index_add_.
+// Reads y [RM, H] (each pair's expert output, at its row pair_row[p]), ids and weights [T, k]. Writes out
+// [T, H]: out[t] = the bf16 sum, in ascending expert id, of bf16(y[pair_row[t*k + j]] * weights[t*k + j]).
+// Thread block = one token: thread 0 orders its k pairs by expert id (insertion sort, k <= MOE_MAX_TOPK)
+// into shared memory, then each thread takes 16-byte chunks of the row (section 7's convention).
+// Preconditions: H % 8 == 0, pointers 16-byte aligned.
+__global__ void moe_combine_kernel(bf16* out, const bf16* y, const int* ids, const float* weights,
+                                   const int* pair_row, int H, int k) {
+  __shared__ int row[MOE_MAX_TOPK];
+  __shared__ float weight[MOE_MAX_TOPK];
+  const int64_t t = blockIdx.x;
+  if (threadIdx.x == 0) {
+    int expert[MOE_MAX_TOPK];
+    for (int j = 0; j < k; j++) {
+      const int e = ids[t * k + j];
+      int i = j;
+      for (; i > 0 && expert[i - 1] > e; i--) expert[i] = expert[i - 1], row[i] = row[i - 1], weight[i] = weight[i - 1];
+      expert[i] = e, row[i] = pair_row[t * k + j], weight[i] = weights[t * k + j];
+    }
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < k; j++) {
+      float v[8];
+      bf16x8_to_float(reinterpret_cast<const uint4*>(y + (int64_t)row[j] * H)[c], v);
+#pragma unroll
+      for (int i = 0; i < 8; i++) acc[i] = bf16_round(acc[i] + bf16_round(v[i] * weight[j]));
+    }
+    reinterpret_cast<uint4*>(out + t * H)[c] = float_to_bf16x8(acc);
+  }
+}
+static void moe_combine(bf16* out, const bf16* y, const int* ids, const float* weights, const int* pair_row, int T,
+                        int H, int k, cudaStream_t stream) {
+  check_vec8("moe_combine", "H", H);
+  check_aligned16("moe_combine", "out", out);
+  check_aligned16("moe_combine", "y", y);
+  INTERNAL_CHECK(k >= 1 && k <= MOE_MAX_TOPK, "moe_combine: k = %d (1 to %d)", k, MOE_MAX_TOPK);
+  if (T == 0) return;
+  moe_combine_kernel<<<T, row_threads(H / 8, 256), 0, stream>>>(out, y, ids, weights, pair_row, H, k);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// ---- The layer ---------------------------------------------------------------------------------------
+// Activations' moe_* buffers for steps of up to T tokens of model c at tp ranks (ModelRunner, section 11), or
+// null ones for a dense model.
+static void moe_allocate(Activations& a, const ModelConfig& c, int tp, int T) {
+  a.router_logits = nullptr, a.topk_ids = nullptr, a.topk_weights = nullptr, a.moe_rows = nullptr;
+  a.moe_pair_row = nullptr, a.moe_tile_expert = nullptr, a.moe_gate_up = a.moe_act = a.moe_out = nullptr;
+  if (c.num_experts == 0) return;
+  const int E = c.num_experts, k = c.num_experts_per_tok, IE = c.moe_intermediate_size / tp, H = c.hidden_size;
+  const size_t RM = moe_rows_max(T, k, E);
+  auto alloc = [&](auto** p, size_t n) { CUDA_CHECK(cudaMalloc((void**)p, n * sizeof(**p))); };
+  alloc(&a.router_logits, (size_t)T * E);
+  alloc(&a.topk_ids, (size_t)T * k);
+  alloc(&a.topk_weights, (size_t)T * k);
+  alloc(&a.moe_rows, RM);
+  alloc(&a.moe_pair_row, (size_t)T * k);
+  alloc(&a.moe_tile_expert, RM / MOE_TILE);
+  alloc(&a.moe_gate_up, RM * 2 * IE);
+  alloc(&a.moe_act, RM * IE);
+  alloc(&a.moe_out, RM * H);
+}
+
+// The experts' part of a MoE layer, steps 2-4: out [T, H] from x [T, H] and the routing ids, weights [T, k];
+// gate_up [E, 2*IE, H] and down [E, H, IE] (IE: this rank's slice); the scratch is a's moe_* buffers, long
+// enough for moe_rows_max(T, k, E) rows. out may not alias x.
+static void moe_experts(bf16* out, const bf16* x, const int* ids, const float* weights, const bf16* gate_up,
+                        const bf16* down, int T, int H, int IE, int E, int k, const Activations& a,
+                        cudaStream_t stream) {
+  const int64_t RM = moe_rows_max(T, k, E);
+  moe_align(a.moe_rows, a.moe_pair_row, a.moe_tile_expert, ids, T, k, E, stream);
+  moe_matmul(a.moe_gate_up, x, a.moe_rows, a.moe_tile_expert, gate_up, RM, 2 * IE, H, k, stream);
+  silu_and_mul(a.moe_act, a.moe_gate_up, (int)RM, IE, stream);
+  moe_matmul(a.moe_out, a.moe_act, a.moe_rows, a.moe_tile_expert, down, RM, H, IE, 0, stream);
+  moe_combine(out, a.moe_out, ids, weights, a.moe_pair_row, T, H, k, stream);
+}
+
+// A MoE layer's MLP (nano-vllm has none; transformers: Qwen3MoeSparseMoeBlock.forward): out [T, H] from the
+// normed rows x [T, H], this rank's share of a partial sum when tp > 1. Steps 1-4 above.
+static void moe_mlp(bf16* out, const bf16* x, const LayerWeights& lw, const ModelConfig& c, int tp, int T,
+                    Gemm& gemm, const Activations& a, cudaStream_t stream) {
+  const int H = c.hidden_size, E = c.num_experts, k = c.num_experts_per_tok;
+  linear(gemm, a.router_logits, x, lw.router, T, E, H, stream);  // bf16, as transformers' F.linear rounds
+  moe_route(a.topk_ids, a.topk_weights, a.router_logits, T, E, k, c.norm_topk_prob, stream);
+  moe_experts(out, x, a.topk_ids, a.topk_weights, lw.experts_gate_up, lw.experts_down, T, H,
+              c.moe_intermediate_size / tp, E, k, a, stream);
 }
 
 // ==== 11. ModelRunner: step inputs, CUDA graphs ============================================================
@@ -3039,6 +3538,7 @@ struct ModelRunner : StepRunner {
     alloc(&a.act, rows * I);
     alloc(&a.last, (size_t)Bmax * H);
     alloc(&a.logits, (size_t)Bmax * V);
+    moe_allocate(a, mc, tp, (int)rows);  // a MoE layer's lists and products (section 10b); none for a dense model
     a.attn_workspace = nullptr;
     if (g_hooks.attention_workspace_bytes)
       CUDA_CHECK(cudaMalloc(&a.attn_workspace, g_hooks.attention_workspace_bytes(Bmax, NH, config.max_model_len)));
@@ -3677,7 +4177,13 @@ static std::string model_config_to_json(const ModelConfig& m) {
             {"block_quantized", m.block_quantized},
             {"not_quantized", m.not_quantized},
             {"eos_token_ids", m.eos_token_ids},
-            {"generation_config", m.generation_config}};
+            {"generation_config", m.generation_config},
+            {"num_experts", m.num_experts},
+            {"num_experts_per_tok", m.num_experts_per_tok},
+            {"moe_intermediate_size", m.moe_intermediate_size},
+            {"norm_topk_prob", m.norm_topk_prob},
+            {"decoder_sparse_step", m.decoder_sparse_step},
+            {"mlp_only_layers", m.mlp_only_layers}};
   return j.dump();
 }
 static ModelConfig model_config_from_json(const std::string& text) {
@@ -3692,6 +4198,10 @@ static ModelConfig model_config_from_json(const std::string& text) {
   m.block_quantized = j["block_quantized"], m.not_quantized = j["not_quantized"].get<std::vector<std::string>>();
   m.eos_token_ids = j["eos_token_ids"].get<std::vector<int>>();
   m.generation_config = j["generation_config"];
+  m.num_experts = j["num_experts"], m.num_experts_per_tok = j["num_experts_per_tok"];
+  m.moe_intermediate_size = j["moe_intermediate_size"], m.norm_topk_prob = j["norm_topk_prob"];
+  m.decoder_sparse_step = j["decoder_sparse_step"];
+  m.mlp_only_layers = j["mlp_only_layers"].get<std::vector<int>>();
   return m;
 }
 static Config config_from_json(const std::string& text) {
@@ -4125,8 +4635,11 @@ static Optimizations g_opt;  // set by each section's apply (install_optimizatio
 //   attention_prefill  section 8's prefill kernel                        15-16 (flash attention), 31 (fp8)
 //   attention_decode   store_qkv, then section 8's decode kernel         16, then 19 (all in one kernel), 31
 //   matmul_out         h = x @ W^T (after SiLU-and-mul for down), summed over the ranks   18, 29
+//   moe                a MoE layer's MLP: RMSNorm, then section 10b's moe_mlp, summed   (no chapter yet)
 //   all_reduce         NCCL's all-reduce (section 12)                    20 (one crossing of NVLink)
 // and one entry that only a chapter fills: cut (23: where a CUDA graph of a prefill step ends a piece).
+// A MoE layer's MLP is the moe stage alone, so the chapters that replace norm_matmul and matmul_out (the
+// gemv, FP8 weights) change only its attention's products, and what replaces attention applies as it is.
 //
 // The residual stream. Part I adds a sub-layer's output h to the residual stream inside the next RMSNorm
 // (add_rmsnorm). A chapter may add it earlier, where that costs no kernel of its own: in the gemv's
@@ -4154,15 +4667,19 @@ struct Pass {
   int l = 0;               // the layer the pass is in
 };
 
-// Part I's stages: the calls of section 6c, one stage each.
-static void norm_matmul_plain(Pass& p, bf16* y, const bf16* norm_w, const bf16* W, int N) {
+// Part I's stages: the calls of section 6c, one stage each. A sub-layer begins with act.x = RMSNorm(residual),
+// after residual += hidden where p.pending (norm_residual).
+static void norm_residual(Pass& p, const bf16* norm_w) {
   Activations& a = p.m.act;
   const int H = p.m.cfg.hidden_size;
   const float eps = p.m.cfg.rms_norm_eps;
   if (p.pending) add_rmsnorm(a.x, a.residual, a.hidden, norm_w, p.T, H, eps, p.s);
   else rmsnorm(a.x, a.residual, norm_w, p.T, H, eps, p.s);
   p.pending = false;
-  linear(*p.m.gemm, y, a.x, W, p.T, N, H, p.s);
+}
+static void norm_matmul_plain(Pass& p, bf16* y, const bf16* norm_w, const bf16* W, int N) {
+  norm_residual(p, norm_w);
+  linear(*p.m.gemm, y, p.m.act.x, W, p.T, N, p.m.cfg.hidden_size, p.s);
 }
 static bool all_reduce_plain(TPComm* comm, bf16* x, size_t n, cudaStream_t s, bf16*) {
   all_reduce_sum(comm, x, n, s);
@@ -4188,6 +4705,7 @@ static void attention_prefill_plain(Pass& p, int l) {
                     1.0f / sqrtf((float)c.head_dim), p.s);
 }
 static void attention_decode_plain(Pass& p, int l);
+static void moe_plain(Pass& p, const LayerWeights& lw);
 
 // The table. Each entry's comment says what it must compute; the default is Part I's code.
 struct ForwardStages {
@@ -4197,6 +4715,9 @@ struct ForwardStages {
   // A sub-layer's output h [T, H] = x @ W^T (x [T, K]; with gate_up, x is gate_up [T, 2K] and the product is
   // of SiLU(gate) * up), summed over the ranks, then either left in act.hidden (p.pending) or added.
   void (*matmul_out)(Pass& p, const bf16* x, const bf16* W, int K, bool gate_up) = matmul_out_plain;
+  // Layer p.l's MoE MLP (a MoE layer, section 10b): h [T, H] = moe_mlp(RMSNorm(residual)), after residual +=
+  // hidden where p.pending, summed over the ranks, then left in act.hidden (p.pending) or added.
+  void (*moe)(Pass& p, const LayerWeights& lw) = moe_plain;
   // x [n] summed over the ranks. Given `residual`, it may add the sum into residual instead, and says so.
   bool (*all_reduce)(TPComm* comm, bf16* x, size_t n, cudaStream_t s, bf16* residual) = all_reduce_plain;
   // Layer l: q/k-norm and RoPE of act.qkv in place, this step's keys and values into the cache.
@@ -4227,6 +4748,15 @@ static void matmul_out_plain(Pass& p, const bf16* x, const bf16* W, int K, bool 
     x = a.act;
   }
   linear(*p.m.gemm, a.hidden, x, W, p.T, H, K, p.s);
+  p.pending = true;
+  if (p.m.tp > 1 && g_stages.all_reduce(p.m.comm, a.hidden, (size_t)p.T * H, p.s, a.residual)) p.pending = false;
+}
+
+static void moe_plain(Pass& p, const LayerWeights& lw) {
+  Activations& a = p.m.act;
+  const int H = p.m.cfg.hidden_size;
+  norm_residual(p, lw.post_attention_layernorm);
+  moe_mlp(a.hidden, a.x, lw, p.m.cfg, p.m.tp, p.T, *p.m.gemm, a, p.s);
   p.pending = true;
   if (p.m.tp > 1 && g_stages.all_reduce(p.m.comm, a.hidden, (size_t)p.T * H, p.s, a.residual)) p.pending = false;
 }
@@ -4277,6 +4807,10 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
       st.attention_decode(p, l);
     }
     st.matmul_out(p, act.attn, lw.o_proj, NH * D, false);
+    if (cfg.is_moe_layer(l)) {
+      st.moe(p, lw);
+      continue;
+    }
     st.norm_matmul(p, act.gate_up, lw.post_attention_layernorm, lw.gate_up_proj, 2 * I);
     st.matmul_out(p, act.gate_up, lw.down_proj, I, true);
   }
@@ -7916,6 +8450,7 @@ static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs) {
   const int H = c.hidden_size, I = c.intermediate_size, D = c.head_dim, L = c.num_hidden_layers;
   const int NH = c.num_attention_heads, NKV = c.num_key_value_heads, V = c.vocab_size;
   if (model.tp > 1) return pd.off_reason = "tensor parallelism keeps section 14's path", pd;
+  if (c.num_experts > 0) return pd.off_reason = "a MoE model keeps section 14's path (no expert operation)", pd;
   int dev = 0, cc = 0, sms = 0;
   CUDA_CHECK(cudaGetDevice(&dev));
   CUDA_CHECK(cudaDeviceGetAttribute(&cc, cudaDevAttrComputeCapabilityMajor, dev));
@@ -8411,6 +8946,7 @@ static Fp8Weights g_fp8_weights;
 
 // Why this chapter cannot hold model `mc`'s linear weights on this GPU with `tp` ranks, or "" when it can.
 static std::string fp8_weights_problem(const ModelConfig& mc, int tp) {
+  if (mc.num_experts > 0) return "a MoE model's experts have no FP8 products yet";
   char buf[256];
   const int major = gpu_cc_major();
   if (major != 9) {
@@ -9982,13 +10518,13 @@ static const int kLongestFirstRegistered = register_optimization(
 // ##########################################################################################################
 
 // ==== 32. Reading the configuration: config.json, flags and sampling fields ================================
-// defines: parse_model_config, load_model_config, parse_optimizations, optimizations_str,
+// defines: parse_moe_config, parse_model_config, load_model_config, parse_optimizations, optimizations_str,
 //          parse_kv_cache_dtype, parse_quantization_config, parse_quantization, validate_config,
 //          validate_sampling
 //
 // Section 2 says what each setting means; this section reads them from where a user writes them and
 // refuses what the engine cannot run, with a message that names the file, field or flag, what was expected
-// and what was found: config.json (a dense Qwen3 only), --opt and --kv-cache-dtype against what the build's
+// and what was found: config.json (a Qwen3, dense or MoE), --opt and --kv-cache-dtype against what the build's
 // registries hold, the engine settings (Config) and a request's sampling fields (vLLM's ranges).
 
 // A field of config.json that must be there and be a number; the message names the file and field.
@@ -10071,8 +10607,49 @@ static void parse_quantization_config(const json& j, ModelConfig& c, const std::
   }
 }
 
-// Parse config.json text. Refuses anything that is not a dense Qwen3 (MoE, Llama, Qwen2 with qkv bias, rope
-// scaling, sliding windows) with a message that names the field, rather than computing garbage later.
+// A Qwen3MoeForCausalLM config.json's expert fields (section 2 says what each means), with transformers'
+// defaults where Qwen3MoeConfig has one, and the values the engine cannot run refused: each message names the
+// field, what was found and what it must be. router_aux_loss_coef and output_router_logits are training's.
+static void parse_moe_config(const json& j, ModelConfig& c, const std::string& path) {
+  const char* p = path.c_str();
+  c.num_experts = config_int(j, "num_experts", path);
+  c.num_experts_per_tok = config_int(j, "num_experts_per_tok", path);
+  c.moe_intermediate_size = config_int(j, "moe_intermediate_size", path);
+  c.norm_topk_prob = config_bool(j, "norm_topk_prob", false, path);
+  c.decoder_sparse_step = j.contains("decoder_sparse_step") && !j["decoder_sparse_step"].is_null()
+                              ? config_int(j, "decoder_sparse_step", path) : 1;
+  if (c.num_experts < 1)
+    die("%s: num_experts must be at least 1 in a Qwen3MoeForCausalLM config, found %d (a model without experts "
+        "is a dense Qwen3: Qwen3ForCausalLM)", p, c.num_experts);
+  if (c.num_experts > MOE_MAX_EXPERTS)
+    die("%s: num_experts %d is above the %d experts the router kernel holds (section 10b)", p, c.num_experts,
+        MOE_MAX_EXPERTS);
+  if (c.num_experts_per_tok < 1 || c.num_experts_per_tok > c.num_experts)
+    die("%s: num_experts_per_tok must be from 1 to num_experts (%d), found %d", p, c.num_experts,
+        c.num_experts_per_tok);
+  if (c.num_experts_per_tok > MOE_MAX_TOPK)
+    die("%s: num_experts_per_tok %d is above the %d the router kernel picks (section 10b)", p,
+        c.num_experts_per_tok, MOE_MAX_TOPK);
+  if (c.moe_intermediate_size < 1 || c.moe_intermediate_size % 8)
+    die("%s: moe_intermediate_size must be a positive multiple of 8, found %d", p, c.moe_intermediate_size);
+  if (c.decoder_sparse_step < 1)
+    die("%s: decoder_sparse_step must be at least 1 (every that many layers is a MoE layer), found %d", p,
+        c.decoder_sparse_step);
+  c.mlp_only_layers.clear();
+  if (!j.contains("mlp_only_layers") || j["mlp_only_layers"].is_null()) return;
+  const json& dense = j["mlp_only_layers"];
+  if (!dense.is_array())
+    die("%s: field \"mlp_only_layers\" must be a list of layer numbers, found %s", p, dense.dump().c_str());
+  for (const json& l : dense) {
+    if (!l.is_number_integer() || l.get<int64_t>() < 0 || l.get<int64_t>() >= c.num_hidden_layers)
+      die("%s: mlp_only_layers holds %s; its entries are layer numbers from 0 to num_hidden_layers - 1 = %d", p,
+          l.dump().c_str(), c.num_hidden_layers - 1);
+    c.mlp_only_layers.push_back(l.get<int>());
+  }
+}
+
+// Parse config.json text. Refuses anything that is not a Qwen3 (Llama, Qwen2 with qkv bias, rope scaling,
+// sliding windows) with a message that names the field, rather than computing garbage later.
 static ModelConfig parse_model_config(const std::string& text, const std::string& path) {
   json j;
   try {
@@ -10085,9 +10662,9 @@ static ModelConfig parse_model_config(const std::string& text, const std::string
   if (j.contains("architectures") && j["architectures"].is_array() && !j["architectures"].empty() &&
       j["architectures"][0].is_string())
     arch = j["architectures"][0].get<std::string>();
-  if (arch != "Qwen3ForCausalLM")
-    die("%s: architecture %s is not supported; nanovllm runs Qwen3ForCausalLM (dense Qwen3 models only)",
-        path.c_str(), arch.c_str());
+  if (arch != "Qwen3ForCausalLM" && arch != "Qwen3MoeForCausalLM")
+    die("%s: architecture %s is not supported; nanovllm runs Qwen3ForCausalLM and Qwen3MoeForCausalLM (the "
+        "Qwen3 models, dense and mixture-of-experts)", path.c_str(), arch.c_str());
   ModelConfig c;
   c.hidden_size = config_int(j, "hidden_size", path);
   c.intermediate_size = config_int(j, "intermediate_size", path);
@@ -10144,6 +10721,7 @@ static ModelConfig parse_model_config(const std::string& text, const std::string
   if (c.hidden_size % 8 || c.intermediate_size % 8)
     die("%s: hidden_size and intermediate_size must be multiples of 8 (found %d, %d)", path.c_str(),
         c.hidden_size, c.intermediate_size);
+  if (arch == "Qwen3MoeForCausalLM") parse_moe_config(j, c, path);
   return c;
 }
 
@@ -12809,7 +13387,8 @@ static std::vector<Completion> dp_completions(const DPRun& run, const std::vecto
 }
 
 // ==== 43. simulate: the engine without a GPU ===============================================================
-// defines: SimGpu, qwen3_shape, simulated_kv_blocks, step_cost, SimRunner
+// defines: SimGpu, qwen3_shape, model_params, active_params, experts_touched, model_weight_bytes,
+//          step_weight_bytes, simulated_kv_blocks, step_cost, SimRunner
 //
 // `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` runs the real LLMEngine, Scheduler and BlockManager
 // (sections 3-5, 13) with SimRunner below in place of ModelRunner: no GPU, no weights, the same flags,
@@ -12820,10 +13399,13 @@ static std::vector<Completion> dp_completions(const DPRun& run, const std::vecto
 //     probability --simulate-eos-prob a token is EOS instead (decided by the same hash and --seed; never
 //     with ignore_eos), so requests can end early;
 //   * the clock. Each step advances a modelled clock by a roofline of the step (SimGpu): a fixed cost per
-//     step (larger for a step run eagerly than for one replayed from a CUDA graph), plus the bytes it must read (every weight once, the K/V of every token attended) over the
-//     memory bandwidth or its FLOPs over the tensor-core rate, whichever is longer. The rates are what this
-//     engine reaches on an H100 (docs/observability.md); the times are a model, not a
-//     measurement, but they make arrival times, TTFT and TPOT mean something without a GPU.
+//     step (larger for a step run eagerly than for one replayed from a CUDA graph), plus the bytes it must
+//     read (every weight once, of a MoE layer only the experts its tokens are routed to; the K/V of every
+//     token attended) over the memory bandwidth or its FLOPs over the tensor-core rate, whichever is longer.
+//     The rates are what this engine reaches on an H100 (docs/observability.md); the times are a model, not
+//     a measurement, but they make arrival times, TTFT and TPOT mean something without a GPU. (A MoE model's
+//     experts run on Part I's plain products, far below the tensor-core rate in a long prefill: the model
+//     prices them as if they did not.)
 // The KV pool: --num-kvcache-blocks, or --simulate-gpu-memory SIZE (for example 24GB): what is left of SIZE
 // x --gpu-memory-utilization after this shape's weights and an estimate of the activations.
 
@@ -12834,40 +13416,63 @@ struct SimGpu {           // rates this engine reaches on an H100 80GB (docs/obs
   double eager_cost = 3.5e-3;  // s: ... of a step launched kernel by kernel (prefill, mixed, --enforce-eager)
 };
 
-// The Qwen3 dense shapes (REFERENCE.md), for a tokenizer without a config.json: --simulate-model NAME.
+// The Qwen3 shapes (REFERENCE.md sections 5 and 14), for a tokenizer without a config.json: --simulate-model
+// NAME. The two MoE ones have 128 experts, 8 per token, in every layer.
 static bool qwen3_shape(const std::string& name, ModelConfig& c) {
-  struct Shape { const char* name; int H, I, L, NH; bool tied; };
-  static const Shape shapes[] = {{"Qwen3-0.6B", 1024, 3072, 28, 16, true}, {"Qwen3-1.7B", 2048, 6144, 28, 16, true},
-                                 {"Qwen3-4B", 2560, 9728, 36, 32, true},   {"Qwen3-8B", 4096, 12288, 36, 32, false},
-                                 {"Qwen3-14B", 5120, 17408, 40, 40, false}, {"Qwen3-32B", 5120, 25600, 64, 64, false}};
+  struct Shape { const char* name; int H, I, L, NH, NKV; bool tied; int IE; };
+  static const Shape shapes[] = {
+      {"Qwen3-0.6B", 1024, 3072, 28, 16, 8, true, 0},       {"Qwen3-1.7B", 2048, 6144, 28, 16, 8, true, 0},
+      {"Qwen3-4B", 2560, 9728, 36, 32, 8, true, 0},         {"Qwen3-8B", 4096, 12288, 36, 32, 8, false, 0},
+      {"Qwen3-14B", 5120, 17408, 40, 40, 8, false, 0},      {"Qwen3-32B", 5120, 25600, 64, 64, 8, false, 0},
+      {"Qwen3-30B-A3B", 2048, 6144, 48, 32, 4, false, 768}, {"Qwen3-235B-A22B", 4096, 12288, 94, 64, 4, false, 1536}};
   for (const Shape& s : shapes) {
     if (strcasecmp(name.c_str(), s.name) != 0) continue;
     c.hidden_size = s.H, c.intermediate_size = s.I, c.num_hidden_layers = s.L, c.num_attention_heads = s.NH;
-    c.num_key_value_heads = 8, c.head_dim = 128, c.vocab_size = 151936, c.max_position_embeddings = 40960;
+    c.num_key_value_heads = s.NKV, c.head_dim = 128, c.vocab_size = 151936, c.max_position_embeddings = 40960;
     c.tie_word_embeddings = s.tied, c.eos_token_ids = {151645, 151643};
+    if (s.IE) c.num_experts = 128, c.num_experts_per_tok = 8, c.moe_intermediate_size = s.IE, c.norm_topk_prob = true;
     return true;
   }
   return false;
 }
 
-// Parameters of a shape (the embedding counted once when tied) and the bytes a decode step reads of them
-// (every weight but the embedding table, which is only looked up; the tied LM head reads it whole).
-static int64_t model_params(const ModelConfig& c) {
+// Parameters of a shape (the embedding counted once when tied), and those one token computes with
+// (active_params: of a MoE layer, the router and k of its E experts).
+static int64_t model_params(const ModelConfig& c, bool active = false) {
   const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim, V = c.vocab_size;
-  const int64_t layer = H * (c.num_attention_heads + 2 * c.num_key_value_heads) * D +
-                        (int64_t)c.num_attention_heads * D * H + 3 * H * I + 2 * H + 2 * D;
-  return c.num_hidden_layers * layer + V * H * (c.tie_word_embeddings ? 1 : 2) + H;
+  const int64_t attention = H * (c.num_attention_heads + 2 * c.num_key_value_heads) * D +
+                            (int64_t)c.num_attention_heads * D * H + 2 * H + 2 * D;
+  const int64_t experts = active ? c.num_experts_per_tok : c.num_experts, L_moe = c.num_moe_layers();
+  const int64_t moe = c.num_experts * H + experts * 3 * H * c.moe_intermediate_size;
+  return c.num_hidden_layers * attention + (c.num_hidden_layers - L_moe) * 3 * H * I + L_moe * moe +
+         V * H * (c.tie_word_embeddings ? 1 : 2) + H;
+}
+static int64_t active_params(const ModelConfig& c) { return model_params(c, true); }
+// The experts of one MoE layer that a step of n tokens reads, expected under uniform routing: an expert is
+// left out when none of the n tokens picks it, (1 - k/E)^n, so E (1 - ((E - k) / E)^n) are read (61 of
+// Qwen3-30B-A3B's 128 at n = 10, 126 at n = 64).
+static double experts_touched(const ModelConfig& c, double n) {
+  if (c.num_experts == 0) return 0;
+  const double E = c.num_experts, k = c.num_experts_per_tok;
+  return E * (1 - pow((E - k) / E, n));
 }
 // Bytes of the weights a run holds: 2 per parameter, less what a chapter saves on the layers' linear
 // weights when it holds them in fewer bytes (step cost linear_weight_bytes_saved, below) for a block-
 // quantized checkpoint or a --quantization run.
 static double step_cost(const OptimizationSet& set, const std::string& name);
+// A MoE model's weights stay bf16 (the chapter that holds linear weights in fewer bytes stands aside for one).
 static double model_weight_bytes(const ModelConfig& c, const Config& cfg) {
   const double H = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
   const double linears = c.num_hidden_layers * (H * (c.num_attention_heads + 2 * c.num_key_value_heads) * D +
                                                 c.num_attention_heads * D * H + 3 * H * I);
-  const bool quantized = c.block_quantized || !cfg.quantization.empty();
+  const bool quantized = (c.block_quantized || !cfg.quantization.empty()) && c.num_experts == 0;
   return 2.0 * model_params(c) - (quantized ? step_cost(cfg.opt, "linear_weight_bytes_saved") * linears : 0.0);
+}
+// The weight bytes a step of n tokens reads: every weight but the experts no token of the step is routed
+// to (experts_touched).
+static double step_weight_bytes(const ModelConfig& c, const Config& cfg, double n) {
+  const double expert = 2.0 * 3 * c.hidden_size * c.moe_intermediate_size;
+  return model_weight_bytes(c, cfg) - c.num_moe_layers() * (c.num_experts - experts_touched(c, n)) * expert;
 }
 
 // The KV blocks --simulate-gpu-memory leaves (one GPU): what ModelRunner::allocate_kv_cache would find free,
@@ -12882,8 +13487,13 @@ static int64_t simulated_kv_blocks(const ModelConfig& c, const Config& cfg, doub
   const double attention_ws = g_hooks.attention_workspace_bytes
                                   ? (double)g_hooks.attention_workspace_bytes((int)Bmax, (int)NH, cfg.max_model_len)
                                   : 0.0;
-  const double activations = 2.0 * Tmax * (3 * H + (NH + 2 * NKV) * D + NH * D + 3 * I) + 2.0 * Bmax * H +
-                             4.0 * Bmax * V + attention_ws;
+  double activations = 2.0 * Tmax * (3 * H + (NH + 2 * NKV) * D + NH * D + 3 * I) + 2.0 * Bmax * H +
+                       4.0 * Bmax * V + attention_ws;
+  if (c.num_experts > 0) {  // a MoE layer's buffers (ModelRunner::allocate_activations)
+    const int E = c.num_experts, k = c.num_experts_per_tok;
+    const double RM = (double)moe_rows_max(Tmax, k, E);  // logits, ids, weights, pair rows; then the list's
+    activations += (double)Tmax * (2 * E + 12 * k) + RM * (4 + 4.0 / MOE_TILE + 2 * (3 * c.moe_intermediate_size + H));
+  }
   const double fixed = 1.0e9;  // CUDA context, cuBLASLt workspace, graphs, the sampler's workspace
   const double left = gpu_bytes * cfg.gpu_memory_utilization - weights - activations - fixed;
   const int value_bytes = kv_cache_value_bytes(cfg.kv_cache_dtype);
@@ -12946,8 +13556,10 @@ struct SimRunner : StepRunner {
   std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) override {
     // one token's K and V
     const double kv_token = (double)kv_block_bytes(mc, 1, 1, kv_cache_value_bytes(config.kv_cache_dtype));
-    const double params = (double)model_params(mc);
-    double bytes = model_weight_bytes(mc, config), flops = 0;
+    const double params = (double)active_params(mc);  // a token's products: of a MoE layer, k experts
+    int step_tokens = 0;
+    for (const Sequence* s : seqs) step_tokens += s->num_scheduled_tokens;
+    double bytes = step_weight_bytes(mc, config, step_tokens), flops = 0;
     // A one-token row of a prefill (or mixed) step that goes through the prefill attention kernel reads its
     // K/V once per query head rather than once per GQA group (section 16); Part II sends the leading ones (a
     // mixed step's decode rows) through the decode kernel instead (decode_rows_per_kv_group).
@@ -13244,8 +13856,8 @@ static bool run_flag(FlagReader& f, Cli& cli) {
     cli.sim_model = f.value(), cli.sim_model_given = true;
     ModelConfig probe;
     if (!qwen3_shape(cli.sim_model, probe))
-      die("--simulate-model %s: not a known shape; give Qwen3-0.6B, -1.7B, -4B, -8B, -14B or -32B",
-          cli.sim_model.c_str());
+      die("--simulate-model %s: not a known shape; give Qwen3-0.6B, -1.7B, -4B, -8B, -14B, -32B, -30B-A3B or "
+          "-235B-A22B", cli.sim_model.c_str());
   } else if (a == "--simulate-eos-prob") {
     cli.sim_eos_prob = f.as_float(f.value());
     if (!(cli.sim_eos_prob >= 0 && cli.sim_eos_prob <= 1))
@@ -13444,6 +14056,7 @@ static void gpu_warmup_start(const Config& config, const ModelConfig& mc) {
       gemm->plan(M, H, NH * D, CUDA_R_16BF);              // o_proj
       gemm->plan(M, 2 * I, H, CUDA_R_16BF);               // gate_up
       gemm->plan(M, H, I, CUDA_R_16BF);                   // down
+      if (mc.num_experts) gemm->plan(M, mc.num_experts, H, CUDA_R_16BF);  // a MoE layer's router
       gemm->plan(M, V, H, CUDA_R_32F);                    // the LM head's fp32 logits
     }
   });
@@ -13714,10 +14327,12 @@ static int simulate_command(Cli& cli) {
     if (requests.empty()) return finish_empty_shard(cli, shard);
   }
   const std::string shape = has_config ? src + "/config.json" : cli.sim_model;
+  char active[48] = "";  // a MoE model: the parameters one token computes with
+  if (mc.num_experts) snprintf(active, sizeof active, ", %.2f B active", active_params(mc) / 1e9);
   fprintf(stderr,
-          "nanovllm: simulate | shape of %s (%.2f B parameters) | KV cache %s, %d blocks x %d tokens = %lld "
+          "nanovllm: simulate | shape of %s (%.2f B parameters%s) | KV cache %s, %d blocks x %d tokens = %lld "
           "tokens%s | scheduler %s | no GPU: a stand-in model and a modelled clock (section 43)\n",
-          shape.c_str(), model_params(mc) / 1e9, config.kv_cache_dtype.c_str(),
+          shape.c_str(), model_params(mc) / 1e9, active, config.kv_cache_dtype.c_str(),
           config.num_kvcache_blocks, config.kvcache_block_size,
           (long long)config.num_kvcache_blocks * config.kvcache_block_size,
           dp > 1 ? (" per replica, " + std::to_string(dp) + " replicas").c_str() : "",

@@ -19,7 +19,9 @@
 // suite a case belongs to and test_main runs only the cases of g_test_suite, the one asked for.
 #pragma once
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <random>
 #include <sstream>
@@ -121,6 +123,49 @@ static bool check_close(const char* what, const float* got, const float* want, s
     return false;
   }
   return true;
+}
+
+// A folder under /tmp for the files this process's cases write (checkpoints, folders), removed at exit.
+static std::string test_tmpdir() {
+  static struct Dir {
+    std::string path;
+    Dir() {
+      char tmpl[] = "/tmp/nanovllm_test_XXXXXX";
+      path = mkdtemp(tmpl) ? tmpl : "";
+    }
+    ~Dir() {
+      if (!path.empty()) std::filesystem::remove_all(path);
+    }
+  } dir;
+  return dir.path;
+}
+
+// Refusals. The engine's die() (a user's mistake: nanovllm.cu section 1) throws TokDieError while tok_die_throws
+// is set (tokenizer.h): expect_die runs fn and expects a refusal whose message holds every one of `needles`;
+// expect_no_die expects none.
+template <class F>
+static void expect_die(const std::string& what, F fn, const std::vector<std::string>& needles) {
+  tok_die_throws = true;
+  try {
+    fn();
+    CHECK_MSG(false, "%s: expected a refusal, got none", what.c_str());
+  } catch (const TokDieError& e) {
+    const std::string msg = e.what();
+    for (const std::string& n : needles)
+      CHECK_MSG(msg.find(n) != std::string::npos, "%s: message '%s' lacks '%s'", what.c_str(), msg.c_str(),
+                n.c_str());
+  }
+  tok_die_throws = false;
+}
+template <class F>
+static void expect_no_die(const std::string& what, F fn) {
+  tok_die_throws = true;
+  try {
+    fn();
+  } catch (const TokDieError& e) {
+    CHECK_MSG(false, "%s: refused: %s", what.c_str(), e.what());
+  }
+  tok_die_throws = false;
 }
 
 // argv[1]: run only the cases whose name contains it; "=NAME" runs the case named exactly NAME; --list prints

@@ -146,8 +146,9 @@ refuse model_folder_without_weights "no weights in $M|model.safetensors" "$M" "$
 M=$(model badjson) && echo '{"hidden_size": 256,' >"$M/config.json"
 refuse config_not_json "$M/config.json is not valid JSON" "$M" "$PT"
 M=$(model moe --set 'architectures=["Qwen3MoeForCausalLM"]' --set num_experts=128)
-refuse config_moe "architecture Qwen3MoeForCausalLM is not supported|$M/config.json" \
-  "$M" "$PT"
+refuse config_moe_fields_missing "$M/config.json|missing field \"num_experts_per_tok\"" "$M" "$PT"
+M=$(model qwen2moe --set 'architectures=["Qwen2MoeForCausalLM"]')
+refuse config_qwen2_moe "architecture Qwen2MoeForCausalLM is not supported|Qwen3MoeForCausalLM" "$M" "$PT"
 M=$(model llama --set 'architectures=["LlamaForCausalLM"]' --set model_type='"llama"')
 refuse config_llama "architecture LlamaForCausalLM is not supported" "$M" "$PT"
 M=$(model heads --set num_key_value_heads=3)
@@ -183,6 +184,25 @@ M=$(model yarn --set 'rope_scaling={"rope_type": "yarn", "factor": 4.0}')
 refuse config_rope_scaling "rope type \"yarn\" is not supported" "$M" "$PT"
 M=$(model badgen) && echo '{"eos_token_id": [1,' >"$M/generation_config.json"
 refuse generation_config_not_json "$M/generation_config.json is not valid JSON" \
+  "$M" "$PT"
+
+# ---- Qwen3-MoE: the tiny MoE folder (make_tiny_checkpoint.py --moe) and its breaks -----------------------
+# The config fields and the tensors one by one are test/host/test_moe.cu's; here, that the binary refuses each
+# before any GPU work.
+M=$(model moe_good --moe)
+refuse valid_moe_model_reaches_gpu_check "$NOGPU" "$M" "$PT"
+M=$(model moe_missing --moe --break moe_expert_missing)
+refuse moe_expert_missing "checkpoint in $M has no tensor 'model.layers.0.mlp.experts.7.up_proj.weight'|\
+shape [128, 256]" "$M" "$PT"
+M=$(model moe_router --moe --break moe_router_shape)
+refuse moe_router_shape "'model.layers.0.mlp.gate.weight'|$M/model.safetensors|[256, 8]|implies [8, 256]" \
+  "$M" "$PT"
+M=$(model moe_topk --moe --break moe_topk)
+refuse moe_topk "$M/config.json|num_experts_per_tok must be from 1 to num_experts (8), found 9" "$M" "$PT"
+M=$(model moe_zero --moe --set num_experts=0)
+refuse moe_zero_experts "$M/config.json|num_experts must be at least 1|Qwen3ForCausalLM" "$M" "$PT"
+M=$(model moe_layers --moe --set 'mlp_only_layers=[2]')
+refuse moe_mlp_only_layers_out_of_range "$M/config.json|mlp_only_layers holds 2|num_hidden_layers - 1 = 1" \
   "$M" "$PT"
 
 # ---- FP8: config.json's quantization_config and --quantization ----------------------------------------

@@ -64,6 +64,13 @@ for s in nano mixed; do
     2>"$tmp/e_$s"
   check "simulate_${s}_on_a_24GB_card" $? "$(tail -n 3 "$tmp/e_$s")"
 done
+# A MoE shape (Qwen3-30B-A3B): its parameters, the active ones, and a run that finishes.
+"$BIN" simulate "$tmp/tiny/tokenizer.json" "$tmp/w.jsonl" --simulate-model Qwen3-30B-A3B \
+  --simulate-gpu-memory 80GB --output "$tmp/o_moe.jsonl" >/dev/null 2>"$tmp/e_moe"
+rc=$?
+grep -q "shape of Qwen3-30B-A3B (30.53 B parameters, 3.35 B active)" "$tmp/e_moe" && [ "$rc" = 0 ] &&
+  [ "$(grep -c '"summary"' "$tmp/o_moe.jsonl")" = 1 ]
+check simulate_moe_shape $? "rc $rc: $(head -n 2 "$tmp/e_moe")"
 python3 - "$tmp" >"$tmp/py2.txt" 2>&1 <<'PY'
 import json, sys
 d = sys.argv[1]

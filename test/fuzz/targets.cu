@@ -110,6 +110,15 @@ extern "C" int nanovllm_fuzz_config(const uint8_t* data, size_t size) {
   if (c.head_dim != HEAD_DIM) fuzz_fail("head_dim %d accepted", c.head_dim);
   if (c.hidden_size % 8 || c.intermediate_size % 8) fuzz_fail("sizes not multiples of 8 accepted");
   if (!(c.rms_norm_eps > 0) || !std::isfinite(c.rope_theta)) fuzz_fail("bad eps or rope_theta accepted");
+  if (c.num_experts) {  // a Qwen3-MoE config: what the router and the experts' kernels need (section 10b)
+    const int E = c.num_experts, k = c.num_experts_per_tok;
+    if (E < 1 || E > MOE_MAX_EXPERTS || k < 1 || k > E || k > MOE_MAX_TOPK) fuzz_fail("E %d, k %d accepted", E, k);
+    if (c.moe_intermediate_size <= 0 || c.moe_intermediate_size % 8 || c.decoder_sparse_step < 1)
+      fuzz_fail("moe_intermediate_size %d, decoder_sparse_step %d accepted", c.moe_intermediate_size,
+                c.decoder_sparse_step);
+    for (int l : c.mlp_only_layers)
+      if (l < 0 || l >= c.num_hidden_layers) fuzz_fail("mlp_only_layers entry %d accepted", l);
+  }
   // The engine settings checked against it must refuse or accept cleanly too.
   Config cfg;
   fuzz_accepts([&] { validate_config(cfg, c); });

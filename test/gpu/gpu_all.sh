@@ -16,7 +16,7 @@ LOG_DIR=${LOG_DIR:-build/logs}
 mkdir -p "$LOG_DIR/check" "$LOG_DIR/bench"
 if [ -z "$BIN" ]; then
   make nanovllm build/gpu_kernels build/gpu_requests build/gpu_attention build/gpu_gemm build/gpu_e2e build/gpu_tp \
-    build/gpu_persistent \
+    build/gpu_persistent build/gpu_moe \
     >"$LOG_DIR/build.txt" 2>&1 || { tail -n 20 "$LOG_DIR/build.txt"; echo "gpu_all: build failed"; exit 1; }
   mkdir -p build/bin && cp nanovllm build/gpu_* build/bin/ && BIN=build/bin
 fi

@@ -4,7 +4,7 @@
 # torch + transformers on the GPU machine).
 #
 #   bash test/gpu/gpu_check.sh [BIN_DIR]      BIN_DIR holds nanovllm, gpu_kernels, gpu_requests, gpu_attention, gpu_gemm, gpu_e2e,
-#                                         gpu_tp, gpu_persistent
+#                                         gpu_tp, gpu_persistent, gpu_moe
 #                                         (default: . for nanovllm and build/ for the rest)
 # Env: TOKENIZER_DIR (a folder with Qwen3's tokenizer.json; default: tools/fetch_tokenizer.sh),
 #      LOG_DIR (default build/logs), WORK_DIR (checkpoints; default build/e2e), SHAPES (tiny 0.6b 8b-short),
@@ -15,7 +15,8 @@
 #      comparison, default "all none": the default path and --plain), E2E_KV (KV cache dtypes the default
 #      path runs again with, default "fp8"; "" for none), FP8_SHAPES (FP8 checkpoints compared in FP8 and
 #      dequantized, default "tiny-fp8 odd-fp8"; "" for none), E2E_QUANT (the default path again with
-#      --quantization fp8 on SHAPES' first shape, default 1)
+#      --quantization fp8 on SHAPES' first shape, default 1), MOE_SHAPES (Qwen3-MoE checkpoints compared with
+#      the default switches and --plain, default "tiny-moe tiny-moe-nonorm 30b-a3b-short"; "" for none)
 set -uo pipefail
 BIN=${1:-}
 NANOVLLM=${BIN:+$BIN/}nanovllm; [ -n "$BIN" ] || NANOVLLM=./nanovllm
@@ -41,11 +42,13 @@ if [ "${KERNELS:-1}" != 0 ]; then
   suite gpu_attention gpu_attention.txt "$TB/gpu_attention"
   suite gpu_gemm gpu_gemm.txt "$TB/gpu_gemm"
   suite gpu_persistent gpu_persistent.txt "$TB/gpu_persistent"
+  suite gpu_moe gpu_moe.txt "$TB/gpu_moe"
   grep -E 'TIMING|^MEASURED' "$LOG_DIR/gpu_persistent.txt"
   [ "$TP" -gt 1 ] && { suite gpu_tp gpu_tp.txt "$TB/gpu_tp"; grep -E '^ ' "$LOG_DIR/gpu_tp.txt"; }
 fi
 FP8_SHAPES=${FP8_SHAPES-tiny-fp8 odd-fp8}
-python3 test/ref/hf_reference.py "$WORK_DIR" "$TOKENIZER_DIR" $SHAPES $FP8_SHAPES 2>&1 |
+MOE_SHAPES=${MOE_SHAPES-tiny-moe tiny-moe-nonorm 30b-a3b-short}
+python3 test/ref/hf_reference.py "$WORK_DIR" "$TOKENIZER_DIR" $SHAPES $FP8_SHAPES $MOE_SHAPES 2>&1 |
   tee "$LOG_DIR/hf_reference.txt" | grep -v Warning
 printf 'introduce yourself\nlist all prime numbers within 100\n' >"$WORK_DIR/prompts.txt"
 SMOKE=${SHAPES%% *}
@@ -83,6 +86,10 @@ if [ -n "$FP8_SHAPES" ]; then
   for opt in all none; do SHAPES=$FP8_SHAPES run_e2e "fp8-weights-$opt" NANOVLLM_E2E_OPT="$opt"; done
 fi
 [ "${E2E_QUANT:-1}" = 0 ] || SHAPES=${SHAPES%% *} run_e2e quantization-fp8 NANOVLLM_E2E_QUANT=fp8
+# Qwen3-MoE (section 10b): the experts on Part I's path either way; the default switches change attention.
+if [ -n "$MOE_SHAPES" ]; then
+  for opt in all none; do SHAPES=$MOE_SHAPES run_e2e "moe-$opt" NANOVLLM_E2E_OPT="$opt"; done
+fi
 # Data parallelism (sections 41-42) on NANOVLLM_E2E_DP replicas (of TP GPUs each in its --tp case), after
 # gpu_e2e wrote the tolerance its teacher-forcing check reuses.
 DP=${NANOVLLM_E2E_DP:-1}

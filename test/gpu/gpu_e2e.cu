@@ -31,6 +31,11 @@
 // own error as always. NANOVLLM_E2E_KV_SCALES=one uses scale 1.0 (vLLM's default) instead of the weight bounds.
 // An fp8 cache is read by section 15's flash kernels only, so with an NANOVLLM_E2E_OPT that switches
 // flash_attn off (none) the fp8 run is SKIPPED, with the reason, rather than failed or passed.
+// A Qwen3-MoE shape of hf_reference.py (tiny-moe, tiny-moe-nonorm, 30b-a3b-short; gpu_check.sh's MOE_SHAPES)
+// runs the same checks. Its bar for (a) is the bf16 one: transformers' own bf16 error already holds the
+// routing flips its bf16 rounding causes (each moves a token's output by a whole expert's share), and (a)
+// prints, per case, how close the fp32 reference's routing came to a tie and how many (token, layer) pairs
+// transformers' bf16 model routed otherwise, so that a failure can be read against them.
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
 #include "../test.h"
@@ -215,6 +220,10 @@ static void run_shape(const std::string& dir) {
     printf("    (a) %5zu tokens: rel L2 err %.2e (bound %.2e; transformers bf16 %.2e), max abs %.3f, argmax %d vs "
            "ref %d (margin %.3f%s)\n",
            ids.size(), rel, bound, hf, max_abs, arg_got, arg_ref, margin, margin_clear ? "" : ", too close to check");
+    if (cases[i].contains("routing_pairs"))
+      printf("        MoE routing: smallest k-th gap of the fp32 reference %s, transformers' bf16 routed %d of %d "
+             "(token, layer) pairs otherwise\n", cases[i]["router_min_gap"].dump().c_str(),
+             cases[i]["hf_bf16_routing_flips"].get<int>(), cases[i]["routing_pairs"].get<int>());
     CHECK_MSG(rel <= bound, "logits case %zu: rel err %.3e > %.3e", ids.size(), rel, bound);
     if (margin_clear) CHECK_MSG(arg_got == arg_ref, "logits case %zu: argmax %d != %d", ids.size(), arg_got, arg_ref);
     worst_abs = std::max(worst_abs, max_abs);

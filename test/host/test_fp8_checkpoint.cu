@@ -16,34 +16,6 @@
 #include <filesystem>
 #include "../test.h"
 
-// die() throws TokDieError while tok_die_throws is set: run fn and expect a refusal whose message holds
-// every one of `needles`.
-template <class F>
-static void expect_die(const std::string& what, F fn, const std::vector<std::string>& needles) {
-  tok_die_throws = true;
-  try {
-    fn();
-    CHECK_MSG(false, "%s: expected a refusal, got none", what.c_str());
-  } catch (const TokDieError& e) {
-    const std::string msg = e.what();
-    for (const std::string& n : needles)
-      CHECK_MSG(msg.find(n) != std::string::npos, "%s: message '%s' lacks '%s'", what.c_str(), msg.c_str(),
-                n.c_str());
-  }
-  tok_die_throws = false;
-}
-// fn must not refuse.
-template <class F>
-static void expect_no_die(const std::string& what, F fn) {
-  tok_die_throws = true;
-  try {
-    fn();
-  } catch (const TokDieError& e) {
-    CHECK_MSG(false, "%s: refused: %s", what.c_str(), e.what());
-  }
-  tok_die_throws = false;
-}
-
 // Independent of nanovllm.cu: cuda_fp8.h's and cuda_bf16.h's host conversions.
 static float cuda_e4m3_to_float(uint8_t b) {
   return __half2float(__half(__nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)b, __NV_E4M3)));
@@ -561,21 +533,6 @@ static int itemsize(const std::string& dtype) {
   return 1;
 }
 
-// A folder under /tmp for this run's checkpoints, removed at exit.
-static std::string tmpdir() {
-  static struct Dir {
-    std::string path;
-    Dir() {
-      char tmpl[] = "/tmp/nanovllm_fp8_XXXXXX";
-      path = mkdtemp(tmpl) ? tmpl : "";
-    }
-    ~Dir() {
-      if (!path.empty()) std::filesystem::remove_all(path);
-    }
-  } dir;
-  return dir.path;
-}
-
 // Write `dir`/model.safetensors holding `ts`, with random valid values: e4m3 bytes never NaN, scales and
 // bf16 values finite and positive.
 static void write_checkpoint(const std::string& dir, const std::vector<FileTensor>& ts) {
@@ -654,7 +611,7 @@ static const ModelConfig& published_config() {
 
 TEST(checkpoint_valid_with_bf16_or_f32_scales) {
   for (const char* sd : {"BF16", "F32"}) {
-    const std::string dir = tmpdir() + "/valid_" + sd;
+    const std::string dir = test_tmpdir() + "/valid_" + sd;
     write_checkpoint(dir, fp8_tensors(sd));
     expect_no_die(std::string("scales ") + sd, [&] { validate_checkpoint(dir, published_config()); });
   }
@@ -667,7 +624,7 @@ TEST(checkpoint_modules_to_not_convert) {
       tiny_config(R"({"quant_method":"fp8","weight_block_size":[128,128],)"
                   R"("modules_to_not_convert":["down_proj"]})"),
       "config.json");
-  const std::string dir = tmpdir() + "/keep_down";
+  const std::string dir = test_tmpdir() + "/keep_down";
   write_checkpoint(dir, fp8_tensors("F32", {"mlp.down_proj"}));
   expect_no_die("down_proj kept, config names it", [&] { validate_checkpoint(dir, keep); });
   expect_die("down_proj kept, published config", [&] { validate_checkpoint(dir, published_config()); },
@@ -675,7 +632,7 @@ TEST(checkpoint_modules_to_not_convert) {
               "quantization_config (quant_method fp8) makes the layers' linear weights F8_E4M3 unless "
               "modules_to_not_convert names them"});
   // The other way round: the config keeps down_proj in bf16, the files hold it in 8 bits.
-  const std::string dir8 = tmpdir() + "/all_fp8";
+  const std::string dir8 = test_tmpdir() + "/all_fp8";
   write_checkpoint(dir8, fp8_tensors("F32"));
   expect_die("config keeps down_proj, files hold F8_E4M3", [&] { validate_checkpoint(dir8, keep); },
              {"'model.layers.0.mlp.down_proj.weight'", "has dtype F8_E4M3", "nanovllm loads BF16, F16 or F32"});
@@ -689,7 +646,7 @@ TEST(checkpoint_refusals) {
   int n = 0;
   auto refused = [&](const std::string& what, const std::vector<FileTensor>& ts, std::vector<std::string> needles,
                      const ModelConfig& c = published_config()) {
-    const std::string dir = tmpdir() + "/bad" + std::to_string(n++);
+    const std::string dir = test_tmpdir() + "/bad" + std::to_string(n++);
     write_checkpoint(dir, ts);
     for (std::string& s : needles) {
       const size_t at = s.find("$DIR");
@@ -1044,7 +1001,7 @@ TEST(fp8_load_weights_places_bytes_and_scales) {
   if (!why.empty()) SKIP("%s", why.c_str());
   const int64_t H = 256, I = 512, D = 128, NH = 2, NKV = 2, V = 40;
   const std::vector<FileTensor> ts = fp8_tensors("F32", {}, {H, I, NH, NKV});
-  const std::string dir = tmpdir() + "/load";
+  const std::string dir = test_tmpdir() + "/load";
   write_checkpoint(dir, ts);
   ModelConfig mc = published_config();
   mc.hidden_size = (int)H, mc.intermediate_size = (int)I, mc.num_attention_heads = (int)NH;

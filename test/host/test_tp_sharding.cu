@@ -1,7 +1,9 @@
 // Tensor-parallel sharding arithmetic (nanovllm.cu section 2: tp_shard, tp_shard_problem; section 6a:
 // weight_elements; section 6b: kv_block_bytes), for every N from 1 to 8 on every Qwen3 shape of REFERENCE.md
-// section 5. No GPU: these are the numbers load_weights slices the checkpoint by, so a wrong one would load
-// the wrong rows on 4 or 8 GPUs, which no machine here can run.
+// section 5, and the experts of the MoE shapes of its section 14 (each expert's IE split like the dense MLP's
+// I, the router whole on every rank). No GPU: these are the numbers load_weights slices the checkpoint by, so
+// a wrong one would load the wrong rows on 4 or 8 GPUs, which no machine here can run (test/gpu/gpu_moe.cu
+// checks the loader's experts at --tp 1 and as rank 1 of 2 against the file).
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
 #include "../test.h"
@@ -122,6 +124,55 @@ TEST(rank_arenas_sum_to_the_model) {
     }
     if (std::string(s.name) == "Qwen3-8B") CHECK_EQ(params, (int64_t)8190735360);  // the published 8.19 B
   }
+}
+
+// The MoE shapes (section 43's qwen3_shape): which N split them (their 4 KV heads: 1, 2 and 4), each rank's
+// slice of every expert's IE in rank order, and the arenas adding up to the model once, plus what every rank
+// holds whole (the norms and the routers) and the vocabulary padding.
+TEST(moe_experts_split_like_the_dense_mlp) {
+  for (const char* name : {"Qwen3-30B-A3B", "Qwen3-235B-A22B"}) {
+    ModelConfig m;
+    CHECK(qwen3_shape(name, m));
+    for (int n = 1; n <= 8; n++) {
+      const bool want = n == 1 || n == 2 || n == 4;
+      CHECK_MSG(tp_shard_problem(m, n).empty() == want, "%s at N = %d: '%s'", name, n, tp_shard_problem(m, n).c_str());
+    }
+    const int64_t H = m.hidden_size, L = m.num_hidden_layers, E = m.num_experts, IE = m.moe_intermediate_size;
+    const int64_t V = m.vocab_size, D = 128;
+    for (int n : {1, 2, 4}) {
+      int64_t next = 0, sum = 0;
+      for (int r = 0; r < n; r++) {
+        const TPShard s = tp_shard(m, r, n);
+        CHECK_EQ(s.moe_inter0, next);
+        CHECK_EQ(s.moe_inter * n, IE);
+        CHECK(s.moe_inter % 8 == 0);  // silu_and_mul's 16-byte vectors
+        next += s.moe_inter;
+        sum += weight_elements(m, s);
+      }
+      CHECK_EQ(next, IE);
+      const int64_t replicated = (int64_t)(n - 1) * (L * (2 * H + 2 * D + E * H) + H);
+      const int64_t pad = (cdiv(V, n) * n - V) * H * 2;
+      CHECK_MSG(sum == model_params(m) + replicated + pad, "%s N=%d: %lld elements over the ranks, expected %lld",
+                name, n, (long long)sum, (long long)(model_params(m) + replicated + pad));
+    }
+    // Without the layers' four matrices (a chapter that loads them itself), a MoE layer's MLP is still there.
+    const TPShard one = tp_shard(m, 0, 1);
+    CHECK_EQ(weight_elements(m, one) - weight_elements(m, one, false),
+             L * (H * (m.num_attention_heads + 2 * m.num_key_value_heads) * D + m.num_attention_heads * D * H));
+  }
+  // Each rule on its own: moe_intermediate_size that splits into slices that are not multiples of 8 is refused
+  // by name, and a model whose layers are all MoE layers needs no intermediate_size that splits.
+  ModelConfig m;
+  qwen3_shape("Qwen3-30B-A3B", m);
+  m.moe_intermediate_size = 776;  // / 2 = 388, not a multiple of 8
+  CHECK(tp_shard_problem(m, 1).empty());
+  CHECK_MSG(tp_shard_problem(m, 2).find("moe_intermediate_size (776)") != std::string::npos, "%s",
+            tp_shard_problem(m, 2).c_str());
+  qwen3_shape("Qwen3-30B-A3B", m);
+  m.intermediate_size = 6152;  // / 2 = 3076, not a multiple of 8
+  CHECK(tp_shard_problem(m, 2).empty());
+  m.mlp_only_layers = {5};  // now one layer is dense
+  CHECK(tp_shard_problem(m, 2).find("intermediate_size (6152)") != std::string::npos);
 }
 
 int main(int argc, char** argv) { return test_main(argc, argv); }

@@ -11,7 +11,9 @@ linear projection of a layer as F8_E4M3 with X.weight_scale_inv [ceil(out/128), 
 (--set/--del then apply to that config too).
 Shape: the "tiny" of test/ref/hf_reference.py (H 256, I 768, 2 layers, 4 query heads, 2 KV heads, D 128,
 V 151936, tied embeddings). Weights are zeros stored sparsely (the file costs no disk), or with --random
-small random bf16 values (a model the GPU can run; not a model that says anything).
+small random bf16 values (a model the GPU can run; not a model that says anything): a block of 4099 values
+(a prime, so no row or expert repeats another's) repeated, each tensor starting at its own place in it (by
+a hash of its name), so no two tensors, experts or tensor-parallel slices hold the same values.
 --moe writes a Qwen3MoeForCausalLM folder instead (REFERENCE.md section 14), the "tiny-moe" of hf_reference.py:
 the same attention, and config.json's architectures ["Qwen3MoeForCausalLM"], model_type "qwen3_moe", num_experts
 8, num_experts_per_tok 2, moe_intermediate_size 128, norm_topk_prob true, decoder_sparse_step 1, mlp_only_layers
@@ -20,10 +22,10 @@ checkpoints: the router model.layers.N.mlp.gate.weight [num_experts, H] and, per
 model.layers.N.mlp.experts.E.{gate,up}_proj.weight [moe_intermediate_size, H] and down_proj.weight
 [H, moe_intermediate_size] (transformers 5.x packs these at load; the files hold them one by one). --set of
 num_experts, moe_intermediate_size, decoder_sparse_step or mlp_only_layers reshapes the tensors too. The moe_
-breaks below are for the engine's MoE validation to come; cli_errors.sh does not check them yet.
+breaks below are checked by cli_errors.sh and test/host/test_moe.cu.
 --break KIND corrupts the checkpoint in one way; test/cli/cli_errors.sh checks the error each one gives:
 """
-import json, os, random, struct, sys
+import json, os, random, struct, sys, zlib
 
 CONFIG = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=256, intermediate_size=768,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
@@ -183,8 +185,8 @@ def write_safetensors(path, entries, random_values, brk):
         start = f.tell()
         if random_values:
             rng = random.Random(0)
-            block = {True: bf16_block(4096, rng, True), False: bf16_block(4096, rng, False),
-                     "F8_E4M3": fp8_block(4096, rng), "BF16_scale": struct.pack("<H", 0x39A0) * 2048,
+            block = {True: bf16_block(4099, rng, True), False: bf16_block(4099, rng, False),
+                     "F8_E4M3": fp8_block(4099, rng), "BF16_scale": struct.pack("<H", 0x39A0) * 2048,
                      "F32_scale": struct.pack("<f", 3e-4) * 1024}  # scale ~ amax / 448 of N(0, 0.05) weights
             for name, shape, dtype in entries:
                 nbytes = SIZE[dtype]
@@ -192,8 +194,10 @@ def write_safetensors(path, entries, random_values, brk):
                     nbytes *= d
                 key = (dtype + "_scale" if name.endswith("_scale_inv") else dtype if dtype == "F8_E4M3"
                        else name.endswith("norm.weight"))
-                rep = block[key] * (nbytes // len(block[key]) + 1)
-                f.write(rep[:nbytes])
+                b = block[key]
+                start = zlib.crc32(name.encode()) % (len(b) // SIZE[dtype]) * SIZE[dtype]  # this tensor's own
+                rep = (b[start:] + b * (nbytes // len(b) + 1))[:nbytes]
+                f.write(rep)
         f.truncate(start + data_size)  # zeros, stored sparsely
     if brk == "truncated":
         os.truncate(path, (start + data_size) // 2)
