@@ -10858,6 +10858,9 @@ static void validate_config(Config& c, const ModelConfig& m) {
       die("--quantization %s is computed by the optimization %s, which this run switches off (--plain or --opt); "
           "switch it on, or drop --quantization to run the checkpoint as it is", c.quantization.c_str(),
           reg[i].name);
+  if (!c.quantization.empty() && m.num_experts > 0)
+    die("--quantization %s: a MoE model's experts have no FP8 products yet; drop --quantization to run it in bf16",
+        c.quantization.c_str());
   c.eos = m.eos_token_ids;
 }
 
