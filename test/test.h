@@ -26,6 +26,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <unistd.h>
 #include <vector>
 
 #ifndef TEST_SUITE
@@ -138,6 +139,23 @@ static std::string test_tmpdir() {
     }
   } dir;
   return dir.path;
+}
+
+// Writes dir/model.safetensors: the header's length (8 bytes, little-endian), the header (JSON text), then
+// `data`, then `zeros` zero bytes. False (and a failed check) when the file cannot be written.
+static bool write_safetensors_file(const std::string& dir, const std::string& header,
+                                   const std::vector<uint8_t>& data, size_t zeros = 0) {
+  const std::string path = dir + "/model.safetensors";
+  FILE* f = fopen(path.c_str(), "wb");
+  CHECK_MSG(f != nullptr, "cannot write %s", path.c_str());
+  if (!f) return false;
+  const uint64_t len = header.size();
+  fwrite(&len, 8, 1, f);
+  fwrite(header.data(), 1, header.size(), f);
+  if (!data.empty()) fwrite(data.data(), 1, data.size(), f);
+  fclose(f);
+  if (zeros) CHECK(truncate(path.c_str(), 8 + header.size() + data.size() + zeros) == 0);
+  return true;
 }
 
 // Refusals. The engine's die() (a user's mistake: nanovllm.cu section 1) throws TokDieError while tok_die_throws

@@ -555,15 +555,7 @@ static void write_checkpoint(const std::string& dir, const std::vector<FileTenso
     header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {data.size(), data.size() + n}}};
     data.insert(data.end(), b.begin(), b.end());
   }
-  const std::string h = header.dump();
-  FILE* f = fopen((dir + "/model.safetensors").c_str(), "wb");
-  CHECK(f != nullptr);
-  if (!f) return;
-  const uint64_t len = h.size();
-  fwrite(&len, 8, 1, f);
-  fwrite(h.data(), 1, h.size(), f);
-  if (!data.empty()) fwrite(data.data(), 1, data.size(), f);
-  fclose(f);
+  write_safetensors_file(dir, header.dump(), data);
 }
 
 // The tiny config's tensors as an FP8 checkpoint stores them, scales in `scale_dtype`; `keep` names the

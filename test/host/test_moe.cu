@@ -269,15 +269,7 @@ static void write_zeros_checkpoint(const std::string& dir, const std::vector<Ten
     header[t.name] = {{"dtype", dtype}, {"shape", shape}, {"data_offsets", {off, off + n}}};
     off += n;
   }
-  const std::string h = header.dump();
-  FILE* f = fopen((dir + "/model.safetensors").c_str(), "wb");
-  CHECK(f != nullptr);
-  if (!f) return;
-  const uint64_t len = h.size();
-  fwrite(&len, 8, 1, f);
-  fwrite(h.data(), 1, h.size(), f);
-  fclose(f);
-  CHECK(truncate((dir + "/model.safetensors").c_str(), 8 + h.size() + off) == 0);  // zeros: valid scales too
+  write_safetensors_file(dir, header.dump(), {}, off);  // zeros: valid scales too
 }
 
 TEST(moe_checkpoint_refusals_on_written_files) {
