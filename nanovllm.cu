@@ -202,7 +202,8 @@ typedef __nv_bfloat16 bf16;
 
 // ==== 1. Errors and utilities ==============================================================================
 // defines: die, INTERNAL_CHECK, CUDA_CHECK, CUBLAS_CHECK, NCCL_CHECK, g_tp_rank, g_process_label,
-//          now_seconds, cdiv, read_file, is_dir, is_file, splitmix64
+//          now_seconds, cdiv, read_file, is_dir, is_file, splitmix64, bf16_bits_to_float, float_to_bf16_bits,
+//          bf16_round, half_bits_to_float
 //
 // Two kinds of failure, treated differently:
 //   * a user mistake (bad flag, bad file, too-long prompt): die() with what was expected, what was found
@@ -310,6 +311,38 @@ static uint64_t splitmix64(uint64_t x) {
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
   return x ^ (x >> 31);
+}
+
+// bf16 and fp16 values as bit patterns, on the host: the checkpoint's bytes and the CPU references' roundings.
+static float bf16_bits_to_float(uint16_t b) {
+  uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+static uint16_t float_to_bf16_bits(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffff) > 0x7f800000) return 0x7fc0;
+  return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+// A float rounded to the nearest bf16 (ties to even), as PyTorch rounds: the same function on the host (CPU
+// references) and on the GPU (kernels that round an intermediate the way Hugging Face stores it).
+__host__ __device__ inline float bf16_round(float x) { return __bfloat162float(__float2bfloat16(x)); }
+static float half_bits_to_float(uint16_t h) {
+  uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, u;
+  if (exp == 0) {
+    if (mant == 0) u = sign;
+    else {  // subnormal: renormalise
+      int e = -1;
+      do { mant <<= 1; e++; } while (!(mant & 0x400));
+      u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((mant & 0x3ff) << 13);
+    }
+  } else if (exp == 31) u = sign | 0x7f800000 | (mant << 13);
+  else u = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
 }
 
 // ==== 2. Config: the model, the engine's settings, sampling parameters, the optimization switch ============
@@ -1079,7 +1112,7 @@ std::vector<Sequence*> Scheduler::schedule_mixed(bool& is_prefill) {
 }
 
 // ==== 6. The Qwen3 model: weights, the KV cache, the forward pass ==========================================
-// defines: LayerWeights, Weights, bf16_round, WeightLoader, Stored, TensorSpec, checkpoint_tensors,
+// defines: LayerWeights, Weights, WeightLoader, Stored, TensorSpec, checkpoint_tensors,
 //          load_weights, validate_checkpoint, KVLayer, KVCache, kv_block_bytes, Activations, StepInputs,
 //          Qwen3 (forward)
 //
@@ -1132,40 +1165,9 @@ struct Weights {
   std::string held = "bf16";  // how the linear weights are held, for the start-up line
 };
 
-static float bf16_bits_to_float(uint16_t b) {
-  uint32_t u = (uint32_t)b << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-static uint16_t float_to_bf16_bits(float f) {  // round to nearest even, NaN stays NaN
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffff) > 0x7f800000) return 0x7fc0;
-  return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-}
-// A float rounded to the nearest bf16 (ties to even), as PyTorch rounds: the same function on the host (CPU
-// references) and on the GPU (kernels that round an intermediate the way Hugging Face stores it).
-__host__ __device__ inline float bf16_round(float x) { return __bfloat162float(__float2bfloat16(x)); }
-static float half_bits_to_float(uint16_t h) {
-  uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, u;
-  if (exp == 0) {
-    if (mant == 0) u = sign;
-    else {  // subnormal: renormalise
-      int e = -1;
-      do { mant <<= 1; e++; } while (!(mant & 0x400));
-      u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((mant & 0x3ff) << 13);
-    }
-  } else if (exp == 31) u = sign | 0x7f800000 | (mant << 13);
-  else u = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
 // ---- Checkpoints with 8-bit float weights (a storage format, read on the host) ---------------------------
-// defines: block_scales, dequantize_row, quantized_dtype_problem, unquantized_dtype_hint (the bytes' values:
-//          safetensors.h's e4m3_to_float and block_quantized_values)
+// defines: block_scales, dequantize_row
+// (safetensors.h holds what the format itself fixes: the bytes' values and the dtypes its tensors may have.)
 //
 // Qwen publishes each dense Qwen3 also as an FP8 checkpoint (Qwen/Qwen3-8B-FP8 and its siblings): half the
 // bytes. Its config.json says
@@ -1180,9 +1182,8 @@ static float half_bits_to_float(uint16_t h) {
 // partial. The embedding, the norms and lm_head stay bf16, and so does any linear that
 // modules_to_not_convert names.
 //
-// e4m3 (PyTorch's float8_e4m3fn, defined in safetensors.h beside its decoder) has a sign bit, 4 exponent
-// bits and 3 mantissa bits; its largest value is 448 and it has no infinities. A quantizer clamps to +-448,
-// so a NaN byte (0x7F, 0xFF) means a damaged file, and the loader refuses it.
+// e4m3 (PyTorch's float8_e4m3fn: safetensors.h defines it) has no infinities, and a quantizer clamps to
+// +-448, so a NaN byte (0x7F, 0xFF) means a damaged file: the loader refuses it.
 //
 // Part I computes in bf16, so it reads such a checkpoint by dequantizing it while loading:
 //   W = bf16(e4m3_value * scale)     the product in fp32, rounded once to bf16 (ties to even)
@@ -1235,21 +1236,6 @@ static void dequantize_row(uint16_t* out, const uint8_t* w, int64_t n, const flo
           "checkpoint is damaged", t.name.c_str(), t.file.c_str(), w[j], (long long)r,
           (long long)(c + j));
 }
-// What the loader checks of an FP8 checkpoint's tensor (its kind in TensorSpec, below): "" when `t` is what
-// it must be, else what is wrong.
-static std::string quantized_dtype_problem(bool is_scale, DType d) {
-  if (is_scale) return d == DType::BF16 || d == DType::F32 ? "" : "block scales are BF16 or F32";
-  if (d == kBlockQuantizedDType) return "";
-  return std::string("config.json's quantization_config (quant_method ") + kBlockQuantizedMethod +
-         ") makes the layers' linear weights " + dtype_name(kBlockQuantizedDType) +
-         " unless modules_to_not_convert names them";
-}
-static std::string unquantized_dtype_hint(DType d) {
-  if (d != kBlockQuantizedDType) return "";
-  return std::string(", and ") + dtype_name(d) + " only for the layers' linear weights of a checkpoint whose "
-         "config.json has quantization_config with quant_method " + kBlockQuantizedMethod;
-}
-
 // ---- The loader: staging buffers, the list of tensors, the checks ----------------------------------------
 // Copies tensor slices into the GPU arena through two pinned staging buffers, so the CPU fills one while the
 // GPU copy engine drains the other. A slice is rows [r0, r0+nr) and columns [c0, c0+nc) of a 2-D tensor
@@ -4613,7 +4599,7 @@ struct Optimizations {
   bool longest_first = false;      // 31a: an fp8 decode step's rows in order of context length, longest first
   bool persistent = false;         // 24-27: a small-batch decode step in one persistent kernel
   bool fp8_weights = false;        // 28-29: an FP8 checkpoint's linear weights kept in FP8 (--quantization fp8)
-  bool fp8_gemv = false;           // 29: with FP8 weights, batch-1/2 products in a gemv reading e4m3
+  bool fp8_gemv = false;           // 29: with FP8 weights, batch-1/2 products in a tensor-core gemv
 };
 static Optimizations g_opt;  // set by each section's apply (install_optimizations, section 11)
 
@@ -9719,7 +9705,7 @@ static const int kFp8WeightsRegistered = register_optimization(
 // fp8_gemv fills no hook: fp8_weights' stages read g_opt.fp8_gemv.
 static void apply_fp8_gemv(bool on, Hooks&) { g_opt.fp8_gemv = on; }
 static const int kFp8GemvRegistered = register_optimization(
-    {"fp8_gemv", "batch-1/2 products of FP8 weights in a tensor-core gemv with RMSNorm, SiLU and the add fused in "
+    {"fp8_gemv", "batch-1/2 products of FP8 weights in a tensor-core gemv with the residual add fused in "
      "(section 29)", true, apply_fp8_gemv});
 
 // ==== 30. An FP8 KV cache, 1: the format, its scales, the store and prefill's tiles ========================

@@ -87,6 +87,21 @@ static inline const float* block_quantized_values() {
   }();
   return table.data();
 }
+// The dtypes a block-quantized checkpoint's tensors may have (nanovllm.cu's loader checks each tensor's kind
+// with them): "" when a weight (or, is_scale, its block scales) of dtype d is what it must be, else what is
+// wrong; and, for a tensor that must be unquantized, what to add to the list of dtypes it may have.
+static inline std::string quantized_dtype_problem(bool is_scale, DType d) {
+  if (is_scale) return d == DType::BF16 || d == DType::F32 ? "" : "block scales are BF16 or F32";
+  if (d == kBlockQuantizedDType) return "";
+  return std::string("config.json's quantization_config (quant_method ") + kBlockQuantizedMethod +
+         ") makes the layers' linear weights " + dtype_name(kBlockQuantizedDType) +
+         " unless modules_to_not_convert names them";
+}
+static inline std::string unquantized_dtype_hint(DType d) {
+  if (d != kBlockQuantizedDType) return "";
+  return std::string(", and ") + dtype_name(d) + " only for the layers' linear weights of a checkpoint whose "
+         "config.json has quantization_config with quant_method " + kBlockQuantizedMethod;
+}
 
 struct TensorView {
   std::string name;

@@ -243,6 +243,14 @@ static std::vector<uint16_t> fp8_test_weight(int N, int K, uint64_t seed) {
   return w;
 }
 
+// Why this GPU and cuBLASLt cannot run the FP8 weight chapter ("" when they can): fp8_weights_problem for a
+// shape it always takes.
+static std::string fp8_chapter_problem() {
+  ModelConfig shape;
+  shape.hidden_size = shape.intermediate_size = 1024;
+  return fp8_weights_problem(shape, 1);
+}
+
 // A test weight [N, K] (fp8_test_weight) quantized on the GPU by quantize_weight into buffers it owns,
 // poisoned first; m points at them.
 struct QuantizedTestWeight {
@@ -428,10 +436,8 @@ TEST(fp8_linear_matches_reference) {
   if (!have_gpu()) SKIP("no GPU");
   Gemm g;
   g.init();
-  ModelConfig shape;
-  shape.hidden_size = shape.intermediate_size = 1024;
-  const std::string problem = fp8_weights_problem(shape, 1);
-  if (!problem.empty()) SKIP("no block-scaled FP8 products here: %s", problem.c_str());
+  const std::string problem = fp8_chapter_problem();
+  if (!problem.empty()) SKIP("no FP8 weight chapter here: %s", problem.c_str());
   for (auto nk : std::vector<std::pair<int, int>>{{256, 384}, {384, 1024}, {1024, 3072}})
     for (int T : {1, 3, 4, 6, 33, 130}) {
       const int N = nk.first, K = nk.second, T4 = (int)cdiv(T, 4) * 4;
@@ -482,9 +488,7 @@ TEST(fp8_linear_matches_reference) {
 // rounds.
 TEST(fp8_gemv_matches_reference) {
   if (!have_gpu()) SKIP("no GPU");
-  ModelConfig shape;
-  shape.hidden_size = shape.intermediate_size = 1024;
-  const std::string problem = fp8_weights_problem(shape, 1);
+  const std::string problem = fp8_chapter_problem();
   if (!problem.empty()) SKIP("no FP8 weight chapter here: %s", problem.c_str());
   struct Case { int N, K; std::vector<int> Ms; };
   for (const Case& c : std::vector<Case>{{256, 384, {1, 2, 3, 8}}, {384, 1024, {1, 2, 5}}, {1024, 3072, {1, 2, 8}},
@@ -530,9 +534,7 @@ TEST(fp8_gemv_matches_reference) {
 // counts the weight bytes (one a weight). What FP8_GEMV_STEP is set from.
 TIMING(fp8_small_batch_speed) {
   if (!have_gpu()) SKIP("no GPU");
-  ModelConfig shape;
-  shape.hidden_size = shape.intermediate_size = 1024;
-  const std::string problem = fp8_weights_problem(shape, 1);
+  const std::string problem = fp8_chapter_problem();
   if (!problem.empty()) SKIP("no FP8 weight chapter here: %s", problem.c_str());
   Gemm g;
   g.init();
