@@ -212,7 +212,7 @@ if [ "$LADDER" = 1 ]; then
   base=none; case " $names " in *" flash_attn "*) base=none,flash_attn ;; esac
   has() { case " $names " in *" $1 "*) return 0 ;; esac; return 1; }
   for o in $names; do
-    [ "$TP" = 1 ] && [ "$o" = oneshot_allreduce ] && continue  # nothing to do on one GPU
+    [ "$TP" = 1 ] && case $o in oneshot_allreduce|twoshot_allreduce) true ;; *) false ;; esac && continue  # one GPU: nothing to do
     [ "$o" = pdl ] && has gemv && continue                     # measured with gemv, below
     if [ "$o" = flash_attn ]; then rung "+$o" "$NANOVLLM" --opt none,flash_attn
     else rung "+$o" "$NANOVLLM" --opt "$base,$o"; fi

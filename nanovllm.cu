@@ -114,7 +114,7 @@
 //   17. Small-batch gemv, 1: programmatic dependent launch
 //   18. Small-batch gemv, 2: the gemv with its neighbours fused in
 //   19. Decode attention in one kernel: the split-K merge in a cluster, q/k-norm, RoPE, the KV store
-//   20. One-shot all-reduce over NVLink
+//   20. All-reduce over NVLink: one-shot, and two-shot for large messages
 //   21. The fast sampler, 1: the cut by bisection
 //   22. The fast sampler, 2: radix select, rows split over thread blocks
 //   23. Prefill and mixed steps in CUDA graphs, in pieces
@@ -4593,6 +4593,7 @@ struct Optimizations {
   bool cluster_merge = false;      // 19: decode's split-K merge inside a cluster, no merge kernel
   bool fused_rope = false;         // 19: q/k-norm, RoPE and the KV store 8 lanes a head, in decode in attention
   bool oneshot_allreduce = false;  // 20: small all-reduces over NVLink in one crossing, not NCCL's ring
+  bool twoshot_allreduce = false;  // 20b: large ones at N > 2 in two crossings (scatter, gather)
   bool bisect_sampler = false;     // 21: the sampler's cut by bisection, not section 9's sort
   bool fast_sampler = false;       // 22: radix-select top-k/top-p and split rows, not the plain sampler
   bool prefill_graphs = false;     // 23: prefill and mixed steps replay CUDA graphs, attention between pieces
@@ -6414,12 +6415,14 @@ static const int kFusedRopeRegistered = register_optimization(
     {"fused_rope", "q/k-norm, RoPE and the KV store inside decode attention (section 19)", true,
      apply_fused_rope});
 
-// ==== 20. One-shot all-reduce over NVLink ==================================================================
-// defines: OneShot, all_reduce_p2p, all_reduce_fast, oneshot_setup; switch oneshot_allreduce
+// ==== 20. All-reduce over NVLink: one-shot, and two-shot for large messages ===============================
+// defines: OneShot, all_reduce_p2p, all_reduce_2shot, all_reduce_fast, oneshot_setup; switches
+//          oneshot_allreduce, twoshot_allreduce
 //
 // Replaces: section 12's NCCL all-reduce for messages up to ar_max_bytes(N) (decode's), and the residual add
 // that follows it (add_rmsnorm's add, section 7), when every GPU can write every other GPU's memory (NVLink,
-// or PCIe peer-to-peer).
+// or PCIe peer-to-peer); with 20b (twoshot_allreduce), on more than two GPUs, also the larger messages of
+// large decode batches, up to AR_TWOSHOT_MAX_BYTES.
 // Why it is faster: NCCL's ring all-reduce costs 2(N-1) dependent steps plus its own kernel set-up, paid 73
 // times per token for Qwen3-8B; for an 8 KB message that is all latency. The one-shot road (after the
 // "custom all-reduce" of vLLM and TensorRT-LLM): each rank writes its partial sums straight into a staging
@@ -6427,10 +6430,14 @@ static const int kFusedRopeRegistered = register_optimization(
 // flags and no barrier: a staging slot holds a value no partial sum is sent as (bf16 -0.0, see below) until
 // the data lands, so "has it arrived?" is read from the data itself (the Lamport-style all-reduce of
 // TensorRT-LLM). One crossing of NVLink per call, and no release/acquire pair at system scope, which must
-// wait for the thread block's NVLink stores to be acknowledged. Large messages (prefill) stay with NCCL,
-// whose ring moves fewer bytes per GPU. The sum can also land in the residual stream at once (residual +=
-// sum): section 14 uses that instead of a separate add, so at N > 1 the add costs no kernel.
-// Switch: oneshot_allreduce. NANOVLLM_ALLREDUCE=skip (section 12) skips every all-reduce on both roads.
+// wait for the thread block's NVLink stores to be acknowledged. The sum can also land in the residual stream
+// at once (residual += sum): section 14 uses that instead of a separate add, so at N > 1 the add costs no
+// kernel. The one-shot road makes every rank send N-1 copies of its message; past a few hundred KB on four
+// GPUs that is more than NCCL's ring moves (2(N-1)/N of it), and 20b's two-shot road takes over: it moves
+// what the ring moves, in two crossings instead of 2(N-1) steps. The largest messages (prefill) stay with
+// NCCL.
+// Switches: oneshot_allreduce, twoshot_allreduce (20b). NANOVLLM_ALLREDUCE=skip (section 12) skips every
+// all-reduce on every road. Measurements: docs/tensor-parallel.md.
 
 constexpr int AR_THREADS = 512;             // threads of an all-reduce thread block, 16 bytes each a pass
 constexpr int AR_MAX_BLOCKS = 32;           // blocks of one all-reduce: all resident on any sm_80+ GPU
@@ -6439,9 +6446,21 @@ constexpr size_t AR_ONESHOT_MANY_RANKS = 512 << 10;  // ... and at N > 2, where 
                                                      // message: NCCL's ring wins sooner
 constexpr uint16_t AR_EMPTY = 0x8000;       // bf16 -0.0: "not arrived yet" in a staging slot
 static size_t ar_max_bytes(int size) { return size == 2 ? AR_DATA_BYTES : AR_ONESHOT_MANY_RANKS; }
+constexpr size_t AR_TWOSHOT_MAX_BYTES = 8 << 20;  // the largest two-shot message (20b): a decode step of
+                                                  // 512 rows of H = 5120 is 5 MB
 
-// Every rank's staging buffer, as mapped into this process: rank d's is
-//   data [2 halves][size][ar_max_bytes(size)]   data[h][s]: what rank s sent to rank d, or AR_EMPTY
+// Every rank's staging buffer, as mapped into this process, in 16-byte chunks: rank d's is two halves of
+// ar_half_chunks(size) chunks each; a call uses one half, either as the one-shot road lays it out
+//   data [size][ar_max_bytes(size)]        data[s]: what rank s sent to rank d, or AR_EMPTY
+// or as the two-shot road does (20b)
+//   scatter [size][twoshot_part_chunks]    scatter[s]: rank s's partials of the slice rank d sums
+//   gather [AR_TWOSHOT_MAX_BYTES]          the sums of the other ranks' slices, each at its place
+static int64_t ar_oneshot_slot_chunks(int size) { return (int64_t)(ar_max_bytes(size) / 16); }
+static int64_t ar_twoshot_part_chunks(int size) { return cdiv((int64_t)(AR_TWOSHOT_MAX_BYTES / 16), size); }
+static int64_t ar_half_chunks(int size) {  // (at N = 2 both layouts take 16 MB)
+  return std::max(size * ar_oneshot_slot_chunks(size),
+                  size * ar_twoshot_part_chunks(size) + (int64_t)(AR_TWOSHOT_MAX_BYTES / 16));
+}
 struct ARPeers {
   bf16* data[TP_MAX_RANKS];
 };
@@ -6470,7 +6489,8 @@ struct OneShot {
 //      adds, and writes AR_EMPTY back, ready for the next use of the slot.
 // Call k uses half h = k % 2. A rank writes half h again only at call k + 2, after call k + 1 got data from
 // every rank, and each rank sends that only after its own call k has finished, emptied slots included
-// (kernels run in stream order, each waiting for the one before, section 17). So two halves are enough.
+// (kernels run in stream order, each waiting for the one before, section 17). So two halves are enough,
+// whichever road each call takes: at the end of a call every slot the call filled is empty again.
 // The call number lives in device memory and the kernel bumps it itself, so the kernel works eagerly and
 // replayed from any CUDA graph, in any mix, as long as every rank makes the same calls in the same order.
 // Every block keeps its own copy (no block may read a counter another block of the same call updates):
@@ -6501,66 +6521,154 @@ __device__ __forceinline__ uint4 ar_no_negative_zero(uint4 v) {  // -0.0 -> +0.0
   }
   return v;
 }
+// What arrived in slot p: waits until none of its 8 values is AR_EMPTY, then empties it for the next use.
+__device__ __forceinline__ uint4 ar_take(uint4* p) {
+  constexpr uint32_t EMPTY2 = AR_EMPTY * 0x10001u;  // two empty bf16
+  uint4 u;
+  do u = ld_volatile16(p);
+  while (ar_has_empty(u));
+  *p = make_uint4(EMPTY2, EMPTY2, EMPTY2, EMPTY2);
+  return u;
+}
+// Chunk c of the result: sum (8 bf16, the sum over the ranks rounded once) into x, or added into the
+// residual stream.
+__device__ __forceinline__ void ar_store(uint4* xv, uint4* rv, int64_t c, const uint4& sum) {
+  if (!rv) {
+    xv[c] = sum;
+    return;
+  }
+  float s[8], r[8];
+  bf16x8_to_float(sum, s);
+  bf16x8_to_float(rv[c], r);
+#pragma unroll
+  for (int i = 0; i < 8; i++) s[i] += r[i];
+  rv[c] = float_to_bf16x8(s);
+}
+// The call number (1, 2, ...) of this call, as this block's copy holds it; ar_call_done stores it back.
+__device__ __forceinline__ uint64_t ar_call(const uint64_t* epochs) { return epochs[blockIdx.x] + 1; }
+__device__ __forceinline__ void ar_call_done(uint64_t* epochs, uint64_t epoch) {
+  if (threadIdx.x == 0)
+    for (int j = blockIdx.x; j < AR_MAX_BLOCKS; j += gridDim.x) epochs[j] = epoch;
+}
 
 __global__ __launch_bounds__(AR_THREADS) void all_reduce_p2p_kernel(bf16* x, bf16* residual, ARPeers peers,
                                                                     uint64_t* epochs, int64_t chunks,
-                                                                    int64_t slot_chunks, int rank, int size) {
+                                                                    int64_t half_chunks, int64_t slot_chunks,
+                                                                    int rank, int size) {
   pdl_begin();
-  const uint64_t epoch = epochs[blockIdx.x] + 1;
-  const int64_t half = (int64_t)(epoch & 1) * size;
+  const uint64_t epoch = ar_call(epochs);
+  const int64_t half = (int64_t)(epoch & 1) * half_chunks;
   const int64_t first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
   uint4* xv = reinterpret_cast<uint4*>(x);
-  auto slot = [&](int owner, int from) {  // data[half][from] in rank owner's buffer
-    return reinterpret_cast<uint4*>(peers.data[owner]) + (half + from) * slot_chunks;
+  auto slot = [&](int owner, int from) {  // data[from] of this call's half in rank owner's buffer
+    return reinterpret_cast<uint4*>(peers.data[owner]) + half + from * slot_chunks;
   };
   for (int64_t c = first; c < chunks; c += stride) {  // 1. push
     const uint4 v = ar_no_negative_zero(xv[c]);
     for (int r = 0; r < size; r++)
       if (r != rank) slot(r, rank)[c] = v;
   }
-  constexpr uint32_t EMPTY2 = AR_EMPTY * 0x10001u;  // two empty bf16
-  const uint4 empty = make_uint4(EMPTY2, EMPTY2, EMPTY2, EMPTY2);
-  uint4* rv = reinterpret_cast<uint4*>(residual);
   for (int64_t c = first; c < chunks; c += stride) {  // 2. wait, add, empty
     float sum[8] = {}, v[8];
     for (int r = 0; r < size; r++) {
-      uint4 u;
-      if (r == rank) {
-        u = ar_no_negative_zero(xv[c]);
-      } else {
-        uint4* p = slot(rank, r) + c;
-        do u = ld_volatile16(p);
-        while (ar_has_empty(u));
-        *p = empty;
-      }
-      bf16x8_to_float(u, v);
+      bf16x8_to_float(r == rank ? ar_no_negative_zero(xv[c]) : ar_take(slot(rank, r) + c), v);
 #pragma unroll
       for (int i = 0; i < 8; i++) sum[i] += v[i];
     }
-    if (residual) {
-      bf16x8_to_float(rv[c], v);
-#pragma unroll
-      for (int i = 0; i < 8; i++) sum[i] = bf16_round(sum[i]) + v[i];
-      rv[c] = float_to_bf16x8(sum);
-    } else {
-      xv[c] = float_to_bf16x8(sum);
-    }
+    ar_store(xv, reinterpret_cast<uint4*>(residual), c, float_to_bf16x8(sum));
   }
-  if (threadIdx.x == 0)
-    for (int j = blockIdx.x; j < AR_MAX_BLOCKS; j += gridDim.x) epochs[j] = epoch;
+  ar_call_done(epochs, epoch);
 }
 static void all_reduce_p2p(TPComm* comm, bf16* x, bf16* residual, size_t n, cudaStream_t stream) {
   check_vec8("all_reduce_p2p", "n", (int64_t)n);
   check_aligned16("all_reduce_p2p", "x", x);
   if (residual) check_aligned16("all_reduce_p2p", "residual", residual);
-  const size_t slot_bytes = ar_max_bytes(comm->size);
-  INTERNAL_CHECK(n * sizeof(bf16) <= slot_bytes, "all_reduce_p2p: %zu elements exceed the staging buffer", n);
+  INTERNAL_CHECK(n * sizeof(bf16) <= ar_max_bytes(comm->size), "all_reduce_p2p: %zu elements exceed the "
+                 "staging buffer", n);
   if (n == 0) return;
   const int64_t chunks = (int64_t)n / 8;
   const int blocks = (int)std::min<int64_t>(AR_MAX_BLOCKS, cdiv(chunks, AR_THREADS));
-  launch_pdl(all_reduce_p2p_kernel, blocks, AR_THREADS, 0, stream, x, residual, ((OneShot*)comm->fast)->peers,
-             ((OneShot*)comm->fast)->epochs, chunks, (int64_t)(slot_bytes / 16), comm->rank, comm->size);
+  const OneShot* os = (const OneShot*)comm->fast;
+  launch_pdl(all_reduce_p2p_kernel, blocks, AR_THREADS, 0, stream, x, residual, os->peers, os->epochs, chunks,
+             ar_half_chunks(comm->size), ar_oneshot_slot_chunks(comm->size), comm->rank, comm->size);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// ---- 20b. Two-shot: the large messages of more than two GPUs (switch twoshot_allreduce) -----------------
+// Replaces: NCCL's ring for messages over ar_max_bytes(N), up to AR_TWOSHOT_MAX_BYTES, at N > 2 (a decode
+//           step of more than a few dozen rows on four GPUs), and the residual add after it. At N = 2 the
+//           one-shot road takes every message this one could (both move the message once), so there it
+//           runs only with oneshot_allreduce off.
+// Why it is faster: the one-shot road sends (N-1) copies of the whole message from every rank; this road
+// splits the message into N slices and gives rank j slice j to sum, so each rank sends (N-1)/N of the
+// message twice, what NCCL's ring sends, but in two crossings of NVLink (scatter, then gather) where the
+// ring takes 2(N-1) dependent steps, and with no NCCL kernel to set up. The "two-shot" all-reduce of vLLM's
+// and TensorRT-LLM's custom all-reduce, here with the Lamport-style empty mark of the one-shot road, so no
+// barrier between the two shots either.
+// Reads  x [n] bf16 on every rank (that rank's partial sum).
+// Writes what all_reduce_p2p writes, bit for bit: the owner of a slice adds the ranks' partials in fp32 in
+//        rank order 0..N-1, as the one-shot road does, rounds once, and every rank stores that.
+// The message is cut into N slices of part = ceil(chunks / N) 16-byte chunks; rank j owns slice j.
+//   1. scatter: each rank stores chunk c of slice j (j != its own) into scatter[its rank] of rank j;
+//   2. reduce: each rank takes the N-1 partials of its own slice as they land, adds them with its own in
+//      rank order, and stores the sum into gather[c] of every other rank, and into its own output;
+//   3. gather: each rank takes the other slices' sums from its gather region as they land.
+// Step 3 waits for step 2 of other ranks, which waits only for step 1, which waits for nothing: no cycle.
+// The halves are reused as in the one-shot road (a call's slots are all emptied before the call ends).
+// Preconditions: n % 8 == 0, chunks >= N * N (every slice holds chunks), 2n <= AR_TWOSHOT_MAX_BYTES.
+__global__ __launch_bounds__(AR_THREADS) void all_reduce_2shot_kernel(bf16* x, bf16* residual, ARPeers peers,
+                                                                      uint64_t* epochs, int64_t chunks,
+                                                                      int64_t half_chunks, int64_t part_chunks,
+                                                                      int rank, int size) {
+  pdl_begin();
+  const uint64_t epoch = ar_call(epochs);
+  const int64_t half = (int64_t)(epoch & 1) * half_chunks;
+  const int64_t first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  const int64_t part = (chunks + size - 1) / size;
+  uint4* xv = reinterpret_cast<uint4*>(x);
+  uint4* rv = reinterpret_cast<uint4*>(residual);
+  auto scatter = [&](int owner, int from) {  // scatter[from] of this call's half in rank owner's buffer
+    return reinterpret_cast<uint4*>(peers.data[owner]) + half + from * part_chunks;
+  };
+  auto gather = [&](int owner) {  // gather of this call's half in rank owner's buffer
+    return reinterpret_cast<uint4*>(peers.data[owner]) + half + size * part_chunks;
+  };
+  for (int64_t c = first; c < chunks; c += stride) {  // 1. scatter
+    const int j = (int)(c / part);
+    if (j != rank) scatter(j, rank)[c - j * part] = ar_no_negative_zero(xv[c]);
+  }
+  const int64_t lo = rank * part, hi = std::min(chunks, lo + part);
+  for (int64_t c = lo + first; c < hi; c += stride) {  // 2. reduce this rank's slice
+    float sum[8] = {}, v[8];
+    for (int r = 0; r < size; r++) {
+      bf16x8_to_float(r == rank ? ar_no_negative_zero(xv[c]) : ar_take(scatter(rank, r) + (c - lo)), v);
+#pragma unroll
+      for (int i = 0; i < 8; i++) sum[i] += v[i];
+    }
+    const uint4 s = float_to_bf16x8(sum);  // (never -0.0: the sum starts at +0.0 and adds no -0.0)
+    for (int r = 0; r < size; r++)
+      if (r != rank) gather(r)[c] = s;
+    ar_store(xv, rv, c, s);
+  }
+  for (int64_t c = first; c < chunks; c += stride)  // 3. gather the other slices
+    if (c < lo || c >= hi) ar_store(xv, rv, c, ar_take(gather(rank) + c));
+  ar_call_done(epochs, epoch);
+}
+static bool twoshot_fits(const TPComm* comm, size_t n) {
+  return n % 8 == 0 && (int64_t)n / 8 >= (int64_t)comm->size * comm->size &&
+         n * sizeof(bf16) <= AR_TWOSHOT_MAX_BYTES;
+}
+static void all_reduce_2shot(TPComm* comm, bf16* x, bf16* residual, size_t n, cudaStream_t stream) {
+  check_aligned16("all_reduce_2shot", "x", x);
+  if (residual) check_aligned16("all_reduce_2shot", "residual", residual);
+  INTERNAL_CHECK(twoshot_fits(comm, n), "all_reduce_2shot: %zu elements on %d ranks do not fit", n, comm->size);
+  const int64_t chunks = (int64_t)n / 8;
+  const int blocks = (int)std::min<int64_t>(AR_MAX_BLOCKS, cdiv(chunks, AR_THREADS));
+  const OneShot* os = (const OneShot*)comm->fast;
+  launch_pdl(all_reduce_2shot_kernel, blocks, AR_THREADS, 0, stream, x, residual, os->peers, os->epochs, chunks,
+             ar_half_chunks(comm->size), ar_twoshot_part_chunks(comm->size), comm->rank, comm->size);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -6579,14 +6687,18 @@ __global__ void residual_add_kernel(bf16* residual, const bf16* x, int64_t chunk
 
 // The sum of x over the ranks: in place into x, or, with `residual`, added into residual (x then holds this
 // rank's partial still, or the sum: callers must not rely on either). The one-shot road where switched on
-// and the message fits, else NCCL (plus residual_add_kernel). Every rank must make the same calls in the
-// same order; the road depends only on n and on what every rank agreed at start-up, so it is the same
-// everywhere.
+// and the message fits, else the two-shot road where switched on and it fits, else NCCL (plus
+// residual_add_kernel). Every rank must make the same calls in the same order; the road depends only on n
+// and on what every rank agreed at start-up, so it is the same everywhere.
 static void all_reduce_fast(TPComm* comm, bf16* x, size_t n, cudaStream_t stream, bf16* residual) {
   if (comm->skip) return;
   const size_t bytes = n * sizeof(bf16);
   if (g_opt.oneshot_allreduce && comm->fast && n % 8 == 0 && bytes <= ar_max_bytes(comm->size)) {
     all_reduce_p2p(comm, x, residual, n, stream);
+    return;
+  }
+  if (g_opt.twoshot_allreduce && comm->fast && twoshot_fits(comm, n)) {
+    all_reduce_2shot(comm, x, residual, n, stream);
     return;
   }
   all_reduce_sum(comm, x, n, stream);
@@ -6598,7 +6710,7 @@ static void all_reduce_fast(TPComm* comm, bf16* x, size_t n, cudaStream_t stream
   }
 }
 
-// Set up the one-shot all-reduce, once per communicator: map every rank's staging buffer into this process.
+// Set up the staging buffers of both roads, once per communicator: map every rank's buffer into this process.
 // Every step is agreed by all ranks (an all_reduce_min of "it worked here"), so they all take the same road
 // afterwards. Every rank calls it at the same point (ModelRunner's constructor).
 static void oneshot_setup(TPComm* c) {
@@ -6612,7 +6724,7 @@ static void oneshot_setup(TPComm* c) {
   }
   if (!all_reduce_min(c, ok)) return;
   char* buf;
-  const size_t bytes = 2 * c->size * ar_max_bytes(c->size);
+  const size_t bytes = 2 * ar_half_chunks(c->size) * 16;
   CUDA_CHECK(cudaMalloc(&buf, bytes));
   const std::vector<uint16_t> empty(bytes / 2, AR_EMPTY);  // every slot starts empty
   CUDA_CHECK(cudaMemcpy(buf, empty.data(), bytes, cudaMemcpyHostToDevice));
@@ -6643,18 +6755,25 @@ static void oneshot_setup(TPComm* c) {
   if (all_reduce_min(c, ok) == 1) c->fast = os;  // else NCCL alone (the buffers stay: start-up only)
 }
 
-// ---- The stage this section fills, and its switch: oneshot_allreduce ----
-// Section 14's all_reduce: this section's road where the message fits, else NCCL and residual_add_kernel;
-// either way, given the residual stream, the sum goes into it.
-static bool all_reduce_oneshot(TPComm* comm, bf16* x, size_t n, cudaStream_t s, bf16* residual) {
+// ---- The stage this section fills, and its switches: oneshot_allreduce, twoshot_allreduce ----
+// Section 14's all_reduce: the roads switched on where the message fits, else NCCL and residual_add_kernel;
+// either way, given the residual stream, the sum goes into it. Either switch installs it and the set-up.
+static bool all_reduce_nvlink(TPComm* comm, bf16* x, size_t n, cudaStream_t s, bf16* residual) {
   all_reduce_fast(comm, x, n, s, residual);
   return residual != nullptr;
 }
+static void install_nvlink_allreduce(Hooks& h) {
+  stages_for(h).all_reduce = all_reduce_nvlink;
+  if (std::find(h.tp_ready.begin(), h.tp_ready.end(), oneshot_setup) == h.tp_ready.end())
+    h.tp_ready.push_back(oneshot_setup);
+}
 static void apply_oneshot(bool on, Hooks& h) {
   g_opt.oneshot_allreduce = on;
-  if (!on) return;
-  stages_for(h).all_reduce = all_reduce_oneshot;
-  h.tp_ready.push_back(oneshot_setup);
+  if (on) install_nvlink_allreduce(h);
+}
+static void apply_twoshot(bool on, Hooks& h) {
+  g_opt.twoshot_allreduce = on;
+  if (on) install_nvlink_allreduce(h);
 }
 static std::string oneshot_note(const Qwen3& model) {
   return model.tp > 1 && !model.comm->fast ? "oneshot_allreduce: the GPUs cannot reach each other's memory, "
@@ -6663,6 +6782,9 @@ static std::string oneshot_note(const Qwen3& model) {
 }
 static const int kOneshotRegistered = register_optimization(
     {"oneshot_allreduce", "one-shot all-reduce over NVLink (section 20)", true, apply_oneshot, oneshot_note});
+static const int kTwoshotRegistered = register_optimization(
+    {"twoshot_allreduce", "two-shot all-reduce over NVLink for large messages on more than two GPUs (section 20b)",
+     true, apply_twoshot, nullptr});
 
 // ==== 21. The fast sampler, 1: the cut by bisection ========================================================
 // defines: float_order_key, float_from_order_key, min_p_threshold, sample_bisect; switch bisect_sampler

@@ -190,7 +190,7 @@ static void run_shape(const std::string& dir) {
   const bool w8a8_ref = fp8w && e.mc.block_quantized, q8_ref = fp8w && !e.mc.block_quantized;
   const std::string ref_name = w8a8_ref ? "ref_w8a8" : q8_ref ? "ref_q8" : "ref";
   // (a) logits
-  double worst_abs = 0;
+  double worst_abs = 0, worst_hf_abs = 0;
   for (size_t i = 0; i < cases.size(); i++) {
     std::vector<int> ids = cases[i]["ids"];
     Request r;
@@ -227,9 +227,16 @@ static void run_shape(const std::string& dir) {
     CHECK_MSG(rel <= bound, "logits case %zu: rel err %.3e > %.3e", ids.size(), rel, bound);
     if (margin_clear) CHECK_MSG(arg_got == arg_ref, "logits case %zu: argmax %d != %d", ids.size(), arg_got, arg_ref);
     worst_abs = std::max(worst_abs, max_abs);
+    // A MoE model's error jumps where a token's k-th and (k+1)-th experts nearly tie and rounding picks the
+    // other one: whether (a)'s few prompts hit such a tie is luck, and teacher forcing's thousands of
+    // tokens will. transformers' own bf16 run is a second draw of the same rounding, so the tolerance
+    // covers the larger of the two (a dense model's error has no such jumps: ours alone sets it).
+    if (cases[i].contains("routing_pairs"))
+      worst_hf_abs = std::max(worst_hf_abs, cases[i]["hf_bf16_max_abs_err"].get<double>());
   }
-  double tol = 3 * worst_abs;
-  printf("    teacher-forcing tolerance = 3 x worst max-abs logit error of (a) = %.4f\n", tol);
+  double tol = 3 * std::max(worst_abs, worst_hf_abs);
+  printf("    teacher-forcing tolerance = 3 x worst max-abs logit error of (a)%s = %.4f\n",
+         worst_hf_abs > 0 ? " (ours, or transformers' bf16 run's: a MoE model)" : "", tol);
   // (b) and (c)
   std::vector<std::vector<int>> prompts = gen_prompts.get<std::vector<std::vector<int>>>();
   std::vector<int> plens;

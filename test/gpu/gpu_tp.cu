@@ -1,17 +1,19 @@
-// The tensor-parallel data plane on two GPUs (nanovllm.cu sections 12 and 20): all_reduce_fast on both roads (the
-// one-shot NVLink kernel and NCCL), in place and into a residual, against an fp32 reference, eagerly and
-// replayed from CUDA graphs mixed with eager calls, and back to back with the ranks out of step;
-// gather_logits with an odd vocabulary; all_reduce_min; and the latency of one all-reduce at the message
-// sizes of a decode step (the "bench_" case, used for docs/tensor-parallel.md's all-reduce figures).
+// The tensor-parallel data plane on every visible GPU (nanovllm.cu sections 12 and 20): all_reduce_fast on
+// every road (the one-shot and, on more than two GPUs, the two-shot NVLink kernels, and NCCL), in place and
+// into a residual, against an fp32 reference, eagerly and replayed from CUDA graphs mixed with eager calls,
+// and back to back with the ranks out of step; gather_logits with an odd vocabulary; all_reduce_min; and
+// the latency of one all-reduce at the message sizes of a decode step on each road (the "bench_" case,
+// used for docs/tensor-parallel.md's all-reduce figures).
 //
-// Two ranks: main() forks rank 1 before any CUDA call and both processes run every case, so each collective
-// has its partner. Rank 0 prints; rank 1 checks its own results too, silently, and its exit status counts.
-// Fewer than 2 GPUs: every case is skipped.
+// N ranks, one per visible GPU (at most 8; NANOVLLM_TP_RANKS=N for fewer): main() forks ranks 1..N-1 before
+// any CUDA call and every process runs every case, so each collective has its partners. Rank 0 prints; the
+// others check their own results too, silently, and their exit statuses count. Fewer than 2 GPUs: every
+// case is skipped.
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
 #include "../test.h"
 
-static int g_rank = 0, g_gpus = 0;
+static int g_rank = 0, g_gpus = 0, g_ranks = 0;
 static TPComm* g_comm = nullptr;
 
 // Host to device, finished when this returns. A cudaMemcpy from pageable memory may return while its DMA
@@ -31,7 +33,7 @@ static uint16_t value_bits(int rank, size_t i, int salt) {
   return float_to_bf16_bits((float)((int64_t)(h % 4096) - 2048) / 1024.0f);
 }
 
-// Bit for bit, except the sign of a zero: NCCL adds -0.0 + -0.0 into -0.0, the one-shot kernel into +0.0.
+// Bit for bit, except the sign of a zero: NCCL adds -0.0 + -0.0 into -0.0, the NVLink kernels into +0.0.
 static bool same_bits(uint16_t a, uint16_t b) { return a == b || ((a | b) & 0x7fff) == 0; }
 
 // The expected result at element i: bf16(sum over ranks in fp32), or with a residual r,
@@ -65,21 +67,34 @@ static void check_all_reduce(bf16* x, size_t n, int salt, cudaStream_t s, const 
 #define NEED_TWO_GPUS() \
   if (g_gpus < 2) SKIP("needs 2 GPUs, %d visible", g_gpus)
 
-TEST(all_reduce_matches_fp32_sum_on_both_roads) {
+// The roads a test can force: the engine's default (each message on the first road it fits), NCCL alone,
+// and the two-shot road alone (NCCL for what it does not take).
+static const char* force_road(int m) {
+  g_opt.oneshot_allreduce = m == 0;
+  g_opt.twoshot_allreduce = m == 0 || m == 2;
+  return m == 0 ? "auto" : m == 1 ? "nccl" : "two-shot";
+}
+
+TEST(all_reduce_matches_fp32_sum_on_every_road) {
   NEED_TWO_GPUS();
-  printf("    one-shot NVLink all-reduce available: %s\n", g_comm->fast ? "yes" : "no (NCCL only)");
-  const size_t sizes[] = {8, 4096, 4096 * 3, 5120 * 37, 4096 * 512, AR_DATA_BYTES / 2, (size_t)16384 * 4096};
+  printf("    %d ranks; NVLink all-reduce available: %s\n", g_comm->size, g_comm->fast ? "yes" : "no (NCCL only)");
+  // Sizes: tiny; one decode row; uneven slices for the two-shot road (8 (N^2 + 1) and 5120 x 37); the
+  // largest one-shot message at N > 2 and one row past it; 2 MB; the largest two-shot message; and a
+  // prefill step's (NCCL on every road).
+  const size_t N2 = (size_t)g_comm->size * g_comm->size;
+  const size_t sizes[] = {8,         4096,       8 * (N2 + 1),          5120 * 37,
+                          AR_ONESHOT_MANY_RANKS / 2, AR_ONESHOT_MANY_RANKS / 2 + 4096, 4096 * 256,
+                          AR_TWOSHOT_MAX_BYTES / 2, (size_t)16384 * 4096};
   bf16 *x, *residual;
-  CUDA_CHECK(cudaMalloc(&x, sizes[6] * 2));
-  CUDA_CHECK(cudaMalloc(&residual, sizes[6] * 2));
+  CUDA_CHECK(cudaMalloc(&x, sizes[8] * 2));
+  CUDA_CHECK(cudaMalloc(&residual, sizes[8] * 2));
   cudaStream_t s;
   CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   const Optimizations saved = g_opt;
-  for (int m : {0, 1}) {  // 0: the one-shot road where it applies (section 20); 1: NCCL alone (section 12)
-    g_opt.oneshot_allreduce = m == 0;
+  for (int m : {0, 1, 2}) {
+    const char* road = force_road(m);
     for (size_t n : sizes)
-      for (bf16* r : {(bf16*)nullptr, residual})
-        check_all_reduce(x, n, (int)n + m + (r ? 99 : 0), s, m == 0 ? "auto" : "nccl", r);
+      for (bf16* r : {(bf16*)nullptr, residual}) check_all_reduce(x, n, (int)n + m + (r ? 99 : 0), s, road, r);
   }
   g_opt = saved;
   CUDA_CHECK(cudaFree(x));
@@ -90,7 +105,7 @@ TEST(all_reduce_matches_fp32_sum_on_both_roads) {
 // memory, so replays and eager calls can interleave in any order as long as every rank does the same.
 TEST(all_reduce_in_cuda_graphs_mixed_with_eager_calls) {
   NEED_TWO_GPUS();
-  const size_t na = 4096, nb = 4096 * 40;
+  const size_t na = 4096, nb = 4096 * 128;  // one-shot, and (N > 2) two-shot
   bf16 *a, *b, *c;
   CUDA_CHECK(cudaMalloc(&a, na * 2));
   CUDA_CHECK(cudaMalloc(&b, nb * 2));
@@ -128,27 +143,28 @@ TEST(all_reduce_in_cuda_graphs_mixed_with_eager_calls) {
     }
     CHECK_MSG(bad == 0, "replay %d: %zu wrong elements", rep, bad);
     check_all_reduce(c, 4096 * (rep + 1), 300 + rep, s, "eager between replays");
+    check_all_reduce(c, 4096 * 32 * (rep + 1), 400 + rep, s, "eager between replays");
   }
   CUDA_CHECK(cudaGraphExecDestroy(exec));
   CUDA_CHECK(cudaGraphDestroy(graph));
 }
 
-// Holds the GPU for about `us` microseconds: one rank falls behind the other.
+// Holds the GPU for a while: one rank falls behind the others.
 __global__ void spin_kernel(long long cycles) {
   const long long t0 = clock64();
   while (clock64() - t0 < cycles) {
   }
 }
 
-// Many calls back to back with the ranks out of step: before some calls one rank or the other is held up
-// for 5-40 us, so the faster rank runs into its next calls (and reuses its staging halves) while the slower
-// one still works on earlier ones. Sizes change from call to call, so the grid (1 to 32 blocks) and the
-// chunks each block owns change too. Every call has its own buffers, checked after all of them ran: a
+// Many calls back to back with the ranks out of step: before some calls one rank is held up for 5-40 us,
+// so the faster ranks run into their next calls (and reuse their staging halves) while the slower one
+// still works on earlier ones. Sizes change from call to call, so the road (one-shot, two-shot at N > 2),
+// the grid (1 to 32 blocks) and the chunks each block owns change too. Every call has its own buffers, checked after all of them ran: a
 // staging half overwritten too early would show up as a wrong sum. Eagerly, then from a graph, twice.
 TEST(all_reduce_back_to_back_with_ranks_out_of_step) {
   NEED_TWO_GPUS();
   constexpr int CALLS = 48;
-  const size_t sizes[] = {4096, 4096 * 40, 8, 4096 * 3, 4096 * 256, 4096 * 2};
+  const size_t sizes[] = {4096, 4096 * 40, 8, 4096 * 3, 4096 * 256, 4096 * 512};
   int clock_khz = 0;
   CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, g_rank));
   std::vector<bf16*> x(CALLS), res(CALLS);
@@ -160,7 +176,7 @@ TEST(all_reduce_back_to_back_with_ranks_out_of_step) {
   CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   auto calls = [&] {
     for (int i = 0; i < CALLS; i++) {
-      const int slow = (i * 7 / 3) % 3;  // 0: rank 0 waits, 1: rank 1 waits, 2: nobody
+      const int slow = (i * 7 / 3) % (g_comm->size + 1);  // rank `slow` waits (size: nobody)
       if (slow == g_rank) spin_kernel<<<1, 1, 0, s>>>((long long)clock_khz / 1000 * (5 + (i * 13) % 36));
       all_reduce_fast(g_comm, x[i], sizes[i % 6], s, i % 4 == 1 ? res[i] : nullptr);
     }
@@ -281,29 +297,38 @@ static double graph_us_per_call(cudaStream_t s, const std::function<void()>& cal
 }
 
 // Microseconds per all-reduce at the sizes of one decode step of a Qwen3-8B-wide model: B rows of H = 4096
-// bf16, on both roads.
+// bf16, on each road that takes the message ("-" where it does not fit).
 TIMING(bench_all_reduce_latency) {
   NEED_TWO_GPUS();
   cudaStream_t s;
   CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const size_t most = (size_t)512 * 4096;
   bf16 *x, *residual;
-  CUDA_CHECK(cudaMalloc(&x, (size_t)256 * 4096 * 2));
-  CUDA_CHECK(cudaMemset(x, 0, (size_t)256 * 4096 * 2));
-  CUDA_CHECK(cudaMalloc(&residual, (size_t)256 * 4096 * 2));
-  CUDA_CHECK(cudaMemset(residual, 0, (size_t)256 * 4096 * 2));
+  CUDA_CHECK(cudaMalloc(&x, most * 2));
+  CUDA_CHECK(cudaMemset(x, 0, most * 2));
+  CUDA_CHECK(cudaMalloc(&residual, most * 2));
+  CUDA_CHECK(cudaMemset(residual, 0, most * 2));
   const Optimizations saved = g_opt;
-  for (int B : {1, 8, 64, 256}) {
-    double us[2] = {0, 0};
-    for (int road = 0; road < 2; road++) {
-      g_opt.oneshot_allreduce = road == 0;
-      us[road] = graph_us_per_call(s, [&] { all_reduce_fast(g_comm, x, (size_t)B * 4096, s, nullptr); });
+  auto cell = [](bool fits, double us) {
+    char b[32];
+    if (fits) snprintf(b, sizeof b, "%7.2f us", us);
+    else snprintf(b, sizeof b, "%10s", "-");
+    return std::string(b);
+  };
+  for (int B : {1, 8, 32, 64, 128, 256, 512}) {
+    const size_t n = (size_t)B * 4096;
+    const bool one = g_comm->fast && n * 2 <= ar_max_bytes(g_comm->size), two = g_comm->fast && twoshot_fits(g_comm, n);
+    double us[3] = {0, 0, 0};
+    for (int road = 0; road < 3; road++) {  // one-shot alone, two-shot alone, NCCL alone
+      g_opt.oneshot_allreduce = road == 0, g_opt.twoshot_allreduce = road == 1;
+      if ((road == 0 && !one) || (road == 1 && !two)) continue;
+      us[road] = graph_us_per_call(s, [&] { all_reduce_fast(g_comm, x, n, s, nullptr); });
     }
-    g_opt.oneshot_allreduce = true;
-    const double add_us =
-        graph_us_per_call(s, [&] { all_reduce_fast(g_comm, x, (size_t)B * 4096, s, residual); });
-    printf("    all-reduce of %4d x 4096 bf16 (%7d bytes): %s %.2f us (%.2f us into the residual), "
-           "NCCL %.2f us per call (in a CUDA graph)\n",
-           B, B * 4096 * 2, g_comm->fast ? "one-shot" : "auto(NCCL)", us[0], add_us, us[1]);
+    force_road(0);
+    const double add_us = graph_us_per_call(s, [&] { all_reduce_fast(g_comm, x, n, s, residual); });
+    printf("    %d ranks, all-reduce of %3d x 4096 bf16 (%8zu bytes): one-shot %s  two-shot %s  NCCL %7.2f us  "
+           "(default road into the residual %.2f us; in a CUDA graph)\n",
+           g_comm->size, B, n * 2, cell(one, us[0]).c_str(), cell(two, us[1]).c_str(), us[2], add_us);
   }
   g_opt = saved;
   // One decode step's logits gather at batch 1 (Qwen3's vocabulary), also from a graph of 100.
@@ -317,11 +342,27 @@ TIMING(bench_all_reduce_latency) {
   printf("    gather_logits, batch 1, V = %d: %.2f us per call\n", V, us);
 }
 
+// The number of GPUs, counted in a short-lived child: this process must not touch CUDA before it forks.
+static int count_gpus() {
+  pid_t pid = fork();
+  if (pid == 0) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
+    _exit(std::min(n, 100));
+  }
+  int st = 0;
+  if (pid < 0 || waitpid(pid, &st, 0) != pid || !WIFEXITED(st)) return 0;
+  return WEXITSTATUS(st);
+}
+
 int main(int argc, char** argv) {
-  // The engine's default switches, on both ranks, as a ModelRunner installs them (section 11): the one-shot
-  // road where it applies (g_opt is all off until a set is installed).
+  // The engine's default switches, on every rank, as a ModelRunner installs them (section 11): the NVLink
+  // roads where they apply (g_opt is all off until a set is installed).
   install_optimizations(default_optimizations());
   setenv("NCCL_NVLS_ENABLE", "0", 0);
+  g_gpus = count_gpus();
+  g_ranks = std::min(g_gpus, TP_MAX_RANKS);
+  if (const char* e = getenv("NANOVLLM_TP_RANKS")) g_ranks = std::min(g_ranks, atoi(e));
   struct Shared {
     volatile int ready;
     ncclUniqueId id;
@@ -329,16 +370,19 @@ int main(int argc, char** argv) {
   auto* sh = static_cast<Shared*>(mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
                                        -1, 0));
   fflush(stdout);
-  pid_t child = fork();
-  if (child == 0) {
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    g_rank = g_tp_rank = 1;
-    if (!freopen("/dev/null", "w", stdout)) return 1;
-  } else {
-    alarm(300);  // a lost partner would leave a collective waiting forever: fail instead
+  std::vector<pid_t> children;
+  for (int r = 1; r < std::max(g_ranks, 2); r++) {  // (one partner even without GPUs: every case skips)
+    const pid_t pid = fork();
+    if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      g_rank = g_tp_rank = r;
+      if (!freopen("/dev/null", "w", stdout)) return 1;
+      break;
+    }
+    children.push_back(pid);
   }
-  if (cudaGetDeviceCount(&g_gpus) != cudaSuccess) g_gpus = 0;
-  if (g_gpus >= 2) {
+  if (g_rank == 0) alarm(300);  // a lost partner would leave a collective waiting forever: fail instead
+  if (g_ranks >= 2) {
     if (g_rank == 0) {
       CUDA_CHECK(cudaSetDevice(0));
       NCCL_CHECK(ncclGetUniqueId(&sh->id));
@@ -346,16 +390,19 @@ int main(int argc, char** argv) {
     } else {
       while (!__atomic_load_n(&sh->ready, __ATOMIC_ACQUIRE)) usleep(1000);
     }
-    g_comm = tp_comm_init(g_rank, 2, sh->id);
+    g_comm = tp_comm_init(g_rank, g_ranks, sh->id);
     oneshot_setup(g_comm);  // section 20, as ModelRunner does it (the tp_ready hook)
   }
+  g_gpus = g_ranks;  // what the cases use: NEED_TWO_GPUS
   int rc = test_main(argc, argv);
-  if (g_rank == 1) _exit(rc);
-  int st;
-  waitpid(child, &st, 0);
-  if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
-    printf("FAIL rank 1 ended with wait status %d: its checks failed or it crashed (see stderr)\n", st);
-    return 1;
+  if (g_rank != 0) _exit(rc);
+  for (size_t k = 0; k < children.size(); k++) {
+    int st;
+    waitpid(children[k], &st, 0);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+      printf("FAIL rank %zu ended with wait status %d: its checks failed or it crashed (see stderr)\n", k + 1, st);
+      rc = 1;
+    }
   }
   return rc;
 }

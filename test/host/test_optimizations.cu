@@ -28,16 +28,17 @@ static OptimizationSet parsed(const char* spec) {
 }
 static int fields_on(const Optimizations& o) {
   return o.flash_attn + o.longest_first + o.pdl + o.gemv + o.cluster_merge + o.fused_rope + o.oneshot_allreduce +
-         o.bisect_sampler + o.fast_sampler + o.prefill_graphs + o.persistent + o.fp8_weights + o.fp8_gemv;
+         o.twoshot_allreduce + o.bisect_sampler + o.fast_sampler + o.prefill_graphs + o.persistent + o.fp8_weights +
+         o.fp8_gemv;
 }
 
-// Every Part II section registered exactly one name, in file order, with a description naming its section,
+// Every Part II switch is registered exactly once, in file order, with a description naming its section,
 // and switching it on alone sets exactly one field of Optimizations (its own).
 TEST(every_optimization_is_registered_once) {
-  const char* expected[] = {"flash_attn",       "pdl",            "gemv",          "cluster_merge",
-                            "fused_rope",       "oneshot_allreduce", "bisect_sampler", "fast_sampler",
-                            "prefill_graphs",   "persistent",     "fp8_weights",   "fp8_gemv",
-                            "longest_first"};
+  const char* expected[] = {"flash_attn",        "pdl",           "gemv",           "cluster_merge",
+                            "fused_rope",        "oneshot_allreduce", "twoshot_allreduce", "bisect_sampler",
+                            "fast_sampler",      "prefill_graphs", "persistent",     "fp8_weights",
+                            "fp8_gemv",          "longest_first"};
   CHECK_EQ(reg().size(), sizeof expected / sizeof expected[0]);
   CHECK_EQ(sizeof(Optimizations), reg().size() * sizeof(bool));
   for (size_t i = 0; i < reg().size() && i < sizeof expected / sizeof expected[0]; i++) {
@@ -137,8 +138,13 @@ TEST(chapters_fill_their_stages) {
   CHECK(g_stages.attention_decode == fused_attention_decode_stage && g_stages.store_qkv == store_qkv_fast &&
         g_decode_attention == flash_attention_decode<KVBf16>);
   install_optimizations(parsed("none,oneshot_allreduce"));
-  CHECK(g_hooks.forward == forward_fast && g_stages.all_reduce == all_reduce_oneshot &&
-        g_stages.attention_decode == attention_decode_plain);
+  CHECK(g_hooks.forward == forward_fast && g_stages.all_reduce == all_reduce_nvlink &&
+        g_stages.attention_decode == attention_decode_plain && g_hooks.tp_ready.size() == 1);
+  install_optimizations(parsed("none,twoshot_allreduce"));  // alone: the two-shot road, NCCL for the rest
+  CHECK(g_stages.all_reduce == all_reduce_nvlink && g_opt.twoshot_allreduce && !g_opt.oneshot_allreduce &&
+        g_hooks.tp_ready.size() == 1);
+  install_optimizations(parsed("none,oneshot_allreduce,twoshot_allreduce"));  // one set-up for both
+  CHECK(g_hooks.tp_ready.size() == 1 && g_hooks.tp_ready[0] == oneshot_setup);
   install_optimizations(parsed("none,prefill_graphs"));
   CHECK(g_stages.cut == piecewise_cut && g_stages.attention_prefill == attention_prefill_plain);
   install_optimizations(default_optimizations());  // fp8_weights' stages in front, the gemv's behind them
@@ -146,7 +152,7 @@ TEST(chapters_fill_their_stages) {
         g_stages.matmul_out == fp8_matmul_out && g_fp8_weights.matmul_out_bf16 == gemv_matmul_out &&
         g_stages.attention_decode == fused_attention_decode_stage &&
         g_stages.store_qkv == store_qkv_fast &&
-        g_stages.all_reduce == all_reduce_oneshot && g_stages.cut == piecewise_cut &&
+        g_stages.all_reduce == all_reduce_nvlink && g_stages.cut == piecewise_cut &&
         g_stages.attention_prefill == flash_attention_prefill_stage);
 }
 
