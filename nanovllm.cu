@@ -12920,8 +12920,9 @@ static bool tp_shutdown() {
 }
 
 // ==== 41. Data parallelism, 1: N replicas of the engine, one queue =========================================
-// defines: DP_MAX_REPLICAS, RequestQueue, Replica, Wire, put_completion, get_completion, DPMsg, DPShared,
-//          ReplicaLink, dp_send, replica_serve
+// defines: DP_MAX_REPLICAS, PROMPT_TOKENS_PER_OUTPUT_TOKEN, predicted_work, request_work, remaining_work,
+//          RequestQueue, Replica, Wire, put_completion, get_completion, DPMsg, DPShared, ReplicaLink, dp_send,
+//          replica_serve
 //
 // With --data-parallel-size N (vLLM's name; -dp N) a run is N whole engines, each in its own process on its
 // own GPU, or with --tensor-parallel-size T on its own T GPUs (N x T in all). Nothing crosses between the
@@ -12937,13 +12938,18 @@ static bool tp_shutdown() {
 // The queue. Requests are handed out from one queue as each replica has room, not split before the run:
 // an offline batch's completions have lengths nobody knows in advance (a request stops at EOS), so a split
 // made beforehand, even one balanced by tokens, ends with one replica still decoding its long requests while
-// the others idle; pulling gives the last requests to whichever replica frees a place first, so the
-// replicas finish together. Before each step a replica tops its waiting queue up to the places that step
-// has for new sequences (Replica::room), so its scheduler sees what it would see holding the whole batch,
-// and it takes never more than 1/N of the requests left, so the replica ready first cannot take them all.
-// The queue is one counter in shared memory that a replica advances atomically (each replica was forked
-// after the requests were read, so each holds them all); the replicas start pulling together, once each
-// has built its engine. A request's draws do not depend on which replica runs it (Sequence::sampling_seed).
+// the others idle; pulling gives the last requests to whichever replica frees a place first. Before each
+// step a replica tops its waiting queue up to the places that step has for new sequences (Replica::room), so
+// its scheduler sees what it would see holding the whole batch, but it takes no more than its fair share of
+// the work: the work still to do (the queue's and every replica's outstanding work, predicted_work) over N.
+// A cap on the count alone is not enough: when the batch fits in the replicas' places the queue is empty
+// almost at once, and the replicas that pulled first, topping themselves up at each step while everything
+// fits, end up with far more requests than the others and finish well after them, with nothing to even the
+// work out afterwards. Each replica publishes its outstanding work in shared memory after each pull and each
+// step; the queue is one counter in shared memory that a replica advances atomically (each replica was
+// forked after the requests were read, so each holds them all and sums their work itself); the replicas
+// start pulling together, once each has built its engine. A request's draws do not depend on which replica
+// runs it (Sequence::sampling_seed).
 //
 // What comes back. Each replica writes to its own pipe: READY with its start-up line, PROGRESS a few times
 // a second, REQUEST with a request's completions as soon as all are finished (a replica that fails later
@@ -12961,25 +12967,65 @@ static bool tp_shutdown() {
 
 constexpr int DP_MAX_REPLICAS = 64;
 
-// The queue, as each replica sees it (the tests drive it with stand-in engines in one process).
+// The work one completion is predicted to cost, in output tokens: the tokens it still has to generate
+// (max_tokens until it starts: an offline batch's EOS cannot be foreseen) plus its prompt tokens whose K/V
+// is not computed yet, a quarter each. A prompt token is one row of a prefill's matrix products, computed
+// thousands at a time against weights read once; an output token needs a decode step, whose weights only
+// the batch's other rows share and which reads the whole context's K/V for it. So a prompt token costs far
+// less: about a quarter of an output token on the GPUs this engine targets (docs/data-parallel.md has the
+// measurement). The prediction only has to rank the replicas' loads, not time them.
+constexpr int PROMPT_TOKENS_PER_OUTPUT_TOKEN = 4;
+static int64_t predicted_work(int64_t prompt_left, int64_t output_left) {
+  return output_left + prompt_left / PROMPT_TOKENS_PER_OUTPUT_TOKEN;
+}
+// A request's work before it runs: n completions, none started.
+static int64_t request_work(const Request& r) {
+  return r.params.n * predicted_work((int64_t)r.prompt_token_ids.size(), r.params.max_tokens);
+}
+// A sequence's work still to do: none once finished (a preempted one counts its prompt again).
+static int64_t remaining_work(const Sequence& s) {
+  if (s.is_finished()) return 0;
+  return predicted_work(s.num_prompt_tokens - std::min(s.num_cached_tokens, s.num_prompt_tokens),
+                        s.params.max_tokens - s.num_completion_tokens());
+}
+
+// The queue, as each replica sees it (the tests drive it with stand-in engines in one process, where the
+// shared fields point into plain memory).
 struct RequestQueue {
   uint32_t* next = nullptr;                 // shared: the place in `order` of the next request to hand out
+  int64_t* work = nullptr;                  // shared: [replicas] each one's work held (Replica::publish)
   const std::vector<int>* order = nullptr;  // the requests to run (places in the run's list), in input order
   int replicas = 1;
+  std::vector<int64_t> work_before;         // [order size + 1] request_work of order[0..i) summed: count_work
 
-  // Requests for up to `room` sequences (one of n counts n; the first is taken even when it needs more), at
-  // most ceil(left / replicas) of them. Empty once the queue is.
-  std::vector<int> pull(int room, const std::vector<Request>& reqs) {
+  // Every replica sums the requests' work itself, once, before its first pull.
+  void count_work(const std::vector<Request>& reqs) {
+    work_before.assign(order->size() + 1, 0);
+    for (size_t i = 0; i < order->size(); i++)
+      work_before[i + 1] = work_before[i] + request_work(reqs[(*order)[i]]);
+  }
+
+  // Requests for replica `me`, for up to `room` sequences (one of n counts n; the first is taken even when it
+  // needs more), while its outstanding work and what it has taken so far stay below a fair share: the work
+  // left (the queue's, every replica's outstanding) over the replicas, as the pull starts. So it takes at
+  // most its share plus one request; a replica holding nothing always gets one if any is left; and one
+  // replica alone takes all that fits, as an engine handed the whole batch would. Empty once the queue is.
+  std::vector<int> pull(int me, int room, const std::vector<Request>& reqs) {
+    INTERNAL_CHECK(work_before.size() == order->size() + 1, "RequestQueue::pull before count_work");
     std::vector<int> got;
     const uint32_t size = (uint32_t)order->size();
     const uint32_t at = std::min(__atomic_load_n(next, __ATOMIC_RELAXED), size);
-    const uint32_t share = (size - at + replicas - 1) / replicas;
-    while (room > 0 && got.size() < share) {
+    int64_t left = work_before[size] - work_before[at];
+    for (int k = 0; k < replicas; k++) left += __atomic_load_n(&work[k], __ATOMIC_RELAXED);
+    const int64_t fair = left / replicas, own = __atomic_load_n(&work[me], __ATOMIC_RELAXED);
+    int64_t taken = 0;
+    while (room > 0 && (own + taken < fair || (own == 0 && got.empty()))) {
       const uint32_t i = __atomic_fetch_add(next, 1u, __ATOMIC_RELAXED);
       if (i >= size) break;
       const int r = (*order)[i];
       got.push_back(r);
       room -= reqs[r].params.n;
+      taken += work_before[i + 1] - work_before[i];
     }
     return got;
   }
@@ -12990,6 +13036,7 @@ struct Replica {
   LLMEngine& engine;
   RequestQueue& queue;
   const std::vector<Request>& reqs;
+  int index;  // which replica: its place in queue.work
   struct Held {
     int request;       // its place in reqs
     size_t first_seq;  // its first sequence in engine.seqs (the others follow)
@@ -12997,12 +13044,13 @@ struct Replica {
   std::vector<Held> held;  // pulled and not handed back yet, in pull order
   int64_t pulled = 0, steps = 0;
 
-  Replica(LLMEngine& e, RequestQueue& q, const std::vector<Request>& r) : engine(e), queue(q), reqs(r) {}
+  Replica(LLMEngine& e, RequestQueue& q, const std::vector<Request>& r, int k)
+      : engine(e), queue(q), reqs(r), index(k) {}
 
   // Places the next step has for new sequences: under vLLM V1's scheduler max_num_seqs caps the running
   // sequences; under nano-vllm's it caps each step's, and any number may run (the KV pool decides), so
-  // there a replica soon holds all its pool can, and the queue balances the end of the run no better than
-  // a split made beforehand would.
+  // there the room alone would let a replica take all its pool can hold: its share of the work
+  // (RequestQueue::pull) is what leaves the rest to the others.
   int room() const {
     const Scheduler& s = engine.scheduler;
     return engine.config.max_num_seqs - (s.mixed ? (int)s.running.size() : 0);
@@ -13012,17 +13060,28 @@ struct Replica {
   // nothing to run: the queue is empty and every request this replica took is finished.
   bool turn() {
     Scheduler& s = engine.scheduler;
-    if ((int)s.waiting.size() < room() && engine.arriving.empty())
-      for (int r : queue.pull(room() - (int)s.waiting.size(), reqs)) {
+    if ((int)s.waiting.size() < room() && engine.arriving.empty()) {
+      for (int r : queue.pull(index, room() - (int)s.waiting.size(), reqs)) {
         held.push_back({r, engine.seqs.size()});
         engine.add_request(reqs[r], reqs[r].index >= 0 ? reqs[r].index : r);
         pulled++;
       }
+      publish();
+    }
     engine.admit_arrivals();
     if (s.is_finished()) return false;
     engine.step();
     steps++;
+    publish();
     return true;
+  }
+
+  // Its outstanding work, for the others' pulls: remaining_work over the sequences it holds.
+  void publish() {
+    int64_t w = 0;
+    for (const Held& h : held)
+      for (int k = 0; k < reqs[h.request].params.n; k++) w += remaining_work(*engine.seqs[h.first_seq + k]);
+    __atomic_store_n(&queue.work[index], w, __ATOMIC_RELAXED);
   }
 
   // give(request, its completions) for each held request whose completions are all finished (every held
@@ -13118,6 +13177,7 @@ struct DPShared {  // in a MAP_SHARED | MAP_ANONYMOUS mapping made before the fo
   uint32_t next;   // the queue (RequestQueue::next)
   uint32_t go;     // 1 once every replica is ready: start pulling
   uint32_t stop;   // 1 after the first Ctrl-C: stop after the step in flight
+  int64_t work[DP_MAX_REPLICAS];  // each replica's outstanding work (RequestQueue::work)
 };
 
 // What a replica's body gets: who it is, its pipe to the coordinator, the queue.
@@ -13158,8 +13218,9 @@ static void replica_serve(ReplicaLink& link, LLMEngine& engine, RunWatcher& watc
   Wire ready;
   ready.put(ready_line), ready.put(notes), ready.put(kv_blocks);
   dp_send(link.fd, DPMsg::READY, ready);
+  link.queue.count_work(reqs);
   while (!__atomic_load_n(&link.shared->go, __ATOMIC_ACQUIRE)) usleep(1000);
-  Replica rep(engine, link.queue, reqs);
+  Replica rep(engine, link.queue, reqs, link.replica);
   auto give = [&](int r, const std::vector<Completion>& outs) {
     Wire w;
     w.put(r), w.put<uint32_t>((uint32_t)outs.size());
@@ -13284,7 +13345,8 @@ static std::vector<int> dp_fork_replicas(int n, const std::vector<int>& order, D
       if (!gpus.empty()) setenv("CUDA_VISIBLE_DEVICES", gpus[k].c_str(), 1);
       ReplicaLink link;
       link.replica = k, link.fd = write_fds[k], link.shared = shared;
-      link.queue.next = &shared->next, link.queue.order = &order, link.queue.replicas = n;
+      link.queue.next = &shared->next, link.queue.work = shared->work, link.queue.order = &order;
+      link.queue.replicas = n;
       const int rc = body(link);
       fflush(stderr);
       exit(rc);
