@@ -6421,8 +6421,8 @@ static const int kFusedRopeRegistered = register_optimization(
 //
 // Replaces: section 12's NCCL all-reduce for messages up to ar_max_bytes(N) (decode's), and the residual add
 // that follows it (add_rmsnorm's add, section 7), when every GPU can write every other GPU's memory (NVLink,
-// or PCIe peer-to-peer); with 20b (twoshot_allreduce), on more than two GPUs, also the larger messages of
-// large decode batches, up to AR_TWOSHOT_MAX_BYTES.
+// or PCIe peer-to-peer); with 20b (twoshot_allreduce) also the larger messages of large decode batches, up
+// to AR_TWOSHOT_MAX_BYTES.
 // Why it is faster: NCCL's ring all-reduce costs 2(N-1) dependent steps plus its own kernel set-up, paid 73
 // times per token for Qwen3-8B; for an 8 KB message that is all latency. The one-shot road (after the
 // "custom all-reduce" of vLLM and TensorRT-LLM): each rank writes its partial sums straight into a staging
@@ -6432,18 +6432,19 @@ static const int kFusedRopeRegistered = register_optimization(
 // TensorRT-LLM). One crossing of NVLink per call, and no release/acquire pair at system scope, which must
 // wait for the thread block's NVLink stores to be acknowledged. The sum can also land in the residual stream
 // at once (residual += sum): section 14 uses that instead of a separate add, so at N > 1 the add costs no
-// kernel. The one-shot road makes every rank send N-1 copies of its message; past a few hundred KB on four
-// GPUs that is more than NCCL's ring moves (2(N-1)/N of it), and 20b's two-shot road takes over: it moves
-// what the ring moves, in two crossings instead of 2(N-1) steps. The largest messages (prefill) stay with
-// NCCL.
+// kernel. The one-shot road makes every rank send N-1 copies of its message and add up all N of them; past
+// a few hundred KB on four GPUs that is more than NCCL's ring moves (2(N-1)/N of it), and past a MB on two
+// the adding shows, and 20b's two-shot road takes over: it moves what the ring moves, in two crossings
+// instead of 2(N-1) steps, and each rank adds up 1/N of the message. The largest messages (prefill) stay
+// with NCCL.
 // Switches: oneshot_allreduce, twoshot_allreduce (20b). NANOVLLM_ALLREDUCE=skip (section 12) skips every
 // all-reduce on every road. Measurements: docs/tensor-parallel.md.
 
 constexpr int AR_THREADS = 512;             // threads of an all-reduce thread block, 16 bytes each a pass
 constexpr int AR_MAX_BLOCKS = 32;           // blocks of one all-reduce: all resident on any sm_80+ GPU
-constexpr size_t AR_DATA_BYTES = 8 << 20;   // the largest one-shot message at N = 2 (decode: B * H * 2)
+constexpr size_t AR_DATA_BYTES = 1 << 20;   // the largest one-shot message at N = 2 (decode: B * H * 2)
 constexpr size_t AR_ONESHOT_MANY_RANKS = 512 << 10;  // ... and at N > 2, where every rank writes (N-1)x the
-                                                     // message: NCCL's ring wins sooner
+                                                     // message: the two-shot road wins sooner
 constexpr uint16_t AR_EMPTY = 0x8000;       // bf16 -0.0: "not arrived yet" in a staging slot
 static size_t ar_max_bytes(int size) { return size == 2 ? AR_DATA_BYTES : AR_ONESHOT_MANY_RANKS; }
 constexpr size_t AR_TWOSHOT_MAX_BYTES = 8 << 20;  // the largest two-shot message (20b): a decode step of
@@ -6595,17 +6596,17 @@ static void all_reduce_p2p(TPComm* comm, bf16* x, bf16* residual, size_t n, cuda
   CUDA_CHECK(cudaGetLastError());
 }
 
-// ---- 20b. Two-shot: the large messages of more than two GPUs (switch twoshot_allreduce) -----------------
-// Replaces: NCCL's ring for messages over ar_max_bytes(N), up to AR_TWOSHOT_MAX_BYTES, at N > 2 (a decode
-//           step of more than a few dozen rows on four GPUs), and the residual add after it. At N = 2 the
-//           one-shot road takes every message this one could (both move the message once), so there it
-//           runs only with oneshot_allreduce off.
-// Why it is faster: the one-shot road sends (N-1) copies of the whole message from every rank; this road
-// splits the message into N slices and gives rank j slice j to sum, so each rank sends (N-1)/N of the
-// message twice, what NCCL's ring sends, but in two crossings of NVLink (scatter, then gather) where the
-// ring takes 2(N-1) dependent steps, and with no NCCL kernel to set up. The "two-shot" all-reduce of vLLM's
-// and TensorRT-LLM's custom all-reduce, here with the Lamport-style empty mark of the one-shot road, so no
-// barrier between the two shots either.
+// ---- 20b. Two-shot: the large messages (switch twoshot_allreduce) ---------------------------------------
+// Replaces: NCCL's ring for messages over ar_max_bytes(N), up to AR_TWOSHOT_MAX_BYTES (a decode step of
+//           more than a few dozen rows on four GPUs, of more than 128 rows of H = 4096 on two), and the
+//           residual add after it.
+// Why it is faster: the one-shot road sends (N-1) copies of the whole message from every rank and has every
+// rank add all N; this road splits the message into N slices and gives rank j slice j to sum, so each rank
+// sends (N-1)/N of the message twice, what NCCL's ring sends, but in two crossings of NVLink (scatter, then
+// gather) where the ring takes 2(N-1) dependent steps, and with no NCCL kernel to set up; and each rank
+// adds up only its slice (at N = 2 both roads move the message once, and that is the difference). The
+// "two-shot" all-reduce of vLLM's and TensorRT-LLM's custom all-reduce, here with the Lamport-style empty
+// mark of the one-shot road, so no barrier between the two shots either.
 // Reads  x [n] bf16 on every rank (that rank's partial sum).
 // Writes what all_reduce_p2p writes, bit for bit: the owner of a slice adds the ranks' partials in fp32 in
 //        rank order 0..N-1, as the one-shot road does, rounds once, and every rank stores that.
@@ -6783,7 +6784,7 @@ static std::string oneshot_note(const Qwen3& model) {
 static const int kOneshotRegistered = register_optimization(
     {"oneshot_allreduce", "one-shot all-reduce over NVLink (section 20)", true, apply_oneshot, oneshot_note});
 static const int kTwoshotRegistered = register_optimization(
-    {"twoshot_allreduce", "two-shot all-reduce over NVLink for large messages on more than two GPUs (section 20b)",
+    {"twoshot_allreduce", "two-shot all-reduce over NVLink for large decode messages (section 20b)",
      true, apply_twoshot, nullptr});
 
 // ==== 21. The fast sampler, 1: the cut by bisection ========================================================

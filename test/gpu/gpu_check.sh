@@ -9,8 +9,8 @@
 # Env: TOKENIZER_DIR (a folder with Qwen3's tokenizer.json; default: tools/fetch_tokenizer.sh),
 #      LOG_DIR (default build/logs), WORK_DIR (checkpoints; default build/e2e), SHAPES (tiny 0.6b 8b-short),
 #      NANOVLLM_E2E_TP=N (tensor parallelism: the CLI run and the end-to-end comparison on N GPUs, plus the
-#      two-GPU data-plane suite and test/gpu/gpu_tp_shutdown.sh), NANOVLLM_E2E_DP=N (data parallelism:
-#      test/gpu/gpu_dp.sh with N replicas, and N x TP GPUs for its --tp cases),
+#      data-plane suite gpu_tp on every visible GPU and test/gpu/gpu_tp_shutdown.sh), NANOVLLM_E2E_DP=N
+#      (data parallelism: test/gpu/gpu_dp.sh with N replicas, and N x TP GPUs for its --tp cases),
 #      KERNELS=0 (skip the kernel and data-plane suites), E2E_OPTS (optimization sets of the transformers
 #      comparison, default "all none": the default path and --plain), E2E_KV (KV cache dtypes the default
 #      path runs again with, default "fp8"; "" for none), FP8_SHAPES (FP8 checkpoints compared in FP8 and

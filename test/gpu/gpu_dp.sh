@@ -37,9 +37,9 @@ with open(f"{d}/batch.jsonl", "w") as f:
     for i in range(12):
         body = {"messages": [{"role": "user", "content": f"count to {i + 3}"}], "max_tokens": 24, "temperature": 0}
         f.write(json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}) + "\n")
-with open(f"{d}/long.jsonl", "w") as f:
-    for i in range(256):
-        f.write(json.dumps({"prompt_token_ids": [random.randint(0, 10000) for _ in range(300)], "max_tokens": 1000,
+with open(f"{d}/long.jsonl", "w") as f:  # seconds even for the tiny checkpoint (~1M tok/s on two H200s)
+    for i in range(1024):
+        f.write(json.dumps({"prompt_token_ids": [random.randint(0, 10000) for _ in range(300)], "max_tokens": 1500,
                             "ignore_eos": True}) + "\n")
 PY
 lines() { python3 -c '
@@ -75,7 +75,7 @@ cut -d' ' -f1,2 <(lines "$T/oneb.jsonl") >"$T/k1"; cut -d' ' -f1,2 <(lines "$T/d
 [ $rc = 0 ] && cmp -s "$T/k1" "$T/k2"; check "dp${DP}_batched_same_requests_in_order" $? "rc=$rc"
 echo "  dp$DP, default batch: $(comm -12 <(lines "$T/oneb.jsonl" | sort) <(lines "$T/dpb.jsonl" | sort) | wc -l) of $(wc -l <"$T/k1") completions token-identical to one engine's"
 if [ -f "$MODEL/gen_results.json" ] && python3 -c 'import torch, transformers' 2>/dev/null; then
-  mkdir -p "$T/tf"; for f in "$MODEL"/*; do ln -sf "$f" "$T/tf/"; done; rm -f "$T/tf/gen_results.json"
+  mkdir -p "$T/tf"; for f in "$(cd "$MODEL" && pwd)"/*; do ln -sf "$f" "$T/tf/"; done; rm -f "$T/tf/gen_results.json"
   python3 - "$MODEL/gen_results.json" "$T/w.jsonl" "$T/dpb.jsonl" "$T/tf/gen_results.json" "$MODEL" <<'PY'
 import json, sys
 from transformers import AutoTokenizer

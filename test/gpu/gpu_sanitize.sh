@@ -8,7 +8,7 @@
 #                           their completions must equal the run without the sanitizer
 #   gpu_persistent          only when SUITES names it; its 0.6B and 8B cases are long under the tools, so
 #                           CASES=odd_shape is the usual choice (section 24's kernel at every batch size)
-#   gpu_tp                  only when SUITES names it (2 GPUs). compute-sanitizer does not follow a fork()
+#   gpu_tp                  only when SUITES names it (2+ GPUs). compute-sanitizer does not follow a fork()
 #                           without exec, so it watches rank 0 only; rank 1 runs the same kernels on the
 #                           other GPU, and its exit status still counts. API errors are not reported there:
 #                           NCCL's set-up probes for kernel images and meets several missing ones by design
