@@ -90,6 +90,8 @@
 //   NVLink            the direct GPU-to-GPU link; GPUs on it can read and write each other's memory
 //   one-shot all-reduce  each rank writes its partial sums straight into every other rank's memory and adds
 //                     what arrives: one crossing of NVLink instead of NCCL's ring (section 20)
+//   two-shot all-reduce  each rank sums one slice of the message (scatter), then sends its sum to every
+//                     other rank (gather): two crossings, for large messages (section 20b)
 //   roofline          the fastest a step can run given the bytes it must read and the memory bandwidth
 //
 // Contents (each section starts with a banner "// ==== N. Title": grep for it)
@@ -4623,7 +4625,7 @@ static Optimizations g_opt;  // set by each section's apply (install_optimizatio
 //   attention_decode   store_qkv, then section 8's decode kernel         16, then 19 (all in one kernel), 31
 //   matmul_out         h = x @ W^T (after SiLU-and-mul for down), summed over the ranks   18, 29
 //   moe                a MoE layer's MLP: RMSNorm, then section 10b's moe_mlp, summed   (no chapter yet)
-//   all_reduce         NCCL's all-reduce (section 12)                    20 (one crossing of NVLink)
+//   all_reduce         NCCL's all-reduce (section 12)                    20 (one or two crossings of NVLink)
 // and one entry that only a chapter fills: cut (23: where a CUDA graph of a prefill step ends a piece).
 // A MoE layer's MLP is the moe stage alone, so the chapters that replace norm_matmul and matmul_out (the
 // gemv, FP8 weights) change only its attention's products, and what replaces attention applies as it is.
