@@ -6443,7 +6443,10 @@ static const int kFusedRopeRegistered = register_optimization(
 // all-reduce on every road. Measurements: docs/tensor-parallel.md.
 
 constexpr int AR_THREADS = 512;             // threads of an all-reduce thread block, 16 bytes each a pass
-constexpr int AR_MAX_BLOCKS = 32;           // blocks of one all-reduce: all resident on any sm_80+ GPU
+constexpr int AR_BLOCKS = 32;               // blocks of one all-reduce, at most (the launchers' default)
+constexpr int AR_MAX_BLOCKS = 128;          // the most any call may ask for (a copy of the call counter each):
+                                            // every block of a call must be resident at once, so no call asks
+                                            // for more than the GPU has SMs
 constexpr size_t AR_DATA_BYTES = 1 << 20;   // the largest one-shot message at N = 2 (decode: B * H * 2)
 constexpr size_t AR_ONESHOT_MANY_RANKS = 512 << 10;  // ... and at N > 2, where every rank writes (N-1)x the
                                                      // message: the two-shot road wins sooner
@@ -6583,7 +6586,8 @@ __global__ __launch_bounds__(AR_THREADS) void all_reduce_p2p_kernel(bf16* x, bf1
   }
   ar_call_done(epochs, epoch);
 }
-static void all_reduce_p2p(TPComm* comm, bf16* x, bf16* residual, size_t n, cudaStream_t stream) {
+static void all_reduce_p2p(TPComm* comm, bf16* x, bf16* residual, size_t n, cudaStream_t stream,
+                           int max_blocks = AR_BLOCKS) {
   check_vec8("all_reduce_p2p", "n", (int64_t)n);
   check_aligned16("all_reduce_p2p", "x", x);
   if (residual) check_aligned16("all_reduce_p2p", "residual", residual);
@@ -6591,7 +6595,8 @@ static void all_reduce_p2p(TPComm* comm, bf16* x, bf16* residual, size_t n, cuda
                  "staging buffer", n);
   if (n == 0) return;
   const int64_t chunks = (int64_t)n / 8;
-  const int blocks = (int)std::min<int64_t>(AR_MAX_BLOCKS, cdiv(chunks, AR_THREADS));
+  INTERNAL_CHECK(max_blocks >= 1 && max_blocks <= AR_MAX_BLOCKS, "all_reduce_p2p: %d blocks", max_blocks);
+  const int blocks = (int)std::min<int64_t>(max_blocks, cdiv(chunks, AR_THREADS));
   const OneShot* os = (const OneShot*)comm->fast;
   launch_pdl(all_reduce_p2p_kernel, blocks, AR_THREADS, 0, stream, x, residual, os->peers, os->epochs, chunks,
              ar_half_chunks(comm->size), ar_oneshot_slot_chunks(comm->size), comm->rank, comm->size);
@@ -6663,12 +6668,14 @@ static bool twoshot_fits(const TPComm* comm, size_t n) {
   return n % 8 == 0 && (int64_t)n / 8 >= (int64_t)comm->size * comm->size &&
          n * sizeof(bf16) <= AR_TWOSHOT_MAX_BYTES;
 }
-static void all_reduce_2shot(TPComm* comm, bf16* x, bf16* residual, size_t n, cudaStream_t stream) {
+static void all_reduce_2shot(TPComm* comm, bf16* x, bf16* residual, size_t n, cudaStream_t stream,
+                             int max_blocks = AR_BLOCKS) {
   check_aligned16("all_reduce_2shot", "x", x);
   if (residual) check_aligned16("all_reduce_2shot", "residual", residual);
   INTERNAL_CHECK(twoshot_fits(comm, n), "all_reduce_2shot: %zu elements on %d ranks do not fit", n, comm->size);
   const int64_t chunks = (int64_t)n / 8;
-  const int blocks = (int)std::min<int64_t>(AR_MAX_BLOCKS, cdiv(chunks, AR_THREADS));
+  INTERNAL_CHECK(max_blocks >= 1 && max_blocks <= AR_MAX_BLOCKS, "all_reduce_2shot: %d blocks", max_blocks);
+  const int blocks = (int)std::min<int64_t>(max_blocks, cdiv(chunks, AR_THREADS));
   const OneShot* os = (const OneShot*)comm->fast;
   launch_pdl(all_reduce_2shot_kernel, blocks, AR_THREADS, 0, stream, x, residual, os->peers, os->epochs, chunks,
              ar_half_chunks(comm->size), ar_twoshot_part_chunks(comm->size), comm->rank, comm->size);

@@ -1,7 +1,7 @@
 // The tensor-parallel data plane on every visible GPU (nanovllm.cu sections 12 and 20): all_reduce_fast on
 // every road (the one-shot and the two-shot NVLink kernels, and NCCL), in place and into a residual,
 // against an fp32 reference, eagerly and replayed from CUDA graphs mixed with eager calls, and back to back
-// with the ranks out of step; gather_logits with an odd vocabulary; all_reduce_min; and
+// with the ranks out of step, and with larger grids; gather_logits with an odd vocabulary; all_reduce_min; and
 // the latency of one all-reduce at the message sizes of a decode step on each road (the "bench_" case,
 // used for docs/tensor-parallel.md's all-reduce figures).
 //
@@ -68,14 +68,31 @@ static bool within_ring_rounding(uint16_t got, size_t i, int salt, const uint16_
 // Fill x with this rank's values (and, if residual, residual with values common to all ranks), all-reduce,
 // and compare x (or residual) with expected_bits bit for bit (NCCL's road beyond 2 ranks: within its
 // roundings).
+// The road all_reduce_fast takes for n elements, with the NVLink roads' grids capped at `blocks` thread
+// blocks instead of AR_BLOCKS.
+static void reduce_with_grid(bf16* x, size_t n, cudaStream_t s, bf16* residual, int blocks) {
+  const bool one = g_opt.oneshot_allreduce && g_comm->fast && n % 8 == 0 && n * 2 <= ar_max_bytes(g_comm->size);
+  if (one) all_reduce_p2p(g_comm, x, residual, n, s, blocks);
+  else if (g_opt.twoshot_allreduce && g_comm->fast && twoshot_fits(g_comm, n))
+    all_reduce_2shot(g_comm, x, residual, n, s, blocks);
+  else all_reduce_fast(g_comm, x, n, s, residual);
+}
+
+// The most blocks an all-reduce may have here: one per SM, the same on every rank.
+static int grid_limit() {
+  int sms = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, g_rank));
+  return (int)std::min<int64_t>(AR_MAX_BLOCKS, all_reduce_min(g_comm, sms));
+}
+
 static void check_all_reduce(bf16* x, size_t n, int salt, cudaStream_t s, const char* what,
-                             bf16* residual = nullptr) {
+                             bf16* residual = nullptr, int blocks = AR_BLOCKS) {
   const bool ring = g_comm->size > 2 && nccl_road(n);
   std::vector<uint16_t> h(n), r(n), got(n);
   for (size_t i = 0; i < n; i++) h[i] = value_bits(g_rank, i, salt), r[i] = value_bits(7, i, salt + 1);
   upload(x, h.data(), n * 2);
   if (residual) upload(residual, r.data(), n * 2);
-  all_reduce_fast(g_comm, x, n, s, residual);
+  reduce_with_grid(x, n, s, residual, blocks);
   CUDA_CHECK(cudaStreamSynchronize(s));
   CUDA_CHECK(cudaMemcpy(got.data(), residual ? residual : x, n * 2, cudaMemcpyDeviceToHost));
   size_t bad = 0, first = 0;
@@ -122,6 +139,28 @@ TEST(all_reduce_matches_fp32_sum_on_every_road) {
       for (bf16* r : {(bf16*)nullptr, residual}) check_all_reduce(x, n, (int)n + m + (r ? 99 : 0), s, road, r);
   }
   g_opt = saved;
+  CUDA_CHECK(cudaFree(x));
+  CUDA_CHECK(cudaFree(residual));
+}
+
+// The NVLink roads with larger grids than their default (up to one block per SM), which the timing case
+// compares: the same bits.
+TEST(all_reduce_with_larger_grids) {
+  NEED_TWO_GPUS();
+  if (!g_comm->fast) SKIP("no NVLink road between these GPUs");
+  const size_t sizes[] = {4096 * 64, 4096 * 256, 4096 * 512 + 8 * 17};
+  bf16 *x, *residual;
+  CUDA_CHECK(cudaMalloc(&x, sizes[2] * 2));
+  CUDA_CHECK(cudaMalloc(&residual, sizes[2] * 2));
+  cudaStream_t s;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const int most = grid_limit();
+  for (int blocks : {2 * AR_BLOCKS, 4 * AR_BLOCKS})
+    if (blocks <= most)
+      for (size_t n : sizes)
+        for (bf16* r : {(bf16*)nullptr, residual})
+          check_all_reduce(x, n, (int)n + blocks + (r ? 7 : 0), s, blocks == 2 * AR_BLOCKS ? "64 blocks" : "128 blocks",
+                           r, blocks);
   CUDA_CHECK(cudaFree(x));
   CUDA_CHECK(cudaFree(residual));
 }
@@ -355,6 +394,28 @@ TIMING(bench_all_reduce_latency) {
     printf("    %d ranks, all-reduce of %3d x 4096 bf16 (%8zu bytes): one-shot %s  two-shot %s  NCCL %7.2f us  "
            "(default road into the residual %.2f us; in a CUDA graph)\n",
            g_comm->size, B, n * 2, cell(one, us[0]).c_str(), cell(two, us[1]).c_str(), us[2], add_us);
+  }
+  // The NVLink roads' grids: AR_BLOCKS thread blocks (the default) against more, up to one per SM.
+  const int grid_most = grid_limit();
+  for (int B : {32, 64, 128, 256, 512}) {
+    const size_t n = (size_t)B * 4096;
+    std::string line;
+    for (int road = 0; road < 2; road++) {
+      const bool fits = road == 0 ? n * 2 <= ar_max_bytes(g_comm->size) : twoshot_fits(g_comm, n);
+      if (!g_comm->fast || !fits) continue;
+      line += road == 0 ? "  one-shot" : "  two-shot";
+      for (int blocks : {AR_BLOCKS, 2 * AR_BLOCKS, 4 * AR_BLOCKS}) {
+        if (blocks > grid_most) continue;
+        const double t = graph_us_per_call(s, [&] {
+          if (road == 0) all_reduce_p2p(g_comm, x, nullptr, n, s, blocks);
+          else all_reduce_2shot(g_comm, x, nullptr, n, s, blocks);
+        });
+        char b[48];
+        snprintf(b, sizeof b, " %d blocks %.2f us,", blocks, t);
+        line += b;
+      }
+    }
+    if (!line.empty()) printf("    %d ranks, %3d x 4096 bf16, by grid:%s\n", g_comm->size, B, line.c_str());
   }
   g_opt = saved;
   // One decode step's logits gather at batch 1 (Qwen3's vocabulary), also from a graph of 100.
