@@ -6418,7 +6418,7 @@ static const int kFusedRopeRegistered = register_optimization(
      apply_fused_rope});
 
 // ==== 20. All-reduce over NVLink: one-shot, and two-shot for large messages ===============================
-// defines: OneShot, all_reduce_p2p, all_reduce_2shot, all_reduce_fast, oneshot_setup; switches
+// defines: OneShot, all_reduce_p2p, all_reduce_2shot, ARRoad, ar_road, all_reduce_fast, oneshot_setup; switches
 //          oneshot_allreduce, twoshot_allreduce
 //
 // Replaces: section 12's NCCL all-reduce for messages up to ar_max_bytes(N) (decode's), and the residual add
@@ -6550,8 +6550,19 @@ __device__ __forceinline__ void ar_store(uint4* xv, uint4* rv, int64_t c, const 
   for (int i = 0; i < 8; i++) s[i] += r[i];
   rv[c] = float_to_bf16x8(s);
 }
-// The call number (1, 2, ...) of this call, as this block's copy holds it; ar_call_done stores it back.
-__device__ __forceinline__ uint64_t ar_call(const uint64_t* epochs) { return epochs[blockIdx.x] + 1; }
+// What a thread of either road's kernel starts from: the call number (1, 2, ...) as this block's copy holds
+// it (ar_call_done stores it back), the first chunk of this call's half of the staging buffer, and the
+// thread's first chunk and stride over the message. Waits for the kernel before (PDL, section 17) first.
+struct ARCall {
+  uint64_t epoch;
+  int64_t half, first, stride;
+};
+__device__ __forceinline__ ARCall ar_call(const uint64_t* epochs, int64_t half_chunks) {
+  pdl_begin();
+  const uint64_t epoch = epochs[blockIdx.x] + 1;
+  return {epoch, (int64_t)(epoch & 1) * half_chunks, (int64_t)blockIdx.x * blockDim.x + threadIdx.x,
+          (int64_t)gridDim.x * blockDim.x};
+}
 __device__ __forceinline__ void ar_call_done(uint64_t* epochs, uint64_t epoch) {
   if (threadIdx.x == 0)
     for (int j = blockIdx.x; j < AR_MAX_BLOCKS; j += gridDim.x) epochs[j] = epoch;
@@ -6561,14 +6572,11 @@ __global__ __launch_bounds__(AR_THREADS) void all_reduce_p2p_kernel(bf16* x, bf1
                                                                     uint64_t* epochs, int64_t chunks,
                                                                     int64_t half_chunks, int64_t slot_chunks,
                                                                     int rank, int size) {
-  pdl_begin();
-  const uint64_t epoch = ar_call(epochs);
-  const int64_t half = (int64_t)(epoch & 1) * half_chunks;
-  const int64_t first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  const ARCall k = ar_call(epochs, half_chunks);
+  const int64_t first = k.first, stride = k.stride;
   uint4* xv = reinterpret_cast<uint4*>(x);
   auto slot = [&](int owner, int from) {  // data[from] of this call's half in rank owner's buffer
-    return reinterpret_cast<uint4*>(peers.data[owner]) + half + from * slot_chunks;
+    return reinterpret_cast<uint4*>(peers.data[owner]) + k.half + from * slot_chunks;
   };
   for (int64_t c = first; c < chunks; c += stride) {  // 1. push
     const uint4 v = ar_no_negative_zero(xv[c]);
@@ -6584,23 +6592,31 @@ __global__ __launch_bounds__(AR_THREADS) void all_reduce_p2p_kernel(bf16* x, bf1
     }
     ar_store(xv, reinterpret_cast<uint4*>(residual), c, float_to_bf16x8(sum));
   }
-  ar_call_done(epochs, epoch);
+  ar_call_done(epochs, k.epoch);
+}
+// Launches either road's kernel (the same arguments; `region`: the chunks of one sender's region in a
+// half) over n elements on up to max_blocks thread blocks.
+template <class Kernel>
+static void ar_launch(Kernel kernel, const char* name, TPComm* comm, bf16* x, bf16* residual, size_t n,
+                      int64_t region, cudaStream_t stream, int max_blocks) {
+  check_aligned16(name, "x", x);
+  if (residual) check_aligned16(name, "residual", residual);
+  INTERNAL_CHECK(max_blocks >= 1 && max_blocks <= AR_MAX_BLOCKS, "%s: %d blocks", name, max_blocks);
+  const int64_t chunks = (int64_t)n / 8;
+  const int blocks = (int)std::min<int64_t>(max_blocks, cdiv(chunks, AR_THREADS));
+  const OneShot* os = (const OneShot*)comm->fast;
+  launch_pdl(kernel, blocks, AR_THREADS, 0, stream, x, residual, os->peers, os->epochs, chunks,
+             ar_half_chunks(comm->size), region, comm->rank, comm->size);
+  CUDA_CHECK(cudaGetLastError());
 }
 static void all_reduce_p2p(TPComm* comm, bf16* x, bf16* residual, size_t n, cudaStream_t stream,
                            int max_blocks = AR_BLOCKS) {
   check_vec8("all_reduce_p2p", "n", (int64_t)n);
-  check_aligned16("all_reduce_p2p", "x", x);
-  if (residual) check_aligned16("all_reduce_p2p", "residual", residual);
   INTERNAL_CHECK(n * sizeof(bf16) <= ar_max_bytes(comm->size), "all_reduce_p2p: %zu elements exceed the "
                  "staging buffer", n);
   if (n == 0) return;
-  const int64_t chunks = (int64_t)n / 8;
-  INTERNAL_CHECK(max_blocks >= 1 && max_blocks <= AR_MAX_BLOCKS, "all_reduce_p2p: %d blocks", max_blocks);
-  const int blocks = (int)std::min<int64_t>(max_blocks, cdiv(chunks, AR_THREADS));
-  const OneShot* os = (const OneShot*)comm->fast;
-  launch_pdl(all_reduce_p2p_kernel, blocks, AR_THREADS, 0, stream, x, residual, os->peers, os->epochs, chunks,
-             ar_half_chunks(comm->size), ar_oneshot_slot_chunks(comm->size), comm->rank, comm->size);
-  CUDA_CHECK(cudaGetLastError());
+  ar_launch(all_reduce_p2p_kernel, "all_reduce_p2p", comm, x, residual, n, ar_oneshot_slot_chunks(comm->size),
+            stream, max_blocks);
 }
 
 // ---- 20b. Two-shot: the large messages (switch twoshot_allreduce) ---------------------------------------
@@ -6629,11 +6645,8 @@ __global__ __launch_bounds__(AR_THREADS) void all_reduce_2shot_kernel(bf16* x, b
                                                                       uint64_t* epochs, int64_t chunks,
                                                                       int64_t half_chunks, int64_t part_chunks,
                                                                       int rank, int size) {
-  pdl_begin();
-  const uint64_t epoch = ar_call(epochs);
-  const int64_t half = (int64_t)(epoch & 1) * half_chunks;
-  const int64_t first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  const ARCall k = ar_call(epochs, half_chunks);
+  const int64_t first = k.first, stride = k.stride, half = k.half;
   const int64_t part = (chunks + size - 1) / size;
   uint4* xv = reinterpret_cast<uint4*>(x);
   uint4* rv = reinterpret_cast<uint4*>(residual);
@@ -6662,7 +6675,7 @@ __global__ __launch_bounds__(AR_THREADS) void all_reduce_2shot_kernel(bf16* x, b
   }
   for (int64_t c = first; c < chunks; c += stride)  // 3. gather the other slices
     if (c < lo || c >= hi) ar_store(xv, rv, c, ar_take(gather(rank) + c));
-  ar_call_done(epochs, epoch);
+  ar_call_done(epochs, k.epoch);
 }
 static bool twoshot_fits(const TPComm* comm, size_t n) {
   return n % 8 == 0 && (int64_t)n / 8 >= (int64_t)comm->size * comm->size &&
@@ -6670,16 +6683,9 @@ static bool twoshot_fits(const TPComm* comm, size_t n) {
 }
 static void all_reduce_2shot(TPComm* comm, bf16* x, bf16* residual, size_t n, cudaStream_t stream,
                              int max_blocks = AR_BLOCKS) {
-  check_aligned16("all_reduce_2shot", "x", x);
-  if (residual) check_aligned16("all_reduce_2shot", "residual", residual);
   INTERNAL_CHECK(twoshot_fits(comm, n), "all_reduce_2shot: %zu elements on %d ranks do not fit", n, comm->size);
-  const int64_t chunks = (int64_t)n / 8;
-  INTERNAL_CHECK(max_blocks >= 1 && max_blocks <= AR_MAX_BLOCKS, "all_reduce_2shot: %d blocks", max_blocks);
-  const int blocks = (int)std::min<int64_t>(max_blocks, cdiv(chunks, AR_THREADS));
-  const OneShot* os = (const OneShot*)comm->fast;
-  launch_pdl(all_reduce_2shot_kernel, blocks, AR_THREADS, 0, stream, x, residual, os->peers, os->epochs, chunks,
-             ar_half_chunks(comm->size), ar_twoshot_part_chunks(comm->size), comm->rank, comm->size);
-  CUDA_CHECK(cudaGetLastError());
+  ar_launch(all_reduce_2shot_kernel, "all_reduce_2shot", comm, x, residual, n,
+            ar_twoshot_part_chunks(comm->size), stream, max_blocks);
 }
 
 // residual [n] = bf16(residual + x): the add after an NCCL all-reduce, rounded like the one-shot kernel's.
@@ -6695,22 +6701,25 @@ __global__ void residual_add_kernel(bf16* residual, const bf16* x, int64_t chunk
   reinterpret_cast<uint4*>(residual)[c] = float_to_bf16x8(r);
 }
 
+// The road a message of n elements takes: the one-shot road where switched on and the message fits, else
+// the two-shot road where switched on and it fits, else NCCL. It depends only on n and on what every rank
+// agreed at start-up, so it is the same everywhere.
+enum class ARRoad { ONESHOT, TWOSHOT, NCCL };
+static ARRoad ar_road(const TPComm* comm, size_t n) {
+  if (g_opt.oneshot_allreduce && comm->fast && n % 8 == 0 && n * sizeof(bf16) <= ar_max_bytes(comm->size))
+    return ARRoad::ONESHOT;
+  if (g_opt.twoshot_allreduce && comm->fast && twoshot_fits(comm, n)) return ARRoad::TWOSHOT;
+  return ARRoad::NCCL;
+}
+
 // The sum of x over the ranks: in place into x, or, with `residual`, added into residual (x then holds this
-// rank's partial still, or the sum: callers must not rely on either). The one-shot road where switched on
-// and the message fits, else the two-shot road where switched on and it fits, else NCCL (plus
-// residual_add_kernel). Every rank must make the same calls in the same order; the road depends only on n
-// and on what every rank agreed at start-up, so it is the same everywhere.
+// rank's partial still, or the sum: callers must not rely on either), on ar_road's road (NCCL plus
+// residual_add_kernel). Every rank must make the same calls in the same order.
 static void all_reduce_fast(TPComm* comm, bf16* x, size_t n, cudaStream_t stream, bf16* residual) {
   if (comm->skip) return;
-  const size_t bytes = n * sizeof(bf16);
-  if (g_opt.oneshot_allreduce && comm->fast && n % 8 == 0 && bytes <= ar_max_bytes(comm->size)) {
-    all_reduce_p2p(comm, x, residual, n, stream);
-    return;
-  }
-  if (g_opt.twoshot_allreduce && comm->fast && twoshot_fits(comm, n)) {
-    all_reduce_2shot(comm, x, residual, n, stream);
-    return;
-  }
+  const ARRoad road = ar_road(comm, n);
+  if (road == ARRoad::ONESHOT) return all_reduce_p2p(comm, x, residual, n, stream);
+  if (road == ARRoad::TWOSHOT) return all_reduce_2shot(comm, x, residual, n, stream);
   all_reduce_sum(comm, x, n, stream);
   if (residual && n > 0) {
     check_vec8("all_reduce_fast (residual)", "n", (int64_t)n);

@@ -158,6 +158,16 @@ static bool write_safetensors_file(const std::string& dir, const std::string& he
   return true;
 }
 
+// test/ref/make_tiny_checkpoint.py OUT --moe ARGS, the repository's own fixture writer (run from the
+// repository root, as the test runner does): the folder, or "" when python3 or the script is not there.
+static std::string tiny_moe_folder(const std::string& name, const std::string& args = "") {
+  const std::string script = "test/ref/make_tiny_checkpoint.py", out = test_tmpdir() + "/" + name;
+  if (!std::filesystem::is_regular_file(script) || system("python3 -c pass >/dev/null 2>&1") != 0) return "";
+  const std::string cmd = "python3 " + script + " '" + out + "' --moe " + args + " >/dev/null 2>&1";
+  CHECK_MSG(system(cmd.c_str()) == 0, "%s failed", cmd.c_str());
+  return out;
+}
+
 // Refusals. The engine's die() (a user's mistake: nanovllm.cu section 1) throws TokDieError while tok_die_throws
 // is set (tokenizer.h): expect_die runs fn and expects a refusal whose message holds every one of `needles`;
 // expect_no_die expects none.

@@ -267,14 +267,8 @@ TEST(moe_mlp_matches_reference) {
 
 // ---- the loader, and a tiny MoE checkpoint end to end -------------------------------------------------
 
-// test/ref/make_tiny_checkpoint.py OUT --moe --random ARGS: the folder, or "" without python3 or the script.
-static std::string tiny_moe(const std::string& name, const std::string& args = "") {
-  const std::string script = "test/ref/make_tiny_checkpoint.py", out = test_tmpdir() + "/" + name;
-  if (!is_file(script) || system("python3 -c pass >/dev/null 2>&1") != 0) return "";
-  const std::string cmd = "python3 " + script + " '" + out + "' --moe --random " + args + " >/dev/null 2>&1";
-  CHECK_MSG(system(cmd.c_str()) == 0, "%s failed", cmd.c_str());
-  return out;
-}
+// A tiny MoE checkpoint with random weights (test.h's tiny_moe_folder): the folder, or "".
+static std::string tiny_moe(const std::string& name) { return tiny_moe_folder(name, "--random"); }
 
 // Every expert's fused gate_up and down, and the router, as load_weights places them at --tp 1 and as rank 1
 // of --tp 2, against the checkpoint's values: gate rows [IE0, IE0 + IE/tp) then up rows, down's columns.

@@ -45,12 +45,6 @@ static uint16_t expected_bits(size_t i, int salt, const uint16_t* residual) {
   return float_to_bf16_bits(bf16_bits_to_float(float_to_bf16_bits(sum)) + bf16_bits_to_float(residual[i]));
 }
 
-// Whether all_reduce_fast takes NCCL's road for n elements under the switches as they stand.
-static bool nccl_road(size_t n) {
-  const bool one = g_opt.oneshot_allreduce && g_comm->fast && n % 8 == 0 && n * 2 <= ar_max_bytes(g_comm->size);
-  return !one && !(g_opt.twoshot_allreduce && g_comm->fast && twoshot_fits(g_comm, n));
-}
-
 // NCCL's ring adds the ranks' values in its own order, rounding to bf16 at each of its N-1 adds: at N = 2
 // that is the one add of the NVLink roads, beyond it the result may differ from expected_bits by those
 // roundings. Within them: |got - sum| <= (N-1) 2^-8 (sum of |values| at each add) + the final rounding.
@@ -71,10 +65,9 @@ static bool within_ring_rounding(uint16_t got, size_t i, int salt, const uint16_
 // The road all_reduce_fast takes for n elements, with the NVLink roads' grids capped at `blocks` thread
 // blocks instead of AR_BLOCKS.
 static void reduce_with_grid(bf16* x, size_t n, cudaStream_t s, bf16* residual, int blocks) {
-  const bool one = g_opt.oneshot_allreduce && g_comm->fast && n % 8 == 0 && n * 2 <= ar_max_bytes(g_comm->size);
-  if (one) all_reduce_p2p(g_comm, x, residual, n, s, blocks);
-  else if (g_opt.twoshot_allreduce && g_comm->fast && twoshot_fits(g_comm, n))
-    all_reduce_2shot(g_comm, x, residual, n, s, blocks);
+  const ARRoad road = ar_road(g_comm, n);
+  if (road == ARRoad::ONESHOT) all_reduce_p2p(g_comm, x, residual, n, s, blocks);
+  else if (road == ARRoad::TWOSHOT) all_reduce_2shot(g_comm, x, residual, n, s, blocks);
   else all_reduce_fast(g_comm, x, n, s, residual);
 }
 
@@ -87,7 +80,7 @@ static int grid_limit() {
 
 static void check_all_reduce(bf16* x, size_t n, int salt, cudaStream_t s, const char* what,
                              bf16* residual = nullptr, int blocks = AR_BLOCKS) {
-  const bool ring = g_comm->size > 2 && nccl_road(n);
+  const bool ring = g_comm->size > 2 && ar_road(g_comm, n) == ARRoad::NCCL;
   std::vector<uint16_t> h(n), r(n), got(n);
   for (size_t i = 0; i < n; i++) h[i] = value_bits(g_rank, i, salt), r[i] = value_bits(7, i, salt + 1);
   upload(x, h.data(), n * 2);

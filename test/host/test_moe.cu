@@ -200,16 +200,6 @@ TEST(moe_checkpoint_tensors) {
   }
 }
 
-// make_tiny_checkpoint.py OUT --moe ARGS (the repository's own fixture writer, run from the repository root
-// as the test runner does): the folder, or "" when python3 or the script is not there.
-static std::string tiny_moe_folder(const std::string& name, const std::string& args = "") {
-  const std::string script = "test/ref/make_tiny_checkpoint.py", out = test_tmpdir() + "/" + name;
-  if (!is_file(script) || system("python3 -c pass >/dev/null 2>&1") != 0) return "";
-  const std::string cmd = "python3 " + script + " '" + out + "' --moe " + args + " >/dev/null 2>&1";
-  CHECK_MSG(system(cmd.c_str()) == 0, "%s failed", cmd.c_str());
-  return out;
-}
-
 // The tiny MoE folder as test/ref/make_tiny_checkpoint.py --moe writes it (what hf_reference.py's tiny-moe
 // is), and its three moe_ breaks: each refused before any GPU work, naming the tensor (or field), the file or
 // folder, and what was expected.
