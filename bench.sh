@@ -126,6 +126,7 @@ else:  # Qwen's FP8 format (every dimension here a multiple of 128): per 128 x 1
     json.dump({"metadata": {"total_size": total}, "weight_map": index},
               open(os.path.join(out, "model.safetensors.index.json"), "w"), indent=2)
     c = model.config.to_dict()
+    c["architectures"] = ["Qwen3ForCausalLM"]  # (save_pretrained adds it; to_dict does not)
     c["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                 "weight_block_size": [128, 128]}
     json.dump(c, open(os.path.join(out, "config.json"), "w"), indent=2)

@@ -6443,10 +6443,12 @@ static const int kFusedRopeRegistered = register_optimization(
 // all-reduce on every road. Measurements: docs/tensor-parallel.md.
 
 constexpr int AR_THREADS = 512;             // threads of an all-reduce thread block, 16 bytes each a pass
-constexpr int AR_BLOCKS = 32;               // blocks of one all-reduce, at most (the launchers' default)
 constexpr int AR_MAX_BLOCKS = 128;          // the most any call may ask for (a copy of the call counter each):
-                                            // every block of a call must be resident at once, so no call asks
-                                            // for more than the GPU has SMs
+                                            // every block of a call must be resident at once, so no call has
+                                            // more than the GPU has SMs (ar_launch)
+constexpr int AR_BLOCKS = AR_MAX_BLOCKS;    // the launchers' default: one block per AR_THREADS chunks, up to
+                                            // this (a 2 MB message spreads over 128 SMs; fewer blocks leave
+                                            // NVLink idle: docs/tensor-parallel.md times 32, 64 and 128)
 constexpr size_t AR_DATA_BYTES = 1 << 20;   // the largest one-shot message at N = 2 (decode: B * H * 2)
 constexpr size_t AR_ONESHOT_MANY_RANKS = 512 << 10;  // ... and at N > 2, where every rank writes (N-1)x the
                                                      // message: the two-shot road wins sooner
@@ -6603,7 +6605,13 @@ static void ar_launch(Kernel kernel, const char* name, TPComm* comm, bf16* x, bf
   if (residual) check_aligned16(name, "residual", residual);
   INTERNAL_CHECK(max_blocks >= 1 && max_blocks <= AR_MAX_BLOCKS, "%s: %d blocks", name, max_blocks);
   const int64_t chunks = (int64_t)n / 8;
-  const int blocks = (int)std::min<int64_t>(max_blocks, cdiv(chunks, AR_THREADS));
+  static const int sms = [] {  // (one GPU per process)
+    int dev = 0, n = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+  }();
+  const int blocks = (int)std::min<int64_t>(std::min(max_blocks, sms), cdiv(chunks, AR_THREADS));
   const OneShot* os = (const OneShot*)comm->fast;
   launch_pdl(kernel, blocks, AR_THREADS, 0, stream, x, residual, os->peers, os->epochs, chunks,
              ar_half_chunks(comm->size), region, comm->rank, comm->size);
@@ -7584,10 +7592,11 @@ static const int kPrefillGraphsRegistered = register_optimization(
 
 // ==== 24. One persistent kernel for a small-batch decode step, 1: the operation chain ===============
 // defines: PERSIST_MAX_B, PersistOp, PersistArgs, PersistCursor, persist_issue, persist_wait, persist_signal,
-//          persist_stage_input, persist_gemv_chunk, persist_gemv_epilogue (sections 25-27: the rest)
+//          persist_stage_input, persist_gemv_chunk, persist_gemv_epilogue, persist_all_reduce (sections 25-27:
+//          the rest)
 //
-// Replaces: at decode steps of 1, 2 or 4 sequences on one GPU, all of section 14's forward pass: about five
-// kernels per layer plus the head, 143 launches for Qwen3-0.6B.
+// Replaces: at decode steps of 1, 2 or 4 sequences, all of section 14's forward pass on each GPU: about five
+// kernels per layer plus the head, 143 launches for Qwen3-0.6B, and at TP > 1 the all-reduces between them.
 // Why it could be faster. A batch-1 step reads every weight once (1.19 GB for Qwen3-0.6B) and does little
 // else, so its floor is the time to stream the weights at the GPU's copy bandwidth. Between two kernels the
 // GPU is not streaming: the last thread blocks of one kernel finish while most SMs idle, then the next
@@ -7653,9 +7662,22 @@ static const int kPrefillGraphsRegistered = register_optimization(
 // The kernel is a template over the cache format (section 15a's F): what attention reads, and how the step's
 // own key and value are stored. This chapter instantiates it for bf16 (KVBf16).
 // What it computes: section 14's arithmetic with the sums added in another order, so results match section
-// 14's within float rounding, not bit for bit (gpu_persistent.cu states the tolerance). Tensor parallelism
-// keeps section 14's path: an all-reduce inside the kernel would need every GPU's kernel resident at once and
-// flags across GPUs.
+// 14's within float rounding, not bit for bit (gpu_persistent.cu states the tolerance).
+// Tensor parallelism. Each GPU runs the kernel on its shard (its heads, its intermediate columns, its part of
+// the vocabulary), and the sums over the GPUs become operations of the chain: after the embedding, after O
+// and after DOWN, an ALLREDUCE operation does what section 20's one-shot kernel does, with the same staging
+// buffers, the same empty mark, the same call counter and the same rounding: its thread blocks wait for the
+// operation before (O's or DOWN's partial sums, which those now write to act.hidden instead of adding them
+// to the residual stream), store their chunks into every other GPU's staging buffer, take the other GPUs'
+// chunks as they land, add them in rank order and add the sum to the residual stream; then they count
+// themselves done like any operation. No flag crosses between the GPUs: the data is its own flag. What this
+// needs that one GPU did not: every GPU runs the same kernel at the same time (each rank launches it for the
+// same step: the route below is agreed by all ranks), and every rank's all-reduces are numbered alike, the
+// kernel's included (it reads the call counter when it starts, numbers its own 2L + 1 calls after it, and
+// the last of its thread blocks to finish stores the new count). Part I's one-shot ordering argument (section
+// 20) holds inside the kernel too: an ALLREDUCE operation starts only after the one before it finished on
+// its GPU, empty slots included, because the operations form a chain. The kernel is a template over this
+// (TP), so that one GPU's kernel carries none of it.
 // Switch: persistent (on by default; measured per batch size and context at start-up). Needs sm_80; a batch
 // size whose shared memory does not fit, or TP > 1, uses section 14's path, and the start-up line says which
 // decode path runs at which batch sizes and contexts, with the times measured.
@@ -7672,7 +7694,7 @@ constexpr int PERSIST_PREFETCH = 8;       // attention: tokens per warp whose K 
 constexpr int PERSIST_MAX_B = 4;          // batch sizes 1, 2, 4 (decode graph sizes; docs/performance.md: 8)
 
 enum PersistKind : int { PERSIST_EMBED, PERSIST_QKV, PERSIST_ATTN, PERSIST_O, PERSIST_GATE_UP, PERSIST_DOWN,
-                         PERSIST_LM_HEAD };
+                         PERSIST_LM_HEAD, PERSIST_ALLREDUCE };
 
 // One operation of the step. The gemvs (QKV .. LM_HEAD, not ATTN) compute y[b, n] = in[b, :] . W[n, :] for
 // their N outputs and write y where section 14 writes it:
@@ -7680,6 +7702,11 @@ enum PersistKind : int { PERSIST_EMBED, PERSIST_QKV, PERSIST_ATTN, PERSIST_O, PE
 //   O, DOWN  in = attn / act                   residual = bf16(bf16(y) + residual)
 //   GATE_UP  in = rmsnorm(residual) * norm_w   act[j] = bf16(silu(bf16(y_gate j)) * bf16(y_up j))
 //   LM_HEAD  in = rmsnorm(residual) * norm_w   logits (fp32)
+// and at TP > 1 (the chain's sums over the GPUs; `layer` is then the call's number in the step, 0 .. 2L):
+//   O, DOWN    y -> act.hidden (bf16), this GPU's partial sum
+//   ALLREDUCE  K = 1: residual = bf16(residual + bf16(sum of act.hidden over the GPUs)), as section 20 adds;
+//              K = 0: residual = bf16(sum of residual over the GPUs) (after the embedding: each GPU looked up
+//              only the ids of its part of the vocabulary)
 struct PersistOp {
   int kind, layer;
   const bf16* W;       // [rows, K] (GATE_UP: the I gate rows, then the I up rows)
@@ -7715,6 +7742,16 @@ struct PersistArgs {
   int skew_ns;    // tests: block i starts operation o after ((7 i + 13 o) % 11) * skew_ns ns (0: never)
   int skip_wait;  // tests: the operation whose wait is left out (-1: none)
   uint64_t* trace;  // tests: [grid, n_ops, PERSIST_TRACE], see persist_trace
+  // Tensor parallelism (TP > 1 only): this rank's vocabulary starts at id vocab_offset (V ids: embed and the
+  // head hold those rows); O and DOWN write their partial sums to hidden [B, H]; section 20's staging buffers
+  // (peers), call counter (epochs) and layout (ar_half, ar_slot: ar_half_chunks, ar_oneshot_slot_chunks);
+  // n_calls: the step's all-reduces; finished: thread blocks done with the step (zeroed before each launch).
+  int rank, tp, vocab_offset, n_calls;
+  int* finished;
+  bf16* hidden;
+  ARPeers peers;
+  uint64_t* epochs;
+  int64_t ar_half, ar_slot;
 };
 
 // Rows of W that row r of group g of op uses (-1: past the end, not loaded, result not written).
@@ -7728,7 +7765,7 @@ __device__ __forceinline__ int64_t persist_weight_row(const PersistOp& op, int g
   return n < op.N ? n : -1;
 }
 __host__ __device__ __forceinline__ bool persist_is_gemv(int kind) {
-  return kind != PERSIST_EMBED && kind != PERSIST_ATTN;
+  return kind != PERSIST_EMBED && kind != PERSIST_ATTN && kind != PERSIST_ALLREDUCE;
 }
 __host__ __device__ __forceinline__ int persist_k_chunks(const PersistOp& op) {
   return (op.K + PERSIST_KC - 1) / PERSIST_KC;
@@ -7908,11 +7945,12 @@ __device__ __forceinline__ void persist_load_norm(const PersistOp& op, uint4 (&n
 
 // The input of a gemv for all B sequences into xs [B, K + 8] (rows 16 bytes longer than K, so the sequences'
 // reads in persist_gemv_chunk fall in different banks): a copy of attn or act, or rmsnorm of the residual
-// stream. O and DOWN also copy the residual stream into res [B, H], for their epilogue. The RMSNorm is
+// stream. O and DOWN also copy the residual stream into res [B, H], for their epilogue (not at TP > 1, where
+// the ALLREDUCE after them adds to it). The RMSNorm is
 // section 7's rmsnorm_row, bit for bit (each thread's squares in its chunks' order, added across the warp,
 // then over the warps in order; then w * bf16(x * scale)), done for the B rows at once: one barrier for all
 // of them, and the weights nw already in registers. scratch: [B, 32].
-template <int B>
+template <int B, bool TP>
 __device__ __forceinline__ void persist_stage_input(const PersistArgs& a, const PersistOp& op, bf16* xs, bf16* res,
                                                     float* scratch, const uint4 (&nw)[NORM_MAX_CHUNKS]) {
   const bf16* src = op.kind == PERSIST_O ? a.attn : op.kind == PERSIST_DOWN ? a.act : a.residual;
@@ -7921,7 +7959,7 @@ __device__ __forceinline__ void persist_stage_input(const PersistArgs& a, const 
     const int b = c / (op.K / 8), j = c % (op.K / 8);
     reinterpret_cast<uint4*>(xs + b * ks)[j] = __ldcg(reinterpret_cast<const uint4*>(src + (size_t)b * op.K) + j);
   }
-  if (op.kind == PERSIST_O || op.kind == PERSIST_DOWN) persist_copy_in(res, a.residual, B * op.N);
+  if (!TP && (op.kind == PERSIST_O || op.kind == PERSIST_DOWN)) persist_copy_in(res, a.residual, B * op.N);
   __syncthreads();
   if (!op.norm_w) return;
   const int nchunks = op.K / 8, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -8020,7 +8058,7 @@ __device__ __forceinline__ void persist_gemv_chunk(const PersistOp& op, int kc, 
 // two buffers (by the group's parity, so the next group can fill the other before this one is read); after
 // a barrier, thread t < 16 B adds row t / B, sequence t % B over the 16 warps in order and writes the output
 // the way op writes it (GATE_UP: thread t < 8 B, gate row r and its up row r + 8).
-template <int B>
+template <int B, bool TP>
 __device__ __forceinline__ void persist_gemv_epilogue(const PersistArgs& a, const PersistOp& op, int g, int parity,
                                                       float (&acc)[4], float* red, const bf16* res) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -8051,12 +8089,41 @@ __device__ __forceinline__ void persist_gemv_epilogue(const PersistArgs& a, cons
       const float y = row_sum(r, b);
       if (op.kind == PERSIST_QKV) a.qkv[(size_t)b * op.N + n] = __float2bfloat16(y);
       else if (op.kind == PERSIST_LM_HEAD) a.logits[(size_t)b * op.N + n] = y;
+      else if (TP) a.hidden[(size_t)b * op.N + n] = __float2bfloat16(y);  // O, DOWN: summed by ALLREDUCE
       else {  // O, DOWN: the residual add, rounded as add_rmsnorm rounds it
         const float r0 = __bfloat162float(res[b * op.N + n]);  // staged with the input
         a.residual[(size_t)b * op.N + n] = __float2bfloat16(bf16_round(y) + r0);
       }
     }
   }
+}
+
+// An ALLREDUCE operation (TP > 1): section 20's one-shot all-reduce of B * H values, thread t of the operation's
+// block i owning chunk i * PERSIST_THREADS + t (16 bytes), with the kernel's own call number: `first` is the
+// count the call counter held when the kernel started, and this is the step's call op.layer. What the
+// operation before wrote (act.hidden, or the residual stream after the embedding) is read through L2.
+template <int B>
+__device__ __forceinline__ void persist_all_reduce(const PersistArgs& a, const PersistOp& op, uint64_t first) {
+  const int64_t c = (int64_t)blockIdx.x * PERSIST_THREADS + threadIdx.x;
+  if (c >= (int64_t)B * a.H / 8) return;
+  const int64_t half = (int64_t)((first + op.layer + 1) & 1) * a.ar_half;
+  auto slot = [&](int owner, int from) {  // data[from] of this call's half in rank owner's buffer
+    return reinterpret_cast<uint4*>(a.peers.data[owner]) + half + from * a.ar_slot;
+  };
+  uint4* x = reinterpret_cast<uint4*>(op.K ? a.hidden : a.residual);
+  const uint4 mine = ar_no_negative_zero(__ldcg(x + c));
+  for (int r = 0; r < a.tp; r++)
+    if (r != a.rank) slot(r, a.rank)[c] = mine;
+  float sum[8] = {}, v[8];
+  for (int r = 0; r < a.tp; r++) {
+    bf16x8_to_float(r == a.rank ? mine : ar_take(slot(a.rank, r) + c), v);
+#pragma unroll
+    for (int i = 0; i < 8; i++) sum[i] += v[i];
+  }
+  // (ar_store's plain load of the residual stream is fresh: the wait before this operation ended with an
+  // acquire load, which emptied this SM's L1.)
+  ar_store(reinterpret_cast<uint4*>(a.residual), op.K ? reinterpret_cast<uint4*>(a.residual) : nullptr, c,
+           float_to_bf16x8(sum));
 }
 
 // ==== 25. The persistent kernel, 2: attention inside it ====================================================
@@ -8377,7 +8444,8 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
 //          kPersistBf16, PersistentState, g_persistent, persist_setup, persistent_decode
 
 // F: the cache format (section 15a; one kernel per format: another's attention would cost this one registers).
-template <int B, class F>
+// TP: the kernel of a rank of several (its sums over the GPUs, section 24).
+template <int B, class F, bool TP>
 __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(PersistArgs a) {
   extern __shared__ __align__(16) unsigned char persist_smem[];
   bf16* ring = reinterpret_cast<bf16*>(persist_smem);                      // [RING, SLOT_ELEMS]
@@ -8394,6 +8462,7 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
   for (int b = 0; b < B; b++) rope_angles(angles + b * HEAD_DIM, angles + b * HEAD_DIM + HEAD_DIM / 2,
                                           a.positions[b], a.inv_freq);
   if ((int)blockIdx.x < B * a.NKV * a.parts) persist_first_rows(a, first_rows);
+  const uint64_t calls = TP ? a.epochs[0] : 0;  // all-reduces made before this step (section 20's counter)
   __syncthreads();
   // Fill the ring: chunks 0 .. RING-2 of this block's order (each warp its own strips).
   PersistCursor load = persist_cursor_start();
@@ -8406,14 +8475,24 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
     if (op.kind == PERSIST_EMBED) {
       if (blockIdx.x == 0) {
         for (int c = threadIdx.x; c < B * a.H / 8; c += PERSIST_THREADS) {
-          const int b = c / (a.H / 8), i = c % (a.H / 8), id = a.ids[b];
-          const bool ok = id >= 0 && id < a.V;
+          const int b = c / (a.H / 8), i = c % (a.H / 8), id = a.ids[b] - (TP ? a.vocab_offset : 0);
+          const bool ok = id >= 0 && id < a.V;  // at TP > 1, this rank's part of the vocabulary
           reinterpret_cast<uint4*>(a.residual)[c] =
               ok ? reinterpret_cast<const uint4*>(a.embed + (size_t)id * a.H)[i] : make_uint4(0, 0, 0, 0);
         }
         persist_signal(a, o);
       }
       continue;
+    }
+    if constexpr (TP) {
+      if (op.kind == PERSIST_ALLREDUCE) {
+        if ((int)blockIdx.x < op.groups) {
+          persist_wait(a, o - 1, ops[o - 1].tasks);
+          persist_all_reduce<B>(a, op, calls);
+          persist_signal(a, o);
+        }
+        continue;
+      }
     }
     if (op.kind == PERSIST_ATTN) {
       const int hpw = persist_attn_split(a.NH / a.NKV).hpw;
@@ -8430,7 +8509,7 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
     persist_load_norm(op, nw);
     if (o != a.skip_wait) persist_wait(a, o - 1, ops[o - 1].tasks);
     persist_trace_ahead(a, o, load, consumed);
-    persist_stage_input<B>(a, op, xs, res, scratch, nw);
+    persist_stage_input<B, TP>(a, op, xs, res, scratch, nw);
     persist_trace(a, o, 1);
     const int kchunks = persist_k_chunks(op);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -8448,7 +8527,7 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
         persist_gemv_chunk<B>(op, kc, ring + consumed % PERSIST_RING * PERSIST_SLOT_ELEMS, xs, acc);
         consumed++;
       }
-      persist_gemv_epilogue<B>(a, op, g, parity, acc, red, res);
+      persist_gemv_epilogue<B, TP>(a, op, g, parity, acc, red, res);
     }
     persist_trace(a, o, 3);
     persist_signal(a, o);
@@ -8456,6 +8535,12 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
     persist_trace(a, o, 2);
   }
   cp_async_wait<0>();
+  if constexpr (TP) {  // the last block to finish stores the call count (every block has read it by then)
+    if (threadIdx.x == 0 && atom_acq_rel_add(a.finished, 1) == (int)gridDim.x - 1) {
+      const uint64_t count = calls + (uint64_t)a.n_calls;
+      for (int j = 0; j < AR_MAX_BLOCKS; j++) a.epochs[j] = count;
+    }
+  }
 }
 
 // The plan: built once per batch size at start-up.
@@ -8465,11 +8550,12 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
 struct PersistFormat;
 struct PersistPlan {
   int B = 0, grid = 0, parts = 0;  // parts: attention's partitions of each (sequence, KV head)
+  int tp = 1, calls = 0;           // the GPUs, and the all-reduces of a step (ALLREDUCE operations)
   const PersistFormat* format = nullptr;  // the cache format it reads, the engine's (fixed for a run)
   size_t smem = 0;
   std::vector<PersistOp> ops;
   PersistOp* ops_d = nullptr;
-  int* sync_d = nullptr;  // done [ops], then tickets [L, B, NKV]: one memset clears both
+  int* sync_d = nullptr;  // done [ops], tickets [L, B, NKV], then (TP > 1) finished [1]: one memset clears all
   size_t sync_bytes = 0;
   float* partials_d = nullptr;
 };
@@ -8509,19 +8595,19 @@ static size_t persist_smem_bytes(int B, int Kmax, int H, int gqa, int n_ops) {
          std::max((size_t)B * (Kmax + 8 + H) * sizeof(bf16), attn);
 }
 
-// The kernel of cache format F for the plan's batch size.
-template <class F>
+// The kernel of cache format F for the plan's batch size (TP: a rank's of several).
+template <class F, bool TP>
 static void persist_launch(const PersistPlan& plan, const PersistArgs& a, cudaStream_t s) {
   switch (plan.B) {
-    case 1: persistent_decode_kernel<1, F><<<plan.grid, PERSIST_THREADS, plan.smem, s>>>(a); break;
-    case 2: persistent_decode_kernel<2, F><<<plan.grid, PERSIST_THREADS, plan.smem, s>>>(a); break;
-    case 4: persistent_decode_kernel<4, F><<<plan.grid, PERSIST_THREADS, plan.smem, s>>>(a); break;
+    case 1: persistent_decode_kernel<1, F, TP><<<plan.grid, PERSIST_THREADS, plan.smem, s>>>(a); break;
+    case 2: persistent_decode_kernel<2, F, TP><<<plan.grid, PERSIST_THREADS, plan.smem, s>>>(a); break;
+    case 4: persistent_decode_kernel<4, F, TP><<<plan.grid, PERSIST_THREADS, plan.smem, s>>>(a); break;
     default: INTERNAL_CHECK(false, "no persistent decode kernel for batch %d", plan.B);
   }
 }
-template <int B, class F>
+template <int B, class F, bool TP>
 static bool persist_kernel_fits(size_t smem) {
-  const auto kernel = persistent_decode_kernel<B, F>;
+  const auto kernel = persistent_decode_kernel<B, F, TP>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
     cudaGetLastError();
     return false;
@@ -8532,12 +8618,12 @@ static bool persist_kernel_fits(size_t smem) {
 }
 // Whether batch B's kernel for cache format F fits on this GPU with smem bytes of shared memory (and sets its
 // limit to that).
-template <class F>
+template <class F, bool TP>
 static bool persist_fits(int B, size_t smem) {
   switch (B) {
-    case 1: return persist_kernel_fits<1, F>(smem);
-    case 2: return persist_kernel_fits<2, F>(smem);
-    case 4: return persist_kernel_fits<4, F>(smem);
+    case 1: return persist_kernel_fits<1, F, TP>(smem);
+    case 2: return persist_kernel_fits<2, F, TP>(smem);
+    case 4: return persist_kernel_fits<4, F, TP>(smem);
   }
   return false;
 }
@@ -8550,8 +8636,13 @@ struct PersistFormat {
   bool (*fits)(int B, size_t smem);
   void (*launch)(const PersistPlan& plan, const PersistArgs& a, cudaStream_t s);
   void (*layer_scales)(int layer, float (&kv_scale)[2]);  // PersistOp::kv_scale of layer's ATTN; null: 1, 1
+  // The kernels of a rank of several (TP > 1); null: the format has none, and such an engine keeps section
+  // 14's path.
+  bool (*fits_tp)(int B, size_t smem);
+  void (*launch_tp)(const PersistPlan& plan, const PersistArgs& a, cudaStream_t s);
 };
-static const PersistFormat kPersistBf16 = {"bf16", 2, persist_fits<KVBf16>, persist_launch<KVBf16>, nullptr};
+static const PersistFormat kPersistBf16 = {"bf16", 2, persist_fits<KVBf16, false>, persist_launch<KVBf16, false>,
+                                           nullptr, persist_fits<KVBf16, true>, persist_launch<KVBf16, true>};
 
 // This chapter's state, for the engine built last; its apply (section 27) resets it for every engine. The
 // format its plans read is bf16 unless the engine's KV cache format names its own (a format's apply, section
@@ -8574,10 +8665,20 @@ static PersistentState g_persistent;
 static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs) {
   PersistentDecode pd;
   const ModelConfig& c = model.cfg;
-  const int H = c.hidden_size, I = c.intermediate_size, D = c.head_dim, L = c.num_hidden_layers;
-  const int NH = c.num_attention_heads, NKV = c.num_key_value_heads, V = c.vocab_size;
-  if (model.tp > 1) return pd.off_reason = "tensor parallelism keeps section 14's path", pd;
+  const int tp = model.tp, H = c.hidden_size, I = c.intermediate_size / tp, D = c.head_dim;
+  const int L = c.num_hidden_layers, NH = c.num_attention_heads / tp, NKV = c.num_key_value_heads / tp;
+  const int V = (int)cdiv(c.vocab_size, tp);  // this rank's shard of each (section 12)
   if (c.num_experts > 0) return pd.off_reason = "a MoE model keeps section 14's path (no expert operation)", pd;
+  if (tp > 1 && !(model.comm && model.comm->fast && g_opt.oneshot_allreduce))
+    return pd.off_reason = "tensor parallelism without section 20's one-shot all-reduce (oneshot_allreduce off, or "
+                           "GPUs that cannot reach each other's memory) keeps section 14's path", pd;
+  if (tp > 1 && !g_persistent.format->launch_tp)
+    return pd.off_reason = std::string("tensor parallelism with the ") + g_persistent.format->name +
+                           " cache keeps section 14's path (no kernel for it)", pd;
+  // The sums over the GPUs (section 24): after the embedding and after each layer's O and DOWN; none where
+  // NANOVLLM_ALLREDUCE=skip leaves every all-reduce out (timing only).
+  const bool sums = tp > 1 && !model.comm->skip;
+  const int calls = sums ? 2 * L + 1 : 0;
   int dev = 0, cc = 0, sms = 0;
   CUDA_CHECK(cudaGetDevice(&dev));
   CUDA_CHECK(cudaDeviceGetAttribute(&cc, cudaDevAttrComputeCapabilityMajor, dev));
@@ -8589,9 +8690,10 @@ static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs) {
   const int Kmax = std::max({H, NH * D, I});
   for (int B = 1; B <= std::min(PERSIST_MAX_B, max_num_seqs); B *= 2) {
     PersistPlan p;
-    p.B = B, p.grid = sms, p.smem = persist_smem_bytes(B, Kmax, H, gqa, 2 + 5 * L);
+    p.B = B, p.grid = sms, p.smem = persist_smem_bytes(B, Kmax, H, gqa, 2 + 5 * L + calls);
+    p.tp = tp, p.calls = calls;
     p.format = g_persistent.format;
-    if (!p.format->fits(B, p.smem)) continue;
+    if (!(tp > 1 ? p.format->fits_tp : p.format->fits)(B, p.smem)) continue;
     p.parts = std::max(1, std::min(64, sms / (B * NKV)));
     auto gemv_op = [&](int kind, int layer, const bf16* W, const bf16* norm_w, int N, int K) {
       PersistOp op = {kind, layer, W, norm_w, nullptr, N, K, 0, 0};
@@ -8600,7 +8702,14 @@ static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs) {
       op.tasks = std::min(op.groups, sms);
       p.ops.push_back(op);
     };
+    int call = 0;
+    auto all_reduce_op = [&](int add) {  // the next sum over the GPUs (K = add: see PersistOp)
+      if (!sums) return;
+      const int blocks = (int)cdiv((int64_t)B * H / 8, PERSIST_THREADS);
+      p.ops.push_back({PERSIST_ALLREDUCE, call++, nullptr, nullptr, nullptr, H, add, blocks, blocks});
+    };
     p.ops.push_back({PERSIST_EMBED, 0, nullptr, nullptr, nullptr, 0, 0, 0, 1});
+    all_reduce_op(0);
     for (int l = 0; l < L; l++) {
       const LayerWeights& lw = model.w.layers[l];
       gemv_op(PERSIST_QKV, l, lw.qkv_proj, lw.input_layernorm, (NH + 2 * NKV) * D, H);
@@ -8608,13 +8717,16 @@ static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs) {
       if (p.format->layer_scales) p.format->layer_scales(l, attn.kv_scale);
       p.ops.push_back(attn);
       gemv_op(PERSIST_O, l, lw.o_proj, nullptr, H, NH * D);
+      all_reduce_op(1);
       gemv_op(PERSIST_GATE_UP, l, lw.gate_up_proj, lw.post_attention_layernorm, I, H);
       gemv_op(PERSIST_DOWN, l, lw.down_proj, nullptr, H, I);
+      all_reduce_op(1);
     }
     gemv_op(PERSIST_LM_HEAD, L, model.w.lm_head, model.w.norm, V, H);
+    INTERNAL_CHECK(call == calls, "persistent plan: %d all-reduces, %d expected", call, calls);
     CUDA_CHECK(cudaMalloc(&p.ops_d, p.ops.size() * sizeof(PersistOp)));
     CUDA_CHECK(cudaMemcpy(p.ops_d, p.ops.data(), p.ops.size() * sizeof(PersistOp), cudaMemcpyHostToDevice));
-    p.sync_bytes = (p.ops.size() + (size_t)L * B * NKV) * sizeof(int);
+    p.sync_bytes = (p.ops.size() + (size_t)L * B * NKV + 1) * sizeof(int);
     CUDA_CHECK(cudaMalloc(&p.sync_d, p.sync_bytes));
     CUDA_CHECK(cudaMalloc(&p.partials_d, (size_t)B * NKV * p.parts * gqa * (D + 2) * sizeof(float)));
     pd.plans[B] = std::move(p);
@@ -8638,12 +8750,22 @@ static void persistent_decode(Qwen3& model, const PersistPlan& plan, const StepI
   a.block_tables = in.block_tables;
   a.kv = model.kv.base, a.layer_stride = model.kv.layer_stride, a.kv_stride = model.kv.kv_stride;
   INTERNAL_CHECK(model.kv.value_bytes == plan.format->value_bytes, "the cache's format changed after the plan");
-  a.B = plan.B, a.H = c.hidden_size, a.NH = c.num_attention_heads, a.NKV = c.num_key_value_heads;
-  a.I = c.intermediate_size, a.V = c.vocab_size, a.P = model.P, a.MB = model.MB, a.parts = plan.parts;
-  a.Kmax = std::max({c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size});
+  const int tp = plan.tp;  // this rank's shard of the heads, the intermediate columns and the vocabulary
+  a.B = plan.B, a.H = c.hidden_size, a.NH = c.num_attention_heads / tp, a.NKV = c.num_key_value_heads / tp;
+  a.I = c.intermediate_size / tp, a.V = (int)cdiv(c.vocab_size, tp), a.P = model.P, a.MB = model.MB;
+  a.parts = plan.parts, a.Kmax = std::max({a.H, a.NH * c.head_dim, a.I});
   a.eps = c.rms_norm_eps, a.scale = 1.0f / sqrtf((float)c.head_dim), a.inv_freq = rope_inv_freq(c.rope_theta);
   a.skew_ns = skew_ns, a.skip_wait = skip_wait, a.trace = trace;
-  plan.format->launch(plan, a, s);
+  a.rank = model.rank, a.tp = tp, a.vocab_offset = model.rank * a.V, a.n_calls = plan.calls;
+  a.finished = plan.sync_d + plan.ops.size() + (size_t)c.num_hidden_layers * plan.B * a.NKV;
+  if (tp > 1) {
+    const OneShot* os = (const OneShot*)model.comm->fast;
+    a.hidden = model.act.hidden, a.peers = os->peers, a.epochs = os->epochs;
+    a.ar_half = ar_half_chunks(tp), a.ar_slot = ar_oneshot_slot_chunks(tp);
+    plan.format->launch_tp(plan, a, s);
+  } else {
+    plan.format->launch(plan, a, s);
+  }
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -8774,13 +8896,13 @@ static std::string persist_cache_key(const Qwen3& model, const PersistentDecode&
   char buf[512];
   snprintf(buf, sizeof buf,
            "gpu=%s cc=%d.%d sms=%d mem=%zu driver=%d runtime=%d build=%016llx model=%d,%d,%d,%d,%d,%d,%d,%d "
-           "P=%d MB=%d max_model_len=%d kv=%s opt=%d%d%d%d%d%d%d",
+           "P=%d MB=%d max_model_len=%d kv=%s opt=%d%d%d%d%d%d%d tp=%d rank=%d",
            prop.name, prop.major, prop.minor, prop.multiProcessorCount, prop.totalGlobalMem, driver, runtime,
            (unsigned long long)persist_build_hash(), c.hidden_size, c.intermediate_size, c.num_hidden_layers,
            c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size, (int)c.tie_word_embeddings,
            model.P, model.MB, model.max_model_len, g_persistent.format->name,
            g_opt.flash_attn, g_opt.pdl, g_opt.gemv, g_opt.cluster_merge, g_opt.fused_rope, g_opt.fast_sampler,
-           g_opt.prefill_graphs);
+           g_opt.prefill_graphs, model.tp, model.rank);
   std::string key = buf;
   for (const auto& [B, p] : pd.plans)
     key += " plan=" + std::to_string(B) + ":" + std::to_string(p.grid) + ":" + std::to_string(p.smem);
@@ -8862,10 +8984,17 @@ static void persist_measure(Qwen3& model, PersistentDecode& pd, cudaStream_t s) 
   const std::string dir = pd.plans.empty() || !persist_build_hash() ? "" : persist_cache_dir();
   const std::string key = dir.empty() ? "" : persist_cache_key(model, pd);
   const std::string path = dir.empty() ? "" : persist_cache_path(dir, key);
-  if (!dir.empty() && persist_cache_read(path, key, pd, longest)) {
+  // At TP > 1 the ranks must route alike (each rank's kernel waits for the others' in its all-reduces, and
+  // both paths' measurements make all-reduces): each rank reads its own file, and they use the files only if
+  // every rank's is valid; a measured time is the slowest rank's (a step takes as long as its slowest GPU),
+  // so every rank holds the same times and routes the same.
+  auto agreed = [&](int64_t v) { return model.tp > 1 ? all_reduce_min(model.comm, v) : v; };
+  if (agreed(!dir.empty() && persist_cache_read(path, key, pd, longest))) {
     pd.cache_file = path;
     return persist_route(pd, longest);
   }
+  pd.timed.clear();
+  auto slowest = [&](double us) { return model.tp > 1 ? -agreed(-llround(us * 1000.0)) / 1000.0 : us; };
   // One step of B sequences of ctx keys, both ways.
   auto measure = [&](int B, const PersistPlan& plan, int ctx) {
     const int per_seq = (int)cdiv(ctx, model.P);
@@ -8885,7 +9014,7 @@ static void persist_measure(Qwen3& model, PersistentDecode& pd, cudaStream_t s) 
     }, s);
     const double kernel = persist_time_graph([&] { persistent_decode(model, plan, in, s, 0, -1, nullptr); }, s);
     CUDA_CHECK(cudaFree(d));
-    return PersistTimes{ctx, fused, kernel};
+    return PersistTimes{ctx, slowest(fused), slowest(kernel)};
   };
   for (const auto& [B, plan] : pd.plans) {
     std::vector<PersistTimes>& t = pd.timed[B];
@@ -8936,6 +9065,12 @@ static std::string persist_describe(const PersistentDecode& pd) {
 // Its state is g_persistent (section 26).
 static void persist_model_ready(Qwen3& model, const Config& c) {
   g_persistent.decode = std::make_unique<PersistentDecode>(persist_setup(model, c.max_num_seqs));
+  PersistentDecode& pd = *g_persistent.decode;
+  if (model.tp > 1) {  // a batch size has a plan on every rank or on none (persist_measure: the ranks agree)
+    for (int B = 1; B <= PERSIST_MAX_B; B *= 2)
+      if (!all_reduce_min(model.comm, (int64_t)pd.plans.count(B))) pd.plans.erase(B);
+    if (pd.plans.empty() && pd.off_reason.empty()) pd.off_reason = "its shared memory does not fit on every GPU";
+  }
   cudaStream_t s;
   CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   persist_measure(model, *g_persistent.decode, s);
@@ -10530,7 +10665,8 @@ static Fp8Cache g_fp8_cache;
 static void fp8_layer_scales(int l, float (&kv_scale)[2]) {
   kv_scale[0] = g_fp8_cache.scales.at(l).k, kv_scale[1] = g_fp8_cache.scales.at(l).v;
 }
-static const PersistFormat kPersistFp8 = {"fp8", 1, persist_fits<KVFp8>, persist_launch<KVFp8>, fp8_layer_scales};
+static const PersistFormat kPersistFp8 = {"fp8", 1, persist_fits<KVFp8, false>, persist_launch<KVFp8, false>,
+                                          fp8_layer_scales, nullptr, nullptr};
 
 // ---- Section 14's stages for an fp8 cache ----
 // The kernels of the bf16 path, instantiated with KVFp8: store_qkv is section 19's eight-lane kernel;

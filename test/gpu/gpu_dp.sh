@@ -86,7 +86,10 @@ seqs, plens = [], []
 for l in open(out):
     j = json.loads(l)
     if "index" not in j or reqs[j["index"]]["temperature"] != 0: continue
-    p = tok.apply_chat_template([{"role": "user", "content": reqs[j["index"]]["prompt"]}], tokenize=True, add_generation_prompt=True)
+    # (the text, then its ids: apply_chat_template(tokenize=True) returns a list in transformers 4.x and a
+    # BatchEncoding in 5.x)
+    text = tok.apply_chat_template([{"role": "user", "content": reqs[j["index"]]["prompt"]}], tokenize=False, add_generation_prompt=True)
+    p = tok(text, add_special_tokens=False)["input_ids"]
     seqs.append(list(p) + j["token_ids"]); plens.append(len(p))
 json.dump({"tolerance": json.load(open(ref))["tolerance"], "runs": {"dp": {"sequences": seqs, "prompt_lens": plens}}}, open(dst, "w"))
 PY

@@ -136,9 +136,9 @@ TEST(all_reduce_matches_fp32_sum_on_every_road) {
   CUDA_CHECK(cudaFree(residual));
 }
 
-// The NVLink roads with larger grids than their default (up to one block per SM), which the timing case
-// compares: the same bits.
-TEST(all_reduce_with_larger_grids) {
+// The NVLink roads with smaller grids than their default, which the timing case compares: the same bits
+// (a thread block then carries several chunks of a message, and a rank's grid may differ from another's).
+TEST(all_reduce_with_smaller_grids) {
   NEED_TWO_GPUS();
   if (!g_comm->fast) SKIP("no NVLink road between these GPUs");
   const size_t sizes[] = {4096 * 64, 4096 * 256, 4096 * 512 + 8 * 17};
@@ -147,13 +147,14 @@ TEST(all_reduce_with_larger_grids) {
   CUDA_CHECK(cudaMalloc(&residual, sizes[2] * 2));
   cudaStream_t s;
   CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  const int most = grid_limit();
-  for (int blocks : {2 * AR_BLOCKS, 4 * AR_BLOCKS})
-    if (blocks <= most)
-      for (size_t n : sizes)
-        for (bf16* r : {(bf16*)nullptr, residual})
-          check_all_reduce(x, n, (int)n + blocks + (r ? 7 : 0), s, blocks == 2 * AR_BLOCKS ? "64 blocks" : "128 blocks",
-                           r, blocks);
+  for (int blocks : {8, 32, 64})
+    for (size_t n : sizes)
+      for (bf16* r : {(bf16*)nullptr, residual}) {
+        // (rank r launches blocks << (r % 2): grids that differ between the ranks)
+        const int mine = std::min(AR_BLOCKS, blocks << (g_rank % 2));
+        const std::string what = std::to_string(blocks) + " blocks";
+        check_all_reduce(x, n, (int)n + blocks + (r ? 7 : 0), s, what.c_str(), r, mine);
+      }
   CUDA_CHECK(cudaFree(x));
   CUDA_CHECK(cudaFree(residual));
 }
@@ -388,7 +389,7 @@ TIMING(bench_all_reduce_latency) {
            "(default road into the residual %.2f us; in a CUDA graph)\n",
            g_comm->size, B, n * 2, cell(one, us[0]).c_str(), cell(two, us[1]).c_str(), us[2], add_us);
   }
-  // The NVLink roads' grids: AR_BLOCKS thread blocks (the default) against more, up to one per SM.
+  // The NVLink roads' grids: 32 and 64 thread blocks against 128 (the default, AR_BLOCKS), at most one per SM.
   const int grid_most = grid_limit();
   for (int B : {32, 64, 128, 256, 512}) {
     const size_t n = (size_t)B * 4096;
@@ -397,7 +398,7 @@ TIMING(bench_all_reduce_latency) {
       const bool fits = road == 0 ? n * 2 <= ar_max_bytes(g_comm->size) : twoshot_fits(g_comm, n);
       if (!g_comm->fast || !fits) continue;
       line += road == 0 ? "  one-shot" : "  two-shot";
-      for (int blocks : {AR_BLOCKS, 2 * AR_BLOCKS, 4 * AR_BLOCKS}) {
+      for (int blocks : {32, 64, 128}) {
         if (blocks > grid_most) continue;
         const double t = graph_us_per_call(s, [&] {
           if (road == 0) all_reduce_p2p(g_comm, x, nullptr, n, s, blocks);

@@ -322,8 +322,8 @@ TEST(defaults_are_all) {
 // operation's weights by another's input. Random operation lists, grids of 1 to 132 blocks.
 TEST(persistent_weight_stream_order) {
   std::mt19937 rng(23);
-  const int kinds[] = {PERSIST_EMBED, PERSIST_QKV,     PERSIST_ATTN,   PERSIST_O,
-                       PERSIST_GATE_UP, PERSIST_DOWN, PERSIST_LM_HEAD};
+  const int kinds[] = {PERSIST_EMBED,   PERSIST_QKV,  PERSIST_ATTN,    PERSIST_O,
+                       PERSIST_GATE_UP, PERSIST_DOWN, PERSIST_LM_HEAD, PERSIST_ALLREDUCE};
   const int grids[] = {1, 3, 7, 132};
   size_t visited = 0;
   for (int trial = 0; trial < 400; trial++) {
@@ -332,7 +332,7 @@ TEST(persistent_weight_stream_order) {
     for (int i = 0; i < n; i++) {
       PersistOp& op = ops[i];
       op = PersistOp{};
-      op.kind = kinds[rng() % 7], op.layer = i;
+      op.kind = kinds[rng() % 8], op.layer = i;
       op.W = reinterpret_cast<const bf16*>((uintptr_t)(i + 1) << 20);
       op.K = 1 + (int)(rng() % 5000), op.N = 1 + (int)(rng() % 3000);
       op.groups = rng() % 4 ? 1 + (int)(rng() % 400) : (int)(rng() % 3);  // some with fewer groups than blocks
