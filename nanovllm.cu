@@ -1225,18 +1225,13 @@ static std::vector<float> block_scales(const TensorView& s) {
 // scales its weights were quantized with. A NaN byte is refused, naming `t` (the weight) and where.
 static void dequantize_row(uint16_t* out, const uint8_t* w, int64_t n, const float* scale, int64_t scale_cols,
                            int64_t r, int64_t c, const TensorView& t) {
+  const size_t bad = e4m3_first_nan(w, (size_t)n);
+  if (bad < (size_t)n)
+    die("tensor '%s' in %s holds a NaN byte (0x%02x) at [%lld, %lld]; a quantizer never writes one: the "
+        "checkpoint is damaged", t.name.c_str(), t.file.c_str(), w[bad], (long long)r, (long long)(c + bad));
   const float* table = block_quantized_values();
   const float* srow = scale + r / 128 * scale_cols;
-  bool nan = false;
-  for (int64_t j = 0; j < n; j++) {
-    nan |= (w[j] & 0x7f) == 0x7f;
-    out[j] = float_to_bf16_bits(table[w[j]] * srow[(c + j) / 128]);
-  }
-  for (int64_t j = 0; nan && j < n; j++)
-    if ((w[j] & 0x7f) == 0x7f)
-      die("tensor '%s' in %s holds a NaN byte (0x%02x) at [%lld, %lld]; a quantizer never writes one: the "
-          "checkpoint is damaged", t.name.c_str(), t.file.c_str(), w[j], (long long)r,
-          (long long)(c + j));
+  for (int64_t j = 0; j < n; j++) out[j] = float_to_bf16_bits(table[w[j]] * srow[(c + j) / 128]);
 }
 // ---- The loader: staging buffers, the list of tensors, the checks ----------------------------------------
 // Copies tensor slices into the GPU arena through two pinned staging buffers, so the CPU fills one while the
@@ -7592,8 +7587,8 @@ static const int kPrefillGraphsRegistered = register_optimization(
 
 // ==== 24. One persistent kernel for a small-batch decode step, 1: the operation chain ===============
 // defines: PERSIST_MAX_B, PersistOp, PersistArgs, PersistCursor, persist_issue, persist_wait, persist_signal,
-//          persist_stage_input, persist_gemv_chunk, persist_gemv_epilogue, persist_all_reduce (sections 25-27:
-//          the rest)
+//          persist_stream_k, persist_rms_scales, persist_stage_input, persist_gemv_chunk, persist_gemv_epilogue,
+//          persist_all_reduce (sections 25-27: the rest)
 //
 // Replaces: at decode steps of 1, 2 or 4 sequences, all of section 14's forward pass on each GPU: about five
 // kernels per layer plus the head, 143 launches for Qwen3-0.6B, and at TP > 1 the all-reduces between them.
@@ -7717,6 +7712,11 @@ struct PersistOp {
   int tasks;           // how many adds to done[o] complete this operation
   float kv_scale[2] = {1.f, 1.f};  // ATTN: what the layer's stored keys, values are multiplied by (a cache
                                    // format's, PersistFormat::layer_scales; bf16: 1)
+  // A product whose weights are FP8 (section 29a; null: bf16): W then holds e4m3 bytes [N, K], wscale their
+  // block scales [N / 128, wld] (section 28's Fp8Matrix). The weight stream takes two e4m3 bytes for one
+  // bf16 value: the same 32 KiB chunks, 2,048 columns wide.
+  const float* wscale = nullptr;
+  int wld = 0;
 };
 
 // Shared-memory bytes of a copy of the operation list (16-byte multiple).
@@ -7767,8 +7767,10 @@ __device__ __forceinline__ int64_t persist_weight_row(const PersistOp& op, int g
 __host__ __device__ __forceinline__ bool persist_is_gemv(int kind) {
   return kind != PERSIST_EMBED && kind != PERSIST_ATTN && kind != PERSIST_ALLREDUCE;
 }
+// A row of W in the stream's 16-bit units: K, or K / 2 for FP8 weights.
+__host__ __device__ __forceinline__ int persist_stream_k(const PersistOp& op) { return op.wscale ? op.K / 2 : op.K; }
 __host__ __device__ __forceinline__ int persist_k_chunks(const PersistOp& op) {
-  return (op.K + PERSIST_KC - 1) / PERSIST_KC;
+  return (persist_stream_k(op) + PERSIST_KC - 1) / PERSIST_KC;
 }
 
 // The weight ring's producer side: the position of the next chunk to load (operation, group, column chunk)
@@ -7802,7 +7804,7 @@ __host__ __device__ __forceinline__ bool persist_seek(int n_ops, const PersistOp
     const PersistOp& op = ops[c.o];
     if (!persist_is_gemv(op.kind) || block >= op.groups) continue;
     const bool gate_up = op.kind == PERSIST_GATE_UP;
-    c.g = block, c.kc = 0, c.W = op.W, c.K = op.K, c.N = op.N, c.kchunks = persist_k_chunks(op);
+    c.g = block, c.kc = 0, c.W = op.W, c.K = persist_stream_k(op), c.N = op.N, c.kchunks = persist_k_chunks(op);
     c.groups = op.groups, c.per = gate_up ? PERSIST_ROWS / 2 : PERSIST_ROWS, c.half = gate_up ? op.N : 8;
     return true;
   }
@@ -7845,8 +7847,9 @@ __device__ __forceinline__ void persist_issue(const PersistArgs& a, const Persis
       for (int i = 0; i < PERSIST_ROWS * PERSIST_WARP_K / 8 / 32; i++) {
         const int p = lane + 32 * i, r = p >> 3, piece = p & 7, col = k0 + piece * 8;
         const int64_t row = persist_weight_row(op, c.g, r);
-        const bool valid = row >= 0 && col < op.K;
-        cp_async_16(strip + persist_strip_index(r, piece), valid ? op.W + row * op.K + col : op.W, valid);
+        const int K = persist_stream_k(op);
+        const bool valid = row >= 0 && col < K;
+        cp_async_16(strip + persist_strip_index(r, piece), valid ? op.W + row * K + col : op.W, valid);
       }
     }
     c.kc++, c.n++;
@@ -7943,6 +7946,42 @@ __device__ __forceinline__ void persist_load_norm(const PersistOp& op, uint4 (&n
   }
 }
 
+// The RMSNorm's 1 / rms of B rows of K values, in scale[b] for every thread: section 7's rmsnorm_row's sum, bit
+// for bit (each thread's squares in its chunks' order, added across the warp, then over the warps in order),
+// row(b, c) giving chunk c (8 values) of row b. scratch: [B, 32].
+template <int B, class Row>
+__device__ __forceinline__ void persist_rms_scales(Row row, int K, float eps, float* scratch, float (&scale)[B]) {
+  const int nchunks = K / 8, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float ss[B];
+#pragma unroll
+  for (int b = 0; b < B; b++) ss[b] = 0.f;
+#pragma unroll
+  for (int k = 0; k < NORM_MAX_CHUNKS; k++) {
+    const int c = threadIdx.x + k * PERSIST_THREADS;
+    if (c >= nchunks) break;
+#pragma unroll
+    for (int b = 0; b < B; b++) {
+      float v[8];
+      bf16x8_to_float(row(b, c), v);
+#pragma unroll
+      for (int i = 0; i < 8; i++) ss[b] += v[i] * v[i];
+    }
+  }
+#pragma unroll
+  for (int b = 0; b < B; b++) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss[b] += __shfl_xor_sync(0xffffffffu, ss[b], o);
+    if (lane == 0) scratch[b * 32 + warp] = ss[b];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int b = 0; b < B; b++) {
+    float total = 0.f;
+    for (int w = 0; w < PERSIST_WARPS; w++) total += scratch[b * 32 + w];
+    scale[b] = rsqrtf(total / (float)K + eps);
+  }
+}
+
 // The input of a gemv for all B sequences into xs [B, K + 8] (rows 16 bytes longer than K, so the sequences'
 // reads in persist_gemv_chunk fall in different banks): a copy of attn or act, or rmsnorm of the residual
 // stream. O and DOWN also copy the residual stream into res [B, H], for their epilogue (not at TP > 1, where
@@ -7962,36 +8001,10 @@ __device__ __forceinline__ void persist_stage_input(const PersistArgs& a, const 
   if (!TP && (op.kind == PERSIST_O || op.kind == PERSIST_DOWN)) persist_copy_in(res, a.residual, B * op.N);
   __syncthreads();
   if (!op.norm_w) return;
-  const int nchunks = op.K / 8, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float ss[B];
-#pragma unroll
-  for (int b = 0; b < B; b++) ss[b] = 0.f;
-#pragma unroll
-  for (int k = 0; k < NORM_MAX_CHUNKS; k++) {
-    const int c = threadIdx.x + k * PERSIST_THREADS;
-    if (c >= nchunks) break;
-#pragma unroll
-    for (int b = 0; b < B; b++) {
-      float v[8];
-      bf16x8_to_float(reinterpret_cast<const uint4*>(xs + b * ks)[c], v);
-#pragma unroll
-      for (int i = 0; i < 8; i++) ss[b] += v[i] * v[i];
-    }
-  }
-#pragma unroll
-  for (int b = 0; b < B; b++) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss[b] += __shfl_xor_sync(0xffffffffu, ss[b], o);
-    if (lane == 0) scratch[b * 32 + warp] = ss[b];
-  }
-  __syncthreads();
+  const int nchunks = op.K / 8;
   float scale[B];
-#pragma unroll
-  for (int b = 0; b < B; b++) {
-    float total = 0.f;
-    for (int w = 0; w < PERSIST_WARPS; w++) total += scratch[b * 32 + w];
-    scale[b] = rsqrtf(total / (float)op.K + a.eps);
-  }
+  persist_rms_scales<B>([&](int b, int c) { return reinterpret_cast<const uint4*>(xs + b * ks)[c]; }, op.K, a.eps,
+                        scratch, scale);
 #pragma unroll
   for (int k = 0; k < NORM_MAX_CHUNKS; k++) {
     const int c = threadIdx.x + k * PERSIST_THREADS;
@@ -8440,13 +8453,25 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
 }
 
 // ==== 26. The persistent kernel, 3: the kernel, its plan and its launch ====================================
-// defines: persistent_decode_kernel, PersistPlan, PersistentDecode, persist_launch, persist_fits, PersistFormat,
-//          kPersistBf16, PersistentState, g_persistent, persist_setup, persistent_decode
+// defines: PersistVariant, persistent_decode_kernel, PersistPlan, PersistentDecode, persist_launch, persist_fits,
+//          PersistKernels, PersistFormat, kPersistBf16, PersistentState, g_persistent, PersistFp8Layer,
+//          persist_setup, persistent_decode
+
+// The kernel's variants, each its own instantiation (code one variant needs costs the others registers):
+// one GPU; a rank of several (its sums over the GPUs, section 24); one GPU with FP8 weights (section 29a,
+// whose staging of a product's input and whose chunk of FP8 products are declared here).
+enum PersistVariant : int { PERSIST_ONE_GPU, PERSIST_TP, PERSIST_FP8_WEIGHTS, PERSIST_VARIANTS };
+template <int B>
+__device__ void persist_stage_fp8(const PersistArgs& a, const PersistOp& op, bf16* xs, bf16* res, float* scratch);
+template <int B>
+__device__ void persist_gemv_chunk_fp8(const PersistOp& op, int g, int kc, const bf16* slot, const bf16* xs,
+                                       float (&acc)[4]);
 
 // F: the cache format (section 15a; one kernel per format: another's attention would cost this one registers).
-// TP: the kernel of a rank of several (its sums over the GPUs, section 24).
-template <int B, class F, bool TP>
+// V: the variant.
+template <int B, class F, int V>
 __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(PersistArgs a) {
+  constexpr bool TP = V == PERSIST_TP, W8 = V == PERSIST_FP8_WEIGHTS;
   extern __shared__ __align__(16) unsigned char persist_smem[];
   bf16* ring = reinterpret_cast<bf16*>(persist_smem);                      // [RING, SLOT_ELEMS]
   float* red = reinterpret_cast<float*>(ring + PERSIST_RING * PERSIST_SLOT_ELEMS);  // [2, WARPS, 16, 8]
@@ -8509,7 +8534,12 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
     persist_load_norm(op, nw);
     if (o != a.skip_wait) persist_wait(a, o - 1, ops[o - 1].tasks);
     persist_trace_ahead(a, o, load, consumed);
-    persist_stage_input<B, TP>(a, op, xs, res, scratch, nw);
+    if constexpr (W8) {
+      if (op.wscale) persist_stage_fp8<B>(a, op, xs, res, scratch);
+      else persist_stage_input<B, TP>(a, op, xs, res, scratch, nw);
+    } else {
+      persist_stage_input<B, TP>(a, op, xs, res, scratch, nw);
+    }
     persist_trace(a, o, 1);
     const int kchunks = persist_k_chunks(op);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -8524,7 +8554,13 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
         bf16* next = ring + (consumed + PERSIST_RING - 1) % PERSIST_RING * PERSIST_SLOT_ELEMS;
         if (g + (int)gridDim.x >= op.groups && kc == kchunks - 1) deferred = next;
         else persist_issue(a, ops, load, next);
-        persist_gemv_chunk<B>(op, kc, ring + consumed % PERSIST_RING * PERSIST_SLOT_ELEMS, xs, acc);
+        const bf16* slot = ring + consumed % PERSIST_RING * PERSIST_SLOT_ELEMS;
+        if constexpr (W8) {
+          if (op.wscale) persist_gemv_chunk_fp8<B>(op, g, kc, slot, xs, acc);
+          else persist_gemv_chunk<B>(op, kc, slot, xs, acc);
+        } else {
+          persist_gemv_chunk<B>(op, kc, slot, xs, acc);
+        }
         consumed++;
       }
       persist_gemv_epilogue<B, TP>(a, op, g, parity, acc, red, res);
@@ -8551,6 +8587,7 @@ struct PersistFormat;
 struct PersistPlan {
   int B = 0, grid = 0, parts = 0;  // parts: attention's partitions of each (sequence, KV head)
   int tp = 1, calls = 0;           // the GPUs, and the all-reduces of a step (ALLREDUCE operations)
+  int variant = PERSIST_ONE_GPU;   // the kernel it launches
   const PersistFormat* format = nullptr;  // the cache format it reads, the engine's (fixed for a run)
   size_t smem = 0;
   std::vector<PersistOp> ops;
@@ -8595,19 +8632,19 @@ static size_t persist_smem_bytes(int B, int Kmax, int H, int gqa, int n_ops) {
          std::max((size_t)B * (Kmax + 8 + H) * sizeof(bf16), attn);
 }
 
-// The kernel of cache format F for the plan's batch size (TP: a rank's of several).
-template <class F, bool TP>
+// Variant V's kernel of cache format F for the plan's batch size.
+template <class F, int V>
 static void persist_launch(const PersistPlan& plan, const PersistArgs& a, cudaStream_t s) {
   switch (plan.B) {
-    case 1: persistent_decode_kernel<1, F, TP><<<plan.grid, PERSIST_THREADS, plan.smem, s>>>(a); break;
-    case 2: persistent_decode_kernel<2, F, TP><<<plan.grid, PERSIST_THREADS, plan.smem, s>>>(a); break;
-    case 4: persistent_decode_kernel<4, F, TP><<<plan.grid, PERSIST_THREADS, plan.smem, s>>>(a); break;
+    case 1: persistent_decode_kernel<1, F, V><<<plan.grid, PERSIST_THREADS, plan.smem, s>>>(a); break;
+    case 2: persistent_decode_kernel<2, F, V><<<plan.grid, PERSIST_THREADS, plan.smem, s>>>(a); break;
+    case 4: persistent_decode_kernel<4, F, V><<<plan.grid, PERSIST_THREADS, plan.smem, s>>>(a); break;
     default: INTERNAL_CHECK(false, "no persistent decode kernel for batch %d", plan.B);
   }
 }
-template <int B, class F, bool TP>
+template <int B, class F, int V>
 static bool persist_kernel_fits(size_t smem) {
-  const auto kernel = persistent_decode_kernel<B, F, TP>;
+  const auto kernel = persistent_decode_kernel<B, F, V>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
     cudaGetLastError();
     return false;
@@ -8618,31 +8655,36 @@ static bool persist_kernel_fits(size_t smem) {
 }
 // Whether batch B's kernel for cache format F fits on this GPU with smem bytes of shared memory (and sets its
 // limit to that).
-template <class F, bool TP>
+template <class F, int V>
 static bool persist_fits(int B, size_t smem) {
   switch (B) {
-    case 1: return persist_kernel_fits<1, F, TP>(smem);
-    case 2: return persist_kernel_fits<2, F, TP>(smem);
-    case 4: return persist_kernel_fits<4, F, TP>(smem);
+    case 1: return persist_kernel_fits<1, F, V>(smem);
+    case 2: return persist_kernel_fits<2, F, V>(smem);
+    case 4: return persist_kernel_fits<4, F, V>(smem);
   }
   return false;
 }
+// A variant's kernels for one cache format: whether batch B's fits, and its launch (null: no such kernel).
+struct PersistKernels {
+  bool (*fits)(int B, size_t smem);
+  void (*launch)(const PersistPlan& plan, const PersistArgs& a, cudaStream_t s);
+};
+template <class F, int V>
+constexpr PersistKernels persist_kernels() { return {persist_fits<F, V>, persist_launch<F, V>}; }
 
 // The cache format the plans read: its kernels and, per layer, its scales. bf16 is Part I's, and the plans
 // read it unless the engine's cache format names another in g_persistent (below).
 struct PersistFormat {
   const char* name;  // as the measurement's cache key spells it
   int value_bytes;   // bytes per cached value (KVCache::value_bytes)
-  bool (*fits)(int B, size_t smem);
-  void (*launch)(const PersistPlan& plan, const PersistArgs& a, cudaStream_t s);
   void (*layer_scales)(int layer, float (&kv_scale)[2]);  // PersistOp::kv_scale of layer's ATTN; null: 1, 1
-  // The kernels of a rank of several (TP > 1); null: the format has none, and such an engine keeps section
-  // 14's path.
-  bool (*fits_tp)(int B, size_t smem);
-  void (*launch_tp)(const PersistPlan& plan, const PersistArgs& a, cudaStream_t s);
+  // By PersistVariant. A variant without kernels for this format keeps such an engine on section 14's path.
+  PersistKernels kernels[PERSIST_VARIANTS];
 };
-static const PersistFormat kPersistBf16 = {"bf16", 2, persist_fits<KVBf16, false>, persist_launch<KVBf16, false>,
-                                           nullptr, persist_fits<KVBf16, true>, persist_launch<KVBf16, true>};
+static const PersistFormat kPersistBf16 = {
+    "bf16", 2, nullptr,
+    {persist_kernels<KVBf16, PERSIST_ONE_GPU>(), persist_kernels<KVBf16, PERSIST_TP>(),
+     persist_kernels<KVBf16, PERSIST_FP8_WEIGHTS>()}};
 
 // This chapter's state, for the engine built last; its apply (section 27) resets it for every engine. The
 // format its plans read is bf16 unless the engine's KV cache format names its own (a format's apply, section
@@ -8661,8 +8703,18 @@ struct PersistentState {
 };
 static PersistentState g_persistent;
 
+// Layer l's four matrices (qkv, o, gate_up, down) with FP8 weights, as section 29a gives them to the kernel: W
+// (e4m3 bytes), and their scales and scale row length (PersistOp::wscale, wld).
+struct PersistFp8Layer {
+  const void* w[4];
+  const float* scale[4];
+  int ld[4];
+};
+using PersistFp8Source = PersistFp8Layer (*)(int layer);
+
 // The plans for the decode graphs' batch sizes up to PERSIST_MAX_B (and max_num_seqs), or a reason for none.
-static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs) {
+// fp8: where the model's four matrices of each layer are FP8 (section 29a), where they are; null: bf16.
+static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs, PersistFp8Source fp8 = nullptr) {
   PersistentDecode pd;
   const ModelConfig& c = model.cfg;
   const int tp = model.tp, H = c.hidden_size, I = c.intermediate_size / tp, D = c.head_dim;
@@ -8672,9 +8724,12 @@ static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs) {
   if (tp > 1 && !(model.comm && model.comm->fast && g_opt.oneshot_allreduce))
     return pd.off_reason = "tensor parallelism without section 20's one-shot all-reduce (oneshot_allreduce off, or "
                            "GPUs that cannot reach each other's memory) keeps section 14's path", pd;
-  if (tp > 1 && !g_persistent.format->launch_tp)
-    return pd.off_reason = std::string("tensor parallelism with the ") + g_persistent.format->name +
-                           " cache keeps section 14's path (no kernel for it)", pd;
+  if (tp > 1 && fp8) return pd.off_reason = "FP8 weights at tensor parallelism keep section 14's path", pd;
+  const int variant = fp8 ? PERSIST_FP8_WEIGHTS : tp > 1 ? PERSIST_TP : PERSIST_ONE_GPU;
+  const PersistKernels kernels = g_persistent.format->kernels[variant];
+  if (!kernels.launch)
+    return pd.off_reason = std::string(tp > 1 ? "tensor parallelism" : "FP8 weights") + " with the " +
+                           g_persistent.format->name + " cache keeps section 14's path (no kernel for it)", pd;
   // The sums over the GPUs (section 24): after the embedding and after each layer's O and DOWN; none where
   // NANOVLLM_ALLREDUCE=skip leaves every all-reduce out (timing only).
   const bool sums = tp > 1 && !model.comm->skip;
@@ -8691,12 +8746,17 @@ static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs) {
   for (int B = 1; B <= std::min(PERSIST_MAX_B, max_num_seqs); B *= 2) {
     PersistPlan p;
     p.B = B, p.grid = sms, p.smem = persist_smem_bytes(B, Kmax, H, gqa, 2 + 5 * L + calls);
-    p.tp = tp, p.calls = calls;
+    p.tp = tp, p.calls = calls, p.variant = variant;
     p.format = g_persistent.format;
-    if (!(tp > 1 ? p.format->fits_tp : p.format->fits)(B, p.smem)) continue;
+    if (!kernels.fits(B, p.smem)) continue;
     p.parts = std::max(1, std::min(64, sms / (B * NKV)));
-    auto gemv_op = [&](int kind, int layer, const bf16* W, const bf16* norm_w, int N, int K) {
+    // m: which of the layer's four matrices, for FP8 weights (-1: the LM head, always bf16).
+    auto gemv_op = [&](int kind, int layer, const bf16* W, const bf16* norm_w, int N, int K, int m = -1) {
       PersistOp op = {kind, layer, W, norm_w, nullptr, N, K, 0, 0};
+      if (fp8 && m >= 0) {
+        const PersistFp8Layer f = fp8(layer);
+        op.W = (const bf16*)f.w[m], op.wscale = f.scale[m], op.wld = f.ld[m];
+      }
       const bool pairs = kind == PERSIST_GATE_UP;
       op.groups = (int)cdiv(N, pairs ? PERSIST_ROWS / 2 : PERSIST_ROWS);
       op.tasks = std::min(op.groups, sms);
@@ -8712,14 +8772,14 @@ static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs) {
     all_reduce_op(0);
     for (int l = 0; l < L; l++) {
       const LayerWeights& lw = model.w.layers[l];
-      gemv_op(PERSIST_QKV, l, lw.qkv_proj, lw.input_layernorm, (NH + 2 * NKV) * D, H);
+      gemv_op(PERSIST_QKV, l, lw.qkv_proj, lw.input_layernorm, (NH + 2 * NKV) * D, H, 0);
       PersistOp attn = {PERSIST_ATTN, l, nullptr, lw.q_norm, lw.k_norm, 0, 0, 0, B * NKV};
       if (p.format->layer_scales) p.format->layer_scales(l, attn.kv_scale);
       p.ops.push_back(attn);
-      gemv_op(PERSIST_O, l, lw.o_proj, nullptr, H, NH * D);
+      gemv_op(PERSIST_O, l, lw.o_proj, nullptr, H, NH * D, 1);
       all_reduce_op(1);
-      gemv_op(PERSIST_GATE_UP, l, lw.gate_up_proj, lw.post_attention_layernorm, I, H);
-      gemv_op(PERSIST_DOWN, l, lw.down_proj, nullptr, H, I);
+      gemv_op(PERSIST_GATE_UP, l, lw.gate_up_proj, lw.post_attention_layernorm, I, H, 2);
+      gemv_op(PERSIST_DOWN, l, lw.down_proj, nullptr, H, I, 3);
       all_reduce_op(1);
     }
     gemv_op(PERSIST_LM_HEAD, L, model.w.lm_head, model.w.norm, V, H);
@@ -8762,16 +8822,14 @@ static void persistent_decode(Qwen3& model, const PersistPlan& plan, const StepI
     const OneShot* os = (const OneShot*)model.comm->fast;
     a.hidden = model.act.hidden, a.peers = os->peers, a.epochs = os->epochs;
     a.ar_half = ar_half_chunks(tp), a.ar_slot = ar_oneshot_slot_chunks(tp);
-    plan.format->launch_tp(plan, a, s);
-  } else {
-    plan.format->launch(plan, a, s);
   }
+  plan.format->kernels[plan.variant].launch(plan, a, s);
   CUDA_CHECK(cudaGetLastError());
 }
 
 // ==== 27. The persistent kernel, 4: which steps take it, measured at start-up and remembered ===============
 // defines: persist_measure, persist_context_limit, persist_route, persist_cache_read, persist_cache_write,
-//          persist_describe; switch persistent
+//          persist_describe, persist_ready; switch persistent
 
 // Which steps take the kernel: measured once at start-up, on this GPU and this model, because the answer
 // depends on both (how many layers, how wide, how many SMs), on the batch size and on the context. The kernel
@@ -8905,7 +8963,8 @@ static std::string persist_cache_key(const Qwen3& model, const PersistentDecode&
            g_opt.prefill_graphs, model.tp, model.rank);
   std::string key = buf;
   for (const auto& [B, p] : pd.plans)
-    key += " plan=" + std::to_string(B) + ":" + std::to_string(p.grid) + ":" + std::to_string(p.smem);
+    key += " plan=" + std::to_string(B) + ":" + std::to_string(p.grid) + ":" + std::to_string(p.smem) + ":" +
+           std::to_string(p.variant);
   return key;
 }
 static std::string persist_cache_path(const std::string& dir, const std::string& key) {
@@ -9063,8 +9122,9 @@ static std::string persist_describe(const PersistentDecode& pd) {
 // runner's graph of section 14's path. Under --enforce-eager there are no graphs: the kernel and the draw are
 // launched directly.
 // Its state is g_persistent (section 26).
-static void persist_model_ready(Qwen3& model, const Config& c) {
-  g_persistent.decode = std::make_unique<PersistentDecode>(persist_setup(model, c.max_num_seqs));
+// fp8: as persist_setup's (section 29a passes it for a model whose weights it holds in FP8).
+static void persist_ready(Qwen3& model, const Config& c, PersistFp8Source fp8) {
+  g_persistent.decode = std::make_unique<PersistentDecode>(persist_setup(model, c.max_num_seqs, fp8));
   PersistentDecode& pd = *g_persistent.decode;
   if (model.tp > 1) {  // a batch size has a plan on every rank or on none (persist_measure: the ranks agree)
     for (int B = 1; B <= PERSIST_MAX_B; B *= 2)
@@ -9076,6 +9136,7 @@ static void persist_model_ready(Qwen3& model, const Config& c) {
   persist_measure(model, *g_persistent.decode, s);
   CUDA_CHECK(cudaStreamDestroy(s));
 }
+static void persist_model_ready(Qwen3& model, const Config& c) { persist_ready(model, c, nullptr); }
 static void persist_capture_graphs(ModelRunner& r) {
   for (auto it = r.graph_bs.rbegin(); it != r.graph_bs.rend(); ++it) {  // largest first, as the runner's
     const int B = *it;
@@ -9356,12 +9417,12 @@ static void fp8_fill_matrix(WeightLoader& ld, const SafeTensors& st, const std::
       for (int64_t c = 0; c < part.nc;) {
         size_t got;
         uint8_t* out = ld.stage_for(m.w + (row + r) * m.K + c, part.nc - c, 1, &got);
+        const size_t bad = e4m3_first_nan(src + c, got);
+        if (bad < got)
+          die("tensor '%s' in %s holds a NaN byte (0x%02x) at [%lld, %lld]; an FP8 checkpoint's quantizer "
+              "never writes one: the checkpoint is damaged", t.name.c_str(), t.file.c_str(), src[c + bad],
+              (long long)(part.r0 + r), (long long)(part.c0 + c + bad));
         memcpy(out, src + c, got);
-        for (size_t j = 0; j < got; j++)
-          if ((out[j] & 0x7f) == 0x7f)
-            die("tensor '%s' in %s holds a NaN byte (0x%02x) at [%lld, %lld]; an FP8 checkpoint's quantizer "
-                "never writes one: the checkpoint is damaged", t.name.c_str(), t.file.c_str(), out[j],
-                (long long)(part.r0 + r), (long long)(part.c0 + c + j));
         c += got;
         ld.bytes_read += got;
       }
@@ -9463,7 +9524,8 @@ static bool fp8_load_weights(Weights& w, const Config& c, const ModelConfig& mc,
 // defines: quantize_rows_reference, e4m3_quantize_group, quantize_rows_kernel, quantize_rows,
 //          fp8_linear_reference, Fp8GemmPlan, fp8_gemm_plan, fp8_product, fp8_linear, rmsnorm_quantize,
 //          silu_quantize, mma_e4m3_16832, FP8_GEMV_STEP, gemv_fp8_kernel, gemv_fp8, fp8_multiply,
-//          fp8_norm_matmul, fp8_matmul_out, apply_fp8_weights; switches
+//          persist_stage_fp8, persist_gemv_chunk_fp8, persist_fp8_layer, fp8_norm_matmul, fp8_matmul_out,
+//          apply_fp8_weights; switches
 //          fp8_weights, fp8_gemv; --quantization fp8
 //
 // Section 28's format, computed with: the arithmetic of its steps 2 and 3, as two launches per matrix
@@ -9898,6 +9960,109 @@ static void gemv_fp8(bf16* y, const uint8_t* xq, const float* xs, int T4, const 
   CUDA_CHECK(cudaGetLastError());
 }
 
+// ---- 29a. The persistent kernel reading FP8 weights --------------------------------------------------
+// Replaces: at decode steps of 1, 2 or 4 sequences on one GPU, section 14's path with this chapter's stages (the
+//           gemv above at steps of 1-2 tokens), where the start-up measurement (section 27) finds it faster.
+// Why it could be faster: a batch-1 step is a pass over the weights, and this chapter halves the weights'
+// bytes, but each of its products is two short kernels (the quantizer, then the gemv) whose gaps do not shrink
+// with the bytes; the persistent kernel (sections 24-27) has no gaps, and with it the bf16 weights' step came
+// closer to its floor than the FP8 weights' step came to theirs. Measured so far it is not: every thread block
+// quantizes the whole input of every product it takes part in, where the gemv's path quantizes it once
+// (docs/performance.md, FP8 weights, has the figures); the start-up measurement (section 27) then keeps
+// section 14's path, as it does wherever the kernel loses. Converting the weights to 16-bit values in
+// registers instead (W8A16: no input to quantize) is the next design to measure.
+// How it reads them. The kernel's weight stream moves bytes: a 32 KiB chunk of a layer's four matrices is 16
+// rows of 2,048 e4m3 weights instead of 1,024 bf16 ones (PersistOp::wscale marks such a product; its stream K
+// is K / 2, persist_stream_k), so a warp's strip of 64 bf16 columns is 128 e4m3 columns: one scale block. The
+// tensor cores' FP8 instruction (m16n8k32, mma_e4m3_16832) takes its A operand in the same registers, byte for
+// byte, as the bf16 one (m16n8k16) takes a 16 x 16 tile, and its B operand (the inputs) at the same byte
+// offsets: so a chunk's products are section 24's, ldmatrix included, with the other instruction, and after
+// the strip's four instructions the 16 x 8 sums are scaled by the rows' weight scale and each sequence's input
+// scale and added, as gemv_fp8_kernel does. The LM head stays bf16 (section 28) and takes section 24's code.
+// The input is quantized as this chapter's kernels quantize it (section 28's step 2: e4m3_quantize_group, a
+// scale per sequence and 128 columns) while it is staged: for QKV and GATE_UP, the RMSNorm's sum of squares as
+// section 24 computes it (persist_rms_scales, bit for bit), then w * bf16(x * scale) rounded to bf16 and
+// quantized, a warp per 128 values, straight from the residual stream in L2; for O and DOWN, attn or act as
+// they are. The bytes go where section 24 stages the bf16 input: e4m3 rows K + 16 bytes apart (the eight
+// sequences' reads fall in different banks), then their scales [B, K / 128].
+// What it computes: section 28's W8A8 arithmetic, the sums in another order than the gemv's or cuBLASLt's.
+// Preconditions: N and K multiples of 128 (fp8_weights_problem's), one GPU, the bf16 cache (the other
+// variants keep section 14's path: section 26's PersistFormat says which kernels exist).
+template <int B>
+__device__ __forceinline__ float* persist_fp8_scales(bf16* xs, int K) {  // where the staged scales start
+  return reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(xs) + (size_t)B * (K + 16));
+}
+template <int B>
+__device__ void persist_stage_fp8(const PersistArgs& a, const PersistOp& op, bf16* xs, bf16* res, float* scratch) {
+  const bf16* src = op.kind == PERSIST_O ? a.attn : op.kind == PERSIST_DOWN ? a.act : a.residual;
+  const int K = op.K, groups = K / 128, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (op.kind == PERSIST_O || op.kind == PERSIST_DOWN) persist_copy_in(res, a.residual, B * op.N);
+  float scale[B];
+  if (op.norm_w)
+    persist_rms_scales<B>([&](int b, int c) { return __ldcg(reinterpret_cast<const uint4*>(src + (size_t)b * K) + c); },
+                          K, a.eps, scratch, scale);
+  uint8_t* xq = reinterpret_cast<uint8_t*>(xs);
+  float* sx = persist_fp8_scales<B>(xs, K);
+  for (int i = warp; i < B * groups; i += PERSIST_WARPS) {
+    const int b = i / groups, j = i % groups;
+    float v[4];
+    bf16x4_to_float(__ldcg(reinterpret_cast<const uint2*>(src + (size_t)b * K + j * 128) + lane), v);
+    if (op.norm_w) {
+      float w[4];
+      bf16x4_to_float(__ldg(reinterpret_cast<const uint2*>(op.norm_w + j * 128) + lane), w);
+#pragma unroll
+      for (int k = 0; k < 4; k++) v[k] = bf16_round(w[k] * bf16_round(v[k] * scale[b]));
+    }
+    e4m3_quantize_group(v, xq + (size_t)b * (K + 16) + j * 128, sx + b * groups + j, lane);
+  }
+  __syncthreads();
+}
+// acc += this warp's strip of chunk kc of group g (16 rows x 128 e4m3 columns: scale block kc * 16 + warp)
+// times the same columns of the staged inputs, scaled (see above). acc as persist_gemv_chunk's.
+template <int B>
+__device__ void persist_gemv_chunk_fp8(const PersistOp& op, int g, int kc, const bf16* slot, const bf16* xs,
+                                       float (&acc)[4]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n = lane >> 2, t = lane & 3;
+  const int kb = kc * (2 * PERSIST_KC / 128) + warp, groups = op.K / 128;
+  if (kb >= groups) return;  // past K (the strip was filled with zeros)
+  const bf16* arow = slot + warp * PERSIST_ROWS * PERSIST_WARP_K + ((lane & 7) + ((lane >> 3) & 1) * 8) *
+                                                                       PERSIST_WARP_K;
+  const uint8_t* xrow = reinterpret_cast<const uint8_t*>(xs) + (size_t)n * (op.K + 16) + kb * 128 + 4 * t;
+  // The scales first, so that their trip through L2 overlaps the products. Rows 0-7 and 8-15 of the group each
+  // lie in one 128-row scale block (GATE_UP: the gate rows and their up rows, in different ones); the lane's
+  // sums are for sequences 2t and 2t + 1.
+  const int64_t r_lo = persist_weight_row(op, g, 0), r_hi = persist_weight_row(op, g, 8);
+  const float w_lo = __ldg(op.wscale + (r_lo < 0 ? 0 : r_lo / 128) * op.wld + kb);
+  const float w_hi = __ldg(op.wscale + (r_hi < 0 ? 0 : r_hi / 128) * op.wld + kb);
+  const float* sx = persist_fp8_scales<B>(const_cast<bf16*>(xs), op.K);
+  const float s0 = 2 * t < B ? sx[2 * t * groups + kb] : 0.f, s1 = 2 * t + 1 < B ? sx[(2 * t + 1) * groups + kb] : 0.f;
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int tt = 0; tt < PERSIST_WARP_K / 16; tt++) {
+    uint32_t w[4];
+    ldmatrix_x4(w, arow + (((2 * tt + (lane >> 4)) ^ (lane & 7)) << 3));
+    uint32_t x0 = 0, x1 = 0;
+    if (n < B) {
+      x0 = *reinterpret_cast<const uint32_t*>(xrow + 32 * tt);
+      x1 = *reinterpret_cast<const uint32_t*>(xrow + 32 * tt + 16);
+    }
+    mma_e4m3_16832(d, w[0], w[1], w[2], w[3], x0, x1);
+  }
+  acc[0] = fmaf(d[0], w_lo * s0, acc[0]), acc[1] = fmaf(d[1], w_lo * s1, acc[1]);
+  acc[2] = fmaf(d[2], w_hi * s0, acc[2]), acc[3] = fmaf(d[3], w_hi * s1, acc[3]);
+}
+// Section 26's source of a layer's FP8 matrices (persist_setup's fp8).
+static PersistFp8Layer persist_fp8_layer(int l) {
+  const Fp8Layer& f = g_fp8_weights.layers.at(l);
+  PersistFp8Layer p;
+  const Fp8Matrix* m[4] = {&f.qkv, &f.o, &f.gate_up, &f.down};
+  for (int i = 0; i < 4; i++) {
+    INTERNAL_CHECK(m[i]->N % 128 == 0 && m[i]->K % 128 == 0, "persistent FP8: a %d x %d matrix", m[i]->N, m[i]->K);
+    p.w[i] = m[i]->w, p.scale[i] = m[i]->scale, p.ld[i] = m[i]->ld;
+  }
+  return p;
+}
+
 // ---- The stages, and the switches: fp8_weights, fp8_gemv ----
 // Section 14's norm_matmul and matmul_out for an engine whose weights this chapter holds (the layer's
 // matrices found by p.l; the LayerWeights pointers are null); for any other engine, the stages they replaced.
@@ -9948,10 +10113,10 @@ static void fp8_matmul_out(Pass& p, const bf16* x, const bf16* W, int K, bool ga
   if (p.m.tp > 1 && g_stages.all_reduce(p.m.comm, a.hidden, (size_t)p.T * H, p.s, a.residual)) p.pending = false;
 }
 
-// The persistent kernel (sections 24-27) reads bf16 weights: with FP8 ones it plans nothing, so it takes no
-// step, and section 14's path with these stages runs every decode step.
+// The persistent kernel's plans (sections 24-27) with this engine's weights: FP8 where the chapter holds them
+// (29a), else bf16.
 static void fp8_persistent_model_ready(Qwen3& model, const Config& c) {
-  if (!g_fp8_weights.held) persist_model_ready(model, c);
+  persist_ready(model, c, g_fp8_weights.held ? persist_fp8_layer : nullptr);
 }
 static void apply_fp8_weights(bool on, Hooks& h) {
   g_opt.fp8_weights = on;
@@ -10665,8 +10830,8 @@ static Fp8Cache g_fp8_cache;
 static void fp8_layer_scales(int l, float (&kv_scale)[2]) {
   kv_scale[0] = g_fp8_cache.scales.at(l).k, kv_scale[1] = g_fp8_cache.scales.at(l).v;
 }
-static const PersistFormat kPersistFp8 = {"fp8", 1, persist_fits<KVFp8, false>, persist_launch<KVFp8, false>,
-                                          fp8_layer_scales, nullptr, nullptr};
+static const PersistFormat kPersistFp8 = {"fp8", 1, fp8_layer_scales,
+                                          {persist_kernels<KVFp8, PERSIST_ONE_GPU>(), {}, {}}};
 
 // ---- Section 14's stages for an fp8 cache ----
 // The kernels of the bf16 path, instantiated with KVFp8: store_qkv is section 19's eight-lane kernel;

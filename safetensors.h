@@ -78,6 +78,24 @@ static inline float e4m3_to_float(uint8_t b) {
   const float mag = e == 0 ? m * 0x1p-9f : std::ldexp(1.0f + m / 8.0f, e - 7);
   return b & 0x80 ? -mag : mag;
 }
+// Where the first NaN byte (0x7F or 0xFF) of n e4m3 bytes is, or n if there is none. A loader checks every
+// byte of a checkpoint, tens of GB, on its way in, so eight bytes are checked at once: for a word's bytes
+// x & 0x7f (each at most 0x7f), adding 0x01 to every byte carries into no neighbour, and sets a byte's high
+// bit only where its low 7 bits were all ones, the NaN bytes. Four words a round, then one, then bytes.
+static inline size_t e4m3_first_nan(const uint8_t* p, size_t n) {
+  constexpr uint64_t kLow7 = 0x7f7f7f7f7f7f7f7full, kOnes = 0x0101010101010101ull, kHigh = 0x8080808080808080ull;
+  auto word = [&](size_t i) {
+    uint64_t w;
+    memcpy(&w, p + i, 8);
+    return ((w & kLow7) + kOnes) & kHigh;
+  };
+  size_t i = 0;
+  while (i + 32 <= n && !(word(i) | word(i + 8) | word(i + 16) | word(i + 24))) i += 32;
+  while (i + 8 <= n && !word(i)) i += 8;
+  for (; i < n; i++)
+    if ((p[i] & 0x7f) == 0x7f) return i;
+  return n;
+}
 // The 256 values of kBlockQuantizedDType's bytes, built once.
 static inline const float* block_quantized_values() {
   static const std::vector<float> table = [] {

@@ -30,6 +30,8 @@
 //     qk_norm_rope and section 8's attention_decode on the same qkv; section 26's plans (the step's operations
 //     over the model's weights, their split and counts); section 27's routing cache (a stale or corrupt file
 //     is measured again and rewritten).
+//   * FP8 weights (section 29a): the kernel reading e4m3 weights against Part I on their dequantization, with
+//     section 14's path with the FP8 chapter's stages as the yardstick, and its skew and left-out-wait checks.
 //   * Routing (routing_by_context_picks_the_faster_path): at the context limit start-up measures, each side
 //     of it must be faster on the path it routes to.
 //   * Measurements (TIMING, figures only): one decode step captured in a CUDA graph, persistent vs section
@@ -231,13 +233,9 @@ static void for_each_stored_row(const TestModel& t, const DecodeStep& st,
         for (int g = 0; g < c.num_key_value_heads; g++) f(slot_offset(t, l, which, st.slots[b], g), i++);
 }
 
-static StepResult run_step(TestModel& t, DecodeStep& st, Path path, int skew_ns = 0, int skip_wait = -1) {
+// One decode step of st run by `run` (given its inputs), with what it must write poisoned first, and what it wrote.
+static StepResult run_step_with(TestModel& t, DecodeStep& st, const std::function<void(const StepInputs&)>& run) {
   const ModelConfig& c = t.m.cfg;
-  // Part I reads an fp8 model's bf16 copy of the cache: the engine's format is bf16 for this run.
-  const bool on_copy = path == Path::PLAIN && t.fp8;
-  char* const fp8_base = t.m.kv.base;
-  if (on_copy) t.m.kv.base = t.bf16_copy, t.m.kv.value_bytes = 2;
-  else t.use_format();
   char* kv = t.m.kv.base;
   const int vb = t.m.kv.value_bytes;
   // Poison what the step must write: the logits and the step's own cache rows (0xFF: NaN in both formats).
@@ -245,22 +243,7 @@ static StepResult run_step(TestModel& t, DecodeStep& st, Path path, int skew_ns 
   for_each_stored_row(t, st,
                       [&](int64_t off, size_t) { CUDA_CHECK(cudaMemset(kv + off * vb, 0xFF, HEAD_DIM * vb)); });
   CUDA_CHECK(cudaDeviceSynchronize());
-  const StepInputs in = st.inputs();
-  if (path == Path::PLAIN) {
-    ScopedOptimizations plain("none");
-    t.m.forward(in, st.B, st.B, false, t.s);
-    CUDA_CHECK(cudaStreamSynchronize(t.s));
-  } else if (path == Path::FAST) {
-    ScopedOptimizations fast("all,-persistent");
-    t.use_format();  // (installing the switches resets section 14's stages to bf16's)
-    CHECK_MSG(g_opt.flash_attn && g_opt.gemv, "section 14 with flash_attn and gemv expected");
-    forward_fast(t.m, in, st.B, st.B, false, t.s);
-    CUDA_CHECK(cudaStreamSynchronize(t.s));
-  } else {
-    const PersistPlan* plan = t.pd.plans.count(st.B) ? &t.pd.plans.at(st.B) : nullptr;
-    if (!plan) die("gpu_persistent: no plan for batch %d (%s)", st.B, t.pd.off_reason.c_str());
-    persistent_decode(t.m, *plan, in, t.s, skew_ns, skip_wait, nullptr);
-  }
+  run(st.inputs());
   CUDA_CHECK(cudaStreamSynchronize(t.s));
   StepResult r;
   r.logits.resize((size_t)st.B * c.vocab_size);
@@ -281,6 +264,31 @@ static StepResult run_step(TestModel& t, DecodeStep& st, Path path, int skew_ns 
       } else {
         r.kv_values[e] = e4m3_to_float(r.kv[e]) * (which ? t.scales[l].v : t.scales[l].k);
       }
+    }
+  });
+  return r;
+}
+static StepResult run_step(TestModel& t, DecodeStep& st, Path path, int skew_ns = 0, int skip_wait = -1) {
+  // Part I reads an fp8 model's bf16 copy of the cache: the engine's format is bf16 for this run.
+  const bool on_copy = path == Path::PLAIN && t.fp8;
+  char* const fp8_base = t.m.kv.base;
+  if (on_copy) t.m.kv.base = t.bf16_copy, t.m.kv.value_bytes = 2;
+  else t.use_format();
+  StepResult r = run_step_with(t, st, [&](const StepInputs& in) {
+    if (path == Path::PLAIN) {
+      ScopedOptimizations plain("none");
+      t.m.forward(in, st.B, st.B, false, t.s);
+      CUDA_CHECK(cudaStreamSynchronize(t.s));
+    } else if (path == Path::FAST) {
+      ScopedOptimizations fast("all,-persistent");
+      t.use_format();  // (installing the switches resets section 14's stages to bf16's)
+      CHECK_MSG(g_opt.flash_attn && g_opt.gemv, "section 14 with flash_attn and gemv expected");
+      forward_fast(t.m, in, st.B, st.B, false, t.s);
+      CUDA_CHECK(cudaStreamSynchronize(t.s));
+    } else {
+      const PersistPlan* plan = t.pd.plans.count(st.B) ? &t.pd.plans.at(st.B) : nullptr;
+      if (!plan) die("gpu_persistent: no plan for batch %d (%s)", st.B, t.pd.off_reason.c_str());
+      persistent_decode(t.m, *plan, in, t.s, skew_ns, skip_wait, nullptr);
     }
   });
   if (on_copy) t.m.kv.base = fp8_base, t.m.kv.value_bytes = 1, t.use_format();
@@ -425,6 +433,120 @@ TEST(persistent_matches_stages_and_part1_fp8_06b) {
 TEST(persistent_matches_stages_and_part1_fp8_8b_short) {
   REQUIRE_FP8();
   accuracy_case("8b-short", 64, true);
+}
+
+// ---- Section 29a: the kernel reading FP8 weights -----------------------------------------------------------
+// The model's four matrices of each layer quantized by section 28's quantize_weight (as --quantization fp8
+// does at load), and the bf16 weights replaced by their dequantization bf16(e4m3 * scale), the weights an FP8
+// checkpoint has under Part I. Then, as accuracy_case does: the kernel's logits and stored keys and values
+// against Part I's on the dequantized weights, within 1.5x (plus 2e-3) of how far section 14's path with the
+// FP8 chapter's stages lands from them (its W8A8 products: the gemv at 1-2 sequences, cuBLASLt's at 4), the
+// same token wherever Part I's margin is clear; and the same bits with thread blocks held back (skew), which
+// the left-out wait changes.
+__global__ void dequantize_test_weight(bf16* w, const uint8_t* q, const float* scale, int N, int K, int ld) {
+  const size_t n = (size_t)N * K;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    const size_t r = i / K, c = i % K;
+    w[i] = __float2bfloat16(float(reinterpret_cast<const fp8e4m3*>(q)[i]) * scale[r / 128 * ld + c / 128]);
+  }
+}
+static void fp8_weights_case(const std::string& shape, int P) {
+  const std::string problem = fp8_weights_problem(test_shape(shape), 1);  // (a Hopper GPU, cuBLASLt 12.9)
+  if (!problem.empty()) SKIP("%s", problem.c_str());
+  const int max_len = 3072;
+  TestModel t(shape, P, max_len, 8 * (int)cdiv(max_len, P) + 3);
+  const ModelConfig& c = t.m.cfg;
+  const int H = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
+  const int NH = c.num_attention_heads, NKV = c.num_key_value_heads;
+  Fp8Weights held;  // what fp8_load_weights would leave in g_fp8_weights
+  for (int l = 0; l < c.num_hidden_layers; l++) {
+    LayerWeights& lw = t.m.w.layers[l];
+    Fp8Layer fl;
+    Fp8Matrix* ms[4] = {&fl.qkv, &fl.o, &fl.gate_up, &fl.down};
+    bf16* ws[4] = {lw.qkv_proj, lw.o_proj, lw.gate_up_proj, lw.down_proj};
+    const int dims[4][2] = {{(NH + 2 * NKV) * D, H}, {H, NH * D}, {2 * I, H}, {H, I}};
+    for (int i = 0; i < 4; i++) {
+      Fp8Matrix& m = *ms[i];
+      m.N = dims[i][0], m.K = dims[i][1], m.ld = (int)cdiv(m.K / 128, 4) * 4;
+      CUDA_CHECK(cudaMalloc(&m.w, (size_t)m.N * m.K));
+      CUDA_CHECK(cudaMalloc(&m.scale, (size_t)m.N / 128 * m.ld * sizeof(float)));
+      quantize_weight(m, ws[i], t.s);
+      dequantize_test_weight<<<1024, 256, 0, t.s>>>(ws[i], m.w, m.scale, m.N, m.K, m.ld);
+      CUDA_CHECK(cudaGetLastError());
+    }
+    held.layers.push_back(fl);
+  }
+  held.held = true, held.rows = (int)cdiv(t.Bmax, 4) * 4, held.kmax = std::max({H, NH * D, I});
+  CUDA_CHECK(cudaMalloc(&held.xq, (size_t)held.rows * held.kmax));
+  CUDA_CHECK(cudaMalloc(&held.xs, (size_t)held.rows * (held.kmax / 128) * sizeof(float)));
+  CUDA_CHECK(cudaStreamSynchronize(t.s));
+  g_fp8_weights = held;
+  const PersistentDecode pd = persist_setup(t.m, t.Bmax, persist_fp8_layer);
+  CHECK_MSG(pd.plans.count(1), "no FP8-weight plan for batch 1 (%s)", pd.off_reason.c_str());
+  const int V = c.vocab_size;
+  double noise = 0, noise_kv = 0;
+  struct Row { int B; double e_fast, e_pers, kv_fast, kv_pers; int same, checked; bool same_bits, wait_caught; };
+  std::vector<Row> rows;
+  for (int B : {1, 2, 4}) {
+    if (!pd.plans.count(B)) {
+      printf("    %s, FP8 weights, B=%d: no plan (shared memory does not fit)\n", shape.c_str(), B);
+      continue;
+    }
+    DecodeStep st(t, contexts_for(B, max_len)[0], 2000 + B);
+    const StepResult plain = run_step(t, st, Path::PLAIN);
+    StepResult fast;
+    {
+      ScopedOptimizations fp8("all,-persistent");  // (installing fp8_weights empties g_fp8_weights)
+      Fp8Weights& f = g_fp8_weights;
+      f.held = true, f.layers = held.layers, f.rows = held.rows, f.kmax = held.kmax, f.xq = held.xq, f.xs = held.xs;
+      t.use_format();
+      fast = run_step_with(t, st, [&](const StepInputs& in) { forward_fast(t.m, in, st.B, st.B, false, t.s); });
+    }
+    g_fp8_weights = held;
+    auto persistent = [&](int skew, int skip) {
+      return run_step_with(t, st, [&](const StepInputs& in) {
+        persistent_decode(t.m, pd.plans.at(B), in, t.s, skew, skip, nullptr);
+      });
+    };
+    const StepResult pers = persistent(0, -1), skewed = persistent(4000, -1);
+    const StepResult unwaited = persistent(4000, 10);  // operation 10: layer 1's down (reads gate_up's act)
+    CHECK_MSG(all_finite(pers.logits) && all_finite(pers.kv_values), "%s B=%d: non-finite results", shape.c_str(),
+              B);
+    Row r{B, rel_l2(fast.logits, plain.logits), rel_l2(pers.logits, plain.logits),
+          rel_l2(fast.kv_values, plain.kv_values), rel_l2(pers.kv_values, plain.kv_values), 0, 0,
+          skewed.logits == pers.logits && skewed.kv == pers.kv,
+          unwaited.logits != pers.logits || unwaited.kv != pers.kv};
+    double worst = 0;
+    for (size_t i = 0; i < pers.logits.size(); i++)
+      worst = std::max(worst, (double)fabsf(pers.logits[i] - plain.logits[i]));
+    r.same = argmax_agrees(pers.logits, plain.logits, B, V, 2 * worst, &r.checked);
+    noise = std::max(noise, r.e_fast), noise_kv = std::max(noise_kv, r.kv_fast);
+    rows.push_back(r);
+  }
+  g_fp8_weights = Fp8Weights{};
+  for (const Row& r : rows) {
+    printf("    %s, FP8 weights, B=%d: logits vs Part I (dequantized): section 14 %.2e, persistent %.2e; stored K/V "
+           "%.2e, %.2e; argmax %d/%d clear rows; skewed: %s; a left-out wait %s\n", shape.c_str(), r.B, r.e_fast,
+           r.e_pers, r.kv_fast, r.kv_pers, r.same, r.checked, r.same_bits ? "same bits" : "DIFFERENT",
+           r.wait_caught ? "caught" : "NOT caught");
+    CHECK_MSG(r.e_pers <= 1.5 * noise + 2e-3, "%s B=%d: logits %.3e from Part I, noise %.3e", shape.c_str(), r.B,
+              r.e_pers, noise);
+    CHECK_MSG(r.kv_pers <= 1.5 * noise_kv + 2e-3, "%s B=%d: stored K/V %.3e from Part I, noise %.3e", shape.c_str(),
+              r.B, r.kv_pers, noise_kv);
+    CHECK_MSG(r.same == r.checked, "%s B=%d: argmax differs in %d of %d clear rows", shape.c_str(), r.B,
+              r.checked - r.same, r.checked);
+    CHECK_MSG(r.same_bits, "%s B=%d: thread blocks held back changed the results", shape.c_str(), r.B);
+    CHECK_MSG(r.wait_caught, "%s B=%d: leaving a wait out changed nothing (the check cannot fail)", shape.c_str(),
+              r.B);
+  }
+}
+TEST(persistent_fp8_weights_match_stages_and_part1_06b) {
+  REQUIRE_GPU();
+  fp8_weights_case("0.6b", 256);
+}
+TEST(persistent_fp8_weights_match_stages_and_part1_8b_short) {
+  REQUIRE_GPU();
+  fp8_weights_case("8b-short", 64);
 }
 
 // ---- Each step of the kernel on its own (sections 24-27) ----------------------------------------------------

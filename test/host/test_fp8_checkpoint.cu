@@ -2,7 +2,8 @@
 //   section 32: config.json's quantization_config (the published form and every refusal), --quantization,
 //     validate_config's rule that --quantization fp8 needs the switch fp8_weights, and the trip of all three
 //     to the tensor-parallel workers;
-//   section 6a ("Checkpoints with 8-bit float weights"): e4m3_to_float and block_quantized_values (safetensors.h) against the format's
+//   section 6a ("Checkpoints with 8-bit float weights"): e4m3_to_float, block_quantized_values and
+//     e4m3_first_nan (safetensors.h) against the format's
 //     definition and cuda_fp8.h for all 256 bytes, block_scales, dequantize_row (scales by the global row
 //     and column), checkpoint_tensors and kept_unquantized, and validate_checkpoint on safetensors files
 //     written here (each way an FP8 checkpoint can be wrong);
@@ -267,6 +268,53 @@ TEST(e4m3_to_float_all_256_bytes) {
   CHECK_EQ(e4m3_to_float(0x01), 0x1p-9f);
   CHECK_EQ(e4m3_to_float(0x08), 0x1p-6f);
   CHECK_EQ(e4m3_to_float(0x38), 1.f);
+}
+
+// e4m3_first_nan (the loaders' check, eight bytes at a time) against a byte-by-byte search: every length to 80
+// at every start offset mod 8, with no NaN, with one NaN byte (0x7F or 0xFF) at every position, and with two;
+// and long random buffers in which every byte value occurs. The non-NaN bytes include the values next to a
+// NaN in each word's arithmetic (0x7E, 0xFE, 0x80, 0x00, 0x01), so a carry between bytes would show.
+TEST(e4m3_first_nan_matches_a_byte_search) {
+  auto naive = [](const uint8_t* p, size_t n) {
+    for (size_t i = 0; i < n; i++)
+      if ((p[i] & 0x7f) == 0x7f) return i;
+    return n;
+  };
+  std::mt19937 rng(7);
+  const uint8_t near[] = {0x7e, 0xfe, 0x80, 0x00, 0x01, 0x3f, 0xbf, 0x7d};
+  std::vector<uint8_t> buf(96 + 8);
+  size_t cases = 0;
+  for (size_t off = 0; off < 8; off++)
+    for (size_t n = 0; n <= 80; n++) {
+      uint8_t* p = buf.data() + off;
+      for (size_t i = 0; i < n; i++) p[i] = near[rng() % 8];
+      CHECK_EQ(e4m3_first_nan(p, n), n);
+      for (size_t at = 0; at < n; at++)
+        for (uint8_t nan : {(uint8_t)0x7f, (uint8_t)0xff}) {
+          const uint8_t keep = p[at];
+          p[at] = nan;
+          CHECK_MSG(e4m3_first_nan(p, n) == at, "offset %zu, length %zu: NaN 0x%02x at %zu, found at %zu", off, n,
+                    nan, at, e4m3_first_nan(p, n));
+          const size_t later = at + 1 + rng() % (n - at);  // a second NaN after it (or none, at n)
+          if (later < n) {
+            const uint8_t keep2 = p[later];
+            p[later] = 0xff;
+            CHECK_EQ(e4m3_first_nan(p, n), at);
+            p[later] = keep2;
+          }
+          p[at] = keep;
+          cases++;
+        }
+    }
+  std::vector<uint8_t> big(1 << 16);
+  for (int trial = 0; trial < 64; trial++) {
+    const size_t n = big.size() - rng() % 64;
+    for (size_t i = 0; i < n; i++) big[i] = (uint8_t)rng();
+    for (size_t i = 0; i < n; i++)  // mostly without NaN: keep a few, clear the rest
+      if ((big[i] & 0x7f) == 0x7f && rng() % 1024) big[i] = 0x7e;
+    CHECK_EQ(e4m3_first_nan(big.data(), n), naive(big.data(), n));
+  }
+  CHECK(cases > 20000);
 }
 
 static TensorView view(const std::string& name, DType dt, std::vector<int64_t> shape, const void* data) {

@@ -318,8 +318,9 @@ TEST(defaults_are_all) {
 // chunk, as persist_issue steps it) come in the order the kernel's main loop uses them: operation by
 // operation, the block's groups (block, block + grid, ...), each group's column chunks in order; none of
 // operations that are not matrix products or in which the block has no group; and once past the last, none
-// again. The cursor holds the fields of the operation it is in. Any other order would multiply one
-// operation's weights by another's input. Random operation lists, grids of 1 to 132 blocks.
+// again. The cursor holds the fields of the operation it is in (for FP8 weights, K in the stream's 16-bit
+// units: half the row's bytes). Any other order would multiply one operation's weights by another's input.
+// Random operation lists, some with FP8 weights, grids of 1 to 132 blocks.
 TEST(persistent_weight_stream_order) {
   std::mt19937 rng(23);
   const int kinds[] = {PERSIST_EMBED,   PERSIST_QKV,  PERSIST_ATTN,    PERSIST_O,
@@ -335,6 +336,10 @@ TEST(persistent_weight_stream_order) {
       op.kind = kinds[rng() % 8], op.layer = i;
       op.W = reinterpret_cast<const bf16*>((uintptr_t)(i + 1) << 20);
       op.K = 1 + (int)(rng() % 5000), op.N = 1 + (int)(rng() % 3000);
+      if (persist_is_gemv(op.kind) && rng() % 3 == 0) {  // FP8 weights (section 29a): K bytes, K / 2 in the stream
+        static const float scale = 1.f;
+        op.K = 128 * (1 + (int)(rng() % 40)), op.wscale = &scale;
+      }
       op.groups = rng() % 4 ? 1 + (int)(rng() % 400) : (int)(rng() % 3);  // some with fewer groups than blocks
     }
     for (int block = 0; block < grid; block++) {
@@ -350,9 +355,9 @@ TEST(persistent_weight_stream_order) {
         got.push_back({c.o, c.g, c.kc});
         const PersistOp& op = ops[c.o];
         const bool gate_up = op.kind == PERSIST_GATE_UP;
-        fields &= c.W == op.W && c.K == op.K && c.N == op.N && c.groups == op.groups &&
-                  c.kchunks == persist_k_chunks(op) && c.per == (gate_up ? 8 : 16) &&
-                  c.half == (gate_up ? op.N : 8);
+        fields &= c.W == op.W && c.K == (op.wscale ? op.K / 2 : op.K) && c.N == op.N && c.groups == op.groups &&
+                  c.kchunks == (op.wscale ? (op.K + 2047) / 2048 : (op.K + 1023) / 1024) &&
+                  c.per == (gate_up ? 8 : 16) && c.half == (gate_up ? op.N : 8);
         c.kc++, c.n++;
       }
       CHECK_MSG(got == want, "trial %d, block %d of %d: the cursor visited %zu chunks, the kernel uses %zu",
