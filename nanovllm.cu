@@ -4909,6 +4909,17 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo lands in the low half: the smaller column
   return *reinterpret_cast<uint32_t*>(&v);
 }
+// The same two on fp16 tiles (the FP8 chapters' values, converted to fp16: sections 29a, 30-31).
+__device__ __forceinline__ void mma_f16_16816(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
 
 // 2^x in one instruction (MUFU.EX2, relative error ~2^-22); 2^-inf = 0, which the masking relies on.
 // The softmax works in base 2: exp(s*scale - m*scale) = 2^(s*scale*log2(e) - m*scale*log2(e)).
@@ -8462,7 +8473,8 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
 // whose staging of a product's input and whose chunk of FP8 products are declared here).
 enum PersistVariant : int { PERSIST_ONE_GPU, PERSIST_TP, PERSIST_FP8_WEIGHTS, PERSIST_VARIANTS };
 template <int B>
-__device__ void persist_stage_fp8(const PersistArgs& a, const PersistOp& op, bf16* xs, bf16* res, float* scratch);
+__device__ void persist_stage_fp8(const PersistArgs& a, const PersistOp& op, bf16* xs, bf16* res, float* scratch,
+                                  const uint4 (&nw)[NORM_MAX_CHUNKS]);
 template <int B>
 __device__ void persist_gemv_chunk_fp8(const PersistOp& op, int g, int kc, const bf16* slot, const bf16* xs,
                                        float (&acc)[4]);
@@ -8535,7 +8547,7 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
     if (o != a.skip_wait) persist_wait(a, o - 1, ops[o - 1].tasks);
     persist_trace_ahead(a, o, load, consumed);
     if constexpr (W8) {
-      if (op.wscale) persist_stage_fp8<B>(a, op, xs, res, scratch);
+      if (op.wscale) persist_stage_fp8<B>(a, op, xs, res, scratch, nw);
       else persist_stage_input<B, TP>(a, op, xs, res, scratch, nw);
     } else {
       persist_stage_input<B, TP>(a, op, xs, res, scratch, nw);
@@ -9966,90 +9978,79 @@ static void gemv_fp8(bf16* y, const uint8_t* xq, const float* xs, int T4, const 
 // Why it could be faster: a batch-1 step is a pass over the weights, and this chapter halves the weights'
 // bytes, but each of its products is two short kernels (the quantizer, then the gemv) whose gaps do not shrink
 // with the bytes; the persistent kernel (sections 24-27) has no gaps, and with it the bf16 weights' step came
-// closer to its floor than the FP8 weights' step came to theirs. Measured so far it is not: every thread block
-// quantizes the whole input of every product it takes part in, where the gemv's path quantizes it once
-// (docs/performance.md, FP8 weights, has the figures); the start-up measurement (section 27) then keeps
-// section 14's path, as it does wherever the kernel loses. Converting the weights to 16-bit values in
-// registers instead (W8A16: no input to quantize) is the next design to measure.
+// closer to its floor than the FP8 weights' step came to theirs (docs/performance.md, FP8 weights).
 // How it reads them. The kernel's weight stream moves bytes: a 32 KiB chunk of a layer's four matrices is 16
 // rows of 2,048 e4m3 weights instead of 1,024 bf16 ones (PersistOp::wscale marks such a product; its stream K
-// is K / 2, persist_stream_k), so a warp's strip of 64 bf16 columns is 128 e4m3 columns: one scale block. The
-// tensor cores' FP8 instruction (m16n8k32, mma_e4m3_16832) takes its A operand in the same registers, byte for
-// byte, as the bf16 one (m16n8k16) takes a 16 x 16 tile, and its B operand (the inputs) at the same byte
-// offsets: so a chunk's products are section 24's, ldmatrix included, with the other instruction, and after
-// the strip's four instructions the 16 x 8 sums are scaled by the rows' weight scale and each sequence's input
-// scale and added, as gemv_fp8_kernel does. The LM head stays bf16 (section 28) and takes section 24's code.
-// The input is quantized as this chapter's kernels quantize it (section 28's step 2: e4m3_quantize_group, a
-// scale per sequence and 128 columns) while it is staged: for QKV and GATE_UP, the RMSNorm's sum of squares as
-// section 24 computes it (persist_rms_scales, bit for bit), then w * bf16(x * scale) rounded to bf16 and
-// quantized, a warp per 128 values, straight from the residual stream in L2; for O and DOWN, attn or act as
-// they are. The bytes go where section 24 stages the bf16 input: e4m3 rows K + 16 bytes apart (the eight
-// sequences' reads fall in different banks), then their scales [B, K / 128].
-// What it computes: section 28's W8A8 arithmetic, the sums in another order than the gemv's or cuBLASLt's.
+// is K / 2, persist_stream_k), so a warp's strip of 64 bf16 columns is 128 e4m3 columns: one scale block.
+// ldmatrix gives each lane the same bytes as for bf16, four e4m3 weights where it gave two bf16 ones, and one
+// instruction turns two e4m3 values into two fp16 ones, exactly (every e4m3 value is an fp16 number). So the
+// products run on the fp16 tensor cores (m16n8k16), two instructions where bf16 had one: the lane's weights at
+// columns c, c + 1 in the first and c + 2, c + 3 in the second, with the inputs at the same columns (a dot
+// product does not care which of its terms the tensor cores pair up, only that weights and inputs agree).
+// After the strip's eight instructions its 16 x 8 sums are multiplied by the rows' block scale and added.
+// The input stays what section 24 stages (RMSNorm, rounded to bf16), converted to fp16 in shared memory once
+// per product: exact for every bf16 value between 2^-14 and 65,504 (the smaller ones lose low bits, the larger
+// are held at 65,504). Nothing is quantized: this is W8A16, the weights' values (e4m3 times their scale, in
+// fp32) against the bf16 input, closer to Part I on the dequantized weights than the chapter's W8A8 products,
+// and not the same arithmetic as theirs: a token's result here depends on whether its step took the kernel.
 // Preconditions: N and K multiples of 128 (fp8_weights_problem's), one GPU, the bf16 cache (the other
 // variants keep section 14's path: section 26's PersistFormat says which kernels exist).
 template <int B>
-__device__ __forceinline__ float* persist_fp8_scales(bf16* xs, int K) {  // where the staged scales start
-  return reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(xs) + (size_t)B * (K + 16));
-}
-template <int B>
-__device__ void persist_stage_fp8(const PersistArgs& a, const PersistOp& op, bf16* xs, bf16* res, float* scratch) {
-  const bf16* src = op.kind == PERSIST_O ? a.attn : op.kind == PERSIST_DOWN ? a.act : a.residual;
-  const int K = op.K, groups = K / 128, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (op.kind == PERSIST_O || op.kind == PERSIST_DOWN) persist_copy_in(res, a.residual, B * op.N);
-  float scale[B];
-  if (op.norm_w)
-    persist_rms_scales<B>([&](int b, int c) { return __ldcg(reinterpret_cast<const uint4*>(src + (size_t)b * K) + c); },
-                          K, a.eps, scratch, scale);
-  uint8_t* xq = reinterpret_cast<uint8_t*>(xs);
-  float* sx = persist_fp8_scales<B>(xs, K);
-  for (int i = warp; i < B * groups; i += PERSIST_WARPS) {
-    const int b = i / groups, j = i % groups;
-    float v[4];
-    bf16x4_to_float(__ldcg(reinterpret_cast<const uint2*>(src + (size_t)b * K + j * 128) + lane), v);
-    if (op.norm_w) {
-      float w[4];
-      bf16x4_to_float(__ldg(reinterpret_cast<const uint2*>(op.norm_w + j * 128) + lane), w);
+__device__ void persist_stage_fp8(const PersistArgs& a, const PersistOp& op, bf16* xs, bf16* res, float* scratch,
+                                  const uint4 (&nw)[NORM_MAX_CHUNKS]) {
+  persist_stage_input<B, false>(a, op, xs, res, scratch, nw);
+  const int ks = op.K + 8;  // section 24's rows
+  for (int c = threadIdx.x; c < B * op.K / 8; c += PERSIST_THREADS) {
+    uint4* p = reinterpret_cast<uint4*>(xs + c / (op.K / 8) * ks) + c % (op.K / 8);
+    float v[8];
+    bf16x8_to_float(*p, v);
 #pragma unroll
-      for (int k = 0; k < 4; k++) v[k] = bf16_round(w[k] * bf16_round(v[k] * scale[b]));
-    }
-    e4m3_quantize_group(v, xq + (size_t)b * (K + 16) + j * 128, sx + b * groups + j, lane);
+    for (int i = 0; i < 8; i++) v[i] = fminf(fmaxf(v[i], -65504.f), 65504.f);
+    *p = make_uint4(pack_half2(v[0], v[1]), pack_half2(v[2], v[3]), pack_half2(v[4], v[5]), pack_half2(v[6], v[7]));
   }
   __syncthreads();
 }
+// Two e4m3 values (the low 16 bits of w, the first in the low byte) as two fp16 ones, the first in the low half.
+__device__ __forceinline__ uint32_t persist_e4m3x2_to_half2(uint32_t w) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xffff), __NV_E4M3);
+  return (uint32_t)h.x | ((uint32_t)h.y << 16);
+}
 // acc += this warp's strip of chunk kc of group g (16 rows x 128 e4m3 columns: scale block kc * 16 + warp)
-// times the same columns of the staged inputs, scaled (see above). acc as persist_gemv_chunk's.
+// times the same columns of the staged inputs (fp16), times the rows' scale. acc as persist_gemv_chunk's.
 template <int B>
 __device__ void persist_gemv_chunk_fp8(const PersistOp& op, int g, int kc, const bf16* slot, const bf16* xs,
                                        float (&acc)[4]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n = lane >> 2, t = lane & 3;
-  const int kb = kc * (2 * PERSIST_KC / 128) + warp, groups = op.K / 128;
-  if (kb >= groups) return;  // past K (the strip was filled with zeros)
-  const bf16* arow = slot + warp * PERSIST_ROWS * PERSIST_WARP_K + ((lane & 7) + ((lane >> 3) & 1) * 8) *
-                                                                       PERSIST_WARP_K;
-  const uint8_t* xrow = reinterpret_cast<const uint8_t*>(xs) + (size_t)n * (op.K + 16) + kb * 128 + 4 * t;
+  const int kb = kc * (2 * PERSIST_KC / 128) + warp;
+  if (kb >= op.K / 128) return;  // past K (the strip was filled with zeros)
   // The scales first, so that their trip through L2 overlaps the products. Rows 0-7 and 8-15 of the group each
-  // lie in one 128-row scale block (GATE_UP: the gate rows and their up rows, in different ones); the lane's
-  // sums are for sequences 2t and 2t + 1.
+  // lie in one 128-row scale block (GATE_UP: the gate rows and their up rows, in different ones).
   const int64_t r_lo = persist_weight_row(op, g, 0), r_hi = persist_weight_row(op, g, 8);
   const float w_lo = __ldg(op.wscale + (r_lo < 0 ? 0 : r_lo / 128) * op.wld + kb);
   const float w_hi = __ldg(op.wscale + (r_hi < 0 ? 0 : r_hi / 128) * op.wld + kb);
-  const float* sx = persist_fp8_scales<B>(const_cast<bf16*>(xs), op.K);
-  const float s0 = 2 * t < B ? sx[2 * t * groups + kb] : 0.f, s1 = 2 * t + 1 < B ? sx[(2 * t + 1) * groups + kb] : 0.f;
+  const bf16* arow = slot + warp * PERSIST_ROWS * PERSIST_WARP_K + ((lane & 7) + ((lane >> 3) & 1) * 8) *
+                                                                       PERSIST_WARP_K;
+  // The lane's input columns: kb * 128 + 32 tt + 4t (+ 16), as its weights' (the staged row holds fp16 now).
+  const uint16_t* xrow = reinterpret_cast<const uint16_t*>(xs) + (size_t)n * (op.K + 8) + kb * 128 + 4 * t;
   float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int tt = 0; tt < PERSIST_WARP_K / 16; tt++) {
-    uint32_t w[4];
+    uint32_t w[4];  // rows g and g + 8, columns 32 tt + 4t .. + 3, then the same 16 columns on
     ldmatrix_x4(w, arow + (((2 * tt + (lane >> 4)) ^ (lane & 7)) << 3));
-    uint32_t x0 = 0, x1 = 0;
+    uint32_t lo[4], hi[4];  // the first two and the last two of each register's four weights
+#pragma unroll
+    for (int i = 0; i < 4; i++) lo[i] = persist_e4m3x2_to_half2(w[i]), hi[i] = persist_e4m3x2_to_half2(w[i] >> 16);
+    uint32_t x[4] = {0, 0, 0, 0};
     if (n < B) {
-      x0 = *reinterpret_cast<const uint32_t*>(xrow + 32 * tt);
-      x1 = *reinterpret_cast<const uint32_t*>(xrow + 32 * tt + 16);
+      const uint16_t* xp = xrow + 32 * tt;
+      x[0] = *reinterpret_cast<const uint32_t*>(xp), x[1] = *reinterpret_cast<const uint32_t*>(xp + 16);
+      x[2] = *reinterpret_cast<const uint32_t*>(xp + 2), x[3] = *reinterpret_cast<const uint32_t*>(xp + 18);
     }
-    mma_e4m3_16832(d, w[0], w[1], w[2], w[3], x0, x1);
+    mma_f16_16816(d, lo, x[0], x[1]);
+    mma_f16_16816(d, hi, x[2], x[3]);
   }
-  acc[0] = fmaf(d[0], w_lo * s0, acc[0]), acc[1] = fmaf(d[1], w_lo * s1, acc[1]);
-  acc[2] = fmaf(d[2], w_hi * s0, acc[2]), acc[3] = fmaf(d[3], w_hi * s1, acc[3]);
+  acc[0] = fmaf(d[0], w_lo, acc[0]), acc[1] = fmaf(d[1], w_lo, acc[1]);
+  acc[2] = fmaf(d[2], w_hi, acc[2]), acc[3] = fmaf(d[3], w_hi, acc[3]);
 }
 // Section 26's source of a layer's FP8 matrices (persist_setup's fp8).
 static PersistFp8Layer persist_fp8_layer(int l) {
@@ -10260,17 +10261,6 @@ __device__ __forceinline__ uint32_t fp8x2_to_half2(uint32_t two_bytes) {
   return (uint32_t)h.x | ((uint32_t)h.y << 16);
 }
 
-// The tensor cores on fp16 tiles: section 15's mma_bf16_16816 and pack_bf16x2 with fp16 inputs.
-__device__ __forceinline__ void mma_f16_16816(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};\n"
-               : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
 
 // ---- Prefill's tiles ----
 // The ring of staging slots where the prefill kernel's fp8 tiles wait (section 15's tile pipeline). A slot is
