@@ -7,7 +7,12 @@
 #                                     values when ignore_eos is set) in build/bench-SHAPE; SHAPE-fp8 (0.6b-fp8,
 #                                     8b-fp8, 32b-fp8) writes it as Qwen's FP8 releases are written (e4m3 layer
 #                                     linears, one fp32 scale per 128 x 128 block), never holding it in bf16 on
-#                                     disk: the 32B shape is 65 GB in bf16, 34 GB so
+#                                     disk: the 32B shape is 65 GB in bf16, 34 GB so.
+#   ./bench.sh --random 30b-a3b       Qwen3-30B-A3B's shape (a Qwen3MoeForCausalLM folder: H 2048, 48 layers,
+#                                     32/4 heads, 128 experts top-8 of intermediate 768, norm_topk_prob), written
+#                                     per expert as Qwen's checkpoints are by test/ref/make_tiny_checkpoint.py
+#                                     --moe --random (python3 alone; 61 GB of disk): small random bf16 values
+#                                     from a repeated block, so the router spreads tokens over the experts
 # Options: --nanovllm PATH (default ./nanovllm), --log-dir DIR (default build/bench-logs),
 #          --only throughput|latency|prefill (one measure; --only model just makes the --random checkpoint),
 #          --tp N (tensor parallelism on N GPUs; the roofline is then N GPUs' bandwidth and GEMM rate),
@@ -63,16 +68,27 @@ while [ $# -gt 0 ]; do
     --dp) DP=$2; shift 2 ;;
     --ladder) LADDER=1; shift ;;
     --baseline) BASELINE=$2; shift 2 ;;
-    -h|--help) sed -n 2,39p "$0"; exit 0 ;;
+    -h|--help) sed -n "2,/^# Roofline/p" "$0"; exit 0 ;;
     *) echo "bench.sh: unknown argument '$1' (see --help)" >&2; exit 1 ;;
   esac
 done
 mkdir -p "$LOG_DIR"
 if [ -n "$RANDOM_SHAPE" ]; then
-  case $RANDOM_SHAPE in 0.6b|8b|32b|0.6b-fp8|8b-fp8|32b-fp8) ;;
-    *) echo "bench.sh: --random takes 0.6b, 8b or 32b, or one of them with -fp8 (an FP8 checkpoint)" >&2; exit 1 ;;
+  case $RANDOM_SHAPE in 0.6b|8b|32b|0.6b-fp8|8b-fp8|32b-fp8|30b-a3b) ;;
+    *) echo "bench.sh: --random takes 0.6b, 8b or 32b, or one of them with -fp8 (an FP8 checkpoint), or" \
+            "30b-a3b (Qwen3-30B-A3B's mixture of experts)" >&2; exit 1 ;;
   esac
   MODEL=build/bench-$RANDOM_SHAPE
+  if [ "$RANDOM_SHAPE" = 30b-a3b ] && [ ! -f "$MODEL/config.json" ]; then
+    TOK=${TOKENIZER_DIR:-$(bash tools/fetch_tokenizer.sh | tail -n1)}
+    python3 test/ref/make_tiny_checkpoint.py "$MODEL.partial" --moe --random --shards --set hidden_size=2048 \
+      --set intermediate_size=6144 --set num_hidden_layers=48 --set num_attention_heads=32 \
+      --set num_key_value_heads=4 --set head_dim=128 --set vocab_size=151936 --set max_position_embeddings=40960 \
+      --set tie_word_embeddings=false --set num_experts=128 --set num_experts_per_tok=8 \
+      --set moe_intermediate_size=768 --set norm_topk_prob=true --set decoder_sparse_step=1 --set 'mlp_only_layers=[]'
+    for f in tokenizer.json tokenizer_config.json; do [ ! -f "$TOK/$f" ] || cp "$TOK/$f" "$MODEL.partial/"; done
+    mv "$MODEL.partial" "$MODEL"  # (only a finished folder has the name: an interrupted write starts over)
+  fi
   if [ ! -f "$MODEL/config.json" ]; then
     TOK=${TOKENIZER_DIR:-$(bash tools/fetch_tokenizer.sh | tail -n1)}
     python3 - "$MODEL" "$RANDOM_SHAPE" "$TOK" <<'PY'

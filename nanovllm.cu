@@ -4,7 +4,7 @@
 //   An offline batch inference engine: give it a Hugging Face Qwen3 checkpoint folder and a file of prompts,
 //   it generates completions with continuous batching, a paged KV cache with prefix caching, chunked
 //   prefill, recompute preemption, CUDA-graph decode and tensor parallelism. It runs the dense Qwen3 models
-//   and the mixture-of-experts ones (Qwen3-30B-A3B), whose experts run on Part I's plain kernels so far. It
+//   and the mixture-of-experts ones (Qwen3-30B-A3B), whose experts run as grouped products on tensor cores. It
 //   mirrors nano-vllm (github.com/GeeeekExplorer/nano-vllm, commit bb823b3) name for name, so the two can be
 //   read side by side, and replaces its PyTorch, flash-attn and Triton with hand-written kernels and cuBLASLt.
 //
@@ -26,8 +26,9 @@
 //   itself through the hook table Part I declares (section 11) or section 14's stages; each registers its
 //   own switch (--opt NAME, section 2; sections 30-31, the FP8 KV cache, register a value of --kv-cache-dtype
 //   instead, since it trades accuracy, and 31a, which orders an fp8 decode step's rows, the switch
-//   longest_first). docs/performance.md has the measured gain of each. The Part I code each one replaces
-//   stays, as the reference the GPU tests compare it with.
+//   longest_first). The last, 31b, runs a mixture-of-experts layer's experts on tensor cores (fused_moe).
+//   docs/performance.md has the measured gain of each. The Part I code each one replaces stays, as the
+//   reference the GPU tests compare it with.
 //   Part III (sections 32-46) is the program around the engine: reading config.json and the flags, prompts
 //   in and completions out, shards, the trace, summary and report, signals, the worker processes and the
 //   data-parallel replicas, `simulate` (the engine without a GPU), the command line and main.
@@ -4575,7 +4576,7 @@ struct LLMEngine {
 // kernels that exist only to merge partial results or to prepare q and k (19). With tensor parallelism,
 // NCCL's latency on small messages (20). A sampler that reads its row many times (21-22). Prefill and mixed
 // steps launched kernel by kernel (23). Then 24-27 run a small decode step as one kernel, and 28-29 halve the
-// bytes of the cache.
+// bytes of the cache. A mixture-of-experts model's experts on Part I's plain tiled products (31b).
 
 // Defined only while this part is in the file: a test that also exercises Part II asks for it.
 #define NANOVLLM_PART_II 1
@@ -4595,6 +4596,7 @@ struct Optimizations {
   bool fast_sampler = false;       // 22: radix-select top-k/top-p and split rows, not the plain sampler
   bool prefill_graphs = false;     // 23: prefill and mixed steps replay CUDA graphs, attention between pieces
   bool longest_first = false;      // 31a: an fp8 decode step's rows in order of context length, longest first
+  bool fused_moe = false;          // 31b: a MoE layer's experts as grouped products on tensor cores
   bool persistent = false;         // 24-27: a small-batch decode step in one persistent kernel
   bool fp8_weights = false;        // 28-29: an FP8 checkpoint's linear weights kept in FP8 (--quantization fp8)
   bool fp8_gemv = false;           // 29: with FP8 weights, batch-1/2 products in a tensor-core gemv
@@ -4619,7 +4621,8 @@ static Optimizations g_opt;  // set by each section's apply (install_optimizatio
 //   attention_prefill  section 8's prefill kernel                        15-16 (flash attention), 31 (fp8)
 //   attention_decode   store_qkv, then section 8's decode kernel         16, then 19 (all in one kernel), 31
 //   matmul_out         h = x @ W^T (after SiLU-and-mul for down), summed over the ranks   18, 29
-//   moe                a MoE layer's MLP: RMSNorm, then section 10b's moe_mlp, summed   (no chapter yet)
+//   moe                a MoE layer's MLP: RMSNorm, then section 10b's moe_mlp, summed   31b (the experts' products
+//                                                                        on tensor cores: fused_moe)
 //   all_reduce         NCCL's all-reduce (section 12)                    20 (one or two crossings of NVLink)
 // and one entry that only a chapter fills: cut (23: where a CUDA graph of a prefill step ends a piece).
 // A MoE layer's MLP is the moe stage alone, so the chapters that replace norm_matmul and matmul_out (the
@@ -10463,7 +10466,8 @@ static void qk_norm_rope_fp8(bf16* qkv, const int* positions, const bf16* q_norm
 // ==== 31. The FP8 KV cache, 2: decode attention over it, the persistent kernel, the stages =================
 // defines: DecodeAccFp8, DecodeLoop<KVFp8>, fp8_decode_attend, PersistKV<KVFp8>, Fp8Cache, g_fp8_cache,
 //          store_qkv_fp8, attention_prefill_fp8, attention_decode_fp8, apply_fp8_cache, use_fp8_cache;
-//          --kv-cache-dtype fp8; switch longest_first (31a)
+//          --kv-cache-dtype fp8; switch longest_first (31a); fused_moe_reference, fused_moe_products,
+//          fused_moe_sum, fused_moe, fused_moe_stage (31b); switch fused_moe (31b)
 //
 // Section 30's format, continued: how decode reads it (its own loop: the tile pipeline is prefill's), how the
 // persistent kernel reads it, and the format's apply: the stages of section 14's forward pass and the
@@ -10929,6 +10933,304 @@ static void apply_longest_first(bool on, Hooks& h) {
 static const int kLongestFirstRegistered = register_optimization(
     {"longest_first", "an fp8 decode step's rows in order of context length, longest first (section 31a)", true,
      apply_longest_first});
+
+
+// ---- 31b. A mixture of experts on tensor cores (switch fused_moe) ----------------------------------------
+// Replaces: in section 14's moe stage (section 10b's moe_mlp), the experts' products after the align:
+// moe_matmul for gate_up, silu_and_mul, moe_matmul for down, and moe_combine's multiply by the routing
+// weights. The router's product, moe_route and moe_align stay Part I's: they are small, and moe_align's list
+// (each expert's rows padded to tiles of MOE_TILE rows, and the expert of each tile) is what the products
+// below are grouped by.
+// Why it is faster: moe_matmul is the textbook product on the CUDA cores: a thread per output, 2-byte loads,
+// one multiply-add per instruction. Here the same tile of 16 rows of the list meets its expert's weights on
+// the tensor cores (section 15's mma.sync m16n8k16: one instruction of a warp does 16 x 8 x 16 multiply-
+// adds), the weights and the rows arrive by 16-byte cp.async copies FMOE_STAGES - 1 slices ahead of the
+// slice being multiplied (a thread block keeps its loads in flight while it computes), and SiLU-and-mul
+// happens in the first product's registers: the [RM, 2 IE] gate_up buffer is neither written nor read, and
+// a kernel is gone.
+// The design: one grouped product per weight matrix, over all experts at once. A thread block owns one tile
+// of MOE_TILE rows of the list (so one expert, tile_expert's) and FMOE_COLS rows of that expert's weight
+// matrix, which it streams once along K, FMOE_BK values at a time, through shared memory; each of its four
+// warps multiplies the tile's 16 rows by 16 of those weight rows. A tile past the list's end (tile_expert
+// -1) exits at once. As in Part I the grid depends on T alone, so a step with MoE layers is captured in a
+// CUDA graph and replayed whatever the routing.
+//   1. fused_moe_kernel<true>: act [RM, IE] = SiLU(gate) * up for the rows of x [T, H] the list names (the
+//      copies gather them: row r reads token rows[r] / k; a padding row reads zeros). A thread block's
+//      FMOE_COLS weight rows are 32 rows of gate and the same 32 columns' rows of up, placed so that each
+//      lane's accumulators hold gate and up of the same (row, column): the epilogue works in registers.
+//   2. fused_moe_kernel<false>: the down product of act's rows, and in its epilogue the multiply by the
+//      routing weight of each row's pair; a padding row writes nothing.
+//   3. fused_moe_sum: per token, its k weighted rows added in ascending expert id.
+// Why the sum stays a kernel of its own: Part I rounds the sum to bf16 after each expert's addition, in
+// ascending expert id (transformers' index_add_ into a bf16 row: section 10b). A token's k rows come from k
+// different thread blocks (one per expert's tile). Adding them in place would take atomics, whose order, and
+// so whose rounding, changes from run to run, or thread blocks that wait for each other's turn. A kernel
+// that reads the k rows of H values per token (small next to the experts' weights a step reads) keeps the
+// sum exactly Part I's for the same products. (vLLM's fused MoE ends with a moe_sum kernel too.)
+// Rounding, where Part I rounds (section 10b): gate and up to bf16 each, then act = bf16(SiLU(gate) * up) in
+// fp32 (section 7's silu_mul); y = bf16(the down product), then bf16(y * w) with w fp32; the sum in bf16 after
+// each addition. Only the order of the fp32 additions inside a product differs from moe_matmul's (the tensor
+// cores add in an order of their own), so a result may land one bf16 step from Part I's where a value sits
+// near a rounding boundary. fused_moe_reference (below) is the CPU's account of these steps, and
+// test/gpu/gpu_moe.cu checks the kernels against it and against Part I's path.
+// What it costs: a tile is 16 rows, the mma's height. That is right for decode, where an expert gets one or
+// two rows padded to 16, and wasteful for prefill, where it gets hundreds: the expert's weights pass through
+// shared memory once per 16 rows (mostly from L2, since one expert's tiles are neighbours in the grid), where
+// a 64- or 128-row tile would read them 4 to 8 times less often and give the tensor cores more multiplies
+// per load. Padding: up to MOE_TILE - 1 rows per expert that is hit, as in Part I. The kernels launch the
+// ordinary way, not through section 17's launch_pdl: their neighbours in the stream are Part I's kernels.
+// Preconditions: H and IE (this rank's slice) multiples of 8 (16-byte copies; section 2's tp_shard_problem
+// already requires IE / tp % 8 == 0), pointers 16-byte aligned. The widths need not be multiples of a tile:
+// the copies zero-fill a partial slice of K and the weight rows past N, and the epilogues skip those columns.
+// Switch: fused_moe. Its measurement: docs/performance.md, "The fused MoE".
+
+constexpr int FMOE_BK = 64;      // K values per slice: a row of a slice is 128 bytes, 8 chunks of 16 bytes
+constexpr int FMOE_COLS = 64;    // weight rows per thread block (gate_up: 32 of gate, 32 of up)
+constexpr int FMOE_WARPS = 4;    // each multiplies the tile by 16 of the weight rows: two 8-row MMA tiles
+constexpr int FMOE_THREADS = 32 * FMOE_WARPS;
+constexpr int FMOE_STAGES = 4;   // slices in shared memory: 3 in flight while one is multiplied (40 KiB)
+static_assert(FMOE_WARPS * 16 == FMOE_COLS, "the warps share the weight rows 16 apiece");
+static_assert(MOE_TILE == 16, "a tile of the list is one MMA's 16 rows");
+static_assert(MOE_TILE * FMOE_BK / 8 == FMOE_THREADS, "a slice of the tile's rows is one 16-byte copy a thread");
+
+// What fused_moe computes, on the CPU, row by row of the experts' list (rows, tile_expert and pair_row as
+// moe_align_reference makes them): act [RM, IE] of every row of a used tile (a padding row's is SiLU(0) * 0 =
+// 0), the weighted down rows wy [RM, H] of the rows that hold a pair, and out [T, H], each token's rows added
+// in ascending expert id. x [T, H], weights [T, k], gate_up [E, 2 IE, H], down [E, H, IE] (bf16 values as
+// float). Rows the kernels do not write stay 0 here. The same calls and roundings as moe_experts_reference
+// (section 10b), only grouped by expert: out is that function's, bit for bit (test/host/test_moe.cu).
+static void fused_moe_reference(std::vector<float>& act, std::vector<float>& wy, float* out, const float* x,
+                                const std::vector<int>& rows, const std::vector<int>& tile_expert,
+                                const std::vector<int>& pair_row, const int* ids, const float* weights,
+                                const float* gate_up, const float* down, int T, int H, int IE, int k) {
+  const size_t RM = rows.size();
+  act.assign(RM * IE, 0.f), wy.assign(RM * H, 0.f);
+  std::vector<float> zeros(H, 0.f), gu(2 * IE), y(H);
+  for (size_t r = 0; r < RM; r++) {
+    const int e = tile_expert[r / MOE_TILE], pair = rows[r];
+    if (e < 0) continue;
+    const float* xr = pair >= 0 ? x + (size_t)(pair / k) * H : zeros.data();
+    linear_reference(gu.data(), xr, gate_up + (size_t)e * 2 * IE * H, 1, 2 * IE, H);
+    silu_and_mul_reference(&act[r * IE], gu.data(), 1, IE);
+    if (pair < 0) continue;
+    linear_reference(y.data(), &act[r * IE], down + (size_t)e * H * IE, 1, H, IE);
+    for (int h = 0; h < H; h++) wy[r * H + h] = bf16_round(y[h] * weights[pair]);
+  }
+  std::vector<int> order(k);
+  for (int t = 0; t < T; t++) {
+    const int* id = ids + (size_t)t * k;
+    for (int j = 0; j < k; j++) order[j] = j;
+    std::sort(order.begin(), order.end(), [&](int a, int b) { return id[a] < id[b]; });
+    for (int h = 0; h < H; h++) {
+      float acc = 0.f;
+      for (int j : order) acc = bf16_round(acc + wy[(size_t)pair_row[(size_t)t * k + j] * H + h]);
+      out[(size_t)t * H + h] = acc;
+    }
+  }
+}
+
+// A slice in shared memory is [rows][FMOE_BK] bf16, 8 chunks of 16 bytes a row. ldmatrix reads one chunk
+// column of 8 consecutive rows, 128 bytes apart: all in the same 4 banks if stored plainly. XOR-ing the chunk
+// with row % 8 spreads them over all 32 banks (section 15's swizzle, for rows of 8 chunks instead of 16).
+__device__ __forceinline__ int fmoe_smem_index(int row, int chunk) {
+  return row * FMOE_BK + ((chunk ^ (row & 7)) << 3);
+}
+
+// fused_moe_kernel — one grouped product over all experts: for every tile of the list whose expert e =
+// tile_expert[tile] >= 0 and every row r of it,
+//   GATE_UP:  act[r, n] = bf16(SiLU(bf16(x_r . Wgu_e[n])) * bf16(x_r . Wgu_e[IE + n]))    n < IE
+//             x_r = x[rows[r] / k] (zeros for a padding row); Wgu = gate_up [E, 2 IE, H]
+//   down:     y[r, n] = bf16(bf16(act_r . Wd_e[n]) * weights[rows[r]])                     n < H
+//             for the rows that hold a pair; Wd = down [E, H, IE]
+// Replaces: moe_matmul + silu_and_mul, and moe_matmul + moe_combine's multiply (section 10b).
+// Layouts: x [T, H], act [RM, IE], y [RM, H] row-major bf16; the weights as a linear's, [N, K] per expert.
+// Grid: (RM / MOE_TILE tiles, column blocks: ceil(IE / 32) for GATE_UP, ceil(H / FMOE_COLS) for down); the
+// tiles run fastest, so the thread blocks of one expert's tiles, which read the same weight rows, run
+// together and share them through L2. A thread block of FMOE_THREADS threads:
+//   * its weight rows, slot i of FMOE_COLS: GATE_UP: gate row n0 + i for i < 32, up row IE + n0 + i - 32
+//     after (n0 = 32 blockIdx.y); down: row n0 + i (n0 = FMOE_COLS blockIdx.y). A row past N is zero-filled;
+//   * per slice of FMOE_BK values of K: thread t copies chunk t % 8 of tile row t / 8 and four chunks of the
+//     weight rows, into stage (slice % FMOE_STAGES); a chunk past K is zero-filled;
+//   * warp w multiplies the tile (A, 16 x 16 per ldmatrix.x4) by two 8-row MMA tiles of weight rows: slots
+//     8w .. 8w + 7 and 32 + 8w .. 32 + 8w + 7 (B, both from one ldmatrix.x4). For GATE_UP those are gate and
+//     up of the same 8 columns, so acc[0][i] and acc[1][i] are gate and up of one (row, column);
+//   * the epilogue: lane l holds rows l / 4 and l / 4 + 8 of the tile, columns 2 (l % 4) and + 1 of each MMA
+//     tile (section 15's fragment layout), and writes them as one bf16 pair each.
+// Preconditions: the launcher's (fused_moe_products).
+template <bool GATE_UP>
+__global__ __launch_bounds__(FMOE_THREADS) void fused_moe_kernel(bf16* out, const bf16* a, const int* rows,
+                                                                 const int* tile_expert, const float* weights,
+                                                                 const bf16* W, int N, int K, int k) {
+  __shared__ __align__(128) bf16 sA[FMOE_STAGES][MOE_TILE * FMOE_BK];
+  __shared__ __align__(128) bf16 sW[FMOE_STAGES][FMOE_COLS * FMOE_BK];
+  const int e = tile_expert[blockIdx.x];
+  if (e < 0) return;  // a tile past the list's end: the whole thread block
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, chunk = tid % 8;
+  const int64_t r0 = (int64_t)blockIdx.x * MOE_TILE;
+  const int n0 = blockIdx.y * (GATE_UP ? FMOE_COLS / 2 : FMOE_COLS);
+  const int NOUT = GATE_UP ? N / 2 : N;  // columns of the result: IE, or H
+  // The rows this thread copies from: one row of the tile, and weight slots tid / 8 + 16 i (null: zeros).
+  const int pair = rows[r0 + tid / 8];
+  const bf16* a_row = pair < 0 && GATE_UP ? nullptr : a + (GATE_UP ? (int64_t)(pair / k) : r0 + tid / 8) * K;
+  const bf16* w_row[FMOE_COLS * FMOE_BK / 8 / FMOE_THREADS];
+#pragma unroll
+  for (int i = 0; i < FMOE_COLS * FMOE_BK / 8 / FMOE_THREADS; i++) {
+    const int slot = tid / 8 + 16 * i, col = n0 + (GATE_UP ? slot % (FMOE_COLS / 2) : slot);
+    const int w_index = GATE_UP && slot >= FMOE_COLS / 2 ? NOUT + col : col;
+    w_row[i] = col < NOUT ? W + ((int64_t)e * N + w_index) * K : nullptr;
+  }
+  auto issue = [&](int slice) {  // the copies of slice `slice` into its stage, as one committed group
+    const int kk = slice * FMOE_BK + chunk * 8, s = slice % FMOE_STAGES;
+    const bool a_ok = a_row && kk < K;
+    cp_async_16(&sA[s][fmoe_smem_index(tid / 8, chunk)], a_ok ? a_row + kk : a, a_ok);
+#pragma unroll
+    for (int i = 0; i < FMOE_COLS * FMOE_BK / 8 / FMOE_THREADS; i++) {
+      const bool w_ok = w_row[i] && kk < K;
+      cp_async_16(&sW[s][fmoe_smem_index(tid / 8 + 16 * i, chunk)], w_ok ? w_row[i] + kk : W, w_ok);
+    }
+  };
+  const int slices = (K + FMOE_BK - 1) / FMOE_BK;
+#pragma unroll
+  for (int s = 0; s < FMOE_STAGES - 1; s++) {
+    if (s < slices) issue(s);
+    cp_async_commit();  // (an empty group past the end keeps the count of groups in flight the same)
+  }
+  float acc[2][4] = {};
+  for (int slice = 0; slice < slices; slice++) {
+    cp_async_wait<FMOE_STAGES - 2>();  // this thread's copies of `slice` have landed ...
+    __syncthreads();                   // ... and everyone's; and every warp is done with slice - 1's stage
+    if (slice + FMOE_STAGES - 1 < slices) issue(slice + FMOE_STAGES - 1);  // into slice - 1's stage
+    cp_async_commit();
+    const bf16* tA = sA[slice % FMOE_STAGES];
+    const bf16* tW = sW[slice % FMOE_STAGES];
+#pragma unroll
+    for (int kk = 0; kk < FMOE_BK / 16; kk++) {
+      uint32_t af[4], bf[4];
+      ldmatrix_x4(af, tA + fmoe_smem_index(lane & 15, 2 * kk + (lane >> 4)));
+      ldmatrix_x4(bf, tW + fmoe_smem_index((lane >> 4) * (FMOE_COLS / 2) + 8 * warp + (lane & 7),
+                                            2 * kk + ((lane >> 3) & 1)));
+      mma_bf16_16816(acc[0], af, bf[0], bf[1]);
+      mma_bf16_16816(acc[1], af, bf[2], bf[3]);
+    }
+  }
+  cp_async_wait<0>();  // (only empty groups are left; no copy outlives the thread block)
+  const int col = n0 + 8 * warp + 2 * (lane % 4);  // GATE_UP: act's column; down: of MMA tile 0 (tile 1: + 32)
+  auto store2 = [&](int64_t r, int c, float lo, float hi) {  // (NOUT % 8 == 0: with c, c + 1 is a column too)
+    if (c < NOUT) *reinterpret_cast<uint32_t*>(out + r * NOUT + c) = pack_bf16x2(lo, hi);
+  };
+#pragma unroll
+  for (int half = 0; half < 2; half++) {
+    const int64_t r = r0 + lane / 4 + 8 * half;
+    const float* t0 = &acc[0][2 * half];  // this row's two columns of MMA tile 0 (GATE_UP: gate), of tile 1 (up)
+    const float* t1 = &acc[1][2 * half];
+    if constexpr (GATE_UP) {
+      store2(r, col, silu_mul(bf16_round(t0[0]), bf16_round(t1[0])), silu_mul(bf16_round(t0[1]), bf16_round(t1[1])));
+    } else {
+      const int p = rows[r];
+      if (p < 0) continue;  // a padding row: no pair reads it
+      const float w = weights[p];
+      store2(r, col, bf16_round(t0[0]) * w, bf16_round(t0[1]) * w);
+      store2(r, col + FMOE_COLS / 2, bf16_round(t1[0]) * w, bf16_round(t1[1]) * w);
+    }
+  }
+}
+// GATE_UP: out = act [RM, IE] from a = x [T, H] and W = gate_up [E, 2 IE, H] (N = 2 IE, K = H); down: out =
+// y [RM, H] from a = act [RM, IE] and W = down [E, H, IE] (N = H, K = IE), weights [T, k] (fp32). rows and
+// tile_expert: moe_align's, for these RM rows.
+template <bool GATE_UP>
+static void fused_moe_products(bf16* out, const bf16* a, const int* rows, const int* tile_expert,
+                               const float* weights, const bf16* W, int64_t RM, int N, int K, int k,
+                               cudaStream_t stream) {
+  const char* name = GATE_UP ? "fused_moe (gate_up)" : "fused_moe (down)";
+  INTERNAL_CHECK(RM % MOE_TILE == 0 && N > 0 && K > 0 && k >= 1 && (!GATE_UP || N % 2 == 0),
+                 "%s: RM = %lld, N = %d, K = %d, k = %d", name, (long long)RM, N, K, k);
+  check_vec8(name, "K", K);
+  check_vec8(name, GATE_UP ? "IE" : "H", GATE_UP ? N / 2 : N);
+  check_aligned16(name, "out", out);
+  check_aligned16(name, "a", a);
+  check_aligned16(name, "W", W);
+  if (RM == 0) return;
+  const int cols = GATE_UP ? FMOE_COLS / 2 : FMOE_COLS, NOUT = GATE_UP ? N / 2 : N;
+  const dim3 grid((unsigned)(RM / MOE_TILE), (unsigned)cdiv(NOUT, cols));
+  fused_moe_kernel<GATE_UP><<<grid, FMOE_THREADS, 0, stream>>>(out, a, rows, tile_expert, weights, W, N, K, k);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// Replaces: moe_combine's sum (section 10b), its multiply having moved into the down product's epilogue.
+// Reads y [RM, H] (each pair's weighted row, at row pair_row[p]) and ids [T, k]. Writes out [T, H]: out[t] =
+// the bf16 sum of y[pair_row[t*k + j]] over j in ascending expert id, rounded after each addition.
+// Thread block = one token: thread 0 orders its k pairs by expert id (insertion sort, k <= MOE_MAX_TOPK) in
+// shared memory, then each thread takes 16-byte chunks of the row. Preconditions: H % 8 == 0, out and y
+// 16-byte aligned.
+__global__ void fused_moe_sum_kernel(bf16* out, const bf16* y, const int* ids, const int* pair_row, int H, int k) {
+  __shared__ int row[MOE_MAX_TOPK];
+  const int64_t t = blockIdx.x;
+  if (threadIdx.x == 0) {
+    int expert[MOE_MAX_TOPK];
+    for (int j = 0; j < k; j++) {
+      const int e = ids[t * k + j];
+      int i = j;
+      for (; i > 0 && expert[i - 1] > e; i--) expert[i] = expert[i - 1], row[i] = row[i - 1];
+      expert[i] = e, row[i] = pair_row[t * k + j];
+    }
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, v[8];
+    for (int j = 0; j < k; j++) {
+      bf16x8_to_float(reinterpret_cast<const uint4*>(y + (int64_t)row[j] * H)[c], v);
+#pragma unroll
+      for (int i = 0; i < 8; i++) acc[i] = bf16_round(acc[i] + v[i]);
+    }
+    reinterpret_cast<uint4*>(out + t * H)[c] = float_to_bf16x8(acc);
+  }
+}
+static void fused_moe_sum(bf16* out, const bf16* y, const int* ids, const int* pair_row, int T, int H, int k,
+                          cudaStream_t stream) {
+  check_vec8("fused_moe_sum", "H", H);
+  check_aligned16("fused_moe_sum", "out", out);
+  check_aligned16("fused_moe_sum", "y", y);
+  INTERNAL_CHECK(k >= 1 && k <= MOE_MAX_TOPK, "fused_moe_sum: k = %d (1 to %d)", k, MOE_MAX_TOPK);
+  if (T == 0) return;
+  fused_moe_sum_kernel<<<T, row_threads(H / 8, 256), 0, stream>>>(out, y, ids, pair_row, H, k);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// The experts' part of a MoE layer the fused way: section 10b's moe_experts with the same arguments and the
+// same scratch (a's moe_* buffers; moe_gate_up is not used). out [T, H] may not alias x.
+static void fused_moe(bf16* out, const bf16* x, const int* ids, const float* weights, const bf16* gate_up,
+                      const bf16* down, int T, int H, int IE, int E, int k, const Activations& a,
+                      cudaStream_t stream) {
+  const int64_t RM = moe_rows_max(T, k, E);
+  moe_align(a.moe_rows, a.moe_pair_row, a.moe_tile_expert, ids, T, k, E, stream);
+  fused_moe_products<true>(a.moe_act, x, a.moe_rows, a.moe_tile_expert, nullptr, gate_up, RM, 2 * IE, H, k, stream);
+  fused_moe_products<false>(a.moe_out, a.moe_act, a.moe_rows, a.moe_tile_expert, weights, down, RM, H, IE, k,
+                            stream);
+  fused_moe_sum(out, a.moe_out, ids, a.moe_pair_row, T, H, k, stream);
+}
+
+// ---- The stage this section fills, and its switch: fused_moe ----
+// Section 14's moe: moe_plain with the experts' part (section 10b's moe_experts) replaced by fused_moe; the
+// norm, the router's product and moe_route before it and the sum over the ranks after it as moe_plain has them.
+static void fused_moe_stage(Pass& p, const LayerWeights& lw) {
+  Activations& a = p.m.act;
+  const ModelConfig& c = p.m.cfg;
+  const int H = c.hidden_size, E = c.num_experts, k = c.num_experts_per_tok;
+  norm_residual(p, lw.post_attention_layernorm);
+  linear(*p.m.gemm, a.router_logits, a.x, lw.router, p.T, E, H, p.s);
+  moe_route(a.topk_ids, a.topk_weights, a.router_logits, p.T, E, k, c.norm_topk_prob, p.s);
+  fused_moe(a.hidden, a.x, a.topk_ids, a.topk_weights, lw.experts_gate_up, lw.experts_down, p.T, H,
+            c.moe_intermediate_size / p.m.tp, E, k, a, p.s);
+  p.pending = true;
+  if (p.m.tp > 1 && g_stages.all_reduce(p.m.comm, a.hidden, (size_t)p.T * H, p.s, a.residual)) p.pending = false;
+}
+static void apply_fused_moe(bool on, Hooks& h) {
+  g_opt.fused_moe = on;
+  if (on) stages_for(h).moe = fused_moe_stage;
+}
+static const int kFusedMoeRegistered = register_optimization(
+    {"fused_moe", "a MoE layer's experts as grouped products on tensor cores, SiLU-and-mul fused in (section 31b)",
+     true, apply_fused_moe});
 
 
 // ##########################################################################################################

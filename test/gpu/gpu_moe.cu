@@ -4,8 +4,11 @@
 // experts' steps replayed from a CUDA graph while the routing changes under it (the graph-capturable design);
 // the loader's experts at --tp 1 and as rank 1 of --tp 2; and a tiny random MoE checkpoint end to end: the
 // plain path's CUDA-graph decode bit for bit against the same steps run eagerly, and the default switches
-// (attention's chapters; the gemv, the persistent kernel and FP8 weights stand aside for the MoE layers)
-// against the plain path. Every case poisons its outputs first. Without a visible GPU every case is SKIPPED.
+// (attention's chapters and section 31b's fused_moe; the gemv, the persistent kernel and FP8 weights stand
+// aside for the MoE layers) against the plain path. Section 31b (fused_moe, the experts on tensor cores): its
+// products against the CPU references and Part I's path at awkward widths and tensor-parallel slices, its sum
+// bit for bit, its CUDA-graph replay, and the tiny checkpoint with it alone. Every case poisons its outputs
+// first. Without a visible GPU every case is SKIPPED.
 //   build: make build/gpu_moe (CUDA_ARCH=90a where no GPU is visible)
 //   run:   ./build/gpu_moe [NAME_SUBSTRING]   (from the repository root: the end-to-end cases run
 //          test/ref/make_tiny_checkpoint.py with python3)
@@ -148,8 +151,10 @@ struct ExpertsCase {
 
 // The experts' products run the same three products as the CPU in another order (fp32 inside each tile
 // against double): an intermediate bf16 rounding may land one step apart, so the outputs agree within a few
-// bf16 steps; a wrong row, expert, weight or order of the sum is far outside that.
-static void check_experts(const ExpertsCase& c, std::mt19937& rng, bool graph) {
+// bf16 steps; a wrong row, expert, weight or order of the sum is far outside that. fused: section 31b's
+// fused_moe instead of section 10b's moe_experts (the same arguments, the same reference: test_moe.cu checks
+// that fused_moe_reference's sum is moe_experts_reference's bit for bit).
+static void check_experts(const ExpertsCase& c, std::mt19937& rng, bool graph, bool fused = false) {
   const auto x = bf16_values((size_t)c.T * c.H, rng, 1.f);
   const auto gate_up = bf16_values((size_t)c.E * 2 * c.IE * c.H, rng, 0.06f);
   const auto down = bf16_values((size_t)c.E * c.H * c.IE, rng, 0.06f);
@@ -160,6 +165,10 @@ static void check_experts(const ExpertsCase& c, std::mt19937& rng, bool graph) {
   cudaStream_t stream;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   auto run = [&] {
+#ifdef NANOVLLM_PART_II
+    if (fused)
+      return fused_moe(d_out.p, d_x.p, d_ids.p, d_w.p, d_gate_up.p, d_down.p, c.T, c.H, c.IE, c.E, c.k, s.a, stream);
+#endif
     moe_experts(d_out.p, d_x.p, d_ids.p, d_w.p, d_gate_up.p, d_down.p, c.T, c.H, c.IE, c.E, c.k, s.a, stream);
   };
   cudaGraphExec_t exec = nullptr;
@@ -187,8 +196,8 @@ static void check_experts(const ExpertsCase& c, std::mt19937& rng, bool graph) {
     float scale = 0;
     for (float v : want) scale = std::max(scale, fabsf(v));
     char what[160];
-    snprintf(what, sizeof what, "%s (T %d H %d IE %d E %d k %d%s, routing %d)", c.what, c.T, c.H, c.IE, c.E, c.k,
-             graph ? ", graph replay" : "", round);
+    snprintf(what, sizeof what, "%s%s (T %d H %d IE %d E %d k %d%s, routing %d)", fused ? "fused: " : "", c.what,
+             c.T, c.H, c.IE, c.E, c.k, graph ? ", graph replay" : "", round);
     check_close(what, got.data(), want.data(), got.size(), 0.01f * scale, 2.f / 128);
   }
   if (exec) CUDA_CHECK(cudaGraphExecDestroy(exec));
@@ -218,6 +227,175 @@ TEST(moe_experts_replay_from_a_cuda_graph) {
   std::mt19937 rng(4);
   for (const ExpertsCase& c : kExpertsCases) check_experts(c, rng, true);
 }
+
+// ---- section 31b: fused_moe, the experts on tensor cores ----------------------------------------------
+
+#ifdef NANOVLLM_PART_II
+// Its awkward sizes: H not a multiple of the thread block's 64 columns (264 = 4 x 64 + 8), IE not a multiple of
+// its 32 (24, 40, and Qwen3-30B-A3B's 768 sliced by --tp 2, 4, 8: 384, 192, 96), one token, a token in the
+// hundreds, experts that get no row, one expert that gets every row (several tiles of it), every expert in
+// every token. (The preconditions: H and IE multiples of 8.)
+static const ExpertsCase kFusedCases[] = {
+    {"one token", 1, 256, 128, 8, 2, 0},
+    {"tiny-moe's shape", 37, 256, 128, 8, 2, 0},
+    {"widths not multiples of the thread block's", 45, 264, 24, 7, 3, 0},
+    {"every expert in every token", 5, 64, 16, 5, 5, 0},
+    {"most experts without a row", 300, 128, 32, 64, 2, 1},
+    {"one expert in every token", 300, 136, 40, 16, 1, 2},
+    {"hundreds of tokens, 128 experts top-8", 256, 1024, 256, 128, 8, 0},
+    {"Qwen3-30B-A3B's widths", 70, 2048, 768, 128, 8, 0},
+    {"Qwen3-30B-A3B at --tp 2", 70, 2048, 384, 128, 8, 0},
+    {"Qwen3-30B-A3B at --tp 4", 33, 2048, 192, 128, 8, 1},
+    {"Qwen3-30B-A3B at --tp 8, one token", 1, 2048, 96, 128, 8, 0},
+};
+
+// fused_moe against moe_experts_reference, eagerly, and replayed from a CUDA graph under changing routings
+// (three routings each: the cases whose CPU reference is quick enough to run three times).
+TEST(fused_moe_matches_reference) {
+  REQUIRE_GPU();
+  std::mt19937 rng(13);
+  for (const ExpertsCase& c : kFusedCases) check_experts(c, rng, false, true);
+  for (const ExpertsCase& c : kFusedCases)
+    if ((int64_t)c.T * c.k * c.H * c.IE <= 400000000) check_experts(c, rng, true, true);
+}
+
+// Each step of fused_moe on its own, on one routing per case: act (every row of a used tile, padding rows
+// exactly 0) and the weighted down rows (every pair's row) against fused_moe_reference, the final sum bit
+// for bit as the CPU adds the GPU's own weighted rows (ascending expert id, bf16 after each addition), and
+// the result against Part I's path (moe_experts) on the GPU, within the products' rounding distance.
+TEST(fused_moe_steps_match_reference_and_plain) {
+  REQUIRE_GPU();
+  std::mt19937 rng(14);
+  for (const ExpertsCase& c : kFusedCases) {
+    const auto x = bf16_values((size_t)c.T * c.H, rng, 1.f);
+    const auto gate_up = bf16_values((size_t)c.E * 2 * c.IE * c.H, rng, 0.06f);
+    const auto down = bf16_values((size_t)c.E * c.H * c.IE, rng, 0.06f);
+    const std::vector<int> ids = routing(c.T, c.E, c.k, c.kind, rng);
+    std::vector<float> w((size_t)c.T * c.k);
+    for (float& v : w) v = 0.1f + (float)(rng() % 1000) / 1000.f;
+    DevBuf<bf16> d_x(to_bf16(x)), d_gate_up(to_bf16(gate_up)), d_down(to_bf16(down));
+    DevBuf<bf16> d_out((size_t)c.T * c.H), d_plain((size_t)c.T * c.H);
+    DevBuf<int> d_ids(ids);
+    DevBuf<float> d_w(w);
+    MoEScratch s(c.T, c.H, c.IE, c.E, c.k), sp(c.T, c.H, c.IE, c.E, c.k);
+    d_out.poison(), d_plain.poison();
+    fused_moe(d_out.p, d_x.p, d_ids.p, d_w.p, d_gate_up.p, d_down.p, c.T, c.H, c.IE, c.E, c.k, s.a, 0);
+    moe_experts(d_plain.p, d_x.p, d_ids.p, d_w.p, d_gate_up.p, d_down.p, c.T, c.H, c.IE, c.E, c.k, sp.a, 0);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<int> rows, pair_row, tiles;
+    moe_align_reference(rows, pair_row, tiles, ids.data(), c.T, c.k, c.E);
+    std::vector<float> act, wy, want((size_t)c.T * c.H);
+    fused_moe_reference(act, wy, want.data(), x.data(), rows, tiles, pair_row, ids.data(), w.data(), gate_up.data(),
+                        down.data(), c.T, c.H, c.IE, c.k);
+    const std::vector<float> got_act = to_float(s.act.download()), got_wy = to_float(s.out.download());
+    const std::vector<float> got = to_float(d_out.download()), plain = to_float(d_plain.download());
+    // The rows the kernels write: act of each used tile's rows, the weighted rows of the pairs.
+    std::vector<float> ga, wa, gw, ww;
+    size_t padding = 0, padding_nonzero = 0;
+    for (size_t r = 0; r < rows.size(); r++) {
+      if (tiles[r / MOE_TILE] < 0) continue;
+      ga.insert(ga.end(), got_act.begin() + r * c.IE, got_act.begin() + (r + 1) * c.IE);
+      wa.insert(wa.end(), act.begin() + r * c.IE, act.begin() + (r + 1) * c.IE);
+      if (rows[r] < 0) {
+        padding++;
+        for (int i = 0; i < c.IE; i++) padding_nonzero += got_act[r * c.IE + i] != 0.f;
+        continue;
+      }
+      gw.insert(gw.end(), got_wy.begin() + r * c.H, got_wy.begin() + (r + 1) * c.H);
+      ww.insert(ww.end(), wy.begin() + r * c.H, wy.begin() + (r + 1) * c.H);
+    }
+    char what[160];
+    auto name = [&](const char* step) {
+      snprintf(what, sizeof what, "%s (T %d H %d IE %d E %d k %d): %s", c.what, c.T, c.H, c.IE, c.E, c.k, step);
+      return what;
+    };
+    auto scale_of = [](const std::vector<float>& v) {
+      float m = 0;
+      for (float f : v) m = std::max(m, fabsf(f));
+      return m;
+    };
+    check_close(name("act"), ga.data(), wa.data(), ga.size(), 0.01f * scale_of(wa), 2.f / 128);
+    CHECK_MSG(padding_nonzero == 0, "%s", name("padding rows' act not 0"));
+    check_close(name("weighted down rows"), gw.data(), ww.data(), gw.size(), 0.01f * scale_of(ww), 2.f / 128);
+    check_close(name("out"), got.data(), want.data(), got.size(), 0.01f * scale_of(want), 2.f / 128);
+    check_close(name("out against Part I's path"), got.data(), plain.data(), got.size(), 0.01f * scale_of(plain),
+                2.f / 128);
+    // The sum, exactly: the GPU's weighted rows added on the CPU in Part I's order and rounding.
+    size_t differ = 0, first = 0;
+    float first_want = 0.f;
+    for (int t = 0; t < c.T; t++) {
+      const int* id = &ids[(size_t)t * c.k];
+      std::vector<int> order(c.k);
+      std::iota(order.begin(), order.end(), 0);
+      std::sort(order.begin(), order.end(), [&](int a, int b) { return id[a] < id[b]; });
+      for (int h = 0; h < c.H; h++) {
+        float acc = 0.f;
+        for (int j : order) acc = bf16_round(acc + got_wy[(size_t)pair_row[(size_t)t * c.k + j] * c.H + h]);
+        const size_t i = (size_t)t * c.H + h;
+        if (memcmp(&acc, &got[i], 4) != 0 && !differ++) first = i, first_want = acc;
+      }
+    }
+    CHECK_MSG(differ == 0, "%s: %zu values, first [%zu] got %g, want %g", name("the sum not bit for bit"), differ,
+              first, got[first], first_want);
+    printf("    %s: %zu padding rows\n", c.what, padding);
+  }
+}
+#endif
+
+#ifdef NANOVLLM_PART_II
+// A timing, not a test: one MoE layer's experts (after the router) at Qwen3-30B-A3B's widths (H 2048, 128
+// experts top-8, IE 768), Part I's moe_experts against section 31b's fused_moe, at T = 1 to 2048 tokens.
+// Each run takes the next of 8 uniform routings, so the experts it reads are rarely the run before's (L2
+// holds a few dozen of the 128). Printed: microseconds per layer, the weights the routing touches over the
+// time (GB/s), and the experts' FLOPs over the time (TFLOP/s).
+TIMING(fused_moe_speed) {
+  if (!have_gpu()) SKIP("no GPU");
+  const int H = 2048, IE = 768, E = 128, k = 8, Tmax = 2048, R = 8;
+  DevBuf<bf16> gate_up((size_t)E * 2 * IE * H), down((size_t)E * H * IE), x((size_t)Tmax * H), out((size_t)Tmax * H);
+  CUDA_CHECK(cudaMemset(gate_up.p, 0x3c, gate_up.n * 2));  // every value 0x3c3c: about 0.0115
+  CUDA_CHECK(cudaMemset(down.p, 0x3c, down.n * 2));
+  CUDA_CHECK(cudaMemset(x.p, 0x3f, x.n * 2));  // about 0.75
+  std::mt19937 rng(15);
+  for (int T : {1, 2, 8, 64, 256, 2048}) {
+    std::vector<std::unique_ptr<DevBuf<int>>> ids;
+    std::vector<std::unique_ptr<DevBuf<float>>> w;
+    double touched = 0;
+    for (int i = 0; i < R; i++) {
+      const std::vector<int> h = routing(T, E, k, 0, rng);
+      touched += std::set<int>(h.begin(), h.end()).size() / (double)R;
+      ids.emplace_back(new DevBuf<int>(h));
+      w.emplace_back(new DevBuf<float>(std::vector<float>((size_t)T * k, 1.f / k)));
+    }
+    MoEScratch s(T, H, IE, E, k);
+    float us[2];
+    for (int fused = 0; fused < 2; fused++) {
+      auto run = [&](int i) {
+        const int r = i % R;
+        if (fused) fused_moe(out.p, x.p, ids[r]->p, w[r]->p, gate_up.p, down.p, T, H, IE, E, k, s.a, 0);
+        else moe_experts(out.p, x.p, ids[r]->p, w[r]->p, gate_up.p, down.p, T, H, IE, E, k, s.a, 0);
+      };
+      for (int i = 0; i < 3; i++) run(i);
+      const int iters = T >= 256 && !fused ? 5 : 40;
+      cudaEvent_t a, b;
+      CUDA_CHECK(cudaEventCreate(&a));
+      CUDA_CHECK(cudaEventCreate(&b));
+      CUDA_CHECK(cudaEventRecord(a, 0));
+      for (int i = 0; i < iters; i++) run(i);
+      CUDA_CHECK(cudaEventRecord(b, 0));
+      CUDA_CHECK(cudaEventSynchronize(b));
+      float ms;
+      CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+      us[fused] = ms * 1e3f / iters;
+      CUDA_CHECK(cudaEventDestroy(a));
+      CUDA_CHECK(cudaEventDestroy(b));
+    }
+    const double bytes = touched * 3.0 * H * IE * 2, flops = 2.0 * T * k * 3 * H * IE;
+    printf("    T %4d (%5.1f experts): moe_experts %8.1f us (%5.0f GB/s, %5.1f TFLOP/s)   fused_moe %8.1f us "
+           "(%5.0f GB/s, %5.1f TFLOP/s)\n", T, touched, us[0], bytes / us[0] / 1e3, flops / us[0] / 1e6, us[1],
+           bytes / us[1] / 1e3, flops / us[1] / 1e6);
+  }
+}
+#endif
 
 // The whole layer (moe_mlp): the router's product by cuBLASLt, then the route and the experts. The reference
 // routes from the GPU's own bf16 logits (a logit one bf16 step apart could flip a near-tie and move a token's
@@ -379,24 +557,24 @@ static std::vector<std::vector<int>> moe_prompts() {
 // The plain path (Part I alone) decodes from CUDA graphs with MoE layers in them: 8 sequences (a graph's own
 // batch size, so the eager steps have the same shapes) give the same tokens as the same engine stepping
 // eagerly, the last decode step's logits bit for bit (the same kernels in the same order), and so do the
-// logits of a prefill step after them.
-TEST(moe_plain_graphs_match_eager) {
-  REQUIRE_GPU();
-  const std::string dir = tiny_moe("plain");
+// logits of a prefill step after them. `opt`: the switches (none: Part I alone; section 31b's fused_moe
+// alone in the next case).
+static void graphs_match_eager(const char* opt, const char* folder) {
+  const std::string dir = tiny_moe(folder);
   if (dir.empty()) SKIP("python3 or test/ref/make_tiny_checkpoint.py is missing (run from the repository root)");
   const auto prompts = moe_prompts();
   const int B = (int)prompts.size();
   std::vector<std::vector<int>> graphs, eager;
   std::vector<float> dg, de, lg, le;
   {
-    MoEEngine e(dir, "none", false);
+    MoEEngine e(dir, opt, false);
     CHECK(e.runner->graphs.count(B));
     graphs = e.generate(prompts, 24);
     dg = e.logits(B);
     lg = e.prefill_logits(prompts[4]);
   }
   {
-    MoEEngine e(dir, "none", true);
+    MoEEngine e(dir, opt, true);
     CHECK(e.runner->graphs.empty());
     eager = e.generate(prompts, 24);
     de = e.logits(B);
@@ -409,16 +587,26 @@ TEST(moe_plain_graphs_match_eager) {
   for (size_t i = 1; i < dg.size(); i++) distinct += dg[i] != dg[0];
   CHECK_MSG(distinct > dg.size() / 2, "the logits are nearly constant: a comparison that could not tell");
 }
+TEST(moe_plain_graphs_match_eager) {
+  REQUIRE_GPU();
+  graphs_match_eager("none", "plain");
+}
+#ifdef NANOVLLM_PART_II
+TEST(fused_moe_graphs_match_eager) {
+  REQUIRE_GPU();
+  graphs_match_eager("none,fused_moe", "fused-graphs");
+}
+#endif
 
 // The default switches on a MoE model: the persistent kernel plans nothing and fp8_weights holds nothing (they
-// stand aside), and the logits are the plain path's within attention's chapters' distance (flash attention's
-// bf16 probabilities): relative L2 under 1e-2, the same argmax wherever the margin is clear. A prompt whose
-// tokens the two paths route differently in the MoE layer (attention's rounding moved a near-tie of the
-// router: that token's output then differs by a whole expert's share) is printed and not held to the bar;
-// most prompts must route the same and pass.
-TEST(moe_default_switches_match_plain) {
-  REQUIRE_GPU();
-  const std::string dir = tiny_moe("fast");
+// stand aside), section 31b's fused_moe runs the moe stage, and the logits are the plain path's within
+// attention's chapters' distance (flash attention's bf16 probabilities) and the fused products' (their fp32
+// sums in another order): relative L2 under 1e-2, the same argmax wherever the margin is clear. A prompt whose
+// tokens the two paths route differently in the last MoE layer (a rounding moved a near-tie of the router:
+// that token's output then differs by a whole expert's share) is printed and not held to the bar; most
+// prompts must route the same and pass. `opt`: the switches compared with --plain.
+static void switches_match_plain(const char* opt, const char* folder) {
+  const std::string dir = tiny_moe(folder);
   if (dir.empty()) SKIP("python3 or test/ref/make_tiny_checkpoint.py is missing (run from the repository root)");
   const auto prompts = moe_prompts();
   std::vector<std::vector<float>> plain, fast;
@@ -428,11 +616,13 @@ TEST(moe_default_switches_match_plain) {
     for (size_t i = 0; i < prompts.size(); i++) plain.push_back(e.prefill_logits(prompts[i], &route_plain[i]));
   }
   {
-    MoEEngine e(dir, "all", false);
+    MoEEngine e(dir, opt, false);
 #ifdef NANOVLLM_PART_II
-    CHECK(g_persistent.decode && g_persistent.decode->plans.empty());
-    CHECK(!g_fp8_weights.held);
-    CHECK(g_stages.moe == moe_plain);
+    if (!strcmp(opt, "all")) {
+      CHECK(g_persistent.decode && g_persistent.decode->plans.empty());
+      CHECK(!g_fp8_weights.held);
+    }
+    CHECK(g_stages.moe == fused_moe_stage);
 #endif
     for (size_t i = 0; i < prompts.size(); i++) fast.push_back(e.prefill_logits(prompts[i], &route_fast[i]));
     const auto tokens = e.generate(prompts, 16);  // decode steps through the default path's graphs
@@ -460,11 +650,22 @@ TEST(moe_default_switches_match_plain) {
            "differ\n", prompts[i].size(), rel, af, ap, x[ap] - second, flips, route_plain[i].size());
     if (flips) continue;
     held++;
-    CHECK_MSG(rel < 1e-2, "prompt %zu: relative L2 %.3e between the default path and the plain one", i, rel);
+    CHECK_MSG(rel < 1e-2, "prompt %zu: relative L2 %.3e between --opt %s and the plain path", i, rel, opt);
     if (x[ap] - second > 2 * worst) CHECK_EQ(af, ap);
   }
   CHECK_MSG(held * 2 > prompts.size(), "only %zu of %zu prompts routed the same both ways", held, prompts.size());
 }
+TEST(moe_default_switches_match_plain) {
+  REQUIRE_GPU();
+  switches_match_plain("all", "fast");
+}
+#ifdef NANOVLLM_PART_II
+// Section 31b alone: Part I's attention, so the first MoE layer sees the plain path's rows exactly.
+TEST(fused_moe_alone_matches_plain) {
+  REQUIRE_GPU();
+  switches_match_plain("none,fused_moe", "fused-alone");
+}
+#endif
 
 int main(int argc, char** argv) {
   install_default_optimizations();

@@ -528,13 +528,78 @@ TEST(moe_stand_aside_reasons) {
   CHECK(pd.plans.empty());
   CHECK_MSG(pd.off_reason.find("a MoE model keeps section 14's path") != std::string::npos, "%s",
             pd.off_reason.c_str());
-  // Section 14's table sends a MoE layer's MLP to its moe stage, Part I's unless a chapter fills it.
+  // Section 14's table sends a MoE layer's MLP to its moe stage: Part I's unless a chapter fills it, as
+  // section 31b's fused_moe does by default; --plain fills no stage (section 6c's pass runs moe_mlp).
   install_optimizations(default_optimizations());
-  CHECK(g_stages.moe == moe_plain);
+  CHECK(g_stages.moe == fused_moe_stage);
+  OptimizationSet set = default_optimizations();
+  CHECK(parse_optimizations("-fused_moe", set).empty());
+  install_optimizations(set);
+  CHECK(g_hooks.forward == forward_fast && g_stages.moe == moe_plain);
+  CHECK(parse_optimizations("none", set).empty());
+  install_optimizations(set);
+  CHECK(!g_hooks.forward);
+  install_optimizations(default_optimizations());
 #else
   SKIP("Part II is cut out of this build");
 #endif
 }
+
+// ==== section 31b: the fused MoE's arithmetic ===========================================================
+
+// fused_moe_reference (what section 31b's kernels compute: the rows of moe_align_reference's list through
+// gate_up and SiLU-and-mul, the down product times the routing weight, then each token's rows summed in
+// ascending expert id) gives moe_experts_reference's output bit for bit: the chapter moves the weight's
+// multiply and regroups the rows by expert, and keeps every rounding. On routings where most experts get no
+// row, where one expert gets every row, every expert in every token, one token, and widths that are not
+// multiples of 8; padding rows' act is exactly 0 (what the down product then reads), and each pair's row
+// holds its weighted result.
+#ifdef NANOVLLM_PART_II
+TEST(fused_moe_reference_is_moe_experts_reference_regrouped) {
+  std::mt19937 rng(11);
+  struct Shape { int T, H, IE, E, k, kind; };  // kind 0: random logits; 1: expert E - 1 in every token;
+                                               // 2: only experts 0 .. k used (most get no row)
+  int cases = 0;
+  for (const Shape sh : {Shape{1, 24, 8, 4, 2, 0}, Shape{7, 24, 16, 5, 3, 0}, Shape{19, 40, 24, 8, 2, 1},
+                         Shape{40, 16, 8, 12, 2, 2}, Shape{5, 12, 6, 5, 5, 0}, Shape{33, 16, 8, 12, 8, 0}}) {
+    ExpertsInputs s(sh.T, sh.H, sh.IE, sh.E, sh.k, true, rng);
+    for (int t = 0; t < s.T && sh.kind > 0; t++) {
+      std::vector<int> all(s.E);
+      std::iota(all.begin(), all.end(), 0);
+      if (sh.kind == 1) std::swap(all[0], all[s.E - 1]);
+      std::shuffle(all.begin() + (sh.kind == 1), all.begin() + (sh.kind == 1 ? s.E : s.k + 1), rng);
+      std::copy(all.begin(), all.begin() + s.k, s.ids.begin() + (size_t)t * s.k);
+    }
+    std::vector<int> rows, pair_row, tiles;
+    moe_align_reference(rows, pair_row, tiles, s.ids.data(), s.T, s.k, s.E);
+    std::vector<float> act, wy, got((size_t)s.T * s.H), want((size_t)s.T * s.H);
+    fused_moe_reference(act, wy, got.data(), s.x.data(), rows, tiles, pair_row, s.ids.data(), s.w.data(),
+                        s.gate_up.data(), s.down.data(), s.T, s.H, s.IE, s.k);
+    moe_experts_reference(want.data(), s.x.data(), s.ids.data(), s.w.data(), s.gate_up.data(), s.down.data(), s.T,
+                          s.H, s.IE, s.k);
+    size_t differ = 0;
+    for (size_t i = 0; i < got.size(); i++) differ += memcmp(&got[i], &want[i], 4) != 0;
+    CHECK_MSG(differ == 0, "T %d H %d IE %d E %d k %d kind %d: %zu of %zu values differ", s.T, s.H, s.IE, s.E, s.k,
+              sh.kind, differ, got.size());
+    size_t padding = 0, nonzero_pad = 0, zero_pairs = 0;
+    for (size_t r = 0; r < rows.size(); r++) {
+      if (tiles[r / MOE_TILE] < 0 || rows[r] >= 0) continue;
+      padding++;
+      for (int i = 0; i < s.IE; i++) nonzero_pad += act[r * s.IE + i] != 0.f;
+    }
+    for (int p = 0; p < s.T * s.k; p++) {
+      bool all_zero = true;
+      for (int h = 0; h < s.H; h++) all_zero &= wy[(size_t)pair_row[p] * s.H + h] == 0.f;
+      zero_pairs += all_zero;
+    }
+    CHECK_MSG(nonzero_pad == 0, "%zu values of %zu padding rows' act are not 0", nonzero_pad, padding);
+    CHECK_MSG(zero_pairs == 0, "%zu pairs' weighted rows are all zeros (not written?)", zero_pairs);
+    if (sh.kind == 1) CHECK(std::count(tiles.begin(), tiles.end(), s.E - 1) == cdiv(s.T, MOE_TILE));
+    cases++;
+  }
+  CHECK_EQ(cases, 6);
+}
+#endif
 
 // ==== section 43: parameters, the experts a step reads, simulate =========================================
 
