@@ -21,15 +21,15 @@
 //   the mixture-of-experts layer of Qwen3-MoE), the ModelRunner with CUDA graphs, tensor parallelism and the
 //   LLMEngine loop. It is complete and correct on its own, and names nothing defined after it: `--plain` runs
 //   it alone, and a build with Part II cut out (test/cli/part2_cut.sh) compiles and runs.
-//   Part II (sections 14-31) makes it fast. Section 14 cuts the forward pass into stages; each chapter after
+//   Part II (sections 14-33) makes it fast. Section 14 cuts the forward pass into stages; each chapter after
 //   it is one optimization that says what it replaces and why it is faster on the hardware, and installs
 //   itself through the hook table Part I declares (section 11) or section 14's stages; each registers its
-//   own switch (--opt NAME, section 2; sections 30-31, the FP8 KV cache, register a value of --kv-cache-dtype
-//   instead, since it trades accuracy, and 31a, which orders an fp8 decode step's rows, the switch
-//   longest_first). The last, 31b, runs a mixture-of-experts layer's experts on tensor cores (fused_moe).
+//   own switch (--opt NAME, section 2; sections 31-32, the FP8 KV cache, register a value of --kv-cache-dtype
+//   instead, since it trades accuracy, and 32a, which orders an fp8 decode step's rows, the switch
+//   longest_first). The last, 33, runs a mixture-of-experts layer's experts on tensor cores (fused_moe).
 //   docs/performance.md has the measured gain of each. The Part I code each one replaces stays, as the
 //   reference the GPU tests compare it with.
-//   Part III (sections 32-46) is the program around the engine: reading config.json and the flags, prompts
+//   Part III (sections 34-48) is the program around the engine: reading config.json and the flags, prompts
 //   in and completions out, shards, the trace, summary and report, signals, the worker processes and the
 //   data-parallel replicas, `simulate` (the engine without a GPU), the command line and main.
 //
@@ -126,25 +126,27 @@
 //   26. The persistent kernel, 3: the kernel, its plan and its launch
 //   27. The persistent kernel, 4: which steps take it, measured at start-up and remembered
 //   28. FP8 weights, 1: the format on the GPU, loading it, quantizing a bf16 checkpoint
-//   29. FP8 weights, 2: the activations' quantizer, cuBLASLt's block-scaled products, the stages
-//   30. An FP8 KV cache, 1: the format, its scales, the store and prefill's tiles
-//   31. The FP8 KV cache, 2: decode attention over it, the persistent kernel, the stages
+//   29. FP8 weights, 2: the activations' quantizer and cuBLASLt's block-scaled products
+//   30. FP8 weights, 3: small steps on the FP8 tensor cores, the persistent kernel, the stages
+//   31. An FP8 KV cache, 1: the format, its scales, the store and prefill's tiles
+//   32. The FP8 KV cache, 2: decode attention over it, the persistent kernel, the stages
+//   33. A mixture of experts on tensor cores
 //   PART III — THE PROGRAM AROUND IT
-//   32. Reading the configuration: config.json, flags and sampling fields
-//   33. Prompts in: the formats and the sampling fields
-//   34. Reading the prompts file: text, .jsonl and OpenAI batch lines
-//   35. Completions out: stdout, the --output lines, a batch's answers
-//   36. Shards: a part of the input per machine, and the merge
-//   37. Watching the run: the progress line and the trace
-//   38. The run summary: its figures, two fingerprints and the summary record
-//   39. The report: the whole run in one HTML page
-//   40. Signals and the tensor-parallel workers
-//   41. Data parallelism, 1: N replicas of the engine, one queue
-//   42. Data parallelism, 2: the coordinator
-//   43. simulate: the engine without a GPU
-//   44. The command line: flags and --help
-//   45. A run's start and end: the GPUs, the start-up line, the closing lines
-//   46. The commands and main
+//   34. Reading the configuration: config.json, flags and sampling fields
+//   35. Prompts in: the formats and the sampling fields
+//   36. Reading the prompts file: text, .jsonl and OpenAI batch lines
+//   37. Completions out: stdout, the --output lines, a batch's answers
+//   38. Shards: a part of the input per machine, and the merge
+//   39. Watching the run: the progress line and the trace
+//   40. The run summary: its figures, two fingerprints and the summary record
+//   41. The report: the whole run in one HTML page
+//   42. Signals and the tensor-parallel workers
+//   43. Data parallelism, 1: N replicas of the engine, one queue
+//   44. Data parallelism, 2: the coordinator
+//   45. simulate: the engine without a GPU
+//   46. The command line: flags and --help
+//   47. A run's start and end: the GPUs, the start-up line, the closing lines
+//   48. The commands and main
 
 #include <algorithm>
 #include <cerrno>
@@ -218,7 +220,7 @@ typedef __nv_bfloat16 bf16;
 // This process's tensor-parallel rank (section 12): 0 in the main process, 1..N-1 in the workers.
 static int g_tp_rank = 0;
 // The name this process's messages carry: "" in the main process, "rank 1" in a tensor-parallel worker
-// (section 12), "replica 2" or "replica 2, rank 1" with data parallelism (section 41).
+// (section 12), "replica 2" or "replica 2, rank 1" with data parallelism (section 43).
 static char g_process_label[48] = "";
 
 // A worker's message: named by its label, and written with one write(2) so that two processes failing at
@@ -238,7 +240,7 @@ static char g_process_label[48] = "";
 }
 
 // die() is tokenizer.h's tok_die(): that header is included first and needed the same function, so the
-// engine forwards to it rather than keep a second copy. A worker process (sections 12, 42) names itself.
+// engine forwards to it rather than keep a second copy. A worker process (sections 12, 44) names itself.
 template <typename... Args>
 [[noreturn]] static void die(const char* fmt, Args... args) {
   if (g_process_label[0]) die_on_worker(fmt, args...);
@@ -358,7 +360,7 @@ static float half_bits_to_float(uint16_t h) {
 // (nano-vllm: sampling_params.py, grown to vLLM's: n, stop conditions, penalties, min_p, logprobs, a
 // seed). The optimization registry, before Config, is how Part II's speed work plugs in and is switched.
 // This section says what each setting means; reading and checking them (config.json, the flags, a request's
-// fields) is Part III's job (section 32).
+// fields) is Part III's job (section 34).
 
 constexpr int HEAD_DIM = 128;  // D: every Qwen3 dense model uses 128, and the attention kernels are built for it
 
@@ -376,11 +378,11 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   std::string dtype = "bfloat16";   // the checkpoint's dtype (weights are converted to bf16 at load)
   // A checkpoint whose layers' linear weights are stored as 8-bit floats with one scale per 128 x 128 block
-  // (config.json's quantization_config, which section 32 reads; section 6a says how Part I loads one):
+  // (config.json's quantization_config, which section 34 reads; section 6a says how Part I loads one):
   bool block_quantized = false;
   std::vector<std::string> not_quantized;  // its modules_to_not_convert: names of linears it keeps in bf16
   std::vector<int> eos_token_ids;   // generation_config.json eos_token_id (int or list), else config.json's
-  json generation_config;           // generation_config.json (null without one): sampling defaults (section 33)
+  json generation_config;           // generation_config.json (null without one): sampling defaults (section 35)
   // A mixture-of-experts model (Qwen3MoeForCausalLM; section 10b says how a MoE layer computes). 0 experts:
   // a dense Qwen3, every layer's MLP of intermediate_size.
   int num_experts = 0;              // E: the experts of a MoE layer
@@ -408,8 +410,8 @@ struct ModelConfig {
 // the hook entries of section 11 it replaces). So a reader can run the plain engine (--plain, or --opt
 // none) and climb back one step at a time (--opt none,NAME), every optimization can be checked against the
 // code it replaces, and a build with Part II cut out has an empty registry and runs Part I alone. `step_costs`
-// is for a model of the engine that runs no GPU (section 43's simulate, which prices each step): what the
-// optimization changes in how a step runs, as named numbers; section 43 lists the names it reads.
+// is for a model of the engine that runs no GPU (section 45's simulate, which prices each step): what the
+// optimization changes in how a step runs, as named numbers; section 45 lists the names it reads.
 struct Hooks;  // section 11
 struct Qwen3;  // section 6c
 struct Optimization {
@@ -493,7 +495,7 @@ struct Config {
                                        // an Optimization that provides one (its `quantization`)
 };
 
-// ---- Tensor-parallel sharding arithmetic (used by load_weights, section 32's validate_config, the tests) ----
+// ---- Tensor-parallel sharding arithmetic (used by load_weights, section 34's validate_config, the tests) ----
 // Which sizes N can split a model, and what rank r of N holds (nano-vllm: the tp_size divisions in
 // layers/linear.py and layers/embed_head.py). Heads are never split: a rank owns whole query heads and
 // whole KV heads, so attention needs no communication; the MLP is split by intermediate columns, and so is
@@ -540,7 +542,7 @@ static TPShard tp_shard(const ModelConfig& m, int rank, int n) {
 
 // One request's sampling settings (nano-vllm: SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=False),
 // grown to vLLM's SamplingParams: the same field names, meanings and ranges). The defaults below are the
-// built-in ones; the model's generation_config.json may replace some (section 33, --generation-config).
+// built-in ones; the model's generation_config.json may replace some (section 35, --generation-config).
 constexpr int MAX_LOGPROBS = 20;  // vLLM's default max_logprobs: alternatives a request may ask for per token
 
 struct SamplingParams {
@@ -653,7 +655,7 @@ struct Sequence {
   // The key of this sequence's draws (section 9): its request's seed (child k of a seeded request with
   // n > 1 has seed + k, section 13), or for a request without one, a seed made from the engine's --seed and
   // the request's place in the whole input, never from anything the engine counts. So a request draws the
-  // same tokens in any batch, and whichever data-parallel replica (section 41) or shard (section 36) runs it.
+  // same tokens in any batch, and whichever data-parallel replica (section 43) or shard (section 38) runs it.
   uint64_t sampling_seed(uint64_t engine_seed) const {
     if (params.seed >= 0) return (uint64_t)params.seed;
     return splitmix64(engine_seed ^ splitmix64((uint64_t)request_index)) + (uint64_t)completion_index;
@@ -1176,7 +1178,7 @@ struct Weights {
 // bytes. Its config.json says
 //   "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
 //                           "weight_block_size": [128, 128]}
-// (section 32 checks it), and each linear projection X of a layer (q, k, v, o, gate, up, down) is stored as
+// (section 34 checks it), and each linear projection X of a layer (q, k, v, o, gate, up, down) is stored as
 //   X.weight            F8_E4M3        [out, in]                         one byte per weight
 //   X.weight_scale_inv  BF16 or F32    [ceil(out/128), ceil(in/128)]     one multiplier per 128 x 128 block
 // meaning W[r][c] = e4m3(X.weight[r][c]) * X.weight_scale_inv[r / 128][c / 128]. The quantizer took each
@@ -1226,7 +1228,7 @@ static std::vector<float> block_scales(const TensorView& s) {
 // scales its weights were quantized with. A NaN byte is refused, naming `t` (the weight) and where.
 static void dequantize_row(uint16_t* out, const uint8_t* w, int64_t n, const float* scale, int64_t scale_cols,
                            int64_t r, int64_t c, const TensorView& t) {
-  const size_t bad = e4m3_first_nan(w, (size_t)n);
+  const size_t bad = block_quantized_first_nan(w, (size_t)n);
   if (bad < (size_t)n)
     die("tensor '%s' in %s holds a NaN byte (0x%02x) at [%lld, %lld]; a quantizer never writes one: the "
         "checkpoint is damaged", t.name.c_str(), t.file.c_str(), w[bad], (long long)r, (long long)(c + bad));
@@ -3196,6 +3198,7 @@ static void moe_experts_reference(float* out, const float* x, const int* ids, co
 // Replaces: Qwen3MoeExperts.forward's  current_hidden_states * top_k_weights[...]  and index_add_.
 // Reads y [RM, H] (each pair's expert output, at its row pair_row[p]), ids and weights [T, k]. Writes out
 // [T, H]: out[t] = the bf16 sum, in ascending expert id, of bf16(y[pair_row[t*k + j]] * weights[t*k + j]).
+// weights null: y's rows are weighted already (section 33's down product does it), and only the sum is made.
 // Thread block = one token: thread 0 orders its k pairs by expert id (insertion sort, k <= MOE_MAX_TOPK)
 // into shared memory, then each thread takes 16-byte chunks of the row (section 7's convention).
 // Preconditions: H % 8 == 0, pointers 16-byte aligned.
@@ -3210,7 +3213,7 @@ __global__ void moe_combine_kernel(bf16* out, const bf16* y, const int* ids, con
       const int e = ids[t * k + j];
       int i = j;
       for (; i > 0 && expert[i - 1] > e; i--) expert[i] = expert[i - 1], row[i] = row[i - 1], weight[i] = weight[i - 1];
-      expert[i] = e, row[i] = pair_row[t * k + j], weight[i] = weights[t * k + j];
+      expert[i] = e, row[i] = pair_row[t * k + j], weight[i] = weights ? weights[t * k + j] : 1.f;
     }
   }
   __syncthreads();
@@ -3411,13 +3414,13 @@ static void install_optimizations(const OptimizationSet& set, const std::string&
 
 // What LLMEngine (section 13) needs from the side that computes a step: the sampled tokens, the batch a step
 // really runs (padded to a CUDA graph's size), and a clock. ModelRunner is the real one; `nanovllm simulate`
-// (section 43) plugs in a stand-in that needs no GPU and keeps a modelled clock.
+// (section 45) plugs in a stand-in that needs no GPU and keeps a modelled clock.
 struct StepRunner {
   double gpu_seconds = 0;  // time spent waiting for the GPU (the rest of a step is host work)
   virtual std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) = 0;
   virtual int padded_batch(int B, bool is_prefill) const = 0;
   // After run(): row i's log-probabilities for the sequences that asked for them (section 9b); nullptr when
-  // none did, or when the runner has no logits (section 43's stand-in model).
+  // none did, or when the runner has no logits (section 45's stand-in model).
   virtual const TokenLogprobs* step_logprobs() const { return nullptr; }
   virtual double now() { return now_seconds(); }
   virtual void wait_until(double t) {  // nothing to do before t (requests arrive later)
@@ -3899,7 +3902,7 @@ struct ModelRunner : StepRunner {
 // This section has two halves: the data plane (the communicator, the all-reduce, the logits gather), and
 // the processes (12b): rank 0 is this process; ranks 1..N-1 are workers fork()ed before the first CUDA
 // call, and rank 0 sends them each step through a mailbox in shared memory. Section 20 gives the small
-// all-reduces of decode a faster road than NCCL's; section 40 handles the signals and shutdown.
+// all-reduces of decode a faster road than NCCL's; section 42 handles the signals and shutdown.
 //
 // What crosses between the ranks in one batch-1 decode step of Qwen3-8B at N = 2:
 //   mailbox      ~57 KB of step inputs at --max-num-seqs 512 (ids, positions, slots, context lengths,
@@ -4008,7 +4011,7 @@ static TPComm* tp_comm_init(int rank, int size, const ncclUniqueId& id) {
 // followed by collectives that need every worker.
 //
 // What happens when a process fails or a signal arrives (reaping the workers, naming the rank that failed,
-// Ctrl-C) is section 40's: it passes its handlers to tp_fork_workers (TPSupervisor), and none of it changes
+// Ctrl-C) is section 42's: it passes its handlers to tp_fork_workers (TPSupervisor), and none of it changes
 // what the ranks compute.
 
 enum class TPOp : uint32_t { CONNECT, INIT, CAPTURE, STEP, EXIT };
@@ -4039,7 +4042,7 @@ struct TPGroup {
 };
 static TPGroup g_tp;
 
-// What section 40 adds around the processes: rank 0's reaper and signal handlers, installed between the
+// What section 42 adds around the processes: rank 0's reaper and signal handlers, installed between the
 // forks and the moment a worker's death can be noticed; a worker's own signals; and a per-step call (tests
 // make a worker fail on purpose there). Empty entries do nothing.
 struct TPSupervisor {
@@ -4271,7 +4274,7 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
 
 [[noreturn]] static void tp_worker_main(int rank) {
   g_tp_rank = rank;
-  const size_t at = strlen(g_process_label);  // a replica's worker: "replica 2, rank 1" (section 42)
+  const size_t at = strlen(g_process_label);  // a replica's worker: "replica 2, rank 1" (section 44)
   snprintf(g_process_label + at, sizeof g_process_label - at, "%srank %d", at ? ", " : "", rank);
   if (g_tp_supervisor.worker_begins) g_tp_supervisor.worker_begins(rank);
   TPMailbox* mb = g_tp.mb;
@@ -4337,7 +4340,7 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
 // a model too large for one GPU, and one request (or a small batch) that must go faster, since its decode
 // step reads 1/N of the weights per GPU. The two combine: N replicas of T GPUs each. The replicas are
 // processes forked like this section's ranks, each running this file's engine unchanged; the queue they
-// pull from, and how the run stops, are program plumbing (sections 41-42). docs/data-parallel.md has the
+// pull from, and how the run stops, are program plumbing (sections 43-44). docs/data-parallel.md has the
 // measurements that say when each wins.
 
 // ==== 13. LLMEngine: add_request, step, generate ===========================================================
@@ -4352,7 +4355,7 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
 //
 // Watching the scheduler think: with --trace every step prints one line on stderr, every run ends with a
 // summary, and --report draws the whole run. All of them watch through StepObserver (below; Part III
-// implements it, section 37) and only read what the scheduler, the runner and the Sequences already keep.
+// implements it, section 39) and only read what the scheduler, the runner and the Sequences already keep.
 
 struct Request {
   std::vector<int> prompt_token_ids;
@@ -4360,16 +4363,16 @@ struct Request {
   std::string source;         // "prompts.txt:12", for messages
   double arrival_time = 0;    // seconds after generate() begins (a .jsonl field, or --request-rate)
   bool arrival_given = false; // the .jsonl line gave it (--request-rate leaves it alone)
-  std::string error;          // an OpenAI batch line we answer with an error instead of running (section 34)
-  json batch;                 // that batch line's custom_id, url and body (section 34); null otherwise
+  std::string error;          // an OpenAI batch line we answer with an error instead of running (section 36)
+  json batch;                 // that batch line's custom_id, url and body (section 36); null otherwise
   int index = -1;             // its place in the whole input when a run holds only part of it (a shard,
-                              // section 36); -1: its place in generate()'s input
+                              // section 38); -1: its place in generate()'s input
 };
 
 // One completion: a request with n > 1 has n of them, consecutive, in index order.
 struct Completion {
   std::vector<int> token_ids;
-  const char* finish_reason;  // nullptr: unfinished (the run was interrupted by Ctrl-C, section 40)
+  const char* finish_reason;  // nullptr: unfinished (the run was interrupted by Ctrl-C, section 42)
   int prompt_tokens;
   double arrival_time = 0, first_token_time = -1, finish_time = -1;  // seconds since generate() began (-1: never)
   int64_t seq_id = 0;
@@ -4382,7 +4385,7 @@ struct Completion {
   double cumulative_logprob = 0;
 };
 
-// Ctrl-C (section 40's handler sets it; main arms it): generate() stops after the step in flight.
+// Ctrl-C (section 42's handler sets it; main arms it): generate() stops after the step in flight.
 static volatile sig_atomic_t g_stop_armed = 0;
 static volatile sig_atomic_t g_stop_requested = 0;
 
@@ -4519,7 +4522,7 @@ struct LLMEngine {
   std::vector<Completion> generate(const std::vector<Request>& requests) {
     t0 = runner.now();
     const size_t first = seqs.size();
-    for (size_t r = 0; r < requests.size(); r++)  // (one with an error is answered with it instead, section 35)
+    for (size_t r = 0; r < requests.size(); r++)  // (one with an error is answered with it instead, section 37)
       if (requests[r].error.empty()) add_request(requests[r], requests[r].index >= 0 ? requests[r].index : (int)r);
     while (!g_stop_requested) {
       admit_arrivals();
@@ -4576,7 +4579,7 @@ struct LLMEngine {
 // kernels that exist only to merge partial results or to prepare q and k (19). With tensor parallelism,
 // NCCL's latency on small messages (20). A sampler that reads its row many times (21-22). Prefill and mixed
 // steps launched kernel by kernel (23). Then 24-27 run a small decode step as one kernel, and 28-29 halve the
-// bytes of the cache. A mixture-of-experts model's experts on Part I's plain tiled products (31b).
+// bytes of the cache. A mixture-of-experts model's experts on Part I's plain tiled products (33).
 
 // Defined only while this part is in the file: a test that also exercises Part II asks for it.
 #define NANOVLLM_PART_II 1
@@ -4595,8 +4598,8 @@ struct Optimizations {
   bool bisect_sampler = false;     // 21: the sampler's cut by bisection, not section 9's sort
   bool fast_sampler = false;       // 22: radix-select top-k/top-p and split rows, not the plain sampler
   bool prefill_graphs = false;     // 23: prefill and mixed steps replay CUDA graphs, attention between pieces
-  bool longest_first = false;      // 31a: an fp8 decode step's rows in order of context length, longest first
-  bool fused_moe = false;          // 31b: a MoE layer's experts as grouped products on tensor cores
+  bool longest_first = false;      // 32a: an fp8 decode step's rows in order of context length, longest first
+  bool fused_moe = false;          // 33: a MoE layer's experts as grouped products on tensor cores
   bool persistent = false;         // 24-27: a small-batch decode step in one persistent kernel
   bool fp8_weights = false;        // 28-29: an FP8 checkpoint's linear weights kept in FP8 (--quantization fp8)
   bool fp8_gemv = false;           // 29: with FP8 weights, batch-1/2 products in a tensor-core gemv
@@ -4621,7 +4624,7 @@ static Optimizations g_opt;  // set by each section's apply (install_optimizatio
 //   attention_prefill  section 8's prefill kernel                        15-16 (flash attention), 31 (fp8)
 //   attention_decode   store_qkv, then section 8's decode kernel         16, then 19 (all in one kernel), 31
 //   matmul_out         h = x @ W^T (after SiLU-and-mul for down), summed over the ranks   18, 29
-//   moe                a MoE layer's MLP: RMSNorm, then section 10b's moe_mlp, summed   31b (the experts' products
+//   moe                a MoE layer's MLP: RMSNorm, then section 10b's moe_mlp, summed   33 (the experts' products
 //                                                                        on tensor cores: fused_moe)
 //   all_reduce         NCCL's all-reduce (section 12)                    20 (one or two crossings of NVLink)
 // and one entry that only a chapter fills: cut (23: where a CUDA graph of a prefill step ends a piece).
@@ -4819,7 +4822,7 @@ static void forward_fast(Qwen3& model, const StepInputs& in, int T, int B, bool 
 // that a small batch still fills the GPU. The equations are section 8's; what changes is who computes what.
 // Switch: flash_attn. Tested against section 8's kernels and the CPU reference (gpu_attention).
 // The kernels are templates over a cache format F, how they read K and V from the cache (15a, below): read
-// F as KVBf16, Part I's bf16 cache, until section 30.
+// F as KVBf16, Part I's bf16 cache, until section 31.
 //
 // Both kernels are flash-attention-2: a warp holds 16 query rows, streams K and V tiles of 64 keys
 // through shared memory, computes S = Q K^T with tensor cores, keeps a running row max m and row sum l
@@ -4912,7 +4915,7 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo lands in the low half: the smaller column
   return *reinterpret_cast<uint32_t*>(&v);
 }
-// The same two on fp16 tiles (the FP8 chapters' values, converted to fp16: sections 29a, 30-31).
+// The same two on fp16 tiles (the FP8 chapters' values, converted to fp16: sections 30a, 31-32).
 __device__ __forceinline__ void mma_f16_16816(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                "{%0,%1,%2,%3};\n"
@@ -4969,9 +4972,9 @@ __device__ __forceinline__ void load_kv_tile(bf16* sK, bf16* sV, const bf16* k_c
 // what the scores and the output are multiplied by, and how this step's key or value is stored. Part I's
 // cache (section 6b) holds bf16, as the model computes keys and values, and its format, KVBf16 below, moves
 // them as they are. Why a parameter at all: with --kv-cache-dtype fp8 the cache holds one byte per value, with
-// a scale per layer for the keys and one for the values, and the FP8 chapter (sections 30-31) runs these same
+// a scale per layer for the keys and one for the values, and the FP8 chapter (sections 31-32) runs these same
 // kernels with a format of its own rather than a second copy of each. Until then KVBf16 is the only format:
-// read F as KVBf16 until section 30. Every piece is inlined, so KVBf16's kernels are the plain bf16 ones and a
+// read F as KVBf16 until section 31. Every piece is inlined, so KVBf16's kernels are the plain bf16 ones and a
 // format costs nothing at run time.
 // The tile pipeline both kernels run: tile `index` (keys key0 ..) is issued tiles_ahead tiles before it is
 // needed, one committed cp.async group per tile; when its turn comes, every thread calls tile_ready once the
@@ -7726,7 +7729,7 @@ struct PersistOp {
   int tasks;           // how many adds to done[o] complete this operation
   float kv_scale[2] = {1.f, 1.f};  // ATTN: what the layer's stored keys, values are multiplied by (a cache
                                    // format's, PersistFormat::layer_scales; bf16: 1)
-  // A product whose weights are FP8 (section 29a; null: bf16): W then holds e4m3 bytes [N, K], wscale their
+  // A product whose weights are FP8 (section 30a; null: bf16): W then holds e4m3 bytes [N, K], wscale their
   // block scales [N / 128, wld] (section 28's Fp8Matrix). The weight stream takes two e4m3 bytes for one
   // bf16 value: the same 32 KiB chunks, 2,048 columns wide.
   const float* wscale = nullptr;
@@ -8472,7 +8475,7 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
 //          persist_setup, persistent_decode
 
 // The kernel's variants, each its own instantiation (code one variant needs costs the others registers):
-// one GPU; a rank of several (its sums over the GPUs, section 24); one GPU with FP8 weights (section 29a,
+// one GPU; a rank of several (its sums over the GPUs, section 24); one GPU with FP8 weights (section 30a,
 // whose staging of a product's input and whose chunk of FP8 products are declared here).
 enum PersistVariant : int { PERSIST_ONE_GPU, PERSIST_TP, PERSIST_FP8_WEIGHTS, PERSIST_VARIANTS };
 template <int B>
@@ -8718,7 +8721,7 @@ struct PersistentState {
 };
 static PersistentState g_persistent;
 
-// Layer l's four matrices (qkv, o, gate_up, down) with FP8 weights, as section 29a gives them to the kernel: W
+// Layer l's four matrices (qkv, o, gate_up, down) with FP8 weights, as section 30a gives them to the kernel: W
 // (e4m3 bytes), and their scales and scale row length (PersistOp::wscale, wld).
 struct PersistFp8Layer {
   const void* w[4];
@@ -8728,7 +8731,7 @@ struct PersistFp8Layer {
 using PersistFp8Source = PersistFp8Layer (*)(int layer);
 
 // The plans for the decode graphs' batch sizes up to PERSIST_MAX_B (and max_num_seqs), or a reason for none.
-// fp8: where the model's four matrices of each layer are FP8 (section 29a), where they are; null: bf16.
+// fp8: where the model's four matrices of each layer are FP8 (section 30a), where they are; null: bf16.
 static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs, PersistFp8Source fp8 = nullptr) {
   PersistentDecode pd;
   const ModelConfig& c = model.cfg;
@@ -9137,7 +9140,7 @@ static std::string persist_describe(const PersistentDecode& pd) {
 // runner's graph of section 14's path. Under --enforce-eager there are no graphs: the kernel and the draw are
 // launched directly.
 // Its state is g_persistent (section 26).
-// fp8: as persist_setup's (section 29a passes it for a model whose weights it holds in FP8).
+// fp8: as persist_setup's (section 30a passes it for a model whose weights it holds in FP8).
 static void persist_ready(Qwen3& model, const Config& c, PersistFp8Source fp8) {
   g_persistent.decode = std::make_unique<PersistentDecode>(persist_setup(model, c.max_num_seqs, fp8));
   PersistentDecode& pd = *g_persistent.decode;
@@ -9193,7 +9196,7 @@ static const int kPersistentRegistered = register_optimization(
 // ==== 28. FP8 weights, 1: the format on the GPU, loading it, quantizing a bf16 checkpoint =================
 // defines: e4m3_from_float, Fp8Matrix, Fp8Layer, Fp8Weights, g_fp8_weights, fp8_weights_problem,
 //          quantize_weight_reference, quantize_weight_kernel, quantize_weight, fp8_matrix_rows,
-//          fp8_load_weights (section 29: the products, the stages, the switches fp8_weights and fp8_gemv,
+//          fp8_load_weights (sections 29-30: the products, the stages, the switches fp8_weights and fp8_gemv,
 //          --quantization fp8)
 //
 // Replaces: section 6a's reading of an FP8 checkpoint (Qwen/Qwen3-*-FP8), which dequantizes every weight to
@@ -9204,7 +9207,7 @@ static const int kPersistentRegistered = register_optimization(
 // bytes per step, and half the memory, which the KV pool gets. A large step is bound by arithmetic instead,
 // and Hopper's tensor cores multiply e4m3 at twice the rate of bf16. With --quantization fp8 (vLLM's flag)
 // a bf16 checkpoint is quantized the same way while loading, so a bf16 user gets the same speed.
-// Switch: fp8_weights (section 29). Its measurements: docs/performance.md, FP8 weights.
+// Switch: fp8_weights (section 30). Its measurements: docs/performance.md, FP8 weights.
 //
 // The format on the GPU. Section 6a's fused matrices (q|k|v and gate|up), each as
 //   w      [N, K]        e4m3, row-major: the checkpoint's bytes, PyTorch's [out, in]
@@ -9219,7 +9222,7 @@ static const int kPersistentRegistered = register_optimization(
 // otherwise: section 6a then dequantizes the checkpoint, and the start-up line says why. A checkpoint that
 // keeps some layer linears in bf16 (modules_to_not_convert) is left to section 6a too.
 //
-// Where rounding happens, the whole arithmetic of an FP8 layer (section 29 computes it):
+// Where rounding happens, the whole arithmetic of an FP8 layer (sections 29-30 compute it):
 //   1. the weights: once, in the checkpoint (Qwen's quantizer) or at load (quantize_weight): per 128 x 128
 //      block, s_w = amax / 448 in fp32 (1 for a block of zeros) and w = e4m3(W / s_w), rounded to nearest,
 //      ties to even, saturating at +-448. (A checkpoint's bf16 scales are exact in fp32.)
@@ -9228,12 +9231,12 @@ static const int kPersistentRegistered = register_optimization(
 //      columns k of block b of x_q[t][k] * w[n][k]), accumulated in fp32, rounded once to bf16.
 // So an FP8 layer differs from the bf16 one by the weights' rounding (which the checkpoint fixed) and the
 // activations' (about 2^-4 relative per value, averaging out over K): test/ref/hf_reference.py emulates
-// 1-3 in PyTorch and the end-to-end test compares the engine with that. (Section 29's gemv for steps of one
+// 1-3 in PyTorch and the end-to-end test compares the engine with that. (Section 30's gemv for steps of one
 // or two tokens, switch fp8_gemv, skips step 2: it multiplies the bf16 activations as they are.)
 
 // e4m3 rounding on the CPU (to nearest, ties to even, saturating at +-448; NaN stays NaN), written from the
 // format's definition (section 6a) rather than from cuda_fp8.h: what __nv_cvt_float_to_fp8(x, __NV_SATFINITE,
-// __NV_E4M3) computes, which the kernels here and of the FP8 KV cache (section 30) use. Its inverse is
+// __NV_E4M3) computes, which the kernels here and of the FP8 KV cache (section 31) use. Its inverse is
 // e4m3_to_float (safetensors.h).
 static uint8_t e4m3_from_float(float x) {
   if (std::isnan(x)) return 0x7f;
@@ -9263,7 +9266,7 @@ struct Fp8Layer {
   Fp8Matrix qkv, o, gate_up, down;  // the fused matrices of section 6a's LayerWeights, in its order
 };
 
-// The chapter's state for one engine (reset by its apply, section 29).
+// The chapter's state for one engine (reset by its apply, section 30).
 struct Fp8Weights {
   bool held = false;               // this engine's linear weights are FP8 (else the stages pass through)
   bool quantized_at_load = false;  // by --quantization fp8
@@ -9273,7 +9276,7 @@ struct Fp8Weights {
   uint8_t* xq = nullptr;           // [rows, Kmax] e4m3: a step's activations, quantized (section 29)
   float* xs = nullptr;             // [Kmax/128, rows] fp32: their scales
   int rows = 0, kmax = 0;          // Tmax rounded up to 4, and the widest K of the four matrices
-  // The stages this chapter's replace, for an engine whose weights are bf16 (section 29).
+  // The stages this chapter's replace, for an engine whose weights are bf16 (section 30).
   void (*norm_matmul_bf16)(Pass& p, bf16* y, const bf16* norm_w, const bf16* W, int N) = nullptr;
   void (*matmul_out_bf16)(Pass& p, const bf16* x, const bf16* W, int K, bool gate_up) = nullptr;
   void reset() {  // what an engine held is never freed (no engine frees its GPU memory), only forgotten
@@ -9387,7 +9390,7 @@ static void quantize_weight(const Fp8Matrix& m, const bf16* w, cudaStream_t stre
 }
 
 // Rows [r0, r0+nr) of an FP8 matrix as fp32 values on the host (e4m3 * scale): for code that reads weight
-// values at start-up (the FP8 KV cache's scale bounds, section 30).
+// values at start-up (the FP8 KV cache's scale bounds, section 31).
 static std::vector<float> fp8_matrix_rows(const Fp8Matrix& m, int64_t r0, int64_t nr) {
   std::vector<uint8_t> q((size_t)nr * m.K);
   std::vector<float> s((size_t)m.N / 128 * m.ld), out((size_t)nr * m.K);
@@ -9432,7 +9435,7 @@ static void fp8_fill_matrix(WeightLoader& ld, const SafeTensors& st, const std::
       for (int64_t c = 0; c < part.nc;) {
         size_t got;
         uint8_t* out = ld.stage_for(m.w + (row + r) * m.K + c, part.nc - c, 1, &got);
-        const size_t bad = e4m3_first_nan(src + c, got);
+        const size_t bad = block_quantized_first_nan(src + c, got);
         if (bad < got)
           die("tensor '%s' in %s holds a NaN byte (0x%02x) at [%lld, %lld]; an FP8 checkpoint's quantizer "
               "never writes one: the checkpoint is damaged", t.name.c_str(), t.file.c_str(), src[c + bad],
@@ -9461,7 +9464,7 @@ static void fp8_fill_matrix(WeightLoader& ld, const SafeTensors& st, const std::
   }
 }
 
-// Hooks::load_weights, which section 29 installs: the model's weights with its four matrices per layer in FP8,
+// Hooks::load_weights, which section 30 installs: the model's weights with its four matrices per layer in FP8,
 // or false where section 6a's load_weights is to run (a bf16 checkpoint without --quantization fp8, or a
 // model this chapter stands aside for, g_fp8_weights.reason saying why).
 static bool fp8_load_weights(Weights& w, const Config& c, const ModelConfig& mc, int rank, int tp,
@@ -9535,13 +9538,10 @@ static bool fp8_load_weights(Weights& w, const Config& c, const ModelConfig& mc,
   return true;
 }
 
-// ==== 29. FP8 weights, 2: the activations' quantizer, cuBLASLt's block-scaled products, the stages ========
+// ==== 29. FP8 weights, 2: the activations' quantizer and cuBLASLt's block-scaled products ==================
 // defines: quantize_rows_reference, e4m3_quantize_group, quantize_rows_kernel, quantize_rows,
 //          fp8_linear_reference, Fp8GemmPlan, fp8_gemm_plan, fp8_product, fp8_linear, rmsnorm_quantize,
-//          silu_quantize, mma_e4m3_16832, FP8_GEMV_STEP, gemv_fp8_kernel, gemv_fp8, fp8_multiply,
-//          persist_stage_fp8, persist_gemv_chunk_fp8, persist_fp8_layer, fp8_norm_matmul, fp8_matmul_out,
-//          apply_fp8_weights; switches
-//          fp8_weights, fp8_gemv; --quantization fp8
+//          silu_quantize (section 30: the small steps, the persistent kernel, the stages and the switches)
 //
 // Section 28's format, computed with: the arithmetic of its steps 2 and 3, as two launches per matrix
 // product. quantize_rows rounds a step's activations to e4m3, one scale per token and 128 columns; then one
@@ -9778,7 +9778,12 @@ static void silu_quantize(uint8_t* xq, float* xs, const bf16* gate_up, int T, in
   quantize_rows_launch<true>("silu_quantize", xq, xs, gate_up, T, I, stream);
 }
 
-// ---- Small steps: a gemv on the FP8 tensor cores (switch fp8_gemv) -------------------------------------
+// ==== 30. FP8 weights, 3: small steps on the FP8 tensor cores, the persistent kernel, the stages ===========
+// defines: mma_e4m3_16832, FP8_GEMV_STEP, gemv_fp8_kernel, gemv_fp8, persist_stage_fp8, persist_gemv_chunk_fp8,
+//          persist_fp8_layer, fp8_multiply, fp8_norm_matmul, fp8_matmul_out, apply_fp8_weights; switches
+//          fp8_weights, fp8_gemv; --quantization fp8
+//
+// Small steps: a gemv on the FP8 tensor cores (switch fp8_gemv).
 // Replaces: at steps of at most FP8_GEMV_STEP tokens, cuBLASLt's product above, and the residual add after it.
 // Why it is faster: as in section 18, a step of a few tokens is a pass over the weights, and a kernel that
 // streams them at the copy bandwidth beats cuBLASLt, whose tiles are made for many tokens (padded to 4 here).
@@ -9975,7 +9980,7 @@ static void gemv_fp8(bf16* y, const uint8_t* xq, const float* xs, int T4, const 
   CUDA_CHECK(cudaGetLastError());
 }
 
-// ---- 29a. The persistent kernel reading FP8 weights --------------------------------------------------
+// ---- 30a. The persistent kernel reading FP8 weights --------------------------------------------------
 // Replaces: at decode steps of 1, 2 or 4 sequences on one GPU, section 14's path with this chapter's stages (the
 //           gemv above at steps of 1-2 tokens), where the start-up measurement (section 27) finds it faster.
 // Why it could be faster: a batch-1 step is a pass over the weights, and this chapter halves the weights'
@@ -10118,7 +10123,7 @@ static void fp8_matmul_out(Pass& p, const bf16* x, const bf16* W, int K, bool ga
 }
 
 // The persistent kernel's plans (sections 24-27) with this engine's weights: FP8 where the chapter holds them
-// (29a), else bf16.
+// (30a), else bf16.
 static void fp8_persistent_model_ready(Qwen3& model, const Config& c) {
   persist_ready(model, c, g_fp8_weights.held ? persist_fp8_layer : nullptr);
 }
@@ -10151,12 +10156,12 @@ static const int kFp8WeightsRegistered = register_optimization(
 static void apply_fp8_gemv(bool on, Hooks&) { g_opt.fp8_gemv = on; }
 static const int kFp8GemvRegistered = register_optimization(
     {"fp8_gemv", "batch-1/2 products of FP8 weights in a tensor-core gemv with the residual add fused in "
-     "(section 29)", true, apply_fp8_gemv});
+     "(section 30)", true, apply_fp8_gemv});
 
-// ==== 30. An FP8 KV cache, 1: the format, its scales, the store and prefill's tiles ========================
+// ==== 31. An FP8 KV cache, 1: the format, its scales, the store and prefill's tiles ========================
 // defines: fp8e4m3, KVScales, KVLayerFp8, bf16x8_to_fp8x8, fp8x8_to_half8, half8_to_fp8x8, KVFp8,
 //          kv_scale_for, kv_scales_from_weights, KVStoreFp8, qk_norm_rope_fp8
-//          (section 31: decode, the stages, --kv-cache-dtype fp8)
+//          (section 32: decode, the stages, --kv-cache-dtype fp8)
 //
 // Replaces: the bf16 KV cache of sections 6b-8, when --kv-cache-dtype fp8 asks (vLLM's flag; the default,
 // auto, is bf16). The layout, block tables, prefix caching, preemption, CUDA graphs and tensor parallelism
@@ -10182,7 +10187,7 @@ static const int kFp8GemvRegistered = register_optimization(
 // each bound (raised by a hundredth for the bf16 roundings on the way) over 448, rounded up to a power of
 // two. A typical element then lands about sqrt(D) (keys) or sqrt(H) (values) below 448, far above 2^-6. The
 // docs/performance.md has the accuracy of this choice and of vLLM's default (scale 1.0);
-// g_fp8_cache.scales_from_weights = false (section 31; the tests' switch) runs the latter.
+// g_fp8_cache.scales_from_weights = false (section 32; the tests' switch) runs the latter.
 // Why powers of two: dividing by one is exact, so the stored byte is the rounding of the bf16 value itself,
 // whatever the scale, and the scale can be applied after the matrix products at no cost in accuracy.
 //
@@ -10194,10 +10199,10 @@ static const int kFp8GemvRegistered = register_optimization(
 // multiplies the scores' scale and the value scale the output, both once. Where the conversion happens
 // differs: the prefill kernel stages a tile's bytes (cp.async, 16 values a copy) and every thread widens the
 // chunks it copied itself into section 15's fp16 tile (no barrier: nobody else reads a thread's staged
-// chunks); decode, which only streams, converts in registers on the way into the MMAs (section 31).
-// How: this is a cache format in section 15's sense, KVFp8 (its pieces here and in section 31), and the
+// chunks); decode, which only streams, converts in registers on the way into the MMAs (section 32).
+// How: this is a cache format in section 15's sense, KVFp8 (its pieces here and in section 32), and the
 // chapter runs the kernels of sections 15, 16, 19 and 24-26 instantiated with it: its own stages of section
-// 14's forward pass and its own persistent kernel, installed when an engine asks for fp8 (section 31).
+// 14's forward pass and its own persistent kernel, installed when an engine asks for fp8 (section 32).
 // Needs: FP8 conversion instructions (compute capability 8.9 and later: Ada, Hopper); ModelRunner refuses
 // --kv-cache-dtype fp8 on older GPUs with a message.
 
@@ -10321,7 +10326,7 @@ __device__ __forceinline__ void widen_kv_tile_fp8(const char* slot, bf16* sK, bf
 // stages a tile's bytes in the ring above and widens them into stage 0 (tile_ready); the q fragments become
 // fp16 (exact for |q| up to 65504), the scores take the key scale and the output the value scale; the store
 // divides by the layer's scale and rounds to e4m3, and the values an attention tile then holds (tile values)
-// are those bytes widened. Section 31 adds its decode loop and the persistent kernel's reads.
+// are those bytes widened. Section 32 adds its decode loop and the persistent kernel's reads.
 struct KVFp8 {
   using Elem = fp8e4m3;
   using Tile = __half;
@@ -10463,18 +10468,17 @@ static void qk_norm_rope_fp8(bf16* qkv, const int* positions, const bf16* q_norm
 }
 
 
-// ==== 31. The FP8 KV cache, 2: decode attention over it, the persistent kernel, the stages =================
+// ==== 32. The FP8 KV cache, 2: decode attention over it, the persistent kernel, the stages =================
 // defines: DecodeAccFp8, DecodeLoop<KVFp8>, fp8_decode_attend, PersistKV<KVFp8>, Fp8Cache, g_fp8_cache,
 //          store_qkv_fp8, attention_prefill_fp8, attention_decode_fp8, apply_fp8_cache, use_fp8_cache;
-//          --kv-cache-dtype fp8; switch longest_first (31a); fused_moe_reference, fused_moe_products,
-//          fused_moe_sum, fused_moe, fused_moe_stage (31b); switch fused_moe (31b)
+//          --kv-cache-dtype fp8; switch longest_first (32a)
 //
-// Section 30's format, continued: how decode reads it (its own loop: the tile pipeline is prefill's), how the
+// Section 31's format, continued: how decode reads it (its own loop: the tile pipeline is prefill's), how the
 // persistent kernel reads it, and the format's apply: the stages of section 14's forward pass and the
 // persistent kernel that an engine with an fp8 cache runs, installed as every chapter installs its change
 // (section 14's stages_for), when the engine installs its optimizations and cache format (section 11).
 //
-// The tile pipeline of section 30 is how the prefill kernel reads fp8: stage a 64-key tile, widen it to fp16 in
+// The tile pipeline of section 31 is how the prefill kernel reads fp8: stage a 64-key tile, widen it to fp16 in
 // shared memory, a barrier, the tensor cores, a barrier. For decode, which only streams, that is slow: it
 // keeps one 16 KiB fp8 tile in flight per thread block (the staging slots live in the shadow of the bf16
 // tile, half of what bf16 keeps in flight at the same shared memory), and every byte makes an extra round
@@ -10818,7 +10822,7 @@ struct Fp8Cache {
   bool on = false;                  // the engine's cache is fp8 (apply_fp8_cache)
   std::vector<KVScales> scales;     // [L] per layer (use_fp8_cache, before the pool is sized)
   bool scales_from_weights = true;  // a setting, kept across engines: tests set it false to run vLLM's
-                                    // default scales (1.0) instead of the weight bounds of section 30
+                                    // default scales (1.0) instead of the weight bounds of section 31
 };
 static Fp8Cache g_fp8_cache;
 static void fp8_layer_scales(int l, float (&kv_scale)[2]) {
@@ -10904,7 +10908,7 @@ static const int kFp8FormatRegistered = register_kv_cache_format(
      apply_fp8_cache});
 
 
-// ---- 31a. An fp8 decode step's rows, longest context first (switch longest_first) -------------------------
+// ---- 32a. An fp8 decode step's rows, longest context first (switch longest_first) -------------------------
 // Replaces: the scheduler's order of a decode step's rows, which is the order flash_decode_kernel's thread
 // blocks start in (its grid runs partition fastest, then kv head, then row).
 // Why it is faster: a step's contexts differ (bench.py's run from 100 to 2,048 tokens), and a thread block
@@ -10931,11 +10935,14 @@ static void apply_longest_first(bool on, Hooks& h) {
   if (on) h.decode_scheduled.push_back(order_longest_first);
 }
 static const int kLongestFirstRegistered = register_optimization(
-    {"longest_first", "an fp8 decode step's rows in order of context length, longest first (section 31a)", true,
+    {"longest_first", "an fp8 decode step's rows in order of context length, longest first (section 32a)", true,
      apply_longest_first});
 
 
-// ---- 31b. A mixture of experts on tensor cores (switch fused_moe) ----------------------------------------
+// ==== 33. A mixture of experts on tensor cores ===========================================================
+// defines: fused_moe_reference, fused_moe_kernel, fused_moe_products, fused_moe, fused_moe_stage; switch
+//          fused_moe
+//
 // Replaces: in section 14's moe stage (section 10b's moe_mlp), the experts' products after the align:
 // moe_matmul for gate_up, silu_and_mul, moe_matmul for down, and moe_combine's multiply by the routing
 // weights. The router's product, moe_route and moe_align stay Part I's: they are small, and moe_align's list
@@ -10960,13 +10967,13 @@ static const int kLongestFirstRegistered = register_optimization(
 //      lane's accumulators hold gate and up of the same (row, column): the epilogue works in registers.
 //   2. fused_moe_kernel<false>: the down product of act's rows, and in its epilogue the multiply by the
 //      routing weight of each row's pair; a padding row writes nothing.
-//   3. fused_moe_sum: per token, its k weighted rows added in ascending expert id.
+//   3. section 10b's moe_combine, given no weights: per token, its k weighted rows added in ascending id.
 // Why the sum stays a kernel of its own: Part I rounds the sum to bf16 after each expert's addition, in
 // ascending expert id (transformers' index_add_ into a bf16 row: section 10b). A token's k rows come from k
 // different thread blocks (one per expert's tile). Adding them in place would take atomics, whose order, and
 // so whose rounding, changes from run to run, or thread blocks that wait for each other's turn. A kernel
 // that reads the k rows of H values per token (small next to the experts' weights a step reads) keeps the
-// sum exactly Part I's for the same products. (vLLM's fused MoE ends with a moe_sum kernel too.)
+// sum exactly Part I's for the same products, and Part I's kernel is that kernel. (vLLM's fused MoE ends with a moe_sum kernel too.)
 // Rounding, where Part I rounds (section 10b): gate and up to bf16 each, then act = bf16(SiLU(gate) * up) in
 // fp32 (section 7's silu_mul); y = bf16(the down product), then bf16(y * w) with w fp32; the sum in bf16 after
 // each addition. Only the order of the fp32 additions inside a product differs from moe_matmul's (the tensor
@@ -11156,46 +11163,6 @@ static void fused_moe_products(bf16* out, const bf16* a, const int* rows, const 
   CUDA_CHECK(cudaGetLastError());
 }
 
-// Replaces: moe_combine's sum (section 10b), its multiply having moved into the down product's epilogue.
-// Reads y [RM, H] (each pair's weighted row, at row pair_row[p]) and ids [T, k]. Writes out [T, H]: out[t] =
-// the bf16 sum of y[pair_row[t*k + j]] over j in ascending expert id, rounded after each addition.
-// Thread block = one token: thread 0 orders its k pairs by expert id (insertion sort, k <= MOE_MAX_TOPK) in
-// shared memory, then each thread takes 16-byte chunks of the row. Preconditions: H % 8 == 0, out and y
-// 16-byte aligned.
-__global__ void fused_moe_sum_kernel(bf16* out, const bf16* y, const int* ids, const int* pair_row, int H, int k) {
-  __shared__ int row[MOE_MAX_TOPK];
-  const int64_t t = blockIdx.x;
-  if (threadIdx.x == 0) {
-    int expert[MOE_MAX_TOPK];
-    for (int j = 0; j < k; j++) {
-      const int e = ids[t * k + j];
-      int i = j;
-      for (; i > 0 && expert[i - 1] > e; i--) expert[i] = expert[i - 1], row[i] = row[i - 1];
-      expert[i] = e, row[i] = pair_row[t * k + j];
-    }
-  }
-  __syncthreads();
-  for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, v[8];
-    for (int j = 0; j < k; j++) {
-      bf16x8_to_float(reinterpret_cast<const uint4*>(y + (int64_t)row[j] * H)[c], v);
-#pragma unroll
-      for (int i = 0; i < 8; i++) acc[i] = bf16_round(acc[i] + v[i]);
-    }
-    reinterpret_cast<uint4*>(out + t * H)[c] = float_to_bf16x8(acc);
-  }
-}
-static void fused_moe_sum(bf16* out, const bf16* y, const int* ids, const int* pair_row, int T, int H, int k,
-                          cudaStream_t stream) {
-  check_vec8("fused_moe_sum", "H", H);
-  check_aligned16("fused_moe_sum", "out", out);
-  check_aligned16("fused_moe_sum", "y", y);
-  INTERNAL_CHECK(k >= 1 && k <= MOE_MAX_TOPK, "fused_moe_sum: k = %d (1 to %d)", k, MOE_MAX_TOPK);
-  if (T == 0) return;
-  fused_moe_sum_kernel<<<T, row_threads(H / 8, 256), 0, stream>>>(out, y, ids, pair_row, H, k);
-  CUDA_CHECK(cudaGetLastError());
-}
-
 // The experts' part of a MoE layer the fused way: section 10b's moe_experts with the same arguments and the
 // same scratch (a's moe_* buffers; moe_gate_up is not used). out [T, H] may not alias x.
 static void fused_moe(bf16* out, const bf16* x, const int* ids, const float* weights, const bf16* gate_up,
@@ -11206,7 +11173,7 @@ static void fused_moe(bf16* out, const bf16* x, const int* ids, const float* wei
   fused_moe_products<true>(a.moe_act, x, a.moe_rows, a.moe_tile_expert, nullptr, gate_up, RM, 2 * IE, H, k, stream);
   fused_moe_products<false>(a.moe_out, a.moe_act, a.moe_rows, a.moe_tile_expert, weights, down, RM, H, IE, k,
                             stream);
-  fused_moe_sum(out, a.moe_out, ids, a.moe_pair_row, T, H, k, stream);
+  moe_combine(out, a.moe_out, ids, nullptr, a.moe_pair_row, T, H, k, stream);  // (weights applied already)
 }
 
 // ---- The stage this section fills, and its switch: fused_moe ----
@@ -11229,7 +11196,7 @@ static void apply_fused_moe(bool on, Hooks& h) {
   if (on) stages_for(h).moe = fused_moe_stage;
 }
 static const int kFusedMoeRegistered = register_optimization(
-    {"fused_moe", "a MoE layer's experts as grouped products on tensor cores, SiLU-and-mul fused in (section 31b)",
+    {"fused_moe", "a MoE layer's experts as grouped products on tensor cores, SiLU-and-mul fused in (section 33)",
      true, apply_fused_moe});
 
 
@@ -11237,7 +11204,7 @@ static const int kFusedMoeRegistered = register_optimization(
 // PART III — THE PROGRAM AROUND IT
 // ##########################################################################################################
 
-// ==== 32. Reading the configuration: config.json, flags and sampling fields ================================
+// ==== 34. Reading the configuration: config.json, flags and sampling fields ================================
 // defines: parse_moe_config, parse_model_config, load_model_config, parse_optimizations, optimizations_str,
 //          parse_kv_cache_dtype, parse_quantization_config, parse_quantization, validate_config,
 //          validate_sampling
@@ -11612,7 +11579,7 @@ static void validate_sampling(const SamplingParams& p, const std::string& where,
     if (id < 0) die("%s: stop_token_ids must be token ids >= 0, found %d", w, id);
 }
 
-// ==== 33. Prompts in: the formats and the sampling fields ==================================================
+// ==== 35. Prompts in: the formats and the sampling fields ==================================================
 // defines: valid_utf8, PromptOptions, sampling_from_json, kSamplingFields, check_jsonl_fields,
 //          sampling_defaults
 //
@@ -11622,7 +11589,7 @@ static void validate_sampling(const SamplingParams& p, const std::string& where,
 // and optional per-request sampling fields under vLLM's SamplingParams names (kSamplingFields below: n,
 // temperature, top_k, top_p, min_p, the penalties, max_tokens, min_tokens, ignore_eos, stop, stop_token_ids,
 // include_stop_str_in_output, logprobs, seed), and "arrival_time" (seconds after the start: the request
-// joins the queue then; --request-rate fills it in). Or the .jsonl file is an OpenAI batch (section 34).
+// joins the queue then; --request-rate fills it in). Or the .jsonl file is an OpenAI batch (section 36).
 // Everything is checked before the GPU is touched: a bad line is reported by number in a second, not after
 // a model load. A prompt that cannot fit (prompt tokens + max_tokens > max_model_len) refuses the whole run,
 // naming the line: silently dropping or truncating a request would hand back garbage.
@@ -11806,10 +11773,10 @@ static SamplingParams sampling_defaults(const json& generation_config, const std
   return sp;
 }
 
-// ==== 34. Reading the prompts file: text, .jsonl and OpenAI batch lines ====================================
+// ==== 36. Reading the prompts file: text, .jsonl and OpenAI batch lines ====================================
 // defines: is_batch_line, batch_request, parse_batch_line, parse_prompts, read_prompts, assign_arrivals
 //
-// parse_prompts turns a prompts file into Requests, line by line, in the formats section 33 lists, and
+// parse_prompts turns a prompts file into Requests, line by line, in the formats section 35 lists, and
 // assign_arrivals gives them their arrival times (--request-rate). An OpenAI batch's lines are read first, by
 // their own functions: a .jsonl file whose lines are {"custom_id", "method": "POST", "url", "body"} is a
 // batch (what `vllm run-batch` reads and writes): url is /v1/chat/completions (body.messages) or
@@ -12087,7 +12054,7 @@ static void assign_arrivals(std::vector<Request>& reqs, double rate, uint64_t se
   }
 }
 
-// ==== 35. Completions out: stdout, the --output lines, a batch's answers ===================================
+// ==== 37. Completions out: stdout, the --output lines, a batch's answers ===================================
 // defines: check_output_path, logprobs_json, batch_output_line, write_completions
 //
 // A readable block per completion on stdout, and with --output one JSON object per completion; an OpenAI
@@ -12213,7 +12180,7 @@ static json batch_output_line(const Request& r, const Completion* outs, int n, c
 }
 
 // The completions: a readable block per completion on stdout, and with --output one JSON object per
-// completion (then the run summary, section 38). An OpenAI batch is answered instead with one output line
+// completion (then the run summary, section 40). An OpenAI batch is answered instead with one output line
 // per input line, in input order, to --output or else to stdout. Returns true for a batch. stopped_by: what
 // left requests unfinished, for a batch's error lines.
 static bool write_completions(const std::vector<Request>& reqs, const std::vector<Completion>& outs,
@@ -12262,7 +12229,7 @@ static bool write_completions(const std::vector<Request>& reqs, const std::vecto
   return batch;
 }
 
-// ==== 36. Shards: a part of the input per machine, and the merge ===========================================
+// ==== 38. Shards: a part of the input per machine, and the merge ===========================================
 // defines: ShardSpec, parse_shard, request_weight, shard_split, requests_xxh64, shard_requests, shard_plan,
 //          ShardOut, shard_record, ShardFile, read_shard_file, merge_shards
 //
@@ -12589,7 +12556,7 @@ static std::string merge_shards(const std::vector<std::string>& paths, std::stri
   // The merged file.
   merged.clear();
   int64_t lines = 0, prompt_tokens = 0, generated = 0;
-  std::vector<int32_t> tokens;  // completions_xxh64's bytes (section 38), from the lines
+  std::vector<int32_t> tokens;  // completions_xxh64's bytes (section 40), from the lines
   for (int64_t i = 0; i < total; i++)
     for (const json* l : out[i]) {
       merged += l->dump(-1, ' ', false, json::error_handler_t::replace) + "\n", lines++;
@@ -12613,13 +12580,13 @@ static std::string merge_shards(const std::vector<std::string>& paths, std::stri
   return "";
 }
 
-// ==== 37. Watching the run: the progress line and the trace ================================================
+// ==== 39. Watching the run: the progress line and the trace ================================================
 // defines: RunStats, StepTrace, trace_after_schedule, format_trace, labelled, format_progress, RunWatcher
 //
 // The text and pictures a run shows about itself (section 13 keeps the numbers), in three steps: this
 // section watches each step (RunWatcher, section 13's StepObserver) and prints the progress line or one
-// --trace line per step; section 38 sums the run up at its end (with the time to first token, the time per
-// output token, and two fingerprints that make runs comparable bit for bit); section 39 draws --report's
+// --trace line per step; section 40 sums the run up at its end (with the time to first token, the time per
+// output token, and two fingerprints that make runs comparable bit for bit); section 41 draws --report's
 // one-file HTML picture of the whole run.
 
 struct RunStats {
@@ -12709,7 +12676,7 @@ static std::string format_trace(const StepTrace& t) {
   return line;
 }
 
-// Each line of `text` with `label` in front (a data-parallel replica's trace, section 41).
+// Each line of `text` with `label` in front (a data-parallel replica's trace, section 43).
 static std::string labelled(const std::string& label, const std::string& text) {
   if (label.empty()) return text;
   std::string out;
@@ -12825,12 +12792,12 @@ struct RunWatcher : StepObserver {
 };
 
 
-// ==== 38. The run summary: its figures, two fingerprints and the summary record ============================
+// ==== 40. The run summary: its figures, two fingerprints and the summary record ============================
 // defines: completions_xxh64, last_logits_xxh64, Percentiles, percentiles, RunSummary, run_summary,
 //          summary_json, format_summary, write_summary
 //
 // What a run prints when it ends and writes as the last line of --output: counts, rates, where the time
-// went, request latencies, and fingerprints of the results, built from RunWatcher's figures (section 37)
+// went, request latencies, and fingerprints of the results, built from RunWatcher's figures (section 39)
 // and the scheduler's.
 
 // xxHash64 (seed 0) of every completion in input order, each as its length then its token ids, all
@@ -12898,7 +12865,7 @@ struct RunSummary {
   uint64_t tokens_xxh64 = 0, logits_xxh64 = 0;
   int logits_rows = 0;
   int64_t unfinished_requests = 0;  // > 0 only when a Ctrl-C (or a failed replica) stopped the run
-  // With data parallelism (section 41): one entry per replica. The figures above are then the run's: counts
+  // With data parallelism (section 43): one entry per replica. The figures above are then the run's: counts
   // summed, the step times the mean of the replicas' (so a rate is theirs together), the run's seconds the
   // longest replica's; the logits fingerprint is each replica's, here.
   struct Replica {
@@ -13056,7 +13023,7 @@ static void write_summary(const RunSummary& summary, FILE* jsonl) {
   if (jsonl) fprintf(jsonl, "%s\n", summary_json(summary).dump().c_str());
 }
 
-// ==== 39. The report: the whole run in one HTML page =======================================================
+// ==== 41. The report: the whole run in one HTML page =======================================================
 // defines: svg_text, svg_rect, fmt, ReportChart, chart_step_tokens, chart_kv_pool,
 //          chart_hits_and_preemptions, chart_requests, report_head, write_report
 //
@@ -13305,13 +13272,13 @@ static void write_report(const std::string& path, const std::string& title, cons
   fclose(f);
 }
 
-// ==== 40. Signals and the tensor-parallel workers ==========================================================
+// ==== 42. Signals and the tensor-parallel workers ==========================================================
 // defines: install_stop_handlers, g_stop_hook, stop_processes, tp_supervise, test_fail_at, tp_launch,
 //          tp_shutdown
 //
 // The process plumbing, in three steps: here Ctrl-C and SIGTERM and the tensor-parallel workers (section
 // 12's ranks 1..N-1); then the data-parallel replicas (whole engines that share one queue of requests),
-// each one's side (section 41) and the coordinator's (section 42): how they are forked, told what to do,
+// each one's side (section 43) and the coordinator's (section 44): how they are forked, told what to do,
 // and stopped on every path. None of it changes what the engine computes.
 
 // Signal handlers may only use async-signal-safe calls: write(2) instead of fprintf.
@@ -13531,7 +13498,7 @@ static bool tp_shutdown() {
   return ok;
 }
 
-// ==== 41. Data parallelism, 1: N replicas of the engine, one queue =========================================
+// ==== 43. Data parallelism, 1: N replicas of the engine, one queue =========================================
 // defines: DP_MAX_REPLICAS, PROMPT_TOKENS_PER_OUTPUT_TOKEN, predicted_work, request_work, remaining_work,
 //          RequestQueue, Replica, Wire, put_completion, get_completion, DPMsg, DPShared, ReplicaLink, dp_send,
 //          replica_serve
@@ -13861,11 +13828,11 @@ static void replica_serve(ReplicaLink& link, LLMEngine& engine, RunWatcher& watc
   dp_send(link.fd, DPMsg::FINISHED, fin);
 }
 
-// ==== 42. Data parallelism, 2: the coordinator =============================================================
+// ==== 44. Data parallelism, 2: the coordinator =============================================================
 // defines: DPGroup, g_dp, replica_signals, DPRun, dp_fork_replicas, DPCoordinator, dp_handle, dp_receive,
 //          dp_reap, dp_print_progress, dp_run, dp_figures, dp_completions
 //
-// The coordinator forks the replicas (section 41 says how the run is shared out among them), reads what
+// The coordinator forks the replicas (section 43 says how the run is shared out among them), reads what
 // each sends on its pipe, stops them all when one fails or a signal says so, and turns what they handed
 // back into one run's completions and figures.
 
@@ -14171,7 +14138,7 @@ static std::vector<Completion> dp_completions(const DPRun& run, const std::vecto
   return outs;
 }
 
-// ==== 43. simulate: the engine without a GPU ===============================================================
+// ==== 45. simulate: the engine without a GPU ===============================================================
 // defines: SimGpu, qwen3_shape, model_params, active_params, experts_touched, model_weight_bytes,
 //          step_weight_bytes, simulated_kv_blocks, step_cost, SimRunner
 //
@@ -14372,7 +14339,7 @@ struct SimRunner : StepRunner {
   }
 };
 
-// ==== 44. The command line: flags and --help ===============================================================
+// ==== 46. The command line: flags and --help ===============================================================
 // defines: Cli, kUsage, usage_text, parse_size, FlagReader, engine_flag, sampling_flag, run_flag,
 //          check_flag_combinations, parse_args
 //
@@ -14388,15 +14355,15 @@ struct Cli {
   int64_t seed = 0;
   bool trace = false;
   double request_rate = 0;   // --request-rate: requests/s of a Poisson process (0: all arrive at once)
-  bool simulate = false;     // `nanovllm simulate` (section 43)
+  bool simulate = false;     // `nanovllm simulate` (section 45)
   double sim_gpu_bytes = 0;  // --simulate-gpu-memory
   std::string sim_model = "Qwen3-0.6B";  // --simulate-model: the shape when there is no config.json
   bool sim_model_given = false;
   double sim_eos_prob = 0;   // --simulate-eos-prob
-  json sampling_flags = json::object();  // the sampling flags given, by vLLM's field names (section 33)
+  json sampling_flags = json::object();  // the sampling flags given, by vLLM's field names (section 35)
   bool generation_config = true;         // --generation-config auto (true) or vllm
-  int data_parallel_size = 1;            // --data-parallel-size: engine replicas (section 41)
-  ShardSpec shard;                       // --shard: this run's part of the input (section 36)
+  int data_parallel_size = 1;            // --data-parallel-size: engine replicas (section 43)
+  ShardSpec shard;                       // --shard: this run's part of the input (section 38)
 };
 
 static const char* kUsage =
@@ -14702,7 +14669,7 @@ static Cli parse_args(int argc, char** argv, bool simulate = false) {
   return cli;
 }
 
-// ==== 45. A run's start and end: the GPUs, the start-up line, the closing lines ============================
+// ==== 47. A run's start and end: the GPUs, the start-up line, the closing lines ============================
 // defines: example_requests, sampling_defaults_for, check_gpus, count_gpus_in_child, replica_gpus,
 //          gpu_warmup_start, startup_line, optimization_notes, take_shard, RunOutcome, finish_run, finish_dp
 //
@@ -14724,7 +14691,7 @@ static std::vector<Request> example_requests(const Tokenizer& tok, const PromptO
   return reqs;
 }
 
-// The sampling defaults of this run (section 33's sampling_defaults) into cli.prompts.defaults; returns the
+// The sampling defaults of this run (section 35's sampling_defaults) into cli.prompts.defaults; returns the
 // description the start-up line prints.
 static std::string sampling_defaults_for(Cli& cli, const ModelConfig& mc) {
   std::string described;
@@ -14969,7 +14936,7 @@ static int finish_run(const Cli& cli, const std::vector<Request>& requests, cons
   return g_stop_requested ? 128 + SIGINT : 0;
 }
 
-// A data-parallel run's end (section 42): the replicas' completions in input order and their figures,
+// A data-parallel run's end (section 44): the replicas' completions in input order and their figures,
 // written as one run's. Exit status 1 when a replica failed (after writing what finished, once they ran).
 static int finish_dp(const Cli& cli, const std::vector<Request>& requests, DPRun& dp,
                      const std::vector<std::string>& gpus, const Tokenizer& tok, double t_start,
@@ -14987,7 +14954,7 @@ static int finish_dp(const Cli& cli, const std::vector<Request>& requests, DPRun
   return finish_run(cli, requests, dp_completions(dp, requests), tok, run, shard);
 }
 
-// ==== 46. The commands and main ============================================================================
+// ==== 48. The commands and main ============================================================================
 // defines: roofline_command, merge_command, simulate_command, run_data_parallel, main
 //
 // What `nanovllm` can be asked to do besides a run (roofline, merge, simulate; encode and decode are the
@@ -15046,7 +15013,7 @@ static int roofline_command() {
   return 0;
 }
 
-// `nanovllm merge OUT SHARD_FILE...` (section 36's merge_shards).
+// `nanovllm merge OUT SHARD_FILE...` (section 38's merge_shards).
 static int merge_command(int argc, char** argv) {
   if (argc < 3 || !strcmp(argv[1], "--help"))
     die("usage: nanovllm merge OUT.jsonl SHARD.jsonl... (the --output files of every --shard K/N run)");
@@ -15065,9 +15032,9 @@ static int merge_command(int argc, char** argv) {
   return 0;
 }
 
-// `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` (section 43): the same checks and the same engine as
+// `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` (section 45): the same checks and the same engine as
 // a run, with SimRunner in place of the GPU. With --shard it first prints the plan of every shard, then
-// runs its own share; with --data-parallel-size N, N replica processes as a real run forks (section 41).
+// runs its own share; with --data-parallel-size N, N replica processes as a real run forks (section 43).
 static int simulate_command(Cli& cli) {
   const double t_start = now_seconds();
   Config& config = cli.config;
@@ -15116,7 +15083,7 @@ static int simulate_command(Cli& cli) {
   if (mc.num_experts) snprintf(active, sizeof active, ", %.2f B active", active_params(mc) / 1e9);
   fprintf(stderr,
           "nanovllm: simulate | shape of %s (%.2f B parameters%s) | KV cache %s, %d blocks x %d tokens = %lld "
-          "tokens%s | scheduler %s | no GPU: a stand-in model and a modelled clock (section 43)\n",
+          "tokens%s | scheduler %s | no GPU: a stand-in model and a modelled clock (section 45)\n",
           shape.c_str(), model_params(mc) / 1e9, active, config.kv_cache_dtype.c_str(),
           config.num_kvcache_blocks, config.kvcache_block_size,
           (long long)config.num_kvcache_blocks * config.kvcache_block_size,
@@ -15158,7 +15125,7 @@ static int simulate_command(Cli& cli) {
   return finish_run(cli, requests, outs, tok, run, cli.shard.on() ? &shard : nullptr);
 }
 
-// --data-parallel-size N (-dp N): N replicas, each an engine on its own GPUs (section 41); this process only
+// --data-parallel-size N (-dp N): N replicas, each an engine on its own GPUs (section 43); this process only
 // hands out the requests and writes what comes back. It counts the GPUs in a child: it must not use CUDA
 // itself before it forks.
 static int run_data_parallel(Cli& cli, const ModelConfig& mc, const Tokenizer& tok, std::vector<Request>& requests,
@@ -15241,7 +15208,7 @@ int main(int argc, char** argv) {
   // 2. With --data-parallel-size N: N replicas of what follows, each on its own GPUs.
   if (dp > 1) return run_data_parallel(cli, mc, tok, requests, sampling, t_start, sharded);
   // 2. The GPU: weights, KV cache, CUDA graphs. Tensor-parallel workers are forked first: a child process
-  //    cannot use CUDA once its parent has (section 40).
+  //    cannot use CUDA once its parent has (section 42).
   tp_launch(tp);
   check_gpus(tp);
   ModelRunner runner(config, mc);

@@ -82,7 +82,7 @@ static inline float e4m3_to_float(uint8_t b) {
 // byte of a checkpoint, tens of GB, on its way in, so eight bytes are checked at once: for a word's bytes
 // x & 0x7f (each at most 0x7f), adding 0x01 to every byte carries into no neighbour, and sets a byte's high
 // bit only where its low 7 bits were all ones, the NaN bytes. Four words a round, then one, then bytes.
-static inline size_t e4m3_first_nan(const uint8_t* p, size_t n) {
+static inline size_t block_quantized_first_nan(const uint8_t* p, size_t n) {
   constexpr uint64_t kLow7 = 0x7f7f7f7f7f7f7f7full, kOnes = 0x0101010101010101ull, kHigh = 0x8080808080808080ull;
   auto word = [&](size_t i) {
     uint64_t w;

@@ -85,7 +85,7 @@ assert a == b, "the schedulers changed a completion"
 PY
 check schedulers_differ_only_in_schedule $? "$(cat "$tmp/py2.txt")"
 
-# 3. --kv-cache-dtype fp8 (section 30): one byte per cached value, so the same card holds twice the blocks.
+# 3. --kv-cache-dtype fp8 (section 31): one byte per cached value, so the same card holds twice the blocks.
 for kv in bf16 fp8; do
   "$BIN" simulate "$tmp/tiny/tokenizer.json" "$tmp/w.jsonl" --simulate-model Qwen3-8B --simulate-gpu-memory 24GB \
     --kv-cache-dtype $kv --output "$tmp/kv_$kv.jsonl" >/dev/null 2>"$tmp/kv_$kv.err"

@@ -6,7 +6,7 @@
 //     ulps (compare_flash_with_plain says why);
 //   * section 19 (the cluster merge, the fused q/k-norm + RoPE + store decode kernel) against section 16,
 //     bit for bit;
-//   * section 30's fp8 cache, read by the flash kernels (section 8 reads bf16 only), against the reference
+//   * section 31's fp8 cache, read by the flash kernels (section 8 reads bf16 only), against the reference
 //     over the values its bytes stand for;
 //   * CUDA-graph replay of both decode kernels as contexts grow; and measurements (TIMING: timing_decode,
 //     timing_prefill, figures only), each beside a test that its paths give finite outputs at its shapes.
@@ -130,7 +130,7 @@ static std::vector<bf16> to_bf16(const std::vector<float>& x) {
 }
 
 // A test's cache in either format. Part II's launchers are templates over the cache format (section 15's
-// F: KVBf16, or section 30's KVFp8); with_format picks the instance at run time, as an engine's stages do once
+// F: KVBf16, or section 31's KVFp8); with_format picks the instance at run time, as an engine's stages do once
 // for a run, and calls fn(F{}, the layer as F's launchers take it).
 enum class KVCacheDtype { BF16, FP8 };
 struct KVView {
@@ -144,7 +144,7 @@ static void with_format(const KVView& c, Fn fn) {
   else fn(KVBf16{}, KVLayer{(bf16*)c.k, (bf16*)c.v});
 }
 
-// The batch with an fp8 cache (section 30): every owned key and value replaced by what its e4m3 byte at
+// The batch with an fp8 cache (section 31): every owned key and value replaced by what its e4m3 byte at
 // these scales stands for, so the fp64 reference sees exactly what the kernels read. NaN slots stay NaN.
 static PagedBatch with_fp8_values(PagedBatch pb, KVScales s) {
   for (auto* c : {&pb.k, &pb.v}) {
@@ -160,7 +160,7 @@ static std::vector<uint8_t> to_e4m3(const std::vector<float>& x, float scale) {
   return y;
 }
 
-// Bytes per stored key or value: bf16, or (section 30) one e4m3 byte.
+// Bytes per stored key or value: bf16, or (section 31) one e4m3 byte.
 static size_t kv_value_bytes(KVCacheDtype d) { return d == KVCacheDtype::FP8 ? 1 : 2; }
 
 // The batch on the device, its cache in bf16 or (fp8) in e4m3 bytes at `scale`. Decode uses context_lens =
@@ -280,7 +280,7 @@ static void compare_flash_with_plain(const char* what, const std::vector<float>&
             flash[worst], plain[worst], worst_share, bf16_ulps(flash[worst], plain[worst]));
 }
 
-// fp8 (section 30): the cache is stored in e4m3 at `scale` and the reference reads the values it stands for;
+// fp8 (section 31): the cache is stored in e4m3 at `scale` and the reference reads the values it stands for;
 // read_factor != 1 tells the kernel the wrong scales and expects the comparison to fail. Section 8 reads bf16
 // only, so fp8 cases run the flash kernels (and the cluster merge) alone.
 struct KVChoice {
@@ -288,7 +288,7 @@ struct KVChoice {
   KVScales scale;
   float read_factor = 1.f;
 };
-// The fp8 cache as the fp8 tests store it (section 30's tests, below): scales other than 1 on purpose.
+// The fp8 cache as the fp8 tests store it (section 31's tests, below): scales other than 1 on purpose.
 static const KVChoice kFp8{KVCacheDtype::FP8, {0.25f, 2.f}, 1.f};
 
 static const PagedBatch& reference_input(const PagedBatch& pb, const KVChoice& kv, PagedBatch& holder) {
@@ -842,7 +842,7 @@ static void* device_copy_bytes(const void* src, size_t n) {
 // for them; their outputs are not compared (the fused kernel attends to the row's own k and v, the separate
 // path to what the cache held).
 // The separate path's q/k-norm and RoPE is section 19's eight-lane kernel, whose pieces the fused kernel uses.
-// fp8 (section 30): the same over an e4m3 cache at these scales (qk_norm_rope_fp8 stores e4m3); this step's
+// fp8 (section 31): the same over an e4m3 cache at these scales (qk_norm_rope_fp8 stores e4m3); this step's
 // k and v are then the values their bytes stand for on both sides.
 static void check_fused_rope(const char* what, int NH, int NKV, int P, const std::vector<int>& ctx, int n_pad,
                              int max_ctx, uint64_t seed, KVCacheDtype dtype = KVCacheDtype::BF16,
@@ -948,7 +948,7 @@ TEST(decode_fused_rope_matches_separate_kernels) {
                    59);
 }
 
-// ---- section 30: the fp8 cache ------------------------------------------------------------------------------
+// ---- section 31: the fp8 cache ------------------------------------------------------------------------------
 // The kernels read e4m3 bytes and widen them exactly, so against the fp64 reference over the values the
 // bytes stand for they are held to the bf16 tolerance. Scales other than 1 on purpose (kFp8, above:
 // keys 1/4, values 2).

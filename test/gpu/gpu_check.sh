@@ -79,8 +79,8 @@ run_e2e() {  # run_e2e LABEL ENV... (SHAPES may be set for one call: SHAPES="...
 }
 for opt in ${E2E_OPTS:-all none}; do run_e2e "opt-$opt" NANOVLLM_E2E_OPT="$opt"; done
 for sch in ${E2E_SCHEDULERS:-mixed}; do run_e2e "scheduler-$sch" NANOVLLM_E2E_SCHEDULER="$sch"; done
-for kv in ${E2E_KV-fp8}; do run_e2e "kv-$kv" NANOVLLM_E2E_KV="$kv"; done  # --kv-cache-dtype (section 30)
-# FP8 weights (sections 28-29): FP8 checkpoints computed in FP8 and dequantized (--plain), and a bf16 one
+for kv in ${E2E_KV-fp8}; do run_e2e "kv-$kv" NANOVLLM_E2E_KV="$kv"; done  # --kv-cache-dtype (section 31)
+# FP8 weights (sections 28-30): FP8 checkpoints computed in FP8 and dequantized (--plain), and a bf16 one
 # quantized at load.
 if [ -n "$FP8_SHAPES" ]; then
   for opt in all none; do SHAPES=$FP8_SHAPES run_e2e "fp8-weights-$opt" NANOVLLM_E2E_OPT="$opt"; done
@@ -90,7 +90,7 @@ fi
 if [ -n "$MOE_SHAPES" ]; then
   for opt in all none; do SHAPES=$MOE_SHAPES run_e2e "moe-$opt" NANOVLLM_E2E_OPT="$opt"; done
 fi
-# Data parallelism (sections 41-42) on NANOVLLM_E2E_DP replicas (of TP GPUs each in its --tp case), after
+# Data parallelism (sections 43-44) on NANOVLLM_E2E_DP replicas (of TP GPUs each in its --tp case), after
 # gpu_e2e wrote the tolerance its teacher-forcing check reuses.
 DP=${NANOVLLM_E2E_DP:-1}
 if [ "$DP" -gt 1 ]; then

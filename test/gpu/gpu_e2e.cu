@@ -24,7 +24,7 @@
 // NANOVLLM_E2E_QUANT=fp8 runs every engine with --quantization fp8 (section 28: a bf16 checkpoint's linear
 // weights quantized at load). An FP8 shape (tiny-fp8, 0.6b-fp8, ...) runs in FP8 with the default
 // optimizations and dequantized with --plain; (a) says which reference and bar apply.
-// NANOVLLM_E2E_KV=fp8 runs every engine with --kv-cache-dtype fp8 (section 30). Its bar for (a) is 5x the bf16
+// NANOVLLM_E2E_KV=fp8 runs every engine with --kv-cache-dtype fp8 (section 31). Its bar for (a) is 5x the bf16
 // one: e4m3 rounds each key and value to 3 mantissa bits (a relative error up to 2^-4, 16x bf16's), which on
 // these shapes costs 3-5x bf16's logit error (docs/performance.md, the FP8 KV cache), and a scale off by 2x costs far more
 // (gpu_attention's fp8_wrong_scale_is_caught); the argmax check and the teacher-forcing tolerance follow our
@@ -103,7 +103,7 @@ struct Engine {
   ModelConfig mc;
   std::unique_ptr<ModelRunner> runner;
   std::unique_ptr<LLMEngine> engine;
-  RunWatcher watcher;  // the step counts (section 37's observer), without its progress line
+  RunWatcher watcher;  // the step counts (section 39's observer), without its progress line
   Engine(const std::string& dir, int max_batched, int block_size, int num_blocks, int max_model_len) {
     config.model = dir;
     config.max_num_batched_tokens = max_batched;
@@ -171,7 +171,7 @@ static void run_shape(const std::string& dir) {
     printf("\n");
   }
 #endif
-  // FP8 weights (sections 28-29). Computed in FP8, an FP8 checkpoint is compared with hf_reference.py's
+  // FP8 weights (sections 28-30). Computed in FP8, an FP8 checkpoint is compared with hf_reference.py's
   // emulation of that arithmetic (ref_w8a8_logits_N), and a bf16 checkpoint quantized at load
   // (NANOVLLM_E2E_QUANT=fp8) with the same emulation of the weights quantized as section 28 quantizes them
   // (ref_q8_logits_N). The bar there is the bf16 one or 1.5x the emulation's own distance from the fp32 model

@@ -56,7 +56,7 @@ static void install_default_optimizations() { install_optimizations(default_opti
 #ifdef NANOVLLM_PART_II  // (a build with Part II cut out has none of these names)
 // Part II's switches as `--opt spec` sets them (section 2's registry), installed the way ModelRunner does
 // (install_optimizations, section 11: g_opt and the hook table g_hooks), for the life of this object; what
-// was installed before (and the cache format, which installing resets to bf16: section 31's g_fp8_cache and
+// was installed before (and the cache format, which installing resets to bf16: section 32's g_fp8_cache and
 // the persistent kernel's g_persistent.format) is put back at its end.
 // A case that only picks one kernel path may still set a g_opt field directly.
 struct ScopedOptimizations {

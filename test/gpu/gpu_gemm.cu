@@ -1,4 +1,4 @@
-// Sections 10, 18 and 28-29 on the GPU: matrix products through cuBLASLt (Part I) and through the small-batch
+// Sections 10, 18 and 28-30 on the GPU: matrix products through cuBLASLt (Part I) and through the small-batch
 // gemv (Part II), each against the CPU reference (linear_reference, in double), the fused gemvs bit for bit
 // against the kernels they replace, and the two paths timed side by side at decode shapes; the FP8 weight
 // chapter's kernels (the weight quantizer and the activations' quantizer, bit for bit) and its cuBLASLt
@@ -230,7 +230,7 @@ TIMING(fused_gemv_speed) {
 }
 
 
-// ---- FP8 weights (sections 28-29) ----
+// ---- FP8 weights (sections 28-30) ----
 // A random bf16 [N, K] matrix with a block of zeros and a block of large values, so the quantizer meets a
 // zero amax and values far from 1.
 static std::vector<uint16_t> fp8_test_weight(int N, int K, uint64_t seed) {
@@ -480,7 +480,7 @@ TEST(fp8_linear_matches_reference) {
 }
 
 
-// Section 29's gemv on the FP8 tensor cores, its input quantized by quantize_rows: against fp8_linear_reference
+// Section 30's gemv on the FP8 tensor cores, its input quantized by quantize_rows: against fp8_linear_reference
 // (the large steps' arithmetic, which it shares) at every M it takes, on shapes with one, two and four 16-row
 // tiles a thread block (the last two need N / 32 and N / 64 to reach two thread blocks per SM: 8448 and 24576
 // rows on 132 SMs) and K of 1 to 96 slabs (fewer slabs than warps, and several stretches a warp); the ADD
@@ -529,7 +529,7 @@ TEST(fp8_gemv_matches_reference) {
 }
 
 // FP8 weights at small steps: cuBLASLt's path (fp8_linear: the activations' quantizer, then the block-scaled
-// product) against section 29's gemv (the same quantizer, then the gemv), at M = 1, 2, 4, 8 on Qwen3-0.6B's and
+// product) against section 30's gemv (the same quantizer, then the gemv), at M = 1, 2, 4, 8 on Qwen3-0.6B's and
 // -8B's layer shapes, each timed over rotating copies of the weights as gemm_small_batch_speed does. GB/s
 // counts the weight bytes (one a weight). What FP8_GEMV_STEP is set from.
 TIMING(fp8_small_batch_speed) {

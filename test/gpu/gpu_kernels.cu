@@ -1,6 +1,6 @@
 // gpu_kernels.cu — sections 7 (elementwise and normalisation kernels), 9 (the sampler) and 20 (the fast
 // samplers: section 21's bisection, section 22's radix select) against the CPU references beside them in nanovllm.cu, the
-// three samplers against each other token for token, and section 30's fp8 conversions and store. Every case poisons its outputs first (0xFF bytes: bf16 NaN), uses fresh
+// three samplers against each other token for token, and section 31's fp8 conversions and store. Every case poisons its outputs first (0xFF bytes: bf16 NaN), uses fresh
 // random inputs and awkward sizes. Without a visible GPU every GPU case is SKIPPED (never reported as passed).
 //   build: make test (or nvcc -std=c++17 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a
 //          -o build/gpu_kernels test/gpu/gpu_kernels.cu -lcublasLt -lnccl libutf8proc.a)
@@ -235,7 +235,7 @@ TEST(store_kvcache_slots_and_padding) {
     }
 }
 
-// ---- section 30: the fp8 cache's conversions and store ---------------------------------------------------
+// ---- section 31: the fp8 cache's conversions and store ---------------------------------------------------
 
 __global__ void fp8_round_trip_kernel(const uint16_t* in, uint8_t* bytes, uint16_t* back, uint8_t* again, int n,
                                       float scale) {
@@ -249,7 +249,7 @@ __global__ void fp8_round_trip_kernel(const uint16_t* in, uint8_t* bytes, uint16
 }
 
 // Every bf16 value (all 65,536 bit patterns but NaN), at scales 1, 2^-3, 2^5 and 2^7: the byte the store
-// writes equals section 30's CPU rounding of value / scale (nearest, ties to even, saturating at 448); the
+// writes equals section 31's CPU rounding of value / scale (nearest, ties to even, saturating at 448); the
 // fp16 the attention tiles get is exactly that e4m3 value (subnormals included); and the fused kernel's
 // store of those tile values writes the same byte again.
 TEST(fp8_conversions_exact) {
@@ -287,7 +287,7 @@ TEST(fp8_conversions_exact) {
   }
 }
 
-// qk_norm_rope_fp8's store into an fp8 cache (section 30): every k head lands in its slot as e4m3(k / k_scale)
+// qk_norm_rope_fp8's store into an fp8 cache (section 31): every k head lands in its slot as e4m3(k / k_scale)
 // of the bf16 k it left in qkv, every v head as e4m3(v / v_scale); slot -1 stores nothing; nothing else is
 // touched.
 TEST(store_kvcache_fp8) {

@@ -4,8 +4,8 @@
 // experts' steps replayed from a CUDA graph while the routing changes under it (the graph-capturable design);
 // the loader's experts at --tp 1 and as rank 1 of --tp 2; and a tiny random MoE checkpoint end to end: the
 // plain path's CUDA-graph decode bit for bit against the same steps run eagerly, and the default switches
-// (attention's chapters and section 31b's fused_moe; the gemv, the persistent kernel and FP8 weights stand
-// aside for the MoE layers) against the plain path. Section 31b (fused_moe, the experts on tensor cores): its
+// (attention's chapters and section 33's fused_moe; the gemv, the persistent kernel and FP8 weights stand
+// aside for the MoE layers) against the plain path. Section 33 (fused_moe, the experts on tensor cores): its
 // products against the CPU references and Part I's path at awkward widths and tensor-parallel slices, its sum
 // bit for bit, its CUDA-graph replay, and the tiny checkpoint with it alone. Every case poisons its outputs
 // first. Without a visible GPU every case is SKIPPED.
@@ -151,7 +151,7 @@ struct ExpertsCase {
 
 // The experts' products run the same three products as the CPU in another order (fp32 inside each tile
 // against double): an intermediate bf16 rounding may land one step apart, so the outputs agree within a few
-// bf16 steps; a wrong row, expert, weight or order of the sum is far outside that. fused: section 31b's
+// bf16 steps; a wrong row, expert, weight or order of the sum is far outside that. fused: section 33's
 // fused_moe instead of section 10b's moe_experts (the same arguments, the same reference: test_moe.cu checks
 // that fused_moe_reference's sum is moe_experts_reference's bit for bit).
 static void check_experts(const ExpertsCase& c, std::mt19937& rng, bool graph, bool fused = false) {
@@ -228,7 +228,7 @@ TEST(moe_experts_replay_from_a_cuda_graph) {
   for (const ExpertsCase& c : kExpertsCases) check_experts(c, rng, true);
 }
 
-// ---- section 31b: fused_moe, the experts on tensor cores ----------------------------------------------
+// ---- section 33: fused_moe, the experts on tensor cores ----------------------------------------------
 
 #ifdef NANOVLLM_PART_II
 // Its awkward sizes: H not a multiple of the thread block's 64 columns (264 = 4 x 64 + 8), IE not a multiple of
@@ -344,7 +344,7 @@ TEST(fused_moe_steps_match_reference_and_plain) {
 
 #ifdef NANOVLLM_PART_II
 // A timing, not a test: one MoE layer's experts (after the router) at Qwen3-30B-A3B's widths (H 2048, 128
-// experts top-8, IE 768), Part I's moe_experts against section 31b's fused_moe, at T = 1 to 2048 tokens.
+// experts top-8, IE 768), Part I's moe_experts against section 33's fused_moe, at T = 1 to 2048 tokens.
 // Each run takes the next of 8 uniform routings, so the experts it reads are rarely the run before's (L2
 // holds a few dozen of the 128). Printed: microseconds per layer, the weights the routing touches over the
 // time (GB/s), and the experts' FLOPs over the time (TFLOP/s).
@@ -557,7 +557,7 @@ static std::vector<std::vector<int>> moe_prompts() {
 // The plain path (Part I alone) decodes from CUDA graphs with MoE layers in them: 8 sequences (a graph's own
 // batch size, so the eager steps have the same shapes) give the same tokens as the same engine stepping
 // eagerly, the last decode step's logits bit for bit (the same kernels in the same order), and so do the
-// logits of a prefill step after them. `opt`: the switches (none: Part I alone; section 31b's fused_moe
+// logits of a prefill step after them. `opt`: the switches (none: Part I alone; section 33's fused_moe
 // alone in the next case).
 static void graphs_match_eager(const char* opt, const char* folder) {
   const std::string dir = tiny_moe(folder);
@@ -599,7 +599,7 @@ TEST(fused_moe_graphs_match_eager) {
 #endif
 
 // The default switches on a MoE model: the persistent kernel plans nothing and fp8_weights holds nothing (they
-// stand aside), section 31b's fused_moe runs the moe stage, and the logits are the plain path's within
+// stand aside), section 33's fused_moe runs the moe stage, and the logits are the plain path's within
 // attention's chapters' distance (flash attention's bf16 probabilities) and the fused products' (their fp32
 // sums in another order): relative L2 under 1e-2, the same argmax wherever the margin is clear. A prompt whose
 // tokens the two paths route differently in the last MoE layer (a rounding moved a near-tie of the router:
@@ -660,7 +660,7 @@ TEST(moe_default_switches_match_plain) {
   switches_match_plain("all", "fast");
 }
 #ifdef NANOVLLM_PART_II
-// Section 31b alone: Part I's attention, so the first MoE layer sees the plain path's rows exactly.
+// Section 33 alone: Part I's attention, so the first MoE layer sees the plain path's rows exactly.
 TEST(fused_moe_alone_matches_plain) {
   REQUIRE_GPU();
   switches_match_plain("none,fused_moe", "fused-alone");

@@ -3,7 +3,7 @@
 // a 4-layer slice of the Qwen3-8B shape, and an odd small shape whose sizes leave partial row groups and
 // partial chunks everywhere, with one KV head and 16-token blocks), at every batch size the kernel has a plan
 // for (1, 2, 4) with contexts from 1 to 3000 tokens over shuffled paged blocks; with a bf16 cache and with
-// an fp8 one (section 30).
+// an fp8 one (section 31).
 //   * Accuracy. The kernel adds its sums in another order than section 14 (and cuBLASLt), so the results are
 //     not bit-identical: each bf16 rounding may land one ulp apart and the difference travels through the
 //     layers. The yardstick is how far section 14 (other legitimate orders: section 18's gemv at batch 1
@@ -30,7 +30,7 @@
 //     qk_norm_rope and section 8's attention_decode on the same qkv; section 26's plans (the step's operations
 //     over the model's weights, their split and counts); section 27's routing cache (a stale or corrupt file
 //     is measured again and rewritten).
-//   * FP8 weights (section 29a): the kernel reading e4m3 weights against Part I on their dequantization, with
+//   * FP8 weights (section 30a): the kernel reading e4m3 weights against Part I on their dequantization, with
 //     section 14's path with the FP8 chapter's stages as the yardstick, and its skew and left-out-wait checks.
 //   * Routing (routing_by_context_picks_the_faster_path): at the context limit start-up measures, each side
 //     of it must be faster on the path it routes to.
@@ -108,7 +108,7 @@ struct TestModel {
   std::vector<KVScales> scales;  // fp8: per layer
   char* bf16_copy = nullptr;     // fp8: the cache as bf16 values, [L, 2, NB, NKV, P, D]
   // The engine's cache format for this model, as install_optimizations applies it after the switches (section
-  // 31's apply_fp8_cache: its stages and persistent kernel for fp8), with this model's scales (use_fp8_cache
+  // 32's apply_fp8_cache: its stages and persistent kernel for fp8), with this model's scales (use_fp8_cache
   // would compute them; the format is global: set before every use).
   void use_format() const {
     apply_fp8_cache(fp8, g_hooks);
@@ -327,7 +327,7 @@ static int argmax_agrees(const std::vector<float>& got, const std::vector<float>
   return same;
 }
 
-static bool fp8_cache_supported() {  // section 30's conversion instructions: compute capability 8.9
+static bool fp8_cache_supported() {  // section 31's conversion instructions: compute capability 8.9
   int major = 0, minor = 0;
   CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
   CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0));
@@ -435,7 +435,7 @@ TEST(persistent_matches_stages_and_part1_fp8_8b_short) {
   accuracy_case("8b-short", 64, true);
 }
 
-// ---- Section 29a: the kernel reading FP8 weights -----------------------------------------------------------
+// ---- Section 30a: the kernel reading FP8 weights -----------------------------------------------------------
 // The model's four matrices of each layer quantized by section 28's quantize_weight (as --quantization fp8
 // does at load), and the bf16 weights replaced by their dequantization bf16(e4m3 * scale), the weights an FP8
 // checkpoint has under Part I. Then, as accuracy_case does: the kernel's logits and stored keys and values

@@ -1,13 +1,13 @@
 // FP8 checkpoints (Qwen/Qwen3-*-FP8) and FP8 weights, their host side, in the order nanovllm.cu reads:
-//   section 32: config.json's quantization_config (the published form and every refusal), --quantization,
+//   section 34: config.json's quantization_config (the published form and every refusal), --quantization,
 //     validate_config's rule that --quantization fp8 needs the switch fp8_weights, and the trip of all three
 //     to the tensor-parallel workers;
 //   section 6a ("Checkpoints with 8-bit float weights"): e4m3_to_float, block_quantized_values and
-//     e4m3_first_nan (safetensors.h) against the format's
+//     block_quantized_first_nan (safetensors.h) against the format's
 //     definition and cuda_fp8.h for all 256 bytes, block_scales, dequantize_row (scales by the global row
 //     and column), checkpoint_tensors and kept_unquantized, and validate_checkpoint on safetensors files
 //     written here (each way an FP8 checkpoint can be wrong);
-//   sections 28-29 (switch fp8_weights): e4m3_from_float against cuda_fp8.h's __nv_cvt_float_to_fp8,
+//   sections 28-30 (switch fp8_weights): e4m3_from_float against cuda_fp8.h's __nv_cvt_float_to_fp8,
 //     quantize_weight_reference, quantize_rows_reference, fp8_linear_reference against a direct product of
 //     dequantized values, and fp8_weights_problem (it asks the GPU its architecture: skipped without one).
 // The GPU kernels against these references: test/gpu/gpu_gemm.cu.
@@ -32,7 +32,7 @@ static float bf16_value(uint16_t bits) {
   return __bfloat162float(__nv_bfloat16(r));
 }
 
-// ==== section 32: quantization_config, --quantization ==================================================
+// ==== section 34: quantization_config, --quantization ==================================================
 
 // A tiny Qwen3 config.json (H 200, I 264: neither a multiple of 128; two layers) with `quant` as its
 // quantization_config ("" for none).
@@ -149,7 +149,7 @@ TEST(quantization_config_refusals) {
   }
 }
 
-// --quantization (vLLM's flag): this build's methods are the registry's, fp8 from section 29.
+// --quantization (vLLM's flag): this build's methods are the registry's, fp8 from section 30.
 TEST(quantization_flag_names_what_is_supported) {
   std::string method = "unchanged";
   CHECK_EQ(parse_quantization("fp8", method), std::string(""));
@@ -270,11 +270,11 @@ TEST(e4m3_to_float_all_256_bytes) {
   CHECK_EQ(e4m3_to_float(0x38), 1.f);
 }
 
-// e4m3_first_nan (the loaders' check, eight bytes at a time) against a byte-by-byte search: every length to 80
+// block_quantized_first_nan (the loaders' check, eight bytes at a time) against a byte-by-byte search: every length to 80
 // at every start offset mod 8, with no NaN, with one NaN byte (0x7F or 0xFF) at every position, and with two;
 // and long random buffers in which every byte value occurs. The non-NaN bytes include the values next to a
 // NaN in each word's arithmetic (0x7E, 0xFE, 0x80, 0x00, 0x01), so a carry between bytes would show.
-TEST(e4m3_first_nan_matches_a_byte_search) {
+TEST(block_quantized_first_nan_matches_a_byte_search) {
   auto naive = [](const uint8_t* p, size_t n) {
     for (size_t i = 0; i < n; i++)
       if ((p[i] & 0x7f) == 0x7f) return i;
@@ -288,18 +288,18 @@ TEST(e4m3_first_nan_matches_a_byte_search) {
     for (size_t n = 0; n <= 80; n++) {
       uint8_t* p = buf.data() + off;
       for (size_t i = 0; i < n; i++) p[i] = near[rng() % 8];
-      CHECK_EQ(e4m3_first_nan(p, n), n);
+      CHECK_EQ(block_quantized_first_nan(p, n), n);
       for (size_t at = 0; at < n; at++)
         for (uint8_t nan : {(uint8_t)0x7f, (uint8_t)0xff}) {
           const uint8_t keep = p[at];
           p[at] = nan;
-          CHECK_MSG(e4m3_first_nan(p, n) == at, "offset %zu, length %zu: NaN 0x%02x at %zu, found at %zu", off, n,
-                    nan, at, e4m3_first_nan(p, n));
+          CHECK_MSG(block_quantized_first_nan(p, n) == at, "offset %zu, length %zu: NaN 0x%02x at %zu, found at %zu", off, n,
+                    nan, at, block_quantized_first_nan(p, n));
           const size_t later = at + 1 + rng() % (n - at);  // a second NaN after it (or none, at n)
           if (later < n) {
             const uint8_t keep2 = p[later];
             p[later] = 0xff;
-            CHECK_EQ(e4m3_first_nan(p, n), at);
+            CHECK_EQ(block_quantized_first_nan(p, n), at);
             p[later] = keep2;
           }
           p[at] = keep;
@@ -312,7 +312,7 @@ TEST(e4m3_first_nan_matches_a_byte_search) {
     for (size_t i = 0; i < n; i++) big[i] = (uint8_t)rng();
     for (size_t i = 0; i < n; i++)  // mostly without NaN: keep a few, clear the rest
       if ((big[i] & 0x7f) == 0x7f && rng() % 1024) big[i] = 0x7e;
-    CHECK_EQ(e4m3_first_nan(big.data(), n), naive(big.data(), n));
+    CHECK_EQ(block_quantized_first_nan(big.data(), n), naive(big.data(), n));
   }
   CHECK(cases > 20000);
 }
@@ -772,7 +772,7 @@ TEST(checkpoint_refusals) {
           parse_model_config(tiny_config(""), "config.json"));
 }
 
-// ==== sections 28-29 (switch fp8_weights): the CPU references of the FP8 kernels =========================
+// ==== sections 28-30 (switch fp8_weights): the CPU references of the FP8 kernels =========================
 
 // e4m3_from_float is written from the format's definition; the kernels round with cuda_fp8.h. Byte for
 // byte over every e4m3 value, every midpoint between neighbours (ties: to the even code) and one float ulp

@@ -1,4 +1,4 @@
-// The FP8 KV cache's host side (nanovllm.cu section 30, and section 2's --kv-cache-dtype): the e4m3 CPU
+// The FP8 KV cache's host side (nanovllm.cu section 31, and section 2's --kv-cache-dtype): the e4m3 CPU
 // reference the GPU suites hold the kernels to, the per-layer scale rule, the flag, the block size and the
 // trip to the tensor-parallel workers. No GPU: the kernels are checked against these in test/gpu.
 #define NANOVLLM_TESTING

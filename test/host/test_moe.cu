@@ -1,5 +1,5 @@
 // Qwen3-MoE (Qwen3MoeForCausalLM) on the host, in the order nanovllm.cu reads it:
-//   section 32: config.json's expert fields (Qwen3-30B-A3B's as published, transformers' defaults) and each
+//   section 34: config.json's expert fields (Qwen3-30B-A3B's as published, transformers' defaults) and each
 //     refusal; section 2's ModelConfig::is_moe_layer against transformers' rule; the trip to the
 //     tensor-parallel workers (section 12's model_config_to_json);
 //   section 6a: checkpoint_tensors of a MoE model (the router, each expert, dense layers of mlp_only_layers,
@@ -11,13 +11,13 @@
 //     random logits full of ties, moe_ranks_before's order, moe_align_reference's list, and
 //     moe_experts_reference against transformers' loop (expert by expert, index_add_ into a bf16 row);
 //   sections 26 and 28: the persistent kernel's and fp8_weights' reasons for standing aside;
-//   section 43: the parameters, the experts a step reads and simulate on the Qwen3-30B-A3B shape.
+//   section 45: the parameters, the experts a step reads and simulate on the Qwen3-30B-A3B shape.
 // The kernels against these references: test/gpu/gpu_moe.cu.
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
 #include "../test.h"
 
-// ==== section 32 and 2: config.json =====================================================================
+// ==== section 34 and 2: config.json =====================================================================
 
 // Qwen3-30B-A3B's config.json as published (the fields nanovllm reads, and two it ignores), with `extra`
 // replacing or adding fields.
@@ -529,7 +529,7 @@ TEST(moe_stand_aside_reasons) {
   CHECK_MSG(pd.off_reason.find("a MoE model keeps section 14's path") != std::string::npos, "%s",
             pd.off_reason.c_str());
   // Section 14's table sends a MoE layer's MLP to its moe stage: Part I's unless a chapter fills it, as
-  // section 31b's fused_moe does by default; --plain fills no stage (section 6c's pass runs moe_mlp).
+  // section 33's fused_moe does by default; --plain fills no stage (section 6c's pass runs moe_mlp).
   install_optimizations(default_optimizations());
   CHECK(g_stages.moe == fused_moe_stage);
   OptimizationSet set = default_optimizations();
@@ -545,9 +545,9 @@ TEST(moe_stand_aside_reasons) {
 #endif
 }
 
-// ==== section 31b: the fused MoE's arithmetic ===========================================================
+// ==== section 33: the fused MoE's arithmetic ===========================================================
 
-// fused_moe_reference (what section 31b's kernels compute: the rows of moe_align_reference's list through
+// fused_moe_reference (what section 33's kernels compute: the rows of moe_align_reference's list through
 // gate_up and SiLU-and-mul, the down product times the routing weight, then each token's rows summed in
 // ascending expert id) gives moe_experts_reference's output bit for bit: the chapter moves the weight's
 // multiply and regroups the rows by expert, and keeps every rounding. On routings where most experts get no
@@ -601,7 +601,7 @@ TEST(fused_moe_reference_is_moe_experts_reference_regrouped) {
 }
 #endif
 
-// ==== section 43: parameters, the experts a step reads, simulate =========================================
+// ==== section 45: parameters, the experts a step reads, simulate =========================================
 
 TEST(moe_parameters_and_bytes_per_step) {
   ModelConfig a3b, a22b, dense;

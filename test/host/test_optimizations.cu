@@ -96,7 +96,7 @@ TEST(switches_fill_their_hooks) {
   CHECK(g_hooks.decode_step && g_hooks.model_ready.size() == 1);  // on; it measures which batch sizes it takes
 }
 
-// What section 43's simulate reads of the switches (Optimization::step_costs, by name): Part I's steps with
+// What section 45's simulate reads of the switches (Optimization::step_costs, by name): Part I's steps with
 // none on, section 23's graphs up to its largest rung, section 16's decode rows once per GQA group.
 TEST(simulate_reads_the_step_costs_of_the_switches_on) {
   CHECK_EQ(step_cost(parsed("none"), "prefill_graph_tokens"), 0.0);
@@ -108,12 +108,12 @@ TEST(simulate_reads_the_step_costs_of_the_switches_on) {
   CHECK_EQ(step_cost(default_optimizations(), "prefill_graph_tokens"), (double)PREFILL_GRAPH_MAX_T);
   CHECK_EQ(step_cost(default_optimizations(), "linear_weight_bytes_saved"), 1.0);
   CHECK_EQ(step_cost(parsed("-fp8_weights"), "linear_weight_bytes_saved"), 0.0);
-  // Every name a switch gives is one section 43 reads (a misspelt name would change nothing, silently).
+  // Every name a switch gives is one section 45 reads (a misspelt name would change nothing, silently).
   for (const Optimization& o : optimization_registry())
     for (const auto& cost : o.step_costs)
       CHECK_MSG(cost.first == "prefill_graph_tokens" || cost.first == "decode_rows_per_kv_group" ||
                     cost.first == "linear_weight_bytes_saved",
-                "%s gives step cost %s, which section 43 does not read", o.name, cost.first.c_str());
+                "%s gives step cost %s, which section 45 does not read", o.name, cost.first.c_str());
 }
 
 // Section 14's stage table: each chapter fills its own stages, a chapter that changes flash_attn's decode
@@ -163,7 +163,7 @@ TEST(chapters_fill_their_stages) {
         g_stages.attention_prefill == flash_attention_prefill_stage && g_stages.moe == fused_moe_stage);
 }
 
-// The FP8 cache (sections 30-31) installs the way every chapter does: its format's apply, run by
+// The FP8 cache (sections 31-32) installs the way every chapter does: its format's apply, run by
 // install_optimizations after the switches, fills section 14's stages through stages_for and names the
 // persistent kernel's format; an engine of another format (or another install) resets all of it.
 TEST(fp8_cache_installs_through_the_stages) {
@@ -181,9 +181,9 @@ TEST(fp8_cache_installs_through_the_stages) {
   install_optimizations(default_optimizations());
 }
 
-// Section 31a's order: with an fp8 cache, a decode batch sorted by context length, longest first, ties kept in
+// Section 32a's order: with an fp8 cache, a decode batch sorted by context length, longest first, ties kept in
 // the scheduler's order (stable), the same sequences; with a bf16 cache, the batch as it was.
-// FP8 weights (sections 28-29) install the way every chapter does: the load hook, section 14's two product
+// FP8 weights (sections 28-30) install the way every chapter does: the load hook, section 14's two product
 // stages (with the ones they replace kept for bf16 engines), and the persistent kernel's start-up wrapped so
 // that an engine holding FP8 weights plans no persistent step; off (or --plain), none of it, and a bf16
 // engine's stages are the ones behind.
@@ -343,7 +343,7 @@ TEST(persistent_weight_stream_order) {
       op.kind = kinds[rng() % 8], op.layer = i;
       op.W = reinterpret_cast<const bf16*>((uintptr_t)(i + 1) << 20);
       op.K = 1 + (int)(rng() % 5000), op.N = 1 + (int)(rng() % 3000);
-      if (persist_is_gemv(op.kind) && rng() % 3 == 0) {  // FP8 weights (section 29a): K bytes, K / 2 in the stream
+      if (persist_is_gemv(op.kind) && rng() % 3 == 0) {  // FP8 weights (section 30a): K bytes, K / 2 in the stream
         static const float scale = 1.f;
         op.K = 128 * (1 + (int)(rng() % 40)), op.wscale = &scale;
       }

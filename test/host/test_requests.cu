@@ -1,4 +1,4 @@
-// test_requests.cu — the request fields of vLLM's SamplingParams (nanovllm.cu sections 2, 5, 9b, 13, 30)
+// test_requests.cu — the request fields of vLLM's SamplingParams (nanovllm.cu sections 2, 5, 9b, 13, 31)
 // without a GPU: stop strings matched on the growing text across token boundaries, stop token ids and
 // min_tokens in the scheduler, n completions sharing the prompt's blocks, the penalties' and bans' logit
 // edits and the log-probabilities against plain CPU formulas, min_p's threshold, the generation_config.json
