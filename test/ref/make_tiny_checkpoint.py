@@ -195,8 +195,8 @@ def write_safetensors(path, entries, random_values, brk):
                 key = (dtype + "_scale" if name.endswith("_scale_inv") else dtype if dtype == "F8_E4M3"
                        else name.endswith("norm.weight"))
                 b = block[key]
-                start = zlib.crc32(name.encode()) % (len(b) // SIZE[dtype]) * SIZE[dtype]  # this tensor's own
-                rep = (b[start:] + b * (nbytes // len(b) + 1))[:nbytes]
+                at = zlib.crc32(name.encode()) % (len(b) // SIZE[dtype]) * SIZE[dtype]  # this tensor's own
+                rep = (b[at:] + b * (nbytes // len(b) + 1))[:nbytes]
                 f.write(rep)
         f.truncate(start + data_size)  # zeros, stored sparsely
     if brk == "truncated":
