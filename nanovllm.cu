@@ -26,7 +26,8 @@
 //   itself through the hook table Part I declares (section 11) or section 14's stages; each registers its
 //   own switch (--opt NAME, section 2; sections 31-32, the FP8 KV cache, register a value of --kv-cache-dtype
 //   instead, since it trades accuracy, and 32a, which orders an fp8 decode step's rows, the switch
-//   longest_first). The last, 33, runs a mixture-of-experts layer's experts on tensor cores (fused_moe).
+//   longest_first). The last, 33, runs a mixture-of-experts layer's experts on tensor cores (fused_moe), and
+//   a small step's as a gemv per routed expert (33a, moe_gemv).
 //   docs/performance.md has the measured gain of each. The Part I code each one replaces stays, as the
 //   reference the GPU tests compare it with.
 //   Part III (sections 34-48) is the program around the engine: reading config.json and the flags, prompts
@@ -4579,7 +4580,8 @@ struct LLMEngine {
 // kernels that exist only to merge partial results or to prepare q and k (19). With tensor parallelism,
 // NCCL's latency on small messages (20). A sampler that reads its row many times (21-22). Prefill and mixed
 // steps launched kernel by kernel (23). Then 24-27 run a small decode step as one kernel, and 28-29 halve the
-// bytes of the cache. A mixture-of-experts model's experts on Part I's plain tiled products (33).
+// bytes of the cache. A mixture-of-experts model's experts on Part I's plain tiled products (33), and a
+// decode step's experts read at a fraction of the bandwidth by any tile (33a).
 
 // Defined only while this part is in the file: a test that also exercises Part II asks for it.
 #define NANOVLLM_PART_II 1
@@ -4600,6 +4602,7 @@ struct Optimizations {
   bool prefill_graphs = false;     // 23: prefill and mixed steps replay CUDA graphs, attention between pieces
   bool longest_first = false;      // 32a: an fp8 decode step's rows in order of context length, longest first
   bool fused_moe = false;          // 33: a MoE layer's experts as grouped products on tensor cores
+  bool moe_gemv = false;           // 33a: a small step's MoE layer as a gemv per routed expert
   bool persistent = false;         // 24-27: a small-batch decode step in one persistent kernel
   bool fp8_weights = false;        // 28-29: an FP8 checkpoint's linear weights kept in FP8 (--quantization fp8)
   bool fp8_gemv = false;           // 29: with FP8 weights, batch-1/2 products in a tensor-core gemv
@@ -4625,7 +4628,8 @@ static Optimizations g_opt;  // set by each section's apply (install_optimizatio
 //   attention_decode   store_qkv, then section 8's decode kernel         16, then 19 (all in one kernel), 31
 //   matmul_out         h = x @ W^T (after SiLU-and-mul for down), summed over the ranks   18, 29
 //   moe                a MoE layer's MLP: RMSNorm, then section 10b's moe_mlp, summed   33 (the experts' products
-//                                                                        on tensor cores: fused_moe)
+//                                                                        on tensor cores: fused_moe), 33a (small
+//                                                                        steps: a gemv per routed expert)
 //   all_reduce         NCCL's all-reduce (section 12)                    20 (one or two crossings of NVLink)
 // and one entry that only a chapter fills: cut (23: where a CUDA graph of a prefill step ends a piece).
 // A MoE layer's MLP is the moe stage alone, so the chapters that replace norm_matmul and matmul_out (the
@@ -10940,8 +10944,8 @@ static const int kLongestFirstRegistered = register_optimization(
 
 
 // ==== 33. A mixture of experts on tensor cores ===========================================================
-// defines: fused_moe_reference, fused_moe_kernel, fused_moe_products, fused_moe, fused_moe_stage; switch
-//          fused_moe
+// defines: fused_moe_reference, fused_moe_kernel, fused_moe_products, fused_moe, fused_moe_stage,
+//          moe_gemv_gate_up_kernel, moe_gemv_down_kernel, moe_gemv, moe_gemv_stage; switches fused_moe, moe_gemv
 //
 // Replaces: in section 14's moe stage (section 10b's moe_mlp), the experts' products after the align:
 // moe_matmul for gate_up, silu_and_mul, moe_matmul for down, and moe_combine's multiply by the routing
@@ -11198,6 +11202,188 @@ static void apply_fused_moe(bool on, Hooks& h) {
 static const int kFusedMoeRegistered = register_optimization(
     {"fused_moe", "a MoE layer's experts as grouped products on tensor cores, SiLU-and-mul fused in (section 33)",
      true, apply_fused_moe});
+
+// ---- 33a. Small steps: a gemv per routed expert ---------------------------------------------------------
+// Replaces: at steps of at most MOE_GEMV_MAX_T tokens (decode at batch 1 and 2), the experts' part of the moe
+// stage above (moe_align, the two grouped products and moe_combine), and the router's product at steps of at
+// most GEMV_MAX_M tokens where section 18's gemv is switched on.
+// Why it is faster: a batch-1 step's MoE layer reads the k experts its token chose (8 of 128 in Qwen3-30B-A3B:
+// 38 MB of weights in bf16) and does 2 FLOPs per weight: a pass over memory, like section 18's dense gemv. The
+// tiles above serve one row of 16 (the other 15 padding), stream each weight slice through shared memory with
+// four warps per thread block and leave most of the bandwidth unused at this size; and the list they need
+// (moe_align) and the sum after them (moe_combine) are two launches more per layer. Here:
+//   1. moe_gemv_gate_up_kernel: one warp per (pair, column j of act): it streams row j of the pair's expert's
+//      gate and row j of its up (16-byte loads, every load of a stretch in flight before the first use, as
+//      section 18), dots both with the token's row of x, and writes act[pair, j] = bf16(SiLU(bf16(gate)) *
+//      bf16(up)). Pair p = t k + i is token t's i-th choice, expert ids[p]: nothing is sorted or listed.
+//   2. moe_gemv_down_kernel: one warp per (token, output n): for each of the token's k experts in ascending
+//      id, row n of that expert's down dotted with the pair's act row, rounded, times the routing weight,
+//      rounded, and added to the running sum, rounded: the sum is made where the products are, in Part I's
+//      order and rounding, so moe_combine and the [T k, H] buffer of weighted rows are gone. The next expert's
+//      row is loaded while the current one is summed.
+// A token's experts are read once per token: two tokens that chose the same expert read it twice (at batch 4
+// about 3 of 32 choices when routing is uniform), where the tiles read it once. Timed at Qwen3-30B-A3B's
+// widths (gpu_moe's fused_moe_speed), the gemv is faster at one and two tokens, even with the tiles at four
+// and slower at eight: so MOE_GEMV_MAX_T is 2 (docs/performance.md, "Qwen3-MoE").
+// Rounding: section 10b's (moe_experts_reference is this path's CPU reference, to the order of the fp32
+// additions inside a dot product): gate and up rounded to bf16, act = bf16(SiLU(gate) * up), y = bf16(act .
+// down), bf16(y * w) with w fp32, the sum in bf16 after each addition, in ascending expert id.
+// The grid depends on T alone (the experts are read from ids on the GPU), so CUDA graphs capture it.
+// Preconditions: H and IE multiples of 8, IE <= MOE_GEMV_DOWN_U * 256 (a down row in one stretch; larger
+// slices take the stage before), pointers 16-byte aligned.
+// Switch: moe_gemv.
+
+constexpr int MOE_GEMV_MAX_T = 2;    // tokens per step (measured: above)
+constexpr int MOE_GEMV_U = 4;        // gate_up: 16-byte loads per lane per row in flight (1,024 columns)
+constexpr int MOE_GEMV_DOWN_U = 8;   // down: a row of at most 2,048 columns (IE) in one stretch
+
+// act [T k, IE] from x [T, H] (the normed rows) and gate_up [E, 2 IE, H]. Grid (ceil(IE / GEMV_WARPS), T k).
+__global__ void __launch_bounds__(GEMV_WARPS * 32)
+    moe_gemv_gate_up_kernel(bf16* __restrict__ act, const bf16* __restrict__ x, const int* __restrict__ ids,
+                            const bf16* __restrict__ gate_up, int H, int IE, int k) {
+  const int p = blockIdx.y, j = blockIdx.x * GEMV_WARPS + threadIdx.x / 32, lane = threadIdx.x & 31;
+  if (j >= IE) return;
+  const bf16* wg = gate_up + ((int64_t)ids[p] * 2 * IE + j) * H;  // gate row j; up row j is IE rows on
+  const bf16* wu = wg + (int64_t)IE * H;
+  const bf16* xr = x + (int64_t)(p / k) * H;
+  float g = 0.f, u = 0.f;
+  for (int k0 = 0; k0 < H; k0 += MOE_GEMV_U * 256) {
+    uint4 vg[MOE_GEMV_U], vu[MOE_GEMV_U];
+#pragma unroll
+    for (int i = 0; i < MOE_GEMV_U; i++) {
+      const int c = k0 + i * 256 + lane * 8;
+      if (c < H) {
+        vg[i] = __ldcs(reinterpret_cast<const uint4*>(wg + c));
+        vu[i] = __ldcs(reinterpret_cast<const uint4*>(wu + c));
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < MOE_GEMV_U; i++) {
+      const int c = k0 + i * 256 + lane * 8;
+      if (c >= H) break;
+      float xf[8], gf[8], uf[8];
+      bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(xr + c)), xf);
+      bf16x8_to_float(vg[i], gf);
+      bf16x8_to_float(vu[i], uf);
+#pragma unroll
+      for (int q = 0; q < 8; q++) g = fmaf(gf[q], xf[q], g), u = fmaf(uf[q], xf[q], u);
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    g += __shfl_xor_sync(0xffffffffu, g, off);
+    u += __shfl_xor_sync(0xffffffffu, u, off);
+  }
+  if (lane == 0) act[(int64_t)p * IE + j] = __float2bfloat16(silu_mul(bf16_round(g), bf16_round(u)));
+}
+
+// out [T, H]: each token's k experts' down rows, weighted and summed (see above), from act [T k, IE], ids and
+// weights [T, k] and down [E, H, IE]. Grid (ceil(H / GEMV_WARPS), T); thread 0 orders the token's choices by
+// expert id first (insertion sort, as moe_combine).
+__global__ void __launch_bounds__(GEMV_WARPS * 32)
+    moe_gemv_down_kernel(bf16* __restrict__ out, const bf16* __restrict__ act, const int* __restrict__ ids,
+                         const float* __restrict__ weights, const bf16* __restrict__ down, int H, int IE, int k) {
+  __shared__ int order[MOE_MAX_TOPK];  // the token's pairs, ascending expert id
+  const int64_t t = blockIdx.y;
+  if (threadIdx.x == 0) {
+    int expert[MOE_MAX_TOPK];
+    for (int j = 0; j < k; j++) {
+      const int e = ids[t * k + j];
+      int i = j;
+      for (; i > 0 && expert[i - 1] > e; i--) expert[i] = expert[i - 1], order[i] = order[i - 1];
+      expert[i] = e, order[i] = (int)(t * k + j);
+    }
+  }
+  __syncthreads();
+  const int n = blockIdx.x * GEMV_WARPS + threadIdx.x / 32, lane = threadIdx.x & 31;
+  if (n >= H) return;
+  uint4 cur[MOE_GEMV_DOWN_U], next[MOE_GEMV_DOWN_U];
+  auto load = [&](uint4 (&v)[MOE_GEMV_DOWN_U], int i) {  // row n of the down of the i-th pair's expert
+    const bf16* w = down + ((int64_t)ids[order[i]] * H + n) * IE;
+#pragma unroll
+    for (int q = 0; q < MOE_GEMV_DOWN_U; q++) {
+      const int c = q * 256 + lane * 8;
+      if (c < IE) v[q] = __ldcs(reinterpret_cast<const uint4*>(w + c));
+    }
+  };
+  load(cur, 0);
+  float sum = 0.f;
+  for (int i = 0; i < k; i++) {
+    if (i + 1 < k) load(next, i + 1);
+    const int p = order[i];
+    const bf16* ar = act + (int64_t)p * IE;
+    float y = 0.f;
+#pragma unroll
+    for (int q = 0; q < MOE_GEMV_DOWN_U; q++) {
+      const int c = q * 256 + lane * 8;
+      if (c >= IE) break;
+      float af[8], wf[8];
+      bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(ar + c)), af);
+      bf16x8_to_float(cur[q], wf);
+#pragma unroll
+      for (int r = 0; r < 8; r++) y = fmaf(wf[r], af[r], y);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) y += __shfl_xor_sync(0xffffffffu, y, off);
+    sum = bf16_round(sum + bf16_round(bf16_round(y) * weights[p]));
+#pragma unroll
+    for (int q = 0; q < MOE_GEMV_DOWN_U; q++) cur[q] = next[q];
+  }
+  if (lane == 0) out[t * H + n] = __float2bfloat16(sum);
+}
+
+// Whether moe_gemv takes a layer of these widths (IE: this rank's slice).
+static bool moe_gemv_fits(int H, int IE) { return H % 8 == 0 && IE % 8 == 0 && IE <= MOE_GEMV_DOWN_U * 256; }
+
+// The experts' part of a MoE layer the gemv way (the stage takes it at steps of T <= MOE_GEMV_MAX_T tokens; any
+// T computes the same): out [T, H] from x [T, H], ids and weights [T, k] (moe_route's), gate_up [E, 2 IE, H]
+// and down [E, H, IE]; act: [T k, IE] of scratch (a.moe_act). out may not alias x.
+static void moe_gemv(bf16* out, const bf16* x, const int* ids, const float* weights, const bf16* gate_up,
+                     const bf16* down, int T, int H, int IE, int k, bf16* act, cudaStream_t stream) {
+  INTERNAL_CHECK(moe_gemv_fits(H, IE) && k >= 1 && k <= MOE_MAX_TOPK, "moe_gemv: H = %d, IE = %d, k = %d", H, IE, k);
+  for (const void* ptr : {(const void*)out, (const void*)x, (const void*)gate_up, (const void*)down,
+                          (const void*)act})
+    check_aligned16("moe_gemv", "a matrix", ptr);
+  if (T == 0) return;
+  moe_gemv_gate_up_kernel<<<dim3((unsigned)cdiv(IE, GEMV_WARPS), (unsigned)(T * k)), GEMV_WARPS * 32, 0,
+                            stream>>>(act, x, ids, gate_up, H, IE, k);
+  CUDA_CHECK(cudaGetLastError());
+  moe_gemv_down_kernel<<<dim3((unsigned)cdiv(H, GEMV_WARPS), (unsigned)T), GEMV_WARPS * 32, 0, stream>>>(
+      out, act, ids, weights, down, H, IE, k);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// ---- The stage, and its switch: moe_gemv ----
+// The moe stage this one stands in front of: fused_moe's where that switch is on (it registers first), else
+// Part I's moe_plain. Steps of more than MOE_GEMV_MAX_T tokens, and slices moe_gemv does not take, go there.
+static void (*g_moe_larger)(Pass& p, const LayerWeights& lw) = moe_plain;
+
+// Section 14's moe at small steps: the norm (Part I's norm_residual), the router's product (section 18's gemv
+// where that switch is on and the step fits it, else section 10's linear), moe_route, then moe_gemv.
+static void moe_gemv_stage(Pass& p, const LayerWeights& lw) {
+  const ModelConfig& c = p.m.cfg;
+  const int H = c.hidden_size, E = c.num_experts, k = c.num_experts_per_tok, IE = c.moe_intermediate_size / p.m.tp;
+  if (p.T > MOE_GEMV_MAX_T || !moe_gemv_fits(H, IE)) return g_moe_larger(p, lw);
+  Activations& a = p.m.act;
+  norm_residual(p, lw.post_attention_layernorm);
+  if (g_opt.gemv && p.T <= GEMV_MAX_M) gemv(a.router_logits, a.x, lw.router, p.T, E, H, p.s);
+  else linear(*p.m.gemm, a.router_logits, a.x, lw.router, p.T, E, H, p.s);
+  moe_route(a.topk_ids, a.topk_weights, a.router_logits, p.T, E, k, c.norm_topk_prob, p.s);
+  moe_gemv(a.hidden, a.x, a.topk_ids, a.topk_weights, lw.experts_gate_up, lw.experts_down, p.T, H, IE, k, a.moe_act,
+           p.s);
+  p.pending = true;
+  if (p.m.tp > 1 && g_stages.all_reduce(p.m.comm, a.hidden, (size_t)p.T * H, p.s, a.residual)) p.pending = false;
+}
+static void apply_moe_gemv(bool on, Hooks& h) {
+  g_opt.moe_gemv = on;
+  if (!on) return;
+  ForwardStages& st = stages_for(h);
+  if (st.moe != moe_gemv_stage) g_moe_larger = st.moe;
+  st.moe = moe_gemv_stage;
+}
+static const int kMoeGemvRegistered = register_optimization(
+    {"moe_gemv", "a small step's MoE layer as a gemv per routed expert, the sum in its epilogue (section 33a)",
+     true, apply_moe_gemv});
 
 
 // ##########################################################################################################

@@ -529,11 +529,12 @@ TEST(moe_stand_aside_reasons) {
   CHECK_MSG(pd.off_reason.find("a MoE model keeps section 14's path") != std::string::npos, "%s",
             pd.off_reason.c_str());
   // Section 14's table sends a MoE layer's MLP to its moe stage: Part I's unless a chapter fills it, as
-  // section 33's fused_moe does by default; --plain fills no stage (section 6c's pass runs moe_mlp).
+  // sections 33 and 33a do by default (small steps 33a's gemv, the others 33's fused_moe); --plain fills no
+  // stage (section 6c's pass runs moe_mlp).
   install_optimizations(default_optimizations());
-  CHECK(g_stages.moe == fused_moe_stage);
+  CHECK(g_stages.moe == moe_gemv_stage && g_moe_larger == fused_moe_stage);
   OptimizationSet set = default_optimizations();
-  CHECK(parse_optimizations("-fused_moe", set).empty());
+  CHECK(parse_optimizations("-fused_moe,-moe_gemv", set).empty());
   install_optimizations(set);
   CHECK(g_hooks.forward == forward_fast && g_stages.moe == moe_plain);
   CHECK(parse_optimizations("none", set).empty());

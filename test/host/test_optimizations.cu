@@ -29,7 +29,7 @@ static OptimizationSet parsed(const char* spec) {
 static int fields_on(const Optimizations& o) {
   return o.flash_attn + o.longest_first + o.pdl + o.gemv + o.cluster_merge + o.fused_rope + o.oneshot_allreduce +
          o.twoshot_allreduce + o.bisect_sampler + o.fast_sampler + o.prefill_graphs + o.persistent + o.fp8_weights +
-         o.fp8_gemv + o.fused_moe;
+         o.fp8_gemv + o.fused_moe + o.moe_gemv;
 }
 
 // Every Part II switch is registered exactly once, in file order, with a description naming its section,
@@ -38,7 +38,7 @@ TEST(every_optimization_is_registered_once) {
   const char* expected[] = {"flash_attn",        "pdl",           "gemv",           "cluster_merge",
                             "fused_rope",        "oneshot_allreduce", "twoshot_allreduce", "bisect_sampler",
                             "fast_sampler",      "prefill_graphs", "persistent",     "fp8_weights",
-                            "fp8_gemv",          "longest_first",  "fused_moe"};
+                            "fp8_gemv",          "longest_first",  "fused_moe",      "moe_gemv"};
   CHECK_EQ(reg().size(), sizeof expected / sizeof expected[0]);
   CHECK_EQ(sizeof(Optimizations), reg().size() * sizeof(bool));
   for (size_t i = 0; i < reg().size() && i < sizeof expected / sizeof expected[0]; i++) {
@@ -152,15 +152,20 @@ TEST(chapters_fill_their_stages) {
   CHECK(g_hooks.forward == forward_fast && g_stages.moe == fused_moe_stage && g_opt.fused_moe &&
         g_stages.norm_matmul == norm_matmul_plain && g_stages.matmul_out == matmul_out_plain &&
         g_stages.attention_decode == attention_decode_plain && g_stages.all_reduce == all_reduce_plain);
+  install_optimizations(parsed("none,moe_gemv"));  // small steps' gemv in front of Part I's stage
+  CHECK(g_stages.moe == moe_gemv_stage && g_moe_larger == moe_plain && g_opt.moe_gemv && !g_opt.fused_moe);
   install_optimizations(parsed("all,-fused_moe"));
-  CHECK(!g_opt.fused_moe && g_stages.moe == moe_plain);
+  CHECK(!g_opt.fused_moe && g_stages.moe == moe_gemv_stage && g_moe_larger == moe_plain);
+  install_optimizations(parsed("all,-moe_gemv"));
+  CHECK(!g_opt.moe_gemv && g_stages.moe == fused_moe_stage);
   install_optimizations(default_optimizations());  // fp8_weights' stages in front, the gemv's behind them
   CHECK(g_stages.norm_matmul == fp8_norm_matmul && g_fp8_weights.norm_matmul_bf16 == gemv_norm_matmul &&
         g_stages.matmul_out == fp8_matmul_out && g_fp8_weights.matmul_out_bf16 == gemv_matmul_out &&
         g_stages.attention_decode == fused_attention_decode_stage &&
         g_stages.store_qkv == store_qkv_fast &&
         g_stages.all_reduce == all_reduce_nvlink && g_stages.cut == piecewise_cut &&
-        g_stages.attention_prefill == flash_attention_prefill_stage && g_stages.moe == fused_moe_stage);
+        g_stages.attention_prefill == flash_attention_prefill_stage && g_stages.moe == moe_gemv_stage &&
+        g_moe_larger == fused_moe_stage);
 }
 
 // The FP8 cache (sections 31-32) installs the way every chapter does: its format's apply, run by
