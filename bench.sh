@@ -48,6 +48,10 @@
 # 7. dataparallel (--only dataparallel --dp N): bench.py's distribution, 256 x N requests (drawn as bench.py
 #    draws 256, from random.seed(0)) on N replicas (-dp N), against measure 1 on one replica: the throughput
 #    and its ratio to N x one replica's.
+# 8. ten (--only ten): 10 requests at once, 2048 random prompt tokens each, 1024 greedy output tokens: time
+#    per output token (median, p99) against the floor of a decode step of 10 (the weights such a step reads:
+#    of a MoE layer the experts 10 tokens touch, E (1 - (1 - k/E)^10) when routing is uniform; and the 10
+#    contexts' K/V at their mean length), and the time to first token.
 # Roofline: `nanovllm roofline` measures this GPU's copy bandwidth and bf16 GEMM rate in the same run.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -183,6 +187,10 @@ with open(f"{d}/latency.jsonl", "w") as f:
 with open(f"{d}/prefill.jsonl", "w") as f:
     for _ in range(64):
         f.write(json.dumps({"prompt_token_ids": [rng.randint(0, 10000) for _ in range(2048)], "max_tokens": 1}) + "\n")
+rng = random.Random(3)
+with open(f"{d}/ten.jsonl", "w") as f:
+    for _ in range(10):
+        f.write(json.dumps({"prompt_token_ids": [rng.randint(0, 10000) for _ in range(2048)], "max_tokens": 1024}) + "\n")
 rng = random.Random(2)
 with open(f"{d}/short.jsonl", "w") as f:
     for _ in range(2000):
@@ -246,6 +254,7 @@ fi
 { [ -z "$ONLY" ] || [ "$ONLY" = latency ]; } && run latency --temperature 0
 { [ -z "$ONLY" ] || [ "$ONLY" = prefill ]; } && run prefill --temperature 0
 [ "$ONLY" = short ] && run short --temperature 0.6 --max-num-seqs 512
+[ "$ONLY" = ten ] && run ten --temperature 0
 [ "$ONLY" = staggered ] && cp "$LOG_DIR/throughput.jsonl" "$LOG_DIR/staggered.jsonl" &&
   run staggered --temperature 0.6 --max-num-seqs 512 --request-rate 40 --seed 0
 [ "$ONLY" = dataparallel ] && run throughput --temperature 0.6 &&
@@ -344,6 +353,13 @@ if only == "dataparallel":  # the roofline of one replica (its --tp GPUs); N rep
     rows.append(("bench.py, 1 replica", f"{t1:.0f} tok/s", f"{100 * t1 / t_roof:.0f}% of {t_roof:.0f} tok/s"))
     rows.append((f"bench.py x {dp}, -dp {dp}", f"{tn:.0f} tok/s",
                  f"{tn / (dp * t1):.3f} x ({dp} x one replica's); {100 * tn / (dp * t_roof):.0f}% of {dp} x {t_roof:.0f} tok/s"))
+if only == "ten":  # measure 8: a decode step of 10 reads the weights of 10 tokens and 10 contexts' K/V
+    s = summary("ten")
+    touched = E * (1 - (1 - k / E) ** 10) if E else 0  # experts per MoE layer
+    wbytes10 = wbytes1 + 2 * len(moe) * (touched - k) * 3 * H * IE if E else wbytes
+    floor10 = (wbytes10 + 10 * (2048 + 512) * kv_tok) / bw * 1000
+    rows.append(("10 at once, 2048/1024", f"TPOT {s['tpot'][0]:.2f} ms (p99 {s['tpot'][1]:.2f})",
+                 f"{100 * floor10 / s['tpot'][0]:.0f}% of the {floor10:.2f} ms floor; TTFT median {1e3 * s['ttft'][0]:.0f} ms"))
 for w in ("short", "staggered"):
     if only != w: continue
     s = summary(w)
