@@ -7695,8 +7695,9 @@ static const int kPrefillGraphsRegistered = register_optimization(
 // its GPU, empty slots included, because the operations form a chain. The kernel is a template over this
 // (TP), so that one GPU's kernel carries none of it.
 // Switch: persistent (on by default; measured per batch size and context at start-up). Needs sm_80; a batch
-// size whose shared memory does not fit, or TP > 1, uses section 14's path, and the start-up line says which
-// decode path runs at which batch sizes and contexts, with the times measured.
+// size whose shared memory does not fit, TP > 1 without section 20's one-shot all-reduce, or a variant the
+// cache format has no kernel for (section 26's PersistFormat) uses section 14's path, and the start-up line
+// says which decode path runs at which batch sizes and contexts, with the times measured.
 
 constexpr int PERSIST_THREADS = 512;
 constexpr int PERSIST_WARPS = PERSIST_THREADS / 32;
@@ -10993,7 +10994,7 @@ static const int kLongestFirstRegistered = register_optimization(
 // Preconditions: H and IE (this rank's slice) multiples of 8 (16-byte copies; section 2's tp_shard_problem
 // already requires IE / tp % 8 == 0), pointers 16-byte aligned. The widths need not be multiples of a tile:
 // the copies zero-fill a partial slice of K and the weight rows past N, and the epilogues skip those columns.
-// Switch: fused_moe. Its measurement: docs/performance.md, "The fused MoE".
+// Switch: fused_moe. Its measurement: docs/performance.md, "Qwen3-MoE".
 
 constexpr int FMOE_BK = 64;      // K values per slice: a row of a slice is 128 bytes, 8 chunks of 16 bytes
 constexpr int FMOE_COLS = 64;    // weight rows per thread block (gate_up: 32 of gate, 32 of up)
