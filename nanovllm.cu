@@ -2989,10 +2989,10 @@ __device__ __forceinline__ float warp_sum_f(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-__global__ void moe_route_kernel(int* ids, float* weights, const bf16* logits, int T, int E, int k, bool norm) {
-  const int lane = threadIdx.x % 32, t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  if (t >= T) return;  // a whole warp
-  const bf16* row = logits + (int64_t)t * E;
+// One token's routing by one warp: row [E] its logits, ids and weights [k] its picks (the kernel below, and
+// section 33a's router, which routes in the last of its thread blocks).
+__device__ __forceinline__ void moe_route_row(int* ids, float* weights, const bf16* row, int E, int k, bool norm) {
+  const int lane = threadIdx.x % 32;
   float p[MOE_ROUTE_SLOTS];
   float m = -INFINITY;
 #pragma unroll
@@ -3032,9 +3032,14 @@ __global__ void moe_route_kernel(int* ids, float* weights, const bf16* logits, i
   }
   const float picked = warp_sum_f(lane < k ? my_p : 0.f);
   if (lane < k) {
-    ids[(int64_t)t * k + lane] = my_id;
-    weights[(int64_t)t * k + lane] = norm ? my_p / picked : my_p;
+    ids[lane] = my_id;
+    weights[lane] = norm ? my_p / picked : my_p;
   }
+}
+__global__ void moe_route_kernel(int* ids, float* weights, const bf16* logits, int T, int E, int k, bool norm) {
+  const int64_t t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (t >= T) return;  // a whole warp
+  moe_route_row(ids + t * k, weights + t * k, logits + t * E, E, k, norm);
 }
 static void moe_route(int* ids, float* weights, const bf16* logits, int T, int E, int k, bool norm,
                       cudaStream_t stream) {
@@ -3203,19 +3208,27 @@ static void moe_experts_reference(float* out, const float* x, const int* ids, co
 // Thread block = one token: thread 0 orders its k pairs by expert id (insertion sort, k <= MOE_MAX_TOPK)
 // into shared memory, then each thread takes 16-byte chunks of the row (section 7's convention).
 // Preconditions: H % 8 == 0, pointers 16-byte aligned.
+// A token's k choices in ascending expert id: order[i] = the place j in ids [k] of the i-th (insertion sort, by
+// one thread; k <= MOE_MAX_TOPK). The order every sum over a token's experts is made in (section 33a's too).
+__host__ __device__ __forceinline__ void moe_order_by_expert(int* order, const int* ids, int k) {
+  int expert[MOE_MAX_TOPK];
+  for (int j = 0; j < k; j++) {
+    const int e = ids[j];
+    int i = j;
+    for (; i > 0 && expert[i - 1] > e; i--) expert[i] = expert[i - 1], order[i] = order[i - 1];
+    expert[i] = e, order[i] = j;
+  }
+}
 __global__ void moe_combine_kernel(bf16* out, const bf16* y, const int* ids, const float* weights,
                                    const int* pair_row, int H, int k) {
   __shared__ int row[MOE_MAX_TOPK];
   __shared__ float weight[MOE_MAX_TOPK];
   const int64_t t = blockIdx.x;
   if (threadIdx.x == 0) {
-    int expert[MOE_MAX_TOPK];
-    for (int j = 0; j < k; j++) {
-      const int e = ids[t * k + j];
-      int i = j;
-      for (; i > 0 && expert[i - 1] > e; i--) expert[i] = expert[i - 1], row[i] = row[i - 1], weight[i] = weight[i - 1];
-      expert[i] = e, row[i] = pair_row[t * k + j], weight[i] = weights ? weights[t * k + j] : 1.f;
-    }
+    int order[MOE_MAX_TOPK];
+    moe_order_by_expert(order, ids + t * k, k);
+    for (int i = 0; i < k; i++)
+      row[i] = pair_row[t * k + order[i]], weight[i] = weights ? weights[t * k + order[i]] : 1.f;
   }
   __syncthreads();
   for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
@@ -5800,11 +5813,13 @@ __device__ __forceinline__ void gemv_store(bf16* __restrict__ y, float (&acc)[R]
       }
 }
 
+// One thread block's share of gemv_kernel (below): its warps' R rows each, the input staged first (staged: IN !=
+// PLAIN's [M, K] of shared memory). A function of its own so that another kernel can run a gemv's rows with
+// the same arithmetic (section 33a's router).
 template <int M, GemvIn IN, bool ADD, int R>
-__global__ void __launch_bounds__(GEMV_WARPS * 32)
-    gemv_kernel(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ W, int N, int K,
-                const bf16* __restrict__ norm_w, float eps) {
-  extern __shared__ uint4 staged[];  // IN != PLAIN: the input the dot products use, bf16 [M, K]
+__device__ __forceinline__ void gemv_block(bf16* __restrict__ y, const bf16* __restrict__ x,
+                                           const bf16* __restrict__ W, int N, int K, const bf16* __restrict__ norm_w,
+                                           float eps, uint4* staged) {
   constexpr int U = GEMV_UNROLL / R;  // loads in flight per row
   const int n0 = (blockIdx.x * GEMV_WARPS + threadIdx.x / 32) * R, lane = threadIdx.x & 31;  // rows n0..n0+R-1
   uint4 wv[R][U];
@@ -5852,6 +5867,13 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     }
   }
   gemv_store<M, R, ADD>(y, acc, n0, N, lane);
+}
+template <int M, GemvIn IN, bool ADD, int R>
+__global__ void __launch_bounds__(GEMV_WARPS * 32)
+    gemv_kernel(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ W, int N, int K,
+                const bf16* __restrict__ norm_w, float eps) {
+  extern __shared__ uint4 staged[];  // IN != PLAIN: the input the dot products use, bf16 [M, K]
+  gemv_block<M, IN, ADD, R>(y, x, W, N, K, norm_w, eps, staged);
 }
 
 // Rows per warp: 2 when both rows' loads fit in one stretch (K <= 1024: Qwen3-0.6B's qkv and gate_up), so the
@@ -10946,7 +10968,8 @@ static const int kLongestFirstRegistered = register_optimization(
 
 // ==== 33. A mixture of experts on tensor cores ===========================================================
 // defines: fused_moe_reference, fused_moe_kernel, fused_moe_products, fused_moe, fused_moe_stage,
-//          moe_gemv_gate_up_kernel, moe_gemv_down_kernel, moe_gemv, moe_gemv_stage; switches fused_moe, moe_gemv
+//          moe_router_kernel, moe_router, moe_gemv_gate_up_kernel, moe_gemv_down_kernel, moe_gemv, moe_gemv_stage;
+//          switches fused_moe, moe_gemv
 //
 // Replaces: in section 14's moe stage (section 10b's moe_mlp), the experts' products after the align:
 // moe_matmul for gate_up, silu_and_mul, moe_matmul for down, and moe_combine's multiply by the routing
@@ -11205,43 +11228,132 @@ static const int kFusedMoeRegistered = register_optimization(
      true, apply_fused_moe});
 
 // ---- 33a. Small steps: a gemv per routed expert ---------------------------------------------------------
-// Replaces: at steps of at most MOE_GEMV_MAX_T tokens (decode at batch 1 and 2), the experts' part of the moe
-// stage above (moe_align, the two grouped products and moe_combine), and the router's product at steps of at
-// most GEMV_MAX_M tokens where section 18's gemv is switched on.
+// Replaces: at steps of at most MOE_GEMV_MAX_T tokens (decode at batch 1 to 4), all of the moe stage above: the
+// norm, the router's product and moe_route (one kernel here where section 18's gemv is switched on), and the
+// experts' part (moe_align, the two grouped products and moe_combine: two kernels here).
 // Why it is faster: a batch-1 step's MoE layer reads the k experts its token chose (8 of 128 in Qwen3-30B-A3B:
 // 38 MB of weights in bf16) and does 2 FLOPs per weight: a pass over memory, like section 18's dense gemv. The
 // tiles above serve one row of 16 (the other 15 padding), stream each weight slice through shared memory with
 // four warps per thread block and leave most of the bandwidth unused at this size; and the list they need
-// (moe_align) and the sum after them (moe_combine) are two launches more per layer. Here:
-//   1. moe_gemv_gate_up_kernel: one warp per (pair, column j of act): it streams row j of the pair's expert's
+// (moe_align) and the sum after them (moe_combine) are two launches more per layer. A boundary between two
+// kernels costs microseconds (section 17), a large share of a layer this small, so the layer is three
+// kernels, each launched with PDL (section 17) so that it is resident, and where it can its loads are in
+// flight, before the kernel ahead of it ends:
+//   1. moe_router_kernel: the RMSNorm of the residual stream, the router's product and the routing. Its thread
+//      blocks are section 18's gemv blocks (gemv_block: each stages the normed rows in shared memory, block 0
+//      also writes them to act.x for the experts, and each computes E / gridDim of the logits with the gemv's
+//      arithmetic); the last block to finish (a ticket: each block's writes, a fence, then an atomic count)
+//      reads all the logits back through L2 and routes each token with Part I's moe_route_row. So the norm,
+//      the router's product and moe_route, three launches, are one, and their results are theirs bit for bit.
+//   2. moe_gemv_gate_up_kernel: one warp per (pair, column j of act): it streams row j of the pair's expert's
 //      gate and row j of its up (16-byte loads, every load of a stretch in flight before the first use, as
 //      section 18), dots both with the token's row of x, and writes act[pair, j] = bf16(SiLU(bf16(gate)) *
-//      bf16(up)). Pair p = t k + i is token t's i-th choice, expert ids[p]: nothing is sorted or listed.
-//   2. moe_gemv_down_kernel: one warp per (token, output n): for each of the token's k experts in ascending
-//      id, row n of that expert's down dotted with the pair's act row, rounded, times the routing weight,
-//      rounded, and added to the running sum, rounded: the sum is made where the products are, in Part I's
-//      order and rounding, so moe_combine and the [T k, H] buffer of weighted rows are gone. The next expert's
-//      row is loaded while the current one is summed.
+//      bf16(up)). Pair p = t k + i is token t's i-th choice, expert ids[p]: nothing is sorted or listed. Which
+//      rows to read is known only once the router has finished, so nothing is loaded before the wait.
+//   3. moe_gemv_down_kernel: one warp per (token, output n), or at a step of one token MOE_DOWN_SPLIT_ONE
+//      warps sharing the token's k experts (a one-token step has only H outputs; two warps put twice the loads
+//      in flight): a warp dots row n of its experts' down with the pairs' act rows, the next expert's row
+//      loading while it sums the current one; then the k results, taken in ascending expert id, are each
+//      rounded, multiplied by the routing weight, rounded, and added to the running sum, rounded: the sum is
+//      made where the products are, in Part I's order and rounding, so moe_combine and the [T k, H] buffer of
+//      weighted rows are gone. A row's loads are sized to IE (2, 4 or 8 16-byte loads per lane): registers
+//      held for 2,048 columns when the row has 768 cut the warps an SM keeps resident. A warp's first row is
+//      in flight before its PDL wait: the routing was written by the kernel before the kernel ahead (every
+//      thread block of that one waited for it to finish before this one could launch), so only act, written
+//      by the kernel ahead, waits.
+// gpu_moe's moe_layer_speed times these choices against the others (docs/performance.md, "Qwen3-MoE").
 // A token's experts are read once per token: two tokens that chose the same expert read it twice (at batch 4
 // about 3 of 32 choices when routing is uniform), where the tiles read it once. Timed at Qwen3-30B-A3B's
-// widths (gpu_moe's fused_moe_speed), the gemv is faster at one and two tokens, even with the tiles at four
-// and slower at eight: so MOE_GEMV_MAX_T is 2 (docs/performance.md, "Qwen3-MoE").
+// widths (gpu_moe's fused_moe_speed), the gemv is faster at one, two and four tokens and slower at eight: so
+// MOE_GEMV_MAX_T is 4 (docs/performance.md, "Qwen3-MoE"). (The router's one kernel takes steps of up to
+// GEMV_MAX_M tokens, section 18's gemv's; a step of 4 routes with Part I's three launches.)
 // Rounding: section 10b's (moe_experts_reference is this path's CPU reference, to the order of the fp32
 // additions inside a dot product): gate and up rounded to bf16, act = bf16(SiLU(gate) * up), y = bf16(act .
-// down), bf16(y * w) with w fp32, the sum in bf16 after each addition, in ascending expert id.
-// The grid depends on T alone (the experts are read from ids on the GPU), so CUDA graphs capture it.
+// down), bf16(y * w) with w fp32, the sum in bf16 after each addition, in ascending expert id. The router:
+// section 18's gemv and Part I's moe_route exactly (gpu_moe checks the bits).
+// The grids depend on T alone (the experts are read from ids on the GPU), so CUDA graphs capture them. The
+// router's ticket is one counter in GPU memory that its last thread block sets back to zero, so every launch
+// and every replay starts from zero (the launches on a GPU follow each other: each waits for the one before).
 // Preconditions: H and IE multiples of 8, IE <= MOE_GEMV_DOWN_U * 256 (a down row in one stretch; larger
-// slices take the stage before), pointers 16-byte aligned.
+// slices take the stage before), pointers 16-byte aligned; the router's fused kernel also wants the T normed
+// rows in shared memory (gemv_can_stage) and E <= MOE_MAX_EXPERTS.
 // Switch: moe_gemv.
 
-constexpr int MOE_GEMV_MAX_T = 2;    // tokens per step (measured: above)
+constexpr int MOE_GEMV_MAX_T = 4;    // tokens per step (measured: above)
 constexpr int MOE_GEMV_U = 4;        // gate_up: 16-byte loads per lane per row in flight (1,024 columns)
 constexpr int MOE_GEMV_DOWN_U = 8;   // down: a row of at most 2,048 columns (IE) in one stretch
+constexpr int MOE_DOWN_SPLIT_ONE = 2;  // down, at one token: warps sharing one output's experts (measured)
+
+// The router's ticket: its thread blocks that have written their logits in this launch (see above).
+__device__ unsigned g_moe_router_arrived = 0;
+
+// x_out [M, H] = RMSNorm(x) * norm_w (IN RMSNORM; PLAIN: x is normed already and x_out is not written), logits
+// [M, E] = x_out @ W^T (bf16), and ids, weights [M, k]: each token's routing (moe_route_row). Grid ceil(E /
+// GEMV_WARPS) thread blocks of GEMV_WARPS warps; shared memory M H bf16 (RMSNORM).
+template <int M, GemvIn IN>
+__global__ void __launch_bounds__(GEMV_WARPS * 32)
+    moe_router_kernel(bf16* __restrict__ x_out, bf16* __restrict__ logits, int* __restrict__ ids,
+                      float* __restrict__ weights, const bf16* __restrict__ x, const bf16* __restrict__ W,
+                      const bf16* __restrict__ norm_w, float eps, int E, int H, int k, bool norm_topk) {
+  extern __shared__ uint4 staged[];
+  __shared__ bool last;
+  __shared__ bf16 row[MOE_GEMV_MAX_T][MOE_MAX_EXPERTS];
+  gemv_block<M, IN, false, 1>(logits, x, W, E, H, norm_w, eps, staged);  // waits (PDL) before reading x
+  if (IN == GemvIn::RMSNORM && blockIdx.x == 0)
+    for (int c = threadIdx.x; c < M * H / 8; c += blockDim.x) reinterpret_cast<uint4*>(x_out)[c] = staged[c];
+  __syncthreads();  // this block's logits are written
+  if (threadIdx.x == 0) {
+    __threadfence();  // ... and visible to every block before the count says so
+    last = atomicAdd(&g_moe_router_arrived, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int c = threadIdx.x; c < M * E; c += blockDim.x) row[c / E][c % E] = __ldcg(logits + c);  // through L2
+  __syncthreads();
+  const int t = threadIdx.x / 32;
+  if (t < M) moe_route_row(ids + t * k, weights + t * k, row[t], E, k, norm_topk);
+  if (threadIdx.x == 0) g_moe_router_arrived = 0;
+}
+
+// Whether moe_router takes a step of T tokens of width H.
+static bool moe_router_fits(int T, int H, int E) {
+  return T >= 1 && T <= MOE_GEMV_MAX_T && T <= GEMV_MAX_M && gemv_can_stage(T, H) && H % 8 == 0 &&
+         E <= MOE_MAX_EXPERTS;
+}
+// norm_residual (without a pending add), the router's product and moe_route in one launch (see above): x_out
+// [T, H] = RMSNorm(residual) * norm_w, logits [T, E], ids and weights [T, k]. norm_w null: residual is the
+// normed x already (x_out is then not written).
+static void moe_router(bf16* x_out, bf16* logits, int* ids, float* weights, const bf16* residual,
+                       const bf16* norm_w, float eps, const bf16* W, int T, int E, int H, int k, bool norm_topk,
+                       cudaStream_t stream) {
+  INTERNAL_CHECK(moe_router_fits(T, H, E) && k >= 1 && k <= std::min(E, MOE_MAX_TOPK),
+                 "moe_router: T = %d, H = %d, E = %d, k = %d", T, H, E, k);
+  INTERNAL_CHECK(((uintptr_t)residual | (uintptr_t)W | (uintptr_t)x_out) % 16 == 0,
+                 "moe_router: its rows must be 16-byte aligned");
+  const unsigned grid = (unsigned)cdiv(E, GEMV_WARPS);
+  const size_t smem = norm_w ? (size_t)T * H * sizeof(bf16) : 0;
+  if (norm_w) rmsnorm_checks("moe_router", x_out, residual, norm_w, H);
+  if (T == 1 && norm_w)
+    launch_pdl(moe_router_kernel<1, GemvIn::RMSNORM>, grid, GEMV_WARPS * 32, smem, stream, x_out, logits, ids,
+               weights, residual, W, norm_w, eps, E, H, k, norm_topk);
+  else if (T == 1)
+    launch_pdl(moe_router_kernel<1, GemvIn::PLAIN>, grid, GEMV_WARPS * 32, smem, stream, x_out, logits, ids,
+               weights, residual, W, norm_w, eps, E, H, k, norm_topk);
+  else if (norm_w)
+    launch_pdl(moe_router_kernel<2, GemvIn::RMSNORM>, grid, GEMV_WARPS * 32, smem, stream, x_out, logits, ids,
+               weights, residual, W, norm_w, eps, E, H, k, norm_topk);
+  else
+    launch_pdl(moe_router_kernel<2, GemvIn::PLAIN>, grid, GEMV_WARPS * 32, smem, stream, x_out, logits, ids,
+               weights, residual, W, norm_w, eps, E, H, k, norm_topk);
+  CUDA_CHECK(cudaGetLastError());
+}
 
 // act [T k, IE] from x [T, H] (the normed rows) and gate_up [E, 2 IE, H]. Grid (ceil(IE / GEMV_WARPS), T k).
 __global__ void __launch_bounds__(GEMV_WARPS * 32)
     moe_gemv_gate_up_kernel(bf16* __restrict__ act, const bf16* __restrict__ x, const int* __restrict__ ids,
                             const bf16* __restrict__ gate_up, int H, int IE, int k) {
+  pdl_begin();  // ids and x come from the kernel before; every thread waits (the kernel after relies on it)
   const int p = blockIdx.y, j = blockIdx.x * GEMV_WARPS + threadIdx.x / 32, lane = threadIdx.x & 31;
   if (j >= IE) return;
   const bf16* wg = gate_up + ((int64_t)ids[p] * 2 * IE + j) * H;  // gate row j; up row j is IE rows on
@@ -11279,58 +11391,79 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
 }
 
 // out [T, H]: each token's k experts' down rows, weighted and summed (see above), from act [T k, IE], ids and
-// weights [T, k] and down [E, H, IE]. Grid (ceil(H / GEMV_WARPS), T); thread 0 orders the token's choices by
-// expert id first (insertion sort, as moe_combine).
+// weights [T, k] and down [E, H, IE]; a row of down is U 16-byte loads per lane (U * 256 >= IE). Grid
+// (ceil(H / (GEMV_WARPS / SPLIT)), T): warp w of a thread block takes output (GEMV_WARPS / SPLIT) b + w / SPLIT
+// and, of its token's choices in ascending expert id (thread 0 orders them first: moe_order_by_expert), the
+// i-th for i = w % SPLIT, that + SPLIT, ...; with SPLIT 1 the warp makes the sum itself.
+template <int U, int SPLIT>
 __global__ void __launch_bounds__(GEMV_WARPS * 32)
     moe_gemv_down_kernel(bf16* __restrict__ out, const bf16* __restrict__ act, const int* __restrict__ ids,
                          const float* __restrict__ weights, const bf16* __restrict__ down, int H, int IE, int k) {
-  __shared__ int order[MOE_MAX_TOPK];  // the token's pairs, ascending expert id
+  constexpr int OUTPUTS = GEMV_WARPS / SPLIT;          // per thread block
+  __shared__ int order[MOE_MAX_TOPK];                  // the token's choices (places in ids[t]), ascending id
+  __shared__ float y[SPLIT > 1 ? OUTPUTS : 1][MOE_MAX_TOPK];  // SPLIT > 1: their products, in that order
   const int64_t t = blockIdx.y;
-  if (threadIdx.x == 0) {
-    int expert[MOE_MAX_TOPK];
-    for (int j = 0; j < k; j++) {
-      const int e = ids[t * k + j];
-      int i = j;
-      for (; i > 0 && expert[i - 1] > e; i--) expert[i] = expert[i - 1], order[i] = order[i - 1];
-      expert[i] = e, order[i] = (int)(t * k + j);
-    }
-  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, s = warp % SPLIT;
+  const int r = warp / SPLIT, n = blockIdx.x * OUTPUTS + r;
+  if (threadIdx.x == 0) moe_order_by_expert(order, ids + t * k, k);  // before the wait: see above
   __syncthreads();
-  const int n = blockIdx.x * GEMV_WARPS + threadIdx.x / 32, lane = threadIdx.x & 31;
-  if (n >= H) return;
-  uint4 cur[MOE_GEMV_DOWN_U], next[MOE_GEMV_DOWN_U];
-  auto load = [&](uint4 (&v)[MOE_GEMV_DOWN_U], int i) {  // row n of the down of the i-th pair's expert
-    const bf16* w = down + ((int64_t)ids[order[i]] * H + n) * IE;
+  uint4 cur[U], next[U];
+  auto load = [&](uint4 (&v)[U], int i) {  // row n of the down of the i-th choice's expert
+    const bf16* w = down + ((int64_t)ids[t * k + order[i]] * H + n) * IE;
 #pragma unroll
-    for (int q = 0; q < MOE_GEMV_DOWN_U; q++) {
+    for (int q = 0; q < U; q++) {
       const int c = q * 256 + lane * 8;
       if (c < IE) v[q] = __ldcs(reinterpret_cast<const uint4*>(w + c));
     }
   };
-  load(cur, 0);
-  float sum = 0.f;
-  for (int i = 0; i < k; i++) {
-    if (i + 1 < k) load(next, i + 1);
-    const int p = order[i];
-    const bf16* ar = act + (int64_t)p * IE;
-    float y = 0.f;
+  if (n < H && s < k) load(cur, s);
+  pdl_begin();  // act comes from the kernel before
+  float sum = 0.f;  // SPLIT 1
+  for (int i = s; n < H && i < k; i += SPLIT) {
+    if (i + SPLIT < k) load(next, i + SPLIT);
+    const bf16* ar = act + (t * k + order[i]) * IE;
+    float dot = 0.f;
 #pragma unroll
-    for (int q = 0; q < MOE_GEMV_DOWN_U; q++) {
+    for (int q = 0; q < U; q++) {
       const int c = q * 256 + lane * 8;
       if (c >= IE) break;
       float af[8], wf[8];
       bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(ar + c)), af);
       bf16x8_to_float(cur[q], wf);
 #pragma unroll
-      for (int r = 0; r < 8; r++) y = fmaf(wf[r], af[r], y);
+      for (int e = 0; e < 8; e++) dot = fmaf(wf[e], af[e], dot);
     }
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) y += __shfl_xor_sync(0xffffffffu, y, off);
-    sum = bf16_round(sum + bf16_round(bf16_round(y) * weights[p]));
+    for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    if (SPLIT == 1) sum = bf16_round(sum + bf16_round(bf16_round(dot) * weights[t * k + order[i]]));
+    else if (lane == 0) y[r][i] = dot;
 #pragma unroll
-    for (int q = 0; q < MOE_GEMV_DOWN_U; q++) cur[q] = next[q];
+    for (int q = 0; q < U; q++) cur[q] = next[q];
   }
-  if (lane == 0) out[t * H + n] = __float2bfloat16(sum);
+  if (SPLIT == 1) {
+    if (n < H && lane == 0) out[t * H + n] = __float2bfloat16(sum);
+    return;
+  }
+  __syncthreads();
+  const int n_sum = blockIdx.x * OUTPUTS + threadIdx.x;  // thread o < OUTPUTS sums output o's products
+  if (threadIdx.x < OUTPUTS && n_sum < H) {
+    for (int i = 0; i < k; i++)
+      sum = bf16_round(sum + bf16_round(bf16_round(y[threadIdx.x][i]) * weights[t * k + order[i]]));
+    out[t * H + n_sum] = __float2bfloat16(sum);
+  }
+}
+template <int U, int SPLIT>
+static void moe_gemv_down_launch(bf16* out, const bf16* act, const int* ids, const float* weights,
+                                 const bf16* down, int T, int H, int IE, int k, cudaStream_t stream) {
+  launch_pdl(moe_gemv_down_kernel<U, SPLIT>, dim3((unsigned)cdiv(H, GEMV_WARPS / SPLIT), (unsigned)T),
+             GEMV_WARPS * 32, 0, stream, out, act, ids, weights, down, H, IE, k);
+}
+template <int SPLIT>
+static void moe_gemv_down_launch(bf16* out, const bf16* act, const int* ids, const float* weights,
+                                 const bf16* down, int T, int H, int IE, int k, cudaStream_t stream) {
+  if (IE <= 2 * 256) moe_gemv_down_launch<2, SPLIT>(out, act, ids, weights, down, T, H, IE, k, stream);
+  else if (IE <= 4 * 256) moe_gemv_down_launch<4, SPLIT>(out, act, ids, weights, down, T, H, IE, k, stream);
+  else moe_gemv_down_launch<MOE_GEMV_DOWN_U, SPLIT>(out, act, ids, weights, down, T, H, IE, k, stream);
 }
 
 // Whether moe_gemv takes a layer of these widths (IE: this rank's slice).
@@ -11346,11 +11479,10 @@ static void moe_gemv(bf16* out, const bf16* x, const int* ids, const float* weig
                           (const void*)act})
     check_aligned16("moe_gemv", "a matrix", ptr);
   if (T == 0) return;
-  moe_gemv_gate_up_kernel<<<dim3((unsigned)cdiv(IE, GEMV_WARPS), (unsigned)(T * k)), GEMV_WARPS * 32, 0,
-                            stream>>>(act, x, ids, gate_up, H, IE, k);
-  CUDA_CHECK(cudaGetLastError());
-  moe_gemv_down_kernel<<<dim3((unsigned)cdiv(H, GEMV_WARPS), (unsigned)T), GEMV_WARPS * 32, 0, stream>>>(
-      out, act, ids, weights, down, H, IE, k);
+  launch_pdl(moe_gemv_gate_up_kernel, dim3((unsigned)cdiv(IE, GEMV_WARPS), (unsigned)(T * k)), GEMV_WARPS * 32, 0,
+             stream, act, x, ids, gate_up, H, IE, k);
+  if (T == 1) moe_gemv_down_launch<MOE_DOWN_SPLIT_ONE>(out, act, ids, weights, down, T, H, IE, k, stream);
+  else moe_gemv_down_launch<1>(out, act, ids, weights, down, T, H, IE, k, stream);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -11359,17 +11491,25 @@ static void moe_gemv(bf16* out, const bf16* x, const int* ids, const float* weig
 // Part I's moe_plain. Steps of more than MOE_GEMV_MAX_T tokens, and slices moe_gemv does not take, go there.
 static void (*g_moe_larger)(Pass& p, const LayerWeights& lw) = moe_plain;
 
-// Section 14's moe at small steps: the norm (Part I's norm_residual), the router's product (section 18's gemv
-// where that switch is on and the step fits it, else section 10's linear), moe_route, then moe_gemv.
+// Section 14's moe at small steps: the norm, the router's product and moe_route in moe_router where section 18's
+// gemv is switched on (its arithmetic; a pending add to the residual stream, left by an all-reduce at TP > 1
+// that did not make it, is Part I's norm_residual first), else Part I's three calls; then moe_gemv.
 static void moe_gemv_stage(Pass& p, const LayerWeights& lw) {
   const ModelConfig& c = p.m.cfg;
   const int H = c.hidden_size, E = c.num_experts, k = c.num_experts_per_tok, IE = c.moe_intermediate_size / p.m.tp;
   if (p.T > MOE_GEMV_MAX_T || !moe_gemv_fits(H, IE)) return g_moe_larger(p, lw);
   Activations& a = p.m.act;
-  norm_residual(p, lw.post_attention_layernorm);
-  if (g_opt.gemv && p.T <= GEMV_MAX_M) gemv(a.router_logits, a.x, lw.router, p.T, E, H, p.s);
-  else linear(*p.m.gemm, a.router_logits, a.x, lw.router, p.T, E, H, p.s);
-  moe_route(a.topk_ids, a.topk_weights, a.router_logits, p.T, E, k, c.norm_topk_prob, p.s);
+  if (g_opt.gemv && moe_router_fits(p.T, H, E)) {
+    const bool normed = p.pending;
+    if (normed) norm_residual(p, lw.post_attention_layernorm);
+    moe_router(a.x, a.router_logits, a.topk_ids, a.topk_weights, normed ? a.x : a.residual,
+               normed ? nullptr : lw.post_attention_layernorm, c.rms_norm_eps, lw.router, p.T, E, H, k,
+               c.norm_topk_prob, p.s);
+  } else {
+    norm_residual(p, lw.post_attention_layernorm);
+    linear(*p.m.gemm, a.router_logits, a.x, lw.router, p.T, E, H, p.s);
+    moe_route(a.topk_ids, a.topk_weights, a.router_logits, p.T, E, k, c.norm_topk_prob, p.s);
+  }
   moe_gemv(a.hidden, a.x, a.topk_ids, a.topk_weights, lw.experts_gate_up, lw.experts_down, p.T, H, IE, k, a.moe_act,
            p.s);
   p.pending = true;

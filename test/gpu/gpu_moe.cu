@@ -8,8 +8,9 @@
 // the MoE layers) against the plain path. Section 33 (fused_moe, the experts on tensor cores): its products
 // against the CPU references and Part I's path at awkward widths and tensor-parallel slices, its sum bit for
 // bit, its CUDA-graph replay, and the tiny checkpoint with it alone; section 33a (moe_gemv, small steps)
-// against the CPU reference eagerly and from a graph, and the tiny checkpoint with it alone (graphs against
-// eager steps at 2 sequences, logits against the plain path). Every case poisons its outputs first. Without a
+// against the CPU reference eagerly and from a graph, its router in one kernel bit for bit against the three
+// launches it stands for, and the tiny checkpoint with it (graphs against eager steps at 2 sequences, with
+// and without that router; logits against the plain path). Every case poisons its outputs first. Without a
 // visible GPU every case is SKIPPED.
 //   build: make build/gpu_moe (CUDA_ARCH=90a where no GPU is visible)
 //   run:   ./build/gpu_moe [NAME_SUBSTRING]   (from the repository root: the end-to-end cases run
@@ -267,8 +268,9 @@ TEST(fused_moe_matches_reference) {
 }
 
 // Section 33a's moe_gemv at 1 to 4 tokens (the stage takes it up to MOE_GEMV_MAX_T; the kernels compute the same
-// for any T, and the grid's second dimension is the one place T enters): widths that are not multiples of a
-// stretch (H 264, 1,032: a partial stretch of 1,024 columns; IE 24, 776), IE at its limit (2,048) and
+// for any T: the grid's second dimension is T, and at one token the down kernel's warps share an output's
+// experts, which changes no sum), at one token with each size of a down row's loads: widths that are not
+// multiples of a stretch (H 264, 1,032: a partial stretch of 1,024 columns; IE 24, 776), IE at its limit (2,048) and
 // Qwen3-30B-A3B's slices, one choice per token and every expert in every token (k = E), two tokens that chose
 // the same experts (routing kind 2: one expert for all), eagerly and replayed from a CUDA graph under
 // changing routings.
@@ -279,6 +281,7 @@ static const ExpertsCase kGemvCases[] = {
     {"every expert in every token", 4, 64, 16, 5, 5, 0},
     {"one expert for every token", 4, 128, 32, 16, 1, 2},
     {"IE at moe_gemv's limit", 2, 512, 2048, 8, 2, 1},
+    {"one token, a down row of 8 loads per lane, the last partial", 1, 512, 1544, 8, 3, 0},
     {"Qwen3-30B-A3B's widths, one token", 1, 2048, 768, 128, 8, 0},
     {"Qwen3-30B-A3B's widths, four tokens", 4, 2048, 768, 128, 8, 0},
     {"Qwen3-30B-A3B at --tp 4, two tokens", 2, 2048, 192, 128, 8, 1},
@@ -292,6 +295,82 @@ TEST(moe_gemv_matches_reference) {
     check_experts(c, rng, false, Experts::GEMV);
     check_experts(c, rng, true, Experts::GEMV);
   }
+}
+
+// Section 33a's router in one kernel (moe_router) against the three launches it stands for (Part I's rmsnorm,
+// section 18's gemv, Part I's moe_route): the normed rows, the logits, the ids and the weights bit for bit, at
+// 1 and 2 tokens, from the residual stream (the norm inside) and from rows normed already; E not a multiple of
+// the 8 logits a thread block computes, E at MOE_MAX_EXPERTS, k at MOE_MAX_TOPK; eagerly, then replayed from
+// one CUDA graph three times with new rows (the last thread block's ticket must start from zero every time).
+TEST(moe_router_matches_its_parts) {
+  REQUIRE_GPU();
+  std::mt19937 rng(21);
+  const struct { int H, E, k; } cases[] = {{64, 8, 2}, {264, 60, 4}, {2048, 128, 8}, {4096, 512, 8}, {1024, 33, 32}};
+  const float eps = 1e-6f;
+  int checked = 0;
+  for (const auto& c : cases)
+    for (int T : {1, 2})
+      for (int normed : {0, 1}) {
+        CHECK(moe_router_fits(T, c.H, c.E));
+        const bool norm_topk = (checked & 1) != 0;
+        DevBuf<bf16> in((size_t)T * c.H), norm_w(to_bf16(bf16_values(c.H, rng, 1.f))), W((size_t)c.E * c.H);
+        DevBuf<bf16> x_want((size_t)T * c.H), x_got((size_t)T * c.H), l_want((size_t)T * c.E), l_got((size_t)T * c.E);
+        DevBuf<int> id_want((size_t)T * c.k), id_got((size_t)T * c.k);
+        DevBuf<float> w_want((size_t)T * c.k), w_got((size_t)T * c.k);
+        cudaStream_t s;
+        CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        auto fused = [&] {
+          moe_router(x_got.p, l_got.p, id_got.p, w_got.p, in.p, normed ? nullptr : norm_w.p, eps, W.p, T, c.E, c.H,
+                     c.k, norm_topk, s);
+        };
+        cudaGraphExec_t exec = nullptr;
+        for (int round = 0; round < 4; round++) {  // round 0 eager, 1-3 one graph's replays
+          in.upload(to_bf16(bf16_values(in.n, rng, 2.f)));
+          W.upload(to_bf16(bf16_values(W.n, rng, 0.05f)));
+          for (auto* b : {&x_want, &x_got, &l_want, &l_got}) b->poison();
+          id_want.poison(), id_got.poison(), w_want.poison(), w_got.poison();
+          if (normed) {  // the rows are the input as they are; x_out is not the kernel's to write
+            CUDA_CHECK(cudaMemcpy(x_want.p, in.p, in.n * sizeof(bf16), cudaMemcpyDeviceToDevice));
+            CUDA_CHECK(cudaMemcpy(x_got.p, in.p, in.n * sizeof(bf16), cudaMemcpyDeviceToDevice));
+          } else {
+            rmsnorm(x_want.p, in.p, norm_w.p, T, c.H, eps, s);
+          }
+          gemv(l_want.p, x_want.p, W.p, T, c.E, c.H, s);
+          moe_route(id_want.p, w_want.p, l_want.p, T, c.E, c.k, norm_topk, s);
+          if (round == 0) {
+            fused();
+          } else {
+            if (!exec) {
+              cudaGraph_t g;
+              CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+              fused();
+              CUDA_CHECK(cudaStreamEndCapture(s, &g));
+              CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+              CUDA_CHECK(cudaGraphDestroy(g));
+            }
+            CUDA_CHECK(cudaGraphLaunch(exec, s));
+          }
+          CUDA_CHECK(cudaStreamSynchronize(s));
+          char what[120];
+          snprintf(what, sizeof what, "H %d E %d k %d T %d%s%s, round %d", c.H, c.E, c.k, T,
+                   normed ? ", rows normed already" : "", norm_topk ? ", norm_topk_prob" : "", round);
+          auto same = [&](const char* name, const void* a, const void* b, size_t bytes) {
+            CHECK_MSG(memcmp(a, b, bytes) == 0, "%s: %s differ", what, name);
+          };
+          const auto xw = x_want.download(), xg = x_got.download(), lw = l_want.download(), lg = l_got.download();
+          const auto iw = id_want.download(), ig = id_got.download();
+          const auto ww = w_want.download(), wg = w_got.download();
+          same("the normed rows", xw.data(), xg.data(), xw.size() * sizeof(bf16));
+          same("the logits", lw.data(), lg.data(), lw.size() * sizeof(bf16));
+          same("the ids", iw.data(), ig.data(), iw.size() * sizeof(int));
+          same("the weights", ww.data(), wg.data(), ww.size() * sizeof(float));
+          for (int v : ig) CHECK_MSG(v >= 0 && v < c.E, "%s: id %d out of range", what, v);
+        }
+        checked++;
+        CUDA_CHECK(cudaGraphExecDestroy(exec));
+        CUDA_CHECK(cudaStreamDestroy(s));
+      }
+  printf("    %d cases, each eager and 3 graph replays\n", checked);
 }
 
 // Each step of fused_moe on its own, on one routing per case: act (every row of a used tile, padding rows
@@ -434,6 +513,79 @@ TIMING(fused_moe_speed) {
     if (us[2] > 0) printf("   moe_gemv %6.1f us (%5.0f GB/s)", us[2], bytes / us[2] / 1e3);
     printf("\n");
   }
+}
+#endif
+
+#ifdef NANOVLLM_PART_II
+// A timing, not a test: section 33a's layer at steps of 1 and 2 tokens at Qwen3-30B-A3B's widths, 48 layers in
+// one CUDA graph (as a decode step replays them, each kernel launched with PDL behind the one before), each
+// layer with its own uniform routing and the weights shared (the experts come mostly from HBM): the router as
+// Part I's three launches against moe_router; the down kernel with a row's loads sized to IE (4 at IE 768)
+// against 8, and with one or two warps per output; and the whole MoE layer both ways. Microseconds per layer.
+TIMING(moe_layer_speed) {
+  if (!have_gpu()) SKIP("no GPU");
+  ScopedOptimizations opt("all");  // pdl on
+  const int H = 2048, IE = 768, E = 128, k = 8, L = 48;
+  DevBuf<bf16> gate_up((size_t)E * 2 * IE * H), down((size_t)E * H * IE), router((size_t)E * H), norm_w(H);
+  DevBuf<bf16> x(2 * H), residual(2 * H), out(2 * H), act(2 * k * IE), logits(2 * E);
+  for (auto* b : {&gate_up, &down, &router}) CUDA_CHECK(cudaMemset(b->p, 0x3c, b->n * 2));  // about 0.0115
+  for (auto* b : {&norm_w, &residual, &act}) CUDA_CHECK(cudaMemset(b->p, 0x3f, b->n * 2));  // about 0.75
+  std::mt19937 rng(25);
+  std::vector<std::unique_ptr<DevBuf<int>>> ids;
+  std::vector<std::unique_ptr<DevBuf<float>>> w;
+  for (int l = 0; l < L; l++) {
+    ids.emplace_back(new DevBuf<int>(routing(2, E, k, 0, rng)));
+    w.emplace_back(new DevBuf<float>(std::vector<float>(2 * k, 1.f / k)));
+  }
+  cudaStream_t s;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  auto per_layer = [&](auto layer) {  // microseconds per layer of a 48-layer graph, replayed 20 times
+    cudaGraph_t g;
+    cudaGraphExec_t e;
+    CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (int l = 0; l < L; l++) layer(l);
+    CUDA_CHECK(cudaStreamEndCapture(s, &g));
+    CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
+    for (int i = 0; i < 3; i++) CUDA_CHECK(cudaGraphLaunch(e, s));
+    cudaEvent_t a, b;
+    CUDA_CHECK(cudaEventCreate(&a));
+    CUDA_CHECK(cudaEventCreate(&b));
+    CUDA_CHECK(cudaEventRecord(a, s));
+    for (int i = 0; i < 20; i++) CUDA_CHECK(cudaGraphLaunch(e, s));
+    CUDA_CHECK(cudaEventRecord(b, s));
+    CUDA_CHECK(cudaEventSynchronize(b));
+    float ms;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    CUDA_CHECK(cudaEventDestroy(a));
+    CUDA_CHECK(cudaEventDestroy(b));
+    CUDA_CHECK(cudaGraphExecDestroy(e));
+    CUDA_CHECK(cudaGraphDestroy(g));
+    return ms * 1e3 / 20 / L;
+  };
+  for (int T : {1, 2}) {
+    auto parts = [&](int l) {
+      rmsnorm(x.p, residual.p, norm_w.p, T, H, 1e-6f, s);
+      gemv(logits.p, x.p, router.p, T, E, H, s);
+      moe_route(ids[l]->p, w[l]->p, logits.p, T, E, k, true, s);
+    };
+    auto fused = [&](int l) {
+      moe_router(x.p, logits.p, ids[l]->p, w[l]->p, residual.p, norm_w.p, 1e-6f, router.p, T, E, H, k, true, s);
+    };
+    auto experts = [&](int l) {
+      moe_gemv(out.p, x.p, ids[l]->p, w[l]->p, gate_up.p, down.p, T, H, IE, k, act.p, s);
+    };
+    printf("    T %d: router: rmsnorm + gemv + moe_route %5.2f us, moe_router %5.2f us\n", T, per_layer(parts),
+           per_layer(fused));
+    printf("    T %d: down: loads per row 8, 1 warp per output %5.2f us; 4, 1 warp %5.2f us; 4, 2 warps %5.2f us; "
+           "8, 2 warps %5.2f us\n", T,
+           per_layer([&](int l) { moe_gemv_down_launch<8, 1>(out.p, act.p, ids[l]->p, w[l]->p, down.p, T, H, IE, k, s); }),
+           per_layer([&](int l) { moe_gemv_down_launch<4, 1>(out.p, act.p, ids[l]->p, w[l]->p, down.p, T, H, IE, k, s); }),
+           per_layer([&](int l) { moe_gemv_down_launch<4, 2>(out.p, act.p, ids[l]->p, w[l]->p, down.p, T, H, IE, k, s); }),
+           per_layer([&](int l) { moe_gemv_down_launch<8, 2>(out.p, act.p, ids[l]->p, w[l]->p, down.p, T, H, IE, k, s); }));
+    printf("    T %d: the MoE layer: Part I's router + moe_gemv %5.2f us, moe_router + moe_gemv (the stage) %5.2f us\n",
+           T, per_layer([&](int l) { parts(l), experts(l); }), per_layer([&](int l) { fused(l), experts(l); }));
+  }
+  CUDA_CHECK(cudaStreamDestroy(s));
 }
 #endif
 
@@ -636,10 +788,13 @@ TEST(fused_moe_graphs_match_eager) {
   REQUIRE_GPU();
   graphs_match_eager("none,fused_moe", "fused-graphs");
 }
-TEST(moe_gemv_graphs_match_eager) {  // 2 sequences: decode steps of MOE_GEMV_MAX_T tokens, in its range
+// MOE_GEMV_MAX_T (4) sequences, then 2: decode steps in its range; the router as Part I's three launches, then
+// with section 18's gemv switched on (and PDL) as moe_router's one (at 2 sequences: GEMV_MAX_M).
+TEST(moe_gemv_graphs_match_eager) {
   REQUIRE_GPU();
-  CHECK(MOE_GEMV_MAX_T >= 2);
-  graphs_match_eager("none,moe_gemv", "gemv-graphs", 2);
+  CHECK(MOE_GEMV_MAX_T == 4 && GEMV_MAX_M == 2);  // graph batch sizes both
+  graphs_match_eager("none,moe_gemv", "gemv-graphs", MOE_GEMV_MAX_T);
+  graphs_match_eager("none,pdl,gemv,moe_gemv", "gemv-router-graphs", GEMV_MAX_M);
 }
 #endif
 

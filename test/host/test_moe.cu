@@ -314,6 +314,26 @@ TEST(moe_ranks_before_is_a_total_order) {
   CHECK(moe_ranks_before(NAN, 0, NAN, 1));
 }
 
+// The order every sum over a token's experts is made in (moe_combine, section 33a's down kernel):
+// moe_order_by_expert against std::stable_sort of the places by expert id, for k from 1 to MOE_MAX_TOPK, on a
+// token's distinct experts and on repeated ids (equal ones keep their order).
+TEST(moe_order_by_expert_matches_a_stable_sort) {
+  std::mt19937 rng(23);
+  for (int k = 1; k <= MOE_MAX_TOPK; k++)
+    for (int repeats : {0, 1})
+      for (int round = 0; round < 20; round++) {
+        std::vector<int> ids(k);
+        for (int j = 0; j < k; j++) ids[j] = repeats ? (int)(rng() % 4) : j * 7 % 512;
+        if (!repeats) std::shuffle(ids.begin(), ids.end(), rng);
+        std::vector<int> want(k);
+        std::iota(want.begin(), want.end(), 0);
+        std::stable_sort(want.begin(), want.end(), [&](int a, int b) { return ids[a] < ids[b]; });
+        int got[MOE_MAX_TOPK];
+        moe_order_by_expert(got, ids.data(), k);
+        CHECK_MSG(std::equal(want.begin(), want.end(), got), "k %d repeats %d round %d", k, repeats, round);
+      }
+}
+
 // What the router computes, directly: probabilities exp(l) / sum exp(l) in long double, the experts ordered by
 // std::stable_sort on the probability (equal ones keep their order: the lower id first), the first k.
 static void route_directly(std::vector<int>& ids, std::vector<float>& w, const std::vector<float>& logits, int T,
