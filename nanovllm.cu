@@ -3201,13 +3201,6 @@ static void moe_experts_reference(float* out, const float* x, const int* ids, co
   }
 }
 
-// Replaces: Qwen3MoeExperts.forward's  current_hidden_states * top_k_weights[...]  and index_add_.
-// Reads y [RM, H] (each pair's expert output, at its row pair_row[p]), ids and weights [T, k]. Writes out
-// [T, H]: out[t] = the bf16 sum, in ascending expert id, of bf16(y[pair_row[t*k + j]] * weights[t*k + j]).
-// weights null: y's rows are weighted already (section 33's down product does it), and only the sum is made.
-// Thread block = one token: thread 0 orders its k pairs by expert id (insertion sort, k <= MOE_MAX_TOPK)
-// into shared memory, then each thread takes 16-byte chunks of the row (section 7's convention).
-// Preconditions: H % 8 == 0, pointers 16-byte aligned.
 // A token's k choices in ascending expert id: order[i] = the place j in ids [k] of the i-th (insertion sort, by
 // one thread; k <= MOE_MAX_TOPK). The order every sum over a token's experts is made in (section 33a's too).
 __host__ __device__ __forceinline__ void moe_order_by_expert(int* order, const int* ids, int k) {
@@ -3219,6 +3212,14 @@ __host__ __device__ __forceinline__ void moe_order_by_expert(int* order, const i
     expert[i] = e, order[i] = j;
   }
 }
+
+// Replaces: Qwen3MoeExperts.forward's  current_hidden_states * top_k_weights[...]  and index_add_.
+// Reads y [RM, H] (each pair's expert output, at its row pair_row[p]), ids and weights [T, k]. Writes out
+// [T, H]: out[t] = the bf16 sum, in ascending expert id, of bf16(y[pair_row[t*k + j]] * weights[t*k + j]).
+// weights null: y's rows are weighted already (section 33's down product does it), and only the sum is made.
+// Thread block = one token: thread 0 orders its k pairs by expert id (moe_order_by_expert, above) into
+// shared memory, then each thread takes 16-byte chunks of the row (section 7's convention).
+// Preconditions: H % 8 == 0, pointers 16-byte aligned.
 __global__ void moe_combine_kernel(bf16* out, const bf16* y, const int* ids, const float* weights,
                                    const int* pair_row, int H, int k) {
   __shared__ int row[MOE_MAX_TOPK];
@@ -11297,7 +11298,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
                       const bf16* __restrict__ norm_w, float eps, int E, int H, int k, bool norm_topk) {
   extern __shared__ uint4 staged[];
   __shared__ bool last;
-  __shared__ bf16 row[MOE_GEMV_MAX_T][MOE_MAX_EXPERTS];
+  __shared__ bf16 row[GEMV_MAX_M][MOE_MAX_EXPERTS];
   gemv_block<M, IN, false, 1>(logits, x, W, E, H, norm_w, eps, staged);  // waits (PDL) before reading x
   if (IN == GemvIn::RMSNORM && blockIdx.x == 0)
     for (int c = threadIdx.x; c < M * H / 8; c += blockDim.x) reinterpret_cast<uint4*>(x_out)[c] = staged[c];
@@ -11318,8 +11319,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
 
 // Whether moe_router takes a step of T tokens of width H.
 static bool moe_router_fits(int T, int H, int E) {
-  return T >= 1 && T <= MOE_GEMV_MAX_T && T <= GEMV_MAX_M && gemv_can_stage(T, H) && H % 8 == 0 &&
-         E <= MOE_MAX_EXPERTS;
+  return T >= 1 && T <= GEMV_MAX_M && gemv_can_stage(T, H) && H % 8 == 0 && E <= MOE_MAX_EXPERTS;
 }
 // norm_residual (without a pending add), the router's product and moe_route in one launch (see above): x_out
 // [T, H] = RMSNorm(residual) * norm_w, logits [T, E], ids and weights [T, k]. norm_w null: residual is the
@@ -11334,18 +11334,11 @@ static void moe_router(bf16* x_out, bf16* logits, int* ids, float* weights, cons
   const unsigned grid = (unsigned)cdiv(E, GEMV_WARPS);
   const size_t smem = norm_w ? (size_t)T * H * sizeof(bf16) : 0;
   if (norm_w) rmsnorm_checks("moe_router", x_out, residual, norm_w, H);
-  if (T == 1 && norm_w)
-    launch_pdl(moe_router_kernel<1, GemvIn::RMSNORM>, grid, GEMV_WARPS * 32, smem, stream, x_out, logits, ids,
-               weights, residual, W, norm_w, eps, E, H, k, norm_topk);
-  else if (T == 1)
-    launch_pdl(moe_router_kernel<1, GemvIn::PLAIN>, grid, GEMV_WARPS * 32, smem, stream, x_out, logits, ids,
-               weights, residual, W, norm_w, eps, E, H, k, norm_topk);
-  else if (norm_w)
-    launch_pdl(moe_router_kernel<2, GemvIn::RMSNORM>, grid, GEMV_WARPS * 32, smem, stream, x_out, logits, ids,
-               weights, residual, W, norm_w, eps, E, H, k, norm_topk);
-  else
-    launch_pdl(moe_router_kernel<2, GemvIn::PLAIN>, grid, GEMV_WARPS * 32, smem, stream, x_out, logits, ids,
-               weights, residual, W, norm_w, eps, E, H, k, norm_topk);
+  static_assert(GEMV_MAX_M == 2, "moe_router instantiates its kernel for 1 and 2 tokens");
+  const auto kernel = T == 1 ? (norm_w ? moe_router_kernel<1, GemvIn::RMSNORM> : moe_router_kernel<1, GemvIn::PLAIN>)
+                             : (norm_w ? moe_router_kernel<2, GemvIn::RMSNORM> : moe_router_kernel<2, GemvIn::PLAIN>);
+  launch_pdl(kernel, grid, GEMV_WARPS * 32, smem, stream, x_out, logits, ids, weights, residual, W, norm_w, eps, E,
+             H, k, norm_topk);
   CUDA_CHECK(cudaGetLastError());
 }
 
