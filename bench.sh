@@ -283,11 +283,14 @@ layer = H * (NH + 2 * NKV) * D + NH * D * H + 3 * H * I + 2 * H + 2 * D  # a den
 moe_gap = 3 * H * I - E * H - E * 3 * H * IE  # a dense layer less a MoE one
 params = L * layer - len(moe) * moe_gap + V * H * (1 if tied else 2) + H
 active = params - len(moe) * (E - k) * 3 * H * IE  # what one token computes with
-linears = L * (H * (NH + 2 * NKV) * D + NH * D * H + 3 * H * I)
-fp8w = (quant == "fp8" or c.get("quantization_config", {}).get("quant_method") == "fp8") and not E  # (MoE: bf16)
+attn = L * (H * (NH + 2 * NKV) * D + NH * D * H)  # the layer linears: attention's, the dense MLPs', the experts'
+linears = attn + (L - len(moe)) * 3 * H * I + len(moe) * E * 3 * H * IE
+active_linears = attn + (L - len(moe)) * 3 * H * I + len(moe) * k * 3 * H * IE  # a token's
+fp8w = quant == "fp8" or c.get("quantization_config", {}).get("quant_method") == "fp8"  # (experts too: section 33b)
+vb = 1 + 4 / 128**2 if fp8w else 2  # bytes per linear weight: FP8 1 (+ its block's fp32 scale), else bf16
 # decode reads every weight once per step (not the embedding table); FP8 linears 1 byte each (+ their scales)
-wbytes = 2 * (params - (0 if tied else V * H)) - (linears - 4 * linears / 128**2 if fp8w else 0)
-wbytes1 = wbytes - 2 * (params - active)  # a batch-1 step: of a MoE layer k experts
+wbytes = 2 * (params - (0 if tied else V * H)) - (2 - vb) * linears
+wbytes1 = wbytes - vb * (params - active)  # a batch-1 step: of a MoE layer k experts
 kv_tok = 2 * L * NKV * D * kv_bytes  # K and V bytes per token
 def summary(name, log=None):
     lines = open(log or f"{d}/{name}.log").readlines()
@@ -344,7 +347,7 @@ if only in ("", "prefill"):
     ceil = tf / flops
     what = "GEMM ceiling"
     if fp8w:  # the layers' products run on FP8 tensor cores: twice the bf16 rate on Hopper, not measured here
-        ceil = tf / (flops - 2 * L * (H * (NH + 2 * NKV) * D + NH * D * H + 3 * H * I) / 2)
+        ceil = tf / (flops - active_linears)
         what = "GEMM ceiling (FP8 products at 2x the measured bf16 rate)"
     rows.append(("prefill (64 x 2048)", f"{s['prefill']:.0f} tok/s", f"{100 * s['prefill'] / ceil:.0f}% of the {ceil:.0f} tok/s {what}"))
 if only == "dataparallel":  # the roofline of one replica (its --tp GPUs); N replicas: N times it at most
@@ -356,7 +359,7 @@ if only == "dataparallel":  # the roofline of one replica (its --tp GPUs); N rep
 if only == "ten":  # measure 8: a decode step of 10 reads the weights of 10 tokens and 10 contexts' K/V
     s = summary("ten")
     touched = E * (1 - (1 - k / E) ** 10) if E else 0  # experts per MoE layer
-    wbytes10 = wbytes1 + 2 * len(moe) * (touched - k) * 3 * H * IE if E else wbytes
+    wbytes10 = wbytes1 + vb * len(moe) * (touched - k) * 3 * H * IE if E else wbytes
     floor10 = (wbytes10 + 10 * (2048 + 512) * kv_tok) / bw * 1000
     rows.append(("10 at once, 2048/1024", f"TPOT {s['tpot'][0]:.2f} ms (p99 {s['tpot'][1]:.2f})",
                  f"{100 * floor10 / s['tpot'][0]:.0f}% of the {floor10:.2f} ms floor; TTFT median {1e3 * s['ttft'][0]:.0f} ms"))

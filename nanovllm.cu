@@ -1427,18 +1427,19 @@ static void validate_checkpoint(const std::string& dir, const ModelConfig& c) {
 
 // Elements of one rank's weight arena: per layer two norms, qkv, q/k norms, o_proj, gate/up and down (a MoE
 // layer: the router and every expert's gate/up and down); then the embedding, the LM head unless it is tied
-// to it, and the final norm. With linears false: all but the four matrices (a MoE layer's MLP stays).
+// to it, and the final norm. With linears false: all but the four matrices (a MoE layer: all but the experts;
+// its router stays).
 static int64_t weight_elements(const ModelConfig& c, const TPShard& s, bool linears = true) {
   const int64_t H = c.hidden_size, D = c.head_dim, L = c.num_hidden_layers, L_moe = c.num_moe_layers();
   int64_t per_layer = 2 * H + 2 * D;
   if (linears) per_layer += (s.q_heads + 2 * s.kv_heads) * D * H + H * s.q_heads * D;
-  const int64_t dense = linears ? 3 * s.inter * H : 0, moe = c.num_experts * H * (1 + 3 * s.moe_inter);
+  const int64_t dense = linears ? 3 * s.inter * H : 0, moe = c.num_experts * H * (1 + (linears ? 3 * s.moe_inter : 0));
   return s.vocab * H * (c.tie_word_embeddings ? 1 : 2) + L * per_layer + (L - L_moe) * dense + L_moe * moe + H;
 }
 
 // Load (this rank's share of) every weight. Returns the arena; prints nothing (the caller reports timing).
-// With linears false the layers' four matrices are left out (their pointers null): a chapter that holds
-// them in another format loads them itself (Hooks::load_weights).
+// With linears false the layers' four matrices (a MoE layer's experts) are left out (their pointers null): a
+// chapter that holds them in another format loads them itself (Hooks::load_weights).
 static Weights load_weights(const std::string& dir, const ModelConfig& c, int rank, int tp, cudaStream_t stream,
                             size_t* bytes_read, bool linears = true) {
   SafeTensors st = open_checkpoint(dir);
@@ -1510,11 +1511,12 @@ static Weights load_weights(const std::string& dir, const ModelConfig& c, int ra
       load_linear(lw.gate_up_proj + I * H, pre + "mlp.up_proj.weight", shard.inter0, I, 0, H);
       lw.down_proj = take_linear(H * I);
       load_linear(lw.down_proj, pre + "mlp.down_proj.weight", 0, H, shard.inter0, I);
-    } else {  // the router whole, every expert sliced (loaded here even when a chapter loads the four matrices)
+    } else {  // the router whole, every expert sliced (the experts only with linears)
       const int64_t E = c.num_experts, IE = shard.moe_inter, ie0 = shard.moe_inter0;
-      lw.router = take(E * H), lw.experts_gate_up = take(E * 2 * IE * H), lw.experts_down = take(E * H * IE);
+      lw.router = take(E * H);
       ld.load(lw.router, get(pre + "mlp.gate.weight"), 0, E, 0, H);
-      for (int64_t e = 0; e < E; e++) {
+      lw.experts_gate_up = take_linear(E * 2 * IE * H), lw.experts_down = take_linear(E * H * IE);
+      for (int64_t e = 0; e < E && linears; e++) {
         const std::string ex = pre + "mlp.experts." + std::to_string(e) + ".";
         bf16* gate_up = lw.experts_gate_up + e * 2 * IE * H;
         load_matrix(gate_up, ex + "gate_proj.weight", ie0, IE, 0, H);
@@ -4620,6 +4622,7 @@ struct Optimizations {
   bool persistent = false;         // 24-27: a small-batch decode step in one persistent kernel
   bool fp8_weights = false;        // 28-29: an FP8 checkpoint's linear weights kept in FP8 (--quantization fp8)
   bool fp8_gemv = false;           // 29: with FP8 weights, batch-1/2 products in a tensor-core gemv
+  bool fp8_moe = false;            // 33b: with FP8 weights, a MoE layer's experts in FP8 too
 };
 static Optimizations g_opt;  // set by each section's apply (install_optimizations, section 11)
 
@@ -9292,6 +9295,9 @@ struct Fp8Matrix {
 };
 struct Fp8Layer {
   Fp8Matrix qkv, o, gate_up, down;  // the fused matrices of section 6a's LayerWeights, in its order
+  // A MoE layer (section 10b) instead of gate_up and down: every expert's, stacked by rows as LayerWeights
+  // holds them: [E 2 IE, H] and [E H, IE], expert e's rows from e 2 IE and e H on (section 33b multiplies them).
+  Fp8Matrix experts_gate_up, experts_down;
 };
 
 // The chapter's state for one engine (reset by its apply, section 30).
@@ -9315,8 +9321,9 @@ static Fp8Weights g_fp8_weights;
 
 // Why this chapter cannot hold model `mc`'s linear weights on this GPU with `tp` ranks, or "" when it can.
 static std::string fp8_weights_problem(const ModelConfig& mc, int tp) {
-  if (mc.num_experts > 0) return "a MoE model's experts have no FP8 products yet";
-  char buf[256];
+  if (mc.num_experts > 0 && !g_opt.fp8_moe)
+    return "a MoE model's experts are multiplied in FP8 by section 33b (switch fp8_moe), which this run switches off";
+  char buf[320];
   const int major = gpu_cc_major();
   if (major != 9) {
     snprintf(buf, sizeof buf, "cuBLASLt's block-scaled FP8 products need a Hopper GPU (sm_90), this one is sm_%d0",
@@ -9326,20 +9333,28 @@ static std::string fp8_weights_problem(const ModelConfig& mc, int tp) {
 #if CUBLAS_VERSION < 120900
   return "cuBLASLt before 12.9 has no block-scaled FP8 products";
 #endif
-  const int I = mc.intermediate_size / tp;
-  if (mc.hidden_size % 128 || I % 128) {
+  // The widths split across ranks: the dense MLP's (where the model has dense layers) and the experts'.
+  const bool dense = mc.num_moe_layers() < mc.num_hidden_layers, moe = mc.num_moe_layers() > 0;
+  auto whole_blocks = [&](int n) {
+    return (!dense || (mc.intermediate_size / n) % 128 == 0) && (!moe || (mc.moe_intermediate_size / n) % 128 == 0);
+  };
+  if (mc.hidden_size % 128 || !whole_blocks(tp)) {
     std::string works;  // the --tp sizes this model can split in whole blocks
     for (int n = 1; n <= 8 && mc.hidden_size % 128 == 0; n++)
-      if (tp_shard_problem(mc, n).empty() && (mc.intermediate_size / n) % 128 == 0)
-        works += (works.empty() ? "" : ", ") + std::to_string(n);
-    snprintf(buf, sizeof buf, "hidden_size %d and intermediate_size / tp = %d must be multiples of 128 for "
-             "128 x 128 blocks to fuse and split%s%s", mc.hidden_size, I,
+      if (tp_shard_problem(mc, n).empty() && whole_blocks(n)) works += (works.empty() ? "" : ", ") + std::to_string(n);
+    std::string widths = dense ? "intermediate_size / tp = " + std::to_string(mc.intermediate_size / tp) : "";
+    if (moe)
+      widths += (dense ? ", " : "") + std::string("moe_intermediate_size / tp = ") +
+                std::to_string(mc.moe_intermediate_size / tp);
+    snprintf(buf, sizeof buf, "hidden_size %d and %s must be multiples of 128 for 128 x 128 blocks to fuse and "
+             "split%s%s", mc.hidden_size, widths.c_str(),
              works.empty() ? "" : "; it splits so at --tensor-parallel-size ", works.c_str());
     return buf;
   }
   if (mc.block_quantized)  // a checkpoint that keeps a layer linear in bf16 (modules_to_not_convert)
     for (const TensorSpec& t : checkpoint_tensors(mc))
-      if (t.shape.size() == 2 && t.stored == Stored::plain && t.name.rfind("model.layers.", 0) == 0)
+      if (t.shape.size() == 2 && t.stored == Stored::plain && t.name.rfind("model.layers.", 0) == 0 &&
+          t.name.find(".mlp.gate.weight") == std::string::npos)  // (a MoE router is never quantized: section 6a)
         return "modules_to_not_convert keeps " + t.name + " in bf16";
   return "";
 }
@@ -9509,24 +9524,35 @@ static bool fp8_load_weights(Weights& w, const Config& c, const ModelConfig& mc,
   w = load_weights(c.model, mc, rank, tp, stream, bytes_read, false);
   const TPShard sh = tp_shard(mc, rank, tp);
   const int H = mc.hidden_size, D = mc.head_dim, I = (int)sh.inter, NH = (int)sh.q_heads, NKV = (int)sh.kv_heads;
-  const int L = mc.num_hidden_layers;
+  const int L = mc.num_hidden_layers, E = mc.num_experts, IE = (int)sh.moe_inter;
   auto shape = [](int N, int K) {
     Fp8Matrix m;
     m.N = N, m.K = K, m.ld = (int)cdiv(K / 128, 4) * 4;
     return m;
   };
-  const Fp8Layer like{shape((NH + 2 * NKV) * D, H), shape(H, NH * D), shape(2 * I, H), shape(H, I)};
-  size_t per_layer = 0, scratch_elems = 0;
-  for (const Fp8Matrix* m : {&like.qkv, &like.o, &like.gate_up, &like.down}) {
-    per_layer += (size_t)m->N * m->K + (size_t)m->N / 128 * m->ld * sizeof(float);
-    scratch_elems = std::max(scratch_elems, (size_t)m->N * m->K);
-  }
-  CUDA_CHECK(cudaMalloc(&f.arena, per_layer * L));
+  auto bytes = [](const Fp8Matrix& m) { return (size_t)m.N * m.K + (size_t)m.N / 128 * m.ld * sizeof(float); };
+  // A dense layer's four matrices; a MoE layer's two and its experts' (quantized one expert at a time).
+  const Fp8Layer dense{shape((NH + 2 * NKV) * D, H), shape(H, NH * D), shape(2 * I, H), shape(H, I)};
+  Fp8Layer moe{dense.qkv, dense.o, Fp8Matrix{}, Fp8Matrix{}, shape(E * 2 * IE, H), shape(E * H, IE)};
+  const size_t dense_bytes = bytes(dense.qkv) + bytes(dense.o) + bytes(dense.gate_up) + bytes(dense.down);
+  const size_t moe_bytes = bytes(moe.qkv) + bytes(moe.o) + bytes(moe.experts_gate_up) + bytes(moe.experts_down);
+  const int L_moe = mc.num_moe_layers();
+  size_t scratch_elems = std::max((size_t)(NH + 2 * NKV) * D * H, (size_t)H * NH * D);
+  if (L_moe < L) scratch_elems = std::max(scratch_elems, (size_t)2 * I * H);
+  if (L_moe > 0) scratch_elems = std::max(scratch_elems, (size_t)2 * IE * H);
+  const size_t total_bytes = dense_bytes * (L - L_moe) + moe_bytes * L_moe;
+  CUDA_CHECK(cudaMalloc(&f.arena, total_bytes));
   uint8_t* p = (uint8_t*)f.arena;
   auto place = [&](Fp8Matrix m) {  // sizes are multiples of 16 bytes, so every part stays 16-byte aligned
     m.w = p, p += (size_t)m.N * m.K;
     m.scale = (float*)p, p += (size_t)m.N / 128 * m.ld * sizeof(float);
     return m;
+  };
+  // Expert e's rows of a stacked matrix, as a matrix of its own (n rows an expert, a multiple of 128).
+  auto expert = [](const Fp8Matrix& m, int e, int n) {
+    Fp8Matrix v = m;
+    v.w += (size_t)e * n * m.K, v.scale += (size_t)e * n / 128 * m.ld, v.N = n;
+    return v;
   };
   bf16* scratch = nullptr;
   if (quantize) CUDA_CHECK(cudaMalloc(&scratch, scratch_elems * sizeof(bf16)));
@@ -9537,7 +9563,9 @@ static bool fp8_load_weights(Weights& w, const Config& c, const ModelConfig& mc,
   const int64_t q0 = sh.q_head0 * D, kv0 = sh.kv_head0 * D;  // this rank's first row (or column), as 6a's
   for (int l = 0; l < L; l++) {
     const std::string pre = "model.layers." + std::to_string(l) + ".";
-    Fp8Layer fl{place(like.qkv), place(like.o), place(like.gate_up), place(like.down)};
+    const bool is_moe = mc.is_moe_layer(l);
+    const Fp8Layer& like = is_moe ? moe : dense;
+    Fp8Layer fl{place(like.qkv), place(like.o), Fp8Matrix{}, Fp8Matrix{}, Fp8Matrix{}, Fp8Matrix{}};
     auto fill = [&](const Fp8Matrix& m, const std::vector<Fp8Part>& parts) {
       fp8_fill_matrix(ld, st, spec, c.model, m, parts, quantize, scratch, stream);
     };
@@ -9545,19 +9573,31 @@ static bool fp8_load_weights(Weights& w, const Config& c, const ModelConfig& mc,
                   {pre + "self_attn.k_proj.weight", kv0, NKV * D, 0, H},
                   {pre + "self_attn.v_proj.weight", kv0, NKV * D, 0, H}});
     fill(fl.o, {{pre + "self_attn.o_proj.weight", 0, H, q0, NH * D}});
-    fill(fl.gate_up, {{pre + "mlp.gate_proj.weight", sh.inter0, I, 0, H}, {pre + "mlp.up_proj.weight", sh.inter0, I, 0, H}});
-    fill(fl.down, {{pre + "mlp.down_proj.weight", 0, H, sh.inter0, I}});
+    if (!is_moe) {
+      fl.gate_up = place(like.gate_up), fl.down = place(like.down);
+      fill(fl.gate_up, {{pre + "mlp.gate_proj.weight", sh.inter0, I, 0, H},
+                        {pre + "mlp.up_proj.weight", sh.inter0, I, 0, H}});
+      fill(fl.down, {{pre + "mlp.down_proj.weight", 0, H, sh.inter0, I}});
+    } else {  // each expert's gate and up (this rank's rows), then its down (this rank's columns)
+      fl.experts_gate_up = place(like.experts_gate_up), fl.experts_down = place(like.experts_down);
+      for (int e = 0; e < E; e++) {
+        const std::string ex = pre + "mlp.experts." + std::to_string(e) + ".";
+        fill(expert(fl.experts_gate_up, e, 2 * IE), {{ex + "gate_proj.weight", sh.moe_inter0, IE, 0, H},
+                                                      {ex + "up_proj.weight", sh.moe_inter0, IE, 0, H}});
+        fill(expert(fl.experts_down, e, H), {{ex + "down_proj.weight", 0, H, sh.moe_inter0, IE}});
+      }
+    }
     f.layers.push_back(fl);
   }
   ld.flush();
   CUDA_CHECK(cudaStreamSynchronize(stream));
   if (scratch) CUDA_CHECK(cudaFree(scratch));
   *bytes_read += ld.bytes_read;
-  w.bytes += per_layer * L;
+  w.bytes += total_bytes;
   // The buffers of section 29's activation quantizer: ModelRunner's Tmax tokens rounded up to 4 rows, at
-  // the widest K of the four matrices.
+  // the widest K of the matrices (a MoE layer's experts quantize their inputs elsewhere: section 33b).
   f.rows = (int)cdiv(std::max(c.max_num_batched_tokens, c.max_num_seqs), 4) * 4;
-  f.kmax = std::max({H, NH * D, I});
+  f.kmax = std::max({H, NH * D, L_moe < L ? I : 0});
   CUDA_CHECK(cudaMalloc(&f.xq, (size_t)f.rows * f.kmax));
   CUDA_CHECK(cudaMalloc(&f.xs, (size_t)f.rows * (f.kmax / 128) * sizeof(float)));
   f.held = true, f.quantized_at_load = quantize;
@@ -9662,21 +9702,23 @@ static void quantize_rows(uint8_t* xq, float* xs, const bf16* x, int T, int K, c
 
 // What one FP8 layer product computes (section 28's steps 2 and 3), on the CPU: y [T, N] = x [T, K] (bf16
 // values as float) times W [N, K] given as e4m3 bytes w and block scales [N/128, ld]; sums in double, one
-// bf16 rounding.
+// bf16 rounding. w8a16 (section 33b's small steps): x as it is, step 2 left out.
 static void fp8_linear_reference(float* y, const float* x, const uint8_t* w, const float* scale, int ld, int T,
-                                 int N, int K) {
+                                 int N, int K, bool w8a16 = false) {
   const int T4 = (int)cdiv(T, 4) * 4;
   std::vector<uint8_t> xq((size_t)T4 * K);
   std::vector<float> xs((size_t)K / 128 * T4);
   quantize_rows_reference(xq.data(), xs.data(), x, T, K);
+  const float* e4m3 = block_quantized_values();  // e4m3_to_float of every byte
   for (int t = 0; t < T; t++)
     for (int n = 0; n < N; n++) {
       double acc = 0;
       for (int b = 0; b < K / 128; b++) {
         double block = 0;
         for (int k = b * 128; k < b * 128 + 128; k++)
-          block += (double)e4m3_to_float(xq[(size_t)t * K + k]) * e4m3_to_float(w[(size_t)n * K + k]);
-        acc += block * xs[(size_t)b * T4 + t] * scale[(size_t)(n / 128) * ld + b];
+          block += (w8a16 ? (double)x[(size_t)t * K + k] : (double)e4m3[xq[(size_t)t * K + k]]) *
+                   e4m3[w[(size_t)n * K + k]];
+        acc += block * (w8a16 ? 1.f : xs[(size_t)b * T4 + t]) * scale[(size_t)(n / 128) * ld + b];
       }
       y[(size_t)t * N + n] = bf16_round((float)acc);
     }
@@ -10968,9 +11010,11 @@ static const int kLongestFirstRegistered = register_optimization(
 
 
 // ==== 33. A mixture of experts on tensor cores ===========================================================
-// defines: fused_moe_reference, fused_moe_kernel, fused_moe_products, fused_moe, fused_moe_stage,
-//          moe_router_kernel, moe_router, moe_gemv_gate_up_kernel, moe_gemv_down_kernel, moe_gemv, moe_gemv_stage;
-//          switches fused_moe, moe_gemv
+// defines: fused_moe_rows_reference, fused_moe_reference, fused_moe_fp8_reference, fused_moe_kernel,
+//          fused_moe_products, fused_moe, fused_moe_stage, moe_router_kernel, moe_router, moe_gemv_gate_up_kernel,
+//          moe_gemv_down_kernel, e4m3x16_to_float, moe_gemv_dot, moe_gemv, moe_gemv_route, moe_gemv_stage,
+//          fused_moe_fp8_products, fused_moe_fp8, moe_gemv_fp8, fp8_moe_stage; switches fused_moe, moe_gemv,
+//          fp8_moe
 //
 // Replaces: in section 14's moe stage (section 10b's moe_mlp), the experts' products after the align:
 // moe_matmul for gate_up, silu_and_mul, moe_matmul for down, and moe_combine's multiply by the routing
@@ -11032,24 +11076,24 @@ static_assert(MOE_TILE * FMOE_BK / 8 == FMOE_THREADS, "a slice of the tile's row
 // What fused_moe computes, on the CPU, row by row of the experts' list (rows, tile_expert and pair_row as
 // moe_align_reference makes them): act [RM, IE] of every row of a used tile (a padding row's is SiLU(0) * 0 =
 // 0), the weighted down rows wy [RM, H] of the rows that hold a pair, and out [T, H], each token's rows added
-// in ascending expert id. x [T, H], weights [T, k], gate_up [E, 2 IE, H], down [E, H, IE] (bf16 values as
-// float). Rows the kernels do not write stay 0 here. The same calls and roundings as moe_experts_reference
-// (section 10b), only grouped by expert: out is that function's, bit for bit (test/host/test_moe.cu).
-static void fused_moe_reference(std::vector<float>& act, std::vector<float>& wy, float* out, const float* x,
-                                const std::vector<int>& rows, const std::vector<int>& tile_expert,
-                                const std::vector<int>& pair_row, const int* ids, const float* weights,
-                                const float* gate_up, const float* down, int T, int H, int IE, int k) {
+// in ascending expert id. x [T, H], weights [T, k] (bf16 values as float). Rows the kernels do not write stay
+// 0 here, and so does a padding row's act (its products are of zeros). One row's product is product(y, row,
+// e, gate_up): gate_up: y [2 IE] (gate, then up) from a row of x; else y [H] from a row of act; each value
+// rounded to bf16 (fused_moe_reference's is section 10's linear_reference; section 33b's the FP8 one).
+template <typename Product>
+static void fused_moe_rows_reference(std::vector<float>& act, std::vector<float>& wy, float* out, const float* x,
+                                     const std::vector<int>& rows, const std::vector<int>& tile_expert,
+                                     const std::vector<int>& pair_row, const int* ids, const float* weights, int T,
+                                     int H, int IE, int k, Product product) {
   const size_t RM = rows.size();
   act.assign(RM * IE, 0.f), wy.assign(RM * H, 0.f);
-  std::vector<float> zeros(H, 0.f), gu(2 * IE), y(H);
+  std::vector<float> gu(2 * IE), y(H);
   for (size_t r = 0; r < RM; r++) {
     const int e = tile_expert[r / MOE_TILE], pair = rows[r];
-    if (e < 0) continue;
-    const float* xr = pair >= 0 ? x + (size_t)(pair / k) * H : zeros.data();
-    linear_reference(gu.data(), xr, gate_up + (size_t)e * 2 * IE * H, 1, 2 * IE, H);
+    if (e < 0 || pair < 0) continue;
+    product(gu.data(), x + (size_t)(pair / k) * H, e, true);
     silu_and_mul_reference(&act[r * IE], gu.data(), 1, IE);
-    if (pair < 0) continue;
-    linear_reference(y.data(), &act[r * IE], down + (size_t)e * H * IE, 1, H, IE);
+    product(y.data(), &act[r * IE], e, false);
     for (int h = 0; h < H; h++) wy[r * H + h] = bf16_round(y[h] * weights[pair]);
   }
   std::vector<int> order(k);
@@ -11063,6 +11107,42 @@ static void fused_moe_reference(std::vector<float>& act, std::vector<float>& wy,
       out[(size_t)t * H + h] = acc;
     }
   }
+}
+// fused_moe's: gate_up [E, 2 IE, H], down [E, H, IE] (bf16 values as float). The same calls and roundings as
+// moe_experts_reference (section 10b), only grouped by expert: out is that function's, bit for bit
+// (test/host/test_moe.cu).
+static void fused_moe_reference(std::vector<float>& act, std::vector<float>& wy, float* out, const float* x,
+                                const std::vector<int>& rows, const std::vector<int>& tile_expert,
+                                const std::vector<int>& pair_row, const int* ids, const float* weights,
+                                const float* gate_up, const float* down, int T, int H, int IE, int k) {
+  fused_moe_rows_reference(act, wy, out, x, rows, tile_expert, pair_row, ids, weights, T, H, IE, k,
+                           [&](float* y, const float* row, int e, bool gu) {
+                             if (gu) linear_reference(y, row, gate_up + (size_t)e * 2 * IE * H, 1, 2 * IE, H);
+                             else linear_reference(y, row, down + (size_t)e * H * IE, 1, H, IE);
+                           });
+}
+// What section 33b's fused_moe_fp8 computes, on the CPU: the rows of the list as above, each expert's
+// products as fp8_linear_reference computes an FP8 product (the row quantized per 128 columns, the e4m3
+// products summed per block, scaled by s_x s_w). x [T, H], weights [T, k] (bf16 values as float); gate_up and
+// down section 33b's stacked matrices, bytes and scales (ld: their scale rows' stride). w8a16: what 33b's
+// moe_gemv_fp8 computes (the rows not quantized; the same roundings and sum, as moe_gemv's are fused_moe's).
+static void fused_moe_fp8_reference(std::vector<float>& act, std::vector<float>& wy, float* out, const float* x,
+                                    const std::vector<int>& rows, const std::vector<int>& tile_expert,
+                                    const std::vector<int>& pair_row, const int* ids, const float* weights,
+                                    const uint8_t* gate_up, const float* gate_up_scale, int gate_up_ld,
+                                    const uint8_t* down, const float* down_scale, int down_ld, int T, int H, int IE,
+                                    int k, bool w8a16 = false) {
+  fused_moe_rows_reference(act, wy, out, x, rows, tile_expert, pair_row, ids, weights, T, H, IE, k,
+                           [&](float* y, const float* row, int e, bool gu) {
+                             if (gu)
+                               fp8_linear_reference(y, row, gate_up + (size_t)e * 2 * IE * H,
+                                                    gate_up_scale + (size_t)e * 2 * IE / 128 * gate_up_ld,
+                                                    gate_up_ld, 1, 2 * IE, H, w8a16);
+                             else
+                               fp8_linear_reference(y, row, down + (size_t)e * H * IE,
+                                                    down_scale + (size_t)e * H / 128 * down_ld, down_ld, 1, H, IE,
+                                                    w8a16);
+                           });
 }
 
 // A slice in shared memory is [rows][FMOE_BK] bf16, 8 chunks of 16 bytes a row. ldmatrix reads one chunk
@@ -11093,39 +11173,67 @@ __device__ __forceinline__ int fmoe_smem_index(int row, int chunk) {
 //   * the epilogue: lane l holds rows l / 4 and l / 4 + 8 of the tile, columns 2 (l % 4) and + 1 of each MMA
 //     tile (section 15's fragment layout), and writes them as one bf16 pair each.
 // Preconditions: the launcher's (fused_moe_products).
-template <bool GATE_UP>
-__global__ __launch_bounds__(FMOE_THREADS) void fused_moe_kernel(bf16* out, const bf16* a, const int* rows,
+// FP8 (section 33b): the same kernel on an FP8 model's experts, W8A8 as section 28 computes a product. a and W
+// are e4m3 bytes (a quantized by quantize_rows: a_scale [K/128, a_ld], tokens contiguous; W's scales w_scale
+// [E N/128, w_ld], the experts stacked by rows), so a slice's 128 bytes of a row are 128 values, one scale
+// block: the copies and ldmatrix move the same bytes as for bf16, and the m16n8k32 e4m3 instruction reads
+// from them the fragments m16n8k16 reads (section 30's mma_e4m3_16832: a 16-byte column of chunks is 16 k
+// positions instead of 8). Each slice's sums are kept apart, then scaled by s_x (the row's) * s_w (the weight
+// rows' block) and added to acc: step 3's sum over blocks. The epilogue is the bf16 kernel's.
+template <bool GATE_UP, bool FP8 = false>
+__global__ __launch_bounds__(FMOE_THREADS) void fused_moe_kernel(bf16* out, const void* a_in, const int* rows,
                                                                  const int* tile_expert, const float* weights,
-                                                                 const bf16* W, int N, int K, int k) {
+                                                                 const void* W_in, int N, int K, int k,
+                                                                 const float* a_scale, int a_ld,
+                                                                 const float* w_scale, int w_ld) {
+  using Elt = std::conditional_t<FP8, uint8_t, bf16>;
+  constexpr int CV = 16 / sizeof(Elt);  // values in a 16-byte chunk: 8, or 16 e4m3
+  constexpr int SV = 8 * CV;            // values in a slice's row: FMOE_BK, or 128 e4m3 (one scale block)
   __shared__ __align__(128) bf16 sA[FMOE_STAGES][MOE_TILE * FMOE_BK];
   __shared__ __align__(128) bf16 sW[FMOE_STAGES][FMOE_COLS * FMOE_BK];
   const int e = tile_expert[blockIdx.x];
   if (e < 0) return;  // a tile past the list's end: the whole thread block
+  const Elt* a = static_cast<const Elt*>(a_in);
+  const Elt* W = static_cast<const Elt*>(W_in);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, chunk = tid % 8;
   const int64_t r0 = (int64_t)blockIdx.x * MOE_TILE;
   const int n0 = blockIdx.y * (GATE_UP ? FMOE_COLS / 2 : FMOE_COLS);
   const int NOUT = GATE_UP ? N / 2 : N;  // columns of the result: IE, or H
   // The rows this thread copies from: one row of the tile, and weight slots tid / 8 + 16 i (null: zeros).
   const int pair = rows[r0 + tid / 8];
-  const bf16* a_row = pair < 0 && GATE_UP ? nullptr : a + (GATE_UP ? (int64_t)(pair / k) : r0 + tid / 8) * K;
-  const bf16* w_row[FMOE_COLS * FMOE_BK / 8 / FMOE_THREADS];
+  const Elt* a_row = pair < 0 && GATE_UP ? nullptr : a + (GATE_UP ? (int64_t)(pair / k) : r0 + tid / 8) * K;
+  const Elt* w_row[FMOE_COLS * FMOE_BK / 8 / FMOE_THREADS];
 #pragma unroll
   for (int i = 0; i < FMOE_COLS * FMOE_BK / 8 / FMOE_THREADS; i++) {
     const int slot = tid / 8 + 16 * i, col = n0 + (GATE_UP ? slot % (FMOE_COLS / 2) : slot);
     const int w_index = GATE_UP && slot >= FMOE_COLS / 2 ? NOUT + col : col;
     w_row[i] = col < NOUT ? W + ((int64_t)e * N + w_index) * K : nullptr;
   }
+  auto copy = [](bf16* dst, const Elt* src, bool ok) { cp_async_16(dst, reinterpret_cast<const bf16*>(src), ok); };
   auto issue = [&](int slice) {  // the copies of slice `slice` into its stage, as one committed group
-    const int kk = slice * FMOE_BK + chunk * 8, s = slice % FMOE_STAGES;
+    const int kk = slice * SV + chunk * CV, s = slice % FMOE_STAGES;
     const bool a_ok = a_row && kk < K;
-    cp_async_16(&sA[s][fmoe_smem_index(tid / 8, chunk)], a_ok ? a_row + kk : a, a_ok);
+    copy(&sA[s][fmoe_smem_index(tid / 8, chunk)], a_ok ? a_row + kk : a, a_ok);
 #pragma unroll
     for (int i = 0; i < FMOE_COLS * FMOE_BK / 8 / FMOE_THREADS; i++) {
       const bool w_ok = w_row[i] && kk < K;
-      cp_async_16(&sW[s][fmoe_smem_index(tid / 8 + 16 * i, chunk)], w_ok ? w_row[i] + kk : W, w_ok);
+      copy(&sW[s][fmoe_smem_index(tid / 8 + 16 * i, chunk)], w_ok ? w_row[i] + kk : W, w_ok);
     }
   };
-  const int slices = (K + FMOE_BK - 1) / FMOE_BK;
+  // FP8: the scales this lane applies. Its accumulators hold tile rows g and g + 8 (g = lane / 4) of its warp's
+  // two MMA tiles, whose weight rows lie in one 128-row block each (n0 is a multiple of 32, IE of 128).
+  const float *sx_lo = nullptr, *sx_hi = nullptr, *sw0 = nullptr, *sw1 = nullptr;
+  if constexpr (FP8) {
+    auto row_scales = [&](int i) -> const float* {  // s_x of tile row i at block 0 (null: a padding row's, 0)
+      if (!GATE_UP) return a_scale + r0 + i;
+      const int p = rows[r0 + i];
+      return p < 0 ? nullptr : a_scale + p / k;
+    };
+    sx_lo = row_scales(lane / 4), sx_hi = row_scales(lane / 4 + 8);
+    const int64_t w0 = (int64_t)e * N + n0, w1 = w0 + (GATE_UP ? NOUT : FMOE_COLS / 2);
+    sw0 = w_scale + w0 / 128 * w_ld, sw1 = w_scale + w1 / 128 * w_ld;
+  }
+  const int slices = (K + SV - 1) / SV;
 #pragma unroll
   for (int s = 0; s < FMOE_STAGES - 1; s++) {
     if (s < slices) issue(s);
@@ -11139,14 +11247,31 @@ __global__ __launch_bounds__(FMOE_THREADS) void fused_moe_kernel(bf16* out, cons
     cp_async_commit();
     const bf16* tA = sA[slice % FMOE_STAGES];
     const bf16* tW = sW[slice % FMOE_STAGES];
+    float d[2][4] = {};  // FP8: this slice's sums
 #pragma unroll
     for (int kk = 0; kk < FMOE_BK / 16; kk++) {
       uint32_t af[4], bf[4];
       ldmatrix_x4(af, tA + fmoe_smem_index(lane & 15, 2 * kk + (lane >> 4)));
       ldmatrix_x4(bf, tW + fmoe_smem_index((lane >> 4) * (FMOE_COLS / 2) + 8 * warp + (lane & 7),
                                             2 * kk + ((lane >> 3) & 1)));
-      mma_bf16_16816(acc[0], af, bf[0], bf[1]);
-      mma_bf16_16816(acc[1], af, bf[2], bf[3]);
+      if constexpr (FP8) {
+        mma_e4m3_16832(d[0], af[0], af[1], af[2], af[3], bf[0], bf[1]);
+        mma_e4m3_16832(d[1], af[0], af[1], af[2], af[3], bf[2], bf[3]);
+      } else {
+        mma_bf16_16816(acc[0], af, bf[0], bf[1]);
+        mma_bf16_16816(acc[1], af, bf[2], bf[3]);
+      }
+    }
+    if constexpr (FP8) {
+      const int64_t at = (int64_t)slice * a_ld;
+      const float x_lo = sx_lo ? __ldg(sx_lo + at) : 0.f, x_hi = sx_hi ? __ldg(sx_hi + at) : 0.f;
+      const float s0 = __ldg(sw0 + slice), s1 = __ldg(sw1 + slice);
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        const float x = j < 2 ? x_lo : x_hi;
+        acc[0][j] = fmaf(d[0][j], x * s0, acc[0][j]);
+        acc[1][j] = fmaf(d[1][j], x * s1, acc[1][j]);
+      }
     }
   }
   cp_async_wait<0>();  // (only empty groups are left; no copy outlives the thread block)
@@ -11188,7 +11313,8 @@ static void fused_moe_products(bf16* out, const bf16* a, const int* rows, const 
   if (RM == 0) return;
   const int cols = GATE_UP ? FMOE_COLS / 2 : FMOE_COLS, NOUT = GATE_UP ? N / 2 : N;
   const dim3 grid((unsigned)(RM / MOE_TILE), (unsigned)cdiv(NOUT, cols));
-  fused_moe_kernel<GATE_UP><<<grid, FMOE_THREADS, 0, stream>>>(out, a, rows, tile_expert, weights, W, N, K, k);
+  fused_moe_kernel<GATE_UP><<<grid, FMOE_THREADS, 0, stream>>>(out, a, rows, tile_expert, weights, W, N, K, k, nullptr,
+                                                                0, nullptr, 0);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -11342,22 +11468,63 @@ static void moe_router(bf16* x_out, bf16* logits, int* ids, float* weights, cons
   CUDA_CHECK(cudaGetLastError());
 }
 
-// act [T k, IE] from x [T, H] (the normed rows) and gate_up [E, 2 IE, H]. Grid (ceil(IE / GEMV_WARPS), T k).
+// FP8 (section 33b): the same two kernels on an FP8 model's experts (section 28's stacked matrices: w e4m3,
+// scale [rows / 128, ld]). A 16-byte load is then 16 weights, converted to fp32 in registers (exact: every
+// e4m3 value is a float), their products with the bf16 inputs summed in fp32 and times the 128 x 128 block's
+// scale: W8A16, the activations not quantized. e4m3x16_to_float is the conversion.
+__device__ __forceinline__ void e4m3x16_to_float(const uint4& v, float (&f)[16]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; i++)
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w[i] >> (16 * half)), __NV_E4M3);
+      const float2 f2 = __half22float2(*reinterpret_cast<const __half2*>(&h));
+      f[4 * i + 2 * half] = f2.x, f[4 * i + 2 * half + 1] = f2.y;
+    }
+}
+// acc plus the dot product of one 16-byte load of weights with the input's values at the same columns c..
+// (8 or 16: CV), for the kernels below: bf16 weights multiplied into acc; FP8 (e4m3 bytes) summed apart, then
+// times the scale of their block (s_row: the weight row's scales).
+template <bool FP8>
+__device__ __forceinline__ float moe_gemv_dot(const uint4& w, const bf16* in, const float* s_row, int c, float acc) {
+  float wf[FP8 ? 16 : 8], xf[8], dot = FP8 ? 0.f : acc;
+  if constexpr (FP8) e4m3x16_to_float(w, wf);
+  else bf16x8_to_float(w, reinterpret_cast<float(&)[8]>(wf));
+#pragma unroll
+  for (int h = 0; h < (FP8 ? 2 : 1); h++) {
+    bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(in + c + 8 * h)), xf);
+#pragma unroll
+    for (int q = 0; q < 8; q++) dot = fmaf(wf[8 * h + q], xf[q], dot);
+  }
+  if constexpr (FP8) return fmaf(dot, __ldg(s_row + c / 128), acc);
+  return dot;
+}
+
+// act [T k, IE] from x [T, H] (the normed rows) and gate_up [E, 2 IE, H] (FP8: scale, ld as above). Grid
+// (ceil(IE / GEMV_WARPS), T k).
+template <bool FP8 = false>
 __global__ void __launch_bounds__(GEMV_WARPS * 32)
     moe_gemv_gate_up_kernel(bf16* __restrict__ act, const bf16* __restrict__ x, const int* __restrict__ ids,
-                            const bf16* __restrict__ gate_up, int H, int IE, int k) {
+                            const void* __restrict__ gate_up, int H, int IE, int k, const float* __restrict__ scale,
+                            int ld) {
+  using Elt = std::conditional_t<FP8, uint8_t, bf16>;
+  constexpr int CV = 16 / sizeof(Elt);  // weights per 16-byte load
   pdl_begin();  // ids and x come from the kernel before; every thread waits (the kernel after relies on it)
   const int p = blockIdx.y, j = blockIdx.x * GEMV_WARPS + threadIdx.x / 32, lane = threadIdx.x & 31;
   if (j >= IE) return;
-  const bf16* wg = gate_up + ((int64_t)ids[p] * 2 * IE + j) * H;  // gate row j; up row j is IE rows on
-  const bf16* wu = wg + (int64_t)IE * H;
+  const int64_t rg = (int64_t)ids[p] * 2 * IE + j, ru = rg + IE;  // gate row j, and up row j IE rows on
+  const Elt* wg = static_cast<const Elt*>(gate_up) + rg * H;
+  const Elt* wu = static_cast<const Elt*>(gate_up) + ru * H;
+  const float* sg = FP8 ? scale + rg / 128 * ld : nullptr;
+  const float* su = FP8 ? scale + ru / 128 * ld : nullptr;
   const bf16* xr = x + (int64_t)(p / k) * H;
   float g = 0.f, u = 0.f;
-  for (int k0 = 0; k0 < H; k0 += MOE_GEMV_U * 256) {
+  for (int k0 = 0; k0 < H; k0 += MOE_GEMV_U * 32 * CV) {
     uint4 vg[MOE_GEMV_U], vu[MOE_GEMV_U];
 #pragma unroll
     for (int i = 0; i < MOE_GEMV_U; i++) {
-      const int c = k0 + i * 256 + lane * 8;
+      const int c = k0 + (i * 32 + lane) * CV;
       if (c < H) {
         vg[i] = __ldcs(reinterpret_cast<const uint4*>(wg + c));
         vu[i] = __ldcs(reinterpret_cast<const uint4*>(wu + c));
@@ -11365,14 +11532,10 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     }
 #pragma unroll
     for (int i = 0; i < MOE_GEMV_U; i++) {
-      const int c = k0 + i * 256 + lane * 8;
+      const int c = k0 + (i * 32 + lane) * CV;
       if (c >= H) break;
-      float xf[8], gf[8], uf[8];
-      bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(xr + c)), xf);
-      bf16x8_to_float(vg[i], gf);
-      bf16x8_to_float(vu[i], uf);
-#pragma unroll
-      for (int q = 0; q < 8; q++) g = fmaf(gf[q], xf[q], g), u = fmaf(uf[q], xf[q], u);
+      g = moe_gemv_dot<FP8>(vg[i], xr, sg, c, g);
+      u = moe_gemv_dot<FP8>(vu[i], xr, su, c, u);
     }
   }
 #pragma unroll
@@ -11384,14 +11547,18 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
 }
 
 // out [T, H]: each token's k experts' down rows, weighted and summed (see above), from act [T k, IE], ids and
-// weights [T, k] and down [E, H, IE]; a row of down is U 16-byte loads per lane (U * 256 >= IE). Grid
-// (ceil(H / (GEMV_WARPS / SPLIT)), T): warp w of a thread block takes output (GEMV_WARPS / SPLIT) b + w / SPLIT
-// and, of its token's choices in ascending expert id (thread 0 orders them first: moe_order_by_expert), the
-// i-th for i = w % SPLIT, that + SPLIT, ...; with SPLIT 1 the warp makes the sum itself.
-template <int U, int SPLIT>
+// weights [T, k] and down [E, H, IE] (FP8: scale, ld as above); a row of down is U 16-byte loads per lane (U *
+// 32 * CV >= IE). Grid (ceil(H / (GEMV_WARPS / SPLIT)), T): warp w of a thread block takes output (GEMV_WARPS /
+// SPLIT) b + w / SPLIT and, of its token's choices in ascending expert id (thread 0 orders them first:
+// moe_order_by_expert), the i-th for i = w % SPLIT, that + SPLIT, ...; with SPLIT 1 the warp makes the sum
+// itself.
+template <int U, int SPLIT, bool FP8 = false>
 __global__ void __launch_bounds__(GEMV_WARPS * 32)
     moe_gemv_down_kernel(bf16* __restrict__ out, const bf16* __restrict__ act, const int* __restrict__ ids,
-                         const float* __restrict__ weights, const bf16* __restrict__ down, int H, int IE, int k) {
+                         const float* __restrict__ weights, const void* __restrict__ down, int H, int IE, int k,
+                         const float* __restrict__ scale, int ld) {
+  using Elt = std::conditional_t<FP8, uint8_t, bf16>;
+  constexpr int CV = 16 / sizeof(Elt);                 // weights per 16-byte load
   constexpr int OUTPUTS = GEMV_WARPS / SPLIT;          // per thread block
   __shared__ int order[MOE_MAX_TOPK];                  // the token's choices (places in ids[t]), ascending id
   __shared__ float y[SPLIT > 1 ? OUTPUTS : 1][MOE_MAX_TOPK];  // SPLIT > 1: their products, in that order
@@ -11401,30 +11568,29 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
   if (threadIdx.x == 0) moe_order_by_expert(order, ids + t * k, k);  // before the wait: see above
   __syncthreads();
   uint4 cur[U], next[U];
-  auto load = [&](uint4 (&v)[U], int i) {  // row n of the down of the i-th choice's expert
-    const bf16* w = down + ((int64_t)ids[t * k + order[i]] * H + n) * IE;
+  const float *s_cur = nullptr, *s_next = nullptr;  // FP8: the scale row of the row loaded
+  auto load = [&](uint4 (&v)[U], const float*& s_row, int i) {  // row n of the down of the i-th choice's expert
+    const int64_t row = (int64_t)ids[t * k + order[i]] * H + n;
+    const Elt* w = static_cast<const Elt*>(down) + row * IE;
+    if (FP8) s_row = scale + row / 128 * ld;
 #pragma unroll
     for (int q = 0; q < U; q++) {
-      const int c = q * 256 + lane * 8;
+      const int c = (q * 32 + lane) * CV;
       if (c < IE) v[q] = __ldcs(reinterpret_cast<const uint4*>(w + c));
     }
   };
-  if (n < H && s < k) load(cur, s);
+  if (n < H && s < k) load(cur, s_cur, s);
   pdl_begin();  // act comes from the kernel before
   float sum = 0.f;  // SPLIT 1
   for (int i = s; n < H && i < k; i += SPLIT) {
-    if (i + SPLIT < k) load(next, i + SPLIT);
+    if (i + SPLIT < k) load(next, s_next, i + SPLIT);
     const bf16* ar = act + (t * k + order[i]) * IE;
     float dot = 0.f;
 #pragma unroll
     for (int q = 0; q < U; q++) {
-      const int c = q * 256 + lane * 8;
+      const int c = (q * 32 + lane) * CV;
       if (c >= IE) break;
-      float af[8], wf[8];
-      bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(ar + c)), af);
-      bf16x8_to_float(cur[q], wf);
-#pragma unroll
-      for (int e = 0; e < 8; e++) dot = fmaf(wf[e], af[e], dot);
+      dot = moe_gemv_dot<FP8>(cur[q], ar, s_cur, c, dot);
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
@@ -11432,6 +11598,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     else if (lane == 0) y[r][i] = dot;
 #pragma unroll
     for (int q = 0; q < U; q++) cur[q] = next[q];
+    s_cur = s_next;
   }
   if (SPLIT == 1) {
     if (n < H && lane == 0) out[t * H + n] = __float2bfloat16(sum);
@@ -11445,18 +11612,19 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     out[t * H + n_sum] = __float2bfloat16(sum);
   }
 }
-template <int U, int SPLIT>
-static void moe_gemv_down_launch(bf16* out, const bf16* act, const int* ids, const float* weights,
-                                 const bf16* down, int T, int H, int IE, int k, cudaStream_t stream) {
-  launch_pdl(moe_gemv_down_kernel<U, SPLIT>, dim3((unsigned)cdiv(H, GEMV_WARPS / SPLIT), (unsigned)T),
-             GEMV_WARPS * 32, 0, stream, out, act, ids, weights, down, H, IE, k);
+template <int U, int SPLIT, bool FP8>
+static void moe_gemv_down_launch(bf16* out, const bf16* act, const int* ids, const float* weights, const void* down,
+                                 const float* scale, int ld, int T, int H, int IE, int k, cudaStream_t stream) {
+  launch_pdl(moe_gemv_down_kernel<U, SPLIT, FP8>, dim3((unsigned)cdiv(H, GEMV_WARPS / SPLIT), (unsigned)T),
+             GEMV_WARPS * 32, 0, stream, out, act, ids, weights, down, H, IE, k, scale, ld);
 }
-template <int SPLIT>
-static void moe_gemv_down_launch(bf16* out, const bf16* act, const int* ids, const float* weights,
-                                 const bf16* down, int T, int H, int IE, int k, cudaStream_t stream) {
-  if (IE <= 2 * 256) moe_gemv_down_launch<2, SPLIT>(out, act, ids, weights, down, T, H, IE, k, stream);
-  else if (IE <= 4 * 256) moe_gemv_down_launch<4, SPLIT>(out, act, ids, weights, down, T, H, IE, k, stream);
-  else moe_gemv_down_launch<MOE_GEMV_DOWN_U, SPLIT>(out, act, ids, weights, down, T, H, IE, k, stream);
+template <int SPLIT, bool FP8 = false>
+static void moe_gemv_down_launch(bf16* out, const bf16* act, const int* ids, const float* weights, const void* down,
+                                 const float* scale, int ld, int T, int H, int IE, int k, cudaStream_t stream) {
+  constexpr int CV = FP8 ? 16 : 8;  // the row's columns a lane's load holds
+  if (IE <= 2 * 32 * CV) moe_gemv_down_launch<2, SPLIT, FP8>(out, act, ids, weights, down, scale, ld, T, H, IE, k, stream);
+  else if (IE <= 4 * 32 * CV) moe_gemv_down_launch<4, SPLIT, FP8>(out, act, ids, weights, down, scale, ld, T, H, IE, k, stream);
+  else moe_gemv_down_launch<MOE_GEMV_DOWN_U, SPLIT, FP8>(out, act, ids, weights, down, scale, ld, T, H, IE, k, stream);
 }
 
 // Whether moe_gemv takes a layer of these widths (IE: this rank's slice).
@@ -11472,10 +11640,10 @@ static void moe_gemv(bf16* out, const bf16* x, const int* ids, const float* weig
                           (const void*)act})
     check_aligned16("moe_gemv", "a matrix", ptr);
   if (T == 0) return;
-  launch_pdl(moe_gemv_gate_up_kernel, dim3((unsigned)cdiv(IE, GEMV_WARPS), (unsigned)(T * k)), GEMV_WARPS * 32, 0,
-             stream, act, x, ids, gate_up, H, IE, k);
-  if (T == 1) moe_gemv_down_launch<MOE_DOWN_SPLIT_ONE>(out, act, ids, weights, down, T, H, IE, k, stream);
-  else moe_gemv_down_launch<1>(out, act, ids, weights, down, T, H, IE, k, stream);
+  launch_pdl(moe_gemv_gate_up_kernel<false>, dim3((unsigned)cdiv(IE, GEMV_WARPS), (unsigned)(T * k)),
+             GEMV_WARPS * 32, 0, stream, act, x, ids, (const void*)gate_up, H, IE, k, (const float*)nullptr, 0);
+  if (T == 1) moe_gemv_down_launch<MOE_DOWN_SPLIT_ONE>(out, act, ids, weights, down, nullptr, 0, T, H, IE, k, stream);
+  else moe_gemv_down_launch<1>(out, act, ids, weights, down, nullptr, 0, T, H, IE, k, stream);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -11484,15 +11652,15 @@ static void moe_gemv(bf16* out, const bf16* x, const int* ids, const float* weig
 // Part I's moe_plain. Steps of more than MOE_GEMV_MAX_T tokens, and slices moe_gemv does not take, go there.
 static void (*g_moe_larger)(Pass& p, const LayerWeights& lw) = moe_plain;
 
-// Section 14's moe at small steps: the norm, the router's product and moe_route in moe_router where section 18's
-// gemv is switched on (its arithmetic; a pending add to the residual stream, left by an all-reduce at TP > 1
-// that did not make it, is Part I's norm_residual first), else Part I's three calls; then moe_gemv.
-static void moe_gemv_stage(Pass& p, const LayerWeights& lw) {
+// The first half of section 14's moe (section 33b's stage calls it too): the norm, the router's product and
+// moe_route in moe_router where this switch and section 18's gemv are on and the step fits it (its arithmetic;
+// a pending add to the residual stream, left by an all-reduce at TP > 1 that did not make it, is Part I's
+// norm_residual first), else Part I's three calls.
+static void moe_gemv_route(Pass& p, const LayerWeights& lw) {
   const ModelConfig& c = p.m.cfg;
-  const int H = c.hidden_size, E = c.num_experts, k = c.num_experts_per_tok, IE = c.moe_intermediate_size / p.m.tp;
-  if (p.T > MOE_GEMV_MAX_T || !moe_gemv_fits(H, IE)) return g_moe_larger(p, lw);
+  const int H = c.hidden_size, E = c.num_experts, k = c.num_experts_per_tok;
   Activations& a = p.m.act;
-  if (g_opt.gemv && moe_router_fits(p.T, H, E)) {
+  if (g_opt.moe_gemv && g_opt.gemv && moe_router_fits(p.T, H, E)) {
     const bool normed = p.pending;
     if (normed) norm_residual(p, lw.post_attention_layernorm);
     moe_router(a.x, a.router_logits, a.topk_ids, a.topk_weights, normed ? a.x : a.residual,
@@ -11503,6 +11671,14 @@ static void moe_gemv_stage(Pass& p, const LayerWeights& lw) {
     linear(*p.m.gemm, a.router_logits, a.x, lw.router, p.T, E, H, p.s);
     moe_route(a.topk_ids, a.topk_weights, a.router_logits, p.T, E, k, c.norm_topk_prob, p.s);
   }
+}
+// Section 14's moe at small steps: moe_gemv_route, then moe_gemv.
+static void moe_gemv_stage(Pass& p, const LayerWeights& lw) {
+  const ModelConfig& c = p.m.cfg;
+  const int H = c.hidden_size, k = c.num_experts_per_tok, IE = c.moe_intermediate_size / p.m.tp;
+  if (p.T > MOE_GEMV_MAX_T || !moe_gemv_fits(H, IE)) return g_moe_larger(p, lw);
+  Activations& a = p.m.act;
+  moe_gemv_route(p, lw);
   moe_gemv(a.hidden, a.x, a.topk_ids, a.topk_weights, lw.experts_gate_up, lw.experts_down, p.T, H, IE, k, a.moe_act,
            p.s);
   p.pending = true;
@@ -11518,6 +11694,148 @@ static void apply_moe_gemv(bool on, Hooks& h) {
 static const int kMoeGemvRegistered = register_optimization(
     {"moe_gemv", "a small step's MoE layer as a gemv per routed expert, the sum in its epilogue (section 33a)",
      true, apply_moe_gemv});
+
+// ---- 33b. FP8 experts: an FP8 checkpoint's experts on the FP8 tensor cores (switch fp8_moe) --------------
+// Replaces: for a MoE model whose weights sections 28-30 hold in FP8 (Qwen/Qwen3-30B-A3B-FP8, or a bf16 MoE
+// checkpoint under --quantization fp8), section 14's moe stage at every step size. Without this switch the
+// FP8 chapter stands aside for a MoE model and section 6a dequantizes the whole checkpoint to bf16.
+// Why it is faster: the experts are most of a MoE model's bytes (30B-A3B: 29 of its 30.5B parameters), and a
+// decode step is a pass over the experts its tokens chose; kept as the checkpoint stores them they cost one
+// byte a weight instead of two, and half the memory, which the KV pool gets.
+// The format: section 28's, the experts of a layer stacked by rows as section 6a stacks them in bf16:
+//   experts_gate_up  w [E 2 IE, H] e4m3, scale [E 2 IE / 128, ld]: expert e's gate rows, then its up rows
+//   experts_down     w [E H, IE]   e4m3, scale [E H / 128, ld]
+// (IE this rank's slice). Each expert's matrices start on a 128-row boundary (IE and H multiples of 128),
+// so a 128 x 128 block never straddles two experts, and a tensor-parallel slice of IE starts on a block
+// (IE / tp a multiple of 128: fp8_weights_problem names the --tp sizes that split so; Qwen3-30B-A3B's 768 at
+// --tp 1 and 2, where at --tp 4 the chapter stands aside, as vLLM refuses such a split). The router (mlp.gate)
+// is never quantized: it stays bf16, as section 6a loads it.
+// The arithmetic: section 28's steps 2 and 3 for both of an expert's products, as fp8_weights computes a
+// dense MLP's: x (the normed rows) quantized per token and 128 columns, gate and up each rounded to bf16,
+// act = bf16(SiLU(gate) * up), act quantized per row and 128 columns, y = bf16(the down product); then
+// section 33's bf16(y * w) and the sum in bf16 in ascending expert id. fused_moe_fp8_reference (placed with
+// fused_moe_reference, before the kernels) is the CPU's account.
+// The work, six launches a layer after the routing: quantize_rows (x), moe_align, fused_moe_kernel<true,
+// true> (act in bf16), quantize_rows (act, into the bytes of the moe_gate_up buffer, which the fused path
+// leaves unused), fused_moe_kernel<false, true>, moe_combine. The kernels are section 33's: only the bytes
+// they copy and the instruction that multiplies them change (see fused_moe_kernel's FP8 note).
+// What it costs: two quantizer launches a layer.
+// Small steps (1 to MOE_GEMV_MAX_T tokens, where moe_gemv is on) take section 33a's path instead, its two
+// kernels reading the e4m3 bytes (moe_gemv_fp8; the router in one kernel at 1-2 tokens, moe_gemv_route):
+// half the bytes of the bf16 gemv, and no quantizer launches. There the arithmetic is W8A16: the weights'
+// e4m3 values are converted to fp32 in registers (exactly), multiplied with the bf16 rows as they are, summed
+// per 128-column block and scaled, the roundings after the products as above. So a small step's experts skip
+// step 2 (the activations' rounding), which the grouped products take: a token's result at a decode step of
+// 1-4 sequences is closer to the bf16 model's than at larger steps, by about the FP8 activations' error
+// (fused_moe_fp8_reference with w8a16 is its CPU account). Why not W8A8 there too: the input would be
+// quantized once more per step (a launch, or in every thread block), and a warp per output row has no use
+// for the FP8 tensor cores' 16 x 8 tiles; the conversion costs instructions, not bytes, and a small step
+// reads few enough weights that they are not its bound.
+// Preconditions: the FP8 chapter's (H and IE / tp multiples of 128, a Hopper GPU). Switch: fp8_moe.
+
+// GATE_UP: out = act [RM, IE] from a = x quantized (xq [T4, H], xs [H/128, T4]) and W = experts_gate_up (N =
+// 2 IE rows an expert, K = H); down: out = y [RM, H] from a = act quantized ([RM, IE], [IE/128, RM]) and W =
+// experts_down (N = H, K = IE), weights [T, k]. a_ld: the rows of a's scale table (T4, or RM).
+template <bool GATE_UP>
+static void fused_moe_fp8_products(bf16* out, const uint8_t* a, const float* a_scale, int a_ld, const int* rows,
+                                   const int* tile_expert, const float* weights, const Fp8Matrix& W, int64_t RM,
+                                   int N, int k, cudaStream_t stream) {
+  const char* name = GATE_UP ? "fused_moe_fp8 (gate_up)" : "fused_moe_fp8 (down)";
+  const int K = W.K;
+  INTERNAL_CHECK(RM % MOE_TILE == 0 && N % 128 == 0 && K % 128 == 0 && W.N % N == 0 && (!GATE_UP || N % 256 == 0),
+                 "%s: RM = %lld, N = %d, K = %d, W.N = %d", name, (long long)RM, N, K, W.N);
+  check_aligned16(name, "out", out);
+  check_aligned16(name, "a", a);
+  check_aligned16(name, "W", W.w);
+  if (RM == 0) return;
+  const int cols = GATE_UP ? FMOE_COLS / 2 : FMOE_COLS, NOUT = GATE_UP ? N / 2 : N;
+  const dim3 grid((unsigned)(RM / MOE_TILE), (unsigned)cdiv(NOUT, cols));
+  fused_moe_kernel<GATE_UP, true><<<grid, FMOE_THREADS, 0, stream>>>(out, a, rows, tile_expert, weights, W.w, N, K,
+                                                                     k, a_scale, a_ld, W.scale, W.ld);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// The experts' part of a MoE layer with FP8 experts: fused_moe's arguments, the experts as above, and xq, xs:
+// room for x quantized (T rounded up to 4 rows of H). out [T, H] may not alias x.
+static void fused_moe_fp8(bf16* out, const bf16* x, const int* ids, const float* weights, const Fp8Matrix& gate_up,
+                          const Fp8Matrix& down, int T, int H, int IE, int E, int k, uint8_t* xq, float* xs,
+                          const Activations& a, cudaStream_t stream) {
+  INTERNAL_CHECK(gate_up.N == E * 2 * IE && gate_up.K == H && down.N == E * H && down.K == IE,
+                 "fused_moe_fp8: experts [%d, %d] and [%d, %d] for E %d, H %d, IE %d", gate_up.N, gate_up.K, down.N,
+                 down.K, E, H, IE);
+  const int64_t RM = moe_rows_max(T, k, E);
+  uint8_t* aq = reinterpret_cast<uint8_t*>(a.moe_gate_up);  // act quantized: [RM, IE] bytes, then [IE/128, RM]
+  float* as = reinterpret_cast<float*>(aq + RM * IE);       // (RM a multiple of 16: 16-byte aligned)
+  quantize_rows(xq, xs, x, T, H, stream);
+  moe_align(a.moe_rows, a.moe_pair_row, a.moe_tile_expert, ids, T, k, E, stream);
+  fused_moe_fp8_products<true>(a.moe_act, xq, xs, (int)cdiv(T, 4) * 4, a.moe_rows, a.moe_tile_expert, nullptr,
+                               gate_up, RM, 2 * IE, k, stream);
+  quantize_rows(aq, as, a.moe_act, (int)RM, IE, stream);
+  fused_moe_fp8_products<false>(a.moe_out, aq, as, (int)RM, a.moe_rows, a.moe_tile_expert, weights, down, RM, H,
+                                k, stream);
+  moe_combine(out, a.moe_out, ids, nullptr, a.moe_pair_row, T, H, k, stream);  // (weights applied already)
+}
+
+// Small steps (T <= MOE_GEMV_MAX_T, where moe_gemv is on): section 33a's moe_gemv with its kernels reading
+// the FP8 experts (their FP8 note), W8A16. gate_up and down as above; act: [T k, IE] of scratch. out may not
+// alias x.
+static void moe_gemv_fp8(bf16* out, const bf16* x, const int* ids, const float* weights, const Fp8Matrix& gate_up,
+                         const Fp8Matrix& down, int T, int H, int IE, int k, bf16* act, cudaStream_t stream) {
+  INTERNAL_CHECK(moe_gemv_fits(H, IE) && H % 128 == 0 && IE % 128 == 0 && gate_up.K == H && down.K == IE &&
+                     k >= 1 && k <= MOE_MAX_TOPK, "moe_gemv_fp8: H = %d, IE = %d, k = %d", H, IE, k);
+  for (const void* ptr : {(const void*)out, (const void*)x, (const void*)gate_up.w, (const void*)down.w,
+                          (const void*)act})
+    check_aligned16("moe_gemv_fp8", "a matrix", ptr);
+  if (T == 0) return;
+  launch_pdl(moe_gemv_gate_up_kernel<true>, dim3((unsigned)cdiv(IE, GEMV_WARPS), (unsigned)(T * k)),
+             GEMV_WARPS * 32, 0, stream, act, x, ids, (const void*)gate_up.w, H, IE, k, (const float*)gate_up.scale,
+             gate_up.ld);
+  if (T == 1)
+    moe_gemv_down_launch<MOE_DOWN_SPLIT_ONE, true>(out, act, ids, weights, down.w, down.scale, down.ld, T, H, IE, k,
+                                                   stream);
+  else moe_gemv_down_launch<1, true>(out, act, ids, weights, down.w, down.scale, down.ld, T, H, IE, k, stream);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+// ---- The stage, and its switch: fp8_moe ----
+// The moe stage before this one (33a's, 33's or Part I's), for an engine whose experts are bf16.
+static void (*g_moe_bf16)(Pass& p, const LayerWeights& lw) = moe_plain;
+
+// Section 14's moe with FP8 experts: the routing (33a's moe_gemv_route: moe_router where it takes the step,
+// else Part I's three calls), then moe_gemv_fp8 at small steps where moe_gemv is on, else fused_moe_fp8.
+static void fp8_moe_stage(Pass& p, const LayerWeights& lw) {
+  Fp8Weights& f = g_fp8_weights;
+  if (!f.held) return g_moe_bf16(p, lw);
+  Activations& a = p.m.act;
+  const ModelConfig& c = p.m.cfg;
+  const int H = c.hidden_size, E = c.num_experts, k = c.num_experts_per_tok, IE = c.moe_intermediate_size / p.m.tp;
+  moe_gemv_route(p, lw);
+  const Fp8Layer& fl = f.layers[p.l];
+  if (g_opt.moe_gemv && p.T <= MOE_GEMV_MAX_T && moe_gemv_fits(H, IE))
+    moe_gemv_fp8(a.hidden, a.x, a.topk_ids, a.topk_weights, fl.experts_gate_up, fl.experts_down, p.T, H, IE, k,
+                 a.moe_act, p.s);
+  else
+    fused_moe_fp8(a.hidden, a.x, a.topk_ids, a.topk_weights, fl.experts_gate_up, fl.experts_down, p.T, H, IE, E, k,
+                  f.xq, f.xs, a, p.s);
+  p.pending = true;
+  if (p.m.tp > 1 && g_stages.all_reduce(p.m.comm, a.hidden, (size_t)p.T * H, p.s, a.residual)) p.pending = false;
+}
+static void apply_fp8_moe(bool on, Hooks& h) {
+  g_opt.fp8_moe = on;
+  if (!on) return;
+  ForwardStages& st = stages_for(h);
+  if (st.moe != fp8_moe_stage) g_moe_bf16 = st.moe;
+  st.moe = fp8_moe_stage;
+}
+static std::string fp8_moe_note(const Qwen3& model) {
+  if (!g_fp8_weights.held || model.cfg.num_experts == 0) return "";
+  return g_opt.moe_gemv ? "FP8 experts: a gemv reading e4m3 (W8A16) at steps of 1-4 tokens, grouped products on "
+                          "the FP8 tensor cores at the others"
+                        : "FP8 experts: grouped products on the FP8 tensor cores at every step size";
+}
+static const int kFp8MoeRegistered = register_optimization(
+    {"fp8_moe", "with fp8_weights, a MoE model's experts kept in FP8, grouped products on FP8 tensor cores "
+     "(section 33b)", true, apply_fp8_moe, fp8_moe_note, {{"expert_weight_bytes_saved", 1}}});
 
 
 // ##########################################################################################################
@@ -11865,9 +12183,11 @@ static void validate_config(Config& c, const ModelConfig& m) {
       die("--quantization %s is computed by the optimization %s, which this run switches off (--plain or --opt); "
           "switch it on, or drop --quantization to run the checkpoint as it is", c.quantization.c_str(),
           reg[i].name);
-  if (!c.quantization.empty() && m.num_experts > 0)
-    die("--quantization %s: a MoE model's experts have no FP8 products yet; drop --quantization to run it in bf16",
-        c.quantization.c_str());
+  for (size_t i = 0; i < reg.size() && !c.quantization.empty() && m.num_experts > 0; i++)  // (section 33b)
+    if (!strcmp(reg[i].name, "fp8_moe") && !(i < c.opt.on.size() && c.opt.on[i]))
+      die("--quantization %s: a MoE model's experts are quantized and multiplied by the optimization fp8_moe, "
+          "which this run switches off; switch it on, or drop --quantization to run the checkpoint as it is",
+          c.quantization.c_str());
   c.eos = m.eos_token_ids;
 }
 
@@ -14533,17 +14853,26 @@ static double experts_touched(const ModelConfig& c, double n) {
 // quantized checkpoint or a --quantization run.
 static double step_cost(const OptimizationSet& set, const std::string& name);
 // A MoE model's weights stay bf16 (the chapter that holds linear weights in fewer bytes stands aside for one).
+// Bytes a layer linear's weight (an expert's too) is held and read in: 2, less what a chapter that holds a
+// block-quantized checkpoint (or a --quantization run) in fewer bytes saves; a MoE model's only where its
+// experts are held so too (else the FP8 chapter stands aside and the checkpoint is dequantized).
+static double linear_value_bytes(const ModelConfig& c, const Config& cfg) {
+  if (!c.block_quantized && cfg.quantization.empty()) return 2.0;
+  if (c.num_experts > 0 && step_cost(cfg.opt, "expert_weight_bytes_saved") == 0) return 2.0;
+  return 2.0 - step_cost(cfg.opt, "linear_weight_bytes_saved");
+}
 static double model_weight_bytes(const ModelConfig& c, const Config& cfg) {
-  const double H = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
-  const double linears = c.num_hidden_layers * (H * (c.num_attention_heads + 2 * c.num_key_value_heads) * D +
-                                                c.num_attention_heads * D * H + 3 * H * I);
-  const bool quantized = (c.block_quantized || !cfg.quantization.empty()) && c.num_experts == 0;
-  return 2.0 * model_params(c) - (quantized ? step_cost(cfg.opt, "linear_weight_bytes_saved") * linears : 0.0);
+  const double H = c.hidden_size, I = c.intermediate_size, D = c.head_dim, L = c.num_hidden_layers;
+  const double L_moe = c.num_moe_layers();
+  const double linears = L * (H * (c.num_attention_heads + 2 * c.num_key_value_heads) * D +
+                              c.num_attention_heads * D * H) + (L - L_moe) * 3 * H * I +
+                         L_moe * c.num_experts * 3.0 * H * c.moe_intermediate_size;
+  return 2.0 * model_params(c) - (2.0 - linear_value_bytes(c, cfg)) * linears;
 }
 // The weight bytes a step of n tokens reads: every weight but the experts no token of the step is routed
 // to (experts_touched).
 static double step_weight_bytes(const ModelConfig& c, const Config& cfg, double n) {
-  const double expert = 2.0 * 3 * c.hidden_size * c.moe_intermediate_size;
+  const double expert = linear_value_bytes(c, cfg) * 3 * c.hidden_size * c.moe_intermediate_size;
   return model_weight_bytes(c, cfg) - c.num_moe_layers() * (c.num_experts - experts_touched(c, n)) * expert;
 }
 
@@ -14579,7 +14908,9 @@ static int64_t simulated_kv_blocks(const ModelConfig& c, const Config& cfg, doub
 //   decode_rows_per_kv_group  1: a prefill step's leading one-token rows (a mixed step's decode rows) read
 //                             their K/V once per GQA group, as a decode step's rows do; 0: once per query head
 //   linear_weight_bytes_saved bytes saved per layer linear weight of a block-quantized checkpoint or a
-//                             --quantization run (model_weight_bytes): held and read at 2 minus this
+//                             --quantization run (linear_value_bytes): held and read at 2 minus this
+//   expert_weight_bytes_saved the same for a MoE model's experts: nonzero where a chapter holds them in fewer
+//                             bytes too (linear_value_bytes: without it the FP8 chapter stands aside for a MoE model)
 static double step_cost(const OptimizationSet& set, const std::string& name) {
   const std::vector<Optimization>& reg = optimization_registry();
   double v = 0;

@@ -205,8 +205,9 @@ M=$(model moe_layers --moe --set 'mlp_only_layers=[2]')
 refuse moe_mlp_only_layers_out_of_range "$M/config.json|mlp_only_layers holds 2|num_hidden_layers - 1 = 1" \
   "$M" "$PT"
 M=$(model moe_quant --moe)
-refuse moe_quantization_fp8 "--quantization fp8: a MoE model's experts have no FP8 products yet" "$M" "$PT" \
-  --quantization fp8
+refuse moe_quantization_fp8_opt_off "--quantization fp8: a MoE model's experts are quantized and multiplied by \
+the optimization fp8_moe|switch it on" "$M" "$PT" --quantization fp8 --opt -fp8_moe
+refuse valid_moe_quantization_fp8_reaches_gpu_check "$NOGPU" "$M" "$PT" --quantization fp8
 
 # ---- FP8: config.json's quantization_config and --quantization ----------------------------------------
 # Set into the bf16 tiny model's config.json; the checkpoint-tensor cases (F8_E4M3 weights and their block

@@ -152,6 +152,35 @@ struct ExpertsCase {
   int T, H, IE, E, k, kind;  // kind: as routing()'s
 };
 
+// The rounds of a case: with graph, `run` captured once and replayed under three routings (kind c.kind, then
+// the two others), else run once eagerly; after each, check(ids, w, round) with the routing and weights of
+// that round (out poisoned before each).
+template <class Run, class Check>
+static void routing_rounds(const ExpertsCase& c, std::mt19937& rng, bool graph, DevBuf<int>& d_ids,
+                           DevBuf<float>& d_w, DevBuf<bf16>& d_out, cudaStream_t stream, Run run, Check check) {
+  cudaGraphExec_t exec = nullptr;
+  for (int round = 0; round < (graph ? 3 : 1); round++) {  // with a graph: three routings, one capture
+    const std::vector<int> ids = routing(c.T, c.E, c.k, round == 0 ? c.kind : (c.kind + round) % 3, rng);
+    std::vector<float> w((size_t)c.T * c.k);
+    for (float& v : w) v = 0.1f + (float)(rng() % 1000) / 1000.f;
+    d_ids.upload(ids), d_w.upload(w);
+    d_out.poison();
+    if (graph && !exec) {
+      cudaGraph_t g;
+      CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      run();
+      CUDA_CHECK(cudaStreamEndCapture(stream, &g));
+      CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+      CUDA_CHECK(cudaGraphDestroy(g));
+    }
+    if (graph) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    else run();
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    check(ids, w, round);
+  }
+  if (exec) CUDA_CHECK(cudaGraphExecDestroy(exec));
+}
+
 // The experts' products run the same three products as the CPU in another order (fp32 inside each tile
 // against double): an intermediate bf16 rounding may land one step apart, so the outputs agree within a few
 // bf16 steps; a wrong row, expert, weight or order of the sum is far outside that. how: section 10b's
@@ -178,24 +207,8 @@ static void check_experts(const ExpertsCase& c, std::mt19937& rng, bool graph, E
 #endif
     moe_experts(d_out.p, d_x.p, d_ids.p, d_w.p, d_gate_up.p, d_down.p, c.T, c.H, c.IE, c.E, c.k, s.a, stream);
   };
-  cudaGraphExec_t exec = nullptr;
-  for (int round = 0; round < (graph ? 3 : 1); round++) {  // with a graph: three routings, one capture
-    const std::vector<int> ids = routing(c.T, c.E, c.k, round == 0 ? c.kind : (c.kind + round) % 3, rng);
-    std::vector<float> w((size_t)c.T * c.k);
-    for (float& v : w) v = 0.1f + (float)(rng() % 1000) / 1000.f;
-    d_ids.upload(ids), d_w.upload(w);
-    d_out.poison();
-    if (graph && !exec) {
-      cudaGraph_t g;
-      CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      run();
-      CUDA_CHECK(cudaStreamEndCapture(stream, &g));
-      CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
-      CUDA_CHECK(cudaGraphDestroy(g));
-    }
-    if (graph) CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    else run();
-    CUDA_CHECK(cudaStreamSynchronize(stream));
+  routing_rounds(c, rng, graph, d_ids, d_w, d_out, stream, run, [&](const std::vector<int>& ids,
+                                                                     const std::vector<float>& w, int round) {
     std::vector<float> want((size_t)c.T * c.H);
     moe_experts_reference(want.data(), x.data(), ids.data(), w.data(), gate_up.data(), down.data(), c.T, c.H, c.IE,
                           c.k);
@@ -207,8 +220,7 @@ static void check_experts(const ExpertsCase& c, std::mt19937& rng, bool graph, E
              how == Experts::FUSED ? "fused: " : how == Experts::GEMV ? "gemv: " : "", c.what,
              c.T, c.H, c.IE, c.E, c.k, graph ? ", graph replay" : "", round);
     check_close(what, got.data(), want.data(), got.size(), 0.01f * scale, 2.f / 128);
-  }
-  if (exec) CUDA_CHECK(cudaGraphExecDestroy(exec));
+  });
   CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
@@ -456,6 +468,163 @@ TEST(fused_moe_steps_match_reference_and_plain) {
 }
 #endif
 
+// ---- section 33b: the experts in FP8 -----------------------------------------------------------------------
+
+#ifdef NANOVLLM_PART_II
+// A stack of experts' FP8 matrices (E n rows of K) as an FP8 checkpoint holds them: e4m3 bytes of either sign
+// with exponent fields 4-8 (values 1/8 to 15/4, every mantissa), one scale of 0.01-0.03 per 128 x 128 block
+// ([E n / 128, ld]): weights of about bf16_values(0.06)'s size (a quantizer's bytes span the same binades
+// below the block's largest); and the same weights dequantized, bf16(e4m3 * s), as section 6a's loader holds
+// them.
+struct Fp8Stack {
+  int N = 0, K = 0, ld = 0;
+  std::vector<uint8_t> q;
+  std::vector<float> s, deq;
+};
+// (The bytes come from a xorshift generator seeded by rng: hundreds of millions of them at Qwen3-30B-A3B's
+// widths.) deq: also the dequantized values.
+static Fp8Stack fp8_stack(int N, int K, std::mt19937& rng, bool deq = true) {
+  Fp8Stack m;
+  m.N = N, m.K = K, m.ld = (int)cdiv(K / 128, 4) * 4;
+  m.q.resize((size_t)N * K), m.s.assign((size_t)N / 128 * m.ld, 0.f);
+  uint64_t x = (uint64_t)rng() << 32 | rng() | 1;
+  for (uint8_t& b : m.q) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    const uint32_t r = (uint32_t)(x >> 32);
+    b = (uint8_t)((r & 1) << 7 | (4 + (r >> 1) % 5) << 3 | (r >> 8) % 8);
+  }
+  for (int bi = 0; bi < N / 128; bi++)
+    for (int bj = 0; bj < K / 128; bj++) m.s[(size_t)bi * m.ld + bj] = 0.01f + 0.02f * (float)(rng() % 1000) / 1000.f;
+  if (!deq) return m;
+  m.deq.resize((size_t)N * K);
+  const float* e4m3 = block_quantized_values();
+  for (size_t i = 0; i < m.q.size(); i++)
+    m.deq[i] = bf16_round(e4m3[m.q[i]] * m.s[(i / K) / 128 * m.ld + (i % K) / 128]);
+  return m;
+}
+struct Fp8StackOnGpu {
+  DevBuf<uint8_t> q;
+  DevBuf<float> s;
+  Fp8Matrix m;
+  explicit Fp8StackOnGpu(const Fp8Stack& h) : q(h.q), s(h.s) { m.w = q.p, m.scale = s.p, m.N = h.N, m.K = h.K, m.ld = h.ld; }
+};
+
+// fused_moe_fp8 against fused_moe_fp8_reference: act of every used tile's rows and the result, eagerly and
+// (with graph) replayed from a CUDA graph under three routings; eagerly also against section 33's bf16
+// fused_moe on the dequantized weights, which differs by the activations' e4m3 rounding only (section 28: up
+// to 2^-4 of a value, twice: x and act): a relative L2 difference of a few percent (5.1e-2 measured at one
+// token of H 256), where a wrong scale, block or expert is of order 1.
+// gemv: section 33b's small steps (moe_gemv_fp8, W8A16) against the reference's w8a16 products instead.
+static void check_experts_fp8(const ExpertsCase& c, std::mt19937& rng, bool graph, bool gemv = false) {
+  const auto x = bf16_values((size_t)c.T * c.H, rng, 1.f);
+  const bool plain = !graph && !gemv;  // compared with the bf16 products of the dequantized weights too
+  const Fp8Stack gu = fp8_stack(c.E * 2 * c.IE, c.H, rng, plain), dn = fp8_stack(c.E * c.H, c.IE, rng, plain);
+  Fp8StackOnGpu d_gu(gu), d_dn(dn);
+  const int T4 = (int)cdiv(c.T, 4) * 4;
+  DevBuf<bf16> d_x(to_bf16(x)), d_out((size_t)c.T * c.H), d_plain((size_t)c.T * c.H);
+  DevBuf<bf16> d_gu_deq(to_bf16(gu.deq)), d_dn_deq(to_bf16(dn.deq));
+  DevBuf<uint8_t> xq((size_t)T4 * c.H);
+  DevBuf<float> xs((size_t)c.H / 128 * T4);
+  MoEScratch s(c.T, c.H, c.IE, c.E, c.k), sp(c.T, c.H, c.IE, c.E, c.k);
+  DevBuf<int> d_ids((size_t)c.T * c.k);
+  DevBuf<float> d_w((size_t)c.T * c.k);
+  cudaStream_t stream;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto run = [&] {
+    if (gemv) moe_gemv_fp8(d_out.p, d_x.p, d_ids.p, d_w.p, d_gu.m, d_dn.m, c.T, c.H, c.IE, c.k, s.act.p, stream);
+    else fused_moe_fp8(d_out.p, d_x.p, d_ids.p, d_w.p, d_gu.m, d_dn.m, c.T, c.H, c.IE, c.E, c.k, xq.p, xs.p, s.a, stream);
+  };
+  routing_rounds(c, rng, graph, d_ids, d_w, d_out, stream, run, [&](const std::vector<int>& ids,
+                                                                     const std::vector<float>& w, int round) {
+    std::vector<int> rows, pair_row, tiles;
+    moe_align_reference(rows, pair_row, tiles, ids.data(), c.T, c.k, c.E);
+    std::vector<float> act, wy, want((size_t)c.T * c.H);
+    fused_moe_fp8_reference(act, wy, want.data(), x.data(), rows, tiles, pair_row, ids.data(), w.data(), gu.q.data(),
+                            gu.s.data(), gu.ld, dn.q.data(), dn.s.data(), dn.ld, c.T, c.H, c.IE, c.k, gemv);
+    const std::vector<float> got = to_float(d_out.download());
+    float scale = 0;
+    for (float v : want) scale = std::max(scale, fabsf(v));
+    char what[200];
+    snprintf(what, sizeof what, "fp8%s: %s (T %d H %d IE %d E %d k %d%s, routing %d)", gemv ? " gemv" : "", c.what,
+             c.T, c.H, c.IE, c.E, c.k, graph ? ", graph replay" : "", round);
+    check_close(what, got.data(), want.data(), got.size(), 0.01f * scale, 2.f / 128);
+    if (graph || gemv) return;
+    // act, the rows of every used tile (padding rows exactly 0): where an intermediate differs, here first.
+    const std::vector<float> got_act = to_float(s.act.download());
+    std::vector<float> ga, wa;
+    size_t padding_nonzero = 0;
+    float act_scale = 0;
+    for (size_t r = 0; r < rows.size(); r++) {
+      if (tiles[r / MOE_TILE] < 0) continue;
+      for (int i = 0; i < c.IE; i++) {
+        ga.push_back(got_act[r * c.IE + i]), wa.push_back(act[r * c.IE + i]);
+        act_scale = std::max(act_scale, fabsf(act[r * c.IE + i]));
+        padding_nonzero += rows[r] < 0 && got_act[r * c.IE + i] != 0.f;
+      }
+    }
+    snprintf(what, sizeof what, "fp8: %s: act", c.what);
+    check_close(what, ga.data(), wa.data(), ga.size(), 0.01f * act_scale, 2.f / 128);
+    CHECK_MSG(padding_nonzero == 0, "fp8: %s: %zu values of padding rows' act not 0", c.what, padding_nonzero);
+    fused_moe(d_plain.p, d_x.p, d_ids.p, d_w.p, d_gu_deq.p, d_dn_deq.p, c.T, c.H, c.IE, c.E, c.k, sp.a, stream);
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    const std::vector<float> plain = to_float(d_plain.download());
+    double num = 0, den = 0;
+    for (size_t i = 0; i < got.size(); i++) num += (double)(got[i] - plain[i]) * (got[i] - plain[i]), den += (double)plain[i] * plain[i];
+    const double rel = sqrt(num / den);
+    printf("    %s: relative L2 against bf16 products of the dequantized weights %.2e\n", c.what, rel);
+    CHECK_MSG(rel < 0.1, "fp8: %s: relative L2 %.3e against the bf16 path on the dequantized weights", c.what, rel);
+  });
+  CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// H and IE multiples of 128 (the chapter's precondition); one token, a token in the hundreds, experts that get
+// no row, one expert that gets every row (many tiles of it), every expert in every token; Qwen3-30B-A3B's
+// widths whole and at --tp 2 (IE 384); Qwen3-235B-A22B's (IE 1,536, H 4,096) with 16 of its experts.
+static const ExpertsCase kFp8Cases[] = {
+    {"one token", 1, 256, 128, 8, 2, 0},
+    {"tiny-moe's shape", 37, 256, 128, 8, 2, 0},
+    {"every expert in every token", 5, 128, 128, 5, 5, 0},
+    {"most experts without a row", 300, 128, 128, 64, 2, 1},
+    {"one expert in every token", 300, 256, 256, 16, 1, 2},
+    {"Qwen3-30B-A3B's widths, one token", 1, 2048, 768, 128, 8, 0},
+    {"Qwen3-30B-A3B's widths", 16, 2048, 768, 128, 8, 0},
+    {"Qwen3-30B-A3B at --tp 2", 9, 2048, 384, 128, 8, 1},
+    {"Qwen3-235B-A22B's widths, 16 experts", 4, 4096, 1536, 16, 8, 0},
+};
+TEST(fused_moe_fp8_matches_reference) {
+  REQUIRE_GPU();
+  if (gpu_cc_major() != 9) SKIP("the FP8 chapter runs on sm_90 only (this GPU: sm_%d0)", gpu_cc_major());
+  std::mt19937 rng(19);
+  for (const ExpertsCase& c : kFp8Cases) check_experts_fp8(c, rng, false);
+  for (const ExpertsCase& c : kFp8Cases)
+    if ((int64_t)c.T * c.k * c.H * c.IE <= 100000000) check_experts_fp8(c, rng, true);
+}
+// Section 33b's small steps (moe_gemv_fp8) at 1 to 4 tokens: each size of a down row's loads (IE 128, 384,
+// 768: two 16-byte loads a lane; 1,536 and 2,048: four), one choice per token and every expert in every
+// token, two tokens that chose the same expert, eagerly and replayed from a CUDA graph under changing
+// routings.
+static const ExpertsCase kFp8GemvCases[] = {
+    {"one token", 1, 256, 128, 8, 2, 0},
+    {"every expert in every token", 4, 128, 128, 5, 5, 0},
+    {"one expert for every token", 4, 128, 256, 16, 1, 2},
+    {"IE at moe_gemv's limit", 2, 512, 2048, 8, 2, 1},
+    {"Qwen3-30B-A3B's widths, one token", 1, 2048, 768, 128, 8, 0},
+    {"Qwen3-30B-A3B's widths, four tokens", 4, 2048, 768, 128, 8, 0},
+    {"Qwen3-30B-A3B at --tp 2, two tokens", 2, 2048, 384, 128, 8, 1},
+    {"Qwen3-235B-A22B's widths, 16 experts", 1, 4096, 1536, 16, 8, 0},
+};
+TEST(moe_gemv_fp8_matches_reference) {
+  REQUIRE_GPU();
+  if (gpu_cc_major() != 9) SKIP("the FP8 chapter runs on sm_90 only (this GPU: sm_%d0)", gpu_cc_major());
+  std::mt19937 rng(23);
+  for (const ExpertsCase& c : kFp8GemvCases) {
+    CHECK(moe_gemv_fits(c.H, c.IE));
+    check_experts_fp8(c, rng, false, true);
+    check_experts_fp8(c, rng, true, true);
+  }
+}
+#endif
+
 #ifdef NANOVLLM_PART_II
 // A timing, not a test: one MoE layer's experts (after the router) at Qwen3-30B-A3B's widths (H 2048, 128
 // experts top-8, IE 768), Part I's moe_experts against section 33's fused_moe, at T = 1 to 2048 tokens, and
@@ -530,6 +699,15 @@ TIMING(moe_layer_speed) {
   DevBuf<bf16> x(2 * H), residual(2 * H), out(2 * H), act(2 * k * IE), logits(2 * E);
   for (auto* b : {&gate_up, &down, &router}) CUDA_CHECK(cudaMemset(b->p, 0x3c, b->n * 2));  // about 0.0115
   for (auto* b : {&norm_w, &residual, &act}) CUDA_CHECK(cudaMemset(b->p, 0x3f, b->n * 2));  // about 0.75
+#ifdef NANOVLLM_PART_II
+  Fp8Stack gu8h, dn8h;  // section 33b's stacks of the same shapes, every byte 0x30 (0.5), every scale 0.023
+  gu8h.N = E * 2 * IE, gu8h.K = H, gu8h.ld = H / 128, dn8h.N = E * H, dn8h.K = IE, dn8h.ld = 8;
+  for (Fp8Stack* m : {&gu8h, &dn8h})
+    m->q.assign((size_t)m->N * m->K, 0x30), m->s.assign((size_t)m->N / 128 * m->ld, 0.023f);
+  Fp8StackOnGpu gu8(gu8h), dn8(dn8h);
+  DevBuf<uint8_t> xq(4 * H);
+  DevBuf<float> xs(4 * H / 128);
+#endif
   std::mt19937 rng(25);
   std::vector<std::unique_ptr<DevBuf<int>>> ids;
   std::vector<std::unique_ptr<DevBuf<float>>> w;
@@ -578,12 +756,25 @@ TIMING(moe_layer_speed) {
            per_layer(fused));
     printf("    T %d: down: loads per row 8, 1 warp per output %5.2f us; 4, 1 warp %5.2f us; 4, 2 warps %5.2f us; "
            "8, 2 warps %5.2f us\n", T,
-           per_layer([&](int l) { moe_gemv_down_launch<8, 1>(out.p, act.p, ids[l]->p, w[l]->p, down.p, T, H, IE, k, s); }),
-           per_layer([&](int l) { moe_gemv_down_launch<4, 1>(out.p, act.p, ids[l]->p, w[l]->p, down.p, T, H, IE, k, s); }),
-           per_layer([&](int l) { moe_gemv_down_launch<4, 2>(out.p, act.p, ids[l]->p, w[l]->p, down.p, T, H, IE, k, s); }),
-           per_layer([&](int l) { moe_gemv_down_launch<8, 2>(out.p, act.p, ids[l]->p, w[l]->p, down.p, T, H, IE, k, s); }));
+           per_layer([&](int l) { moe_gemv_down_launch<8, 1, false>(out.p, act.p, ids[l]->p, w[l]->p, down.p, nullptr, 0, T, H, IE, k, s); }),
+           per_layer([&](int l) { moe_gemv_down_launch<4, 1, false>(out.p, act.p, ids[l]->p, w[l]->p, down.p, nullptr, 0, T, H, IE, k, s); }),
+           per_layer([&](int l) { moe_gemv_down_launch<4, 2, false>(out.p, act.p, ids[l]->p, w[l]->p, down.p, nullptr, 0, T, H, IE, k, s); }),
+           per_layer([&](int l) { moe_gemv_down_launch<8, 2, false>(out.p, act.p, ids[l]->p, w[l]->p, down.p, nullptr, 0, T, H, IE, k, s); }));
     printf("    T %d: the MoE layer: Part I's router + moe_gemv %5.2f us, moe_router + moe_gemv (the stage) %5.2f us\n",
            T, per_layer([&](int l) { parts(l), experts(l); }), per_layer([&](int l) { fused(l), experts(l); }));
+#ifdef NANOVLLM_PART_II
+    if (gpu_cc_major() == 9) {  // section 33b: the same experts in FP8 (bytes 0x30, 0.5; scales 0.023)
+      MoEScratch sc(T, H, IE, E, k);
+      printf("    T %d: FP8 experts: moe_gemv_fp8 %5.2f us, fused_moe_fp8 %5.2f us (bf16 moe_gemv %5.2f us)\n", T,
+             per_layer([&](int l) {
+               moe_gemv_fp8(out.p, x.p, ids[l]->p, w[l]->p, gu8.m, dn8.m, T, H, IE, k, act.p, s);
+             }),
+             per_layer([&](int l) {
+               fused_moe_fp8(out.p, x.p, ids[l]->p, w[l]->p, gu8.m, dn8.m, T, H, IE, E, k, xq.p, xs.p, sc.a, s);
+             }),
+             per_layer(experts));
+    }
+#endif
   }
   CUDA_CHECK(cudaStreamDestroy(s));
 }
@@ -637,8 +828,11 @@ TEST(moe_mlp_matches_reference) {
 
 // ---- the loader, and a tiny MoE checkpoint end to end -------------------------------------------------
 
-// A tiny MoE checkpoint with random weights (test.h's tiny_moe_folder): the folder, or "".
-static std::string tiny_moe(const std::string& name) { return tiny_moe_folder(name, "--random"); }
+// A tiny MoE checkpoint with random weights (test.h's tiny_moe_folder): the folder, or "". fp8: an FP8
+// checkpoint made as Qwen's are (every layer linear and expert in e4m3 with bf16 block scales, the router bf16).
+static std::string tiny_moe(const std::string& name, bool fp8 = false) {
+  return tiny_moe_folder(name, fp8 ? "--random --fp8 bf16" : "--random");
+}
 
 // Every expert's fused gate_up and down, and the router, as load_weights places them at --tp 1 and as rank 1
 // of --tp 2, against the checkpoint's values: gate rows [IE0, IE0 + IE/tp) then up rows, down's columns.
@@ -681,6 +875,63 @@ TEST(moe_load_weights_places_experts) {
     CUDA_CHECK(cudaFree(w.arena));
   }
 }
+
+#ifdef NANOVLLM_PART_II
+// Section 33b's loading: an FP8 checkpoint's experts stacked as the chapter holds them (expert e's gate rows,
+// then its up rows, from row e 2 IE; its down from row e H), their bytes exactly the file's and their block
+// scales the file's weight_scale_inv values at the stacked rows' blocks; the bf16 experts not loaded at all
+// (section 6a leaves them out), the router loaded in bf16.
+TEST(fp8_moe_loads_experts_as_stored) {
+  REQUIRE_GPU();
+  if (gpu_cc_major() != 9) SKIP("the FP8 chapter runs on sm_90 only (this GPU: sm_%d0)", gpu_cc_major());
+  const std::string dir = tiny_moe("fp8-load", true);
+  if (dir.empty()) SKIP("python3 or test/ref/make_tiny_checkpoint.py is missing (run from the repository root)");
+  const ModelConfig mc = load_model_config(dir);
+  CHECK(mc.block_quantized && mc.is_moe_layer(0));
+  Config c;
+  c.model = dir, c.max_num_batched_tokens = 256, c.max_num_seqs = 8;
+  install_optimizations(default_optimizations());
+  Weights w;
+  size_t bytes = 0;
+  CHECK(fp8_load_weights(w, c, mc, 0, 1, 0, &bytes));
+  CHECK_MSG(g_fp8_weights.held, "the chapter stood aside: %s", g_fp8_weights.reason.c_str());
+  const LayerWeights& lw = w.layers[0];
+  CHECK(lw.experts_gate_up == nullptr && lw.experts_down == nullptr && lw.router != nullptr);
+  const Fp8Layer& fl = g_fp8_weights.layers[0];
+  const int64_t H = mc.hidden_size, E = mc.num_experts, IE = mc.moe_intermediate_size;
+  CHECK(fl.experts_gate_up.N == E * 2 * IE && fl.experts_gate_up.K == H && fl.experts_down.N == E * H &&
+        fl.experts_down.K == IE && fl.gate_up.w == nullptr);
+  SafeTensors st = SafeTensors::open_dir(dir);
+  auto check_matrix = [&](const Fp8Matrix& m, int64_t rows_per_expert, const std::vector<std::string>& parts) {
+    std::vector<uint8_t> q((size_t)m.N * m.K);
+    std::vector<float> s((size_t)m.N / 128 * m.ld);
+    CUDA_CHECK(cudaMemcpy(q.data(), m.w, q.size(), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(s.data(), m.scale, s.size() * 4, cudaMemcpyDeviceToHost));
+    size_t bad_bytes = 0, bad_scales = 0;
+    for (int64_t e = 0; e < E; e++) {
+      int64_t row = e * rows_per_expert;
+      for (const std::string& part : parts) {
+        const std::string name = "model.layers.0.mlp.experts." + std::to_string(e) + "." + part;
+        const TensorView& t = *st.find(name);
+        const std::vector<float> file_scales = block_scales(*st.find(name + "_scale_inv"));
+        const int64_t nr = t.shape[0], nc = t.shape[1];
+        for (int64_t r = 0; r < nr; r++)
+          for (int64_t col = 0; col < nc; col++)
+            bad_bytes += q[(size_t)(row + r) * m.K + col] != ((const uint8_t*)t.data)[r * nc + col];
+        for (int64_t bi = 0; bi < nr / 128; bi++)
+          for (int64_t bj = 0; bj < nc / 128; bj++)
+            bad_scales += s[(size_t)(row / 128 + bi) * m.ld + bj] != file_scales[bi * (nc / 128) + bj];
+        row += nr;
+      }
+    }
+    CHECK_MSG(bad_bytes == 0 && bad_scales == 0, "%zu bytes and %zu scales not where the checkpoint's are",
+              bad_bytes, bad_scales);
+  };
+  check_matrix(fl.experts_gate_up, 2 * IE, {"gate_proj.weight", "up_proj.weight"});
+  check_matrix(fl.experts_down, H, {"down_proj.weight"});
+  install_optimizations(default_optimizations());  // (forgets this engine's FP8 weights; nothing is freed)
+}
+#endif
 
 // An engine of the tiny MoE folder (test/gpu/gpu_e2e.cu's Engine, smaller): --opt `opt`, CUDA graphs unless
 // eager.
@@ -750,9 +1001,10 @@ static std::vector<std::vector<int>> moe_prompts() {
 // batch size, so the eager steps have the same shapes) give the same tokens as the same engine stepping
 // eagerly, the last decode step's logits bit for bit (the same kernels in the same order), and so do the
 // logits of a prefill step after them. `opt`: the switches (none: Part I alone; section 33's fused_moe, then
-// section 33a's moe_gemv alone in the next cases); B: the sequences (the first B prompts; a graph's batch size).
-static void graphs_match_eager(const char* opt, const char* folder, int B = 8) {
-  const std::string dir = tiny_moe(folder);
+// section 33a's moe_gemv alone in the next cases); B: the sequences (the first B prompts; a graph's batch size);
+// fp8: an FP8 checkpoint (tiny_moe).
+static void graphs_match_eager(const char* opt, const char* folder, int B = 8, bool fp8 = false) {
+  const std::string dir = tiny_moe(folder, fp8);
   if (dir.empty()) SKIP("python3 or test/ref/make_tiny_checkpoint.py is missing (run from the repository root)");
   auto prompts = moe_prompts();
   prompts.resize(B);
@@ -796,6 +1048,14 @@ TEST(moe_gemv_graphs_match_eager) {
   graphs_match_eager("none,moe_gemv", "gemv-graphs", MOE_GEMV_MAX_T);
   graphs_match_eager("none,pdl,gemv,moe_gemv", "gemv-router-graphs", GEMV_MAX_M);
 }
+// Section 33b on an FP8 checkpoint, with every default switch (the attention half's FP8 products too): 8
+// sequences, then 2 (the router as moe_router's one launch).
+TEST(fp8_moe_graphs_match_eager) {
+  REQUIRE_GPU();
+  if (gpu_cc_major() != 9) SKIP("the FP8 chapter runs on sm_90 only (this GPU: sm_%d0)", gpu_cc_major());
+  graphs_match_eager("all", "fp8-graphs", 8, true);
+  graphs_match_eager("all", "fp8-graphs-2", GEMV_MAX_M, true);
+}
 #endif
 
 // The default switches on a MoE model: the persistent kernel plans nothing and fp8_weights holds nothing (they
@@ -807,9 +1067,11 @@ TEST(moe_gemv_graphs_match_eager) {
 // prompt), the same argmax wherever the margin is clear. A prompt whose
 // tokens the two paths route differently in the last MoE layer (a rounding moved a near-tie of the router:
 // that token's output then differs by a whole expert's share) is printed and not held to the bar; most
-// prompts must route the same and pass. `opt`: the switches compared with --plain.
-static void switches_match_plain(const char* opt, const char* folder, double bound) {
-  const std::string dir = tiny_moe(folder);
+// prompts must route the same and pass. `opt`: the switches compared with --plain. fp8: an FP8 checkpoint
+// (tiny_moe), which the plain path dequantizes and the default switches compute in FP8 (sections 28-30 and
+// 33b): the bound then allows for the activations' e4m3 rounding.
+static void switches_match_plain(const char* opt, const char* folder, double bound, bool fp8 = false) {
+  const std::string dir = tiny_moe(folder, fp8);
   if (dir.empty()) SKIP("python3 or test/ref/make_tiny_checkpoint.py is missing (run from the repository root)");
   const auto prompts = moe_prompts();
   std::vector<std::vector<float>> plain, fast;
@@ -823,11 +1085,11 @@ static void switches_match_plain(const char* opt, const char* folder, double bou
 #ifdef NANOVLLM_PART_II
     if (!strcmp(opt, "all")) {
       CHECK(g_persistent.decode && g_persistent.decode->plans.empty());
-      CHECK(!g_fp8_weights.held);
+      CHECK_EQ(g_fp8_weights.held, fp8);
+      CHECK(g_stages.moe == fp8_moe_stage && g_moe_bf16 == moe_gemv_stage && g_moe_larger == fused_moe_stage);
     }
     if (!strcmp(opt, "none,fused_moe")) CHECK(g_stages.moe == fused_moe_stage);
     else if (!strcmp(opt, "none,moe_gemv")) CHECK(g_stages.moe == moe_gemv_stage && g_moe_larger == moe_plain);
-    else CHECK(g_stages.moe == moe_gemv_stage && g_moe_larger == fused_moe_stage);
 #endif
     for (size_t i = 0; i < prompts.size(); i++) fast.push_back(e.prefill_logits(prompts[i], &route_fast[i]));
     const auto tokens = e.generate(prompts, 16);  // decode steps through the default path's graphs
@@ -865,6 +1127,16 @@ TEST(moe_default_switches_match_plain) {
   REQUIRE_GPU();
   switches_match_plain("all", "fast", 2e-2);
 }
+#ifdef NANOVLLM_PART_II
+// An FP8 checkpoint: the default switches hold it in FP8 (W8A8 products, the experts through section 33b)
+// against the plain path's bf16 products of the dequantized weights. The bound is the activations' e4m3
+// rounding (a few 1e-2 relative per product, mostly averaging out) on top of the bf16 chapters' 2e-2.
+TEST(fp8_moe_default_switches_match_plain) {
+  REQUIRE_GPU();
+  if (gpu_cc_major() != 9) SKIP("the FP8 chapter runs on sm_90 only (this GPU: sm_%d0)", gpu_cc_major());
+  switches_match_plain("all", "fp8-fast", 8e-2, true);
+}
+#endif
 #ifdef NANOVLLM_PART_II
 // Section 33 alone: Part I's attention, so the first MoE layer sees the plain path's rows exactly.
 TEST(fused_moe_alone_matches_plain) {

@@ -539,8 +539,12 @@ TEST(moe_experts_reference_matches_transformers_loop) {
 TEST(moe_stand_aside_reasons) {
 #ifdef NANOVLLM_PART_II
   const ModelConfig c = parse(config_30b());
-  // fp8_weights' reason comes before it asks the GPU anything.
-  CHECK_EQ(fp8_weights_problem(c, 1), std::string("a MoE model's experts have no FP8 products yet"));
+  // fp8_weights' reason, where section 33b's switch is off, comes before it asks the GPU anything.
+  const bool fp8_moe = g_opt.fp8_moe;
+  g_opt.fp8_moe = false;
+  CHECK_EQ(fp8_weights_problem(c, 1), std::string("a MoE model's experts are multiplied in FP8 by section 33b "
+                                                  "(switch fp8_moe), which this run switches off"));
+  g_opt.fp8_moe = fp8_moe;
   // The persistent kernel plans nothing for a MoE model, and says why, before it asks the GPU anything.
   Qwen3 model;
   model.cfg = c;
@@ -549,12 +553,12 @@ TEST(moe_stand_aside_reasons) {
   CHECK_MSG(pd.off_reason.find("a MoE model keeps section 14's path") != std::string::npos, "%s",
             pd.off_reason.c_str());
   // Section 14's table sends a MoE layer's MLP to its moe stage: Part I's unless a chapter fills it, as
-  // sections 33 and 33a do by default (small steps 33a's gemv, the others 33's fused_moe); --plain fills no
-  // stage (section 6c's pass runs moe_mlp).
+  // sections 33-33b do by default (FP8 experts 33b's stage, else small steps 33a's gemv, the others 33's
+  // fused_moe); --plain fills no stage (section 6c's pass runs moe_mlp).
   install_optimizations(default_optimizations());
-  CHECK(g_stages.moe == moe_gemv_stage && g_moe_larger == fused_moe_stage);
+  CHECK(g_stages.moe == fp8_moe_stage && g_moe_bf16 == moe_gemv_stage && g_moe_larger == fused_moe_stage);
   OptimizationSet set = default_optimizations();
-  CHECK(parse_optimizations("-fused_moe,-moe_gemv", set).empty());
+  CHECK(parse_optimizations("-fused_moe,-moe_gemv,-fp8_moe", set).empty());
   install_optimizations(set);
   CHECK(g_hooks.forward == forward_fast && g_stages.moe == moe_plain);
   CHECK(parse_optimizations("none", set).empty());
@@ -647,10 +651,24 @@ TEST(moe_parameters_and_bytes_per_step) {
   CHECK(fabs(step_weight_bytes(a3b, cfg, 1e6) - 2.0 * model_params(a3b)) < 1e3);
   CHECK(step_weight_bytes(a3b, cfg, 10) > step_weight_bytes(a3b, cfg, 1));
   CHECK_EQ(step_weight_bytes(dense, cfg, 1), model_weight_bytes(dense, cfg));
-  // A block-quantized MoE checkpoint is held dequantized (fp8_weights stands aside): bf16 bytes.
+  // A block-quantized MoE checkpoint (or --quantization fp8) with the default switches: the layer linears and
+  // every expert one byte each (fp8_weights and fp8_moe), the rest bf16; a batch-1 step reads k experts of
+  // them. With fp8_moe off the FP8 chapter stands aside and the checkpoint is held dequantized: bf16 bytes.
   ModelConfig q = a3b;
   q.block_quantized = true;
+#ifdef NANOVLLM_PART_II
+  Config quant = cfg, off = cfg;
+  quant.quantization = "fp8";
+  CHECK(parse_optimizations("-fp8_moe", off.opt).empty());
+  CHECK_EQ(model_weight_bytes(q, off), model_weight_bytes(a3b, off));
+  const double H = 2048, L = 48, E = 128, IE = 768, attention = H * (32 + 2 * 4) * 128 + 32 * 128 * H;
+  const double linears = L * (attention + E * 3 * H * IE);
+  CHECK(fabs(model_weight_bytes(q, cfg) - (2.0 * model_params(a3b) - linears)) < 1);
+  CHECK_EQ(model_weight_bytes(a3b, quant), model_weight_bytes(q, cfg));
+  CHECK(fabs(step_weight_bytes(q, cfg, 1) - (model_weight_bytes(q, cfg) - L * (E - 8) * 3 * H * IE)) < 1);
+#else  // Part II cut out: no chapter holds FP8 weights, the checkpoint is dequantized
   CHECK_EQ(model_weight_bytes(q, cfg), model_weight_bytes(a3b, cfg));
+#endif
   // --simulate-gpu-memory: the experts' buffers for the largest step come out of the pool.
   Config c;
   c.kvcache_block_size = 256;

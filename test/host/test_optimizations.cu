@@ -29,7 +29,7 @@ static OptimizationSet parsed(const char* spec) {
 static int fields_on(const Optimizations& o) {
   return o.flash_attn + o.longest_first + o.pdl + o.gemv + o.cluster_merge + o.fused_rope + o.oneshot_allreduce +
          o.twoshot_allreduce + o.bisect_sampler + o.fast_sampler + o.prefill_graphs + o.persistent + o.fp8_weights +
-         o.fp8_gemv + o.fused_moe + o.moe_gemv;
+         o.fp8_gemv + o.fused_moe + o.moe_gemv + o.fp8_moe;
 }
 
 // Every Part II switch is registered exactly once, in file order, with a description naming its section,
@@ -38,7 +38,8 @@ TEST(every_optimization_is_registered_once) {
   const char* expected[] = {"flash_attn",        "pdl",           "gemv",           "cluster_merge",
                             "fused_rope",        "oneshot_allreduce", "twoshot_allreduce", "bisect_sampler",
                             "fast_sampler",      "prefill_graphs", "persistent",     "fp8_weights",
-                            "fp8_gemv",          "longest_first",  "fused_moe",      "moe_gemv"};
+                            "fp8_gemv",          "longest_first",  "fused_moe",      "moe_gemv",
+                            "fp8_moe"};
   CHECK_EQ(reg().size(), sizeof expected / sizeof expected[0]);
   CHECK_EQ(sizeof(Optimizations), reg().size() * sizeof(bool));
   for (size_t i = 0; i < reg().size() && i < sizeof expected / sizeof expected[0]; i++) {
@@ -108,11 +109,13 @@ TEST(simulate_reads_the_step_costs_of_the_switches_on) {
   CHECK_EQ(step_cost(default_optimizations(), "prefill_graph_tokens"), (double)PREFILL_GRAPH_MAX_T);
   CHECK_EQ(step_cost(default_optimizations(), "linear_weight_bytes_saved"), 1.0);
   CHECK_EQ(step_cost(parsed("-fp8_weights"), "linear_weight_bytes_saved"), 0.0);
+  CHECK_EQ(step_cost(default_optimizations(), "expert_weight_bytes_saved"), 1.0);
+  CHECK_EQ(step_cost(parsed("-fp8_moe"), "expert_weight_bytes_saved"), 0.0);
   // Every name a switch gives is one section 45 reads (a misspelt name would change nothing, silently).
   for (const Optimization& o : optimization_registry())
     for (const auto& cost : o.step_costs)
       CHECK_MSG(cost.first == "prefill_graph_tokens" || cost.first == "decode_rows_per_kv_group" ||
-                    cost.first == "linear_weight_bytes_saved",
+                    cost.first == "linear_weight_bytes_saved" || cost.first == "expert_weight_bytes_saved",
                 "%s gives step cost %s, which section 45 does not read", o.name, cost.first.c_str());
 }
 
@@ -154,18 +157,23 @@ TEST(chapters_fill_their_stages) {
         g_stages.attention_decode == attention_decode_plain && g_stages.all_reduce == all_reduce_plain);
   install_optimizations(parsed("none,moe_gemv"));  // small steps' gemv in front of Part I's stage
   CHECK(g_stages.moe == moe_gemv_stage && g_moe_larger == moe_plain && g_opt.moe_gemv && !g_opt.fused_moe);
-  install_optimizations(parsed("all,-fused_moe"));
-  CHECK(!g_opt.fused_moe && g_stages.moe == moe_gemv_stage && g_moe_larger == moe_plain);
-  install_optimizations(parsed("all,-moe_gemv"));
-  CHECK(!g_opt.moe_gemv && g_stages.moe == fused_moe_stage);
+  install_optimizations(parsed("all,-fused_moe"));  // fp8_moe's stage in front (it passes bf16 experts on)
+  CHECK(!g_opt.fused_moe && g_stages.moe == fp8_moe_stage && g_moe_bf16 == moe_gemv_stage &&
+        g_moe_larger == moe_plain);
+  install_optimizations(parsed("all,-moe_gemv"));  // fp8_moe's stage in front of every bf16 one
+  CHECK(!g_opt.moe_gemv && g_stages.moe == fp8_moe_stage && g_moe_bf16 == fused_moe_stage);
+  install_optimizations(parsed("all,-moe_gemv,-fp8_moe"));
+  CHECK(!g_opt.moe_gemv && !g_opt.fp8_moe && g_stages.moe == fused_moe_stage);
+  install_optimizations(parsed("none,fp8_moe"));  // alone (fp8_weights off: it holds nothing, Part I's stage behind)
+  CHECK(g_opt.fp8_moe && g_stages.moe == fp8_moe_stage && g_moe_bf16 == moe_plain);
   install_optimizations(default_optimizations());  // fp8_weights' stages in front, the gemv's behind them
   CHECK(g_stages.norm_matmul == fp8_norm_matmul && g_fp8_weights.norm_matmul_bf16 == gemv_norm_matmul &&
         g_stages.matmul_out == fp8_matmul_out && g_fp8_weights.matmul_out_bf16 == gemv_matmul_out &&
         g_stages.attention_decode == fused_attention_decode_stage &&
         g_stages.store_qkv == store_qkv_fast &&
         g_stages.all_reduce == all_reduce_nvlink && g_stages.cut == piecewise_cut &&
-        g_stages.attention_prefill == flash_attention_prefill_stage && g_stages.moe == moe_gemv_stage &&
-        g_moe_larger == fused_moe_stage);
+        g_stages.attention_prefill == flash_attention_prefill_stage && g_stages.moe == fp8_moe_stage &&
+        g_moe_bf16 == moe_gemv_stage && g_moe_larger == fused_moe_stage);
 }
 
 // The FP8 cache (sections 31-32) installs the way every chapter does: its format's apply, run by

@@ -155,10 +155,13 @@ TEST(moe_experts_split_like_the_dense_mlp) {
       CHECK_MSG(sum == model_params(m) + replicated + pad, "%s N=%d: %lld elements over the ranks, expected %lld",
                 name, n, (long long)sum, (long long)(model_params(m) + replicated + pad));
     }
-    // Without the layers' four matrices (a chapter that loads them itself), a MoE layer's MLP is still there.
+    // Without the layers' four matrices (a chapter that loads them itself): a MoE layer's experts are left out
+    // too, its router stays.
     const TPShard one = tp_shard(m, 0, 1);
     CHECK_EQ(weight_elements(m, one) - weight_elements(m, one, false),
-             L * (H * (m.num_attention_heads + 2 * m.num_key_value_heads) * D + m.num_attention_heads * D * H));
+             L * (H * (m.num_attention_heads + 2 * m.num_key_value_heads) * D + m.num_attention_heads * D * H) +
+                 (L - m.num_moe_layers()) * 3 * H * (int64_t)m.intermediate_size +
+                 m.num_moe_layers() * (int64_t)m.num_experts * 3 * H * m.moe_intermediate_size);
   }
   // Each rule on its own: moe_intermediate_size that splits into slices that are not multiples of 8 is refused
   // by name, and a model whose layers are all MoE layers needs no intermediate_size that splits.
