@@ -9262,8 +9262,9 @@ static const int kPersistentRegistered = register_optimization(
 //      columns k of block b of x_q[t][k] * w[n][k]), accumulated in fp32, rounded once to bf16.
 // So an FP8 layer differs from the bf16 one by the weights' rounding (which the checkpoint fixed) and the
 // activations' (about 2^-4 relative per value, averaging out over K): test/ref/hf_reference.py emulates
-// 1-3 in PyTorch and the end-to-end test compares the engine with that. (Section 30's gemv for steps of one
-// or two tokens, switch fp8_gemv, skips step 2: it multiplies the bf16 activations as they are.)
+// 1-3 in PyTorch and the end-to-end test compares the engine with that. Every step size computes 1-3 (section
+// 30's gemv for steps of one or two tokens too: its input comes quantized by the same kernels); only a MoE
+// model's experts at steps of 1-4 tokens skip step 2 (section 33b's small steps multiply the bf16 rows).
 
 // e4m3 rounding on the CPU (to nearest, ties to even, saturating at +-448; NaN stays NaN), written from the
 // format's definition (section 6a) rather than from cuda_fp8.h: what __nv_cvt_float_to_fp8(x, __NV_SATFINITE,
@@ -11725,12 +11726,13 @@ static const int kMoeGemvRegistered = register_optimization(
 // half the bytes of the bf16 gemv, and no quantizer launches. There the arithmetic is W8A16: the weights'
 // e4m3 values are converted to fp32 in registers (exactly), multiplied with the bf16 rows as they are, summed
 // per 128-column block and scaled, the roundings after the products as above. So a small step's experts skip
-// step 2 (the activations' rounding), which the grouped products take: a token's result at a decode step of
-// 1-4 sequences is closer to the bf16 model's than at larger steps, by about the FP8 activations' error
-// (fused_moe_fp8_reference with w8a16 is its CPU account). Why not W8A8 there too: the input would be
-// quantized once more per step (a launch, or in every thread block), and a warp per output row has no use
-// for the FP8 tensor cores' 16 x 8 tiles; the conversion costs instructions, not bytes, and a small step
-// reads few enough weights that they are not its bound.
+// step 2 (the activations' rounding), which the grouped products take: at a decode step of 1-4 sequences a
+// token's experts compute what the dequantized checkpoint's bf16 experts would (up to the bf16 rounding of
+// the dequantized weights), at larger steps they carry the activations' e4m3 rounding too
+// (fused_moe_fp8_reference with w8a16 is the small steps' CPU account). Why not W8A8 there too: the input
+// would be quantized once more per step (a launch, or in every thread block), and a warp per output row has
+// no use for the FP8 tensor cores' 16 x 8 tiles; converting each weight costs instructions, and at 1-4 tokens
+// what bounds the step is the weights' bytes and the kernels' boundaries, not instructions.
 // Preconditions: the FP8 chapter's (H and IE / tp multiples of 128, a Hopper GPU). Switch: fp8_moe.
 
 // GATE_UP: out = act [RM, IE] from a = x quantized (xq [T4, H], xs [H/128, T4]) and W = experts_gate_up (N =
