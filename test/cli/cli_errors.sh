@@ -208,6 +208,13 @@ M=$(model moe_quant --moe)
 refuse moe_quantization_fp8_opt_off "--quantization fp8: a MoE model's experts are quantized and multiplied by \
 the optimization fp8_moe|switch it on" "$M" "$PT" --quantization fp8 --opt -fp8_moe
 refuse valid_moe_quantization_fp8_reaches_gpu_check "$NOGPU" "$M" "$PT" --quantization fp8
+# An FP8 MoE checkpoint as Qwen3-30B-A3B-FP8 is written (every expert e4m3 with its scales, the router bf16): valid;
+# an expert's missing scales are refused by name before the GPU.
+M=$(model moe_fp8 --moe --fp8 bf16)
+refuse valid_moe_fp8_model_reaches_gpu_check "$NOGPU" "$M" "$PT"
+M=$(model moe_fp8_scale --moe --fp8 f32 --break moe_fp8_scale_missing)
+refuse moe_fp8_scale_missing "checkpoint in $M has no tensor \
+'model.layers.0.mlp.experts.7.down_proj.weight_scale_inv'" "$M" "$PT"
 
 # ---- FP8: config.json's quantization_config and --quantization ----------------------------------------
 # Set into the bf16 tiny model's config.json; the checkpoint-tensor cases (F8_E4M3 weights and their block

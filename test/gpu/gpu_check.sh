@@ -15,8 +15,11 @@
 #      comparison, default "all none": the default path and --plain), E2E_KV (KV cache dtypes the default
 #      path runs again with, default "fp8"; "" for none), FP8_SHAPES (FP8 checkpoints compared in FP8 and
 #      dequantized, default "tiny-fp8 odd-fp8"; "" for none), E2E_QUANT (the default path again with
-#      --quantization fp8 on SHAPES' first shape, default 1), MOE_SHAPES (Qwen3-MoE checkpoints compared with
-#      the default switches and --plain, default "tiny-moe tiny-moe-nonorm 30b-a3b-short"; "" for none)
+#      --quantization fp8 on SHAPES' first shape and on MOE_SHAPES' first, default 1), MOE_SHAPES (Qwen3-MoE
+#      checkpoints compared with the default switches and --plain, default "tiny-moe tiny-moe-nonorm
+#      30b-a3b-short"; "" for none), MOE_FP8_SHAPES (FP8 Qwen3-MoE checkpoints, experts in FP8 as
+#      Qwen3-30B-A3B-FP8's, compared in FP8 and dequantized like FP8_SHAPES, default "tiny-moe-fp8
+#      tiny-moe-nonorm-fp8"; 30b-a3b-short-fp8 by name, it takes longer to make; "" for none)
 set -uo pipefail
 BIN=${1:-}
 NANOVLLM=${BIN:+$BIN/}nanovllm; [ -n "$BIN" ] || NANOVLLM=./nanovllm
@@ -48,7 +51,8 @@ if [ "${KERNELS:-1}" != 0 ]; then
 fi
 FP8_SHAPES=${FP8_SHAPES-tiny-fp8 odd-fp8}
 MOE_SHAPES=${MOE_SHAPES-tiny-moe tiny-moe-nonorm 30b-a3b-short}
-python3 test/ref/hf_reference.py "$WORK_DIR" "$TOKENIZER_DIR" $SHAPES $FP8_SHAPES $MOE_SHAPES 2>&1 |
+MOE_FP8_SHAPES=${MOE_FP8_SHAPES-tiny-moe-fp8 tiny-moe-nonorm-fp8}
+python3 test/ref/hf_reference.py "$WORK_DIR" "$TOKENIZER_DIR" $SHAPES $FP8_SHAPES $MOE_SHAPES $MOE_FP8_SHAPES 2>&1 |
   tee "$LOG_DIR/hf_reference.txt" | grep -v Warning
 printf 'introduce yourself\nlist all prime numbers within 100\n' >"$WORK_DIR/prompts.txt"
 SMOKE=${SHAPES%% *}
@@ -90,6 +94,13 @@ fi
 if [ -n "$MOE_SHAPES" ]; then
   for opt in all none; do SHAPES=$MOE_SHAPES run_e2e "moe-$opt" NANOVLLM_E2E_OPT="$opt"; done
 fi
+# FP8 experts (section 33b): FP8 MoE checkpoints computed in FP8 (against hf_reference.py's W8A8 emulation, the
+# experts included) and dequantized (--plain), and a bf16 MoE one quantized at load (its ref_q8_logits_N).
+if [ -n "$MOE_FP8_SHAPES" ]; then
+  for opt in all none; do SHAPES=$MOE_FP8_SHAPES run_e2e "moe-fp8-weights-$opt" NANOVLLM_E2E_OPT="$opt"; done
+fi
+[ "${E2E_QUANT:-1}" = 0 ] || [ -z "$MOE_SHAPES" ] ||
+  SHAPES=${MOE_SHAPES%% *} run_e2e moe-quantization-fp8 NANOVLLM_E2E_QUANT=fp8
 # Data parallelism (sections 43-44) on NANOVLLM_E2E_DP replicas (of TP GPUs each in its --tp case), after
 # gpu_e2e wrote the tolerance its teacher-forcing check reuses.
 DP=${NANOVLLM_E2E_DP:-1}

@@ -19,17 +19,21 @@ the reference model is read from MODEL_DIR/bf16-dequantized, the weights the eng
   "bf16" or absent  the fp32 model as read (MODEL_DIR, or MODEL_DIR/bf16-dequantized for an FP8 folder).
   "fp8"             an FP8 checkpoint computed in FP8 (FP8 weights, FP8 activations); needs an FP8 folder: the
                     reference is hf_reference.py's W8A8 emulation of MODEL_DIR (w8a8_emulation): each layer's
-                    linears with weights e4m3 * scale in fp32 from MODEL_DIR's safetensors and inputs
-                    fake-quantized to e4m3 per token per group of 128 columns (s = amax / 448), the products in
-                    fp32.
+                    linears (and a MoE layer's experts) with weights e4m3 * scale in fp32 from MODEL_DIR's
+                    safetensors and inputs fake-quantized to e4m3 per token per group of 128 columns
+                    (s = amax / 448), the products in fp32.
   "fp8-quantized"   a bf16 checkpoint the engine quantized at load (--quantization fp8); needs a bf16 folder (no
                     bf16-dequantized/): the same W8A8 emulation with weights quantize_fp8(the model's own bf16
                     weights, torch.float32), e4m3 * scale in fp32 (q8_emulation), as hf_reference.py's
                     ref_q8_logits_N.
 Both emulations go through hf_reference.py's w8a8_linears, the one definition both scripts use.
-A MoE folder (config.json's architectures names Qwen3MoeForCausalLM: hf_reference.py's MoE shapes, or a real
-Qwen3-MoE) is read as Qwen3MoeForCausalLM in fp32 with the experts' "eager" forward, as hf_reference.py's reference
-(its model_class and eager_experts); the "fp8" and "fp8-quantized" weights modes are dense only and refused there.
+A MoE folder (config.json's architectures names Qwen3MoeForCausalLM: hf_reference.py's MoE shapes and FP8 MoE
+shapes, or a real Qwen3-MoE) is read as Qwen3MoeForCausalLM in fp32 with the experts' "eager" forward, as
+hf_reference.py's reference (its model_class and eager_experts); an FP8 one from its bf16-dequantized/ as above.
+Both weights modes cover it: w8a8_linears quantizes the attention linears, the dense (mlp_only_layers) layers' MLP
+and every expert's gate, up and down, and runs transformers' eager loop over the chosen experts with the input of
+each expert product fake-quantized (x for gate_up, act = silu(gate) * up for down); the router (mlp.gate) and the
+routing stay as in the fp32 model (bf16 weights widened, fp32 inputs and routing weights), never quantized.
 Prints PASS/FAIL lines and a RESULT line like the C++ suites.
 """
 import json, os, sys
@@ -53,16 +57,16 @@ if w8a8 and src == d:
 if q8 and src != d:
     sys.exit(f"{d}: \"weights\": \"fp8-quantized\" needs a bf16 checkpoint, not an FP8 folder of hf_reference.py")
 cls = model_class(src)  # Qwen3ForCausalLM, or Qwen3MoeForCausalLM by config.json's architectures
-if cls.__name__ == "Qwen3MoeForCausalLM" and (w8a8 or q8):
-    sys.exit(f"{d}: \"weights\": {weights!r} is not defined for a MoE folder (the FP8 emulations are dense only)")
 model = eager_experts(cls.from_pretrained(src, torch_dtype=torch.float32)).to("cuda").eval()
 if w8a8:  # score against what FP8 weights and activations compute, not against the dequantized bf16 weights
     model = w8a8_emulation(model, d)
 elif q8:  # the bf16 weights as the engine quantizes them at load, then the same FP8 compute
     model = q8_emulation(model)
+moe = cls.__name__ == "Qwen3MoeForCausalLM"
 print(f"reference: fp32 transformers {cls.__name__} from {src}"
-      + (f", its linears W8A8-emulated from {d}'s FP8 weights" if w8a8 else "")
-      + (", its linears W8A8-emulated with its bf16 weights quantized as at load" if q8 else ""), flush=True)
+      + (f", its linears{' and experts' if moe else ''} W8A8-emulated from {d}'s FP8 weights" if w8a8 else "")
+      + (f", its linears{' and experts' if moe else ''} W8A8-emulated with its bf16 weights quantized as at load"
+         if q8 else "") + (", the router unquantized" if moe and (w8a8 or q8) else ""), flush=True)
 passed = failed = 0
 for name, run in res["runs"].items():
     worst, n_tok, n_exact, worst_lp, n_clear, n_clear_wrong = 0.0, 0, 0, 0.0, 0, 0

@@ -17,8 +17,8 @@ The folder of each of these bf16 shapes (not of the FP8 ones below) also holds:
                        w8a8_linears) with weights e4m3 * scale in fp32 from quantize_fp8(the bf16 weight,
                        torch.float32): per 128 x 128 block, scale = amax / 448 in fp32 (1 for an all-zero block),
                        e4m3(W / scale) rounded to nearest even, saturating. cases.json then has per case
-                       "ref_q8_argmax", "ref_q8_top2_margin" and "q8_vs_fp32_rel_err" (the relative L2
-                       difference from ref_logits_N, also printed).
+                       "ref_q8_argmax", "ref_q8_top2_margin", "q8_vs_fp32_rel_err" (the relative L2
+                       difference from ref_logits_N, also printed) and "q8_vs_fp32_max_abs_err".
 FP8 shapes (only when named; an FP8 checkpoint made the way Qwen's are, REFERENCE.md section 12): tiny-fp8
 (BF16 scales), tiny-fp8-f32 (F32 scales), odd-fp8 (H 264, I 776: partial 128 x 128 blocks on both edges,
 untied, F32 scales), 0.6b-fp8 and 8b-short-fp8 (BF16 scales). Per 128 x 128 block of each layer's linear
@@ -33,8 +33,9 @@ FP8 shape also holds:
                            e4m3 * scale in fp32 (not rounded to bf16) and inputs fake-quantized to e4m3 per token
                            per group of 128 columns (s = amax / 448, 1 for an all-zero group), the products in
                            fp32; everything else as the fp32 reference. cases.json then has per case
-                           "ref_w8a8_argmax", "ref_w8a8_top2_margin" and "w8a8_vs_fp32_rel_err" (the relative
-                           L2 difference from ref_logits_N, also printed). On deep shapes the engine's FP8 path
+                           "ref_w8a8_argmax", "ref_w8a8_top2_margin", "w8a8_vs_fp32_rel_err" (the relative L2
+                           difference from ref_logits_N, also printed) and "w8a8_vs_fp32_max_abs_err" (the
+                           largest |difference| of one logit). On deep shapes the engine's FP8 path
                            is about as far from this emulation as the emulation is from ref_logits_N (activation
                            rounding decisions decorrelate through the layers), so a bar on the engine's distance
                            scales with *_vs_fp32_rel_err.
@@ -51,10 +52,11 @@ mlp_only_layers []: both layers MoE), 30b-a3b-short (Qwen3-30B-A3B's widths: H 2
 moe_intermediate_size 768, I 6144, norm_topk_prob true, untied, 2 layers). The router and the experts are drawn
 from N(0, 0.02) here, whatever transformers' own init does (a router of zeros would make every routing a tie).
 Each writes SHAPE/ as a bf16 shape does (model files, generation_config.json, tokenizer files, cases.json with the
-same keys, ref_logits_N.f32, gen_prompts.json; not ref_q8_*: the FP8 paths are dense only), the reference being
-transformers' Qwen3MoeForCausalLM in fp32 with experts_implementation "eager" (eager_experts: each chosen expert's
-down(silu(gate(x)) * up(x)) by F.linear in fp32, times its fp32 routing weight, index_add_ into the token's row),
-and also:
+same keys, ref_logits_N.f32, gen_prompts.json, and ref_q8_logits_N.f32 with the q8 keys: the engine's --quantization
+fp8 quantizes a MoE checkpoint's attention linears, its dense layers' MLP and every expert at load, and the W8A8
+emulation below covers the experts), the reference being transformers' Qwen3MoeForCausalLM in fp32 with
+experts_implementation "eager" (eager_experts: each chosen expert's down(silu(gate(x)) * up(x)) by F.linear in fp32,
+times its fp32 routing weight, index_add_ into the token's row), and also:
   moe.json           which transformers behaviour the reference follows (MOE_FACTS: the router, fp32 routing
                      weights in the multiply, the layouts) and what this run found: transformers' and torch's
                      versions, the experts implementation used, the dtype of the routing weights in transformers'
@@ -85,11 +87,41 @@ per expert. Early 5.0 development snapshots reversed only renames and would writ
 does not trust it: it reads back the names written and, unless they are exactly the per-expert ones with the same
 values, rewrites model.safetensors per expert from the state dict itself (moe.json "tensors_written" says which);
 then from_pretrained of the folder must give back the saved weights bit for bit (it exits non-zero otherwise).
+FP8 MoE shapes (only when named; an FP8 checkpoint made as Qwen/Qwen3-30B-A3B-FP8 is, REFERENCE.md sections 12 and
+14): tiny-moe-fp8 (tiny-moe quantized, BF16 scales), tiny-moe-nonorm-fp8 (tiny-moe-nonorm, F32 scales),
+30b-a3b-short-fp8 (30b-a3b-short, BF16 scales); each drawn with its bf16 shape's seed, so it is that shape's weights
+quantized. Every matrix layer_matrices names is quantized as the dense FP8 shapes' linears are (per 128 x 128 block of
+one matrix: an expert's gate_proj, up_proj and down_proj each on their own) and stored per expert, as Qwen's files
+hold them: X.weight F8_E4M3 [out, in] and X.weight_scale_inv [ceil(out/128), ceil(in/128)] for every layer's
+self_attn.{q,k,v,o}_proj, a dense (mlp_only_layers) layer's mlp.{gate,up,down}_proj and every expert's
+mlp.experts.E.{gate,up,down}_proj; the router mlp.gate.weight, the embedding, the norms and lm_head stay bf16.
+config.json is the MoE shape's plus the dense FP8 shapes' quantization_config (FP8_QUANTIZATION_CONFIG: no
+modules_to_not_convert; see MOE_FP8_FACTS). The folder holds what a MoE shape's does (moe.json, router_case.json,
+router_input.f32, cases.json's routing keys), every reference being of the model on the dequantized weights, and
+what a dense FP8 shape's does: bf16-dequantized/ (a plain per-expert bf16 MoE checkpoint of bf16(e4m3 * scale),
+written and checked by save_moe), ref_logits_N.f32 and the hf_bf16_* yardsticks of the model on those weights,
+ref_w8a8_logits_N.f32 with the w8a8 keys, and fp8_emulation.json. moe.json adds "fp8_checkpoint" (MOE_FP8_FACTS and
+what this run found: the scales' dtype, how the files were written, transformers' dequantization). transformers'
+FineGrainedFP8Config(dequantize=True) is tried on the folder (hf_dequantize_moe): where it loads the folder and
+dequantizes every quantized matrix, the same bit-for-bit requirement as the dense FP8 shapes (it exits non-zero
+otherwise); where it cannot (from_pretrained raises or reports keys it missed or did not use, or a matrix comes
+back in e4m3 or without its scale applied), the check is skipped with the reason printed and written to cases.json's
+"hf_dequantize" and moe.json.
+The W8A8 emulation of a MoE model (w8a8_linears, for ref_w8a8_* and ref_q8_* alike): the attention and dense
+linears as above; each expert's weights e4m3 * scale in fp32 (transformers 5.x: packed into mlp.experts.gate_up_proj
+and down_proj, gate rows first), and transformers' own eager loop over the chosen experts (eager_experts) run with
+the input of each of its F.linear calls fake-quantized per token per 128 columns (ExpertInputsW8A8): the gate_up
+product's x (the normed hidden row) and the down product's act = silu(gate) * up, as the engine quantizes them. The
+router's product is not quantized (its bf16 weight widened, its fp32 input), and the routing weights stay fp32.
+cases.json of a MoE shape then also has "w8a8_routing_flips" (FP8 shapes) or "q8_routing_flips" (bf16 shapes): the
+(token, layer) pairs where the emulation chose another expert set than the fp32 reference (the activations' rounding
+in the layers before moves the router's input), each moving that token's output by a whole expert's share.
 hf_check_generation.py imports w8a8_emulation and q8_emulation from here, so both scripts emulate FP8 one way,
 and model_class and eager_experts, so both load a MoE folder one way.
 """
 import contextlib, json, os, shutil, sys
 import torch
+import torch.overrides  # TorchFunctionMode: ExpertInputsW8A8
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 SHAPES = {
@@ -134,6 +166,38 @@ MOE_FACTS = {
 }
 MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
             "mlp_only_layers")  # config.json's MoE keys, spelled as in Qwen's files
+MOE_FP8_SHAPES = {  # name: (the bf16 MoE shape it quantizes, the scales' dtype), as FP8_SHAPES
+    "tiny-moe-fp8": ("tiny-moe", "bf16"), "tiny-moe-nonorm-fp8": ("tiny-moe-nonorm", "f32"),
+    "30b-a3b-short-fp8": ("30b-a3b-short", "bf16"),
+}
+SCALE_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
+# config.json's quantization_config of every FP8 folder written here, as the Qwen3 FP8 releases spell it (REFERENCE.md
+# section 12). No modules_to_not_convert: the dense 0.6B-32B releases carry none, and what the MoE releases list was
+# not checked against a published file here; the engine never quantizes a MoE router (mlp.gate) whatever the list says.
+FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                           "weight_block_size": [128, 128]}
+FP8_MOE_EMULATION = {  # fp8_emulation.json of a MoE FP8 shape adds these to FP8_EMULATION
+    "experts": "transformers' eager loop over the chosen experts, each F.linear with weights e4m3*scale in fp32 and "
+               "its input fake-quantized per token per 128 columns: x (the normed hidden row) for gate_up, "
+               "act = silu(gate)*up for down; routing weights fp32",
+    "router": "not quantized: F.linear of its fp32 input by its bf16 weight widened, as the fp32 reference",
+}
+MOE_FP8_FACTS = {
+    "quantized": "F8_E4M3 [out, in] + weight_scale_inv [ceil(out/128), ceil(in/128)] per 128 x 128 block of one "
+                 "matrix: every layer's self_attn.{q,k,v,o}_proj, a dense (mlp_only_layers) layer's "
+                 "mlp.{gate,up,down}_proj, every expert's mlp.experts.E.{gate,up,down}_proj (stored per expert)",
+    "not_quantized": "bf16: the router mlp.gate.weight, model.embed_tokens, lm_head, the norms",
+    "quantization_config": FP8_QUANTIZATION_CONFIG,
+    "modules_to_not_convert": "none written, as the dense FP8 shapes (the dense Qwen3 FP8 releases carry none; the "
+                              "MoE releases' list was not checked against a published config.json here)",
+    "dequantized": "bf16-dequantized/: bf16(e4m3 * scale), the product in fp32; ref_logits_N and hf_bf16_* are of "
+                   "the model on these weights",
+    "w8a8_reference": "ref_w8a8_logits_N: the W8A8 emulation (FP8_EMULATION and FP8_MOE_EMULATION), the router "
+                      "unquantized",
+}
+MOE_Q8_FACTS = ("ref_q8_logits_N: the engine's --quantization fp8 (every attention linear, dense MLP linear and expert "
+                "matrix quantized at load per 128 x 128 block, scale = amax / 448 in fp32), computed W8A8 as "
+                "FP8_EMULATION and FP8_MOE_EMULATION say; the router unquantized")
 LOGIT_LENS = [1, 7, 255, 256, 257, 1000, 3000]
 ROUTER_CASE = LOGIT_LENS.index(7)  # router_case.json's prompt: a few tokens, each with its own routing
 GEN_LENS = [5, 17, 100, 255, 256, 300, 600, 1000]
@@ -188,23 +252,141 @@ def fp8_tensors(d):
     return {k: (q, t[k + "_scale_inv"]) for k, q in t.items() if q.dtype == torch.float8_e4m3fn}
 
 
-def w8a8_linears(model, qs):
-    """Make the fp32 `model` (on any device) a W8A8 reference in place and return it: qs holds (e4m3 [out, in],
-    scale [ceil(out/128), ceil(in/128)]) for every "model.layers.L.X.weight" of LINEARS, and nothing else. Each
-    such linear gets the weight e4m3 * scale per 128 x 128 block, the product in fp32 (not rounded to bf16), and
-    a forward pre-hook that passes its input through fake_quantize_fp8, so it computes y = x_hat @ W^T in fp32.
-    Embedding, norms, attention, lm_head: unchanged. The one definition of the W8A8 linears, for FP8 folders
-    (w8a8_emulation) and for bf16 checkpoints quantized at load (q8_emulation)."""
-    qs = dict(qs)
+def dequantize(q, scale):
+    """e4m3 [out, in] and its block scales -> the fp32 weight e4m3 * scale (not rounded to bf16): what the W8A8
+    reference multiplies by."""
+    return q.float() * expand_blocks(scale, *q.shape)
+
+
+def layer_matrices(model):
+    """{"model.layers.L.X.weight": (w, consumer)} for every matrix an FP8 checkpoint of `model` quantizes, named as
+    on disk: each layer's self_attn.{q,k,v,o}_proj; a dense layer's (a Qwen3 layer, or a MoE model's mlp_only_layers)
+    mlp.{gate,up,down}_proj; a MoE layer's mlp.experts.E.{gate,up,down}_proj for every expert E. Never the router
+    mlp.gate (REFERENCE.md section 14: it stays bf16), the embedding, the norms or lm_head. w is the [out, in] tensor
+    holding that matrix in `model` (a view: writing it writes the model): the Linear's weight, or for transformers
+    5.x's packed experts rows [:I] (gate) and [I:] (up) of mlp.experts.gate_up_proj[E] and mlp.experts.down_proj[E]
+    (transformers 4.x keeps a Linear per expert). consumer is the module whose forward multiplies by it: the Linear,
+    or the packed experts module. Call under torch.no_grad() when writing the views."""
+    out = {}
+    for l, layer in enumerate(model.model.layers):
+        pre = f"model.layers.{l}."
+        experts = getattr(layer.mlp, "experts", None)  # a MoE layer's (mlp.gate is its router)
+        for lin in LINEARS if experts is None else LINEARS[:4]:
+            mod = layer.get_submodule(lin)
+            out[f"{pre}{lin}.weight"] = (mod.weight, mod)
+        if experts is None:
+            continue
+        if hasattr(experts, "gate_up_proj"):  # transformers 5.x: [E, 2I, H] (gate rows first) and [E, H, I]
+            gu, dn = experts.gate_up_proj, experts.down_proj
+            E, I2, H = gu.shape
+            assert not getattr(experts, "is_transposed", False) and not getattr(experts, "has_bias", False), \
+                f"{pre}mlp.experts: transposed or biased experts, not Qwen3-MoE's layout"
+            assert I2 % 2 == 0 and tuple(dn.shape) == (E, H, I2 // 2), \
+                f"{pre}mlp.experts: gate_up_proj {tuple(gu.shape)} and down_proj {tuple(dn.shape)}"
+            for e in range(E):
+                q = f"{pre}mlp.experts.{e}."
+                out[q + "gate_proj.weight"] = (gu[e, :I2 // 2], experts)
+                out[q + "up_proj.weight"] = (gu[e, I2 // 2:], experts)
+                out[q + "down_proj.weight"] = (dn[e], experts)
+        else:  # transformers 4.x: a ModuleList of MLPs, each with its gate_proj, up_proj and down_proj Linears
+            for e, mlp in enumerate(experts):
+                for lin in ("gate_proj", "up_proj", "down_proj"):
+                    mod = mlp.get_submodule(lin)
+                    out[f"{pre}mlp.experts.{e}.{lin}.weight"] = (mod.weight, mod)
+    return out
+
+
+def quantize_layers(model, scale_dtype):
+    """Quantize every matrix of layer_matrices(model) (a bf16 model) with quantize_fp8(w, scale_dtype), replace it
+    in place by its dequantized value, bf16(e4m3 * scale), and return {its disk name: (e4m3, scale)}: how the FP8
+    shapes' checkpoints are made, dense or MoE."""
+    fp8 = {}
     with torch.no_grad():
-        for l, layer in enumerate(model.model.layers):
-            for lin in LINEARS:
-                mod = layer.get_submodule(lin)
-                assert mod.weight.dtype == torch.float32, "the W8A8 reference is an fp32 model"
-                q, scale = qs.pop(f"model.layers.{l}.{lin}.weight")
-                mod.weight.copy_(q.float() * expand_blocks(scale, *q.shape))
-                mod.register_forward_pre_hook(lambda m, args: (fake_quantize_fp8(args[0]),) + args[1:])
-    assert not qs, f"FP8 tensors that are no layer's linear: {list(qs)[:3]}"
+        for name, (w, _) in layer_matrices(model).items():
+            q, scale, deq = quantize_fp8(w, scale_dtype)
+            w.copy_(deq)
+            fp8[name] = (q, scale)
+    return fp8
+
+
+LINEAR_FUNCS = (torch.nn.functional.linear, torch._C._nn.linear)  # the same builtin, under either name
+
+
+class ExpertInputsW8A8(torch.overrides.TorchFunctionMode):
+    """Entered around one forward of a packed experts module (transformers 5.x, its "eager" implementation: the
+    loop over the chosen experts, eager_experts): every F.linear call made inside is one expert's product,
+    F.linear(x[tokens], gate_up_proj[e]) or F.linear(act, down_proj[e]) with act = silu(gate) * up, and gets its
+    input through fake_quantize_fp8 (per token per 128 columns: how the engine quantizes x and act) before the
+    product in fp32; the rest of the loop (the routing weights in fp32, index_add_) is transformers' own. Counts the
+    products; one whose weight is not a slice of this module's gate_up_proj or down_proj is an error (the loop is
+    not the one this emulation was written against). A TorchFunctionMode sees F.linear however the module's code
+    names it, and is off inside its own handler, so fake_quantize_fp8's torch calls pass straight through."""
+
+    def __init__(self, experts):
+        super().__init__()
+        self.storages = {experts.gate_up_proj.untyped_storage().data_ptr(),
+                         experts.down_proj.untyped_storage().data_ptr()}
+        self.products = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not any(func is f for f in LINEAR_FUNCS):
+            return func(*args, **kwargs)
+        bound = dict(zip(("input", "weight", "bias"), args), **kwargs)
+        w = bound["weight"]
+        if w.untyped_storage().data_ptr() not in self.storages:
+            raise RuntimeError(f"an F.linear by a weight {tuple(w.shape)} that is not one of the experts' inside "
+                               f"their forward: not the eager loop ExpertInputsW8A8 emulates")
+        self.products += 1
+        return func(fake_quantize_fp8(bound["input"]), w, bound.get("bias"))
+
+
+def quantize_expert_inputs(experts):
+    """Make a packed experts module compute its products W8A8 (its weights already e4m3 * scale): its forward runs
+    inside ExpertInputsW8A8, and must make exactly two products (gate_up, down) for each expert some token chose,
+    else it raises (grouped_mm or batched_mm would make none: eager_experts pins "eager"). Returns experts."""
+    forward = type(experts).forward  # transformers' dispatch to config._experts_implementation
+
+    def w8a8_forward(*args, **kwargs):
+        mode = ExpertInputsW8A8(experts)
+        with mode:
+            out = forward(experts, *args, **kwargs)
+        top_k_index = kwargs["top_k_index"] if "top_k_index" in kwargs else args[1]
+        chosen = int(torch.unique(top_k_index).numel())
+        if mode.products != 2 * chosen:
+            raise RuntimeError(f"the experts' forward made {mode.products} products for {chosen} experts chosen, "
+                               f"expected {2 * chosen}: not the eager loop ExpertInputsW8A8 emulates")
+        return out
+
+    experts.forward = w8a8_forward  # an instance attribute: nn.Module.__call__ calls it, hooks included
+    return experts
+
+
+def w8a8_linears(model, qs):
+    """Make the fp32 `model` (on any device; Qwen3 or Qwen3-MoE) a W8A8 reference in place and return it: qs holds
+    (e4m3 [out, in], scale [ceil(out/128), ceil(in/128)]) for every matrix of layer_matrices(model), and nothing
+    else. Each such matrix gets the weight e4m3 * scale per 128 x 128 block (dequantize: fp32, not rounded to
+    bf16), and its product a fake-quantized input (fake_quantize_fp8), so it computes y = x_hat @ W^T in fp32: a
+    Linear through a forward pre-hook on its input, a MoE layer's packed experts through quantize_expert_inputs
+    (x for gate_up, act = silu(gate) * up for down, in transformers' eager loop, which eager_experts pins).
+    Embedding, norms, attention, the MoE router (mlp.gate: its bf16 weight and fp32 input as in the fp32 model),
+    the routing, lm_head: unchanged. The one definition of the W8A8 linears, for FP8 folders (w8a8_emulation) and
+    for bf16 checkpoints quantized at load (q8_emulation)."""
+    consumers = {}
+    with torch.no_grad():
+        mats = layer_matrices(eager_experts(model))
+        extra, lacking = sorted(set(qs) - set(mats)), sorted(set(mats) - set(qs))
+        assert not extra, f"FP8 tensors that are no layer's linear or expert: {extra[:3]}"
+        assert not lacking, f"layer linears or experts without FP8 weights: {lacking[:3]}"
+        for name, (w, mod) in mats.items():
+            assert w.dtype == torch.float32, "the W8A8 reference is an fp32 model"
+            w.copy_(dequantize(*(t.to(w.device) for t in qs[name])))  # (one fp32 product: the same bits anywhere)
+            consumers[id(mod)] = mod
+    for mod in consumers.values():
+        if isinstance(mod, torch.nn.Linear):
+            mod.register_forward_pre_hook(lambda m, args: (fake_quantize_fp8(args[0]),) + args[1:])
+        else:
+            quantize_expert_inputs(mod)
     return model
 
 
@@ -216,16 +398,17 @@ def w8a8_emulation(model, d):
 
 def q8_emulation(model):
     """Make the fp32 `model`, whose weights are a bf16 checkpoint's widened exactly, the W8A8 reference of the
-    engine's --quantization fp8 in place, and return it: w8a8_linears with each layer linear's (q, scale) =
+    engine's --quantization fp8 in place, and return it: w8a8_linears with each layer matrix's (q, scale) =
     quantize_fp8(its own weight, torch.float32), as the engine quantizes at load (per 128 x 128 block, scale =
-    amax / 448 in fp32, 1 for an all-zero block; e4m3 round to nearest even, saturating)."""
+    amax / 448 in fp32, 1 for an all-zero block; e4m3 round to nearest even, saturating): a dense model's seven
+    layer linears, a MoE model's attention linears, dense-layer MLPs and every expert's gate, up and down (each on
+    its own blocks; the engine's stacked gate and up rows block the same way, moe_intermediate_size being a
+    multiple of 128 wherever it keeps experts in FP8), never the router."""
     with torch.no_grad():
         qs = {}
-        for l, layer in enumerate(model.model.layers):
-            for lin in LINEARS:
-                w = layer.get_submodule(lin).weight
-                assert torch.equal(w, w.to(torch.bfloat16).float()), "q8_emulation quantizes bf16 weights"
-                qs[f"model.layers.{l}.{lin}.weight"] = quantize_fp8(w, torch.float32)[:2]
+        for name, (w, _) in layer_matrices(eager_experts(model)).items():
+            assert torch.equal(w, w.to(torch.bfloat16).float()), "q8_emulation quantizes bf16 weights"
+            qs[name] = quantize_fp8(w, torch.float32)[:2]
     return w8a8_linears(model, qs)
 
 
@@ -240,15 +423,16 @@ def fp32_copy(m16, cfg, dev):
 def w8a8_case(m8, x, ref, d, tag, i):
     """Logits case i (ids x) under the W8A8 reference m8: writes its last-position logits to
     d/ref_{tag}_logits_{i}.f32; returns its cases.json entries, "ref_{tag}_argmax", "ref_{tag}_top2_margin" and
-    "{tag}_vs_fp32_rel_err" (the relative L2 difference from the plain fp32 reference logits ref), and that
-    difference. tag: "w8a8" (an FP8 folder's weights) or "q8" (a bf16 checkpoint's, quantized as at load)."""
+    "{tag}_vs_fp32_rel_err" (the relative L2 difference from the plain fp32 reference logits ref) and
+    "{tag}_vs_fp32_max_abs_err" (the largest difference of one logit), and that relative difference. tag: "w8a8"
+    (an FP8 folder's weights) or "q8" (a bf16 checkpoint's, quantized as at load)."""
     with torch.no_grad():
         w8 = m8(x).logits[0, -1].float()
     w8.cpu().numpy().astype("float32").tofile(os.path.join(d, f"ref_{tag}_logits_{i}.f32"))
     top2 = torch.topk(w8, 2).values
     rel = ((w8 - ref).norm() / ref.norm()).item()
     entries = {f"ref_{tag}_argmax": int(w8.argmax()), f"ref_{tag}_top2_margin": (top2[0] - top2[1]).item(),
-               f"{tag}_vs_fp32_rel_err": rel}
+               f"{tag}_vs_fp32_rel_err": rel, f"{tag}_vs_fp32_max_abs_err": (w8 - ref).abs().max().item()}
     return entries, rel
 
 
@@ -278,7 +462,7 @@ def make(out, tok_dir, name):
     model = model.to(torch.bfloat16)
     hf_dequantize = None
     if scale_dtype:
-        hf_dequantize = save_fp8(model, d, {"bf16": torch.bfloat16, "f32": torch.float32}[scale_dtype], name)
+        hf_dequantize = save_fp8(model, d, SCALE_DTYPES[scale_dtype], name)
         with open(os.path.join(d, "fp8_emulation.json"), "w") as f:
             json.dump(FP8_EMULATION, f, indent=2)
     else:
@@ -324,14 +508,7 @@ def save_fp8(model, d, scale_dtype, name):
     (a plain checkpoint of them) and d/ as the FP8 checkpoint; then, where transformers can read it (every
     dimension a multiple of 128), check its dequantization against ours. Returns what that check found."""
     from safetensors.torch import load_file, save_file
-    fp8 = {}
-    with torch.no_grad():
-        for l, layer in enumerate(model.model.layers):
-            for lin in LINEARS:
-                mod = layer.get_submodule(lin)
-                q, scale, deq = quantize_fp8(mod.weight.data, scale_dtype)
-                mod.weight.data.copy_(deq)
-                fp8[f"model.layers.{l}.{lin}.weight"] = (q, scale)
+    fp8 = quantize_layers(model, scale_dtype)  # the seven linears of each layer
     model.save_pretrained(os.path.join(d, "bf16-dequantized"), safe_serialization=True)
     model.save_pretrained(d, safe_serialization=True)
     files = [f for f in os.listdir(d) if f.endswith(".safetensors")]
@@ -353,8 +530,7 @@ def save_fp8(model, d, scale_dtype, name):
             json.dump(j, f, indent=2)
     with open(os.path.join(d, "config.json")) as f:
         c = json.load(f)
-    c["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                "weight_block_size": [128, 128]}
+    c["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(c, f, indent=2)
     dims = [q.shape for q, _ in fp8.values()]
@@ -536,19 +712,27 @@ def kth_gap(probs, k):
     return top[:, k - 1] - top[:, k]
 
 
+def routing_flips(m32, c32, m, c, cfg):
+    """The (layer, token) pairs of one forward where model m (its gate_calls c) chose another expert set than the fp32
+    reference m32 (c32): transformers' bf16 model, or a W8A8 emulation."""
+    flips = 0
+    for l, (x, _) in c32.items():
+        ids = routing(m32.model.layers[l].mlp.gate, x, cfg)[3]
+        ids_m = routing(m.model.layers[l].mlp.gate, c[l][0], cfg)[3]
+        flips += int((ids.sort(dim=-1).values != ids_m.sort(dim=-1).values).any(dim=-1).sum())
+    return flips
+
+
 def routing_stats(m32, m16, c32, c16, cfg):
     """(router_min_gap, hf_bf16_routing_flips) of one forward of each model, from their gate_calls: the smallest
     kth_gap of the fp32 reference over every MoE layer and token (None if top-k is every expert), and the (layer,
-    token) pairs where the bf16 model's expert set differs from the fp32 reference's."""
-    gaps, flips = [], 0
+    token) pairs where the bf16 model's expert set differs from the fp32 reference's (routing_flips)."""
+    gaps = []
     for l, (x, _) in c32.items():
-        _, probs, _, ids = routing(m32.model.layers[l].mlp.gate, x, cfg)
-        ids16 = routing(m16.model.layers[l].mlp.gate, c16[l][0], cfg)[3]
-        flips += int((ids.sort(dim=-1).values != ids16.sort(dim=-1).values).any(dim=-1).sum())
-        gap = kth_gap(probs, cfg.num_experts_per_tok)
+        gap = kth_gap(routing(m32.model.layers[l].mlp.gate, x, cfg)[1], cfg.num_experts_per_tok)
         if gap is not None:
             gaps.append(gap.min().item())
-    return (min(gaps) if gaps else None), flips
+    return (min(gaps) if gaps else None), routing_flips(m32, c32, m16, c16, cfg)
 
 
 def write_router_case(d, m32, calls, cfg, layer, i, ids):
@@ -572,13 +756,15 @@ def write_router_case(d, m32, calls, cfg, layer, i, ids):
 
 
 def make_moe(out, tok_dir, name):
-    """One MoE shape (MOE_SHAPES): the folder, the fp32 reference logits and cases.json as make() writes them for a
-    bf16 shape, and moe.json, router_case.json, router_input.f32 (the docstring at the top)."""
+    """One MoE shape (MOE_SHAPES) or FP8 MoE shape (MOE_FP8_SHAPES): the folder, the fp32 reference logits and
+    cases.json as make() writes them for a bf16 or FP8 shape (ref_q8_* or bf16-dequantized/ and ref_w8a8_*), and
+    moe.json, router_case.json, router_input.f32 (the docstring at the top)."""
     d = os.path.join(out, name)
     os.makedirs(d, exist_ok=True)
-    torch.manual_seed(0)
+    base, scale_dtype = MOE_FP8_SHAPES.get(name, (name, None))
+    torch.manual_seed(0)  # an FP8 shape draws its bf16 shape's weights, then quantizes them
     cfg = Qwen3MoeConfig(vocab_size=151936, head_dim=128, max_position_embeddings=40960, rope_theta=1e6,
-                         rms_norm_eps=1e-6, eos_token_id=[151645, 151643], bos_token_id=151643, **MOE_SHAPES[name])
+                         rms_norm_eps=1e-6, eos_token_id=[151645, 151643], bos_token_id=151643, **MOE_SHAPES[base])
     model = eager_experts(Qwen3MoeForCausalLM(cfg))
     with torch.no_grad():
         model.model.embed_tokens.weight.normal_(0, 0.1)
@@ -590,11 +776,22 @@ def make_moe(out, tok_dir, name):
     model = model.to(torch.bfloat16)
     check_moe_config(model, cfg, name)
     layers = moe_layers(cfg)
-    written = save_moe(model, cfg, d, name)
+    fp8_facts, hf_dequantize = None, None
+    if scale_dtype:  # from here on `model` holds the dequantized weights (save_moe_fp8 put them in)
+        written, fp8_facts, hf_dequantize = save_moe_fp8(model, cfg, d, scale_dtype, name)
+        with open(os.path.join(d, "fp8_emulation.json"), "w") as f:
+            json.dump(dict(FP8_EMULATION, **FP8_MOE_EMULATION), f, indent=2)
+    else:
+        written = save_moe(model, cfg, d, name)
     write_folder_files(d, tok_dir)
     dev = "cuda"
     m16 = model.to(dev).eval()
     m32 = eager_experts(fp32_copy(m16, cfg, dev))
+    # The W8A8 reference, as make()'s: an FP8 shape's weights re-read from d's bytes ("w8a8"), a bf16 shape's own
+    # weights quantized as the engine's --quantization fp8 does at load ("q8"); the experts included, the router not.
+    m8 = w8a8_emulation(fp32_copy(m16, cfg, dev), d) if scale_dtype else q8_emulation(fp32_copy(m16, cfg, dev))
+    tag, what = (("w8a8", "W8A8 emulation") if scale_dtype else
+                 ("q8", "W8A8 emulation of the weights quantized at load"))
     g = torch.Generator().manual_seed(1)  # the same prompts as the dense shapes'
     cases, bf16_weights = [], None
     for i, n in enumerate(LOGIT_LENS):
@@ -614,23 +811,32 @@ def make_moe(out, tok_dir, name):
         top2 = torch.topk(ref, 2).values
         ref.cpu().numpy().astype("float32").tofile(os.path.join(d, f"ref_logits_{i}.f32"))
         cases.append({"ids": ids, "hf_bf16_rel_err": err, "hf_bf16_max_abs_err": (got - ref).abs().max().item(),
-                      "hf_dequantize": None, "ref_argmax": int(ref.argmax()),
+                      "hf_dequantize": hf_dequantize, "ref_argmax": int(ref.argmax()),
                       "ref_top2_margin": (top2[0] - top2[1]).item(), "router_min_gap": min_gap,
                       "routing_pairs": n * len(layers), "hf_bf16_routing_flips": flips})
         print(f"{name}: logits case {n:5d} tokens: transformers bf16 vs fp32 rel err {err:.2e}; routing: smallest "
               f"k-th gap {min_gap}, bf16 flips {flips} of {n * len(layers)}", flush=True)
+        with gate_calls(m8, layers) as c8:  # the FP8 compute path's reference, beside the fp32 one
+            entries, rel = w8a8_case(m8, x, ref, d, tag, i)
+        with torch.no_grad():
+            flips8 = routing_flips(m32, c32, m8, c8, cfg)
+        cases[-1].update(entries, **{f"{tag}_routing_flips": flips8})
+        print(f"{name}: logits case {n:5d} tokens: {what} vs fp32 reference rel diff {rel:.2e}; it routed {flips8} "
+              f"of {n * len(layers)} (token, layer) pairs otherwise", flush=True)
     with open(os.path.join(d, "cases.json"), "w") as f:
         json.dump(cases, f)
     prompts = [torch.randint(0, 151643, (n,), generator=g).tolist() for n in GEN_LENS]
     with open(os.path.join(d, "gen_prompts.json"), "w") as f:
         json.dump(prompts, f)
-    write_moe_json(d, cfg, layers, m32, bf16_weights, written)
-    del m16, m32
+    extra = {"fp8_checkpoint": fp8_facts} if scale_dtype else {"q8_reference": MOE_Q8_FACTS}
+    write_moe_json(d, cfg, layers, m32, bf16_weights, dict(written, **extra))
+    del m16, m32, m8
     torch.cuda.empty_cache()
 
 
 def write_moe_json(d, cfg, layers, m32, bf16_weights, written):
-    """moe.json: MOE_FACTS and what this run found (see the docstring at the top); written: save_moe's answer."""
+    """moe.json: MOE_FACTS and what this run found (see the docstring at the top); written: save_moe's answer (for an
+    FP8 shape save_moe_fp8's) and the FP8 entry ("fp8_checkpoint" or "q8_reference")."""
     import transformers
     facts = dict(MOE_FACTS, transformers_version=transformers.__version__, torch_version=torch.__version__,
                  experts_implementation=getattr(m32.config, "_experts_implementation", None) or "eager (4.x)",
@@ -641,7 +847,102 @@ def write_moe_json(d, cfg, layers, m32, bf16_weights, written):
         json.dump(facts, f, indent=2)
 
 
+def save_moe_fp8(model, cfg, d, scale_dtype, name):
+    """An FP8 MoE shape's checkpoint (the docstring at the top): quantize the bf16 MoE `model` in place to its
+    dequantized weights (quantize_layers: attention, dense-layer MLPs, every expert; never the router), write
+    d/bf16-dequantized/ with save_moe (per expert, then checked by from_pretrained bit for bit), then d/ as the FP8
+    checkpoint: the same tensors per expert with each quantized matrix's e4m3 weight and its weight_scale_inv in its
+    place, in one model.safetensors, and bf16-dequantized's config.json plus quantization_config. Returns (moe.json's
+    "tensors_written" and "config_json_completed", its "fp8_checkpoint", transformers' check: hf_dequantize_moe)."""
+    from safetensors.torch import save_file
+    fp8 = quantize_layers(model, SCALE_DTYPES[scale_dtype])
+    bf16 = save_moe(model, cfg, os.path.join(d, "bf16-dequantized"), name)
+    tensors = disk_tensors(model, cfg)
+    lacking = sorted(set(fp8) - set(tensors))
+    assert not lacking, f"quantized matrices that are not on disk: {lacking[:3]}"
+    for k, (q, scale) in fp8.items():
+        tensors[k] = q.contiguous()
+        tensors[k + "_scale_inv"] = scale.contiguous()
+    for f in os.listdir(d):  # a folder written before (maybe sharded): only this run's files stay
+        if f.endswith(".safetensors") or f == "model.safetensors.index.json":
+            os.remove(os.path.join(d, f))
+    save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+    with open(os.path.join(d, "bf16-dequantized", "config.json")) as f:
+        c = json.load(f)
+    c["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(c, f, indent=2)
+    n_experts = sum(".mlp.experts." in k for k in fp8)
+    how = (f"written by hf_reference.py into one model.safetensors, per expert: {len(fp8)} matrices F8_E4M3 with "
+           f"{scale_dtype} weight_scale_inv ({n_experts} of them experts'), the routers and the rest bf16")
+    print(f"{name}: FP8 checkpoint {how}", flush=True)
+    hf = hf_dequantize_moe(model, cfg, d, fp8, name)
+    written = {"tensors_written": f"FP8 folder: {how}; bf16-dequantized/: {bf16['tensors_written']}",
+               "config_json_completed": bf16["config_json_completed"]}
+    facts = dict(MOE_FP8_FACTS, scales_dtype=scale_dtype, quantized_matrices=len(fp8),
+                 quantized_expert_matrices=n_experts, hf_dequantize=hf)
+    return written, facts, hf
+
+
+def hf_dequantize_moe(model, cfg, d, fp8, name):
+    """transformers' FineGrainedFP8Config(dequantize=True) on FP8 MoE folder d, against our dequantization (`model`,
+    bf16, after quantize_layers): every quantized matrix (an expert's from transformers' packed tensors, disk_tensors)
+    and every router, bit for bit, as save_fp8 requires of the dense shapes. Returns cases.json's "hf_dequantize":
+    "equal", or "skipped: why" where transformers cannot dequantize the folder: from_pretrained raises, reports keys it
+    missed, did not use or could not fit, gives a model not laid out as Qwen3-MoE's, or leaves a matrix in e4m3 or
+    without its scale applied (its limits, not a different answer: printed and recorded). Exits non-zero where it
+    dequantizes a matrix, or reads a router, to other values."""
+    from transformers import FineGrainedFP8Config
+
+    def skip(why):
+        print(f"{name}: transformers' FP8 dequantization skipped: {why}", flush=True)
+        return f"skipped: {why}"
+
+    try:
+        got = Qwen3MoeForCausalLM.from_pretrained(d, quantization_config=FineGrainedFP8Config(dequantize=True),
+                                                  dtype=torch.bfloat16, output_loading_info=True)
+    except Exception as e:  # whatever transformers raises on this folder is the finding
+        msg = (str(e).strip().splitlines() or [""])[0][:300]
+        return skip(f"from_pretrained with FineGrainedFP8Config(dequantize=True) raised {type(e).__name__}: {msg}")
+    hf, info = got if isinstance(got, tuple) else (got, {})  # (model, loading info), or the model alone
+    keys = {k: sorted(map(str, info.get(k) or []))[:3] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")
+            if info.get(k)}
+    if keys:
+        del hf
+        return skip(f"from_pretrained with FineGrainedFP8Config(dequantize=True) reported {keys}")
+    try:
+        theirs = disk_tensors(hf, cfg)
+    except AssertionError as e:
+        del hf
+        return skip(f"the model it gives is not laid out as Qwen3-MoE's: {e}")
+    del hf
+    ours = disk_tensors(model, cfg)
+    routers = [k for k in ours if k.endswith(".mlp.gate.weight")]
+    not_deq, bad = [], []
+    for k in list(fp8) + routers:
+        t = theirs.get(k)
+        if t is None or not t.is_floating_point() or t.element_size() == 1 or tuple(t.shape) != tuple(ours[k].shape):
+            not_deq.append(f"{k} ({'absent' if t is None else f'{t.dtype} {list(t.shape)}'})")
+        elif torch.equal(ours[k].cpu(), t.to(torch.bfloat16).cpu()):
+            continue
+        elif k in fp8 and torch.equal(fp8[k][0].to(torch.bfloat16).cpu(), t.to(torch.bfloat16).cpu()):
+            not_deq.append(f"{k} (its e4m3 values, the scale not applied)")
+        else:
+            bad.append(k)
+    if not_deq:
+        return skip(f"{len(not_deq)} of {len(fp8)} quantized matrices and {len(routers)} routers not dequantized, "
+                    f"e.g. {not_deq[:2]}")
+    n = len(fp8) + len(routers)
+    print(f"{name}: transformers' FineGrainedFP8Config(dequantize=True) vs our dequantization: {n - len(bad)} of {n} "
+          f"matrices (every quantized one, experts included, and the bf16 routers) bit for bit"
+          + (f"; differ: {bad[:3]}" if bad else ""), flush=True)
+    if bad:
+        sys.exit(f"{name}: transformers dequantizes {len(bad)} matrices differently, e.g. {bad[0]}")
+    return "equal"
+
+
 if __name__ == "__main__":
     out, tok = sys.argv[1], sys.argv[2]
     for name in (sys.argv[3:] or SHAPES):
-        (make_moe if name in MOE_SHAPES else make)(out, tok, name)
+        (make_moe if name in MOE_SHAPES or name in MOE_FP8_SHAPES else make)(out, tok, name)

@@ -8,7 +8,11 @@ model.safetensors.index.json with --shards). The tokenizer files are not written
 --set/--del change config.json (the tensors follow the changed shape where they can).
 --fp8 SCALES writes an FP8 checkpoint as Qwen/Qwen3-*-FP8 are: config.json's quantization_config, each
 linear projection of a layer as F8_E4M3 with X.weight_scale_inv [ceil(out/128), ceil(in/128)] in BF16 or F32
-(--set/--del then apply to that config too).
+(--set/--del then apply to that config too). With --moe, as Qwen/Qwen3-30B-A3B-FP8 is: every expert's gate_proj,
+up_proj and down_proj in F8_E4M3 with its own scales (model.layers.0.mlp.experts.E.gate_proj.weight_scale_inv
+[1, 2], down_proj's [2, 1]), the dense layer's MLP and the attention likewise; the router mlp.gate.weight stays BF16
+without scales (REFERENCE.md section 14: never quantized), as do the embedding and the norms. config.json carries
+the dense FP8 folders' quantization_config (no modules_to_not_convert), as hf_reference.py's FP8 MoE shapes do.
 Shape: the "tiny" of test/ref/hf_reference.py (H 256, I 768, 2 layers, 4 query heads, 2 KV heads, D 128,
 V 151936, tied embeddings). Weights are zeros stored sparsely (the file costs no disk), or with --random
 small random bf16 values (a model the GPU can run; not a model that says anything): a block of 4099 values
@@ -22,7 +26,8 @@ checkpoints: the router model.layers.N.mlp.gate.weight [num_experts, H] and, per
 model.layers.N.mlp.experts.E.{gate,up}_proj.weight [moe_intermediate_size, H] and down_proj.weight
 [H, moe_intermediate_size] (transformers 5.x packs these at load; the files hold them one by one). --set of
 num_experts, moe_intermediate_size, decoder_sparse_step or mlp_only_layers reshapes the tensors too. The moe_
-breaks below are checked by cli_errors.sh and test/host/test_moe.cu.
+breaks below but moe_fp8_scale_missing are checked by cli_errors.sh and test/host/test_moe.cu; the fp8_ breaks
+work with --moe --fp8 too (the tensors they name are attention's and the dense layer 1's).
 --break KIND corrupts the checkpoint in one way; test/cli/cli_errors.sh checks the error each one gives:
 """
 import json, os, random, struct, sys, zlib
@@ -54,20 +59,22 @@ BREAKS = {
     "moe_expert_missing": "(with --moe) model.layers.0.mlp.experts.7.up_proj.weight is absent",
     "moe_router_shape": "(with --moe) model.layers.0.mlp.gate.weight is [256, 8] instead of [8, 256]",
     "moe_topk": "(with --moe) config.json says num_experts_per_tok 9 with num_experts 8",
+    "moe_fp8_scale_missing": "(with --moe --fp8) model.layers.0.mlp.experts.7.down_proj.weight_scale_inv is absent",
 }
 FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 MOE_CONFIG = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=8,
                   num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True, decoder_sparse_step=1,
                   mlp_only_layers=[1], router_aux_loss_coef=0.001,
                   output_router_logits=False)  # the last two: training only, in Qwen's config.json too
-__doc__ += "".join(f"  {k:18s} {v}\n" for k, v in BREAKS.items())
+__doc__ += "".join(f"  {k:22s} {v}\n" for k, v in BREAKS.items())
 
 
 def tensors(c, fp8=None):
-    """[(name, shape, dtype)]: BF16, or with fp8 = "BF16"/"F32" the layers' linears in F8_E4M3 + their scales."""
+    """[(name, shape, dtype)]: BF16, or with fp8 = "BF16"/"F32" the layers' linears (and a MoE layer's experts) in
+    F8_E4M3 + their scales; a MoE router (mlp.gate.weight) stays BF16 without scales, as in Qwen's FP8 MoE files."""
     out = []
     for name, shape in bf16_tensors(c):
-        if fp8 and len(shape) == 2 and ".layers." in name:
+        if fp8 and len(shape) == 2 and ".layers." in name and not name.endswith(".mlp.gate.weight"):
             out.append((name, shape, "F8_E4M3"))
             out.append((name + "_scale_inv", [-(-shape[0] // 128), -(-shape[1] // 128)], fp8))
         else:
@@ -220,8 +227,8 @@ def main():
     moe = "--moe" in args
     if brk is not None and brk.startswith("moe_") and not moe:
         sys.exit(f"--break {brk} needs --moe")
-    if moe and fp8:
-        sys.exit("--moe with --fp8 is not written yet (which tensors Qwen's FP8 MoE checkpoints keep in bf16)")
+    if brk == "moe_fp8_scale_missing" and not fp8:
+        sys.exit(f"--break {brk} needs --fp8")
     base = dict(CONFIG, **MOE_CONFIG) if moe else dict(CONFIG)
     config = dict(base)
     if fp8:
@@ -252,6 +259,8 @@ def main():
         entries = [e for e in entries if e[0] != "model.layers.1.mlp.down_proj.weight_scale_inv"]
     if brk == "moe_expert_missing":
         entries = [e for e in entries if e[0] != "model.layers.0.mlp.experts.7.up_proj.weight"]
+    if brk == "moe_fp8_scale_missing":
+        entries = [e for e in entries if e[0] != "model.layers.0.mlp.experts.7.down_proj.weight_scale_inv"]
     if not shards:
         write_safetensors(os.path.join(out, "model.safetensors"), entries, random_values, brk)
         return
