@@ -12,7 +12,9 @@
 #                                     32/4 heads, 128 experts top-8 of intermediate 768, norm_topk_prob), written
 #                                     per expert as Qwen's checkpoints are by test/ref/make_tiny_checkpoint.py
 #                                     --moe --random (python3 alone; 61 GB of disk): small random bf16 values
-#                                     from a repeated block, so the router spreads tokens over the experts
+#                                     from a repeated block, so the router spreads tokens over the experts;
+#                                     30b-a3b-fp8 writes it as Qwen3-30B-A3B-FP8 is (--fp8 bf16: every layer
+#                                     linear and expert e4m3 with its block scales, the routers bf16; 31 GB)
 # Options: --nanovllm PATH (default ./nanovllm), --log-dir DIR (default build/bench-logs),
 #          --only throughput|latency|prefill (one measure; --only model just makes the --random checkpoint),
 #          --tp N (tensor parallelism on N GPUs; the roofline is then N GPUs' bandwidth and GEMM rate),
@@ -78,14 +80,15 @@ while [ $# -gt 0 ]; do
 done
 mkdir -p "$LOG_DIR"
 if [ -n "$RANDOM_SHAPE" ]; then
-  case $RANDOM_SHAPE in 0.6b|8b|32b|0.6b-fp8|8b-fp8|32b-fp8|30b-a3b) ;;
+  case $RANDOM_SHAPE in 0.6b|8b|32b|0.6b-fp8|8b-fp8|32b-fp8|30b-a3b|30b-a3b-fp8) ;;
     *) echo "bench.sh: --random takes 0.6b, 8b or 32b, or one of them with -fp8 (an FP8 checkpoint), or" \
-            "30b-a3b (Qwen3-30B-A3B's mixture of experts)" >&2; exit 1 ;;
+            "30b-a3b (Qwen3-30B-A3B's mixture of experts), or 30b-a3b-fp8" >&2; exit 1 ;;
   esac
   MODEL=build/bench-$RANDOM_SHAPE
-  if [ "$RANDOM_SHAPE" = 30b-a3b ] && [ ! -f "$MODEL/config.json" ]; then
+  if [ "${RANDOM_SHAPE%-fp8}" = 30b-a3b ] && [ ! -f "$MODEL/config.json" ]; then
     TOK=${TOKENIZER_DIR:-$(bash tools/fetch_tokenizer.sh | tail -n1)}
-    python3 test/ref/make_tiny_checkpoint.py "$MODEL.partial" --moe --random --shards --set hidden_size=2048 \
+    FP8_ARGS=(); [ "$RANDOM_SHAPE" = 30b-a3b ] || FP8_ARGS=(--fp8 bf16)
+    python3 test/ref/make_tiny_checkpoint.py "$MODEL.partial" --moe --random --shards "${FP8_ARGS[@]}" --set hidden_size=2048 \
       --set intermediate_size=6144 --set num_hidden_layers=48 --set num_attention_heads=32 \
       --set num_key_value_heads=4 --set head_dim=128 --set vocab_size=151936 --set max_position_embeddings=40960 \
       --set tie_word_embeddings=false --set num_experts=128 --set num_experts_per_tok=8 \
