@@ -289,7 +289,7 @@ active = params - len(moe) * (E - k) * 3 * H * IE  # what one token computes wit
 attn = L * (H * (NH + 2 * NKV) * D + NH * D * H)  # the layer linears: attention's, the dense MLPs', the experts'
 linears = attn + (L - len(moe)) * 3 * H * I + len(moe) * E * 3 * H * IE
 active_linears = attn + (L - len(moe)) * 3 * H * I + len(moe) * k * 3 * H * IE  # a token's
-fp8w = quant == "fp8" or c.get("quantization_config", {}).get("quant_method") == "fp8"  # (experts too: section 33b)
+fp8w = quant == "fp8" or c.get("quantization_config", {}).get("quant_method") == "fp8"  # (experts too: section 35)
 vb = 1 + 4 / 128**2 if fp8w else 2  # bytes per linear weight: FP8 1 (+ its block's fp32 scale), else bf16
 # decode reads every weight once per step (not the embedding table); FP8 linears 1 byte each (+ their scales)
 wbytes = 2 * (params - (0 if tied else V * H)) - (2 - vb) * linears

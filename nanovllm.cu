@@ -27,10 +27,10 @@
 //   own switch (--opt NAME, section 2; sections 31-32, the FP8 KV cache, register a value of --kv-cache-dtype
 //   instead, since it trades accuracy, and 32a, which orders an fp8 decode step's rows, the switch
 //   longest_first). The last, 33, runs a mixture-of-experts layer's experts on tensor cores (fused_moe), and
-//   a small step's as a gemv per routed expert (33a, moe_gemv).
+//   a small step's as a gemv per routed expert (34, moe_gemv).
 //   docs/performance.md has the measured gain of each. The Part I code each one replaces stays, as the
 //   reference the GPU tests compare it with.
-//   Part III (sections 34-48) is the program around the engine: reading config.json and the flags, prompts
+//   Part III (sections 36-50) is the program around the engine: reading config.json and the flags, prompts
 //   in and completions out, shards, the trace, summary and report, signals, the worker processes and the
 //   data-parallel replicas, `simulate` (the engine without a GPU), the command line and main.
 //
@@ -132,22 +132,24 @@
 //   31. An FP8 KV cache, 1: the format, its scales, the store and prefill's tiles
 //   32. The FP8 KV cache, 2: decode attention over it, the persistent kernel, the stages
 //   33. A mixture of experts on tensor cores
+//   34. A mixture of experts, 2: small steps, a gemv per routed expert
+//   35. A mixture of experts, 3: FP8 experts
 //   PART III — THE PROGRAM AROUND IT
-//   34. Reading the configuration: config.json, flags and sampling fields
-//   35. Prompts in: the formats and the sampling fields
-//   36. Reading the prompts file: text, .jsonl and OpenAI batch lines
-//   37. Completions out: stdout, the --output lines, a batch's answers
-//   38. Shards: a part of the input per machine, and the merge
-//   39. Watching the run: the progress line and the trace
-//   40. The run summary: its figures, two fingerprints and the summary record
-//   41. The report: the whole run in one HTML page
-//   42. Signals and the tensor-parallel workers
-//   43. Data parallelism, 1: N replicas of the engine, one queue
-//   44. Data parallelism, 2: the coordinator
-//   45. simulate: the engine without a GPU
-//   46. The command line: flags and --help
-//   47. A run's start and end: the GPUs, the start-up line, the closing lines
-//   48. The commands and main
+//   36. Reading the configuration: config.json, flags and sampling fields
+//   37. Prompts in: the formats and the sampling fields
+//   38. Reading the prompts file: text, .jsonl and OpenAI batch lines
+//   39. Completions out: stdout, the --output lines, a batch's answers
+//   40. Shards: a part of the input per machine, and the merge
+//   41. Watching the run: the progress line and the trace
+//   42. The run summary: its figures, two fingerprints and the summary record
+//   43. The report: the whole run in one HTML page
+//   44. Signals and the tensor-parallel workers
+//   45. Data parallelism, 1: N replicas of the engine, one queue
+//   46. Data parallelism, 2: the coordinator
+//   47. simulate: the engine without a GPU
+//   48. The command line: flags and --help
+//   49. A run's start and end: the GPUs, the start-up line, the closing lines
+//   50. The commands and main
 
 #include <algorithm>
 #include <cerrno>
@@ -221,7 +223,7 @@ typedef __nv_bfloat16 bf16;
 // This process's tensor-parallel rank (section 12): 0 in the main process, 1..N-1 in the workers.
 static int g_tp_rank = 0;
 // The name this process's messages carry: "" in the main process, "rank 1" in a tensor-parallel worker
-// (section 12), "replica 2" or "replica 2, rank 1" with data parallelism (section 43).
+// (section 12), "replica 2" or "replica 2, rank 1" with data parallelism (section 45).
 static char g_process_label[48] = "";
 
 // A worker's message: named by its label, and written with one write(2) so that two processes failing at
@@ -241,7 +243,7 @@ static char g_process_label[48] = "";
 }
 
 // die() is tokenizer.h's tok_die(): that header is included first and needed the same function, so the
-// engine forwards to it rather than keep a second copy. A worker process (sections 12, 44) names itself.
+// engine forwards to it rather than keep a second copy. A worker process (sections 12, 46) names itself.
 template <typename... Args>
 [[noreturn]] static void die(const char* fmt, Args... args) {
   if (g_process_label[0]) die_on_worker(fmt, args...);
@@ -361,7 +363,7 @@ static float half_bits_to_float(uint16_t h) {
 // (nano-vllm: sampling_params.py, grown to vLLM's: n, stop conditions, penalties, min_p, logprobs, a
 // seed). The optimization registry, before Config, is how Part II's speed work plugs in and is switched.
 // This section says what each setting means; reading and checking them (config.json, the flags, a request's
-// fields) is Part III's job (section 34).
+// fields) is Part III's job (section 36).
 
 constexpr int HEAD_DIM = 128;  // D: every Qwen3 dense model uses 128, and the attention kernels are built for it
 
@@ -379,11 +381,11 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   std::string dtype = "bfloat16";   // the checkpoint's dtype (weights are converted to bf16 at load)
   // A checkpoint whose layers' linear weights are stored as 8-bit floats with one scale per 128 x 128 block
-  // (config.json's quantization_config, which section 34 reads; section 6a says how Part I loads one):
+  // (config.json's quantization_config, which section 36 reads; section 6a says how Part I loads one):
   bool block_quantized = false;
   std::vector<std::string> not_quantized;  // its modules_to_not_convert: names of linears it keeps in bf16
   std::vector<int> eos_token_ids;   // generation_config.json eos_token_id (int or list), else config.json's
-  json generation_config;           // generation_config.json (null without one): sampling defaults (section 35)
+  json generation_config;           // generation_config.json (null without one): sampling defaults (section 37)
   // A mixture-of-experts model (Qwen3MoeForCausalLM; section 10b says how a MoE layer computes). 0 experts:
   // a dense Qwen3, every layer's MLP of intermediate_size.
   int num_experts = 0;              // E: the experts of a MoE layer
@@ -411,8 +413,8 @@ struct ModelConfig {
 // the hook entries of section 11 it replaces). So a reader can run the plain engine (--plain, or --opt
 // none) and climb back one step at a time (--opt none,NAME), every optimization can be checked against the
 // code it replaces, and a build with Part II cut out has an empty registry and runs Part I alone. `step_costs`
-// is for a model of the engine that runs no GPU (section 45's simulate, which prices each step): what the
-// optimization changes in how a step runs, as named numbers; section 45 lists the names it reads.
+// is for a model of the engine that runs no GPU (section 47's simulate, which prices each step): what the
+// optimization changes in how a step runs, as named numbers; section 47 lists the names it reads.
 struct Hooks;  // section 11
 struct Qwen3;  // section 6c
 struct Optimization {
@@ -496,7 +498,7 @@ struct Config {
                                        // an Optimization that provides one (its `quantization`)
 };
 
-// ---- Tensor-parallel sharding arithmetic (used by load_weights, section 34's validate_config, the tests) ----
+// ---- Tensor-parallel sharding arithmetic (used by load_weights, section 36's validate_config, the tests) ----
 // Which sizes N can split a model, and what rank r of N holds (nano-vllm: the tp_size divisions in
 // layers/linear.py and layers/embed_head.py). Heads are never split: a rank owns whole query heads and
 // whole KV heads, so attention needs no communication; the MLP is split by intermediate columns, and so is
@@ -543,7 +545,7 @@ static TPShard tp_shard(const ModelConfig& m, int rank, int n) {
 
 // One request's sampling settings (nano-vllm: SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=False),
 // grown to vLLM's SamplingParams: the same field names, meanings and ranges). The defaults below are the
-// built-in ones; the model's generation_config.json may replace some (section 35, --generation-config).
+// built-in ones; the model's generation_config.json may replace some (section 37, --generation-config).
 constexpr int MAX_LOGPROBS = 20;  // vLLM's default max_logprobs: alternatives a request may ask for per token
 
 struct SamplingParams {
@@ -656,7 +658,7 @@ struct Sequence {
   // The key of this sequence's draws (section 9): its request's seed (child k of a seeded request with
   // n > 1 has seed + k, section 13), or for a request without one, a seed made from the engine's --seed and
   // the request's place in the whole input, never from anything the engine counts. So a request draws the
-  // same tokens in any batch, and whichever data-parallel replica (section 43) or shard (section 38) runs it.
+  // same tokens in any batch, and whichever data-parallel replica (section 45) or shard (section 40) runs it.
   uint64_t sampling_seed(uint64_t engine_seed) const {
     if (params.seed >= 0) return (uint64_t)params.seed;
     return splitmix64(engine_seed ^ splitmix64((uint64_t)request_index)) + (uint64_t)completion_index;
@@ -1179,7 +1181,7 @@ struct Weights {
 // bytes. Its config.json says
 //   "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
 //                           "weight_block_size": [128, 128]}
-// (section 34 checks it), and each linear projection X of a layer (q, k, v, o, gate, up, down) is stored as
+// (section 36 checks it), and each linear projection X of a layer (q, k, v, o, gate, up, down) is stored as
 //   X.weight            F8_E4M3        [out, in]                         one byte per weight
 //   X.weight_scale_inv  BF16 or F32    [ceil(out/128), ceil(in/128)]     one multiplier per 128 x 128 block
 // meaning W[r][c] = e4m3(X.weight[r][c]) * X.weight_scale_inv[r / 128][c / 128]. The quantizer took each
@@ -2992,7 +2994,7 @@ __device__ __forceinline__ float warp_sum_f(float v) {
   return v;
 }
 // One token's routing by one warp: row [E] its logits, ids and weights [k] its picks (the kernel below, and
-// section 33a's router, which routes in the last of its thread blocks).
+// section 34's router, which routes in the last of its thread blocks).
 __device__ __forceinline__ void moe_route_row(int* ids, float* weights, const bf16* row, int E, int k, bool norm) {
   const int lane = threadIdx.x % 32;
   float p[MOE_ROUTE_SLOTS];
@@ -3204,7 +3206,7 @@ static void moe_experts_reference(float* out, const float* x, const int* ids, co
 }
 
 // A token's k choices in ascending expert id: order[i] = the place j in ids [k] of the i-th (insertion sort, by
-// one thread; k <= MOE_MAX_TOPK). The order every sum over a token's experts is made in (section 33a's too).
+// one thread; k <= MOE_MAX_TOPK). The order every sum over a token's experts is made in (section 34's too).
 __host__ __device__ __forceinline__ void moe_order_by_expert(int* order, const int* ids, int k) {
   int expert[MOE_MAX_TOPK];
   for (int j = 0; j < k; j++) {
@@ -3431,13 +3433,13 @@ static void install_optimizations(const OptimizationSet& set, const std::string&
 
 // What LLMEngine (section 13) needs from the side that computes a step: the sampled tokens, the batch a step
 // really runs (padded to a CUDA graph's size), and a clock. ModelRunner is the real one; `nanovllm simulate`
-// (section 45) plugs in a stand-in that needs no GPU and keeps a modelled clock.
+// (section 47) plugs in a stand-in that needs no GPU and keeps a modelled clock.
 struct StepRunner {
   double gpu_seconds = 0;  // time spent waiting for the GPU (the rest of a step is host work)
   virtual std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) = 0;
   virtual int padded_batch(int B, bool is_prefill) const = 0;
   // After run(): row i's log-probabilities for the sequences that asked for them (section 9b); nullptr when
-  // none did, or when the runner has no logits (section 45's stand-in model).
+  // none did, or when the runner has no logits (section 47's stand-in model).
   virtual const TokenLogprobs* step_logprobs() const { return nullptr; }
   virtual double now() { return now_seconds(); }
   virtual void wait_until(double t) {  // nothing to do before t (requests arrive later)
@@ -3919,7 +3921,7 @@ struct ModelRunner : StepRunner {
 // This section has two halves: the data plane (the communicator, the all-reduce, the logits gather), and
 // the processes (12b): rank 0 is this process; ranks 1..N-1 are workers fork()ed before the first CUDA
 // call, and rank 0 sends them each step through a mailbox in shared memory. Section 20 gives the small
-// all-reduces of decode a faster road than NCCL's; section 42 handles the signals and shutdown.
+// all-reduces of decode a faster road than NCCL's; section 44 handles the signals and shutdown.
 //
 // What crosses between the ranks in one batch-1 decode step of Qwen3-8B at N = 2:
 //   mailbox      ~57 KB of step inputs at --max-num-seqs 512 (ids, positions, slots, context lengths,
@@ -4028,7 +4030,7 @@ static TPComm* tp_comm_init(int rank, int size, const ncclUniqueId& id) {
 // followed by collectives that need every worker.
 //
 // What happens when a process fails or a signal arrives (reaping the workers, naming the rank that failed,
-// Ctrl-C) is section 42's: it passes its handlers to tp_fork_workers (TPSupervisor), and none of it changes
+// Ctrl-C) is section 44's: it passes its handlers to tp_fork_workers (TPSupervisor), and none of it changes
 // what the ranks compute.
 
 enum class TPOp : uint32_t { CONNECT, INIT, CAPTURE, STEP, EXIT };
@@ -4059,7 +4061,7 @@ struct TPGroup {
 };
 static TPGroup g_tp;
 
-// What section 42 adds around the processes: rank 0's reaper and signal handlers, installed between the
+// What section 44 adds around the processes: rank 0's reaper and signal handlers, installed between the
 // forks and the moment a worker's death can be noticed; a worker's own signals; and a per-step call (tests
 // make a worker fail on purpose there). Empty entries do nothing.
 struct TPSupervisor {
@@ -4291,7 +4293,7 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
 
 [[noreturn]] static void tp_worker_main(int rank) {
   g_tp_rank = rank;
-  const size_t at = strlen(g_process_label);  // a replica's worker: "replica 2, rank 1" (section 44)
+  const size_t at = strlen(g_process_label);  // a replica's worker: "replica 2, rank 1" (section 46)
   snprintf(g_process_label + at, sizeof g_process_label - at, "%srank %d", at ? ", " : "", rank);
   if (g_tp_supervisor.worker_begins) g_tp_supervisor.worker_begins(rank);
   TPMailbox* mb = g_tp.mb;
@@ -4357,7 +4359,7 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
 // a model too large for one GPU, and one request (or a small batch) that must go faster, since its decode
 // step reads 1/N of the weights per GPU. The two combine: N replicas of T GPUs each. The replicas are
 // processes forked like this section's ranks, each running this file's engine unchanged; the queue they
-// pull from, and how the run stops, are program plumbing (sections 43-44). docs/data-parallel.md has the
+// pull from, and how the run stops, are program plumbing (sections 45-46). docs/data-parallel.md has the
 // measurements that say when each wins.
 
 // ==== 13. LLMEngine: add_request, step, generate ===========================================================
@@ -4372,7 +4374,7 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
 //
 // Watching the scheduler think: with --trace every step prints one line on stderr, every run ends with a
 // summary, and --report draws the whole run. All of them watch through StepObserver (below; Part III
-// implements it, section 39) and only read what the scheduler, the runner and the Sequences already keep.
+// implements it, section 41) and only read what the scheduler, the runner and the Sequences already keep.
 
 struct Request {
   std::vector<int> prompt_token_ids;
@@ -4380,16 +4382,16 @@ struct Request {
   std::string source;         // "prompts.txt:12", for messages
   double arrival_time = 0;    // seconds after generate() begins (a .jsonl field, or --request-rate)
   bool arrival_given = false; // the .jsonl line gave it (--request-rate leaves it alone)
-  std::string error;          // an OpenAI batch line we answer with an error instead of running (section 36)
-  json batch;                 // that batch line's custom_id, url and body (section 36); null otherwise
+  std::string error;          // an OpenAI batch line we answer with an error instead of running (section 38)
+  json batch;                 // that batch line's custom_id, url and body (section 38); null otherwise
   int index = -1;             // its place in the whole input when a run holds only part of it (a shard,
-                              // section 38); -1: its place in generate()'s input
+                              // section 40); -1: its place in generate()'s input
 };
 
 // One completion: a request with n > 1 has n of them, consecutive, in index order.
 struct Completion {
   std::vector<int> token_ids;
-  const char* finish_reason;  // nullptr: unfinished (the run was interrupted by Ctrl-C, section 42)
+  const char* finish_reason;  // nullptr: unfinished (the run was interrupted by Ctrl-C, section 44)
   int prompt_tokens;
   double arrival_time = 0, first_token_time = -1, finish_time = -1;  // seconds since generate() began (-1: never)
   int64_t seq_id = 0;
@@ -4402,7 +4404,7 @@ struct Completion {
   double cumulative_logprob = 0;
 };
 
-// Ctrl-C (section 42's handler sets it; main arms it): generate() stops after the step in flight.
+// Ctrl-C (section 44's handler sets it; main arms it): generate() stops after the step in flight.
 static volatile sig_atomic_t g_stop_armed = 0;
 static volatile sig_atomic_t g_stop_requested = 0;
 
@@ -4539,7 +4541,7 @@ struct LLMEngine {
   std::vector<Completion> generate(const std::vector<Request>& requests) {
     t0 = runner.now();
     const size_t first = seqs.size();
-    for (size_t r = 0; r < requests.size(); r++)  // (one with an error is answered with it instead, section 37)
+    for (size_t r = 0; r < requests.size(); r++)  // (one with an error is answered with it instead, section 39)
       if (requests[r].error.empty()) add_request(requests[r], requests[r].index >= 0 ? requests[r].index : (int)r);
     while (!g_stop_requested) {
       admit_arrivals();
@@ -4597,7 +4599,7 @@ struct LLMEngine {
 // NCCL's latency on small messages (20). A sampler that reads its row many times (21-22). Prefill and mixed
 // steps launched kernel by kernel (23). Then 24-27 run a small decode step as one kernel, and 28-29 halve the
 // bytes of the cache. A mixture-of-experts model's experts on Part I's plain tiled products (33), and a
-// decode step's experts read at a fraction of the bandwidth by any tile (33a).
+// decode step's experts read at a fraction of the bandwidth by any tile (34).
 
 // Defined only while this part is in the file: a test that also exercises Part II asks for it.
 #define NANOVLLM_PART_II 1
@@ -4618,11 +4620,11 @@ struct Optimizations {
   bool prefill_graphs = false;     // 23: prefill and mixed steps replay CUDA graphs, attention between pieces
   bool longest_first = false;      // 32a: an fp8 decode step's rows in order of context length, longest first
   bool fused_moe = false;          // 33: a MoE layer's experts as grouped products on tensor cores
-  bool moe_gemv = false;           // 33a: a small step's MoE layer as a gemv per routed expert
+  bool moe_gemv = false;           // 34: a small step's MoE layer as a gemv per routed expert
   bool persistent = false;         // 24-27: a small-batch decode step in one persistent kernel
   bool fp8_weights = false;        // 28-29: an FP8 checkpoint's linear weights kept in FP8 (--quantization fp8)
   bool fp8_gemv = false;           // 29: with FP8 weights, batch-1/2 products in a tensor-core gemv
-  bool fp8_moe = false;            // 33b: with FP8 weights, a MoE layer's experts in FP8 too
+  bool fp8_moe = false;            // 35: with FP8 weights, a MoE layer's experts in FP8 too
 };
 static Optimizations g_opt;  // set by each section's apply (install_optimizations, section 11)
 
@@ -4645,7 +4647,7 @@ static Optimizations g_opt;  // set by each section's apply (install_optimizatio
 //   attention_decode   store_qkv, then section 8's decode kernel         16, then 19 (all in one kernel), 31
 //   matmul_out         h = x @ W^T (after SiLU-and-mul for down), summed over the ranks   18, 29
 //   moe                a MoE layer's MLP: RMSNorm, then section 10b's moe_mlp, summed   33 (the experts' products
-//                                                                        on tensor cores: fused_moe), 33a (small
+//                                                                        on tensor cores: fused_moe), 34 (small
 //                                                                        steps: a gemv per routed expert)
 //   all_reduce         NCCL's all-reduce (section 12)                    20 (one or two crossings of NVLink)
 // and one entry that only a chapter fills: cut (23: where a CUDA graph of a prefill step ends a piece).
@@ -5819,7 +5821,7 @@ __device__ __forceinline__ void gemv_store(bf16* __restrict__ y, float (&acc)[R]
 
 // One thread block's share of gemv_kernel (below): its warps' R rows each, the input staged first (staged: IN !=
 // PLAIN's [M, K] of shared memory). A function of its own so that another kernel can run a gemv's rows with
-// the same arithmetic (section 33a's router).
+// the same arithmetic (section 34's router).
 template <int M, GemvIn IN, bool ADD, int R>
 __device__ __forceinline__ void gemv_block(bf16* __restrict__ y, const bf16* __restrict__ x,
                                            const bf16* __restrict__ W, int N, int K, const bf16* __restrict__ norm_w,
@@ -9264,7 +9266,7 @@ static const int kPersistentRegistered = register_optimization(
 // activations' (about 2^-4 relative per value, averaging out over K): test/ref/hf_reference.py emulates
 // 1-3 in PyTorch and the end-to-end test compares the engine with that. Every step size computes 1-3 (section
 // 30's gemv for steps of one or two tokens too: its input comes quantized by the same kernels); only a MoE
-// model's experts at steps of 1-4 tokens skip step 2 (section 33b's small steps multiply the bf16 rows).
+// model's experts at steps of 1-4 tokens skip step 2 (section 35's small steps multiply the bf16 rows).
 
 // e4m3 rounding on the CPU (to nearest, ties to even, saturating at +-448; NaN stays NaN), written from the
 // format's definition (section 6a) rather than from cuda_fp8.h: what __nv_cvt_float_to_fp8(x, __NV_SATFINITE,
@@ -9297,7 +9299,7 @@ struct Fp8Matrix {
 struct Fp8Layer {
   Fp8Matrix qkv, o, gate_up, down;  // the fused matrices of section 6a's LayerWeights, in its order
   // A MoE layer (section 10b) instead of gate_up and down: every expert's, stacked by rows as LayerWeights
-  // holds them: [E 2 IE, H] and [E H, IE], expert e's rows from e 2 IE and e H on (section 33b multiplies them).
+  // holds them: [E 2 IE, H] and [E H, IE], expert e's rows from e 2 IE and e H on (section 35 multiplies them).
   Fp8Matrix experts_gate_up, experts_down;
 };
 
@@ -9323,7 +9325,7 @@ static Fp8Weights g_fp8_weights;
 // Why this chapter cannot hold model `mc`'s linear weights on this GPU with `tp` ranks, or "" when it can.
 static std::string fp8_weights_problem(const ModelConfig& mc, int tp) {
   if (mc.num_experts > 0 && !g_opt.fp8_moe)
-    return "a MoE model's experts are multiplied in FP8 by section 33b (switch fp8_moe), which this run switches off";
+    return "a MoE model's experts are multiplied in FP8 by section 35 (switch fp8_moe), which this run switches off";
   char buf[320];
   const int major = gpu_cc_major();
   if (major != 9) {
@@ -9596,7 +9598,7 @@ static bool fp8_load_weights(Weights& w, const Config& c, const ModelConfig& mc,
   *bytes_read += ld.bytes_read;
   w.bytes += total_bytes;
   // The buffers of section 29's activation quantizer: ModelRunner's Tmax tokens rounded up to 4 rows, at
-  // the widest K of the matrices (a MoE layer's experts quantize their inputs elsewhere: section 33b).
+  // the widest K of the matrices (a MoE layer's experts quantize their inputs elsewhere: section 35).
   f.rows = (int)cdiv(std::max(c.max_num_batched_tokens, c.max_num_seqs), 4) * 4;
   f.kmax = std::max({H, NH * D, L_moe < L ? I : 0});
   CUDA_CHECK(cudaMalloc(&f.xq, (size_t)f.rows * f.kmax));
@@ -9703,7 +9705,7 @@ static void quantize_rows(uint8_t* xq, float* xs, const bf16* x, int T, int K, c
 
 // What one FP8 layer product computes (section 28's steps 2 and 3), on the CPU: y [T, N] = x [T, K] (bf16
 // values as float) times W [N, K] given as e4m3 bytes w and block scales [N/128, ld]; sums in double, one
-// bf16 rounding. w8a16 (section 33b's small steps): x as it is, step 2 left out.
+// bf16 rounding. w8a16 (section 35's small steps): x as it is, step 2 left out.
 static void fp8_linear_reference(float* y, const float* x, const uint8_t* w, const float* scale, int ld, int T,
                                  int N, int K, bool w8a16 = false) {
   const int T4 = (int)cdiv(T, 4) * 4;
@@ -11010,12 +11012,10 @@ static const int kLongestFirstRegistered = register_optimization(
      apply_longest_first});
 
 
-// ==== 33. A mixture of experts on tensor cores ===========================================================
+// ==== 33. A mixture of experts on tensor cores =============================================================
 // defines: fused_moe_rows_reference, fused_moe_reference, fused_moe_fp8_reference, fused_moe_kernel,
-//          fused_moe_products, fused_moe, fused_moe_stage, moe_router_kernel, moe_router, moe_gemv_gate_up_kernel,
-//          moe_gemv_down_kernel, e4m3x16_to_float, moe_gemv_dot, moe_gemv, moe_gemv_route, moe_gemv_stage,
-//          fused_moe_fp8_products, fused_moe_fp8, moe_gemv_fp8, fp8_moe_stage; switches fused_moe, moe_gemv,
-//          fp8_moe
+//          fused_moe_products, fused_moe, fused_moe_stage; switch fused_moe (sections 34-35: the small steps'
+//          gemv, the FP8 experts)
 //
 // Replaces: in section 14's moe stage (section 10b's moe_mlp), the experts' products after the align:
 // moe_matmul for gate_up, silu_and_mul, moe_matmul for down, and moe_combine's multiply by the routing
@@ -11080,7 +11080,7 @@ static_assert(MOE_TILE * FMOE_BK / 8 == FMOE_THREADS, "a slice of the tile's row
 // in ascending expert id. x [T, H], weights [T, k] (bf16 values as float). Rows the kernels do not write stay
 // 0 here, and so does a padding row's act (its products are of zeros). One row's product is product(y, row,
 // e, gate_up): gate_up: y [2 IE] (gate, then up) from a row of x; else y [H] from a row of act; each value
-// rounded to bf16 (fused_moe_reference's is section 10's linear_reference; section 33b's the FP8 one).
+// rounded to bf16 (fused_moe_reference's is section 10's linear_reference; section 35's the FP8 one).
 template <typename Product>
 static void fused_moe_rows_reference(std::vector<float>& act, std::vector<float>& wy, float* out, const float* x,
                                      const std::vector<int>& rows, const std::vector<int>& tile_expert,
@@ -11122,10 +11122,10 @@ static void fused_moe_reference(std::vector<float>& act, std::vector<float>& wy,
                              else linear_reference(y, row, down + (size_t)e * H * IE, 1, H, IE);
                            });
 }
-// What section 33b's fused_moe_fp8 computes, on the CPU: the rows of the list as above, each expert's
+// What section 35's fused_moe_fp8 computes, on the CPU: the rows of the list as above, each expert's
 // products as fp8_linear_reference computes an FP8 product (the row quantized per 128 columns, the e4m3
 // products summed per block, scaled by s_x s_w). x [T, H], weights [T, k] (bf16 values as float); gate_up and
-// down section 33b's stacked matrices, bytes and scales (ld: their scale rows' stride). w8a16: what 33b's
+// down section 35's stacked matrices, bytes and scales (ld: their scale rows' stride). w8a16: what 35's
 // moe_gemv_fp8 computes (the rows not quantized; the same roundings and sum, as moe_gemv's are fused_moe's).
 static void fused_moe_fp8_reference(std::vector<float>& act, std::vector<float>& wy, float* out, const float* x,
                                     const std::vector<int>& rows, const std::vector<int>& tile_expert,
@@ -11174,7 +11174,7 @@ __device__ __forceinline__ int fmoe_smem_index(int row, int chunk) {
 //   * the epilogue: lane l holds rows l / 4 and l / 4 + 8 of the tile, columns 2 (l % 4) and + 1 of each MMA
 //     tile (section 15's fragment layout), and writes them as one bf16 pair each.
 // Preconditions: the launcher's (fused_moe_products).
-// FP8 (section 33b): the same kernel on an FP8 model's experts, W8A8 as section 28 computes a product. a and W
+// FP8 (section 35): the same kernel on an FP8 model's experts, W8A8 as section 28 computes a product. a and W
 // are e4m3 bytes (a quantized by quantize_rows: a_scale [K/128, a_ld], tokens contiguous; W's scales w_scale
 // [E N/128, w_ld], the experts stacked by rows), so a slice's 128 bytes of a row are 128 values, one scale
 // block: the copies and ldmatrix move the same bytes as for bf16, and the m16n8k32 e4m3 instruction reads
@@ -11355,7 +11355,10 @@ static const int kFusedMoeRegistered = register_optimization(
     {"fused_moe", "a MoE layer's experts as grouped products on tensor cores, SiLU-and-mul fused in (section 33)",
      true, apply_fused_moe});
 
-// ---- 33a. Small steps: a gemv per routed expert ---------------------------------------------------------
+// ==== 34. A mixture of experts, 2: small steps, a gemv per routed expert ===================================
+// defines: MOE_GEMV_MAX_T, moe_router_kernel, moe_router, e4m3x16_to_float, moe_gemv_dot,
+//          moe_gemv_gate_up_kernel, moe_gemv_down_kernel, moe_gemv, moe_gemv_route, moe_gemv_stage; switch moe_gemv
+//
 // Replaces: at steps of at most MOE_GEMV_MAX_T tokens (decode at batch 1 to 4), all of the moe stage above: the
 // norm, the router's product and moe_route (one kernel here where section 18's gemv is switched on), and the
 // experts' part (moe_align, the two grouped products and moe_combine: two kernels here).
@@ -11469,7 +11472,7 @@ static void moe_router(bf16* x_out, bf16* logits, int* ids, float* weights, cons
   CUDA_CHECK(cudaGetLastError());
 }
 
-// FP8 (section 33b): the same two kernels on an FP8 model's experts (section 28's stacked matrices: w e4m3,
+// FP8 (section 35): the same two kernels on an FP8 model's experts (section 28's stacked matrices: w e4m3,
 // scale [rows / 128, ld]). A 16-byte load is then 16 weights, converted to fp32 in registers (exact: every
 // e4m3 value is a float), their products with the bf16 inputs summed in fp32 and times the 128 x 128 block's
 // scale: W8A16, the activations not quantized. e4m3x16_to_float is the conversion.
@@ -11653,7 +11656,7 @@ static void moe_gemv(bf16* out, const bf16* x, const int* ids, const float* weig
 // Part I's moe_plain. Steps of more than MOE_GEMV_MAX_T tokens, and slices moe_gemv does not take, go there.
 static void (*g_moe_larger)(Pass& p, const LayerWeights& lw) = moe_plain;
 
-// The first half of section 14's moe (section 33b's stage calls it too): the norm, the router's product and
+// The first half of section 14's moe (section 35's stage calls it too): the norm, the router's product and
 // moe_route in moe_router where this switch and section 18's gemv are on and the step fits it (its arithmetic;
 // a pending add to the residual stream, left by an all-reduce at TP > 1 that did not make it, is Part I's
 // norm_residual first), else Part I's three calls.
@@ -11693,10 +11696,13 @@ static void apply_moe_gemv(bool on, Hooks& h) {
   st.moe = moe_gemv_stage;
 }
 static const int kMoeGemvRegistered = register_optimization(
-    {"moe_gemv", "a small step's MoE layer as a gemv per routed expert, the sum in its epilogue (section 33a)",
+    {"moe_gemv", "a small step's MoE layer as a gemv per routed expert, the sum in its epilogue (section 34)",
      true, apply_moe_gemv});
 
-// ---- 33b. FP8 experts: an FP8 checkpoint's experts on the FP8 tensor cores (switch fp8_moe) --------------
+// ==== 35. A mixture of experts, 3: FP8 experts =============================================================
+// defines: fused_moe_fp8_products, fused_moe_fp8, moe_gemv_fp8, fp8_moe_stage; switch fp8_moe
+//
+// An FP8 checkpoint's experts on the FP8 tensor cores (switch fp8_moe).
 // Replaces: for a MoE model whose weights sections 28-30 hold in FP8 (Qwen/Qwen3-30B-A3B-FP8, or a bf16 MoE
 // checkpoint under --quantization fp8), section 14's moe stage at every step size. Without this switch the
 // FP8 chapter stands aside for a MoE model and section 6a dequantizes the whole checkpoint to bf16.
@@ -11721,7 +11727,7 @@ static const int kMoeGemvRegistered = register_optimization(
 // leaves unused), fused_moe_kernel<false, true>, moe_combine. The kernels are section 33's: only the bytes
 // they copy and the instruction that multiplies them change (see fused_moe_kernel's FP8 note).
 // What it costs: two quantizer launches a layer.
-// Small steps (1 to MOE_GEMV_MAX_T tokens, where moe_gemv is on) take section 33a's path instead, its two
+// Small steps (1 to MOE_GEMV_MAX_T tokens, where moe_gemv is on) take section 34's path instead, its two
 // kernels reading the e4m3 bytes (moe_gemv_fp8; the router in one kernel at 1-2 tokens, moe_gemv_route):
 // half the bytes of the bf16 gemv, and no quantizer launches. There the arithmetic is W8A16: the weights'
 // e4m3 values are converted to fp32 in registers (exactly), multiplied with the bf16 rows as they are, summed
@@ -11778,7 +11784,7 @@ static void fused_moe_fp8(bf16* out, const bf16* x, const int* ids, const float*
   moe_combine(out, a.moe_out, ids, nullptr, a.moe_pair_row, T, H, k, stream);  // (weights applied already)
 }
 
-// Small steps (T <= MOE_GEMV_MAX_T, where moe_gemv is on): section 33a's moe_gemv with its kernels reading
+// Small steps (T <= MOE_GEMV_MAX_T, where moe_gemv is on): section 34's moe_gemv with its kernels reading
 // the FP8 experts (their FP8 note), W8A16. gate_up and down as above; act: [T k, IE] of scratch. out may not
 // alias x.
 static void moe_gemv_fp8(bf16* out, const bf16* x, const int* ids, const float* weights, const Fp8Matrix& gate_up,
@@ -11800,11 +11806,11 @@ static void moe_gemv_fp8(bf16* out, const bf16* x, const int* ids, const float* 
 }
 
 // ---- The stage, and its switch: fp8_moe ----
-// The moe stage before this one (33a's, 33's or Part I's), for an engine whose experts are bf16.
+// The moe stage before this one (section 34's, 33's or Part I's), for an engine whose experts are bf16.
 static void (*g_moe_bf16)(Pass& p, const LayerWeights& lw) = moe_plain;
 
-// Section 14's moe with FP8 experts: the routing (33a's moe_gemv_route: moe_router where it takes the step,
-// else Part I's three calls), then moe_gemv_fp8 at small steps where moe_gemv is on, else fused_moe_fp8.
+// Section 14's moe with FP8 experts: the routing (section 34's moe_gemv_route: moe_router where it takes the
+// step, else Part I's three calls), then moe_gemv_fp8 at small steps where moe_gemv is on, else fused_moe_fp8.
 static void fp8_moe_stage(Pass& p, const LayerWeights& lw) {
   Fp8Weights& f = g_fp8_weights;
   if (!f.held) return g_moe_bf16(p, lw);
@@ -11837,14 +11843,14 @@ static std::string fp8_moe_note(const Qwen3& model) {
 }
 static const int kFp8MoeRegistered = register_optimization(
     {"fp8_moe", "with fp8_weights, a MoE model's experts kept in FP8, grouped products on FP8 tensor cores "
-     "(section 33b)", true, apply_fp8_moe, fp8_moe_note, {{"expert_weight_bytes_saved", 1}}});
+     "(section 35)", true, apply_fp8_moe, fp8_moe_note, {{"expert_weight_bytes_saved", 1}}});
 
 
 // ##########################################################################################################
 // PART III — THE PROGRAM AROUND IT
 // ##########################################################################################################
 
-// ==== 34. Reading the configuration: config.json, flags and sampling fields ================================
+// ==== 36. Reading the configuration: config.json, flags and sampling fields ================================
 // defines: parse_moe_config, parse_model_config, load_model_config, parse_optimizations, optimizations_str,
 //          parse_kv_cache_dtype, parse_quantization_config, parse_quantization, validate_config,
 //          validate_sampling
@@ -12185,7 +12191,7 @@ static void validate_config(Config& c, const ModelConfig& m) {
       die("--quantization %s is computed by the optimization %s, which this run switches off (--plain or --opt); "
           "switch it on, or drop --quantization to run the checkpoint as it is", c.quantization.c_str(),
           reg[i].name);
-  for (size_t i = 0; i < reg.size() && !c.quantization.empty() && m.num_experts > 0; i++)  // (section 33b)
+  for (size_t i = 0; i < reg.size() && !c.quantization.empty() && m.num_experts > 0; i++)  // (section 35)
     if (!strcmp(reg[i].name, "fp8_moe") && !(i < c.opt.on.size() && c.opt.on[i]))
       die("--quantization %s: a MoE model's experts are quantized and multiplied by the optimization fp8_moe, "
           "which this run switches off; switch it on, or drop --quantization to run the checkpoint as it is",
@@ -12221,7 +12227,7 @@ static void validate_sampling(const SamplingParams& p, const std::string& where,
     if (id < 0) die("%s: stop_token_ids must be token ids >= 0, found %d", w, id);
 }
 
-// ==== 35. Prompts in: the formats and the sampling fields ==================================================
+// ==== 37. Prompts in: the formats and the sampling fields ==================================================
 // defines: valid_utf8, PromptOptions, sampling_from_json, kSamplingFields, check_jsonl_fields,
 //          sampling_defaults
 //
@@ -12231,7 +12237,7 @@ static void validate_sampling(const SamplingParams& p, const std::string& where,
 // and optional per-request sampling fields under vLLM's SamplingParams names (kSamplingFields below: n,
 // temperature, top_k, top_p, min_p, the penalties, max_tokens, min_tokens, ignore_eos, stop, stop_token_ids,
 // include_stop_str_in_output, logprobs, seed), and "arrival_time" (seconds after the start: the request
-// joins the queue then; --request-rate fills it in). Or the .jsonl file is an OpenAI batch (section 36).
+// joins the queue then; --request-rate fills it in). Or the .jsonl file is an OpenAI batch (section 38).
 // Everything is checked before the GPU is touched: a bad line is reported by number in a second, not after
 // a model load. A prompt that cannot fit (prompt tokens + max_tokens > max_model_len) refuses the whole run,
 // naming the line: silently dropping or truncating a request would hand back garbage.
@@ -12415,10 +12421,10 @@ static SamplingParams sampling_defaults(const json& generation_config, const std
   return sp;
 }
 
-// ==== 36. Reading the prompts file: text, .jsonl and OpenAI batch lines ====================================
+// ==== 38. Reading the prompts file: text, .jsonl and OpenAI batch lines ====================================
 // defines: is_batch_line, batch_request, parse_batch_line, parse_prompts, read_prompts, assign_arrivals
 //
-// parse_prompts turns a prompts file into Requests, line by line, in the formats section 35 lists, and
+// parse_prompts turns a prompts file into Requests, line by line, in the formats section 37 lists, and
 // assign_arrivals gives them their arrival times (--request-rate). An OpenAI batch's lines are read first, by
 // their own functions: a .jsonl file whose lines are {"custom_id", "method": "POST", "url", "body"} is a
 // batch (what `vllm run-batch` reads and writes): url is /v1/chat/completions (body.messages) or
@@ -12696,7 +12702,7 @@ static void assign_arrivals(std::vector<Request>& reqs, double rate, uint64_t se
   }
 }
 
-// ==== 37. Completions out: stdout, the --output lines, a batch's answers ===================================
+// ==== 39. Completions out: stdout, the --output lines, a batch's answers ===================================
 // defines: check_output_path, logprobs_json, batch_output_line, write_completions
 //
 // A readable block per completion on stdout, and with --output one JSON object per completion; an OpenAI
@@ -12822,7 +12828,7 @@ static json batch_output_line(const Request& r, const Completion* outs, int n, c
 }
 
 // The completions: a readable block per completion on stdout, and with --output one JSON object per
-// completion (then the run summary, section 40). An OpenAI batch is answered instead with one output line
+// completion (then the run summary, section 42). An OpenAI batch is answered instead with one output line
 // per input line, in input order, to --output or else to stdout. Returns true for a batch. stopped_by: what
 // left requests unfinished, for a batch's error lines.
 static bool write_completions(const std::vector<Request>& reqs, const std::vector<Completion>& outs,
@@ -12871,7 +12877,7 @@ static bool write_completions(const std::vector<Request>& reqs, const std::vecto
   return batch;
 }
 
-// ==== 38. Shards: a part of the input per machine, and the merge ===========================================
+// ==== 40. Shards: a part of the input per machine, and the merge ===========================================
 // defines: ShardSpec, parse_shard, request_weight, shard_split, requests_xxh64, shard_requests, shard_plan,
 //          ShardOut, shard_record, ShardFile, read_shard_file, merge_shards
 //
@@ -13198,7 +13204,7 @@ static std::string merge_shards(const std::vector<std::string>& paths, std::stri
   // The merged file.
   merged.clear();
   int64_t lines = 0, prompt_tokens = 0, generated = 0;
-  std::vector<int32_t> tokens;  // completions_xxh64's bytes (section 40), from the lines
+  std::vector<int32_t> tokens;  // completions_xxh64's bytes (section 42), from the lines
   for (int64_t i = 0; i < total; i++)
     for (const json* l : out[i]) {
       merged += l->dump(-1, ' ', false, json::error_handler_t::replace) + "\n", lines++;
@@ -13222,13 +13228,13 @@ static std::string merge_shards(const std::vector<std::string>& paths, std::stri
   return "";
 }
 
-// ==== 39. Watching the run: the progress line and the trace ================================================
+// ==== 41. Watching the run: the progress line and the trace ================================================
 // defines: RunStats, StepTrace, trace_after_schedule, format_trace, labelled, format_progress, RunWatcher
 //
 // The text and pictures a run shows about itself (section 13 keeps the numbers), in three steps: this
 // section watches each step (RunWatcher, section 13's StepObserver) and prints the progress line or one
-// --trace line per step; section 40 sums the run up at its end (with the time to first token, the time per
-// output token, and two fingerprints that make runs comparable bit for bit); section 41 draws --report's
+// --trace line per step; section 42 sums the run up at its end (with the time to first token, the time per
+// output token, and two fingerprints that make runs comparable bit for bit); section 43 draws --report's
 // one-file HTML picture of the whole run.
 
 struct RunStats {
@@ -13318,7 +13324,7 @@ static std::string format_trace(const StepTrace& t) {
   return line;
 }
 
-// Each line of `text` with `label` in front (a data-parallel replica's trace, section 43).
+// Each line of `text` with `label` in front (a data-parallel replica's trace, section 45).
 static std::string labelled(const std::string& label, const std::string& text) {
   if (label.empty()) return text;
   std::string out;
@@ -13434,12 +13440,12 @@ struct RunWatcher : StepObserver {
 };
 
 
-// ==== 40. The run summary: its figures, two fingerprints and the summary record ============================
+// ==== 42. The run summary: its figures, two fingerprints and the summary record ============================
 // defines: completions_xxh64, last_logits_xxh64, Percentiles, percentiles, RunSummary, run_summary,
 //          summary_json, format_summary, write_summary
 //
 // What a run prints when it ends and writes as the last line of --output: counts, rates, where the time
-// went, request latencies, and fingerprints of the results, built from RunWatcher's figures (section 39)
+// went, request latencies, and fingerprints of the results, built from RunWatcher's figures (section 41)
 // and the scheduler's.
 
 // xxHash64 (seed 0) of every completion in input order, each as its length then its token ids, all
@@ -13507,7 +13513,7 @@ struct RunSummary {
   uint64_t tokens_xxh64 = 0, logits_xxh64 = 0;
   int logits_rows = 0;
   int64_t unfinished_requests = 0;  // > 0 only when a Ctrl-C (or a failed replica) stopped the run
-  // With data parallelism (section 43): one entry per replica. The figures above are then the run's: counts
+  // With data parallelism (section 45): one entry per replica. The figures above are then the run's: counts
   // summed, the step times the mean of the replicas' (so a rate is theirs together), the run's seconds the
   // longest replica's; the logits fingerprint is each replica's, here.
   struct Replica {
@@ -13665,7 +13671,7 @@ static void write_summary(const RunSummary& summary, FILE* jsonl) {
   if (jsonl) fprintf(jsonl, "%s\n", summary_json(summary).dump().c_str());
 }
 
-// ==== 41. The report: the whole run in one HTML page =======================================================
+// ==== 43. The report: the whole run in one HTML page =======================================================
 // defines: svg_text, svg_rect, fmt, ReportChart, chart_step_tokens, chart_kv_pool,
 //          chart_hits_and_preemptions, chart_requests, report_head, write_report
 //
@@ -13914,13 +13920,13 @@ static void write_report(const std::string& path, const std::string& title, cons
   fclose(f);
 }
 
-// ==== 42. Signals and the tensor-parallel workers ==========================================================
+// ==== 44. Signals and the tensor-parallel workers ==========================================================
 // defines: install_stop_handlers, g_stop_hook, stop_processes, tp_supervise, test_fail_at, tp_launch,
 //          tp_shutdown
 //
 // The process plumbing, in three steps: here Ctrl-C and SIGTERM and the tensor-parallel workers (section
 // 12's ranks 1..N-1); then the data-parallel replicas (whole engines that share one queue of requests),
-// each one's side (section 43) and the coordinator's (section 44): how they are forked, told what to do,
+// each one's side (section 45) and the coordinator's (section 46): how they are forked, told what to do,
 // and stopped on every path. None of it changes what the engine computes.
 
 // Signal handlers may only use async-signal-safe calls: write(2) instead of fprintf.
@@ -14140,7 +14146,7 @@ static bool tp_shutdown() {
   return ok;
 }
 
-// ==== 43. Data parallelism, 1: N replicas of the engine, one queue =========================================
+// ==== 45. Data parallelism, 1: N replicas of the engine, one queue =========================================
 // defines: DP_MAX_REPLICAS, PROMPT_TOKENS_PER_OUTPUT_TOKEN, predicted_work, request_work, remaining_work,
 //          RequestQueue, Replica, Wire, put_completion, get_completion, DPMsg, DPShared, ReplicaLink, dp_send,
 //          replica_serve
@@ -14470,11 +14476,11 @@ static void replica_serve(ReplicaLink& link, LLMEngine& engine, RunWatcher& watc
   dp_send(link.fd, DPMsg::FINISHED, fin);
 }
 
-// ==== 44. Data parallelism, 2: the coordinator =============================================================
+// ==== 46. Data parallelism, 2: the coordinator =============================================================
 // defines: DPGroup, g_dp, replica_signals, DPRun, dp_fork_replicas, DPCoordinator, dp_handle, dp_receive,
 //          dp_reap, dp_print_progress, dp_run, dp_figures, dp_completions
 //
-// The coordinator forks the replicas (section 43 says how the run is shared out among them), reads what
+// The coordinator forks the replicas (section 45 says how the run is shared out among them), reads what
 // each sends on its pipe, stops them all when one fails or a signal says so, and turns what they handed
 // back into one run's completions and figures.
 
@@ -14780,7 +14786,7 @@ static std::vector<Completion> dp_completions(const DPRun& run, const std::vecto
   return outs;
 }
 
-// ==== 45. simulate: the engine without a GPU ===============================================================
+// ==== 47. simulate: the engine without a GPU ===============================================================
 // defines: SimGpu, qwen3_shape, model_params, active_params, experts_touched, model_weight_bytes,
 //          step_weight_bytes, simulated_kv_blocks, step_cost, SimRunner
 //
@@ -14992,7 +14998,7 @@ struct SimRunner : StepRunner {
   }
 };
 
-// ==== 46. The command line: flags and --help ===============================================================
+// ==== 48. The command line: flags and --help ===============================================================
 // defines: Cli, kUsage, usage_text, parse_size, FlagReader, engine_flag, sampling_flag, run_flag,
 //          check_flag_combinations, parse_args
 //
@@ -15008,15 +15014,15 @@ struct Cli {
   int64_t seed = 0;
   bool trace = false;
   double request_rate = 0;   // --request-rate: requests/s of a Poisson process (0: all arrive at once)
-  bool simulate = false;     // `nanovllm simulate` (section 45)
+  bool simulate = false;     // `nanovllm simulate` (section 47)
   double sim_gpu_bytes = 0;  // --simulate-gpu-memory
   std::string sim_model = "Qwen3-0.6B";  // --simulate-model: the shape when there is no config.json
   bool sim_model_given = false;
   double sim_eos_prob = 0;   // --simulate-eos-prob
-  json sampling_flags = json::object();  // the sampling flags given, by vLLM's field names (section 35)
+  json sampling_flags = json::object();  // the sampling flags given, by vLLM's field names (section 37)
   bool generation_config = true;         // --generation-config auto (true) or vllm
-  int data_parallel_size = 1;            // --data-parallel-size: engine replicas (section 43)
-  ShardSpec shard;                       // --shard: this run's part of the input (section 38)
+  int data_parallel_size = 1;            // --data-parallel-size: engine replicas (section 45)
+  ShardSpec shard;                       // --shard: this run's part of the input (section 40)
 };
 
 static const char* kUsage =
@@ -15322,7 +15328,7 @@ static Cli parse_args(int argc, char** argv, bool simulate = false) {
   return cli;
 }
 
-// ==== 47. A run's start and end: the GPUs, the start-up line, the closing lines ============================
+// ==== 49. A run's start and end: the GPUs, the start-up line, the closing lines ============================
 // defines: example_requests, sampling_defaults_for, check_gpus, count_gpus_in_child, replica_gpus,
 //          gpu_warmup_start, startup_line, optimization_notes, take_shard, RunOutcome, finish_run, finish_dp
 //
@@ -15344,7 +15350,7 @@ static std::vector<Request> example_requests(const Tokenizer& tok, const PromptO
   return reqs;
 }
 
-// The sampling defaults of this run (section 35's sampling_defaults) into cli.prompts.defaults; returns the
+// The sampling defaults of this run (section 37's sampling_defaults) into cli.prompts.defaults; returns the
 // description the start-up line prints.
 static std::string sampling_defaults_for(Cli& cli, const ModelConfig& mc) {
   std::string described;
@@ -15589,7 +15595,7 @@ static int finish_run(const Cli& cli, const std::vector<Request>& requests, cons
   return g_stop_requested ? 128 + SIGINT : 0;
 }
 
-// A data-parallel run's end (section 44): the replicas' completions in input order and their figures,
+// A data-parallel run's end (section 46): the replicas' completions in input order and their figures,
 // written as one run's. Exit status 1 when a replica failed (after writing what finished, once they ran).
 static int finish_dp(const Cli& cli, const std::vector<Request>& requests, DPRun& dp,
                      const std::vector<std::string>& gpus, const Tokenizer& tok, double t_start,
@@ -15607,7 +15613,7 @@ static int finish_dp(const Cli& cli, const std::vector<Request>& requests, DPRun
   return finish_run(cli, requests, dp_completions(dp, requests), tok, run, shard);
 }
 
-// ==== 48. The commands and main ============================================================================
+// ==== 50. The commands and main ============================================================================
 // defines: roofline_command, merge_command, simulate_command, run_data_parallel, main
 //
 // What `nanovllm` can be asked to do besides a run (roofline, merge, simulate; encode and decode are the
@@ -15666,7 +15672,7 @@ static int roofline_command() {
   return 0;
 }
 
-// `nanovllm merge OUT SHARD_FILE...` (section 38's merge_shards).
+// `nanovllm merge OUT SHARD_FILE...` (section 40's merge_shards).
 static int merge_command(int argc, char** argv) {
   if (argc < 3 || !strcmp(argv[1], "--help"))
     die("usage: nanovllm merge OUT.jsonl SHARD.jsonl... (the --output files of every --shard K/N run)");
@@ -15685,9 +15691,9 @@ static int merge_command(int argc, char** argv) {
   return 0;
 }
 
-// `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` (section 45): the same checks and the same engine as
+// `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` (section 47): the same checks and the same engine as
 // a run, with SimRunner in place of the GPU. With --shard it first prints the plan of every shard, then
-// runs its own share; with --data-parallel-size N, N replica processes as a real run forks (section 43).
+// runs its own share; with --data-parallel-size N, N replica processes as a real run forks (section 45).
 static int simulate_command(Cli& cli) {
   const double t_start = now_seconds();
   Config& config = cli.config;
@@ -15736,7 +15742,7 @@ static int simulate_command(Cli& cli) {
   if (mc.num_experts) snprintf(active, sizeof active, ", %.2f B active", active_params(mc) / 1e9);
   fprintf(stderr,
           "nanovllm: simulate | shape of %s (%.2f B parameters%s) | KV cache %s, %d blocks x %d tokens = %lld "
-          "tokens%s | scheduler %s | no GPU: a stand-in model and a modelled clock (section 45)\n",
+          "tokens%s | scheduler %s | no GPU: a stand-in model and a modelled clock (section 47)\n",
           shape.c_str(), model_params(mc) / 1e9, active, config.kv_cache_dtype.c_str(),
           config.num_kvcache_blocks, config.kvcache_block_size,
           (long long)config.num_kvcache_blocks * config.kvcache_block_size,
@@ -15778,7 +15784,7 @@ static int simulate_command(Cli& cli) {
   return finish_run(cli, requests, outs, tok, run, cli.shard.on() ? &shard : nullptr);
 }
 
-// --data-parallel-size N (-dp N): N replicas, each an engine on its own GPUs (section 43); this process only
+// --data-parallel-size N (-dp N): N replicas, each an engine on its own GPUs (section 45); this process only
 // hands out the requests and writes what comes back. It counts the GPUs in a child: it must not use CUDA
 // itself before it forks.
 static int run_data_parallel(Cli& cli, const ModelConfig& mc, const Tokenizer& tok, std::vector<Request>& requests,
@@ -15861,7 +15867,7 @@ int main(int argc, char** argv) {
   // 2. With --data-parallel-size N: N replicas of what follows, each on its own GPUs.
   if (dp > 1) return run_data_parallel(cli, mc, tok, requests, sampling, t_start, sharded);
   // 2. The GPU: weights, KV cache, CUDA graphs. Tensor-parallel workers are forked first: a child process
-  //    cannot use CUDA once its parent has (section 42).
+  //    cannot use CUDA once its parent has (section 44).
   tp_launch(tp);
   check_gpus(tp);
   ModelRunner runner(config, mc);

@@ -94,14 +94,14 @@ fi
 if [ -n "$MOE_SHAPES" ]; then
   for opt in all none; do SHAPES=$MOE_SHAPES run_e2e "moe-$opt" NANOVLLM_E2E_OPT="$opt"; done
 fi
-# FP8 experts (section 33b): FP8 MoE checkpoints computed in FP8 (against hf_reference.py's W8A8 emulation, the
+# FP8 experts (section 35): FP8 MoE checkpoints computed in FP8 (against hf_reference.py's W8A8 emulation, the
 # experts included) and dequantized (--plain), and a bf16 MoE one quantized at load (its ref_q8_logits_N).
 if [ -n "$MOE_FP8_SHAPES" ]; then
   for opt in all none; do SHAPES=$MOE_FP8_SHAPES run_e2e "moe-fp8-weights-$opt" NANOVLLM_E2E_OPT="$opt"; done
 fi
 [ "${E2E_QUANT:-1}" = 0 ] || [ -z "$MOE_SHAPES" ] ||
   SHAPES=${MOE_SHAPES%% *} run_e2e moe-quantization-fp8 NANOVLLM_E2E_QUANT=fp8
-# Data parallelism (sections 43-44) on NANOVLLM_E2E_DP replicas (of TP GPUs each in its --tp case), after
+# Data parallelism (sections 45-46) on NANOVLLM_E2E_DP replicas (of TP GPUs each in its --tp case), after
 # gpu_e2e wrote the tolerance its teacher-forcing check reuses.
 DP=${NANOVLLM_E2E_DP:-1}
 if [ "$DP" -gt 1 ]; then

@@ -103,7 +103,7 @@ struct Engine {
   ModelConfig mc;
   std::unique_ptr<ModelRunner> runner;
   std::unique_ptr<LLMEngine> engine;
-  RunWatcher watcher;  // the step counts (section 39's observer), without its progress line
+  RunWatcher watcher;  // the step counts (section 41's observer), without its progress line
   Engine(const std::string& dir, int max_batched, int block_size, int num_blocks, int max_model_len) {
     config.model = dir;
     config.max_num_batched_tokens = max_batched;

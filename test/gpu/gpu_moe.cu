@@ -4,10 +4,10 @@
 // experts' steps replayed from a CUDA graph while the routing changes under it (the graph-capturable design);
 // the loader's experts at --tp 1 and as rank 1 of --tp 2; and a tiny random MoE checkpoint end to end: the
 // plain path's CUDA-graph decode bit for bit against the same steps run eagerly, and the default switches
-// (attention's chapters and sections 33-33a; the gemv, the persistent kernel and FP8 weights stand aside for
+// (attention's chapters and sections 33-34; the gemv, the persistent kernel and FP8 weights stand aside for
 // the MoE layers) against the plain path. Section 33 (fused_moe, the experts on tensor cores): its products
 // against the CPU references and Part I's path at awkward widths and tensor-parallel slices, its sum bit for
-// bit, its CUDA-graph replay, and the tiny checkpoint with it alone; section 33a (moe_gemv, small steps)
+// bit, its CUDA-graph replay, and the tiny checkpoint with it alone; section 34 (moe_gemv, small steps)
 // against the CPU reference eagerly and from a graph, its router in one kernel bit for bit against the three
 // launches it stands for, and the tiny checkpoint with it (graphs against eager steps at 2 sequences, with
 // and without that router; logits against the plain path). Every case poisons its outputs first. Without a
@@ -185,7 +185,7 @@ static void routing_rounds(const ExpertsCase& c, std::mt19937& rng, bool graph, 
 // against double): an intermediate bf16 rounding may land one step apart, so the outputs agree within a few
 // bf16 steps; a wrong row, expert, weight or order of the sum is far outside that. how: section 10b's
 // moe_experts, section 33's fused_moe (the same arguments, the same reference: test_moe.cu checks that
-// fused_moe_reference's sum is moe_experts_reference's bit for bit) or section 33a's moe_gemv (whose CPU
+// fused_moe_reference's sum is moe_experts_reference's bit for bit) or section 34's moe_gemv (whose CPU
 // reference is moe_experts_reference itself: the same roundings, the sum in the same order).
 enum class Experts { PLAIN, FUSED, GEMV };
 static void check_experts(const ExpertsCase& c, std::mt19937& rng, bool graph, Experts how = Experts::PLAIN) {
@@ -279,7 +279,7 @@ TEST(fused_moe_matches_reference) {
     if ((int64_t)c.T * c.k * c.H * c.IE <= 400000000) check_experts(c, rng, true, Experts::FUSED);
 }
 
-// Section 33a's moe_gemv at 1 to 4 tokens (the stage takes it up to MOE_GEMV_MAX_T; the kernels compute the same
+// Section 34's moe_gemv at 1 to 4 tokens (the stage takes it up to MOE_GEMV_MAX_T; the kernels compute the same
 // for any T: the grid's second dimension is T, and at one token the down kernel's warps share an output's
 // experts, which changes no sum), at one token with each size of a down row's loads: widths that are not
 // multiples of a stretch (H 264, 1,032: a partial stretch of 1,024 columns; IE 24, 776), IE at its limit (2,048) and
@@ -309,7 +309,7 @@ TEST(moe_gemv_matches_reference) {
   }
 }
 
-// Section 33a's router in one kernel (moe_router) against the three launches it stands for (Part I's rmsnorm,
+// Section 34's router in one kernel (moe_router) against the three launches it stands for (Part I's rmsnorm,
 // section 18's gemv, Part I's moe_route): the normed rows, the logits, the ids and the weights bit for bit, at
 // 1 and 2 tokens, from the residual stream (the norm inside) and from rows normed already; E not a multiple of
 // the 8 logits a thread block computes, E at MOE_MAX_EXPERTS, k at MOE_MAX_TOPK; eagerly, then replayed from
@@ -468,7 +468,7 @@ TEST(fused_moe_steps_match_reference_and_plain) {
 }
 #endif
 
-// ---- section 33b: the experts in FP8 -----------------------------------------------------------------------
+// ---- section 35: the experts in FP8 -----------------------------------------------------------------------
 
 #ifdef NANOVLLM_PART_II
 // A stack of experts' FP8 matrices (E n rows of K) as an FP8 checkpoint holds them: e4m3 bytes of either sign
@@ -514,7 +514,7 @@ struct Fp8StackOnGpu {
 // fused_moe on the dequantized weights, which differs by the activations' e4m3 rounding only (section 28: up
 // to 2^-4 of a value, twice: x and act): a relative L2 difference of a few percent (5.1e-2 measured at one
 // token of H 256), where a wrong scale, block or expert is of order 1.
-// gemv: section 33b's small steps (moe_gemv_fp8, W8A16) against the reference's w8a16 products instead.
+// gemv: section 35's small steps (moe_gemv_fp8, W8A16) against the reference's w8a16 products instead.
 static void check_experts_fp8(const ExpertsCase& c, std::mt19937& rng, bool graph, bool gemv = false) {
   const auto x = bf16_values((size_t)c.T * c.H, rng, 1.f);
   const bool plain = !graph && !gemv;  // compared with the bf16 products of the dequantized weights too
@@ -599,7 +599,7 @@ TEST(fused_moe_fp8_matches_reference) {
   for (const ExpertsCase& c : kFp8Cases)
     if ((int64_t)c.T * c.k * c.H * c.IE <= 100000000) check_experts_fp8(c, rng, true);
 }
-// Section 33b's small steps (moe_gemv_fp8) at 1 to 4 tokens: each size of a down row's loads (IE 128, 384,
+// Section 35's small steps (moe_gemv_fp8) at 1 to 4 tokens: each size of a down row's loads (IE 128, 384,
 // 768: two 16-byte loads a lane; 1,536 and 2,048: four), one choice per token and every expert in every
 // token, two tokens that chose the same expert, eagerly and replayed from a CUDA graph under changing
 // routings.
@@ -628,7 +628,7 @@ TEST(moe_gemv_fp8_matches_reference) {
 #ifdef NANOVLLM_PART_II
 // A timing, not a test: one MoE layer's experts (after the router) at Qwen3-30B-A3B's widths (H 2048, 128
 // experts top-8, IE 768), Part I's moe_experts against section 33's fused_moe, at T = 1 to 2048 tokens, and
-// section 33a's moe_gemv at the steps it may take (T <= 8, past MOE_GEMV_MAX_T too: where the tiles win).
+// section 34's moe_gemv at the steps it may take (T <= 8, past MOE_GEMV_MAX_T too: where the tiles win).
 // Each run takes the next of 8 uniform routings, so the experts it reads are rarely the run before's (L2
 // holds a few dozen of the 128). Printed: microseconds per layer, the weights the routing touches over the
 // time (GB/s), and the experts' FLOPs over the time (TFLOP/s).
@@ -686,7 +686,7 @@ TIMING(fused_moe_speed) {
 #endif
 
 #ifdef NANOVLLM_PART_II
-// A timing, not a test: section 33a's layer at steps of 1 and 2 tokens at Qwen3-30B-A3B's widths, 48 layers in
+// A timing, not a test: section 34's layer at steps of 1 and 2 tokens at Qwen3-30B-A3B's widths, 48 layers in
 // one CUDA graph (as a decode step replays them, each kernel launched with PDL behind the one before), each
 // layer with its own uniform routing and the weights shared (the experts come mostly from HBM): the router as
 // Part I's three launches against moe_router; the down kernel with a row's loads sized to IE (4 at IE 768)
@@ -700,7 +700,7 @@ TIMING(moe_layer_speed) {
   for (auto* b : {&gate_up, &down, &router}) CUDA_CHECK(cudaMemset(b->p, 0x3c, b->n * 2));  // about 0.0115
   for (auto* b : {&norm_w, &residual, &act}) CUDA_CHECK(cudaMemset(b->p, 0x3f, b->n * 2));  // about 0.75
 #ifdef NANOVLLM_PART_II
-  Fp8Stack gu8h, dn8h;  // section 33b's stacks of the same shapes, every byte 0x30 (0.5), every scale 0.023
+  Fp8Stack gu8h, dn8h;  // section 35's stacks of the same shapes, every byte 0x30 (0.5), every scale 0.023
   gu8h.N = E * 2 * IE, gu8h.K = H, gu8h.ld = H / 128, dn8h.N = E * H, dn8h.K = IE, dn8h.ld = 8;
   for (Fp8Stack* m : {&gu8h, &dn8h})
     m->q.assign((size_t)m->N * m->K, 0x30), m->s.assign((size_t)m->N / 128 * m->ld, 0.023f);
@@ -763,7 +763,7 @@ TIMING(moe_layer_speed) {
     printf("    T %d: the MoE layer: Part I's router + moe_gemv %5.2f us, moe_router + moe_gemv (the stage) %5.2f us\n",
            T, per_layer([&](int l) { parts(l), experts(l); }), per_layer([&](int l) { fused(l), experts(l); }));
 #ifdef NANOVLLM_PART_II
-    if (gpu_cc_major() == 9) {  // section 33b: the same experts in FP8 (bytes 0x30, 0.5; scales 0.023)
+    if (gpu_cc_major() == 9) {  // section 35: the same experts in FP8 (bytes 0x30, 0.5; scales 0.023)
       MoEScratch sc(T, H, IE, E, k);
       printf("    T %d: FP8 experts: moe_gemv_fp8 %5.2f us, fused_moe_fp8 %5.2f us (bf16 moe_gemv %5.2f us)\n", T,
              per_layer([&](int l) {
@@ -877,7 +877,7 @@ TEST(moe_load_weights_places_experts) {
 }
 
 #ifdef NANOVLLM_PART_II
-// Section 33b's loading: an FP8 checkpoint's experts stacked as the chapter holds them (expert e's gate rows,
+// Section 35's loading: an FP8 checkpoint's experts stacked as the chapter holds them (expert e's gate rows,
 // then its up rows, from row e 2 IE; its down from row e H), their bytes exactly the file's and their block
 // scales the file's weight_scale_inv values at the stacked rows' blocks; the bf16 experts not loaded at all
 // (section 6a leaves them out), the router loaded in bf16.
@@ -1001,7 +1001,7 @@ static std::vector<std::vector<int>> moe_prompts() {
 // batch size, so the eager steps have the same shapes) give the same tokens as the same engine stepping
 // eagerly, the last decode step's logits bit for bit (the same kernels in the same order), and so do the
 // logits of a prefill step after them. `opt`: the switches (none: Part I alone; section 33's fused_moe, then
-// section 33a's moe_gemv alone in the next cases); B: the sequences (the first B prompts; a graph's batch size);
+// section 34's moe_gemv alone in the next cases); B: the sequences (the first B prompts; a graph's batch size);
 // fp8: an FP8 checkpoint (tiny_moe).
 static void graphs_match_eager(const char* opt, const char* folder, int B = 8, bool fp8 = false) {
   const std::string dir = tiny_moe(folder, fp8);
@@ -1048,7 +1048,7 @@ TEST(moe_gemv_graphs_match_eager) {
   graphs_match_eager("none,moe_gemv", "gemv-graphs", MOE_GEMV_MAX_T);
   graphs_match_eager("none,pdl,gemv,moe_gemv", "gemv-router-graphs", GEMV_MAX_M);
 }
-// Section 33b on an FP8 checkpoint, with every default switch (the attention half's FP8 products too): 8
+// Section 35 on an FP8 checkpoint, with every default switch (the attention half's FP8 products too): 8
 // sequences, then 2 (the router as moe_router's one launch).
 TEST(fp8_moe_graphs_match_eager) {
   REQUIRE_GPU();
@@ -1069,7 +1069,7 @@ TEST(fp8_moe_graphs_match_eager) {
 // that token's output then differs by a whole expert's share) is printed and not held to the bar; most
 // prompts must route the same and pass. `opt`: the switches compared with --plain. fp8: an FP8 checkpoint
 // (tiny_moe), which the plain path dequantizes and the default switches compute in FP8 (sections 28-30 and
-// 33b): the bound then allows for the activations' e4m3 rounding.
+// 35): the bound then allows for the activations' e4m3 rounding.
 static void switches_match_plain(const char* opt, const char* folder, double bound, bool fp8 = false) {
   const std::string dir = tiny_moe(folder, fp8);
   if (dir.empty()) SKIP("python3 or test/ref/make_tiny_checkpoint.py is missing (run from the repository root)");
@@ -1128,7 +1128,7 @@ TEST(moe_default_switches_match_plain) {
   switches_match_plain("all", "fast", 2e-2);
 }
 #ifdef NANOVLLM_PART_II
-// An FP8 checkpoint: the default switches hold it in FP8 (W8A8 products, the experts through section 33b)
+// An FP8 checkpoint: the default switches hold it in FP8 (W8A8 products, the experts through section 35)
 // against the plain path's bf16 products of the dequantized weights. The bound is the activations' e4m3
 // rounding (a few 1e-2 relative per product, mostly averaging out) on top of the bf16 chapters' 2e-2.
 TEST(fp8_moe_default_switches_match_plain) {
@@ -1143,7 +1143,7 @@ TEST(fused_moe_alone_matches_plain) {
   REQUIRE_GPU();
   switches_match_plain("none,fused_moe", "fused-alone", 1e-2);
 }
-// Section 33a alone: the one-token prompt's prefill step takes the gemv (the other prompts' steps are longer
+// Section 34 alone: the one-token prompt's prefill step takes the gemv (the other prompts' steps are longer
 // and Part I's; decode at 2 sequences is moe_gemv_graphs_match_eager's), held to the plain path's logits.
 TEST(moe_gemv_alone_matches_plain) {
   REQUIRE_GPU();

@@ -1,5 +1,5 @@
 // Qwen3-MoE (Qwen3MoeForCausalLM) on the host, in the order nanovllm.cu reads it:
-//   section 34: config.json's expert fields (Qwen3-30B-A3B's as published, transformers' defaults) and each
+//   section 36: config.json's expert fields (Qwen3-30B-A3B's as published, transformers' defaults) and each
 //     refusal; section 2's ModelConfig::is_moe_layer against transformers' rule; the trip to the
 //     tensor-parallel workers (section 12's model_config_to_json);
 //   section 6a: checkpoint_tensors of a MoE model (the router, each expert, dense layers of mlp_only_layers,
@@ -11,13 +11,13 @@
 //     random logits full of ties, moe_ranks_before's order, moe_align_reference's list, and
 //     moe_experts_reference against transformers' loop (expert by expert, index_add_ into a bf16 row);
 //   sections 26 and 28: the persistent kernel's and fp8_weights' reasons for standing aside;
-//   section 45: the parameters, the experts a step reads and simulate on the Qwen3-30B-A3B shape.
+//   section 47: the parameters, the experts a step reads and simulate on the Qwen3-30B-A3B shape.
 // The kernels against these references: test/gpu/gpu_moe.cu.
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
 #include "../test.h"
 
-// ==== section 34 and 2: config.json =====================================================================
+// ==== section 36 and 2: config.json =====================================================================
 
 // Qwen3-30B-A3B's config.json as published (the fields nanovllm reads, and two it ignores), with `extra`
 // replacing or adding fields.
@@ -314,7 +314,7 @@ TEST(moe_ranks_before_is_a_total_order) {
   CHECK(moe_ranks_before(NAN, 0, NAN, 1));
 }
 
-// The order every sum over a token's experts is made in (moe_combine, section 33a's down kernel):
+// The order every sum over a token's experts is made in (moe_combine, section 34's down kernel):
 // moe_order_by_expert against std::stable_sort of the places by expert id, for k from 1 to MOE_MAX_TOPK, on a
 // token's distinct experts and on repeated ids (equal ones keep their order).
 TEST(moe_order_by_expert_matches_a_stable_sort) {
@@ -539,10 +539,10 @@ TEST(moe_experts_reference_matches_transformers_loop) {
 TEST(moe_stand_aside_reasons) {
 #ifdef NANOVLLM_PART_II
   const ModelConfig c = parse(config_30b());
-  // fp8_weights' reason, where section 33b's switch is off, comes before it asks the GPU anything.
+  // fp8_weights' reason, where section 35's switch is off, comes before it asks the GPU anything.
   const bool fp8_moe = g_opt.fp8_moe;
   g_opt.fp8_moe = false;
-  CHECK_EQ(fp8_weights_problem(c, 1), std::string("a MoE model's experts are multiplied in FP8 by section 33b "
+  CHECK_EQ(fp8_weights_problem(c, 1), std::string("a MoE model's experts are multiplied in FP8 by section 35 "
                                                   "(switch fp8_moe), which this run switches off"));
   g_opt.fp8_moe = fp8_moe;
   // The persistent kernel plans nothing for a MoE model, and says why, before it asks the GPU anything.
@@ -553,7 +553,7 @@ TEST(moe_stand_aside_reasons) {
   CHECK_MSG(pd.off_reason.find("a MoE model keeps section 14's path") != std::string::npos, "%s",
             pd.off_reason.c_str());
   // Section 14's table sends a MoE layer's MLP to its moe stage: Part I's unless a chapter fills it, as
-  // sections 33-33b do by default (FP8 experts 33b's stage, else small steps 33a's gemv, the others 33's
+  // sections 33-35 do by default (FP8 experts 35's stage, else small steps 34's gemv, the others 33's
   // fused_moe); --plain fills no stage (section 6c's pass runs moe_mlp).
   install_optimizations(default_optimizations());
   CHECK(g_stages.moe == fp8_moe_stage && g_moe_bf16 == moe_gemv_stage && g_moe_larger == fused_moe_stage);
@@ -626,7 +626,7 @@ TEST(fused_moe_reference_is_moe_experts_reference_regrouped) {
 }
 #endif
 
-// ==== section 45: parameters, the experts a step reads, simulate =========================================
+// ==== section 47: parameters, the experts a step reads, simulate =========================================
 
 TEST(moe_parameters_and_bytes_per_step) {
   ModelConfig a3b, a22b, dense;
