@@ -21,16 +21,17 @@
 //   the mixture-of-experts layer of Qwen3-MoE), the ModelRunner with CUDA graphs, tensor parallelism and the
 //   LLMEngine loop. It is complete and correct on its own, and names nothing defined after it: `--plain` runs
 //   it alone, and a build with Part II cut out (test/cli/part2_cut.sh) compiles and runs.
-//   Part II (sections 14-33) makes it fast. Section 14 cuts the forward pass into stages; each chapter after
+//   Part II (sections 14-36) makes it fast. Section 14 cuts the forward pass into stages; each chapter after
 //   it is one optimization that says what it replaces and why it is faster on the hardware, and installs
 //   itself through the hook table Part I declares (section 11) or section 14's stages; each registers its
 //   own switch (--opt NAME, section 2; sections 31-32, the FP8 KV cache, register a value of --kv-cache-dtype
 //   instead, since it trades accuracy, and 32a, which orders an fp8 decode step's rows, the switch
-//   longest_first). The last, 33, runs a mixture-of-experts layer's experts on tensor cores (fused_moe), and
-//   a small step's as a gemv per routed expert (34, moe_gemv).
+//   longest_first). The last four serve a mixture-of-experts layer: its experts on tensor cores (33,
+//   fused_moe), a small step's as a gemv per routed expert (34, moe_gemv), an FP8 checkpoint's experts in FP8
+//   (35, fp8_moe), and a decode step's MoE layers inside the persistent kernel (36, persistent_moe).
 //   docs/performance.md has the measured gain of each. The Part I code each one replaces stays, as the
 //   reference the GPU tests compare it with.
-//   Part III (sections 36-50) is the program around the engine: reading config.json and the flags, prompts
+//   Part III (sections 37-51) is the program around the engine: reading config.json and the flags, prompts
 //   in and completions out, shards, the trace, summary and report, signals, the worker processes and the
 //   data-parallel replicas, `simulate` (the engine without a GPU), the command line and main.
 //
@@ -134,22 +135,23 @@
 //   33. A mixture of experts on tensor cores
 //   34. A mixture of experts, 2: small steps, a gemv per routed expert
 //   35. A mixture of experts, 3: FP8 experts
+//   36. A mixture of experts, 4: a decode step's MoE layers inside the persistent kernel
 //   PART III — THE PROGRAM AROUND IT
-//   36. Reading the configuration: config.json, flags and sampling fields
-//   37. Prompts in: the formats and the sampling fields
-//   38. Reading the prompts file: text, .jsonl and OpenAI batch lines
-//   39. Completions out: stdout, the --output lines, a batch's answers
-//   40. Shards: a part of the input per machine, and the merge
-//   41. Watching the run: the progress line and the trace
-//   42. The run summary: its figures, two fingerprints and the summary record
-//   43. The report: the whole run in one HTML page
-//   44. Signals and the tensor-parallel workers
-//   45. Data parallelism, 1: N replicas of the engine, one queue
-//   46. Data parallelism, 2: the coordinator
-//   47. simulate: the engine without a GPU
-//   48. The command line: flags and --help
-//   49. A run's start and end: the GPUs, the start-up line, the closing lines
-//   50. The commands and main
+//   37. Reading the configuration: config.json, flags and sampling fields
+//   38. Prompts in: the formats and the sampling fields
+//   39. Reading the prompts file: text, .jsonl and OpenAI batch lines
+//   40. Completions out: stdout, the --output lines, a batch's answers
+//   41. Shards: a part of the input per machine, and the merge
+//   42. Watching the run: the progress line and the trace
+//   43. The run summary: its figures, two fingerprints and the summary record
+//   44. The report: the whole run in one HTML page
+//   45. Signals and the tensor-parallel workers
+//   46. Data parallelism, 1: N replicas of the engine, one queue
+//   47. Data parallelism, 2: the coordinator
+//   48. simulate: the engine without a GPU
+//   49. The command line: flags and --help
+//   50. A run's start and end: the GPUs, the start-up line, the closing lines
+//   51. The commands and main
 
 #include <algorithm>
 #include <cerrno>
@@ -223,7 +225,7 @@ typedef __nv_bfloat16 bf16;
 // This process's tensor-parallel rank (section 12): 0 in the main process, 1..N-1 in the workers.
 static int g_tp_rank = 0;
 // The name this process's messages carry: "" in the main process, "rank 1" in a tensor-parallel worker
-// (section 12), "replica 2" or "replica 2, rank 1" with data parallelism (section 45).
+// (section 12), "replica 2" or "replica 2, rank 1" with data parallelism (section 46).
 static char g_process_label[48] = "";
 
 // A worker's message: named by its label, and written with one write(2) so that two processes failing at
@@ -243,7 +245,7 @@ static char g_process_label[48] = "";
 }
 
 // die() is tokenizer.h's tok_die(): that header is included first and needed the same function, so the
-// engine forwards to it rather than keep a second copy. A worker process (sections 12, 46) names itself.
+// engine forwards to it rather than keep a second copy. A worker process (sections 12, 47) names itself.
 template <typename... Args>
 [[noreturn]] static void die(const char* fmt, Args... args) {
   if (g_process_label[0]) die_on_worker(fmt, args...);
@@ -363,7 +365,7 @@ static float half_bits_to_float(uint16_t h) {
 // (nano-vllm: sampling_params.py, grown to vLLM's: n, stop conditions, penalties, min_p, logprobs, a
 // seed). The optimization registry, before Config, is how Part II's speed work plugs in and is switched.
 // This section says what each setting means; reading and checking them (config.json, the flags, a request's
-// fields) is Part III's job (section 36).
+// fields) is Part III's job (section 37).
 
 constexpr int HEAD_DIM = 128;  // D: every Qwen3 dense model uses 128, and the attention kernels are built for it
 
@@ -381,11 +383,11 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   std::string dtype = "bfloat16";   // the checkpoint's dtype (weights are converted to bf16 at load)
   // A checkpoint whose layers' linear weights are stored as 8-bit floats with one scale per 128 x 128 block
-  // (config.json's quantization_config, which section 36 reads; section 6a says how Part I loads one):
+  // (config.json's quantization_config, which section 37 reads; section 6a says how Part I loads one):
   bool block_quantized = false;
   std::vector<std::string> not_quantized;  // its modules_to_not_convert: names of linears it keeps in bf16
   std::vector<int> eos_token_ids;   // generation_config.json eos_token_id (int or list), else config.json's
-  json generation_config;           // generation_config.json (null without one): sampling defaults (section 37)
+  json generation_config;           // generation_config.json (null without one): sampling defaults (section 38)
   // A mixture-of-experts model (Qwen3MoeForCausalLM; section 10b says how a MoE layer computes). 0 experts:
   // a dense Qwen3, every layer's MLP of intermediate_size.
   int num_experts = 0;              // E: the experts of a MoE layer
@@ -413,8 +415,8 @@ struct ModelConfig {
 // the hook entries of section 11 it replaces). So a reader can run the plain engine (--plain, or --opt
 // none) and climb back one step at a time (--opt none,NAME), every optimization can be checked against the
 // code it replaces, and a build with Part II cut out has an empty registry and runs Part I alone. `step_costs`
-// is for a model of the engine that runs no GPU (section 47's simulate, which prices each step): what the
-// optimization changes in how a step runs, as named numbers; section 47 lists the names it reads.
+// is for a model of the engine that runs no GPU (section 48's simulate, which prices each step): what the
+// optimization changes in how a step runs, as named numbers; section 48 lists the names it reads.
 struct Hooks;  // section 11
 struct Qwen3;  // section 6c
 struct Optimization {
@@ -498,7 +500,7 @@ struct Config {
                                        // an Optimization that provides one (its `quantization`)
 };
 
-// ---- Tensor-parallel sharding arithmetic (used by load_weights, section 36's validate_config, the tests) ----
+// ---- Tensor-parallel sharding arithmetic (used by load_weights, section 37's validate_config, the tests) ----
 // Which sizes N can split a model, and what rank r of N holds (nano-vllm: the tp_size divisions in
 // layers/linear.py and layers/embed_head.py). Heads are never split: a rank owns whole query heads and
 // whole KV heads, so attention needs no communication; the MLP is split by intermediate columns, and so is
@@ -545,7 +547,7 @@ static TPShard tp_shard(const ModelConfig& m, int rank, int n) {
 
 // One request's sampling settings (nano-vllm: SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=False),
 // grown to vLLM's SamplingParams: the same field names, meanings and ranges). The defaults below are the
-// built-in ones; the model's generation_config.json may replace some (section 37, --generation-config).
+// built-in ones; the model's generation_config.json may replace some (section 38, --generation-config).
 constexpr int MAX_LOGPROBS = 20;  // vLLM's default max_logprobs: alternatives a request may ask for per token
 
 struct SamplingParams {
@@ -658,7 +660,7 @@ struct Sequence {
   // The key of this sequence's draws (section 9): its request's seed (child k of a seeded request with
   // n > 1 has seed + k, section 13), or for a request without one, a seed made from the engine's --seed and
   // the request's place in the whole input, never from anything the engine counts. So a request draws the
-  // same tokens in any batch, and whichever data-parallel replica (section 45) or shard (section 40) runs it.
+  // same tokens in any batch, and whichever data-parallel replica (section 46) or shard (section 41) runs it.
   uint64_t sampling_seed(uint64_t engine_seed) const {
     if (params.seed >= 0) return (uint64_t)params.seed;
     return splitmix64(engine_seed ^ splitmix64((uint64_t)request_index)) + (uint64_t)completion_index;
@@ -1181,7 +1183,7 @@ struct Weights {
 // bytes. Its config.json says
 //   "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
 //                           "weight_block_size": [128, 128]}
-// (section 36 checks it), and each linear projection X of a layer (q, k, v, o, gate, up, down) is stored as
+// (section 37 checks it), and each linear projection X of a layer (q, k, v, o, gate, up, down) is stored as
 //   X.weight            F8_E4M3        [out, in]                         one byte per weight
 //   X.weight_scale_inv  BF16 or F32    [ceil(out/128), ceil(in/128)]     one multiplier per 128 x 128 block
 // meaning W[r][c] = e4m3(X.weight[r][c]) * X.weight_scale_inv[r / 128][c / 128]. The quantizer took each
@@ -3433,13 +3435,13 @@ static void install_optimizations(const OptimizationSet& set, const std::string&
 
 // What LLMEngine (section 13) needs from the side that computes a step: the sampled tokens, the batch a step
 // really runs (padded to a CUDA graph's size), and a clock. ModelRunner is the real one; `nanovllm simulate`
-// (section 47) plugs in a stand-in that needs no GPU and keeps a modelled clock.
+// (section 48) plugs in a stand-in that needs no GPU and keeps a modelled clock.
 struct StepRunner {
   double gpu_seconds = 0;  // time spent waiting for the GPU (the rest of a step is host work)
   virtual std::vector<int> run(const std::vector<Sequence*>& seqs, bool is_prefill) = 0;
   virtual int padded_batch(int B, bool is_prefill) const = 0;
   // After run(): row i's log-probabilities for the sequences that asked for them (section 9b); nullptr when
-  // none did, or when the runner has no logits (section 47's stand-in model).
+  // none did, or when the runner has no logits (section 48's stand-in model).
   virtual const TokenLogprobs* step_logprobs() const { return nullptr; }
   virtual double now() { return now_seconds(); }
   virtual void wait_until(double t) {  // nothing to do before t (requests arrive later)
@@ -3921,7 +3923,7 @@ struct ModelRunner : StepRunner {
 // This section has two halves: the data plane (the communicator, the all-reduce, the logits gather), and
 // the processes (12b): rank 0 is this process; ranks 1..N-1 are workers fork()ed before the first CUDA
 // call, and rank 0 sends them each step through a mailbox in shared memory. Section 20 gives the small
-// all-reduces of decode a faster road than NCCL's; section 44 handles the signals and shutdown.
+// all-reduces of decode a faster road than NCCL's; section 45 handles the signals and shutdown.
 //
 // What crosses between the ranks in one batch-1 decode step of Qwen3-8B at N = 2:
 //   mailbox      ~57 KB of step inputs at --max-num-seqs 512 (ids, positions, slots, context lengths,
@@ -4030,7 +4032,7 @@ static TPComm* tp_comm_init(int rank, int size, const ncclUniqueId& id) {
 // followed by collectives that need every worker.
 //
 // What happens when a process fails or a signal arrives (reaping the workers, naming the rank that failed,
-// Ctrl-C) is section 44's: it passes its handlers to tp_fork_workers (TPSupervisor), and none of it changes
+// Ctrl-C) is section 45's: it passes its handlers to tp_fork_workers (TPSupervisor), and none of it changes
 // what the ranks compute.
 
 enum class TPOp : uint32_t { CONNECT, INIT, CAPTURE, STEP, EXIT };
@@ -4061,7 +4063,7 @@ struct TPGroup {
 };
 static TPGroup g_tp;
 
-// What section 44 adds around the processes: rank 0's reaper and signal handlers, installed between the
+// What section 45 adds around the processes: rank 0's reaper and signal handlers, installed between the
 // forks and the moment a worker's death can be noticed; a worker's own signals; and a per-step call (tests
 // make a worker fail on purpose there). Empty entries do nothing.
 struct TPSupervisor {
@@ -4293,7 +4295,7 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
 
 [[noreturn]] static void tp_worker_main(int rank) {
   g_tp_rank = rank;
-  const size_t at = strlen(g_process_label);  // a replica's worker: "replica 2, rank 1" (section 46)
+  const size_t at = strlen(g_process_label);  // a replica's worker: "replica 2, rank 1" (section 47)
   snprintf(g_process_label + at, sizeof g_process_label - at, "%srank %d", at ? ", " : "", rank);
   if (g_tp_supervisor.worker_begins) g_tp_supervisor.worker_begins(rank);
   TPMailbox* mb = g_tp.mb;
@@ -4359,7 +4361,7 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
 // a model too large for one GPU, and one request (or a small batch) that must go faster, since its decode
 // step reads 1/N of the weights per GPU. The two combine: N replicas of T GPUs each. The replicas are
 // processes forked like this section's ranks, each running this file's engine unchanged; the queue they
-// pull from, and how the run stops, are program plumbing (sections 45-46). docs/data-parallel.md has the
+// pull from, and how the run stops, are program plumbing (sections 46-47). docs/data-parallel.md has the
 // measurements that say when each wins.
 
 // ==== 13. LLMEngine: add_request, step, generate ===========================================================
@@ -4374,7 +4376,7 @@ static void tp_replay_step(ModelRunner& r, const TPStep& st) {
 //
 // Watching the scheduler think: with --trace every step prints one line on stderr, every run ends with a
 // summary, and --report draws the whole run. All of them watch through StepObserver (below; Part III
-// implements it, section 41) and only read what the scheduler, the runner and the Sequences already keep.
+// implements it, section 42) and only read what the scheduler, the runner and the Sequences already keep.
 
 struct Request {
   std::vector<int> prompt_token_ids;
@@ -4382,16 +4384,16 @@ struct Request {
   std::string source;         // "prompts.txt:12", for messages
   double arrival_time = 0;    // seconds after generate() begins (a .jsonl field, or --request-rate)
   bool arrival_given = false; // the .jsonl line gave it (--request-rate leaves it alone)
-  std::string error;          // an OpenAI batch line we answer with an error instead of running (section 38)
-  json batch;                 // that batch line's custom_id, url and body (section 38); null otherwise
+  std::string error;          // an OpenAI batch line we answer with an error instead of running (section 39)
+  json batch;                 // that batch line's custom_id, url and body (section 39); null otherwise
   int index = -1;             // its place in the whole input when a run holds only part of it (a shard,
-                              // section 40); -1: its place in generate()'s input
+                              // section 41); -1: its place in generate()'s input
 };
 
 // One completion: a request with n > 1 has n of them, consecutive, in index order.
 struct Completion {
   std::vector<int> token_ids;
-  const char* finish_reason;  // nullptr: unfinished (the run was interrupted by Ctrl-C, section 44)
+  const char* finish_reason;  // nullptr: unfinished (the run was interrupted by Ctrl-C, section 45)
   int prompt_tokens;
   double arrival_time = 0, first_token_time = -1, finish_time = -1;  // seconds since generate() began (-1: never)
   int64_t seq_id = 0;
@@ -4404,7 +4406,7 @@ struct Completion {
   double cumulative_logprob = 0;
 };
 
-// Ctrl-C (section 44's handler sets it; main arms it): generate() stops after the step in flight.
+// Ctrl-C (section 45's handler sets it; main arms it): generate() stops after the step in flight.
 static volatile sig_atomic_t g_stop_armed = 0;
 static volatile sig_atomic_t g_stop_requested = 0;
 
@@ -4541,7 +4543,7 @@ struct LLMEngine {
   std::vector<Completion> generate(const std::vector<Request>& requests) {
     t0 = runner.now();
     const size_t first = seqs.size();
-    for (size_t r = 0; r < requests.size(); r++)  // (one with an error is answered with it instead, section 39)
+    for (size_t r = 0; r < requests.size(); r++)  // (one with an error is answered with it instead, section 40)
       if (requests[r].error.empty()) add_request(requests[r], requests[r].index >= 0 ? requests[r].index : (int)r);
     while (!g_stop_requested) {
       admit_arrivals();
@@ -4597,9 +4599,11 @@ struct LLMEngine {
 // and the gaps between the kernels (the gemv chapter, 17-18: how its kernels launch, then the gemv), and the
 // kernels that exist only to merge partial results or to prepare q and k (19). With tensor parallelism,
 // NCCL's latency on small messages (20). A sampler that reads its row many times (21-22). Prefill and mixed
-// steps launched kernel by kernel (23). Then 24-27 run a small decode step as one kernel, and 28-29 halve the
-// bytes of the cache. A mixture-of-experts model's experts on Part I's plain tiled products (33), and a
-// decode step's experts read at a fraction of the bandwidth by any tile (34).
+// steps launched kernel by kernel (23). Then 24-27 run a small decode step as one kernel, 28-30 halve the
+// bytes of the weights (FP8) and 31-32 those of the cache. A mixture-of-experts model's experts on Part I's
+// plain tiled products (33), a decode step's experts read at a fraction of the bandwidth by any tile (34),
+// the experts' bytes halved too (35), and a decode step's MoE layers, still a few kernels each, in the one
+// persistent kernel (36).
 
 // Defined only while this part is in the file: a test that also exercises Part II asks for it.
 #define NANOVLLM_PART_II 1
@@ -4625,6 +4629,7 @@ struct Optimizations {
   bool fp8_weights = false;        // 28-29: an FP8 checkpoint's linear weights kept in FP8 (--quantization fp8)
   bool fp8_gemv = false;           // 29: with FP8 weights, batch-1/2 products in a tensor-core gemv
   bool fp8_moe = false;            // 35: with FP8 weights, a MoE layer's experts in FP8 too
+  bool persistent_moe = false;     // 36: a MoE model's small decode steps in the persistent kernel
 };
 static Optimizations g_opt;  // set by each section's apply (install_optimizations, section 11)
 
@@ -7636,8 +7641,8 @@ static const int kPrefillGraphsRegistered = register_optimization(
 
 // ==== 24. One persistent kernel for a small-batch decode step, 1: the operation chain ===============
 // defines: PERSIST_MAX_B, PersistOp, PersistArgs, PersistCursor, persist_issue, persist_wait, persist_signal,
-//          persist_stream_k, persist_rms_scales, persist_stage_input, persist_gemv_chunk, persist_gemv_epilogue,
-//          persist_all_reduce (sections 25-27: the rest)
+//          persist_stream_k, persist_rms_scales, persist_stage_input, persist_gemv_chunk, persist_warp_sums,
+//          persist_row_sum, persist_gemv_epilogue, persist_all_reduce (sections 25-27: the rest)
 //
 // Replaces: at decode steps of 1, 2 or 4 sequences, all of section 14's forward pass on each GPU: about five
 // kernels per layer plus the head, 143 launches for Qwen3-0.6B, and at TP > 1 the all-reduces between them.
@@ -7739,7 +7744,8 @@ constexpr int PERSIST_PREFETCH = 8;       // attention: tokens per warp whose K 
 constexpr int PERSIST_MAX_B = 4;          // batch sizes 1, 2, 4 (decode graph sizes; docs/performance.md: 8)
 
 enum PersistKind : int { PERSIST_EMBED, PERSIST_QKV, PERSIST_ATTN, PERSIST_O, PERSIST_GATE_UP, PERSIST_DOWN,
-                         PERSIST_LM_HEAD, PERSIST_ALLREDUCE };
+                         PERSIST_LM_HEAD, PERSIST_ALLREDUCE,
+                         PERSIST_ROUTER, PERSIST_MOE_GATE_UP, PERSIST_MOE_DOWN };  // the last three: section 36
 
 // One operation of the step. The gemvs (QKV .. LM_HEAD, not ATTN) compute y[b, n] = in[b, :] . W[n, :] for
 // their N outputs and write y where section 14 writes it:
@@ -7767,6 +7773,9 @@ struct PersistOp {
   // bf16 value: the same 32 KiB chunks, 2,048 columns wide.
   const float* wscale = nullptr;
   int wld = 0;
+  // A MoE layer's experts (section 36: MOE_GATE_UP, MOE_DOWN): the experts each token routes to (k); MOE_DOWN's
+  // input is a token's k rows of act, K = k IE.
+  int topk = 0;
 };
 
 // Shared-memory bytes of a copy of the operation list (16-byte multiple).
@@ -7802,6 +7811,12 @@ struct PersistArgs {
   ARPeers peers;
   uint64_t* epochs;
   int64_t ar_half, ar_slot;
+  // A MoE model (section 36): the router's logits [B, E] and the pairs' act [B k, IE] (section 6c's buffers),
+  // the routing written for the tests [B, k], and the routing's settings.
+  bf16 *router_logits, *moe_act;
+  int* topk_ids;
+  int E, topk;
+  bool norm_topk;
 };
 
 // Rows of W that row r of group g of op uses (-1: past the end, not loaded, result not written).
@@ -7820,6 +7835,8 @@ __host__ __device__ __forceinline__ bool persist_is_gemv(int kind) {
 // A row of W in the stream's 16-bit units: K, or K / 2 for FP8 weights.
 __host__ __device__ __forceinline__ int persist_stream_k(const PersistOp& op) { return op.wscale ? op.K / 2 : op.K; }
 __host__ __device__ __forceinline__ int persist_k_chunks(const PersistOp& op) {
+  if (op.kind == PERSIST_MOE_DOWN)  // each of a token's k experts in its own chunks (section 36)
+    return op.topk * ((op.K / op.topk + PERSIST_KC - 1) / PERSIST_KC);
   return (persist_stream_k(op) + PERSIST_KC - 1) / PERSIST_KC;
 }
 
@@ -7871,9 +7888,23 @@ __host__ __device__ __forceinline__ bool persist_seek(int n_ops, const PersistOp
 __device__ __forceinline__ int persist_strip_index(int r, int c) {
   return r * PERSIST_WARP_K + ((c ^ (r & 7)) << 3);
 }
+// MOE (section 36's kernel): a MoE layer's expert operations have their own copies
+// (persist_issue_expert), which wait, without issuing, until this block knows the layer's routing.
+struct PersistRoute;
+__device__ __forceinline__ bool persist_issue_expert(const PersistOp& op, const PersistCursor& c, bf16* slot,
+                                                     const PersistRoute* route);
+template <bool MOE = false>
 __device__ __forceinline__ void persist_issue(const PersistArgs& a, const PersistOp* ops, PersistCursor& c,
-                                              bf16* slot) {
+                                              bf16* slot, const PersistRoute* route = nullptr) {
   if (persist_seek(a.n_ops, ops, c, blockIdx.x, gridDim.x)) {
+    if constexpr (MOE) {
+      const PersistOp& op = ops[c.o];
+      if (op.kind == PERSIST_MOE_GATE_UP || op.kind == PERSIST_MOE_DOWN) {
+        if (persist_issue_expert(op, c, slot, route)) c.kc++, c.n++;
+        cp_async_commit();
+        return;
+      }
+    }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int k0 = c.kc * PERSIST_KC + warp * PERSIST_WARP_K;
     bf16* strip = slot + warp * PERSIST_ROWS * PERSIST_WARP_K;
@@ -7961,8 +7992,9 @@ __device__ __forceinline__ void persist_signal(const PersistArgs& a, int op) {
 //    trace buffer, no skew and no left-out wait (persistent_decode's last three arguments). --
 // Tests only: what thread block b saw of operation o, at trace[(b * n_ops + o) * PERSIST_TRACE + k]: the
 // clock at k = 0 its start, 1 after its wait and its input, 2 its end, 3 when warp 0 finished its rows of a
-// gemv, 4 just past its wait; and 5, how many chunks the block had issued to its ring and not yet used when
-// it got past its wait (its weights in flight or landed).
+// gemv, 4 just past its wait, 6 when it had routed (section 36's expert operations); and 5, how many chunks
+// the block had issued to its ring and not yet used when it got past its wait (its weights in flight or
+// landed).
 constexpr int PERSIST_TRACE = 8;
 __device__ __forceinline__ void persist_trace(const PersistArgs& a, int o, int k) {
   if (a.trace && threadIdx.x == 0) a.trace[((size_t)blockIdx.x * a.n_ops + o) * PERSIST_TRACE + k] = persist_clock_ns();
@@ -8121,9 +8153,10 @@ __device__ __forceinline__ void persist_gemv_chunk(const PersistOp& op, int kc, 
 // two buffers (by the group's parity, so the next group can fill the other before this one is read); after
 // a barrier, thread t < 16 B adds row t / B, sequence t % B over the 16 warps in order and writes the output
 // the way op writes it (GATE_UP: thread t < 8 B, gate row r and its up row r + 8).
-template <int B, bool TP>
-__device__ __forceinline__ void persist_gemv_epilogue(const PersistArgs& a, const PersistOp& op, int g, int parity,
-                                                      float (&acc)[4], float* red, const bf16* res) {
+// persist_warp_sums is its first half (section 36's operations end their groups with it too): every warp's
+// fragment into buffer `parity` and acc zeroed, then the barrier; persist_row_sum(all, r, b) is then row r,
+// sequence b, added over the warps in order.
+__device__ __forceinline__ const float* persist_warp_sums(float (&acc)[4], float* red, int parity) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* mine = red + (parity * PERSIST_WARPS + warp) * PERSIST_ROWS * 8;  // [16 rows][8 columns]
   const int row = lane >> 2, col = 2 * (lane & 3);
@@ -8131,12 +8164,18 @@ __device__ __forceinline__ void persist_gemv_epilogue(const PersistArgs& a, cons
   mine[(row + 8) * 8 + col] = acc[2], mine[(row + 8) * 8 + col + 1] = acc[3];
   acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
   __syncthreads();
-  const float* all = red + parity * PERSIST_WARPS * PERSIST_ROWS * 8;
-  auto row_sum = [&](int r, int b) {
-    float sum = 0.f;
-    for (int w = 0; w < PERSIST_WARPS; w++) sum += all[(w * PERSIST_ROWS + r) * 8 + b];
-    return sum;
-  };
+  return red + parity * PERSIST_WARPS * PERSIST_ROWS * 8;
+}
+__device__ __forceinline__ float persist_row_sum(const float* all, int r, int b) {
+  float sum = 0.f;
+  for (int w = 0; w < PERSIST_WARPS; w++) sum += all[(w * PERSIST_ROWS + r) * 8 + b];
+  return sum;
+}
+template <int B, bool TP>
+__device__ __forceinline__ void persist_gemv_epilogue(const PersistArgs& a, const PersistOp& op, int g, int parity,
+                                                      float (&acc)[4], float* red, const bf16* res) {
+  const float* all = persist_warp_sums(acc, red, parity);
+  auto row_sum = [&](int r, int b) { return persist_row_sum(all, r, b); };
   const int t = threadIdx.x;
   if (op.kind == PERSIST_GATE_UP) {
     if (t < PERSIST_ROWS / 2 * B) {
@@ -8509,20 +8548,34 @@ __device__ __forceinline__ void persist_attention(const PersistArgs& a, const Pe
 
 // The kernel's variants, each its own instantiation (code one variant needs costs the others registers):
 // one GPU; a rank of several (its sums over the GPUs, section 24); one GPU with FP8 weights (section 30a,
-// whose staging of a product's input and whose chunk of FP8 products are declared here).
-enum PersistVariant : int { PERSIST_ONE_GPU, PERSIST_TP, PERSIST_FP8_WEIGHTS, PERSIST_VARIANTS };
+// whose staging of a product's input and whose chunk of FP8 products are declared here); one GPU with a MoE
+// model (section 36, whose MoE operations are declared here).
+enum PersistVariant : int { PERSIST_ONE_GPU, PERSIST_TP, PERSIST_FP8_WEIGHTS, PERSIST_MOE, PERSIST_VARIANTS };
 template <int B>
 __device__ void persist_stage_fp8(const PersistArgs& a, const PersistOp& op, bf16* xs, bf16* res, float* scratch,
                                   const uint4 (&nw)[NORM_MAX_CHUNKS]);
 template <int B>
 __device__ void persist_gemv_chunk_fp8(const PersistOp& op, int g, int kc, const bf16* slot, const bf16* xs,
                                        float (&acc)[4]);
+template <int B>
+__device__ void persist_moe_route(const PersistArgs& a, const PersistOp* ops, int o, PersistRoute* route);
+__device__ void persist_moe_refill(const PersistArgs& a, const PersistOp* ops, PersistCursor& load,
+                                   unsigned consumed, bf16* ring, const PersistRoute* route);
+template <int B>
+__device__ void persist_stage_moe_down(const PersistArgs& a, const PersistOp& op, bf16* xs, bf16* res);
+__device__ __forceinline__ void persist_moe_down_chunk(const PersistOp& op, int g, int kc, const bf16* slot,
+                                                       const bf16* xs, float* ex, float (&acc)[4]);
+template <int B>
+__device__ void persist_moe_epilogue(const PersistArgs& a, const PersistOp& op, int g, int parity, float (&acc)[4],
+                                     float* red, const bf16* res, const PersistRoute* route);
+__host__ __device__ size_t persist_route_bytes();
+__device__ void persist_route_start(PersistRoute* route);
 
 // F: the cache format (section 15a; one kernel per format: another's attention would cost this one registers).
 // V: the variant.
 template <int B, class F, int V>
 __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(PersistArgs a) {
-  constexpr bool TP = V == PERSIST_TP, W8 = V == PERSIST_FP8_WEIGHTS;
+  constexpr bool TP = V == PERSIST_TP, W8 = V == PERSIST_FP8_WEIGHTS, MOE = V == PERSIST_MOE;
   extern __shared__ __align__(16) unsigned char persist_smem[];
   bf16* ring = reinterpret_cast<bf16*>(persist_smem);                      // [RING, SLOT_ELEMS]
   float* red = reinterpret_cast<float*>(ring + PERSIST_RING * PERSIST_SLOT_ELEMS);  // [2, WARPS, 16, 8]
@@ -8530,7 +8583,9 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
   float* angles = scratch + B * 32;                                        // [B, HEAD_DIM] RoPE's, per sequence
   int64_t* first_rows = reinterpret_cast<int64_t*>(angles + B * HEAD_DIM);  // [WARPS, PREFETCH] attention's
   PersistOp* ops = reinterpret_cast<PersistOp*>(first_rows + PERSIST_WARPS * PERSIST_PREFETCH);  // the list
-  float* work = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(ops) + persist_ops_bytes(a.n_ops));
+  unsigned char* after_ops = reinterpret_cast<unsigned char*>(ops) + persist_ops_bytes(a.n_ops);
+  PersistRoute* route = MOE ? reinterpret_cast<PersistRoute*>(after_ops) : nullptr;  // section 36's
+  float* work = reinterpret_cast<float*>(after_ops + (MOE ? persist_route_bytes() : 0));
   bf16* xs = reinterpret_cast<bf16*>(work);  // a gemv's input [B, Kmax + 8], or attention's buffers
   bf16* res = xs + B * (a.Kmax + 8);           // O, DOWN: the residual stream [B, H]
   for (int i = threadIdx.x; i < a.n_ops * (int)sizeof(PersistOp) / 4; i += PERSIST_THREADS)
@@ -8539,10 +8594,11 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
                                           a.positions[b], a.inv_freq);
   if ((int)blockIdx.x < B * a.NKV * a.parts) persist_first_rows(a, first_rows);
   const uint64_t calls = TP ? a.epochs[0] : 0;  // all-reduces made before this step (section 20's counter)
+  if constexpr (MOE) persist_route_start(route);
   __syncthreads();
   // Fill the ring: chunks 0 .. RING-2 of this block's order (each warp its own strips).
   PersistCursor load = persist_cursor_start();
-  for (int s = 0; s < PERSIST_RING - 1; s++) persist_issue(a, ops, load, ring + s * PERSIST_SLOT_ELEMS);
+  for (int s = 0; s < PERSIST_RING - 1; s++) persist_issue<MOE>(a, ops, load, ring + s * PERSIST_SLOT_ELEMS, route);
   unsigned consumed = 0;  // chunks used so far (RING is a power of 2: the slot is consumed % RING)
   for (int o = 0; o < a.n_ops; o++) {
     const PersistOp& op = ops[o];  // in shared memory
@@ -8585,8 +8641,17 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
     persist_load_norm(op, nw);
     if (o != a.skip_wait) persist_wait(a, o - 1, ops[o - 1].tasks);
     persist_trace_ahead(a, o, load, consumed);
+    if constexpr (MOE) {  // section 36: a MoE layer's routing, and the refill, before its experts' first chunk
+      if (op.kind >= PERSIST_MOE_GATE_UP && route->layer != op.layer) {
+        persist_moe_route<B>(a, ops, o, route);
+        persist_moe_refill(a, ops, load, consumed, ring, route);
+      }
+    }
     if constexpr (W8) {
       if (op.wscale) persist_stage_fp8<B>(a, op, xs, res, scratch, nw);
+      else persist_stage_input<B, TP>(a, op, xs, res, scratch, nw);
+    } else if constexpr (MOE) {
+      if (op.kind == PERSIST_MOE_DOWN) persist_stage_moe_down<B>(a, op, xs, res);
       else persist_stage_input<B, TP>(a, op, xs, res, scratch, nw);
     } else {
       persist_stage_input<B, TP>(a, op, xs, res, scratch, nw);
@@ -8604,21 +8669,31 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
         __syncwarp();
         bf16* next = ring + (consumed + PERSIST_RING - 1) % PERSIST_RING * PERSIST_SLOT_ELEMS;
         if (g + (int)gridDim.x >= op.groups && kc == kchunks - 1) deferred = next;
-        else persist_issue(a, ops, load, next);
+        else persist_issue<MOE>(a, ops, load, next, route);
         const bf16* slot = ring + consumed % PERSIST_RING * PERSIST_SLOT_ELEMS;
         if constexpr (W8) {
           if (op.wscale) persist_gemv_chunk_fp8<B>(op, g, kc, slot, xs, acc);
+          else persist_gemv_chunk<B>(op, kc, slot, xs, acc);
+        } else if constexpr (MOE) {
+          if (op.kind == PERSIST_MOE_DOWN)
+            persist_moe_down_chunk(op, g, kc, slot, xs, red + parity * PERSIST_WARPS * PERSIST_ROWS * 8, acc);
           else persist_gemv_chunk<B>(op, kc, slot, xs, acc);
         } else {
           persist_gemv_chunk<B>(op, kc, slot, xs, acc);
         }
         consumed++;
       }
+      if constexpr (MOE) {
+        if (op.kind >= PERSIST_ROUTER) {
+          persist_moe_epilogue<B>(a, op, g, parity, acc, red, res, route);
+          continue;
+        }
+      }
       persist_gemv_epilogue<B, TP>(a, op, g, parity, acc, red, res);
     }
     persist_trace(a, o, 3);
     persist_signal(a, o);
-    persist_issue(a, ops, load, deferred);
+    persist_issue<MOE>(a, ops, load, deferred, route);
     persist_trace(a, o, 2);
   }
   cp_async_wait<0>();
@@ -8637,6 +8712,7 @@ __global__ void __launch_bounds__(PERSIST_THREADS, 1) persistent_decode_kernel(P
 struct PersistFormat;
 struct PersistPlan {
   int B = 0, grid = 0, parts = 0;  // parts: attention's partitions of each (sequence, KV head)
+  int Kmax = 0;                    // the longest input of a gemv (the staged input's row in shared memory)
   int tp = 1, calls = 0;           // the GPUs, and the all-reduces of a step (ALLREDUCE operations)
   int variant = PERSIST_ONE_GPU;   // the kernel it launches
   const PersistFormat* format = nullptr;  // the cache format it reads, the engine's (fixed for a run)
@@ -8675,12 +8751,13 @@ struct PersistentDecode {
 // Shared memory: the ring, the epilogue's per-warp sums (two buffers), a reduction scratch, RoPE's angles,
 // attention's first cache rows, the operation list, then the larger of a gemv's staged input [B, Kmax + 8] and
 // residual [B, H], and attention's buffers (queries, the new key and value, per-warp partials).
-static size_t persist_smem_bytes(int B, int Kmax, int H, int gqa, int n_ops) {
+// (MoE: section 36's routing after the list.)
+static size_t persist_smem_bytes(int B, int Kmax, int H, int gqa, int n_ops, bool moe = false) {
   const int hpw = persist_attn_split(gqa).hpw;  // attention's per-warp partials: one per head it carries
   const size_t attn = (size_t)(gqa * HEAD_DIM + 2 * HEAD_DIM + PERSIST_WARPS * hpw * (HEAD_DIM + 2)) * 4 + 16;
   return (size_t)PERSIST_RING * PERSIST_SLOT_ELEMS * sizeof(bf16) + 2 * PERSIST_WARPS * PERSIST_ROWS * 8 * 4 +
          (size_t)B * (32 + HEAD_DIM) * 4 + PERSIST_WARPS * PERSIST_PREFETCH * 8 + persist_ops_bytes(n_ops) +
-         std::max((size_t)B * (Kmax + 8 + H) * sizeof(bf16), attn);
+         (moe ? persist_route_bytes() : 0) + std::max((size_t)B * (Kmax + 8 + H) * sizeof(bf16), attn);
 }
 
 // Variant V's kernel of cache format F for the plan's batch size.
@@ -8735,21 +8812,27 @@ struct PersistFormat {
 static const PersistFormat kPersistBf16 = {
     "bf16", 2, nullptr,
     {persist_kernels<KVBf16, PERSIST_ONE_GPU>(), persist_kernels<KVBf16, PERSIST_TP>(),
-     persist_kernels<KVBf16, PERSIST_FP8_WEIGHTS>()}};
+     persist_kernels<KVBf16, PERSIST_FP8_WEIGHTS>(), persist_kernels<KVBf16, PERSIST_MOE>()}};
 
 // This chapter's state, for the engine built last; its apply (section 27) resets it for every engine. The
 // format its plans read is bf16 unless the engine's KV cache format names its own (a format's apply, section
 // 2, runs after the switches' and before the plans are built, at model_ready). The plans' device buffers are
 // not freed on reset: an engine frees none of its GPU memory (section 11).
+// A MoE model's layers are section 36's to plan (its switch sets moe_problem and moe_ops; unset, a MoE model
+// keeps section 14's path): moe_problem says why a model's MoE layers cannot run in the kernel ("" if they can),
+// moe_ops appends MoE layer l's operations after its attention (and returns the largest input they stage).
 struct PersistentState {
   const PersistFormat* format = &kPersistBf16;
   std::unique_ptr<PersistentDecode> decode;  // the plans (persist_model_ready); null: none built
   std::map<int, cudaGraphExec_t> graphs;     // by batch size: the engine's CUDA graphs of the kernel's step
+  std::string (*moe_problem)(const Qwen3& model, bool fp8) = nullptr;
+  int (*moe_ops)(const Qwen3& model, int layer, int B, int sms, std::vector<PersistOp>& ops) = nullptr;
   void reset() {
     for (auto& [B, exec] : graphs) CUDA_CHECK(cudaGraphExecDestroy(exec));
     graphs.clear();
     decode.reset();
     format = &kPersistBf16;
+    moe_problem = nullptr, moe_ops = nullptr;
   }
 };
 static PersistentState g_persistent;
@@ -8771,16 +8854,23 @@ static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs, PersistFp8
   const int tp = model.tp, H = c.hidden_size, I = c.intermediate_size / tp, D = c.head_dim;
   const int L = c.num_hidden_layers, NH = c.num_attention_heads / tp, NKV = c.num_key_value_heads / tp;
   const int V = (int)cdiv(c.vocab_size, tp);  // this rank's shard of each (section 12)
-  if (c.num_experts > 0) return pd.off_reason = "a MoE model keeps section 14's path (no expert operation)", pd;
+  const bool moe = c.num_experts > 0;
+  if (moe && !g_persistent.moe_ops)
+    return pd.off_reason = "a MoE model keeps section 14's path (persistent_moe off: no expert operations)", pd;
+  if (moe) {
+    const std::string problem = g_persistent.moe_problem(model, fp8 != nullptr);
+    if (!problem.empty()) return pd.off_reason = problem, pd;
+  }
   if (tp > 1 && !(model.comm && model.comm->fast && g_opt.oneshot_allreduce))
     return pd.off_reason = "tensor parallelism without section 20's one-shot all-reduce (oneshot_allreduce off, or "
                            "GPUs that cannot reach each other's memory) keeps section 14's path", pd;
   if (tp > 1 && fp8) return pd.off_reason = "FP8 weights at tensor parallelism keep section 14's path", pd;
-  const int variant = fp8 ? PERSIST_FP8_WEIGHTS : tp > 1 ? PERSIST_TP : PERSIST_ONE_GPU;
+  const int variant = moe ? PERSIST_MOE : fp8 ? PERSIST_FP8_WEIGHTS : tp > 1 ? PERSIST_TP : PERSIST_ONE_GPU;
   const PersistKernels kernels = g_persistent.format->kernels[variant];
   if (!kernels.launch)
-    return pd.off_reason = std::string(tp > 1 ? "tensor parallelism" : "FP8 weights") + " with the " +
-                           g_persistent.format->name + " cache keeps section 14's path (no kernel for it)", pd;
+    return pd.off_reason = std::string(moe ? "a MoE model" : tp > 1 ? "tensor parallelism" : "FP8 weights") +
+                           " with the " + g_persistent.format->name +
+                           " cache keeps section 14's path (no kernel for it)", pd;
   // The sums over the GPUs (section 24): after the embedding and after each layer's O and DOWN; none where
   // NANOVLLM_ALLREDUCE=skip leaves every all-reduce out (timing only).
   const bool sums = tp > 1 && !model.comm->skip;
@@ -8793,10 +8883,16 @@ static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs, PersistFp8
   const int gqa = NH / NKV;
   if (NH % NKV || gqa > PERSIST_WARPS) return pd.off_reason = "needs at most 16 query heads per KV head", pd;
   if (H > PERSIST_THREADS * NORM_MAX_CHUNKS * 8) return pd.off_reason = "hidden size above its RMSNorm's", pd;
-  const int Kmax = std::max({H, NH * D, I});
+  int dense_layers = L;  // (section 36 plans a MoE layer as 6 operations: ROUTER, MOE_GATE_UP, MOE_DOWN)
+  if (moe) dense_layers -= c.num_moe_layers();
+  const int n_ops = 2 + 5 * L + (L - dense_layers) + calls;
   for (int B = 1; B <= std::min(PERSIST_MAX_B, max_num_seqs); B *= 2) {
     PersistPlan p;
-    p.B = B, p.grid = sms, p.smem = persist_smem_bytes(B, Kmax, H, gqa, 2 + 5 * L + calls);
+    int Kmax = std::max({H, NH * D, dense_layers ? I : 0});
+    std::vector<PersistOp> probe;  // (section 36's operations, for the largest input they stage)
+    for (int l = 0; moe && l < L; l++)
+      if (c.is_moe_layer(l)) Kmax = std::max(Kmax, g_persistent.moe_ops(model, l, B, sms, probe));
+    p.B = B, p.grid = sms, p.Kmax = Kmax, p.smem = persist_smem_bytes(B, Kmax, H, gqa, n_ops, moe);
     p.tp = tp, p.calls = calls, p.variant = variant;
     p.format = g_persistent.format;
     if (!kernels.fits(B, p.smem)) continue;
@@ -8829,12 +8925,17 @@ static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs, PersistFp8
       p.ops.push_back(attn);
       gemv_op(PERSIST_O, l, lw.o_proj, nullptr, H, NH * D, 1);
       all_reduce_op(1);
-      gemv_op(PERSIST_GATE_UP, l, lw.gate_up_proj, lw.post_attention_layernorm, I, H, 2);
-      gemv_op(PERSIST_DOWN, l, lw.down_proj, nullptr, H, I, 3);
+      if (moe && c.is_moe_layer(l)) {
+        g_persistent.moe_ops(model, l, B, sms, p.ops);
+      } else {
+        gemv_op(PERSIST_GATE_UP, l, lw.gate_up_proj, lw.post_attention_layernorm, I, H, 2);
+        gemv_op(PERSIST_DOWN, l, lw.down_proj, nullptr, H, I, 3);
+      }
       all_reduce_op(1);
     }
     gemv_op(PERSIST_LM_HEAD, L, model.w.lm_head, model.w.norm, V, H);
-    INTERNAL_CHECK(call == calls, "persistent plan: %d all-reduces, %d expected", call, calls);
+    INTERNAL_CHECK(call == calls && (int)p.ops.size() == n_ops, "persistent plan: %d all-reduces, %d expected; %zu "
+                   "operations, %d expected", call, calls, p.ops.size(), n_ops);
     CUDA_CHECK(cudaMalloc(&p.ops_d, p.ops.size() * sizeof(PersistOp)));
     CUDA_CHECK(cudaMemcpy(p.ops_d, p.ops.data(), p.ops.size() * sizeof(PersistOp), cudaMemcpyHostToDevice));
     p.sync_bytes = (p.ops.size() + (size_t)L * B * NKV + 1) * sizeof(int);
@@ -8864,11 +8965,15 @@ static void persistent_decode(Qwen3& model, const PersistPlan& plan, const StepI
   const int tp = plan.tp;  // this rank's shard of the heads, the intermediate columns and the vocabulary
   a.B = plan.B, a.H = c.hidden_size, a.NH = c.num_attention_heads / tp, a.NKV = c.num_key_value_heads / tp;
   a.I = c.intermediate_size / tp, a.V = (int)cdiv(c.vocab_size, tp), a.P = model.P, a.MB = model.MB;
-  a.parts = plan.parts, a.Kmax = std::max({a.H, a.NH * c.head_dim, a.I});
+  a.parts = plan.parts, a.Kmax = plan.Kmax;
   a.eps = c.rms_norm_eps, a.scale = 1.0f / sqrtf((float)c.head_dim), a.inv_freq = rope_inv_freq(c.rope_theta);
   a.skew_ns = skew_ns, a.skip_wait = skip_wait, a.trace = trace;
   a.rank = model.rank, a.tp = tp, a.vocab_offset = model.rank * a.V, a.n_calls = plan.calls;
   a.finished = plan.sync_d + plan.ops.size() + (size_t)c.num_hidden_layers * plan.B * a.NKV;
+  if (plan.variant == PERSIST_MOE) {
+    a.router_logits = model.act.router_logits, a.moe_act = model.act.moe_act, a.topk_ids = model.act.topk_ids;
+    a.E = c.num_experts, a.topk = c.num_experts_per_tok, a.norm_topk = c.norm_topk_prob;
+  }
   if (tp > 1) {
     const OneShot* os = (const OneShot*)model.comm->fast;
     a.hidden = model.act.hidden, a.peers = os->peers, a.epochs = os->epochs;
@@ -9013,6 +9118,10 @@ static std::string persist_cache_key(const Qwen3& model, const PersistentDecode&
            g_opt.flash_attn, g_opt.pdl, g_opt.gemv, g_opt.cluster_merge, g_opt.fused_rope, g_opt.fast_sampler,
            g_opt.prefill_graphs, model.tp, model.rank);
   std::string key = buf;
+  if (c.num_experts > 0)  // a MoE model: its experts' shape and the switches of section 14's MoE stages
+    key += " moe=" + std::to_string(c.num_experts) + "," + std::to_string(c.num_experts_per_tok) + "," +
+           std::to_string(c.moe_intermediate_size) + "," + std::to_string(c.num_moe_layers()) + "," +
+           std::to_string(g_opt.fused_moe) + std::to_string(g_opt.moe_gemv);
   for (const auto& [B, p] : pd.plans)
     key += " plan=" + std::to_string(B) + ":" + std::to_string(p.grid) + ":" + std::to_string(p.smem) + ":" +
            std::to_string(p.variant);
@@ -11846,11 +11955,334 @@ static const int kFp8MoeRegistered = register_optimization(
      "(section 35)", true, apply_fp8_moe, fp8_moe_note, {{"expert_weight_bytes_saved", 1}}});
 
 
+// ==== 36. A mixture of experts, 4: a decode step's MoE layers inside the persistent kernel ==================
+// defines: PERSIST_MOE_MAX_TOPK, PersistRoute, persist_route_in, persist_issue_expert, persist_stage_moe_down,
+//          persist_moe_down_chunk, persist_moe_route, persist_moe_refill, persist_moe_epilogue,
+//          persist_moe_problem, persist_moe_ops; switch persistent_moe
+//
+// Replaces: at the decode steps the persistent kernel takes (sections 24-27: 1, 2 or 4 sequences where its
+// shared memory fits and start-up measures it faster), section 14's whole path for a MoE model, whose MoE
+// layers run section 34's three kernels (the router, then the gemv of gate_up, then down's) and whose
+// attention half runs section 18's and 19's (norm and qkv, attention, o): six kernels a layer.
+// Why it could be faster. A batch-1 step of Qwen3-30B-A3B reads about 3 GB of weights (its attention and the 8
+// experts each token routes to, in each of 48 layers) and does little else, yet section 14's path takes about
+// twice the time the copy bandwidth needs for them (docs/performance.md): most of the difference is its 300 kernel
+// boundaries, each a drain of one kernel and a cold start of the next (section 24), in a layer whose parts each
+// stream in a few microseconds. The persistent kernel has no boundaries, and the only new thing a MoE layer asks
+// of it is this: its weights depend on the step. The kernel's weight stream runs ahead of the step, across
+// operations and layers (section 24), but which experts' rows a MoE layer reads is known only once its router has
+// run. So a MoE layer is three operations, and the stream stops once per layer, at the router:
+//   * ROUTER: a gemv like the others, over the router's E rows, its input the RMSNorm of the residual stream
+//     (post_attention_layernorm); its logits are rounded to bf16 into act.router_logits, as section 34's;
+//   * routing: every thread block with rows of the layer's experts waits for the router, reads the B x E
+//     logits back through L2 and routes each token itself: Part I's moe_route_row's picks and weights bit for
+//     bit, made by the whole block (persist_route_in), then each token's picks in ascending expert id (as
+//     moe_order_by_expert orders them). The same routing in every block, made where it is used: no operation
+//     and no wait more. It goes into the block's shared memory (PersistRoute) with the layer it belongs to
+//     (block 0 also writes it to act.topk_ids, for the tests);
+//   * the stream's copies of an expert operation wait for that: while the block's routing is an earlier
+//     layer's, persist_issue_expert issues nothing, and the block commits an empty cp.async group in its place,
+//     so the count of groups stays one per chunk consumed (section 24's ring waits by that count). Once it
+//     has routed, the block refills its ring (RING - 1 chunks) before it takes its first chunk. A layer's one
+//     bubble is that refill, a memory round trip, where section 34 had three kernel boundaries;
+//   * MOE_GATE_UP: group g is 8 gate rows and their 8 up rows of pair p = g / ceil(IE / 8) (token p / k and
+//     its (p % k)-th expert in id order), as GATE_UP pairs them. Its input is GATE_UP's (the normed rows of all
+//     B tokens, the B columns of the tensor-core product, of which the epilogue keeps the pair's token's
+//     column): act[p, j] = bf16(SiLU(bf16(gate)) * bf16(up)) into act.moe_act;
+//   * MOE_DOWN: group g is 16 output rows of token b = g / ceil(H / 16); its input is the token's k rows of act
+//     (K = k IE, its column 0 of the product), and its chunks go expert by expert (chunk kc: expert kc /
+//     ceil(IE / 1024)'s columns), so a warp keeps a partial sum per expert (in the epilogue's buffer: k
+//     experts x 16 warps x 16 rows), and the epilogue makes section 34's sum: each expert's y over the warps,
+//     rounded, times its weight, rounded, added in ascending expert id, rounded, then the residual add as
+//     DOWN's.
+// Dense layers of a MoE model (mlp_only_layers) are GATE_UP and DOWN as in a dense model.
+// What it computes: section 34's arithmetic with the sums inside a dot product in the kernel's order, so its
+// results match section 14's path within float rounding. One difference can be larger: a router logit one
+// bf16 step apart can swap a token's k-th and (k+1)-th expert where they nearly tie, and that token's output
+// then differs by an expert's share (gpu_moe's check counts such steps and does not hold them to the bar).
+// Limits (persist_moe_problem; section 14's path runs otherwise): one GPU, bf16 weights and cache, k <=
+// PERSIST_MOE_MAX_TOPK (MOE_DOWN's per-expert sums fill one of the epilogue's two buffers), IE a multiple of 64
+// (a warp's 64-column strip lies in one expert), E <= MOE_MAX_EXPERTS.
+// Where it stands: start-up measures it against section 14's path like any plan (section 27), and on an H200
+// at Qwen3-30B-A3B's shape section 14's path is still the faster, so it keeps those steps (docs/performance.md
+// has the breakdown of a step and what is next).
+// Switch: persistent_moe (with persistent; on by default).
+
+constexpr int PERSIST_MOE_MAX_TOPK = 8;
+static_assert(PERSIST_MOE_MAX_TOPK * PERSIST_WARPS * PERSIST_ROWS <= PERSIST_WARPS * PERSIST_ROWS * 8,
+              "MOE_DOWN's per-expert partial sums fill one of the epilogue's buffers");
+
+// A thread block's routing of one layer, in shared memory after the operation list.
+struct PersistRoute {
+  int layer;                                            // the layer routed (-1: none yet this step)
+  int ids[PERSIST_MAX_B * PERSIST_MOE_MAX_TOPK];        // [B, k] each token's experts, ascending id
+  float weights[PERSIST_MAX_B * PERSIST_MOE_MAX_TOPK];  // their routing weights
+  int picked[PERSIST_MAX_B * PERSIST_MOE_MAX_TOPK];     // [B, k] the picks in moe_route_row's order (rank)
+  float picked_p[PERSIST_MAX_B * PERSIST_MOE_MAX_TOPK];
+  float p[PERSIST_MAX_B * MOE_MAX_EXPERTS];             // [B, E] the router's logits, then the probabilities
+};
+__host__ __device__ size_t persist_route_bytes() { return (sizeof(PersistRoute) + 15) / 16 * 16; }
+__device__ void persist_route_start(PersistRoute* route) {
+  if (threadIdx.x == 0) route->layer = -1;
+}
+
+// The routing of `layer` for the B tokens, from the router's logits (written by other blocks: through L2),
+// into route: moe_route_row's results bit for bit, made by the whole block instead of one warp (one warp's
+// serial top-k, k rounds over every expert, was most of the routing's time: docs/performance.md), with four
+// barriers. Warp b makes token b's softmax maximum and sum exactly as
+// moe_route_row does (lane l over experts l, l + 32, ... in order, then the warp's butterfly) and its
+// probabilities, expf(x - m) / sum as there; every thread then takes experts of a token (one per thread where
+// B E <= 512) and counts how many of the token's experts come before its own in moe_ranks_before's total
+// order: the experts of rank < k are moe_route_row's picks, in its order. Warp b then adds their
+// probabilities as moe_route_row does (lane j the j-th pick) for the renormalisation, and lane j places pick j
+// at its place in ascending expert id (moe_order_by_expert's order). Every thread of the block calls it; it
+// ends with a barrier.
+template <int B>
+__device__ void persist_route_in(const PersistArgs& a, int layer, PersistRoute* route) {
+  const int E = a.E, k = a.topk, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const unsigned short* from = reinterpret_cast<const unsigned short*>(a.router_logits);
+  for (int c = threadIdx.x; c < B * E; c += PERSIST_THREADS) {
+    const unsigned short bits = __ldcg(from + c);
+    route->p[c] = __bfloat162float(*reinterpret_cast<const bf16*>(&bits));
+  }
+  __syncthreads();
+  if (warp < B) {  // token `warp`'s softmax, as moe_route_row makes it
+    float* x = route->p + warp * E;
+    float m = -INFINITY, sum = 0.f;
+    for (int e = lane; e < E; e += 32) m = fmaxf(m, x[e]);
+    m = warp_max_f(m);
+    for (int e = lane; e < E; e += 32) sum += expf(x[e] - m);
+    sum = warp_sum_f(sum);
+    for (int e = lane; e < E; e += 32) {
+      float p = expf(x[e] - m);
+      p /= sum;
+      x[e] = p;
+    }
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < B * E; c += PERSIST_THREADS) {  // each expert's rank
+    const int b = c / E, e = c - b * E;
+    const float* p = route->p + b * E;
+    const float mine = p[e];
+    int rank = 0;
+#pragma unroll 8
+    for (int f = 0; f < E; f++) rank += moe_ranks_before(p[f], f, mine, e);
+    if (rank < k) route->picked[b * k + rank] = e, route->picked_p[b * k + rank] = mine;
+  }
+  __syncthreads();
+  if (warp < B) {  // the renormalisation, as moe_route_row makes it; then pick `lane` to its place by id
+    const int* picked = route->picked + warp * k;
+    const float mine = lane < k ? route->picked_p[warp * k + lane] : 0.f;
+    const float total = warp_sum_f(mine);
+    if (lane < k) {
+      const int e = picked[lane];
+      int place = 0;
+      for (int i = 0; i < k; i++) place += picked[i] < e;
+      route->ids[warp * k + place] = e;
+      route->weights[warp * k + place] = a.norm_topk ? mine / total : mine;
+      if (blockIdx.x == 0) a.topk_ids[warp * k + place] = e;
+    }
+  }
+  if (threadIdx.x == 0) route->layer = layer;
+  __syncthreads();
+}
+
+// The weight stream's copy of chunk (c.g, c.kc) of an expert operation, this warp's strip (section 24's
+// layout), from the experts its group's token routed to; false, issuing nothing, while the block's routing is
+// not this operation's layer's (see above). As section 24's copy, a strip that lies wholly inside its
+// expert's rows costs one address and three strides; other strips (odd shapes' edges) place piece by piece,
+// zeros past the last row or column. A MOE_DOWN strip past the expert's IE columns is not copied at all: its
+// products are skipped (persist_moe_down_chunk).
+__device__ __forceinline__ bool persist_issue_expert(const PersistOp& op, const PersistCursor& c, bf16* slot,
+                                                     const PersistRoute* route) {
+  if (route->layer != op.layer) return false;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, k = op.topk;
+  bf16* strip = slot + warp * PERSIST_ROWS * PERSIST_WARP_K;
+  const bool gate_up = op.kind == PERSIST_MOE_GATE_UP;
+  // The group's first weight row (row 0 of the strip), the row length, how many rows the strip's rows 8-15
+  // are from its rows 0-7 (GATE_UP: the up rows, N rows on), how many rows are valid, and the strip's column.
+  int64_t first;
+  int len, valid_rows, col;
+  int64_t half;
+  if (gate_up) {  // W [E, 2 IE, H]; N = IE, K = H; group: pair p's gate rows j0.. and their up rows
+    const int per_pair = op.N / 8, p = c.g / per_pair, j0 = (c.g - p * per_pair) * 8;
+    first = ((int64_t)route->ids[p] * 2 * op.N + j0), len = op.K, half = op.N, valid_rows = 8;
+    col = c.kc * PERSIST_KC + warp * PERSIST_WARP_K;
+  } else {  // MOE_DOWN: W [E, H, IE]; N = H, K = k IE; group: token b's output rows n0..; chunk: one expert's
+    const int IE = op.K / k, per_expert = (IE + PERSIST_KC - 1) / PERSIST_KC, per_token = (op.N + 15) / 16;
+    const int b = c.g / per_token, n0 = (c.g - b * per_token) * 16;
+    const int j = per_expert == 1 ? c.kc : c.kc / per_expert;
+    col = (c.kc - j * per_expert) * PERSIST_KC + warp * PERSIST_WARP_K;
+    if (col >= IE) return true;  // (IE % 64 == 0: the strip is wholly past the expert's columns)
+    first = (int64_t)route->ids[b * k + j] * op.N + n0, len = IE, half = 8, valid_rows = min(16, op.N - n0);
+  }
+  const int r0 = lane >> 3, piece = lane & 7;
+  if (col + PERSIST_WARP_K <= len && valid_rows == (gate_up ? 8 : 16)) {
+    const bf16* src = op.W + (first + r0) * len + col + piece * 8;
+    const int64_t four = 4 * (int64_t)len, up = half * len;
+    bf16* dst = strip + r0 * PERSIST_WARP_K;
+    const int rot0 = (piece ^ r0) << 3, rot4 = (piece ^ (r0 + 4)) << 3;
+    cp_async_16(dst + rot0, src, true);
+    cp_async_16(dst + 4 * PERSIST_WARP_K + rot4, src + four, true);
+    cp_async_16(dst + 8 * PERSIST_WARP_K + rot0, src + up, true);
+    cp_async_16(dst + 12 * PERSIST_WARP_K + rot4, src + up + four, true);
+    return true;
+  }
+#pragma unroll
+  for (int i = 0; i < PERSIST_ROWS * PERSIST_WARP_K / 8 / 32; i++) {
+    const int q = lane + 32 * i, r = q >> 3, pc = q & 7, cc = col + pc * 8;
+    const int rr = gate_up ? (r & 7) : r;  // the row's place among the group's valid rows
+    const bool valid = rr < valid_rows && cc < len;
+    const int64_t row = first + (gate_up && r >= 8 ? half : 0) + rr;
+    cp_async_16(strip + persist_strip_index(r, pc), valid ? op.W + row * len + cc : op.W, valid);
+  }
+  return true;
+}
+
+// MOE_DOWN's input for all B tokens into xs [B, K + 8] (a token's k rows of act, in its experts' id order),
+// and the residual stream into res [B, H] for the epilogue.
+template <int B>
+__device__ void persist_stage_moe_down(const PersistArgs& a, const PersistOp& op, bf16* xs, bf16* res) {
+  const int ks = op.K + 8;
+  for (int c = threadIdx.x; c < B * op.K / 8; c += PERSIST_THREADS) {
+    const int b = c / (op.K / 8), j = c % (op.K / 8);
+    const uint4* act = reinterpret_cast<const uint4*>(a.moe_act + (size_t)b * op.K);
+    reinterpret_cast<uint4*>(xs + b * ks)[j] = __ldcg(act + j);
+  }
+  persist_copy_in(res, a.residual, B * op.N);
+  __syncthreads();
+}
+
+// acc += this warp's strip of MOE_DOWN's chunk kc (16 rows of one expert's down x 64 of its columns) times the
+// same columns of the group's token's act row, that token as column 0 of the product; after an expert's last
+// chunk, the warp's sums of its 16 rows go to ex [k][WARPS][16] and acc starts again from zero.
+__device__ __forceinline__ void persist_moe_down_chunk(const PersistOp& op, int g, int kc, const bf16* slot,
+                                                       const bf16* xs, float* ex, float (&acc)[4]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, k = op.topk, IE = op.K / k;
+  const int per_expert = (IE + PERSIST_KC - 1) / PERSIST_KC, j = kc / per_expert, b = g / ((op.N + 15) / 16);
+  const int c0 = kc % per_expert * PERSIST_KC + warp * PERSIST_WARP_K;  // (IE % 64 == 0: all in, or all out)
+  if (c0 < IE) {
+    const bf16* strip = slot + warp * PERSIST_ROWS * PERSIST_WARP_K;
+    const bf16* arow = strip + ((lane & 7) + ((lane >> 3) & 1) * 8) * PERSIST_WARP_K;
+    const bf16* xrow = xs + b * (op.K + 8) + j * IE + c0 + 2 * (lane & 3);
+#pragma unroll
+    for (int t = 0; t < PERSIST_WARP_K / 16; t++) {
+      uint32_t w[4];
+      ldmatrix_x4(w, arow + (((2 * t + (lane >> 4)) ^ (lane & 7)) << 3));
+      uint32_t x0 = 0, x1 = 0;
+      if (lane < 4) {  // column 0
+        x0 = *reinterpret_cast<const uint32_t*>(xrow + 16 * t);
+        x1 = *reinterpret_cast<const uint32_t*>(xrow + 16 * t + 8);
+      }
+      mma_bf16_16816(acc, w, x0, x1);
+    }
+  }
+  if (kc % per_expert == per_expert - 1) {
+    if ((lane & 3) == 0) {  // column 0: rows lane / 4 and lane / 4 + 8
+      ex[(j * PERSIST_WARPS + warp) * PERSIST_ROWS + lane / 4] = acc[0];
+      ex[(j * PERSIST_WARPS + warp) * PERSIST_ROWS + lane / 4 + 8] = acc[2];
+    }
+    acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+  }
+}
+
+// Before an expert operation's first chunk, in a block whose routing is an earlier layer's (section 26's
+// kernel calls these past the operation's wait): the routing, then, where the stream stopped at this
+// operation (nothing of it issued: load.n == consumed), the ring refilled with its first RING - 1 chunks.
+template <int B>
+__device__ void persist_moe_route(const PersistArgs& a, const PersistOp* ops, int o, PersistRoute* route) {
+  persist_route_in<B>(a, ops[o].layer, route);
+  persist_trace(a, o, 6);
+}
+__device__ void persist_moe_refill(const PersistArgs& a, const PersistOp* ops, PersistCursor& load,
+                                   unsigned consumed, bf16* ring, const PersistRoute* route) {
+  if (load.n != (int)consumed) return;
+  for (int s = 0; s < PERSIST_RING - 1; s++)
+    persist_issue<true>(a, ops, load, ring + (consumed + s) % PERSIST_RING * PERSIST_SLOT_ELEMS, route);
+}
+
+// The end of a group of a MoE layer's operation (section 26's loop, in place of persist_gemv_epilogue): ROUTER
+// writes its logits, MOE_GATE_UP the pair's act, MOE_DOWN makes section 34's sum from the per-expert sums
+// (red's buffer `parity`) and adds the residual stream (staged in res), as DOWN does.
+template <int B>
+__device__ void persist_moe_epilogue(const PersistArgs& a, const PersistOp& op, int g, int parity, float (&acc)[4],
+                                     float* red, const bf16* res, const PersistRoute* route) {
+  const int t = threadIdx.x;
+  if (op.kind == PERSIST_MOE_DOWN) {
+    __syncthreads();
+    const float* ex = red + parity * PERSIST_WARPS * PERSIST_ROWS * 8;
+    const int per_token = (op.N + 15) / 16, b = g / per_token, n = (g - b * per_token) * 16 + t, k = op.topk;
+    if (t < PERSIST_ROWS && n < op.N) {
+      float sum = 0.f;
+      for (int j = 0; j < k; j++) {  // in ascending expert id (the routing's order)
+        float y = 0.f;
+        for (int w = 0; w < PERSIST_WARPS; w++) y += ex[(j * PERSIST_WARPS + w) * PERSIST_ROWS + t];
+        sum = bf16_round(sum + bf16_round(bf16_round(y) * route->weights[b * k + j]));
+      }
+      const float r0 = __bfloat162float(res[b * op.N + n]);
+      a.residual[(size_t)b * op.N + n] = __float2bfloat16(sum + r0);
+    }
+    return;
+  }
+  const float* all = persist_warp_sums(acc, red, parity);
+  if (op.kind == PERSIST_ROUTER) {
+    if (t < PERSIST_ROWS * B) {
+      const int r = t / B, b = t % B, n = g * PERSIST_ROWS + r;
+      if (n < op.N) a.router_logits[(size_t)b * op.N + n] = __float2bfloat16(persist_row_sum(all, r, b));
+    }
+  } else if (t < PERSIST_ROWS / 2) {  // MOE_GATE_UP: gate row t and its up row t + 8, the pair's token's column
+    const int per_pair = op.N / 8, p = g / per_pair, b = p / op.topk, j = (g - p * per_pair) * 8 + t;
+    const float gate = bf16_round(persist_row_sum(all, t, b)), up = bf16_round(persist_row_sum(all, t + 8, b));
+    a.moe_act[(size_t)p * op.N + j] = __float2bfloat16(silu_mul(gate, up));
+  }
+}
+
+// ---- The plans' MoE layers, and the switch: persistent_moe ----
+// Why the kernel cannot take this MoE model ("": it can). fp8: the plan would read FP8 weights (section 30a).
+static std::string persist_moe_problem(const Qwen3& model, bool fp8) {
+  const ModelConfig& c = model.cfg;
+  const int IE = c.moe_intermediate_size / model.tp;
+  if (model.tp > 1) return "a MoE model at tensor parallelism keeps section 14's path (section 36 runs on one GPU)";
+  if (fp8) return "a MoE model with FP8 weights keeps section 14's path (section 36 reads bf16 experts)";
+  if (c.num_experts_per_tok > PERSIST_MOE_MAX_TOPK)
+    return "a MoE model routing each token to more than " + std::to_string(PERSIST_MOE_MAX_TOPK) +
+           " experts keeps section 14's path";
+  if (c.num_experts > MOE_MAX_EXPERTS || IE % PERSIST_WARP_K)
+    return "a MoE model whose experts' intermediate size is not a multiple of 64 keeps section 14's path";
+  return "";
+}
+// MoE layer l's three operations (see above), appended to ops for a plan of B sequences over sms thread blocks;
+// returns the longest input they stage (MOE_DOWN's k IE).
+static int persist_moe_ops(const Qwen3& model, int l, int B, int sms, std::vector<PersistOp>& ops) {
+  const ModelConfig& c = model.cfg;
+  const LayerWeights& lw = model.w.layers[l];
+  const int H = c.hidden_size, E = c.num_experts, k = c.num_experts_per_tok, IE = c.moe_intermediate_size;
+  auto add = [&](int kind, const bf16* W, const bf16* norm_w, int N, int K, int groups) {
+    PersistOp op = {kind, l, W, norm_w, nullptr, N, K, groups, std::min(groups, sms)};
+    op.topk = k;
+    ops.push_back(op);
+  };
+  add(PERSIST_ROUTER, lw.router, lw.post_attention_layernorm, E, H, (int)cdiv(E, PERSIST_ROWS));
+  add(PERSIST_MOE_GATE_UP, lw.experts_gate_up, lw.post_attention_layernorm, IE, H,
+      B * k * (int)cdiv(IE, PERSIST_ROWS / 2));
+  add(PERSIST_MOE_DOWN, lw.experts_down, nullptr, H, k * IE, B * (int)cdiv(H, PERSIST_ROWS));
+  return k * IE;
+}
+static void apply_persistent_moe(bool on, Hooks&) {
+  g_opt.persistent_moe = on;
+  if (!on) return;
+  g_persistent.moe_problem = persist_moe_problem;
+  g_persistent.moe_ops = persist_moe_ops;
+}
+static const int kPersistentMoeRegistered = register_optimization(
+    {"persistent_moe", "a MoE model's small decode steps in the persistent kernel (section 36)", true,
+     apply_persistent_moe});
+
 // ##########################################################################################################
 // PART III — THE PROGRAM AROUND IT
 // ##########################################################################################################
 
-// ==== 36. Reading the configuration: config.json, flags and sampling fields ================================
+// ==== 37. Reading the configuration: config.json, flags and sampling fields ================================
 // defines: parse_moe_config, parse_model_config, load_model_config, parse_optimizations, optimizations_str,
 //          parse_kv_cache_dtype, parse_quantization_config, parse_quantization, validate_config,
 //          validate_sampling
@@ -12227,7 +12659,7 @@ static void validate_sampling(const SamplingParams& p, const std::string& where,
     if (id < 0) die("%s: stop_token_ids must be token ids >= 0, found %d", w, id);
 }
 
-// ==== 37. Prompts in: the formats and the sampling fields ==================================================
+// ==== 38. Prompts in: the formats and the sampling fields ==================================================
 // defines: valid_utf8, PromptOptions, sampling_from_json, kSamplingFields, check_jsonl_fields,
 //          sampling_defaults
 //
@@ -12237,7 +12669,7 @@ static void validate_sampling(const SamplingParams& p, const std::string& where,
 // and optional per-request sampling fields under vLLM's SamplingParams names (kSamplingFields below: n,
 // temperature, top_k, top_p, min_p, the penalties, max_tokens, min_tokens, ignore_eos, stop, stop_token_ids,
 // include_stop_str_in_output, logprobs, seed), and "arrival_time" (seconds after the start: the request
-// joins the queue then; --request-rate fills it in). Or the .jsonl file is an OpenAI batch (section 38).
+// joins the queue then; --request-rate fills it in). Or the .jsonl file is an OpenAI batch (section 39).
 // Everything is checked before the GPU is touched: a bad line is reported by number in a second, not after
 // a model load. A prompt that cannot fit (prompt tokens + max_tokens > max_model_len) refuses the whole run,
 // naming the line: silently dropping or truncating a request would hand back garbage.
@@ -12421,10 +12853,10 @@ static SamplingParams sampling_defaults(const json& generation_config, const std
   return sp;
 }
 
-// ==== 38. Reading the prompts file: text, .jsonl and OpenAI batch lines ====================================
+// ==== 39. Reading the prompts file: text, .jsonl and OpenAI batch lines ====================================
 // defines: is_batch_line, batch_request, parse_batch_line, parse_prompts, read_prompts, assign_arrivals
 //
-// parse_prompts turns a prompts file into Requests, line by line, in the formats section 37 lists, and
+// parse_prompts turns a prompts file into Requests, line by line, in the formats section 38 lists, and
 // assign_arrivals gives them their arrival times (--request-rate). An OpenAI batch's lines are read first, by
 // their own functions: a .jsonl file whose lines are {"custom_id", "method": "POST", "url", "body"} is a
 // batch (what `vllm run-batch` reads and writes): url is /v1/chat/completions (body.messages) or
@@ -12702,7 +13134,7 @@ static void assign_arrivals(std::vector<Request>& reqs, double rate, uint64_t se
   }
 }
 
-// ==== 39. Completions out: stdout, the --output lines, a batch's answers ===================================
+// ==== 40. Completions out: stdout, the --output lines, a batch's answers ===================================
 // defines: check_output_path, logprobs_json, batch_output_line, write_completions
 //
 // A readable block per completion on stdout, and with --output one JSON object per completion; an OpenAI
@@ -12828,7 +13260,7 @@ static json batch_output_line(const Request& r, const Completion* outs, int n, c
 }
 
 // The completions: a readable block per completion on stdout, and with --output one JSON object per
-// completion (then the run summary, section 42). An OpenAI batch is answered instead with one output line
+// completion (then the run summary, section 43). An OpenAI batch is answered instead with one output line
 // per input line, in input order, to --output or else to stdout. Returns true for a batch. stopped_by: what
 // left requests unfinished, for a batch's error lines.
 static bool write_completions(const std::vector<Request>& reqs, const std::vector<Completion>& outs,
@@ -12877,7 +13309,7 @@ static bool write_completions(const std::vector<Request>& reqs, const std::vecto
   return batch;
 }
 
-// ==== 40. Shards: a part of the input per machine, and the merge ===========================================
+// ==== 41. Shards: a part of the input per machine, and the merge ===========================================
 // defines: ShardSpec, parse_shard, request_weight, shard_split, requests_xxh64, shard_requests, shard_plan,
 //          ShardOut, shard_record, ShardFile, read_shard_file, merge_shards
 //
@@ -13204,7 +13636,7 @@ static std::string merge_shards(const std::vector<std::string>& paths, std::stri
   // The merged file.
   merged.clear();
   int64_t lines = 0, prompt_tokens = 0, generated = 0;
-  std::vector<int32_t> tokens;  // completions_xxh64's bytes (section 42), from the lines
+  std::vector<int32_t> tokens;  // completions_xxh64's bytes (section 43), from the lines
   for (int64_t i = 0; i < total; i++)
     for (const json* l : out[i]) {
       merged += l->dump(-1, ' ', false, json::error_handler_t::replace) + "\n", lines++;
@@ -13228,13 +13660,13 @@ static std::string merge_shards(const std::vector<std::string>& paths, std::stri
   return "";
 }
 
-// ==== 41. Watching the run: the progress line and the trace ================================================
+// ==== 42. Watching the run: the progress line and the trace ================================================
 // defines: RunStats, StepTrace, trace_after_schedule, format_trace, labelled, format_progress, RunWatcher
 //
 // The text and pictures a run shows about itself (section 13 keeps the numbers), in three steps: this
 // section watches each step (RunWatcher, section 13's StepObserver) and prints the progress line or one
-// --trace line per step; section 42 sums the run up at its end (with the time to first token, the time per
-// output token, and two fingerprints that make runs comparable bit for bit); section 43 draws --report's
+// --trace line per step; section 43 sums the run up at its end (with the time to first token, the time per
+// output token, and two fingerprints that make runs comparable bit for bit); section 44 draws --report's
 // one-file HTML picture of the whole run.
 
 struct RunStats {
@@ -13324,7 +13756,7 @@ static std::string format_trace(const StepTrace& t) {
   return line;
 }
 
-// Each line of `text` with `label` in front (a data-parallel replica's trace, section 45).
+// Each line of `text` with `label` in front (a data-parallel replica's trace, section 46).
 static std::string labelled(const std::string& label, const std::string& text) {
   if (label.empty()) return text;
   std::string out;
@@ -13440,12 +13872,12 @@ struct RunWatcher : StepObserver {
 };
 
 
-// ==== 42. The run summary: its figures, two fingerprints and the summary record ============================
+// ==== 43. The run summary: its figures, two fingerprints and the summary record ============================
 // defines: completions_xxh64, last_logits_xxh64, Percentiles, percentiles, RunSummary, run_summary,
 //          summary_json, format_summary, write_summary
 //
 // What a run prints when it ends and writes as the last line of --output: counts, rates, where the time
-// went, request latencies, and fingerprints of the results, built from RunWatcher's figures (section 41)
+// went, request latencies, and fingerprints of the results, built from RunWatcher's figures (section 42)
 // and the scheduler's.
 
 // xxHash64 (seed 0) of every completion in input order, each as its length then its token ids, all
@@ -13513,7 +13945,7 @@ struct RunSummary {
   uint64_t tokens_xxh64 = 0, logits_xxh64 = 0;
   int logits_rows = 0;
   int64_t unfinished_requests = 0;  // > 0 only when a Ctrl-C (or a failed replica) stopped the run
-  // With data parallelism (section 45): one entry per replica. The figures above are then the run's: counts
+  // With data parallelism (section 46): one entry per replica. The figures above are then the run's: counts
   // summed, the step times the mean of the replicas' (so a rate is theirs together), the run's seconds the
   // longest replica's; the logits fingerprint is each replica's, here.
   struct Replica {
@@ -13671,7 +14103,7 @@ static void write_summary(const RunSummary& summary, FILE* jsonl) {
   if (jsonl) fprintf(jsonl, "%s\n", summary_json(summary).dump().c_str());
 }
 
-// ==== 43. The report: the whole run in one HTML page =======================================================
+// ==== 44. The report: the whole run in one HTML page =======================================================
 // defines: svg_text, svg_rect, fmt, ReportChart, chart_step_tokens, chart_kv_pool,
 //          chart_hits_and_preemptions, chart_requests, report_head, write_report
 //
@@ -13920,13 +14352,13 @@ static void write_report(const std::string& path, const std::string& title, cons
   fclose(f);
 }
 
-// ==== 44. Signals and the tensor-parallel workers ==========================================================
+// ==== 45. Signals and the tensor-parallel workers ==========================================================
 // defines: install_stop_handlers, g_stop_hook, stop_processes, tp_supervise, test_fail_at, tp_launch,
 //          tp_shutdown
 //
 // The process plumbing, in three steps: here Ctrl-C and SIGTERM and the tensor-parallel workers (section
 // 12's ranks 1..N-1); then the data-parallel replicas (whole engines that share one queue of requests),
-// each one's side (section 45) and the coordinator's (section 46): how they are forked, told what to do,
+// each one's side (section 46) and the coordinator's (section 47): how they are forked, told what to do,
 // and stopped on every path. None of it changes what the engine computes.
 
 // Signal handlers may only use async-signal-safe calls: write(2) instead of fprintf.
@@ -14146,7 +14578,7 @@ static bool tp_shutdown() {
   return ok;
 }
 
-// ==== 45. Data parallelism, 1: N replicas of the engine, one queue =========================================
+// ==== 46. Data parallelism, 1: N replicas of the engine, one queue =========================================
 // defines: DP_MAX_REPLICAS, PROMPT_TOKENS_PER_OUTPUT_TOKEN, predicted_work, request_work, remaining_work,
 //          RequestQueue, Replica, Wire, put_completion, get_completion, DPMsg, DPShared, ReplicaLink, dp_send,
 //          replica_serve
@@ -14476,11 +14908,11 @@ static void replica_serve(ReplicaLink& link, LLMEngine& engine, RunWatcher& watc
   dp_send(link.fd, DPMsg::FINISHED, fin);
 }
 
-// ==== 46. Data parallelism, 2: the coordinator =============================================================
+// ==== 47. Data parallelism, 2: the coordinator =============================================================
 // defines: DPGroup, g_dp, replica_signals, DPRun, dp_fork_replicas, DPCoordinator, dp_handle, dp_receive,
 //          dp_reap, dp_print_progress, dp_run, dp_figures, dp_completions
 //
-// The coordinator forks the replicas (section 45 says how the run is shared out among them), reads what
+// The coordinator forks the replicas (section 46 says how the run is shared out among them), reads what
 // each sends on its pipe, stops them all when one fails or a signal says so, and turns what they handed
 // back into one run's completions and figures.
 
@@ -14786,7 +15218,7 @@ static std::vector<Completion> dp_completions(const DPRun& run, const std::vecto
   return outs;
 }
 
-// ==== 47. simulate: the engine without a GPU ===============================================================
+// ==== 48. simulate: the engine without a GPU ===============================================================
 // defines: SimGpu, qwen3_shape, model_params, active_params, experts_touched, model_weight_bytes,
 //          step_weight_bytes, simulated_kv_blocks, step_cost, SimRunner
 //
@@ -14998,7 +15430,7 @@ struct SimRunner : StepRunner {
   }
 };
 
-// ==== 48. The command line: flags and --help ===============================================================
+// ==== 49. The command line: flags and --help ===============================================================
 // defines: Cli, kUsage, usage_text, parse_size, FlagReader, engine_flag, sampling_flag, run_flag,
 //          check_flag_combinations, parse_args
 //
@@ -15014,15 +15446,15 @@ struct Cli {
   int64_t seed = 0;
   bool trace = false;
   double request_rate = 0;   // --request-rate: requests/s of a Poisson process (0: all arrive at once)
-  bool simulate = false;     // `nanovllm simulate` (section 47)
+  bool simulate = false;     // `nanovllm simulate` (section 48)
   double sim_gpu_bytes = 0;  // --simulate-gpu-memory
   std::string sim_model = "Qwen3-0.6B";  // --simulate-model: the shape when there is no config.json
   bool sim_model_given = false;
   double sim_eos_prob = 0;   // --simulate-eos-prob
-  json sampling_flags = json::object();  // the sampling flags given, by vLLM's field names (section 37)
+  json sampling_flags = json::object();  // the sampling flags given, by vLLM's field names (section 38)
   bool generation_config = true;         // --generation-config auto (true) or vllm
-  int data_parallel_size = 1;            // --data-parallel-size: engine replicas (section 45)
-  ShardSpec shard;                       // --shard: this run's part of the input (section 40)
+  int data_parallel_size = 1;            // --data-parallel-size: engine replicas (section 46)
+  ShardSpec shard;                       // --shard: this run's part of the input (section 41)
 };
 
 static const char* kUsage =
@@ -15328,7 +15760,7 @@ static Cli parse_args(int argc, char** argv, bool simulate = false) {
   return cli;
 }
 
-// ==== 49. A run's start and end: the GPUs, the start-up line, the closing lines ============================
+// ==== 50. A run's start and end: the GPUs, the start-up line, the closing lines ============================
 // defines: example_requests, sampling_defaults_for, check_gpus, count_gpus_in_child, replica_gpus,
 //          gpu_warmup_start, startup_line, optimization_notes, take_shard, RunOutcome, finish_run, finish_dp
 //
@@ -15350,7 +15782,7 @@ static std::vector<Request> example_requests(const Tokenizer& tok, const PromptO
   return reqs;
 }
 
-// The sampling defaults of this run (section 37's sampling_defaults) into cli.prompts.defaults; returns the
+// The sampling defaults of this run (section 38's sampling_defaults) into cli.prompts.defaults; returns the
 // description the start-up line prints.
 static std::string sampling_defaults_for(Cli& cli, const ModelConfig& mc) {
   std::string described;
@@ -15595,7 +16027,7 @@ static int finish_run(const Cli& cli, const std::vector<Request>& requests, cons
   return g_stop_requested ? 128 + SIGINT : 0;
 }
 
-// A data-parallel run's end (section 46): the replicas' completions in input order and their figures,
+// A data-parallel run's end (section 47): the replicas' completions in input order and their figures,
 // written as one run's. Exit status 1 when a replica failed (after writing what finished, once they ran).
 static int finish_dp(const Cli& cli, const std::vector<Request>& requests, DPRun& dp,
                      const std::vector<std::string>& gpus, const Tokenizer& tok, double t_start,
@@ -15613,7 +16045,7 @@ static int finish_dp(const Cli& cli, const std::vector<Request>& requests, DPRun
   return finish_run(cli, requests, dp_completions(dp, requests), tok, run, shard);
 }
 
-// ==== 50. The commands and main ============================================================================
+// ==== 51. The commands and main ============================================================================
 // defines: roofline_command, merge_command, simulate_command, run_data_parallel, main
 //
 // What `nanovllm` can be asked to do besides a run (roofline, merge, simulate; encode and decode are the
@@ -15672,7 +16104,7 @@ static int roofline_command() {
   return 0;
 }
 
-// `nanovllm merge OUT SHARD_FILE...` (section 40's merge_shards).
+// `nanovllm merge OUT SHARD_FILE...` (section 41's merge_shards).
 static int merge_command(int argc, char** argv) {
   if (argc < 3 || !strcmp(argv[1], "--help"))
     die("usage: nanovllm merge OUT.jsonl SHARD.jsonl... (the --output files of every --shard K/N run)");
@@ -15691,9 +16123,9 @@ static int merge_command(int argc, char** argv) {
   return 0;
 }
 
-// `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` (section 47): the same checks and the same engine as
+// `nanovllm simulate MODEL_OR_TOKENIZER PROMPTS [flags]` (section 48): the same checks and the same engine as
 // a run, with SimRunner in place of the GPU. With --shard it first prints the plan of every shard, then
-// runs its own share; with --data-parallel-size N, N replica processes as a real run forks (section 45).
+// runs its own share; with --data-parallel-size N, N replica processes as a real run forks (section 46).
 static int simulate_command(Cli& cli) {
   const double t_start = now_seconds();
   Config& config = cli.config;
@@ -15742,7 +16174,7 @@ static int simulate_command(Cli& cli) {
   if (mc.num_experts) snprintf(active, sizeof active, ", %.2f B active", active_params(mc) / 1e9);
   fprintf(stderr,
           "nanovllm: simulate | shape of %s (%.2f B parameters%s) | KV cache %s, %d blocks x %d tokens = %lld "
-          "tokens%s | scheduler %s | no GPU: a stand-in model and a modelled clock (section 47)\n",
+          "tokens%s | scheduler %s | no GPU: a stand-in model and a modelled clock (section 48)\n",
           shape.c_str(), model_params(mc) / 1e9, active, config.kv_cache_dtype.c_str(),
           config.num_kvcache_blocks, config.kvcache_block_size,
           (long long)config.num_kvcache_blocks * config.kvcache_block_size,
@@ -15784,7 +16216,7 @@ static int simulate_command(Cli& cli) {
   return finish_run(cli, requests, outs, tok, run, cli.shard.on() ? &shard : nullptr);
 }
 
-// --data-parallel-size N (-dp N): N replicas, each an engine on its own GPUs (section 45); this process only
+// --data-parallel-size N (-dp N): N replicas, each an engine on its own GPUs (section 46); this process only
 // hands out the requests and writes what comes back. It counts the GPUs in a child: it must not use CUDA
 // itself before it forks.
 static int run_data_parallel(Cli& cli, const ModelConfig& mc, const Tokenizer& tok, std::vector<Request>& requests,
@@ -15867,7 +16299,7 @@ int main(int argc, char** argv) {
   // 2. With --data-parallel-size N: N replicas of what follows, each on its own GPUs.
   if (dp > 1) return run_data_parallel(cli, mc, tok, requests, sampling, t_start, sharded);
   // 2. The GPU: weights, KV cache, CUDA graphs. Tensor-parallel workers are forked first: a child process
-  //    cannot use CUDA once its parent has (section 44).
+  //    cannot use CUDA once its parent has (section 45).
   tp_launch(tp);
   check_gpus(tp);
   ModelRunner runner(config, mc);

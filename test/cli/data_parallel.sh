@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # suite: data parallelism and shards on a CPU machine (issue 46)
 # `nanovllm simulate --data-parallel-size N` forks the replica processes a GPU run forks (nanovllm.cu
-# sections 45-46) with the stand-in model of section 47, so the process plumbing runs here without a GPU:
+# sections 46-47) with the stand-in model of section 48, so the process plumbing runs here without a GPU:
 # the completions of N replicas equal one engine's (plain and OpenAI batch output, greedy, sampled and
 # seeded requests, n > 1); one progress line and one summary with a line per replica; a replica that fails
 # is named, the finished completions are written, the exit status is 1 and no process is left; SIGTERM and

@@ -101,7 +101,7 @@ if [ -n "$MOE_FP8_SHAPES" ]; then
 fi
 [ "${E2E_QUANT:-1}" = 0 ] || [ -z "$MOE_SHAPES" ] ||
   SHAPES=${MOE_SHAPES%% *} run_e2e moe-quantization-fp8 NANOVLLM_E2E_QUANT=fp8
-# Data parallelism (sections 45-46) on NANOVLLM_E2E_DP replicas (of TP GPUs each in its --tp case), after
+# Data parallelism (sections 46-47) on NANOVLLM_E2E_DP replicas (of TP GPUs each in its --tp case), after
 # gpu_e2e wrote the tolerance its teacher-forcing check reuses.
 DP=${NANOVLLM_E2E_DP:-1}
 if [ "$DP" -gt 1 ]; then

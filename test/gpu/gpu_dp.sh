@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Data parallelism and shards on GPUs (nanovllm.cu sections 40 and 45-46; needs DP x TP GPUs, and DP for
+# Data parallelism and shards on GPUs (nanovllm.cu sections 41 and 46-47; needs DP x TP GPUs, and DP for
 # the first cases). test/gpu/gpu_check.sh runs it when NANOVLLM_E2E_DP > 1. Each case checks the exit
 # status, the message, and that no process of the run is left afterwards:
 #   1. -dp DP (then -dp DP --tp TP against --tp TP): every request alone (--max-num-seqs 1, so no batch can

@@ -103,7 +103,7 @@ struct Engine {
   ModelConfig mc;
   std::unique_ptr<ModelRunner> runner;
   std::unique_ptr<LLMEngine> engine;
-  RunWatcher watcher;  // the step counts (section 41's observer), without its progress line
+  RunWatcher watcher;  // the step counts (section 42's observer), without its progress line
   Engine(const std::string& dir, int max_batched, int block_size, int num_blocks, int max_model_len) {
     config.model = dir;
     config.max_num_batched_tokens = max_batched;
@@ -214,6 +214,14 @@ static void run_shape(const std::string& dir) {
     double bound = std::max(1e-2, 1.5 * hf) * (fp8 ? 5 : 1);
     if (fp8w) bound = std::max(bound, 1.5 * cases[i][w8a8_ref ? "w8a8_vs_fp32_rel_err" : "q8_vs_fp32_rel_err"]
                                                 .get<double>());
+    // A MoE prompt whose routing transformers' own bf16 run changed in more than 5% of its (token, layer)
+    // pairs (random weights at 128 experts: the k-th and (k+1)-th router logits a hair apart) has an error
+    // set by which near-ties a rounding happens to flip, a draw that differs between any two bf16 engines:
+    // there the bar is 3x transformers' bf16 error (on an H200, the 30B-A3B-width folder's 1000-token prompt,
+    // 27% of pairs flipped: the plain path landed at 1.9x, where a wrong layout lands tens of times further).
+    if (cases[i].contains("routing_pairs") &&
+        cases[i]["hf_bf16_routing_flips"].get<double>() > 0.05 * cases[i]["routing_pairs"].get<double>())
+      bound = std::max(bound, 3 * hf);
     double margin = cases[i][ref_name + "_top2_margin"].get<double>();
     int arg_ref = cases[i][ref_name + "_argmax"].get<int>();
     bool margin_clear = margin > 2 * max_abs;

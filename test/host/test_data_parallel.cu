@@ -1,4 +1,4 @@
-// Data parallelism and shards without a GPU (nanovllm.cu sections 40 and 45-46): the --shard arithmetic and
+// Data parallelism and shards without a GPU (nanovllm.cu sections 41 and 46-47): the --shard arithmetic and
 // its balance, the merge's checks (missing, duplicated, foreign, truncated, unfinished shard files), the
 // queue that replicas pull from (driven here with stand-in engines, SimRunner, in one process), the wire a
 // replica's completions cross, and that a request draws the same tokens whichever replica or shard runs

@@ -1,5 +1,5 @@
 // FP8 checkpoints (Qwen/Qwen3-*-FP8) and FP8 weights, their host side, in the order nanovllm.cu reads:
-//   section 36: config.json's quantization_config (the published form and every refusal), --quantization,
+//   section 37: config.json's quantization_config (the published form and every refusal), --quantization,
 //     validate_config's rule that --quantization fp8 needs the switch fp8_weights, and the trip of all three
 //     to the tensor-parallel workers;
 //   section 6a ("Checkpoints with 8-bit float weights"): e4m3_to_float, block_quantized_values and
@@ -32,7 +32,7 @@ static float bf16_value(uint16_t bits) {
   return __bfloat162float(__nv_bfloat16(r));
 }
 
-// ==== section 36: quantization_config, --quantization ==================================================
+// ==== section 37: quantization_config, --quantization ==================================================
 
 // A tiny Qwen3 config.json (H 200, I 264: neither a multiple of 128; two layers) with `quant` as its
 // quantization_config ("" for none).

@@ -1,5 +1,5 @@
 // Qwen3-MoE (Qwen3MoeForCausalLM) on the host, in the order nanovllm.cu reads it:
-//   section 36: config.json's expert fields (Qwen3-30B-A3B's as published, transformers' defaults) and each
+//   section 37: config.json's expert fields (Qwen3-30B-A3B's as published, transformers' defaults) and each
 //     refusal; section 2's ModelConfig::is_moe_layer against transformers' rule; the trip to the
 //     tensor-parallel workers (section 12's model_config_to_json);
 //   section 6a: checkpoint_tensors of a MoE model (the router, each expert, dense layers of mlp_only_layers,
@@ -10,14 +10,14 @@
 //   section 10b: moe_route_reference against a direct computation (a stable sort of the probabilities) on
 //     random logits full of ties, moe_ranks_before's order, moe_align_reference's list, and
 //     moe_experts_reference against transformers' loop (expert by expert, index_add_ into a bf16 row);
-//   sections 26 and 28: the persistent kernel's and fp8_weights' reasons for standing aside;
-//   section 47: the parameters, the experts a step reads and simulate on the Qwen3-30B-A3B shape.
+//   sections 26, 28 and 36: the persistent kernel's and fp8_weights' reasons for standing aside;
+//   section 48: the parameters, the experts a step reads and simulate on the Qwen3-30B-A3B shape.
 // The kernels against these references: test/gpu/gpu_moe.cu.
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
 #include "../test.h"
 
-// ==== section 36 and 2: config.json =====================================================================
+// ==== section 37 and 2: config.json =====================================================================
 
 // Qwen3-30B-A3B's config.json as published (the fields nanovllm reads, and two it ignores), with `extra`
 // replacing or adding fields.
@@ -534,7 +534,7 @@ TEST(moe_experts_reference_matches_transformers_loop) {
   CHECK_MSG(differ > 0, "summing by rank and by id agree everywhere: the order check above could not fail");
 }
 
-// ==== sections 26 and 28: what stands aside for a MoE model =============================================
+// ==== sections 26, 28 and 36: what stands aside for a MoE model =========================================
 
 TEST(moe_stand_aside_reasons) {
 #ifdef NANOVLLM_PART_II
@@ -545,13 +545,38 @@ TEST(moe_stand_aside_reasons) {
   CHECK_EQ(fp8_weights_problem(c, 1), std::string("a MoE model's experts are multiplied in FP8 by section 35 "
                                                   "(switch fp8_moe), which this run switches off"));
   g_opt.fp8_moe = fp8_moe;
-  // The persistent kernel plans nothing for a MoE model, and says why, before it asks the GPU anything.
+  // Section 36 plans a MoE model's decode steps in the persistent kernel: one GPU, bf16 weights, k <= 8, IE a
+  // multiple of 64. Where it cannot, or where its switch is off, the kernel plans nothing and says why before
+  // it asks the GPU anything.
   Qwen3 model;
   model.cfg = c;
-  const PersistentDecode pd = persist_setup(model, 8);
-  CHECK(pd.plans.empty());
-  CHECK_MSG(pd.off_reason.find("a MoE model keeps section 14's path") != std::string::npos, "%s",
-            pd.off_reason.c_str());
+  auto has = [](const std::string& s, const char* what) { return s.find(what) != std::string::npos; };
+  CHECK_EQ(persist_moe_problem(model, false), std::string(""));
+  CHECK(has(persist_moe_problem(model, true), "FP8 weights"));
+  model.tp = 2;
+  CHECK(has(persist_moe_problem(model, false), "tensor parallelism"));
+  model.tp = 1;
+  model.cfg.num_experts_per_tok = 9;
+  CHECK(has(persist_moe_problem(model, false), "more than 8 experts"));
+  model.cfg = c, model.cfg.moe_intermediate_size = 96;
+  CHECK(has(persist_moe_problem(model, false), "not a multiple of 64"));
+  model.cfg = c, model.tp = 2;  // (the 30B-A3B shape at --tp 2: section 36 stands aside)
+  install_optimizations(default_optimizations());
+  {
+    const PersistentDecode pd = persist_setup(model, 8);
+    CHECK(pd.plans.empty());
+    CHECK_MSG(has(pd.off_reason, "a MoE model at tensor parallelism keeps section 14's path"), "%s",
+              pd.off_reason.c_str());
+  }
+  model.tp = 1;
+  {
+    OptimizationSet off = default_optimizations();
+    CHECK(parse_optimizations("-persistent_moe", off).empty());
+    install_optimizations(off);
+    const PersistentDecode pd = persist_setup(model, 8);
+    CHECK(pd.plans.empty());
+    CHECK_MSG(has(pd.off_reason, "persistent_moe off"), "%s", pd.off_reason.c_str());
+  }
   // Section 14's table sends a MoE layer's MLP to its moe stage: Part I's unless a chapter fills it, as
   // sections 33-35 do by default (FP8 experts 35's stage, else small steps 34's gemv, the others 33's
   // fused_moe); --plain fills no stage (section 6c's pass runs moe_mlp).
@@ -626,7 +651,7 @@ TEST(fused_moe_reference_is_moe_experts_reference_regrouped) {
 }
 #endif
 
-// ==== section 47: parameters, the experts a step reads, simulate =========================================
+// ==== section 48: parameters, the experts a step reads, simulate =========================================
 
 TEST(moe_parameters_and_bytes_per_step) {
   ModelConfig a3b, a22b, dense;

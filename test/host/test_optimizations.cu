@@ -29,7 +29,7 @@ static OptimizationSet parsed(const char* spec) {
 static int fields_on(const Optimizations& o) {
   return o.flash_attn + o.longest_first + o.pdl + o.gemv + o.cluster_merge + o.fused_rope + o.oneshot_allreduce +
          o.twoshot_allreduce + o.bisect_sampler + o.fast_sampler + o.prefill_graphs + o.persistent + o.fp8_weights +
-         o.fp8_gemv + o.fused_moe + o.moe_gemv + o.fp8_moe;
+         o.fp8_gemv + o.fused_moe + o.moe_gemv + o.fp8_moe + o.persistent_moe;
 }
 
 // Every Part II switch is registered exactly once, in file order, with a description naming its section,
@@ -39,7 +39,7 @@ TEST(every_optimization_is_registered_once) {
                             "fused_rope",        "oneshot_allreduce", "twoshot_allreduce", "bisect_sampler",
                             "fast_sampler",      "prefill_graphs", "persistent",     "fp8_weights",
                             "fp8_gemv",          "longest_first",  "fused_moe",      "moe_gemv",
-                            "fp8_moe"};
+                            "fp8_moe",           "persistent_moe"};
   CHECK_EQ(reg().size(), sizeof expected / sizeof expected[0]);
   CHECK_EQ(sizeof(Optimizations), reg().size() * sizeof(bool));
   for (size_t i = 0; i < reg().size() && i < sizeof expected / sizeof expected[0]; i++) {
@@ -97,7 +97,7 @@ TEST(switches_fill_their_hooks) {
   CHECK(g_hooks.decode_step && g_hooks.model_ready.size() == 1);  // on; it measures which batch sizes it takes
 }
 
-// What section 47's simulate reads of the switches (Optimization::step_costs, by name): Part I's steps with
+// What section 48's simulate reads of the switches (Optimization::step_costs, by name): Part I's steps with
 // none on, section 23's graphs up to its largest rung, section 16's decode rows once per GQA group.
 TEST(simulate_reads_the_step_costs_of_the_switches_on) {
   CHECK_EQ(step_cost(parsed("none"), "prefill_graph_tokens"), 0.0);
@@ -111,12 +111,12 @@ TEST(simulate_reads_the_step_costs_of_the_switches_on) {
   CHECK_EQ(step_cost(parsed("-fp8_weights"), "linear_weight_bytes_saved"), 0.0);
   CHECK_EQ(step_cost(default_optimizations(), "expert_weight_bytes_saved"), 1.0);
   CHECK_EQ(step_cost(parsed("-fp8_moe"), "expert_weight_bytes_saved"), 0.0);
-  // Every name a switch gives is one section 47 reads (a misspelt name would change nothing, silently).
+  // Every name a switch gives is one section 48 reads (a misspelt name would change nothing, silently).
   for (const Optimization& o : optimization_registry())
     for (const auto& cost : o.step_costs)
       CHECK_MSG(cost.first == "prefill_graph_tokens" || cost.first == "decode_rows_per_kv_group" ||
                     cost.first == "linear_weight_bytes_saved" || cost.first == "expert_weight_bytes_saved",
-                "%s gives step cost %s, which section 47 does not read", o.name, cost.first.c_str());
+                "%s gives step cost %s, which section 48 does not read", o.name, cost.first.c_str());
 }
 
 // Section 14's stage table: each chapter fills its own stages, a chapter that changes flash_attn's decode

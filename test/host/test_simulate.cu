@@ -1,5 +1,5 @@
-// `nanovllm simulate` (nanovllm.cu section 47), the mixed scheduler (section 5b), arrival times and the
-// report (section 43), without a GPU: LLMEngine runs with SimRunner in place of ModelRunner.
+// `nanovllm simulate` (nanovllm.cu section 48), the mixed scheduler (section 5b), arrival times and the
+// report (section 44), without a GPU: LLMEngine runs with SimRunner in place of ModelRunner.
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
 #include "../test.h"

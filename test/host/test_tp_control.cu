@@ -1,4 +1,4 @@
-// The tensor-parallel control plane without a GPU (nanovllm.cu sections 12b and 44): fork, the mailbox, and
+// The tensor-parallel control plane without a GPU (nanovllm.cu sections 12b and 45): fork, the mailbox, and
 // the end of a run on every path. Each case runs a "rank 0" in a child process (tp_launch installs signal
 // handlers and an atexit hook, which must not touch this test process), which forks its workers. This
 // process is a child subreaper, so a worker whose rank 0 vanished is re-parented here and can be checked.

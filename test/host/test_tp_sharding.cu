@@ -126,7 +126,7 @@ TEST(rank_arenas_sum_to_the_model) {
   }
 }
 
-// The MoE shapes (section 47's qwen3_shape): which N split them (their 4 KV heads: 1, 2 and 4), each rank's
+// The MoE shapes (section 48's qwen3_shape): which N split them (their 4 KV heads: 1, 2 and 4), each rank's
 // slice of every expert's IE in rank order, and the arenas adding up to the model once, plus what every rank
 // holds whole (the norms and the routers) and the vocabulary padding.
 TEST(moe_experts_split_like_the_dense_mlp) {

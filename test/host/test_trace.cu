@@ -257,7 +257,7 @@ TEST(readme_continuous_batching) {
   CHECK(batches == want);
 }
 
-// `nanovllm simulate` steps the same code: LLMEngine with SimRunner (section 47) in place of the GPU prints,
+// `nanovllm simulate` steps the same code: LLMEngine with SimRunner (section 48) in place of the GPU prints,
 // for the workloads of docs/experiments.md (real H200 runs with --ignore-eos), the very trace lines the
 // scheduler replays above print, step for step (the step time aside).
 static std::vector<std::string> simulated(const Config& base, const std::vector<int>& prompt_lens,
