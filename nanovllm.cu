@@ -8883,7 +8883,7 @@ static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs, PersistFp8
   const int gqa = NH / NKV;
   if (NH % NKV || gqa > PERSIST_WARPS) return pd.off_reason = "needs at most 16 query heads per KV head", pd;
   if (H > PERSIST_THREADS * NORM_MAX_CHUNKS * 8) return pd.off_reason = "hidden size above its RMSNorm's", pd;
-  int dense_layers = L;  // (section 36 plans a MoE layer as 6 operations: ROUTER, MOE_GATE_UP, MOE_DOWN)
+  int dense_layers = L;  // (a MoE layer is 6 operations: qkv, attention, o, and section 36's three)
   if (moe) dense_layers -= c.num_moe_layers();
   const int n_ops = 2 + 5 * L + (L - dense_layers) + calls;
   for (int B = 1; B <= std::min(PERSIST_MAX_B, max_num_seqs); B *= 2) {
