@@ -7835,8 +7835,6 @@ __host__ __device__ __forceinline__ bool persist_is_gemv(int kind) {
 // A row of W in the stream's 16-bit units: K, or K / 2 for FP8 weights.
 __host__ __device__ __forceinline__ int persist_stream_k(const PersistOp& op) { return op.wscale ? op.K / 2 : op.K; }
 __host__ __device__ __forceinline__ int persist_k_chunks(const PersistOp& op) {
-  if (op.kind == PERSIST_MOE_DOWN)  // each of a token's k experts in its own chunks (section 36)
-    return op.topk * ((op.K / op.topk + PERSIST_KC - 1) / PERSIST_KC);
   return (persist_stream_k(op) + PERSIST_KC - 1) / PERSIST_KC;
 }
 
@@ -11990,11 +11988,11 @@ static const int kFp8MoeRegistered = register_optimization(
 //     B tokens, the B columns of the tensor-core product, of which the epilogue keeps the pair's token's
 //     column): act[p, j] = bf16(SiLU(bf16(gate)) * bf16(up)) into act.moe_act;
 //   * MOE_DOWN: group g is 16 output rows of token b = g / ceil(H / 16); its input is the token's k rows of act
-//     (K = k IE, its column 0 of the product), and its chunks go expert by expert (chunk kc: expert kc /
-//     ceil(IE / 1024)'s columns), so a warp keeps a partial sum per expert (in the epilogue's buffer: k
-//     experts x 16 warps x 16 rows), and the epilogue makes section 34's sum: each expert's y over the warps,
-//     rounded, times its weight, rounded, added in ascending expert id, rounded, then the residual add as
-//     DOWN's.
+//     (K = k IE, its column 0 of the product), and its chunks run on across the experts' columns (chunk kc:
+//     columns [1024 kc, 1024 kc + 1024) of the k IE, a warp's 64-column strip within one expert), so a warp
+//     adds each strip's sums to its own sums for that strip's expert (in the epilogue's buffer: k experts x
+//     16 warps x 16 rows), and the epilogue makes section 34's sum: each expert's y over the warps, rounded,
+//     times its weight, rounded, added in ascending expert id, rounded, then the residual add as DOWN's.
 // Dense layers of a MoE model (mlp_only_layers) are GATE_UP and DOWN as in a dense model.
 // What it computes: section 34's arithmetic with the sums inside a dot product in the kernel's order, so its
 // results match section 14's path within float rounding. One difference can be larger: a router logit one
@@ -12091,7 +12089,7 @@ __device__ void persist_route_in(const PersistArgs& a, int layer, PersistRoute* 
 // layout), from the experts its group's token routed to; false, issuing nothing, while the block's routing is
 // not this operation's layer's (see above). As section 24's copy, a strip that lies wholly inside its
 // expert's rows costs one address and three strides; other strips (odd shapes' edges) place piece by piece,
-// zeros past the last row or column. A MOE_DOWN strip past the expert's IE columns is not copied at all: its
+// zeros past the last row or column. A MOE_DOWN strip past the token's k IE columns is not copied at all: its
 // products are skipped (persist_moe_down_chunk).
 __device__ __forceinline__ bool persist_issue_expert(const PersistOp& op, const PersistCursor& c, bf16* slot,
                                                      const PersistRoute* route) {
@@ -12108,12 +12106,13 @@ __device__ __forceinline__ bool persist_issue_expert(const PersistOp& op, const 
     const int per_pair = op.N / 8, p = c.g / per_pair, j0 = (c.g - p * per_pair) * 8;
     first = ((int64_t)route->ids[p] * 2 * op.N + j0), len = op.K, half = op.N, valid_rows = 8;
     col = c.kc * PERSIST_KC + warp * PERSIST_WARP_K;
-  } else {  // MOE_DOWN: W [E, H, IE]; N = H, K = k IE; group: token b's output rows n0..; chunk: one expert's
-    const int IE = op.K / k, per_expert = (IE + PERSIST_KC - 1) / PERSIST_KC, per_token = (op.N + 15) / 16;
+  } else {  // MOE_DOWN: W [E, H, IE]; N = H, K = k IE; group: token b's output rows n0..; a chunk runs on
+            // across the token's experts' columns, a strip within one expert (IE % 64 == 0)
+    const int IE = op.K / k, per_token = (op.N + 15) / 16;
     const int b = c.g / per_token, n0 = (c.g - b * per_token) * 16;
-    const int j = per_expert == 1 ? c.kc : c.kc / per_expert;
-    col = (c.kc - j * per_expert) * PERSIST_KC + warp * PERSIST_WARP_K;
-    if (col >= IE) return true;  // (IE % 64 == 0: the strip is wholly past the expert's columns)
+    const int at = c.kc * PERSIST_KC + warp * PERSIST_WARP_K, j = at / IE;  // the strip's column of k IE
+    if (at >= op.K) return true;  // past the token's last expert: nothing to copy
+    col = at - j * IE;
     first = (int64_t)route->ids[b * k + j] * op.N + n0, len = IE, half = 8, valid_rows = min(16, op.N - n0);
   }
   const int r0 = lane >> 3, piece = lane & 7;
@@ -12153,37 +12152,43 @@ __device__ void persist_stage_moe_down(const PersistArgs& a, const PersistOp& op
   __syncthreads();
 }
 
-// acc += this warp's strip of MOE_DOWN's chunk kc (16 rows of one expert's down x 64 of its columns) times the
-// same columns of the group's token's act row, that token as column 0 of the product; after an expert's last
-// chunk, the warp's sums of its 16 rows go to ex [k][WARPS][16] and acc starts again from zero.
+// acc = this warp's strip of MOE_DOWN's chunk kc (16 rows of one expert's down x 64 of its columns: chunk kc
+// holds columns [1024 kc, 1024 kc + 1024) of the token's k IE, a strip lies within one expert) times the same
+// columns of the group's token's act row, that token as column 0 of the product, added to the warp's sums of
+// its 16 rows for that expert in ex [k][WARPS][16], which the warp zeroes at the group's first chunk (a warp
+// meets some experts in no strip: at IE 768, warp 0's strips start at 0, 1024, ... and miss experts 3 and 7).
 __device__ __forceinline__ void persist_moe_down_chunk(const PersistOp& op, int g, int kc, const bf16* slot,
                                                        const bf16* xs, float* ex, float (&acc)[4]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, k = op.topk, IE = op.K / k;
-  const int per_expert = (IE + PERSIST_KC - 1) / PERSIST_KC, j = kc / per_expert, b = g / ((op.N + 15) / 16);
-  const int c0 = kc % per_expert * PERSIST_KC + warp * PERSIST_WARP_K;  // (IE % 64 == 0: all in, or all out)
-  if (c0 < IE) {
-    const bf16* strip = slot + warp * PERSIST_ROWS * PERSIST_WARP_K;
-    const bf16* arow = strip + ((lane & 7) + ((lane >> 3) & 1) * 8) * PERSIST_WARP_K;
-    const bf16* xrow = xs + b * (op.K + 8) + j * IE + c0 + 2 * (lane & 3);
+  float* mine = ex + warp * PERSIST_ROWS;  // expert j's sums at mine[j * WARPS * 16 + row]
+  if (kc == 0) {
+    for (int i = lane; i < k * PERSIST_ROWS; i += 32)
+      mine[i / PERSIST_ROWS * PERSIST_WARPS * PERSIST_ROWS + i % PERSIST_ROWS] = 0.f;
+    __syncwarp();
+  }
+  const int at = kc * PERSIST_KC + warp * PERSIST_WARP_K;  // the strip's column of the token's k IE
+  if (at >= op.K) return;
+  const int b = g / ((op.N + 15) / 16), j = at / IE;
+  const bf16* strip = slot + warp * PERSIST_ROWS * PERSIST_WARP_K;
+  const bf16* arow = strip + ((lane & 7) + ((lane >> 3) & 1) * 8) * PERSIST_WARP_K;
+  const bf16* xrow = xs + b * (op.K + 8) + at + 2 * (lane & 3);
+  acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
 #pragma unroll
-    for (int t = 0; t < PERSIST_WARP_K / 16; t++) {
-      uint32_t w[4];
-      ldmatrix_x4(w, arow + (((2 * t + (lane >> 4)) ^ (lane & 7)) << 3));
-      uint32_t x0 = 0, x1 = 0;
-      if (lane < 4) {  // column 0
-        x0 = *reinterpret_cast<const uint32_t*>(xrow + 16 * t);
-        x1 = *reinterpret_cast<const uint32_t*>(xrow + 16 * t + 8);
-      }
-      mma_bf16_16816(acc, w, x0, x1);
+  for (int t = 0; t < PERSIST_WARP_K / 16; t++) {
+    uint32_t w[4];
+    ldmatrix_x4(w, arow + (((2 * t + (lane >> 4)) ^ (lane & 7)) << 3));
+    uint32_t x0 = 0, x1 = 0;
+    if (lane < 4) {  // column 0
+      x0 = *reinterpret_cast<const uint32_t*>(xrow + 16 * t);
+      x1 = *reinterpret_cast<const uint32_t*>(xrow + 16 * t + 8);
     }
+    mma_bf16_16816(acc, w, x0, x1);
   }
-  if (kc % per_expert == per_expert - 1) {
-    if ((lane & 3) == 0) {  // column 0: rows lane / 4 and lane / 4 + 8
-      ex[(j * PERSIST_WARPS + warp) * PERSIST_ROWS + lane / 4] = acc[0];
-      ex[(j * PERSIST_WARPS + warp) * PERSIST_ROWS + lane / 4 + 8] = acc[2];
-    }
-    acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+  if ((lane & 3) == 0) {  // column 0: rows lane / 4 and lane / 4 + 8
+    mine[j * PERSIST_WARPS * PERSIST_ROWS + lane / 4] += acc[0];
+    mine[j * PERSIST_WARPS * PERSIST_ROWS + lane / 4 + 8] += acc[2];
   }
+  __syncwarp();
 }
 
 // Before an expert operation's first chunk, in a block whose routing is an earlier layer's (section 26's
