@@ -1609,7 +1609,7 @@ struct Activations {
   bf16* last;      // [Bmax, H]  final normed row of each sequence
   float* logits;   // [Bmax, V/tp]
   float* attn_workspace;  // scratch a Part II attention kernel asks for (Hooks, section 11); Part I's need none
-  // A MoE layer's work (section 10b), for a model with experts (else null). RM = moe_rows_max(Tmax, k, E).
+  // A MoE layer's work (section 10b), for a model with experts (else null). RM = moe_rows_alloc(Tmax, k, E).
   bf16* router_logits;   // [Tmax, E]
   int* topk_ids;         // [Tmax, k]  the experts of each token
   float* topk_weights;   // [Tmax, k]
@@ -2792,9 +2792,9 @@ static void compute_logprobs(TokenLogprobs* out, const float* logits, const int*
 }
 
 // ==== 10. Matrix products with cuBLASLt ====================================================================
-// defines: Gemm, linear, linear_reference, MOE_TILE, MOE_MAX_EXPERTS, MOE_MAX_TOPK, moe_rows_max,
-//          moe_ranks_before, moe_route_reference, moe_route, moe_align_reference, moe_align, moe_matmul,
-//          moe_experts_reference, moe_combine, moe_allocate, moe_experts, moe_mlp
+// defines: Gemm, linear, linear_reference, MOE_TILE, MOE_TILE_MAX, MOE_MAX_EXPERTS, MOE_MAX_TOPK, moe_rows_max,
+//          moe_rows_alloc, moe_ranks_before, moe_route_reference, moe_route, moe_align_reference, moe_align,
+//          moe_matmul, moe_experts_reference, moe_combine, moe_allocate, moe_experts, moe_mlp
 //
 // Every linear layer is y = x @ W^T with x [M, K] (M tokens) and W [N, K] in PyTorch's row-major [out, in]
 // layout. cuBLASLt thinks in column-major, where a row-major [M, N] matrix is the column-major [N, M] one,
@@ -2900,8 +2900,9 @@ static void linear(Gemm& gemm, void* y, const bf16* x, const bf16* W, int M, int
 //   2. align     moe_align lists the step's R = T*k (token, expert) pairs expert by expert, each expert's run
 //                padded with empty rows to a multiple of MOE_TILE, and writes which expert each tile of
 //                MOE_TILE rows belongs to (-1: a tile past the list's end). The list has at most
-//                moe_rows_max(T, k, E) = R + min(E, R) * (MOE_TILE - 1) rows, rounded up to a tile: the
-//                buffers are that long;
+//                moe_rows_max(T, k, E) = R + min(E, R) * (MOE_TILE - 1) rows, rounded up to a tile. (A Part
+//                II chapter lists long steps in longer tiles, up to MOE_TILE_MAX rows: the buffers are sized
+//                for those, moe_rows_alloc);
 //   3. products  moe_matmul with every expert's gate_up, silu_and_mul (section 7), moe_matmul with every
 //                expert's down: the dense MLP's three steps, on the list's rows, over the whole buffer; each
 //                thread block of moe_matmul reads its tile's expert on the GPU, an unused tile writes zeros;
@@ -2931,16 +2932,19 @@ static void linear(Gemm& gemm, void* y, const bf16* x, const bf16* W, int M, int
 // layer adds them up as it does the dense MLP's.
 
 constexpr int MOE_TILE = 16;          // rows (and columns) of a tile of moe_matmul; an expert's run is padded to it
+constexpr int MOE_TILE_MAX = 64;      // the longest tile moe_align is asked for (Part II's long steps)
 constexpr int MOE_MAX_EXPERTS = 512;  // E: moe_route holds E / 32 probabilities per lane in registers
 constexpr int MOE_MAX_TOPK = 32;      // k: moe_route's picks are one per lane
 constexpr int MOE_ALIGN_THREADS = 256;
 
-// Rows of the experts' list for T tokens: every pair, plus at most MOE_TILE - 1 padding rows per expert that
-// has any, rounded up to whole tiles.
-static int64_t moe_rows_max(int64_t T, int k, int E) {
+// Rows of the experts' list for T tokens in tiles of `tile` rows: every pair, plus at most tile - 1 padding
+// rows per expert that has any, rounded up to whole tiles. The buffers hold moe_rows_alloc rows: the longest
+// list any tile makes (moe_tile_expert: moe_rows_alloc / MOE_TILE entries, the most tiles any list has).
+static int64_t moe_rows_max(int64_t T, int k, int E, int tile = MOE_TILE) {
   const int64_t R = T * k;
-  return cdiv(R + std::min<int64_t>(E, R) * (MOE_TILE - 1), MOE_TILE) * MOE_TILE;
+  return cdiv(R + std::min<int64_t>(E, R) * (tile - 1), tile) * tile;
 }
+static int64_t moe_rows_alloc(int64_t T, int k, int E) { return moe_rows_max(T, k, E, MOE_TILE_MAX); }
 
 // Whether expert e with probability p comes before (bp, be) in the top-k order: the larger probability, and
 // on a tie the lower expert id; NaN counts as -inf (a total order, so every lane of a warp agrees); be < 0 is
@@ -3060,20 +3064,20 @@ static void moe_route(int* ids, float* weights, const bf16* logits, int T, int E
 // ---- moe_align -----------------------------------------------------------------------------------------
 // What moe_align_kernel computes, on the CPU: the experts' list for the pairs p = t*k + j of ids [T, k].
 // Expert e's run starts at the sum of the earlier runs, holds e's pairs in ascending p (token order), then -1
-// up to a multiple of MOE_TILE. rows [RM]: the pair of each row (-1: padding; past the last run: -1 here,
-// unwritten by the kernel); pair_row [T*k]: each pair's row; tile_expert [RM / MOE_TILE]: each tile's expert,
-// -1 past the last run.
+// up to a multiple of the tile (MOE_TILE rows, or a Part II chapter's). rows [RM]: the pair of each row (-1:
+// padding; past the last run: -1 here, unwritten by the kernel); pair_row [T*k]: each pair's row; tile_expert
+// [RM / tile]: each tile's expert, -1 past the last run (RM = moe_rows_max(T, k, E, tile)).
 static void moe_align_reference(std::vector<int>& rows, std::vector<int>& pair_row, std::vector<int>& tile_expert,
-                                const int* ids, int T, int k, int E) {
-  const int R = T * k, RM = (int)moe_rows_max(T, k, E);
-  rows.assign(RM, -1), pair_row.assign(R, -1), tile_expert.assign(RM / MOE_TILE, -1);
+                                const int* ids, int T, int k, int E, int tile = MOE_TILE) {
+  const int R = T * k, RM = (int)moe_rows_max(T, k, E, tile);
+  rows.assign(RM, -1), pair_row.assign(R, -1), tile_expert.assign(RM / tile, -1);
   int at = 0;
   for (int e = 0; e < E; e++) {
     const int start = at;
     for (int p = 0; p < R; p++)
       if (ids[p] == e) rows[at] = p, pair_row[p] = at++;
-    at = (int)cdiv(at, MOE_TILE) * MOE_TILE;
-    for (int i = start / MOE_TILE; i < at / MOE_TILE; i++) tile_expert[i] = e;
+    at = (int)cdiv(at, tile) * tile;
+    for (int i = start / tile; i < at / tile; i++) tile_expert[i] = e;
   }
 }
 
@@ -3081,13 +3085,14 @@ static void moe_align_reference(std::vector<int>& rows, std::vector<int>& pair_r
 // Reads ids [T, k]. Writes rows, pair_row and tile_expert as moe_align_reference says.
 // One thread block per expert e, each reading all R = T*k ids:
 //   1. count[e'] of every expert (shared-memory atomics: integer, so the same whatever the order);
-//   2. e's run starts at start = sum over e' < e of ceil(count[e'] / MOE_TILE) * MOE_TILE;
+//   2. e's run starts at start = sum over e' < e of ceil(count[e'] / tile) * tile;
 //   3. e's pairs in order: the ids MOE_ALIGN_THREADS at a time, a thread's place among its chunk's matches
 //      from its warp's ballot and the warps before it, after the matches of earlier chunks;
 //   4. its padding rows and its tiles' entries; block 0 also marks the tiles past the last run.
 // Launch: grid E, MOE_ALIGN_THREADS threads. Preconditions: 0 <= ids < E <= MOE_MAX_EXPERTS.
 __global__ __launch_bounds__(MOE_ALIGN_THREADS) void moe_align_kernel(int* rows, int* pair_row, int* tile_expert,
-                                                                      const int* ids, int R, int E, int tiles) {
+                                                                      const int* ids, int R, int E, int tile,
+                                                                      int tiles) {
   __shared__ int count[MOE_MAX_EXPERTS];
   __shared__ int warp_matches[MOE_ALIGN_THREADS / 32];
   const int e = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -3097,11 +3102,11 @@ __global__ __launch_bounds__(MOE_ALIGN_THREADS) void moe_align_kernel(int* rows,
   __syncthreads();
   int start = 0, end = 0;
   for (int i = 0; i < E; i++) {
-    const int run = (count[i] + MOE_TILE - 1) / MOE_TILE * MOE_TILE;
+    const int run = (count[i] + tile - 1) / tile * tile;
     start += i < e ? run : 0;
     end += run;
   }
-  const int n = count[e], run = (n + MOE_TILE - 1) / MOE_TILE * MOE_TILE;
+  const int n = count[e], run = (n + tile - 1) / tile * tile;
   int placed = 0;  // e's pairs in the chunks before this one
   for (int base = 0; base < R; base += blockDim.x) {
     const int p = base + tid;
@@ -3119,17 +3124,19 @@ __global__ __launch_bounds__(MOE_ALIGN_THREADS) void moe_align_kernel(int* rows,
     __syncthreads();  // warp_matches is read before the next chunk writes it
   }
   for (int i = n + tid; i < run; i += blockDim.x) rows[start + i] = -1;
-  for (int i = tid; i < run / MOE_TILE; i += blockDim.x) tile_expert[start / MOE_TILE + i] = e;
+  for (int i = tid; i < run / tile; i += blockDim.x) tile_expert[start / tile + i] = e;
   if (e == 0)
-    for (int i = end / MOE_TILE + tid; i < tiles; i += blockDim.x) tile_expert[i] = -1;
+    for (int i = end / tile + tid; i < tiles; i += blockDim.x) tile_expert[i] = -1;
 }
-// rows [moe_rows_max(T, k, E)], pair_row [T*k], tile_expert [moe_rows_max(T, k, E) / MOE_TILE] (device).
+// rows [moe_rows_max(T, k, E, tile)], pair_row [T*k], tile_expert [moe_rows_max(T, k, E, tile) / tile]
+// (device). tile: MOE_TILE (Part I), up to MOE_TILE_MAX.
 static void moe_align(int* rows, int* pair_row, int* tile_expert, const int* ids, int T, int k, int E,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, int tile = MOE_TILE) {
   INTERNAL_CHECK(E >= 1 && E <= MOE_MAX_EXPERTS, "moe_align: E = %d (1 to %d)", E, MOE_MAX_EXPERTS);
+  INTERNAL_CHECK(tile >= MOE_TILE && tile <= MOE_TILE_MAX && tile % MOE_TILE == 0, "moe_align: tile = %d", tile);
   if (T == 0) return;
-  const int tiles = (int)(moe_rows_max(T, k, E) / MOE_TILE);
-  moe_align_kernel<<<E, MOE_ALIGN_THREADS, 0, stream>>>(rows, pair_row, tile_expert, ids, T * k, E, tiles);
+  const int tiles = (int)(moe_rows_max(T, k, E, tile) / tile);
+  moe_align_kernel<<<E, MOE_ALIGN_THREADS, 0, stream>>>(rows, pair_row, tile_expert, ids, T * k, E, tile, tiles);
   CUDA_CHECK(cudaGetLastError());
 }
 
@@ -3268,7 +3275,7 @@ static void moe_allocate(Activations& a, const ModelConfig& c, int tp, int T) {
   a.moe_pair_row = nullptr, a.moe_tile_expert = nullptr, a.moe_gate_up = a.moe_act = a.moe_out = nullptr;
   if (c.num_experts == 0) return;
   const int E = c.num_experts, k = c.num_experts_per_tok, IE = c.moe_intermediate_size / tp, H = c.hidden_size;
-  const size_t RM = moe_rows_max(T, k, E);
+  const size_t RM = moe_rows_alloc(T, k, E);
   auto alloc = [&](auto** p, size_t n) { CUDA_CHECK(cudaMalloc((void**)p, n * sizeof(**p))); };
   alloc(&a.router_logits, (size_t)T * E);
   alloc(&a.topk_ids, (size_t)T * k);
@@ -11121,8 +11128,8 @@ static const int kLongestFirstRegistered = register_optimization(
 
 // ==== 33. A mixture of experts on tensor cores =============================================================
 // defines: fused_moe_rows_reference, fused_moe_reference, fused_moe_fp8_reference, fused_moe_kernel,
-//          fused_moe_products, fused_moe, fused_moe_stage; switch fused_moe (sections 34-35: the small steps'
-//          gemv, the FP8 experts)
+//          FMOE_WIDE_TILE, fused_moe_wide_kernel, fused_moe_wide_launch, fused_moe_products, fused_moe_tile,
+//          fused_moe, fused_moe_stage; switch fused_moe (sections 34-35: the small steps' gemv, the FP8 experts)
 //
 // Replaces: in section 14's moe stage (section 10b's moe_mlp), the experts' products after the align:
 // moe_matmul for gate_up, silu_and_mul, moe_matmul for down, and moe_combine's multiply by the routing
@@ -11161,11 +11168,9 @@ static const int kLongestFirstRegistered = register_optimization(
 // cores add in an order of their own), so a result may land one bf16 step from Part I's where a value sits
 // near a rounding boundary. fused_moe_reference (below) is the CPU's account of these steps, and
 // test/gpu/gpu_moe.cu checks the kernels against it and against Part I's path.
-// What it costs: a tile is 16 rows, the mma's height. That is right for decode, where an expert gets one or
-// two rows padded to 16, and wasteful for prefill, where it gets hundreds: the expert's weights pass through
-// shared memory once per 16 rows (mostly from L2, since one expert's tiles are neighbours in the grid), where
-// a 64- or 128-row tile would read them 4 to 8 times less often and give the tensor cores more multiplies
-// per load. Padding: up to MOE_TILE - 1 rows per expert that is hit, as in Part I. The kernels launch the
+// What it costs: a tile is 16 rows, the mma's height: right for decode, wasteful for prefill's hundreds of
+// rows an expert, so a long step is listed in tiles of 64 rows for fused_moe_wide_kernel (the end of this
+// section). Padding: up to a tile less one row per expert that is hit, as in Part I. The kernels launch the
 // ordinary way, not through section 17's launch_pdl: their neighbours in the stream are Part I's kernels.
 // Preconditions: H and IE (this rank's slice) multiples of 8 (16-byte copies; section 2's tp_shard_problem
 // already requires IE / tp % 8 == 0), pointers 16-byte aligned. The widths need not be multiples of a tile:
@@ -11193,11 +11198,11 @@ static void fused_moe_rows_reference(std::vector<float>& act, std::vector<float>
                                      const std::vector<int>& rows, const std::vector<int>& tile_expert,
                                      const std::vector<int>& pair_row, const int* ids, const float* weights, int T,
                                      int H, int IE, int k, Product product) {
-  const size_t RM = rows.size();
+  const size_t RM = rows.size(), tile = RM / std::max<size_t>(1, tile_expert.size());  // (16, or 64: section 33)
   act.assign(RM * IE, 0.f), wy.assign(RM * H, 0.f);
   std::vector<float> gu(2 * IE), y(H);
   for (size_t r = 0; r < RM; r++) {
-    const int e = tile_expert[r / MOE_TILE], pair = rows[r];
+    const int e = tile_expert[r / tile], pair = rows[r];
     if (e < 0 || pair < 0) continue;
     product(gu.data(), x + (size_t)(pair / k) * H, e, true);
     silu_and_mul_reference(&act[r * IE], gu.data(), 1, IE);
@@ -11348,11 +11353,22 @@ __global__ __launch_bounds__(FMOE_THREADS) void fused_moe_kernel(bf16* out, cons
     cp_async_commit();  // (an empty group past the end keeps the count of groups in flight the same)
   }
   float acc[2][4] = {};
+  // FP8: a slice's scales, loaded a slice ahead (from L2: their latency would otherwise follow each slice's
+  // few MMAs).
+  float next[4] = {};  // s_x of rows lane / 4 and lane / 4 + 8, s_w of MMA tiles 0 and 1
+  auto scales_of = [&](int slice) {
+    const int64_t at = (int64_t)slice * a_ld;
+    next[0] = sx_lo ? __ldg(sx_lo + at) : 0.f, next[1] = sx_hi ? __ldg(sx_hi + at) : 0.f;
+    next[2] = __ldg(sw0 + slice), next[3] = __ldg(sw1 + slice);
+  };
+  if constexpr (FP8) scales_of(0);
   for (int slice = 0; slice < slices; slice++) {
     cp_async_wait<FMOE_STAGES - 2>();  // this thread's copies of `slice` have landed ...
     __syncthreads();                   // ... and everyone's; and every warp is done with slice - 1's stage
     if (slice + FMOE_STAGES - 1 < slices) issue(slice + FMOE_STAGES - 1);  // into slice - 1's stage
     cp_async_commit();
+    const float x_lo = next[0], x_hi = next[1], s0 = next[2], s1 = next[3];  // FP8: this slice's
+    if (FP8 && slice + 1 < slices) scales_of(slice + 1);
     const bf16* tA = sA[slice % FMOE_STAGES];
     const bf16* tW = sW[slice % FMOE_STAGES];
     float d[2][4] = {};  // FP8: this slice's sums
@@ -11371,9 +11387,6 @@ __global__ __launch_bounds__(FMOE_THREADS) void fused_moe_kernel(bf16* out, cons
       }
     }
     if constexpr (FP8) {
-      const int64_t at = (int64_t)slice * a_ld;
-      const float x_lo = sx_lo ? __ldg(sx_lo + at) : 0.f, x_hi = sx_hi ? __ldg(sx_hi + at) : 0.f;
-      const float s0 = __ldg(sw0 + slice), s1 = __ldg(sw1 + slice);
 #pragma unroll
       for (int j = 0; j < 4; j++) {
         const float x = j < 2 ? x_lo : x_hi;
@@ -11403,38 +11416,288 @@ __global__ __launch_bounds__(FMOE_THREADS) void fused_moe_kernel(bf16* out, cons
     }
   }
 }
+
+// ---- Long steps: tiles of 64 rows ----
+// A prefill step of thousands of tokens gives each expert hundreds of rows (2,048 tokens x 8 choices over 128
+// experts: 128 an expert). fused_moe_kernel takes them 16 at a time, and each of its thread blocks streams its
+// 64 weight rows through shared memory for those 16 rows alone: 16 x 64 products per 80 rows loaded, about
+// 13 multiply-adds per byte that comes from L2, so the kernel waits on L2, not on the tensor cores (gpu_moe's
+// fused_moe_speed measures it). fused_moe_wide_kernel is the same product in bigger
+// tiles: moe_align lists the step in tiles of FMOE_WIDE_TILE = 64 rows (MOE_TILE_MAX is what section 10b's
+// buffers are sized for), and a thread block of eight warps multiplies one tile by FMOE_WIDE_COLS = 128
+// weight rows: 64 x 128 products per 192 rows loaded, 3.4 times the reuse. Each warp owns 32 rows x 32
+// weight rows (warps 2 x 4): per 16 values of K, two ldmatrix.x4 of the tile's rows, two of the weight rows,
+// eight MMAs. For GATE_UP the 128 weight rows are 64 gate rows and the same 64 columns' up rows, and a warp's
+// two weight loads each bring 8 gate rows and the 8 up rows of the same columns, so, as in fused_moe_kernel,
+// a lane's accumulators hold gate and up of the same (row, column) and SiLU-and-mul happens in registers.
+// The grid runs the column blocks fastest: the thread blocks in flight together are a few tiles' column
+// blocks, which share their gathered rows through L2 while an expert's weights stay there for all of its
+// tiles (the other order would stream the step's rows, 8 copies of each token, once per column block).
+// Results: the same per (row, column) as fused_moe_kernel's, bit for bit: the same MMAs along K in the
+// same order, the same epilogue (gpu_moe checks the bits). Padding: up to 63 rows per expert, so a step takes
+// these tiles only where its experts average FMOE_WIDE_MIN_ROWS rows or more (fused_moe_tile; measured by
+// gpu_moe's fused_moe_speed: docs/performance.md, "Qwen3-MoE"). Section 35's FP8 experts take the same tiles
+// (its W8A8 products: the kernel's FP8 note) from more rows an expert: their two sets of sums (each slice's,
+// then the scaled total) hold a thread block of these tiles to one an SM.
+constexpr int FMOE_WIDE_TILE = 64;    // rows of the list per thread block: moe_align's tile for long steps
+constexpr int FMOE_WIDE_COLS = 128;   // weight rows per thread block (gate_up: 64 of gate, 64 of up)
+constexpr int FMOE_WIDE_WARPS = 8;    // 2 (rows) x 4 (weight rows): each multiplies 32 rows by 32 weight rows
+constexpr int FMOE_WIDE_THREADS = 32 * FMOE_WIDE_WARPS;
+constexpr int FMOE_WIDE_STAGES = 4;   // slices in shared memory: 4 x (64 + 128) rows x 128 bytes = 96 KiB
+constexpr int FMOE_WIDE_MIN_ROWS = 32;  // average rows per expert from which a step takes these tiles (measured)
+constexpr int FMOE_WIDE_MIN_ROWS_FP8 = 512;  // the same for FP8 experts (section 35; measured)
+static_assert(FMOE_WIDE_TILE <= MOE_TILE_MAX && FMOE_WIDE_TILE % MOE_TILE == 0, "section 10b's buffers hold it");
+static_assert(FMOE_WIDE_TILE * 8 % FMOE_WIDE_THREADS == 0 && FMOE_WIDE_COLS * 8 % FMOE_WIDE_THREADS == 0,
+              "a slice's 16-byte copies split evenly over the threads");
+constexpr size_t FMOE_WIDE_SMEM = (size_t)FMOE_WIDE_STAGES * (FMOE_WIDE_TILE + FMOE_WIDE_COLS) * FMOE_BK * 2;
+
+// fused_moe_wide_kernel — fused_moe_kernel's two products (same arguments, same results) over a list in tiles
+// of FMOE_WIDE_TILE rows. Grid: (column blocks: ceil(IE / 64) for GATE_UP, ceil(H / 128) for down; tiles,
+// RM / FMOE_WIDE_TILE). A thread block of FMOE_WIDE_THREADS threads, warp w = (wm, wn) = (w / 4, w % 4):
+//   * its weight rows, slot i of 128: GATE_UP: gate row n0 + i for i < 64, up row IE + n0 + i - 64 after
+//     (n0 = 64 blockIdx.x); down: row n0 + i (n0 = 128 blockIdx.x). A row past N is zero-filled;
+//   * per slice of FMOE_BK values of K: thread t copies chunk t % 8 of tile rows t / 8 and t / 8 + 32, and of
+//     weight slots t / 8 + 32 i (i < 4), into stage (slice % FMOE_WIDE_STAGES);
+//   * warp (wm, wn) multiplies tile rows 32 wm .. + 31 (two 16-row MMA tiles, mi) by four 8-row MMA tiles of
+//     weight rows (nt): GATE_UP: nt = 2 j is gate slots 16 wn + 8 j .., nt = 2 j + 1 the up slots 64 + 16 wn
+//     + 8 j .. of the same columns; down: nt is slots 32 wn + 8 nt ..;
+//   * the epilogue: fused_moe_kernel's, per (mi, nt): lane l holds rows l / 4 and l / 4 + 8 of the MMA tile,
+//     columns 2 (l % 4) and + 1.
+//   * FP8 (section 35): as fused_moe_kernel's FP8 note: 128 e4m3 values a slice's row, each slice's sums kept
+//     apart and added to acc times s_x (each of the lane's four rows') * s_w (the MMA tile's weight block:
+//     a thread block's 64 gate rows lie in one 128-row block, its 64 up rows in one, its 128 down rows in one).
+template <bool GATE_UP, bool FP8 = false>
+__global__ __launch_bounds__(FMOE_WIDE_THREADS) void fused_moe_wide_kernel(bf16* out, const void* a_in,
+                                                                           const int* rows, const int* tile_expert,
+                                                                           const float* weights, const void* W_in,
+                                                                           int N, int K, int k,
+                                                                           const float* a_scale, int a_ld,
+                                                                           const float* w_scale, int w_ld) {
+  using Elt = std::conditional_t<FP8, uint8_t, bf16>;
+  constexpr int CV = 16 / sizeof(Elt);  // values in a 16-byte chunk: 8, or 16 e4m3
+  constexpr int SV = 8 * CV;            // values in a slice's row: FMOE_BK, or 128 e4m3 (one scale block)
+  extern __shared__ __align__(128) uint4 fmoe_wide_smem[];
+  constexpr int A_ELEMS = FMOE_WIDE_TILE * FMOE_BK, W_ELEMS = FMOE_WIDE_COLS * FMOE_BK;
+  constexpr int AC = FMOE_WIDE_TILE * 8 / FMOE_WIDE_THREADS, WC = FMOE_WIDE_COLS * 8 / FMOE_WIDE_THREADS;
+  bf16* sA = reinterpret_cast<bf16*>(fmoe_wide_smem);  // [STAGES][TILE x BK]
+  bf16* sW = sA + FMOE_WIDE_STAGES * A_ELEMS;          // [STAGES][COLS x BK]
+  const int e = tile_expert[blockIdx.y];
+  if (e < 0) return;  // a tile past the list's end: the whole thread block
+  const Elt* a = static_cast<const Elt*>(a_in);
+  const Elt* W = static_cast<const Elt*>(W_in);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, chunk = tid % 8, wm = warp / 4, wn = warp % 4;
+  const int64_t r0 = (int64_t)blockIdx.y * FMOE_WIDE_TILE;
+  const int n0 = blockIdx.x * (GATE_UP ? FMOE_WIDE_COLS / 2 : FMOE_WIDE_COLS);
+  const int NOUT = GATE_UP ? N / 2 : N;  // columns of the result: IE, or H
+  const Elt* a_row[AC];  // the rows this thread copies from (null: zeros)
+  const Elt* w_row[WC];
+#pragma unroll
+  for (int i = 0; i < AC; i++) {
+    const int r = tid / 8 + 32 * i, pair = rows[r0 + r];
+    a_row[i] = pair < 0 && GATE_UP ? nullptr : a + (GATE_UP ? (int64_t)(pair / k) : r0 + r) * K;
+  }
+#pragma unroll
+  for (int i = 0; i < WC; i++) {
+    const int slot = tid / 8 + 32 * i, col = n0 + (GATE_UP ? slot % (FMOE_WIDE_COLS / 2) : slot);
+    const int w_index = GATE_UP && slot >= FMOE_WIDE_COLS / 2 ? NOUT + col : col;
+    w_row[i] = col < NOUT ? W + ((int64_t)e * N + w_index) * K : nullptr;
+  }
+  auto copy = [](bf16* dst, const Elt* src, bool ok) { cp_async_16(dst, reinterpret_cast<const bf16*>(src), ok); };
+  auto issue = [&](int slice) {  // the copies of slice `slice` into its stage, as one committed group
+    const int kk = slice * SV + chunk * CV, s = slice % FMOE_WIDE_STAGES;
+#pragma unroll
+    for (int i = 0; i < AC; i++) {
+      const bool ok = a_row[i] && kk < K;
+      copy(sA + s * A_ELEMS + fmoe_smem_index(tid / 8 + 32 * i, chunk), ok ? a_row[i] + kk : a, ok);
+    }
+#pragma unroll
+    for (int i = 0; i < WC; i++) {
+      const bool ok = w_row[i] && kk < K;
+      copy(sW + s * W_ELEMS + fmoe_smem_index(tid / 8 + 32 * i, chunk), ok ? w_row[i] + kk : W, ok);
+    }
+  };
+  // FP8: the scales this lane applies: s_x of its rows (mi, half) at block 0 (null: a padding row's, 0), s_w
+  // of its gate (or down) rows' block and of its up rows' block.
+  const float* sx[2][2] = {};
+  const float *sw_lo = nullptr, *sw_hi = nullptr;
+  if constexpr (FP8) {
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+      for (int half = 0; half < 2; half++) {
+        const int r = 32 * wm + 16 * mi + lane / 4 + 8 * half;
+        if (!GATE_UP) sx[mi][half] = a_scale + r0 + r;
+        else if (rows[r0 + r] >= 0) sx[mi][half] = a_scale + rows[r0 + r] / k;
+      }
+    const int64_t w0 = (int64_t)e * N + n0;
+    sw_lo = w_scale + w0 / 128 * w_ld;
+    sw_hi = GATE_UP ? w_scale + (w0 + NOUT) / 128 * w_ld : sw_lo;
+  }
+  const int slices = (K + SV - 1) / SV;
+#pragma unroll
+  for (int s = 0; s < FMOE_WIDE_STAGES - 1; s++) {
+    if (s < slices) issue(s);
+    cp_async_commit();
+  }
+  // This lane's ldmatrix rows: of the tile (per mi), and of the weight slots (per j: two MMA tiles each).
+  const int a_at = 32 * wm + (lane & 15);
+  const int w_at = GATE_UP ? (lane >> 4) * (FMOE_WIDE_COLS / 2) + 16 * wn + (lane & 7)
+                           : 32 * wn + 8 * (lane >> 4) + (lane & 7);
+  constexpr int J_STEP = GATE_UP ? 8 : 16;  // the slots between the two weight loads of a warp
+  float acc[2][4][4] = {};
+  float next[6] = {};  // FP8: a slice's scales, loaded a slice ahead (fused_moe_kernel's): s_x (mi, half), s_w
+  auto scales_of = [&](int slice) {
+    const int64_t at = (int64_t)slice * a_ld;
+#pragma unroll
+    for (int i = 0; i < 4; i++) next[i] = sx[i / 2][i % 2] ? __ldg(sx[i / 2][i % 2] + at) : 0.f;
+    next[4] = __ldg(sw_lo + slice), next[5] = __ldg(sw_hi + slice);
+  };
+  if constexpr (FP8) scales_of(0);
+  for (int slice = 0; slice < slices; slice++) {
+    cp_async_wait<FMOE_WIDE_STAGES - 2>();  // this thread's copies of `slice` have landed ...
+    __syncthreads();                        // ... and everyone's; every warp is done with slice - 1's stage
+    if (slice + FMOE_WIDE_STAGES - 1 < slices) issue(slice + FMOE_WIDE_STAGES - 1);
+    cp_async_commit();
+    float cur[6];  // FP8: this slice's scales
+#pragma unroll
+    for (int i = 0; i < 6; i++) cur[i] = next[i];
+    if (FP8 && slice + 1 < slices) scales_of(slice + 1);
+    const bf16* tA = sA + (slice % FMOE_WIDE_STAGES) * A_ELEMS;
+    const bf16* tW = sW + (slice % FMOE_WIDE_STAGES) * W_ELEMS;
+    float d[2][4][4] = {};  // FP8: this slice's sums
+#pragma unroll
+    for (int kk = 0; kk < FMOE_BK / 16; kk++) {
+      uint32_t af[2][4], bf[2][4];
+#pragma unroll
+      for (int mi = 0; mi < 2; mi++) ldmatrix_x4(af[mi], tA + fmoe_smem_index(a_at + 16 * mi, 2 * kk + (lane >> 4)));
+#pragma unroll
+      for (int j = 0; j < 2; j++)
+        ldmatrix_x4(bf[j], tW + fmoe_smem_index(w_at + J_STEP * j, 2 * kk + ((lane >> 3) & 1)));
+#pragma unroll
+      for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+          if constexpr (FP8) {
+            mma_e4m3_16832(d[mi][2 * j], af[mi][0], af[mi][1], af[mi][2], af[mi][3], bf[j][0], bf[j][1]);
+            mma_e4m3_16832(d[mi][2 * j + 1], af[mi][0], af[mi][1], af[mi][2], af[mi][3], bf[j][2], bf[j][3]);
+          } else {
+            mma_bf16_16816(acc[mi][2 * j], af[mi], bf[j][0], bf[j][1]);
+            mma_bf16_16816(acc[mi][2 * j + 1], af[mi], bf[j][2], bf[j][3]);
+          }
+        }
+    }
+    if constexpr (FP8) {
+#pragma unroll
+      for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+          const float x = cur[2 * mi + half];
+#pragma unroll
+          for (int nt = 0; nt < 4; nt++) {
+            // (GATE_UP: odd tiles are up rows; down: the thread block's rows share one block)
+            const float sc = x * (nt % 2 ? cur[5] : cur[4]);
+#pragma unroll
+            for (int c = 0; c < 2; c++)
+              acc[mi][nt][2 * half + c] = fmaf(d[mi][nt][2 * half + c], sc, acc[mi][nt][2 * half + c]);
+          }
+        }
+    }
+  }
+  cp_async_wait<0>();  // (only empty groups are left)
+  auto store2 = [&](int64_t r, int c, float lo, float hi) {  // (NOUT % 8 == 0: with c, c + 1 is a column too)
+    if (c < NOUT) *reinterpret_cast<uint32_t*>(out + r * NOUT + c) = pack_bf16x2(lo, hi);
+  };
+#pragma unroll
+  for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+      const int64_t r = r0 + 32 * wm + 16 * mi + lane / 4 + 8 * half;
+      if constexpr (GATE_UP) {
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+          const float* g = &acc[mi][2 * j][2 * half];  // this row's two columns of gate, then of up
+          const float* u = &acc[mi][2 * j + 1][2 * half];
+          store2(r, n0 + 16 * wn + 8 * j + 2 * (lane % 4), silu_mul(bf16_round(g[0]), bf16_round(u[0])),
+                 silu_mul(bf16_round(g[1]), bf16_round(u[1])));
+        }
+      } else {
+        const int p = rows[r];
+        if (p < 0) continue;  // a padding row: no pair reads it
+        const float w = weights[p];
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) {
+          const float* t = &acc[mi][nt][2 * half];
+          store2(r, n0 + 32 * wn + 8 * nt + 2 * (lane % 4), bf16_round(t[0]) * w, bf16_round(t[1]) * w);
+        }
+      }
+    }
+}
+// Launches fused_moe_wide_kernel<GATE_UP, FP8> over RM rows (its shared memory opted into once per
+// instantiation): section 33's and section 35's launchers.
+template <bool GATE_UP, bool FP8>
+static void fused_moe_wide_launch(bf16* out, const void* a, const int* rows, const int* tile_expert,
+                                  const float* weights, const void* W, int64_t RM, int N, int K, int k,
+                                  const float* a_scale, int a_ld, const float* w_scale, int w_ld,
+                                  cudaStream_t stream) {
+  static bool smem_set = false;
+  if (!smem_set) {
+    CUDA_CHECK(cudaFuncSetAttribute(fused_moe_wide_kernel<GATE_UP, FP8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)FMOE_WIDE_SMEM));
+    smem_set = true;
+  }
+  const int NOUT = GATE_UP ? N / 2 : N;
+  const dim3 grid((unsigned)cdiv(NOUT, GATE_UP ? FMOE_WIDE_COLS / 2 : FMOE_WIDE_COLS),
+                  (unsigned)(RM / FMOE_WIDE_TILE));
+  fused_moe_wide_kernel<GATE_UP, FP8><<<grid, FMOE_WIDE_THREADS, FMOE_WIDE_SMEM, stream>>>(
+      out, a, rows, tile_expert, weights, W, N, K, k, a_scale, a_ld, w_scale, w_ld);
+}
 // GATE_UP: out = act [RM, IE] from a = x [T, H] and W = gate_up [E, 2 IE, H] (N = 2 IE, K = H); down: out =
 // y [RM, H] from a = act [RM, IE] and W = down [E, H, IE] (N = H, K = IE), weights [T, k] (fp32). rows and
-// tile_expert: moe_align's, for these RM rows.
+// tile_expert: moe_align's, for these RM rows in tiles of `tile` rows: MOE_TILE (fused_moe_kernel) or
+// FMOE_WIDE_TILE (fused_moe_wide_kernel).
 template <bool GATE_UP>
 static void fused_moe_products(bf16* out, const bf16* a, const int* rows, const int* tile_expert,
-                               const float* weights, const bf16* W, int64_t RM, int N, int K, int k,
+                               const float* weights, const bf16* W, int64_t RM, int N, int K, int k, int tile,
                                cudaStream_t stream) {
   const char* name = GATE_UP ? "fused_moe (gate_up)" : "fused_moe (down)";
-  INTERNAL_CHECK(RM % MOE_TILE == 0 && N > 0 && K > 0 && k >= 1 && (!GATE_UP || N % 2 == 0),
-                 "%s: RM = %lld, N = %d, K = %d, k = %d", name, (long long)RM, N, K, k);
+  INTERNAL_CHECK((tile == MOE_TILE || tile == FMOE_WIDE_TILE) && RM % tile == 0 && RM / tile <= 65535 && N > 0 &&
+                     K > 0 && k >= 1 && (!GATE_UP || N % 2 == 0),
+                 "%s: tile = %d, RM = %lld, N = %d, K = %d, k = %d", name, tile, (long long)RM, N, K, k);
   check_vec8(name, "K", K);
   check_vec8(name, GATE_UP ? "IE" : "H", GATE_UP ? N / 2 : N);
   check_aligned16(name, "out", out);
   check_aligned16(name, "a", a);
   check_aligned16(name, "W", W);
   if (RM == 0) return;
-  const int cols = GATE_UP ? FMOE_COLS / 2 : FMOE_COLS, NOUT = GATE_UP ? N / 2 : N;
-  const dim3 grid((unsigned)(RM / MOE_TILE), (unsigned)cdiv(NOUT, cols));
-  fused_moe_kernel<GATE_UP><<<grid, FMOE_THREADS, 0, stream>>>(out, a, rows, tile_expert, weights, W, N, K, k, nullptr,
-                                                                0, nullptr, 0);
+  const int NOUT = GATE_UP ? N / 2 : N;
+  if (tile == MOE_TILE) {
+    const dim3 grid((unsigned)(RM / MOE_TILE), (unsigned)cdiv(NOUT, GATE_UP ? FMOE_COLS / 2 : FMOE_COLS));
+    fused_moe_kernel<GATE_UP><<<grid, FMOE_THREADS, 0, stream>>>(out, a, rows, tile_expert, weights, W, N, K, k,
+                                                                  nullptr, 0, nullptr, 0);
+  } else {
+    fused_moe_wide_launch<GATE_UP, false>(out, a, rows, tile_expert, weights, W, RM, N, K, k, nullptr, 0, nullptr, 0,
+                                          stream);
+  }
   CUDA_CHECK(cudaGetLastError());
+}
+// The tile a step of T tokens is listed in: FMOE_WIDE_TILE where its E experts average FMOE_WIDE_MIN_ROWS rows
+// or more (FMOE_WIDE_MIN_ROWS_FP8 for FP8 experts), else MOE_TILE.
+static int fused_moe_tile(int64_t T, int k, int E, bool fp8 = false) {
+  return T * k >= (int64_t)(fp8 ? FMOE_WIDE_MIN_ROWS_FP8 : FMOE_WIDE_MIN_ROWS) * E ? FMOE_WIDE_TILE : MOE_TILE;
 }
 
 // The experts' part of a MoE layer the fused way: section 10b's moe_experts with the same arguments and the
-// same scratch (a's moe_* buffers; moe_gate_up is not used). out [T, H] may not alias x.
+// same scratch (a's moe_* buffers; moe_gate_up is not used). out [T, H] may not alias x. tile: the list's
+// (fused_moe_tile's, unless a test asks for another).
 static void fused_moe(bf16* out, const bf16* x, const int* ids, const float* weights, const bf16* gate_up,
                       const bf16* down, int T, int H, int IE, int E, int k, const Activations& a,
-                      cudaStream_t stream) {
-  const int64_t RM = moe_rows_max(T, k, E);
-  moe_align(a.moe_rows, a.moe_pair_row, a.moe_tile_expert, ids, T, k, E, stream);
-  fused_moe_products<true>(a.moe_act, x, a.moe_rows, a.moe_tile_expert, nullptr, gate_up, RM, 2 * IE, H, k, stream);
-  fused_moe_products<false>(a.moe_out, a.moe_act, a.moe_rows, a.moe_tile_expert, weights, down, RM, H, IE, k,
+                      cudaStream_t stream, int tile = 0) {
+  if (tile == 0) tile = fused_moe_tile(T, k, E);
+  const int64_t RM = moe_rows_max(T, k, E, tile);
+  moe_align(a.moe_rows, a.moe_pair_row, a.moe_tile_expert, ids, T, k, E, stream, tile);
+  fused_moe_products<true>(a.moe_act, x, a.moe_rows, a.moe_tile_expert, nullptr, gate_up, RM, 2 * IE, H, k, tile,
+                           stream);
+  fused_moe_products<false>(a.moe_out, a.moe_act, a.moe_rows, a.moe_tile_expert, weights, down, RM, H, IE, k, tile,
                             stream);
   moe_combine(out, a.moe_out, ids, nullptr, a.moe_pair_row, T, H, k, stream);  // (weights applied already)
 }
@@ -11830,8 +12093,9 @@ static const int kMoeGemvRegistered = register_optimization(
 // section 33's bf16(y * w) and the sum in bf16 in ascending expert id. fused_moe_fp8_reference (placed with
 // fused_moe_reference, before the kernels) is the CPU's account.
 // The work, six launches a layer after the routing: quantize_rows (x), moe_align, fused_moe_kernel<true,
-// true> (act in bf16), quantize_rows (act, into the bytes of the moe_gate_up buffer, which the fused path
-// leaves unused), fused_moe_kernel<false, true>, moe_combine. The kernels are section 33's: only the bytes
+// true> (act in bf16; at long steps fused_moe_wide_kernel<true, true>, section 33's 64-row tiles), quantize_rows
+// (act, into the bytes of the moe_gate_up buffer, which the fused path leaves unused), fused_moe_kernel<false,
+// true> (or the wide one), moe_combine. The kernels are section 33's: only the bytes
 // they copy and the instruction that multiplies them change (see fused_moe_kernel's FP8 note).
 // What it costs: two quantizer launches a layer.
 // Small steps (1 to MOE_GEMV_MAX_T tokens, where moe_gemv is on) take section 34's path instead, its two
@@ -11851,43 +12115,52 @@ static const int kMoeGemvRegistered = register_optimization(
 // GATE_UP: out = act [RM, IE] from a = x quantized (xq [T4, H], xs [H/128, T4]) and W = experts_gate_up (N =
 // 2 IE rows an expert, K = H); down: out = y [RM, H] from a = act quantized ([RM, IE], [IE/128, RM]) and W =
 // experts_down (N = H, K = IE), weights [T, k]. a_ld: the rows of a's scale table (T4, or RM).
+// The list in tiles of `tile` rows: MOE_TILE (fused_moe_kernel) or FMOE_WIDE_TILE (fused_moe_wide_kernel).
 template <bool GATE_UP>
 static void fused_moe_fp8_products(bf16* out, const uint8_t* a, const float* a_scale, int a_ld, const int* rows,
                                    const int* tile_expert, const float* weights, const Fp8Matrix& W, int64_t RM,
-                                   int N, int k, cudaStream_t stream) {
+                                   int N, int k, int tile, cudaStream_t stream) {
   const char* name = GATE_UP ? "fused_moe_fp8 (gate_up)" : "fused_moe_fp8 (down)";
   const int K = W.K;
-  INTERNAL_CHECK(RM % MOE_TILE == 0 && N % 128 == 0 && K % 128 == 0 && W.N % N == 0 && (!GATE_UP || N % 256 == 0),
-                 "%s: RM = %lld, N = %d, K = %d, W.N = %d", name, (long long)RM, N, K, W.N);
+  INTERNAL_CHECK((tile == MOE_TILE || tile == FMOE_WIDE_TILE) && RM % tile == 0 && RM / tile <= 65535 &&
+                     N % 128 == 0 && K % 128 == 0 && W.N % N == 0 && (!GATE_UP || N % 256 == 0),
+                 "%s: tile = %d, RM = %lld, N = %d, K = %d, W.N = %d", name, tile, (long long)RM, N, K, W.N);
   check_aligned16(name, "out", out);
   check_aligned16(name, "a", a);
   check_aligned16(name, "W", W.w);
   if (RM == 0) return;
-  const int cols = GATE_UP ? FMOE_COLS / 2 : FMOE_COLS, NOUT = GATE_UP ? N / 2 : N;
-  const dim3 grid((unsigned)(RM / MOE_TILE), (unsigned)cdiv(NOUT, cols));
-  fused_moe_kernel<GATE_UP, true><<<grid, FMOE_THREADS, 0, stream>>>(out, a, rows, tile_expert, weights, W.w, N, K,
-                                                                     k, a_scale, a_ld, W.scale, W.ld);
+  if (tile == MOE_TILE) {
+    const int cols = GATE_UP ? FMOE_COLS / 2 : FMOE_COLS, NOUT = GATE_UP ? N / 2 : N;
+    const dim3 grid((unsigned)(RM / MOE_TILE), (unsigned)cdiv(NOUT, cols));
+    fused_moe_kernel<GATE_UP, true><<<grid, FMOE_THREADS, 0, stream>>>(out, a, rows, tile_expert, weights, W.w, N,
+                                                                       K, k, a_scale, a_ld, W.scale, W.ld);
+  } else {
+    fused_moe_wide_launch<GATE_UP, true>(out, a, rows, tile_expert, weights, W.w, RM, N, K, k, a_scale, a_ld,
+                                         W.scale, W.ld, stream);
+  }
   CUDA_CHECK(cudaGetLastError());
 }
 
 // The experts' part of a MoE layer with FP8 experts: fused_moe's arguments, the experts as above, and xq, xs:
-// room for x quantized (T rounded up to 4 rows of H). out [T, H] may not alias x.
+// room for x quantized (T rounded up to 4 rows of H). out [T, H] may not alias x. tile: the list's, as
+// fused_moe's (section 33's fused_moe_tile: long steps in 64-row tiles, from more rows an expert than bf16's).
 static void fused_moe_fp8(bf16* out, const bf16* x, const int* ids, const float* weights, const Fp8Matrix& gate_up,
                           const Fp8Matrix& down, int T, int H, int IE, int E, int k, uint8_t* xq, float* xs,
-                          const Activations& a, cudaStream_t stream) {
+                          const Activations& a, cudaStream_t stream, int tile = 0) {
   INTERNAL_CHECK(gate_up.N == E * 2 * IE && gate_up.K == H && down.N == E * H && down.K == IE,
                  "fused_moe_fp8: experts [%d, %d] and [%d, %d] for E %d, H %d, IE %d", gate_up.N, gate_up.K, down.N,
                  down.K, E, H, IE);
-  const int64_t RM = moe_rows_max(T, k, E);
+  if (tile == 0) tile = fused_moe_tile(T, k, E, true);
+  const int64_t RM = moe_rows_max(T, k, E, tile);
   uint8_t* aq = reinterpret_cast<uint8_t*>(a.moe_gate_up);  // act quantized: [RM, IE] bytes, then [IE/128, RM]
   float* as = reinterpret_cast<float*>(aq + RM * IE);       // (RM a multiple of 16: 16-byte aligned)
   quantize_rows(xq, xs, x, T, H, stream);
-  moe_align(a.moe_rows, a.moe_pair_row, a.moe_tile_expert, ids, T, k, E, stream);
+  moe_align(a.moe_rows, a.moe_pair_row, a.moe_tile_expert, ids, T, k, E, stream, tile);
   fused_moe_fp8_products<true>(a.moe_act, xq, xs, (int)cdiv(T, 4) * 4, a.moe_rows, a.moe_tile_expert, nullptr,
-                               gate_up, RM, 2 * IE, k, stream);
+                               gate_up, RM, 2 * IE, k, tile, stream);
   quantize_rows(aq, as, a.moe_act, (int)RM, IE, stream);
   fused_moe_fp8_products<false>(a.moe_out, aq, as, (int)RM, a.moe_rows, a.moe_tile_expert, weights, down, RM, H,
-                                k, stream);
+                                k, tile, stream);
   moe_combine(out, a.moe_out, ids, nullptr, a.moe_pair_row, T, H, k, stream);  // (weights applied already)
 }
 
@@ -15339,7 +15612,7 @@ static int64_t simulated_kv_blocks(const ModelConfig& c, const Config& cfg, doub
                        4.0 * Bmax * V + attention_ws;
   if (c.num_experts > 0) {  // a MoE layer's buffers (ModelRunner::allocate_activations)
     const int E = c.num_experts, k = c.num_experts_per_tok;
-    const double RM = (double)moe_rows_max(Tmax, k, E);  // logits, ids, weights, pair rows; then the list's
+    const double RM = (double)moe_rows_alloc(Tmax, k, E);  // logits, ids, weights, pair rows; then the list's
     activations += (double)Tmax * (2 * E + 12 * k) + RM * (4 + 4.0 / MOE_TILE + 2 * (3 * c.moe_intermediate_size + H));
   }
   const double fixed = 1.0e9;  // CUDA context, cuBLASLt workspace, graphs, the sampler's workspace

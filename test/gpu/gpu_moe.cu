@@ -108,6 +108,7 @@ static std::vector<int> routing(int T, int E, int k, int kind, std::mt19937& rng
 TEST(moe_align_matches_reference) {
   REQUIRE_GPU();
   std::mt19937 rng(2);
+  for (int tile : {MOE_TILE, 32, MOE_TILE_MAX})
   for (int E : {1, 5, 128, 512})
     for (int k : {1, 2, 8})
       for (int T : {1, 7, 300, 2000})
@@ -115,19 +116,19 @@ TEST(moe_align_matches_reference) {
           if (k > E) continue;
           const std::vector<int> ids = routing(T, E, k, kind, rng);
           std::vector<int> rows, pair_row, tiles;
-          moe_align_reference(rows, pair_row, tiles, ids.data(), T, k, E);
+          moe_align_reference(rows, pair_row, tiles, ids.data(), T, k, E, tile);
           DevBuf<int> d_ids(ids), d_rows(rows.size()), d_pair(pair_row.size()), d_tiles(tiles.size());
           d_rows.poison(), d_pair.poison(), d_tiles.poison();
-          moe_align(d_rows.p, d_pair.p, d_tiles.p, d_ids.p, T, k, E, 0);
+          moe_align(d_rows.p, d_pair.p, d_tiles.p, d_ids.p, T, k, E, 0, tile);
           CUDA_CHECK(cudaDeviceSynchronize());
           const std::vector<int> got_tiles = d_tiles.download(), got_pair = d_pair.download();
           std::vector<int> got_rows = d_rows.download();
           size_t used = 0;
           while (used < tiles.size() && tiles[used] >= 0) used++;
-          got_rows.resize(used * MOE_TILE), rows.resize(used * MOE_TILE);
+          got_rows.resize(used * tile), rows.resize(used * tile);
           CHECK_MSG(got_tiles == tiles && got_pair == pair_row && got_rows == rows,
-                    "E %d k %d T %d kind %d: tiles %d, pair rows %d, rows %d", E, k, T, kind, got_tiles == tiles,
-                    got_pair == pair_row, got_rows == rows);
+                    "tile %d E %d k %d T %d kind %d: tiles %d, pair rows %d, rows %d", tile, E, k, T, kind,
+                    got_tiles == tiles, got_pair == pair_row, got_rows == rows);
         }
 }
 
@@ -139,8 +140,9 @@ struct MoEScratch {
   DevBuf<bf16> gate_up, act, out;
   Activations a{};
   MoEScratch(int T, int H, int IE, int E, int k)
-      : rows(moe_rows_max(T, k, E)), pair_row((size_t)T * k), tiles(moe_rows_max(T, k, E) / MOE_TILE),
-        gate_up(moe_rows_max(T, k, E) * 2 * IE), act(moe_rows_max(T, k, E) * IE), out(moe_rows_max(T, k, E) * H) {
+      : rows(moe_rows_alloc(T, k, E)), pair_row((size_t)T * k), tiles(moe_rows_alloc(T, k, E) / MOE_TILE),
+        gate_up(moe_rows_alloc(T, k, E) * 2 * IE), act(moe_rows_alloc(T, k, E) * IE),
+        out(moe_rows_alloc(T, k, E) * H) {
     for (auto* b : {&rows, &pair_row, &tiles}) b->poison();
     for (auto* b : {&gate_up, &act, &out}) b->poison();
     a.moe_rows = rows.p, a.moe_pair_row = pair_row.p, a.moe_tile_expert = tiles.p;
@@ -188,7 +190,7 @@ static void routing_rounds(const ExpertsCase& c, std::mt19937& rng, bool graph, 
 // moe_experts, section 33's fused_moe (the same arguments, the same reference: test_moe.cu checks that
 // fused_moe_reference's sum is moe_experts_reference's bit for bit) or section 34's moe_gemv (whose CPU
 // reference is moe_experts_reference itself: the same roundings, the sum in the same order).
-enum class Experts { PLAIN, FUSED, GEMV };
+enum class Experts { PLAIN, FUSED, FUSED_WIDE, GEMV };
 static void check_experts(const ExpertsCase& c, std::mt19937& rng, bool graph, Experts how = Experts::PLAIN) {
   const auto x = bf16_values((size_t)c.T * c.H, rng, 1.f);
   const auto gate_up = bf16_values((size_t)c.E * 2 * c.IE * c.H, rng, 0.06f);
@@ -201,8 +203,9 @@ static void check_experts(const ExpertsCase& c, std::mt19937& rng, bool graph, E
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   auto run = [&] {
 #ifdef NANOVLLM_PART_II
-    if (how == Experts::FUSED)
-      return fused_moe(d_out.p, d_x.p, d_ids.p, d_w.p, d_gate_up.p, d_down.p, c.T, c.H, c.IE, c.E, c.k, s.a, stream);
+    if (how == Experts::FUSED || how == Experts::FUSED_WIDE)
+      return fused_moe(d_out.p, d_x.p, d_ids.p, d_w.p, d_gate_up.p, d_down.p, c.T, c.H, c.IE, c.E, c.k, s.a, stream,
+                       how == Experts::FUSED ? MOE_TILE : FMOE_WIDE_TILE);
     if (how == Experts::GEMV)
       return moe_gemv(d_out.p, d_x.p, d_ids.p, d_w.p, d_gate_up.p, d_down.p, c.T, c.H, c.IE, c.k, s.act.p, stream);
 #endif
@@ -218,7 +221,11 @@ static void check_experts(const ExpertsCase& c, std::mt19937& rng, bool graph, E
     for (float v : want) scale = std::max(scale, fabsf(v));
     char what[160];
     snprintf(what, sizeof what, "%s%s (T %d H %d IE %d E %d k %d%s, routing %d)",
-             how == Experts::FUSED ? "fused: " : how == Experts::GEMV ? "gemv: " : "", c.what,
+             how == Experts::FUSED        ? "fused: "
+             : how == Experts::FUSED_WIDE ? "fused, 64-row tiles: "
+             : how == Experts::GEMV       ? "gemv: "
+                                          : "",
+             c.what,
              c.T, c.H, c.IE, c.E, c.k, graph ? ", graph replay" : "", round);
     check_close(what, got.data(), want.data(), got.size(), 0.01f * scale, 2.f / 128);
   });
@@ -271,13 +278,70 @@ static const ExpertsCase kFusedCases[] = {
 };
 
 // fused_moe against moe_experts_reference, eagerly, and replayed from a CUDA graph under changing routings
-// (three routings each: the cases whose CPU reference is quick enough to run three times).
+// (three routings each: the cases whose CPU reference is quick enough to run three times); in 16-row tiles
+// and in the 64-row tiles of long steps (fused_moe_wide_kernel: its column blocks of 64 act columns and 128
+// output columns cut IE 24, 40, 96, 192, 384 and H 264 partially too).
 TEST(fused_moe_matches_reference) {
   REQUIRE_GPU();
   std::mt19937 rng(13);
-  for (const ExpertsCase& c : kFusedCases) check_experts(c, rng, false, Experts::FUSED);
-  for (const ExpertsCase& c : kFusedCases)
-    if ((int64_t)c.T * c.k * c.H * c.IE <= 400000000) check_experts(c, rng, true, Experts::FUSED);
+  for (Experts how : {Experts::FUSED, Experts::FUSED_WIDE}) {
+    for (const ExpertsCase& c : kFusedCases) check_experts(c, rng, false, how);
+    for (const ExpertsCase& c : kFusedCases)
+      if ((int64_t)c.T * c.k * c.H * c.IE <= 400000000) check_experts(c, rng, true, how);
+  }
+}
+
+// The two results bit for bit, and mostly nonzero (a result of zeros matches anything).
+static void same_bits(const char* what, const DevBuf<bf16>& x, const DevBuf<bf16>& y) {
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<bf16> a = x.download(), b = y.download();
+  size_t differ = 0, nonzero = 0;
+  for (size_t i = 0; i < a.size(); i++) {
+    differ += memcmp(&a[i], &b[i], sizeof(bf16)) != 0;
+    nonzero += __bfloat162float(a[i]) != 0.f;
+  }
+  printf("    %s: %zu of %zu values differ (%zu nonzero)\n", what, differ, a.size(), nonzero);
+  CHECK_MSG(differ == 0, "%s: %zu values differ", what, differ);
+  CHECK_MSG(nonzero > a.size() / 2, "%s: only %zu of %zu values nonzero", what, nonzero, a.size());
+}
+
+// fused_moe's 64-row tiles against its 16-row tiles, bit for bit: the same MMAs along K in the same order
+// and the same epilogue, whatever the tile (fused_moe_wide_kernel's claim), at sizes the CPU reference would
+// take minutes over: thousands of tokens, 512 experts, one expert in every token (a run of thousands of rows),
+// the widths of Qwen3-30B-A3B at --tp 1, 2 and 4. And fused_moe picks the 64-row tiles only where a step's
+// experts average FMOE_WIDE_MIN_ROWS rows.
+TEST(fused_moe_wide_tiles_match_16_row_tiles) {
+  REQUIRE_GPU();
+  CHECK_EQ(fused_moe_tile(1, 8, 128), MOE_TILE);
+  CHECK_EQ(fused_moe_tile((int64_t)FMOE_WIDE_MIN_ROWS * 128 / 8 - 1, 8, 128), MOE_TILE);
+  CHECK_EQ(fused_moe_tile((int64_t)FMOE_WIDE_MIN_ROWS * 128 / 8, 8, 128), FMOE_WIDE_TILE);
+  CHECK_EQ(fused_moe_tile((int64_t)FMOE_WIDE_MIN_ROWS_FP8 * 128 / 8 - 1, 8, 128, true), MOE_TILE);
+  CHECK_EQ(fused_moe_tile((int64_t)FMOE_WIDE_MIN_ROWS_FP8 * 128 / 8, 8, 128, true), FMOE_WIDE_TILE);
+  static const ExpertsCase cases[] = {
+      {"Qwen3-30B-A3B's widths, 2,000 tokens", 2000, 2048, 768, 128, 8, 0},
+      {"Qwen3-30B-A3B at --tp 2, 1,500 tokens", 1500, 2048, 384, 128, 8, 0},
+      {"Qwen3-30B-A3B at --tp 4, 777 tokens, the first 9 experts", 777, 2048, 192, 128, 8, 1},
+      {"512 experts, 3,001 tokens", 3001, 1024, 256, 512, 8, 0},
+      {"one expert in every token, 4,100 tokens", 4100, 264, 40, 16, 1, 2},
+      {"widths not multiples of a block, 999 tokens", 999, 264, 24, 7, 3, 0},
+  };
+  std::mt19937 rng(19);
+  for (const ExpertsCase& c : cases) {
+    DevBuf<bf16> x(to_bf16(bf16_values((size_t)c.T * c.H, rng, 1.f)));
+    DevBuf<bf16> gate_up(to_bf16(bf16_values((size_t)c.E * 2 * c.IE * c.H, rng, 0.06f)));
+    DevBuf<bf16> down(to_bf16(bf16_values((size_t)c.E * c.H * c.IE, rng, 0.06f)));
+    DevBuf<bf16> out16((size_t)c.T * c.H), out64((size_t)c.T * c.H);
+    MoEScratch s(c.T, c.H, c.IE, c.E, c.k);
+    DevBuf<int> ids(routing(c.T, c.E, c.k, c.kind, rng));
+    std::vector<float> w((size_t)c.T * c.k);
+    for (float& v : w) v = 0.1f + (float)(rng() % 1000) / 1000.f;
+    DevBuf<float> d_w(w);
+    out16.poison(), out64.poison();
+    fused_moe(out16.p, x.p, ids.p, d_w.p, gate_up.p, down.p, c.T, c.H, c.IE, c.E, c.k, s.a, 0, MOE_TILE);
+    s.act.poison(), s.out.poison();
+    fused_moe(out64.p, x.p, ids.p, d_w.p, gate_up.p, down.p, c.T, c.H, c.IE, c.E, c.k, s.a, 0, FMOE_WIDE_TILE);
+    same_bits(c.what, out16, out64);
+  }
 }
 
 // Section 34's moe_gemv at 1 to 4 tokens (the stage takes it up to MOE_GEMV_MAX_T; the kernels compute the same
@@ -389,10 +453,12 @@ TEST(moe_router_matches_its_parts) {
 // Each step of fused_moe on its own, on one routing per case: act (every row of a used tile, padding rows
 // exactly 0) and the weighted down rows (every pair's row) against fused_moe_reference, the final sum bit
 // for bit as the CPU adds the GPU's own weighted rows (ascending expert id, bf16 after each addition), and
-// the result against Part I's path (moe_experts) on the GPU, within the products' rounding distance.
+// the result against Part I's path (moe_experts) on the GPU, within the products' rounding distance. In
+// 16-row tiles and in the 64-row tiles of long steps.
 TEST(fused_moe_steps_match_reference_and_plain) {
   REQUIRE_GPU();
   std::mt19937 rng(14);
+  for (int tile : {MOE_TILE, FMOE_WIDE_TILE})
   for (const ExpertsCase& c : kFusedCases) {
     const auto x = bf16_values((size_t)c.T * c.H, rng, 1.f);
     const auto gate_up = bf16_values((size_t)c.E * 2 * c.IE * c.H, rng, 0.06f);
@@ -406,11 +472,11 @@ TEST(fused_moe_steps_match_reference_and_plain) {
     DevBuf<float> d_w(w);
     MoEScratch s(c.T, c.H, c.IE, c.E, c.k), sp(c.T, c.H, c.IE, c.E, c.k);
     d_out.poison(), d_plain.poison();
-    fused_moe(d_out.p, d_x.p, d_ids.p, d_w.p, d_gate_up.p, d_down.p, c.T, c.H, c.IE, c.E, c.k, s.a, 0);
+    fused_moe(d_out.p, d_x.p, d_ids.p, d_w.p, d_gate_up.p, d_down.p, c.T, c.H, c.IE, c.E, c.k, s.a, 0, tile);
     moe_experts(d_plain.p, d_x.p, d_ids.p, d_w.p, d_gate_up.p, d_down.p, c.T, c.H, c.IE, c.E, c.k, sp.a, 0);
     CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<int> rows, pair_row, tiles;
-    moe_align_reference(rows, pair_row, tiles, ids.data(), c.T, c.k, c.E);
+    moe_align_reference(rows, pair_row, tiles, ids.data(), c.T, c.k, c.E, tile);
     std::vector<float> act, wy, want((size_t)c.T * c.H);
     fused_moe_reference(act, wy, want.data(), x.data(), rows, tiles, pair_row, ids.data(), w.data(), gate_up.data(),
                         down.data(), c.T, c.H, c.IE, c.k);
@@ -420,7 +486,7 @@ TEST(fused_moe_steps_match_reference_and_plain) {
     std::vector<float> ga, wa, gw, ww;
     size_t padding = 0, padding_nonzero = 0;
     for (size_t r = 0; r < rows.size(); r++) {
-      if (tiles[r / MOE_TILE] < 0) continue;
+      if (tiles[r / tile] < 0) continue;
       ga.insert(ga.end(), got_act.begin() + r * c.IE, got_act.begin() + (r + 1) * c.IE);
       wa.insert(wa.end(), act.begin() + r * c.IE, act.begin() + (r + 1) * c.IE);
       if (rows[r] < 0) {
@@ -433,7 +499,8 @@ TEST(fused_moe_steps_match_reference_and_plain) {
     }
     char what[160];
     auto name = [&](const char* step) {
-      snprintf(what, sizeof what, "%s (T %d H %d IE %d E %d k %d): %s", c.what, c.T, c.H, c.IE, c.E, c.k, step);
+      snprintf(what, sizeof what, "%s (T %d H %d IE %d E %d k %d, tile %d): %s", c.what, c.T, c.H, c.IE, c.E, c.k,
+               tile, step);
       return what;
     };
     auto scale_of = [](const std::vector<float>& v) {
@@ -464,7 +531,7 @@ TEST(fused_moe_steps_match_reference_and_plain) {
     }
     CHECK_MSG(differ == 0, "%s: %zu values, first [%zu] got %g, want %g", name("the sum not bit for bit"), differ,
               first, got[first], first_want);
-    printf("    %s: %zu padding rows\n", c.what, padding);
+    printf("    %s, tile %d: %zu padding rows\n", c.what, tile, padding);
   }
 }
 #endif
@@ -516,7 +583,9 @@ struct Fp8StackOnGpu {
 // to 2^-4 of a value, twice: x and act): a relative L2 difference of a few percent (5.1e-2 measured at one
 // token of H 256), where a wrong scale, block or expert is of order 1.
 // gemv: section 35's small steps (moe_gemv_fp8, W8A16) against the reference's w8a16 products instead.
-static void check_experts_fp8(const ExpertsCase& c, std::mt19937& rng, bool graph, bool gemv = false) {
+// tile: the list's (section 33's 64-row tiles of long steps, or 16).
+static void check_experts_fp8(const ExpertsCase& c, std::mt19937& rng, bool graph, bool gemv = false,
+                              int tile = MOE_TILE) {
   const auto x = bf16_values((size_t)c.T * c.H, rng, 1.f);
   const bool plain = !graph && !gemv;  // compared with the bf16 products of the dequantized weights too
   const Fp8Stack gu = fp8_stack(c.E * 2 * c.IE, c.H, rng, plain), dn = fp8_stack(c.E * c.H, c.IE, rng, plain);
@@ -533,12 +602,13 @@ static void check_experts_fp8(const ExpertsCase& c, std::mt19937& rng, bool grap
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   auto run = [&] {
     if (gemv) moe_gemv_fp8(d_out.p, d_x.p, d_ids.p, d_w.p, d_gu.m, d_dn.m, c.T, c.H, c.IE, c.k, s.act.p, stream);
-    else fused_moe_fp8(d_out.p, d_x.p, d_ids.p, d_w.p, d_gu.m, d_dn.m, c.T, c.H, c.IE, c.E, c.k, xq.p, xs.p, s.a, stream);
+    else fused_moe_fp8(d_out.p, d_x.p, d_ids.p, d_w.p, d_gu.m, d_dn.m, c.T, c.H, c.IE, c.E, c.k, xq.p, xs.p, s.a,
+                       stream, tile);
   };
   routing_rounds(c, rng, graph, d_ids, d_w, d_out, stream, run, [&](const std::vector<int>& ids,
                                                                      const std::vector<float>& w, int round) {
     std::vector<int> rows, pair_row, tiles;
-    moe_align_reference(rows, pair_row, tiles, ids.data(), c.T, c.k, c.E);
+    moe_align_reference(rows, pair_row, tiles, ids.data(), c.T, c.k, c.E, tile);
     std::vector<float> act, wy, want((size_t)c.T * c.H);
     fused_moe_fp8_reference(act, wy, want.data(), x.data(), rows, tiles, pair_row, ids.data(), w.data(), gu.q.data(),
                             gu.s.data(), gu.ld, dn.q.data(), dn.s.data(), dn.ld, c.T, c.H, c.IE, c.k, gemv);
@@ -546,8 +616,8 @@ static void check_experts_fp8(const ExpertsCase& c, std::mt19937& rng, bool grap
     float scale = 0;
     for (float v : want) scale = std::max(scale, fabsf(v));
     char what[200];
-    snprintf(what, sizeof what, "fp8%s: %s (T %d H %d IE %d E %d k %d%s, routing %d)", gemv ? " gemv" : "", c.what,
-             c.T, c.H, c.IE, c.E, c.k, graph ? ", graph replay" : "", round);
+    snprintf(what, sizeof what, "fp8%s: %s (T %d H %d IE %d E %d k %d%s, tile %d, routing %d)", gemv ? " gemv" : "",
+             c.what, c.T, c.H, c.IE, c.E, c.k, graph ? ", graph replay" : "", tile, round);
     check_close(what, got.data(), want.data(), got.size(), 0.01f * scale, 2.f / 128);
     if (graph || gemv) return;
     // act, the rows of every used tile (padding rows exactly 0): where an intermediate differs, here first.
@@ -556,7 +626,7 @@ static void check_experts_fp8(const ExpertsCase& c, std::mt19937& rng, bool grap
     size_t padding_nonzero = 0;
     float act_scale = 0;
     for (size_t r = 0; r < rows.size(); r++) {
-      if (tiles[r / MOE_TILE] < 0) continue;
+      if (tiles[r / tile] < 0) continue;
       for (int i = 0; i < c.IE; i++) {
         ga.push_back(got_act[r * c.IE + i]), wa.push_back(act[r * c.IE + i]);
         act_scale = std::max(act_scale, fabsf(act[r * c.IE + i]));
@@ -566,7 +636,8 @@ static void check_experts_fp8(const ExpertsCase& c, std::mt19937& rng, bool grap
     snprintf(what, sizeof what, "fp8: %s: act", c.what);
     check_close(what, ga.data(), wa.data(), ga.size(), 0.01f * act_scale, 2.f / 128);
     CHECK_MSG(padding_nonzero == 0, "fp8: %s: %zu values of padding rows' act not 0", c.what, padding_nonzero);
-    fused_moe(d_plain.p, d_x.p, d_ids.p, d_w.p, d_gu_deq.p, d_dn_deq.p, c.T, c.H, c.IE, c.E, c.k, sp.a, stream);
+    fused_moe(d_plain.p, d_x.p, d_ids.p, d_w.p, d_gu_deq.p, d_dn_deq.p, c.T, c.H, c.IE, c.E, c.k, sp.a, stream,
+              tile);
     CUDA_CHECK(cudaStreamSynchronize(stream));
     const std::vector<float> plain = to_float(d_plain.download());
     double num = 0, den = 0;
@@ -599,6 +670,42 @@ TEST(fused_moe_fp8_matches_reference) {
   for (const ExpertsCase& c : kFp8Cases) check_experts_fp8(c, rng, false);
   for (const ExpertsCase& c : kFp8Cases)
     if ((int64_t)c.T * c.k * c.H * c.IE <= 100000000) check_experts_fp8(c, rng, true);
+  for (const ExpertsCase& c : kFp8Cases) check_experts_fp8(c, rng, false, false, FMOE_WIDE_TILE);  // 64-row tiles
+}
+
+// The FP8 experts' 64-row tiles against their 16-row tiles, bit for bit (fused_moe_wide_kernel's FP8 note: the
+// same MMAs, the same scaling per slice, the same epilogue), at the sizes of long steps.
+TEST(fused_moe_fp8_wide_tiles_match_16_row_tiles) {
+  REQUIRE_GPU();
+  if (gpu_cc_major() != 9) SKIP("the FP8 chapter runs on sm_90 only (this GPU: sm_%d0)", gpu_cc_major());
+  static const ExpertsCase cases[] = {
+      {"Qwen3-30B-A3B's widths, 2,000 tokens", 2000, 2048, 768, 128, 8, 0},
+      {"Qwen3-30B-A3B at --tp 2, 1,500 tokens, the first 9 experts", 1500, 2048, 384, 128, 8, 1},
+      {"Qwen3-235B-A22B's widths, 16 experts, 700 tokens", 700, 4096, 1536, 16, 8, 0},
+      {"one expert in every token, 3,000 tokens", 3000, 256, 256, 16, 1, 2},
+  };
+  std::mt19937 rng(23);
+  for (const ExpertsCase& c : cases) {
+    const Fp8Stack gu = fp8_stack(c.E * 2 * c.IE, c.H, rng, false), dn = fp8_stack(c.E * c.H, c.IE, rng, false);
+    Fp8StackOnGpu d_gu(gu), d_dn(dn);
+    const int T4 = (int)cdiv(c.T, 4) * 4;
+    DevBuf<bf16> x(to_bf16(bf16_values((size_t)c.T * c.H, rng, 1.f)));
+    DevBuf<bf16> out16((size_t)c.T * c.H), out64((size_t)c.T * c.H);
+    DevBuf<uint8_t> xq((size_t)T4 * c.H);
+    DevBuf<float> xs((size_t)c.H / 128 * T4);
+    MoEScratch s(c.T, c.H, c.IE, c.E, c.k);
+    DevBuf<int> ids(routing(c.T, c.E, c.k, c.kind, rng));
+    std::vector<float> w((size_t)c.T * c.k);
+    for (float& v : w) v = 0.1f + (float)(rng() % 1000) / 1000.f;
+    DevBuf<float> d_w(w);
+    out16.poison(), out64.poison();
+    fused_moe_fp8(out16.p, x.p, ids.p, d_w.p, d_gu.m, d_dn.m, c.T, c.H, c.IE, c.E, c.k, xq.p, xs.p, s.a, 0,
+                  MOE_TILE);
+    s.act.poison(), s.out.poison(), s.gate_up.poison();
+    fused_moe_fp8(out64.p, x.p, ids.p, d_w.p, d_gu.m, d_dn.m, c.T, c.H, c.IE, c.E, c.k, xq.p, xs.p, s.a, 0,
+                  FMOE_WIDE_TILE);
+    same_bits((std::string("fp8: ") + c.what).c_str(), out16, out64);
+  }
 }
 // Section 35's small steps (moe_gemv_fp8) at 1 to 4 tokens: each size of a down row's loads (IE 128, 384,
 // 768: two 16-byte loads a lane; 1,536 and 2,048: four), one choice per token and every expert in every
@@ -635,13 +742,23 @@ TEST(moe_gemv_fp8_matches_reference) {
 // time (GB/s), and the experts' FLOPs over the time (TFLOP/s).
 TIMING(fused_moe_speed) {
   if (!have_gpu()) SKIP("no GPU");
-  const int H = 2048, IE = 768, E = 128, k = 8, Tmax = 2048, R = 8;
+  const int H = 2048, IE = 768, E = 128, k = 8, Tmax = 8192, R = 8;
   DevBuf<bf16> gate_up((size_t)E * 2 * IE * H), down((size_t)E * H * IE), x((size_t)Tmax * H), out((size_t)Tmax * H);
   CUDA_CHECK(cudaMemset(gate_up.p, 0x3c, gate_up.n * 2));  // every value 0x3c3c: about 0.0115
   CUDA_CHECK(cudaMemset(down.p, 0x3c, down.n * 2));
   CUDA_CHECK(cudaMemset(x.p, 0x3f, x.n * 2));  // about 0.75
+  // Section 35's FP8 experts (every byte 0x30: e4m3 0.5, every block's scale 0.02), at steps of 256 tokens up.
+  const int ld = (int)cdiv(H / 128, 4) * 4, ld_dn = (int)cdiv(IE / 128, 4) * 4;
+  DevBuf<uint8_t> gu8(gate_up.n), dn8(down.n), xq((size_t)Tmax * H);
+  DevBuf<float> gus(std::vector<float>((size_t)E * 2 * IE / 128 * ld, 0.02f));
+  DevBuf<float> dns(std::vector<float>((size_t)E * H / 128 * ld_dn, 0.02f)), xs((size_t)H / 128 * Tmax);
+  CUDA_CHECK(cudaMemset(gu8.p, 0x30, gu8.n));
+  CUDA_CHECK(cudaMemset(dn8.p, 0x30, dn8.n));
+  Fp8Matrix gu_m, dn_m;
+  gu_m.w = gu8.p, gu_m.scale = gus.p, gu_m.N = E * 2 * IE, gu_m.K = H, gu_m.ld = ld;
+  dn_m.w = dn8.p, dn_m.scale = dns.p, dn_m.N = E * H, dn_m.K = IE, dn_m.ld = ld_dn;
   std::mt19937 rng(15);
-  for (int T : {1, 2, 4, 8, 64, 256, 2048}) {
+  for (int T : {1, 2, 4, 8, 64, 256, 512, 1024, 2048, 8192}) {
     std::vector<std::unique_ptr<DevBuf<int>>> ids;
     std::vector<std::unique_ptr<DevBuf<float>>> w;
     double touched = 0;
@@ -652,13 +769,19 @@ TIMING(fused_moe_speed) {
       w.emplace_back(new DevBuf<float>(std::vector<float>((size_t)T * k, 1.f / k)));
     }
     MoEScratch s(T, H, IE, E, k);
-    float us[3] = {0.f, 0.f, 0.f};
-    for (int fused = 0; fused < 3; fused++) {  // 0: moe_experts, 1: fused_moe, 2: moe_gemv
-      if (fused == 2 && T > 8) break;
+    float us[6] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    // 0: moe_experts, 1: fused_moe (16 rows), 2: moe_gemv, 3: 64 rows, 4 and 5: fused_moe_fp8 in 16 and 64 rows
+    for (int fused = 0; fused < 6; fused++) {
+      if ((fused == 2 && T > 8) || (fused == 3 && T < 64) || (fused == 0 && T > 2048) || (fused >= 4 && T < 256))
+        continue;
       auto run = [&](int i) {
         const int r = i % R;
-        if (fused == 2) moe_gemv(out.p, x.p, ids[r]->p, w[r]->p, gate_up.p, down.p, T, H, IE, k, s.act.p, 0);
-        else if (fused) fused_moe(out.p, x.p, ids[r]->p, w[r]->p, gate_up.p, down.p, T, H, IE, E, k, s.a, 0);
+        if (fused >= 4)
+          fused_moe_fp8(out.p, x.p, ids[r]->p, w[r]->p, gu_m, dn_m, T, H, IE, E, k, xq.p, xs.p, s.a, 0,
+                        fused == 4 ? MOE_TILE : FMOE_WIDE_TILE);
+        else if (fused == 2) moe_gemv(out.p, x.p, ids[r]->p, w[r]->p, gate_up.p, down.p, T, H, IE, k, s.act.p, 0);
+        else if (fused) fused_moe(out.p, x.p, ids[r]->p, w[r]->p, gate_up.p, down.p, T, H, IE, E, k, s.a, 0,
+                                  fused == 1 ? MOE_TILE : FMOE_WIDE_TILE);
         else moe_experts(out.p, x.p, ids[r]->p, w[r]->p, gate_up.p, down.p, T, H, IE, E, k, s.a, 0);
       };
       for (int i = 0; i < 3; i++) run(i);
@@ -677,10 +800,15 @@ TIMING(fused_moe_speed) {
       CUDA_CHECK(cudaEventDestroy(b));
     }
     const double bytes = touched * 3.0 * H * IE * 2, flops = 2.0 * T * k * 3 * H * IE;
-    printf("    T %4d (%5.1f experts): moe_experts %8.1f us (%5.0f GB/s, %5.1f TFLOP/s)   fused_moe %8.1f us "
-           "(%5.0f GB/s, %5.1f TFLOP/s)", T, touched, us[0], bytes / us[0] / 1e3, flops / us[0] / 1e6, us[1],
-           bytes / us[1] / 1e3, flops / us[1] / 1e6);
+    printf("    T %4d (%5.1f experts):", T, touched);
+    if (us[0] > 0)
+      printf(" moe_experts %8.1f us (%5.0f GB/s, %5.1f TFLOP/s)  ", us[0], bytes / us[0] / 1e3, flops / us[0] / 1e6);
+    printf(" fused_moe %8.1f us (%5.0f GB/s, %5.1f TFLOP/s)", us[1], bytes / us[1] / 1e3, flops / us[1] / 1e6);
     if (us[2] > 0) printf("   moe_gemv %6.1f us (%5.0f GB/s)", us[2], bytes / us[2] / 1e3);
+    if (us[3] > 0) printf("   64-row tiles %8.1f us (%5.1f TFLOP/s)", us[3], flops / us[3] / 1e6);
+    if (us[4] > 0)
+      printf("   FP8: 16-row tiles %8.1f us (%5.1f TFLOP/s), 64-row %8.1f us (%5.1f TFLOP/s)", us[4],
+             flops / us[4] / 1e6, us[5], flops / us[5] / 1e6);
     printf("\n");
   }
 }
