@@ -11422,10 +11422,10 @@ __global__ __launch_bounds__(FMOE_THREADS) void fused_moe_kernel(bf16* out, cons
 // experts: 128 an expert). fused_moe_kernel takes them 16 at a time, and each of its thread blocks streams its
 // 64 weight rows through shared memory for those 16 rows alone: 16 x 64 products per 80 rows loaded, about
 // 13 multiply-adds per byte that comes from L2, so the kernel waits on L2, not on the tensor cores (gpu_moe's
-// fused_moe_speed measures it). fused_moe_wide_kernel is the same product in bigger
-// tiles: moe_align lists the step in tiles of FMOE_WIDE_TILE = 64 rows (MOE_TILE_MAX is what section 10b's
-// buffers are sized for), and a thread block of eight warps multiplies one tile by FMOE_WIDE_COLS = 128
-// weight rows: 64 x 128 products per 192 rows loaded, 3.4 times the reuse. Each warp owns 32 rows x 32
+// fused_moe_speed measures it). fused_moe_wide_kernel is the same product in bigger tiles: moe_align lists
+// the step in tiles of FMOE_WIDE_TILE = 64 rows (MOE_TILE_MAX is what section 10b's buffers are sized for),
+// and a thread block of eight warps multiplies one tile by FMOE_WIDE_COLS = 128 weight rows: 64 x 128
+// products per 192 rows loaded, 3.3 times the reuse. Each warp owns 32 rows x 32
 // weight rows (warps 2 x 4): per 16 values of K, two ldmatrix.x4 of the tile's rows, two of the weight rows,
 // eight MMAs. For GATE_UP the 128 weight rows are 64 gate rows and the same 64 columns' up rows, and a warp's
 // two weight loads each bring 8 gate rows and the 8 up rows of the same columns, so, as in fused_moe_kernel,
@@ -11436,7 +11436,7 @@ __global__ __launch_bounds__(FMOE_THREADS) void fused_moe_kernel(bf16* out, cons
 // Results: the same per (row, column) as fused_moe_kernel's, bit for bit: the same MMAs along K in the
 // same order, the same epilogue (gpu_moe checks the bits). Padding: up to 63 rows per expert, so a step takes
 // these tiles only where its experts average FMOE_WIDE_MIN_ROWS rows or more (fused_moe_tile; measured by
-// gpu_moe's fused_moe_speed: docs/performance.md, "Qwen3-MoE"). Section 35's FP8 experts take the same tiles
+// gpu_moe's fused_moe_speed: docs/performance.md, "Long MoE steps in 64-row tiles"). Section 35's FP8 experts take the same tiles
 // (its W8A8 products: the kernel's FP8 note) from more rows an expert: their two sets of sums (each slice's,
 // then the scaled total) hold a thread block of these tiles to one an SM.
 constexpr int FMOE_WIDE_TILE = 64;    // rows of the list per thread block: moe_align's tile for long steps

@@ -155,6 +155,13 @@ struct ExpertsCase {
   int T, H, IE, E, k, kind;  // kind: as routing()'s
 };
 
+// n routing weights in [0.1, 1.1).
+static std::vector<float> routing_weights(size_t n, std::mt19937& rng) {
+  std::vector<float> w(n);
+  for (float& v : w) v = 0.1f + (float)(rng() % 1000) / 1000.f;
+  return w;
+}
+
 // The rounds of a case: with graph, `run` captured once and replayed under three routings (kind c.kind, then
 // the two others), else run once eagerly; after each, check(ids, w, round) with the routing and weights of
 // that round (out poisoned before each).
@@ -164,8 +171,7 @@ static void routing_rounds(const ExpertsCase& c, std::mt19937& rng, bool graph, 
   cudaGraphExec_t exec = nullptr;
   for (int round = 0; round < (graph ? 3 : 1); round++) {  // with a graph: three routings, one capture
     const std::vector<int> ids = routing(c.T, c.E, c.k, round == 0 ? c.kind : (c.kind + round) % 3, rng);
-    std::vector<float> w((size_t)c.T * c.k);
-    for (float& v : w) v = 0.1f + (float)(rng() % 1000) / 1000.f;
+    const std::vector<float> w = routing_weights((size_t)c.T * c.k, rng);
     d_ids.upload(ids), d_w.upload(w);
     d_out.poison();
     if (graph && !exec) {
@@ -333,9 +339,7 @@ TEST(fused_moe_wide_tiles_match_16_row_tiles) {
     DevBuf<bf16> out16((size_t)c.T * c.H), out64((size_t)c.T * c.H);
     MoEScratch s(c.T, c.H, c.IE, c.E, c.k);
     DevBuf<int> ids(routing(c.T, c.E, c.k, c.kind, rng));
-    std::vector<float> w((size_t)c.T * c.k);
-    for (float& v : w) v = 0.1f + (float)(rng() % 1000) / 1000.f;
-    DevBuf<float> d_w(w);
+    DevBuf<float> d_w(routing_weights((size_t)c.T * c.k, rng));
     out16.poison(), out64.poison();
     fused_moe(out16.p, x.p, ids.p, d_w.p, gate_up.p, down.p, c.T, c.H, c.IE, c.E, c.k, s.a, 0, MOE_TILE);
     s.act.poison(), s.out.poison();
@@ -464,8 +468,7 @@ TEST(fused_moe_steps_match_reference_and_plain) {
     const auto gate_up = bf16_values((size_t)c.E * 2 * c.IE * c.H, rng, 0.06f);
     const auto down = bf16_values((size_t)c.E * c.H * c.IE, rng, 0.06f);
     const std::vector<int> ids = routing(c.T, c.E, c.k, c.kind, rng);
-    std::vector<float> w((size_t)c.T * c.k);
-    for (float& v : w) v = 0.1f + (float)(rng() % 1000) / 1000.f;
+    const std::vector<float> w = routing_weights((size_t)c.T * c.k, rng);
     DevBuf<bf16> d_x(to_bf16(x)), d_gate_up(to_bf16(gate_up)), d_down(to_bf16(down));
     DevBuf<bf16> d_out((size_t)c.T * c.H), d_plain((size_t)c.T * c.H);
     DevBuf<int> d_ids(ids);
@@ -695,9 +698,7 @@ TEST(fused_moe_fp8_wide_tiles_match_16_row_tiles) {
     DevBuf<float> xs((size_t)c.H / 128 * T4);
     MoEScratch s(c.T, c.H, c.IE, c.E, c.k);
     DevBuf<int> ids(routing(c.T, c.E, c.k, c.kind, rng));
-    std::vector<float> w((size_t)c.T * c.k);
-    for (float& v : w) v = 0.1f + (float)(rng() % 1000) / 1000.f;
-    DevBuf<float> d_w(w);
+    DevBuf<float> d_w(routing_weights((size_t)c.T * c.k, rng));
     out16.poison(), out64.poison();
     fused_moe_fp8(out16.p, x.p, ids.p, d_w.p, d_gu.m, d_dn.m, c.T, c.H, c.IE, c.E, c.k, xq.p, xs.p, s.a, 0,
                   MOE_TILE);
