@@ -2947,10 +2947,12 @@ static int64_t moe_rows_max(int64_t T, int k, int E, int tile = MOE_TILE) {
 static int64_t moe_rows_alloc(int64_t T, int k, int E) { return moe_rows_max(T, k, E, MOE_TILE_MAX); }
 
 // Whether expert e with probability p comes before (bp, be) in the top-k order: the larger probability, and
-// on a tie the lower expert id; NaN counts as -inf (a total order, so every lane of a warp agrees); be < 0 is
-// "none yet".
+// on a tie the lower expert id; NaN counts as -inf (a total order, so every lane of a warp agrees). An id < 0
+// is "none" (a lane with no candidate left, in moe_route_row's argmax), after every expert, even one of
+// probability 0 (a logit of -inf, or one that far below the largest), which must still be picked before none.
 __host__ __device__ inline bool moe_ranks_before(float p, int e, float bp, int be) {
   if (be < 0) return e >= 0;
+  if (e < 0) return false;
   const float a = p != p ? -INFINITY : p, b = bp != bp ? -INFINITY : bp;
   return a > b || (a == b && e < be);
 }
@@ -2999,8 +3001,8 @@ __device__ __forceinline__ float warp_sum_f(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-// One token's routing by one warp: row [E] its logits, ids and weights [k] its picks (the kernel below, and
-// section 34's router, which routes in the last of its thread blocks).
+// One token's routing by one warp: row [E] its logits, ids and weights [k] its picks (the kernel below;
+// section 34's moe_route_warp computes the same bits in a fraction of the time).
 __device__ __forceinline__ void moe_route_row(int* ids, float* weights, const bf16* row, int E, int k, bool norm) {
   const int lane = threadIdx.x % 32;
   float p[MOE_ROUTE_SLOTS];
@@ -11129,7 +11131,8 @@ static const int kLongestFirstRegistered = register_optimization(
 // ==== 33. A mixture of experts on tensor cores =============================================================
 // defines: fused_moe_rows_reference, fused_moe_reference, fused_moe_fp8_reference, fused_moe_kernel,
 //          FMOE_WIDE_TILE, fused_moe_wide_kernel, fused_moe_wide_launch, fused_moe_products, fused_moe_tile,
-//          fused_moe, fused_moe_stage; switch fused_moe (sections 34-35: the small steps' gemv, the FP8 experts)
+//          fused_moe, g_moe_route, fused_moe_stage; switch fused_moe (sections 34-35: the small steps' gemv, the
+//          FP8 experts)
 //
 // Replaces: in section 14's moe stage (section 10b's moe_mlp), the experts' products after the align:
 // moe_matmul for gate_up, silu_and_mul, moe_matmul for down, and moe_combine's multiply by the routing
@@ -11704,14 +11707,16 @@ static void fused_moe(bf16* out, const bf16* x, const int* ids, const float* wei
 
 // ---- The stage this section fills, and its switch: fused_moe ----
 // Section 14's moe: moe_plain with the experts' part (section 10b's moe_experts) replaced by fused_moe; the
-// norm, the router's product and moe_route before it and the sum over the ranks after it as moe_plain has them.
+// norm, the router's product and the routing before it (g_moe_route: moe_route, or section 34's moe_route_fast,
+// the same bits sooner, where that switch is on) and the sum over the ranks after it as moe_plain has them.
+static void (*g_moe_route)(int*, float*, const bf16*, int, int, int, bool, cudaStream_t) = moe_route;
 static void fused_moe_stage(Pass& p, const LayerWeights& lw) {
   Activations& a = p.m.act;
   const ModelConfig& c = p.m.cfg;
   const int H = c.hidden_size, E = c.num_experts, k = c.num_experts_per_tok;
   norm_residual(p, lw.post_attention_layernorm);
   linear(*p.m.gemm, a.router_logits, a.x, lw.router, p.T, E, H, p.s);
-  moe_route(a.topk_ids, a.topk_weights, a.router_logits, p.T, E, k, c.norm_topk_prob, p.s);
+  g_moe_route(a.topk_ids, a.topk_weights, a.router_logits, p.T, E, k, c.norm_topk_prob, p.s);
   fused_moe(a.hidden, a.x, a.topk_ids, a.topk_weights, lw.experts_gate_up, lw.experts_down, p.T, H,
             c.moe_intermediate_size / p.m.tp, E, k, a, p.s);
   p.pending = true;
@@ -11726,8 +11731,9 @@ static const int kFusedMoeRegistered = register_optimization(
      true, apply_fused_moe});
 
 // ==== 34. A mixture of experts, 2: small steps, a gemv per routed expert ===================================
-// defines: MOE_GEMV_MAX_T, moe_router_kernel, moe_router, e4m3x16_to_float, moe_gemv_dot,
-//          moe_gemv_gate_up_kernel, moe_gemv_down_kernel, moe_gemv, moe_gemv_route, moe_gemv_stage; switch moe_gemv
+// defines: MOE_GEMV_MAX_T, moe_route_lanes, moe_route_warp, moe_route_fast_kernel, moe_route_fast,
+//          moe_router_kernel, moe_router, e4m3x16_to_float, moe_gemv_dot, moe_gemv_gate_up_kernel,
+//          moe_gemv_down_kernel, moe_gemv, moe_gemv_route, moe_gemv_stage; switch moe_gemv
 //
 // Replaces: at steps of at most MOE_GEMV_MAX_T tokens (decode at batch 1 to 4), all of the moe stage above: the
 // norm, the router's product and moe_route (one kernel here where section 18's gemv is switched on), and the
@@ -11744,8 +11750,9 @@ static const int kFusedMoeRegistered = register_optimization(
 //      blocks are section 18's gemv blocks (gemv_block: each stages the normed rows in shared memory, block 0
 //      also writes them to act.x for the experts, and each computes E / gridDim of the logits with the gemv's
 //      arithmetic); the last block to finish (a ticket: each block's writes, a fence, then an atomic count)
-//      reads all the logits back through L2 and routes each token with Part I's moe_route_row. So the norm,
-//      the router's product and moe_route, three launches, are one, and their results are theirs bit for bit.
+//      reads all the logits back through L2 and routes each token, one warp each, with moe_route_warp (below:
+//      Part I's moe_route_row's results by a much shorter chain of instructions). So the norm, the router's
+//      product and moe_route, three launches, are one, and their results are theirs bit for bit.
 //   2. moe_gemv_gate_up_kernel: one warp per (pair, column j of act): it streams row j of the pair's expert's
 //      gate and row j of its up (16-byte loads, every load of a stretch in flight before the first use, as
 //      section 18), dots both with the token's row of x, and writes act[pair, j] = bf16(SiLU(bf16(gate)) *
@@ -11785,6 +11792,99 @@ constexpr int MOE_GEMV_U = 4;        // gate_up: 16-byte loads per lane per row 
 constexpr int MOE_GEMV_DOWN_U = 8;   // down: a row of at most 2,048 columns (IE) in one stretch
 constexpr int MOE_DOWN_SPLIT_ONE = 2;  // down, at one token: warps sharing one output's experts (measured)
 
+// One token's routing by one warp, bit for bit Part I's moe_route_row, in a fraction of its time. Part I's is
+// written to be read: each lane scans all MOE_ROUTE_SLOTS (16) of its slots in every one of the k rounds, and
+// a round's winner is a butterfly of shuffles, a chain of dependent instructions some ten thousand cycles
+// long for a token of Qwen3-30B-A3B, which the router's last thread block runs while the layer waits. Here:
+//   * a lane holds S = ceil(E / 32) slots (a template argument: 4 for 128 experts), and sorts them once, best
+//     first under moe_ranks_before (insertion, unrolled over registers); a round's candidate of the lane is
+//     then its first, and the lane whose candidate wins shifts the others up;
+//   * a round's winner is two warp reductions (__reduce_max_sync, __reduce_min_sync: redux.sync, one
+//     instruction each for a max or a min of one 32-bit value over the warp, where the butterfly is five
+//     shuffles and compares in a row): the max of a key that orders the candidates as moe_ranks_before does
+//     (2 + the bits of p, whose unsigned order is p's order for p >= 0, as every probability is; NaN, which
+//     moe_ranks_before puts below every number, 1; a lane with no candidate 0), then the least expert id of
+//     the lanes that hold that key (ties to the lower id). The winner's p is its key's bits (a NaN's own bits
+//     are fetched from its lane).
+// The softmax and the sums are Part I's operations in Part I's order: the slots past the S here held zeros
+// there, and adding +0 changes no sum. Lane j < k ends with the j-th pick, its id and its weight.
+template <int S>
+__device__ __forceinline__ void moe_route_lanes(int& my_id, float& my_w, const bf16* row, int E, int k, bool norm) {
+  const int lane = threadIdx.x % 32;
+  float p[S];
+  int e[S];  // -1: no expert (past E)
+  float m = -INFINITY;
+#pragma unroll
+  for (int s = 0; s < S; s++) {
+    e[s] = lane + 32 * s < E ? lane + 32 * s : -1;
+    p[s] = e[s] >= 0 ? __bfloat162float(row[e[s]]) : -INFINITY;
+    m = fmaxf(m, p[s]);
+  }
+  m = warp_max_f(m);
+  float sum = 0.f;
+#pragma unroll
+  for (int s = 0; s < S; s++) {
+    p[s] = e[s] >= 0 ? expf(p[s] - m) : 0.f;
+    sum += p[s];
+  }
+  sum = warp_sum_f(sum);
+#pragma unroll
+  for (int s = 0; s < S; s++) p[s] /= sum;
+#pragma unroll
+  for (int i = 1; i < S; i++)
+#pragma unroll
+    for (int j = i; j > 0; j--)
+      if (e[j] >= 0 && moe_ranks_before(p[j], e[j], p[j - 1], e[j - 1])) {
+        const float tp = p[j];
+        const int te = e[j];
+        p[j] = p[j - 1], e[j] = e[j - 1], p[j - 1] = tp, e[j - 1] = te;
+      }
+  float my_p = 0.f;
+  my_id = -1;
+  for (int j = 0; j < k; j++) {
+    const unsigned key = e[0] < 0 ? 0u : p[0] != p[0] ? 1u : __float_as_uint(p[0]) + 2u;
+    const unsigned top = __reduce_max_sync(0xffffffffu, key);
+    const int be = (int)__reduce_min_sync(0xffffffffu, key == top ? (unsigned)e[0] : 0xffffffffu);
+    float bp = __uint_as_float(top - 2u);
+    if (top == 1u) bp = __shfl_sync(0xffffffffu, p[0], be % 32);  // (top is the warp's: every lane takes this)
+    if (be % 32 == lane) {
+#pragma unroll
+      for (int s = 0; s + 1 < S; s++) p[s] = p[s + 1], e[s] = e[s + 1];
+      e[S - 1] = -1;
+    }
+    if (lane == j) my_id = be, my_p = bp;
+  }
+  const float picked = warp_sum_f(lane < k ? my_p : 0.f);
+  my_w = norm ? my_p / picked : my_p;
+}
+// moe_route_lanes for E experts (at most MOE_MAX_EXPERTS), the picks written to ids and weights [k].
+__device__ __forceinline__ void moe_route_warp(int* ids, float* weights, const bf16* row, int E, int k, bool norm) {
+  static_assert(MOE_MAX_EXPERTS == 512, "moe_route_warp instantiates moe_route_lanes for up to 16 slots");
+  int id;
+  float w;
+  if (E <= 32) moe_route_lanes<1>(id, w, row, E, k, norm);
+  else if (E <= 64) moe_route_lanes<2>(id, w, row, E, k, norm);
+  else if (E <= 128) moe_route_lanes<4>(id, w, row, E, k, norm);
+  else if (E <= 256) moe_route_lanes<8>(id, w, row, E, k, norm);
+  else moe_route_lanes<16>(id, w, row, E, k, norm);
+  const int lane = threadIdx.x % 32;
+  if (lane < k) ids[lane] = id, weights[lane] = w;
+}
+// Part I's moe_route (the same arguments, grid and bits) with moe_route_warp: the routing of every other step
+// size (section 33's stage takes it through g_moe_route while this switch is on).
+__global__ void moe_route_fast_kernel(int* ids, float* weights, const bf16* logits, int T, int E, int k, bool norm) {
+  const int64_t t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (t < T) moe_route_warp(ids + t * k, weights + t * k, logits + t * E, E, k, norm);
+}
+static void moe_route_fast(int* ids, float* weights, const bf16* logits, int T, int E, int k, bool norm,
+                           cudaStream_t stream) {
+  INTERNAL_CHECK(E >= 1 && E <= MOE_MAX_EXPERTS && k >= 1 && k <= std::min(E, MOE_MAX_TOPK),
+                 "moe_route_fast: E = %d, k = %d", E, k);
+  if (T == 0) return;
+  moe_route_fast_kernel<<<(unsigned)cdiv(T, 4), 128, 0, stream>>>(ids, weights, logits, T, E, k, norm);
+  CUDA_CHECK(cudaGetLastError());
+}
+
 // The router's ticket: its thread blocks that have written their logits in this launch (see above).
 __device__ unsigned g_moe_router_arrived = 0;
 
@@ -11813,7 +11913,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
   for (int c = threadIdx.x; c < M * E; c += blockDim.x) row[c / E][c % E] = __ldcg(logits + c);  // through L2
   __syncthreads();
   const int t = threadIdx.x / 32;
-  if (t < M) moe_route_row(ids + t * k, weights + t * k, row[t], E, k, norm_topk);
+  if (t < M) moe_route_warp(ids + t * k, weights + t * k, row[t], E, k, norm_topk);
   if (threadIdx.x == 0) g_moe_router_arrived = 0;
 }
 
@@ -12029,7 +12129,8 @@ static void (*g_moe_larger)(Pass& p, const LayerWeights& lw) = moe_plain;
 // The first half of section 14's moe (section 35's stage calls it too): the norm, the router's product and
 // moe_route in moe_router where this switch and section 18's gemv are on and the step fits it (its arithmetic;
 // a pending add to the residual stream, left by an all-reduce at TP > 1 that did not make it, is Part I's
-// norm_residual first), else Part I's three calls.
+// norm_residual first), else Part I's norm and router product and g_moe_route (moe_route_fast while this switch
+// is on).
 static void moe_gemv_route(Pass& p, const LayerWeights& lw) {
   const ModelConfig& c = p.m.cfg;
   const int H = c.hidden_size, E = c.num_experts, k = c.num_experts_per_tok;
@@ -12043,7 +12144,7 @@ static void moe_gemv_route(Pass& p, const LayerWeights& lw) {
   } else {
     norm_residual(p, lw.post_attention_layernorm);
     linear(*p.m.gemm, a.router_logits, a.x, lw.router, p.T, E, H, p.s);
-    moe_route(a.topk_ids, a.topk_weights, a.router_logits, p.T, E, k, c.norm_topk_prob, p.s);
+    g_moe_route(a.topk_ids, a.topk_weights, a.router_logits, p.T, E, k, c.norm_topk_prob, p.s);
   }
 }
 // Section 14's moe at small steps: moe_gemv_route, then moe_gemv.
@@ -12060,6 +12161,7 @@ static void moe_gemv_stage(Pass& p, const LayerWeights& lw) {
 }
 static void apply_moe_gemv(bool on, Hooks& h) {
   g_opt.moe_gemv = on;
+  g_moe_route = on ? moe_route_fast : moe_route;
   if (!on) return;
   ForwardStages& st = stages_for(h);
   if (st.moe != moe_gemv_stage) g_moe_larger = st.moe;

@@ -454,6 +454,56 @@ TEST(moe_router_matches_its_parts) {
   printf("    %d cases, each eager and 3 graph replays\n", checked);
 }
 
+// Section 34's moe_route_warp (the router's last thread block routes with it), in moe_route_fast (every other
+// step's routing while moe_gemv is on), against Part I's moe_route, ids and weights bit for bit: E from 1 to
+// MOE_MAX_EXPERTS (every count of slots a lane holds, 1 to 16, and E not a multiple of 32), k from 1 to
+// MOE_MAX_TOPK, norm_topk_prob both ways, on logits drawn freely, of few distinct values (ties, at the k-th
+// place too), all equal, and with infinities and NaNs among them (a -inf logit is a probability of exactly 0,
+// which must still be picked before no expert at all).
+TEST(moe_route_warp_matches_moe_route) {
+  REQUIRE_GPU();
+  std::mt19937 rng(28);
+  const int T = 67;
+  int cases = 0;
+  for (int E : {1, 5, 32, 33, 64, 100, 128, 129, 256, 300, 512})
+    for (int k : {1, 2, 8, 32})
+      for (int kind = 0; kind < 4; kind++) {
+        if (k > E) continue;
+        std::vector<float> l = bf16_values((size_t)T * E, rng, 2.f);
+        for (size_t i = 0; i < l.size(); i++) {
+          if (kind == 1) l[i] = (float)(rng() % 5) * 0.5f;  // ties
+          if (kind == 2) l[i] = 0.25f;                      // all equal
+          if (kind == 3 && rng() % 7 == 0) {                // special values
+            const float special[] = {INFINITY, -INFINITY, NAN};
+            l[i] = special[rng() % 3];
+          }
+        }
+        DevBuf<bf16> logits(to_bf16(l));
+        for (bool norm : {false, true}) {
+          DevBuf<int> ids((size_t)T * k), ids_want((size_t)T * k);
+          DevBuf<float> w((size_t)T * k), w_want((size_t)T * k);
+          ids.poison(), w.poison();
+          moe_route(ids_want.p, w_want.p, logits.p, T, E, k, norm, 0);
+          moe_route_fast(ids.p, w.p, logits.p, T, E, k, norm, 0);
+          CUDA_CHECK(cudaDeviceSynchronize());
+          const auto gi = ids.download(), wi = ids_want.download();
+          const auto gw = w.download(), ww = w_want.download();
+          size_t bad_ids = 0, bad_w = 0, first = 0;
+          for (size_t i = 0; i < gi.size(); i++) {
+            if (gi[i] != wi[i] && !bad_ids++) first = i;
+            bad_w += memcmp(&gw[i], &ww[i], sizeof(float)) != 0;
+          }
+          CHECK_MSG(bad_ids == 0 && bad_w == 0,
+                    "E %d k %d logits kind %d norm %d: %zu ids and %zu weights differ (first id [%zu]: %d, want %d)",
+                    E, k, kind, norm, bad_ids, bad_w, first, gi[first], wi[first]);
+          for (int v : wi) CHECK_MSG(v >= 0 && v < E, "E %d k %d logits kind %d: moe_route picked %d", E, k, kind,
+                                     v);
+          cases++;
+        }
+      }
+  printf("    %d routings of %d tokens\n", cases, T);
+}
+
 // Each step of fused_moe on its own, on one routing per case: act (every row of a used tile, padding rows
 // exactly 0) and the weighted down rows (every pair's row) against fused_moe_reference, the final sum bit
 // for bit as the CPU adds the GPU's own weighted rows (ascending expert id, bf16 after each addition), and
@@ -818,16 +868,18 @@ TIMING(fused_moe_speed) {
 #ifdef NANOVLLM_PART_II
 // A timing, not a test: section 34's layer at steps of 1 and 2 tokens at Qwen3-30B-A3B's widths, 48 layers in
 // one CUDA graph (as a decode step replays them, each kernel launched with PDL behind the one before), each
-// layer with its own uniform routing and the weights shared (the experts come mostly from HBM): the router as
+// layer with its own router (random) and routing, the experts shared (they come mostly from HBM): the router as
 // Part I's three launches against moe_router; the down kernel with a row's loads sized to IE (4 at IE 768)
 // against 8, and with one or two warps per output; and the whole MoE layer both ways. Microseconds per layer.
 TIMING(moe_layer_speed) {
   if (!have_gpu()) SKIP("no GPU");
   ScopedOptimizations opt("all");  // pdl on
   const int H = 2048, IE = 768, E = 128, k = 8, L = 48;
-  DevBuf<bf16> gate_up((size_t)E * 2 * IE * H), down((size_t)E * H * IE), router((size_t)E * H), norm_w(H);
+  DevBuf<bf16> gate_up((size_t)E * 2 * IE * H), down((size_t)E * H * IE), norm_w(H);
   DevBuf<bf16> x(2 * H), residual(2 * H), out(2 * H), act(2 * k * IE), logits(2 * E);
-  for (auto* b : {&gate_up, &down, &router}) CUDA_CHECK(cudaMemset(b->p, 0x3c, b->n * 2));  // about 0.0115
+  for (auto* b : {&gate_up, &down}) CUDA_CHECK(cudaMemset(b->p, 0x3c, b->n * 2));  // about 0.0115
+  std::mt19937 router_rng(26);  // a router per layer, random: its routing differs layer to layer
+  DevBuf<bf16> router(to_bf16(bf16_values((size_t)L * E * H, router_rng, 0.05f)));
   for (auto* b : {&norm_w, &residual, &act}) CUDA_CHECK(cudaMemset(b->p, 0x3f, b->n * 2));  // about 0.75
 #ifdef NANOVLLM_PART_II
   Fp8Stack gu8h, dn8h;  // section 35's stacks of the same shapes, every byte 0x30 (0.5), every scale 0.023
@@ -873,11 +925,12 @@ TIMING(moe_layer_speed) {
   for (int T : {1, 2}) {
     auto parts = [&](int l) {
       rmsnorm(x.p, residual.p, norm_w.p, T, H, 1e-6f, s);
-      gemv(logits.p, x.p, router.p, T, E, H, s);
+      gemv(logits.p, x.p, router.p + (size_t)l * E * H, T, E, H, s);
       moe_route(ids[l]->p, w[l]->p, logits.p, T, E, k, true, s);
     };
     auto fused = [&](int l) {
-      moe_router(x.p, logits.p, ids[l]->p, w[l]->p, residual.p, norm_w.p, 1e-6f, router.p, T, E, H, k, true, s);
+      moe_router(x.p, logits.p, ids[l]->p, w[l]->p, residual.p, norm_w.p, 1e-6f, router.p + (size_t)l * E * H, T, E, H,
+                 k, true, s);
     };
     auto experts = [&](int l) {
       moe_gemv(out.p, x.p, ids[l]->p, w[l]->p, gate_up.p, down.p, T, H, IE, k, act.p, s);

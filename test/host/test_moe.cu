@@ -297,6 +297,7 @@ TEST(moe_ranks_before_is_a_total_order) {
   for (auto& a : items) {
     CHECK(!moe_ranks_before(a.first, a.second, a.first, a.second));  // irreflexive
     CHECK(moe_ranks_before(a.first, a.second, 5.f, -1));             // anything beats "none yet"
+    CHECK(!moe_ranks_before(a.first, -1, a.first, a.second));         // ... and "none" beats nothing
     for (auto& b : items) {
       if (a.second == b.second) continue;  // one expert is never two candidates
       const bool ab = moe_ranks_before(a.first, a.second, b.first, b.second);
