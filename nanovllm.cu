@@ -11794,8 +11794,9 @@ constexpr int MOE_DOWN_SPLIT_ONE = 2;  // down, at one token: warps sharing one 
 
 // One token's routing by one warp, bit for bit Part I's moe_route_row, in a fraction of its time. Part I's is
 // written to be read: each lane scans all MOE_ROUTE_SLOTS (16) of its slots in every one of the k rounds, and
-// a round's winner is a butterfly of shuffles, a chain of dependent instructions some ten thousand cycles
-// long for a token of Qwen3-30B-A3B, which the router's last thread block runs while the layer waits. Here:
+// a round's winner is a butterfly of shuffles, each step waiting on the one before: one long chain of
+// dependent instructions, which the router's last thread block runs while the layer waits
+// (docs/performance.md, "The router's routing, a shorter chain"). Here:
 //   * a lane holds S = ceil(E / 32) slots (a template argument: 4 for 128 experts), and sorts them once, best
 //     first under moe_ranks_before (insertion, unrolled over registers); a round's candidate of the lane is
 //     then its first, and the lane whose candidate wins shifts the others up;
