@@ -870,7 +870,9 @@ TIMING(fused_moe_speed) {
 // one CUDA graph (as a decode step replays them, each kernel launched with PDL behind the one before), each
 // layer with its own router (random) and routing, the experts shared (they come mostly from HBM): the router as
 // Part I's three launches against moe_router; the down kernel with a row's loads sized to IE (4 at IE 768)
-// against 8, and with one or two warps per output; and the whole MoE layer both ways. Microseconds per layer.
+// against 8, and with one or two warps per output; the whole MoE layer both ways; and the attention half's
+// two products (section 18's gemvs, without the attention between them) alone and before the MoE layer, the
+// share of a decode layer they take. Microseconds per layer.
 TIMING(moe_layer_speed) {
   if (!have_gpu()) SKIP("no GPU");
   ScopedOptimizations opt("all");  // pdl on
@@ -880,6 +882,11 @@ TIMING(moe_layer_speed) {
   for (auto* b : {&gate_up, &down}) CUDA_CHECK(cudaMemset(b->p, 0x3c, b->n * 2));  // about 0.0115
   std::mt19937 router_rng(26);  // a router per layer, random: its routing differs layer to layer
   DevBuf<bf16> router(to_bf16(bf16_values((size_t)L * E * H, router_rng, 0.05f)));
+  // The attention half's two products (32 / 4 heads of 128): qkv [NQKV, H] with the norm fused, o [H, NQ] with
+  // the residual add; C copies of each, layer l reading copy l % C (300 MB in all: the weights come from HBM).
+  const int NQ = 32 * 128, NQKV = NQ + 2 * 4 * 128, C = 8;
+  DevBuf<bf16> wqkv((size_t)C * NQKV * H), wo((size_t)C * H * NQ), qkv(2 * NQKV), attn(2 * NQ);
+  for (auto* b : {&wqkv, &wo, &attn}) CUDA_CHECK(cudaMemset(b->p, 0x3c, b->n * 2));
   for (auto* b : {&norm_w, &residual, &act}) CUDA_CHECK(cudaMemset(b->p, 0x3f, b->n * 2));  // about 0.75
 #ifdef NANOVLLM_PART_II
   Fp8Stack gu8h, dn8h;  // section 35's stacks of the same shapes, every byte 0x30 (0.5), every scale 0.023
@@ -945,6 +952,14 @@ TIMING(moe_layer_speed) {
            per_layer([&](int l) { moe_gemv_down_launch<8, 2, false>(out.p, act.p, ids[l]->p, w[l]->p, down.p, nullptr, 0, T, H, IE, k, s); }));
     printf("    T %d: the MoE layer: Part I's router + moe_gemv %5.2f us, moe_router + moe_gemv (the stage) %5.2f us\n",
            T, per_layer([&](int l) { parts(l), experts(l); }), per_layer([&](int l) { fused(l), experts(l); }));
+    GemvOptions qkv_opt, o_opt;
+    qkv_opt.in = GemvIn::RMSNORM, qkv_opt.norm_w = norm_w.p, qkv_opt.eps = 1e-6f, o_opt.add = true;
+    auto qkv_l = [&](int l) { gemv(qkv.p, residual.p, wqkv.p + (size_t)(l % C) * NQKV * H, T, NQKV, H, s, qkv_opt); };
+    auto o_l = [&](int l) { gemv(residual.p, attn.p, wo.p + (size_t)(l % C) * H * NQ, T, H, NQ, s, o_opt); };
+    printf("    T %d: the attention half's products (no attention between): qkv gemv with the norm %5.2f us, o gemv "
+           "with the add %5.2f us, both %5.2f us; both and the MoE layer %5.2f us\n", T, per_layer(qkv_l),
+           per_layer(o_l), per_layer([&](int l) { qkv_l(l), o_l(l); }),
+           per_layer([&](int l) { qkv_l(l), o_l(l), fused(l), experts(l); }));
 #ifdef NANOVLLM_PART_II
     if (gpu_cc_major() == 9) {  // section 35: the same experts in FP8 (bytes 0x30, 0.5; scales 0.023)
       MoEScratch sc(T, H, IE, E, k);
