@@ -11129,16 +11129,14 @@ static const int kLongestFirstRegistered = register_optimization(
 
 
 // ==== 33. A mixture of experts on tensor cores =============================================================
-// defines: fused_moe_rows_reference, fused_moe_reference, fused_moe_fp8_reference, fused_moe_kernel,
-//          FMOE_WIDE_TILE, fused_moe_wide_kernel, fused_moe_wide_launch, fused_moe_products, fused_moe_tile,
-//          fused_moe, g_moe_route, fused_moe_stage; switch fused_moe (sections 34-35: the small steps' gemv, the
-//          FP8 experts)
+// defines: fused_moe_rows_reference, fused_moe_reference, fused_moe_fp8_reference, fused_moe_kernel (33a: the
+//          long steps' tiles, fused_moe and the stage; sections 34-35: the small steps' gemv, the FP8 experts)
 //
 // Replaces: in section 14's moe stage (section 10b's moe_mlp), the experts' products after the align:
 // moe_matmul for gate_up, silu_and_mul, moe_matmul for down, and moe_combine's multiply by the routing
-// weights. The router's product, moe_route and moe_align stay Part I's: they are small, and moe_align's list
-// (each expert's rows padded to tiles of MOE_TILE rows, and the expert of each tile) is what the products
-// below are grouped by.
+// weights. The router's product, the routing (moe_route; section 34's moe_route_fast, the same bits, where
+// that switch is on) and moe_align stay as they are: they are small, and moe_align's list (each expert's rows
+// padded to tiles of MOE_TILE rows, and the expert of each tile) is what the products below are grouped by.
 // Why it is faster: moe_matmul is the textbook product on the CUDA cores: a thread per output, 2-byte loads,
 // one multiply-add per instruction. Here the same tile of 16 rows of the list meets its expert's weights on
 // the tensor cores (section 15's mma.sync m16n8k16: one instruction of a warp does 16 x 8 x 16 multiply-
@@ -11172,9 +11170,9 @@ static const int kLongestFirstRegistered = register_optimization(
 // near a rounding boundary. fused_moe_reference (below) is the CPU's account of these steps, and
 // test/gpu/gpu_moe.cu checks the kernels against it and against Part I's path.
 // What it costs: a tile is 16 rows, the mma's height: right for decode, wasteful for prefill's hundreds of
-// rows an expert, so a long step is listed in tiles of 64 rows for fused_moe_wide_kernel (the end of this
-// section). Padding: up to a tile less one row per expert that is hit, as in Part I. The kernels launch the
-// ordinary way, not through section 17's launch_pdl: their neighbours in the stream are Part I's kernels.
+// rows an expert, so a long step is listed in tiles of 64 rows for fused_moe_wide_kernel (section 33a).
+// Padding: up to a tile less one row per expert that is hit, as in Part I. The kernels launch the ordinary
+// way, not through section 17's launch_pdl: their neighbours in the stream are Part I's kernels.
 // Preconditions: H and IE (this rank's slice) multiples of 8 (16-byte copies; section 2's tp_shard_problem
 // already requires IE / tp % 8 == 0), pointers 16-byte aligned. The widths need not be multiples of a tile:
 // the copies zero-fill a partial slice of K and the weight rows past N, and the epilogues skip those columns.
@@ -11420,7 +11418,10 @@ __global__ __launch_bounds__(FMOE_THREADS) void fused_moe_kernel(bf16* out, cons
   }
 }
 
-// ---- Long steps: tiles of 64 rows ----
+// ---- 33a. Long steps: tiles of 64 rows --------------------------------------------------------------------
+// defines: FMOE_WIDE_TILE, fused_moe_wide_kernel, fused_moe_wide_launch, fused_moe_products, fused_moe_tile,
+//          fused_moe, g_moe_route, fused_moe_stage; switch fused_moe
+//
 // A prefill step of thousands of tokens gives each expert hundreds of rows (2,048 tokens x 8 choices over 128
 // experts: 128 an expert). fused_moe_kernel takes them 16 at a time, and each of its thread blocks streams its
 // 64 weight rows through shared memory for those 16 rows alone: 16 x 64 products per 80 rows loaded, about
