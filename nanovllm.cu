@@ -5661,7 +5661,7 @@ static const int kFlashAttnRegistered = register_optimization(
      nullptr, {{"decode_rows_per_kv_group", 1}}});  // (attention_prefill_step: a mixed step's decode rows)
 
 // ==== 17. Small-batch gemv, 1: programmatic dependent launch ===============================================
-// defines: pdl_begin, pdl_trigger, gpu_cc_major, launch_pdl, launch_pdl_cluster
+// defines: pdl_begin, pdl_trigger, gpu_cc_major, gpu_sm_count, launch_pdl, launch_pdl_cluster
 //
 // The gemv chapter (sections 17-18) makes a batch-1 or -2 step's kernels small and quick; this first step is
 // how they are launched, section 18 the gemv itself. PDL is a step of this chapter, not a chapter of its own,
@@ -5716,6 +5716,16 @@ static int gpu_cc_major() {
   }
   return major;
 }
+// The current GPU's number of SMs (asked once).
+static int gpu_sm_count() {
+  static int sms = 0;
+  if (sms == 0) {
+    int dev = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  }
+  return sms;
+}
 
 // The kernels of Part II are launched through here: kernel<<<grid, block, smem, stream>>>(args...), plus
 // the PDL attribute when switched on; launch_pdl_cluster also groups the thread blocks in clusters of
@@ -5763,8 +5773,9 @@ static void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t 
 // gemv_kernel — y [M, N] = x [M, K] @ W [N, K]^T, M <= 2.
 //   One warp per output column n streams row n of W once with 16-byte loads (all of a row's loads issued
 //   before the first use), dots it with the M rows of x (tiny, served from L1), reduces across the warp, and
-//   writes y[:, n]. For short rows a warp takes two adjacent columns (gemv_rows_per_warp below); the sums are
-//   the same either way, added in the same order.
+//   writes y[:, n]. For short rows, and where one row a warp would take more thread blocks than the GPU holds
+//   at once, a warp takes two adjacent columns (gemv_rows_per_warp below); the sums are the same either way,
+//   added in the same order.
 //   Layouts: x bf16 [M, K] row-major; W bf16 [N, K] row-major (PyTorch's [out, in]); y bf16 [M, N].
 //   Preconditions: K % 8 == 0; x, W 16-byte aligned. fp32 accumulation, one bf16 rounding.
 // Fused variants (the epilogue and the input side take their neighbours' work):
@@ -5788,6 +5799,9 @@ constexpr int GEMV_WARPS = 8;
 // 16-byte loads per lane in flight per iteration (8 x 256 = 2048 columns): enough bytes in flight per SM to
 // cover the memory latency, few enough registers to keep every warp resident.
 constexpr int GEMV_UNROLL = 8;
+// Thread blocks an SM must be able to hold (the registers a thread may use: at most 85): with fewer, the grid
+// of two rows a warp (below) at Qwen3-30B-A3B's qkv width would not fit on the GPU at once.
+constexpr int GEMV_MIN_BLOCKS = 3;
 constexpr size_t GEMV_MAX_SMEM = 48 << 10;  // the staged input [M, K]: what a launch gets without opting in
 
 // The input side of the fused variants, for the M rows: RMSNORM stages rmsnorm(x) * norm_w into shared memory
@@ -5889,22 +5903,45 @@ __device__ __forceinline__ void gemv_block(bf16* __restrict__ y, const bf16* __r
   gemv_store<M, R, ADD>(y, acc, n0, N, lane);
 }
 template <int M, GemvIn IN, bool ADD, int R>
-__global__ void __launch_bounds__(GEMV_WARPS * 32)
+__global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_MIN_BLOCKS)
     gemv_kernel(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ W, int N, int K,
                 const bf16* __restrict__ norm_w, float eps) {
   extern __shared__ uint4 staged[];  // IN != PLAIN: the input the dot products use, bf16 [M, K]
   gemv_block<M, IN, ADD, R>(y, x, W, N, K, norm_w, eps, staged);
 }
 
+// Thread blocks of a kernel the GPU holds at once (asked once per kernel and shared-memory size: a process
+// uses one GPU, and a model one K per input side).
+template <int M, GemvIn IN, bool ADD, int R>
+static int64_t gemv_resident_blocks(size_t smem) {
+  static size_t asked = SIZE_MAX;
+  static int64_t blocks = 0;
+  if (asked != smem) {
+    int per_sm = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<M, IN, ADD, R>, GEMV_WARPS * 32,
+                                                             smem));
+    blocks = (int64_t)per_sm * gpu_sm_count(), asked = smem;
+  }
+  return blocks;
+}
+
 // Rows per warp: 2 when both rows' loads fit in one stretch (K <= 1024: Qwen3-0.6B's qkv and gate_up), so the
 // grid is half as large and fits on the GPU at once beside the kernel before, every block loading all of its
-// weights before the PDL wait; else 1.
-static int gemv_rows_per_warp(int K) { return 2 * K <= GEMV_UNROLL * 256 ? 2 : 1; }
+// weights before the PDL wait. Also 2 when a row a warp would need more thread blocks than the GPU holds at once
+// and two would not (Qwen3-30B-A3B's qkv: 640 blocks where 396 fit): the blocks of a second wave start only as
+// the first wave's leave, their loads issued then, after the wait, and each stages its input again; two rows a
+// warp take their K in two stretches instead, every block's first stretch in flight before the wait. Else 1.
+template <int M, GemvIn IN, bool ADD>
+static int gemv_rows_per_warp(int K, int N, size_t smem) {
+  if (2 * K <= GEMV_UNROLL * 256) return 2;
+  if (cdiv(N, GEMV_WARPS) <= gemv_resident_blocks<M, IN, ADD, 1>(smem)) return 1;
+  return cdiv(N, 2 * GEMV_WARPS) <= gemv_resident_blocks<M, IN, ADD, 2>(smem) ? 2 : 1;
+}
 
 template <int M, GemvIn IN, bool ADD>
 static void gemv_launch(int K, int N, size_t smem, cudaStream_t stream, bf16* y, const bf16* x, const bf16* W,
                         const bf16* norm_w, float eps) {
-  if (gemv_rows_per_warp(K) == 2)
+  if (gemv_rows_per_warp<M, IN, ADD>(K, N, smem) == 2)
     launch_pdl(gemv_kernel<M, IN, ADD, 2>, (unsigned)cdiv(N, 2 * GEMV_WARPS), GEMV_WARPS * 32, smem, stream, y, x,
                W, N, K, norm_w, eps);
   else
@@ -11789,7 +11826,12 @@ static const int kFusedMoeRegistered = register_optimization(
 // Switch: moe_gemv.
 
 constexpr int MOE_GEMV_MAX_T = 4;    // tokens per step (measured: above)
-constexpr int MOE_GEMV_U = 4;        // gate_up: 16-byte loads per lane per row in flight (1,024 columns)
+// gate_up, bf16: 16-byte loads per lane per row in flight (512 columns), and the thread blocks an SM must hold
+// (so at most 40 registers a thread): a one-token step's grid (IE / GEMV_WARPS x k: 768 thread blocks at
+// Qwen3-30B-A3B's widths) is then resident at once (792 on 132 SMs), where 4 an SM left a second wave. FP8
+// (section 35): 4 loads (2,048 columns), no minimum (at 40 registers its scales spill).
+template <bool FP8> constexpr int MOE_GEMV_U = FP8 ? 4 : 2;
+template <bool FP8> constexpr int MOE_GEMV_GATE_UP_BLOCKS = FP8 ? 1 : 6;
 constexpr int MOE_GEMV_DOWN_U = 8;   // down: a row of at most 2,048 columns (IE) in one stretch
 constexpr int MOE_DOWN_SPLIT_ONE = 2;  // down, at one token: warps sharing one output's experts (measured)
 
@@ -11980,7 +12022,7 @@ __device__ __forceinline__ float moe_gemv_dot(const uint4& w, const bf16* in, co
 // act [T k, IE] from x [T, H] (the normed rows) and gate_up [E, 2 IE, H] (FP8: scale, ld as above). Grid
 // (ceil(IE / GEMV_WARPS), T k).
 template <bool FP8 = false>
-__global__ void __launch_bounds__(GEMV_WARPS * 32)
+__global__ void __launch_bounds__(GEMV_WARPS * 32, MOE_GEMV_GATE_UP_BLOCKS<FP8>)
     moe_gemv_gate_up_kernel(bf16* __restrict__ act, const bf16* __restrict__ x, const int* __restrict__ ids,
                             const void* __restrict__ gate_up, int H, int IE, int k, const float* __restrict__ scale,
                             int ld) {
@@ -11996,10 +12038,11 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
   const float* su = FP8 ? scale + ru / 128 * ld : nullptr;
   const bf16* xr = x + (int64_t)(p / k) * H;
   float g = 0.f, u = 0.f;
-  for (int k0 = 0; k0 < H; k0 += MOE_GEMV_U * 32 * CV) {
-    uint4 vg[MOE_GEMV_U], vu[MOE_GEMV_U];
+  constexpr int U = MOE_GEMV_U<FP8>;
+  for (int k0 = 0; k0 < H; k0 += U * 32 * CV) {
+    uint4 vg[U], vu[U];
 #pragma unroll
-    for (int i = 0; i < MOE_GEMV_U; i++) {
+    for (int i = 0; i < U; i++) {
       const int c = k0 + (i * 32 + lane) * CV;
       if (c < H) {
         vg[i] = __ldcs(reinterpret_cast<const uint4*>(wg + c));
@@ -12007,7 +12050,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
       }
     }
 #pragma unroll
-    for (int i = 0; i < MOE_GEMV_U; i++) {
+    for (int i = 0; i < U; i++) {
       const int c = k0 + (i * 32 + lane) * CV;
       if (c >= H) break;
       g = moe_gemv_dot<FP8>(vg[i], xr, sg, c, g);

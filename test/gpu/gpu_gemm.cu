@@ -57,6 +57,11 @@ TEST(gemm_small_batch_matches_cpu) {
     for (auto nk : std::vector<std::pair<int, int>>{
              {1, 8}, {37, 1000}, {255, 1024}, {300, 1032}, {129, 3072}, {64, 2056}})  // 255 x 1024: two rows a warp
       check_shape(g, M, nk.first, nk.second, true);
+  // Rows that would take more thread blocks than the GPU holds at once, one a warp (Qwen3-30B-A3B's qkv, and an
+  // odd N with K not a multiple of a stretch): two rows a warp in stretches, where the GPU's size makes it so.
+  for (int M : {1, 2})
+    for (auto nk : std::vector<std::pair<int, int>>{{5120, 2048}, {6001, 2056}})
+      check_shape(g, M, nk.first, nk.second, true);
   for (int M : {1, 2, 9, 40}) check_shape(g, M, 300, 1032, false);
 }
 
@@ -150,7 +155,8 @@ TEST(fused_gemv_matches_separate_kernels) {
   const float eps = 1e-6f;
   struct Shape { int N, K; };
   for (int M : {1, 2})
-    for (Shape sh : {Shape{4096, 1024}, Shape{1024, 3072}, Shape{37, 1000}, Shape{300, 4096}, Shape{8, 8}}) {
+    for (Shape sh : {Shape{4096, 1024}, Shape{1024, 3072}, Shape{37, 1000}, Shape{300, 4096}, Shape{8, 8},
+                      Shape{5120, 2048}}) {
       const int N = sh.N, K = sh.K;
       char what[96];
       Dev W(random_bf16((size_t)N * K, N * 17 + K, 0.05f));

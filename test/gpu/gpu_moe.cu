@@ -787,7 +787,7 @@ TEST(moe_gemv_fp8_matches_reference) {
 #ifdef NANOVLLM_PART_II
 // A timing, not a test: one MoE layer's experts (after the router) at Qwen3-30B-A3B's widths (H 2048, 128
 // experts top-8, IE 768), Part I's moe_experts against section 33's fused_moe, at T = 1 to 2048 tokens, and
-// section 34's moe_gemv at the steps it may take (T <= 8, past MOE_GEMV_MAX_T too: where the tiles win).
+// section 34's moe_gemv at the steps it may take (T <= 16, past MOE_GEMV_MAX_T too: where the tiles win).
 // Each run takes the next of 8 uniform routings, so the experts it reads are rarely the run before's (L2
 // holds a few dozen of the 128). Printed: microseconds per layer, the weights the routing touches over the
 // time (GB/s), and the experts' FLOPs over the time (TFLOP/s).
@@ -809,7 +809,7 @@ TIMING(fused_moe_speed) {
   gu_m.w = gu8.p, gu_m.scale = gus.p, gu_m.N = E * 2 * IE, gu_m.K = H, gu_m.ld = ld;
   dn_m.w = dn8.p, dn_m.scale = dns.p, dn_m.N = E * H, dn_m.K = IE, dn_m.ld = ld_dn;
   std::mt19937 rng(15);
-  for (int T : {1, 2, 4, 8, 64, 256, 512, 1024, 2048, 8192}) {
+  for (int T : {1, 2, 4, 8, 10, 16, 32, 64, 256, 512, 1024, 2048, 8192}) {
     std::vector<std::unique_ptr<DevBuf<int>>> ids;
     std::vector<std::unique_ptr<DevBuf<float>>> w;
     double touched = 0;
@@ -823,7 +823,7 @@ TIMING(fused_moe_speed) {
     float us[6] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     // 0: moe_experts, 1: fused_moe (16 rows), 2: moe_gemv, 3: 64 rows, 4 and 5: fused_moe_fp8 in 16 and 64 rows
     for (int fused = 0; fused < 6; fused++) {
-      if ((fused == 2 && T > 8) || (fused == 3 && T < 64) || (fused == 0 && T > 2048) || (fused >= 4 && T < 256))
+      if ((fused == 2 && T > 16) || (fused == 3 && T < 64) || (fused == 0 && T > 2048) || (fused >= 4 && T < 256))
         continue;
       auto run = [&](int i) {
         const int r = i % R;
