@@ -870,9 +870,10 @@ TIMING(fused_moe_speed) {
 // one CUDA graph (as a decode step replays them, each kernel launched with PDL behind the one before), each
 // layer with its own router (random) and routing, the experts shared (they come mostly from HBM): the router as
 // Part I's three launches against moe_router; the down kernel with a row's loads sized to IE (4 at IE 768)
-// against 8, and with one or two warps per output; the whole MoE layer both ways; and the attention half's
-// two products (section 18's gemvs, without the attention between them) alone and before the MoE layer, the
-// share of a decode layer they take. Microseconds per layer.
+// against 8, and with one or two warps per output; the whole MoE layer both ways; the attention half's two
+// products (section 18's gemvs, without the attention between them) alone and before the MoE layer, the share
+// of a decode layer they take; and the whole layer, section 19's decode attention between them (a cache per
+// layer, at 520 and 2,048 keys). Microseconds per layer.
 TIMING(moe_layer_speed) {
   if (!have_gpu()) SKIP("no GPU");
   ScopedOptimizations opt("all");  // pdl on
@@ -960,6 +961,29 @@ TIMING(moe_layer_speed) {
            "with the add %5.2f us, both %5.2f us; both and the MoE layer %5.2f us\n", T, per_layer(qkv_l),
            per_layer(o_l), per_layer([&](int l) { qkv_l(l), o_l(l); }),
            per_layer([&](int l) { qkv_l(l), o_l(l), fused(l), experts(l); }));
+    // The whole layer: section 19's decode attention between the two (T sequences of ctx keys, a cache a layer).
+    for (int ctx : {520, 2048}) {
+      const int P = 256, MB = (int)cdiv(ctx, P), NKV = 4;
+      const size_t per = (size_t)T * MB * NKV * P * 128;
+      DevBuf<bf16> kc((size_t)L * per), vc((size_t)L * per), qn(128), kn(128);
+      for (auto* b : {&kc, &vc, &qn, &kn}) CUDA_CHECK(cudaMemset(b->p, 0x3c, b->n * 2));
+      std::vector<int> bt((size_t)T * MB);
+      std::iota(bt.begin(), bt.end(), 0);
+      DevBuf<int> d_bt(bt), d_len(std::vector<int>(T, ctx)), d_pos(std::vector<int>(T, ctx - 1));
+      std::vector<int> slots(T);
+      for (int b = 0; b < T; b++) slots[b] = (b * MB + (ctx - 1) / P) * P + (ctx - 1) % P;
+      DevBuf<int> d_slot(slots);
+      const DecodeRope rope{d_pos.p, d_slot.p, qn.p, kn.p, 1e-6f, rope_inv_freq(1e6f)};
+      const float scale = 1.f / sqrtf(128.f);
+      auto attn_l = [&](int l) {
+        const KVLayer cache{kc.p + (size_t)l * per, vc.p + (size_t)l * per};
+        attention_decode_fast<KVBf16>(attn.p, qkv.p, cache, d_len.p, d_bt.p, T, 32, NKV, P, MB, 4096, nullptr,
+                                      scale, s, &rope);
+      };
+      printf("    T %d, %d keys: decode attention alone %5.2f us; qkv, attention, o %5.2f us; the whole layer "
+             "%5.2f us\n", T, ctx, per_layer(attn_l), per_layer([&](int l) { qkv_l(l), attn_l(l), o_l(l); }),
+             per_layer([&](int l) { qkv_l(l), attn_l(l), o_l(l), fused(l), experts(l); }));
+    }
 #ifdef NANOVLLM_PART_II
     if (gpu_cc_major() == 9) {  // section 35: the same experts in FP8 (bytes 0x30, 0.5; scales 0.023)
       MoEScratch sc(T, H, IE, E, k);
