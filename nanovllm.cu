@@ -11826,12 +11826,14 @@ static const int kFusedMoeRegistered = register_optimization(
 // Switch: moe_gemv.
 
 constexpr int MOE_GEMV_MAX_T = 4;    // tokens per step (measured: above)
-// gate_up, bf16: 16-byte loads per lane per row in flight (512 columns), and the thread blocks an SM must hold
-// (so at most 40 registers a thread): a one-token step's grid (IE / GEMV_WARPS x k: 768 thread blocks at
-// Qwen3-30B-A3B's widths) is then resident at once (792 on 132 SMs), where 4 an SM left a second wave. FP8
-// (section 35): 4 loads (2,048 columns), no minimum (at 40 registers its scales spill).
-template <bool FP8> constexpr int MOE_GEMV_U = FP8 ? 4 : 2;
-template <bool FP8> constexpr int MOE_GEMV_GATE_UP_BLOCKS = FP8 ? 1 : 6;
+// gate_up: 16-byte loads per lane per row in flight, MOE_GEMV_U (1,024 bf16 columns, 2,048 e4m3), or, where
+// that grid (IE / GEMV_WARPS x T k thread blocks) would not fit on the GPU at once, MOE_GEMV_U_NARROW (bf16)
+// with MOE_GEMV_NARROW_BLOCKS thread blocks an SM (so at most 40 registers a thread): a one-token step of
+// Qwen3-30B-A3B (768 blocks, where 528 of the wider kernel fit) is then resident at once (792 on 132 SMs), its
+// last blocks' loads no longer waiting for the first blocks to leave (moe_gemv below chooses; measured).
+constexpr int MOE_GEMV_U = 4;
+constexpr int MOE_GEMV_U_NARROW = 2;
+constexpr int MOE_GEMV_NARROW_BLOCKS = 6;
 constexpr int MOE_GEMV_DOWN_U = 8;   // down: a row of at most 2,048 columns (IE) in one stretch
 constexpr int MOE_DOWN_SPLIT_ONE = 2;  // down, at one token: warps sharing one output's experts (measured)
 
@@ -12021,8 +12023,8 @@ __device__ __forceinline__ float moe_gemv_dot(const uint4& w, const bf16* in, co
 
 // act [T k, IE] from x [T, H] (the normed rows) and gate_up [E, 2 IE, H] (FP8: scale, ld as above). Grid
 // (ceil(IE / GEMV_WARPS), T k).
-template <bool FP8 = false>
-__global__ void __launch_bounds__(GEMV_WARPS * 32, MOE_GEMV_GATE_UP_BLOCKS<FP8>)
+template <bool FP8 = false, int U = MOE_GEMV_U>
+__global__ void __launch_bounds__(GEMV_WARPS * 32, U == MOE_GEMV_U_NARROW ? MOE_GEMV_NARROW_BLOCKS : 1)
     moe_gemv_gate_up_kernel(bf16* __restrict__ act, const bf16* __restrict__ x, const int* __restrict__ ids,
                             const void* __restrict__ gate_up, int H, int IE, int k, const float* __restrict__ scale,
                             int ld) {
@@ -12038,7 +12040,6 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, MOE_GEMV_GATE_UP_BLOCKS<FP8>)
   const float* su = FP8 ? scale + ru / 128 * ld : nullptr;
   const bf16* xr = x + (int64_t)(p / k) * H;
   float g = 0.f, u = 0.f;
-  constexpr int U = MOE_GEMV_U<FP8>;
   for (int k0 = 0; k0 < H; k0 += U * 32 * CV) {
     uint4 vg[U], vu[U];
 #pragma unroll
@@ -12159,8 +12160,20 @@ static void moe_gemv(bf16* out, const bf16* x, const int* ids, const float* weig
                           (const void*)act})
     check_aligned16("moe_gemv", "a matrix", ptr);
   if (T == 0) return;
-  launch_pdl(moe_gemv_gate_up_kernel<false>, dim3((unsigned)cdiv(IE, GEMV_WARPS), (unsigned)(T * k)),
-             GEMV_WARPS * 32, 0, stream, act, x, ids, (const void*)gate_up, H, IE, k, (const float*)nullptr, 0);
+  // gate_up: the wider kernel where its grid fits on the GPU at once, else the narrower (above); a lane adds
+  // its columns in the same order in both, so the bits are the same.
+  static const int64_t wide_fits = [] {
+    int per_sm = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, moe_gemv_gate_up_kernel<false>, GEMV_WARPS * 32,
+                                                             0));
+    return (int64_t)per_sm * gpu_sm_count();
+  }();
+  const dim3 grid((unsigned)cdiv(IE, GEMV_WARPS), (unsigned)(T * k));
+  const auto gate_up_kernel = (int64_t)grid.x * grid.y <= wide_fits
+                                  ? moe_gemv_gate_up_kernel<false>
+                                  : moe_gemv_gate_up_kernel<false, MOE_GEMV_U_NARROW>;
+  launch_pdl(gate_up_kernel, grid, GEMV_WARPS * 32, 0, stream, act, x, ids, (const void*)gate_up, H, IE, k,
+             (const float*)nullptr, 0);
   if (T == 1) moe_gemv_down_launch<MOE_DOWN_SPLIT_ONE>(out, act, ids, weights, down, nullptr, 0, T, H, IE, k, stream);
   else moe_gemv_down_launch<1>(out, act, ids, weights, down, nullptr, 0, T, H, IE, k, stream);
   CUDA_CHECK(cudaGetLastError());
