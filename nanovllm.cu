@@ -5661,7 +5661,8 @@ static const int kFlashAttnRegistered = register_optimization(
      nullptr, {{"decode_rows_per_kv_group", 1}}});  // (attention_prefill_step: a mixed step's decode rows)
 
 // ==== 17. Small-batch gemv, 1: programmatic dependent launch ===============================================
-// defines: pdl_begin, pdl_trigger, gpu_cc_major, gpu_sm_count, launch_pdl, launch_pdl_cluster
+// defines: pdl_begin, pdl_trigger, gpu_cc_major, gpu_sm_count, gpu_resident_blocks, launch_pdl,
+//          launch_pdl_cluster
 //
 // The gemv chapter (sections 17-18) makes a batch-1 or -2 step's kernels small and quick; this first step is
 // how they are launched, section 18 the gemv itself. PDL is a step of this chapter, not a chapter of its own,
@@ -5725,6 +5726,14 @@ static int gpu_sm_count() {
     CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   }
   return sms;
+}
+// Thread blocks of `threads` threads and smem bytes of dynamic shared memory that the GPU holds at once: one
+// wave of a kernel's grid.
+template <class Kernel>
+static int64_t gpu_resident_blocks(Kernel kernel, int threads, size_t smem) {
+  int per_sm = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  return (int64_t)per_sm * gpu_sm_count();
 }
 
 // The kernels of Part II are launched through here: kernel<<<grid, block, smem, stream>>>(args...), plus
@@ -5916,12 +5925,7 @@ template <int M, GemvIn IN, bool ADD, int R>
 static int64_t gemv_resident_blocks(size_t smem) {
   static size_t asked = SIZE_MAX;
   static int64_t blocks = 0;
-  if (asked != smem) {
-    int per_sm = 0;
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<M, IN, ADD, R>, GEMV_WARPS * 32,
-                                                             smem));
-    blocks = (int64_t)per_sm * gpu_sm_count(), asked = smem;
-  }
+  if (asked != smem) blocks = gpu_resident_blocks(gemv_kernel<M, IN, ADD, R>, GEMV_WARPS * 32, smem), asked = smem;
   return blocks;
 }
 
@@ -6700,13 +6704,7 @@ static void ar_launch(Kernel kernel, const char* name, TPComm* comm, bf16* x, bf
   if (residual) check_aligned16(name, "residual", residual);
   INTERNAL_CHECK(max_blocks >= 1 && max_blocks <= AR_MAX_BLOCKS, "%s: %d blocks", name, max_blocks);
   const int64_t chunks = (int64_t)n / 8;
-  static const int sms = [] {  // (one GPU per process)
-    int dev = 0, n = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    return n;
-  }();
-  const int blocks = (int)std::min<int64_t>(std::min(max_blocks, sms), cdiv(chunks, AR_THREADS));
+  const int blocks = (int)std::min<int64_t>(std::min(max_blocks, gpu_sm_count()), cdiv(chunks, AR_THREADS));
   const OneShot* os = (const OneShot*)comm->fast;
   launch_pdl(kernel, blocks, AR_THREADS, 0, stream, x, residual, os->peers, os->epochs, chunks,
              ar_half_chunks(comm->size), region, comm->rank, comm->size);
@@ -7378,16 +7376,14 @@ void sample_fast(int* out_tokens, const float* logits, const SamplingSlot* slots
                  V);
   check_aligned16("sample_fast", "logits", logits);
   if (B == 0) return;
-  static int num_sms = 0;  // once per process (each tensor-parallel rank is its own process)
-  if (num_sms == 0) {
-    int dev;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev));
+  static bool opted_in = false;  // once per process (each tensor-parallel rank is its own process)
+  if (!opted_in) {
     CUDA_CHECK(cudaFuncSetAttribute(sample_radix_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)sizeof(SampleSmem)));
+    opted_in = true;
   }
   // Enough pieces to give every SM a thread block, but at least ~4 logits per thread per piece.
-  int splits = std::max(1, std::min(num_sms / B, SAMPLE_MAX_SPLITS));
+  int splits = std::max(1, std::min(gpu_sm_count() / B, SAMPLE_MAX_SPLITS));
   splits = std::max(1, std::min<int>(splits, (int)cdiv(V, 4 * SAMPLE_THREADS)));
   auto* partial = static_cast<unsigned long long*>(workspace);
   launch_pdl(sample_radix_kernel, dim3(splits, B), SAMPLE_THREADS, sizeof(SampleSmem), stream, partial, logits,
@@ -7503,14 +7499,8 @@ static void compute_logprobs_fast(TokenLogprobs* out, const float* logits, const
   INTERNAL_CHECK(workspace_bytes >= logprobs_workspace_bytes(B), "compute_logprobs_fast: workspace of %zu bytes, "
                  "need %zu", workspace_bytes, logprobs_workspace_bytes(B));
   if (B == 0) return;
-  static int num_sms = 0;
-  if (num_sms == 0) {
-    int dev;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev));
-  }
   // Enough pieces to give every SM a thread block, but at least ~4 logits per thread per piece.
-  int splits = std::max(1, std::min(num_sms / B, LOGPROB_MAX_SPLITS));
+  int splits = std::max(1, std::min(gpu_sm_count() / B, LOGPROB_MAX_SPLITS));
   splits = std::max(1, std::min<int>(splits, (int)cdiv(V, 4 * LOGPROB_THREADS)));
   auto* pieces = static_cast<LogprobPiece*>(workspace);
   launch_pdl(logprobs_split_kernel, dim3(splits, B), LOGPROB_THREADS, 0, stream, pieces, logits, tokens, slots, V);
@@ -8919,11 +8909,8 @@ static PersistentDecode persist_setup(Qwen3& model, int max_num_seqs, PersistFp8
   // NANOVLLM_ALLREDUCE=skip leaves every all-reduce out (timing only).
   const bool sums = tp > 1 && !model.comm->skip;
   const int calls = sums ? 2 * L + 1 : 0;
-  int dev = 0, cc = 0, sms = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&cc, cudaDevAttrComputeCapabilityMajor, dev));
-  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  if (cc < 8) return pd.off_reason = "needs sm_80 (cp.async)", pd;
+  const int sms = gpu_sm_count();
+  if (gpu_cc_major() < 8) return pd.off_reason = "needs sm_80 (cp.async)", pd;
   const int gqa = NH / NKV;
   if (NH % NKV || gqa > PERSIST_WARPS) return pd.off_reason = "needs at most 16 query heads per KV head", pd;
   if (H > PERSIST_THREADS * NORM_MAX_CHUNKS * 8) return pd.off_reason = "hidden size above its RMSNorm's", pd;
@@ -10159,12 +10146,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)
 
 // Tiles per thread block: the most of 4, 2, 1 that leave at least two thread blocks per SM.
 static int gemv_fp8_tiles(int N) {
-  static int sms = 0;
-  if (!sms) {
-    int dev = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  }
+  const int sms = gpu_sm_count();
   for (int tiles : {4, 2})
     if (N % (16 * tiles) == 0 && N / (16 * tiles) >= 2 * sms) return tiles;
   return 1;
@@ -11166,8 +11148,8 @@ static const int kLongestFirstRegistered = register_optimization(
 
 
 // ==== 33. A mixture of experts on tensor cores =============================================================
-// defines: fused_moe_rows_reference, fused_moe_reference, fused_moe_fp8_reference, fused_moe_kernel (33a: the
-//          long steps' tiles, fused_moe and the stage; sections 34-35: the small steps' gemv, the FP8 experts)
+// defines: fused_moe_rows_reference, fused_moe_reference, fused_moe_kernel (33a: the long steps' tiles,
+//          fused_moe and the stage; sections 34-35: the small steps' gemv, the FP8 experts)
 //
 // Replaces: in section 14's moe stage (section 10b's moe_mlp), the experts' products after the align:
 // moe_matmul for gate_up, silu_and_mul, moe_matmul for down, and moe_combine's multiply by the routing
@@ -11270,29 +11252,6 @@ static void fused_moe_reference(std::vector<float>& act, std::vector<float>& wy,
                            [&](float* y, const float* row, int e, bool gu) {
                              if (gu) linear_reference(y, row, gate_up + (size_t)e * 2 * IE * H, 1, 2 * IE, H);
                              else linear_reference(y, row, down + (size_t)e * H * IE, 1, H, IE);
-                           });
-}
-// What section 35's fused_moe_fp8 computes, on the CPU: the rows of the list as above, each expert's
-// products as fp8_linear_reference computes an FP8 product (the row quantized per 128 columns, the e4m3
-// products summed per block, scaled by s_x s_w). x [T, H], weights [T, k] (bf16 values as float); gate_up and
-// down section 35's stacked matrices, bytes and scales (ld: their scale rows' stride). w8a16: what 35's
-// moe_gemv_fp8 computes (the rows not quantized; the same roundings and sum, as moe_gemv's are fused_moe's).
-static void fused_moe_fp8_reference(std::vector<float>& act, std::vector<float>& wy, float* out, const float* x,
-                                    const std::vector<int>& rows, const std::vector<int>& tile_expert,
-                                    const std::vector<int>& pair_row, const int* ids, const float* weights,
-                                    const uint8_t* gate_up, const float* gate_up_scale, int gate_up_ld,
-                                    const uint8_t* down, const float* down_scale, int down_ld, int T, int H, int IE,
-                                    int k, bool w8a16 = false) {
-  fused_moe_rows_reference(act, wy, out, x, rows, tile_expert, pair_row, ids, weights, T, H, IE, k,
-                           [&](float* y, const float* row, int e, bool gu) {
-                             if (gu)
-                               fp8_linear_reference(y, row, gate_up + (size_t)e * 2 * IE * H,
-                                                    gate_up_scale + (size_t)e * 2 * IE / 128 * gate_up_ld,
-                                                    gate_up_ld, 1, 2 * IE, H, w8a16);
-                             else
-                               fp8_linear_reference(y, row, down + (size_t)e * H * IE,
-                                                    down_scale + (size_t)e * H / 128 * down_ld, down_ld, 1, H, IE,
-                                                    w8a16);
                            });
 }
 
@@ -12162,12 +12121,7 @@ static void moe_gemv(bf16* out, const bf16* x, const int* ids, const float* weig
   if (T == 0) return;
   // gate_up: the wider kernel where its grid fits on the GPU at once, else the narrower (above); a lane adds
   // its columns in the same order in both, so the bits are the same.
-  static const int64_t wide_fits = [] {
-    int per_sm = 0;
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, moe_gemv_gate_up_kernel<false>, GEMV_WARPS * 32,
-                                                             0));
-    return (int64_t)per_sm * gpu_sm_count();
-  }();
+  static const int64_t wide_fits = gpu_resident_blocks(moe_gemv_gate_up_kernel<false>, GEMV_WARPS * 32, 0);
   const dim3 grid((unsigned)cdiv(IE, GEMV_WARPS), (unsigned)(T * k));
   const auto gate_up_kernel = (int64_t)grid.x * grid.y <= wide_fits
                                   ? moe_gemv_gate_up_kernel<false>
@@ -12230,7 +12184,8 @@ static const int kMoeGemvRegistered = register_optimization(
      true, apply_moe_gemv});
 
 // ==== 35. A mixture of experts, 3: FP8 experts =============================================================
-// defines: fused_moe_fp8_products, fused_moe_fp8, moe_gemv_fp8, fp8_moe_stage; switch fp8_moe
+// defines: fused_moe_fp8_reference, fused_moe_fp8_products, fused_moe_fp8, moe_gemv_fp8, fp8_moe_stage; switch
+//          fp8_moe
 //
 // An FP8 checkpoint's experts on the FP8 tensor cores (switch fp8_moe).
 // Replaces: for a MoE model whose weights sections 28-30 hold in FP8 (Qwen/Qwen3-30B-A3B-FP8, or a bf16 MoE
@@ -12250,8 +12205,8 @@ static const int kMoeGemvRegistered = register_optimization(
 // The arithmetic: section 28's steps 2 and 3 for both of an expert's products, as fp8_weights computes a
 // dense MLP's: x (the normed rows) quantized per token and 128 columns, gate and up each rounded to bf16,
 // act = bf16(SiLU(gate) * up), act quantized per row and 128 columns, y = bf16(the down product); then
-// section 33's bf16(y * w) and the sum in bf16 in ascending expert id. fused_moe_fp8_reference (placed with
-// fused_moe_reference, before the kernels) is the CPU's account.
+// section 33's bf16(y * w) and the sum in bf16 in ascending expert id. fused_moe_fp8_reference (below) is the
+// CPU's account.
 // The work, six launches a layer after the routing: quantize_rows (x), moe_align, fused_moe_kernel<true,
 // true> (act in bf16; at long steps fused_moe_wide_kernel<true, true>, section 33's 64-row tiles), quantize_rows
 // (act, into the bytes of the moe_gate_up buffer, which the fused path leaves unused), fused_moe_kernel<false,
@@ -12271,6 +12226,31 @@ static const int kMoeGemvRegistered = register_optimization(
 // no use for the FP8 tensor cores' 16 x 8 tiles; converting each weight costs instructions, and at 1-4 tokens
 // what bounds the step is the weights' bytes and the kernels' boundaries, not instructions.
 // Preconditions: the FP8 chapter's (H and IE / tp multiples of 128, a Hopper GPU). Switch: fp8_moe.
+
+// What fused_moe_fp8 (below) computes, on the CPU: the rows of the list as fused_moe_reference (section 33),
+// each expert's products as fp8_linear_reference computes an FP8 product (the row quantized per 128 columns,
+// the e4m3 products summed per block, scaled by s_x s_w). x [T, H], weights [T, k] (bf16 values as float);
+// gate_up and down this section's stacked matrices, bytes and scales (ld: their scale rows' stride). w8a16:
+// what moe_gemv_fp8 computes (the rows not quantized; the same roundings and sum, as moe_gemv's are
+// fused_moe's).
+static void fused_moe_fp8_reference(std::vector<float>& act, std::vector<float>& wy, float* out, const float* x,
+                                    const std::vector<int>& rows, const std::vector<int>& tile_expert,
+                                    const std::vector<int>& pair_row, const int* ids, const float* weights,
+                                    const uint8_t* gate_up, const float* gate_up_scale, int gate_up_ld,
+                                    const uint8_t* down, const float* down_scale, int down_ld, int T, int H, int IE,
+                                    int k, bool w8a16 = false) {
+  fused_moe_rows_reference(act, wy, out, x, rows, tile_expert, pair_row, ids, weights, T, H, IE, k,
+                           [&](float* y, const float* row, int e, bool gu) {
+                             if (gu)
+                               fp8_linear_reference(y, row, gate_up + (size_t)e * 2 * IE * H,
+                                                    gate_up_scale + (size_t)e * 2 * IE / 128 * gate_up_ld,
+                                                    gate_up_ld, 1, 2 * IE, H, w8a16);
+                             else
+                               fp8_linear_reference(y, row, down + (size_t)e * H * IE,
+                                                    down_scale + (size_t)e * H / 128 * down_ld, down_ld, 1, H, IE,
+                                                    w8a16);
+                           });
+}
 
 // GATE_UP: out = act [RM, IE] from a = x quantized (xq [T4, H], xs [H/128, T4]) and W = experts_gate_up (N =
 // 2 IE rows an expert, K = H); down: out = y [RM, H] from a = act quantized ([RM, IE], [IE/128, RM]) and W =
