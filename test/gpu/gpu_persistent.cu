@@ -756,8 +756,9 @@ TEST(persistent_attention_matches_section8) {
 // per layer qkv, attention, o, gate_up, down; the LM head) over this model's own weights and norms; a gemv's
 // groups cover its outputs exactly (16 rows, gate_up 8 pairs) and it counts done once per thread block that
 // has a group, which is what the next operation waits for; attention counts once per (sequence, KV head);
-// the synchronisation buffer holds the counters and the tickets; one thread block per SM, the shared memory
-// within the GPU's limit, 1 to 64 partitions. And under tensor parallelism no plans, with the reason.
+// the synchronisation buffer holds the counters, the tickets and the finished flag (read at TP > 1); one
+// thread block per SM, the shared memory within the GPU's limit, 1 to 64 partitions. And under tensor
+// parallelism no plans, with the reason.
 static void plan_case(const std::string& shape, int P) {
   TestModel t(shape, P, 1024, 64);
   const ModelConfig& c = t.m.cfg;
@@ -775,7 +776,7 @@ static void plan_case(const std::string& shape, int P) {
               "%s B=%d: grid %d (SMs %d), shared memory %zu (limit %d), partitions %d", shape.c_str(), B, p.grid,
               sms, p.smem, smem_max, p.parts);
     CHECK_EQ(p.ops.size(), (size_t)(2 + 5 * L));
-    CHECK_EQ(p.sync_bytes, (p.ops.size() + (size_t)L * B * NKV) * sizeof(int));
+    CHECK_EQ(p.sync_bytes, (p.ops.size() + (size_t)L * B * NKV + 1) * sizeof(int));
     if (p.ops.size() != (size_t)(2 + 5 * L)) continue;
     struct Want { int kind, layer; const bf16 *W, *norm_w; int N, K; };
     std::vector<Want> want = {{PERSIST_EMBED, 0, nullptr, nullptr, 0, 0}};
