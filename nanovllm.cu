@@ -9367,8 +9367,8 @@ static const int kPersistentRegistered = register_optimization(
      persist_note});
 
 // ==== 28. FP8 weights, 1: the format on the GPU, loading it, quantizing a bf16 checkpoint =================
-// defines: e4m3_from_float, Fp8Matrix, Fp8Layer, Fp8Weights, g_fp8_weights, fp8_weights_problem,
-//          quantize_weight_reference, quantize_weight_kernel, quantize_weight, fp8_matrix_rows,
+// defines: e4m3_from_float, Fp8Matrix, Fp8Layer, Fp8Weights, g_fp8_weights, fp8_weights_shape_problem,
+//          fp8_weights_problem, quantize_weight_reference, quantize_weight_kernel, quantize_weight, fp8_matrix_rows,
 //          fp8_load_weights (sections 29-30: the products, the stages, the switches fp8_weights and fp8_gemv,
 //          --quantization fp8)
 //
@@ -9462,20 +9462,10 @@ struct Fp8Weights {
 };
 static Fp8Weights g_fp8_weights;
 
-// Why this chapter cannot hold model `mc`'s linear weights on this GPU with `tp` ranks, or "" when it can.
-static std::string fp8_weights_problem(const ModelConfig& mc, int tp) {
-  if (mc.num_experts > 0 && !g_opt.fp8_moe)
-    return "a MoE model's experts are multiplied in FP8 by section 35 (switch fp8_moe), which this run switches off";
+// Why model `mc`'s linear weights cannot be held in this chapter's blocks with `tp` ranks, whatever the GPU,
+// or "" when they can: its widths, and the linears a checkpoint keeps in bf16. Asks nothing of the GPU.
+static std::string fp8_weights_shape_problem(const ModelConfig& mc, int tp) {
   char buf[320];
-  const int major = gpu_cc_major();
-  if (major != 9) {
-    snprintf(buf, sizeof buf, "cuBLASLt's block-scaled FP8 products need a Hopper GPU (sm_90), this one is sm_%d0",
-             major);
-    return buf;
-  }
-#if CUBLAS_VERSION < 120900
-  return "cuBLASLt before 12.9 has no block-scaled FP8 products";
-#endif
   // The widths split across ranks: the dense MLP's (where the model has dense layers) and the experts'.
   const bool dense = mc.num_moe_layers() < mc.num_hidden_layers, moe = mc.num_moe_layers() > 0;
   auto whole_blocks = [&](int n) {
@@ -9500,6 +9490,23 @@ static std::string fp8_weights_problem(const ModelConfig& mc, int tp) {
           t.name.find(".mlp.gate.weight") == std::string::npos)  // (a MoE router is never quantized: section 6a)
         return "modules_to_not_convert keeps " + t.name + " in bf16";
   return "";
+}
+// Why this chapter cannot hold model `mc`'s linear weights on this GPU with `tp` ranks, or "" when it can: the
+// switches, then the GPU and cuBLASLt, then the shape rules above.
+static std::string fp8_weights_problem(const ModelConfig& mc, int tp) {
+  if (mc.num_experts > 0 && !g_opt.fp8_moe)
+    return "a MoE model's experts are multiplied in FP8 by section 35 (switch fp8_moe), which this run switches off";
+  const int major = gpu_cc_major();
+  if (major != 9) {
+    char buf[160];
+    snprintf(buf, sizeof buf, "cuBLASLt's block-scaled FP8 products need a Hopper GPU (sm_90), this one is sm_%d0",
+             major);
+    return buf;
+  }
+#if CUBLAS_VERSION < 120900
+  return "cuBLASLt before 12.9 has no block-scaled FP8 products";
+#endif
+  return fp8_weights_shape_problem(mc, tp);
 }
 
 // What quantize_weight_kernel computes, on the CPU: block (bi, bj) of a bf16 weight w [N, K] (N, K multiples

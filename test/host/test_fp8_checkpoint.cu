@@ -9,7 +9,8 @@
 //     written here (each way an FP8 checkpoint can be wrong);
 //   sections 28-30 (switch fp8_weights): e4m3_from_float against cuda_fp8.h's __nv_cvt_float_to_fp8,
 //     quantize_weight_reference, quantize_rows_reference, fp8_linear_reference against a direct product of
-//     dequantized values, and fp8_weights_problem (it asks the GPU its architecture: skipped without one).
+//     dequantized values, fp8_weights_shape_problem (the rules on a model's widths and kept linears), and
+//     fp8_weights_problem (it asks the GPU its architecture first: skipped without one).
 // The GPU kernels against these references: test/gpu/gpu_gemm.cu.
 #define NANOVLLM_TESTING
 #include "../../nanovllm.cu"
@@ -960,7 +961,8 @@ TEST(fp8_linear_reference_matches_direct_product) {
   }
 }
 
-// fp8_weights_problem asks the GPU its architecture (gpu_cc_major): without one these cases are skipped.
+// fp8_weights_problem asks the GPU its architecture (gpu_cc_major): without one the cases that call it, and
+// the loader's, are skipped; fp8_weights_shape_problem's asks nothing of the GPU.
 static bool gpu_visible() {
   int n = 0;
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
@@ -991,30 +993,36 @@ static std::string fp8_weights_unreachable() {
 }
 
 TEST(fp8_weights_problem_messages) {
-  const std::string why = fp8_weights_unreachable();
-  if (!why.empty()) SKIP("%s", why.c_str());
-  for (int tp : {1, 2, 4, 8}) CHECK_EQ(fp8_weights_problem(shape_config(1024, 3072), tp), std::string(""));
-  CHECK_EQ(fp8_weights_problem(shape_config(2560, 9728), 4), std::string(""));
-  CHECK_EQ(fp8_weights_problem(shape_config(2560, 9728), 8),  // Qwen3-4B at --tp 8: 1216 columns a rank
+  for (int tp : {1, 2, 4, 8}) CHECK_EQ(fp8_weights_shape_problem(shape_config(1024, 3072), tp), std::string(""));
+  CHECK_EQ(fp8_weights_shape_problem(shape_config(2560, 9728), 4), std::string(""));
+  CHECK_EQ(fp8_weights_shape_problem(shape_config(2560, 9728), 8),  // Qwen3-4B at --tp 8: 1216 columns a rank
            std::string("hidden_size 2560 and intermediate_size / tp = 1216 must be multiples of 128 for 128 x 128 "
                        "blocks to fuse and split; it splits so at --tensor-parallel-size 1, 2, 4"));
-  CHECK(fp8_weights_problem(shape_config(200, 264), 1).find("hidden_size 200 and intermediate_size / tp = 264 "
-                                                            "must be multiples of 128") != std::string::npos);
-  CHECK(fp8_weights_problem(shape_config(1000, 3072), 1).find("hidden_size 1000") != std::string::npos);
-  CHECK_EQ(fp8_weights_problem(shape_config(1024, 3072, {"lm_head"}), 1), std::string(""));
-  CHECK_EQ(fp8_weights_problem(shape_config(1024, 3072, {"model.layers.3.mlp.down_proj"}), 1),
+  CHECK(fp8_weights_shape_problem(shape_config(200, 264), 1).find("hidden_size 200 and intermediate_size / tp = "
+                                                                  "264 must be multiples of 128") != std::string::npos);
+  CHECK(fp8_weights_shape_problem(shape_config(1000, 3072), 1).find("hidden_size 1000") != std::string::npos);
+  CHECK_EQ(fp8_weights_shape_problem(shape_config(1024, 3072, {"lm_head"}), 1), std::string(""));
+  CHECK_EQ(fp8_weights_shape_problem(shape_config(1024, 3072, {"model.layers.3.mlp.down_proj"}), 1),
            std::string("modules_to_not_convert keeps model.layers.3.mlp.down_proj.weight in bf16"));
-  CHECK_EQ(fp8_weights_problem(shape_config(1024, 3072, {"lm_head", "o_proj"}), 1),
+  CHECK_EQ(fp8_weights_shape_problem(shape_config(1024, 3072, {"lm_head", "o_proj"}), 1),
            std::string("modules_to_not_convert keeps model.layers.0.self_attn.o_proj.weight in bf16"));
+}
+
+// On a GPU the chapter can use, fp8_weights_problem's answer is the shape rules' (elsewhere
+// fp8_weights_unreachable has checked that it names the GPU or cuBLASLt first).
+TEST(fp8_weights_problem_is_the_shape_rules_on_hopper) {
+  const std::string why = fp8_weights_unreachable();
+  if (!why.empty()) SKIP("%s", why.c_str());
+  for (const ModelConfig& m : {shape_config(1024, 3072), shape_config(2560, 9728), shape_config(200, 264),
+                               shape_config(1024, 3072, {"lm_head", "o_proj"})})
+    for (int tp : {1, 2, 4, 8}) CHECK_EQ(fp8_weights_problem(m, tp), fp8_weights_shape_problem(m, tp));
 }
 
 // The chapter fuses and loads every layer linear as e4m3 with its scales; a linear that the checkpoint keeps
 // in bf16 (kept_unquantized: any entry of modules_to_not_convert that is part of its name) has no scales to
-// load, so whenever checkpoint_tensors lists a layer linear as plain, fp8_weights_problem must say why the
-// chapter stands aside (section 6a then loads the checkpoint).
+// load, so whenever checkpoint_tensors lists a layer linear as plain, fp8_weights_shape_problem (and so
+// fp8_weights_problem) must say why the chapter stands aside (section 6a then loads the checkpoint).
 TEST(fp8_weights_stands_aside_when_a_layer_linear_is_kept) {
-  const std::string why = fp8_weights_unreachable();
-  if (!why.empty()) SKIP("%s", why.c_str());
   for (const char* entry : {"model.layers.0.mlp.down_proj", "down_proj", "model.layers", "mlp", "self_attn",
                             "gate", "model.layers.1.mlp", "model"}) {
     ModelConfig m = shape_config(1024, 3072, {"lm_head", entry});
@@ -1022,11 +1030,11 @@ TEST(fp8_weights_stands_aside_when_a_layer_linear_is_kept) {
     for (const TensorSpec& s : checkpoint_tensors(m))
       kept |= s.stored == Stored::plain && s.shape.size() == 2 && s.name.find(".layers.") != std::string::npos;
     CHECK_MSG(kept, "'%s' keeps no layer linear", entry);
-    CHECK_MSG(!fp8_weights_problem(m, 1).empty(),
-              "modules_to_not_convert [\"lm_head\", \"%s\"] keeps layer linears in bf16, but fp8_weights_problem "
-              "says the chapter can hold the model", entry);
+    CHECK_MSG(!fp8_weights_shape_problem(m, 1).empty(),
+              "modules_to_not_convert [\"lm_head\", \"%s\"] keeps layer linears in bf16, but "
+              "fp8_weights_shape_problem says the chapter can hold the model", entry);
   }
-  CHECK_EQ(fp8_weights_problem(shape_config(1024, 3072, {"lm_head", "visual"}), 1), std::string(""));
+  CHECK_EQ(fp8_weights_shape_problem(shape_config(1024, 3072, {"lm_head", "visual"}), 1), std::string(""));
 }
 
 // Section 28's loader on the GPU (skipped without a Hopper GPU): a written FP8 checkpoint (H 256, I 512, two
