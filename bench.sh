@@ -15,6 +15,10 @@
 #                                     from a repeated block, so the router spreads tokens over the experts;
 #                                     30b-a3b-fp8 writes it as Qwen3-30B-A3B-FP8 is (--fp8 bf16: every layer
 #                                     linear and expert e4m3 with its block scales, the routers bf16; 31 GB)
+#   ./bench.sh --random 235b-a22b     Qwen3-235B-A22B's widths (H 4096, 64/4 heads, 128 experts top-8 of
+#                                     intermediate 1536) at 8 of its 94 layers, written the same way: 42 GB, so
+#                                     that one 80 GB GPU holds it and a KV cache (5 GB a layer; the whole model
+#                                     is 470 GB); 235b-a22b-fp8 as Qwen3-235B-A22B-FP8 is written (22 GB)
 # Options: --nanovllm PATH (default ./nanovllm), --log-dir DIR (default build/bench-logs),
 #          --only throughput|latency|prefill (one measure; --only model just makes the --random checkpoint),
 #          --tp N (tensor parallelism on N GPUs; the roofline is then N GPUs' bandwidth and GEMM rate),
@@ -80,19 +84,27 @@ while [ $# -gt 0 ]; do
 done
 mkdir -p "$LOG_DIR"
 if [ -n "$RANDOM_SHAPE" ]; then
-  case $RANDOM_SHAPE in 0.6b|8b|32b|0.6b-fp8|8b-fp8|32b-fp8|30b-a3b|30b-a3b-fp8) ;;
+  case $RANDOM_SHAPE in 0.6b|8b|32b|0.6b-fp8|8b-fp8|32b-fp8|30b-a3b|30b-a3b-fp8|235b-a22b|235b-a22b-fp8) ;;
     *) echo "bench.sh: --random takes 0.6b, 8b or 32b, or one of them with -fp8 (an FP8 checkpoint), or" \
-            "30b-a3b (Qwen3-30B-A3B's mixture of experts), or 30b-a3b-fp8" >&2; exit 1 ;;
+            "30b-a3b or 235b-a22b (Qwen3's mixtures of experts; the 235B at 8 of its layers), or one of" \
+            "them with -fp8" >&2; exit 1 ;;
   esac
   MODEL=build/bench-$RANDOM_SHAPE
-  if [ "${RANDOM_SHAPE%-fp8}" = 30b-a3b ] && [ ! -f "$MODEL/config.json" ]; then
+  case ${RANDOM_SHAPE%-fp8} in  # the MoE shapes: H, dense intermediate, layers, heads, expert intermediate
+    30b-a3b) MOE_SHAPE=(2048 6144 48 32 768) ;;
+    235b-a22b) MOE_SHAPE=(4096 12288 8 64 1536) ;;
+    *) MOE_SHAPE=() ;;
+  esac
+  if [ ${#MOE_SHAPE[@]} -gt 0 ] && [ ! -f "$MODEL/config.json" ]; then
     TOK=${TOKENIZER_DIR:-$(bash tools/fetch_tokenizer.sh | tail -n1)}
-    FP8_ARGS=(); [ "$RANDOM_SHAPE" = 30b-a3b ] || FP8_ARGS=(--fp8 bf16)
-    python3 test/ref/make_tiny_checkpoint.py "$MODEL.partial" --moe --random --shards "${FP8_ARGS[@]}" --set hidden_size=2048 \
-      --set intermediate_size=6144 --set num_hidden_layers=48 --set num_attention_heads=32 \
+    FP8_ARGS=(); [ "$RANDOM_SHAPE" = "${RANDOM_SHAPE%-fp8}" ] || FP8_ARGS=(--fp8 bf16)
+    python3 test/ref/make_tiny_checkpoint.py "$MODEL.partial" --moe --random --shards "${FP8_ARGS[@]}" \
+      --set hidden_size="${MOE_SHAPE[0]}" --set intermediate_size="${MOE_SHAPE[1]}" \
+      --set num_hidden_layers="${MOE_SHAPE[2]}" --set num_attention_heads="${MOE_SHAPE[3]}" \
       --set num_key_value_heads=4 --set head_dim=128 --set vocab_size=151936 --set max_position_embeddings=40960 \
       --set tie_word_embeddings=false --set num_experts=128 --set num_experts_per_tok=8 \
-      --set moe_intermediate_size=768 --set norm_topk_prob=true --set decoder_sparse_step=1 --set 'mlp_only_layers=[]'
+      --set moe_intermediate_size="${MOE_SHAPE[4]}" --set norm_topk_prob=true --set decoder_sparse_step=1 \
+      --set 'mlp_only_layers=[]'
     for f in tokenizer.json tokenizer_config.json; do [ ! -f "$TOK/$f" ] || cp "$TOK/$f" "$MODEL.partial/"; done
     mv "$MODEL.partial" "$MODEL"  # (only a finished folder has the name: an interrupted write starts over)
   fi
